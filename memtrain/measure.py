@@ -1,0 +1,243 @@
+"""Exact memory measurement of a training step: what autograd saves, what the model state holds.
+
+Activations are counted with ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves for
+backward passes through the hook, and is counted once per storage (views and tensors saved twice count once).
+Parameters and buffers that ops save (a Linear saves its weight) are model state, not activations, and are left
+out. This works on any device, the CPU included, so it is the figure CI checks. On CUDA the meter also reads the
+caching allocator: the peak over the step and the bytes allocated at each phase boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from memtrain.errors import MemtrainError
+from memtrain.report import MemoryReport
+
+# Meters that are counting right now. Selective checkpointing keeps some op outputs outside autograd's
+# saved-tensor path; it reports them here through ``note_saved`` so that they are counted too.
+_ACTIVE_METERS: list[MemoryMeter] = []
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """Identity of the storage behind ``t`` (the StorageImpl), valid on every device including meta."""
+    try:
+        storage = t.untyped_storage()
+        return storage._cdata, storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        # Tensor subclasses without a storage of their own (e.g. wrapper subclasses) count by identity.
+        return id(t), t.numel() * t.element_size()
+
+
+def _tensor_storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    keys: dict[int, int] = {}
+    for t in tensors:
+        key, nbytes = _storage_key(t)
+        keys.setdefault(key, nbytes)
+    return keys
+
+
+def note_saved(obj: Any) -> None:
+    """Counts tensors that are kept for backward outside autograd's saved-tensor hooks (internal)."""
+    for meter in _ACTIVE_METERS:
+        for t in tree_leaves(obj):
+            if isinstance(t, torch.Tensor):
+                meter._count(t)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of every tensor held in ``optimizer.state``, each storage once (host-resident state included)."""
+    if optimizer is None:
+        return 0
+    tensors = [v for state in optimizer.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)]
+    return sum(_tensor_storage_keys(tensors).values())
+
+
+class MemoryMeter:
+    """Counts the exact bytes of a training step: parameters, gradients, optimizer state, saved activations.
+
+    Use it as a context around forward and backward; call ``mark(phase)`` at phase boundaries (on CUDA it records
+    the allocated bytes there) and ``report()`` afterwards.
+
+    Args:
+        model: the model being trained; its parameters and buffers are model state, never activations. Without
+            it, leaf tensors that require grad (and views of them) are treated as parameters.
+        optimizer: counted for optimizer-state bytes, if given.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 3)
+        >>> with MemoryMeter(model) as meter:
+        ...     model(torch.randn(2, 4)).sum().backward()
+        >>> meter.report().activation_bytes  # the saved input: 2 x 4 x 4 bytes
+        32
+    """
+
+    def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self._state_keys: dict[int, int] = {}
+        self._saved: dict[int, int] = {}
+        self._phases: list[tuple[str, int, int]] = []  # (phase, allocated, running max) on CUDA
+        self._gradient_bytes: int | None = None
+        self._hooks: contextlib.AbstractContextManager | None = None
+        self._cuda = False
+        self._device = "cpu"
+
+    # -- counting ---------------------------------------------------------------------------------------
+    def _is_model_state(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter):
+            return True
+        if self.model is not None:
+            return _storage_key(t)[0] in self._state_keys
+        base = t if t._base is None else t._base
+        return base.is_leaf and base.requires_grad
+
+    def _count(self, t: torch.Tensor) -> None:
+        if self._is_model_state(t):
+            return
+        key, nbytes = _storage_key(t)
+        self._saved.setdefault(key, nbytes)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t)
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # -- context ----------------------------------------------------------------------------------------
+    def __enter__(self) -> MemoryMeter:
+        if self.model is not None:
+            state = [*self.model.parameters(), *self.model.buffers()]
+            self._state_keys = _tensor_storage_keys(state)
+            devices = {t.device for t in state}
+            self._device = str(next(iter(devices))) if len(devices) == 1 else ", ".join(sorted(map(str, devices)))
+            self._cuda = any(d.type == "cuda" for d in devices)
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._cuda, self._device = True, "cuda"
+        if self._cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self._saved.clear()
+        self._phases.clear()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        _ACTIVE_METERS.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE_METERS.remove(self)
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        if self._cuda:
+            self.mark("end")
+
+    def mark(self, phase: str) -> None:
+        """Records a phase boundary ("forward", "backward", "step"). Gradients are counted at "backward"."""
+        if phase == "backward":
+            self._gradient_bytes = self._current_gradient_bytes()
+        if self._cuda:
+            torch.cuda.synchronize()
+            self._phases.append((phase, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+
+    # -- results ----------------------------------------------------------------------------------------
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes saved for backward so far, each storage once."""
+        return sum(self._saved.values())
+
+    def _current_gradient_bytes(self) -> int:
+        if self.model is None:
+            return 0
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return sum(_tensor_storage_keys(grads).values())
+
+    def report(self) -> MemoryReport:
+        """The breakdown of what was measured, as a frozen ``MemoryReport``."""
+        parameter_bytes = 0
+        if self.model is not None:
+            parameter_bytes = sum(_tensor_storage_keys(self.model.parameters()).values())
+        gradient_bytes = self._gradient_bytes if self._gradient_bytes is not None else self._current_gradient_bytes()
+        peak_bytes = peak_phase = None
+        phase_bytes: tuple[tuple[str, int], ...] = ()
+        if self._phases:
+            peak_bytes = self._phases[-1][2]
+            # The peak happened in the first phase whose running maximum already reached it.
+            peak_phase = next(name for name, _, running in self._phases if running == peak_bytes)
+            phase_bytes = tuple((name, allocated) for name, allocated, _ in self._phases if name != "end")
+        return MemoryReport(
+            parameter_bytes=parameter_bytes,
+            gradient_bytes=gradient_bytes,
+            optimizer_state_bytes=optimizer_state_bytes(self.optimizer),
+            activation_bytes=self.activation_bytes,
+            activation_tensors=len(self._saved),
+            device=self._device,
+            source="measured",
+            peak_bytes=peak_bytes,
+            peak_phase=peak_phase,
+            phase_bytes=phase_bytes,
+        )
+
+
+def _as_loss(out: Any) -> torch.Tensor:
+    """The scalar to call backward on: a scalar output, an output's ``.loss``, or the sum of a tensor output."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, torch.Tensor):
+        # A non-scalar output stands in for a loss whose gradient is all ones: same saved tensors.
+        return out if out.dim() == 0 else out.float().sum()
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return _as_loss(out[0])
+    raise MemtrainError(
+        f"measure: fn returned {type(out).__name__}, which is not a tensor or an object with a .loss tensor. "
+        "To resolve this error, make fn return the loss (or the model output) as a tensor."
+    )
+
+
+def measure(
+    fn: Callable[..., Any],
+    *args: Any,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    **kwargs: Any,
+) -> MemoryReport:
+    """Runs one forward and backward of ``fn(*args, **kwargs)`` (and an optimizer step) and reports its bytes.
+
+    The loss is ``fn``'s output when it is a scalar, its ``.loss`` (Hugging Face outputs), or the sum of a
+    tensor output.
+
+    Args:
+        fn: the model, or a function running forward and returning the loss or output.
+        *args, **kwargs: passed to ``fn``.
+        model: whose parameters and buffers are model state; defaults to ``fn`` when it is a module.
+        optimizer: when given, ``optimizer.step()`` runs after backward and its state is counted.
+
+    Returns:
+        A ``MemoryReport``; on CUDA with the allocator peak and phase bytes (forward, backward, step).
+
+    Example:
+        >>> layer = torch.nn.Linear(16, 8)
+        >>> measure(layer, torch.randn(4, 16)).activation_bytes  # 4 x 16 x 4 bytes of saved input
+        256
+    """
+    if model is None and isinstance(fn, nn.Module):
+        model = fn
+    with MemoryMeter(model, optimizer) as meter:
+        loss = _as_loss(fn(*args, **kwargs))
+        meter.mark("forward")
+        loss.backward()
+        meter.mark("backward")
+        if optimizer is not None:
+            optimizer.step()
+            meter.mark("step")
+    return meter.report()
+

@@ -1,0 +1,120 @@
+"""Frozen results: ``MemoryReport`` (what a step holds, in bytes) and the one byte-formatting helper.
+
+Bytes are integers everywhere inside memtrain; GiB appear only at the edges, through ``format_bytes`` and
+``parse_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from memtrain.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def format_bytes(n: int | None) -> str:
+    """Formats a byte count for people: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n} B"
+
+
+def parse_bytes(text: str) -> int:
+    """Parses a size such as ``24GiB``, ``1.5 GB`` or ``4096`` into bytes (GiB = 2**30, GB = 10**9).
+
+    Raises:
+        ConfigError: the text is not a size.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"{text!r} is not a size. To resolve this error, write a number with a unit, e.g. 24GiB, 512MiB or 8GB."
+        )
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ConfigError(f"size {text!r} must be positive. To resolve this error, pass e.g. 24GiB.")
+    return int(value)
+
+
+Source = Literal["measured", "estimated"]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What one training step holds, per category, in bytes.
+
+    ``activation_bytes`` counts the tensors autograd saved for backward, each storage once (views and tensors
+    saved twice count once); parameters and buffers that ops save are model state, not activations.
+    ``peak_bytes`` is the device allocator's peak (CUDA) or a prediction (``source == "estimated"``); it is
+    ``None`` where nothing can measure it (a CPU run).
+    """
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int
+    activation_tensors: int = 0
+    device: str = "cpu"
+    source: Source = "measured"
+    peak_bytes: int | None = None
+    peak_phase: str | None = None
+    phase_bytes: tuple[tuple[str, int], ...] = ()
+    host_bytes: int = 0
+    assumptions: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Model state + saved activations: a lower bound on the peak (temporaries come on top)."""
+        return self.model_state_bytes + self.activation_bytes
+
+    def replace(self, **changes: Any) -> MemoryReport:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["phase_bytes"] = dict(self.phase_bytes)
+        out["assumptions"] = list(self.assumptions)
+        out["model_state_bytes"] = self.model_state_bytes
+        out["total_bytes"] = self.total_bytes
+        return out
+
+    def summary(self) -> str:
+        """A table of the breakdown, returned (not printed)."""
+        rows = [
+            ("parameters", self.parameter_bytes),
+            ("gradients", self.gradient_bytes),
+            ("optimizer state", self.optimizer_state_bytes),
+            (f"activations ({self.activation_tensors} tensors)", self.activation_bytes),
+            ("total (model state + activations)", self.total_bytes),
+        ]
+        if self.peak_bytes is not None:
+            where = f" at {self.peak_phase}" if self.peak_phase else ""
+            rows.append((f"{self.device} peak{where}", self.peak_bytes))
+        rows += [(f"allocated after {phase}", n) for phase, n in self.phase_bytes]
+        if self.host_bytes:
+            rows.append(("host (CPU) memory", self.host_bytes))
+        width = max(len(name) for name, _ in rows)
+        lines = [f"memory report ({self.source}, {self.device})"]
+        lines += [f"  {name:<{width}}  {format_bytes(n):>12}" for name, n in rows]
+        lines += [f"  assumes: {a}" for a in self.assumptions]
+        return "\n".join(lines)
