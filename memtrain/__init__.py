@@ -1,6 +1,11 @@
 """memtrain: make a PyTorch model fit a memory budget at the least possible slowdown."""
 
-from memtrain.checkpointing import SelectivePolicy, apply_checkpointing, checkpoint_sequential, remove_checkpointing
+from memtrain.checkpointing import (
+    SelectivePolicy,
+    apply_checkpointing,
+    checkpoint_sequential,
+    remove_checkpointing,
+)
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import MemoryMeter, measure
 from memtrain.report import MemoryReport, format_bytes, parse_bytes

@@ -192,7 +192,9 @@ def _auto_blocks(model: nn.Module) -> list[str]:
 
     visit("", model)
     if found:
-        return found
+        # Blocks of the same kind outside such a container count too (ResNet: a stage holding one block).
+        kinds = {type(modules[name]) for modules in [dict(model.named_modules())] for name in found}
+        return _outermost([name for name, m in model.named_modules() if name and type(m) in kinds])
     # No container of repeated blocks: fall back to the composite module class that repeats most often
     # (e.g. ResNet stages of one BasicBlock each).
     counts: dict[type, list[str]] = {}
@@ -278,7 +280,10 @@ def _check_model(model: nn.Module, problems: list[str]) -> None:
             "recompute them twice. To resolve this error, build the model without checkpoint_wrapper and let "
             "apply_checkpointing choose the blocks."
         )
-    if getattr(model, "is_gradient_checkpointing", False):
+    hf_flag = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5; older: is_gradient_checkpointing
+    if hf_flag is None:
+        hf_flag = getattr(model, "is_gradient_checkpointing", False)
+    if hf_flag:
         problems.append(
             f"{type(model).__name__} has Hugging Face gradient checkpointing enabled; both together would "
             "recompute every block twice. To resolve this error, call model.gradient_checkpointing_disable() "

@@ -1,0 +1,321 @@
+"""Checkpointing: parity first (bitwise, fp32, CPU), then the bytes it saves, then bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memtrain import (
+    ConfigError,
+    MemtrainError,
+    apply_checkpointing,
+    checkpoint_sequential,
+    measure,
+    remove_checkpointing,
+)
+from memtrain.checkpointing import checkpointed_blocks
+from memtrain.models import GPT, GPTConfig, ResNet
+
+
+def assert_grads_equal(a: nn.Module, b: nn.Module) -> None:
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert pa.grad is not None and pb.grad is not None, name
+        diff = (pa.grad - pb.grad).abs().max().item()
+        assert torch.equal(pa.grad, pb.grad), f"{name}: gradients differ, max abs diff {diff:.3e}"
+
+
+def assert_buffers_equal(a: nn.Module, b: nn.Module) -> None:
+    for (name, ba), (_, bb) in zip(a.named_buffers(), b.named_buffers(), strict=True):
+        assert torch.equal(ba, bb), f"buffer {name} differs: {ba.flatten()[:4]} vs {bb.flatten()[:4]}"
+
+
+def run_twice(model: nn.Module, step, **checkpoint_kwargs) -> tuple[nn.Module, nn.Module, object, object]:
+    """The same seeded step on a plain copy and a checkpointed copy; returns both models and their reports."""
+    plain, wrapped = model, copy.deepcopy(model)
+    apply_checkpointing(wrapped, **checkpoint_kwargs)
+    torch.manual_seed(1234)
+    plain_report = measure(lambda: step(plain), model=plain)
+    torch.manual_seed(1234)
+    wrapped_report = measure(lambda: step(wrapped), model=wrapped)
+    return plain, wrapped, plain_report, wrapped_report
+
+
+def gpt(n_layer: int = 8, dropout: float = 0.1) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=128, seq_len=64, dropout=dropout))
+
+
+def gpt_step(model: GPT) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 256, (4, 64), generator=g)
+    return model(x, torch.roll(x, -1, dims=1))
+
+
+# -- parity -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [{}, {"every": 2}, {"selective": ("matmul", "attention")}],
+                         ids=["all", "every2", "selective"])
+def test_gpt_with_dropout_gradients_bitwise_equal(kwargs):
+    plain, wrapped, _, _ = run_twice(gpt(dropout=0.1), gpt_step, **kwargs)
+    assert_grads_equal(plain, wrapped)
+
+
+def test_resnet_gradients_and_batchnorm_buffers_bitwise_equal():
+    torch.manual_seed(0)
+    model = ResNet(width=8, num_classes=10)
+    x = torch.randn(4, 3, 32, 32)
+    plain, wrapped, _, _ = run_twice(model, lambda m: m(x).logsumexp(1).sum())
+    assert_grads_equal(plain, wrapped)
+    assert_buffers_equal(plain, wrapped)
+    bn = wrapped.layer1[0].bn1
+    assert bn.num_batches_tracked.item() == 1, "running stats must be updated once per forward"
+
+
+def test_torch_checkpoint_alone_updates_batchnorm_twice():
+    """The bug memtrain fixes (pytorch issue 96136): proves the buffer parity test above can fail."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    x = torch.randn(2, 3, 8, 8)
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert block[1].num_batches_tracked.item() == 2
+
+
+def test_checkpoint_sequential_parity_and_batchnorm():
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.2)) for _ in range(4)])
+    twin = copy.deepcopy(layers)
+    x = torch.randn(8, 16)
+    torch.manual_seed(5)
+    layers(x).sum().backward()
+    torch.manual_seed(5)
+    checkpoint_sequential(twin, 2, x).sum().backward()
+    assert_grads_equal(layers, twin)
+    assert_buffers_equal(layers, twin)
+
+
+def _hf_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64, attention_dropout=0.1)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, n_positions=64)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def hf_step(model) -> torch.Tensor:
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+    return model(input_ids=x, labels=x).loss
+
+
+@pytest.mark.parametrize("build", [_hf_llama, _hf_gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("kwargs", [{}, {"every": 2}, {"selective": ("matmul",)}], ids=["all", "every2", "selective"])
+def test_hugging_face_models_gradients_bitwise_equal(build, kwargs):
+    model = build()
+    model.train()
+    plain, wrapped, plain_report, wrapped_report = run_twice(model, hf_step, **kwargs)
+    assert_grads_equal(plain, wrapped)
+    assert wrapped_report.activation_bytes < plain_report.activation_bytes
+
+
+def test_hugging_face_blocks_detected_and_use_cache_switched_off():
+    model = _hf_llama()
+    assert model.config.use_cache
+    names = apply_checkpointing(model)
+    assert names == [f"model.layers.{i}" for i in range(4)]
+    assert model.config.use_cache is False
+    remove_checkpointing(model)
+    assert model.config.use_cache is True
+
+
+# -- memory -------------------------------------------------------------------------------------------------
+def test_full_checkpointing_cuts_saved_bytes_at_least_10x_on_8_blocks():
+    _, _, plain, wrapped = run_twice(gpt(dropout=0.0), gpt_step)
+    ratio = plain.activation_bytes / wrapped.activation_bytes
+    assert ratio >= 10, f"saved bytes {plain.activation_bytes} -> {wrapped.activation_bytes}: only {ratio:.1f}x"
+
+
+def test_every_2_about_halves_saved_bytes():
+    _, _, plain, wrapped = run_twice(gpt(dropout=0.0), gpt_step, every=2)
+    ratio = wrapped.activation_bytes / plain.activation_bytes
+    assert 0.4 <= ratio <= 0.6, f"every=2 kept {ratio:.2f} of the saved bytes ({wrapped.activation_bytes} bytes)"
+
+
+def test_selective_keeps_more_than_full_and_less_than_none():
+    model = gpt(dropout=0.0)
+    _, _, plain, selective = run_twice(model, gpt_step, selective=("matmul", "attention"))
+    _, _, _, full = run_twice(gpt(dropout=0.0), gpt_step)
+    assert full.activation_bytes < selective.activation_bytes < plain.activation_bytes
+
+
+def test_checkpointed_block_saves_exactly_its_input():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    outer = nn.ModuleList([model, copy.deepcopy(model)])
+    apply_checkpointing(outer, blocks=["0", "1"])
+    x = torch.randn(5, 32)
+    report = measure(lambda: outer[1](outer[0](x)).sum(), model=outer)
+    # Block 0 saves x (5 x 32 x 4 bytes); block 1 saves block 0's output (5 x 32 x 4 bytes).
+    assert report.activation_bytes == 2 * 5 * 32 * 4
+
+
+# -- behaviour ----------------------------------------------------------------------------------------------
+def test_no_double_wrapping_and_remove():
+    model = gpt(n_layer=4)
+    first = apply_checkpointing(model)
+    second = apply_checkpointing(model, every=2)
+    assert first == [f"blocks.{i}" for i in range(4)]
+    assert second == ["blocks.0", "blocks.2"]
+    assert checkpointed_blocks(model) == second
+    forward = model.blocks[0].forward
+    assert forward.original.__self__ is model.blocks[0], "a wrapped forward must not wrap another wrapped forward"
+    assert remove_checkpointing(model) == second
+    assert checkpointed_blocks(model) == [] and "forward" not in model.blocks[0].__dict__
+
+
+def test_state_dict_names_unchanged():
+    model = gpt(n_layer=2)
+    keys = list(model.state_dict())
+    apply_checkpointing(model)
+    assert list(model.state_dict()) == keys
+
+
+class KwargsBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, *, scale: float, mask=None, return_dict: bool = False):
+        y = self.lin(x) * scale
+        if mask is not None:
+            y = y.masked_fill(mask, 0.0)
+        return {"out": y, "aux": (y.sum(), "tag")} if return_dict else (y, None, 3)
+
+
+def test_kwargs_non_tensor_args_and_structured_outputs_pass_through():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([KwargsBlock(), KwargsBlock()])
+    twin = copy.deepcopy(blocks)
+    apply_checkpointing(twin)
+    x = torch.randn(3, 8)
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[0] = True
+
+    def run(m):
+        y, none, three = m[0](x, scale=2.0, mask=mask)
+        assert none is None and three == 3
+        out = m[1](y, scale=0.5, return_dict=True)
+        assert out["aux"][1] == "tag"
+        (out["out"].sum() + out["aux"][0]).backward()
+
+    run(blocks)
+    run(twin)
+    assert_grads_equal(blocks, twin)
+
+
+def test_gradients_flow_when_no_input_requires_grad():
+    """Frozen embeddings / PEFT: the block's input does not require grad, its parameters do."""
+    model = gpt(n_layer=2, dropout=0.0)
+    model.wte.weight.requires_grad_(False)
+    model.wpe.weight.requires_grad_(False)
+    twin = copy.deepcopy(model)
+    apply_checkpointing(twin)
+    gpt_step(model).backward()
+    gpt_step(twin).backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert b.grad is not None and torch.equal(a.grad, b.grad), name
+
+
+def test_no_checkpointing_under_no_grad():
+    model = gpt(n_layer=2)
+    apply_checkpointing(model)
+    with torch.no_grad():
+        out = model(torch.randint(0, 256, (1, 8)))
+    assert out.shape == (1, 8, 256)
+
+
+def test_block_selectors():
+    model = gpt(n_layer=4)
+    from memtrain.models import MLP, Block
+
+    assert apply_checkpointing(model, blocks=Block) == [f"blocks.{i}" for i in range(4)]
+    assert apply_checkpointing(model, blocks=(MLP,)) == [f"blocks.{i}.mlp" for i in range(4)]
+    assert apply_checkpointing(model, blocks=lambda name, m: name.endswith("attn")) == [
+        f"blocks.{i}.attn" for i in range(4)
+    ]
+    assert apply_checkpointing(model, blocks=["blocks.1", "blocks.3"]) == ["blocks.1", "blocks.3"]
+
+
+def test_resnet_blocks_auto_detected():
+    names = apply_checkpointing(ResNet(layers=(2, 1, 1, 1), width=4))
+    assert names == ["layer1.0", "layer1.1", "layer2.0", "layer3.0", "layer4.0"]
+
+
+# -- bad input ----------------------------------------------------------------------------------------------
+def test_blocks_matching_nothing():
+    with pytest.raises(ConfigError, match="matches no submodule"):
+        apply_checkpointing(gpt(n_layer=2), blocks=nn.Conv2d)
+    with pytest.raises(ConfigError, match="no submodule named 'blocks.9'"):
+        apply_checkpointing(gpt(n_layer=2), blocks=["blocks.9"])
+    with pytest.raises(ConfigError, match="no repeated blocks"):
+        apply_checkpointing(nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize("every", [0, -1, 1.5, True])
+def test_bad_every(every):
+    with pytest.raises(ConfigError, match="every="):
+        apply_checkpointing(gpt(n_layer=2), every=every)
+
+
+def test_unknown_policy():
+    with pytest.raises(ConfigError, match="unknown op kinds"):
+        apply_checkpointing(gpt(n_layer=2), selective=("softmax",))
+    with pytest.raises(ConfigError, match="not a policy"):
+        apply_checkpointing(gpt(n_layer=2), selective=3)
+
+
+def test_model_without_parameters():
+    with pytest.raises(ConfigError, match="no parameters"):
+        apply_checkpointing(nn.Sequential(nn.ReLU(), nn.ReLU()))
+
+
+def test_module_already_wrapped_by_torch_checkpoint_wrapper():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = gpt(n_layer=2)
+    model.blocks[0] = checkpoint_wrapper(model.blocks[0])
+    with pytest.raises(ConfigError, match="checkpoint_wrapper"):
+        apply_checkpointing(model)
+
+
+def test_hugging_face_checkpointing_already_enabled():
+    model = _hf_llama()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ConfigError, match="gradient_checkpointing_disable"):
+        apply_checkpointing(model)
+
+
+def test_every_problem_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        apply_checkpointing(gpt(n_layer=2), every=0, selective=("nope",), blocks=["missing"])
+    assert len(info.value.problems) == 3, info.value.problems
+
+
+def test_offload_not_available_yet():
+    with pytest.raises(MemtrainError, match="not available yet"):
+        apply_checkpointing(gpt(n_layer=2), offload=True)
+
+
+def test_checkpoint_sequential_bad_segments():
+    with pytest.raises(ConfigError, match="segments"):
+        checkpoint_sequential(nn.Sequential(nn.Linear(2, 2)), 3, torch.randn(1, 2))

@@ -1,0 +1,103 @@
+"""measure / MemoryMeter: exact bytes, checked against hand-computed expectations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from memtrain import MemoryMeter, MemoryReport, MemtrainError, measure
+from memtrain.errors import ConfigError
+from memtrain.report import format_bytes, parse_bytes
+
+
+def test_linear_saves_exactly_its_input():
+    layer = nn.Linear(16, 8)
+    report = measure(layer, torch.randn(4, 16))
+    assert report.activation_bytes == 4 * 16 * 4  # batch x in_features x fp32; the weight is model state
+    assert report.activation_tensors == 1
+    assert report.parameter_bytes == (16 * 8 + 8) * 4
+    assert report.gradient_bytes == (16 * 8 + 8) * 4
+
+
+def test_views_and_tensors_saved_twice_count_once():
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def fn():
+        y = x * 2  # saves nothing of y; y is new storage
+        a = y[:4]  # a view of y
+        return (a * a).sum() + (y * y).sum()  # mul saves a (view of y) and y itself
+
+    report = measure(fn)
+    # x is a leaf that requires grad: treated as a parameter without a model. y counts once: 8 x 32 x 4 bytes.
+    assert report.activation_bytes == 8 * 32 * 4, report
+
+
+def test_parameters_and_buffers_saved_by_ops_are_not_activations():
+    bn = nn.BatchNorm1d(10)
+    x = torch.randn(6, 10)
+    report = measure(bn, x)
+    # batch_norm saves its input (6 x 10) and the batch mean / inverse std (10 each); weight and running stats
+    # are model state.
+    assert report.activation_bytes == (6 * 10 + 10 + 10) * 4, report
+
+
+def test_optimizer_state_and_phases():
+    model = nn.Linear(10, 10)
+    opt = torch.optim.AdamW(model.parameters())
+    report = measure(model, torch.randn(3, 10), optimizer=opt)
+    n = 10 * 10 + 10
+    state_tensors = 2 * n * 4  # exp_avg + exp_avg_sq
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+    assert report.optimizer_state_bytes == state_tensors + steps
+    assert report.model_state_bytes == report.parameter_bytes + report.gradient_bytes + report.optimizer_state_bytes
+    assert report.peak_bytes is None  # no allocator to read on the CPU
+
+
+def test_meter_context_and_hugging_face_style_output():
+    class Out:
+        def __init__(self, loss):
+            self.loss = loss
+
+    model = nn.Linear(4, 1)
+    with MemoryMeter(model) as meter:
+        Out(model(torch.randn(5, 4)).pow(2).mean()).loss.backward()
+    assert meter.activation_bytes == 5 * 4 * 4 + 5 * 1 * 4  # linear input, pow input
+    assert measure(lambda: Out(model(torch.randn(5, 4)).sum()), model=model).activation_bytes == 5 * 4 * 4
+
+
+def test_measure_rejects_non_tensor_output():
+    with pytest.raises(MemtrainError, match="not a tensor"):
+        measure(lambda: "loss")
+
+
+def test_report_summary_and_dict():
+    report = MemoryReport(parameter_bytes=2**30, gradient_bytes=2**30, optimizer_state_bytes=2**31,
+                          activation_bytes=3 * 2**20, activation_tensors=7, assumptions=("fp32",))
+    table = report.summary()
+    assert "parameters" in table and "1.00 GiB" in table and "3.00 MiB" in table and "assumes: fp32" in table
+    d = report.to_dict()
+    assert d["total_bytes"] == 4 * 2**30 + 3 * 2**20 and d["assumptions"] == ["fp32"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.parameter_bytes = 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("text,expected", [("24GiB", 24 * 2**30), ("1.5 GB", 1_500_000_000), ("512MiB", 2**29),
+                                           ("4096", 4096), ("8g", 8 * 2**30)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "0", "5 parsecs"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ConfigError, match="To resolve this error"):
+        parse_bytes(text)
+
+
+def test_format_bytes():
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(12) == "12 B"
+    assert format_bytes(None) == "-"
