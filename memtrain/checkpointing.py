@@ -394,6 +394,12 @@ def _wrap(module: nn.Module, spec: CheckpointSpec) -> None:
     setattr(module, _WRAPPED_ATTR, spec)
 
 
+def find_blocks(model: nn.Module) -> list[str]:
+    """The qualified names of the repeated blocks ``apply_checkpointing(model)`` would wrap (also what FSDP2
+    shards one by one)."""
+    return _auto_blocks(model)
+
+
 def checkpointed_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the modules of ``model`` that memtrain checkpoints now."""
     return [name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _CheckpointedForward)]

@@ -62,26 +62,120 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train the built-in GPT on the built-in corpus (or your model and data)")
-    t.add_argument("--model", default="gpt-mini", help="GPT preset: gpt-tiny, gpt-mini (default), gpt-small")
-    t.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json: that model, randomly initialised")
-    t.add_argument("--data", metavar="PATH", help="a text file to train on (default: the Python standard library)")
-    t.add_argument("--seq-len", type=_positive_int, help="tokens per example (default: the preset's)")
-    t.add_argument("--micro-batch-size", type=_positive_int, default=16, help="examples per forward (default 16)")
-    t.add_argument("--checkpointing", type=_checkpointing, default=("auto", 2),
-                   help="none | all | every:K | auto (default auto)")
+    t.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (keys as the flags, e.g. "
+                   "micro-batch-size = 4); flags given on the command line win")
+    _add_model_flags(t)
+    t.add_argument("--global-batch-size", type=_positive_int,
+                   help="examples per optimizer step over all ranks (default: micro-batch x world size); the "
+                   "accumulation steps follow")
+    t.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed", "fp16-mixed"], default="auto",
+                   help="auto picks bf16-mixed where the GPU supports it, fp32 on a CPU (default auto)")
     t.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps (default 500)")
     t.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_non_negative_int, default=0)
     t.add_argument("--out", metavar="DIR", help="run folder (default runs/<model>-<time>)")
+    t.add_argument("--save-every", type=_positive_int, help="optimizer steps between resumable checkpoints "
+                   "(default: only at the end and on SIGTERM/SIGINT)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
+    t.add_argument("--offload-optimizer", action="store_true",
+                   help="keep fp32 master weights and AdamW state in host RAM (saves 8-12 bytes per parameter)")
+    t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 instead of DDP")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+    e = sub.add_parser("estimate", help="predict the peak memory of a training step, without a GPU")
+    _add_model_flags(e)
+    e.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
+                   help="the precision to predict for (default bf16-mixed)")
+    e.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="the device whose peak is predicted (default cuda)")
+    e.add_argument("--offload-optimizer", action="store_true", help="optimizer state in host memory")
+    e.add_argument("--json", action="store_true", help="print the report as JSON (peak_bytes: the predicted peak)")
 
     b = sub.add_parser("bench", help="run the side-by-side benchmarks in benchmarks/")
     b.add_argument("name", nargs="?", default="checkpointing", help="benchmark to run (default: checkpointing)")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     b.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model / batch / technique flags shared by train and estimate."""
+    parser.add_argument("--model", default="gpt-mini", help="GPT preset: gpt-tiny, gpt-mini (default), gpt-small")
+    parser.add_argument("--hf-config", metavar="PATH",
+                        help="a Hugging Face config.json: that model, randomly initialised")
+    parser.add_argument("--data", metavar="PATH", help="a text file to train on (default: the Python standard library)")
+    parser.add_argument("--seq-len", type=_positive_int, help="tokens per example (default: the preset's)")
+    parser.add_argument("--micro-batch-size", type=_positive_int, default=16, help="examples per forward (default 16)")
+    parser.add_argument("--checkpointing", type=_checkpointing, default=("auto", 2),
+                        help="none | all | every:K | auto (default auto)")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Makes the keys of ``--config FILE.toml`` the sub-parser's defaults; checks every key and value at once."""
+    import tomllib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    if not argv or argv[0] not in sub.choices or "--config" not in " ".join(argv):
+        return
+    train_parser = sub.choices[argv[0]]
+    known, _ = train_parser.parse_known_args(argv[1:])
+    path = getattr(known, "config", None)
+    if not path:
+        return
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path!r}: no such file. To resolve this error, pass the path of a TOML "
+                          "file.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path!r} is not valid TOML ({e}). To resolve this error, fix that line.") from None
+    actions = {a.option_strings[0][2:]: a for a in train_parser._actions if a.option_strings and  # noqa: SLF001
+               a.option_strings[0].startswith("--") and a.dest not in ("help", "config")}
+    problems, defaults = [], {}
+    for key, value in values.items():
+        action = actions.get(key)
+        if action is None:
+            import difflib
+
+            close = difflib.get_close_matches(key.replace("_", "-"), list(actions), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            problems.append(f"--config: unknown key {key!r}.{hint} Keys are the flags of memtrain {argv[0]} "
+                            "without the dashes, e.g. micro-batch-size = 4.")
+            continue
+        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            if not isinstance(value, bool):
+                problems.append(f"--config: {key} = {value!r} must be true or false.")
+                continue
+            defaults[action.dest] = value
+            continue
+        if isinstance(value, (dict, list)):
+            problems.append(f"--config: {key} = {value!r} must be a single value.")
+            continue
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        try:
+            converted = action.type(text) if action.type else text
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            problems.append(f"--config: {key} = {value!r}: {e}.")
+            continue
+        if action.choices and converted not in action.choices:
+            problems.append(f"--config: {key} = {value!r} is not one of {', '.join(map(str, action.choices))}.")
+            continue
+        defaults[action.dest] = converted
+    ConfigError.raise_if(problems)
+    train_parser.set_defaults(**defaults)
 
 
 def _log(args: argparse.Namespace, message: str) -> None:
@@ -123,6 +217,23 @@ def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
     return model, min(seq_len or 256, max_len)
 
 
+def _init_distributed() -> tuple[int, int, Any]:
+    """Joins the torchrun group when launched by torchrun; returns (rank, world size, device)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return (dist.get_rank() if dist.is_initialized() else 0), world, device
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from memtrain.data import builtin_corpus, split_windows, text_file_tokens
     from memtrain.report import format_bytes
@@ -132,14 +243,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     name = Path(args.hf_config).stem if args.hf_config else args.model
     out = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     config = TrainConfig(
-        max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, lr=args.lr, checkpointing=mode,
-        checkpoint_every=every, seed=args.seed, out_dir=out, overwrite=args.overwrite, progress=not args.no_progress,
+        max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        lr=args.lr, precision=args.precision, checkpointing=mode, checkpoint_every=every, fsdp=args.fsdp,
+        offload_optimizer=args.offload_optimizer,
+        seed=args.seed, save_every=args.save_every, out_dir=out, overwrite=args.overwrite, resume=args.resume,
+        progress=not args.no_progress,
     )
     config.validate()
+    if args.resume and not args.out:
+        raise ConfigError("--resume needs the run folder to continue. To resolve this error, pass --out DIR.")
     import torch
 
+    rank, world, device = _init_distributed()
+    if world > 1:
+        from memtrain.accumulation import accumulation_steps
+
+        accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
     torch.manual_seed(args.seed)
     model, seq_len = _build_language_model(args)
+    model.to(device)
     if args.data:
         data = split_windows(text_file_tokens(args.data), seq_len)
         source = args.data
@@ -147,16 +269,59 @@ def cmd_train(args: argparse.Namespace) -> int:
         data = builtin_corpus(seq_len)
         source = "the Python standard library's source (built-in corpus)"
     n_params = sum(p.numel() for p in model.parameters())
-    _log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters), {seq_len} tokens x "
-               f"{args.micro_batch_size} per step, {args.max_steps} steps on {source} "
-               f"({len(data[0])} training windows)")
+    if rank == 0:
+        _log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters) on {device}, {seq_len} tokens x "
+                   f"{config.global_batch_size or args.micro_batch_size * world} per step, {args.max_steps} steps on "
+                   f"{source} ({len(data[0])} training windows)")
     result = train(model, data, config)
-    _log(args, f"done: loss {result.final_loss:.3f} (eval {result.eval_loss:.3f}), "
-               f"{result.tokens / result.seconds:.0f} tokens/s, saved activations "
-               f"{format_bytes(result.activation_bytes)} per step, model state {format_bytes(result.model_state_bytes)}"
-               f"; run folder {result.out_dir}")
+    if rank != 0:
+        return EXIT_OK
+    if result.stopped_by:
+        _log(args, f"stopped by {result.stopped_by} after step {result.steps}; checkpoint in {result.out_dir}; "
+                   f"continue with: memtrain train --out {result.out_dir} --resume")
+    else:
+        eval_text = f" (eval {result.eval_loss:.3f})" if result.eval_loss is not None else ""
+        peak = f", peak {format_bytes(result.peak_bytes)}" if result.peak_bytes is not None else ""
+        _log(args, f"done: loss {result.final_loss:.3f}{eval_text}, {result.tokens / result.seconds:.0f} tokens/s, "
+                   f"saved activations {format_bytes(result.activation_bytes)} per micro-batch, model state "
+                   f"{format_bytes(result.model_state_bytes)}{peak}; run folder {result.out_dir}")
     if args.json:
         print(json.dumps(asdict(result)))
+    return EXIT_OK
+
+
+def _checkpointing_policy(mode: str, every: int) -> str:
+    """The estimator's name for a --checkpointing choice (auto checkpoints every block, as train does)."""
+    return {"none": "none", "every": f"every:{every}"}.get(mode, "all")
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import torch
+
+    from memtrain.estimate import estimate, hf_config_from_file
+    from memtrain.models import GPT, GPT_PRESETS
+
+    if args.hf_config:
+        target = hf_config_from_file(args.hf_config)
+        seq_len = args.seq_len or min(2048, getattr(target, "max_position_embeddings", None) or 2048)
+        name = Path(args.hf_config).name
+    else:
+        if args.model not in GPT_PRESETS:
+            raise ConfigError(f"--model {args.model!r} is not a known model. To resolve this error, pass one of "
+                              f"{', '.join(GPT_PRESETS)}, or --hf-config PATH.")
+        overrides = {"seq_len": args.seq_len} if args.seq_len else {}
+        with torch.device("meta"):  # nothing is allocated
+            target = GPT.from_preset(args.model, **overrides)
+        seq_len, name = target.config.seq_len, args.model
+    report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
+                      checkpointing=_checkpointing_policy(*args.checkpointing),
+                      optimizer="adamw-offload" if args.offload_optimizer else "adamw")
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
+              f"{_checkpointing_policy(*args.checkpointing)}, on {args.device}")
+        print(report.summary())
     return EXIT_OK
 
 
@@ -180,8 +345,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    commands = {"train": cmd_train, "bench": cmd_bench}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        _apply_config_file(parser, argv)
+    except ConfigError as e:
+        print(f"memtrain: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args = parser.parse_args(argv)
+    commands = {"train": cmd_train, "estimate": cmd_estimate, "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except (ConfigError, MemtrainError) as e:

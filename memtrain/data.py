@@ -1,18 +1,31 @@
-"""Data: the built-in corpus (the Python standard library's own source text) and byte-level text windows.
+"""Data: the built-in corpus, text datasets, validated loaders, a device prefetcher and length bucketing.
 
 The corpus is real text present on every machine with Python, so the main job needs no download. Tokens are
-held in one numpy array (not Python lists), so DataLoader workers share it instead of copying it on access.
+held in one numpy array (not Python lists), so DataLoader workers share it instead of copying it on access
+(Python objects grow in every worker by copy-on-access: pytorch issue 13246).
+
+Read in this order: the corpus (fixed windows), documents (variable-length examples), ``make_loader`` (worker,
+pinning and prefetch settings checked against the machine, automatic choices with their reasons),
+``LengthBucketSampler`` + ``PadCollate`` (less padding), ``DevicePrefetcher`` (the host->device copy hidden
+behind compute).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import os
+import re
 import sysconfig
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
 from memtrain.errors import ConfigError
 
@@ -101,3 +114,637 @@ def split_windows(tokens: np.ndarray, seq_len: int, *, val_fraction: float = 0.0
 def builtin_corpus(seq_len: int, *, max_bytes: int = 8 * 2**20, val_fraction: float = 0.05) -> tuple[ByteWindows, ByteWindows]:
     """The built-in corpus as (train, validation) windows of ``seq_len`` byte tokens."""
     return split_windows(stdlib_corpus(max_bytes), seq_len, val_fraction=val_fraction)
+
+
+# -- documents: variable-length examples ---------------------------------------------------------------------
+# A blank line: a newline, then lines holding only whitespace, then a newline.
+_BLANK_LINES = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
+
+
+class TokenDocuments(Dataset):
+    """Separate documents as one ``uint8`` token array plus a start and a length per document.
+
+    Variable-length examples cost nothing in padding only if batches group similar lengths (see
+    ``LengthBucketSampler``); the arrays are shared by DataLoader workers instead of copied on access. Item ``i``
+    is document ``i`` as an ``int64`` tensor of byte tokens; ``PadCollate`` turns a list of them into ``(x, y)``.
+
+    Build one with ``from_file`` (a ``.jsonl`` file with a ``"text"`` field per line, or a text file split on
+    blank lines), ``from_texts`` or ``from_tokens``. With ``max_len``, longer documents are cut into pieces of at
+    most ``max_len`` tokens that overlap by one token, so no next-token pair is lost at a cut.
+
+    Example:
+        >>> docs = TokenDocuments.from_texts(["ab", "", "hello world"], max_len=6)
+        >>> len(docs), docs.lengths.tolist(), bytes(docs[2].tolist())
+        (3, [2, 6, 6], b' world')
+    """
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
+        tokens, starts, lengths = np.asarray(tokens), np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        problems = []
+        if tokens.ndim != 1:
+            problems.append(f"tokens has shape {tokens.shape}; it must be one flat array.")
+        if starts.shape != lengths.shape or starts.ndim != 1:
+            problems.append(f"starts {starts.shape} and lengths {lengths.shape} must be flat arrays of one size.")
+        elif len(starts) and (starts.min() < 0 or lengths.min() < 1 or (starts + lengths).max() > len(tokens)):
+            problems.append(f"document spans must lie inside the {len(tokens)} tokens and hold >= 1 token each.")
+        if len(starts) == 0:
+            problems.append("no documents. To resolve this error, give text holding at least one document of "
+                            "two or more bytes.")
+        ConfigError.raise_if(problems)
+        self.tokens, self.starts, self.lengths = tokens, starts, lengths
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start = self.starts[i]
+        return torch.from_numpy(self.tokens[start: start + self.lengths[i]].astype(np.int64))
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def split(self, val_fraction: float = 0.05) -> tuple[TokenDocuments, TokenDocuments]:
+        """(training, validation): the last ``val_fraction`` of the documents held out; the tokens are shared."""
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive).")
+        cut = int(len(self) * (1.0 - val_fraction))
+        if cut == 0 or cut == len(self):
+            raise ConfigError(f"{len(self)} documents make {cut} training and {len(self) - cut} validation "
+                              "documents. To resolve this error, use more documents or another val_fraction.")
+        return (TokenDocuments(self.tokens, self.starts[:cut], self.lengths[:cut]),
+                TokenDocuments(self.tokens, self.starts[cut:], self.lengths[cut:]))
+
+    @classmethod
+    def from_spans(cls, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, *, max_len: int | None = None,
+                   min_len: int = 2) -> TokenDocuments:
+        """Documents ``tokens[starts[i]:ends[i]]``, cut to ``max_len``; pieces under ``min_len`` tokens dropped."""
+        problems = []
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
+            problems.append(f"max_len={max_len!r} must be an integer >= 2 (one input and one target token), "
+                            "or None. To resolve this error, pass max_len=seq_len + 1.")
+        if isinstance(min_len, bool) or not isinstance(min_len, int) or min_len < 1:
+            problems.append(f"min_len={min_len!r} must be an integer >= 1 (2 drops documents with no pair).")
+        ConfigError.raise_if(problems)
+        starts, lengths = np.asarray(starts, np.int64), np.asarray(ends, np.int64) - np.asarray(starts, np.int64)
+        if max_len is not None and len(starts):
+            # Pieces step by max_len - 1 so that the last token of a piece is the first of the next: every
+            # (token, next token) pair of the document is still a training pair.
+            stride = max_len - 1
+            pieces = np.maximum(1, -(-(lengths - 1) // stride))
+            doc = np.repeat(np.arange(len(starts)), pieces)
+            k = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+            starts = starts[doc] + k * stride
+            lengths = np.minimum(max_len, lengths[doc] - k * stride)
+        keep = lengths >= min_len
+        return cls(tokens, starts[keep], lengths[keep])
+
+    @classmethod
+    def from_tokens(cls, tokens: np.ndarray, *, max_len: int | None = None, min_len: int = 2) -> TokenDocuments:
+        """Splits a byte-token array on blank lines; each document keeps the newline ending its last line."""
+        data = np.asarray(tokens, dtype=np.uint8)
+        separators = [(m.start(), m.end()) for m in _BLANK_LINES.finditer(data.tobytes())]
+        bounds = np.array(separators, dtype=np.int64).reshape(-1, 2)
+        starts = np.concatenate([[0], bounds[:, 1]])
+        ends = np.concatenate([bounds[:, 0] + 1, [len(data)]])
+        return cls.from_spans(data, starts, ends, max_len=max_len, min_len=min_len)
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], *, max_len: int | None = None, min_len: int = 2) -> TokenDocuments:
+        """One document per string, as UTF-8 bytes."""
+        encoded = [t.encode("utf-8") for t in texts]
+        ends = np.cumsum([len(b) for b in encoded], dtype=np.int64)
+        tokens = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+        return cls.from_spans(tokens, ends - np.array([len(b) for b in encoded], np.int64), ends,
+                              max_len=max_len, min_len=min_len)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, max_len: int | None = None,
+                  min_len: int = 2) -> TokenDocuments:
+        """A ``.jsonl`` file (one JSON object with a ``"text"`` string per line) or a text file split on blank lines."""
+        p = Path(path)
+        if p.suffix.lower() != ".jsonl":
+            return cls.from_tokens(text_file_tokens(p), max_len=max_len, min_len=min_len)
+        if not p.is_file():
+            raise ConfigError(f"--data {str(path)!r}: no such file. To resolve this error, pass the path of a "
+                              ".jsonl file.")
+        return cls.from_texts(_jsonl_texts(p), max_len=max_len, min_len=min_len)
+
+
+def _jsonl_texts(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{number} is not valid JSON ({e.msg}). To resolve this error, write one "
+                                  'JSON object per line, e.g. {"text": "..."}.') from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ConfigError(f'{path}:{number} has no "text" string field. To resolve this error, write one '
+                                  'JSON object per line with a "text" field, e.g. {"text": "..."}.')
+            yield record["text"]
+
+
+def stdlib_documents(max_len: int, *, max_bytes: int = 8 * 2**20) -> TokenDocuments:
+    """The built-in corpus split on blank lines (functions, classes, paragraphs): mixed-length documents."""
+    return TokenDocuments.from_tokens(stdlib_corpus(max_bytes), max_len=max_len)
+
+
+# -- collate: pad to the batch's longest example ---------------------------------------------------------------
+class TokenBatch(NamedTuple):
+    """A padded batch of next-token examples. ``y`` holds ``ignore_index`` wherever ``x`` is padding.
+
+    ``real_tokens`` is the number of targets that count in the loss: the right divisor for a summed loss.
+    """
+
+    x: torch.Tensor  # (batch, time) input tokens, int64
+    y: torch.Tensor  # (batch, time) target tokens, int64; ignore_index at padded positions
+    real_tokens: int
+
+    @property
+    def padding_fraction(self) -> float:
+        """The share of the batch's positions that are padding (computed work and memory that carry no loss)."""
+        return 1.0 - self.real_tokens / max(1, self.y.numel())
+
+
+@dataclass(frozen=True)
+class PadCollate:
+    """Collates documents (1-D token tensors) into a ``TokenBatch`` padded to the batch's longest example.
+
+    Padding goes on the right, so a causal model needs no attention mask: a real position never attends to a
+    later (padded) one, and padded targets are ``ignore_index`` (-100: ignored by ``F.cross_entropy``, memtrain's
+    GPT and Hugging Face models). A document of ``L`` tokens gives ``L - 1`` (input, target) pairs.
+
+    Args:
+        pad_id: the input token at padded positions (never a target).
+        ignore_index: the target at padded positions.
+        pad_to_multiple_of: rounds the padded length up (e.g. 8 for tensor cores); 1 pads to the longest only.
+
+    Example:
+        >>> batch = PadCollate()([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+        >>> batch.x.tolist(), batch.y.tolist(), batch.real_tokens
+        ([[1, 2], [4, 0]], [[2, 3], [5, -100]], 3)
+    """
+
+    pad_id: int = 0
+    ignore_index: int = -100
+    pad_to_multiple_of: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pad_to_multiple_of, bool) or not isinstance(self.pad_to_multiple_of, int) \
+                or self.pad_to_multiple_of < 1:
+            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an integer >= 1.")
+
+    def __call__(self, examples: Sequence[torch.Tensor | np.ndarray]) -> TokenBatch:
+        docs = [torch.as_tensor(e, dtype=torch.long) for e in examples]
+        pairs = [len(d) - 1 for d in docs]
+        if not docs or min(pairs) < 1:
+            raise ConfigError(f"PadCollate got documents of lengths {[len(d) for d in docs]}; each needs >= 2 "
+                              "tokens. To resolve this error, build the dataset with min_len=2 (the default).")
+        m = self.pad_to_multiple_of
+        time = -(-max(pairs) // m) * m
+        x = torch.full((len(docs), time), self.pad_id, dtype=torch.long)
+        y = torch.full((len(docs), time), self.ignore_index, dtype=torch.long)
+        for row, (doc, n) in enumerate(zip(docs, pairs, strict=True)):
+            x[row, :n] = doc[:-1]
+            y[row, :n] = doc[1:]
+        return TokenBatch(x, y, sum(pairs))
+
+
+# -- length bucketing -----------------------------------------------------------------------------------------
+def _distributed_rank_and_size() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class LengthBucketSampler(Sampler[list[int]]):
+    """Batches of similar lengths: much less padding than random batches, at the price of some randomness.
+
+    Each epoch: shuffle the examples (seed, epoch), cut them into mega-batches of ``mega_batch_factor`` global
+    batches, sort each mega-batch by length, cut it into global batches, and shuffle the order of those batches.
+    The global batch with the most padded tokens comes first, so an out-of-memory error shows at step 1, not hours
+    in. With ``world_size`` ranks, a global batch of ``batch_size * world_size`` similar lengths is dealt out so
+    each rank gets ``batch_size`` of them: ranks see disjoint examples and step the same number of times, with
+    similar shapes at each step (no rank waits for a much longer batch).
+
+    Every example is yielded exactly once per epoch on one rank. With ``world_size > 1`` and a dataset size that
+    is not a multiple of ``world_size``, ``drop_last=False`` repeats up to ``world_size - 1`` examples (as
+    ``DistributedSampler`` does) so that every rank steps the same number of times; ``drop_last=True`` instead
+    drops the examples that do not fill a whole global batch (different ones each epoch).
+
+    Args:
+        lengths: each example's length in tokens (e.g. ``TokenDocuments.lengths``).
+        batch_size: examples per batch on each rank.
+        mega_batch_factor: global batches per sorted mega-batch; larger pads less and shuffles less.
+        shuffle: False keeps the dataset order apart from sorting within mega-batches.
+        seed: with ``set_epoch``, fixes the order: same seed and epoch, same batches.
+        drop_last: drop (rather than pad out) examples that do not fill a whole global batch.
+        rank, world_size: this process's share; default from ``torch.distributed`` when it is initialised.
+
+    Example:
+        >>> sampler = LengthBucketSampler([5, 1, 4, 2, 3, 6], batch_size=2, seed=0)
+        >>> batches = list(sampler)
+        >>> sorted(i for b in batches for i in b), batches[0]
+        ([0, 1, 2, 3, 4, 5], [5, 0])
+    """
+
+    def __init__(self, lengths: Sequence[int] | np.ndarray, batch_size: int, *, mega_batch_factor: int = 50,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, rank: int | None = None,
+                 world_size: int | None = None):
+        if rank is None or world_size is None:
+            default_rank, default_size = _distributed_rank_and_size()
+            rank = default_rank if rank is None else rank
+            world_size = default_size if world_size is None else world_size
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        problems = []
+        for name, value, low in (("batch_size", batch_size, 1), ("mega_batch_factor", mega_batch_factor, 1),
+                                 ("world_size", world_size, 1), ("rank", rank, 0), ("seed", seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                problems.append(f"{name}={value!r} must be an integer >= {low}.")
+        if not problems and rank >= world_size:
+            problems.append(f"rank={rank} must be below world_size={world_size}.")
+        if self.lengths.ndim != 1 or len(self.lengths) == 0:
+            problems.append(f"lengths has shape {self.lengths.shape}; it must list one length per example.")
+        elif not problems and drop_last and len(self.lengths) < batch_size * world_size:
+            problems.append(f"{len(self.lengths)} examples fill no global batch of {batch_size} x {world_size} "
+                            "ranks with drop_last=True. To resolve this error, lower batch_size or pass "
+                            "drop_last=False.")
+        ConfigError.raise_if(problems)
+        self.batch_size, self.mega_batch_factor, self.shuffle = batch_size, mega_batch_factor, shuffle
+        self.seed, self.drop_last, self.rank, self.world_size = seed, drop_last, rank, world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call before each epoch (as with ``DistributedSampler``): a new order, the same on every rank."""
+        self.epoch = epoch
+
+    def _epoch_order(self) -> np.ndarray:
+        n, group = len(self.lengths), self.batch_size * self.world_size
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        if self.drop_last:
+            return order[: n // group * group]
+        return np.concatenate([order, np.resize(order, (-n) % self.world_size)])
+
+    def global_batches(self) -> list[np.ndarray]:
+        """This epoch's global batches (all ranks' examples), in order; rank ``r`` takes ``batch[r::world_size]``."""
+        order, group = self._epoch_order(), self.batch_size * self.world_size
+        mega = self.mega_batch_factor * group  # a multiple of the global batch, so batches never straddle two
+        batches = []
+        for start in range(0, len(order), mega):
+            chunk = order[start: start + mega]
+            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+            batches += [chunk[i: i + group] for i in range(0, len(chunk), group)]
+        # The costliest batch (rows per rank x longest example) first: an out-of-memory error shows at step 1.
+        cost = [-(-len(b) // self.world_size) * int(self.lengths[b].max()) for b in batches]
+        first = int(np.argmax(cost))
+        rest = batches[:first] + batches[first + 1:]
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch, 1])
+            rest = [rest[i] for i in rng.permutation(len(rest))]
+        return [batches[first], *rest]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # Sorted descending within a global batch, so dealing every world_size-th example gives each rank
+        # similar lengths at the same step.
+        for batch in self.global_batches():
+            yield batch[self.rank:: self.world_size].tolist()
+
+    def __len__(self) -> int:
+        return -(-len(self._epoch_order()) // (self.batch_size * self.world_size))
+
+
+# -- loader settings: checked against the machine, automatic choices with reasons ------------------------------
+Auto = Literal["auto"]
+MAX_AUTO_WORKERS = 8  # beyond this, workers mostly add memory (a copy of the process each) and start-up time
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the loader's automatic choices depend on. ``Machine.detect()`` reads it; tests pass their own."""
+
+    cpus: int  # CPUs this process may run on (its affinity mask, not the machine's total)
+    accelerator: str | None  # "cuda", "xpu", "mps", ... or None
+    local_world_size: int = 1  # training processes sharing these CPUs (torchrun's LOCAL_WORLD_SIZE)
+
+    @classmethod
+    def detect(cls) -> Machine:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # macOS and Windows have no affinity mask
+            cpus = os.cpu_count() or 1
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        if not local.isdigit() or int(local) < 1:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={local!r} is not a positive integer. To resolve this error, launch "
+                              "with torchrun (which sets it) or unset it.")
+        return cls(cpus, accelerator.type if accelerator is not None else None, int(local))
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """The resolved DataLoader settings, why each was chosen, and hints about valid but poor choices."""
+
+    num_workers: int
+    pin_memory: bool
+    prefetch_factor: int | None  # batches each worker keeps ready; None without workers
+    persistent_workers: bool
+    reasons: tuple[str, ...]
+    hints: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """One line per choice and hint, for a start-up log (returned, not printed)."""
+        return "\n".join([*self.reasons, *(f"Hint: {h}" for h in self.hints)])
+
+    def dataloader_kwargs(self) -> dict[str, Any]:
+        return {"num_workers": self.num_workers, "pin_memory": self.pin_memory,
+                "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_loader_settings(*, num_workers: int | Auto = "auto", pin_memory: bool | Auto = "auto",
+                            prefetch_factor: int | Auto = "auto", persistent_workers: bool | Auto = "auto",
+                            device: torch.device | str | None = None, machine: Machine | None = None) -> LoaderSettings:
+    """Resolves the "auto" settings for this machine and checks the explicit ones. Pure given ``machine``.
+
+    Choices:
+        num_workers "auto": one worker per CPU of this process (per training process under torchrun) but one,
+            kept for the training loop, at most 8; 0 with one CPU.
+        pin_memory "auto": True exactly when batches go to an accelerator (``device``, or the machine's
+            accelerator when ``device`` is None): pinned memory makes the copy asynchronous; on CPU it is only
+            an extra copy.
+        prefetch_factor "auto": 2 (torch's default) with workers, None without.
+        persistent_workers "auto": True with workers (no worker restart, dataset re-copy, each epoch).
+
+    Raises:
+        ConfigError: every contradictory or invalid explicit setting, at once: ``persistent_workers=True`` or a
+            ``prefetch_factor`` with ``num_workers=0``, ``pin_memory=True`` when batches stay on the CPU or no
+            accelerator exists, negative or non-integer counts. An explicit ``persistent_workers``/
+            ``prefetch_factor`` that cannot apply because "auto" chose 0 workers (a 1-CPU machine) is not an
+            error, so a script stays portable; it is reported in ``hints``.
+    """
+    machine = machine or Machine.detect()
+    problems: list[str] = []
+    reasons: list[str] = []
+    hints: list[str] = []
+
+    # num_workers
+    per_process = max(1, machine.cpus // machine.local_world_size)
+    auto_workers = min(MAX_AUTO_WORKERS, per_process - 1)
+    share = (f"{machine.cpus} usable CPUs / {machine.local_world_size} local processes = {per_process} each"
+             if machine.local_world_size > 1 else f"{machine.cpus} usable CPUs")
+    if num_workers == "auto":
+        workers = auto_workers
+        reasons.append(f"num_workers={workers}, because: {share}" + (
+            "; a worker would compete with the training loop for the only CPU" if workers == 0 else
+            ", one kept for the training loop" + (f", capped at {MAX_AUTO_WORKERS}"
+                                                   if per_process - 1 > MAX_AUTO_WORKERS else "")))
+    elif not _is_int(num_workers) or num_workers < 0:
+        problems.append(f"num_workers={num_workers!r} must be 'auto' or an integer >= 0. To resolve this error, "
+                        f"pass num_workers='auto' ({auto_workers} here) or a count such as 0 or 2.")
+        workers = 0
+    else:
+        workers = num_workers
+        reasons.append(f"num_workers={workers} (as given)")
+        if workers > per_process:
+            hints.append(f"num_workers={workers} exceeds the {share}: extra workers only take turns and each holds "
+                         f"a copy of the process. Try num_workers='auto' ({auto_workers}).")
+    explicit_zero = num_workers == 0
+
+    # prefetch_factor
+    if prefetch_factor == "auto":
+        prefetch = 2 if workers else None
+        if workers:
+            reasons.append("prefetch_factor=2, because: each worker keeps two batches ready (torch's default)")
+    elif not _is_int(prefetch_factor) or prefetch_factor < 1:
+        problems.append(f"prefetch_factor={prefetch_factor!r} must be 'auto' or an integer >= 1. To resolve this "
+                        "error, pass prefetch_factor='auto' (2 with workers).")
+        prefetch = None
+    elif workers == 0 and explicit_zero:
+        problems.append(f"prefetch_factor={prefetch_factor} needs worker processes, but num_workers=0 loads in the "
+                        "training process. To resolve this error, pass num_workers >= 1, or drop prefetch_factor.")
+        prefetch = None
+    elif workers == 0:
+        hints.append(f"prefetch_factor={prefetch_factor} does not apply: num_workers='auto' chose 0 workers.")
+        prefetch = None
+    else:
+        prefetch = prefetch_factor
+        reasons.append(f"prefetch_factor={prefetch} (as given)")
+
+    # persistent_workers
+    if persistent_workers == "auto":
+        persistent = workers > 0
+        if persistent:
+            reasons.append("persistent_workers=True, because: workers then survive the epoch instead of "
+                           "restarting (and re-copying the dataset)")
+    elif not isinstance(persistent_workers, bool):
+        problems.append(f"persistent_workers={persistent_workers!r} must be 'auto', True or False.")
+        persistent = False
+    elif persistent_workers and workers == 0 and explicit_zero:
+        problems.append("persistent_workers=True needs worker processes, but num_workers=0 loads in the training "
+                        "process. To resolve this error, pass num_workers >= 1, or persistent_workers=False.")
+        persistent = False
+    elif persistent_workers and workers == 0:
+        hints.append("persistent_workers=True does not apply: num_workers='auto' chose 0 workers.")
+        persistent = False
+    else:
+        persistent = persistent_workers
+
+    # pin_memory: it only helps a host -> accelerator copy.
+    target = torch.device(device) if device is not None else None
+    if target is not None and target.type not in ("cpu", "meta") and target.type != machine.accelerator:
+        problems.append(f"device={str(target)!r}, but this machine's accelerator is {machine.accelerator}. To "
+                        "resolve this error, pass a device that exists here, e.g. 'cpu'.")
+    to_accelerator = machine.accelerator is not None and (target is None or target.type == machine.accelerator)
+    where = (f"batches go to {target}" if target is not None else
+             f"a {machine.accelerator} accelerator is present" if machine.accelerator else "no accelerator is present")
+    if pin_memory == "auto":
+        pin = to_accelerator
+        reasons.append(f"pin_memory={pin}, because: {where}" + (
+            " (pinned memory makes the host->device copy asynchronous)" if pin else
+            " (pinning would only add a copy per batch)"))
+    elif not isinstance(pin_memory, bool):
+        problems.append(f"pin_memory={pin_memory!r} must be 'auto', True or False.")
+        pin = False
+    elif pin_memory and not to_accelerator:
+        problems.append(f"pin_memory=True, but {where}: pinned memory only speeds host->accelerator copies, and "
+                        "pinning costs a copy per batch. To resolve this error, pass pin_memory='auto' (pins "
+                        "exactly when batches go to an accelerator) or pin_memory=False.")
+        pin = False
+    else:
+        pin = pin_memory
+        reasons.append(f"pin_memory={pin} (as given)")
+        if not pin and to_accelerator:
+            hints.append("pin_memory=False with an accelerator: each host->device copy blocks the CPU, so "
+                         "DevicePrefetcher cannot overlap it with compute. Try pin_memory='auto'.")
+
+    ConfigError.raise_if(problems)
+    return LoaderSettings(workers, pin, prefetch, persistent, tuple(reasons), tuple(hints))
+
+
+def make_loader(dataset: Dataset, *, batch_size: int | None = None, num_workers: int | Auto = "auto",
+                pin_memory: bool | Auto = "auto", prefetch_factor: int | Auto = "auto",
+                persistent_workers: bool | Auto = "auto", shuffle: bool = False, drop_last: bool = False,
+                sampler: Sampler | None = None, batch_sampler: Sampler[list[int]] | None = None,
+                collate_fn: Callable[[list[Any]], Any] | None = None, seed: int | None = None,
+                device: torch.device | str | None = None, machine: Machine | None = None) -> DataLoader:
+    """A ``torch.utils.data.DataLoader`` whose worker, pinning and prefetch settings suit this machine.
+
+    Workers overlap loading with training at the cost of one process (and its memory) each; pinned memory makes
+    the host->device copy asynchronous at the cost of page-locked host memory. The settings, with the reason for
+    each automatic choice, are on ``loader.memtrain_settings`` (a ``LoaderSettings``; print its ``summary()``).
+    See ``resolve_loader_settings`` for the choices and the errors.
+
+    Args:
+        dataset: a map-style or iterable dataset.
+        batch_size: examples per batch; leave None when passing ``batch_sampler``.
+        num_workers, pin_memory, prefetch_factor, persistent_workers: "auto" or an explicit value.
+        shuffle, drop_last, sampler, batch_sampler, collate_fn: as for ``DataLoader``.
+        seed: seeds the shuffle and the workers' base seed, so a run repeats exactly; the shuffle order depends
+            on the seed only, not on the worker settings (so not on the machine).
+        device: where the batches go (decides pinning); None means the machine's accelerator, if any.
+        machine: the CPUs and accelerator to plan for (default ``Machine.detect()``).
+
+    Raises:
+        ConfigError: every bad or contradictory setting, at once, each with its fix.
+
+    Example:
+        >>> loader = make_loader(list(range(10)), batch_size=4, num_workers=0, machine=Machine(2, None))
+        >>> [b.tolist() for b in loader], loader.memtrain_settings.pin_memory
+        ([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]], False)
+    """
+    problems: list[str] = []
+    iterable = isinstance(dataset, IterableDataset)
+    if batch_sampler is not None:
+        given = [name for name, value in (("batch_size", batch_size), ("shuffle", shuffle),
+                                          ("drop_last", drop_last), ("sampler", sampler)) if value]
+        if given:
+            problems.append(f"batch_sampler decides the batches, so {', '.join(given)} cannot apply. To resolve "
+                            "this error, drop them (set them on the batch sampler instead).")
+    elif batch_size is None:
+        problems.append("no batch_size. To resolve this error, pass batch_size=N or a batch_sampler.")
+    elif not _is_int(batch_size) or batch_size < 1:
+        problems.append(f"batch_size={batch_size!r} must be an integer >= 1.")
+    elif hasattr(dataset, "__len__") and sampler is None and drop_last and len(dataset) < batch_size:
+        problems.append(f"the dataset holds {len(dataset)} examples, fewer than one batch of {batch_size} with "
+                        "drop_last=True. To resolve this error, lower batch_size or pass drop_last=False.")
+    if sampler is not None and shuffle:
+        problems.append("shuffle=True with a sampler: the sampler decides the order. To resolve this error, pass "
+                        "shuffle=False (shuffle in the sampler).")
+    if iterable and (shuffle or sampler is not None or batch_sampler is not None):
+        problems.append("an IterableDataset decides its own order, so shuffle, sampler and batch_sampler cannot "
+                        "apply. To resolve this error, drop them, or use a map-style Dataset.")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        problems.append(f"seed={seed!r} must be an integer >= 0, or None.")
+    try:
+        settings = resolve_loader_settings(num_workers=num_workers, pin_memory=pin_memory,
+                                           prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                                           device=device, machine=machine)
+    except ConfigError as e:
+        problems += e.problems
+    ConfigError.raise_if(problems)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    if shuffle and seed is not None:
+        # NOTE: a shuffle drawing from the DataLoader's generator would also share it with the workers' base
+        # seed, drawn once per new iterator: the order of epoch 2 on would then depend on num_workers and
+        # persistent_workers (and so on the machine, through "auto"). Its own generator keeps one order per seed.
+        sampler, shuffle = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)), False
+    loader = DataLoader(dataset, batch_size=batch_size if batch_sampler is None else 1, shuffle=shuffle,
+                        sampler=sampler, batch_sampler=batch_sampler, drop_last=drop_last, collate_fn=collate_fn,
+                        generator=generator, **settings.dataloader_kwargs())
+    loader.memtrain_settings = settings
+    return loader
+
+
+# -- device prefetch: the host->device copy of batch n+1 runs during the compute of batch n ------------------
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """Applies ``fn`` to every tensor in ``batch`` (nested tuples, named tuples, lists, mappings, dataclasses)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple such as TokenBatch
+        return type(batch)(*(map_tensors(fn, v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    if isinstance(batch, MutableMapping):
+        mapped = copy.copy(batch)  # keeps the mapping's own type (e.g. a Hugging Face BatchEncoding)
+        mapped.update({k: map_tensors(fn, v) for k, v in batch.items()})
+        return mapped
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: map_tensors(fn, getattr(batch, f.name))
+                                             for f in dataclasses.fields(batch) if f.init})
+    return batch
+
+
+def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
+    map_tensors(lambda t: t.record_stream(stream), batch)
+
+
+class DevicePrefetcher:
+    """Iterates ``loader`` with every batch already on ``device``: hides the copy behind compute, at the price of
+    one more batch resident on the device.
+
+    On CUDA, batch n+1 is copied on a side stream while the caller computes on batch n; the copy is asynchronous
+    only from pinned memory (``make_loader`` pins when batches go to an accelerator). The compute stream waits
+    for the copy before using a batch (``wait_stream``), and each batch's memory is marked as used on the compute
+    stream (``record_stream``) so the allocator does not hand it to a later copy while compute still reads it. On
+    the CPU it is a plain pass-through; on other devices it copies synchronously. The batches and their order
+    are the loader's. Tensors nested in tuples, named tuples, lists, mappings and dataclasses are moved; other
+    values pass through.
+
+    Example:
+        >>> prefetcher = DevicePrefetcher(make_loader(list(range(4)), batch_size=2, num_workers=0,
+        ...                               machine=Machine(1, None)), "cpu")
+        >>> [b.tolist() for b in prefetcher]
+        [[0, 1], [2, 3]]
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device | str):
+        self.loader = loader
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.device.type == "cpu":
+            yield from self.loader
+        elif self.stream is None:
+            for batch in self.loader:
+                yield map_tensors(lambda t: t.to(self.device), batch)
+        else:
+            yield from self._cuda_batches()
+
+    def _copy_next(self, batches: Iterator[Any]) -> tuple[bool, Any]:
+        try:
+            host = next(batches)
+        except StopIteration:
+            return False, None
+        with torch.cuda.stream(self.stream):
+            # non_blocking only from pinned memory: from pageable memory it would copy synchronously anyway.
+            return True, map_tensors(lambda t: t.to(self.device, non_blocking=t.is_pinned()), host)
+
+    def _cuda_batches(self) -> Iterator[Any]:
+        batches = iter(self.loader)
+        ready, upcoming = self._copy_next(batches)
+        while ready:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.stream)  # compute must not read the batch before its copy has landed
+            batch = upcoming
+            # Allocated on the side stream, used on the compute stream: without this the allocator could reuse
+            # the memory for the next copy as soon as the caller drops the batch, while kernels still read it.
+            _record_stream(batch, compute)
+            ready, upcoming = self._copy_next(batches)  # queued now, so it runs during this batch's compute
+            yield batch

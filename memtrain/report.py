@@ -108,13 +108,75 @@ class MemoryReport:
             ("total (model state + activations)", self.total_bytes),
         ]
         if self.peak_bytes is not None:
-            where = f" at {self.peak_phase}" if self.peak_phase else ""
-            rows.append((f"{self.device} peak{where}", self.peak_bytes))
+            rows.append((f"{self.device} peak", self.peak_bytes))
         rows += [(f"allocated after {phase}", n) for phase, n in self.phase_bytes]
         if self.host_bytes:
             rows.append(("host (CPU) memory", self.host_bytes))
         width = max(len(name) for name, _ in rows)
         lines = [f"memory report ({self.source}, {self.device})"]
         lines += [f"  {name:<{width}}  {format_bytes(n):>12}" for name, n in rows]
+        if self.peak_phase:
+            lines.append(f"  peak at: {self.peak_phase}")
         lines += [f"  assumes: {a}" for a in self.assumptions]
         return "\n".join(lines)
+
+
+# -- pictures of a run (matplotlib, imported only when drawing) ----------------------------------------------
+CATEGORIES = (("parameter_bytes", "parameters"), ("gradient_bytes", "gradients"),
+              ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations"))
+
+
+def _save_figure(fig: Any, path: str) -> None:
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".plot.", suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def plot_loss(path: str, metrics: list[dict[str, Any]]) -> None:
+    """loss.png: training loss per optimizer step, and the held-out loss where it was evaluated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="training loss", linewidth=1)
+    evals = [m for m in metrics if m.get("eval_loss") is not None]
+    if evals:
+        ax.plot([m["step"] for m in evals], [m["eval_loss"] for m in evals], "o-", label="held-out loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_memory(path: str, breakdowns: dict[str, dict[str, int]]) -> None:
+    """memory.png: the per-category bytes of each breakdown (e.g. without and with memtrain), side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(breakdowns))
+    for i, (label, breakdown) in enumerate(breakdowns.items()):
+        values = [breakdown.get(key, 0) / 2**20 for key, _ in CATEGORIES]
+        bars = ax.bar([c + i * width for c in range(len(CATEGORIES))], values, width, label=label)
+        ax.bar_label(bars, labels=[format_bytes(breakdown.get(key, 0)) for key, _ in CATEGORIES], fontsize=7)
+    ax.set_xticks([c + width * (len(breakdowns) - 1) / 2 for c in range(len(CATEGORIES))],
+                  [name for _, name in CATEGORIES])
+    ax.set_ylabel("MiB")
+    ax.set_title("memory of one training step")
+    ax.legend()
+    _save_figure(fig, path)
+    plt.close(fig)

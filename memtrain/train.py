@@ -1,16 +1,19 @@
 """train(): one readable training loop built from memtrain's public pieces.
 
-Read it top to bottom: set-up, then one optimizer step per loop iteration, then the run folder. Every memory
-technique enters as one visible line; every automatic choice is printed with its reason.
+Read it top to bottom: set-up (each memory technique one visible line, each automatic choice printed with its
+reason), then one optimizer step per iteration of the loop, then the run folder. Features that are off are
+``nullcontext()``s, so the loop has no ``if`` per feature.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
-import os
+import random
+import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -18,20 +21,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset, Sampler
 from tqdm import tqdm
 
-from memtrain.checkpointing import apply_checkpointing
-from memtrain.errors import ConfigError
+from memtrain.accumulation import GradientAccumulator, accumulation_steps
+from memtrain.checkpointing import apply_checkpointing, find_blocks
+from memtrain.data import DevicePrefetcher, make_loader
+from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
+from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import format_bytes
+from memtrain.runstate import RunCheckpoints, atomic_write_bytes, save_weights_file
 
 CheckpointingMode = Literal["none", "all", "every", "auto"]
+PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
 
 # Files whose presence marks a folder as holding a run's results.
-RUN_FILES = ("metrics.jsonl", "model.safetensors")
+RUN_FILES = ("metrics.jsonl", "model.safetensors", "checkpoints")
 
 
 @dataclass(frozen=True)
@@ -39,19 +48,26 @@ class TrainConfig:
     """Everything one training run needs besides the model and the data. Memory effects are noted per field."""
 
     max_steps: int = 500
-    micro_batch_size: int = 16  # smaller reduces activation memory proportionally
+    micro_batch_size: int = 16  # examples per forward: activation memory grows with it
+    global_batch_size: int | None = None  # examples per optimizer step, all ranks; None = micro x world size
     lr: float = 3e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # the cosine schedule decays to lr * min_lr_ratio
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
+    precision: PrecisionChoice = "auto"  # 16-bit halves most activation bytes
     checkpointing: CheckpointingMode = "auto"  # "all" cuts saved activations to the blocks' inputs
     checkpoint_every: int = 2  # with checkpointing="every": one block in this many
+    offload_optimizer: bool = False  # True: fp32 master + AdamW state in host RAM (8-12 bytes/param off the device)
+    fsdp: bool = False  # under torchrun: True shards parameters, gradients and optimizer state over ranks
     seed: int = 0
     eval_every: int = 100
     eval_batches: int = 8
+    save_every: int | None = None  # optimizer steps between run checkpoints; None: only at the end and on signals
     out_dir: str | None = None  # run folder; None writes nothing
     overwrite: bool = False  # True lets a run replace another run's results in out_dir
+    resume: bool = False  # True continues from the newest intact checkpoint in out_dir
+    sample_bytes: int = 240  # length of the text sample written at the end (0: none)
     progress: bool = True
 
     def validate(self) -> None:
@@ -61,77 +77,100 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1.")
+        for name in ("global_batch_size", "save_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                problems.append(f"{name}={value!r} must be an integer >= 1, or unset.")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
             problems.append(f"lr={self.lr!r} must be a positive number, e.g. 3e-3.")
-        if self.warmup_steps < 0:
-            problems.append(f"warmup_steps={self.warmup_steps} must be >= 0.")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0.")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             problems.append(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
+        if self.weight_decay < 0:
+            problems.append(f"weight_decay={self.weight_decay} must be >= 0.")
         if self.grad_clip is not None and not self.grad_clip > 0:
             problems.append(f"grad_clip={self.grad_clip} must be > 0, or None for no clipping.")
         if self.checkpointing not in ("none", "all", "every", "auto"):
-            problems.append(f"checkpointing={self.checkpointing!r} is not one of none, all, every, auto.")
+            problems.append(f"checkpointing={self.checkpointing!r} is not one of none, all, every:K, auto.")
+        if self.precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed"):
+            problems.append(f"precision={self.precision!r} is not one of auto, fp32, bf16-mixed, fp16-mixed.")
+        if self.overwrite and self.resume:
+            problems.append("overwrite and resume contradict each other. To resolve this error, pass --resume to "
+                            "continue the run in --out, or --overwrite to start it again.")
+        if (self.overwrite or self.resume) and not self.out_dir:
+            problems.append("overwrite/resume need a run folder. To resolve this error, pass --out DIR.")
+        if self.offload_optimizer and self.fsdp:
+            problems.append("offload_optimizer and fsdp together: FSDP2 shards the optimizer state itself and "
+                            "CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
+                            "--offload-optimizer and --fsdp.")
+        if not isinstance(self.sample_bytes, int) or self.sample_bytes < 0:
+            problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0.")
         ConfigError.raise_if(problems)
 
 
 @dataclass(frozen=True)
 class TrainResult:
-    steps: int
-    tokens: int
+    steps: int  # optimizer steps completed, over the whole run (resumed runs included)
+    tokens: int  # tokens trained on in this process's session, all ranks
     seconds: float
     final_loss: float
     eval_loss: float | None
     checkpointed_blocks: tuple[str, ...]
+    precision: str
+    micro_batch_size: int  # at the end (halved after an out-of-memory error)
+    accumulation: int  # micro-batches per optimizer step at the end
     activation_bytes: int  # saved for backward in one micro-batch, as measured
     model_state_bytes: int
+    peak_bytes: int | None  # CUDA allocator peak over a step
+    skipped_steps: int
+    resumed_from: int | None
+    stopped_by: str | None  # "SIGTERM" / "SIGINT" when a signal ended the run early
     out_dir: str | None
     reasons: tuple[str, ...] = field(default_factory=tuple)
 
 
-# -- files --------------------------------------------------------------------------------------------------
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Writes ``data`` to ``path`` so that a crash leaves either the old file or the new one, never half of it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _log(message: str, rank: int = 0) -> None:
+    if rank == 0:
+        tqdm.write(message, file=sys.stderr)
 
 
-def _save_model(model: nn.Module, path: Path) -> None:
-    from safetensors.torch import save_model
+# -- which examples each step uses ---------------------------------------------------------------------------
+class StepBatches(Sampler[list[int]]):
+    """Micro-batches of example indices, from optimizer step ``start`` on; depends only on (seed, step).
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_model(model, tmp)  # keeps one copy of tied weights
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    Step ``s`` uses examples ``[s*G, (s+1)*G)`` of an endless stream of per-epoch shuffles (G: the global batch);
+    rank ``r`` takes its slice, cut into micro-batches. Resuming at step ``s`` or retrying a step with a smaller
+    micro-batch therefore sees exactly the examples an uninterrupted run sees.
+    """
 
+    def __init__(self, num_examples: int, global_batch: int, micro_batch: int, *, seed: int, start: int = 0,
+                 rank: int = 0, world: int = 1):
+        self.n, self.global_batch, self.micro_batch = num_examples, global_batch, micro_batch
+        self.seed, self.start, self.rank, self.world = seed, start, rank, world
+        self._perms: dict[int, torch.Tensor] = {}
 
-def prepare_run_folder(out_dir: str | os.PathLike[str], *, overwrite: bool) -> Path:
-    """Creates ``out_dir``, refusing one that holds another run's results unless ``overwrite``."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a file. To resolve this error, pass a folder path.")
-    existing = [name for name in RUN_FILES if (out / name).exists()]
-    if existing and not overwrite:
-        raise ConfigError(
-            f"--out {str(out)!r} already holds a run's results ({', '.join(existing)}). To resolve this error, "
-            "pass another --out folder, or --overwrite to replace them."
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))}
+        return self._perms[epoch]
+
+    def step_indices(self, step: int) -> list[int]:
+        first = step * self.global_batch
+        out = [int(self._perm(i // self.n)[i % self.n]) for i in range(first, first + self.global_batch)]
+        share = self.global_batch // self.world
+        return out[self.rank * share:(self.rank + 1) * share]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start
+        while True:
+            mine = self.step_indices(step)
+            for i in range(0, len(mine), self.micro_batch):
+                yield mine[i:i + self.micro_batch]
+            step += 1
+
+    def __len__(self) -> int:  # endless; DataLoader only asks for len() when someone calls len(loader)
+        return sys.maxsize
 
 
 # -- pieces of the loop -------------------------------------------------------------------------------------
@@ -153,132 +192,489 @@ def lr_at(step: int, config: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def language_model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy on fp32 logits; works for memtrain's GPT and Hugging Face models."""
+    """Summed next-token cross-entropy on fp32 logits (labels of -100 ignored); memtrain GPT or Hugging Face."""
     out = model(x)
     logits = getattr(out, "logits", out)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
 
 
-def _batches(dataset: Dataset, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
-    if len(loader) == 0:
-        raise ConfigError(f"the training data holds {len(dataset)} examples, fewer than one micro-batch of "
-                          f"{batch_size}. To resolve this error, lower --micro-batch-size or use more data.")
-    while True:  # epochs
-        yield from loader
+def _distributed() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _wrap_distributed(model: nn.Module, config: TrainConfig, device: torch.device, world: int) -> tuple[nn.Module, str]:
+    """DDP or FSDP2 when several ranks run; the model itself otherwise."""
+    if world == 1:
+        if config.fsdp:
+            raise ConfigError("--fsdp needs several processes. To resolve this error, launch with "
+                              "torchrun --nproc_per_node N -m memtrain train --fsdp, or drop --fsdp.")
+        return model, "one process: no gradient synchronisation"
+    if config.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = find_blocks(model)
+        modules = dict(model.named_modules())
+        for name in blocks:
+            fully_shard(modules[name])  # after checkpointing: the recompute gathers the block's parameters again
+        fully_shard(model)
+        return model, f"FSDP2 over {world} ranks: {len(blocks)} blocks sharded, parameters gathered per block"
+    ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids), f"DDP over {world} ranks"
+
+
+def _build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device, precision: MixedPrecision,
+                     world: int) -> tuple[torch.optim.Optimizer, str]:
+    hyper = {"lr": config.lr, "betas": (0.9, 0.95), "weight_decay": config.weight_decay}
+    if not config.offload_optimizer:
+        fused = device.type == "cuda" or None  # one kernel per step on the GPU
+        return torch.optim.AdamW(model.parameters(), fused=fused, **hyper), "AdamW on the device"
+    from memtrain.optim_offload import CPUOffloadOptimizer
+
+    # NOTE: gradients stay on the device until the step: the accumulator normalises and clips them there, and
+    # under DDP they are averaged after backward's hooks would have copied them.
+    optimizer = CPUOffloadOptimizer(model.named_parameters(), offload_gradients=False, grad_scaler=precision.scaler,
+                                    **hyper)
+    return optimizer, "AdamW on the CPU (--offload-optimizer): fp32 master weights and state in host RAM"
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig, device: torch.device) -> float:
+def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig, device: torch.device,
+             precision: MixedPrecision, batch_size: int) -> float:
+    """Mean loss per token over the first ``eval_batches`` micro-batches of the held-out split."""
     was_training = model.training
     model.eval()
-    loader = DataLoader(dataset, batch_size=config.micro_batch_size)
-    losses = []
+    loader = make_loader(dataset, batch_size=batch_size, num_workers=0, device=device)
+    total, count = 0.0, 0
     for i, (x, y) in enumerate(loader):
         if i == config.eval_batches:
             break
-        losses.append(language_model_loss(model, x.to(device), y.to(device)).item())
+        with precision.autocast():
+            total += language_model_loss(model, x.to(device), y.to(device)).item()
+        count += int((y != -100).sum())
     model.train(was_training)
-    return sum(losses) / max(1, len(losses))
+    return total / max(1, count)
+
+
+@torch.no_grad()
+def sample_text(model: nn.Module, prompt: bytes, n: int, seq_len: int, *, seed: int = 0) -> str:
+    """``n`` bytes sampled after ``prompt`` (top-k 20), decoded as UTF-8 with replacement."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(n):
+        out = model(idx[:, -seq_len:])
+        logits = getattr(out, "logits", out)[:, -1, :256].float()
+        kth = torch.topk(logits, 20).values[:, [-1]]
+        probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    model.train(was_training)
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
+def prepare_run_folder(config: TrainConfig) -> Path:
+    """Creates ``out_dir``, refusing one that holds another run's results unless overwrite or resume."""
+    out = Path(config.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file. To resolve this error, pass a folder path.")
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    if existing and not (config.overwrite or config.resume):
+        raise ConfigError(
+            f"--out {str(out)!r} already holds a run's results ({', '.join(existing)}). To resolve this error, "
+            "pass --resume to continue it, another --out folder, or --overwrite to replace it."
+        )
+    if config.resume and not RunCheckpoints(out).paths():
+        raise ConfigError(f"--resume: {str(out)!r} holds no checkpoint to resume from. To resolve this error, "
+                          "drop --resume to start a new run there, or pass the --out of the run to continue.")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class _StopSignals:
+    """Turns SIGTERM / SIGINT into a request to stop after the current step (with a checkpoint)."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading_is_main():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
 def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: TrainConfig) -> TrainResult:
-    """Trains ``model`` on ``data`` (a dataset of (x, y) token pairs, or a (train, validation) pair).
+    """Trains a language model on ``(x, y)`` token windows with every configured memory technique.
 
     Args:
-        model: a language model returning logits (memtrain's GPT, a Hugging Face causal LM).
-        data: training examples ``(x, y)``, or ``(train, validation)``.
-        config: the run's settings.
+        model: returns logits for token ids (memtrain's GPT, a Hugging Face causal LM), on its training device.
+        data: training examples ``(x, y)``, or a ``(train, validation)`` pair.
+        config: the run's settings. Under ``torchrun`` (torch.distributed initialised) the global batch is split
+            over the ranks, gradients synchronise once per step (DDP, or FSDP2 with ``fsdp=True``) and only rank
+            0 writes files.
 
     Returns:
-        A ``TrainResult``; with ``config.out_dir`` the run folder holds ``metrics.jsonl`` (one line per optimizer
-        step) and ``model.safetensors``.
+        A ``TrainResult``. With ``config.out_dir`` the run folder holds ``metrics.jsonl`` (one line per optimizer
+        step), ``model.safetensors``, ``config.json``, ``sample.txt`` and resumable ``checkpoints/``.
 
     Raises:
-        ConfigError: a bad config, or an ``out_dir`` holding another run's results (without ``overwrite``).
+        ConfigError: a bad config, or an ``out_dir`` holding another run's results (without overwrite/resume).
+        MemtrainError: out of memory even at a micro-batch of 1.
     """
     config.validate()
+    rank, world = _distributed()
     train_data, val_data = data if isinstance(data, tuple) else (data, None)
-    out = prepare_run_folder(config.out_dir, overwrite=config.overwrite) if config.out_dir else None
-    torch.manual_seed(config.seed)
     device = next(model.parameters()).device
+    global_batch = config.global_batch_size or config.micro_batch_size * world
+    accumulation = accumulation_steps(config.micro_batch_size, global_batch, world)
+    if len(train_data) < global_batch:
+        raise ConfigError(f"the training data holds {len(train_data)} examples, fewer than one global batch of "
+                          f"{global_batch}. To resolve this error, lower --global-batch-size or use more data.")
+    out = prepare_run_folder(config) if config.out_dir else None  # every rank checks: all fail alike
+    checkpoints = RunCheckpoints(out) if out is not None else None
+    if out is not None and config.overwrite and rank == 0:
+        import shutil
+
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a later --resume must not pick the old run's
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
     model.train()
 
-    blocks, reason = choose_checkpointing(model, config)
-    reasons = [reason]
-    for line in reasons:  # every automatic choice is shown with its reason, before the first step
-        tqdm.write(f"  {line}", file=sys.stderr)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
-                                  weight_decay=config.weight_decay)
-    batches = _batches(train_data, config.micro_batch_size, config.seed)
-    metrics: list[dict[str, Any]] = []
-    bar = tqdm(total=config.max_steps, disable=not config.progress, unit="step", dynamic_ncols=True)
-    tokens = 0
-    eval_loss = None
+    # Set-up: each technique one line, each automatic choice with its reason.
+    precision_name, precision_reason = resolve_precision(device, config.precision)
+    precision = MixedPrecision(precision_name, device.type)
+    blocks, checkpoint_reason = choose_checkpointing(model, config)
+    ddp_model, dist_reason = _wrap_distributed(model, config, device, world)
+    optimizer, optimizer_reason = _build_optimizer(model, config, device, precision, world)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config.lr)
+    micro = config.micro_batch_size
+    reasons = [precision_reason, checkpoint_reason, optimizer_reason, dist_reason,
+               f"global batch {global_batch} = micro-batch {micro} x {accumulation} accumulation x {world} rank(s)"]
+    for line in reasons:
+        _log(f"  {line}", rank)
+
+    def make_accumulator(steps: int) -> GradientAccumulator:
+        return GradientAccumulator(ddp_model, optimizer, steps=steps, scaler=precision.scaler, scheduler=scheduler,
+                                   max_grad_norm=config.grad_clip)
+
+    acc = make_accumulator(accumulation)
+    start_step, resumed_from = 0, None
+    if config.resume:
+        start_step, micro = _restore(checkpoints, model, optimizer, scheduler, precision, acc, rank)
+        accumulation = global_batch // (micro * world)
+        acc = _carry_counters(acc, make_accumulator(accumulation))
+        resumed_from = start_step
+        _log(f"  resumed from step {start_step} (micro-batch {micro})", rank)
+    metrics_path = out / "metrics.jsonl" if out is not None else None
+    metrics = _read_metrics(metrics_path, upto=start_step) if config.resume else []
+
+    def loader_from(step: int, micro_batch: int) -> Iterator[Any]:
+        sampler = StepBatches(len(train_data), global_batch, micro_batch, seed=config.seed, start=step, rank=rank,
+                              world=world)
+        # NOTE: no workers: a window is a numpy slice, so loading costs microseconds and a worker adds only IPC.
+        loader = make_loader(train_data, batch_sampler=sampler, device=device, num_workers=0)
+        return iter(DevicePrefetcher(loader, device))
+
+    batches = loader_from(start_step, micro)
+    bar = tqdm(total=config.max_steps, initial=start_step, disable=not config.progress or rank != 0, unit="step",
+               dynamic_ncols=True, file=sys.stderr)
+    tokens, eval_loss, last, stopped_by, estimate_check = 0, None, None, None, None
     start = time.perf_counter()
-    for step in range(config.max_steps):
-        t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, config)
-        x, y = (t.to(device, non_blocking=True) for t in next(batches))
-
-        # The meter counts the bytes autograd saves in this step's forward: the figure checkpointing cuts.
-        with MemoryMeter(model, optimizer) as meter:
-            loss = language_model_loss(model, x, y)
-            meter.mark("forward")
-            loss.backward()
-            meter.mark("backward")
-        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip).item()
-                     if config.grad_clip is not None else None)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
-
-        report = meter.report()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        tokens += y.numel()
-        line = {
-            "step": step + 1,
-            "loss": loss.item(),
-            "lr": optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
-            "tokens_per_s": y.numel() / seconds,
-            "activation_bytes": report.activation_bytes,
-            "model_state_bytes": report.parameter_bytes + report.gradient_bytes + optimizer_state_bytes(optimizer),
-            "peak_bytes": report.peak_bytes,
-        }
-        if val_data is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
-            eval_loss = line["eval_loss"] = evaluate(model, val_data, config, device)
-        metrics.append(line)
-        if out is not None:
-            atomic_write_bytes(out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics).encode())
-        memory = (f"peak {format_bytes(report.peak_bytes)}" if report.peak_bytes is not None
-                  else f"saved {format_bytes(report.activation_bytes)}")
-        bar.set_postfix_str(f"loss {line['loss']:.3f} | {line['tokens_per_s']:.0f} tok/s | {memory}")
-        bar.update()
+    with _StopSignals() as signals:
+        for step in range(start_step, config.max_steps):
+            rng = torch.get_rng_state()
+            while True:  # retried with half the micro-batch after an out-of-memory error
+                out_of_memory = False
+                try:
+                    line = _one_step(ddp_model, model, optimizer, acc, precision, batches, accumulation, device, step)
+                    break
+                except torch.OutOfMemoryError:
+                    out_of_memory = True
+                # Outside the except block: the traceback no longer pins the failed step's tensors.
+                if out_of_memory:
+                    micro = _halve_after_oom(micro, global_batch // world, step, optimizer, device, rank)
+                    accumulation = global_batch // (micro * world)
+                    acc = _carry_counters(acc, make_accumulator(accumulation))
+                    torch.set_rng_state(rng)  # the retry draws the same dropout masks
+                    batches = loader_from(step, micro)
+            tokens += line.pop("tokens") * world
+            line["lr"] = scheduler.get_last_lr()[0]
+            if val_data is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
+                eval_loss = line["eval_loss"] = evaluate(model, val_data, config, device, precision, micro)
+            metrics.append(line)
+            last = line
+            if step + 1 == min(2, config.max_steps) and rank == 0 and world == 1:
+                # From the second step on the optimizer state exists: the steady state estimate predicts.
+                estimate_check = _check_estimate(model, line, micro, len(train_data[0][0]), device, precision_name,
+                                                 config)
+                _log(f"  {estimate_check['log']}")
+            if metrics_path is not None and rank == 0:
+                atomic_write_bytes(metrics_path, "".join(json.dumps(m) + "\n" for m in metrics).encode())
+            stopped_by = signals.received
+            due = config.save_every is not None and (step + 1) % config.save_every == 0
+            if checkpoints is not None and (due or stopped_by or step + 1 == config.max_steps):
+                _save(checkpoints, step + 1, micro, model, optimizer, scheduler, precision, acc, rank)
+            memory = (f"peak {format_bytes(line['peak_bytes'])}" if line["peak_bytes"] is not None
+                      else f"saved {format_bytes(line['activation_bytes'])}")
+            bar.set_postfix_str(f"loss {line['loss']:.3f} | {line['tokens_per_s']:.0f} tok/s | {memory}")
+            bar.update()
+            if stopped_by:
+                _log(f"{stopped_by} received: stopped after step {step + 1} with a checkpoint; continue with "
+                     "--resume", rank)
+                break
     bar.close()
 
-    if out is not None:
-        _save_model(model, out / "model.safetensors")
+    final_state = _model_state(model) if out is not None and not stopped_by else None  # collective under FSDP2
+    if out is not None and rank == 0 and not stopped_by:
+        save_weights_file(final_state, out / "model.safetensors")
         atomic_write_bytes(out / "config.json", json.dumps(asdict(config), indent=2).encode())
-    last = metrics[-1]
+        _write_report(out, metrics, estimate_check, model, global_batch, len(train_data[0][0]), device)
+        if config.sample_bytes and world == 1:
+            seq_len = len(train_data[0][0])  # the context the model was trained on
+            text = sample_text(model, b"def ", config.sample_bytes, seq_len, seed=config.seed)
+            atomic_write_bytes(out / "sample.txt", text.encode())
+    if last is None:
+        raise MemtrainError(f"nothing to train: the run in {out} already reached max_steps={config.max_steps}. "
+                            "To resolve this error, pass a larger --max-steps to continue it.")
     return TrainResult(
-        steps=config.max_steps,
-        tokens=tokens,
-        seconds=time.perf_counter() - start,
-        final_loss=last["loss"],
-        eval_loss=eval_loss,
-        checkpointed_blocks=tuple(blocks),
-        activation_bytes=last["activation_bytes"],
-        model_state_bytes=last["model_state_bytes"],
-        out_dir=str(out) if out is not None else None,
+        steps=last["step"], tokens=tokens, seconds=time.perf_counter() - start, final_loss=last["loss"],
+        eval_loss=eval_loss, checkpointed_blocks=tuple(blocks), precision=precision_name, micro_batch_size=micro,
+        accumulation=accumulation, activation_bytes=last["activation_bytes"],
+        model_state_bytes=last["model_state_bytes"], peak_bytes=last["peak_bytes"], skipped_steps=acc.skipped_steps,
+        resumed_from=resumed_from, stopped_by=stopped_by, out_dir=str(out) if out is not None else None,
         reasons=tuple(reasons),
     )
+
+
+def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer, acc: GradientAccumulator,
+              precision: MixedPrecision, batches: Iterator[Any], accumulation: int, device: torch.device,
+              step: int) -> dict[str, Any]:
+    """One optimizer step: ``accumulation`` micro-batches, then the accumulator's boundary."""
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    tokens = 0
+    meter = MemoryMeter(model, optimizer)
+    for i in range(accumulation):
+        x, y = (t.to(device, non_blocking=True) for t in next(batches))
+        with acc.micro_batch(is_last=i == accumulation - 1):
+            # The meter counts what autograd saves in the first micro-batch: the figure checkpointing cuts.
+            with meter if i == 0 else contextlib.nullcontext(), precision.autocast():
+                loss = language_model_loss(ddp_model, x, y)
+            items = (y != -100).sum()
+            acc.backward(loss, reduction="sum", items=items)  # token-count-correct over the window and ranks
+        tokens += y.numel()
+    report = meter.report()
+    result = acc.step()  # unscale -> clip -> optimizer step -> scheduler -> zero_grad, once
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    return {
+        "step": step + 1,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "skipped": result.skipped,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "activation_bytes": report.activation_bytes,
+        "parameter_bytes": report.parameter_bytes,
+        "gradient_bytes": report.gradient_bytes,
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+        "model_state_bytes": report.parameter_bytes + report.gradient_bytes + optimizer_state_bytes(optimizer),
+        "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+
+
+def _halve_after_oom(micro: int, per_rank_batch: int, step: int, optimizer: torch.optim.Optimizer,
+                     device: torch.device, rank: int) -> int:
+    if micro == 1 or _distributed()[1] > 1:
+        raise MemtrainError(
+            f"out of memory at step {step + 1} with a micro-batch of {micro}"
+            + (" on one of several ranks (the others cannot retry in step)" if micro > 1 else "")
+            + ". To resolve this error, pass a smaller --micro-batch-size, --checkpointing all, "
+            "--offload-optimizer, or a shorter --seq-len."
+        )
+    optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    smaller = next(m for m in range(micro // 2, 0, -1) if per_rank_batch % m == 0)
+    _log(f"out of memory at step {step + 1} with micro-batch {micro}: retrying the step with micro-batch "
+         f"{smaller} and {per_rank_batch // smaller} accumulation steps (global batch unchanged)", rank)
+    return smaller
+
+
+def _estimate_policy(config: TrainConfig) -> str:
+    return {"none": "none", "every": f"every:{config.checkpoint_every}"}.get(config.checkpointing, "all")
+
+
+def _check_estimate(model: nn.Module, line: dict[str, Any], micro: int, seq_len: int, device: torch.device,
+                    precision: str, config: TrainConfig) -> dict[str, Any]:
+    """What ``estimate`` predicted for this run beside what the step measured (CUDA peak; saved bytes on CPU)."""
+    from memtrain.estimate import estimate
+
+    try:
+        predicted = estimate(model, (micro, seq_len), device=device.type, precision=precision,
+                             checkpointing=_estimate_policy(config), optimizer="adamw")
+    except MemtrainError as e:
+        return {"log": f"estimate unavailable for this model: {e}", "error": str(e)}
+    what, key = ("peak", "peak_bytes") if device.type == "cuda" else ("saved activations", "activation_bytes")
+    guess, measured = getattr(predicted, key), line[key]
+    error = guess / measured - 1 if measured else None
+    text = f"{error:+.1%}" if error is not None else "n/a"
+    return {
+        "log": f"estimate check at step {line['step']}: predicted {what} {format_bytes(guess)}, measured "
+               f"{format_bytes(measured)} ({text})",
+        "what": what, "predicted_bytes": guess, "measured_bytes": measured, "relative_error": error,
+        "estimate": predicted.to_dict(),
+    }
+
+
+def _write_report(out: Path, metrics: list[dict[str, Any]], estimate_check: dict[str, Any] | None, model: nn.Module,
+                  global_batch: int, seq_len: int, device: torch.device) -> None:
+    """report.json, loss.png and memory.png: the run's memory with memtrain beside plain training."""
+    from memtrain.report import CATEGORIES, plot_loss, plot_memory
+
+    measured = metrics[-1]
+    with_memtrain = {key: measured[key] for key, _ in CATEGORIES}
+    report: dict[str, Any] = {"with_memtrain": with_memtrain, "estimate_check": estimate_check}
+    try:
+        from memtrain.estimate import estimate
+
+        plain = estimate(model, (global_batch, seq_len), device=device.type, precision="fp32", checkpointing="none",
+                         optimizer="adamw")
+        report["without_memtrain"] = {key: getattr(plain, key) for key, _ in CATEGORIES}
+        report["without_memtrain_assumes"] = ("fp32, no checkpointing, the whole global batch in one forward, "
+                                              "AdamW on the device (estimated)")
+    except MemtrainError as e:
+        report["without_memtrain"] = None
+        report["without_memtrain_error"] = str(e)
+    atomic_write_bytes(out / "report.json", json.dumps(report, indent=2).encode())
+    plot_loss(str(out / "loss.png"), metrics)
+    bars = {"with memtrain (measured)": with_memtrain}
+    if report["without_memtrain"]:
+        bars = {"without memtrain (estimated)": report["without_memtrain"], **bars}
+    plot_memory(str(out / "memory.png"), bars)
+
+
+def _carry_counters(old: GradientAccumulator, new: GradientAccumulator) -> GradientAccumulator:
+    new.load_state_dict(old.state_dict())
+    return new
+
+
+# -- run checkpoints ----------------------------------------------------------------------------------------
+def _save(checkpoints: RunCheckpoints, step: int, micro: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+          scheduler: Any, precision: MixedPrecision, acc: GradientAccumulator, rank: int) -> None:
+    state = {
+        "step": step,
+        "micro_batch_size": micro,
+        "model": _model_state(model),
+        "optimizer": _optimizer_state(model, optimizer),
+        "scheduler": scheduler.state_dict(),
+        "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
+        "accumulator": acc.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+        },
+    }
+    if rank == 0:
+        checkpoints.save(step, state)
+    if _distributed()[1] > 1:
+        dist.barrier()  # no rank runs ahead of a checkpoint that is still being written
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    return callable(getattr(model, "set_requires_gradient_sync", None))
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return model.state_dict()
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def _restore(checkpoints: RunCheckpoints, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             precision: MixedPrecision, acc: GradientAccumulator, rank: int) -> tuple[int, int]:
+    loaded = checkpoints.load_latest()
+    assert loaded is not None  # prepare_run_folder checked that a checkpoint exists
+    step, state, skipped = loaded
+    for problem in skipped:
+        _log(f"  skipped a damaged checkpoint: {problem}; using the previous one", rank)
+    try:
+        if _is_fsdp(model):
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, state["model"], options=options)
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise ConfigError(f"--resume: the checkpoint of step {step} does not fit this model or optimizer "
+                          f"({str(e).splitlines()[0][:300]}). To resolve this error, resume with the same model "
+                          "flags as the original run, or start a new run with another --out.") from None
+    scheduler.load_state_dict(state["scheduler"])
+    if precision.scaler is not None and state["scaler"] is not None:
+        precision.scaler.load_state_dict(state["scaler"])
+    acc.load_state_dict(state["accumulator"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    random.setstate(_as_tuples(state["rng"]["python"]))
+    return step, int(state["micro_batch_size"])
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _read_metrics(path: Path | None, *, upto: int) -> list[dict[str, Any]]:
+    """The metrics lines of the steps a resumed run keeps (later ones were not checkpointed)."""
+    if path is None or not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [m for m in lines if m["step"] <= upto]
+

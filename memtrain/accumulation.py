@@ -1,0 +1,462 @@
+"""Gradient accumulation with an explicit stepping boundary and token-count-correct normalisation.
+
+Runs several small micro-batches per optimizer step: activation memory of one micro-batch, the gradient of the
+whole window, at the cost of less parallelism per kernel. Made exact where common tools are not:
+
+- Sum-reduced losses are normalised by the total number of items (tokens, examples) in the window, summed over
+  ranks, so 4 micro-batches of 2 variable-length sequences give the gradient of one batch of 8 (dividing each
+  micro-batch's mean by 4 does not: transformers #37766).
+- Mean-reduced losses are divided by the *actual* number of micro-batches, so a partial last window (end of the
+  data) is not scaled by the full window's size.
+- Gradients are synchronised once per window: DDP's ``no_sync()`` spans the forward and the backward of every
+  micro-batch but the last; FSDP2 gets ``set_requires_gradient_sync(False)`` (its modules have no ``no_sync``).
+- ``step()`` is the only place the optimizer steps, and it always does (or, for an fp16 overflow, reports
+  that it skipped): unscale -> normalise -> clip -> optimizer step -> scaler update -> scheduler step ->
+  ``zero_grad(set_to_none=True)``.
+
+How the normalisation is done: each micro-batch calls ``backward`` on its loss as given, so gradients hold the
+*sum* over the window; at the boundary one small all-reduce adds up the items (and the micro-batches and the
+loss, for the log) of every rank, and every gradient is multiplied once by ``world_size / total_items``
+(``world_size`` undoes the average that DDP and FSDP2 take across ranks). The multiply happens after the fp16
+unscale, on true gradients, and before clipping, so the clipped norm is the norm of the full-batch gradient.
+With an fp16 scaler, sum-reduced losses are multiplied by a constant ``1 / items`` of the first micro-batch
+seen (the same on every rank) before backward, so scaled gradients have a mean loss's magnitude and do not
+overflow fp16 (without it, the first step of the tests' GPT overflows at the default scale of 65536); the
+boundary multiply divides it out again.
+
+Ranks may run different numbers of micro-batches in a window under DDP (a ``no_sync`` forward and backward do
+not communicate, for models without buffers to broadcast); FSDP2 all-gathers parameters in every forward, so
+there every rank must run as many micro-batches as the others or the ranks deadlock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memtrain.errors import ConfigError, MemtrainError
+
+Reduction = Literal["sum", "mean"]
+
+_FIX_WINDOW = ("To resolve this error, run each micro-batch as `with acc.micro_batch(is_last=...): loss = ...; "
+               "acc.backward(loss, reduction=..., items=...)` and end the window with `acc.step()`.")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer-step boundary did.
+
+    Attributes:
+        step: optimizer steps taken so far, this one included (skipped steps are not counted).
+        loss: the window's loss normalised like the full batch: sum of losses / items (sum-reduced) or the mean
+            of the micro-batch means (mean-reduced), over every rank.
+        grad_norm: global L2 norm of the normalised gradient before clipping (inf or nan when skipped).
+        skipped: True when the fp16 scaler found an inf/nan gradient and skipped the optimizer step.
+        items: items in the window summed over ranks (0 for mean-reduced losses given without items).
+        micro_batches: micro-batches in the window on this rank.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: bool
+    items: int
+    micro_batches: int
+
+
+def accumulation_steps(micro_batch_size: int, global_batch_size: int, world_size: int = 1) -> int:
+    """Micro-batches per optimizer step so that ``global_batch_size`` examples make one step on ``world_size`` ranks.
+
+    Raises:
+        ConfigError: a size below 1, or a global batch that is not a multiple of micro-batch x world size.
+
+    Example:
+        >>> accumulation_steps(2, 8)
+        4
+    """
+    problems = []
+    for name, value in (("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size),
+                        ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name}={value!r} must be an integer >= 1.")
+    ConfigError.raise_if(problems)
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        below = max(per_step, global_batch_size // per_step * per_step)
+        raise ConfigError(
+            f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size {micro_batch_size} x "
+            f"world size {world_size} = {per_step}: accumulation needs a whole number of micro-batches per step. "
+            f"To resolve this error, pass --global-batch-size {below} or {below + per_step}, or a "
+            "--micro-batch-size that divides it."
+        )
+    return global_batch_size // per_step
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _sync_kind(model: nn.Module) -> Literal["fsdp2", "no_sync", "none"]:
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if callable(getattr(model, "set_requires_gradient_sync", None)):
+        return "fsdp2"
+    if callable(getattr(model, "no_sync", None)):
+        return "no_sync"  # DDP (and FSDP1)
+    return "none"
+
+
+class GradientAccumulator:
+    """Accumulates gradients over a window of micro-batches and steps the optimizer once at an explicit boundary.
+
+    Memory of one micro-batch's activations for the gradient of the whole window, at the cost of smaller
+    kernels; under DDP/FSDP2 gradients are communicated once per window, not once per micro-batch.
+
+    Args:
+        model: the module being trained; a ``DistributedDataParallel`` or FSDP2 (``fully_shard``) module when
+            torch.distributed runs more than one rank, so its gradient sync can be skipped.
+        optimizer: steps the parameters; its parameters' gradients are normalised and clipped.
+        steps: micro-batches in a full window (a partial last window may hold fewer).
+        scaler: the fp16 GradScaler (``MixedPrecision("fp16-mixed", ...).scaler``), or None.
+        scheduler: an LR scheduler stepped once per optimizer step actually taken, or None.
+        max_grad_norm: clip the global gradient norm to this value; None computes the norm without clipping.
+
+    Raises:
+        ConfigError: bad arguments (listed together).
+
+    Example:
+        >>> model = nn.Linear(4, 1)
+        >>> acc = GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+        >>> batches = [torch.randn(3, 4), torch.randn(5, 4)]
+        >>> for i, x in enumerate(batches):
+        ...     with acc.micro_batch(is_last=i == len(batches) - 1):
+        ...         acc.backward(model(x).pow(2).sum(), reduction="sum", items=len(x))
+        >>> result = acc.step()
+        >>> result.step, result.items, result.micro_batches
+        (1, 8, 2)
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, steps: int,
+                 scaler: torch.amp.GradScaler | None = None, scheduler: Any = None,
+                 max_grad_norm: float | None = None):
+        problems = []
+        if not isinstance(model, nn.Module):
+            problems.append(f"model is a {type(model).__name__}, not an nn.Module.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            problems.append(f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer.")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            problems.append(f"accumulation steps={steps!r} must be an integer >= 1 (1 means no accumulation). To "
+                            "resolve this error, pass steps=accumulation_steps(micro_batch_size, global_batch_size, "
+                            "world_size).")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
+            problems.append(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None for no clipping.")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            problems.append(f"scaler is a {type(scaler).__name__}, not a torch.amp.GradScaler.")
+        elif scaler is not None and scaler.is_enabled() and not scaler.get_backoff_factor() < 1:
+            # A skipped step is recognised by the scale going down; see step().
+            problems.append(f"GradScaler backoff_factor={scaler.get_backoff_factor()} must be < 1.")
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            problems.append(f"scheduler is a {type(scheduler).__name__} with no step() method.")
+        if isinstance(model, nn.Module) and _world_size() > 1 and _sync_kind(model) == "none":
+            problems.append(
+                f"torch.distributed runs {_world_size()} ranks but the model is a plain {type(model).__name__}: "
+                "its gradients would never be synchronised and the ranks' weights would drift apart. To resolve "
+                "this error, wrap it in DistributedDataParallel or fully_shard it before building the accumulator."
+            )
+        ConfigError.raise_if(problems)
+        self.model = model
+        self.optimizer = optimizer
+        self.steps = steps
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.scheduler = scheduler
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._sync = _sync_kind(model)
+        # Counters over the whole run.
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self.items_seen = 0
+        self.last_grad_norm: float | None = None
+        # fp16 only: the constant sum-reduced losses are multiplied by before backward (see the module docstring).
+        self._sum_prescale: float | None = None
+        self._reset_window()
+
+    # -- state of the current window ----------------------------------------------------------------------
+    def _reset_window(self) -> None:
+        self._micro_batches = 0
+        self._reduction: Reduction | None = None
+        self._stats: torch.Tensor | None = None  # [items, micro-batches, loss sum] on this rank
+        self._in_micro_batch = False
+        self._backward_done = False
+        self._closed = False  # the micro-batch marked is_last=True has run
+
+    @property
+    def micro_batches_in_window(self) -> int:
+        """Micro-batches run since the last step()."""
+        return self._micro_batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, JSON-serialisable (save the scaler's and scheduler's own state_dict beside it)."""
+        return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+                "items_seen": self.items_seen, "last_grad_norm": self.last_grad_norm,
+                "sum_prescale": self._sum_prescale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.items_seen = int(state["items_seen"])
+        self.last_grad_norm = state["last_grad_norm"]
+        self._sum_prescale = state.get("sum_prescale")
+
+    # -- one micro-batch ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def micro_batch(self, *, is_last: bool) -> Iterator[GradientAccumulator]:
+        """The context one micro-batch's forward *and* backward run in.
+
+        Gradient sync is off inside it unless ``is_last``: DDP decides at forward time whether the backward
+        will all-reduce, so the forward must run inside too.
+
+        Args:
+            is_last: True for the last micro-batch of the window (the ``steps``-th, or the last one of the data).
+        """
+        if not isinstance(is_last, bool):
+            raise ConfigError(f"is_last={is_last!r} must be True or False.")
+        if self._in_micro_batch:
+            raise MemtrainError("acc.micro_batch() entered inside another micro-batch: one micro-batch runs at a "
+                                f"time. {_FIX_WINDOW}")
+        if self._closed:
+            raise MemtrainError(f"a micro-batch started after the window's last one (is_last=True) and before "
+                                f"acc.step(): its gradients would join a window that is already synchronised. "
+                                f"{_FIX_WINDOW}")
+        if not is_last and self._micro_batches + 1 >= self.steps:
+            raise MemtrainError(
+                f"micro-batch {self._micro_batches + 1} of a {self.steps}-step window is not marked is_last=True: "
+                f"the window would hold more micro-batches than steps={self.steps} and its gradients would never be "
+                "synchronised. To resolve this error, pass is_last=True on the last micro-batch of each window."
+            )
+        self._in_micro_batch = True
+        self._backward_done = False
+        try:
+            with self._sync_context(is_last):
+                yield self
+        finally:
+            self._in_micro_batch = False
+        if not self._backward_done:
+            raise MemtrainError(f"a micro-batch ended without acc.backward(loss, ...): its forward ran for nothing "
+                                f"and the window's count is wrong. {_FIX_WINDOW}")
+        self._closed = is_last
+
+    def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager[object]:
+        model = getattr(self.model, "_orig_mod", self.model)
+        if self._sync == "no_sync" and not sync:
+            return model.no_sync()
+        if self._sync == "fsdp2":
+            return _fsdp2_sync(model, sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, *, reduction: Reduction, items: int | torch.Tensor | None = None) -> None:
+        """Back-propagates one micro-batch's loss into the window's gradients.
+
+        Args:
+            loss: a scalar loss.
+            reduction: "sum" when ``loss`` is summed over ``items`` (token-count-correct: every item weighs the
+                same across the window and the ranks); "mean" when it is already a mean (every micro-batch
+                weighs the same, exact only when micro-batches hold equal numbers of items).
+            items: how many items (tokens, examples) ``loss`` sums over: an int or an integer tensor (no
+                device sync); required with "sum", optional with "mean" (then only counted in ``items_seen``).
+
+        Raises:
+            MemtrainError: called outside ``micro_batch``, twice in one micro-batch, or with a reduction other
+                than the window's.
+            ConfigError: a bad loss, reduction or item count.
+        """
+        if not self._in_micro_batch:
+            raise MemtrainError(f"acc.backward() called outside a micro-batch: the accumulator cannot tell which "
+                                f"window it belongs to or whether to synchronise gradients. {_FIX_WINDOW}")
+        if self._backward_done:
+            raise MemtrainError("acc.backward() called twice in one micro-batch: under DDP the second backward "
+                                "would synchronise again. To resolve this error, add the losses and call "
+                                "backward once.")
+        problems = []
+        if reduction not in ("sum", "mean"):
+            problems.append(f"reduction={reduction!r} must be 'sum' or 'mean'.")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            problems.append(f"loss must be a scalar tensor, got {shape}. To resolve this error, reduce it with "
+                            ".sum() (and pass items) or .mean().")
+        elif not loss.requires_grad:
+            problems.append("loss does not require grad: nothing to back-propagate. To resolve this error, compute "
+                            "it from the model's output outside torch.no_grad().")
+        if items is None and reduction == "sum":
+            problems.append("reduction='sum' needs items=<number of items the loss sums over> (e.g. "
+                            "(labels != -100).sum() tokens), to normalise the window.")
+        elif items is not None and not _valid_items(items):
+            problems.append(f"items={items!r} must be an int >= 0 or a one-element integer tensor.")
+        ConfigError.raise_if(problems)
+        if self._reduction is not None and reduction != self._reduction:
+            raise MemtrainError(
+                f"reduction={reduction!r} in a window whose earlier micro-batches used {self._reduction!r}: sum "
+                "and mean losses cannot be normalised together. To resolve this error, use one reduction for "
+                "every micro-batch (reduction='sum' with items is token-count-correct)."
+            )
+
+        scaled = loss
+        if self.scaler is not None:
+            if reduction == "sum":
+                scaled = loss * self._prescale(items)
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+
+        # float64 counts stay exact past 2**24 items; MPS has no float64.
+        dtype = torch.float32 if loss.device.type == "mps" else torch.float64
+        one = torch.ones((), dtype=dtype, device=loss.device)
+        count = (one * 0) if items is None else torch.as_tensor(items, device=loss.device).reshape(()).double()
+        stats = torch.stack([count, one, loss.detach().reshape(()).double()])
+        self._stats = stats if self._stats is None else self._stats + stats
+        self._reduction = reduction
+        self._micro_batches += 1
+        self._backward_done = True
+
+    def _prescale(self, items: int | torch.Tensor) -> float:
+        if self._sum_prescale is None:
+            # Same constant on every rank: DDP/FSDP2 average gradients, which is linear only if it is.
+            first = torch.as_tensor(items, dtype=torch.float64).reshape(()).cpu()
+            if _world_size() > 1:
+                first = first.to(_collective_device())
+                dist.all_reduce(first, op=dist.ReduceOp.MAX)
+            self._sum_prescale = 1.0 / max(float(first), 1.0)
+        return self._sum_prescale
+
+    # -- the boundary -------------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Ends the window: unscale -> normalise -> clip -> optimizer step -> scaler update -> scheduler step
+        -> zero_grad(set_to_none=True), each once.
+
+        Returns:
+            A StepResult. With an fp16 scaler an overflowing window is skipped: parameters, optimizer state and
+            scheduler are left as they were, ``skipped`` is True and ``skipped_steps`` grows.
+
+        Raises:
+            MemtrainError: no micro-batch ran, the last one was not marked ``is_last=True``, the window holds
+                zero items over all ranks, or (without a scaler) the gradient is not finite; the window's
+                gradients are dropped, the weights are untouched.
+        """
+        if self._in_micro_batch:
+            raise MemtrainError(f"acc.step() called inside a micro-batch. {_FIX_WINDOW}")
+        if self._micro_batches == 0:
+            raise MemtrainError(f"acc.step() with no micro-batch in the window: there is no gradient to step "
+                                f"with. {_FIX_WINDOW}")
+        if not self._closed:
+            raise MemtrainError(
+                f"acc.step() after {self._micro_batches} micro-batch(es), none marked is_last=True: under DDP/FSDP2 "
+                "the gradients were never synchronised. To resolve this error, pass is_last=True to the window's "
+                "last micro-batch (the last one of the data too)."
+            )
+        world = _world_size()
+        stats = self._stats
+        if world > 1:
+            stats = stats.to(_collective_device())
+            dist.all_reduce(stats)
+        items_f, micro_f, loss_sum = stats.tolist()
+        items = round(items_f)
+        reduction = self._reduction
+        if reduction == "sum" and items <= 0:
+            message = (
+                f"the window holds {items} items over {world} rank(s) ({self._micro_batches} micro-batch(es) here): "
+                "a sum-reduced loss over nothing cannot be normalised. To resolve this error, skip micro-batches "
+                "whose labels are all -100 before the window, or count items as (labels != -100).sum()."
+            )
+            self.discard_window()
+            raise MemtrainError(message)
+        divisor = items_f if reduction == "sum" else micro_f
+        # DDP and FSDP2 average gradients over the ranks; multiply by the world size to get the sum back.
+        factor = (world if self._sync != "none" else 1) / divisor
+        if reduction == "sum" and self.scaler is not None:
+            factor /= self._sum_prescale
+
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # first: normalising and clipping act on true gradients
+        grads = [p.grad for p in params if p.grad is not None]
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
+        grad_norm = _grad_norm([p for p in params if p.grad is not None], self.max_grad_norm)
+
+        skipped = False
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skips optimizer.step() if unscale_ found inf/nan
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before  # the scale only goes down after an overflow
+        elif not math.isfinite(grad_norm):
+            self.skipped_steps += 1
+            self.discard_window()
+            raise MemtrainError(
+                f"the gradient norm is {grad_norm} at optimizer step {self.optimizer_steps + 1} and no fp16 scaler "
+                "owns overflows: stepping would write nan into the weights, so the step was not taken and the "
+                "window's gradients were dropped. To resolve this error, lower the learning rate, set "
+                "max_grad_norm, or check the data of this window for inf/nan."
+            )
+        else:
+            self.optimizer.step()
+        if skipped:
+            self.skipped_steps += 1  # the scheduler stays where it was: no update happened
+        else:
+            self.optimizer_steps += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # None, not zeros: frees the gradients' memory
+
+        self.items_seen += items
+        self.last_grad_norm = grad_norm
+        micro_batches = self._micro_batches
+        self._reset_window()
+        return StepResult(step=self.optimizer_steps, loss=loss_sum / divisor, grad_norm=grad_norm,
+                          skipped=skipped, items=items, micro_batches=micro_batches)
+
+    def discard_window(self) -> None:
+        """Drops the current window's gradients and counts without stepping (e.g. after an out-of-memory error
+        in one of its micro-batches); the next micro-batch starts a new window."""
+        if self._in_micro_batch:
+            raise MemtrainError(f"acc.discard_window() called inside a micro-batch. {_FIX_WINDOW}")
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
+
+
+@contextlib.contextmanager
+def _fsdp2_sync(model: Any, sync: bool) -> Iterator[None]:
+    # FSDP2 modules have no no_sync(): without this flag every micro-batch's backward reduce-scatters.
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _valid_items(items: object) -> bool:
+    if isinstance(items, torch.Tensor):
+        return items.numel() == 1 and not items.is_floating_point() and not items.is_complex()
+    return isinstance(items, int) and not isinstance(items, bool) and items >= 0
+
+
+def _collective_device() -> torch.device:
+    # gloo reduces CPU tensors, NCCL reduces CUDA tensors.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,957 @@
+"""Predict the peak memory of a training step without running it: no GPU, no real activations.
+
+The model's forward and backward run on tensors without data (meta tensors for a CUDA target; fake CPU tensors,
+``torch._subclasses.FakeTensorMode``, for a CPU target), so a 70B Llama config costs seconds and no memory. Two
+things are counted along the way:
+
+- the tensors autograd saves for backward, by the same ``MemoryMeter`` that ``measure`` uses, so on the CPU the
+  figure equals ``measure``'s exactly;
+- every tensor alive at every moment (a dispatch mode sees each allocation, a weak reference each free), which
+  gives the peak of the step and the tensors that make it, as the device allocator would see them.
+
+For ``device="cuda"`` the simulation runs with the CPU's kernels but CUDA's rules where they change memory: the
+CUDA autocast op lists (e.g. ``pow`` and ``layer_norm`` run in fp32), the CUDA attention kernel that
+``scaled_dot_product_attention`` picks (flash, memory-efficient or the math fallback that materialises the
+attention matrix), and the caching allocator's 512-byte rounding. Optimizer state and step temporaries are added
+by formula for the optimizer named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import json
+import math
+import os
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+from memtrain.checkpointing import (
+    _auto_blocks,
+    _CheckpointedForward,
+    apply_checkpointing,
+    remove_checkpointing,
+)
+from memtrain.errors import ConfigError, MemtrainError
+from memtrain.measure import MemoryMeter, _as_loss
+from memtrain.report import MemoryReport, format_bytes
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+OptimizerKind = Literal["adamw", "sgd", "sgd-momentum", "adafactor", "adamw-offload"]
+
+_AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes; memory_allocated counts blocks.
+_CUDA_BLOCK = 512
+# cuBLAS keeps one workspace per (handle, stream); forward (main thread) and backward (autograd's device thread)
+# use different handles. 32 MiB each on Hopper (torch's default for sm90), allocated by the caching allocator.
+_CUDA_WORKSPACE_BYTES = 2 * 32 * 2**20
+
+
+# -- arguments ----------------------------------------------------------------------------------------------
+def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> dict[str, Any] | None:
+    """``"none"``/None/False -> None; ``"all"``/True -> every=1; ``"every:K"`` or int K -> every=K; a mapping ->
+    ``apply_checkpointing``'s keyword arguments as given."""
+    if checkpointing in (None, False, "none"):
+        return None
+    if checkpointing is True or checkpointing == "all":
+        return {"every": 1}
+    if isinstance(checkpointing, Mapping):
+        return dict(checkpointing)
+    if isinstance(checkpointing, int) and checkpointing >= 1:
+        return {"every": checkpointing}
+    if isinstance(checkpointing, str) and checkpointing.startswith("every:"):
+        k = checkpointing.split(":", 1)[1]
+        if k.isdigit() and int(k) >= 1:
+            return {"every": int(k)}
+    problems.append(
+        f"checkpointing={checkpointing!r} is not a policy. To resolve this error, pass 'none', 'all', 'every:K' "
+        "(K >= 1), an integer K, or a dict of apply_checkpointing arguments such as {'every': 2}."
+    )
+    return None
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...], problems: list[str]) -> None:
+    if value not in allowed:
+        problems.append(f"{name}={value!r} is not known. To resolve this error, pass one of {list(allowed)}.")
+
+
+def hf_config_from_file(path: str | os.PathLike[str]) -> Any:
+    """Reads a Hugging Face ``config.json`` (plain JSON, nothing executed) into its ``PretrainedConfig``.
+
+    Raises:
+        ConfigError: the file is missing, is not JSON, has no ``model_type``, or names a type transformers lacks.
+    """
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("reading a Hugging Face config needs transformers. To resolve this error, "
+                          "pip install 'memtrain[hf]'.") from None
+    try:
+        fields = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"could not read the Hugging Face config {str(path)!r}: {e}. To resolve this error, pass "
+                          "the path of a config.json file.") from None
+    model_type = fields.pop("model_type", None) if isinstance(fields, dict) else None
+    if not model_type:
+        raise ConfigError(f"{str(path)!r} has no \"model_type\" field, so its model class is unknown. To resolve "
+                          "this error, add e.g. \"model_type\": \"llama\" to the file.")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{str(path)!r}: transformers does not know model_type={model_type!r} ({e}). To resolve "
+                          "this error, upgrade transformers or fix the model_type.") from None
+
+
+# -- the model, as fake tensors -----------------------------------------------------------------------------
+def _meta_model(model: Any) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device (no data copied)."""
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # transformers is optional
+        PretrainedConfig = ()  # noqa: N806
+    if PretrainedConfig and isinstance(model, PretrainedConfig):
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(copy.deepcopy(model))
+        except Exception as e:  # noqa: BLE001 - re-raised with the fix
+            raise ConfigError(
+                f"estimate: could not build a causal LM from {type(model).__name__} ({type(e).__name__}: {e}). "
+                "To resolve this error, pass a config AutoModelForCausalLM knows, or build the model yourself under "
+                "`with torch.device('meta'):` and pass the module."
+            ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"estimate: model is a {type(model).__name__}, not an nn.Module or a Hugging Face config. "
+            "To resolve this error, pass the module (any device, meta included) or its PretrainedConfig."
+        )
+    # The memo makes deepcopy reuse meta stand-ins for parameters and buffers: no data is copied, ties survive.
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in memo:
+            meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> None:
+    """Replaces every parameter and buffer by a fake CPU tensor of the same shape, in place (ties kept)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            with fake_mode:
+                data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            done[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+        return done[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = fake(p)  # type: ignore[assignment]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = fake(b)
+
+
+# -- the batch ----------------------------------------------------------------------------------------------
+def _shape_of(x: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), x.dtype
+    if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and x and all(isinstance(d, int) for d in x)):
+        return tuple(x), torch.long
+    return None
+
+
+def _batch_spec(batch: Any, micro_batch_size: int | None, seq_len: int | None,
+                problems: list[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+    """Named input shapes: ``{"input_ids": ((B, T), long)}`` for tokens, or a dict's entries."""
+    for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            problems.append(f"{name}={value!r} must be a positive integer. To resolve this error, pass e.g. 4.")
+            return None
+    if batch is None:
+        if micro_batch_size is None or seq_len is None:
+            problems.append("estimate needs a batch: none was given, and micro_batch_size and seq_len are not both "
+                            "set. To resolve this error, pass batch=(B, T), a token tensor, or both of them.")
+            return None
+        spec = {"input_ids": ((micro_batch_size, seq_len), torch.long)}
+    elif isinstance(batch, Mapping):
+        spec = {}
+        for key, value in batch.items():
+            shape = _shape_of(value)
+            if shape is None:
+                problems.append(f"batch[{key!r}] is a {type(value).__name__}, not a tensor or a shape. To resolve "
+                                "this error, pass tensors (any device, meta included) or shapes as tuples.")
+                return None
+            spec[key] = shape
+    else:
+        shape = _shape_of(batch)
+        if shape is None:
+            problems.append(f"batch is a {type(batch).__name__}, not a tensor, a shape or a dict of them. To resolve "
+                            "this error, pass e.g. batch=(4, 2048) or the input tensor.")
+            return None
+        spec = {"input_ids": shape}
+    resized = {}
+    for key, (shape, dtype) in spec.items():
+        dims = list(shape)
+        if micro_batch_size is not None and dims:
+            dims[0] = micro_batch_size
+        if seq_len is not None and len(dims) >= 2 and not dtype.is_floating_point:
+            dims[1] = seq_len
+        resized[key] = (tuple(dims), dtype)
+    return resized
+
+
+def _max_positions(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "n_positions", "seq_len"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _call_convention(model: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                     explicit_dict: bool) -> Callable[[dict[str, torch.Tensor]], Any]:
+    """How to run a training forward: HF ``model(input_ids=, labels=)``, memtrain ``GPT(idx, targets)``, or
+    ``model(x)``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if explicit_dict:
+        add_labels = "labels" in params and "labels" not in spec and "input_ids" in spec
+        return lambda t: model(**t, **({"labels": t["input_ids"].clone()} if add_labels else {}))
+    if "labels" in params and "input_ids" in params:
+        return lambda t: model(input_ids=t["input_ids"], labels=t["input_ids"].clone())
+    if "targets" in params:
+        return lambda t: model(t["input_ids"], t["input_ids"].clone())
+    return lambda t: model(t["input_ids"])
+
+
+# -- optimizer state ----------------------------------------------------------------------------------------
+def _optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int,
+                     on_cuda: bool) -> tuple[int, int, int, str]:
+    """(device state bytes, device step-temporary bytes, host bytes, assumption) for ``kind``."""
+
+    def r(n: int) -> int:
+        return _round(n, round_to)
+
+    sizes = [p.numel() * p.element_size() for p in params]
+    # Fused/capturable AdamW keeps its step counter as a 4-byte tensor on the device, one per parameter.
+    step_bytes = len(params) * r(4) if on_cuda else 0
+    if kind == "adamw":
+        return (2 * sum(r(n) for n in sizes) + step_bytes, 0, 0,
+                "AdamW fused (torch.optim.AdamW(fused=True)): exp_avg and exp_avg_sq in the parameter dtype, no "
+                "step temporaries; the foreach implementation would add one fp32 copy of the parameters")
+    if kind == "sgd":
+        return 0, 0, 0, "SGD without momentum: no optimizer state"
+    if kind == "sgd-momentum":
+        return sum(r(n) for n in sizes), 0, 0, "SGD with momentum: one buffer per parameter, weight_decay=0"
+    if kind == "adafactor":
+        state = 0
+        for p in params:
+            shape = tuple(p.shape)
+            if len(shape) >= 2:  # factored second moment: a row and a column vector
+                state += r(math.prod(shape[:-1]) * 4) + r(math.prod(shape[:-2] + shape[-1:]) * 4)
+            else:
+                state += r(p.numel() * 4)
+        temp = sum(r(p.numel() * 4) for p in params)
+        return (state + step_bytes, temp, 0,
+                "Adafactor (torch.optim.Adafactor, foreach): factored second moments, no first moment; the step "
+                "builds one fp32 variance estimate per parameter at once")
+    # adamw-offload: master weights and both moments live in pinned host memory (CPUOffloadOptimizer).
+    host = sum(p.numel() * 4 * 4 for p in params)  # fp32 master + exp_avg + exp_avg_sq + host grad buffer
+    return (0, 0, host,
+            "AdamW with state offloaded to the host: fp32 master weights, moments and a gradient buffer in pinned "
+            "host memory (16 bytes per parameter); device gradients are counted in full (streaming frees "
+            "them earlier, so the device figure is an upper bound)")
+
+
+def _storage_elements(t: torch.Tensor) -> int:
+    """Elements a fresh tensor of this shape and strides needs."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to if to > 1 and n > 0 else n
+
+
+# -- live memory ------------------------------------------------------------------------------------------------
+class _LiveTracker(TorchDispatchMode):
+    """Counts the bytes of every storage alive, as an allocator would: one allocation per op output that does not
+    alias an input, freed when the last tensor using it dies."""
+
+    def __init__(self, round_to: int, where: Callable[[], str]):
+        super().__init__()
+        self.round_to = round_to
+        self.where = where
+        self.phase = "forward"
+        # storage key -> (bytes, label, serial). Keys (StorageImpl addresses) are reused after a free; serials
+        # are not, so categories are kept by serial.
+        self.live: dict[int, tuple[int, tuple[Any, ...], int]] = {}
+        self.saved_serials: set[int] = set()
+        self._serial = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.peak = 0
+        self.peak_at: tuple[str, str] = ("", "")
+        self.peak_live: dict[int, tuple[int, tuple[Any, ...], int]] = {}
+        self._pending = False  # a new peak whose live set is not copied yet
+        self.cuda_workspaces = round_to > 1
+        self.replay: dict[tuple[Any, ...], Any] | None = None  # set to {} to replay meta outputs
+
+    def add(self, t: torch.Tensor, label: tuple[Any, ...]) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        nbytes = _round(storage.nbytes(), self.round_to)
+        self._serial += 1
+        self.live[key] = (nbytes, label, self._serial)
+        self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
+        self.add_bytes(nbytes)
+
+    def mark_saved(self, t: torch.Tensor) -> None:
+        entry = self.live.get(t.untyped_storage()._cdata)
+        if entry is not None:
+            self.saved_serials.add(entry[2])
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_at = (self.phase, self.where())
+            self._pending = True
+
+    def _free(self, key: int, _ref: weakref.ref) -> None:
+        # Live bytes only grow between frees, so the moment before a free is where a peak is complete.
+        self.snapshot()
+        entry = self.live.pop(key, None)
+        self._refs.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+
+    def snapshot(self) -> None:
+        if self._pending:
+            self.peak_live = dict(self.live)
+            self._pending = False
+
+    def transient(self, nbytes: int, label: tuple[Any, ...]) -> None:
+        """An allocation a kernel makes and frees inside itself (a workspace the fake op does not show)."""
+        self._serial += 1
+        key = -self._serial
+        self.live[key] = (_round(nbytes, self.round_to), label, self._serial)
+        self.add_bytes(self.live[key][0])
+        self._free(key, None)  # type: ignore[arg-type]
+
+    def _run(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Runs ``func``; on meta tensors, replays the output metadata of an identical earlier call instead.
+
+        Identical blocks repeat identical calls, and torch's meta functions are mostly Python: replaying what a
+        call produced (shape, strides, dtype) makes a 70B model's 80 layers cost little more than one.
+        """
+        if self.replay is None or func._schema.is_mutable or any(r.alias_info is not None
+                                                                  for r in func._schema.returns):
+            return func(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        key_parts: list[Any] = [func, spec]
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                if x.device.type != "meta":
+                    return func(*args, **kwargs)
+                key_parts.append((tuple(x.shape), x.stride(), x.dtype, x.storage_offset()))
+            elif x is None or isinstance(x, (int, float, bool, str, torch.dtype, torch.device, torch.layout,
+                                             torch.memory_format)):
+                key_parts.append((type(x), x))
+            else:
+                return func(*args, **kwargs)
+        key = tuple(key_parts)
+        recipe = self.replay.get(key)
+        if recipe is not None:
+            out_spec, metas = recipe
+            outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in metas]
+            return tree_unflatten(outs, out_spec)
+        out = func(*args, **kwargs)
+        out_leaves, out_spec = tree_flatten(out)
+        metas = []
+        for t in out_leaves:
+            # Only fresh, exactly-sized outputs can be replayed by empty_strided.
+            if not isinstance(t, torch.Tensor) or t.storage_offset() != 0 or t.untyped_storage().nbytes() != (
+                _storage_elements(t) * t.element_size()
+            ):
+                return out
+            metas.append((tuple(t.shape), t.stride(), t.dtype))
+        self.replay[key] = (out_spec, metas)
+        return out
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = self._run(func, args, kwargs or {})
+        if self.cuda_workspaces and func is torch.ops.aten.embedding_dense_backward.default:
+            # CUDA sorts the indices and reduces per partial segment: up to one fp32 row per token, plus index
+            # buffers (an upper bound; few repeated tokens is the common case).
+            tokens, dim = args[1].numel(), args[0].shape[-1]
+            self.transient(tokens * dim * 4 + 4 * tokens * 8,
+                           (self.phase, self.where(), "embedding backward workspace", (tokens, dim), torch.float32))
+        returns = func._schema.returns
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, t in enumerate(outs):
+            # Views and in-place results alias an input: no new memory (fake tensors may still give them a storage).
+            aliased = i < len(returns) and returns[i].alias_info is not None
+            if isinstance(t, torch.Tensor) and not aliased:
+                self.add(t, (self.phase, self.where(), func.overloadpacket.__name__, tuple(t.shape), t.dtype))
+            elif isinstance(t, (list, tuple)) and not aliased:  # foreach ops return lists
+                for u in t:
+                    if isinstance(u, torch.Tensor):
+                        self.add(u, (self.phase, self.where(), func.overloadpacket.__name__, tuple(u.shape), u.dtype))
+        return out
+
+
+# -- CUDA rules on the CPU's kernels -------------------------------------------------------------------------
+# torch's CUDA autocast policy (aten/src/ATen/autocast_mode.cpp), by Python function name.
+_LOWER_PRECISION = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "__matmul__", "__rmatmul__", "einsum", "mm", "mv",
+    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "lstm_cell",
+    "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+})
+_FP32 = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "group_norm", "frobenius_norm",
+    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp", "cross_entropy",
+    "rms_norm",
+})
+# Ops whose output dtype autocast sets to fp32 (when the caller gave none): fp32 output from a bf16 input.
+_FP32_OUTPUT = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum", "linalg_vector_norm"})
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class _CudaRules(TorchFunctionMode):
+    """CUDA autocast (when ``dtype`` is set) and CUDA's choice of attention kernel, on the CPU's kernels."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        super().__init__()
+        self.dtype = dtype
+        self.autocast = False  # on during forward and during a checkpointed block's recompute (grad enabled)
+        self.cache: dict[int, torch.Tensor] | None = None  # autocast's cast cache: leaf weights, until forward ends
+
+    def around_recompute(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wraps a checkpointed block's function so that its recompute in backward runs under these rules too.
+
+        ``loss.backward()`` goes through this mode's ``__torch_function__``, which takes the mode off the stack while
+        it runs, so the recompute would otherwise see the CPU's rules (and fail checkpoint's dtype check).
+        """
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self in torch.overrides._get_current_function_mode_stack():
+                return fn(*args, **kwargs)
+            with self:
+                return fn(*args, **kwargs)
+
+        return run
+
+    def _cast(self, x: Any, dtype: torch.dtype, cacheable: bool) -> Any:
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+                and x.dtype != dtype):
+            return x
+        if cacheable and self.cache is not None and x.is_leaf and x.requires_grad and x.dtype == torch.float32:
+            cached = self.cache.get(id(x))
+            if cached is None:
+                cached = self.cache[id(x)] = x.to(dtype)
+            return cached
+        return x.to(dtype)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if self.dtype is not None and self.autocast and torch.is_grad_enabled():
+            if name in _LOWER_PRECISION:
+                args, kwargs = tree_map(lambda x: self._cast(x, self.dtype, True), (args, kwargs))
+            elif name in _FP32:
+                args, kwargs = tree_map(lambda x: self._cast(x, torch.float32, False), (args, kwargs))
+            elif name in _FP32_OUTPUT and kwargs.get("dtype") is None and any(
+                isinstance(x, torch.Tensor) and x.dtype in _LOW for x in tree_leaves(args)
+            ):
+                kwargs["dtype"] = torch.float32
+        if name == "scaled_dot_product_attention":
+            return _cuda_sdpa(*args, **kwargs)
+        if name == "dropout":
+            return _cuda_dropout(*args, **kwargs)
+
+        return func(*args, **kwargs)
+
+
+def _cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+    """CUDA's dropout is the fused ``native_dropout``: it saves a 1-byte mask, where the CPU's saves a mask in the
+    input's dtype."""
+    if not training or p == 0.0 or inplace or not torch.is_grad_enabled():
+        return F.dropout(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
+
+
+def _cuda_sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, is_causal: bool,
+                      enable_gqa: bool) -> str:
+    """The kernel CUDA's ``scaled_dot_product_attention`` picks on an sm90 GPU (flash, efficient, or math)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "math"
+    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+    d, dv = q.shape[-1], v.shape[-1]
+    same_heads = hq == hk == hv
+    gqa = enable_gqa and hk == hv and hq % hk == 0
+    if (q.dtype in _LOW and attn_mask is None and d == dv == k.shape[-1] and d <= 256
+            and (same_heads or gqa) and not (is_causal and q.shape[-2] != k.shape[-2])):
+        return "flash"
+    # Memory-efficient attention supports fp32 and masks, but not grouped-query attention.
+    alignment = 8 if q.dtype in _LOW else 4
+    if same_heads and d % alignment == 0 and dv % alignment == 0:
+        return "efficient"
+    return "math"
+
+
+def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    kernel = _cuda_sdpa_kernel(query, key, value, attn_mask, is_causal, enable_gqa)
+    if kernel == "math":
+        dtype = query.dtype
+        if dtype in _LOW:  # on CUDA the math kernel computes half-precision inputs in fp32
+            query, key, value = query.float(), key.float(), value.float()
+        out = torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        return out.to(dtype)
+    return _FusedAttention.apply(query, key, value, kernel)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The memory of CUDA's flash / memory-efficient attention: what they allocate, save and free (no math)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
+        b, h, t, _ = q.shape
+        # Both kernels write the output as (B, T, H, D) and return a transposed view: the usual
+        # `out.transpose(1, 2).contiguous()` that follows costs nothing.
+        out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+        lse_len = t if kernel == "flash" else -(-t // 32) * 32
+        lse = q.new_empty((b, h, lse_len), dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel = kernel
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        b, h, t, d = q.shape
+        tk, hk = k.shape[2], k.shape[1]
+        workspace = []
+        if ctx.kernel == "flash":  # FlashAttention-2: softmax_d and an fp32 dq accumulator, rounded up
+            t_round = -(-t // 128) * 128
+            d_round = -(-d // (32 if d <= 128 else 64)) * (32 if d <= 128 else 64)
+            workspace.append(q.new_empty((b, h, t_round), dtype=torch.float32))
+            workspace.append(q.new_empty((b, t_round, h, d_round), dtype=torch.float32))
+        else:
+            workspace.append(q.new_empty((b, h, t), dtype=torch.float32))
+            if q.dtype != torch.float32:
+                workspace.append(q.new_empty((b, t, h, d), dtype=torch.float32))
+        dq = q.new_empty((b, t, h, d)).transpose(1, 2)
+        if hk != h:  # grouped-query: gradients per query head first, then summed into the key/value heads
+            workspace.append(k.new_empty((b, tk, h, k.shape[-1])))
+            workspace.append(v.new_empty((b, tk, h, v.shape[-1])))
+        dk = k.new_empty((b, tk, hk, k.shape[-1])).transpose(1, 2)
+        dv = v.new_empty((b, tk, hk, v.shape[-1])).transpose(1, 2)
+        del workspace
+        return dq, dk, dv, None
+
+
+# -- where are we -------------------------------------------------------------------------------------------
+class _Where:
+    """The block (or top-level module) running now: a stack in forward, autograd node labels in backward."""
+
+    def __init__(self, model: nn.Module):
+        names = {id(m): name for name, m in model.named_modules()}
+        blocks = _auto_blocks(model)
+        self.root = type(model).__name__  # the top level: embeddings, head and loss live here
+        self.labels = {key: self._label(name, blocks) or self.root for key, name in names.items()}
+        self.stack: list[str] = []
+        self.backward_label = ""
+        self.in_backward = False
+        self._handles: list[Any] = []
+
+    @staticmethod
+    def _label(name: str, blocks: list[str]) -> str:
+        for block in blocks:
+            if name == block or name.startswith(block + "."):
+                return block
+        return name
+
+    def __call__(self) -> str:
+        if self.in_backward:
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                label = node.metadata.get("memtrain_module")
+                if label is not None:
+                    self.backward_label = label
+            if self.stack:  # a checkpointed block recomputing its forward
+                return self.stack[-1]
+            return self.backward_label
+        return self.stack[-1] if self.stack else self.root
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        label = self.labels.get(id(module))
+        if label is not None:
+            self.stack.append(label)
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        label = self.labels.get(id(module))
+        if label is None:
+            return
+        if self.stack:
+            self.stack.pop()
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None and "memtrain_module" not in t.grad_fn.metadata:
+                t.grad_fn.metadata["memtrain_module"] = label
+
+    def __enter__(self) -> _Where:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class _BlockMeter(MemoryMeter):
+    """``MemoryMeter`` that also attributes each saved storage to the block that saved it."""
+
+    def __init__(self, model: nn.Module, where: _Where, tracker: _LiveTracker):
+        super().__init__(model)
+        self.where = where
+        self.tracker = tracker
+        self.per_block: dict[str, int] = {}
+
+    def _count(self, t: torch.Tensor) -> None:
+        before = len(self._saved)
+        super()._count(t)
+        if len(self._saved) > before:
+            nbytes = next(reversed(self._saved.values()))
+            label = self.where()
+            self.per_block[label] = self.per_block.get(label, 0) + nbytes
+            self.tracker.mark_saved(t)
+
+
+# -- the estimate -------------------------------------------------------------------------------------------
+_FRIENDLY = {
+    "_log_softmax": "log-softmax of the logits",
+    "_log_softmax_backward_data": "logits grad",
+    "nll_loss_backward": "loss grad wrt log-probs",
+}
+
+
+def _describe(nbytes: int, label: tuple[Any, ...], grad_of: str | None) -> str:
+    phase, where, op, shape, dtype = label
+    what = f"grad of {grad_of}" if grad_of else _FRIENDLY.get(op, f"{op} output")
+    if op == "_to_copy" and not grad_of:
+        what = f"cast to {str(dtype).replace('torch.', '')}"
+    dims = "x".join(str(d) for d in shape)
+    return f"{what} {format_bytes(nbytes)} ({dims} {str(dtype).replace('torch.', '')})"
+
+
+def estimate(
+    model: Any,
+    batch: Any = None,
+    *,
+    device: str = "cuda",
+    precision: Precision = "fp32",
+    checkpointing: Any = "none",
+    offload_activations: bool = False,
+    optimizer: OptimizerKind = "adamw",
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    replay: bool = True,
+) -> MemoryReport:
+    """Predicts a training step's peak memory by running it on fake tensors: seconds of CPU, no device memory.
+
+    The step is the steady state a training loop reaches from its second step on: forward with labels (the
+    loss on fp32 logits for causal LMs), backward, optimizer step, ``zero_grad(set_to_none=True)``, with the
+    optimizer state already allocated and the forward's output object kept until the step ends. The first step's
+    peak is lower (no optimizer state yet).
+
+    Args:
+        model: an ``nn.Module`` (on any device, the meta device included; it is not modified and its data is
+            not copied) or a Hugging Face ``PretrainedConfig`` (built with ``AutoModelForCausalLM.from_config``
+            on the meta device).
+        batch: a token tensor (any device), a shape such as ``(4, 2048)``, or a dict of model inputs (tensors or
+            shapes); ``None`` with ``micro_batch_size`` and ``seq_len`` means ``(micro_batch_size, seq_len)``.
+        device: ``"cuda"`` (CUDA autocast lists and attention kernels, 512-byte allocator blocks, cuBLAS
+            workspaces) or ``"cpu"`` (the CPU's own kernels, as ``measure`` sees them).
+        precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast; parameters keep their dtype).
+        checkpointing: ``"none"``, ``"all"``, ``"every:K"`` / ``K``, or a dict of ``apply_checkpointing``
+            arguments; applied to a copy of the model.
+        offload_activations: saved activations live in host memory; the device keeps about one block's worth.
+        optimizer: ``"adamw"`` (fused), ``"sgd"``, ``"sgd-momentum"``, ``"adafactor"`` or ``"adamw-offload"``
+            (state on the host).
+        micro_batch_size, seq_len: override the batch's first and second dimensions.
+        replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls
+            instead of running torch's meta functions again (same result, several times faster on deep models).
+
+    Returns:
+        A ``MemoryReport`` with ``source="estimated"``: parameter, gradient, optimizer-state and saved-activation
+        bytes (activations exactly as ``measure`` counts them), ``peak_bytes`` (the predicted device peak),
+        ``peak_phase`` (where, and the largest tensors alive there), ``phase_bytes`` (bytes alive after
+        forward, backward and step), ``host_bytes`` and ``assumptions`` (including the breakdown at the peak).
+
+    Raises:
+        ConfigError: an unknown device, precision, optimizer or checkpointing policy; a batch that is missing or
+            does not fit the model. Every problem at once.
+        MemtrainError: the model's forward cannot run on fake tensors (the message names the module).
+
+    Example:
+        >>> from memtrain.models import GPT, GPT_PRESETS
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPT_PRESETS["gpt-tiny"])
+        >>> report = estimate(model, (8, 64), device="cpu")
+        >>> report.source, report.peak_bytes > report.parameter_bytes
+        ('estimated', True)
+    """
+    problems: list[str] = []
+    device_type = str(device).split(":")[0]
+    _check_choice("device", device_type, ("cuda", "cpu"), problems)
+    _check_choice("precision", precision, get_args(Precision), problems)
+    _check_choice("optimizer", optimizer, get_args(OptimizerKind), problems)
+    ckpt = _checkpointing_kwargs(checkpointing, problems)
+    spec = _batch_spec(batch, micro_batch_size, seq_len, problems)
+    ConfigError.raise_if(problems)
+    assert spec is not None
+    on_cuda = device_type == "cuda"
+    round_to = _CUDA_BLOCK if on_cuda else 1
+    autocast_dtype = _AUTOCAST_DTYPES[precision]
+
+    meta = _meta_model(model)
+    meta.train()
+    max_pos = _max_positions(meta)
+    if max_pos is not None and "input_ids" in spec and len(spec["input_ids"][0]) >= 2:
+        t = spec["input_ids"][0][1]
+        if t > max_pos:
+            problems.append(f"batch: sequences of {t} tokens are longer than the model's {max_pos} positions. To "
+                            f"resolve this error, pass seq_len <= {max_pos} or a config with more positions.")
+    ConfigError.raise_if(problems)
+    remove_checkpointing(meta)
+    if ckpt is not None:
+        apply_checkpointing(meta, **ckpt)
+
+    # CUDA: meta tensors (fast: the CUDA rules above choose kernels and dtypes). CPU: fake CPU tensors, so that
+    # the CPU's own kernel choices (attention) and autocast apply exactly as in a real CPU run.
+    fake_mode: Any = _nullcontext()
+    if not on_cuda:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # stray tensor attributes become fake
+        _to_fake(meta, fake_mode)
+    with fake_mode:
+        inputs = {key: torch.empty(shape, dtype=dtype, device="meta" if on_cuda else "cpu")
+                  for key, (shape, dtype) in spec.items()}
+    run = _call_convention(meta, spec, isinstance(batch, Mapping))
+
+    params = list(dict.fromkeys(p for p in meta.parameters()))
+    trainable = [p for p in params if p.requires_grad]
+    state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = _optimizer_bytes(trainable, optimizer, round_to,
+                                                                                on_cuda)
+    where = _Where(meta)
+    tracker = _LiveTracker(round_to, where)
+    if on_cuda and replay:
+        tracker.replay = {}
+    for name, p in meta.named_parameters():
+        tracker.add(p, ("state", name, "parameter", tuple(p.shape), p.dtype))
+    for name, b in meta.named_buffers():
+        tracker.add(b, ("state", name, "buffer", tuple(b.shape), b.dtype))
+    for name, t in inputs.items():
+        tracker.add(t, ("input", name, "input", tuple(t.shape), t.dtype))
+    tracker.add_bytes(state_bytes)
+    workspace = _CUDA_WORKSPACE_BYTES if on_cuda else 0
+    tracker.add_bytes(workspace)
+
+    rules = _CudaRules(autocast_dtype) if on_cuda else None
+    if rules is not None:
+        for module in meta.modules():
+            wrapped = module.__dict__.get("forward")
+            if isinstance(wrapped, _CheckpointedForward):
+                wrapped.original = rules.around_recompute(wrapped.original)
+    cpu_autocast = (torch.autocast("cpu", dtype=autocast_dtype) if (autocast_dtype and not on_cuda)
+                    else _nullcontext())
+    meter = _BlockMeter(meta, where, tracker)
+    phase_bytes: list[tuple[str, int]] = []
+    with _hf_sees_real_tensors(), fake_mode, tracker, where, meter, (rules or _nullcontext()):
+        # -- forward (inside autocast: CUDA's emulated, or the CPU's own)
+        if rules is not None:
+            rules.autocast, rules.cache = True, {}
+        try:
+            with cpu_autocast:
+                out = run(inputs)
+                loss = _as_loss(out)
+        except MemtrainError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the module and the fix
+            module = where.stack[-1] if where.stack else type(meta).__name__
+            raise MemtrainError(
+                f"estimate: the forward of {module!r} failed on fake tensors (shapes only, no values): "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. This happens when a module reads "
+                "tensor values (.item(), .tolist(), data-dependent shapes, numpy) or when the batch does not fit "
+                "the model. To resolve this error, check the batch's shape and dtype against the model, or make "
+                "that module's forward shape-only (e.g. precompute the value it reads); or, on a device with "
+                "memory, use memtrain.measure instead."
+            ) from None
+        if rules is not None:
+            rules.cache = None  # autocast's cast cache dies when the autocast region ends
+        tracker.snapshot()
+        phase_bytes.append(("forward", tracker.current))
+        meter.mark("forward")
+        # -- backward (autograd turns grad mode off; only checkpoint recomputes run with it, under autocast)
+        tracker.phase, where.in_backward = "backward", True
+        where.stack.clear()
+        try:
+            loss.backward()
+        except Exception as e:  # noqa: BLE001 - re-raised with the place and the fix
+            raise MemtrainError(
+                f"estimate: the backward failed on fake tensors near {where.backward_label or type(meta).__name__!r}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. To resolve this error, estimate "
+                "without checkpointing to see whether the recompute is the cause, or use memtrain.measure on a "
+                "device with memory."
+            ) from None
+        where.in_backward = False
+        meter.mark("backward")
+        tracker.snapshot()
+        phase_bytes.append(("backward", tracker.current))
+        if rules is not None:
+            rules.autocast = False
+        # -- optimizer step: parameters, gradients and state at once, plus the step's temporaries
+        tracker.phase = "optimizer step"
+        grad_names = {tracker.live[k][2]: name for name, k in (
+            (name, p.grad.untyped_storage()._cdata) for name, p in meta.named_parameters() if p.grad is not None
+        ) if k in tracker.live}
+        tracker.add_bytes(step_temp_bytes)
+        tracker.snapshot()
+        phase_bytes.append(("step", tracker.current))
+        peak_live, (peak_phase_name, peak_where) = tracker.peak_live, tracker.peak_at
+        del out, loss
+    measured = meter.report()
+
+    # -- the peak, explained
+    by_category = {"parameters": 0, "gradients": 0, "saved activations": 0, "other live tensors": 0}
+    for nbytes, label, serial in peak_live.values():
+        category = ("parameters" if label[2] in ("parameter", "buffer") else "gradients" if serial in grad_names
+                    else "saved activations" if serial in tracker.saved_serials else "other live tensors")
+        by_category[category] += nbytes
+    by_category["optimizer state"] = state_bytes
+    if peak_phase_name == "optimizer step":
+        by_category["optimizer step temporaries"] = step_temp_bytes
+    if workspace:
+        by_category["cuBLAS workspaces"] = workspace
+    largest = sorted((v for v in peak_live.values() if v[1][2] not in ("parameter", "buffer")), key=lambda v: -v[0])[:3]
+    peak_phase = peak_phase_name if peak_phase_name == "optimizer step" else f"{peak_phase_name} of {peak_where}"
+    if peak_phase_name == "optimizer step" and step_temp_bytes:
+        peak_phase += f": optimizer step temporaries {format_bytes(step_temp_bytes)}"
+    elif largest:
+        peak_phase += ": " + ", ".join(_describe(n, label, grad_names.get(serial)) for n, label, serial in largest)
+
+    activation_bytes = measured.activation_bytes
+    peak_bytes = tracker.peak
+    host_bytes = optimizer_host_bytes
+    assumptions = [
+        "steady-state step (optimizer state allocated); forward with labels, backward, optimizer step, "
+        "zero_grad(set_to_none=True); the forward's output is kept until the step ends",
+        optimizer_note,
+        "at the peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in by_category.items() if v),
+    ]
+    if on_cuda:
+        assumptions.append(
+            "CUDA rules: autocast op lists, the attention kernel CUDA picks on sm90 (flash for fp16/bf16 without a "
+            "mask, memory-efficient for fp32 without grouped-query heads, else the math kernel), allocations "
+            "rounded to 512-byte blocks (memory_allocated, not reserved: add allocator fragmentation on top)"
+        )
+    if ckpt is not None:
+        assumptions.append(f"checkpointing: apply_checkpointing({', '.join(f'{k}={v!r}' for k, v in ckpt.items())})")
+    if offload_activations:
+        # The device keeps the blocks being prefetched/used (about two blocks' saved tensors); the rest is on host.
+        # Approximation: what was saved and alive at the peak leaves the device, but for two blocks; the state
+        # after backward (all gradients) is a floor.
+        largest_block = max(meter.per_block.values(), default=0)
+        moved = max(by_category["saved activations"] - 2 * largest_block, 0)
+        peak_bytes = max(peak_bytes - moved, *(n for _, n in phase_bytes[1:]))
+        host_bytes += activation_bytes
+        assumptions.append(
+            f"activation offload: saved activations ({format_bytes(activation_bytes)}) in pinned host memory; "
+            f"the device keeps about two blocks' worth ({format_bytes(2 * largest_block)})"
+        )
+    return MemoryReport(
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        gradient_bytes=measured.gradient_bytes,
+        optimizer_state_bytes=state_bytes if optimizer != "adamw-offload" else optimizer_host_bytes,
+        activation_bytes=activation_bytes,
+        activation_tensors=measured.activation_tensors,
+        device=device_type,
+        source="estimated",
+        peak_bytes=peak_bytes,
+        peak_phase=peak_phase,
+        phase_bytes=tuple(phase_bytes),
+        host_bytes=host_bytes,
+        assumptions=tuple(assumptions),
+    )
+
+
+@contextlib.contextmanager
+def _hf_sees_real_tensors() -> Iterator[None]:
+    """Makes Hugging Face take the path a real training batch takes.
+
+    It treats fake tensors as graph tracing, and would then build an explicit attention mask (and repeat grouped
+    key/value heads) where the real run passes ``is_causal=True``; and without a KV cache it reads the position
+    ids to detect packed sequences, which fake tensors cannot answer. A token batch is unpacked: say so.
+    """
+    patches = []
+    try:
+        from transformers import masking_utils
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    if hasattr(import_utils, "is_fake_tensor"):
+        patches.append((import_utils, "is_fake_tensor", lambda x: False))
+    if hasattr(masking_utils, "find_packed_sequence_indices"):
+        patches.append((masking_utils, "find_packed_sequence_indices", lambda position_ids: None))
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, value in patches:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in originals:
+            setattr(module, name, value)
+
+
+class _nullcontext:  # noqa: N801 - contextlib.nullcontext, but reusable inside one `with` statement list
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+__all__ = ["estimate", "hf_config_from_file"]
