@@ -1,7 +1,12 @@
 """memtrain: make a PyTorch model fit a memory budget at the least possible slowdown."""
 
 from memtrain.accumulation import GradientAccumulator, StepResult, accumulation_steps
-from memtrain.checkpointing import SelectivePolicy, apply_checkpointing, checkpoint_sequential, remove_checkpointing
+from memtrain.checkpointing import (
+    SelectivePolicy,
+    apply_checkpointing,
+    checkpoint_sequential,
+    remove_checkpointing,
+)
 from memtrain.data import DevicePrefetcher, make_loader
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.estimate import estimate

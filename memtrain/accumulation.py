@@ -379,13 +379,21 @@ class GradientAccumulator:
         if reduction == "sum" and self.scaler is not None:
             factor /= self._sum_prescale
 
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # first: normalising and clipping act on true gradients
-        grads = [p.grad for p in params if p.grad is not None]
-        if factor != 1.0 and grads:
-            torch._foreach_mul_(grads, factor)
-        grad_norm = _grad_norm([p for p in params if p.grad is not None], self.max_grad_norm)
+        if _host_gradients(self.optimizer):
+            # CPUOffloadOptimizer streamed the gradients to host memory during backward (and unscales them
+            # itself, with its grad_scaler): normalise and clip them there.
+            grads = self.optimizer.gradients()
+            if factor != 1.0 and grads:
+                torch._foreach_mul_(grads, factor)
+            grad_norm = float(self.optimizer.clip_grad_norm_(self.max_grad_norm or math.inf))
+        else:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # first: normalising and clipping act on true gradients
+            grads = [p.grad for p in params if p.grad is not None]
+            if factor != 1.0 and grads:
+                torch._foreach_mul_(grads, factor)
+            grad_norm = _grad_norm([p for p in params if p.grad is not None], self.max_grad_norm)
 
         skipped = False
         if self.scaler is not None:
@@ -431,11 +439,20 @@ class GradientAccumulator:
 @contextlib.contextmanager
 def _fsdp2_sync(model: Any, sync: bool) -> Iterator[None]:
     # FSDP2 modules have no no_sync(): without this flag every micro-batch's backward reduce-scatters.
+    # NOTE: with sync off FSDP2 accumulates *unsharded* gradients until the last micro-batch: one full copy of
+    # each sharded group's gradients per rank, traded for a reduce-scatter per micro-batch.
     model.set_requires_gradient_sync(sync)
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def _host_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """True for an optimizer whose gradients live in host memory, not in ``p.grad`` (CPUOffloadOptimizer)."""
+    from memtrain.optim_offload import CPUOffloadOptimizer
+
+    return isinstance(optimizer, CPUOffloadOptimizer) and optimizer.offload_gradients
 
 
 def _valid_items(items: object) -> bool:

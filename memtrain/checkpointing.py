@@ -19,16 +19,17 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memtrain.errors import ConfigError, MemtrainError
+from memtrain.errors import ConfigError
 from memtrain.measure import note_saved
+from memtrain.offload import ActivationOffloader, offload_activations
 
 OpKind = Literal["matmul", "attention", "conv"]
 
@@ -82,11 +83,18 @@ class SelectivePolicy:
         return create_selective_checkpoint_contexts(policy)
 
 
+BlockPolicy = Literal["keep", "recompute", "offload"]
+
+
 @dataclass(frozen=True)
 class CheckpointSpec:
-    """What one wrapped block does in forward: recompute all of it, or keep the ops ``selective`` names."""
+    """What one wrapped block does: recompute it in backward (keeping the ops ``selective`` names), or, with
+    ``policy="offload"``, no recompute and every activation it saves in host memory. With an ``offloader``, a
+    recomputed block's saved inputs wait in host memory too."""
 
     selective: SelectivePolicy | None = None
+    policy: Literal["recompute", "offload"] = "recompute"
+    offloader: ActivationOffloader | None = field(default=None, compare=False, repr=False)
 
 
 BlockSelector = None | type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Sequence[str]
@@ -121,6 +129,11 @@ def _running_stats_frozen(norms: Sequence[nn.Module]) -> Iterator[None]:
 def _checkpointed_call(
     fn: Callable[..., Any], spec: CheckpointSpec, norms: Sequence[nn.Module], *args: Any, **kwargs: Any
 ) -> Any:
+    offloading = spec.offloader if spec.offloader is not None else contextlib.nullcontext()
+    if spec.policy == "offload":
+        # Offload instead of recompute: every tensor the block saves goes through the offloader's hooks.
+        with offloading:
+            return fn(*args, **kwargs)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     first_call = True
@@ -134,7 +147,11 @@ def _checkpointed_call(
             return fn(*a, **kw)
 
     context_fn = spec.selective.context_fn if spec.selective is not None else _noop_contexts
-    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
+    # Non-reentrant checkpoint saves the block inputs through the outer saved-tensor hooks (the block's own
+    # activations go through its inner ones), so the offloader moves exactly the inputs.
+    with offloading:
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn,
+                          **kwargs)
 
 
 def _noop_contexts() -> tuple[Any, Any]:
@@ -323,6 +340,8 @@ def apply_checkpointing(
     every: int = 1,
     selective: SelectivePolicy | Sequence[OpKind] | None = None,
     offload: bool = False,
+    policies: Mapping[str, BlockPolicy] | None = None,
+    offloader: ActivationOffloader | None = None,
 ) -> list[str]:
     """Checkpoints the repeated blocks of ``model`` in place: one extra forward of time for their activations.
 
@@ -339,8 +358,13 @@ def apply_checkpointing(
         every: checkpoint one block in ``every`` (blocks 0, k, 2k, ...); 1 checkpoints all of them.
         selective: op kinds whose outputs are kept instead of recomputed, e.g. ``("matmul", "attention")``, or a
             ``SelectivePolicy``. ``None`` recomputes the whole block.
-        offload: offload the checkpointed blocks' inputs to host memory. Not available yet: it arrives with
-            ``offload_activations`` and raises ``MemtrainError`` until then.
+        offload: keep the recomputed blocks' saved inputs in pinned host memory, copied on a side stream and
+            prefetched before backward needs them (a no-op, said once, without CUDA).
+        policies: a per-block choice overriding ``every``: ``{name: "keep" | "recompute" | "offload"}`` for
+            blocks among those selected; "offload" keeps every activation of the block in host memory and
+            recomputes nothing (PCIe traffic instead of compute).
+        offloader: the ``ActivationOffloader`` the offloaded blocks share (default:
+            ``offload_activations(device=<the model's device>)``, built when ``offload`` or a policy needs it).
 
     Returns:
         The qualified names of the modules wrapped. Calling again replaces the previous wrapping with the new
@@ -366,20 +390,32 @@ def apply_checkpointing(
         every = 1
     policy = _resolve_selective(selective, problems)
     names = _select_blocks(model, blocks, problems) if _has_parameters(model) else []
+    choices = {name: ("recompute" if i % every == 0 else "keep") for i, name in enumerate(names)}
+    for name, choice in (policies or {}).items():
+        if choice not in get_args(BlockPolicy):
+            problems.append(f"policies[{name!r}]={choice!r}: unknown policy. To resolve this error, use one of "
+                            f"{list(get_args(BlockPolicy))}.")
+        elif name not in choices:
+            problems.append(f"policies names {name!r}, which is not one of the selected blocks ({names[:3]}...). "
+                            "To resolve this error, use the names apply_checkpointing(model) returns.")
+        else:
+            choices[name] = choice
+    if offloader is not None and not isinstance(offloader, ActivationOffloader):
+        problems.append(f"offloader={type(offloader).__name__}: it must be an ActivationOffloader. To resolve "
+                        "this error, pass offload_activations(...) or leave it None.")
     ConfigError.raise_if(problems)
-    if offload:
-        raise MemtrainError(
-            "apply_checkpointing(offload=True) is not available yet: activation offload has not landed. "
-            "To resolve this error, pass offload=False."
-        )
+    if offloader is None and (offload or "offload" in choices.values()):
+        # One offloader for the whole model: one pinned pool, one recorded backward order.
+        offloader = offload_activations(device=next(model.parameters()).device)
 
     # Re-wrapping with new settings starts from a clean model, so "every" means the same on every call.
     remove_checkpointing(model)
-    chosen = names[::every]
     modules = dict(model.named_modules())
-    spec = CheckpointSpec(selective=policy)
+    recompute = CheckpointSpec(selective=policy, offloader=offloader if offload else None)
+    offloaded = CheckpointSpec(policy="offload", offloader=offloader)
+    chosen = [name for name in names if choices[name] != "keep"]
     for name in chosen:
-        _wrap(modules[name], spec)
+        _wrap(modules[name], offloaded if choices[name] == "offload" else recompute)
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", None):
         # A KV cache would be appended to twice (forward and recompute); it is useless in training anyway.

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: only at the end and on SIGTERM/SIGINT)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
+    t.add_argument("--offload-activations", action="store_true",
+                   help="keep saved activations in pinned host memory, prefetched before backward (CUDA only)")
     t.add_argument("--offload-optimizer", action="store_true",
                    help="keep fp32 master weights and AdamW state in host RAM (saves 8-12 bytes per parameter)")
     t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 instead of DDP")
@@ -245,7 +247,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(
         max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         lr=args.lr, precision=args.precision, checkpointing=mode, checkpoint_every=every, fsdp=args.fsdp,
-        offload_optimizer=args.offload_optimizer,
+        offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
         seed=args.seed, save_every=args.save_every, out_dir=out, overwrite=args.overwrite, resume=args.resume,
         progress=not args.no_progress,
     )

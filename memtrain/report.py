@@ -170,9 +170,9 @@ def plot_memory(path: str, breakdowns: dict[str, dict[str, int]]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(breakdowns))
     for i, (label, breakdown) in enumerate(breakdowns.items()):
-        values = [breakdown.get(key, 0) / 2**20 for key, _ in CATEGORIES]
+        values = [(breakdown.get(key) or 0) / 2**20 for key, _ in CATEGORIES]  # None: not measured
         bars = ax.bar([c + i * width for c in range(len(CATEGORIES))], values, width, label=label)
-        ax.bar_label(bars, labels=[format_bytes(breakdown.get(key, 0)) for key, _ in CATEGORIES], fontsize=7)
+        ax.bar_label(bars, labels=[format_bytes(breakdown.get(key)) for key, _ in CATEGORIES], fontsize=7)
     ax.set_xticks([c + width * (len(breakdowns) - 1) / 2 for c in range(len(CATEGORIES))],
                   [name for _, name in CATEGORIES])
     ax.set_ylabel("MiB")

@@ -32,6 +32,7 @@ from memtrain.checkpointing import apply_checkpointing, find_blocks
 from memtrain.data import DevicePrefetcher, make_loader
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
+from memtrain.offload import ActivationOffloader, offload_activations
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import format_bytes
 from memtrain.runstate import RunCheckpoints, atomic_write_bytes, save_weights_file
@@ -58,6 +59,7 @@ class TrainConfig:
     precision: PrecisionChoice = "auto"  # 16-bit halves most activation bytes
     checkpointing: CheckpointingMode = "auto"  # "all" cuts saved activations to the blocks' inputs
     checkpoint_every: int = 2  # with checkpointing="every": one block in this many
+    offload_activations: bool = False  # True: saved activations wait in pinned host memory (CUDA only)
     offload_optimizer: bool = False  # True: fp32 master + AdamW state in host RAM (8-12 bytes/param off the device)
     fsdp: bool = False  # under torchrun: True shards parameters, gradients and optimizer state over ranks
     seed: int = 0
@@ -176,12 +178,13 @@ class StepBatches(Sampler[list[int]]):
 # -- pieces of the loop -------------------------------------------------------------------------------------
 def choose_checkpointing(model: nn.Module, config: TrainConfig) -> tuple[list[str], str]:
     """Applies the configured checkpointing; returns the wrapped blocks and the reason, for the log."""
+    offload = config.offload_activations  # with checkpointing: the blocks' saved inputs go to host memory
     if config.checkpointing == "none":
         return [], "checkpointing off (--checkpointing none): every activation is kept"
     if config.checkpointing == "every":
-        names = apply_checkpointing(model, every=config.checkpoint_every)
+        names = apply_checkpointing(model, every=config.checkpoint_every, offload=offload)
         return names, f"checkpointing {len(names)} blocks, one in {config.checkpoint_every} (--checkpointing every)"
-    names = apply_checkpointing(model)
+    names = apply_checkpointing(model, offload=offload)
     if config.checkpointing == "auto":
         return names, (f"checkpointing all {len(names)} blocks, because: auto with no memory budget picks the "
                        "smallest activation memory (about one extra forward of time)")
@@ -233,15 +236,18 @@ def _build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device
                      world: int) -> tuple[torch.optim.Optimizer, str]:
     hyper = {"lr": config.lr, "betas": (0.9, 0.95), "weight_decay": config.weight_decay}
     if not config.offload_optimizer:
-        fused = device.type == "cuda" or None  # one kernel per step on the GPU
-        return torch.optim.AdamW(model.parameters(), fused=fused, **hyper), "AdamW on the device"
+        # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
+        return torch.optim.AdamW(model.parameters(), fused=True, **hyper), "AdamW (fused) on the device"
     from memtrain.optim_offload import CPUOffloadOptimizer
 
-    # NOTE: gradients stay on the device until the step: the accumulator normalises and clips them there, and
-    # under DDP they are averaged after backward's hooks would have copied them.
-    optimizer = CPUOffloadOptimizer(model.named_parameters(), offload_gradients=False, grad_scaler=precision.scaler,
-                                    **hyper)
-    return optimizer, "AdamW on the CPU (--offload-optimizer): fp32 master weights and state in host RAM"
+    # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that would
+    # have copied them to the host. In one process they stream to the host during backward and leave the device.
+    offload_gradients = world == 1
+    optimizer = CPUOffloadOptimizer(model.named_parameters(), offload_gradients=offload_gradients,
+                                    grad_scaler=precision.scaler, **hyper)
+    where = "streamed to the host in backward" if offload_gradients else "kept on the device until the step (DDP)"
+    return optimizer, (f"AdamW on the CPU (--offload-optimizer): fp32 master weights and state in host RAM, "
+                       f"gradients {where}")
 
 
 @torch.no_grad()
@@ -369,14 +375,20 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     precision_name, precision_reason = resolve_precision(device, config.precision)
     precision = MixedPrecision(precision_name, device.type)
     blocks, checkpoint_reason = choose_checkpointing(model, config)
+    # Without checkpointing, offload wraps the whole forward; with it, the blocks' inputs (set up above).
+    offload = (offload_activations(model=model) if config.offload_activations and not blocks
+               else contextlib.nullcontext())
+    if config.offload_activations:
+        where = "the checkpointed blocks' inputs" if blocks else "every saved activation above 1 MiB"
+        checkpoint_reason += (f"; {where} offloaded to pinned host memory (--offload-activations)"
+                              if device.type == "cuda" else
+                              "; --offload-activations has no effect on a CPU-only run (no device memory to save)")
     ddp_model, dist_reason = _wrap_distributed(model, config, device, world)
     optimizer, optimizer_reason = _build_optimizer(model, config, device, precision, world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config.lr)
     micro = config.micro_batch_size
     reasons = [precision_reason, checkpoint_reason, optimizer_reason, dist_reason,
                f"global batch {global_batch} = micro-batch {micro} x {accumulation} accumulation x {world} rank(s)"]
-    for line in reasons:
-        _log(f"  {line}", rank)
 
     def make_accumulator(steps: int) -> GradientAccumulator:
         return GradientAccumulator(ddp_model, optimizer, steps=steps, scaler=precision.scaler, scheduler=scheduler,
@@ -398,9 +410,14 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                               world=world)
         # NOTE: no workers: a window is a numpy slice, so loading costs microseconds and a worker adds only IPC.
         loader = make_loader(train_data, batch_sampler=sampler, device=device, num_workers=0)
+        loader_settings.append(loader.memtrain_settings.summary())
         return iter(DevicePrefetcher(loader, device))
 
+    loader_settings: list[str] = []
     batches = loader_from(start_step, micro)
+    reasons += loader_settings[0].splitlines()
+    for line in reasons:
+        _log(f"  {line}", rank)
     bar = tqdm(total=config.max_steps, initial=start_step, disable=not config.progress or rank != 0, unit="step",
                dynamic_ncols=True, file=sys.stderr)
     tokens, eval_loss, last, stopped_by, estimate_check = 0, None, None, None, None
@@ -411,7 +428,8 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
             while True:  # retried with half the micro-batch after an out-of-memory error
                 out_of_memory = False
                 try:
-                    line = _one_step(ddp_model, model, optimizer, acc, precision, batches, accumulation, device, step)
+                    line = _one_step(ddp_model, model, optimizer, acc, precision, offload, batches, accumulation,
+                                     device, step)
                     break
                 except torch.OutOfMemoryError:
                     out_of_memory = True
@@ -450,10 +468,12 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     bar.close()
 
     final_state = _model_state(model) if out is not None and not stopped_by else None  # collective under FSDP2
+    if final_state:  # tied weights once, under their first name, however the state dict was gathered
+        final_state = {k: v for k, v in final_state.items() if k not in _tied_duplicates(model)}
     if out is not None and rank == 0 and not stopped_by:
         save_weights_file(final_state, out / "model.safetensors")
         atomic_write_bytes(out / "config.json", json.dumps(asdict(config), indent=2).encode())
-        _write_report(out, metrics, estimate_check, model, global_batch, len(train_data[0][0]), device)
+        _write_report(out, metrics, estimate_check, model, global_batch, len(train_data[0][0]), device, world)
         if config.sample_bytes and world == 1:
             seq_len = len(train_data[0][0])  # the context the model was trained on
             text = sample_text(model, b"def ", config.sample_bytes, seq_len, seed=config.seed)
@@ -472,19 +492,22 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
 
 
 def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer, acc: GradientAccumulator,
-              precision: MixedPrecision, batches: Iterator[Any], accumulation: int, device: torch.device,
-              step: int) -> dict[str, Any]:
+              precision: MixedPrecision, offload: contextlib.AbstractContextManager[Any], batches: Iterator[Any],
+              accumulation: int, device: torch.device, step: int) -> dict[str, Any]:
     """One optimizer step: ``accumulation`` micro-batches, then the accumulator's boundary."""
     t0 = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens = 0
     meter = MemoryMeter(model, optimizer)
+    # NOTE: saved-tensor hooks do not stack, so while activations are offloaded the meter stays out of the way
+    # (on CUDA the allocator peak is the figure then).
+    measuring = not (isinstance(offload, ActivationOffloader) and offload.enabled) and not _offloads_blocks(model)
     for i in range(accumulation):
-        x, y = (t.to(device, non_blocking=True) for t in next(batches))
+        x, y = next(batches)  # already on the device: DevicePrefetcher copied it during the previous compute
         with acc.micro_batch(is_last=i == accumulation - 1):
             # The meter counts what autograd saves in the first micro-batch: the figure checkpointing cuts.
-            with meter if i == 0 else contextlib.nullcontext(), precision.autocast():
+            with meter if i == 0 and measuring else contextlib.nullcontext(), precision.autocast(), offload:
                 loss = language_model_loss(ddp_model, x, y)
             items = (y != -100).sum()
             acc.backward(loss, reduction="sum", items=items)  # token-count-correct over the window and ranks
@@ -501,13 +524,18 @@ def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Opt
         "skipped": result.skipped,
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
-        "activation_bytes": report.activation_bytes,
+        "activation_bytes": report.activation_bytes if measuring else None,
         "parameter_bytes": report.parameter_bytes,
         "gradient_bytes": report.gradient_bytes,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "model_state_bytes": report.parameter_bytes + report.gradient_bytes + optimizer_state_bytes(optimizer),
         "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
+
+
+def _offloads_blocks(model: nn.Module) -> bool:
+    spec_offloaders = [getattr(m, "_memtrain_checkpoint", None) for m in model.modules()]
+    return any(spec is not None and spec.offloader is not None and spec.offloader.enabled for spec in spec_offloaders)
 
 
 def _halve_after_oom(micro: int, per_rank_batch: int, step: int, optimizer: torch.optim.Optimizer,
@@ -541,8 +569,8 @@ def _check_estimate(model: nn.Module, line: dict[str, Any], micro: int, seq_len:
     try:
         predicted = estimate(model, (micro, seq_len), device=device.type, precision=precision,
                              checkpointing=_estimate_policy(config), optimizer="adamw")
-    except MemtrainError as e:
-        return {"log": f"estimate unavailable for this model: {e}", "error": str(e)}
+    except Exception as e:  # noqa: BLE001 - a failed prediction must not stop training; it is logged and stored
+        return {"log": f"estimate unavailable for this model ({type(e).__name__}: {e})", "error": str(e)}
     what, key = ("peak", "peak_bytes") if device.type == "cuda" else ("saved activations", "activation_bytes")
     guess, measured = getattr(predicted, key), line[key]
     error = guess / measured - 1 if measured else None
@@ -556,24 +584,28 @@ def _check_estimate(model: nn.Module, line: dict[str, Any], micro: int, seq_len:
 
 
 def _write_report(out: Path, metrics: list[dict[str, Any]], estimate_check: dict[str, Any] | None, model: nn.Module,
-                  global_batch: int, seq_len: int, device: torch.device) -> None:
+                  global_batch: int, seq_len: int, device: torch.device, world: int) -> None:
     """report.json, loss.png and memory.png: the run's memory with memtrain beside plain training."""
     from memtrain.report import CATEGORIES, plot_loss, plot_memory
 
     measured = metrics[-1]
     with_memtrain = {key: measured[key] for key, _ in CATEGORIES}
     report: dict[str, Any] = {"with_memtrain": with_memtrain, "estimate_check": estimate_check}
-    try:
-        from memtrain.estimate import estimate
+    report["without_memtrain"] = None
+    if world > 1:
+        report["without_memtrain_error"] = "not estimated under torchrun (the estimate is for one process)"
+    else:
+        try:
+            from memtrain.estimate import estimate
 
-        plain = estimate(model, (global_batch, seq_len), device=device.type, precision="fp32", checkpointing="none",
-                         optimizer="adamw")
-        report["without_memtrain"] = {key: getattr(plain, key) for key, _ in CATEGORIES}
-        report["without_memtrain_assumes"] = ("fp32, no checkpointing, the whole global batch in one forward, "
-                                              "AdamW on the device (estimated)")
-    except MemtrainError as e:
-        report["without_memtrain"] = None
-        report["without_memtrain_error"] = str(e)
+            plain = estimate(model, (global_batch, seq_len), device=device.type, precision="fp32",
+                             checkpointing="none", optimizer="adamw")
+            report["without_memtrain"] = {key: getattr(plain, key) for key, _ in CATEGORIES}
+            report["without_memtrain_assumes"] = ("fp32, no checkpointing, the whole global batch in one forward, "
+                                                  "AdamW on the device (estimated)")
+        except Exception as e:  # noqa: BLE001 - the run is done and saved; a missing comparison is only reported
+            report["without_memtrain_error"] = f"{type(e).__name__}: {e}"
+            _log(f"  report.json: no estimate of plain training ({type(e).__name__}: {e})")
     atomic_write_bytes(out / "report.json", json.dumps(report, indent=2).encode())
     plot_loss(str(out / "loss.png"), metrics)
     bars = {"with memtrain (measured)": with_memtrain}
@@ -608,6 +640,17 @@ def _save(checkpoints: RunCheckpoints, step: int, micro: int, model: nn.Module, 
         checkpoints.save(step, state)
     if _distributed()[1] > 1:
         dist.barrier()  # no rank runs ahead of a checkpoint that is still being written
+
+
+def _tied_duplicates(model: nn.Module) -> set[str]:
+    """Names of parameters that are another name's parameter (a tied head), all but the first."""
+    first: dict[int, str] = {}
+    duplicates = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            duplicates.add(name)
+        first.setdefault(id(p), name)
+    return duplicates
 
 
 def _is_fsdp(model: nn.Module) -> bool:

@@ -11,7 +11,6 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain import (
     ConfigError,
-    MemtrainError,
     apply_checkpointing,
     checkpoint_sequential,
     measure,
@@ -309,11 +308,6 @@ def test_every_problem_reported_at_once():
     with pytest.raises(ConfigError) as info:
         apply_checkpointing(gpt(n_layer=2), every=0, selective=("nope",), blocks=["missing"])
     assert len(info.value.problems) == 3, info.value.problems
-
-
-def test_offload_not_available_yet():
-    with pytest.raises(MemtrainError, match="not available yet"):
-        apply_checkpointing(gpt(n_layer=2), offload=True)
 
 
 def test_checkpoint_sequential_bad_segments():

@@ -67,8 +67,22 @@ def test_refuses_a_folder_holding_another_run(tmp_path, text_file, capsys):
     (["--hf-config", "/nonexistent/config.json"], "no such file"),
     (["--seq-len", "100000", "--data", "TEXT"], "validation windows"),
     (["--bogus"], "unrecognized arguments"),
+    (["--micro-batch-size", "3", "--global-batch-size", "8"], "not divisible"),
+    (["--precision", "fp8"], "invalid choice"),
+    (["--resume", "--overwrite"], "contradict"),
+    (["--fsdp"], "torchrun"),
+    (["--seed", "-1"], "must be >= 0"),
+    (["--save-every", "0"], "must be >= 1"),
+    (["--offload-optimizer", "--fsdp"], "drop one of"),
+    (["--config", "/nonexistent/run.toml"], "no such file"),
+    (["--hf-config", "SMALLVOCAB"], "vocab_size=64 is below 256"),
 ])
 def test_bad_input_exits_2_with_one_message(argv, fragment, tmp_path, text_file, capsys):
+    if "SMALLVOCAB" in argv:
+        transformers = pytest.importorskip("transformers")
+        transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=64).save_pretrained(tmp_path / "cfg")
+        argv = [str(tmp_path / "cfg" / "config.json") if a == "SMALLVOCAB" else a for a in argv]
     argv = [str(text_file) if a == "TEXT" else a for a in argv]
     try:
         code = main(["train", "--no-progress", "--max-steps", "1", "--out", str(tmp_path / "r"), *argv])

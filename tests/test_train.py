@@ -184,6 +184,19 @@ def test_accumulation_equals_the_large_batch(tmp_path, text_file):
     assert_same_weights(tmp_path / "micro2", tmp_path / "micro8", atol=1e-5)
 
 
+def test_offloaded_optimizer_matches_device_adamw_with_accumulation_and_clipping(tmp_path, text_file):
+    """Gradients streamed to the host, normalised over the window and clipped there: same weights (1e-6)."""
+    runs = {}
+    for offload in (False, True):
+        out = tmp_path / f"offload{offload}"
+        config = TrainConfig(max_steps=5, micro_batch_size=2, global_batch_size=6, lr=1e-2, grad_clip=0.05,
+                             offload_optimizer=offload, out_dir=str(out), progress=False, sample_bytes=0)
+        runs[offload] = train(_tiny_model(), _tiny_data(text_file), config)
+    norms = [json.loads(line)["grad_norm"] for line in (tmp_path / "offloadTrue" / "metrics.jsonl").read_text().splitlines()]
+    assert min(norms) > 0.05, f"clipping must be active for this test to mean anything: norms {norms}"
+    assert_same_weights(tmp_path / "offloadFalse", tmp_path / "offloadTrue", atol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_torchrun_two_processes_match_one(tmp_path, text_file, fsdp):

@@ -1,0 +1,764 @@
+"""Activation offload: the tensors autograd saves for backward wait in host memory instead of on the device.
+
+Each offloaded byte crosses PCIe twice (device -> host in forward, host -> device in backward) and nothing is
+recomputed: device memory for bandwidth. The copies run on a side stream so they hide behind compute when
+there is enough compute per byte (a checkpointed block's input: 64 MB per layer on the 1.1B Llama shape with
+its fp32 residual stream, about a millisecond at 55 GB/s against several of compute), and they cannot hide
+when there is not (every activation of an uncheckpointed transformer: far more bytes than PCIe moves in the
+time the GPU computes them).
+
+How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_tensors_hooks``):
+
+- forward: a saved tensor whose storage is at least ``min_bytes`` is copied, whole storage at once, into a
+  block of a pinned host pool (fixed-size slabs under a host-RAM budget, reused every step); views and
+  tensors saved twice share one copy. Parameters, buffers, casts of parameters (autocast's weight copies) and
+  everything saved once the model's head has started (logits and the loss) stay on the device;
+- backward: tensors come back in reverse order of saving (after the first step: in the order backward really
+  used them, recorded then), ``prefetch_depth`` tensors ahead of use;
+- safety: every copy is on one side stream. The side stream waits for the compute stream before reading a
+  tensor; the device tensor is kept until its copy is done (or the compute stream waits on the copy's event);
+  the compute stream waits on an event before using a restored tensor, which is then ``record_stream``-ed to
+  it. Host blocks are only ever touched by copies on that one stream, so stream order alone makes their reuse
+  safe.
+
+The device-specific operations sit behind a small ``Transport`` (``CudaTransport``; ``CpuTransport`` runs the
+same logic on the CPU with plain copies, for tests and dry runs), so the pack / unpack / prefetch logic is
+tested on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memtrain.errors import ConfigError, MemtrainError
+from memtrain.report import format_bytes
+
+MIN_BYTES_DEFAULT = 2**20  # below this a copy costs more in launch overhead than it frees
+SLAB_BYTES_DEFAULT = 2**27  # 128 MiB: few pinned allocations, little waste at the end of the last slab
+_ALIGN = 512  # block starts aligned for efficient DMA
+
+_NOOP_WARNED = False
+
+Segments = list[tuple[int, torch.Tensor]]  # (offset in the tensor's bytes, host view) pieces of one block
+
+
+# -- transports ---------------------------------------------------------------------------------------------
+class Transport(Protocol):
+    """The device-specific half of offloading: host slabs, asynchronous copies, events.
+
+    ``copy_to_host`` and ``copy_to_device`` are asynchronous; the event they return is done when the copy is.
+    ``wait`` makes the *current* (compute) stream wait for an event without blocking the host.
+    """
+
+    device: torch.device
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor: ...
+
+    def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any: ...
+
+    def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]: ...
+
+    def wait(self, event: Any) -> None: ...
+
+    def query(self, event: Any) -> bool: ...
+
+    def hand_over(self, tensor: torch.Tensor) -> None: ...
+
+
+class CpuTransport:
+    """The offload logic on the CPU: "host" blocks are ordinary memory and copies are synchronous.
+
+    Nothing is saved (the device *is* the host); it exists so that tests and dry runs (what would move, how
+    many bytes) run the same code as the GPU.
+    """
+
+    device = torch.device("cpu")
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any:
+        for offset, host in segments:
+            host.copy_(src[offset:offset + host.numel()])
+        return None
+
+    def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]:
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        for offset, host in segments:
+            dst[offset:offset + host.numel()].copy_(host)
+        return dst, None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        pass
+
+
+class CudaTransport:
+    """Pinned host slabs and one side stream for every copy, both directions."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:
+            raise MemtrainError(
+                f"offload_activations could not pin {format_bytes(nbytes)} of host memory ({e}). To resolve this "
+                "error, pass a smaller host_budget_bytes (or free host memory)."
+            ) from None
+
+    def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any:
+        # The kernels writing src are queued on the compute stream: the copy must start after them.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for offset, host in segments:
+                host.copy_(src[offset:offset + host.numel()], non_blocking=True)
+            return self.stream.record_event()
+
+    def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]:
+        # Allocated on the side stream, the destination is free there at once: the copy need not wait for the
+        # compute stream (which may be far behind the host), so a prefetch really starts early.
+        with torch.cuda.stream(self.stream):
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            for offset, host in segments:
+                dst[offset:offset + host.numel()].copy_(host, non_blocking=True)
+            return dst, self.stream.record_event()
+
+    def wait(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def query(self, event: Any) -> bool:
+        return event.query()
+
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        # Allocated on the side stream, used on the compute stream: without this, the allocator could hand the
+        # memory to the next prefetch while backward still reads it.
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
+
+# -- the host pool ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Extent:
+    start: int
+    nbytes: int
+
+
+class HostPool:
+    """Host memory for offloaded tensors: fixed-size slabs allocated once, carved by a bump pointer.
+
+    Forward takes blocks in order and backward frees them in reverse, so the pointer works like a stack: it
+    falls back as the top blocks are freed, and every step reuses the slabs of the first one. A block may span
+    two slabs (it is copied in pieces), so no slab space is wasted on sizes that do not fit.
+    """
+
+    def __init__(self, transport: Transport, *, budget_bytes: int, slab_bytes: int):
+        self.transport = transport
+        self.slab_bytes = slab_bytes
+        self.capacity_bytes = budget_bytes // slab_bytes * slab_bytes
+        self.slabs: list[torch.Tensor] = []
+        self._live: dict[int, int] = {}  # start -> end
+        self._top = 0
+        self.peak_used_bytes = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return len(self.slabs) * self.slab_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(end - start for start, end in self._live.items())
+
+    def alloc(self, nbytes: int) -> _Extent | None:
+        """A block of ``nbytes``, or None when the budget has no room left for it."""
+        start = self._top
+        end = start + -(-nbytes // _ALIGN) * _ALIGN
+        if end > self.capacity_bytes:
+            return None
+        while self.reserved_bytes < end:
+            self.slabs.append(self.transport.allocate_host(self.slab_bytes))
+        self._live[start] = end
+        self._top = end
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+        return _Extent(start, nbytes)
+
+    def free(self, extent: _Extent) -> None:
+        # NOTE: no wait for the copies reading or writing this block: they are all on the transport's one side
+        # stream, so a later copy into the block runs after them.
+        end = self._live.pop(extent.start)
+        if end == self._top:
+            self._top = max(self._live.values(), default=0)
+
+    def segments(self, extent: _Extent) -> Segments:
+        """(offset in the tensor's bytes, host view) pieces of ``extent``, split at slab boundaries."""
+        pieces = []
+        done = 0
+        while done < extent.nbytes:
+            slab, at = divmod(extent.start + done, self.slab_bytes)
+            n = min(extent.nbytes - done, self.slab_bytes - at)
+            pieces.append((done, self.slabs[slab][at:at + n]))
+            done += n
+        return pieces
+
+
+# -- what autograd holds ------------------------------------------------------------------------------------
+class _Record:
+    """One storage offloaded: its host block, and while they exist its device copies."""
+
+    __slots__ = ("epoch", "index", "nbytes", "extent", "src", "d2h_event", "data", "h2d_event", "handles",
+                 "unpacked", "passes", "done", "released")
+
+    def __init__(self, epoch: int, index: int, nbytes: int, extent: _Extent):
+        self.epoch, self.index, self.nbytes, self.extent = epoch, index, nbytes, extent
+        self.src: torch.Tensor | None = None  # the device storage, held until its copy to the host is done
+        self.d2h_event: Any = None
+        self.data: torch.Tensor | None = None  # the restored device bytes (prefetched or fetched)
+        self.h2d_event: Any = None
+        self.handles = 0  # live _Handles: the saved tensors (views, duplicates) backed by this record
+        self.unpacked = 0  # live handles unpacked in the current backward pass
+        self.passes = 0  # backward passes that used every handle (more than one with retain_graph)
+        self.done = False  # every handle unpacked once: no prefetch wanted any more
+        self.released = False
+
+
+class _Handle:
+    """What autograd stores instead of a saved tensor: the record plus the tensor's view of the storage."""
+
+    __slots__ = ("record", "dtype", "size", "stride", "offset", "unpacked_pass", "_dead")
+
+    def __init__(self, record: _Record, t: torch.Tensor, dead: collections.deque[tuple[_Record, int]]):
+        self.record = record
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.unpacked_pass = -1  # the record's pass in which this handle was last unpacked
+        self._dead = dead
+
+    def __del__(self) -> None:
+        # Autograd drops the handle when its node has run (or the graph is freed), from whatever thread: queue
+        # it, and let the next pack or unpack update the record under the lock.
+        self._dead.append((self.record, self.unpacked_pass))
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """Counters since the offloader was built. Bytes are the host copies (each storage once)."""
+
+    offloaded_tensors: int  # saved tensors handed to the host (views and duplicates of one storage included)
+    offloaded_bytes: int  # bytes copied device -> host
+    deduplicated: int  # saved tensors whose storage was already on its way to the host
+    kept: tuple[tuple[str, int], ...]  # (reason, count) for saved tensors left where they were
+    over_budget_bytes: int  # bytes kept on the device because the host budget was full
+    prefetched: int  # host -> device copies started ahead of use
+    fetched_on_demand: int  # host -> device copies started when backward already needed the tensor
+    served_from_device: int  # records used in backward while their device copy still existed (no copy back)
+    learned_order_used: int  # backward passes prefetching in the order recorded in an earlier step
+    host_reserved_bytes: int
+    host_used_bytes: int
+    host_peak_used_bytes: int
+
+
+_VIEW_OR_CAST = frozenset({
+    "ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+    "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0",
+})
+
+
+def _derived_from_leaf(t: torch.Tensor) -> bool:
+    """True for casts and views of a leaf that requires grad (autocast's bf16 copy of a weight, ``w.t()``)."""
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        if fn.name() == "torch::autograd::AccumulateGrad":
+            return True
+        if fn.name() not in _VIEW_OR_CAST:
+            return False
+        parents = [f for f, _ in fn.next_functions if f is not None]
+        if len(parents) != 1:
+            return False
+        fn = parents[0]
+    return False
+
+
+def available_ram_bytes() -> int:
+    """Host memory available to new allocations (Linux ``MemAvailable``; elsewhere free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 2**62  # unknown: do not refuse
+
+
+def _find_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, nn.Module):
+        return head
+    for name in ("lm_head", "head", "output"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module) and next(head.parameters(), None) is not None:
+            return head
+    return None
+
+
+# -- the offloader ------------------------------------------------------------------------------------------
+class ActivationOffloader:
+    """The context ``offload_activations`` returns: build it once, enter it every step (pool and order persist).
+
+    Disabled (a transparent no-op) when ``transport`` is None. Re-entrant: the same offloader may be entered by
+    each checkpointed block and share one pool and one recorded order for the whole model.
+    """
+
+    def __init__(self, transport: Transport | None, *, model: nn.Module | None = None,
+                 head: nn.Module | None = None, include_logits: bool = False, min_bytes: int = MIN_BYTES_DEFAULT,
+                 host_budget_bytes: int | None = None, prefetch_depth: int = 2, slab_bytes: int | None = None):
+        problems = []
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 1:
+            problems.append(f"min_bytes={min_bytes!r}: it must be an integer >= 1 (bytes). To resolve this error, "
+                            f"pass e.g. min_bytes={MIN_BYTES_DEFAULT} (1 MiB).")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            problems.append(f"prefetch_depth={prefetch_depth!r}: it must be an integer >= 1. To resolve this "
+                            "error, pass prefetch_depth=2 (two tensors fetched ahead of backward).")
+        if host_budget_bytes is not None and (isinstance(host_budget_bytes, bool) or not isinstance(
+                host_budget_bytes, int) or host_budget_bytes <= 0):
+            problems.append(f"host_budget_bytes={host_budget_bytes!r}: it must be a positive integer (bytes). To "
+                            "resolve this error, pass e.g. parse_bytes('16GiB'), or None for half the free RAM.")
+        if model is not None and not isinstance(model, nn.Module):
+            problems.append(f"model={type(model).__name__}: it must be an nn.Module. To resolve this error, pass "
+                            "the model being trained.")
+        if head is not None and not isinstance(head, nn.Module):
+            problems.append(f"head={type(head).__name__}: it must be an nn.Module (the output layer). To resolve "
+                            "this error, pass e.g. head=model.lm_head.")
+        ConfigError.raise_if(problems)
+
+        self.transport = transport
+        self.model = model
+        self.head = None if include_logits else (head or (_find_head(model) if model is not None else None))
+        self.min_bytes = min_bytes
+        self.prefetch_depth = prefetch_depth
+        self.device = transport.device if transport is not None else None
+        self.pool: HostPool | None = None
+        if transport is not None:
+            free = available_ram_bytes()
+            if host_budget_bytes is None:
+                host_budget_bytes = free // 2
+            elif host_budget_bytes > free:
+                raise MemtrainError(
+                    f"offload_activations: host_budget_bytes={format_bytes(host_budget_bytes)} is more than the "
+                    f"{format_bytes(free)} of host memory available now; pinning it would starve the machine. "
+                    f"To resolve this error, pass host_budget_bytes <= {format_bytes(free)} (e.g. half of it)."
+                )
+            if slab_bytes is None:
+                # A power of two: torch's pinned-memory allocator rounds every request up to one, so the budget
+                # then counts what is really pinned.
+                slab_bytes = min(SLAB_BYTES_DEFAULT, 1 << (host_budget_bytes.bit_length() - 1))
+            self.pool = HostPool(transport, budget_bytes=host_budget_bytes, slab_bytes=slab_bytes)
+
+        self._lock = threading.RLock()
+        self._dead: collections.deque[tuple[_Record, int]] = collections.deque()
+        self._hooks: list[Any] = []
+        self._module_hooks: list[Any] = []
+        self._state_keys: set[int] = set()
+        self._in_tail = False
+        self._epoch_id = 0
+        self._epoch: list[_Record] = []  # this step's records, in the order they were saved
+        self._epoch_live = 0  # records of this step not yet released
+        self._observed: list[int] = []  # record indices in the order backward first used them
+        self._observed_set: set[int] = set()
+        self._unpacked_since_pack = False
+        self._plan: list[_Record] | None = None
+        self._plan_pos: dict[int, int] = {}
+        self._learned: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._by_storage: dict[int, tuple[StorageWeakRef, _Record, int]] = {}
+        self._inflight: collections.deque[_Record] = collections.deque()
+        self._finished: collections.deque[_Record] = collections.deque()
+        self._warned_budget = False
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._kept: collections.Counter[str] = collections.Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return self.transport is not None
+
+    def __repr__(self) -> str:
+        if not self.enabled:
+            return "ActivationOffloader(disabled: no CUDA device)"
+        return (f"ActivationOffloader(device={self.device}, min_bytes={self.min_bytes}, prefetch_depth="
+                f"{self.prefetch_depth}, host_budget={format_bytes(self.pool.capacity_bytes)})")
+
+    # -- context ----------------------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> ActivationOffloader:
+        # A copied model (e.g. estimate's meta copy) shares the offloader: it is a runtime resource (a pinned pool,
+        # a side stream), not state of the model.
+        return self
+
+    def __enter__(self) -> ActivationOffloader:
+        if not self.enabled:
+            return self
+        if not self._hooks:
+            self._in_tail = False
+            if self.model is not None:
+                self._state_keys = {t.untyped_storage()._cdata for t in (*self.model.parameters(),
+                                                                          *self.model.buffers())}
+                self._module_hooks.append(self.model.register_forward_pre_hook(self._leave_tail))
+            if self.head is not None:
+                self._module_hooks.append(self.head.register_forward_pre_hook(self._enter_tail))
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        self._hooks.pop().__exit__(*exc)
+        if not self._hooks:
+            for h in self._module_hooks:
+                h.remove()
+            self._module_hooks.clear()
+            self._in_tail = False
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` run inside this context: e.g. a checkpointed block call, whose saved inputs then move out."""
+        if not self.enabled:
+            return fn
+
+        @functools.wraps(fn)
+        def offloaded(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return offloaded
+
+    def _enter_tail(self, module: nn.Module, args: Any) -> None:
+        self._in_tail = True
+
+    def _leave_tail(self, module: nn.Module, args: Any) -> None:
+        self._in_tail = False
+
+    # -- forward: pack ----------------------------------------------------------------------------------
+    def _keep_reason(self, t: torch.Tensor) -> str | None:
+        if type(t) not in (torch.Tensor, nn.Parameter):
+            return "tensor subclass"
+        if t.device != self.device:
+            return "other device"
+        if t.layout != torch.strided or t.is_conj() or t.is_neg():
+            return "layout"
+        storage = t.untyped_storage()
+        if storage.nbytes() < self.min_bytes:
+            return "small"
+        if isinstance(t, nn.Parameter) or storage._cdata in self._state_keys:
+            return "parameter"
+        base = t if t._base is None else t._base
+        if (base.is_leaf and base.requires_grad) or _derived_from_leaf(t):
+            return "parameter"
+        if self._in_tail:
+            return "logits"
+        return None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        with self._lock:
+            self._drain()
+            if self._unpacked_since_pack or (self._epoch and self._epoch_live == 0):
+                # A forward after a backward, or after a graph dropped without one: a new step begins.
+                self._new_epoch()
+            reason = self._keep_reason(t)
+            if reason is not None:
+                self._kept[reason] += 1
+                return t
+            storage = t.untyped_storage()
+            entry = self._by_storage.get(storage._cdata)
+            # NOTE: the version check keeps a storage modified in place between two saves from sharing a copy.
+            if entry is not None and not entry[0].expired() and entry[2] == t._version and not entry[1].released:
+                record = entry[1]
+                self._counts["deduplicated"] += 1
+            else:
+                record = self._offload(t, storage)
+                if record is None:
+                    return t
+                self._by_storage[storage._cdata] = (StorageWeakRef(storage), record, t._version)
+            record.handles += 1
+            self._counts["offloaded_tensors"] += 1
+            return _Handle(record, t, self._dead)
+
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record | None:
+        nbytes = storage.nbytes()
+        extent = self.pool.alloc(nbytes)
+        if extent is None:
+            self._counts["over_budget_bytes"] += nbytes
+            if not self._warned_budget:
+                self._warned_budget = True
+                warnings.warn(
+                    f"offload_activations: the host budget of {format_bytes(self.pool.capacity_bytes)} is full "
+                    f"({format_bytes(self.pool.used_bytes)} in use); tensors that do not fit stay on the device "
+                    "(OffloadStats.over_budget_bytes counts them). Hint: raise host_budget_bytes, or checkpoint "
+                    "more blocks.", stacklevel=4)
+            return None
+        record = _Record(self._epoch_id, len(self._epoch), nbytes, extent)
+        record.src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        record.d2h_event = self.transport.copy_to_host(record.src, self.pool.segments(extent), record.index)
+        self._counts["offloaded_bytes"] += nbytes
+        self._epoch.append(record)
+        self._epoch_live += 1
+        self._inflight.append(record)
+        self._retire_copies()
+        return record
+
+    def _retire_copies(self) -> None:
+        # Device memory is freed once its copy is done. Beyond prefetch_depth copies in flight the compute
+        # stream waits for the oldest (on the GPU, not the host): device memory stays bounded when the copies
+        # cannot keep up with compute.
+        while self._inflight:
+            record = self._inflight[0]
+            if record.src is not None:
+                if self.transport.query(record.d2h_event):
+                    record.src = None
+                elif len(self._inflight) > self.prefetch_depth:
+                    self._release_src(record)
+                else:
+                    return
+            self._inflight.popleft()
+
+    def _release_src(self, record: _Record) -> None:
+        # The side stream may still be reading src: the compute stream, which reuses freed memory, waits first.
+        if not self.transport.query(record.d2h_event):
+            self.transport.wait(record.d2h_event)
+        record.src = None
+
+    # -- backward: unpack -------------------------------------------------------------------------------
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        with self._lock:
+            self._drain()
+            self._unpacked_since_pack = True
+            record = packed.record
+            current = record.epoch == self._epoch_id
+            if current and self._plan is None:
+                self._make_plan()
+            if current and record.index not in self._observed_set:
+                self._observed_set.add(record.index)
+                self._observed.append(record.index)
+            base = self._resident(record)
+            out = torch.empty(0, dtype=packed.dtype, device=base.device).set_(
+                base.untyped_storage(), packed.offset, packed.size, packed.stride)
+            if packed.unpacked_pass != record.passes:  # a node may read its saved tensors more than once
+                packed.unpacked_pass = record.passes
+                record.unpacked += 1
+            if record.unpacked >= record.handles:
+                self._finish_pass(record)
+            if current:
+                self._prefetch_after(record)
+            return out
+
+    def _finish_pass(self, record: _Record) -> None:
+        """Every live saved tensor of this storage is out: autograd holds what it still needs."""
+        record.passes += 1
+        record.unpacked = 0
+        record.done = True
+        # Normally the handles die right after their node ran and the record is released with them. Until then
+        # the device copy stays for a little while, as a node may read its saved tensors twice (custom
+        # Functions do); with retain_graph the handles never die, and the window bounds device memory.
+        self._finished.append(record)
+        while len(self._finished) > self.prefetch_depth:
+            old = self._finished.popleft()
+            if old not in self._finished:
+                old.data = None
+                if old.src is not None:
+                    self._release_src(old)
+
+    def _resident(self, record: _Record) -> torch.Tensor:
+        if record.src is not None:
+            if record.unpacked == 0 and record.passes == 0:
+                self._counts["served_from_device"] += 1
+            return record.src
+        if record.data is None:
+            self._fetch(record)
+            self._counts["fetched_on_demand"] += 1
+        self.transport.wait(record.h2d_event)
+        self.transport.hand_over(record.data)
+        return record.data
+
+    def _fetch(self, record: _Record) -> None:
+        record.data, record.h2d_event = self.transport.copy_to_device(
+            self.pool.segments(record.extent), record.nbytes, record.index)
+
+    def _make_plan(self) -> None:
+        signature = tuple(r.nbytes for r in self._epoch)
+        if self._learned is not None and self._learned[0] == signature:
+            order: Any = self._learned[1]
+            self._counts["learned_order_used"] += 1
+        else:
+            order = range(len(self._epoch) - 1, -1, -1)
+        self._plan = [self._epoch[i] for i in order]
+        self._plan_pos = {id(r): pos for pos, r in enumerate(self._plan)}
+
+    def _prefetch_after(self, record: _Record) -> None:
+        pos = self._plan_pos.get(id(record))
+        if pos is None:
+            return
+        for ahead in self._plan[pos + 1:pos + 1 + self.prefetch_depth]:
+            if ahead.released or ahead.done or ahead.src is not None or ahead.data is not None:
+                continue
+            self._fetch(ahead)
+            self._counts["prefetched"] += 1
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+    def _new_epoch(self) -> None:
+        """A forward after a backward: keep the order the last backward used, start a fresh record list."""
+        if self._observed:
+            seen = set(self._observed)
+            order = self._observed + [i for i in range(len(self._epoch) - 1, -1, -1) if i not in seen]
+            self._learned = (tuple(r.nbytes for r in self._epoch), tuple(order))
+        self._epoch_id += 1
+        self._epoch_live = 0
+        self._epoch, self._observed, self._observed_set, self._plan, self._plan_pos = [], [], set(), None, {}
+        self._by_storage.clear()
+        self._unpacked_since_pack = False
+
+    def _drain(self) -> None:
+        while self._dead:
+            record, unpacked_pass = self._dead.popleft()
+            record.handles -= 1
+            if unpacked_pass == record.passes:
+                record.unpacked -= 1
+            if record.handles == 0 and not record.released:
+                record.released = True
+                self._epoch_live -= record.epoch == self._epoch_id
+                record.data = None
+                if record.src is not None:
+                    self._release_src(record)
+                self.pool.free(record.extent)
+            elif 0 < record.handles <= record.unpacked:
+                self._finish_pass(record)
+
+    def stats(self) -> OffloadStats:
+        """A snapshot of the counters (see ``OffloadStats``)."""
+        with self._lock:
+            if self.enabled:
+                self._drain()
+            pool = self.pool
+            return OffloadStats(
+                offloaded_tensors=self._counts["offloaded_tensors"],
+                offloaded_bytes=self._counts["offloaded_bytes"],
+                deduplicated=self._counts["deduplicated"],
+                kept=tuple(sorted(self._kept.items())),
+                over_budget_bytes=self._counts["over_budget_bytes"],
+                prefetched=self._counts["prefetched"],
+                fetched_on_demand=self._counts["fetched_on_demand"],
+                served_from_device=self._counts["served_from_device"],
+                learned_order_used=self._counts["learned_order_used"],
+                host_reserved_bytes=pool.reserved_bytes if pool else 0,
+                host_used_bytes=pool.used_bytes if pool else 0,
+                host_peak_used_bytes=pool.peak_used_bytes if pool else 0,
+            )
+
+
+# -- public API ---------------------------------------------------------------------------------------------
+def offload_activations(
+    *,
+    model: nn.Module | None = None,
+    head: nn.Module | None = None,
+    include_logits: bool = False,
+    min_bytes: int = MIN_BYTES_DEFAULT,
+    host_budget_bytes: int | None = None,
+    prefetch_depth: int = 2,
+    device: str | torch.device | None = None,
+) -> ActivationOffloader:
+    """Keeps the tensors saved for backward in pinned host memory: device memory for PCIe traffic, no recompute.
+
+    Each offloaded byte crosses PCIe twice. With checkpointing only the block inputs are saved, and their
+    copies hide behind compute (``apply_checkpointing(model, offload=True)``); offloading every activation of
+    an uncheckpointed transformer is bandwidth-bound and slows the step down. Build the context once and enter
+    it every step: the pinned pool and the recorded backward order persist in it.
+
+    What stays on the device: tensors whose storage is under ``min_bytes``; parameters, buffers, views and
+    casts of them (autocast's weight copies); and everything saved once ``head`` has started its forward (the
+    logits, the loss's fp32 softmax): backward needs those first, so moving them out and back would only add
+    traffic. ``head`` defaults to the model's output layer (Hugging Face ``get_output_embeddings()``, else a
+    child named ``lm_head``/``head``/``output``); ``include_logits=True`` offloads them too.
+
+    NOTE: with hooks, autograd no longer detects a saved tensor modified in place; plain PyTorch raises there,
+    and with offloading the value backward sees is undefined. Do not modify saved tensors in place.
+
+    Args:
+        model: the model being trained, when the context wraps its whole forward: its buffers are never
+            offloaded (matched by storage; parameters never are in any case), its head is found, and its device
+            is the default ``device``. Leave it out for a context entered per block (``wrap``).
+        head: the module whose start marks the tail of the forward kept on the device (default: found in
+            ``model``); ignored when ``include_logits``.
+        include_logits: offload the tail too.
+        min_bytes: smallest storage (bytes) worth a copy; default 1 MiB.
+        host_budget_bytes: most pinned host memory to use (bytes); default half the RAM available now. Checked
+            against the available RAM before anything is allocated. Tensors that do not fit stay on the device,
+            with one warning.
+        prefetch_depth: copies in flight each way: saved tensors fetched ahead of backward, and copies to the
+            host outstanding before the compute stream waits for the oldest.
+        device: the CUDA device whose tensors move (default: the model's device, else the current CUDA device).
+
+    Returns:
+        An ``ActivationOffloader`` (a reusable, re-entrant context manager with ``.stats()``). Without CUDA it is
+        a transparent no-op, and says so once per process.
+
+    Raises:
+        ConfigError: a bad argument, or ``device`` naming a CUDA device that is not available.
+        MemtrainError: ``host_budget_bytes`` larger than the host memory available.
+
+    Example:
+        >>> model = torch.nn.Linear(8, 8)
+        >>> offload = offload_activations(model=model)  # doctest: +SKIP
+        >>> with offload:  # doctest: +SKIP
+        ...     loss = model(torch.randn(4, 8)).sum()
+        >>> loss.backward()  # doctest: +SKIP
+    """
+    if device is None and isinstance(model, nn.Module):
+        device = next((p.device for p in model.parameters()), None)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a device. To resolve this error, pass e.g. device='cuda:0', "
+                          "or None for the model's device.") from None
+    transport: Transport | None = None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"offload_activations(device={str(device)!r}): CUDA is not available on this machine. "
+                              "To resolve this error, pass device=None (a no-op without CUDA).")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        transport = CudaTransport(device)
+    elif device.type == "cpu":
+        global _NOOP_WARNED
+        if not _NOOP_WARNED:
+            _NOOP_WARNED = True
+            warnings.warn("offload_activations: no CUDA device, so saved activations already live in host memory; "
+                          "the context does nothing.", stacklevel=2)
+    else:
+        raise ConfigError(f"offload_activations(device={str(device)!r}): only CUDA devices are supported. To "
+                          "resolve this error, train on CUDA, or drop activation offload.")
+    return ActivationOffloader(transport, model=model, head=head, include_logits=include_logits,
+                               min_bytes=min_bytes, host_budget_bytes=host_budget_bytes,
+                               prefetch_depth=prefetch_depth)

@@ -1,0 +1,188 @@
+"""Activation offload on a real GPU: parity, peak reduction, races, the host budget. Skipped without CUDA.
+
+Run on a GPU machine: ``.venv/bin/python -m pytest tests/gpu/test_offload_gpu.py -q`` (under a minute on an H200).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from memtrain.checkpointing import apply_checkpointing, checkpointed_blocks
+from memtrain.models import GPT, GPTConfig
+from memtrain.offload import ActivationOffloader, offload_activations
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        diff = (got[name].float() - expected[name].float()).abs().max().item()
+        assert torch.equal(got[name], expected[name]), f"{what}: {name} differs, max abs diff {diff}"
+
+
+def offload_checkpointed_inputs(model: nn.Module, offloader: ActivationOffloader) -> None:
+    """``apply_checkpointing(model, offload=True)``; by hand (each checkpointed block call run in the context)
+    until checkpointing.py takes ``offloader`` (issue 5's change)."""
+    if "offloader" in inspect.signature(apply_checkpointing).parameters:
+        apply_checkpointing(model, offload=True, offloader=offloader)
+        return
+    modules = dict(model.named_modules())
+    for name in checkpointed_blocks(model):
+        modules[name].forward = offloader.wrap(modules[name].forward)
+
+
+def gpt_step(model: GPT, idx: torch.Tensor, context=None, *, autocast: bool = False) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast)
+    if context is None:
+        with amp:
+            loss = model(idx, idx)
+    else:
+        with amp, context:
+            loss = model(idx, idx)
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gpt_gradients_identical(autocast):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, seq_len=256)).cuda()
+    offloader = offload_activations(model=model, min_bytes=2**16)
+    for step in range(3):  # the first step records the order; the next ones prefetch by it
+        idx = torch.randint(0, 256, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        # The math SDPA kernel is deterministic, so the two runs must match bit for bit.
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            gpt_step(model, idx, autocast=autocast)
+            expected = grads(model)
+            gpt_step(model, idx, offloader, autocast=autocast)
+        assert_same_grads(grads(model), expected, f"step {step}")
+    stats = offloader.stats()
+    assert stats.offloaded_bytes > 0 and stats.prefetched > 0 and stats.learned_order_used >= 1, stats
+
+
+def _peak(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def test_offloading_checkpointed_inputs_lowers_the_peak():
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=12, n_embd=512, n_head=8, seq_len=1024)
+    model = GPT(config).cuda()
+    idx = torch.randint(0, 256, (8, 1024), device="cuda")
+    block_input = 8 * 1024 * 512 * 4
+    apply_checkpointing(model)
+    gpt_step(model, idx)  # warm-up: allocator, cuBLAS workspaces
+    expected = grads(model)
+    checkpointed = _peak(lambda: gpt_step(model, idx))
+    offloader = offload_activations()  # per block: no model, so no head to watch
+    offload_checkpointed_inputs(model, offloader)
+    gpt_step(model, idx)
+    offloaded = _peak(lambda: gpt_step(model, idx))
+    assert_same_grads(grads(model), expected, "checkpointing + offload")
+    saved = checkpointed - offloaded
+    # All but the blocks whose inputs are still in flight or already back (prefetch depth) leave the device.
+    assert saved >= (config.n_layer - 4) * block_input, (
+        f"peak {checkpointed} -> {offloaded} bytes: saved {saved}, expected >= {(config.n_layer - 4) * block_input}")
+    assert offloader.stats().offloaded_bytes >= config.n_layer * block_input, offloader.stats()
+
+
+def test_whole_forward_offload_lowers_the_peak():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=8, n_embd=512, n_head=8, seq_len=512)).cuda()
+    idx = torch.randint(0, 256, (8, 512), device="cuda")
+    gpt_step(model, idx)
+    plain = _peak(lambda: gpt_step(model, idx))
+    offloader = offload_activations(model=model)
+    gpt_step(model, idx, offloader)
+    offloaded = _peak(lambda: gpt_step(model, idx, offloader))
+    moved = offloader.stats().offloaded_bytes // 2  # bytes of one step (two steps ran)
+    assert plain - offloaded >= moved // 2, f"peak {plain} -> {offloaded} bytes with {moved} bytes offloaded per step"
+
+
+class Cheap(nn.Module):
+    """A layer of little arithmetic on a big tensor: copies are far slower than compute, so any missing
+    synchronisation reads a half-copied or stale buffer."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * self.scale  # saves x and sin(x): two fresh storages per layer
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_race_many_cheap_layers(depth):
+    torch.manual_seed(0)
+    width = 4096
+    model = nn.Sequential(*[Cheap(width) for _ in range(24)]).cuda()  # 48 x 32 MiB saved per step
+    offloader = offload_activations(model=model, prefetch_depth=depth)
+    for step in range(3):  # fresh inputs each step: a stale pinned block from the last step would show
+        x = torch.randn(2048, width, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        expected = grads(model)
+        model.zero_grad(set_to_none=True)
+        with offloader:
+            loss = model(x).square().sum()
+        loss.backward()
+        assert_same_grads(grads(model), expected, f"depth {depth}, step {step}")
+    stats = offloader.stats()
+    assert stats.offloaded_bytes >= 3 * 40 * 2048 * width * 4, stats
+
+
+def test_race_on_a_non_default_stream():
+    """The compute stream is whatever stream is current: the side stream must wait for it, not the default."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Cheap(4096) for _ in range(12)]).cuda()
+    x = torch.randn(2048, 4096, device="cuda")
+    model(x).square().sum().backward()
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+    offloader = offload_activations(model=model)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with offloader:
+            loss = model(x).square().sum()
+        loss.backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert_same_grads(grads(model), expected, "side compute stream")
+
+
+def test_host_budget_is_respected():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Cheap(4096) for _ in range(16)]).cuda()  # 32 x 32 MiB saved
+    x = torch.randn(2048, 4096, device="cuda")
+    model(x).square().sum().backward()
+    expected = grads(model)
+    budget = 256 * 2**20
+    offloader = offload_activations(model=model, host_budget_bytes=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with offloader:
+                loss = model(x).square().sum()
+            loss.backward()
+    assert_same_grads(grads(model), expected, "over the host budget")
+    stats = offloader.stats()
+    assert stats.host_reserved_bytes <= budget and stats.host_peak_used_bytes <= budget, stats
+    assert stats.over_budget_bytes > 0 and stats.offloaded_bytes >= budget // 2, stats
+    assert sum("host budget" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+    assert offloader.pool.slabs and all(s.is_pinned() for s in offloader.pool.slabs)

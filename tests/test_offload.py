@@ -1,0 +1,547 @@
+"""Activation offload on the CPU: the pack / unpack / prefetch logic through a fake device.
+
+``FakeTransport`` defers every copy (a side stream that lags behind) and fills restored tensors with NaN until
+their copy has run, so a missing wait shows up as wrong gradients; it logs the copies in order so that what
+moves, when and in which order can be checked.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import memtrain.offload as offload_mod
+from memtrain.checkpointing import apply_checkpointing, remove_checkpointing
+from memtrain.errors import ConfigError, MemtrainError
+from memtrain.models import GPT, GPTConfig
+from memtrain.offload import ActivationOffloader, CpuTransport, offload_activations
+
+
+class FakeEvent:
+    def __init__(self, kind: str, tag: int) -> None:
+        self.kind, self.tag, self.done = kind, tag, False
+
+
+class FakeTransport(CpuTransport):
+    """A side stream on the CPU: copies run ``lag`` transport calls after they are issued, in order."""
+
+    def __init__(self, lag: int = 3):
+        self.lag = lag
+        self.queue: collections.deque[tuple[FakeEvent, object]] = collections.deque()
+        self.log: list[tuple] = []
+        self.slabs = 0
+        self.host_offsets: list[int] = []  # host address of each copy to the host, in order
+        self._base: dict[int, int] = {}
+
+    def _advance(self, keep: int) -> None:
+        while len(self.queue) > keep:
+            event, run = self.queue.popleft()
+            run()
+            event.done = True
+
+    def _issue(self, kind: str, tag: int, run) -> FakeEvent:
+        event = FakeEvent(kind, tag)
+        self.queue.append((event, run))
+        self._advance(self.lag)
+        return event
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        self.slabs += 1
+        self.log.append(("slab", nbytes))
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def copy_to_host(self, src, segments, tag):
+        self.log.append(("d2h", tag, src.numel()))
+        self.host_offsets.append(segments[0][1].data_ptr())
+
+        def run() -> None:
+            for offset, host in segments:
+                host.copy_(src[offset:offset + host.numel()])
+
+        return self._issue("d2h", tag, run)
+
+    def copy_to_device(self, segments, nbytes, tag):
+        self.log.append(("h2d", tag, nbytes))
+        dst = torch.full((nbytes,), 255, dtype=torch.uint8)  # NaN in every float dtype until the copy runs
+
+        def run() -> None:
+            for offset, host in segments:
+                dst[offset:offset + host.numel()].copy_(host)
+
+        return dst, self._issue("h2d", tag, run)
+
+    def wait(self, event) -> None:
+        # The compute stream waits: the side stream must have reached the event.
+        self.log.append(("wait", event.kind, event.tag))
+        while not event.done:
+            self._advance(len(self.queue) - 1)
+
+    def query(self, event) -> bool:
+        return event.done
+
+    def tags(self, kind: str) -> list[int]:
+        return [entry[1] for entry in self.log if entry[0] == kind]
+
+
+def offloader(transport=None, **kwargs) -> ActivationOffloader:
+    kwargs.setdefault("min_bytes", 1)
+    kwargs.setdefault("host_budget_bytes", 2**24)
+    kwargs.setdefault("slab_bytes", 2**16)
+    return ActivationOffloader(transport or FakeTransport(), **kwargs)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert torch.equal(a[name], b[name]), f"{name}: max abs diff {diff}"
+
+
+def gpt_step(model: GPT, idx: torch.Tensor, context=None) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    if context is None:
+        loss = model(idx, idx)
+    else:
+        with context:
+            loss = model(idx, idx)
+    loss.backward()
+    return grads(model)
+
+
+class Chain(nn.Module):
+    """Layers of distinct widths, so every saved tensor has its own size: the copy log names them."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 12, 16, 20, 24, 28)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))  # tanh saves its output: one more saved tensor per layer
+        return x
+
+
+# -- parity -------------------------------------------------------------------------------------------------
+def test_gpt_gradients_identical_through_host_copies():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, seq_len=32, dropout=0.1))
+    idx = torch.randint(0, 256, (2, 32))
+    torch.manual_seed(1)
+    expected = gpt_step(model, idx)
+    transport = FakeTransport(lag=4)
+    off = offloader(transport, model=model, include_logits=True)
+    for _ in range(2):  # the second step reuses the pool and the recorded order
+        torch.manual_seed(1)
+        assert_same_grads(gpt_step(model, idx, off), expected)
+    stats = off.stats()
+    assert stats.offloaded_tensors > 20 and stats.offloaded_bytes > 0, stats
+    assert stats.prefetched > 0 and stats.learned_order_used == 1, stats
+    assert transport.tags("h2d"), "nothing came back from the host: the test would prove nothing"
+    assert stats.host_used_bytes == 0, f"{stats.host_used_bytes} host bytes still held after backward"
+
+
+def test_a_missing_wait_corrupts_gradients():
+    """The parity test can fail: skip the compute stream's wait and backward reads unfinished copies."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16))
+    idx = torch.randint(0, 256, (2, 16))
+    expected = gpt_step(model, idx)
+
+    class NoWait(FakeTransport):
+        def wait(self, event) -> None:
+            self.log.append(("wait",))
+
+    got = gpt_step(model, idx, offloader(NoWait(lag=1000), model=model))
+    assert any(not torch.equal(got[n], expected[n]) for n in expected), "gradients matched without waiting"
+
+
+def test_hugging_face_llama_gradients_identical():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 24))
+
+    def step(context=None):
+        model.zero_grad(set_to_none=True)
+        if context is None:
+            model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            with context:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        return grads(model)
+
+    expected = step()
+    transport = FakeTransport(lag=2)
+    off = offloader(transport, model=model)
+    assert_same_grads(step(off), expected)
+    assert off.stats().offloaded_tensors > 10 and off.stats().deduplicated > 0, off.stats()
+    # One storage saved by q, k and v projections: its three saved tensors die one by one during backward, and
+    # it must still come back once, not once more for the last of them.
+    h2d = transport.tags("h2d")
+    assert len(h2d) == len(set(h2d)), f"records fetched twice: {sorted(h2d)}"
+
+
+def test_saved_tensors_read_twice_by_one_node():
+    class ReadsTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            a, _ = ctx.saved_tensors
+            _, b = ctx.saved_tensors  # a second unpack of the same saved tensors
+            return g * b, g * a
+
+    leaf = torch.randn(16, 16, requires_grad=True)
+    transport = FakeTransport(lag=1)
+    with offloader(transport):
+        a = leaf.exp()
+        loss = ReadsTwice.apply(a, a * 3).sin().sum()
+    loss.backward()
+    expected = leaf.grad.clone()
+    leaf.grad = None
+    a = leaf.exp()
+    ReadsTwice.apply(a, a * 3).sin().sum().backward()
+    assert torch.equal(leaf.grad, expected), (leaf.grad - expected).abs().max()
+    h2d = transport.tags("h2d")
+    assert len(h2d) == len(set(h2d)), f"records fetched twice: {h2d}"
+
+
+def test_retain_graph_second_backward_fetches_again():
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(4, 8)
+    model(x).sum().backward(retain_graph=False)
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+    with offloader(FakeTransport(lag=2)):
+        out = model(x).sum()
+    out.backward(retain_graph=True)
+    first = grads(model)
+    model.zero_grad(set_to_none=True)
+    out.backward()
+    assert_same_grads(first, expected)
+    assert_same_grads(grads(model), expected)
+
+
+# -- what moves ---------------------------------------------------------------------------------------------
+def _saves(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    h = lin(x)  # saves x (4096 bytes)
+    y = h * lin.scale  # saves the buffer (4096)
+    z = y.sin()  # saves y (4096)
+    u = nn.functional.linear(z, lin.weight)  # saves z (4096) and weight.t(), a view of a parameter (4096)
+    return u.exp().sum() + u[:2].exp().sum()  # saves exp's results: 4096 and 256 bytes
+
+
+def test_threshold_parameters_and_buffers_stay():
+    lin = nn.Linear(32, 32)
+    lin.register_buffer("scale", torch.full((32, 32), 2.0))
+    x = torch.randn(32, 32)
+    transport = FakeTransport(lag=0)
+    with offloader(transport, model=lin, min_bytes=4096) as off:
+        loss = _saves(lin, x)
+    sizes = [n for kind, _, n in (e for e in transport.log if e[0] == "d2h")]
+    assert sizes == [4096] * 4, f"offloaded storages of {sizes} bytes (x, y, z, exp)"
+    kept = dict(off.stats().kept)
+    assert kept == {"parameter": 2, "small": 1}, kept
+    loss.backward()
+    # Without the model the buffer is indistinguishable from an activation; one byte more and nothing moves.
+    for kwargs, expected in (({"min_bytes": 4096}, 5), ({"model": lin, "min_bytes": 4097}, 0)):
+        transport = FakeTransport(lag=0)
+        with offloader(transport, **kwargs):
+            _saves(lin, x).backward()
+        assert len(transport.tags("d2h")) == expected, (kwargs, transport.log)
+
+
+def test_bare_leaf_tensors_and_casts_of_them_are_parameters():
+    w = torch.randn(64, 64, requires_grad=True)  # a parameter that is not an nn.Parameter
+    x = torch.randn(64, 64)
+    transport = FakeTransport(lag=0)
+    with offloader(transport) as off:
+        h = x @ w.t()  # saves x
+        y = h @ w.double().float()  # saves h and a cast of w
+    assert len(transport.tags("d2h")) == 2, transport.log
+    assert dict(off.stats().kept) == {"parameter": 1}, off.stats().kept
+    y.sum().backward()
+    expected = w.grad.clone()
+    w.grad = None
+    ((x @ w.t()) @ w.double().float()).sum().backward()
+    assert torch.equal(w.grad, expected)
+
+
+def test_same_storage_moves_once():
+    x0 = torch.randn(32, 32, requires_grad=True)
+
+    def loss_of(x0: torch.Tensor) -> torch.Tensor:
+        x = x0 * 2  # 4096 bytes
+        a = x.sin()  # saves x
+        b = x.view(16, 64).cos()  # saves a view of x
+        c = a * x  # saves x again (and a)
+        return b.sum() + c.sum()
+
+    loss_of(x0).backward()
+    expected = x0.grad.clone()
+    x0.grad = None
+    transport = FakeTransport(lag=1)
+    with offloader(transport) as off:
+        loss = loss_of(x0)
+    stats = off.stats()
+    assert len(transport.tags("d2h")) == 2 and stats.deduplicated == 2, (transport.log, stats)
+    assert stats.offloaded_bytes == 2 * 4096 and stats.offloaded_tensors == 4, stats
+    loss.backward()
+    assert torch.equal(x0.grad, expected), (x0.grad - expected).abs().max()
+
+
+def test_logits_stay_on_device_by_default():
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16, vocab_size=256)
+    model = GPT(config)
+    idx = torch.randint(0, 256, (2, 16))
+    logits_bytes = 2 * 16 * 256 * 4
+    for include, expect_logits in ((False, False), (True, True)):
+        transport = FakeTransport(lag=0)
+        with offloader(transport, model=model, include_logits=include):
+            loss = model(idx, idx)
+        loss.backward()
+        moved = [n for kind, _, n in (e for e in transport.log if e[0] == "d2h")]
+        assert (logits_bytes in moved) == expect_logits, f"include_logits={include}: moved {moved}"
+
+
+def test_checkpointed_blocks_offload_exactly_their_inputs():
+    """Non-reentrant checkpoint saves the block inputs through the outer hooks, and nothing else."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, seq_len=16))
+    idx = torch.randint(0, 256, (3, 16))
+    expected = gpt_step(model, idx)
+    transport = FakeTransport(lag=1)
+    off = offloader(transport)
+    originals = [block.forward for block in model.blocks]
+    try:
+        for block, original in zip(model.blocks, originals, strict=True):
+            block.forward = off.wrap(lambda x, f=original: checkpoint(f, x, use_reentrant=False))
+        got = gpt_step(model, idx)
+    finally:
+        for block in model.blocks:
+            del block.forward
+    assert_same_grads(got, expected)
+    block_input = 3 * 16 * 32 * 4
+    moved = [n for kind, _, n in (e for e in transport.log if e[0] == "d2h")]
+    assert moved == [block_input] * 4, f"moved {moved}, expected four block inputs of {block_input} bytes"
+
+
+# -- order, prefetch, pool ----------------------------------------------------------------------------------
+def test_prefetch_in_reverse_order_depth_ahead():
+    torch.manual_seed(0)
+    model = Chain(widths=tuple(range(8, 8 + 4 * 9, 4)))  # 8 layers: 9 storages saved (input + tanh outputs)
+    x = torch.randn(4, 8)
+    for depth in (1, 3):
+        transport = FakeTransport(lag=0)
+        with offloader(transport, prefetch_depth=depth):
+            out = model(x).sum()
+        n = len(transport.tags("d2h"))
+        out.backward()
+        # Every copy is done at once (lag 0), so every device copy was freed and everything comes back.
+        assert transport.tags("h2d") == list(range(n - 1, -1, -1)), f"depth {depth}: {transport.log}"
+        # When backward first waits for record i, exactly records i ... i+1-depth have been asked for (the
+        # last one, needed first, on demand).
+        issued: list[int] = []
+        waited: set[int] = set()
+        for entry in transport.log:
+            if entry[0] == "h2d":
+                issued.append(entry[1])
+            elif entry[0] == "wait" and entry[1] == "h2d" and entry[2] not in waited:
+                i = entry[2]
+                waited.add(i)
+                lowest = i if i == n - 1 else max(i + 1 - depth, 0)
+                assert issued == list(range(n - 1, lowest - 1, -1)), (depth, i, issued)
+        assert waited == set(range(n)), waited
+
+
+def test_learned_order_replaces_reverse_order():
+    """A node unpacks its saved tensors first-to-last: reverse order guesses wrong, the recorded order not."""
+
+    class SavesThree(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, c):
+            ctx.save_for_backward(a, b, c)
+            return a * b * c
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b, c = ctx.saved_tensors
+            return g * b * c, g * a * c, g * a * b
+
+    leaf = torch.randn(3, 64, requires_grad=True)
+    transport = FakeTransport(lag=1)  # the last copy is still in flight when backward starts
+    off = offloader(transport, prefetch_depth=1)
+    on_demand = []
+    for _ in range(2):
+        before = off.stats().fetched_on_demand
+        with off:
+            a, b, c = (leaf * (i + 1.0) for i in range(3))
+            out = SavesThree.apply(a, b, c)
+            tail = out.sin().sum()  # one more record, still on the device when backward starts
+        tail.backward()
+        on_demand.append(off.stats().fetched_on_demand - before)
+    # Reverse order prefetches c while a is needed first; the recorded order (a, b, c) has each one ready.
+    assert on_demand == [2, 0], f"on-demand fetches per step: {on_demand}"
+    assert off.stats().learned_order_used == 1 and off.stats().served_from_device == 2, off.stats()
+
+
+def test_pool_is_reused_every_step():
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    transport = FakeTransport(lag=2)
+    off = offloader(transport, slab_bytes=1024)  # small slabs: blocks span slab boundaries
+    offsets = []
+    for _ in range(3):
+        start = len(transport.host_offsets)
+        with off:
+            loss = model(x).sum()
+        loss.backward()
+        offsets.append(transport.host_offsets[start:])
+        assert off.stats().host_used_bytes == 0
+    slabs_after_first = transport.slabs
+    assert offsets[0] == offsets[1] == offsets[2], f"host blocks moved between steps: {offsets}"
+    assert transport.slabs == slabs_after_first
+    assert off.stats().host_reserved_bytes == transport.slabs * 1024
+
+
+def test_host_budget_keeps_the_rest_on_device_and_warns_once():
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    model(x).sum().backward()
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+    transport = FakeTransport(lag=1)
+    off = offloader(transport, host_budget_bytes=2048, slab_bytes=1024)
+    with pytest.warns(UserWarning, match="host budget") as record:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with off:
+                loss = model(x).sum()
+            loss.backward()
+    assert len(record) == 1, [str(w.message) for w in record]
+    assert_same_grads(grads(model), expected)
+    stats = off.stats()
+    assert stats.host_peak_used_bytes <= 2048 and stats.host_reserved_bytes <= 2048, stats
+    assert stats.over_budget_bytes > 0 and stats.offloaded_bytes > 0, stats
+
+
+# -- configuration and the CPU-only no-op -------------------------------------------------------------------
+def test_budget_above_free_ram_raises_before_allocating():
+    transport = FakeTransport()
+    with pytest.raises(MemtrainError, match="To resolve this error") as e:
+        ActivationOffloader(transport, host_budget_bytes=2**62)
+    assert "available" in str(e.value) and transport.slabs == 0
+
+
+def test_bad_arguments_are_reported_together():
+    with pytest.raises(ConfigError) as e:
+        ActivationOffloader(FakeTransport(), min_bytes=0, prefetch_depth=0, host_budget_bytes=-1)
+    assert len(e.value.problems) == 3, e.value.problems
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_cpu_only_context_is_a_noop_that_says_so_once(monkeypatch):
+    monkeypatch.setattr(offload_mod, "_NOOP_WARNED", False)
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="does nothing"):
+        off = offload_activations(model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload_activations()  # no second warning
+    assert not off.enabled
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), off:
+        model(x).sum().backward()
+    assert saved and all(type(t) in (torch.Tensor, nn.Parameter) for t in saved)
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        offload_activations(device="cuda")
+
+
+# -- apply_checkpointing(offload=True) and per-block policies (the change to checkpointing.py of issue 5) ----
+_HAS_POLICIES = "policies" in inspect.signature(apply_checkpointing).parameters
+needs_policies = pytest.mark.skipif(not _HAS_POLICIES, reason="apply_checkpointing has no per-block policies yet")
+
+
+@needs_policies
+def test_apply_checkpointing_offload_moves_block_inputs_only():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, seq_len=16, dropout=0.1))
+    idx = torch.randint(0, 256, (3, 16))
+    torch.manual_seed(1)
+    expected = gpt_step(model, idx)
+    transport = FakeTransport(lag=1)
+    wrapped = apply_checkpointing(model, offload=True, offloader=offloader(transport))
+    torch.manual_seed(1)
+    assert_same_grads(gpt_step(model, idx), expected)
+    moved = [n for kind, _, n in (e for e in transport.log if e[0] == "d2h")]
+    assert wrapped == [f"blocks.{i}" for i in range(4)] and moved == [3 * 16 * 32 * 4] * 4, moved
+    remove_checkpointing(model)
+    torch.manual_seed(1)
+    assert_same_grads(gpt_step(model, idx), expected)
+
+
+@needs_policies
+def test_per_block_keep_recompute_offload():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, seq_len=16))
+    idx = torch.randint(0, 256, (3, 16))
+    expected = gpt_step(model, idx)
+    transport = FakeTransport(lag=2)
+    off = offloader(transport, min_bytes=1024)
+    wrapped = apply_checkpointing(model, policies={"blocks.0": "offload", "blocks.1": "keep"}, offloader=off)
+    assert wrapped == ["blocks.0", "blocks.2", "blocks.3"], wrapped
+    assert_same_grads(gpt_step(model, idx), expected)
+    # blocks.0 keeps every activation on the host (no recompute): its input, LayerNorm outputs, qkv, MLP...
+    assert len(transport.tags("d2h")) >= 6, transport.log
+    with pytest.raises(ConfigError) as e:
+        apply_checkpointing(model, policies={"blocks.9": "offload", "blocks.0": "swap"})
+    assert len(e.value.problems) == 2, e.value.problems
+
+
+@needs_policies
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_apply_checkpointing_offload_without_cuda_is_a_noop(monkeypatch):
+    monkeypatch.setattr(offload_mod, "_NOOP_WARNED", False)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16))
+    idx = torch.randint(0, 256, (2, 16))
+    expected = gpt_step(model, idx)
+    with pytest.warns(UserWarning, match="does nothing"):
+        apply_checkpointing(model, offload=True)
+    assert_same_grads(gpt_step(model, idx), expected)
+
+
+def test_forwards_without_backward_do_not_pile_up():
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(4, 8)
+    off = offloader(FakeTransport(lag=1))
+    for _ in range(3):
+        with off:
+            model(x).sum()  # the graph is dropped at once: an evaluation with grad enabled
+    assert len(off._epoch) <= 6 and off.stats().host_used_bytes == 0, (len(off._epoch), off.stats())
+    with off:
+        loss = model(x).sum()
+    loss.backward()  # and training still works after it
