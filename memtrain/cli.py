@@ -329,9 +329,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     root = Path(__file__).resolve().parent.parent / "benchmarks"
-    script = root / f"bench_{args.name}.py"
+    # bench_<name>.py run anywhere; gpu_<name>.py are the GPU workloads (each has a --small CPU mode).
+    script = next((root / f"{kind}_{args.name}.py" for kind in ("bench", "gpu")
+                   if (root / f"{kind}_{args.name}.py").is_file()), root / f"bench_{args.name}.py")
     if not script.is_file():
-        available = sorted(p.stem.removeprefix("bench_") for p in root.glob("bench_*.py")) if root.is_dir() else []
+        available = sorted({p.stem.split("_", 1)[1] for p in [*root.glob("bench_*.py"), *root.glob("gpu_*.py")]}
+                           ) if root.is_dir() else []
         raise ConfigError(f"no benchmark named {args.name!r}" + (f"; available: {', '.join(available)}" if available
                           else " (benchmarks ship with the source checkout)") + ". To resolve this error, pass one "
                           "of those names.")
