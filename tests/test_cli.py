@@ -33,6 +33,15 @@ def test_train_end_to_end_on_the_builtin_corpus(tmp_path, capsys):
 
     weights = load_file(out / "model.safetensors")
     assert "blocks.0.attn.qkv.weight" in weights
+    report = json.loads((out / "report.json").read_text())
+    assert report["with_memtrain"]["activation_bytes"] == lines[-1]["activation_bytes"]
+    assert report["without_memtrain"]["activation_bytes"] > report["with_memtrain"]["activation_bytes"]
+    assert report["estimate_check"]["relative_error"] is not None
+    for picture in ("loss.png", "memory.png"):
+        assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
+    assert len((out / "sample.txt").read_text()) > 0
+    assert json.loads((out / "config.json").read_text())["max_steps"] == 4
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000004"]
 
 
 def test_checkpointing_flag_changes_saved_bytes(tmp_path, text_file, capsys):
@@ -111,3 +120,27 @@ def test_python_dash_m_and_help():
     done = subprocess.run([sys.executable, "-m", "memtrain", "bench", "nope"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "no benchmark named 'nope'" in done.stderr
+
+
+def test_estimate_json_and_table(tmp_path, capsys):
+    assert main(["estimate", "--model", "gpt-tiny", "--micro-batch-size", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"] == "estimated" and report["peak_bytes"] > report["parameter_bytes"] > 0
+    assert main(["estimate", "--model", "gpt-tiny", "--checkpointing", "none", "--device", "cpu"]) == 0
+    table = capsys.readouterr().out
+    assert "memory report (estimated, cpu)" in table and "peak at:" in table
+
+
+def test_estimate_hf_config_and_bad_input(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512).save_pretrained(tmp_path / "cfg")
+    path = str(tmp_path / "cfg" / "config.json")
+    assert main(["estimate", "--hf-config", path, "--seq-len", "64", "--micro-batch-size", "2", "--json"]) == 0
+    with_all = json.loads(capsys.readouterr().out)
+    assert main(["estimate", "--hf-config", path, "--seq-len", "64", "--micro-batch-size", "2", "--json",
+                 "--checkpointing", "none"]) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert with_all["activation_bytes"] < without["activation_bytes"]
+    assert main(["estimate", "--hf-config", str(tmp_path / "missing.json")]) == 2
+    assert "To resolve this error" in capsys.readouterr().err
