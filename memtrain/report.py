@@ -180,3 +180,60 @@ def plot_memory(path: str, breakdowns: dict[str, dict[str, int]]) -> None:
     ax.legend()
     _save_figure(fig, path)
     plt.close(fig)
+
+
+# -- the report of a training run ----------------------------------------------------------------------------
+def check_estimate(model: Any, line: dict[str, Any], micro: int, seq_len: int, device: Any, precision: str,
+                   checkpointing: str) -> dict[str, Any]:
+    """What ``estimate`` predicted for this run beside what the step measured (CUDA peak; saved bytes on CPU)."""
+    from memtrain.estimate import estimate
+
+    try:
+        predicted = estimate(model, (micro, seq_len), device=device.type, precision=precision,
+                             checkpointing=checkpointing, optimizer="adamw")
+    except Exception as e:  # noqa: BLE001 - a failed prediction must not stop training; it is logged and stored
+        return {"log": f"estimate unavailable for this model ({type(e).__name__}: {e})", "error": str(e)}
+    what, key = ("peak", "peak_bytes") if device.type == "cuda" else ("saved activations", "activation_bytes")
+    guess, measured = getattr(predicted, key), line[key]
+    error = guess / measured - 1 if measured else None
+    text = f"{error:+.1%}" if error is not None else "n/a"
+    return {
+        "log": f"estimate check at step {line['step']}: predicted {what} {format_bytes(guess)}, measured "
+               f"{format_bytes(measured)} ({text})",
+        "what": what, "predicted_bytes": guess, "measured_bytes": measured, "relative_error": error,
+        "estimate": predicted.to_dict(),
+    }
+
+
+def write_run_report(out: Any, metrics: list[dict[str, Any]], estimate_check: dict[str, Any] | None, model: Any,
+                     global_batch: int, seq_len: int, device: Any, world: int) -> dict[str, Any]:
+    """report.json, loss.png and memory.png: the run's memory with memtrain (measured) beside plain training
+    (estimated: fp32, no checkpointing, the whole global batch in one forward). Returns the report."""
+    import json
+
+    from memtrain.runstate import atomic_write_bytes
+
+    measured = metrics[-1]
+    with_memtrain = {key: measured[key] for key, _ in CATEGORIES}
+    report: dict[str, Any] = {"with_memtrain": with_memtrain, "estimate_check": estimate_check}
+    report["without_memtrain"] = None
+    if world > 1:
+        report["without_memtrain_error"] = "not estimated under torchrun (the estimate is for one process)"
+    else:
+        try:
+            from memtrain.estimate import estimate
+
+            plain = estimate(model, (global_batch, seq_len), device=device.type, precision="fp32",
+                             checkpointing="none", optimizer="adamw")
+            report["without_memtrain"] = {key: getattr(plain, key) for key, _ in CATEGORIES}
+            report["without_memtrain_assumes"] = ("fp32, no checkpointing, the whole global batch in one forward, "
+                                                  "AdamW on the device (estimated)")
+        except Exception as e:  # noqa: BLE001 - the run is done and saved; a missing comparison is only reported
+            report["without_memtrain_error"] = f"{type(e).__name__}: {e}"
+    atomic_write_bytes(out / "report.json", json.dumps(report, indent=2).encode())
+    plot_loss(str(out / "loss.png"), metrics)
+    bars = {"with memtrain (measured)": with_memtrain}
+    if report["without_memtrain"]:
+        bars = {"without memtrain (estimated)": report["without_memtrain"], **bars}
+    plot_memory(str(out / "memory.png"), bars)
+    return report

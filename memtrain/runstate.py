@@ -11,17 +11,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from memtrain.errors import MemtrainError
+from memtrain.errors import ConfigError, MemtrainError
 
 CHECKPOINT_PREFIX = "step-"
+# Files whose presence marks a folder as holding a run's results.
+RUN_FILES = ("metrics.jsonl", "model.safetensors", "checkpoints")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -210,3 +217,154 @@ class RunCheckpoints:
             raise MemtrainError(f"no intact checkpoint in {self.root}: {'; '.join(skipped)}. To resolve this error, "
                                 "start a new run (another --out) or restore a checkpoint from a backup.")
         return None
+
+
+# -- the run folder -----------------------------------------------------------------------------------------
+def prepare_run_folder(out_dir: str | os.PathLike[str], *, overwrite: bool, resume: bool) -> Path:
+    """Creates ``out_dir``, refusing one that holds another run's results unless ``overwrite`` or ``resume``."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file. To resolve this error, pass a folder path.")
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    if existing and not (overwrite or resume):
+        raise ConfigError(
+            f"--out {str(out)!r} already holds a run's results ({', '.join(existing)}). To resolve this error, "
+            "pass --resume to continue it, another --out folder, or --overwrite to replace it."
+        )
+    if resume and not RunCheckpoints(out).paths():
+        raise ConfigError(f"--resume: {str(out)!r} holds no checkpoint to resume from. To resolve this error, "
+                          "drop --resume to start a new run there, or pass the --out of the run to continue.")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class StopSignals:
+    """Turns SIGTERM / SIGINT into a request to stop after the current step (with a checkpoint)."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+# -- the state of a run ------------------------------------------------------------------------------------
+def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, model: nn.Module,
+                   optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, accumulator: Any) -> None:
+    """Everything a bit-identical resume needs: weights, optimizer (offloaded state included), scheduler, fp16
+    scaler, accumulator counters, the data position (the step) and every RNG. Collective under FSDP2: every rank
+    calls it, rank 0 (the one with ``checkpoints``) writes."""
+    state = {
+        "step": step,
+        "micro_batch_size": micro,
+        "model": model_state_dict(model),
+        "optimizer": _optimizer_state(model, optimizer),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "accumulator": accumulator.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+        },
+    }
+    if checkpoints is not None:
+        checkpoints.save(step, state)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank runs ahead of a checkpoint that is still being written
+
+
+def tied_duplicates(model: nn.Module) -> set[str]:
+    """Names of parameters that are another name's parameter (a tied head), all but the first."""
+    first: dict[int, str] = {}
+    duplicates = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            duplicates.add(name)
+        first.setdefault(id(p), name)
+    return duplicates
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    return callable(getattr(model, "set_requires_gradient_sync", None))
+
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return model.state_dict()
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def restore_run_state(checkpoints: RunCheckpoints, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler: Any, scaler: Any, accumulator: Any) -> tuple[int, int, list[str]]:
+    """Loads the newest intact checkpoint into the run's objects.
+
+    Returns:
+        (step, micro-batch size, damaged checkpoints skipped with the reason).
+    """
+    loaded = checkpoints.load_latest()
+    assert loaded is not None  # prepare_run_folder checked that a checkpoint exists
+    step, state, skipped = loaded
+    try:
+        if _is_fsdp(model):
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, state["model"], options=options)
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise ConfigError(f"--resume: the checkpoint of step {step} does not fit this model or optimizer "
+                          f"({str(e).splitlines()[0][:300]}). To resolve this error, resume with the same model "
+                          "flags as the original run, or start a new run with another --out.") from None
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    accumulator.load_state_dict(state["accumulator"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    random.setstate(_as_tuples(state["rng"]["python"]))
+    return step, int(state["micro_batch_size"]), skipped
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def read_metrics(path: Path | None, *, upto: int) -> list[dict[str, Any]]:
+    """The metrics lines of the steps a resumed run keeps (later ones were not checkpointed)."""
+    if path is None or not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [m for m in lines if m["step"] <= upto]

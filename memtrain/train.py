@@ -12,12 +12,10 @@ import gc
 import json
 import math
 import random
-import signal
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -34,14 +32,23 @@ from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
 from memtrain.offload import ActivationOffloader, offload_activations
 from memtrain.precision import MixedPrecision, resolve_precision
-from memtrain.report import format_bytes
-from memtrain.runstate import RunCheckpoints, atomic_write_bytes, save_weights_file
+from memtrain.report import check_estimate, format_bytes, write_run_report
+from memtrain.runstate import (
+    RunCheckpoints,
+    StopSignals,
+    atomic_write_bytes,
+    model_state_dict,
+    prepare_run_folder,
+    read_metrics,
+    restore_run_state,
+    save_run_state,
+    save_weights_file,
+    tied_duplicates,
+)
 
 CheckpointingMode = Literal["none", "all", "every", "auto"]
 PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
 
-# Files whose presence marks a folder as holding a run's results.
-RUN_FILES = ("metrics.jsonl", "model.safetensors", "checkpoints")
 
 
 @dataclass(frozen=True)
@@ -286,53 +293,6 @@ def sample_text(model: nn.Module, prompt: bytes, n: int, seq_len: int, *, seed: 
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
-def prepare_run_folder(config: TrainConfig) -> Path:
-    """Creates ``out_dir``, refusing one that holds another run's results unless overwrite or resume."""
-    out = Path(config.out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a file. To resolve this error, pass a folder path.")
-    existing = [name for name in RUN_FILES if (out / name).exists()]
-    if existing and not (config.overwrite or config.resume):
-        raise ConfigError(
-            f"--out {str(out)!r} already holds a run's results ({', '.join(existing)}). To resolve this error, "
-            "pass --resume to continue it, another --out folder, or --overwrite to replace it."
-        )
-    if config.resume and not RunCheckpoints(out).paths():
-        raise ConfigError(f"--resume: {str(out)!r} holds no checkpoint to resume from. To resolve this error, "
-                          "drop --resume to start a new run there, or pass the --out of the run to continue.")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-class _StopSignals:
-    """Turns SIGTERM / SIGINT into a request to stop after the current step (with a checkpoint)."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        if threading_is_main():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def threading_is_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 # -- the loop -----------------------------------------------------------------------------------------------
 def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: TrainConfig) -> TrainResult:
     """Trains a language model on ``(x, y)`` token windows with every configured memory technique.
@@ -361,7 +321,9 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     if len(train_data) < global_batch:
         raise ConfigError(f"the training data holds {len(train_data)} examples, fewer than one global batch of "
                           f"{global_batch}. To resolve this error, lower --global-batch-size or use more data.")
-    out = prepare_run_folder(config) if config.out_dir else None  # every rank checks: all fail alike
+    out = None  # every rank checks the folder: all fail alike
+    if config.out_dir:
+        out = prepare_run_folder(config.out_dir, overwrite=config.overwrite, resume=config.resume)
     checkpoints = RunCheckpoints(out) if out is not None else None
     if out is not None and config.overwrite and rank == 0:
         import shutil
@@ -397,13 +359,15 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     acc = make_accumulator(accumulation)
     start_step, resumed_from = 0, None
     if config.resume:
-        start_step, micro = _restore(checkpoints, model, optimizer, scheduler, precision, acc, rank)
+        start_step, micro, skipped = restore_run_state(checkpoints, model, optimizer, scheduler, precision.scaler, acc)
+        for problem in skipped:
+            _log(f"  skipped a damaged checkpoint: {problem}; using the previous one", rank)
         accumulation = global_batch // (micro * world)
         acc = _carry_counters(acc, make_accumulator(accumulation))
         resumed_from = start_step
         _log(f"  resumed from step {start_step} (micro-batch {micro})", rank)
     metrics_path = out / "metrics.jsonl" if out is not None else None
-    metrics = _read_metrics(metrics_path, upto=start_step) if config.resume else []
+    metrics = read_metrics(metrics_path, upto=start_step) if config.resume else []
 
     def loader_from(step: int, micro_batch: int) -> Iterator[Any]:
         sampler = StepBatches(len(train_data), global_batch, micro_batch, seed=config.seed, start=step, rank=rank,
@@ -422,7 +386,7 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                dynamic_ncols=True, file=sys.stderr)
     tokens, eval_loss, last, stopped_by, estimate_check = 0, None, None, None, None
     start = time.perf_counter()
-    with _StopSignals() as signals:
+    with StopSignals() as signals:
         for step in range(start_step, config.max_steps):
             rng = torch.get_rng_state()
             while True:  # retried with half the micro-batch after an out-of-memory error
@@ -448,15 +412,16 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
             last = line
             if step + 1 == min(2, config.max_steps) and rank == 0 and world == 1:
                 # From the second step on the optimizer state exists: the steady state estimate predicts.
-                estimate_check = _check_estimate(model, line, micro, len(train_data[0][0]), device, precision_name,
-                                                 config)
+                estimate_check = check_estimate(model, line, micro, len(train_data[0][0]), device, precision_name,
+                                                _estimate_policy(config))
                 _log(f"  {estimate_check['log']}")
             if metrics_path is not None and rank == 0:
                 atomic_write_bytes(metrics_path, "".join(json.dumps(m) + "\n" for m in metrics).encode())
             stopped_by = signals.received
             due = config.save_every is not None and (step + 1) % config.save_every == 0
             if checkpoints is not None and (due or stopped_by or step + 1 == config.max_steps):
-                _save(checkpoints, step + 1, micro, model, optimizer, scheduler, precision, acc, rank)
+                save_run_state(checkpoints if rank == 0 else None, step + 1, micro, model, optimizer, scheduler,
+                               precision.scaler, acc)
             memory = (f"peak {format_bytes(line['peak_bytes'])}" if line["peak_bytes"] is not None
                       else f"saved {format_bytes(line['activation_bytes'])}")
             bar.set_postfix_str(f"loss {line['loss']:.3f} | {line['tokens_per_s']:.0f} tok/s | {memory}")
@@ -467,13 +432,16 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                 break
     bar.close()
 
-    final_state = _model_state(model) if out is not None and not stopped_by else None  # collective under FSDP2
+    final_state = model_state_dict(model) if out is not None and not stopped_by else None  # collective under FSDP2
     if final_state:  # tied weights once, under their first name, however the state dict was gathered
-        final_state = {k: v for k, v in final_state.items() if k not in _tied_duplicates(model)}
+        final_state = {k: v for k, v in final_state.items() if k not in tied_duplicates(model)}
     if out is not None and rank == 0 and not stopped_by:
         save_weights_file(final_state, out / "model.safetensors")
         atomic_write_bytes(out / "config.json", json.dumps(asdict(config), indent=2).encode())
-        _write_report(out, metrics, estimate_check, model, global_batch, len(train_data[0][0]), device, world)
+        report = write_run_report(out, metrics, estimate_check, model, global_batch, len(train_data[0][0]), device,
+                                  world)
+        if report.get("without_memtrain_error"):
+            _log(f"  report.json: no estimate of plain training ({report['without_memtrain_error']})")
         if config.sample_bytes and world == 1:
             seq_len = len(train_data[0][0])  # the context the model was trained on
             text = sample_text(model, b"def ", config.sample_bytes, seq_len, seed=config.seed)
@@ -561,163 +529,8 @@ def _estimate_policy(config: TrainConfig) -> str:
     return {"none": "none", "every": f"every:{config.checkpoint_every}"}.get(config.checkpointing, "all")
 
 
-def _check_estimate(model: nn.Module, line: dict[str, Any], micro: int, seq_len: int, device: torch.device,
-                    precision: str, config: TrainConfig) -> dict[str, Any]:
-    """What ``estimate`` predicted for this run beside what the step measured (CUDA peak; saved bytes on CPU)."""
-    from memtrain.estimate import estimate
-
-    try:
-        predicted = estimate(model, (micro, seq_len), device=device.type, precision=precision,
-                             checkpointing=_estimate_policy(config), optimizer="adamw")
-    except Exception as e:  # noqa: BLE001 - a failed prediction must not stop training; it is logged and stored
-        return {"log": f"estimate unavailable for this model ({type(e).__name__}: {e})", "error": str(e)}
-    what, key = ("peak", "peak_bytes") if device.type == "cuda" else ("saved activations", "activation_bytes")
-    guess, measured = getattr(predicted, key), line[key]
-    error = guess / measured - 1 if measured else None
-    text = f"{error:+.1%}" if error is not None else "n/a"
-    return {
-        "log": f"estimate check at step {line['step']}: predicted {what} {format_bytes(guess)}, measured "
-               f"{format_bytes(measured)} ({text})",
-        "what": what, "predicted_bytes": guess, "measured_bytes": measured, "relative_error": error,
-        "estimate": predicted.to_dict(),
-    }
-
-
-def _write_report(out: Path, metrics: list[dict[str, Any]], estimate_check: dict[str, Any] | None, model: nn.Module,
-                  global_batch: int, seq_len: int, device: torch.device, world: int) -> None:
-    """report.json, loss.png and memory.png: the run's memory with memtrain beside plain training."""
-    from memtrain.report import CATEGORIES, plot_loss, plot_memory
-
-    measured = metrics[-1]
-    with_memtrain = {key: measured[key] for key, _ in CATEGORIES}
-    report: dict[str, Any] = {"with_memtrain": with_memtrain, "estimate_check": estimate_check}
-    report["without_memtrain"] = None
-    if world > 1:
-        report["without_memtrain_error"] = "not estimated under torchrun (the estimate is for one process)"
-    else:
-        try:
-            from memtrain.estimate import estimate
-
-            plain = estimate(model, (global_batch, seq_len), device=device.type, precision="fp32",
-                             checkpointing="none", optimizer="adamw")
-            report["without_memtrain"] = {key: getattr(plain, key) for key, _ in CATEGORIES}
-            report["without_memtrain_assumes"] = ("fp32, no checkpointing, the whole global batch in one forward, "
-                                                  "AdamW on the device (estimated)")
-        except Exception as e:  # noqa: BLE001 - the run is done and saved; a missing comparison is only reported
-            report["without_memtrain_error"] = f"{type(e).__name__}: {e}"
-            _log(f"  report.json: no estimate of plain training ({type(e).__name__}: {e})")
-    atomic_write_bytes(out / "report.json", json.dumps(report, indent=2).encode())
-    plot_loss(str(out / "loss.png"), metrics)
-    bars = {"with memtrain (measured)": with_memtrain}
-    if report["without_memtrain"]:
-        bars = {"without memtrain (estimated)": report["without_memtrain"], **bars}
-    plot_memory(str(out / "memory.png"), bars)
-
-
 def _carry_counters(old: GradientAccumulator, new: GradientAccumulator) -> GradientAccumulator:
     new.load_state_dict(old.state_dict())
     return new
 
-
-# -- run checkpoints ----------------------------------------------------------------------------------------
-def _save(checkpoints: RunCheckpoints, step: int, micro: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-          scheduler: Any, precision: MixedPrecision, acc: GradientAccumulator, rank: int) -> None:
-    state = {
-        "step": step,
-        "micro_batch_size": micro,
-        "model": _model_state(model),
-        "optimizer": _optimizer_state(model, optimizer),
-        "scheduler": scheduler.state_dict(),
-        "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
-        "accumulator": acc.state_dict(),
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
-            "python": random.getstate(),
-        },
-    }
-    if rank == 0:
-        checkpoints.save(step, state)
-    if _distributed()[1] > 1:
-        dist.barrier()  # no rank runs ahead of a checkpoint that is still being written
-
-
-def _tied_duplicates(model: nn.Module) -> set[str]:
-    """Names of parameters that are another name's parameter (a tied head), all but the first."""
-    first: dict[int, str] = {}
-    duplicates = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            duplicates.add(name)
-        first.setdefault(id(p), name)
-    return duplicates
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    return callable(getattr(model, "set_requires_gradient_sync", None))
-
-
-def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return model.state_dict()
-
-
-def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return optimizer.state_dict()
-
-
-def _restore(checkpoints: RunCheckpoints, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-             precision: MixedPrecision, acc: GradientAccumulator, rank: int) -> tuple[int, int]:
-    loaded = checkpoints.load_latest()
-    assert loaded is not None  # prepare_run_folder checked that a checkpoint exists
-    step, state, skipped = loaded
-    for problem in skipped:
-        _log(f"  skipped a damaged checkpoint: {problem}; using the previous one", rank)
-    try:
-        if _is_fsdp(model):
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            options = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(model, state["model"], options=options)
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, KeyError, ValueError) as e:
-        raise ConfigError(f"--resume: the checkpoint of step {step} does not fit this model or optimizer "
-                          f"({str(e).splitlines()[0][:300]}). To resolve this error, resume with the same model "
-                          "flags as the original run, or start a new run with another --out.") from None
-    scheduler.load_state_dict(state["scheduler"])
-    if precision.scaler is not None and state["scaler"] is not None:
-        precision.scaler.load_state_dict(state["scaler"])
-    acc.load_state_dict(state["accumulator"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    random.setstate(_as_tuples(state["rng"]["python"]))
-    return step, int(state["micro_batch_size"])
-
-
-def _as_tuples(value: Any) -> Any:
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _read_metrics(path: Path | None, *, upto: int) -> list[dict[str, Any]]:
-    """The metrics lines of the steps a resumed run keeps (later ones were not checkpointed)."""
-    if path is None or not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [m for m in lines if m["step"] <= upto]
 
