@@ -10,6 +10,7 @@ caching allocator: the peak over the step and the bytes allocated at each phase 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,6 +42,22 @@ def _tensor_storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
         key, nbytes = _storage_key(t)
         keys.setdefault(key, nbytes)
     return keys
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available to new allocations (Linux ``MemAvailable``; elsewhere free physical pages), or None
+    where the machine does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def note_saved(obj: Any) -> None:

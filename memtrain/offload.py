@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.measure import available_host_bytes
 from memtrain.report import format_bytes
 
 MIN_BYTES_DEFAULT = 2**20  # below this a copy costs more in launch overhead than it frees
@@ -297,18 +297,9 @@ def _derived_from_leaf(t: torch.Tensor) -> bool:
 
 
 def available_ram_bytes() -> int:
-    """Host memory available to new allocations (Linux ``MemAvailable``; elsewhere free physical pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 2**62  # unknown: do not refuse
+    """Host memory available to new allocations; a huge number where the machine does not say (do not refuse)."""
+    free = available_host_bytes()
+    return free if free is not None else 2**62
 
 
 def _find_head(model: nn.Module) -> nn.Module | None:

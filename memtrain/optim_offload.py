@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.measure import available_host_bytes
 from memtrain.report import format_bytes
 
 # Group keys that choose an implementation rather than the maths: they stay with each side's own optimizer when a
@@ -46,15 +47,8 @@ STATE_BYTES_PER_PARAM = {torch.optim.Adam: 8, torch.optim.AdamW: 8, torch.optim.
 
 
 def host_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes, or None where the file does not exist (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    """Host memory available to new allocations, or None where the machine does not say."""
+    return available_host_bytes()
 
 
 @dataclass(eq=False)
