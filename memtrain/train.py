@@ -59,7 +59,7 @@ class TrainConfig:
     micro_batch_size: int = 16  # examples per forward: activation memory grows with it
     global_batch_size: int | None = None  # examples per optimizer step, all ranks; None = micro x world size
     lr: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # the cosine schedule decays to lr * min_lr_ratio
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
