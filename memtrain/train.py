@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, Subset
 from tqdm import tqdm
 
 from memtrain.accumulation import GradientAccumulator, accumulation_steps
@@ -260,14 +260,14 @@ def _build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig, device: torch.device,
              precision: MixedPrecision, batch_size: int) -> float:
-    """Mean loss per token over the first ``eval_batches`` micro-batches of the held-out split."""
+    """Mean loss per token over the first ``eval_batches x micro_batch_size`` held-out examples (the same examples
+    whatever micro-batch the run uses now, e.g. after an out-of-memory retry halved it)."""
     was_training = model.training
     model.eval()
-    loader = make_loader(dataset, batch_size=batch_size, num_workers=0, device=device)
+    examples = Subset(dataset, range(min(len(dataset), config.eval_batches * config.micro_batch_size)))
+    loader = make_loader(examples, batch_size=batch_size, num_workers=0, device=device)
     total, count = 0.0, 0
-    for i, (x, y) in enumerate(loader):
-        if i == config.eval_batches:
-            break
+    for x, y in loader:
         with precision.autocast():
             total += language_model_loss(model, x.to(device), y.to(device)).item()
         count += int((y != -100).sum())
