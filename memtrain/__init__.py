@@ -11,6 +11,7 @@ from memtrain.data import DevicePrefetcher, make_loader
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.estimate import estimate
 from memtrain.measure import MemoryMeter, measure
+from memtrain.offload import offload_activations
 from memtrain.optim_offload import CPUOffloadOptimizer
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import MemoryReport, format_bytes, parse_bytes
@@ -38,6 +39,7 @@ __all__ = [
     "format_bytes",
     "make_loader",
     "measure",
+    "offload_activations",
     "parse_bytes",
     "remove_checkpointing",
     "resolve_precision",

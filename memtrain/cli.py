@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (keys as the flags, e.g. "
                    "micro-batch-size = 4); flags given on the command line win")
     _add_model_flags(t)
+    t.add_argument("--data", metavar="PATH", help="a text file to train on (default: the Python standard library)")
     t.add_argument("--global-batch-size", type=_positive_int,
                    help="examples per optimizer step over all ranks (default: micro-batch x world size); the "
                    "accumulation steps follow")
@@ -82,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
     t.add_argument("--seed", type=_non_negative_int, default=0)
     t.add_argument("--out", metavar="DIR", help="run folder (default runs/<model>-<time>)")
-    t.add_argument("--save-every", type=_positive_int, help="optimizer steps between resumable checkpoints "
-                   "(default: only at the end and on SIGTERM/SIGINT)")
+    t.add_argument("--save-every", type=_positive_int, default=100, help="optimizer steps between resumable "
+                   "checkpoints, also written at the end and on SIGTERM/SIGINT (default 100)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
     t.add_argument("--offload-activations", action="store_true",
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="the device whose peak is predicted (default cuda)")
     e.add_argument("--offload-optimizer", action="store_true", help="optimizer state in host memory")
+    e.add_argument("--offload-activations", action="store_true", help="saved activations in host memory")
     e.add_argument("--json", action="store_true", help="print the report as JSON (peak_bytes: the predicted peak)")
 
     b = sub.add_parser("bench", help="run the side-by-side benchmarks in benchmarks/")
@@ -115,7 +117,6 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt-mini", help="GPT preset: gpt-tiny, gpt-mini (default), gpt-small")
     parser.add_argument("--hf-config", metavar="PATH",
                         help="a Hugging Face config.json: that model, randomly initialised")
-    parser.add_argument("--data", metavar="PATH", help="a text file to train on (default: the Python standard library)")
     parser.add_argument("--seq-len", type=_positive_int, help="tokens per example (default: the preset's)")
     parser.add_argument("--micro-batch-size", type=_positive_int, default=16, help="examples per forward (default 16)")
     parser.add_argument("--checkpointing", type=_checkpointing, default=("auto", 2),
@@ -140,6 +141,9 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None
     except FileNotFoundError:
         raise ConfigError(f"--config {path!r}: no such file. To resolve this error, pass the path of a TOML "
                           "file.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path!r} cannot be read as a TOML file ({e}). To resolve this error, pass "
+                          "the path of a UTF-8 text file.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path!r} is not valid TOML ({e}). To resolve this error, fix that line.") from None
     actions = {a.option_strings[0][2:]: a for a in train_parser._actions if a.option_strings and  # noqa: SLF001
@@ -197,24 +201,33 @@ def _build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
     return model, model.config.seq_len
 
 
+# Encoder model types whose causal-LM class attends both ways unless the config says is_decoder.
+_ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "electra", "camembert", "ernie",
+                       "data2vec-text", "rembert", "roformer", "megatron-bert", "xmod", "big_bird", "bert-generation"})
+
+
 def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("--hf-config needs transformers. To resolve this error, pip install 'memtrain[hf]'.") from None
-    if not Path(path).is_file():
-        raise ConfigError(f"--hf-config {path!r}: no such file. To resolve this error, pass a config.json path.")
-    try:
-        config = transformers.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"--hf-config {path!r} is not a Hugging Face config ({e}). To resolve this error, pass "
-                          "a config.json with a model_type.") from None
-    if getattr(config, "vocab_size", 0) < 256:
-        raise ConfigError(f"--hf-config: vocab_size={config.vocab_size} is below 256, but the data is byte-level. "
-                          "To resolve this error, set vocab_size >= 256 in the config.")
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    max_len = getattr(config, "max_position_embeddings", None) or 1024
-    return model, min(seq_len or 256, max_len)
+    from memtrain.estimate import hf_config_from_file
+
+    config = hf_config_from_file(path)  # plain JSON: nothing executed; every bad field is a ConfigError
+    problems = []
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 256:
+        problems.append(f"--hf-config: vocab_size={vocab!r} must be an integer >= 256: the data is byte-level. To "
+                        "resolve this error, set vocab_size >= 256 in the config.")
+    if config.model_type in _ENCODERS and not getattr(config, "is_decoder", False):
+        problems.append(f"--hf-config: a {config.model_type} config is an encoder: trained on next tokens it would "
+                        "see the tokens it predicts. To resolve this error, set \"is_decoder\": true in the config, "
+                        "or use a decoder model (llama, gpt2, qwen2, ...).")
+    max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    wanted = seq_len or min(256, max_len or 256)
+    if max_len is not None and wanted > max_len:
+        problems.append(f"--seq-len {wanted} is longer than the model's {max_len} positions. To resolve this "
+                        f"error, pass --seq-len {max_len} or less.")
+    ConfigError.raise_if(problems)
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(config), wanted
 
 
 def _init_distributed() -> tuple[int, int, Any]:
@@ -255,10 +268,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     rank, world, device = _init_distributed()
-    if world > 1:
-        from memtrain.accumulation import accumulation_steps
+    # The checks that need no model come first: a bad folder or batch fails in a second, not after set-up.
+    from memtrain.accumulation import accumulation_steps
+    from memtrain.runstate import check_run_folder
 
-        accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
+    accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
+    check_run_folder(out, overwrite=args.overwrite, resume=args.resume)
     torch.manual_seed(args.seed)
     model, seq_len = _build_language_model(args)
     model.to(device)
@@ -315,7 +330,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         seq_len, name = target.config.seq_len, args.model
     report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
                       checkpointing=_checkpointing_policy(*args.checkpointing),
-                      optimizer="adamw-offload" if args.offload_optimizer else "adamw")
+                      optimizer="adamw-offload" if args.offload_optimizer else "adamw",
+                      offload_activations=args.offload_activations)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

@@ -108,10 +108,20 @@ def hf_config_from_file(path: str | os.PathLike[str]) -> Any:
         raise ConfigError(f"{str(path)!r} has no \"model_type\" field, so its model class is unknown. To resolve "
                           "this error, add e.g. \"model_type\": \"llama\" to the file.")
     try:
+        from transformers import CONFIG_MAPPING
+
+        known = model_type in CONFIG_MAPPING
+    except ImportError:
+        known = True
+    if not known:
+        raise ConfigError(f"{str(path)!r}: transformers does not know model_type={model_type!r}. To resolve this "
+                          "error, upgrade transformers or fix the model_type.")
+    try:
         return AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError) as e:
-        raise ConfigError(f"{str(path)!r}: transformers does not know model_type={model_type!r} ({e}). To resolve "
-                          "this error, upgrade transformers or fix the model_type.") from None
+    except Exception as e:  # noqa: BLE001 - transformers validates fields with exceptions of many types
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{str(path)!r}: a field of this {model_type} config is invalid ({first}). To resolve "
+                          "this error, fix that field in the file.") from None
 
 
 # -- the model, as fake tensors -----------------------------------------------------------------------------

@@ -134,6 +134,8 @@ def _save_figure(fig: Any, path: str) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -53,6 +53,7 @@ def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a power cut
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -220,8 +221,13 @@ class RunCheckpoints:
 
 
 # -- the run folder -----------------------------------------------------------------------------------------
-def prepare_run_folder(out_dir: str | os.PathLike[str], *, overwrite: bool, resume: bool) -> Path:
-    """Creates ``out_dir``, refusing one that holds another run's results unless ``overwrite`` or ``resume``."""
+# Everything a run writes at its top level: what --overwrite clears (after the new run's set-up succeeded).
+RUN_OUTPUTS = (*RUN_FILES, "report.json", "loss.png", "memory.png", "sample.txt", "config.json")
+
+
+def check_run_folder(out_dir: str | os.PathLike[str], *, overwrite: bool, resume: bool) -> Path:
+    """Checks ``out_dir`` without writing: it must not hold another run's results unless ``overwrite`` or
+    ``resume``, and ``resume`` needs a checkpoint there."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file. To resolve this error, pass a folder path.")
@@ -232,10 +238,19 @@ def prepare_run_folder(out_dir: str | os.PathLike[str], *, overwrite: bool, resu
             "pass --resume to continue it, another --out folder, or --overwrite to replace it."
         )
     if resume and not RunCheckpoints(out).paths():
-        raise ConfigError(f"--resume: {str(out)!r} holds no checkpoint to resume from. To resolve this error, "
-                          "drop --resume to start a new run there, or pass the --out of the run to continue.")
-    out.mkdir(parents=True, exist_ok=True)
+        fix = ("pass --overwrite to start it again (it stopped before its first checkpoint)" if existing else
+               "drop --resume to start a new run there, or pass the --out of the run to continue")
+        raise ConfigError(f"--resume: {str(out)!r} holds no checkpoint to resume from. To resolve this error, {fix}.")
     return out
+
+
+def clear_run_folder(out: Path) -> None:
+    """Removes a previous run's outputs (for --overwrite): first moved aside in one rename each, then deleted."""
+    trash = Path(tempfile.mkdtemp(prefix=".overwritten.", dir=out))
+    for name in RUN_OUTPUTS:
+        if (out / name).exists():
+            os.replace(out / name, trash / name)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 class StopSignals:
@@ -263,13 +278,16 @@ class StopSignals:
 
 # -- the state of a run ------------------------------------------------------------------------------------
 def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, model: nn.Module,
-                   optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, accumulator: Any) -> None:
+                   optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, accumulator: Any,
+                   run: dict[str, Any], extra: dict[str, Any]) -> None:
     """Everything a bit-identical resume needs: weights, optimizer (offloaded state included), scheduler, fp16
     scaler, accumulator counters, the data position (the step) and every RNG. Collective under FSDP2: every rank
     calls it, rank 0 (the one with ``checkpoints``) writes."""
     state = {
         "step": step,
         "micro_batch_size": micro,
+        "run": run,  # what defines the run (seed, batch, data): a resume must match it to be the same run
+        "extra": extra,  # the loop's own bookkeeping (JSON-like), handed back on resume
         "model": model_state_dict(model),
         "optimizer": _optimizer_state(model, optimizer),
         "scheduler": scheduler.state_dict(),
@@ -319,16 +337,33 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return optimizer.state_dict()
 
 
-def restore_run_state(checkpoints: RunCheckpoints, model: nn.Module, optimizer: torch.optim.Optimizer,
-                      scheduler: Any, scaler: Any, accumulator: Any) -> tuple[int, int, list[str]]:
-    """Loads the newest intact checkpoint into the run's objects.
+def load_run_state(checkpoints: RunCheckpoints, run: dict[str, Any]) -> tuple[int, dict[str, Any], list[str]]:
+    """The newest intact checkpoint, checked against this run's defining settings ``run`` (one ConfigError listing
+    every difference: resuming with another seed, batch or data would not continue the same run).
 
     Returns:
-        (step, micro-batch size, damaged checkpoints skipped with the reason).
+        (step, state, damaged checkpoints skipped with the reason).
     """
     loaded = checkpoints.load_latest()
-    assert loaded is not None  # prepare_run_folder checked that a checkpoint exists
+    assert loaded is not None  # check_run_folder made sure a checkpoint exists
     step, state, skipped = loaded
+    saved = state.get("run", {})
+    ConfigError.raise_if(
+        f"--resume: {key} is {run[key]!r} now but was {saved[key]!r} in the run being resumed. To resolve this "
+        f"error, pass the original value ({RUN_FLAGS.get(key, key)} {saved[key]}), or start a new run."
+        for key in run if key in saved and saved[key] != run[key]
+    )
+    return step, state, skipped
+
+
+# The flag behind each run-defining setting, for error messages.
+RUN_FLAGS = {"seed": "--seed", "global_batch_size": "--global-batch-size", "world_size": "torchrun --nproc_per_node",
+             "train_examples": "--data/--seq-len", "seq_len": "--seq-len", "parameters": "--model/--hf-config"}
+
+
+def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler: Any, scaler: Any, accumulator: Any) -> None:
+    """Loads a checkpoint's state (from ``load_run_state``) into the run's objects."""
     try:
         if _is_fsdp(model):
             from torch.distributed.checkpoint.state_dict import (
@@ -355,7 +390,6 @@ def restore_run_state(checkpoints: RunCheckpoints, model: nn.Module, optimizer: 
     if state["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     random.setstate(_as_tuples(state["rng"]["python"]))
-    return step, int(state["micro_batch_size"]), skipped
 
 
 def _as_tuples(value: Any) -> Any:

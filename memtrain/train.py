@@ -37,8 +37,10 @@ from memtrain.runstate import (
     RunCheckpoints,
     StopSignals,
     atomic_write_bytes,
+    check_run_folder,
+    clear_run_folder,
+    load_run_state,
     model_state_dict,
-    prepare_run_folder,
     read_metrics,
     restore_run_state,
     save_run_state,
@@ -72,7 +74,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 100
     eval_batches: int = 8
-    save_every: int | None = None  # optimizer steps between run checkpoints; None: only at the end and on signals
+    save_every: int | None = 100  # optimizer steps between run checkpoints (also at the end and on signals)
     out_dir: str | None = None  # run folder; None writes nothing
     overwrite: bool = False  # True lets a run replace another run's results in out_dir
     resume: bool = False  # True continues from the newest intact checkpoint in out_dir
@@ -90,16 +92,22 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 problems.append(f"{name}={value!r} must be an integer >= 1, or unset.")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not (number(self.lr) and self.lr > 0):
             problems.append(f"lr={self.lr!r} must be a positive number, e.g. 3e-3.")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0.")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            problems.append(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
-        if self.weight_decay < 0:
-            problems.append(f"weight_decay={self.weight_decay} must be >= 0.")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            problems.append(f"grad_clip={self.grad_clip} must be > 0, or None for no clipping.")
+        if not (number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
+            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be a number in [0, 1].")
+        if not (number(self.weight_decay) and self.weight_decay >= 0):
+            problems.append(f"weight_decay={self.weight_decay!r} must be a number >= 0.")
+        if self.grad_clip is not None and not (number(self.grad_clip) and self.grad_clip > 0):
+            problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping.")
+        for name in ("fsdp", "offload_optimizer", "offload_activations", "overwrite", "resume", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.checkpointing not in ("none", "all", "every", "auto"):
             problems.append(f"checkpointing={self.checkpointing!r} is not one of none, all, every:K, auto.")
         if self.precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed"):
@@ -193,8 +201,8 @@ def choose_checkpointing(model: nn.Module, config: TrainConfig) -> tuple[list[st
         return names, f"checkpointing {len(names)} blocks, one in {config.checkpoint_every} (--checkpointing every)"
     names = apply_checkpointing(model, offload=offload)
     if config.checkpointing == "auto":
-        return names, (f"checkpointing all {len(names)} blocks, because: auto with no memory budget picks the "
-                       "smallest activation memory (about one extra forward of time)")
+        return names, (f"checkpointing all {len(names)} blocks, because: auto picks the smallest activation "
+                       "memory for about one extra forward of time (--checkpointing none keeps them all)")
     return names, f"checkpointing all {len(names)} blocks (--checkpointing all)"
 
 
@@ -321,14 +329,15 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     if len(train_data) < global_batch:
         raise ConfigError(f"the training data holds {len(train_data)} examples, fewer than one global batch of "
                           f"{global_batch}. To resolve this error, lower --global-batch-size or use more data.")
+    # Nothing is written before every check below has passed: a run that fails set-up leaves the folder as it was.
     out = None  # every rank checks the folder: all fail alike
     if config.out_dir:
-        out = prepare_run_folder(config.out_dir, overwrite=config.overwrite, resume=config.resume)
+        out = check_run_folder(config.out_dir, overwrite=config.overwrite, resume=config.resume)
     checkpoints = RunCheckpoints(out) if out is not None else None
-    if out is not None and config.overwrite and rank == 0:
-        import shutil
-
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a later --resume must not pick the old run's
+    seq_len = len(train_data[0][0])
+    run = {"seed": config.seed, "global_batch_size": global_batch, "world_size": world,
+           "train_examples": len(train_data), "seq_len": seq_len,
+           "parameters": sum(p.numel() for p in model.parameters())}
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model.train()
@@ -357,13 +366,21 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                                    max_grad_norm=config.grad_clip)
 
     acc = make_accumulator(accumulation)
-    start_step, resumed_from = 0, None
+    start_step, resumed_from, estimate_check = 0, None, None
     if config.resume:
-        start_step, micro, skipped = restore_run_state(checkpoints, model, optimizer, scheduler, precision.scaler, acc)
+        start_step, state, skipped = load_run_state(checkpoints, run)
+        if start_step >= config.max_steps:
+            raise ConfigError(f"--resume: the run in {str(out)!r} already reached step {start_step} of "
+                              f"--max-steps {config.max_steps}. To resolve this error, pass a larger --max-steps to "
+                              "continue it.")
+        restore_run_state(start_step, state, model, optimizer, scheduler, precision.scaler, acc)
         for problem in skipped:
             _log(f"  skipped a damaged checkpoint: {problem}; using the previous one", rank)
-        accumulation = global_batch // (micro * world)
-        acc = _carry_counters(acc, make_accumulator(accumulation))
+        estimate_check = state["extra"].get("estimate_check")
+        if state["extra"].get("requested_micro_batch_size") == config.micro_batch_size:
+            micro = int(state["micro_batch_size"])  # as the run left it (halved after an out-of-memory error)
+            accumulation = global_batch // (micro * world)
+            acc = _carry_counters(acc, make_accumulator(accumulation))
         resumed_from = start_step
         _log(f"  resumed from step {start_step} (micro-batch {micro})", rank)
     metrics_path = out / "metrics.jsonl" if out is not None else None
@@ -382,13 +399,17 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     reasons += loader_settings[0].splitlines()
     for line in reasons:
         _log(f"  {line}", rank)
+    if out is not None and rank == 0:  # set-up succeeded: now the folder may change
+        out.mkdir(parents=True, exist_ok=True)
+        if config.overwrite:
+            clear_run_folder(out)  # the old run's files, checkpoints included: --resume must not pick them
     bar = tqdm(total=config.max_steps, initial=start_step, disable=not config.progress or rank != 0, unit="step",
                dynamic_ncols=True, file=sys.stderr)
-    tokens, eval_loss, last, stopped_by, estimate_check = 0, None, None, None, None
+    tokens, eval_loss, last, stopped_by = 0, None, None, None
     start = time.perf_counter()
     with StopSignals() as signals:
         for step in range(start_step, config.max_steps):
-            rng = torch.get_rng_state()
+            rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
             while True:  # retried with half the micro-batch after an out-of-memory error
                 out_of_memory = False
                 try:
@@ -402,7 +423,9 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                     micro = _halve_after_oom(micro, global_batch // world, step, optimizer, device, rank)
                     accumulation = global_batch // (micro * world)
                     acc = _carry_counters(acc, make_accumulator(accumulation))
-                    torch.set_rng_state(rng)  # the retry draws the same dropout masks
+                    torch.set_rng_state(rng[0])  # the retry draws the same dropout masks
+                    if rng[1] is not None:
+                        torch.cuda.set_rng_state(rng[1], device)
                     batches = loader_from(step, micro)
             tokens += line.pop("tokens") * world
             line["lr"] = scheduler.get_last_lr()[0]
@@ -412,7 +435,7 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
             last = line
             if step + 1 == min(2, config.max_steps) and rank == 0 and world == 1:
                 # From the second step on the optimizer state exists: the steady state estimate predicts.
-                estimate_check = check_estimate(model, line, micro, len(train_data[0][0]), device, precision_name,
+                estimate_check = check_estimate(model, line, micro, seq_len, device, precision_name,
                                                 _estimate_policy(config))
                 _log(f"  {estimate_check['log']}")
             if metrics_path is not None and rank == 0:
@@ -421,7 +444,8 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
             due = config.save_every is not None and (step + 1) % config.save_every == 0
             if checkpoints is not None and (due or stopped_by or step + 1 == config.max_steps):
                 save_run_state(checkpoints if rank == 0 else None, step + 1, micro, model, optimizer, scheduler,
-                               precision.scaler, acc)
+                               precision.scaler, acc, run, {"estimate_check": estimate_check,
+                                                            "requested_micro_batch_size": config.micro_batch_size})
             memory = (f"peak {format_bytes(line['peak_bytes'])}" if line["peak_bytes"] is not None
                       else f"saved {format_bytes(line['activation_bytes'])}")
             bar.set_postfix_str(f"loss {line['loss']:.3f} | {line['tokens_per_s']:.0f} tok/s | {memory}")
@@ -431,6 +455,7 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                      "--resume", rank)
                 break
     bar.close()
+    seconds = time.perf_counter() - start  # training only: the files below are not tokens/s
 
     final_state = model_state_dict(model) if out is not None and not stopped_by else None  # collective under FSDP2
     if final_state:  # tied weights once, under their first name, however the state dict was gathered
@@ -438,19 +463,14 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     if out is not None and rank == 0 and not stopped_by:
         save_weights_file(final_state, out / "model.safetensors")
         atomic_write_bytes(out / "config.json", json.dumps(asdict(config), indent=2).encode())
-        report = write_run_report(out, metrics, estimate_check, model, global_batch, len(train_data[0][0]), device,
-                                  world)
+        report = write_run_report(out, metrics, estimate_check, model, global_batch, seq_len, device, world)
         if report.get("without_memtrain_error"):
             _log(f"  report.json: no estimate of plain training ({report['without_memtrain_error']})")
         if config.sample_bytes and world == 1:
-            seq_len = len(train_data[0][0])  # the context the model was trained on
             text = sample_text(model, b"def ", config.sample_bytes, seq_len, seed=config.seed)
             atomic_write_bytes(out / "sample.txt", text.encode())
-    if last is None:
-        raise MemtrainError(f"nothing to train: the run in {out} already reached max_steps={config.max_steps}. "
-                            "To resolve this error, pass a larger --max-steps to continue it.")
     return TrainResult(
-        steps=last["step"], tokens=tokens, seconds=time.perf_counter() - start, final_loss=last["loss"],
+        steps=last["step"], tokens=tokens, seconds=seconds, final_loss=last["loss"],
         eval_loss=eval_loss, checkpointed_blocks=tuple(blocks), precision=precision_name, micro_batch_size=micro,
         accumulation=accumulation, activation_bytes=last["activation_bytes"],
         model_state_bytes=last["model_state_bytes"], peak_bytes=last["peak_bytes"], skipped_steps=acc.skipped_steps,

@@ -73,7 +73,7 @@ def test_refuses_a_folder_holding_another_run(tmp_path, text_file, capsys):
     (["--lr", "fast"], "not a number"),
     (["--model", "gpt-huge"], "--model 'gpt-huge'"),
     (["--data", "/nonexistent/file.txt"], "no such file"),
-    (["--hf-config", "/nonexistent/config.json"], "no such file"),
+    (["--hf-config", "/nonexistent/config.json"], "could not read the Hugging Face config"),
     (["--seq-len", "100000", "--data", "TEXT"], "validation windows"),
     (["--bogus"], "unrecognized arguments"),
     (["--micro-batch-size", "3", "--global-batch-size", "8"], "not divisible"),
@@ -84,9 +84,18 @@ def test_refuses_a_folder_holding_another_run(tmp_path, text_file, capsys):
     (["--save-every", "0"], "must be >= 1"),
     (["--offload-optimizer", "--fsdp"], "drop one of"),
     (["--config", "/nonexistent/run.toml"], "no such file"),
-    (["--hf-config", "SMALLVOCAB"], "vocab_size=64 is below 256"),
+    (["--hf-config", "SMALLVOCAB"], "vocab_size=64 must be an integer >= 256"),
+    (["--hf-config", "SMALLVOCAB", "--seq-len", "4096"], "longer than the model's"),
+    (["--hf-config", "BADFIELD"], "is invalid"),
+    (["--hf-config", "ENCODER"], "is an encoder"),
+    (["--config", "/"], "cannot be read as a TOML file"),
 ])
 def test_bad_input_exits_2_with_one_message(argv, fragment, tmp_path, text_file, capsys):
+    if "BADFIELD" in argv or "ENCODER" in argv:
+        (tmp_path / "bad.json").write_text('{"model_type": "llama", "vocab_size": "abc"}')
+        (tmp_path / "enc.json").write_text('{"model_type": "bert", "vocab_size": 512}')
+        argv = [str(tmp_path / "bad.json") if a == "BADFIELD" else str(tmp_path / "enc.json") if a == "ENCODER"
+                else a for a in argv]
     if "SMALLVOCAB" in argv:
         transformers = pytest.importorskip("transformers")
         transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

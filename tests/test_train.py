@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -239,8 +239,45 @@ def test_train_config_lists_every_problem():
     assert len(info.value.problems) == 5, info.value.problems
 
 
-def test_resume_without_checkpoint_and_leftovers(tmp_path, text_file):
+def test_resume_without_checkpoint(tmp_path, text_file):
     with pytest.raises(ConfigError, match="no checkpoint to resume"):
         train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=1, resume=True, out_dir=str(tmp_path / "x"),
                                                                 progress=False))
-    assert shutil.which("true")  # keeps shutil imported for readers copying these tests
+    assert not (tmp_path / "x").exists(), "a run that fails its checks must not create its folder"
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def finished_run(tmp_path, text_file) -> Path:
+    out = tmp_path / "done"
+    train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=2, micro_batch_size=2, out_dir=str(out),
+                                                            progress=False, sample_bytes=8))
+    return out
+
+
+def test_overwrite_that_fails_set_up_leaves_the_old_run_whole(finished_run, text_file):
+    before = _snapshot(finished_run)
+    config = TrainConfig(max_steps=1, micro_batch_size=2, out_dir=str(finished_run), overwrite=True, progress=False)
+    with pytest.raises(ConfigError, match="--fsdp needs several processes"):
+        train(_tiny_model(), _tiny_data(text_file), replace(config, fsdp=True))
+    assert _snapshot(finished_run) == before
+    train(_tiny_model(), _tiny_data(text_file), config)  # a good --overwrite replaces every file of the old run
+    assert [p.name for p in (finished_run / "checkpoints").iterdir()] == ["step-0000001"]
+    assert json.loads((finished_run / "config.json").read_text())["max_steps"] == 1
+
+
+def test_resume_refuses_another_run_and_a_finished_one(finished_run, text_file):
+    before = _snapshot(finished_run)
+    config = TrainConfig(max_steps=4, micro_batch_size=2, out_dir=str(finished_run), resume=True, progress=False)
+    with pytest.raises(ConfigError) as info:
+        train(_tiny_model(), _tiny_data(text_file), replace(config, seed=5, global_batch_size=4))
+    assert len(info.value.problems) == 2 and "--seed 0" in str(info.value), info.value
+    with pytest.raises(ConfigError, match="already reached step 2"):
+        train(_tiny_model(), _tiny_data(text_file), replace(config, max_steps=2))
+    assert _snapshot(finished_run) == before
+    result = train(_tiny_model(), _tiny_data(text_file), config)
+    assert result.resumed_from == 2 and result.steps == 4
+    assert json.loads((finished_run / "report.json").read_text())["estimate_check"]["relative_error"] is not None
