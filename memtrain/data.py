@@ -466,6 +466,15 @@ class LoaderSettings:
                 "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers}
 
 
+def _parse_device(device: torch.device | str, problems: list[str]) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        problems.append(f"device={device!r} is not a torch device. To resolve this error, pass e.g. 'cuda', "
+                        "'cuda:0' or 'cpu'.")
+        return torch.device("cpu")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -559,7 +568,7 @@ def resolve_loader_settings(*, num_workers: int | Auto = "auto", pin_memory: boo
         persistent = persistent_workers
 
     # pin_memory: it only helps a host -> accelerator copy.
-    target = torch.device(device) if device is not None else None
+    target = _parse_device(device, problems) if device is not None else None
     if target is not None and target.type not in ("cpu", "meta") and target.type != machine.accelerator:
         problems.append(f"device={str(target)!r}, but this machine's accelerator is {machine.accelerator}. To "
                         "resolve this error, pass a device that exists here, e.g. 'cpu'.")
@@ -710,7 +719,9 @@ class DevicePrefetcher:
 
     def __init__(self, loader: Iterable[Any], device: torch.device | str):
         self.loader = loader
-        self.device = torch.device(device)
+        problems: list[str] = []
+        self.device = _parse_device(device, problems)
+        ConfigError.raise_if(problems)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

@@ -63,13 +63,23 @@ _CUDA_WORKSPACE_BYTES = 2 * 32 * 2**20
 def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> dict[str, Any] | None:
     """``"none"``/None/False -> None; ``"all"``/True -> every=1; ``"every:K"`` or int K -> every=K; a mapping ->
     ``apply_checkpointing``'s keyword arguments as given."""
-    if checkpointing in (None, False, "none"):
+    if checkpointing is None or checkpointing is False or checkpointing == "none":
         return None
     if checkpointing is True or checkpointing == "all":
         return {"every": 1}
     if isinstance(checkpointing, Mapping):
+        import inspect
+
+        from memtrain.checkpointing import apply_checkpointing
+
+        allowed = [n for n in inspect.signature(apply_checkpointing).parameters if n != "model"]
+        unknown = [k for k in checkpointing if k not in allowed]
+        if unknown:
+            problems.append(f"checkpointing: unknown apply_checkpointing arguments {unknown}. To resolve this "
+                            f"error, use only {allowed}.")
+            return None
         return dict(checkpointing)
-    if isinstance(checkpointing, int) and checkpointing >= 1:
+    if isinstance(checkpointing, int) and not isinstance(checkpointing, bool) and checkpointing >= 1:
         return {"every": checkpointing}
     if isinstance(checkpointing, str) and checkpointing.startswith("every:"):
         k = checkpointing.split(":", 1)[1]
@@ -745,8 +755,13 @@ def estimate(
         ('estimated', True)
     """
     problems: list[str] = []
-    device_type = str(device).split(":")[0]
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError):
+        device_type = str(device)
     _check_choice("device", device_type, ("cuda", "cpu"), problems)
+    if not isinstance(offload_activations, bool):
+        problems.append(f"offload_activations={offload_activations!r} must be True or False.")
     _check_choice("precision", precision, get_args(Precision), problems)
     _check_choice("optimizer", optimizer, get_args(OptimizerKind), problems)
     ckpt = _checkpointing_kwargs(checkpointing, problems)

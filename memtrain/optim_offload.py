@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
@@ -141,6 +142,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.device = flat[0].device
         cuda = self.device.type == "cuda"
         pin = torch.cuda.is_available()  # pinned memory makes D2H/H2D copies asynchronous; CPU-only: nothing to pin
+        if offload_gradients and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # The tensor hook runs before DDP's reducer: the host would get this rank's unsynchronised gradient.
+            raise ConfigError(
+                f"CPUOffloadOptimizer(offload_gradients=True) with {dist.get_world_size()} ranks: gradients would "
+                "leave the device before DDP averages them, and the ranks' weights would drift apart. To resolve "
+                "this error, pass offload_gradients=False (they are copied at the step, after synchronisation)."
+            )
         self.offload_gradients = offload_gradients
         self.delayed_update = delayed_update
         self.grad_scaler = grad_scaler
@@ -223,6 +231,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._waiting: list[set[int]] | None = None
         self._early: dict[int, Future[None]] = {}
         self._hooks = [s.device.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
+        for slot in self._slots:
+            _claim(slot.device, self)
+        # An optimizer that is dropped without close() must not keep taking gradients: the hooks hold it weakly,
+        # and this removes them (and stops the worker) once it is collected.
+        self._finalizer = weakref.finalize(self, _release, list(self._hooks), self._worker,
+                                           [s.device for s in self._slots])
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def _make_buckets(self, slots: list[_Slot], optimizer_class: type[torch.optim.Optimizer],
@@ -264,7 +278,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
     def _make_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
+        owner = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
+            self = owner()
+            if self is None:  # the optimizer is gone: leave the gradient where backward put it
+                return
             if param.grad is not None and param.grad.layout != torch.strided:
                 raise MemtrainError(
                     f"parameter {slot.key!r} received a sparse gradient ({param.grad.layout}); CPUOffloadOptimizer "
@@ -639,11 +658,40 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return dict(zip(saved_keys, ours, strict=True))
 
     def close(self) -> None:
-        """Removes the gradient hooks and stops the worker thread (after finishing any pending work)."""
+        """Removes the gradient hooks and stops the worker thread (after finishing any pending work). The
+        parameters may then be given to another optimizer."""
         self.synchronize()
-        for handle in self._hooks:
-            handle.remove()
-        self._worker.shutdown(wait=True)
+        self._finalizer()  # runs _release once
+
+
+def _release(hooks: list[Any], worker: ThreadPoolExecutor, params: list[torch.Tensor]) -> None:
+    for handle in hooks:
+        handle.remove()
+    for p in params:
+        entry = _OWNERS.get(id(p))
+        if entry is not None and entry[0]() is p:
+            del _OWNERS[id(p)]
+    worker.shutdown(wait=False)
+
+
+# Each parameter's optimizer, weakly both ways (keyed by id: tensors compare by value, not identity). A second live
+# optimizer over the same parameter is refused.
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[CPUOffloadOptimizer]]] = {}
+
+
+def _owner(p: torch.Tensor) -> CPUOffloadOptimizer | None:
+    entry = _OWNERS.get(id(p))
+    return entry[1]() if entry is not None and entry[0]() is p else None
+
+
+def _claim(p: torch.Tensor, optimizer: CPUOffloadOptimizer) -> None:
+    key = id(p)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:  # the parameter is gone
+        if _OWNERS.get(key, (None,))[0] is ref:
+            del _OWNERS[key]
+
+    _OWNERS[key] = (weakref.ref(p, forget), weakref.ref(optimizer))
 
 
 def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -733,6 +781,14 @@ def _parse_params(params: Iterable[Any], optimizer_class: Any) -> tuple[list[dic
                         "point parameters only.")
     if any(p.layout != torch.strided for p in flat):
         problems.append("sparse parameters are not supported. To resolve this error, use dense parameters.")
+    if len({id(p) for p in flat}) != len(flat):
+        problems.append("a parameter appears more than once in params: it would get two host copies and two "
+                        "gradient hooks. To resolve this error, pass each parameter once (model.parameters() "
+                        "already lists tied weights once).")
+    owned = [lbl for lbl, p in zip(label, flat, strict=True) if _owner(p) is not None]
+    if owned:
+        problems.append(f"parameters {owned[:5]} already belong to another live CPUOffloadOptimizer, whose hooks "
+                        "take their gradients in backward. To resolve this error, call old_optimizer.close() first.")
     ConfigError.raise_if(problems)
     named = all(n is not None for n in names)
     return groups, ([str(n) for n in names] if named else None)

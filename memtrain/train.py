@@ -456,6 +456,8 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                 break
     bar.close()
     seconds = time.perf_counter() - start  # training only: the files below are not tokens/s
+    if hasattr(optimizer, "close"):  # CPUOffloadOptimizer: its gradient hooks and worker thread end with the run
+        optimizer.close()
 
     final_state = model_state_dict(model) if out is not None and not stopped_by else None  # collective under FSDP2
     if final_state:  # tied weights once, under their first name, however the state dict was gathered

@@ -397,3 +397,12 @@ def test_empty_or_missing_files_raise(tmp_path):
         TokenDocuments.from_file(tmp_path / "empty.jsonl")
     with pytest.raises(ConfigError, match="max_len=1 must be an integer >= 2"):
         TokenDocuments.from_texts(["abc"], max_len=1)
+
+
+def test_a_device_that_is_not_one_is_a_config_error():
+    from memtrain.data import DevicePrefetcher, resolve_loader_settings
+
+    with pytest.raises(ConfigError, match="not a torch device"):
+        resolve_loader_settings(device="gpu")
+    with pytest.raises(ConfigError, match="not a torch device"):
+        DevicePrefetcher([], "gpu")

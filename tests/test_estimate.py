@@ -264,3 +264,12 @@ def test_activation_offload_moves_saved_bytes_to_the_host():
     plain = estimate(config, (4, 64))
     plain_offloaded = estimate(config, (4, 64), offload_activations=True)
     assert plain_offloaded.peak_bytes < plain.peak_bytes, (plain_offloaded.peak_bytes, plain.peak_bytes)
+
+
+def test_bad_checkpointing_arguments_and_flags_are_config_errors():
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(ConfigError, match="unknown apply_checkpointing arguments"):
+        estimate(model, (2, 32), device="cpu", checkpointing={"evry": 2})
+    with pytest.raises(ConfigError) as info:
+        estimate(model, (2, 32), device="gpu", checkpointing=0, offload_activations="yes")
+    assert len(info.value.problems) == 3, info.value.problems

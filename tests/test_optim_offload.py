@@ -455,9 +455,10 @@ def test_parameters_on_several_devices() -> None:
 
 def test_sparse_gradient() -> None:
     embedding = nn.Embedding(10, 4, sparse=True)
-    CPUOffloadOptimizer(embedding.parameters(), lr=1e-3)
+    optimizer = CPUOffloadOptimizer(embedding.parameters(), lr=1e-3)  # kept alive: its hooks see the gradient
     with pytest.raises(MemtrainError, match="sparse gradient"):
         embedding(torch.tensor([1, 2])).sum().backward()
+    optimizer.close()
 
 
 @pytest.mark.parametrize("bad", [torch.optim.AdamW([nn.Parameter(torch.ones(1))]), object, "AdamW"])
@@ -501,3 +502,36 @@ def test_add_param_group_is_refused() -> None:
     opt = CPUOffloadOptimizer(make_mlp().parameters(), lr=1e-3)
     with pytest.raises(MemtrainError, match="sized once"):
         opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+
+
+def test_a_dropped_optimizer_stops_taking_gradients_and_a_live_one_is_not_shared():
+    import gc
+
+    model = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    first = CPUOffloadOptimizer(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="already belong to another live CPUOffloadOptimizer"):
+        CPUOffloadOptimizer(model.parameters(), lr=0.1)
+    del first
+    gc.collect()
+    second = CPUOffloadOptimizer(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    model(x).sum().backward()
+    second.step()
+    assert not torch.equal(before, model.weight), "the new optimizer must receive the gradients"
+    second.close()
+    model(x).sum().backward()
+    assert model.weight.grad is not None, "after close() gradients stay on the parameters"
+
+
+def test_duplicate_parameters_and_offloaded_gradients_under_ddp_are_refused(monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="more than once"):
+        CPUOffloadOptimizer([model.weight, model.weight, model.bias])
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ConfigError, match="offload_gradients=False"):
+        CPUOffloadOptimizer(model.parameters())
+    CPUOffloadOptimizer(model.parameters(), offload_gradients=False).close()
