@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from memtrain.report import format_bytes
+from memtrain.runstate import atomic_write_bytes
 
 Step = Callable[[], dict[str, Any] | None]
 
@@ -208,12 +208,7 @@ def write_json(path: Path, results: list[Result], *, title: str, base: Result | 
         ],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, json.dumps(doc, indent=2).encode())
 
 
 def common_args(description: str) -> argparse.ArgumentParser:

@@ -63,7 +63,7 @@ class SelectivePolicy:
     saved bytes and kernels are large enough to hide torch's per-op dispatch cost in the recompute (about 25 us an
     op). On Llama-style blocks the kept matmul outputs (q/k/v/o, gate/up/down) are most of the bytes: there it saved
     1.66x against 1.8x for ``every=2`` at 1.03x step time (``memtrain bench checkpointing``), so ``every=k`` is
-    the better middle ground; ``keep=("attention",)`` saves 6.2x there.
+    the better middle ground there.
 
     Args:
         keep: op kinds whose outputs are kept: "matmul" (mm, addmm, bmm), "attention" (the fused SDPA kernels),
@@ -348,8 +348,8 @@ def apply_checkpointing(
 ) -> list[str]:
     """Checkpoints the repeated blocks of ``model`` in place: one extra forward of time for their activations.
 
-    On an 8-block GPT full checkpointing keeps only each block's input (about 10-20x fewer saved bytes, see
-    ``memtrain bench checkpointing``); ``every=2`` about halves the saved bytes; ``selective`` keeps matmul and
+    On an 8-block GPT full checkpointing keeps only each block's input and the loss (at least 10x fewer saved
+    bytes: ``pytest tests/test_checkpointing.py -k 10x``); ``every=2`` about halves the saved bytes; ``selective`` keeps matmul and
     attention outputs, saving less memory than full checkpointing but recomputing only cheap ops.
 
     Args:

@@ -191,19 +191,23 @@ def _build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
     """The model and its sequence length."""
     if args.hf_config:
         return _build_hf_model(args.hf_config, args.seq_len)
-    from memtrain.models import GPT, GPT_PRESETS
-
-    if args.model not in GPT_PRESETS:
-        raise ConfigError(f"--model {args.model!r} is not a known model. To resolve this error, pass one of "
-                          f"{', '.join(GPT_PRESETS)}, or --hf-config PATH.")
-    overrides = {"seq_len": args.seq_len} if args.seq_len else {}
-    model = GPT.from_preset(args.model, **overrides)
+    model = _build_gpt(args)
     return model, model.config.seq_len
 
 
 # Encoder model types whose causal-LM class attends both ways unless the config says is_decoder.
 _ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "electra", "camembert", "ernie",
                        "data2vec-text", "rembert", "roformer", "megatron-bert", "xmod", "big_bird", "bert-generation"})
+
+
+def _build_gpt(args: argparse.Namespace) -> Any:
+    """The --model preset, with --seq-len applied."""
+    from memtrain.models import GPT, GPT_PRESETS
+
+    if args.model not in GPT_PRESETS:
+        raise ConfigError(f"--model {args.model!r} is not a known model. To resolve this error, pass one of "
+                          f"{', '.join(GPT_PRESETS)}, or --hf-config PATH.")
+    return GPT.from_preset(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
 
 
 def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
@@ -305,38 +309,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _checkpointing_policy(mode: str, every: int) -> str:
-    """The estimator's name for a --checkpointing choice (auto checkpoints every block, as train does)."""
-    return {"none": "none", "every": f"every:{every}"}.get(mode, "all")
-
-
 def cmd_estimate(args: argparse.Namespace) -> int:
     import torch
 
     from memtrain.estimate import estimate, hf_config_from_file
-    from memtrain.models import GPT, GPT_PRESETS
+    from memtrain.train import estimate_policy
 
     if args.hf_config:
         target = hf_config_from_file(args.hf_config)
         seq_len = args.seq_len or min(2048, getattr(target, "max_position_embeddings", None) or 2048)
         name = Path(args.hf_config).name
     else:
-        if args.model not in GPT_PRESETS:
-            raise ConfigError(f"--model {args.model!r} is not a known model. To resolve this error, pass one of "
-                              f"{', '.join(GPT_PRESETS)}, or --hf-config PATH.")
-        overrides = {"seq_len": args.seq_len} if args.seq_len else {}
         with torch.device("meta"):  # nothing is allocated
-            target = GPT.from_preset(args.model, **overrides)
+            target = _build_gpt(args)
         seq_len, name = target.config.seq_len, args.model
     report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
-                      checkpointing=_checkpointing_policy(*args.checkpointing),
+                      checkpointing=estimate_policy(*args.checkpointing),
                       optimizer="adamw-offload" if args.offload_optimizer else "adamw",
                       offload_activations=args.offload_activations)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
         print(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
-              f"{_checkpointing_policy(*args.checkpointing)}, on {args.device}")
+              f"{estimate_policy(*args.checkpointing)}, on {args.device}")
         print(report.summary())
     return EXIT_OK
 

@@ -127,19 +127,9 @@ CATEGORIES = (("parameter_bytes", "parameters"), ("gradient_bytes", "gradients")
 
 
 def _save_figure(fig: Any, path: str) -> None:
-    import os
-    import tempfile
+    from memtrain.runstate import atomic_write
 
-    fd, tmp = tempfile.mkstemp(prefix=".plot.", suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
 
 
 def plot_loss(path: str, metrics: list[dict[str, Any]]) -> None:

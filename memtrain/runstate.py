@@ -41,10 +41,12 @@ def _fsync_dir(path: Path) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Writes ``data`` to ``path`` so that a crash leaves either the old file or the new one, never half of it."""
-    _atomic_write(Path(path), lambda tmp: tmp.write_bytes(data))
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
-def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], Any]) -> None:
+    """Runs ``write(tmp)`` on a temporary file beside ``path``, fsyncs it and renames it over ``path``."""
+    path = Path(path)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(name)
@@ -73,39 +75,43 @@ def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLi
             continue
         seen.add(key)
         tensors[name] = value.contiguous()
-    _atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp)))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 # -- nested state <-> (tensors, JSON) -----------------------------------------------------------------------
 def flatten_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
     """Replaces every tensor in a nested structure by a reference, collecting the tensors by key."""
+    return _flatten(obj, tensors, path, views={}, storages=set())
+
+
+def _flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str, *, views: dict[tuple[Any, ...], str],
+             storages: set[int]) -> Any:
+    def recurse(value: Any, sub: str) -> Any:
+        return _flatten(value, tensors, sub, views=views, storages=storages)
+
     if isinstance(obj, torch.Tensor):
-        key = path or "tensor"
         value = obj.detach().cpu()
-        for other_key, other in tensors.items():  # tied weights: store once, refer twice
-            if (other.data_ptr() == value.data_ptr() and other.shape == value.shape
-                    and other.stride() == value.stride() and other.dtype == value.dtype):
-                return {"__tensor__": other_key}
-        # A view of a shared storage is stored as its own copy (safetensors refuses overlapping tensors).
-        tensors[key] = value.clone() if _shares_storage(value, tensors) else value.contiguous()
+        view = (value.data_ptr(), tuple(value.shape), value.stride(), value.dtype)
+        if view in views:  # tied weights: store once, refer twice
+            return {"__tensor__": views[view]}
+        key = views[view] = path or "tensor"
+        # A view of a storage already stored is stored as its own copy (safetensors refuses overlapping tensors).
+        stored = value.clone() if value.untyped_storage().data_ptr() in storages else value.contiguous()
+        storages.add(stored.untyped_storage().data_ptr())
+        tensors[key] = stored
         return {"__tensor__": key}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: flatten_state(v, tensors, f"{path}/{k}") for k, v in obj.items()}
-        return {"__items__": [[k, flatten_state(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
+            return {k: recurse(v, f"{path}/{k}") for k, v in obj.items()}
+        return {"__items__": [[k, recurse(v, f"{path}/{k}")] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [flatten_state(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
+        return {"__tuple__": [recurse(v, f"{path}/{i}") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [flatten_state(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+        return [recurse(v, f"{path}/{i}") for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise MemtrainError(f"cannot store a {type(obj).__name__} at {path!r} in a checkpoint (only tensors, numbers, "
                         "strings, lists, tuples and dicts). To resolve this error, convert it to one of those.")
-
-
-def _shares_storage(value: torch.Tensor, tensors: dict[str, torch.Tensor]) -> bool:
-    ptr = value.untyped_storage().data_ptr()
-    return any(t.untyped_storage().data_ptr() == ptr for t in tensors.values())
 
 
 def unflatten_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -403,6 +403,9 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
         out.mkdir(parents=True, exist_ok=True)
         if config.overwrite:
             clear_run_folder(out)  # the old run's files, checkpoints included: --resume must not pick them
+    # NOTE: saved-tensor hooks do not stack, so while activations are offloaded the meter stays out of the way
+    # (on CUDA the allocator peak is the figure then).
+    measuring = not (isinstance(offload, ActivationOffloader) and offload.enabled) and not _offloads_blocks(model)
     bar = tqdm(total=config.max_steps, initial=start_step, disable=not config.progress or rank != 0, unit="step",
                dynamic_ncols=True, file=sys.stderr)
     tokens, eval_loss, last, stopped_by = 0, None, None, None
@@ -413,8 +416,8 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
             while True:  # retried with half the micro-batch after an out-of-memory error
                 out_of_memory = False
                 try:
-                    line = _one_step(ddp_model, model, optimizer, acc, precision, offload, batches, accumulation,
-                                     device, step)
+                    line = _one_step(ddp_model, model, optimizer, acc, precision, offload, measuring, batches,
+                                     accumulation, device, step)
                     break
                 except torch.OutOfMemoryError:
                     out_of_memory = True
@@ -436,7 +439,7 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
             if step + 1 == min(2, config.max_steps) and rank == 0 and world == 1:
                 # From the second step on the optimizer state exists: the steady state estimate predicts.
                 estimate_check = check_estimate(model, line, micro, seq_len, device, precision_name,
-                                                _estimate_policy(config))
+                                                estimate_policy(config.checkpointing, config.checkpoint_every))
                 _log(f"  {estimate_check['log']}")
             if metrics_path is not None and rank == 0:
                 atomic_write_bytes(metrics_path, "".join(json.dumps(m) + "\n" for m in metrics).encode())
@@ -482,17 +485,15 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
 
 
 def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer, acc: GradientAccumulator,
-              precision: MixedPrecision, offload: contextlib.AbstractContextManager[Any], batches: Iterator[Any],
-              accumulation: int, device: torch.device, step: int) -> dict[str, Any]:
-    """One optimizer step: ``accumulation`` micro-batches, then the accumulator's boundary."""
+              precision: MixedPrecision, offload: contextlib.AbstractContextManager[Any], measuring: bool,
+              batches: Iterator[Any], accumulation: int, device: torch.device, step: int) -> dict[str, Any]:
+    """One optimizer step: ``accumulation`` micro-batches, then the accumulator's boundary. ``measuring``: the
+    first micro-batch's saved bytes are counted (not while activations are offloaded: hooks do not stack)."""
     t0 = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens = 0
     meter = MemoryMeter(model, optimizer)
-    # NOTE: saved-tensor hooks do not stack, so while activations are offloaded the meter stays out of the way
-    # (on CUDA the allocator peak is the figure then).
-    measuring = not (isinstance(offload, ActivationOffloader) and offload.enabled) and not _offloads_blocks(model)
     for i in range(accumulation):
         x, y = next(batches)  # already on the device: DevicePrefetcher copied it during the previous compute
         with acc.micro_batch(is_last=i == accumulation - 1):
@@ -507,6 +508,7 @@ def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Opt
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
+    state_bytes = optimizer_state_bytes(optimizer)
     return {
         "step": step + 1,
         "loss": result.loss,
@@ -517,8 +519,8 @@ def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Opt
         "activation_bytes": report.activation_bytes if measuring else None,
         "parameter_bytes": report.parameter_bytes,
         "gradient_bytes": report.gradient_bytes,
-        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
-        "model_state_bytes": report.parameter_bytes + report.gradient_bytes + optimizer_state_bytes(optimizer),
+        "optimizer_state_bytes": state_bytes,
+        "model_state_bytes": report.parameter_bytes + report.gradient_bytes + state_bytes,
         "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
 
@@ -547,8 +549,9 @@ def _halve_after_oom(micro: int, per_rank_batch: int, step: int, optimizer: torc
     return smaller
 
 
-def _estimate_policy(config: TrainConfig) -> str:
-    return {"none": "none", "every": f"every:{config.checkpoint_every}"}.get(config.checkpointing, "all")
+def estimate_policy(mode: str, every: int) -> str:
+    """The estimator's name for a checkpointing mode ("auto" checkpoints every block, as train does)."""
+    return {"none": "none", "every": f"every:{every}"}.get(mode, "all")
 
 
 def _carry_counters(old: GradientAccumulator, new: GradientAccumulator) -> GradientAccumulator:
