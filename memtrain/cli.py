@@ -6,11 +6,13 @@ Exit codes: 0 success, 2 bad input (one message naming the fix), 1 an internal f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import runpy
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -234,8 +236,14 @@ def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
     return transformers.AutoModelForCausalLM.from_config(config), wanted
 
 
-def _init_distributed() -> tuple[int, int, Any]:
-    """Joins the torchrun group when launched by torchrun; returns (rank, world size, device)."""
+@contextlib.contextmanager
+def _distributed_group() -> Iterator[tuple[int, int, Any]]:
+    """Joins the torchrun group when launched by torchrun; yields (rank, world size, device).
+
+    The group this opens is closed here: after a barrier when the run succeeded, so no rank tears its
+    connections down while a peer still uses them, and in any case before the interpreter exits (a gloo group
+    left to interpreter shutdown can abort the process).
+    """
     import os
 
     import torch
@@ -244,11 +252,18 @@ def _init_distributed() -> tuple[int, int, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
+    opened = world > 1 and not dist.is_initialized()
+    if opened:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return (dist.get_rank() if dist.is_initialized() else 0), world, device
+    try:
+        yield (dist.get_rank() if dist.is_initialized() else 0), world, device
+        if opened:
+            dist.barrier()
+    finally:
+        if opened:
+            dist.destroy_process_group()
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -271,42 +286,42 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("--resume needs the run folder to continue. To resolve this error, pass --out DIR.")
     import torch
 
-    rank, world, device = _init_distributed()
-    # The checks that need no model come first: a bad folder or batch fails in a second, not after set-up.
-    from memtrain.accumulation import accumulation_steps
-    from memtrain.runstate import check_run_folder
+    with _distributed_group() as (rank, world, device):
+        # The checks that need no model come first: a bad folder or batch fails in a second, not after set-up.
+        from memtrain.accumulation import accumulation_steps
+        from memtrain.runstate import check_run_folder
 
-    accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
-    check_run_folder(out, overwrite=args.overwrite, resume=args.resume)
-    torch.manual_seed(args.seed)
-    model, seq_len = _build_language_model(args)
-    model.to(device)
-    if args.data:
-        data = split_windows(text_file_tokens(args.data), seq_len)
-        source = args.data
-    else:
-        data = builtin_corpus(seq_len)
-        source = "the Python standard library's source (built-in corpus)"
-    n_params = sum(p.numel() for p in model.parameters())
-    if rank == 0:
-        _log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters) on {device}, {seq_len} tokens x "
-                   f"{config.global_batch_size or args.micro_batch_size * world} per step, {args.max_steps} steps on "
-                   f"{source} ({len(data[0])} training windows)")
-    result = train(model, data, config)
-    if rank != 0:
+        accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
+        check_run_folder(out, overwrite=args.overwrite, resume=args.resume)
+        torch.manual_seed(args.seed)
+        model, seq_len = _build_language_model(args)
+        model.to(device)
+        if args.data:
+            data = split_windows(text_file_tokens(args.data), seq_len)
+            source = args.data
+        else:
+            data = builtin_corpus(seq_len)
+            source = "the Python standard library's source (built-in corpus)"
+        n_params = sum(p.numel() for p in model.parameters())
+        if rank == 0:
+            _log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters) on {device}, {seq_len} tokens x "
+                       f"{config.global_batch_size or args.micro_batch_size * world} per step, {args.max_steps} steps on "
+                       f"{source} ({len(data[0])} training windows)")
+        result = train(model, data, config)
+        if rank != 0:
+            return EXIT_OK
+        if result.stopped_by:
+            _log(args, f"stopped by {result.stopped_by} after step {result.steps}; checkpoint in {result.out_dir}; "
+                       f"continue with: memtrain train --out {result.out_dir} --resume")
+        else:
+            eval_text = f" (eval {result.eval_loss:.3f})" if result.eval_loss is not None else ""
+            peak = f", peak {format_bytes(result.peak_bytes)}" if result.peak_bytes is not None else ""
+            _log(args, f"done: loss {result.final_loss:.3f}{eval_text}, {result.tokens / result.seconds:.0f} tokens/s, "
+                       f"saved activations {format_bytes(result.activation_bytes)} per micro-batch, model state "
+                       f"{format_bytes(result.model_state_bytes)}{peak}; run folder {result.out_dir}")
+        if args.json:
+            print(json.dumps(asdict(result)))
         return EXIT_OK
-    if result.stopped_by:
-        _log(args, f"stopped by {result.stopped_by} after step {result.steps}; checkpoint in {result.out_dir}; "
-                   f"continue with: memtrain train --out {result.out_dir} --resume")
-    else:
-        eval_text = f" (eval {result.eval_loss:.3f})" if result.eval_loss is not None else ""
-        peak = f", peak {format_bytes(result.peak_bytes)}" if result.peak_bytes is not None else ""
-        _log(args, f"done: loss {result.final_loss:.3f}{eval_text}, {result.tokens / result.seconds:.0f} tokens/s, "
-                   f"saved activations {format_bytes(result.activation_bytes)} per micro-batch, model state "
-                   f"{format_bytes(result.model_state_bytes)}{peak}; run folder {result.out_dir}")
-    if args.json:
-        print(json.dumps(asdict(result)))
-    return EXIT_OK
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

@@ -132,6 +132,7 @@ def _worker(rank: int, init_file: str, kind: str, out: str) -> None:
                     "grad_norms": [w.grad_norm for w in windows],
                     "naive_syncs": naive_syncs},
                    os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()  # no rank closes its connections while a peer is still using them
     finally:
         dist.destroy_process_group()
 

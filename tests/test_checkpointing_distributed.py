@@ -61,6 +61,7 @@ def _worker(rank: int, init_file: str, kind: str, results: dict) -> None:
         if rank == 0:
             results["grads"] = grads
             results["wrapped"] = wrapped
+        dist.barrier()  # no rank closes its connections while a peer is still using them
     finally:
         dist.destroy_process_group()
 
