@@ -62,11 +62,13 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # mask (batch, 1, T, T), True where attending is allowed: causal within each packed document.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -92,8 +94,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -102,6 +104,9 @@ class GPT(nn.Module):
 
     ``forward(idx)`` returns logits; ``forward(idx, targets)`` returns the cross-entropy on fp32 logits
     (``reduction="sum"`` for token-count-correct accumulation; labels of -100 are ignored).
+    ``forward(..., segments=ids)`` takes rows packed with several documents (``data.PackCollate``): each position
+    attends only within its own document and positions restart at each document's start, so a packed row computes
+    what its documents would compute padded one per row.
 
     Example:
         >>> model = GPT(GPT_PRESETS["gpt-tiny"])
@@ -143,15 +148,19 @@ class GPT(nn.Module):
             raise ConfigError(f"unknown GPT preset {name!r}. To resolve this error, pick one of {sorted(GPT_PRESETS)}.")
         return cls(replace(GPT_PRESETS[name], **overrides))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean") -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean",
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.config.seq_len:
             raise ConfigError(f"sequence of {T} tokens is longer than the model's seq_len={self.config.seq_len}. "
                               "To resolve this error, build the model with a larger seq_len or cut the input.")
-        pos = torch.arange(T, device=idx.device)
+        if segments is None:
+            pos, mask = torch.arange(T, device=idx.device), None
+        else:
+            pos, mask = _packed_positions_and_mask(segments, idx.shape)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
@@ -170,6 +179,22 @@ class GPT(nn.Module):
             probs = F.softmax(logits.float(), dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return idx
+
+
+def _packed_positions_and_mask(segments: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions restarting at each document and the (batch, 1, T, T) causal, same-document attention mask."""
+    if segments.shape != shape or segments.dtype.is_floating_point:
+        raise ConfigError(f"segments of shape {tuple(segments.shape)} ({segments.dtype}) must be integer document ids "
+                          f"of the input's shape {tuple(shape)}. To resolve this error, pass the batch's segments "
+                          "from PackCollate.")
+    T = shape[1]
+    index = torch.arange(T, device=segments.device)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    start_index = torch.where(starts, index, 0).cummax(dim=1).values
+    same = segments[:, :, None] == segments[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    return index - start_index, (same & causal).unsqueeze(1)
 
 
 # -- ResNet -------------------------------------------------------------------------------------------------
