@@ -16,7 +16,8 @@ Tables:
 Cases run one after another (``isolate=True``), so no case's workers compete with another case's for the CPUs.
 3. ``data-bucketing``: one epoch of gpt-tiny forward + backward per step on documents of mixed lengths (the
    first ``--bucket-bytes`` of the standard library split on blank lines, at most 65 tokens), random batches vs
-   ``LengthBucketSampler``; the same real tokens in both, so the time ratio is what padding costs.
+   ``LengthBucketSampler`` vs random batches packed into full rows (``PackCollate``, attention kept inside each
+   document); the same real tokens in all, so the time ratio is what padding costs.
    ``padding_fraction`` is the share of padded positions.
 
 Cases: ``DataLoader defaults`` (num_workers=0: the baseline), ``DataLoader num_workers=1`` (not persistent),
@@ -46,6 +47,8 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler  #
 
 from memtrain.data import (  # noqa: E402
     LengthBucketSampler,
+    PackCollate,
+    PackedBatch,
     PadCollate,
     TokenDocuments,
     make_loader,
@@ -101,13 +104,13 @@ def loading_case(name: str, build: Any, *, batches: int, step_s: float, batch_si
     return Case(name, setup)
 
 
-def bucketing_case(name: str, docs: TokenDocuments, batch_sampler: Any) -> Case:
-    """One step is one epoch: both cases then train on the same real tokens, and only the padding differs."""
+def bucketing_case(name: str, docs: TokenDocuments, batch_sampler: Any, collate: Any = None) -> Case:
+    """One step is one epoch: every case then trains on the same real tokens, and only the padding differs."""
 
     def setup():
         torch.manual_seed(0)
         model = GPT(GPT_PRESETS["gpt-tiny"])
-        loader = make_loader(docs, batch_sampler=batch_sampler, collate_fn=PadCollate(), num_workers=0)
+        loader = make_loader(docs, batch_sampler=batch_sampler, collate_fn=collate or PadCollate(), num_workers=0)
         epochs = iter(range(10**9))
 
         def step() -> dict[str, Any]:
@@ -115,7 +118,8 @@ def bucketing_case(name: str, docs: TokenDocuments, batch_sampler: Any) -> Case:
                 batch_sampler.set_epoch(next(epochs))
             padded = total = 0
             for batch in loader:
-                model(batch.x, batch.y).backward()
+                segments = {"segments": batch.segments} if isinstance(batch, PackedBatch) else {}
+                model(batch.x, batch.y, **segments).backward()
                 padded += batch.y.numel() - batch.real_tokens
                 total += batch.y.numel()
             model.zero_grad(set_to_none=True)
@@ -183,7 +187,9 @@ def main() -> None:
         random_batches = BatchSampler(RandomSampler(range(len(docs)), generator=torch.Generator().manual_seed(0)),
                                       args.batch_size, drop_last=False)
         cases = [bucketing_case("random batches", docs, random_batches),
-                 bucketing_case("length-bucketed", docs, LengthBucketSampler(docs.lengths, args.batch_size))]
+                 bucketing_case("length-bucketed", docs, LengthBucketSampler(docs.lengths, args.batch_size)),
+                 bucketing_case("random batches, packed", docs, random_batches,
+                                PackCollate(seq_len=GPT_PRESETS["gpt-tiny"].seq_len))]
         out = args.out if args.out and len(tables) == 1 else None
         run_side_by_side(cases, title="data-bucketing", repeats=args.repeats, warmup=args.warmup, json_path=out)
         print_json_if_asked(args, out or Path("bench-results") / "data-bucketing.json")
