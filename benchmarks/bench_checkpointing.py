@@ -7,8 +7,11 @@ inputs; this benchmark measures both sides of that trade on the same model, data
 2. Hugging Face ``model.gradient_checkpointing_enable()`` (transformers 5: non-reentrant, ``use_reentrant=False``;
    the table's notes show the value read back from the model),
 3. memtrain ``apply_checkpointing(model)`` (every decoder layer),
-4. memtrain ``apply_checkpointing(model, every=2)``,
-5. memtrain ``apply_checkpointing(model, selective=("matmul", "attention"))``.
+4. memtrain ``apply_checkpointing(model)`` + ``apply_chunked_loss(model)`` (the loss over 1024 tokens at a time,
+   their logits recomputed in backward: with the layers checkpointed, the loss's fp32 log-softmax is the largest
+   saved tensor left),
+5. memtrain ``apply_checkpointing(model, every=2)``,
+6. memtrain ``apply_checkpointing(model, selective=("matmul", "attention"))``.
 
 A step is forward with labels (Hugging Face's loss upcasts the logits to fp32), backward, AdamW step,
 ``zero_grad(set_to_none=True)``. Saved-activation bytes are measured exactly with ``MemoryMeter`` around forward on
@@ -46,6 +49,7 @@ import torch  # noqa: E402
 from runner import Case, Result, common_args, print_json_if_asked, run_side_by_side  # noqa: E402
 
 from memtrain import ConfigError, MemoryMeter, apply_checkpointing  # noqa: E402
+from memtrain.loss import apply_chunked_loss  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ SHAPES: dict[str, Shape] = {
     # DESIGN.md's reference GPU workload ("the 1.1B Llama shape")
     "llama-1.1b": Shape(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000, batch=4,
                         seq_len=2048),
-    # smoke tests: a second or two for all five cases
+    # smoke tests: a second or two for all six cases
     "tiny": Shape(hidden=32, intermediate=64, layers=4, heads=4, kv_heads=2, vocab=128, batch=2, seq_len=16),
 }
 
@@ -116,6 +120,11 @@ def hf_use_reentrant() -> str:
     return ", ".join(sorted(map(str, values)))
 
 
+def _checkpointing_and_chunked_loss(model: torch.nn.Module) -> None:
+    apply_checkpointing(model)
+    apply_chunked_loss(model)  # the loss's fp32 logits, 1024 tokens at a time: left after the layers
+
+
 @dataclass(frozen=True)
 class Configuration:
     """One way of checkpointing the model, and how the table's notes describe it."""
@@ -128,6 +137,8 @@ CONFIGURATIONS: dict[str, Configuration] = {
     "no checkpointing": Configuration(lambda model: None, "baseline"),
     "hf gradient_checkpointing_enable": Configuration(_hf_checkpointing, "model.gradient_checkpointing_enable()"),
     "memtrain full": Configuration(apply_checkpointing, "apply_checkpointing(model)"),
+    "memtrain full + chunked loss": Configuration(_checkpointing_and_chunked_loss,
+                                                  "apply_checkpointing(model); apply_chunked_loss(model)"),
     "memtrain every=2": Configuration(lambda model: apply_checkpointing(model, every=2),
                                       "apply_checkpointing(model, every=2)"),
     "memtrain selective(matmul,attention)": Configuration(

@@ -126,6 +126,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Set by memtrain.loss.apply_chunked_loss: the loss then never holds the whole batch's fp32 logits.
+        self.loss_chunk_tokens: int | None = None
         if config.tie_weights:
             self.head.weight = self.wte.weight
         self.apply(self._init_weights)
@@ -161,6 +163,12 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)
+        if targets is not None and self.loss_chunk_tokens is not None and reduction in ("sum", "mean") \
+                and torch.is_grad_enabled():
+            from memtrain.loss import chunked_cross_entropy
+
+            total = chunked_cross_entropy(self.ln_f(x), self.head, targets, chunk_tokens=self.loss_chunk_tokens)
+            return total if reduction == "sum" else total / (targets != -100).sum()
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

@@ -85,6 +85,8 @@ def test_saved_bytes_are_ordered_as_checkpointing_promises(run):
     assert full == hf, f"memtrain full keeps {full} bytes, Hugging Face {hf}"
     assert full < every2 < none, f"full {full}, every=2 {every2}, none {none}: every=2 must lie in between"
     assert full < selective < none, f"full {full}, selective {selective}, none {none}"
+    chunked = saved["memtrain full + chunked loss"]
+    assert chunked < full, f"a chunked loss must keep less than the whole fp32 logits: {chunked} vs {full}"
 
 
 def test_notes_say_what_each_case_did(run):

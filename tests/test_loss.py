@@ -1,0 +1,171 @@
+"""Chunked cross-entropy: the same loss and gradients as the whole-logits loss, for a fraction of the saved bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain import ConfigError, MemoryMeter, apply_checkpointing
+from memtrain.loss import apply_chunked_loss, chunked_cross_entropy, remove_chunked_loss
+from memtrain.models import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+
+# fp32 on CPU: chunking changes only the order of the sums. Gradients are compared within 1e-5 of their
+# largest entry (a summed loss's gradients reach 10 and more, so float rounding there is ~1e-6 in absolute terms).
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def hf_model(kind: str, *, layers: int = 2, hidden: int = 32, intermediate: int = 64, vocab: int = 128,
+             positions: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab,
+                                         n_positions=positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0)
+    else:
+        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+        config = config_class(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                              num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                              max_position_embeddings=positions)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def loss_and_grads(model: nn.Module, call) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = call(model)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(got, want) -> None:
+    (got_loss, got_grads), (want_loss, want_grads) = got, want
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 10_000])
+def test_chunked_cross_entropy_equals_the_whole_logits_loss(chunk_tokens):
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 21, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 21))
+    labels[0, :5] = -100
+
+    def grads(loss):
+        return loss.detach(), torch.autograd.grad(loss, (hidden, head.weight))
+
+    want = grads(F.cross_entropy(head(hidden).float().flatten(0, 1), labels.flatten(), reduction="sum"))
+    got = grads(chunked_cross_entropy(hidden, head, labels, chunk_tokens=chunk_tokens))
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_only_the_hidden_states_are_saved():
+    torch.manual_seed(0)
+    head = nn.Linear(16, 1000, bias=False)
+    hidden = torch.randn(4, 32, 16, requires_grad=True)
+    labels = torch.randint(0, 1000, (4, 32))
+    for chunked in (False, True):
+        with MemoryMeter(head) as meter:
+            if chunked:
+                loss = chunked_cross_entropy(hidden * 1, head, labels, chunk_tokens=16)
+            else:
+                loss = F.cross_entropy(head(hidden * 1).float().flatten(0, 1), labels.flatten(), reduction="sum")
+        loss.backward()
+        if chunked:
+            # the hidden states and the labels, once each (every chunk's input is a view of them)
+            assert meter.activation_bytes == hidden.numel() * 4 + labels.numel() * 8
+        else:  # the hidden states plus the (tokens x vocabulary) fp32 log-softmax
+            assert meter.activation_bytes >= hidden.numel() * 4 + 4 * 32 * 1000 * 4
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_gpt_with_a_chunked_loss_gives_the_same_loss_and_gradients(reduction):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32, dropout=0.1))
+    x = torch.randint(0, 256, (3, 32))
+    y = torch.roll(x, -1, dims=1)
+    y[1, 20:] = -100
+
+    def call(m):
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        return m(x, y, reduction=reduction)
+
+    want = loss_and_grads(model, call)
+    apply_checkpointing(model)
+    apply_chunked_loss(model, chunk_tokens=10)
+    assert_same(loss_and_grads(model, call), want)
+    with torch.no_grad():  # evaluation runs the whole-logits path; generation still works
+        model.eval()
+        torch.testing.assert_close(model(x, y, reduction=reduction), model.train().eval()(x, y, reduction=reduction))
+        assert model.generate(x[:1, :4], 3).shape == (1, 7)
+    assert remove_chunked_loss(model) and model.loss_chunk_tokens is None and not remove_chunked_loss(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+def test_hugging_face_models_with_a_chunked_loss_give_the_same_loss_and_gradients(kind):
+    model = hf_model(kind)
+    input_ids = torch.randint(0, 128, (2, 24))
+    labels = input_ids.clone()
+    labels[0, 10:] = -100
+    plain_forward = model.forward
+
+    def call(m):
+        return m(input_ids, labels=labels).loss
+
+    def call_with_items(m):  # the Trainer's token-count-correct form
+        return m(input_ids=input_ids, labels=labels, num_items_in_batch=torch.tensor(30)).loss
+
+    want, want_items = loss_and_grads(model, call), loss_and_grads(model, call_with_items)
+    apply_checkpointing(model)
+    apply_chunked_loss(model, chunk_tokens=5)
+    assert_same(loss_and_grads(model, call), want)
+    assert_same(loss_and_grads(model, call_with_items), want_items)
+    assert model(input_ids, labels=labels).logits is None  # not holding them is the point
+    assert model(input_ids).logits.shape == (2, 24, 128)  # no labels: the model's own forward
+    with torch.no_grad():
+        assert model(input_ids, labels=labels).logits is not None  # evaluation: the model's own forward
+    assert remove_chunked_loss(model) and model.forward == plain_forward
+
+
+def test_checkpointing_plus_a_chunked_loss_cuts_the_llama_benchmark_saved_bytes_ten_x():
+    """The CPU Llama of benchmarks/bench_checkpointing.py: layers alone stop at 8.9x, the loss's fp32 log-softmax."""
+    model = hf_model("llama", layers=8, hidden=256, intermediate=688, vocab=2048, positions=256)
+    input_ids = torch.randint(0, 2048, (8, 256), generator=torch.Generator().manual_seed(0))
+
+    def saved() -> int:
+        with MemoryMeter(model) as meter:
+            loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return meter.activation_bytes
+
+    none = saved()
+    apply_checkpointing(model)
+    layers_only = saved()
+    apply_chunked_loss(model)
+    chunked = saved()
+    print(f"saved bytes: none {none / 2**20:.1f} MiB, checkpointing {layers_only / 2**20:.1f} MiB "
+          f"({none / layers_only:.1f}x), + chunked loss {chunked / 2**20:.1f} MiB ({none / chunked:.1f}x)")
+    assert none / layers_only < 10 <= none / chunked
+
+
+def test_bad_input_is_one_config_error_each():
+    with pytest.raises(ConfigError, match="chunk_tokens=0"):
+        apply_chunked_loss(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, seq_len=8)), chunk_tokens=0)
+    with pytest.raises(ConfigError, match="no linear output head"):
+        apply_chunked_loss(nn.Linear(2, 2))
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, vocab_size=32)
+    with pytest.raises(ConfigError, match="not a base model"):
+        apply_chunked_loss(transformers.LlamaModel(config))
+    with pytest.raises(ConfigError, match="do not match labels"):
+        chunked_cross_entropy(torch.zeros(2, 3, 4), nn.Linear(4, 5), torch.zeros(2, 4, dtype=torch.long))
