@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain import ConfigError, MemoryMeter, apply_checkpointing
-from memtrain.loss import apply_chunked_loss, chunked_cross_entropy, remove_chunked_loss
+from memtrain.loss import HF_MODEL_TYPES, apply_chunked_loss, chunked_cross_entropy, remove_chunked_loss
 from memtrain.models import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -26,7 +26,8 @@ def hf_model(kind: str, *, layers: int = 2, hidden: int = 32, intermediate: int 
                                          n_positions=positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          bos_token_id=0, eos_token_id=0)
     else:
-        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                        "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[kind]
         config = config_class(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                               num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                               max_position_embeddings=positions)
@@ -110,7 +111,7 @@ def test_gpt_with_a_chunked_loss_gives_the_same_loss_and_gradients(reduction):
     assert remove_chunked_loss(model) and model.loss_chunk_tokens is None and not remove_chunked_loss(model)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("kind", sorted(HF_MODEL_TYPES))
 def test_hugging_face_models_with_a_chunked_loss_give_the_same_loss_and_gradients(kind):
     model = hf_model(kind)
     input_ids = torch.randint(0, 128, (2, 24))
