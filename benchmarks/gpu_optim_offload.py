@@ -12,6 +12,9 @@ gradients clipped to 1.0. Cases:
   case (and only this one) runs without gradient clipping;
 - ``memtrain offload, grads on device``: ``offload_gradients=False``;
 - ``memtrain offload, bf16 weights``: bf16 weights on the GPU, fp32 master on the host (half the weight bytes);
+- ``memtrain offload + chunked loss`` and ``memtrain offload, bf16 weights + chunked loss``: the same with
+  ``apply_chunked_loss`` (the loss over 1024 tokens at a time: the 8192 x 32000 fp32 logits, 1 GiB, and their
+  log-softmax are never held whole);
 - ``torchao CPUOffloadOptimizer``: when torchao is importable (its ``offload_gradients=False``: clipping needs
   the gradients on the device);
 - ``founding document``: the optimizer on the CPU with ``p.data``/``p.grad`` moved to the CPU and back each step.
@@ -38,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 from runner import Case, common_args, print_json_if_asked, run_side_by_side  # noqa: E402
 
 from memtrain.checkpointing import apply_checkpointing  # noqa: E402
+from memtrain.loss import apply_chunked_loss  # noqa: E402
 from memtrain.optim_offload import CPUOffloadOptimizer  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -94,8 +98,11 @@ class FoundingDocumentOffload:
 
 def make_case(kind: str, shape: dict[str, int], batch: int, seq: int, device: str) -> Callable[[], Callable]:
     def setup() -> Callable[[], dict[str, Any]]:
-        dtype = torch.bfloat16 if kind == "offload-bf16" else torch.float32
+        dtype = torch.bfloat16 if kind.startswith("offload-bf16") else torch.float32
         model = build_model(shape, device, dtype)
+        chunked = kind.endswith("-chunked")
+        if chunked:
+            apply_chunked_loss(model)
         g = torch.Generator().manual_seed(1)
         x = torch.randint(0, shape["vocab_size"], (batch, seq), generator=g).to(device)
         y = torch.randint(0, shape["vocab_size"], (batch, seq), generator=g).to(device)
@@ -122,9 +129,13 @@ def make_case(kind: str, shape: dict[str, int], batch: int, seq: int, device: st
             if kind == "offload-in-backward":
                 opt.step_in_next_backward()
             with autocast:
-                logits = model(x).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            del logits
+                if chunked:  # y is already aligned with x: shift_labels, the same mean as below
+                    loss = model(input_ids=x, labels=y, shift_labels=y).loss
+                else:
+                    logits = model(x).logits
+            if not chunked:
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                del logits
             loss.backward()
             clip()
             opt.step()
@@ -153,6 +164,11 @@ def main() -> None:
         Case("memtrain offload, grads on device", make_case("offload-keep-grads", shape, batch, seq, device)),
         Case("memtrain offload, bf16 weights", make_case("offload-bf16", shape, batch, seq, device),
              notes="bf16 weights on the device, fp32 master on the host"),
+        Case("memtrain offload + chunked loss", make_case("offload-chunked", shape, batch, seq, device),
+             notes="apply_chunked_loss: 1024 tokens of fp32 logits at a time"),
+        Case("memtrain offload, bf16 weights + chunked loss",
+             make_case("offload-bf16-chunked", shape, batch, seq, device),
+             notes="bf16 weights on the device, fp32 master on the host, apply_chunked_loss"),
     ]
     if torchao_class() is not None:
         cases.append(Case("torchao CPUOffloadOptimizer", make_case("torchao", shape, batch, seq, device)))

@@ -328,6 +328,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     import torch
 
     from memtrain.estimate import estimate, hf_config_from_file
+    from memtrain.loss import HF_MODEL_TYPES, supports_chunked_loss
     from memtrain.train import estimate_policy
 
     if args.hf_config:
@@ -338,15 +339,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         with torch.device("meta"):  # nothing is allocated
             target = _build_gpt(args)
         seq_len, name = target.config.seq_len, args.model
+    policy = estimate_policy(*args.checkpointing)
+    # As memtrain train does: with checkpointing on, the loss 1024 tokens at a time where the model allows it.
+    chunked = policy != "none" and (supports_chunked_loss(target) if isinstance(target, torch.nn.Module)
+                                    else getattr(target, "model_type", None) in HF_MODEL_TYPES)
     report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
-                      checkpointing=estimate_policy(*args.checkpointing),
-                      optimizer="adamw-offload" if args.offload_optimizer else "adamw",
-                      offload_activations=args.offload_activations)
+                      checkpointing=policy, optimizer="adamw-offload" if args.offload_optimizer else "adamw",
+                      offload_activations=args.offload_activations, chunked_loss=chunked)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
         print(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
-              f"{estimate_policy(*args.checkpointing)}, on {args.device}")
+              f"{policy}{' with a chunked loss' if chunked else ''}, on {args.device}")
         print(report.summary())
     return EXIT_OK
 

@@ -45,6 +45,7 @@ from memtrain.checkpointing import (
     remove_checkpointing,
 )
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.loss import apply_chunked_loss, output_head, remove_chunked_loss
 from memtrain.measure import MemoryMeter, _as_loss
 from memtrain.report import MemoryReport, format_bytes
 
@@ -706,6 +707,7 @@ def estimate(
     checkpointing: Any = "none",
     offload_activations: bool = False,
     optimizer: OptimizerKind = "adamw",
+    chunked_loss: bool = False,
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
     replay: bool = True,
@@ -731,6 +733,8 @@ def estimate(
         offload_activations: saved activations live in host memory; the device keeps about one block's worth.
         optimizer: ``"adamw"`` (fused), ``"sgd"``, ``"sgd-momentum"``, ``"adafactor"`` or ``"adamw-offload"``
             (state on the host).
+        chunked_loss: the loss computed with ``memtrain.loss.apply_chunked_loss`` (1024 tokens of logits at a
+            time) instead of on the whole batch's fp32 logits; applied to a copy of the model.
         micro_batch_size, seq_len: override the batch's first and second dimensions.
         replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls
             instead of running torch's meta functions again (same result, several times faster on deep models).
@@ -762,6 +766,8 @@ def estimate(
     _check_choice("device", device_type, ("cuda", "cpu"), problems)
     if not isinstance(offload_activations, bool):
         problems.append(f"offload_activations={offload_activations!r} must be True or False.")
+    if not isinstance(chunked_loss, bool):
+        problems.append(f"chunked_loss={chunked_loss!r} must be True or False.")
     _check_choice("precision", precision, get_args(Precision), problems)
     _check_choice("optimizer", optimizer, get_args(OptimizerKind), problems)
     ckpt = _checkpointing_kwargs(checkpointing, problems)
@@ -784,6 +790,9 @@ def estimate(
     remove_checkpointing(meta)
     if ckpt is not None:
         apply_checkpointing(meta, **ckpt)
+    remove_chunked_loss(meta)
+    if chunked_loss:
+        apply_chunked_loss(meta)
 
     # CUDA: meta tensors (fast: the CUDA rules above choose kernels and dtypes). CPU: fake CPU tensors, so that
     # the CPU's own kernel choices (attention) and autocast apply exactly as in a real CPU run.
@@ -820,6 +829,9 @@ def estimate(
             wrapped = module.__dict__.get("forward")
             if isinstance(wrapped, _CheckpointedForward):
                 wrapped.original = rules.around_recompute(wrapped.original)
+        if chunked_loss:  # each chunk's logits are recomputed in backward: under the same rules
+            head = output_head(meta)
+            head.forward = rules.around_recompute(head.forward)  # type: ignore[method-assign]
     cpu_autocast = (torch.autocast("cpu", dtype=autocast_dtype) if (autocast_dtype and not on_cuda)
                     else _nullcontext())
     meter = _BlockMeter(meta, where, tracker)
@@ -914,6 +926,8 @@ def estimate(
         )
     if ckpt is not None:
         assumptions.append(f"checkpointing: apply_checkpointing({', '.join(f'{k}={v!r}' for k, v in ckpt.items())})")
+    if chunked_loss:
+        assumptions.append("loss: apply_chunked_loss (1024 tokens of fp32 logits at a time, recomputed in backward)")
     if offload_activations:
         # The device keeps the blocks being prefetched/used (about two blocks' saved tensors); the rest is on host.
         # Approximation: what was saved and alive at the peak leaves the device, but for two blocks; the state

@@ -77,6 +77,10 @@ class _HFChunkedForward:
     had_instance_forward: bool
     chunk_tokens: int
 
+    @property
+    def __signature__(self) -> inspect.Signature:  # callers that inspect the forward see the model's own
+        return inspect.signature(self.original)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             arguments = dict(inspect.signature(self.original).bind(*args, **kwargs).arguments)
@@ -97,7 +101,7 @@ class _HFChunkedForward:
             # Hugging Face's ForCausalLMLoss: position t predicts label t + 1; the last position predicts nothing.
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = outputs.last_hidden_state
-        total = chunked_cross_entropy(hidden, model.get_output_embeddings(), shift_labels.to(hidden.device),
+        total = chunked_cross_entropy(hidden, output_head(model), shift_labels.to(hidden.device),
                                       chunk_tokens=self.chunk_tokens, ignore_index=ignore_index)
         if num_items is None:
             num_items = (shift_labels != ignore_index).sum()
@@ -126,6 +130,30 @@ def _hf_problems(model: nn.Module) -> list[str]:
         problems.append(f"{type(model).__name__} has no decoder at .{getattr(model, 'base_model_prefix', None)}. "
                         "To resolve this error, pass a causal language model (e.g. LlamaForCausalLM).")
     return problems
+
+
+def output_head(model: nn.Module) -> nn.Module:
+    """The module ``chunked_cross_entropy`` recomputes in backward: GPT's ``head``, a Hugging Face model's
+    output embeddings."""
+    from memtrain.models import GPT
+
+    return model.head if isinstance(model, GPT) else model.get_output_embeddings()
+
+
+def supports_chunked_loss(model: nn.Module) -> bool:
+    """Whether ``apply_chunked_loss`` knows how to chunk this model's loss."""
+    from memtrain.models import GPT
+
+    return isinstance(model, GPT) or not _hf_problems(model)
+
+
+def chunked_loss_kind(model: nn.Module) -> str | None:
+    """``"gpt"`` or ``"hf"`` when ``model``'s loss is chunked now (how a training loop must call it), else None."""
+    from memtrain.models import GPT
+
+    if isinstance(model, GPT):
+        return "gpt" if model.loss_chunk_tokens is not None else None
+    return "hf" if isinstance(model.__dict__.get("forward"), _HFChunkedForward) else None
 
 
 def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:

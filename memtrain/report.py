@@ -176,13 +176,13 @@ def plot_memory(path: str, breakdowns: dict[str, dict[str, int]]) -> None:
 
 # -- the report of a training run ----------------------------------------------------------------------------
 def check_estimate(model: Any, line: dict[str, Any], micro: int, seq_len: int, device: Any, precision: str,
-                   checkpointing: str) -> dict[str, Any]:
+                   checkpointing: str, *, chunked_loss: bool = False) -> dict[str, Any]:
     """What ``estimate`` predicted for this run beside what the step measured (CUDA peak; saved bytes on CPU)."""
     from memtrain.estimate import estimate
 
     try:
         predicted = estimate(model, (micro, seq_len), device=device.type, precision=precision,
-                             checkpointing=checkpointing, optimizer="adamw")
+                             checkpointing=checkpointing, optimizer="adamw", chunked_loss=chunked_loss)
     except Exception as e:  # noqa: BLE001 - a failed prediction must not stop training; it is logged and stored
         return {"log": f"estimate unavailable for this model ({type(e).__name__}: {e})", "error": str(e)}
     what, key = ("peak", "peak_bytes") if device.type == "cuda" else ("saved activations", "activation_bytes")

@@ -29,6 +29,7 @@ from memtrain.accumulation import GradientAccumulator, accumulation_steps
 from memtrain.checkpointing import apply_checkpointing, find_blocks
 from memtrain.data import DevicePrefetcher, make_loader
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.loss import apply_chunked_loss, chunked_loss_kind, supports_chunked_loss
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
 from memtrain.offload import ActivationOffloader, offload_activations
 from memtrain.precision import MixedPrecision, resolve_precision
@@ -70,6 +71,7 @@ class TrainConfig:
     checkpoint_every: int = 2  # with checkpointing="every": one block in this many
     offload_activations: bool = False  # True: saved activations wait in pinned host memory (CUDA only)
     offload_optimizer: bool = False  # True: fp32 master + AdamW state in host RAM (8-12 bytes/param off the device)
+    chunked_loss: bool = True  # with checkpointing: the loss's fp32 logits 1024 tokens at a time, never whole
     fsdp: bool = False  # under torchrun: True shards parameters, gradients and optimizer state over ranks
     seed: int = 0
     eval_every: int = 100
@@ -105,7 +107,8 @@ class TrainConfig:
             problems.append(f"weight_decay={self.weight_decay!r} must be a number >= 0.")
         if self.grad_clip is not None and not (number(self.grad_clip) and self.grad_clip > 0):
             problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping.")
-        for name in ("fsdp", "offload_optimizer", "offload_activations", "overwrite", "resume", "progress"):
+        for name in ("fsdp", "offload_optimizer", "offload_activations", "chunked_loss", "overwrite", "resume",
+                     "progress"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.checkpointing not in ("none", "all", "every", "auto"):
@@ -206,6 +209,17 @@ def choose_checkpointing(model: nn.Module, config: TrainConfig) -> tuple[list[st
     return names, f"checkpointing all {len(names)} blocks (--checkpointing all)"
 
 
+def choose_chunked_loss(model: nn.Module, config: TrainConfig) -> str:
+    """With checkpointing on, the loss 1024 tokens at a time (``apply_chunked_loss``); returns the reason."""
+    if not config.chunked_loss or config.checkpointing == "none":
+        return ""
+    if not supports_chunked_loss(model):
+        return f"; the loss on the whole batch's logits ({type(model).__name__}: no chunked loss for this model)"
+    apply_chunked_loss(model)
+    return ("; the loss over 1024 tokens at a time, because: with the blocks checkpointed the batch's fp32 logits "
+            "are the largest saved tensor (chunked_loss=False keeps them)")
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
     if step < config.warmup_steps:
@@ -215,7 +229,16 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 def language_model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy on fp32 logits (labels of -100 ignored); memtrain GPT or Hugging Face."""
+    """Summed next-token cross-entropy on fp32 logits (labels of -100 ignored); memtrain GPT or Hugging Face.
+
+    ``y`` is already shifted (``y[t]`` follows ``x[t]``). A model with ``apply_chunked_loss`` computes it from its
+    hidden states a chunk of tokens at a time, never holding the whole batch's logits.
+    """
+    kind = chunked_loss_kind(getattr(model, "module", model))  # under DDP the model is .module
+    if kind == "gpt":
+        return model(x, y, reduction="sum")
+    if kind == "hf" and torch.is_grad_enabled():
+        return model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=1).loss
     out = model(x)
     logits = getattr(out, "logits", out)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
@@ -346,6 +369,7 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     precision_name, precision_reason = resolve_precision(device, config.precision)
     precision = MixedPrecision(precision_name, device.type)
     blocks, checkpoint_reason = choose_checkpointing(model, config)
+    checkpoint_reason += choose_chunked_loss(model, config)
     # Without checkpointing, offload wraps the whole forward; with it, the blocks' inputs (set up above).
     offload = (offload_activations(model=model) if config.offload_activations and not blocks
                else contextlib.nullcontext())
@@ -439,7 +463,8 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
             if step + 1 == min(2, config.max_steps) and rank == 0 and world == 1:
                 # From the second step on the optimizer state exists: the steady state estimate predicts.
                 estimate_check = check_estimate(model, line, micro, seq_len, device, precision_name,
-                                                estimate_policy(config.checkpointing, config.checkpoint_every))
+                                                estimate_policy(config.checkpointing, config.checkpoint_every),
+                                                chunked_loss=chunked_loss_kind(model) is not None)
                 _log(f"  {estimate_check['log']}")
             if metrics_path is not None and rank == 0:
                 atomic_write_bytes(metrics_path, "".join(json.dumps(m) + "\n" for m in metrics).encode())

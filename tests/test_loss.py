@@ -170,3 +170,24 @@ def test_bad_input_is_one_config_error_each():
         apply_chunked_loss(transformers.LlamaModel(config))
     with pytest.raises(ConfigError, match="do not match labels"):
         chunked_cross_entropy(torch.zeros(2, 3, 4), nn.Linear(4, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_estimate_predicts_a_chunked_loss(kind):
+    """On the CPU the estimate's saved bytes equal measure's exactly; under CUDA's rules (bf16) it runs too."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32)) if kind == "gpt" else hf_model("llama")
+    input_ids = torch.randint(0, 128, (4, 32))
+    apply_checkpointing(model)
+    apply_chunked_loss(model)
+    with MemoryMeter(model) as meter:
+        out = model(input_ids, input_ids.clone()) if kind == "gpt" else model(input_ids, labels=input_ids.clone())
+    getattr(out, "loss", out).backward()
+    from memtrain import estimate
+
+    predicted = estimate(model, input_ids, device="cpu", checkpointing="all", chunked_loss=True)
+    whole = estimate(model, input_ids, device="cpu", checkpointing="all")
+    assert predicted.activation_bytes == meter.activation_bytes < whole.activation_bytes
+    assert any("apply_chunked_loss" in a for a in predicted.assumptions)
+    cuda = estimate(model, input_ids, device="cuda", precision="bf16-mixed", checkpointing="all", chunked_loss=True)
+    assert cuda.activation_bytes < estimate(model, input_ids, device="cuda", precision="bf16-mixed",
+                                            checkpointing="all").activation_bytes
