@@ -191,3 +191,19 @@ def test_estimate_predicts_a_chunked_loss(kind):
     cuda = estimate(model, input_ids, device="cuda", precision="bf16-mixed", checkpointing="all", chunked_loss=True)
     assert cuda.activation_bytes < estimate(model, input_ids, device="cuda", precision="bf16-mixed",
                                             checkpointing="all").activation_bytes
+
+
+def test_a_compiled_model_with_checkpointing_and_a_chunked_loss_gives_the_same_gradients():
+    """torch.compile (aot_eager: AOTAutograd's graphs without code generation, seconds on CPU) composes with both."""
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def run(memtrain: bool, compiled: bool):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32))
+        if memtrain:
+            apply_checkpointing(model)
+            apply_chunked_loss(model, chunk_tokens=16)
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        return loss_and_grads(model, lambda m: forward(x, x, reduction="sum"))
+
+    assert_same(run(memtrain=True, compiled=True), run(memtrain=False, compiled=False))
