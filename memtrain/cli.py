@@ -123,6 +123,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch-size", type=_positive_int, default=16, help="examples per forward (default 16)")
     parser.add_argument("--checkpointing", type=_checkpointing, default=("auto", 2),
                         help="none | all | every:K | auto (default auto)")
+    parser.add_argument("--no-chunked-loss", action="store_true",
+                        help="with checkpointing, compute the loss on the whole batch's fp32 logits instead of "
+                        "1024 tokens at a time (the default where the model allows it)")
 
 
 def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -278,6 +281,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         lr=args.lr, precision=args.precision, checkpointing=mode, checkpoint_every=every, fsdp=args.fsdp,
         offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
+        chunked_loss=not args.no_chunked_loss,
         seed=args.seed, save_every=args.save_every, out_dir=out, overwrite=args.overwrite, resume=args.resume,
         progress=not args.no_progress,
     )
@@ -341,7 +345,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         seq_len, name = target.config.seq_len, args.model
     policy = estimate_policy(*args.checkpointing)
     # As memtrain train does: with checkpointing on, the loss 1024 tokens at a time where the model allows it.
-    chunked = policy != "none" and (supports_chunked_loss(target) if isinstance(target, torch.nn.Module)
+    chunked = policy != "none" and not args.no_chunked_loss and (supports_chunked_loss(target) if isinstance(target, torch.nn.Module)
                                     else getattr(target, "model_type", None) in HF_MODEL_TYPES)
     report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
                       checkpointing=policy, optimizer="adamw-offload" if args.offload_optimizer else "adamw",

@@ -217,7 +217,7 @@ def choose_chunked_loss(model: nn.Module, config: TrainConfig) -> str:
         return f"; the loss on the whole batch's logits ({type(model).__name__}: no chunked loss for this model)"
     apply_chunked_loss(model)
     return ("; the loss over 1024 tokens at a time, because: with the blocks checkpointed the batch's fp32 logits "
-            "are the largest saved tensor (chunked_loss=False keeps them)")
+            "are the largest saved tensor (--no-chunked-loss keeps them)")
 
 
 def lr_at(step: int, config: TrainConfig) -> float:

@@ -151,5 +151,12 @@ def test_estimate_hf_config_and_bad_input(tmp_path, capsys):
                  "--checkpointing", "none"]) == 0
     without = json.loads(capsys.readouterr().out)
     assert with_all["activation_bytes"] < without["activation_bytes"]
+    # By default the loss is chunked with checkpointing on, as memtrain train does; the flag keeps whole logits.
+    assert any("apply_chunked_loss" in a for a in with_all["assumptions"])
+    assert main(["estimate", "--hf-config", path, "--seq-len", "64", "--micro-batch-size", "2", "--json",
+                 "--no-chunked-loss"]) == 0
+    whole_logits = json.loads(capsys.readouterr().out)
+    assert with_all["activation_bytes"] < whole_logits["activation_bytes"] < without["activation_bytes"]
+    assert not any("apply_chunked_loss" in a for a in whole_logits["assumptions"])
     assert main(["estimate", "--hf-config", str(tmp_path / "missing.json")]) == 2
     assert "To resolve this error" in capsys.readouterr().err
