@@ -17,7 +17,8 @@ Cases run one after another (``isolate=True``), so no case's workers compete wit
 3. ``data-bucketing``: one epoch of gpt-tiny forward + backward per step on documents of mixed lengths (the
    first ``--bucket-bytes`` of the standard library split on blank lines, at most 65 tokens), random batches vs
    ``LengthBucketSampler`` vs random batches packed into full rows (``PackCollate``, attention kept inside each
-   document); the same real tokens in all, so the time ratio is what padding costs.
+   document); the same real tokens in all, so the time ratio is what padding costs (the packed case also pays
+   for an explicit attention mask where the others use SDPA's causal kernel).
    ``padding_fraction`` is the share of padded positions.
 
 Cases: ``DataLoader defaults`` (num_workers=0: the baseline), ``DataLoader num_workers=1`` (not persistent),

@@ -367,7 +367,10 @@ class PackCollate:
 
     def __call__(self, examples: Sequence[torch.Tensor | np.ndarray]) -> PackedBatch:
         docs = [torch.as_tensor(e, dtype=torch.long) for e in examples]
-        if not docs or min(len(d) for d in docs) < 2:
+        if not docs:
+            raise ConfigError("PackCollate got an empty batch. To resolve this error, give the loader a batch "
+                              "size or batch sampler that yields at least one document per batch.")
+        if min(len(d) for d in docs) < 2:
             raise ConfigError(f"PackCollate got documents of lengths {[len(d) for d in docs]}; each needs >= 2 "
                               "tokens. To resolve this error, build the dataset with min_len=2 (the default).")
         n = self.seq_len

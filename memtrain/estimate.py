@@ -45,7 +45,14 @@ from memtrain.checkpointing import (
     remove_checkpointing,
 )
 from memtrain.errors import ConfigError, MemtrainError
-from memtrain.loss import apply_chunked_loss, output_head, remove_chunked_loss
+from memtrain.loss import (
+    HF_MODEL_TYPES,
+    apply_chunked_loss,
+    chunk_tokens_of,
+    output_head,
+    remove_chunked_loss,
+    supports_chunked_loss,
+)
 from memtrain.measure import MemoryMeter, _as_loss
 from memtrain.report import MemoryReport, format_bytes
 
@@ -733,8 +740,9 @@ def estimate(
         offload_activations: saved activations live in host memory; the device keeps about one block's worth.
         optimizer: ``"adamw"`` (fused), ``"sgd"``, ``"sgd-momentum"``, ``"adafactor"`` or ``"adamw-offload"``
             (state on the host).
-        chunked_loss: the loss computed with ``memtrain.loss.apply_chunked_loss`` (1024 tokens of logits at a
-            time) instead of on the whole batch's fp32 logits; applied to a copy of the model.
+        chunked_loss: the loss computed with ``memtrain.loss.apply_chunked_loss`` (the model's own chunk size
+            when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the whole
+            batch's fp32 logits; applied to a copy of the model.
         micro_batch_size, seq_len: override the batch's first and second dimensions.
         replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls
             instead of running torch's meta functions again (same result, several times faster on deep models).
@@ -786,13 +794,18 @@ def estimate(
         if t > max_pos:
             problems.append(f"batch: sequences of {t} tokens are longer than the model's {max_pos} positions. To "
                             f"resolve this error, pass seq_len <= {max_pos} or a config with more positions.")
+    if chunked_loss and not supports_chunked_loss(meta):
+        problems.append(f"chunked_loss=True: memtrain.loss cannot chunk the loss of {type(meta).__name__} "
+                        f"(model type {getattr(getattr(meta, 'config', None), 'model_type', None)!r}; it knows "
+                        f"GPT and {sorted(HF_MODEL_TYPES)}). To resolve this error, pass chunked_loss=False.")
     ConfigError.raise_if(problems)
     remove_checkpointing(meta)
     if ckpt is not None:
         apply_checkpointing(meta, **ckpt)
+    chunk_tokens = chunk_tokens_of(meta) or 1024  # the model's own chunk size when its loss is chunked already
     remove_chunked_loss(meta)
     if chunked_loss:
-        apply_chunked_loss(meta)
+        apply_chunked_loss(meta, chunk_tokens=chunk_tokens)
 
     # CUDA: meta tensors (fast: the CUDA rules above choose kernels and dtypes). CPU: fake CPU tensors, so that
     # the CPU's own kernel choices (attention) and autocast apply exactly as in a real CPU run.
@@ -927,7 +940,8 @@ def estimate(
     if ckpt is not None:
         assumptions.append(f"checkpointing: apply_checkpointing({', '.join(f'{k}={v!r}' for k, v in ckpt.items())})")
     if chunked_loss:
-        assumptions.append("loss: apply_chunked_loss (1024 tokens of fp32 logits at a time, recomputed in backward)")
+        assumptions.append(f"loss: apply_chunked_loss ({chunk_tokens} tokens of fp32 logits at a time, recomputed "
+                           "in backward)")
     if offload_activations:
         # The device keeps the blocks being prefetched/used (about two blocks' saved tensors); the rest is on host.
         # Approximation: what was saved and alive at the peak leaves the device, but for two blocks; the state

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
         raise ConfigError(f"hidden states of shape {tuple(hidden.shape)} do not match labels of shape "
                           f"{tuple(labels.shape)}. To resolve this error, pass one label per position.")
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if flat_labels.numel() == 0:  # an empty batch: a zero loss that backward can still run through
+        return head(flat_hidden).float().sum() * 0
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_labels.numel(), chunk_tokens):
         stop = start + chunk_tokens
@@ -68,49 +70,68 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
     return total
 
 
-@dataclasses.dataclass(frozen=True)
+# Arguments of a Hugging Face causal LM's forward that belong to its loss or its logits, not to its decoder.
+_LOSS_ARGUMENTS = ("num_items_in_batch", "shift_labels", "ignore_index")
+_LOGITS_ARGUMENTS = ("logits_to_keep", "num_logits_to_keep")
+
+
 class _HFChunkedForward:
     """A Hugging Face causal LM's forward with the loss chunked; its own forward when there is nothing to train."""
 
-    model: nn.Module
-    original: Callable[..., Any]
-    had_instance_forward: bool
-    chunk_tokens: int
-
-    @property
-    def __signature__(self) -> inspect.Signature:  # callers that inspect the forward see the model's own
-        return inspect.signature(self.original)
+    def __init__(self, model: nn.Module, original: Callable[..., Any], had_instance_forward: bool,
+                 chunk_tokens: int):
+        self.model, self.original = model, original
+        self.had_instance_forward, self.chunk_tokens = had_instance_forward, chunk_tokens
+        self.__wrapped__ = original  # inspect.signature(model.forward) shows the model's own arguments
+        self._signature = inspect.signature(original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            arguments = dict(inspect.signature(self.original).bind(*args, **kwargs).arguments)
-        except TypeError:  # arguments the model's forward does not take: its own error says which
-            return self.original(*args, **kwargs)
-        arguments.update(arguments.pop("kwargs", {}))
-        labels = arguments.pop("labels", None)
-        if labels is None or not torch.is_grad_enabled():
-            return self.original(*args, **kwargs)
-        arguments.pop("logits_to_keep", None)
         # The loss's own arguments (Hugging Face passes its **kwargs to both the decoder and the loss).
-        num_items = arguments.pop("num_items_in_batch", None)
-        shift_labels = arguments.pop("shift_labels", None)
-        ignore_index = arguments.pop("ignore_index", -100)
+        loss_arguments = {name: kwargs.pop(name) for name in _LOSS_ARGUMENTS if name in kwargs}
+        try:
+            arguments = dict(self._signature.bind(*args, **kwargs).arguments)
+        except TypeError:  # arguments the model's forward does not take: its own error says which
+            return self.original(*args, **kwargs, **loss_arguments)
+        for name, parameter in self._signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(name, {}))
+        labels = arguments.pop("labels", None)
+        keep = [arguments.pop(name) for name in _LOGITS_ARGUMENTS if name in arguments]
+        if labels is None or not torch.is_grad_enabled() or any(k not in (0, None) for k in keep):
+            # Nothing to train, or a loss on some positions only: the model's own forward, unchanged.
+            return self.original(*args, **kwargs, **loss_arguments)
+        return_dict = arguments.pop("return_dict", None)
         model = self.model
         outputs = getattr(model, model.base_model_prefix)(**arguments)
+        ignore_index = loss_arguments.get("ignore_index", -100)
+        shift_labels = loss_arguments.get("shift_labels")
         if shift_labels is None:
             # Hugging Face's ForCausalLMLoss: position t predicts label t + 1; the last position predicts nothing.
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = outputs.last_hidden_state
         total = chunked_cross_entropy(hidden, output_head(model), shift_labels.to(hidden.device),
                                       chunk_tokens=self.chunk_tokens, ignore_index=ignore_index)
+        num_items = loss_arguments.get("num_items_in_batch")
         if num_items is None:
             num_items = (shift_labels != ignore_index).sum()
         loss = total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers import modeling_outputs
 
-        fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} - {"loss", "logits"}
-        return CausalLMOutputWithPast(loss=loss, logits=None,
-                                      **{name: getattr(outputs, name, None) for name in fields})
+        # The output class the model's own forward returns (GPT-2's carries cross-attentions), without logits.
+        cls = (modeling_outputs.CausalLMOutputWithCrossAttentions if hasattr(outputs, "cross_attentions")
+               else modeling_outputs.CausalLMOutputWithPast)
+        fields = {f.name for f in dataclasses.fields(cls)} - {"loss", "logits"}
+        result = cls(loss=loss, logits=None, **{name: getattr(outputs, name, None) for name in fields})
+        return result.to_tuple() if return_dict is False else result
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside ``torch.compile``'s and DDP's wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
 
 def _hf_problems(model: nn.Module) -> list[str]:
@@ -129,6 +150,12 @@ def _hf_problems(model: nn.Module) -> list[str]:
     if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
         problems.append(f"{type(model).__name__} has no decoder at .{getattr(model, 'base_model_prefix', None)}. "
                         "To resolve this error, pass a causal language model (e.g. LlamaForCausalLM).")
+    elif not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()):
+        import transformers
+
+        problems.append(f"{type(model).__name__}.forward of transformers {transformers.__version__} takes no loss "
+                        "arguments (num_items_in_batch, shift_labels). To resolve this error, upgrade transformers "
+                        "(pip install -U 'transformers>=4.48'), or train without a chunked loss.")
     return problems
 
 
@@ -137,23 +164,40 @@ def output_head(model: nn.Module) -> nn.Module:
     output embeddings."""
     from memtrain.models import GPT
 
+    model = _unwrap(model)
     return model.head if isinstance(model, GPT) else model.get_output_embeddings()
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
-    """Whether ``apply_chunked_loss`` knows how to chunk this model's loss."""
+    """Whether ``apply_chunked_loss`` knows how to chunk this model's loss (inside a compile or DDP wrapper too)."""
     from memtrain.models import GPT
 
+    model = _unwrap(model)
     return isinstance(model, GPT) or not _hf_problems(model)
 
 
-def chunked_loss_kind(model: nn.Module) -> str | None:
-    """``"gpt"`` or ``"hf"`` when ``model``'s loss is chunked now (how a training loop must call it), else None."""
+def chunked_loss_kind(model: nn.Module) -> Literal["gpt", "hf"] | None:
+    """How a training loop must call ``model`` when its loss is chunked now: ``"gpt"`` (``model(x, y,
+    reduction="sum")``) or ``"hf"`` (``model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=1)``);
+    None when it is not."""
+    if chunk_tokens_of(model) is None:
+        return None
+    return "gpt" if _is_gpt(model) else "hf"
+
+
+def chunk_tokens_of(model: nn.Module) -> int | None:
+    """The ``chunk_tokens`` of ``model``'s chunked loss, or None when its loss is not chunked."""
+    model = _unwrap(model)
+    if _is_gpt(model):
+        return model.loss_chunk_tokens
+    forward = model.__dict__.get("forward")
+    return forward.chunk_tokens if isinstance(forward, _HFChunkedForward) else None
+
+
+def _is_gpt(model: nn.Module) -> bool:
     from memtrain.models import GPT
 
-    if isinstance(model, GPT):
-        return "gpt" if model.loss_chunk_tokens is not None else None
-    return "hf" if isinstance(model.__dict__.get("forward"), _HFChunkedForward) else None
+    return isinstance(_unwrap(model), GPT)
 
 
 def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
@@ -173,17 +217,16 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
     Raises:
         ConfigError: a bad ``chunk_tokens``, or a model whose loss this does not know how to chunk.
     """
-    from memtrain.models import GPT
-
     problems = []
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         problems.append(f"chunk_tokens={chunk_tokens!r} must be an integer >= 1. To resolve this error, pass e.g. "
                         "chunk_tokens=1024.")
-    if not isinstance(model, GPT):
+    model = _unwrap(model)  # a compiled model: the module it compiles, so the compiled forward runs the chunks
+    if not _is_gpt(model):
         problems += _hf_problems(model)
     ConfigError.raise_if(problems)
     remove_chunked_loss(model)
-    if isinstance(model, GPT):
+    if _is_gpt(model):
         model.loss_chunk_tokens = chunk_tokens
         return
     had_instance_forward = "forward" in model.__dict__
@@ -193,9 +236,8 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
 
 def remove_chunked_loss(model: nn.Module) -> bool:
     """Undoes ``apply_chunked_loss``; returns whether there was anything to undo."""
-    from memtrain.models import GPT
-
-    if isinstance(model, GPT):
+    model = _unwrap(model)
+    if _is_gpt(model):
         was, model.loss_chunk_tokens = model.loss_chunk_tokens is not None, None
         return was
     forward = model.__dict__.get("forward")

@@ -234,7 +234,7 @@ def language_model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
     ``y`` is already shifted (``y[t]`` follows ``x[t]``). A model with ``apply_chunked_loss`` computes it from its
     hidden states a chunk of tokens at a time, never holding the whole batch's logits.
     """
-    kind = chunked_loss_kind(getattr(model, "module", model))  # under DDP the model is .module
+    kind = chunked_loss_kind(model)  # it looks inside DDP's and torch.compile's wrappers
     if kind == "gpt":
         return model(x, y, reduction="sum")
     if kind == "hf" and torch.is_grad_enabled():

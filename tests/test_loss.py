@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain import ConfigError, MemoryMeter, apply_checkpointing
-from memtrain.loss import HF_MODEL_TYPES, apply_chunked_loss, chunked_cross_entropy, remove_chunked_loss
+from memtrain.loss import (
+    HF_MODEL_TYPES,
+    apply_chunked_loss,
+    chunked_cross_entropy,
+    chunked_loss_kind,
+    remove_chunked_loss,
+    supports_chunked_loss,
+)
 from memtrain.models import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -104,11 +111,28 @@ def test_gpt_with_a_chunked_loss_gives_the_same_loss_and_gradients(reduction):
     apply_checkpointing(model)
     apply_chunked_loss(model, chunk_tokens=10)
     assert_same(loss_and_grads(model, call), want)
-    with torch.no_grad():  # evaluation runs the whole-logits path; generation still works
-        model.eval()
-        torch.testing.assert_close(model(x, y, reduction=reduction), model.train().eval()(x, y, reduction=reduction))
-        assert model.generate(x[:1, :4], 3).shape == (1, 7)
     assert remove_chunked_loss(model) and model.loss_chunk_tokens is None and not remove_chunked_loss(model)
+
+
+def test_without_gradients_the_model_runs_its_own_forward(monkeypatch):
+    """Evaluation and generation need no chunks: under no_grad the whole-logits path runs (chunking would fail)."""
+    import memtrain.loss
+
+    def no_chunks(*args, **kwargs):
+        raise AssertionError("chunked_cross_entropy ran under no_grad")
+
+    monkeypatch.setattr(memtrain.loss, "chunked_cross_entropy", no_chunks)
+    torch.manual_seed(0)
+    gpt, llama = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, seq_len=16)), hf_model("llama")
+    apply_chunked_loss(gpt)
+    apply_chunked_loss(llama)
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        assert gpt(x, x, reduction="sum").ndim == 0 and gpt.generate(x[:1, :4], 3).shape == (1, 7)
+        out = llama(x, labels=x)
+        assert out.logits.shape == (2, 16, 128) and out.loss.ndim == 0
+    with pytest.raises(AssertionError, match="under no_grad"):  # with gradients on, the chunks do run
+        gpt(x, x)
 
 
 @pytest.mark.parametrize("kind", sorted(HF_MODEL_TYPES))
@@ -207,3 +231,88 @@ def test_a_compiled_model_with_checkpointing_and_a_chunked_loss_gives_the_same_g
         return loss_and_grads(model, lambda m: forward(x, x, reduction="sum"))
 
     assert_same(run(memtrain=True, compiled=True), run(memtrain=False, compiled=False))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_return_dict_false_gives_a_tuple_as_the_model_does(kind):
+    model = hf_model(kind)
+    x = torch.randint(0, 128, (2, 12))
+    plain = model(x, labels=x, return_dict=False)
+    apply_chunked_loss(model)
+    chunked = model(x, labels=x, return_dict=False)
+    assert isinstance(plain, tuple) and isinstance(chunked, tuple)
+    torch.testing.assert_close(chunked[0], plain[0], **TOL)  # the loss first; no logits follow it
+    assert not any(isinstance(t, torch.Tensor) and t.shape[-1] == 128 for t in chunked[1:])
+    if kind == "gpt2":  # GPT-2's own output class, cross-attention field included
+        assert type(model(x, labels=x)).__name__ == "CausalLMOutputWithCrossAttentions"
+
+
+def test_chunking_a_compiled_model_chunks_what_it_compiles():
+    """apply_chunked_loss(torch.compile(model)) patches the compiled module, so the compiled forward runs the chunks."""
+    model = hf_model("llama")
+    x = torch.randint(0, 128, (2, 16))
+    want = loss_and_grads(model, lambda m: m(x, labels=x).loss)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert supports_chunked_loss(compiled)
+    apply_chunked_loss(compiled, chunk_tokens=8)
+    assert chunked_loss_kind(compiled) == "hf" and chunked_loss_kind(model) == "hf"
+    assert compiled(x, labels=x).logits is None
+    assert_same(loss_and_grads(model, lambda m: compiled(x, labels=x).loss), want)
+    assert remove_chunked_loss(compiled) and chunked_loss_kind(model) is None
+
+
+def test_an_empty_batch_gives_a_zero_loss_backward_can_run_through():
+    head = nn.Linear(8, 16)
+    loss = chunked_cross_entropy(torch.zeros(0, 5, 8, requires_grad=True), head, torch.zeros(0, 5, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(head.weight.grad) == 0
+
+
+def test_bf16_autocast_rounds_like_the_whole_logits_loss():
+    """Under bf16 autocast each chunk's logits round to bf16 as the whole logits do: the loss agrees to 1e-3
+    relative, the gradients to 2e-2 of their largest entry (bf16 keeps 8 bits of mantissa)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32))
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def call(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x, x, reduction="sum")
+
+    (want_loss, want_grads) = loss_and_grads(model, call)
+    apply_chunked_loss(model, chunk_tokens=16)
+    (got_loss, got_grads) = loss_and_grads(model, call)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
+    for name, grad in want_grads.items():
+        scale = grad.abs().max().item()
+        assert (got_grads[name] - grad).abs().max().item() <= 2e-2 * scale, name
+
+
+def test_a_deep_copy_of_a_chunked_model_chunks_its_own_weights():
+    import copy
+
+    model = hf_model("llama")
+    apply_chunked_loss(model)
+    twin = copy.deepcopy(model)
+    assert chunked_loss_kind(twin) == "hf" and twin.forward.model is twin and twin.forward.original.__self__ is twin
+    x = torch.randint(0, 128, (2, 8))
+    twin(x, labels=x).loss.backward()
+    assert all(p.grad is None for p in model.parameters()) and twin.lm_head.weight.grad is not None
+
+
+def test_models_it_cannot_chunk_are_refused_with_the_fix():
+    config = transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
+    from memtrain import estimate
+
+    with pytest.raises(ConfigError, match="pass chunked_loss=False"):
+        estimate(config, (1, 8), chunked_loss=True)
+
+    class OldForward(transformers.LlamaForCausalLM):  # transformers < 4.48: no loss arguments in the forward
+        def forward(self, input_ids=None, labels=None):
+            return super().forward(input_ids=input_ids, labels=labels)
+
+    old = OldForward(hf_model("llama").config)
+    assert not supports_chunked_loss(old)
+    with pytest.raises(ConfigError, match="upgrade transformers"):
+        apply_chunked_loss(old)
