@@ -382,9 +382,7 @@ class GradientAccumulator:
         if _host_gradients(self.optimizer):
             # CPUOffloadOptimizer streamed the gradients to host memory during backward (and unscales them
             # itself, with its grad_scaler): normalise and clip them there.
-            grads = self.optimizer.gradients()
-            if factor != 1.0 and grads:
-                torch._foreach_mul_(grads, factor)
+            self.optimizer.scale_gradients_(factor)  # keeps the norms taken as they landed: no second pass
             grad_norm = float(self.optimizer.clip_grad_norm_(self.max_grad_norm or math.inf))
         else:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]

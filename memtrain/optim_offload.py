@@ -417,6 +417,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return [s.master.grad for s in self._slots if s.master.grad is not None]
 
     @torch.no_grad()
+    def scale_gradients_(self, factor: float) -> None:
+        """Multiplies this step's host gradients by ``factor`` in place (e.g. one over the items in the window).
+
+        Unlike editing ``gradients()``, this keeps the per-tensor norms the worker took as the gradients landed
+        (scaled by ``|factor|``), so ``clip_grad_norm_`` does not read every gradient again.
+        """
+        self._gather()
+        grads = [s.master.grad for s in self._slots if s.master.grad is not None]
+        if factor == 1.0 or not grads:
+            return
+        torch._foreach_mul_(grads, factor)
+        for slot in self._slots:
+            if slot.norm is not None:
+                slot.norm = slot.norm * abs(factor)
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` would on the device.
 
@@ -705,8 +721,14 @@ def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return buffer
     cudart = torch.cuda.cudart()
     register = getattr(cudart, "cudaHostRegister", None)
-    if register is None or int(register(buffer.data_ptr(), numel * buffer.element_size(), 0)) != 0:
-        # NOTE: no binding, or registration refused (e.g. a locked-memory limit): the allocator's way, rounded.
+    if register is None:
+        return buffer.pin_memory()
+    # On a throwaway thread: a refused registration leaves the CUDA runtime's per-thread "last error" set, which
+    # the next kernel launch's error check on that thread would report as its own failure.
+    with ThreadPoolExecutor(max_workers=1) as once:
+        status = once.submit(lambda: int(register(buffer.data_ptr(), numel * buffer.element_size(), 0))).result()
+    if status != 0:
+        # NOTE: registration refused (e.g. a locked-memory limit): the allocator's way, rounded up.
         return buffer.pin_memory()
     weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, buffer.data_ptr())
     return buffer

@@ -535,3 +535,29 @@ def test_duplicate_parameters_and_offloaded_gradients_under_ddp_are_refused(monk
     with pytest.raises(ConfigError, match="offload_gradients=False"):
         CPUOffloadOptimizer(model.parameters())
     CPUOffloadOptimizer(model.parameters(), offload_gradients=False).close()
+
+
+def test_scaled_gradients_keep_the_norms_taken_as_they_landed(monkeypatch):
+    """scale_gradients_ (how GradientAccumulator normalises a window) scales the landed norms instead of dropping
+    them: clip_grad_norm_ then reads no gradient again, and its norm is the scaled gradients' (rtol 1e-6)."""
+    model = make_mlp()
+    opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    model(x).sum().backward()
+    opt.clip_grad_norm_(1e9)  # the first clip asks the worker to take each norm as its gradient lands
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model(x).pow(2).sum().backward()
+    opt.scale_gradients_(0.25)
+    want = torch.nn.utils.get_total_norm([g.clone() for g in opt.gradients()], 2.0)
+
+    def reads_gradients_again(*args, **kwargs):
+        raise AssertionError("clip_grad_norm_ recomputed the norms")
+
+    opt.scale_gradients_(1.0)  # a no-op: gradients() above dropped the norms, so land a fresh window
+    opt.zero_grad(set_to_none=True)
+    model(x).pow(2).sum().backward()
+    opt.scale_gradients_(0.25)
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", reads_gradients_again)
+    torch.testing.assert_close(opt.clip_grad_norm_(1e9), want, rtol=1e-6, atol=0)
+    opt.close()
