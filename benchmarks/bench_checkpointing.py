@@ -23,7 +23,8 @@ load the machine.
 
 Shapes (``--shape``): ``cpu-llama`` (issue 2: hidden 256, 8 layers, batch 8 x 256, fp32; default) and
 ``llama-1.1b`` (DESIGN.md's GPU workload: batch 4 x 2048, fp32 weights, bf16 autocast and fused AdamW on CUDA;
-the runner adds the allocator peak). ``--tiny`` is a seconds-long shape for smoke tests.
+the runner adds the allocator peak). ``--tiny`` is a seconds-long shape for smoke tests. ``--compile`` runs every case
+through ``torch.compile`` (after its checkpointing), the anchor DESIGN.md calls strongest.
 
 Run: ``.venv/bin/python benchmarks/bench_checkpointing.py`` or ``memtrain bench checkpointing``.
 """
@@ -148,7 +149,7 @@ CONFIGURATIONS: dict[str, Configuration] = {
 BASELINE = "no checkpointing"
 
 
-def make_case(name: str, shape: Shape, device: str, measured: dict[str, int]) -> Case:
+def make_case(name: str, shape: Shape, device: str, measured: dict[str, int], compile: bool = False) -> Case:
     """A case whose ``setup`` builds the model, applies ``name``'s checkpointing and runs one measured step.
 
     ``measured`` collects each case's saved-activation bytes, so later cases can report their reduction
@@ -163,6 +164,8 @@ def make_case(name: str, shape: Shape, device: str, measured: dict[str, int]) ->
         torch.manual_seed(0)
         model = build_model(shape, device)
         configuration.apply(model)
+        # torch.compile after the technique, as a user would: the compiled graph recomputes what it checkpoints.
+        forward = torch.compile(model) if compile else model
         cuda = device.startswith("cuda")
         # fp32 weights; on CUDA bf16 autocast as in DESIGN.md's workload (the loss still upcasts logits to fp32).
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
@@ -174,7 +177,7 @@ def make_case(name: str, shape: Shape, device: str, measured: dict[str, int]) ->
 
         def train_step(meter: MemoryMeter | None = None) -> torch.Tensor:
             with autocast(), meter or contextlib.nullcontext():
-                loss = model(input_ids=input_ids, labels=labels).loss
+                loss = forward(input_ids=input_ids, labels=labels).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -212,6 +215,8 @@ def _parse(argv: list[str] | None) -> Any:
     parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"],
                         help="cpu-llama (issue 2, default) or llama-1.1b (DESIGN.md's GPU workload)")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long shape, for smoke tests")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every case's model after its checkpointing (DESIGN.md's strongest anchor)")
     # 7 timed steps per case keep the CPU run under about two minutes on 2 cores.
     parser.set_defaults(repeats=7, warmup=0)
     args = parser.parse_args(argv)
@@ -236,8 +241,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
         print("Hint: llama-1.1b is the GPU workload; on the CPU a step takes minutes and tens of GiB. "
               "Pass --device cuda on a GPU machine, or --shape cpu-llama.", file=sys.stderr)
     measured: dict[str, int] = {}
-    cases = [make_case(name, shape, args.device, measured) for name in CONFIGURATIONS]
-    title = f"checkpointing-{args.shape}"
+    cases = [make_case(name, shape, args.device, measured, args.compile) for name in CONFIGURATIONS]
+    title = f"checkpointing-{args.shape}{'-compiled' if args.compile else ''}"
     path = Path(args.out) if args.out else Path("bench-results") / f"{title}.json"
     # With --json, stdout carries only the JSON document: the table goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():

@@ -73,17 +73,25 @@ class SelectivePolicy:
     keep: tuple[OpKind, ...] = ("matmul", "attention")
 
     def context_fn(self) -> tuple[Any, Any]:
-        ops = _op_packets(self.keep)
+        """The ``context_fn`` of ``torch.utils.checkpoint`` (two dispatch modes) for this policy."""
+        return _selective_contexts(self.keep)()
 
-        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            if op.overloadpacket in ops:
-                if not ctx.is_recompute:
-                    # Kept outputs live in checkpoint's cache, not in autograd's saved tensors: count them.
-                    note_saved(getattr(ctx, "op_output", None))
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
 
-        return create_selective_checkpoint_contexts(policy)
+@functools.cache
+def _selective_contexts(keep: tuple[str, ...]) -> Callable[[], tuple[Any, Any]]:
+    """Checkpoint's ``context_fn`` for ``keep``: a ``functools.partial`` of torch's own function, the one form
+    torch.compile traces; cached, so every block and step passes the same object (no recompiles)."""
+    return functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep_policy, _op_packets(keep)))
+
+
+def _keep_policy(ops: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op.overloadpacket in ops:
+        if not ctx.is_recompute and not torch.compiler.is_compiling():
+            # Kept outputs live in checkpoint's cache, not in autograd's saved tensors: count them (in eager; a
+            # compiled graph saves them as ordinary saved tensors, which the meter sees anyway).
+            note_saved(getattr(ctx, "op_output", None))
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 BlockPolicy = Literal["keep", "recompute", "offload"]
@@ -139,26 +147,26 @@ def _checkpointed_call(
             return fn(*args, **kwargs)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    first_call = True
+    run = fn
+    if norms:
+        first_call = True
 
-    def run(*a: Any, **kw: Any) -> Any:
-        nonlocal first_call
-        if first_call:
-            first_call = False
-            return fn(*a, **kw)
-        with _running_stats_frozen(norms):
-            return fn(*a, **kw)
+        def run(*a: Any, **kw: Any) -> Any:
+            # Only blocks with running statistics pay for this bookkeeping: torch.compile cannot trace a
+            # checkpointed function that changes state outside itself, and would run the model eagerly.
+            nonlocal first_call
+            if first_call:
+                first_call = False
+                return fn(*a, **kw)
+            with _running_stats_frozen(norms):
+                return fn(*a, **kw)
 
-    context_fn = spec.selective.context_fn if spec.selective is not None else _noop_contexts
+    # torch's default context_fn unless selective: torch.compile accepts only dispatch modes or that default.
+    selective = {"context_fn": _selective_contexts(spec.selective.keep)} if spec.selective is not None else {}
     # Non-reentrant checkpoint saves the block inputs through the outer saved-tensor hooks (the block's own
     # activations go through its inner ones), so the offloader moves exactly the inputs.
     with offloading:
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn,
-                          **kwargs)
-
-
-def _noop_contexts() -> tuple[Any, Any]:
-    return contextlib.nullcontext(), contextlib.nullcontext()
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **selective, **kwargs)
 
 
 class _CheckpointedForward:

@@ -84,6 +84,13 @@ class _HFChunkedForward:
         self.had_instance_forward, self.chunk_tokens = had_instance_forward, chunk_tokens
         self.__wrapped__ = original  # inspect.signature(model.forward) shows the model's own arguments
         self._signature = inspect.signature(original)
+        from transformers import modeling_outputs
+
+        # The output classes the model's own forward returns (GPT-2's carries cross-attentions), and their fields
+        # (read here: torch.compile cannot trace dataclasses.fields).
+        self._outputs = {cls: tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("loss", "logits"))
+                         for cls in (modeling_outputs.CausalLMOutputWithPast,
+                                     modeling_outputs.CausalLMOutputWithCrossAttentions)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The loss's own arguments (Hugging Face passes its **kwargs to both the decoder and the loss).
@@ -115,13 +122,9 @@ class _HFChunkedForward:
         if num_items is None:
             num_items = (shift_labels != ignore_index).sum()
         loss = total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
-        from transformers import modeling_outputs
-
-        # The output class the model's own forward returns (GPT-2's carries cross-attentions), without logits.
-        cls = (modeling_outputs.CausalLMOutputWithCrossAttentions if hasattr(outputs, "cross_attentions")
-               else modeling_outputs.CausalLMOutputWithPast)
-        fields = {f.name for f in dataclasses.fields(cls)} - {"loss", "logits"}
-        result = cls(loss=loss, logits=None, **{name: getattr(outputs, name, None) for name in fields})
+        past, cross = self._outputs
+        cls = cross if hasattr(outputs, "cross_attentions") else past
+        result = cls(loss=loss, logits=None, **{name: getattr(outputs, name, None) for name in self._outputs[cls]})
         return result.to_tuple() if return_dict is False else result
 
 

@@ -1,0 +1,112 @@
+"""memtrain with torch.compile: a compiled model keeps every technique's results (DESIGN.md: "memtrain must
+compose with it").
+
+The compiled graphs come from AOTAutograd with the ``aot_eager`` backend: the same forward/backward split,
+saved tensors and hooks as inductor, without code generation, so each test takes seconds on a CPU. Checkpointing
+with a chunked loss under compile is in tests/test_loss.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memtrain import CPUOffloadOptimizer, apply_checkpointing
+from memtrain.loss import apply_chunked_loss
+from memtrain.models import GPT, GPTConfig
+from memtrain.offload import ActivationOffloader, CpuTransport
+
+TOL = dict(rtol=1e-6, atol=1e-7)  # fp32 on CPU; aot_eager runs the same kernels as eager
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32))
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def test_activation_offload_sees_and_restores_a_compiled_graphs_saved_tensors():
+    x = _batch(0)
+    eager = _gpt()
+    eager(x, x).backward()
+    offloader = ActivationOffloader(CpuTransport(), min_bytes=1, host_budget_bytes=2**24, slab_bytes=2**16)
+    model = _gpt()
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):  # the second step reuses the pool and the recorded order
+        model.zero_grad(set_to_none=True)
+        with offloader:
+            loss = compiled(x, x)
+        loss.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    stats = offloader.stats()
+    # The compiled graph saves its activations through autograd as eager does: the offloader moved them.
+    assert stats.offloaded_tensors > 10 and stats.offloaded_bytes > 0 and stats.host_used_bytes == 0, stats
+
+
+def test_cpu_offload_optimizer_steps_a_compiled_model_as_adamw_steps_the_eager_one():
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    eager, model = _gpt(), _gpt()
+    apply_checkpointing(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    reference = torch.optim.AdamW(eager.parameters(), fused=True, **hyper)  # the kernel the offloader runs
+    offloaded = CPUOffloadOptimizer(model.named_parameters(), **hyper)
+    for step in range(5):
+        x = _batch(step)
+        eager(x, x).backward()
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.5)
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+        compiled(x, x).backward()  # the gradients land on the host through the parameters' hooks
+        offloaded.clip_grad_norm_(0.5)
+        offloaded.step()
+        offloaded.zero_grad(set_to_none=True)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=name)
+    offloaded.close()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_checkpointing_and_a_chunked_loss_compile_into_one_graph(kind):
+    """No graph break: a break inside a checkpointed block makes dynamo run the whole forward eagerly (a loop
+    with a break is skipped), so compiled + memtrain would quietly be eager + memtrain."""
+    from torch._dynamo.utils import counters
+
+    if kind == "gpt":
+        model = _gpt()
+    else:
+        transformers = pytest.importorskip("transformers")
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                          max_position_embeddings=64)
+        config._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(config)
+    apply_checkpointing(model)
+    apply_chunked_loss(model, chunk_tokens=16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = _batch(0)
+    (compiled(x, x) if kind == "gpt" else compiled(x, labels=x).loss).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_selective_checkpointing_compiles_and_keeps_the_gradients():
+    """A selective policy reaches torch.compile as the one context_fn form it traces: same gradients, one graph."""
+    from torch._dynamo.utils import counters
+
+    x = _batch(1)
+    eager = _gpt()
+    eager(x, x).backward()
+    model = _gpt()
+    apply_checkpointing(model, selective=("matmul", "attention"))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(model, backend="aot_eager")(x, x).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
