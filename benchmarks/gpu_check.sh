@@ -4,7 +4,8 @@
 #
 #   benchmarks/gpu_check.sh tests   # tests/gpu (parity, peaks, races, estimate within 10%): ~2-3 min
 #   benchmarks/gpu_check.sh bench   # the 1.1B Llama tables: checkpointing, activation offload, optimizer offload
-#   benchmarks/gpu_check.sh all     # both (~8-10 min)
+#   benchmarks/gpu_check.sh compile # the checkpointing table with every case under torch.compile (~5 min)
+#   benchmarks/gpu_check.sh all     # tests and bench (~8-10 min)
 #
 # Run from the repository root; with no install, the working tree is used (PYTHONPATH=.). Results (JSON tables,
 # pytest's log) go to $OUT, or bench-results/ when $OUT is unset. Each command has its own time limit, so one
@@ -42,5 +43,9 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
     # of DESIGN.md already measure it, and the cases below decide issue 4's targets.
     step 240 optimizer-offload "$py" benchmarks/gpu_optim_offload.py --repeats 3 --out "$out/gpu_optim_offload.json" \
         --cases "device AdamW;memtrain offload;memtrain offload, delayed;memtrain offload, bf16 weights;memtrain offload, bf16 weights + chunked loss;torchao CPUOffloadOptimizer"
+fi
+if [ "$stage" = compile ]; then
+    step 420 checkpointing-compiled "$py" benchmarks/bench_checkpointing.py --shape llama-1.1b --device cuda \
+        --compile --repeats 3 --out "$out/checkpointing-llama-1.1b-compiled.json"
 fi
 exit $status

@@ -107,6 +107,12 @@ class CheckpointSpec:
     policy: Literal["recompute", "offload"] = "recompute"
     offloader: ActivationOffloader | None = field(default=None, compare=False, repr=False)
 
+    @property
+    def checkpoint_kwargs(self) -> dict[str, Any]:
+        """Extra arguments of ``torch.utils.checkpoint``: torch's default ``context_fn`` unless selective (under
+        torch.compile only a dispatch-mode pair, built by a ``functools.partial`` of torch's function, traces)."""
+        return {"context_fn": _selective_contexts(self.selective.keep)} if self.selective is not None else {}
+
 
 BlockSelector = None | type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Sequence[str]
 
@@ -138,7 +144,8 @@ def _running_stats_frozen(norms: Sequence[nn.Module]) -> Iterator[None]:
 
 
 def _checkpointed_call(
-    fn: Callable[..., Any], spec: CheckpointSpec, norms: Sequence[nn.Module], *args: Any, **kwargs: Any
+    fn: Callable[..., Any], spec: CheckpointSpec, checkpoint_kwargs: dict[str, Any], norms: Sequence[nn.Module],
+    *args: Any, **kwargs: Any
 ) -> Any:
     offloading = spec.offloader if spec.offloader is not None else contextlib.nullcontext()
     if spec.policy == "offload":
@@ -161,12 +168,10 @@ def _checkpointed_call(
             with _running_stats_frozen(norms):
                 return fn(*a, **kw)
 
-    # torch's default context_fn unless selective: torch.compile accepts only dispatch modes or that default.
-    selective = {"context_fn": _selective_contexts(spec.selective.keep)} if spec.selective is not None else {}
     # Non-reentrant checkpoint saves the block inputs through the outer saved-tensor hooks (the block's own
     # activations go through its inner ones), so the offloader moves exactly the inputs.
     with offloading:
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **selective, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs, **kwargs)
 
 
 class _CheckpointedForward:
@@ -178,10 +183,11 @@ class _CheckpointedForward:
         self.had_instance_forward = had_instance_forward
         self.spec = spec
         self.norms = _running_stat_modules(module)
+        self.checkpoint_kwargs = spec.checkpoint_kwargs  # built here, outside any compiled region
         self.__wrapped__ = original  # inspect.signature(module.forward) still shows the block's own arguments
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _checkpointed_call(self.original, self.spec, self.norms, *args, **kwargs)
+        return _checkpointed_call(self.original, self.spec, self.checkpoint_kwargs, self.norms, *args, **kwargs)
 
 
 # -- choosing blocks ----------------------------------------------------------------------------------------
@@ -516,7 +522,7 @@ def checkpoint_sequential(
             x = run(x)
         else:
             norms = [n for m in chunk for n in _running_stat_modules(m)]
-            x = _checkpointed_call(run, spec, norms, x)
+            x = _checkpointed_call(run, spec, spec.checkpoint_kwargs, norms, x)
     return x
 
 
