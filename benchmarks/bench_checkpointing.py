@@ -149,7 +149,7 @@ CONFIGURATIONS: dict[str, Configuration] = {
 BASELINE = "no checkpointing"
 
 
-def make_case(name: str, shape: Shape, device: str, measured: dict[str, int], compile: bool = False) -> Case:
+def make_case(name: str, shape: Shape, device: str, measured: dict[str, int], compiled: bool = False) -> Case:
     """A case whose ``setup`` builds the model, applies ``name``'s checkpointing and runs one measured step.
 
     ``measured`` collects each case's saved-activation bytes, so later cases can report their reduction
@@ -165,7 +165,7 @@ def make_case(name: str, shape: Shape, device: str, measured: dict[str, int], co
         model = build_model(shape, device)
         configuration.apply(model)
         # torch.compile after the technique, as a user would: the compiled graph recomputes what it checkpoints.
-        forward = torch.compile(model) if compile else model
+        forward = torch.compile(model) if compiled else model
         cuda = device.startswith("cuda")
         # fp32 weights; on CUDA bf16 autocast as in DESIGN.md's workload (the loss still upcasts logits to fp32).
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
@@ -217,6 +217,7 @@ def _parse(argv: list[str] | None) -> Any:
     parser.add_argument("--tiny", action="store_true", help="a seconds-long shape, for smoke tests")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile every case's model after its checkpointing (DESIGN.md's strongest anchor)")
+    parser.add_argument("--cases", default="", help="semicolon-separated subset of the cases (the baseline always runs)")
     # 7 timed steps per case keep the CPU run under about two minutes on 2 cores.
     parser.set_defaults(repeats=7, warmup=0)
     args = parser.parse_args(argv)
@@ -229,6 +230,9 @@ def _parse(argv: list[str] | None) -> Any:
     if args.repeats < 1 or args.warmup < 0:
         problems.append(f"--repeats {args.repeats} --warmup {args.warmup}: repeats must be >= 1 and warmup >= 0. "
                         "To resolve this error, pass e.g. --repeats 5 --warmup 0.")
+    unknown = [c for c in filter(None, (c.strip() for c in args.cases.split(";"))) if c not in CONFIGURATIONS]
+    if unknown:
+        problems.append(f"--cases: unknown {unknown}. To resolve this error, pick from {list(CONFIGURATIONS)}.")
     ConfigError.raise_if(problems)
     args.shape = "tiny" if args.tiny else args.shape or "cpu-llama"
     return args
@@ -241,7 +245,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
         print("Hint: llama-1.1b is the GPU workload; on the CPU a step takes minutes and tens of GiB. "
               "Pass --device cuda on a GPU machine, or --shape cpu-llama.", file=sys.stderr)
     measured: dict[str, int] = {}
-    cases = [make_case(name, shape, args.device, measured, args.compile) for name in CONFIGURATIONS]
+    wanted = {c.strip() for c in args.cases.split(";") if c.strip()} | {BASELINE}
+    names = [name for name in CONFIGURATIONS if not args.cases or name in wanted]
+    cases = [make_case(name, shape, args.device, measured, args.compile) for name in names]
     title = f"checkpointing-{args.shape}{'-compiled' if args.compile else ''}"
     path = Path(args.out) if args.out else Path("bench-results") / f"{title}.json"
     # With --json, stdout carries only the JSON document: the table goes to stderr.

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one run, for a machine with one CUDA device (an H200 has ~15 minutes of
-# lent time in all: pick a stage, each stays under about 6 minutes).
+# Every GPU check of the project, in stages of at most about 6 minutes each (a lent H200 has ~15 minutes in all
+# and 10 minutes a command: run one stage per command, most important first):
 #
-#   benchmarks/gpu_check.sh tests   # tests/gpu (parity, peaks, races, estimate within 10%): ~2-3 min
-#   benchmarks/gpu_check.sh bench   # the 1.1B Llama tables: checkpointing, activation offload, optimizer offload
-#   benchmarks/gpu_check.sh compile # the checkpointing table with every case under torch.compile (~5 min)
-#   benchmarks/gpu_check.sh all     # tests and bench (~8-10 min)
+#   benchmarks/gpu_check.sh tests     # tests/gpu: parity, peaks, races, estimate within 10%         (<= 4 min)
+#   benchmarks/gpu_check.sh bench     # 1.1B Llama: checkpointing table, activation offload table    (<= 5 min)
+#   benchmarks/gpu_check.sh optim     # 1.1B Llama: optimizer offload table (issue 4's targets)      (<= 4 min)
+#   benchmarks/gpu_check.sh compile   # 1.1B Llama: checkpointing under torch.compile, 4 cases        (<= 6 min)
+#   benchmarks/gpu_check.sh all       # tests, bench, optim, compile one after another (no lease limit)
 #
 # Run from the repository root; with no install, the working tree is used (PYTHONPATH=.). Results (JSON tables,
-# pytest's log) go to $OUT, or bench-results/ when $OUT is unset. Each command has its own time limit, so one
-# hang cannot eat the whole lease; a failing step is reported and the next one still runs.
+# each step's log) go to $OUT, or bench-results/ when $OUT is unset. Each command has its own time limit, so one
+# hang cannot eat the lease; a failing step is reported, the next one still runs, and the exit status is 1.
 set -u
-stage="${1:-all}"
+stage="${1:-}"
+case "$stage" in
+    tests|bench|optim|compile|all) ;;
+    *) echo "usage: benchmarks/gpu_check.sh tests|bench|optim|compile|all (got '${stage}')" >&2; exit 2 ;;
+esac
 out="${OUT:-bench-results}"
 mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:-.}"
@@ -19,33 +24,38 @@ py="${PYTHON:-python}"
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && py=.venv/bin/python
 status=0
 
-step() {  # step SECONDS NAME COMMAND...: runs COMMAND under a time limit, logs to $out/NAME.log
+step() {  # step SECONDS NAME COMMAND...: runs COMMAND under a time limit, output also in $out/NAME.log
     local limit="$1" name="$2"
     shift 2
     echo "== $name (limit ${limit}s) =="
     local start=$SECONDS
-    timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1
-    local rc=$?
+    # -k: a process stuck in a CUDA call may ignore SIGTERM; SIGKILL follows 10 s later.
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    local rc=${PIPESTATUS[0]}
     echo "== $name: exit $rc after $((SECONDS - start))s =="
     [ "$rc" -eq 0 ] || status=1
 }
 
+runs() { [ "$stage" = "$1" ] || [ "$stage" = all ]; }
+
 "$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
 
-if [ "$stage" = tests ] || [ "$stage" = all ]; then
+if runs tests; then
     step 240 pytest-gpu "$py" -m pytest -q -p no:cacheprovider tests/gpu -s
 fi
-if [ "$stage" = bench ] || [ "$stage" = all ]; then
+if runs bench; then
     step 120 checkpointing "$py" benchmarks/bench_checkpointing.py --shape llama-1.1b --device cuda --repeats 3 \
         --out "$out/checkpointing-llama-1.1b.json"
-    step 180 activation-offload "$py" benchmarks/gpu_offload.py --repeats 3 --out "$out/gpu_offload.json"
-    # The founding document's offload (~10 s a step) and the slower offload modes are left out: the anchors
-    # of DESIGN.md already measure it, and the cases below decide issue 4's targets.
-    step 240 optimizer-offload "$py" benchmarks/gpu_optim_offload.py --repeats 3 --out "$out/gpu_optim_offload.json" \
+    step 170 activation-offload "$py" benchmarks/gpu_offload.py --repeats 3 --out "$out/gpu_offload.json"
+fi
+if runs optim; then
+    # The founding document's offload (~10 s a step) is left out: DESIGN.md's anchors already measure it.
+    step 230 optimizer-offload "$py" benchmarks/gpu_optim_offload.py --repeats 3 --out "$out/gpu_optim_offload.json" \
         --cases "device AdamW;memtrain offload;memtrain offload, delayed;memtrain offload, bf16 weights;memtrain offload, bf16 weights + chunked loss;torchao CPUOffloadOptimizer"
 fi
-if [ "$stage" = compile ]; then
-    step 420 checkpointing-compiled "$py" benchmarks/bench_checkpointing.py --shape llama-1.1b --device cuda \
-        --compile --repeats 3 --out "$out/checkpointing-llama-1.1b-compiled.json"
+if runs compile; then
+    step 350 checkpointing-compiled "$py" benchmarks/bench_checkpointing.py --shape llama-1.1b --device cuda \
+        --compile --repeats 3 --out "$out/checkpointing-llama-1.1b-compiled.json" \
+        --cases "hf gradient_checkpointing_enable;memtrain full;memtrain full + chunked loss"
 fi
 exit $status

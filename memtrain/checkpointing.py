@@ -74,7 +74,7 @@ class SelectivePolicy:
 
     def context_fn(self) -> tuple[Any, Any]:
         """The ``context_fn`` of ``torch.utils.checkpoint`` (two dispatch modes) for this policy."""
-        return _selective_contexts(self.keep)()
+        return _selective_contexts(tuple(self.keep))()
 
 
 @functools.cache
@@ -111,7 +111,7 @@ class CheckpointSpec:
     def checkpoint_kwargs(self) -> dict[str, Any]:
         """Extra arguments of ``torch.utils.checkpoint``: torch's default ``context_fn`` unless selective (under
         torch.compile only a dispatch-mode pair, built by a ``functools.partial`` of torch's function, traces)."""
-        return {"context_fn": _selective_contexts(self.selective.keep)} if self.selective is not None else {}
+        return {"context_fn": _selective_contexts(tuple(self.selective.keep))} if self.selective is not None else {}
 
 
 BlockSelector = None | type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Sequence[str]
@@ -155,12 +155,13 @@ def _checkpointed_call(
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     run = fn
-    if norms:
+    # Only eager blocks with running statistics pay for this bookkeeping: torch.compile cannot trace a
+    # checkpointed function that changes state outside itself (it would run the model eagerly), and needs none:
+    # its graph updates the buffers once, in forward, and the recompute does not replay that update.
+    if norms and not torch.compiler.is_compiling():
         first_call = True
 
         def run(*a: Any, **kw: Any) -> Any:
-            # Only blocks with running statistics pay for this bookkeeping: torch.compile cannot trace a
-            # checkpointed function that changes state outside itself, and would run the model eagerly.
             nonlocal first_call
             if first_call:
                 first_call = False
@@ -185,6 +186,13 @@ class _CheckpointedForward:
         self.norms = _running_stat_modules(module)
         self.checkpoint_kwargs = spec.checkpoint_kwargs  # built here, outside any compiled region
         self.__wrapped__ = original  # inspect.signature(module.forward) still shows the block's own arguments
+
+    def __getstate__(self) -> dict[str, Any]:  # torch.save(model): op packets cannot be pickled; rebuilt on load
+        return {k: v for k, v in self.__dict__.items() if k != "checkpoint_kwargs"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.checkpoint_kwargs = self.spec.checkpoint_kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _checkpointed_call(self.original, self.spec, self.checkpoint_kwargs, self.norms, *args, **kwargs)
@@ -513,6 +521,7 @@ def checkpoint_sequential(
     policy = _resolve_selective(selective, problems)
     ConfigError.raise_if(problems)
     spec = CheckpointSpec(selective=policy)
+    checkpoint_kwargs = spec.checkpoint_kwargs
     bounds = [round(i * len(modules) / segments) for i in range(segments + 1)]
     x = input
     for i, (start, stop) in enumerate(zip(bounds, bounds[1:], strict=False)):
@@ -522,7 +531,7 @@ def checkpoint_sequential(
             x = run(x)
         else:
             norms = [n for m in chunk for n in _running_stat_modules(m)]
-            x = _checkpointed_call(run, spec, spec.checkpoint_kwargs, norms, x)
+            x = _checkpointed_call(run, spec, checkpoint_kwargs, norms, x)
     return x
 
 

@@ -313,3 +313,22 @@ def test_every_problem_reported_at_once():
 def test_checkpoint_sequential_bad_segments():
     with pytest.raises(ConfigError, match="segments"):
         checkpoint_sequential(nn.Sequential(nn.Linear(2, 2)), 3, torch.randn(1, 2))
+
+
+def test_a_selectively_checkpointed_model_saves_and_loads_whole():
+    """torch.save(model) pickles the wrapped forwards (the op set of a selective policy is rebuilt on load); a
+    policy given as a list works like a tuple."""
+    import io
+
+    from memtrain import SelectivePolicy
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16))
+    apply_checkpointing(model, selective=SelectivePolicy(keep=["matmul"]))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(loaded(x, x), model(x, x), rtol=0, atol=0)
+    assert checkpointed_blocks(loaded) == ["blocks.0", "blocks.1"]

@@ -110,3 +110,28 @@ def test_selective_checkpointing_compiles_and_keeps_the_gradients():
     assert not counters["graph_break"], dict(counters["graph_break"])
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+
+
+def test_batchnorm_blocks_compile_and_update_their_statistics_once():
+    """Under compile the running statistics need no snapshot (the graph updates them once, in forward): no graph
+    break, and the buffers equal eager checkpointing's."""
+    from torch._dynamo.utils import counters
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+                                                         torch.nn.ReLU()) for _ in range(3)])
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    eager, compiled_model = model(), model()
+    apply_checkpointing(eager, blocks=["0", "1", "2"])
+    apply_checkpointing(compiled_model, blocks=["0", "1", "2"])
+    eager(x).sum().backward()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(compiled_model, backend="aot_eager")(x).sum().backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for (name, a), b in zip(compiled_model.state_dict().items(), eager.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, **TOL, msg=name)  # num_batches_tracked == 1 in both
+    for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)

@@ -554,10 +554,20 @@ def test_scaled_gradients_keep_the_norms_taken_as_they_landed(monkeypatch):
     def reads_gradients_again(*args, **kwargs):
         raise AssertionError("clip_grad_norm_ recomputed the norms")
 
-    opt.scale_gradients_(1.0)  # a no-op: gradients() above dropped the norms, so land a fresh window
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)  # gradients() above dropped the landed norms: land the window again
     model(x).pow(2).sum().backward()
     opt.scale_gradients_(0.25)
     monkeypatch.setattr(torch.nn.utils, "get_total_norm", reads_gradients_again)
     torch.testing.assert_close(opt.clip_grad_norm_(1e9), want, rtol=1e-6, atol=0)
+    opt.close()
+
+
+def test_scaling_after_step_in_next_backward_is_refused():
+    model = make_mlp()
+    opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
+    opt.step_in_next_backward()
+    model(torch.randn(4, 16)).sum().backward()
+    with pytest.raises(MemtrainError, match="drop step_in_next_backward"):
+        opt.scale_gradients_(0.5)
+    opt.step()
     opt.close()
