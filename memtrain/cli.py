@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--offload-optimizer", action="store_true",
                    help="keep fp32 master weights and AdamW state in host RAM (saves 8-12 bytes per parameter)")
     t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 instead of DDP")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step (after checkpointing and the DDP/FSDP2 wrapper)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
@@ -281,7 +283,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         lr=args.lr, precision=args.precision, checkpointing=mode, checkpoint_every=every, fsdp=args.fsdp,
         offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
-        chunked_loss=not args.no_chunked_loss,
+        chunked_loss=not args.no_chunked_loss, compile=args.compile,
         seed=args.seed, save_every=args.save_every, out_dir=out, overwrite=args.overwrite, resume=args.resume,
         progress=not args.no_progress,
     )

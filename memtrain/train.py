@@ -72,6 +72,7 @@ class TrainConfig:
     offload_activations: bool = False  # True: saved activations wait in pinned host memory (CUDA only)
     offload_optimizer: bool = False  # True: fp32 master + AdamW state in host RAM (8-12 bytes/param off the device)
     chunked_loss: bool = True  # with checkpointing: the loss's fp32 logits 1024 tokens at a time, never whole
+    compile: bool = False  # torch.compile the training forward/backward (fused kernels; the first steps compile)
     fsdp: bool = False  # under torchrun: True shards parameters, gradients and optimizer state over ranks
     seed: int = 0
     eval_every: int = 100
@@ -107,8 +108,8 @@ class TrainConfig:
             problems.append(f"weight_decay={self.weight_decay!r} must be a number >= 0.")
         if self.grad_clip is not None and not (number(self.grad_clip) and self.grad_clip > 0):
             problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping.")
-        for name in ("fsdp", "offload_optimizer", "offload_activations", "chunked_loss", "overwrite", "resume",
-                     "progress"):
+        for name in ("fsdp", "offload_optimizer", "offload_activations", "chunked_loss", "compile", "overwrite",
+                     "resume", "progress"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.checkpointing not in ("none", "all", "every", "auto"):
@@ -379,6 +380,11 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                               if device.type == "cuda" else
                               "; --offload-activations has no effect on a CPU-only run (no device memory to save)")
     ddp_model, dist_reason = _wrap_distributed(model, config, device, world)
+    if config.compile:
+        # After every technique and the distributed wrapper, as torch recommends: the compiled graph recomputes
+        # the checkpointed blocks, and DDP's buckets split it. Evaluation and sampling stay eager.
+        ddp_model = torch.compile(ddp_model)
+        dist_reason += "; torch.compile on the training step (--compile: the first steps pay the compile time)"
     optimizer, optimizer_reason = _build_optimizer(model, config, device, precision, world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config.lr)
     micro = config.micro_batch_size
