@@ -30,7 +30,6 @@ from memtrain.errors import ConfigError
 # Hugging Face model types whose causal-LM forward is: decoder -> lm_head(last hidden state) -> ForCausalLMLoss,
 # with no logit scaling or soft-capping in between. Parity with each is tested (tests/test_loss.py).
 HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
-_ATTR = "_memtrain_chunked_loss"
 
 
 def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
@@ -162,21 +161,23 @@ def _hf_problems(model: nn.Module) -> list[str]:
     return problems
 
 
+def _is_gpt(model: nn.Module) -> bool:
+    from memtrain.models import GPT  # lazily: GPT.forward imports this module
+
+    return isinstance(model, GPT)
+
+
 def output_head(model: nn.Module) -> nn.Module:
     """The module ``chunked_cross_entropy`` recomputes in backward: GPT's ``head``, a Hugging Face model's
     output embeddings."""
-    from memtrain.models import GPT
-
     model = _unwrap(model)
-    return model.head if isinstance(model, GPT) else model.get_output_embeddings()
+    return model.head if _is_gpt(model) else model.get_output_embeddings()
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether ``apply_chunked_loss`` knows how to chunk this model's loss (inside a compile or DDP wrapper too)."""
-    from memtrain.models import GPT
-
     model = _unwrap(model)
-    return isinstance(model, GPT) or not _hf_problems(model)
+    return _is_gpt(model) or not _hf_problems(model)
 
 
 def chunked_loss_kind(model: nn.Module) -> Literal["gpt", "hf"] | None:
@@ -185,7 +186,7 @@ def chunked_loss_kind(model: nn.Module) -> Literal["gpt", "hf"] | None:
     None when it is not."""
     if chunk_tokens_of(model) is None:
         return None
-    return "gpt" if _is_gpt(model) else "hf"
+    return "gpt" if _is_gpt(_unwrap(model)) else "hf"
 
 
 def chunk_tokens_of(model: nn.Module) -> int | None:
@@ -195,12 +196,6 @@ def chunk_tokens_of(model: nn.Module) -> int | None:
         return model.loss_chunk_tokens
     forward = model.__dict__.get("forward")
     return forward.chunk_tokens if isinstance(forward, _HFChunkedForward) else None
-
-
-def _is_gpt(model: nn.Module) -> bool:
-    from memtrain.models import GPT
-
-    return isinstance(_unwrap(model), GPT)
 
 
 def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
@@ -234,7 +229,6 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
         return
     had_instance_forward = "forward" in model.__dict__
     model.forward = _HFChunkedForward(model, model.forward, had_instance_forward, chunk_tokens)  # type: ignore[method-assign]
-    setattr(model, _ATTR, True)
 
 
 def remove_chunked_loss(model: nn.Module) -> bool:
@@ -250,5 +244,4 @@ def remove_chunked_loss(model: nn.Module) -> bool:
         model.forward = forward.original  # type: ignore[method-assign]
     else:
         del model.forward
-    delattr(model, _ATTR)
     return True

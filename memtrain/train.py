@@ -29,7 +29,7 @@ from memtrain.accumulation import GradientAccumulator, accumulation_steps
 from memtrain.checkpointing import apply_checkpointing, find_blocks
 from memtrain.data import DevicePrefetcher, make_loader
 from memtrain.errors import ConfigError, MemtrainError
-from memtrain.loss import apply_chunked_loss, chunked_loss_kind, supports_chunked_loss
+from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_kind, supports_chunked_loss
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
 from memtrain.offload import ActivationOffloader, offload_activations
 from memtrain.precision import MixedPrecision, resolve_precision
@@ -217,8 +217,8 @@ def choose_chunked_loss(model: nn.Module, config: TrainConfig) -> str:
     if not supports_chunked_loss(model):
         return f"; the loss on the whole batch's logits ({type(model).__name__}: no chunked loss for this model)"
     apply_chunked_loss(model)
-    return ("; the loss over 1024 tokens at a time, because: with the blocks checkpointed the batch's fp32 logits "
-            "are the largest saved tensor (--no-chunked-loss keeps them)")
+    return (f"; the loss over {chunk_tokens_of(model)} tokens at a time, because: with the blocks checkpointed the "
+            "batch's fp32 logits are the largest saved tensor (--no-chunked-loss keeps them)")
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
