@@ -62,8 +62,8 @@ class SelectivePolicy:
     of the rest (pointwise ops, norms, activation functions). It pays when those intermediates dominate a block's
     saved bytes and kernels are large enough to hide torch's per-op dispatch cost in the recompute (about 25 us an
     op). On Llama-style blocks the kept matmul outputs (q/k/v/o, gate/up/down) are most of the bytes: there it saved
-    1.66x against 1.8x for ``every=2`` at 1.03x step time (``memtrain bench checkpointing``), so ``every=k`` is
-    the better middle ground there.
+    1.66x at 1.05x step time against 1.8x at 1.11x for ``every=2`` (one CPU run of ``memtrain bench checkpointing``,
+    table in benchmarks/README.md), so ``every=k`` is the better middle ground when memory is what is short.
 
     Args:
         keep: op kinds whose outputs are kept: "matmul" (mm, addmm, bmm), "attention" (the fused SDPA kernels),
