@@ -158,8 +158,13 @@ def _train(micro: int, n_steps: int, clip: float | None) -> tuple[GPT, GradientA
 def test_several_adamw_steps_with_clipping_and_schedule_match_the_large_batch():
     big, big_acc, big_results = _train(micro=8, n_steps=4, clip=0.5)
     small, small_acc, small_results = _train(micro=2, n_steps=4, clip=0.5)
-    diff = _max_diff(list(small.parameters()), list(big.parameters()))
-    assert diff <= 1e-5, f"4 AdamW steps, 4x2 vs 1x8: max abs param diff {diff:.3e} > 1e-5"
+    diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(small.parameters(), big.parameters(), strict=True)])
+    # Adam divides by sqrt(v): where a gradient is nearly zero, float-rounding differences between the summed
+    # micro-batches and the large batch are amplified up to a fraction of lr (1e-3) per step. So: all but 0.1% of
+    # the weights within 1e-6, none beyond 5% of one step's lr (a wrong normalisation moves them by ~lr).
+    outliers = int((diffs > 1e-6).sum())
+    assert outliers <= 1e-3 * diffs.numel(), f"4 AdamW steps, 4x2 vs 1x8: {outliers} of {diffs.numel()} > 1e-6"
+    assert diffs.max() <= 5e-5, f"4 AdamW steps, 4x2 vs 1x8: max abs param diff {diffs.max():.3e} > 5e-5"
     for a, b in zip(small_results, big_results, strict=True):
         assert abs(a.grad_norm - b.grad_norm) <= 1e-4 * b.grad_norm, (a, b)
         assert a.grad_norm > 0.5  # clipping was active, so equal params prove the clip used the full-batch norm
