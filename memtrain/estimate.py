@@ -27,6 +27,7 @@ import math
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -36,7 +37,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map
 
 from memtrain.checkpointing import (
     _auto_blocks,
@@ -53,7 +54,8 @@ from memtrain.loss import (
     remove_chunked_loss,
     supports_chunked_loss,
 )
-from memtrain.measure import MemoryMeter, _as_loss
+from memtrain.measure import MemoryMeter, _as_loss, _storage_key
+from memtrain.offload import MIN_BYTES_DEFAULT, ActivationOffloader, _derived_from_leaf, _find_head
 from memtrain.report import MemoryReport, format_bytes
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
@@ -322,6 +324,120 @@ def _round(n: int, to: int) -> int:
 
 
 # -- live memory ------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """A stretch of the traced step spent in one place: a block's forward, a block's backward (its recompute
+    included), or the model's own code around the blocks (embeddings before them, the head and loss after).
+
+    The planner composes candidate plans from these: bytes alive when the run began and at its most, bytes it
+    saved for backward, and the work it did (for the time model).
+    """
+
+    phase: str  # "forward" or "backward"
+    label: str  # a block's qualified name, or the model's class name outside the blocks
+    start_bytes: int  # bytes alive (as the allocator counts them) when the run began
+    peak_bytes: int  # the most bytes alive during the run
+    end_bytes: int = 0  # bytes alive when the next run began (or the phase ended)
+    saved_bytes: int = 0  # bytes saved for backward during the run, each storage once
+    matmul_flops: float = 0.0  # mm / bmm / addmm / convolution
+    attention_flops: float = 0.0  # fused attention kernels (the math kernel's bmm count as matmul_flops)
+    other_bytes: int = 0  # bytes read and written by every other op that computes (memory-bound work)
+    ops: int = 0  # operator calls (per-op launch and dispatch overhead)
+    offloaded_bytes: int = 0  # bytes the activation offloader moved to the host during the run
+    released_bytes: int = 0  # bytes allocated here that autocast's weight-cast cache let go when forward ended
+    gradient_bytes: int = 0  # parameter gradients that came into being during the run (backward)
+    gradient_bytes_at_peak: int = 0  # of those, the ones already alive at the run's peak
+    peak_serial: int = field(default=0, repr=False)  # the allocation counter at the peak
+    # Bytes alive after every allocation and free of the run, and the allocation counter then: two traces of one
+    # step at two micro-batch sizes pair point by point (the planner's exact peaks at any micro-batch).
+    curve: list[int] = field(default_factory=list, repr=False)
+    serials: list[int] = field(default_factory=list, repr=False)
+    gradients: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (allocation serial, bytes)
+
+
+_MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}  # name -> index of the first matrix argument
+_ATTENTION_OPS = frozenset({
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+})
+# Views, metadata and allocation-only ops: no arithmetic, no memory traffic worth counting.
+_FREE_OPS = frozenset({"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze",
+                       "squeeze", "slice", "select", "alias", "as_strided", "detach", "empty", "empty_like",
+                       "empty_strided", "new_empty", "new_empty_strided", "split", "split_with_sizes", "unbind",
+                       "lift_fresh", "_reshape_alias", "unflatten", "flatten", "chunk", "narrow"})
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> float:
+    """FLOPs of one attention forward: QK^T and PV, halved when causal (the kernels skip the masked half)."""
+    b, h, tq, d = q.shape[-4:] if q.dim() >= 4 else (1, *q.shape[-3:])
+    return 4.0 * b * h * tq * k.shape[-2] * d * (0.5 if is_causal else 1.0)
+
+
+def _argument(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, default)
+    return default
+
+
+def _op_cost(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> tuple[float, float, int]:
+    """(matmul FLOPs, attention FLOPs, memory bytes) of one aten call."""
+    name = func.overloadpacket.__name__
+    if name in _MATMUL_OPS:
+        a, b = args[_MATMUL_OPS[name]], args[_MATMUL_OPS[name] + 1]
+        return 2.0 * _numel(a.shape) * b.shape[-1], 0.0, 0
+    if name in ("convolution", "convolution_backward"):
+        # weight: (out channels, in channels / groups, *kernel); every output element costs 2 x that many FLOPs.
+        weight = args[1] if name == "convolution" else args[2]
+        outputs = out if name == "convolution" else args[0]  # the backward's grad_output has the output's shape
+        flops = 2.0 * _numel(outputs.shape) * _numel(weight.shape[1:])
+        return (2.0 * flops if name == "convolution_backward" else flops), 0.0, 0  # input grad + weight grad
+    if name in _ATTENTION_OPS:
+        causal = bool(_argument(func, args, kwargs, "is_causal", False))
+        return 0.0, _attention_flops(args[0], args[1], causal), 0
+    if "attention" in name and name.endswith("backward"):
+        query, key = _argument(func, args, kwargs, "query"), _argument(func, args, kwargs, "key")
+        if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
+            causal = bool(_argument(func, args, kwargs, "is_causal", False))
+            return 0.0, 2.5 * _attention_flops(query, key, causal), 0  # five matmuls against the forward's two
+    if name in _FREE_OPS:
+        return 0.0, 0.0, 0
+    return 0.0, 0.0, _tensor_bytes(args) + _tensor_bytes(out if isinstance(out, (list, tuple)) else (out,))
+
+
+_SCALARS = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _replay_key(x: Any) -> Any:
+    """What identifies an op argument for replay (None: it cannot be replayed)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "meta":
+            return None
+        return (tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
+    if x is None or isinstance(x, _SCALARS):
+        return (type(x), x)
+    if isinstance(x, (list, tuple)):
+        parts = tuple(_replay_key(y) for y in x)
+        return None if any(p is None for p in parts) else (type(x), parts)
+    return None
+
+
+def _tensor_bytes(values: Any) -> int:
+    """Bytes of the tensors among ``values`` (one level of lists and tuples)."""
+    total = 0
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, (list, tuple)):
+            total += sum(y.numel() * y.element_size() for y in x if isinstance(y, torch.Tensor))
+    return total
+
+
 class _LiveTracker(TorchDispatchMode):
     """Counts the bytes of every storage alive, as an allocator would: one allocation per op output that does not
     alias an input, freed when the last tensor using it dies."""
@@ -344,6 +460,9 @@ class _LiveTracker(TorchDispatchMode):
         self._pending = False  # a new peak whose live set is not copied yet
         self.cuda_workspaces = round_to > 1
         self.replay: dict[tuple[Any, ...], Any] | None = None  # set to {} to replay meta outputs
+        self.runs: list[Run] = []  # forward and backward, in order (see Run)
+        self._mutable: dict[Any, bool] = {}  # op -> mutates or aliases (never replayed)
+        self.recording = False  # runs are recorded between start_runs() and stop_runs()
 
     def add(self, t: torch.Tensor, label: tuple[Any, ...]) -> None:
         storage = t.untyped_storage()
@@ -363,10 +482,42 @@ class _LiveTracker(TorchDispatchMode):
 
     def add_bytes(self, nbytes: int) -> None:
         self.current += nbytes
+        if self.recording and self.runs:
+            run = self.runs[-1]
+            run.curve.append(self.current)
+            run.serials.append(self._serial)
+            if self.current > run.peak_bytes:
+                run.peak_bytes = self.current
+                run.peak_serial = self._serial
         if self.current > self.peak:
             self.peak = self.current
             self.peak_at = (self.phase, self.where())
             self._pending = True
+
+    def run_here(self) -> Run | None:
+        """The run now in progress, a new one when the place (phase, block) changed since the last op."""
+        if not self.recording:
+            return None
+        label = self.where()
+        last = self.runs[-1] if self.runs else None
+        if last is None or last.phase != self.phase or last.label != label:
+            if last is not None:
+                last.end_bytes = self.current
+            last = Run(self.phase, label, self.current, self.current, curve=[self.current], serials=[self._serial])
+            self.runs.append(last)
+        return last
+
+    def end_runs(self) -> None:
+        """Closes the run in progress (at a phase boundary: the next phase starts a new one)."""
+        if self.runs:
+            self.runs[-1].end_bytes = self.current
+        self.runs.append(Run("-", "-", self.current, self.current))  # a boundary marker, removed at the end
+
+    def add_attention_flops(self, flops: float) -> None:
+        """Work of an attention kernel the CUDA rules emulate without aten ops (see _FusedAttention)."""
+        run = self.run_here()
+        if run is not None:
+            run.attention_flops += flops
 
     def _free(self, key: int, _ref: weakref.ref) -> None:
         # Live bytes only grow between frees, so the moment before a free is where a peak is complete.
@@ -375,6 +526,9 @@ class _LiveTracker(TorchDispatchMode):
         self._refs.pop(key, None)
         if entry is not None:
             self.current -= entry[0]
+            if self.recording and self.runs:
+                self.runs[-1].curve.append(self.current)
+                self.runs[-1].serials.append(self._serial)
 
     def snapshot(self) -> None:
         if self._pending:
@@ -395,42 +549,48 @@ class _LiveTracker(TorchDispatchMode):
         Identical blocks repeat identical calls, and torch's meta functions are mostly Python: replaying what a
         call produced (shape, strides, dtype) makes a 70B model's 80 layers cost little more than one.
         """
-        if self.replay is None or func._schema.is_mutable or any(r.alias_info is not None
-                                                                  for r in func._schema.returns):
+        if self.replay is None:
             return func(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
-        key_parts: list[Any] = [func, spec]
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                if x.device.type != "meta":
-                    return func(*args, **kwargs)
-                key_parts.append((tuple(x.shape), x.stride(), x.dtype, x.storage_offset()))
-            elif x is None or isinstance(x, (int, float, bool, str, torch.dtype, torch.device, torch.layout,
-                                             torch.memory_format)):
-                key_parts.append((type(x), x))
-            else:
+        mutable = self._mutable.get(func)
+        if mutable is None:
+            mutable = self._mutable[func] = func._schema.is_mutable or any(
+                r.alias_info is not None for r in func._schema.returns)
+        if mutable:
+            return func(*args, **kwargs)
+        key_parts: list[Any] = [func, len(args), tuple(kwargs)]
+        for x in (*args, *kwargs.values()):
+            part = _replay_key(x)
+            if part is None:
                 return func(*args, **kwargs)
+            key_parts.append(part)
         key = tuple(key_parts)
         recipe = self.replay.get(key)
         if recipe is not None:
-            out_spec, metas = recipe
+            single, metas = recipe
             outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in metas]
-            return tree_unflatten(outs, out_spec)
+            return outs[0] if single else tuple(outs)
         out = func(*args, **kwargs)
-        out_leaves, out_spec = tree_flatten(out)
+        single = isinstance(out, torch.Tensor)
+        if not single and not (isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)):
+            return out
         metas = []
-        for t in out_leaves:
+        for t in (out,) if single else out:
             # Only fresh, exactly-sized outputs can be replayed by empty_strided.
-            if not isinstance(t, torch.Tensor) or t.storage_offset() != 0 or t.untyped_storage().nbytes() != (
-                _storage_elements(t) * t.element_size()
-            ):
+            if t.storage_offset() != 0 or t.untyped_storage().nbytes() != _storage_elements(t) * t.element_size():
                 return out
             metas.append((tuple(t.shape), t.stride(), t.dtype))
-        self.replay[key] = (out_spec, metas)
+        self.replay[key] = (single, metas)
         return out
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        run = self.run_here()
         out = self._run(func, args, kwargs or {})
+        if run is not None:
+            matmul, attention, nbytes = _op_cost(func, args, kwargs or {}, out)
+            run.matmul_flops += matmul
+            run.attention_flops += attention
+            run.other_bytes += nbytes
+            run.ops += 1
         if self.cuda_workspaces and func is torch.ops.aten.embedding_dense_backward.default:
             # CUDA sorts the indices and reduces per partial segment: up to one fp32 row per token, plus index
             # buffers (an upper bound; few repeated tokens is the common case).
@@ -481,6 +641,7 @@ class _CudaRules(TorchFunctionMode):
         self.dtype = dtype
         self.autocast = False  # on during forward and during a checkpointed block's recompute (grad enabled)
         self.cache: dict[int, torch.Tensor] | None = None  # autocast's cast cache: leaf weights, until forward ends
+        self.tracker: _LiveTracker | None = None  # told the work of the attention kernels emulated here
 
     def around_recompute(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wraps a checkpointed block's function so that its recompute in backward runs under these rules too.
@@ -522,7 +683,7 @@ class _CudaRules(TorchFunctionMode):
             ):
                 kwargs["dtype"] = torch.float32
         if name == "scaled_dot_product_attention":
-            return _cuda_sdpa(*args, **kwargs)
+            return _cuda_sdpa(*args, tracker=self.tracker, **kwargs)
         if name == "dropout":
             return _cuda_dropout(*args, **kwargs)
 
@@ -558,7 +719,7 @@ def _cuda_sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
 
 def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-               enable_gqa: bool = False) -> torch.Tensor:
+               enable_gqa: bool = False, tracker: _LiveTracker | None = None) -> torch.Tensor:
     kernel = _cuda_sdpa_kernel(query, key, value, attn_mask, is_causal, enable_gqa)
     if kernel == "math":
         dtype = query.dtype
@@ -567,14 +728,19 @@ def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
         out = torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
         return out.to(dtype)
-    return _FusedAttention.apply(query, key, value, kernel)
+    flops = _attention_flops(query, key, is_causal)
+    if tracker is not None:
+        tracker.add_attention_flops(flops)
+    return _FusedAttention.apply(query, key, value, kernel, tracker, flops)
 
 
 class _FusedAttention(torch.autograd.Function):
     """The memory of CUDA's flash / memory-efficient attention: what they allocate, save and free (no math)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str,
+                tracker: _LiveTracker | None = None, flops: float = 0.0) -> torch.Tensor:
+        ctx.tracker, ctx.flops = tracker, flops
         b, h, t, _ = q.shape
         # Both kernels write the output as (B, T, H, D) and return a transposed view: the usual
         # `out.transpose(1, 2).contiguous()` that follows costs nothing.
@@ -607,7 +773,9 @@ class _FusedAttention(torch.autograd.Function):
         dk = k.new_empty((b, tk, hk, k.shape[-1])).transpose(1, 2)
         dv = v.new_empty((b, tk, hk, v.shape[-1])).transpose(1, 2)
         del workspace
-        return dq, dk, dv, None
+        if ctx.tracker is not None:
+            ctx.tracker.add_attention_flops(2.5 * ctx.flops)  # five matmuls against the forward's two
+        return dq, dk, dv, None, None, None
 
 
 # -- where are we -------------------------------------------------------------------------------------------
@@ -643,6 +811,24 @@ class _Where:
             return self.backward_label
         return self.stack[-1] if self.stack else self.root
 
+    def around(self, module: nn.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a checkpointed block's own forward) run as that block: its recompute in backward is called
+        directly, not through the module, so no module hook says where it runs."""
+        label = self.labels.get(id(module))
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            depth = len(self.stack)
+            self.stack.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                # Also what the module hooks inside pushed and could not pop: checkpoint stops a recompute early
+                # by raising once it has what backward needs.
+                del self.stack[depth:]
+
+        return run if label is not None else fn
+
     def _pre(self, module: nn.Module, args: Any) -> None:
         label = self.labels.get(id(module))
         if label is not None:
@@ -670,7 +856,7 @@ class _Where:
 
 
 class _BlockMeter(MemoryMeter):
-    """``MemoryMeter`` that also attributes each saved storage to the block that saved it."""
+    """``MemoryMeter`` that also attributes each saved storage to the block (and the run) that saved it."""
 
     def __init__(self, model: nn.Module, where: _Where, tracker: _LiveTracker):
         super().__init__(model)
@@ -679,13 +865,131 @@ class _BlockMeter(MemoryMeter):
         self.per_block: dict[str, int] = {}
 
     def _count(self, t: torch.Tensor) -> None:
-        before = len(self._saved)
-        super()._count(t)
-        if len(self._saved) > before:
-            nbytes = next(reversed(self._saved.values()))
+        if self._is_model_state(t):
+            return
+        key, nbytes = _storage_key(t)
+        # Keyed by allocation, not only by address: offloaded storages die in forward, and a later one can reuse
+        # the address of one counted already.
+        entry = self.tracker.live.get(key)
+        unique = (key, entry[2] if entry is not None else None)
+        if unique not in self._saved:
+            self._saved[unique] = nbytes  # type: ignore[index]
             label = self.where()
             self.per_block[label] = self.per_block.get(label, 0) + nbytes
             self.tracker.mark_saved(t)
+            run = self.tracker.run_here()
+            if run is not None:
+                run.saved_bytes += nbytes
+
+
+# -- activation offload, simulated --------------------------------------------------------------------------
+@dataclass(eq=False)
+class _HostRecord:
+    index: int  # in the order of saving
+    nbytes: int  # the whole storage: what crosses the link, and what comes back
+    device: torch.device
+    packs: int = 0
+    unpacks: int = 0
+    restored: torch.Tensor | None = None  # the storage back on the device (uint8), while backward needs it
+
+
+class _SimulatedOffload:
+    """The device memory of ``ActivationOffloader`` on tensors without data.
+
+    A saved tensor the offloader would move (at least ``min_bytes``, not a parameter, a buffer or a cast or view
+    of one, not saved by the head) leaves the device in forward: nothing keeps a reference to it, so its storage
+    dies with its last other user. In backward its whole storage comes back (views of one storage share it),
+    ``prefetch_depth`` records ahead of use, and is let go once its last user has unpacked it. Re-entrant, as the
+    offloader is (every offloaded block enters the same one). The meter still counts every saved tensor.
+    """
+
+    def __init__(self, meter: MemoryMeter, state_storages: set[int], *, min_bytes: int, prefetch_depth: int = 2):
+        self.meter = meter
+        self.state_storages = state_storages
+        self.min_bytes = min_bytes
+        self.prefetch_depth = prefetch_depth
+        self.records: list[_HostRecord] = []
+        self._by_storage: dict[int, tuple[weakref.ref, _HostRecord]] = {}
+        self._hooks: list[Any] = []
+        self.in_tail = False  # the head has started: logits and the loss stay on the device
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    def __enter__(self) -> _SimulatedOffload:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.pop().__exit__(*exc)
+
+    def _keeps(self, t: torch.Tensor) -> bool:
+        storage = t.untyped_storage()
+        if t.layout != torch.strided or storage.nbytes() < self.min_bytes or self.in_tail:
+            return True
+        if isinstance(t, nn.Parameter) or storage._cdata in self.state_storages:
+            return True
+        base = t if t._base is None else t._base
+        return (base.is_leaf and base.requires_grad) or _derived_from_leaf(t)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        self.meter._count(t)  # saved-tensor hooks do not stack: the meter's own would not see this tensor
+        if self._keeps(t):
+            return t
+        storage = t.untyped_storage()
+        entry = self._by_storage.get(storage._cdata)
+        if entry is None or entry[0]() is not storage:  # a storage address reused after a free is another tensor
+            entry = (weakref.ref(storage), _HostRecord(len(self.records), storage.nbytes(), t.device))
+            self._by_storage[storage._cdata] = entry
+            self.records.append(entry[1])
+            run = self.meter.tracker.run_here() if isinstance(self.meter, _BlockMeter) else None
+            if run is not None:
+                run.offloaded_bytes += entry[1].nbytes
+        record = entry[1]
+        record.packs += 1
+        return record, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
+
+    def _restore(self, record: _HostRecord) -> None:
+        if record.restored is None and record.unpacks < record.packs:
+            record.restored = torch.empty(record.nbytes, dtype=torch.uint8, device=record.device)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        record, shape, stride, offset, dtype = packed
+        self._restore(record)
+        for earlier in reversed(self.records[max(0, record.index - self.prefetch_depth):record.index]):
+            self._restore(earlier)  # prefetched: backward uses records in about the reverse order of saving
+        restored = record.restored
+        assert restored is not None
+        record.unpacks += 1
+        if record.unpacks >= record.packs:
+            record.restored = None  # the offloader lets go; autograd's reference keeps it while it is used
+        return torch.empty((0,), dtype=dtype, device=restored.device).set_(restored.untyped_storage(), offset, shape,
+                                                                          stride)
+
+    def end_of_backward(self) -> None:
+        for record in self.records:
+            record.restored = None
+
+
+def _simulate_offload(model: nn.Module, offload: _SimulatedOffload) -> int:
+    """Points every wrapped block that offloads (its saved inputs, or all it saves) at ``offload``; returns how
+    many do."""
+    import dataclasses
+
+    count = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, _CheckpointedForward) and (forward.spec.offloader is not None
+                                                          or forward.spec.policy == "offload"):
+            forward.spec = dataclasses.replace(forward.spec, offloader=offload)  # type: ignore[arg-type]
+            module._memtrain_checkpoint = forward.spec
+            count += 1
+    return count
 
 
 # -- the estimate -------------------------------------------------------------------------------------------
@@ -705,6 +1009,43 @@ def _describe(nbytes: int, label: tuple[Any, ...], grad_of: str | None) -> str:
     return f"{what} {format_bytes(nbytes)} ({dims} {str(dtype).replace('torch.', '')})"
 
 
+_WEIGHT_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Work that keeps estimate bounded: a real model has at most a few hundred blocks, and a step whose loss needs
+# more chunks than this holds far more tokens than any device (it is refused before anything is traced).
+MAX_LAYERS = 10_000
+MAX_LOSS_CHUNKS = 65_536
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one traced step showed: the report, and the runs (per block, per phase) the planner composes."""
+
+    report: MemoryReport
+    runs: tuple[Run, ...]  # forward, then backward, in order
+    blocks: tuple[str, ...]  # the model's repeated blocks, in order (wrapped or not)
+    block_parameter_bytes: tuple[int, ...]  # bytes of the trainable parameters of each block
+    trainable_bytes: int  # bytes of every trainable parameter (their gradients' bytes, in the same dtypes)
+    state_bytes: int  # optimizer state on the device
+    step_temp_bytes: int  # the optimizer step's temporaries on the device
+    fixed_bytes: int  # allocated before forward: parameters, buffers, inputs, optimizer state, workspaces
+    host_bytes: int  # optimizer state and offloaded activations in host memory
+    offloaded_bytes: int  # of host_bytes, the activations (they cross the host link twice a step)
+    forward_end_bytes: int  # bytes alive when forward ended, before autocast's cast cache was let go
+
+
+def _convert_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """The model's floating-point parameters in ``dtype``, in place (ties kept): e.g. bf16 device weights whose
+    fp32 master lives with an offloaded optimizer."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            module._parameters[name] = done[id(p)]
+
+
 def estimate(
     model: Any,
     batch: Any = None,
@@ -717,6 +1058,8 @@ def estimate(
     chunked_loss: bool = False,
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
+    accumulation: int = 1,
+    weights_dtype: str | None = None,
     replay: bool = True,
 ) -> MemoryReport:
     """Predicts a training step's peak memory by running it on fake tensors: seconds of CPU, no device memory.
@@ -724,7 +1067,8 @@ def estimate(
     The step is the steady state a training loop reaches from its second step on: forward with labels (the
     loss on fp32 logits for causal LMs), backward, optimizer step, ``zero_grad(set_to_none=True)``, with the
     optimizer state already allocated and the forward's output object kept until the step ends. The first step's
-    peak is lower (no optimizer state yet).
+    peak is lower (no optimizer state yet). With ``accumulation > 1`` it is the window's later micro-batches,
+    which run with every gradient of the earlier ones alive (unless they stream to the host).
 
     Args:
         model: an ``nn.Module`` (on any device, the meta device included; it is not modified and its data is
@@ -736,14 +1080,20 @@ def estimate(
             workspaces) or ``"cpu"`` (the CPU's own kernels, as ``measure`` sees them).
         precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast; parameters keep their dtype).
         checkpointing: ``"none"``, ``"all"``, ``"every:K"`` / ``K``, or a dict of ``apply_checkpointing``
-            arguments; applied to a copy of the model.
-        offload_activations: saved activations live in host memory; the device keeps about one block's worth.
+            arguments (per-block ``policies`` included); applied to a copy of the model.
+        offload_activations: activations in pinned host memory, as ``memtrain train --offload-activations`` does:
+            with checkpointing, the recomputed blocks' saved inputs; without, every saved tensor of 1 MiB or more
+            outside the head. Blocks with an ``"offload"`` policy offload whatever they save either way. Simulated
+            exactly (what leaves the device, what comes back and when, two records prefetched ahead).
         optimizer: ``"adamw"`` (fused), ``"sgd"``, ``"sgd-momentum"``, ``"adafactor"`` or ``"adamw-offload"``
-            (state on the host).
+            (``CPUOffloadOptimizer``: state on the host, gradients streamed there as they are produced).
         chunked_loss: the loss computed with ``memtrain.loss.apply_chunked_loss`` (the model's own chunk size
             when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the whole
             batch's fp32 logits; applied to a copy of the model.
         micro_batch_size, seq_len: override the batch's first and second dimensions.
+        accumulation: micro-batches per optimizer step.
+        weights_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the parameters' dtype on the device (e.g. bf16 weights
+            whose fp32 master lives with ``"adamw-offload"``); None keeps the model's.
         replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls
             instead of running torch's meta functions again (same result, several times faster on deep models).
 
@@ -754,8 +1104,8 @@ def estimate(
         forward, backward and step), ``host_bytes`` and ``assumptions`` (including the breakdown at the peak).
 
     Raises:
-        ConfigError: an unknown device, precision, optimizer or checkpointing policy; a batch that is missing or
-            does not fit the model. Every problem at once.
+        ConfigError: an unknown device, precision, optimizer or checkpointing policy; a batch that is missing,
+            does not fit the model, or is too large to trace in bounded time. Every problem at once.
         MemtrainError: the model's forward cannot run on fake tensors (the message names the module).
 
     Example:
@@ -766,6 +1116,33 @@ def estimate(
         >>> report.source, report.peak_bytes > report.parameter_bytes
         ('estimated', True)
     """
+    return trace(model, batch, device=device, precision=precision, checkpointing=checkpointing,
+                 offload_activations=offload_activations, optimizer=optimizer, chunked_loss=chunked_loss,
+                 micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation,
+                 weights_dtype=weights_dtype, replay=replay).report
+
+
+def trace(
+    model: Any,
+    batch: Any = None,
+    *,
+    device: str = "cuda",
+    precision: Precision = "fp32",
+    checkpointing: Any = "none",
+    offload_activations: bool = False,
+    optimizer: OptimizerKind = "adamw",
+    chunked_loss: bool = False,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    accumulation: int = 1,
+    weights_dtype: str | None = None,
+    replay: bool = True,
+    runs: bool = False,
+    offload_min_bytes: int = MIN_BYTES_DEFAULT,
+) -> Trace:
+    """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
+    forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). Same arguments, and
+    ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default)."""
     problems: list[str] = []
     try:
         device_type = torch.device(device).type
@@ -776,10 +1153,16 @@ def estimate(
         problems.append(f"offload_activations={offload_activations!r} must be True or False.")
     if not isinstance(chunked_loss, bool):
         problems.append(f"chunked_loss={chunked_loss!r} must be True or False.")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        problems.append(f"accumulation={accumulation!r} must be an integer >= 1 (micro-batches per step).")
+    if weights_dtype not in _WEIGHT_DTYPES:
+        problems.append(f"weights_dtype={weights_dtype!r} is not known. To resolve this error, pass one of "
+                        f"{[k for k in _WEIGHT_DTYPES if k]} or None (the model's own).")
     _check_choice("precision", precision, get_args(Precision), problems)
     _check_choice("optimizer", optimizer, get_args(OptimizerKind), problems)
     ckpt = _checkpointing_kwargs(checkpointing, problems)
     spec = _batch_spec(batch, micro_batch_size, seq_len, problems)
+    _check_layers(model, problems)
     ConfigError.raise_if(problems)
     assert spec is not None
     on_cuda = device_type == "cuda"
@@ -788,21 +1171,39 @@ def estimate(
 
     meta = _meta_model(model)
     meta.train()
+    if getattr(getattr(meta, "config", None), "use_cache", False):
+        meta.config.use_cache = False  # as memtrain trains: a KV cache only holds memory in a training step
+    if _WEIGHT_DTYPES[weights_dtype] is not None:
+        _convert_weights(meta, _WEIGHT_DTYPES[weights_dtype])
     max_pos = _max_positions(meta)
-    if max_pos is not None and "input_ids" in spec and len(spec["input_ids"][0]) >= 2:
-        t = spec["input_ids"][0][1]
-        if t > max_pos:
-            problems.append(f"batch: sequences of {t} tokens are longer than the model's {max_pos} positions. To "
-                            f"resolve this error, pass seq_len <= {max_pos} or a config with more positions.")
+    tokens = 0
+    if "input_ids" in spec and len(spec["input_ids"][0]) >= 2:
+        shape = spec["input_ids"][0]
+        tokens = _numel(shape)
+        if max_pos is not None and shape[1] > max_pos:
+            problems.append(f"batch: sequences of {shape[1]} tokens are longer than the model's {max_pos} positions. "
+                            f"To resolve this error, pass seq_len <= {max_pos} or a config with more positions.")
     if chunked_loss and not supports_chunked_loss(meta):
         problems.append(f"chunked_loss=True: memtrain.loss cannot chunk the loss of {type(meta).__name__} "
                         f"(model type {getattr(getattr(meta, 'config', None), 'model_type', None)!r}; it knows "
                         f"GPT and {sorted(HF_MODEL_TYPES)}). To resolve this error, pass chunked_loss=False.")
+    chunk_tokens = chunk_tokens_of(meta) or 1024  # the model's own chunk size when its loss is chunked already
+    if chunked_loss and tokens > MAX_LOSS_CHUNKS * chunk_tokens:
+        problems.append(f"batch: {tokens:,} tokens per micro-batch make {tokens // chunk_tokens:,} loss chunks of "
+                        f"{chunk_tokens}, more than estimate traces in bounded time ({MAX_LOSS_CHUNKS:,}); no device "
+                        "holds such a micro-batch. To resolve this error, pass a smaller micro-batch or sequence "
+                        "length (accumulate micro-batches to reach the batch you want).")
     ConfigError.raise_if(problems)
     remove_checkpointing(meta)
-    if ckpt is not None:
-        apply_checkpointing(meta, **ckpt)
-    chunk_tokens = chunk_tokens_of(meta) or 1024  # the model's own chunk size when its loss is chunked already
+    kwargs = dict(ckpt) if ckpt is not None else None
+    offloads = offload_activations or "offload" in ((kwargs or {}).get("policies") or {}).values()
+    if kwargs is not None:
+        if offload_activations:
+            kwargs["offload"] = True  # as train does: the recomputed blocks' saved inputs
+        if offloads or kwargs.get("offload"):
+            offloads = True
+            kwargs.setdefault("offloader", ActivationOffloader(None))  # a stand-in, replaced below
+        apply_checkpointing(meta, **kwargs)
     remove_chunked_loss(meta)
     if chunked_loss:
         apply_chunked_loss(meta, chunk_tokens=chunk_tokens)
@@ -822,8 +1223,11 @@ def estimate(
     trainable = [p for p in params if p.requires_grad]
     state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = _optimizer_bytes(trainable, optimizer, round_to,
                                                                                 on_cuda)
+    # CPUOffloadOptimizer (one process) copies each gradient to the host as autograd produces it and frees it.
+    streamed = optimizer == "adamw-offload"
     where = _Where(meta)
     tracker = _LiveTracker(round_to, where)
+    tracker.recording = runs
     if on_cuda and replay:
         tracker.replay = {}
     for name, p in meta.named_parameters():
@@ -835,28 +1239,67 @@ def estimate(
     tracker.add_bytes(state_bytes)
     workspace = _CUDA_WORKSPACE_BYTES if on_cuda else 0
     tracker.add_bytes(workspace)
+    hooks = []
+    if streamed:
+        def drop(p: torch.Tensor) -> None:
+            p.grad = None
+
+        hooks = [p.register_post_accumulate_grad_hook(drop) for p in trainable]
+    elif accumulation > 1:
+        # A later micro-batch of the window: the earlier ones' gradients are alive from its start, and its own
+        # backward adds into them in place.
+        with fake_mode, tracker:
+            for p in trainable:
+                p.grad = torch.empty_like(p)
+    elif runs:
+        # Which run each gradient came into being in, and whether before its peak: what a streaming optimizer (or
+        # accumulation, which adds each new gradient into the old one and frees it) would not hold there.
+        landed: dict[int, tuple[int, int]] = {}
+
+        def note(p: torch.Tensor) -> None:
+            entry = tracker.live.get(p.grad.untyped_storage()._cdata)
+            if entry is not None and tracker.runs and entry[2] not in landed:
+                landed[entry[2]] = (entry[0], len(tracker.runs) - 1)
+
+        hooks = [p.register_post_accumulate_grad_hook(note) for p in trainable]
+    fixed_bytes = tracker.current
 
     rules = _CudaRules(autocast_dtype) if on_cuda else None
-    if rules is not None:
-        for module in meta.modules():
-            wrapped = module.__dict__.get("forward")
-            if isinstance(wrapped, _CheckpointedForward):
+    for module in meta.modules():
+        wrapped = module.__dict__.get("forward")
+        if isinstance(wrapped, _CheckpointedForward):
+            wrapped.original = where.around(module, wrapped.original)
+            if rules is not None:
                 wrapped.original = rules.around_recompute(wrapped.original)
+    if rules is not None:
+        rules.tracker = tracker
         if chunked_loss:  # each chunk's logits are recomputed in backward: under the same rules
             head = output_head(meta)
             head.forward = rules.around_recompute(head.forward)  # type: ignore[method-assign]
     cpu_autocast = (torch.autocast("cpu", dtype=autocast_dtype) if (autocast_dtype and not on_cuda)
                     else _nullcontext())
     meter = _BlockMeter(meta, where, tracker)
+    offload = None
+    whole_forward: Any = _nullcontext()
+    if offloads:
+        state_storages = {t.untyped_storage()._cdata for t in (*meta.parameters(), *meta.buffers())}
+        offload = _SimulatedOffload(meter, state_storages, min_bytes=offload_min_bytes)
+        if not _simulate_offload(meta, offload) and offload_activations:
+            # No checkpointing: the whole forward is offloaded, but for what the head and the loss save.
+            whole_forward = offload
+            head = _find_head(meta)
+            if head is not None:
+                head.register_forward_pre_hook(lambda module, args: setattr(offload, "in_tail", True))
     phase_bytes: list[tuple[str, int]] = []
     with _hf_sees_real_tensors(), fake_mode, tracker, where, meter, (rules or _nullcontext()):
         # -- forward (inside autocast: CUDA's emulated, or the CPU's own)
         if rules is not None:
             rules.autocast, rules.cache = True, {}
         try:
-            with cpu_autocast:
+            with cpu_autocast, whole_forward:
                 out = run(inputs)
                 loss = _as_loss(out)
+                before_release = dict(tracker.live)  # autocast's cast cache dies with its region
         except MemtrainError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the module and the fix
@@ -872,6 +1315,9 @@ def estimate(
         if rules is not None:
             rules.cache = None  # autocast's cast cache dies when the autocast region ends
         tracker.snapshot()
+        forward_end_bytes = tracker.current + sum(v[0] for k, v in before_release.items() if k not in tracker.live)
+        _attribute_release(tracker, before_release)
+        tracker.end_runs()
         phase_bytes.append(("forward", tracker.current))
         meter.mark("forward")
         # -- backward (autograd turns grad mode off; only checkpoint recomputes run with it, under autocast)
@@ -886,7 +1332,10 @@ def estimate(
                 "without checkpointing to see whether the recompute is the cause, or use memtrain.measure on a "
                 "device with memory."
             ) from None
+        if offload is not None:
+            offload.end_of_backward()
         where.in_backward = False
+        tracker.end_runs()
         meter.mark("backward")
         tracker.snapshot()
         phase_bytes.append(("backward", tracker.current))
@@ -902,6 +1351,15 @@ def estimate(
         phase_bytes.append(("step", tracker.current))
         peak_live, (peak_phase_name, peak_where) = tracker.peak_live, tracker.peak_at
         del out, loss
+    for handle in hooks:
+        handle.remove()
+    if runs and not streamed and accumulation == 1:
+        for serial, (nbytes, index) in landed.items():
+            run = tracker.runs[index]
+            run.gradient_bytes += nbytes
+            run.gradients.append((serial, nbytes))
+            if serial <= run.peak_serial:
+                run.gradient_bytes_at_peak += nbytes
     measured = meter.report()
 
     # -- the peak, explained
@@ -922,52 +1380,95 @@ def estimate(
     elif largest:
         peak_phase += ": " + ", ".join(_describe(n, label, grad_names.get(serial)) for n, label, serial in largest)
 
-    activation_bytes = measured.activation_bytes
-    peak_bytes = tracker.peak
-    host_bytes = optimizer_host_bytes
+    offloaded_bytes = offload.host_bytes if offload is not None else 0
+    host_bytes = optimizer_host_bytes + offloaded_bytes
     assumptions = [
         "steady-state step (optimizer state allocated); forward with labels, backward, optimizer step, "
         "zero_grad(set_to_none=True); the forward's output is kept until the step ends",
         optimizer_note,
         "at the peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in by_category.items() if v),
     ]
+    if accumulation > 1:
+        assumptions.append(f"a later micro-batch of {accumulation} in the window: "
+                           + ("gradients stream to the host, none accumulate on the device" if streamed else
+                              "every gradient of the earlier ones is alive from its start"))
+    if weights_dtype is not None:
+        assumptions.append(f"device weights in {weights_dtype}")
     if on_cuda:
         assumptions.append(
             "CUDA rules: autocast op lists, the attention kernel CUDA picks on sm90 (flash for fp16/bf16 without a "
             "mask, memory-efficient for fp32 without grouped-query heads, else the math kernel), allocations "
             "rounded to 512-byte blocks (memory_allocated, not reserved: add allocator fragmentation on top)"
         )
-    if ckpt is not None:
-        assumptions.append(f"checkpointing: apply_checkpointing({', '.join(f'{k}={v!r}' for k, v in ckpt.items())})")
+    if kwargs is not None:
+        shown = {k: v for k, v in kwargs.items() if k != "offloader"}
+        assumptions.append(f"checkpointing: apply_checkpointing({', '.join(f'{k}={v!r}' for k, v in shown.items())})")
     if chunked_loss:
         assumptions.append(f"loss: apply_chunked_loss ({chunk_tokens} tokens of fp32 logits at a time, recomputed "
                            "in backward)")
-    if offload_activations:
-        # The device keeps the blocks being prefetched/used (about two blocks' saved tensors); the rest is on host.
-        # Approximation: what was saved and alive at the peak leaves the device, but for two blocks; the state
-        # after backward (all gradients) is a floor.
-        largest_block = max(meter.per_block.values(), default=0)
-        moved = max(by_category["saved activations"] - 2 * largest_block, 0)
-        peak_bytes = max(peak_bytes - moved, *(n for _, n in phase_bytes[1:]))
-        host_bytes += activation_bytes
+    if offload is not None:
         assumptions.append(
-            f"activation offload: saved activations ({format_bytes(activation_bytes)}) in pinned host memory; "
-            f"the device keeps about two blocks' worth ({format_bytes(2 * largest_block)})"
+            f"activation offload: {format_bytes(offloaded_bytes)} of saved activations ({len(offload.records)} "
+            "storages of 1 MiB or more, not parameters or their casts) in pinned host memory, back on the device "
+            "when backward needs them, two prefetched ahead; a copy's device memory is freed when it is issued (the "
+            "copy's own latency is not modelled)"
         )
-    return MemoryReport(
+    report = MemoryReport(
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         gradient_bytes=measured.gradient_bytes,
         optimizer_state_bytes=state_bytes if optimizer != "adamw-offload" else optimizer_host_bytes,
-        activation_bytes=activation_bytes,
+        activation_bytes=measured.activation_bytes,
         activation_tensors=measured.activation_tensors,
         device=device_type,
         source="estimated",
-        peak_bytes=peak_bytes,
+        peak_bytes=tracker.peak,
         peak_phase=peak_phase,
         phase_bytes=tuple(phase_bytes),
         host_bytes=host_bytes,
         assumptions=tuple(assumptions),
     )
+    modules = dict(meta.named_modules())
+    block_names = tuple(_auto_blocks(meta))
+    return Trace(
+        report=report,
+        runs=tuple(r for r in tracker.runs if r.phase != "-"),
+        blocks=block_names,
+        block_parameter_bytes=tuple(sum(p.numel() * p.element_size() for p in modules[name].parameters()
+                                        if p.requires_grad) for name in block_names),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        state_bytes=state_bytes,
+        step_temp_bytes=step_temp_bytes,
+        fixed_bytes=fixed_bytes,
+        host_bytes=host_bytes,
+        offloaded_bytes=offloaded_bytes,
+        forward_end_bytes=forward_end_bytes,
+    )
+
+
+def _attribute_release(tracker: _LiveTracker, before: dict[int, tuple[int, tuple[Any, ...], int]]) -> None:
+    """Books the bytes freed when forward's autocast region ended (its cast cache) to the forward runs that
+    allocated them."""
+    released: dict[str, int] = {}
+    for key, (nbytes, label, _) in before.items():
+        if key not in tracker.live and label[0] == "forward":
+            released[label[1]] = released.get(label[1], 0) + nbytes
+    seen: set[str] = set()
+    for run in tracker.runs:  # the first forward run of each place takes its bytes
+        if run.phase == "forward" and run.label in released and run.label not in seen:
+            run.released_bytes = released[run.label]
+            seen.add(run.label)
+
+
+def _check_layers(model: Any, problems: list[str]) -> None:
+    """Refuses a model too deep to trace in bounded time, before building it."""
+    config = getattr(model, "config", model)
+    for attr in ("num_hidden_layers", "n_layer", "num_layers"):
+        layers = getattr(config, attr, None)
+        if isinstance(layers, int) and layers > MAX_LAYERS:
+            problems.append(f"{attr}={layers:,}: more layers than estimate traces in bounded time ({MAX_LAYERS:,}; "
+                            "the deepest published models have a few hundred). To resolve this error, fix the "
+                            "config's layer count.")
+            return
 
 
 @contextlib.contextmanager
@@ -1007,4 +1508,4 @@ class _nullcontext:  # noqa: N801 - contextlib.nullcontext, but reusable inside 
         return None
 
 
-__all__ = ["estimate", "hf_config_from_file"]
+__all__ = ["Run", "Trace", "estimate", "hf_config_from_file", "trace"]
