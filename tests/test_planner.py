@@ -1,0 +1,277 @@
+"""plan: the chosen set-up fits its budget, more budget is never slower, apply_plan sets up what the plan says."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from memtrain import measure
+from memtrain.checkpointing import checkpointed_blocks
+from memtrain.errors import ConfigError
+from memtrain.estimate import _meta_model
+from memtrain.loss import chunk_tokens_of
+from memtrain.models import GPT, GPTConfig
+from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.planner import (
+    DeviceProfile,
+    PlanSettings,
+    apply_plan,
+    calibrate,
+    known_gpu,
+    plan,
+    predictions,
+)
+
+transformers = pytest.importorskip("transformers")
+
+H100 = known_gpu("NVIDIA H100 80GB HBM3")
+# Fixed CPU figures: the tests do not depend on how fast (or how loaded) the machine running them is.
+CPU = DeviceProfile(name="test cpu", matmul_flops=50e9, half_efficiency_tokens=256, attention_flops=10e9,
+                    memory_bandwidth=10e9, op_overhead_s=5e-6, host_to_device=5e9, device_to_host=5e9,
+                    cpu_adamw=5e8, host_bandwidth=10e9, interconnect=5e9, memory_bytes=None, source="test",
+                    asynchronous=False)
+MiB = 2**20
+
+
+def _llama(layers: int = 4, hidden: int = 512, **overrides):
+    kwargs = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048,
+                  use_cache=False)
+    kwargs.update(overrides)
+    return transformers.LlamaConfig(**kwargs)
+
+
+def _gpt(layers: int = 4) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=layers, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama()
+
+
+# -- composition: a candidate's peak from per-block profiles equals a full estimate of it ---------------------
+def test_composed_peaks_match_full_estimates_of_mixed_set_ups():
+    """Random mixes of kept, recomputed (fully, selectively, inputs offloaded) and offloaded blocks, micro-batches,
+    losses and optimizer placements, on a Llama shape whose sequence is a multiple of the loss's chunk: the
+    composed peak is within 2% of a full estimate of the same set-up."""
+    from memtrain.planner import _Composer, _Config, _context, _estimate_of, _profiles
+
+    config = _llama(layers=5, hidden=1024, vocab_size=8192)
+    ctx = _context(config, 2048, 4, "cuda", "bf16-mixed", 1, True, True, H100)
+    flavors = ["full", "selective", "offload-inputs"]
+    composer = _Composer(ctx, {None: _profiles(ctx, flavors, True, None), "bf16": _profiles(ctx, flavors, True,
+                                                                                         "bf16")})
+    rng = random.Random(0)
+    errors = []
+    for _ in range(10):
+        b = rng.choice([1, 2, 4])
+        cfg = _Config(b, 4 // b, rng.choice(flavors), rng.random() < 0.5,
+                      rng.choice(["device", "offload", "offload-bf16-weights"]), "none", False, "bf16-mixed")
+        o = rng.randint(0, 5) if rng.random() < 0.5 else 0
+        r = rng.randint(0, 5 - o)
+        composed = composer.rows(cfg, o, np.array([r]))[0][0]
+        settings = cfg.settings(5, o, r)
+        estimated, _ = _estimate_of(ctx, composer.profile(cfg.optimizer), settings)
+        errors.append((composed / estimated - 1, settings.checkpointing, cfg))
+    worst = max(errors, key=lambda e: abs(e[0]))
+    assert abs(worst[0]) <= 0.02, f"composed vs full estimate: worst {100 * worst[0]:+.2f}% for {worst[1:]}"
+
+
+def test_identical_blocks_are_traced_three_at_a_time():
+    """Profiles from a copy holding the first three blocks and the last equal those of the whole model."""
+    from memtrain.planner import _Composer, _Config, _context, _profiles, _traced_profiles
+
+    ctx = _context(_llama(layers=7), 1024, 2, "cuda", "bf16-mixed", 1, True, True, H100)
+    from memtrain.planner import _truncated
+
+    truncated = _truncated(ctx.model, ctx.block_names)
+    assert truncated is not None and truncated[1] == [0, 1, 2, 2, 2, 2, 3]
+    whole = _Composer(ctx, {None: _traced_profiles(ctx, ["full", "offload-inputs"], True, None, None)})
+    four = _Composer(ctx, {None: _profiles(ctx, ["full", "offload-inputs"], True, None)})
+    for b in (1, 2):
+        for chunked in (False, True):
+            for flavor in ("full", "offload-inputs"):
+                cfg = _Config(b, 2 // b, flavor, chunked, "device", "none", False, "bf16-mixed")
+                for offload in (0, 3):
+                    r = np.arange(8 - offload)
+                    a, c = whole.rows(cfg, offload, r), four.rows(cfg, offload, r)
+                    assert np.allclose(a[0], c[0]), (b, chunked, flavor, offload, a[0] - c[0])
+                    assert np.allclose(a[2], c[2], rtol=1e-9), (b, chunked, flavor, offload, a[2] / c[2])
+
+
+# -- the choice ---------------------------------------------------------------------------------------------
+def test_every_plan_fits_and_more_budget_is_never_slower(llama):
+    loose = plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100)
+    budgets = [int(f * loose.peak_bytes) for f in (0.3, 0.45, 0.55, 0.7, 0.85, 1.1)] + [None]
+    speeds = []
+    for budget in budgets:
+        try:
+            p = plan(llama, budget=budget, seq_len=1024, global_batch_size=4, device_profile=H100)
+        except ConfigError as e:
+            assert not speeds or speeds[-1] == 0.0, (budget, str(e))  # once one fits, every larger one does
+            speeds.append(0.0)
+            continue
+        if budget is not None:
+            assert p.peak_bytes <= p.usable_bytes <= budget, (budget, p.peak_bytes, p.usable_bytes)
+        speeds.append(p.tokens_per_s)
+    assert speeds == sorted(speeds), list(zip(budgets, speeds, strict=True))
+    assert speeds[-1] > speeds[2] > 0, list(zip(budgets, speeds, strict=True))  # a tight budget costs time
+
+
+def test_no_limit_plans_no_technique(llama):
+    p = plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100)
+    s = p.settings
+    assert (s.checkpointing, s.chunked_loss, s.optimizer, s.micro_batch_size, s.accumulation) == (
+        "none", False, "device", 4, 1), s
+    assert p.peak_bytes == p.report.peak_bytes
+
+
+def test_a_budget_below_the_model_state_offloads_the_optimizer():
+    config = _llama(layers=4, hidden=1024, vocab_size=8192)
+    n = sum(p.numel() for p in _meta_model(config).parameters())
+    state = 16 * n  # fp32 weights, gradients and AdamW's two moments
+    p = plan(config, budget=int(0.8 * state), seq_len=1024, global_batch_size=2, device_profile=H100)
+    assert p.settings.optimizer in ("offload", "offload-bf16-weights"), p.summary()
+    assert p.host_bytes >= 16 * n
+    assert p.peak_bytes <= 0.8 * state
+
+
+def test_a_tight_budget_recomputes_and_chunks_the_loss(llama):
+    loose = plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100)
+    tight = plan(llama, budget=int(0.6 * loose.peak_bytes), seq_len=1024, global_batch_size=4,
+                 device_profile=H100, techniques=["checkpointing", "chunked-loss"])
+    assert "recompute" in tight.settings.blocks or tight.settings.micro_batch_size < 4, tight.summary()
+    assert tight.step_seconds > loose.step_seconds
+    assert all(line for line in tight.reasons), tight.reasons
+
+
+# -- apply_plan ---------------------------------------------------------------------------------------------
+def test_apply_plan_sets_up_exactly_what_the_settings_say():
+    model = _gpt(layers=4)
+    names = [f"blocks.{i}" for i in range(4)]
+    settings = PlanSettings(2, 2, ("offload", "recompute", "recompute", "keep"), "selective", True, "offload",
+                            "none", False, "fp32")
+    run = apply_plan(model, settings, lr=1e-3)
+    assert checkpointed_blocks(model) == names[:3]
+    specs = [getattr(model.get_submodule(n), "_memtrain_checkpoint") for n in names[:3]]
+    assert [s.policy for s in specs] == ["offload", "recompute", "recompute"]
+    assert specs[1].selective is not None
+    assert chunk_tokens_of(model) == 1024
+    assert isinstance(run.optimizer, CPUOffloadOptimizer) and run.accumulator.steps == 2
+    run.optimizer.close()
+    plain = apply_plan(model, PlanSettings(4, 1, ("keep",) * 4, "full", False, "device", "none", False, "fp32"))
+    assert checkpointed_blocks(model) == [] and chunk_tokens_of(model) is None
+    assert type(plain.optimizer) is torch.optim.AdamW
+
+
+def test_a_cpu_plan_predicts_the_saved_bytes_measure_counts():
+    model = _gpt(layers=4)
+    loose = plan(model, budget=None, seq_len=128, global_batch_size=8, device="cpu", precision="fp32",
+                 device_profile=CPU)
+    p = plan(model, budget=int(0.7 * loose.peak_bytes), seq_len=128, global_batch_size=8, device="cpu",
+             precision="fp32", device_profile=CPU)
+    assert p.settings != loose.settings, p.summary()
+    run = apply_plan(model, p)
+    x = torch.randint(0, 256, (p.micro_batch_size, 128), generator=torch.Generator().manual_seed(0))
+    measured = measure(lambda: model(x, x.clone()), model=model)
+    assert measured.activation_bytes == p.activation_bytes, (measured.activation_bytes, p.activation_bytes)
+    assert run.accumulator.steps == p.accumulation
+
+
+# -- distributed ----------------------------------------------------------------------------------------------
+def test_fsdp2_shards_the_state_and_the_plan_says_which_is_faster():
+    config = _llama(layers=4, hidden=1024, vocab_size=8192)
+    both = plan(config, budget=None, seq_len=1024, global_batch_size=8, world_size=4, fsdp=None,
+                device_profile=H100)
+    text = " ".join(both.reasons)
+    assert "DDP" in text and "FSDP2" in text, both.reasons
+    ddp = plan(config, budget=None, seq_len=1024, global_batch_size=8, world_size=4, fsdp=False,
+               device_profile=H100)
+    fsdp = plan(config, budget=None, seq_len=1024, global_batch_size=8, world_size=4, fsdp=True,
+                device_profile=H100)
+    assert (ddp.settings.distribution, fsdp.settings.distribution) == ("ddp", "fsdp2")
+    assert fsdp.peak_bytes < ddp.peak_bytes, (fsdp.peak_bytes, ddp.peak_bytes)
+
+
+# -- input and output ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget, match", [(-1, "positive"), (0, "positive"), ("lots", "not a size"),
+                                           ("1KiB", "smaller than one block")])
+def test_bad_budgets_are_one_clear_error(llama, budget, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        plan(llama, budget=budget, seq_len=1024, global_batch_size=4, device_profile=H100)
+    assert "To resolve this error" in str(info.value)
+
+
+def test_bad_arguments_are_reported_together(llama):
+    with pytest.raises(ConfigError) as info:
+        plan(llama, budget="1GiB", seq_len=0, global_batch_size=4, device="tpu", precision="fp8",
+             techniques=["magic"], device_profile=H100)
+    assert len(info.value.problems) == 4, info.value.problems
+    with pytest.raises(ConfigError, match="does not divide"):
+        plan(llama, budget="1GiB", seq_len=1024, global_batch_size=6, micro_batch_size=4, device_profile=H100)
+
+
+def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(llama):
+    with pytest.raises(ConfigError) as info:
+        plan(llama, budget=40 * MiB, seq_len=1024, global_batch_size=4, device_profile=H100)
+    message = str(info.value)
+    assert "smallest predicted peak" in message and "FSDP2" in message and "To resolve this error" in message, message
+
+
+def test_a_fixed_set_up_that_cannot_fit_is_a_clear_error(llama):
+    fixed = PlanSettings(4, 1, ("keep",) * 4, "full", False, "device", "none", False, "bf16-mixed")
+    loose = plan(llama, budget=None, seq_len=1024, global_batch_size=4, settings=fixed, device_profile=H100)
+    assert loose.settings == fixed and "as asked" in loose.reasons[0]
+    with pytest.raises(ConfigError, match="the set-up asked for"):
+        plan(llama, budget=int(0.5 * loose.peak_bytes), seq_len=1024, global_batch_size=4, settings=fixed,
+             device_profile=H100)
+
+
+def test_summary_and_json(llama):
+    p = plan(llama, budget=int(160 * MiB), seq_len=1024, global_batch_size=4, device_profile=H100)
+    table = p.summary()
+    assert "choice:" in table and "runners-up" in table and "because:" in table, table
+    doc = json.loads(json.dumps(p.to_dict()))
+    assert set(doc) >= {"plan", "peak_bytes", "step_seconds", "tokens_per_s", "candidates", "reasons"}
+    assert doc["plan"]["micro_batch_size"] == p.micro_batch_size and doc["candidates"]
+    assert all(c["lost_because"] for c in doc["candidates"])
+
+
+def test_predictions_of_given_set_ups_rank_recompute_as_slower(llama):
+    keep = PlanSettings(4, 1, ("keep",) * 4, "full", False, "device", "none", False, "bf16-mixed")
+    recompute = PlanSettings(4, 1, ("recompute",) * 4, "full", False, "device", "none", False, "bf16-mixed")
+    a, b = predictions(llama, [keep, recompute], seq_len=1024, global_batch_size=4, device_profile=H100)
+    assert b.step_seconds > a.step_seconds and b.peak_bytes < a.peak_bytes, (a, b)
+
+
+# -- device figures -------------------------------------------------------------------------------------------
+def test_calibration_is_cached_per_device(tmp_path, monkeypatch):
+    import memtrain.planner as planner
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    real = planner._probe
+
+    def counting(device, name):
+        calls.append(name)
+        return real(device, name)
+
+    monkeypatch.setattr(planner, "_probe", counting)
+    first = calibrate("cpu")
+    second = calibrate("cpu")
+    assert len(calls) == 1 and (tmp_path / "memtrain" / "calibration.json").is_file()
+    assert first.matmul_flops == second.matmul_flops and "cached" in second.source
+    assert first.matmul_flops > 0 and first.cpu_adamw > 0 and not first.asynchronous
+
+
+def test_known_gpus_and_an_unknown_one():
+    h200 = known_gpu("NVIDIA H200")
+    assert h200.memory_bytes == int(141e9) and h200.host_to_device == 55e9 and "table" in h200.source
+    with pytest.raises(ConfigError, match="--calibrate"):
+        known_gpu("Voodoo 5")
