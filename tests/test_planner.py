@@ -159,7 +159,7 @@ def test_apply_plan_sets_up_exactly_what_the_settings_say():
                             "none", False, "fp32")
     run = apply_plan(model, settings, lr=1e-3)
     assert checkpointed_blocks(model) == names[:3]
-    specs = [getattr(model.get_submodule(n), "_memtrain_checkpoint") for n in names[:3]]
+    specs = [model.get_submodule(n)._memtrain_checkpoint for n in names[:3]]
     assert [s.policy for s in specs] == ["offload", "recompute", "recompute"]
     assert specs[1].selective is not None
     assert chunk_tokens_of(model) == 1024
