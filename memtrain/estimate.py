@@ -1060,13 +1060,14 @@ def estimate(
     seq_len: int | None = None,
     accumulation: int = 1,
     weights_dtype: str | None = None,
+    keep_output: bool = False,
     replay: bool = True,
 ) -> MemoryReport:
     """Predicts a training step's peak memory by running it on fake tensors: seconds of CPU, no device memory.
 
     The step is the steady state a training loop reaches from its second step on: forward with labels (the
     loss on fp32 logits for causal LMs), backward, optimizer step, ``zero_grad(set_to_none=True)``, with the
-    optimizer state already allocated and the forward's output object kept until the step ends. The first step's
+    optimizer state already allocated and only the loss kept from the forward's output. The first step's
     peak is lower (no optimizer state yet). With ``accumulation > 1`` it is the window's later micro-batches,
     which run with every gradient of the earlier ones alive (unless they stream to the host).
 
@@ -1094,6 +1095,9 @@ def estimate(
         accumulation: micro-batches per optimizer step.
         weights_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the parameters' dtype on the device (e.g. bf16 weights
             whose fp32 master lives with ``"adamw-offload"``); None keeps the model's.
+        keep_output: the loop holds the forward's output object (its logits) until the step ends, as
+            ``out = model(...); out.loss.backward()`` does; False (the default, memtrain's own loop, and
+            ``model(...).loss.backward()``) keeps only the loss.
         replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls
             instead of running torch's meta functions again (same result, several times faster on deep models).
 
@@ -1119,7 +1123,7 @@ def estimate(
     return trace(model, batch, device=device, precision=precision, checkpointing=checkpointing,
                  offload_activations=offload_activations, optimizer=optimizer, chunked_loss=chunked_loss,
                  micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation,
-                 weights_dtype=weights_dtype, replay=replay).report
+                 weights_dtype=weights_dtype, keep_output=keep_output, replay=replay).report
 
 
 def trace(
@@ -1136,6 +1140,7 @@ def trace(
     seq_len: int | None = None,
     accumulation: int = 1,
     weights_dtype: str | None = None,
+    keep_output: bool = False,
     replay: bool = True,
     runs: bool = False,
     offload_min_bytes: int = MIN_BYTES_DEFAULT,
@@ -1299,6 +1304,8 @@ def trace(
             with cpu_autocast, whole_forward:
                 out = run(inputs)
                 loss = _as_loss(out)
+                if not keep_output:
+                    out = None  # as memtrain's loop does: only the loss outlives forward (and the logits die)
                 before_release = dict(tracker.live)  # autocast's cast cache dies with its region
         except MemtrainError:
             raise
@@ -1384,7 +1391,9 @@ def trace(
     host_bytes = optimizer_host_bytes + offloaded_bytes
     assumptions = [
         "steady-state step (optimizer state allocated); forward with labels, backward, optimizer step, "
-        "zero_grad(set_to_none=True); the forward's output is kept until the step ends",
+        "zero_grad(set_to_none=True); "
+        + ("the forward's output (logits) is kept until the step ends" if keep_output else
+           "only the loss outlives forward (the output's logits die with it)"),
         optimizer_note,
         "at the peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in by_category.items() if v),
     ]
