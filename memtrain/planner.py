@@ -311,6 +311,16 @@ class PlanSettings:
 
 
 @dataclass(frozen=True)
+class Fixed:
+    """Choices a plan keeps as given (a user's flags); None leaves that choice to the search."""
+
+    blocks: tuple[BlockKind, ...] | None = None  # the checkpointing layout, one kind per block
+    flavor: RecomputeFlavor | None = None  # how the recomputed blocks recompute
+    chunked_loss: bool | None = None
+    optimizer: OptimizerPlacement | None = None
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One candidate's predictions and, unless it was chosen, why it lost."""
 
@@ -928,7 +938,8 @@ class _Results:
         self.n_blocks = n_blocks
         self.configs: list[_Config] = []
         self._parts: list[tuple[np.ndarray, ...]] = []
-        self.explicit: dict[int, PlanSettings] = {}
+        self.explicit: dict[int, PlanSettings] = {}  # rows with their own block layout
+        self.searched = False  # some rows came from a search (around a fixed layout), not one given set-up
 
     def add(self, cfg: _Config, offload: int, recompute: np.ndarray, peak: np.ndarray, host: np.ndarray,
             seconds: np.ndarray) -> None:
@@ -1187,6 +1198,8 @@ def plan(
     techniques: Iterable[str] | None = None,
     device_profile: DeviceProfile | None = None,
     settings: PlanSettings | None = None,
+    fixed: Fixed | None = None,
+    correction_bytes: int = 0,
 ) -> Plan:
     """The fastest set-up whose predicted peak fits ``budget`` (per rank), with a reason for each choice.
 
@@ -1212,6 +1225,9 @@ def plan(
         techniques: allow only some of ``TECHNIQUES``; None allows all.
         device_profile: the device's rates; None probes the CPU, or takes the table of known GPUs for CUDA.
         settings: no search: predict exactly this set-up (e.g. one chosen by hand), which must fit ``budget``.
+        fixed: choices the search keeps as given (a checkpointing layout, the loss, the optimizer placement).
+        correction_bytes: added to every predicted peak: what a measurement showed the prediction missed (a
+            re-plan after the device disagreed).
 
     Returns:
         A ``Plan``: ``.settings`` for ``apply_plan``, the predictions, the reasons and the runners-up.
@@ -1283,6 +1299,19 @@ def plan(
         ["fsdp2"] if fsdp else ["ddp"] if fsdp is False else ["ddp", "fsdp2"])
     L = len(blocks)
     results = _Results(L)
+    losses = [False, True] if ctx.chunkable else [False]
+    fixed = fixed if fixed is not None else Fixed()
+    if fixed != Fixed():
+        _check_fixed(fixed, L, cuda, ctx.chunkable, precision)
+        if fixed.blocks is not None:
+            offload_blocks = "offload" in fixed.blocks
+            flavors = [fixed.flavor or "full"] if "recompute" in fixed.blocks else []
+        elif fixed.flavor is not None:
+            flavors = [fixed.flavor]
+        if fixed.chunked_loss is not None:
+            losses = [fixed.chunked_loss]
+        if fixed.optimizer is not None:
+            placements = [fixed.optimizer]
     if settings is not None:
         _check_settings(settings, L, per_rank, cuda, world_size, ctx.chunkable, precision)
         composer = _composer_for(ctx, [settings])
@@ -1299,10 +1328,15 @@ def plan(
             if dist == "fsdp2" and placement != "device":
                 continue  # FSDP2 shards the optimizer state itself; CPUOffloadOptimizer needs whole parameters
             for compiled in ([False, True] if compile else [False]):
-                for chunked in ([False, True] if ctx.chunkable else [False]):
+                for chunked in losses:
                     for b in micros:
                         for flavor in flavors or ["full"]:
                             cfg = _Config(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision)
+                            if fixed.blocks is not None:
+                                _add_given(composer, results, PlanSettings(
+                                    b, per_rank // b, fixed.blocks, flavor, chunked, placement, dist, compiled,
+                                    precision), explicit=False)
+                                continue
                             for o in (range(L + 1) if offload_blocks else [0]):
                                 # Without recomputed blocks every flavor is the same set-up: the first has it.
                                 lowest = 0 if flavor == (flavors or ["full"])[0] else 1
@@ -1310,11 +1344,31 @@ def plan(
                                 if len(recompute):
                                     results.add(cfg, o, recompute, *composer.rows(cfg, o, recompute))
     results.finish()
+    results.peak = results.peak + correction_bytes
     # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
     here = device == "cpu" or torch.cuda.is_available()
     host_limit = host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
     usable = None if budget_bytes is None else int(budget_bytes * (1 - safety_margin))
-    return _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin, started)
+    return _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin, started,
+                   correction_bytes)
+
+
+def _check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision: str) -> None:
+    problems = []
+    if f.blocks is not None and (len(f.blocks) != n_blocks or any(k not in ("keep", "recompute", "offload")
+                                                                  for k in f.blocks)):
+        problems.append(f"the checkpointing layout has {len(f.blocks)} entries {sorted(set(f.blocks))}: the model "
+                        f"has {n_blocks} blocks, each 'keep', 'recompute' or 'offload'.")
+    if not cuda and ((f.blocks is not None and "offload" in f.blocks) or f.flavor == "offload-inputs"
+                     or f.optimizer not in (None, "device")):
+        problems.append("an offload (activations or optimizer) on a CPU only copies within RAM. To resolve this "
+                        "error, drop it (offload_activations / offload_optimizer) for a CPU run.")
+    if f.chunked_loss and not chunkable:
+        problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss). To "
+                        "resolve this error, pass chunked_loss=False (or leave it to the plan).")
+    if f.optimizer == "offload-bf16-weights" and precision != "bf16-mixed":
+        problems.append(f"bf16 device weights need precision bf16-mixed, not {precision}.")
+    ConfigError.raise_if(problems)
 
 
 def _context(model_or_hf_config: Any, seq_len: int, global_batch_size: int, device: str, precision: str,
@@ -1347,11 +1401,13 @@ def _composer_for(ctx: _Context, given: Sequence[PlanSettings]) -> _Composer:
     return _Composer(ctx, profiles)
 
 
-def _add_given(composer: _Composer, results: _Results, s: PlanSettings) -> None:
+def _add_given(composer: _Composer, results: _Results, s: PlanSettings, *, explicit: bool = True) -> None:
+    """One candidate with its own block layout; ``explicit``: it was given whole (nothing was searched)."""
     cfg = _Config(s.micro_batch_size, s.accumulation, s.flavor, s.chunked_loss, s.optimizer, s.distribution,
                   s.compile, s.precision)
     kinds = np.array(s.blocks)[None, :]
     results.add_settings(cfg, s, *composer.assigned(cfg, kinds == "offload", kinds == "recompute"))
+    results.searched |= not explicit
 
 
 def predictions(model_or_hf_config: Any, given: Sequence[PlanSettings], *, seq_len: int, global_batch_size: int,
@@ -1429,7 +1485,8 @@ def _estimate_of(ctx: _Context, prof: _Profiles, s: PlanSettings) -> tuple[float
 
 
 def _choose(ctx: _Context, composer: _Composer, results: _Results, budget_bytes: int | None, usable: int | None,
-            host_limit: int | None, host_budget: int | None, margin: float, started: float) -> Plan:
+            host_limit: int | None, host_budget: int | None, margin: float, started: float,
+            correction_bytes: int = 0) -> Plan:
     """The fastest row that fits, confirmed by a full estimate (the next is tried when the estimate disagrees)."""
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
@@ -1454,7 +1511,8 @@ def _choose(ctx: _Context, composer: _Composer, results: _Results, budget_bytes:
                 break
             continue
         s = results.settings(k)
-        verified[k] = _estimate_of(ctx, composer.profile(s.optimizer), s)
+        peak, t = _estimate_of(ctx, composer.profile(s.optimizer), s)
+        verified[k] = peak + correction_bytes, t
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
         if usable is None or verified[k][0] <= usable:
             chosen = k
@@ -1478,7 +1536,9 @@ def _choose(ctx: _Context, composer: _Composer, results: _Results, budget_bytes:
         parameters=int(sum(p.numel() for p in dict.fromkeys(ctx.model.parameters()))),
         reasons=tuple(_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)),
         candidates=tuple(_runners_up(ctx, results, chosen, verified, fits_verified, fits_host, usable, host_limit)),
-        assumptions=tuple(_assumptions(ctx, margin, composer, host_limit)), device_profile=ctx.device_profile, report=t.report,
+        assumptions=tuple(_assumptions(ctx, margin, composer, host_limit) + (
+            [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
+             "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
         plan_seconds=time.perf_counter() - started,
     )
 
@@ -1490,13 +1550,18 @@ def _family(s: PlanSettings) -> tuple[Any, ...]:
         s.micro_batch_size, s.distribution, s.compile
 
 
+def _slower(ratio: float) -> str:
+    """A step-time ratio in words: "3.2% slower", or "as fast (within 0.1%)"."""
+    return f"{100 * (ratio - 1):.1f}% slower" if ratio >= 1.001 else "as fast (within 0.1%)"
+
+
 def _why_lost(results: _Results, k: int, chosen: int, peak: float, fits: np.ndarray, fits_host: np.ndarray,
               usable: int | None, host_limit: int | None) -> str:
     if not fits_host[k]:
         return f"host RAM: needs {format_bytes(int(results.host[k]))} of {format_bytes(host_limit)}"
     if not fits[k]:
         return f"over budget by {format_bytes(int(peak - (usable or 0)))}"
-    return f"{100 * (results.seconds[k] / results.seconds[chosen] - 1):.1f}% slower"
+    return _slower(results.seconds[k] / results.seconds[chosen])
 
 
 def _runners_up(ctx: _Context, results: _Results, chosen: int, verified: dict[int, tuple[float, Trace]],
@@ -1536,7 +1601,7 @@ def _reasons(ctx: _Context, results: _Results, chosen: int, peak: float, fits: n
     """One line per decision: what was chosen, and what the best alternative to that one decision costs."""
     s = results.settings(chosen)
     budget_text = "no budget" if usable is None else f"the usable {format_bytes(usable)}"
-    if results.explicit:  # nothing was searched: the set-up was given
+    if results.explicit and not results.searched:  # nothing was searched: the set-up was given
         return [f"precision {ctx.precision}, checkpointing {s.checkpointing}, loss "
                 f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer}, micro-batch "
                 f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
@@ -1547,7 +1612,7 @@ def _reasons(ctx: _Context, results: _Results, chosen: int, peak: float, fits: n
     def alternative(mask: np.ndarray, what: str) -> str:
         best_fit = results.first(mask & fits)
         if best_fit is not None:
-            return f"{what} would be {100 * (results.seconds[best_fit] / seconds - 1):.1f}% slower"
+            return f"{what} would be {_slower(results.seconds[best_fit] / seconds)}"
         smallest = int(np.flatnonzero(mask)[np.argmin(results.peak[mask])]) if mask.any() else None
         if smallest is None:
             return ""
@@ -1640,7 +1705,7 @@ def _raise_nothing_fits(ctx: _Context, composer: _Composer, results: _Results,
                         host_limit: int | None, host_budget: int | None, margin: float, fits_host: np.ndarray) -> None:
     """The ConfigError when no candidate fits: the smallest peak found, and what would make a plan fit."""
     assert usable is not None or host_limit is not None
-    if results.explicit:
+    if results.explicit and not results.searched:
         s = results.settings(0)
         peak = verified[0][0] if 0 in verified else float(results.peak[0])
         where = (f"needs {format_bytes(int(results.host[0]))} of host RAM, more than {format_bytes(host_limit)}"

@@ -275,3 +275,26 @@ def test_known_gpus_and_an_unknown_one():
     assert h200.memory_bytes == int(141e9) and h200.host_to_device == 55e9 and "table" in h200.source
     with pytest.raises(ConfigError, match="--calibrate"):
         known_gpu("Voodoo 5")
+
+
+def test_fixed_choices_are_kept_and_the_rest_is_searched(llama):
+    from memtrain.planner import Fixed
+
+    layout = ("recompute", "keep", "recompute", "keep")
+    p = plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100,
+             fixed=Fixed(blocks=layout, chunked_loss=True, optimizer="offload"))
+    assert (p.settings.blocks, p.settings.chunked_loss, p.settings.optimizer) == (layout, True, "offload")
+    assert p.settings.micro_batch_size == 4  # searched: the fastest, with no budget
+    with pytest.raises(ConfigError, match="4 blocks"):
+        plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100,
+             fixed=Fixed(blocks=("keep",) * 3))
+
+
+def test_a_measured_overshoot_is_folded_into_a_replan(llama):
+    first = plan(llama, budget=int(256 * MiB), seq_len=1024, global_batch_size=4, device_profile=H100)
+    overshoot = int(24 * MiB)
+    again = plan(llama, budget=int(256 * MiB), seq_len=1024, global_batch_size=4, device_profile=H100,
+                 correction_bytes=overshoot)
+    assert again.peak_bytes <= again.usable_bytes
+    assert again.peak_bytes - overshoot < first.peak_bytes, (again.peak_bytes, first.peak_bytes)
+    assert any("measurement" in a for a in again.assumptions)
