@@ -25,6 +25,7 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memtrain.errors import ConfigError
@@ -169,10 +170,39 @@ def _checkpointed_call(
             with _running_stats_frozen(norms):
                 return fn(*a, **kw)
 
+    run, args = _keyword_tensors_positional(run, args, kwargs)
     # Non-reentrant checkpoint saves the block inputs through the outer saved-tensor hooks (the block's own
     # activations go through its inner ones), so the offloader moves exactly the inputs.
     with offloading:
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs)
+
+
+def _keyword_tensors_positional(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``fn`` and arguments for ``checkpoint`` with every tensor among ``kwargs`` (nested ones too) appended to the
+    positional arguments, and a closure that rebuilds the keywords.
+
+    torch stashes the device RNG state (CUDA dropout masks) only for the devices of tensors among checkpoint's
+    positional arguments, and saves only those through the saved-tensor hooks: a block called as
+    ``layer(hidden_states=h)`` would recompute other dropout masks on a GPU and keep its input out of an
+    offloader's reach.
+    """
+    leaves, spec = tree_flatten(kwargs)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if not at:
+        return (functools.partial(fn, **kwargs) if kwargs else fn), args
+    # The closure keeps the non-tensor leaves only: holding the tensors would pin them on the device.
+    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    n = len(args)
+
+    def call(*flat: Any) -> Any:
+        values = list(template)
+        for i, tensor in zip(at, flat[n:], strict=True):
+            values[i] = tensor
+        return fn(*flat[:n], **tree_unflatten(values, spec))
+
+    return call, (*args, *(leaves[i] for i in at))
 
 
 class _CheckpointedForward:

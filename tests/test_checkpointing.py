@@ -221,6 +221,60 @@ def test_kwargs_non_tensor_args_and_structured_outputs_pass_through():
     assert_grads_equal(blocks, twin)
 
 
+class KeywordDropoutBlock(nn.Module):
+    """Takes its tensors by keyword, as Hugging Face decoder layers are called (``layer(hidden_states=h, ...)``)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, *, hidden_states, mask, pair=None, scale: float = 1.0):
+        y = self.drop(self.lin(hidden_states)) * mask * scale
+        return y if pair is None else y + pair[0] * pair[1]
+
+
+def test_keyword_tensors_reach_checkpoints_device_rng_bookkeeping(monkeypatch):
+    """torch stashes the RNG state of the devices of checkpoint's *positional* tensors only: a block given its
+    tensors by keyword would recompute with other dropout masks on a GPU. Pretend a device module is initialised
+    (as CUDA is on a GPU machine) so that checkpoint asks for device states on the CPU too, and spy on which
+    tensors it looks at."""
+    import types
+
+    import torch.utils.checkpoint as torch_checkpoint
+
+    seen: list[list[torch.Tensor]] = []
+    real_states = torch_checkpoint.get_device_states
+
+    def spy(*args):
+        seen.append([t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)])
+        return real_states(*args)
+
+    initialised = types.SimpleNamespace(_initialized=True, **{k: getattr(torch.cpu, k) for k in dir(torch.cpu)
+                                                              if not k.startswith("__")})
+    monkeypatch.setattr(torch_checkpoint, "get_device_states", spy)
+    monkeypatch.setattr(torch_checkpoint, "_get_device_module", lambda device="cuda": initialised)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([KeywordDropoutBlock(), KeywordDropoutBlock()])
+    twin = copy.deepcopy(blocks)
+    apply_checkpointing(twin)
+    h = torch.randn(4, 16, requires_grad=True)
+    mask, pair = torch.ones(4, 16), (torch.randn(4, 16), torch.randn(4, 16))
+
+    def run(m):
+        torch.manual_seed(3)
+        y = m[0](hidden_states=h, mask=mask, scale=2.0)
+        m[1](hidden_states=y, mask=mask, pair=pair).square().sum().backward()
+
+    run(blocks)
+    run(twin)
+    assert_grads_equal(blocks, twin)
+    assert len(seen) == 2, f"checkpoint asked for device states {len(seen)} times, expected once per block"
+    for name, t in (("hidden_states", h), ("mask", mask), ("pair[0]", pair[0]), ("pair[1]", pair[1])):
+        assert any(s is t for s in seen[0] + seen[1]), f"checkpoint never saw the keyword tensor {name}"
+    assert any(s is h for s in seen[0]), "block 0's hidden_states (a keyword) was not among checkpoint's tensors"
+
+
 def test_gradients_flow_when_no_input_requires_grad():
     """Frozen embeddings / PEFT: the block's input does not require grad, its parameters do."""
     model = gpt(n_layer=2, dropout=0.0)

@@ -502,6 +502,38 @@ def test_apply_checkpointing_offload_moves_block_inputs_only():
     assert_same_grads(gpt_step(model, idx), expected)
 
 
+class KeywordBlock(nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, *, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(hidden_states))
+
+
+def test_apply_checkpointing_offload_moves_inputs_given_by_keyword():
+    """A block called as ``block(hidden_states=h)`` (Hugging Face style): checkpoint saves only its positional
+    tensors through the hooks and would hold keyword ones in a closure, on the device."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([KeywordBlock() for _ in range(3)])
+    x = torch.randn(8, 32)  # not a leaf that requires grad: those count as parameters and stay
+
+    def step() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        h = x
+        for block in model:
+            h = block(hidden_states=h)
+        h.sum().backward()
+        return grads(model)
+
+    expected = step()
+    transport = FakeTransport(lag=1)
+    apply_checkpointing(model, offload=True, offloader=offloader(transport))
+    assert_same_grads(step(), expected)
+    moved = [n for kind, _, n in (e for e in transport.log if e[0] == "d2h")]
+    assert moved == [8 * 32 * 4] * 3, f"moved {moved}: expected the three blocks' keyword inputs of {8 * 32 * 4} bytes"
+
+
 @needs_policies
 def test_per_block_keep_recompute_offload():
     torch.manual_seed(0)
