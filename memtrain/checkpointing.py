@@ -236,8 +236,25 @@ def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def _signature(module: nn.Module) -> Any:
+    """A module's class; for containers, also the signatures of their children, in order (so that
+    ``Sequential(Linear, GELU, Linear)`` blocks written without a class of their own compare equal)."""
+    if isinstance(module, _CONTAINERS):
+        return type(module), tuple((name, _signature(child)) for name, child in module.named_children())
+    return type(module)
+
+
+def _describe(module: nn.Module) -> str:
+    """``Sequential(Linear, GELU)`` for containers, the class name otherwise: for error messages."""
+    if isinstance(module, _CONTAINERS):
+        inner = [_describe(child) for child in module.children()]
+        return f"{type(module).__name__}({', '.join(inner[:4])}{', ...' if len(inner) > 4 else ''})"
+    return type(module).__name__
+
+
 def _auto_blocks(model: nn.Module) -> list[str]:
-    """Repeated blocks: Hugging Face ``_no_split_modules``, else children of a ModuleList/Sequential of one type."""
+    """Repeated blocks: Hugging Face ``_no_split_modules``, else the children of a ModuleList/Sequential that are
+    alike (one class, or structurally identical nn.Sequential blocks), else a composite class that repeats."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     if no_split:
         names = [
@@ -253,10 +270,10 @@ def _auto_blocks(model: nn.Module) -> list[str]:
     def visit(prefix: str, module: nn.Module) -> None:
         children = list(module.named_children())
         if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(children) >= 2:
-            kinds = {type(child) for _, child in children}
-            if len(kinds) == 1 and not issubclass(kinds.pop(), _CONTAINERS) and all(
-                _has_parameters(child) for _, child in children
-            ):
+            kinds = {_signature(child) for _, child in children}
+            # A ModuleList or ModuleDict has no forward of its own: it cannot be a block.
+            callable_kind = not isinstance(children[0][1], (nn.ModuleList, nn.ModuleDict))
+            if len(kinds) == 1 and callable_kind and all(_has_parameters(child) for _, child in children):
                 found.extend(f"{prefix}{name}" for name, _ in children)
                 return
         for name, child in children:
@@ -264,9 +281,14 @@ def _auto_blocks(model: nn.Module) -> list[str]:
 
     visit("", model)
     if found:
-        # Blocks of the same kind outside such a container count too (ResNet: a stage holding one block).
-        kinds = {type(modules[name]) for modules in [dict(model.named_modules())] for name in found}
-        return _outermost([name for name, m in model.named_modules() if name and type(m) in kinds])
+        modules = dict(model.named_modules())
+        kind = type(modules[found[0]])
+        if issubclass(kind, _CONTAINERS) or next(modules[found[0]].children(), None) is None:
+            # Leaf blocks (nn.Linear) or Sequential blocks: only the container's children. A head of the same
+            # class outside it would recompute a matmul to save nothing; any other Sequential is no block.
+            return found
+        # Composite blocks of the same class outside such a container count too (ResNet: a stage of one block).
+        return _outermost([name for name, m in modules.items() if name and type(m) is kind])
     # No container of repeated blocks: fall back to the composite module class that repeats most often
     # (e.g. ResNet stages of one BasicBlock each).
     counts: dict[type, list[str]] = {}
@@ -275,6 +297,25 @@ def _auto_blocks(model: nn.Module) -> list[str]:
             counts.setdefault(type(m), []).append(name)
     repeated = [_outermost(names) for names in counts.values() if len(names) >= 2]
     return max(repeated, key=len, default=[])
+
+
+def _no_blocks_problem(model: nn.Module) -> str:
+    containers = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, (nn.Sequential, nn.ModuleList)) and len(m) >= 2]
+    seen = ""
+    if containers:
+        name, largest = max(containers, key=lambda item: len(item[1]))
+        where = f"container {name!r}" if name else "the model itself"
+        seen = f" ({where} is the largest container; it holds {', '.join(_describe(c) for c in largest.children())})"
+        if len(seen) > 300:
+            seen = seen[:296] + "...)"
+    return (
+        f"no repeated blocks found in {type(model).__name__}: auto-detection looks for an nn.ModuleList or "
+        "nn.Sequential of two or more modules with parameters that are alike (one class, or structurally "
+        "identical nn.Sequential blocks), a module class with submodules that repeats, or Hugging Face "
+        f"_no_split_modules, and found none{seen}. To resolve this error, pass blocks= a module class, a list "
+        "of module names, or a predicate (name, module) -> bool."
+    )
 
 
 def _outermost(names: list[str]) -> list[str]:
@@ -286,11 +327,7 @@ def _select_blocks(model: nn.Module, blocks: BlockSelector, problems: list[str])
     if blocks is None:
         names = _auto_blocks(model)
         if not names:
-            problems.append(
-                f"no repeated blocks found in {type(model).__name__}: it has no nn.ModuleList/nn.Sequential of "
-                "modules of one type and no Hugging Face _no_split_modules. To resolve this error, pass "
-                "blocks= a module class, a list of module names, or a predicate (name, module) -> bool."
-            )
+            problems.append(_no_blocks_problem(model))
         return names
     if isinstance(blocks, type) or (isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)):
         names = [name for name, m in modules.items() if name and isinstance(m, blocks)]
@@ -408,8 +445,9 @@ def apply_checkpointing(
         model: any ``nn.Module``, Hugging Face ``PreTrainedModel`` included (its ``use_cache`` is switched off;
             ``remove_checkpointing`` switches it back).
         blocks: which modules to wrap. ``None`` auto-detects the repeated blocks (Hugging Face
-            ``_no_split_modules``, else the children of an ``nn.ModuleList``/``nn.Sequential`` of one type); or a
-            module class (or tuple), a predicate ``(name, module) -> bool``, or a list of qualified names.
+            ``_no_split_modules``, else the children of an ``nn.ModuleList``/``nn.Sequential`` that are alike:
+            one class, or structurally identical ``nn.Sequential`` blocks); or a module class (or tuple), a
+            predicate ``(name, module) -> bool``, or a list of qualified names.
         every: checkpoint one block in ``every`` (blocks 0, k, 2k, ...); 1 checkpoints all of them.
         selective: op kinds whose outputs are kept instead of recomputed, e.g. ``("matmul", "attention")``, or a
             ``SelectivePolicy``. ``None`` recomputes the whole block.
