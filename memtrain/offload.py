@@ -23,7 +23,8 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
 
 The device-specific operations sit behind a small ``Transport`` (``CudaTransport``; ``CpuTransport`` runs the
 same logic on the CPU with plain copies, for tests and dry runs), so the pack / unpack / prefetch logic is
-tested on a CPU-only machine.
+tested on a CPU-only machine; ``CudaTransport``'s own synchronisation is tested there too, over a model of two
+streams that fails on each missing wait (tests/test_offload.py).
 """
 
 from __future__ import annotations
@@ -110,15 +111,20 @@ class CpuTransport:
 
 
 class CudaTransport:
-    """Pinned host slabs and one side stream for every copy, both directions."""
+    """Pinned host slabs and one side stream for every copy, both directions.
+
+    The synchronisation lives in the public methods; each stream operation they use is a one-line method at the
+    bottom, so that a model of two streams (tests/test_offload.py) runs this very logic on the CPU and fails
+    when a wait, ``wait_stream`` or ``record_stream`` goes missing.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.stream = self._new_stream()
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return self._pinned(nbytes)
         except RuntimeError as e:
             raise MemtrainError(
                 f"offload_activations could not pin {format_bytes(nbytes)} of host memory ({e}). To resolve this "
@@ -127,31 +133,62 @@ class CudaTransport:
 
     def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any:
         # The kernels writing src are queued on the compute stream: the copy must start after them.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for offset, host in segments:
-                host.copy_(src[offset:offset + host.numel()], non_blocking=True)
-            return self.stream.record_event()
+        self._wait_stream(self.stream, self._current())
+        for offset, host in segments:
+            self._copy(host, src[offset:offset + host.numel()], self.stream)
+        return self._record_event(self.stream)
 
     def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]:
         # Allocated on the side stream, the destination is free there at once: the copy need not wait for the
         # compute stream (which may be far behind the host), so a prefetch really starts early.
-        with torch.cuda.stream(self.stream):
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            for offset, host in segments:
-                dst[offset:offset + host.numel()].copy_(host, non_blocking=True)
-            return dst, self.stream.record_event()
+        dst = self._empty(nbytes, self.stream)
+        for offset, host in segments:
+            self._copy(dst[offset:offset + host.numel()], host, self.stream)
+        return dst, self._record_event(self.stream)
 
     def wait(self, event: Any) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
+        self._wait_event(self._current(), event)
 
     def query(self, event: Any) -> bool:
-        return event.query()
+        return self._query(event)
 
     def hand_over(self, tensor: torch.Tensor) -> None:
         # Allocated on the side stream, used on the compute stream: without this, the allocator could hand the
         # memory to the next prefetch while backward still reads it.
-        tensor.record_stream(torch.cuda.current_stream(self.device))
+        self._record_stream(tensor, self._current())
+
+    # -- the CUDA calls (one each) ------------------------------------------------------------------------
+    def _new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def _current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _empty(self, nbytes: int, stream: Any) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def _wait_stream(self, stream: Any, other: Any) -> None:
+        stream.wait_stream(other)
+
+    def _record_event(self, stream: Any) -> Any:
+        return stream.record_event()
+
+    def _wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def _query(self, event: Any) -> bool:
+        return event.query()
+
+    def _record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
 
 
 # -- the host pool ------------------------------------------------------------------------------------------

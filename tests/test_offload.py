@@ -1,89 +1,210 @@
-"""Activation offload on the CPU: the pack / unpack / prefetch logic through a fake device.
+"""Activation offload on the CPU: the pack / unpack / prefetch logic through a model of two CUDA streams.
 
-``FakeTransport`` defers every copy (a side stream that lags behind) and fills restored tensors with NaN until
-their copy has run, so a missing wait shows up as wrong gradients; it logs the copies in order so that what
-moves, when and in which order can be checked.
+``FakeTransport`` runs ``CudaTransport``'s own synchronisation logic over a model of the compute stream and the
+side stream (see its docstring): a missing wait, ``wait_stream`` or ``record_stream``, or a source freed before
+its copy ran, shows up as NaN gradients or as an error; it logs the copies in order so that what moves, when and
+in which order can be checked.
 """
 
 from __future__ import annotations
 
 import collections
-import inspect
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 import memtrain.offload as offload_mod
 from memtrain.checkpointing import apply_checkpointing, remove_checkpointing
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.models import GPT, GPTConfig
-from memtrain.offload import ActivationOffloader, CpuTransport, offload_activations
+from memtrain.offload import ActivationOffloader, CudaTransport, offload_activations
+
+POISON = 255  # a byte that makes NaN of every float dtype
 
 
 class FakeEvent:
     def __init__(self, kind: str, tag: int) -> None:
         self.kind, self.tag, self.done = kind, tag, False
+        self.block: DeviceBlock | None = None  # the destination of a copy to the device
 
 
-class FakeTransport(CpuTransport):
-    """A side stream on the CPU: copies run ``lag`` transport calls after they are issued, in order."""
+class DeviceBlock:
+    """Device memory allocated on the side stream, as the caching allocator sees it."""
 
-    def __init__(self, lag: int = 3):
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref = StorageWeakRef(tensor.untyped_storage())
+        self.cdata = tensor.untyped_storage()._cdata
+        self.nbytes = tensor.numel()
+        self.read_by_compute = False  # the compute stream waited for its copy: it reads the block
+        self.recorded = False  # record_stream(compute stream) was called on it
+
+
+class FakeTransport(CudaTransport):
+    """``CudaTransport``'s logic over a model of two CUDA streams on the CPU.
+
+    - The compute stream is the CPU itself (its kernels are done at once) with a clock: it ticks at every call
+      into the transport, since the offloader's caller computed in between; a tensor handed to ``copy_to_host``
+      was written at the current tick.
+    - The side stream runs its copies ``lag`` transfers after they are issued, in order. A copy to the host reads
+      its source when it runs, holding it weakly (a queued kernel keeps no memory alive): it writes NaN bytes when
+      the source died first, or when the side stream had not waited for the compute stream (``wait_stream``)
+      since the source was written. A copy to the device fills its destination only when it runs (NaN before),
+      so a missing wait on its event reads NaN.
+    - Device memory allocated on the side stream and read by the compute stream must be ``record_stream``-ed to
+      the compute stream before it is freed: otherwise the next allocation on the side stream may reuse it while
+      the compute stream still reads it. The next allocation raises then.
+    - ``refuse_pinning_after``: that many host slabs are pinned, then pinning fails (host memory exhausted).
+    """
+
+    def __init__(self, lag: int = 3, refuse_pinning_after: int | None = None):
         self.lag = lag
-        self.queue: collections.deque[tuple[FakeEvent, object]] = collections.deque()
+        self.refuse_pinning_after = refuse_pinning_after
+        self.queue: collections.deque[tuple[list, FakeEvent]] = collections.deque()
         self.log: list[tuple] = []
         self.slabs = 0
         self.host_offsets: list[int] = []  # host address of each copy to the host, in order
-        self._base: dict[int, int] = {}
+        self.hazards: list[str] = []  # data races seen by the copies that ran
+        self.clock = 0  # the compute stream's progress
+        self.side_synced = 0  # the compute clock the side stream last waited for
+        self.blocks: list[DeviceBlock] = []
+        self._ops: list = []  # side-stream copies issued since the last event
+        self._transfer: tuple[str, int, int] = ("", -1, 0)  # (direction, tag, compute tick its source was written)
+        self._block: DeviceBlock | None = None
+        super().__init__(torch.device("cpu"))
 
-    def _advance(self, keep: int) -> None:
-        while len(self.queue) > keep:
-            event, run = self.queue.popleft()
-            run()
-            event.done = True
+    def __reduce__(self):  # a model holding this transport pickles as a fresh one
+        return type(self), (self.lag, self.refuse_pinning_after)
 
-    def _issue(self, kind: str, tag: int, run) -> FakeEvent:
-        event = FakeEvent(kind, tag)
-        self.queue.append((event, run))
-        self._advance(self.lag)
-        return event
-
+    # -- what the offloader calls: log, and tick the compute clock
     def allocate_host(self, nbytes: int) -> torch.Tensor:
+        self.clock += 1
+        return super().allocate_host(nbytes)
+
+    def copy_to_host(self, src, segments, tag):
+        self.clock += 1
+        self.log.append(("d2h", tag, src.numel()))
+        self.host_offsets.append(segments[0][1].data_ptr())
+        self._transfer = ("d2h", tag, self.clock)
+        return super().copy_to_host(src, segments, tag)
+
+    def copy_to_device(self, segments, nbytes, tag):
+        self.clock += 1
+        self.log.append(("h2d", tag, nbytes))
+        self._transfer = ("h2d", tag, self.clock)
+        return super().copy_to_device(segments, nbytes, tag)
+
+    def wait(self, event) -> None:
+        # The compute stream waits: the side stream must have reached the event.
+        self.clock += 1
+        self.log.append(("wait", event.kind, event.tag))
+        super().wait(event)
+
+    def query(self, event) -> bool:
+        self.clock += 1
+        return super().query(event)
+
+    def hand_over(self, tensor) -> None:
+        self.clock += 1
+        super().hand_over(tensor)
+
+    # -- the stream operations CudaTransport is built from
+    def _new_stream(self):
+        return "side"
+
+    def _current(self):
+        return "compute"
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        if self.refuse_pinning_after is not None and self.slabs >= self.refuse_pinning_after:
+            raise RuntimeError("CUDA error: out of memory (FakeTransport refuses to pin more host memory)")
         self.slabs += 1
         self.log.append(("slab", nbytes))
         return torch.zeros(nbytes, dtype=torch.uint8)
 
-    def copy_to_host(self, src, segments, tag):
-        self.log.append(("d2h", tag, src.numel()))
-        self.host_offsets.append(segments[0][1].data_ptr())
+    def _empty(self, nbytes: int, stream) -> torch.Tensor:
+        assert stream == "side", stream
+        self._check_frees()
+        dst = torch.full((nbytes,), POISON, dtype=torch.uint8)
+        self._block = DeviceBlock(dst)
+        self.blocks.append(self._block)
+        return dst
+
+    def _copy(self, dst, src, stream) -> None:
+        assert stream == "side", stream
+        direction, tag, written = self._transfer
+        if direction == "h2d":
+            self._ops.append(lambda: dst.copy_(src))
+            return
+        ordered = self.side_synced >= written
+        ref, offset, n = StorageWeakRef(src.untyped_storage()), src.storage_offset(), src.numel()
 
         def run() -> None:
-            for offset, host in segments:
-                host.copy_(src[offset:offset + host.numel()])
+            if not ordered:
+                self.hazards.append(f"d2h {tag}: read before the compute stream wrote it (no wait_stream)")
+                dst.fill_(POISON)
+            elif ref.expired():
+                self.hazards.append(f"d2h {tag}: its source was freed before the copy ran")
+                dst.fill_(POISON)
+            else:
+                storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+                dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage, offset, (n,)))
 
-        return self._issue("d2h", tag, run)
+        self._ops.append(run)
 
-    def copy_to_device(self, segments, nbytes, tag):
-        self.log.append(("h2d", tag, nbytes))
-        dst = torch.full((nbytes,), 255, dtype=torch.uint8)  # NaN in every float dtype until the copy runs
+    def _wait_stream(self, stream, other) -> None:
+        assert (stream, other) == ("side", "compute"), (stream, other)
+        self.side_synced = self.clock
 
-        def run() -> None:
-            for offset, host in segments:
-                dst[offset:offset + host.numel()].copy_(host)
+    def _record_event(self, stream):
+        assert stream == "side", stream
+        direction, tag, _ = self._transfer
+        event = FakeEvent(direction, tag)
+        event.block, self._block = (self._block if direction == "h2d" else None), None
+        self.queue.append((self._ops, event))
+        self._ops = []
+        self._advance(self.lag)
+        return event
 
-        return dst, self._issue("h2d", tag, run)
-
-    def wait(self, event) -> None:
-        # The compute stream waits: the side stream must have reached the event.
-        self.log.append(("wait", event.kind, event.tag))
+    def _wait_event(self, stream, event) -> None:
+        assert stream == "compute", stream
         while not event.done:
             self._advance(len(self.queue) - 1)
+        if event.block is not None:
+            event.block.read_by_compute = True
 
-    def query(self, event) -> bool:
+    def _query(self, event) -> bool:
         return event.done
+
+    def _record_stream(self, tensor, stream) -> None:
+        assert stream == "compute", stream
+        key = tensor.untyped_storage()._cdata
+        for block in self.blocks:
+            if block.cdata == key and not block.ref.expired():
+                block.recorded = True
+
+    # -- the model's bookkeeping
+    def _advance(self, keep: int) -> None:
+        while len(self.queue) > keep:
+            ops, event = self.queue.popleft()
+            for op in ops:
+                op()
+            event.done = True
+
+    def _check_frees(self) -> None:
+        for block in [b for b in self.blocks if b.ref.expired()]:
+            self.blocks.remove(block)
+            if block.read_by_compute and not block.recorded:
+                raise AssertionError(
+                    f"a restored block of {block.nbytes} bytes was freed while the compute stream may still read it, "
+                    "without record_stream: the side stream's next allocation could overwrite it")
+
+    def live_device_bytes(self) -> int:
+        """Bytes of restored (side-stream) device memory still referenced."""
+        return sum(b.nbytes for b in self.blocks if not b.ref.expired())
 
     def tags(self, kind: str) -> list[int]:
         return [entry[1] for entry in self.log if entry[0] == kind]
@@ -163,6 +284,55 @@ def test_a_missing_wait_corrupts_gradients():
 
     got = gpt_step(model, idx, offloader(NoWait(lag=1000), model=model))
     assert any(not torch.equal(got[n], expected[n]) for n in expected), "gradients matched without waiting"
+
+
+def _chain_step(model: nn.Module, x: torch.Tensor, off: ActivationOffloader | None = None) -> dict:
+    model.zero_grad(set_to_none=True)
+    if off is None:
+        model(x).square().sum().backward()
+    else:
+        with off:
+            loss = model(x).square().sum()
+        loss.backward()
+    return grads(model)
+
+
+def test_sources_outlive_their_copies_to_the_host():
+    """Copies lag far behind compute (8 transfers) and only one may be in flight: the offloader lets each source
+    go only once its copy is done or the compute stream waits for it; no copy reads a freed source."""
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    expected = _chain_step(model, x)
+    transport = FakeTransport(lag=8)
+    for _ in range(2):
+        assert_same_grads(_chain_step(model, x, offloader(transport, prefetch_depth=1)), expected)
+    assert transport.hazards == [], transport.hazards
+    assert transport.tags("h2d"), "nothing came back from the host: the test would prove nothing"
+
+
+@pytest.mark.parametrize("missing", ["release wait", "wait_stream", "record_stream"])
+def test_the_stream_model_catches_a_missing_synchronisation(monkeypatch, missing):
+    """The tests above can fail: without each synchronisation, gradients go wrong or the model of the caching
+    allocator sees memory reused under the compute stream."""
+    if missing == "release wait":  # _release_src dropping the source without the compute stream waiting
+        monkeypatch.setattr(ActivationOffloader, "_release_src", lambda self, record: setattr(record, "src", None))
+    elif missing == "wait_stream":
+        monkeypatch.setattr(FakeTransport, "_wait_stream", lambda self, stream, other: None)
+    else:
+        monkeypatch.setattr(FakeTransport, "_record_stream", lambda self, tensor, stream: None)
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    expected = _chain_step(model, x)
+    transport = FakeTransport(lag=8)
+    try:
+        got = _chain_step(model, x, offloader(transport, prefetch_depth=1))
+    except AssertionError as e:
+        assert "record_stream" in str(e), e
+        return
+    assert any(not torch.equal(got[n], expected[n]) for n in expected), f"{missing}: gradients matched"
+    assert transport.hazards, f"{missing}: no hazard seen"
 
 
 def test_hugging_face_llama_gradients_identical():
@@ -479,12 +649,7 @@ def test_cpu_only_context_is_a_noop_that_says_so_once(monkeypatch):
         offload_activations(device="cuda")
 
 
-# -- apply_checkpointing(offload=True) and per-block policies (the change to checkpointing.py of issue 5) ----
-_HAS_POLICIES = "policies" in inspect.signature(apply_checkpointing).parameters
-needs_policies = pytest.mark.skipif(not _HAS_POLICIES, reason="apply_checkpointing has no per-block policies yet")
-
-
-@needs_policies
+# -- apply_checkpointing(offload=True) and per-block policies ------------------------------------------------
 def test_apply_checkpointing_offload_moves_block_inputs_only():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, seq_len=16, dropout=0.1))
@@ -534,7 +699,6 @@ def test_apply_checkpointing_offload_moves_inputs_given_by_keyword():
     assert moved == [8 * 32 * 4] * 3, f"moved {moved}: expected the three blocks' keyword inputs of {8 * 32 * 4} bytes"
 
 
-@needs_policies
 def test_per_block_keep_recompute_offload():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, seq_len=16))
@@ -552,7 +716,6 @@ def test_per_block_keep_recompute_offload():
     assert len(e.value.problems) == 2, e.value.problems
 
 
-@needs_policies
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_apply_checkpointing_offload_without_cuda_is_a_noop(monkeypatch):
     monkeypatch.setattr(offload_mod, "_NOOP_WARNED", False)
