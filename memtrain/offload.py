@@ -14,7 +14,8 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
   tensors saved twice share one copy. Parameters, buffers, casts of parameters (autocast's weight copies) and
   everything saved once the model's head has started (logits and the loss) stay on the device;
 - backward: tensors come back in reverse order of saving (after the first step: in the order backward really
-  used them, recorded then), ``prefetch_depth`` tensors ahead of use;
+  used them, recorded then), ``prefetch_depth`` tensors ahead of use; a callback at the end of backward drops
+  whatever is still restored, so the optimizer step runs without it;
 - safety: every copy is on one side stream. The side stream waits for the compute stream before reading a
   tensor; the device tensor is kept until its copy is done (or the compute stream waits on the copy's event);
   the compute stream waits on an event before using a restored tensor, which is then ``record_stream``-ed to
@@ -60,6 +61,7 @@ class Transport(Protocol):
 
     ``copy_to_host`` and ``copy_to_device`` are asynchronous; the event they return is done when the copy is.
     ``wait`` makes the *current* (compute) stream wait for an event without blocking the host.
+    ``allocate_host`` raises ``RuntimeError`` when the host memory cannot be had.
     """
 
     device: torch.device
@@ -123,13 +125,7 @@ class CudaTransport:
         self.stream = self._new_stream()
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
-        try:
-            return self._pinned(nbytes)
-        except RuntimeError as e:
-            raise MemtrainError(
-                f"offload_activations could not pin {format_bytes(nbytes)} of host memory ({e}). To resolve this "
-                "error, pass a smaller host_budget_bytes (or free host memory)."
-            ) from None
+        return self._pinned(nbytes)  # a RuntimeError when it cannot: HostPool keeps the tensors on the device
 
     def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any:
         # The kernels writing src are queued on the compute stream: the copy must start after them.
@@ -214,6 +210,7 @@ class HostPool:
         self._live: dict[int, int] = {}  # start -> end
         self._top = 0
         self.peak_used_bytes = 0
+        self.pin_error: str | None = None  # why the last slab could not be allocated; the capacity stopped there
 
     @property
     def reserved_bytes(self) -> int:
@@ -230,7 +227,14 @@ class HostPool:
         if end > self.capacity_bytes:
             return None
         while self.reserved_bytes < end:
-            self.slabs.append(self.transport.allocate_host(self.slab_bytes))
+            try:
+                self.slabs.append(self.transport.allocate_host(self.slab_bytes))
+            except RuntimeError as e:
+                # Host memory ran out after the up-front check (other processes pin and allocate too): what is
+                # pinned is all there will be, rather than a failed step or a retry at every tensor.
+                self.pin_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self.capacity_bytes = self.reserved_bytes
+                return None
         self._live[start] = end
         self._top = end
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
@@ -300,7 +304,7 @@ class OffloadStats:
     offloaded_bytes: int  # bytes copied device -> host
     deduplicated: int  # saved tensors whose storage was already on its way to the host
     kept: tuple[tuple[str, int], ...]  # (reason, count) for saved tensors left where they were
-    over_budget_bytes: int  # bytes kept on the device because the host budget was full
+    over_budget_bytes: int  # bytes kept on the device because the host budget was full or could not be pinned
     prefetched: int  # host -> device copies started ahead of use
     fetched_on_demand: int  # host -> device copies started when backward already needed the tensor
     served_from_device: int  # records used in backward while their device copy still existed (no copy back)
@@ -423,6 +427,7 @@ class ActivationOffloader:
         self._inflight: collections.deque[_Record] = collections.deque()
         self._finished: collections.deque[_Record] = collections.deque()
         self._warned_budget = False
+        self._end_queued_for = -1  # the backward (graph task) whose end will release what is still restored
         self._counts: collections.Counter[str] = collections.Counter()
         self._kept: collections.Counter[str] = collections.Counter()
 
@@ -533,16 +538,26 @@ class ActivationOffloader:
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record | None:
         nbytes = storage.nbytes()
-        extent = self.pool.alloc(nbytes)
+        pool = self.pool
+        extent = pool.alloc(nbytes)
         if extent is None:
+            # Kept on the device, as if it were not worth a copy: the step still runs, with more device memory.
             self._counts["over_budget_bytes"] += nbytes
+            self._kept["pinning failed" if pool.pin_error else "host budget"] += 1
             if not self._warned_budget:
                 self._warned_budget = True
-                warnings.warn(
-                    f"offload_activations: the host budget of {format_bytes(self.pool.capacity_bytes)} is full "
-                    f"({format_bytes(self.pool.used_bytes)} in use); tensors that do not fit stay on the device "
-                    "(OffloadStats.over_budget_bytes counts them). Hint: raise host_budget_bytes, or checkpoint "
-                    "more blocks.", stacklevel=4)
+                if pool.pin_error:
+                    message = (f"offload_activations could not pin {format_bytes(pool.slab_bytes)} more host "
+                               f"memory ({pool.pin_error}); it keeps using the {format_bytes(pool.reserved_bytes)} "
+                               "pinned so far, and tensors that do not fit stay on the device "
+                               "(OffloadStats.over_budget_bytes counts them). Hint: free host memory, or pass "
+                               "a smaller host_budget_bytes.")
+                else:
+                    message = (f"offload_activations: the host budget of {format_bytes(pool.capacity_bytes)} is "
+                               f"full ({format_bytes(pool.used_bytes)} in use); tensors that do not fit stay on "
+                               "the device (OffloadStats.over_budget_bytes counts them). Hint: raise "
+                               "host_budget_bytes, or checkpoint more blocks.")
+                warnings.warn(message, stacklevel=4)
             return None
         record = _Record(self._epoch_id, len(self._epoch), nbytes, extent)
         record.src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
@@ -582,6 +597,7 @@ class ActivationOffloader:
         with self._lock:
             self._drain()
             self._unpacked_since_pack = True
+            self._release_at_end_of_backward()
             record = packed.record
             current = record.epoch == self._epoch_id
             if current and self._plan is None:
@@ -600,6 +616,26 @@ class ActivationOffloader:
             if current:
                 self._prefetch_after(record)
             return out
+
+    def _release_at_end_of_backward(self) -> None:
+        # Nothing calls the offloader between backward and the optimizer step: without a callback at the end of
+        # backward, the last records' device copies (and sources still copying) would stay through the step.
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._end_queued_for:
+            self._end_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Backward is over: released records free their host blocks; the others (``retain_graph``) keep only
+        their host copy, fetched again if another backward needs it."""
+        with self._lock:
+            self._drain()
+            for record in (*self._epoch, *self._finished, *self._inflight):
+                record.data = None
+                if record.src is not None:
+                    self._release_src(record)
+            self._finished.clear()
+            self._retire_copies()
 
     def _finish_pass(self, record: _Record) -> None:
         """Every live saved tensor of this storage is out: autograd holds what it still needs."""
@@ -741,7 +777,7 @@ def offload_activations(
         min_bytes: smallest storage (bytes) worth a copy; default 1 MiB.
         host_budget_bytes: most pinned host memory to use (bytes); default half the RAM available now. Checked
             against the available RAM before anything is allocated. Tensors that do not fit stay on the device,
-            with one warning.
+            with one warning; so do they when pinning more host memory fails mid-run.
         prefetch_depth: copies in flight each way: saved tensors fetched ahead of backward, and copies to the
             host outstanding before the compute stream waits for the oldest.
         device: the CUDA device whose tensors move (default: the model's device, else the current CUDA device).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ class FakeTransport(CudaTransport):
         self.clock = 0  # the compute stream's progress
         self.side_synced = 0  # the compute clock the side stream last waited for
         self.blocks: list[DeviceBlock] = []
+        self.sources: list[tuple[weakref.ref, int]] = []  # the offloader's handle on each source, with its bytes
         self._ops: list = []  # side-stream copies issued since the last event
         self._transfer: tuple[str, int, int] = ("", -1, 0)  # (direction, tag, compute tick its source was written)
         self._block: DeviceBlock | None = None
@@ -89,6 +91,7 @@ class FakeTransport(CudaTransport):
         self.log.append(("d2h", tag, src.numel()))
         self.host_offsets.append(segments[0][1].data_ptr())
         self._transfer = ("d2h", tag, self.clock)
+        self.sources.append((weakref.ref(src), src.numel()))
         return super().copy_to_host(src, segments, tag)
 
     def copy_to_device(self, segments, nbytes, tag):
@@ -203,8 +206,10 @@ class FakeTransport(CudaTransport):
                     "without record_stream: the side stream's next allocation could overwrite it")
 
     def live_device_bytes(self) -> int:
-        """Bytes of restored (side-stream) device memory still referenced."""
-        return sum(b.nbytes for b in self.blocks if not b.ref.expired())
+        """Bytes of device memory the offload still holds: restored blocks, and the sources of copies to the host
+        that the offloader still references."""
+        return (sum(b.nbytes for b in self.blocks if not b.ref.expired())
+                + sum(n for ref, n in self.sources if ref() is not None))
 
     def tags(self, kind: str) -> list[int]:
         return [entry[1] for entry in self.log if entry[0] == kind]
@@ -613,6 +618,50 @@ def test_host_budget_keeps_the_rest_on_device_and_warns_once():
     stats = off.stats()
     assert stats.host_peak_used_bytes <= 2048 and stats.host_reserved_bytes <= 2048, stats
     assert stats.over_budget_bytes > 0 and stats.offloaded_bytes > 0, stats
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_nothing_offloaded_holds_device_memory_after_backward(retain_graph):
+    """The optimizer step runs right after backward: no restored tensor nor copy source may still be on the
+    device then (nothing calls into the offloader between backward and the step to release them)."""
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    expected = _chain_step(model, x)
+    transport = FakeTransport(lag=3)
+    off = offloader(transport, prefetch_depth=2)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with off:
+            loss = model(x).square().sum()
+        assert transport.live_device_bytes() > 0, "nothing on the device after forward: the test proves nothing"
+        loss.backward(retain_graph=retain_graph)
+        held = transport.live_device_bytes()
+        assert held == 0, f"step {step}: {held} bytes of offloaded tensors still on the device after backward"
+        assert_same_grads(grads(model), expected)
+    if retain_graph:  # the host copies serve a second backward of the same graph
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        assert_same_grads(grads(model), expected)
+
+
+def test_a_pinning_failure_mid_forward_keeps_tensors_on_the_device_with_one_warning():
+    """Host memory can run out after the up-front check (other processes pin too): the offloader keeps what it
+    cannot pin on the device, as over its budget, and says so once."""
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    expected = _chain_step(model, x)
+    transport = FakeTransport(lag=1, refuse_pinning_after=2)
+    off = offloader(transport, slab_bytes=1024)  # each step needs more than the two slabs that can be pinned
+    with pytest.warns(UserWarning, match="could not pin") as record:
+        for _ in range(2):
+            assert_same_grads(_chain_step(model, x, off), expected)
+    assert len(record) == 1, [str(w.message) for w in record]
+    stats = off.stats()
+    kept = dict(stats.kept)
+    assert kept.get("pinning failed", 0) > 0 and stats.over_budget_bytes > 0, stats
+    assert stats.offloaded_bytes > 0 and stats.host_reserved_bytes == 2 * 1024, stats
 
 
 # -- configuration and the CPU-only no-op -------------------------------------------------------------------
