@@ -124,6 +124,10 @@ class CudaTransport:
         self.device = device
         self.stream = self._new_stream()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A stream cannot be pickled: a model saved with an offloader gets a fresh one where it is loaded.
+        return _cuda_transport, (str(self.device),)
+
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         return self._pinned(nbytes)  # a RuntimeError when it cannot: HostPool keeps the tensors on the device
 
@@ -185,6 +189,23 @@ class CudaTransport:
 
     def _record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
+
+
+def _cuda_transport(device: str) -> CudaTransport | None:
+    """A transport for ``device``, or None (a disabled offloader, said once) where that device does not exist."""
+    index = torch.device(device).index or 0
+    if torch.cuda.is_available() and index < torch.cuda.device_count():
+        return CudaTransport(torch.device(device))
+    _warn_noop(f"the offloader was saved on {device}, which this machine does not have")
+    return None
+
+
+def _warn_noop(why: str) -> None:
+    global _NOOP_WARNED
+    if not _NOOP_WARNED:
+        _NOOP_WARNED = True
+        warnings.warn(f"offload_activations: {why}, so saved activations already live in host memory; the context "
+                      "does nothing.", stacklevel=3)
 
 
 # -- the host pool ------------------------------------------------------------------------------------------
@@ -360,7 +381,9 @@ class ActivationOffloader:
     """The context ``offload_activations`` returns: build it once, enter it every step (pool and order persist).
 
     Disabled (a transparent no-op) when ``transport`` is None. Re-entrant: the same offloader may be entered by
-    each checkpointed block and share one pool and one recorded order for the whole model.
+    each checkpointed block and share one pool and one recorded order for the whole model. A model holding one
+    pickles (``torch.save(model)``): the offloader is saved as its settings and built fresh where it is loaded;
+    ``copy.deepcopy`` shares it.
     """
 
     def __init__(self, transport: Transport | None, *, model: nn.Module | None = None,
@@ -384,10 +407,19 @@ class ActivationOffloader:
             problems.append(f"head={type(head).__name__}: it must be an nn.Module (the output layer). To resolve "
                             "this error, pass e.g. head=model.lm_head.")
         ConfigError.raise_if(problems)
+        head = None if include_logits else (head or (_find_head(model) if model is not None else None))
+        self._start(transport, model=model, head=head, min_bytes=min_bytes, host_budget_bytes=host_budget_bytes,
+                    prefetch_depth=prefetch_depth, slab_bytes=slab_bytes)
 
+    def _start(self, transport: Transport | None, *, model: nn.Module | None, head: nn.Module | None,
+               min_bytes: int, host_budget_bytes: int | None, prefetch_depth: int, slab_bytes: int | None) -> None:
+        """Builds the runtime state from settings already checked (``head`` already found, or None)."""
+        # What pickling keeps: the settings as given (a default budget is half the free RAM where it is loaded).
+        self._settings = dict(model=model, head=head, min_bytes=min_bytes, host_budget_bytes=host_budget_bytes,
+                              prefetch_depth=prefetch_depth, slab_bytes=slab_bytes)
         self.transport = transport
         self.model = model
-        self.head = None if include_logits else (head or (_find_head(model) if model is not None else None))
+        self.head = head
         self.min_bytes = min_bytes
         self.prefetch_depth = prefetch_depth
         self.device = transport.device if transport is not None else None
@@ -446,6 +478,15 @@ class ActivationOffloader:
         # A copied model (e.g. estimate's meta copy) shares the offloader: it is a runtime resource (a pinned pool,
         # a side stream), not state of the model.
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.save(model) / pickle: a lock, a stream, pinned slabs and this step's records cannot (and need not)
+        # be saved. The settings are; the transport pickles as a fresh one (or None where CUDA is missing).
+        return {"transport": self.transport, **self._settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self._start(state.pop("transport"), **state)
 
     def __enter__(self) -> ActivationOffloader:
         if not self.enabled:
@@ -815,11 +856,7 @@ def offload_activations(
             device = torch.device("cuda", torch.cuda.current_device())
         transport = CudaTransport(device)
     elif device.type == "cpu":
-        global _NOOP_WARNED
-        if not _NOOP_WARNED:
-            _NOOP_WARNED = True
-            warnings.warn("offload_activations: no CUDA device, so saved activations already live in host memory; "
-                          "the context does nothing.", stacklevel=2)
+        _warn_noop("no CUDA device")
     else:
         raise ConfigError(f"offload_activations(device={str(device)!r}): only CUDA devices are supported. To "
                           "resolve this error, train on CUDA, or drop activation offload.")

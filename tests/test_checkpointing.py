@@ -447,3 +447,75 @@ def test_a_selectively_checkpointed_model_saves_and_loads_whole():
     x = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(loaded(x, x), model(x, x), rtol=0, atol=0)
     assert checkpointed_blocks(loaded) == ["blocks.0", "blocks.1"]
+
+
+_OFFLOADING_POLICIES = {
+    "offload=True": dict(offload=True),
+    "every2+offload": dict(every=2, offload=True),
+    "selective+offload": dict(selective=("matmul",), offload=True),
+    "offload blocks": dict(policies={f"blocks.{i}": "offload" for i in range(4)}),
+    "keep/recompute/offload": dict(policies={"blocks.0": "offload", "blocks.1": "keep"}, offload=True),
+}
+
+
+def _copy_model(model: nn.Module, how: str) -> nn.Module:
+    import io
+    import pickle
+
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+@pytest.mark.parametrize("policy", list(_OFFLOADING_POLICIES), ids=list(_OFFLOADING_POLICIES))
+def test_a_model_with_an_offloader_saves_loads_and_trains_with_the_same_gradients(policy, how):
+    """The offloader (a lock, a side stream, pinned slabs, a step's records) is pickled as its settings and built
+    fresh on load; a deep copy shares it (a runtime resource, as estimate's meta copy needs)."""
+    from memtrain.offload import ActivationOffloader, CpuTransport
+
+    model = gpt(n_layer=4, dropout=0.1)
+    offloader = ActivationOffloader(CpuTransport(), min_bytes=1, host_budget_bytes=2**24, slab_bytes=2**16)
+    names = apply_checkpointing(model, offloader=offloader, **_OFFLOADING_POLICIES[policy])
+
+    def step(m: nn.Module) -> dict[str, torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        gpt_step(m).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    step(model)  # the offloader now holds a pool and a recorded order
+    assert offloader.stats().offloaded_bytes > 0, "nothing offloaded: the test would prove nothing"
+    loaded = _copy_model(model, how)
+    assert checkpointed_blocks(loaded) == names
+    offloaders = {id(m.forward.spec.offloader) for m in loaded.modules() if "forward" in m.__dict__}
+    assert len(offloaders) == 1, "the loaded blocks must share one offloader"
+    loaded_offloader = next(m.forward.spec.offloader for m in loaded.modules() if "forward" in m.__dict__)
+    if how == "deepcopy":
+        assert loaded_offloader is offloader
+    else:
+        assert loaded_offloader is not offloader and loaded_offloader.enabled
+        assert loaded_offloader.stats().offloaded_bytes == 0 and loaded_offloader.pool.reserved_bytes == 0
+    expected = step(model)
+    got = step(loaded)
+    for name in expected:
+        diff = (got[name] - expected[name]).abs().max().item()
+        assert torch.equal(got[name], expected[name]), f"{name}: the loaded model's gradient differs by {diff:.3e}"
+    assert loaded_offloader.stats().offloaded_bytes > 0
+
+
+def test_a_model_with_the_cpu_only_offloader_pickles(monkeypatch):
+    """Without CUDA, offload=True builds a disabled offloader: it pickles too."""
+    import memtrain.offload as offload_mod
+
+    monkeypatch.setattr(offload_mod, "_NOOP_WARNED", True)
+    model = gpt(n_layer=2, dropout=0.0)
+    apply_checkpointing(model, offload=True, policies={"blocks.1": "offload"})
+    loaded = _copy_model(model, "torch.save")
+    x = torch.randint(0, 256, (2, 64))
+    torch.testing.assert_close(loaded(x, x), model(x, x), rtol=0, atol=0)

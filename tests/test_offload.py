@@ -777,6 +777,18 @@ def test_apply_checkpointing_offload_without_cuda_is_a_noop(monkeypatch):
     assert_same_grads(gpt_step(model, idx), expected)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_a_cuda_transport_loads_as_none_without_cuda(monkeypatch):
+    """A model saved with an offloader on a GPU loads on a CPU-only machine with a disabled (no-op) offloader."""
+    import pickle
+
+    monkeypatch.setattr(offload_mod, "_NOOP_WARNED", False)
+    transport = object.__new__(CudaTransport)  # what a GPU run pickles: its device (the stream is not saved)
+    transport.device = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match="saved on cuda:0, which this machine does not have"):
+        assert pickle.loads(pickle.dumps(transport)) is None
+
+
 def test_forwards_without_backward_do_not_pile_up():
     torch.manual_seed(0)
     model = Chain()
