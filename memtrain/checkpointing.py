@@ -500,6 +500,10 @@ def apply_checkpointing(
     if offloader is None and (offload or "offload" in choices.values()):
         # One offloader for the whole model: one pinned pool, one recorded backward order.
         offloader = offload_activations(device=next(model.parameters()).device)
+    if offloader is not None:
+        # Entered per block, it is not given the model: it must still know the weights (frozen ones and their
+        # autocast copies too), which stay on the device.
+        offloader.track_state(model)
 
     # Re-wrapping with new settings starts from a clean model, so "every" means the same on every call.
     remove_checkpointing(model)

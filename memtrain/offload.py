@@ -11,8 +11,8 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
 
 - forward: a saved tensor whose storage is at least ``min_bytes`` is copied, whole storage at once, into a
   block of a pinned host pool (fixed-size slabs under a host-RAM budget, reused every step); views and
-  tensors saved twice share one copy. Parameters, buffers, casts of parameters (autocast's weight copies) and
-  everything saved once the model's head has started (logits and the loss) stay on the device;
+  tensors saved twice share one copy. Parameters (frozen ones too), buffers, casts of parameters (autocast's
+  weight copies) and everything saved once the model's head has started (logits and the loss) stay on the device;
 - backward: tensors come back in reverse order of saving (after the first step: in the order backward really
   used them, recorded then), ``prefetch_depth`` tensors ahead of use; a callback at the end of backward drops
   whatever is still restored, so the optimizer step runs without it;
@@ -34,6 +34,7 @@ import collections
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -444,7 +445,12 @@ class ActivationOffloader:
         self._dead: collections.deque[tuple[_Record, int]] = collections.deque()
         self._hooks: list[Any] = []
         self._module_hooks: list[Any] = []
-        self._state_keys: set[int] = set()
+        self._state_keys: set[int] = set()  # storages of the tracked modules' parameters and buffers
+        self._frozen_shapes: set[tuple[int, ...]] = set()  # shapes of their frozen floating-point parameters
+        self._state_epoch = -1  # the step the two sets above were gathered for
+        self._tracked: list[weakref.ref[nn.Module]] = []
+        if model is not None:
+            self.track_state(model)
         self._in_tail = False
         self._epoch_id = 0
         self._epoch: list[_Record] = []  # this step's records, in the order they were saved
@@ -482,11 +488,34 @@ class ActivationOffloader:
     def __getstate__(self) -> dict[str, Any]:
         # torch.save(model) / pickle: a lock, a stream, pinned slabs and this step's records cannot (and need not)
         # be saved. The settings are; the transport pickles as a fresh one (or None where CUDA is missing).
-        return {"transport": self.transport, **self._settings}
+        tracked = [m for m in (ref() for ref in self._tracked) if m is not None]
+        return {"transport": self.transport, "tracked": tracked, **self._settings}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
+        tracked = state.pop("tracked", [])
         self._start(state.pop("transport"), **state)
+        for module in tracked:
+            self.track_state(module)
+
+    def track_state(self, module: nn.Module) -> None:
+        """Keeps the parameters and buffers of ``module`` on the device, with views and copies of its frozen
+        parameters (autocast's casts: made afresh at every use, they have no autograd history to trace).
+
+        ``model=`` is tracked already; ``apply_checkpointing`` tracks the model whose blocks share the offloader.
+        """
+        if not any(ref() is module for ref in self._tracked):
+            self._tracked.append(weakref.ref(module))
+            self._state_epoch = -1
+
+    def _gather_state(self) -> None:
+        # Once a step, not at every (per-block) enter: parameters may be replaced between steps (model.to(...)),
+        # and frozen ones may be unfrozen.
+        modules = [m for m in (ref() for ref in self._tracked) if m is not None]
+        params = [p for m in modules for p in m.parameters()]
+        self._state_keys = {t.untyped_storage()._cdata for t in (*params, *(b for m in modules for b in m.buffers()))}
+        self._frozen_shapes = {tuple(p.shape) for p in params if not p.requires_grad and p.is_floating_point()}
+        self._state_epoch = self._epoch_id
 
     def __enter__(self) -> ActivationOffloader:
         if not self.enabled:
@@ -494,8 +523,6 @@ class ActivationOffloader:
         if not self._hooks:
             self._in_tail = False
             if self.model is not None:
-                self._state_keys = {t.untyped_storage()._cdata for t in (*self.model.parameters(),
-                                                                          *self.model.buffers())}
                 self._module_hooks.append(self.model.register_forward_pre_hook(self._leave_tail))
             if self.head is not None:
                 self._module_hooks.append(self.head.register_forward_pre_hook(self._enter_tail))
@@ -546,8 +573,14 @@ class ActivationOffloader:
         if isinstance(t, nn.Parameter) or storage._cdata in self._state_keys:
             return "parameter"
         base = t if t._base is None else t._base
-        if (base.is_leaf and base.requires_grad) or _derived_from_leaf(t):
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or _derived_from_leaf(t):
             return "parameter"
+        if (base.grad_fn is None and not base.requires_grad and base.is_floating_point()
+                and tuple(base.shape) in self._frozen_shapes):
+            # NOTE: a cast of a frozen weight is a fresh tensor with no history; its shape is all that tells it
+            # apart. An activation of no history (before any trainable weight) with a frozen weight's shape stays
+            # too: a copy saved, never a wrong gradient.
+            return "copy of a frozen parameter"
         if self._in_tail:
             return "logits"
         return None
@@ -558,6 +591,8 @@ class ActivationOffloader:
             if self._unpacked_since_pack or (self._epoch and self._epoch_live == 0):
                 # A forward after a backward, or after a graph dropped without one: a new step begins.
                 self._new_epoch()
+            if self._state_epoch != self._epoch_id:
+                self._gather_state()
             reason = self._keep_reason(t)
             if reason is not None:
                 self._kept[reason] += 1
@@ -799,8 +834,8 @@ def offload_activations(
     an uncheckpointed transformer is bandwidth-bound and slows the step down. Build the context once and enter
     it every step: the pinned pool and the recorded backward order persist in it.
 
-    What stays on the device: tensors whose storage is under ``min_bytes``; parameters, buffers, views and
-    casts of them (autocast's weight copies); and everything saved once ``head`` has started its forward (the
+    What stays on the device: tensors whose storage is under ``min_bytes``; parameters (frozen ones too: LoRA's
+    base weights), buffers, views and casts of them (autocast's weight copies); and everything saved once ``head`` has started its forward (the
     logits, the loss's fp32 softmax): backward needs those first, so moving them out and back would only add
     traffic. ``head`` defaults to the model's output layer (Hugging Face ``get_output_embeddings()``, else a
     child named ``lm_head``/``head``/``output``); ``include_logits=True`` offloads them too.
@@ -809,9 +844,10 @@ def offload_activations(
     and with offloading the value backward sees is undefined. Do not modify saved tensors in place.
 
     Args:
-        model: the model being trained, when the context wraps its whole forward: its buffers are never
-            offloaded (matched by storage; parameters never are in any case), its head is found, and its device
-            is the default ``device``. Leave it out for a context entered per block (``wrap``).
+        model: the model being trained, when the context wraps its whole forward: its buffers and the copies of
+            its frozen parameters are never offloaded (parameters never are in any case), its head is found, and
+            its device is the default ``device``. Leave it out for a context entered per block (``wrap``), and
+            call ``track_state(model)`` instead (``apply_checkpointing`` does).
         head: the module whose start marks the tail of the forward kept on the device (default: found in
             ``model``); ignored when ``include_logits``.
         include_logits: offload the tail too.

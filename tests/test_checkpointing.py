@@ -289,6 +289,47 @@ def test_gradients_flow_when_no_input_requires_grad():
             assert b.grad is not None and torch.equal(a.grad, b.grad), name
 
 
+class LoRA(nn.Module):
+    """A frozen Linear plus a trainable low-rank adapter, as PEFT's LoRA wraps it."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # PEFT starts B at zero; non-zero, so that A gets gradients
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_lora_adapters_get_the_same_gradients_with_every_input_and_weight_frozen(autocast):
+    """No block input requires grad (frozen embeddings) and every base weight is frozen: only the adapters
+    inside the checkpointed blocks train, and their gradients equal plain training's."""
+    model = gpt(n_layer=3, dropout=0.1)
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.attn.qkv, block.mlp.fc = LoRA(block.attn.qkv), LoRA(block.mlp.fc)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    plain, wrapped, _, _ = run_twice(model, lambda m: _with(amp, lambda: gpt_step(m)))
+    trainable = [n for n, p in plain.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable), trainable
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert a.grad is not None and b.grad is not None, name
+            diff = (a.grad - b.grad).abs().max().item()
+            assert torch.equal(a.grad, b.grad), f"{name}: gradients differ, max abs diff {diff:.3e}"
+        else:
+            assert a.grad is None and b.grad is None, name
+
+
+def _with(context, fn):
+    with context:
+        loss = fn()
+    return loss
+
+
 def test_no_checkpointing_under_no_grad():
     model = gpt(n_layer=2)
     apply_checkpointing(model)

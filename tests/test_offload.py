@@ -9,6 +9,7 @@ in which order can be checked.
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 import weakref
 
@@ -517,6 +518,98 @@ def test_checkpointed_blocks_offload_exactly_their_inputs():
     block_input = 3 * 16 * 32 * 4
     moved = [n for kind, _, n in (e for e in transport.log if e[0] == "d2h")]
     assert moved == [block_input] * 4, f"moved {moved}, expected four block inputs of {block_input} bytes"
+
+
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a small trainable low-rank adapter, as PEFT's LoRA builds it."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 4):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).requires_grad_(False)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # PEFT starts B at zero; non-zero, so that A gets gradients
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class LoRABlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width).requires_grad_(False)
+        self.up = LoRALinear(width, 3 * width)
+        self.down = LoRALinear(3 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class LoRANet(nn.Module):
+    """Frozen embedding, blocks with frozen base weights and trainable adapters, a frozen head."""
+
+    def __init__(self, width: int = 40, vocab: int = 50, n_blocks: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width).requires_grad_(False)
+        self.blocks = nn.ModuleList(LoRABlock(width) for _ in range(n_blocks))
+        self.head = nn.Linear(width, vocab).requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), idx.flatten())
+
+
+class RecordingTransport(FakeTransport):
+    """Keeps the bytes of every copy to the host, to tell what crossed the link."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.moved: list[torch.Tensor] = []
+
+    def copy_to_host(self, src, segments, tag):
+        self.moved.append(src.clone())  # the CPU has written src already
+        return super().copy_to_host(src, segments, tag)
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
+@pytest.mark.parametrize("how", ["whole model", "offload blocks"])
+def test_frozen_weights_their_views_and_casts_stay_on_the_device(how, autocast):
+    """LoRA: the frozen base weights (and, under autocast, their bf16 copies, made afresh at every use) are saved
+    for backward as operands of the adapters' inputs' gradients; moving them would cross the link twice a step
+    for bytes that are on the device anyway."""
+    torch.manual_seed(0)
+    model = LoRANet()
+    idx = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(1))
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+
+    def step(context=None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with amp, (context or contextlib.nullcontext()):
+            loss = model(idx)
+        loss.backward()
+        return grads(model)
+
+    expected = step()
+    assert expected and all("lora" in n for n in expected), sorted(expected)
+    transport = RecordingTransport(lag=2)
+    if how == "whole model":
+        off = offloader(transport, model=model, include_logits=True)
+        got = step(off)
+    else:  # apply_checkpointing's per-block contexts: the offloader is not given the model
+        off = offloader(transport)
+        apply_checkpointing(model, policies={f"blocks.{i}": "offload" for i in range(3)}, offloader=off)
+        got = step()
+        remove_checkpointing(model)
+    assert_same_grads(got, expected)
+    frozen = [p.detach() for p in model.parameters() if not p.requires_grad and p.dim() == 2]
+    copies = [w.to(dtype).contiguous().view(torch.uint8).flatten() for w in frozen
+              for dtype in (torch.float32, torch.bfloat16)]
+    crossed = [m for m in transport.moved if any(m.numel() == c.numel() and torch.equal(m, c) for c in copies)]
+    assert not crossed, (f"{len(crossed)} frozen weights or copies of them ({sum(m.numel() for m in crossed)} bytes)"
+                         f" crossed the link, out of {sum(m.numel() for m in transport.moved)} bytes moved")
+    assert off.stats().offloaded_bytes > 0, "no activation moved: the test would prove nothing"
 
 
 # -- order, prefetch, pool ----------------------------------------------------------------------------------
