@@ -171,18 +171,18 @@ def _checkpointed_call(
             with _running_stats_frozen(norms):
                 return fn(*a, **kw)
 
-    run, args = _keyword_tensors_positional(run, args, kwargs)
+    run, args, kwargs = _keyword_tensors_positional(run, args, kwargs)
     # Non-reentrant checkpoint saves the block inputs through the outer saved-tensor hooks (the block's own
     # activations go through its inner ones), so the offloader moves exactly the inputs.
     with offloading:
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs)
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs, **kwargs)
 
 
 def _keyword_tensors_positional(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """``fn`` and arguments for ``checkpoint`` with every tensor among ``kwargs`` (nested ones too) appended to the
-    positional arguments, and a closure that rebuilds the keywords.
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """``fn`` and arguments for ``checkpoint``: every tensor among ``kwargs`` (nested ones too) appended to the
+    positional arguments, and a closure that rebuilds the keywords (``kwargs`` as they are when none holds one).
 
     torch stashes the device RNG state (CUDA dropout masks) only for the devices of tensors among checkpoint's
     positional arguments, and saves only those through the saved-tensor hooks: a block called as
@@ -192,7 +192,7 @@ def _keyword_tensors_positional(
     leaves, spec = tree_flatten(kwargs)
     at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if not at:
-        return (functools.partial(fn, **kwargs) if kwargs else fn), args
+        return fn, args, kwargs
     # The closure keeps the non-tensor leaves only: holding the tensors would pin them on the device.
     template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     n = len(args)
@@ -203,7 +203,7 @@ def _keyword_tensors_positional(
             values[i] = tensor
         return fn(*flat[:n], **tree_unflatten(values, spec))
 
-    return call, (*args, *(leaves[i] for i in at))
+    return call, (*args, *(leaves[i] for i in at)), {}
 
 
 class _CheckpointedForward:
