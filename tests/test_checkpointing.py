@@ -48,6 +48,12 @@ def gpt(n_layer: int = 8, dropout: float = 0.1) -> GPT:
     return GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=128, seq_len=64, dropout=dropout))
 
 
+def small_gpt(n_layer: int, dropout: float = 0.1) -> GPT:
+    """For tests of wrapping and copying, where the model's size proves nothing."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=32, seq_len=64, dropout=dropout))
+
+
 def gpt_step(model: GPT) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     x = torch.randint(0, 256, (4, 64), generator=g)
@@ -307,7 +313,7 @@ class LoRA(nn.Module):
 def test_lora_adapters_get_the_same_gradients_with_every_input_and_weight_frozen(autocast):
     """No block input requires grad (frozen embeddings) and every base weight is frozen: only the adapters
     inside the checkpointed blocks train, and their gradients equal plain training's."""
-    model = gpt(n_layer=3, dropout=0.1)
+    model = small_gpt(n_layer=3)
     model.requires_grad_(False)
     for block in model.blocks:
         block.attn.qkv, block.mlp.fc = LoRA(block.attn.qkv), LoRA(block.mlp.fc)
@@ -520,7 +526,7 @@ def test_a_model_with_an_offloader_saves_loads_and_trains_with_the_same_gradient
     fresh on load; a deep copy shares it (a runtime resource, as estimate's meta copy needs)."""
     from memtrain.offload import ActivationOffloader, CpuTransport
 
-    model = gpt(n_layer=4, dropout=0.1)
+    model = small_gpt(n_layer=4)
     offloader = ActivationOffloader(CpuTransport(), min_bytes=1, host_budget_bytes=2**24, slab_bytes=2**16)
     names = apply_checkpointing(model, offloader=offloader, **_OFFLOADING_POLICIES[policy])
 
@@ -555,7 +561,7 @@ def test_a_model_with_the_cpu_only_offloader_pickles(monkeypatch):
     import memtrain.offload as offload_mod
 
     monkeypatch.setattr(offload_mod, "_NOOP_WARNED", True)
-    model = gpt(n_layer=2, dropout=0.0)
+    model = small_gpt(n_layer=2, dropout=0.0)
     apply_checkpointing(model, offload=True, policies={"blocks.1": "offload"})
     loaded = _copy_model(model, "torch.save")
     x = torch.randint(0, 256, (2, 64))
@@ -610,7 +616,7 @@ def test_checkpointing_apply_matches_apply_checkpointing(case):
 
     kwargs, spelling = _POLICY_CASES[case]
     policy = Checkpointing.parse(spelling)
-    by_policy, by_call = gpt(n_layer=5), gpt(n_layer=5)
+    by_policy, by_call = small_gpt(n_layer=5), small_gpt(n_layer=5)
     offloader = ActivationOffloader(CpuTransport(), min_bytes=1, host_budget_bytes=2**24, slab_bytes=2**16)
     apply_checkpointing(by_policy)  # "none" must remove what is there
     names = policy.apply(by_policy, offloader=offloader)
