@@ -95,11 +95,13 @@ def test_offloading_checkpointed_inputs_lowers_the_peak():
     # leave the device.
     assert saved >= (config.n_layer - 6) * block_input, (
         f"peak {checkpointed} -> {offloaded} bytes: saved {saved}, expected >= {(config.n_layer - 6) * block_input}")
-    # Reserved: the side stream's pool holds up to prefetch_depth + 1 restored inputs beside the compute pool.
+    # Reserved: the side stream's pool holds up to prefetch_depth + 1 restored inputs (and a rounding's worth)
+    # that the compute stream cannot reuse; the rest of what the allocated peak lost must leave the cache too.
     saved_reserved = checkpointed_reserved - offloaded_reserved
-    assert saved_reserved >= (config.n_layer - 6 - 3) * block_input, (
+    side_pool = (offloader.prefetch_depth + 2) * block_input
+    assert saved_reserved > 0 and saved_reserved >= saved - side_pool, (
         f"reserved peak {checkpointed_reserved} -> {offloaded_reserved} bytes: saved {saved_reserved}, expected "
-        f">= {(config.n_layer - 9) * block_input}")
+        f">= {saved - side_pool} (the allocated peak's {saved} less a side-stream pool of {side_pool})")
     assert offloader.stats().offloaded_bytes >= config.n_layer * block_input, offloader.stats()
 
 
