@@ -19,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memtrain.errors import ConfigError
@@ -169,10 +171,39 @@ def _checkpointed_call(
             with _running_stats_frozen(norms):
                 return fn(*a, **kw)
 
+    run, args, kwargs = _keyword_tensors_positional(run, args, kwargs)
     # Non-reentrant checkpoint saves the block inputs through the outer saved-tensor hooks (the block's own
     # activations go through its inner ones), so the offloader moves exactly the inputs.
     with offloading:
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs, **kwargs)
+
+
+def _keyword_tensors_positional(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """``fn`` and arguments for ``checkpoint``: every tensor among ``kwargs`` (nested ones too) appended to the
+    positional arguments, and a closure that rebuilds the keywords (``kwargs`` as they are when none holds one).
+
+    torch stashes the device RNG state (CUDA dropout masks) only for the devices of tensors among checkpoint's
+    positional arguments, and saves only those through the saved-tensor hooks: a block called as
+    ``layer(hidden_states=h)`` would recompute other dropout masks on a GPU and keep its input out of an
+    offloader's reach.
+    """
+    leaves, spec = tree_flatten(kwargs)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if not at:
+        return fn, args, kwargs
+    # The closure keeps the non-tensor leaves only: holding the tensors would pin them on the device.
+    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    n = len(args)
+
+    def call(*flat: Any) -> Any:
+        values = list(template)
+        for i, tensor in zip(at, flat[n:], strict=True):
+            values[i] = tensor
+        return fn(*flat[:n], **tree_unflatten(values, spec))
+
+    return call, (*args, *(leaves[i] for i in at)), {}
 
 
 class _CheckpointedForward:
@@ -206,8 +237,25 @@ def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def _signature(module: nn.Module) -> Any:
+    """A module's class; for containers, also the signatures of their children, in order (so that
+    ``Sequential(Linear, GELU, Linear)`` blocks written without a class of their own compare equal)."""
+    if isinstance(module, _CONTAINERS):
+        return type(module), tuple((name, _signature(child)) for name, child in module.named_children())
+    return type(module)
+
+
+def _describe(module: nn.Module) -> str:
+    """``Sequential(Linear, GELU)`` for containers, the class name otherwise: for error messages."""
+    if isinstance(module, _CONTAINERS):
+        inner = [_describe(child) for child in module.children()]
+        return f"{type(module).__name__}({', '.join(inner[:4])}{', ...' if len(inner) > 4 else ''})"
+    return type(module).__name__
+
+
 def _auto_blocks(model: nn.Module) -> list[str]:
-    """Repeated blocks: Hugging Face ``_no_split_modules``, else children of a ModuleList/Sequential of one type."""
+    """Repeated blocks: Hugging Face ``_no_split_modules``, else the children of a ModuleList/Sequential that are
+    alike (one class, or structurally identical nn.Sequential blocks), else a composite class that repeats."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     if no_split:
         names = [
@@ -223,10 +271,10 @@ def _auto_blocks(model: nn.Module) -> list[str]:
     def visit(prefix: str, module: nn.Module) -> None:
         children = list(module.named_children())
         if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(children) >= 2:
-            kinds = {type(child) for _, child in children}
-            if len(kinds) == 1 and not issubclass(kinds.pop(), _CONTAINERS) and all(
-                _has_parameters(child) for _, child in children
-            ):
+            kinds = {_signature(child) for _, child in children}
+            # A ModuleList or ModuleDict has no forward of its own: it cannot be a block.
+            callable_kind = not isinstance(children[0][1], (nn.ModuleList, nn.ModuleDict))
+            if len(kinds) == 1 and callable_kind and all(_has_parameters(child) for _, child in children):
                 found.extend(f"{prefix}{name}" for name, _ in children)
                 return
         for name, child in children:
@@ -234,9 +282,14 @@ def _auto_blocks(model: nn.Module) -> list[str]:
 
     visit("", model)
     if found:
-        # Blocks of the same kind outside such a container count too (ResNet: a stage holding one block).
-        kinds = {type(modules[name]) for modules in [dict(model.named_modules())] for name in found}
-        return _outermost([name for name, m in model.named_modules() if name and type(m) in kinds])
+        modules = dict(model.named_modules())
+        kind = type(modules[found[0]])
+        if issubclass(kind, _CONTAINERS) or next(modules[found[0]].children(), None) is None:
+            # Leaf blocks (nn.Linear) or Sequential blocks: only the container's children. A head of the same
+            # class outside it would recompute a matmul to save nothing; any other Sequential is no block.
+            return found
+        # Composite blocks of the same class outside such a container count too (ResNet: a stage of one block).
+        return _outermost([name for name, m in modules.items() if name and type(m) is kind])
     # No container of repeated blocks: fall back to the composite module class that repeats most often
     # (e.g. ResNet stages of one BasicBlock each).
     counts: dict[type, list[str]] = {}
@@ -245,6 +298,25 @@ def _auto_blocks(model: nn.Module) -> list[str]:
             counts.setdefault(type(m), []).append(name)
     repeated = [_outermost(names) for names in counts.values() if len(names) >= 2]
     return max(repeated, key=len, default=[])
+
+
+def _no_blocks_problem(model: nn.Module) -> str:
+    containers = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, (nn.Sequential, nn.ModuleList)) and len(m) >= 2]
+    seen = ""
+    if containers:
+        name, largest = max(containers, key=lambda item: len(item[1]))
+        where = f"container {name!r}" if name else "the model itself"
+        seen = f" ({where} is the largest container; it holds {', '.join(_describe(c) for c in largest.children())})"
+        if len(seen) > 300:
+            seen = seen[:296] + "...)"
+    return (
+        f"no repeated blocks found in {type(model).__name__}: auto-detection looks for an nn.ModuleList or "
+        "nn.Sequential of two or more modules with parameters that are alike (one class, or structurally "
+        "identical nn.Sequential blocks), a module class with submodules that repeats, or Hugging Face "
+        f"_no_split_modules, and found none{seen}. To resolve this error, pass blocks= a module class, a list "
+        "of module names, or a predicate (name, module) -> bool."
+    )
 
 
 def _outermost(names: list[str]) -> list[str]:
@@ -256,11 +328,7 @@ def _select_blocks(model: nn.Module, blocks: BlockSelector, problems: list[str])
     if blocks is None:
         names = _auto_blocks(model)
         if not names:
-            problems.append(
-                f"no repeated blocks found in {type(model).__name__}: it has no nn.ModuleList/nn.Sequential of "
-                "modules of one type and no Hugging Face _no_split_modules. To resolve this error, pass "
-                "blocks= a module class, a list of module names, or a predicate (name, module) -> bool."
-            )
+            problems.append(_no_blocks_problem(model))
         return names
     if isinstance(blocks, type) or (isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)):
         names = [name for name, m in modules.items() if name and isinstance(m, blocks)]
@@ -378,8 +446,9 @@ def apply_checkpointing(
         model: any ``nn.Module``, Hugging Face ``PreTrainedModel`` included (its ``use_cache`` is switched off;
             ``remove_checkpointing`` switches it back).
         blocks: which modules to wrap. ``None`` auto-detects the repeated blocks (Hugging Face
-            ``_no_split_modules``, else the children of an ``nn.ModuleList``/``nn.Sequential`` of one type); or a
-            module class (or tuple), a predicate ``(name, module) -> bool``, or a list of qualified names.
+            ``_no_split_modules``, else the children of an ``nn.ModuleList``/``nn.Sequential`` that are alike:
+            one class, or structurally identical ``nn.Sequential`` blocks); or a module class (or tuple), a
+            predicate ``(name, module) -> bool``, or a list of qualified names.
         every: checkpoint one block in ``every`` (blocks 0, k, 2k, ...); 1 checkpoints all of them.
         selective: op kinds whose outputs are kept instead of recomputed, e.g. ``("matmul", "attention")``, or a
             ``SelectivePolicy``. ``None`` recomputes the whole block.
@@ -432,6 +501,10 @@ def apply_checkpointing(
     if offloader is None and (offload or "offload" in choices.values()):
         # One offloader for the whole model: one pinned pool, one recorded backward order.
         offloader = offload_activations(device=next(model.parameters()).device)
+    if offloader is not None:
+        # Entered per block, it is not given the model: it must still know the weights (frozen ones and their
+        # autocast copies too), which stay on the device.
+        offloader.track_state(model)
 
     # Re-wrapping with new settings starts from a clean model, so "every" means the same on every call.
     remove_checkpointing(model)
@@ -539,3 +612,193 @@ def _run_chunk(chunk: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
     for module in chunk:
         x = module(x)
     return x
+
+
+# -- the typed policy ---------------------------------------------------------------------------------------
+CheckpointingMode = Literal["none", "all", "every", "selective", "blocks"]
+
+_LETTERS: dict[BlockPolicy, str] = {"recompute": "R", "keep": "K", "offload": "O"}
+_SPELLINGS = ("'none', 'all', 'every:K' (K >= 1), 'selective' or e.g. 'selective(matmul,attention)', "
+              "'blocks(RKO...)' (a letter per block: R recompute, K keep, O offload), each optionally followed by "
+              "'+offload' (the recomputed blocks' inputs in host memory); an integer K (every:K); True (all); "
+              "False or None (none); or a Checkpointing")
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Which blocks recompute in backward, which keep their activations, which offload them.
+
+    A recomputed block costs about one extra forward of it and keeps only its input; a kept block costs no time
+    and keeps every activation; an offloaded block keeps them in pinned host memory (PCIe traffic instead of
+    compute). One typed value for every place that names a policy: ``parse`` reads each accepted spelling,
+    ``str`` writes one that ``parse`` reads back, ``apply`` configures a model, ``block_policies`` says what each
+    block does (for the planner and the estimator).
+
+    Args:
+        mode: "none" (no block recomputes), "all", "every" (one block in ``every``), "selective" (every block,
+            keeping the outputs of the op kinds in ``selective``), "blocks" (one policy per block: ``blocks``).
+        every: with mode="every": blocks 0, every, 2*every, ... recompute, the others keep.
+        selective: with mode="selective": the op kinds kept (default ``SelectivePolicy()``: matmul, attention).
+        blocks: with mode="blocks": "keep" / "recompute" / "offload" for each detected block, in order.
+        offload_inputs: the recomputed blocks' saved inputs wait in pinned host memory (a no-op without CUDA).
+
+    Raises:
+        ConfigError: every problem of the combination at once (an unknown mode, ``every < 1``, a field given for
+            another mode, unknown op kinds or block policies, ``offload_inputs`` with mode="none").
+
+    Example:
+        >>> Checkpointing.parse("every:2")
+        Checkpointing(mode='every', every=2, selective=None, blocks=(), offload_inputs=False)
+        >>> str(Checkpointing(mode="blocks", blocks=("recompute", "keep", "offload")))
+        'blocks(RKO)'
+        >>> Checkpointing.parse("all+offload").block_policies(3)
+        ('recompute', 'recompute', 'recompute')
+    """
+
+    mode: CheckpointingMode = "all"
+    every: int = 1
+    selective: SelectivePolicy | None = None
+    blocks: tuple[BlockPolicy, ...] = ()
+    offload_inputs: bool = False
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        modes = get_args(CheckpointingMode)
+        if self.mode not in modes:
+            problems.append(f"mode={self.mode!r} is not a checkpointing mode. To resolve this error, use one of "
+                            f"{list(modes)}.")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            problems.append(f"every={self.every!r}: it must be an integer >= 1. To resolve this error, pass e.g. "
+                            "every=2 (one block in two recomputes).")
+        elif self.every != 1 and self.mode != "every":
+            problems.append(f"every={self.every} applies only with mode='every', not mode={self.mode!r}. To "
+                            "resolve this error, pass mode='every', or leave every at 1.")
+        selective = self.selective
+        if selective is not None:
+            if self.mode != "selective":
+                problems.append(f"selective={selective!r} applies only with mode='selective', not "
+                                f"mode={self.mode!r}. To resolve this error, pass mode='selective' or "
+                                "selective=None.")
+            selective = _resolve_selective(selective, problems)
+            if selective is not None:  # a hashable policy: SelectivePolicy(keep=[...]) holds a list
+                selective = SelectivePolicy(keep=tuple(selective.keep))
+        elif self.mode == "selective":
+            selective = SelectivePolicy()  # the documented default: keep matmul and attention outputs
+        object.__setattr__(self, "selective", selective)
+        blocks = self.blocks
+        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
+            problems.append(f"blocks={blocks!r}: it must be a sequence of block policies. To resolve this "
+                            "error, pass e.g. blocks=('recompute', 'keep', 'offload').")
+            blocks = ()
+        blocks = tuple(blocks)
+        object.__setattr__(self, "blocks", blocks)
+        unknown = [b for b in blocks if b not in _LETTERS]
+        if unknown:
+            problems.append(f"blocks: unknown block policies {unknown}. To resolve this error, use "
+                            f"{list(get_args(BlockPolicy))}.")
+        if self.mode == "blocks" and not blocks:
+            problems.append("mode='blocks' needs one policy per block. To resolve this error, pass e.g. "
+                            "blocks=('recompute', 'keep', 'offload'), or another mode.")
+        elif self.mode != "blocks" and blocks:
+            problems.append(f"blocks={blocks!r} applies only with mode='blocks', not mode={self.mode!r}. To "
+                            "resolve this error, pass mode='blocks' or blocks=().")
+        if not isinstance(self.offload_inputs, bool):
+            problems.append(f"offload_inputs={self.offload_inputs!r}: it must be True or False.")
+        elif self.offload_inputs and self.mode == "none":
+            problems.append("offload_inputs=True with mode='none': no block recomputes, so no block input is "
+                            "saved alone to offload. To resolve this error, pass a mode that recomputes, or wrap "
+                            "the whole forward in offload_activations(model=...).")
+        ConfigError.raise_if(problems)
+
+    @classmethod
+    def parse(cls, value: Any) -> Checkpointing:
+        """The policy a CLI flag, a config file or an argument names (see the class docstring's spellings).
+
+        Raises:
+            ConfigError: a value that is none of the accepted spellings, or a bad combination.
+        """
+        if isinstance(value, Checkpointing):
+            return value
+        if value is None or value is False:
+            return cls(mode="none")
+        if value is True:
+            return cls(mode="all")
+        if isinstance(value, int):
+            if value >= 1:
+                return cls(mode="every", every=value)
+            raise ConfigError(f"checkpointing={value!r}: an integer K means every:K, so it must be >= 1. To "
+                              f"resolve this error, pass one of {_SPELLINGS}.")
+        if isinstance(value, str):
+            text = value.strip().lower().replace(" ", "")
+            offload = text.endswith("+offload")
+            text = text.removesuffix("+offload")
+            if text in ("none", "all"):
+                return cls(mode=text, offload_inputs=offload)  # type: ignore[arg-type]
+            if match := re.fullmatch(r"every:(\d+)", text):
+                return cls(mode="every", every=int(match[1]), offload_inputs=offload)
+            if match := re.fullmatch(r"selective(?:\(([a-z_,]*)\))?", text):
+                keep = tuple(match[1].split(",")) if match[1] is not None else None
+                return cls(mode="selective", offload_inputs=offload,
+                           selective=SelectivePolicy(keep=keep) if keep is not None else None)  # type: ignore[arg-type]
+            if match := re.fullmatch(r"blocks\(([rko]+)\)", text):
+                by_letter = {letter.lower(): policy for policy, letter in _LETTERS.items()}
+                return cls(mode="blocks", blocks=tuple(by_letter[c] for c in match[1]), offload_inputs=offload)
+            if text == "auto":
+                raise ConfigError("checkpointing='auto' is not a policy but a request that the planner choose "
+                                  "one. To resolve this error, let memtrain's planner resolve 'auto' (train does) "
+                                  f"and parse its choice, or pass one of {_SPELLINGS}.")
+        raise ConfigError(f"checkpointing={value!r} is not a checkpointing policy. To resolve this error, pass "
+                          f"one of {_SPELLINGS}.")
+
+    def __str__(self) -> str:
+        if self.mode == "every":
+            text = f"every:{self.every}"
+        elif self.mode == "selective":
+            text = f"selective({','.join(self.selective.keep)})"  # type: ignore[union-attr]
+        elif self.mode == "blocks":
+            text = f"blocks({''.join(_LETTERS[b] for b in self.blocks)})"
+        else:
+            text = self.mode
+        return text + ("+offload" if self.offload_inputs else "")
+
+    def block_policies(self, n_blocks: int) -> tuple[BlockPolicy, ...]:
+        """What each of ``n_blocks`` blocks does: "keep", "recompute" (selective ones included) or "offload"."""
+        if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
+            raise ConfigError(f"n_blocks={n_blocks!r}: it must be an integer >= 0 (the number of blocks).")
+        if self.mode == "none":
+            return ("keep",) * n_blocks
+        if self.mode == "every":
+            return tuple("recompute" if i % self.every == 0 else "keep" for i in range(n_blocks))
+        if self.mode == "blocks":
+            if len(self.blocks) != n_blocks:
+                raise ConfigError(f"checkpointing {self} names {len(self.blocks)} blocks, not {n_blocks}. To "
+                                  "resolve this error, give one policy per block, in the model's order.")
+            return self.blocks
+        return ("recompute",) * n_blocks
+
+    def apply(self, model: nn.Module, *, offloader: ActivationOffloader | None = None) -> list[str]:
+        """Checkpoints ``model`` in place by this policy (through ``apply_checkpointing``; "none" removes any
+        checkpointing) and returns the qualified names of the wrapped blocks.
+
+        Raises:
+            ConfigError: as ``apply_checkpointing``; mode="blocks" with a policy count that is not the number
+                of blocks ``find_blocks(model)`` detects.
+        """
+        if self.mode == "none":
+            remove_checkpointing(model)
+            return []
+        kwargs: dict[str, Any] = {"offload": self.offload_inputs, "offloader": offloader}
+        if self.mode == "every":
+            kwargs["every"] = self.every
+        elif self.mode == "selective":
+            kwargs["selective"] = self.selective
+        elif self.mode == "blocks":
+            names = find_blocks(model) if isinstance(model, nn.Module) else []
+            if names and len(names) != len(self.blocks):
+                raise ConfigError(
+                    f"checkpointing {self} names {len(self.blocks)} blocks, but {type(model).__name__} has "
+                    f"{len(names)} ({names[0]} ... {names[-1]}). To resolve this error, give one policy per block, "
+                    "in the order find_blocks(model) returns them."
+                )
+            kwargs["policies"] = dict(zip(names, self.blocks, strict=True))  # no blocks: apply_checkpointing says so
+        return apply_checkpointing(model, **kwargs)

@@ -11,10 +11,11 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
 
 - forward: a saved tensor whose storage is at least ``min_bytes`` is copied, whole storage at once, into a
   block of a pinned host pool (fixed-size slabs under a host-RAM budget, reused every step); views and
-  tensors saved twice share one copy. Parameters, buffers, casts of parameters (autocast's weight copies) and
-  everything saved once the model's head has started (logits and the loss) stay on the device;
+  tensors saved twice share one copy. Parameters (frozen ones too), buffers, casts of parameters (autocast's
+  weight copies) and everything saved once the model's head has started (logits and the loss) stay on the device;
 - backward: tensors come back in reverse order of saving (after the first step: in the order backward really
-  used them, recorded then), ``prefetch_depth`` tensors ahead of use;
+  used them, recorded then), ``prefetch_depth`` tensors ahead of use; a callback at the end of backward drops
+  whatever is still restored, so the optimizer step runs without it;
 - safety: every copy is on one side stream. The side stream waits for the compute stream before reading a
   tensor; the device tensor is kept until its copy is done (or the compute stream waits on the copy's event);
   the compute stream waits on an event before using a restored tensor, which is then ``record_stream``-ed to
@@ -23,7 +24,8 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
 
 The device-specific operations sit behind a small ``Transport`` (``CudaTransport``; ``CpuTransport`` runs the
 same logic on the CPU with plain copies, for tests and dry runs), so the pack / unpack / prefetch logic is
-tested on a CPU-only machine.
+tested on a CPU-only machine; ``CudaTransport``'s own synchronisation is tested there too, over a model of two
+streams that fails on each missing wait (tests/test_offload.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import collections
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -59,6 +62,7 @@ class Transport(Protocol):
 
     ``copy_to_host`` and ``copy_to_device`` are asynchronous; the event they return is done when the copy is.
     ``wait`` makes the *current* (compute) stream wait for an event without blocking the host.
+    ``allocate_host`` raises ``RuntimeError`` when the host memory cannot be had.
     """
 
     device: torch.device
@@ -110,48 +114,99 @@ class CpuTransport:
 
 
 class CudaTransport:
-    """Pinned host slabs and one side stream for every copy, both directions."""
+    """Pinned host slabs and one side stream for every copy, both directions.
+
+    The synchronisation lives in the public methods; each stream operation they use is a one-line method at the
+    bottom, so that a model of two streams (tests/test_offload.py) runs this very logic on the CPU and fails
+    when a wait, ``wait_stream`` or ``record_stream`` goes missing.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.stream = self._new_stream()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A stream cannot be pickled: a model saved with an offloader gets a fresh one where it is loaded.
+        return _cuda_transport, (str(self.device),)
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as e:
-            raise MemtrainError(
-                f"offload_activations could not pin {format_bytes(nbytes)} of host memory ({e}). To resolve this "
-                "error, pass a smaller host_budget_bytes (or free host memory)."
-            ) from None
+        return self._pinned(nbytes)  # a RuntimeError when it cannot: HostPool keeps the tensors on the device
 
     def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any:
         # The kernels writing src are queued on the compute stream: the copy must start after them.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for offset, host in segments:
-                host.copy_(src[offset:offset + host.numel()], non_blocking=True)
-            return self.stream.record_event()
+        self._wait_stream(self.stream, self._current())
+        for offset, host in segments:
+            self._copy(host, src[offset:offset + host.numel()], self.stream)
+        return self._record_event(self.stream)
 
     def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]:
         # Allocated on the side stream, the destination is free there at once: the copy need not wait for the
         # compute stream (which may be far behind the host), so a prefetch really starts early.
-        with torch.cuda.stream(self.stream):
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            for offset, host in segments:
-                dst[offset:offset + host.numel()].copy_(host, non_blocking=True)
-            return dst, self.stream.record_event()
+        dst = self._empty(nbytes, self.stream)
+        for offset, host in segments:
+            self._copy(dst[offset:offset + host.numel()], host, self.stream)
+        return dst, self._record_event(self.stream)
 
     def wait(self, event: Any) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
+        self._wait_event(self._current(), event)
 
     def query(self, event: Any) -> bool:
-        return event.query()
+        return self._query(event)
 
     def hand_over(self, tensor: torch.Tensor) -> None:
         # Allocated on the side stream, used on the compute stream: without this, the allocator could hand the
         # memory to the next prefetch while backward still reads it.
-        tensor.record_stream(torch.cuda.current_stream(self.device))
+        self._record_stream(tensor, self._current())
+
+    # -- the CUDA calls (one each) ------------------------------------------------------------------------
+    def _new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def _current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _empty(self, nbytes: int, stream: Any) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def _wait_stream(self, stream: Any, other: Any) -> None:
+        stream.wait_stream(other)
+
+    def _record_event(self, stream: Any) -> Any:
+        return stream.record_event()
+
+    def _wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def _query(self, event: Any) -> bool:
+        return event.query()
+
+    def _record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
+def _cuda_transport(device: str) -> CudaTransport | None:
+    """A transport for ``device``, or None (a disabled offloader, said once) where that device does not exist."""
+    index = torch.device(device).index or 0
+    if torch.cuda.is_available() and index < torch.cuda.device_count():
+        return CudaTransport(torch.device(device))
+    _warn_noop(f"the offloader was saved on {device}, which this machine does not have")
+    return None
+
+
+def _warn_noop(why: str) -> None:
+    global _NOOP_WARNED
+    if not _NOOP_WARNED:
+        _NOOP_WARNED = True
+        warnings.warn(f"offload_activations: {why}, so saved activations already live in host memory; the context "
+                      "does nothing.", stacklevel=3)
 
 
 # -- the host pool ------------------------------------------------------------------------------------------
@@ -177,6 +232,7 @@ class HostPool:
         self._live: dict[int, int] = {}  # start -> end
         self._top = 0
         self.peak_used_bytes = 0
+        self.pin_error: str | None = None  # why the last slab could not be allocated; the capacity stopped there
 
     @property
     def reserved_bytes(self) -> int:
@@ -193,7 +249,14 @@ class HostPool:
         if end > self.capacity_bytes:
             return None
         while self.reserved_bytes < end:
-            self.slabs.append(self.transport.allocate_host(self.slab_bytes))
+            try:
+                self.slabs.append(self.transport.allocate_host(self.slab_bytes))
+            except RuntimeError as e:
+                # Host memory ran out after the up-front check (other processes pin and allocate too): what is
+                # pinned is all there will be, rather than a failed step or a retry at every tensor.
+                self.pin_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self.capacity_bytes = self.reserved_bytes
+                return None
         self._live[start] = end
         self._top = end
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
@@ -263,7 +326,7 @@ class OffloadStats:
     offloaded_bytes: int  # bytes copied device -> host
     deduplicated: int  # saved tensors whose storage was already on its way to the host
     kept: tuple[tuple[str, int], ...]  # (reason, count) for saved tensors left where they were
-    over_budget_bytes: int  # bytes kept on the device because the host budget was full
+    over_budget_bytes: int  # bytes kept on the device because the host budget was full or could not be pinned
     prefetched: int  # host -> device copies started ahead of use
     fetched_on_demand: int  # host -> device copies started when backward already needed the tensor
     served_from_device: int  # records used in backward while their device copy still existed (no copy back)
@@ -319,7 +382,9 @@ class ActivationOffloader:
     """The context ``offload_activations`` returns: build it once, enter it every step (pool and order persist).
 
     Disabled (a transparent no-op) when ``transport`` is None. Re-entrant: the same offloader may be entered by
-    each checkpointed block and share one pool and one recorded order for the whole model.
+    each checkpointed block and share one pool and one recorded order for the whole model. A model holding one
+    pickles (``torch.save(model)``): the offloader is saved as its settings and built fresh where it is loaded;
+    ``copy.deepcopy`` shares it.
     """
 
     def __init__(self, transport: Transport | None, *, model: nn.Module | None = None,
@@ -343,10 +408,19 @@ class ActivationOffloader:
             problems.append(f"head={type(head).__name__}: it must be an nn.Module (the output layer). To resolve "
                             "this error, pass e.g. head=model.lm_head.")
         ConfigError.raise_if(problems)
+        head = None if include_logits else (head or (_find_head(model) if model is not None else None))
+        self._start(transport, model=model, head=head, min_bytes=min_bytes, host_budget_bytes=host_budget_bytes,
+                    prefetch_depth=prefetch_depth, slab_bytes=slab_bytes)
 
+    def _start(self, transport: Transport | None, *, model: nn.Module | None, head: nn.Module | None,
+               min_bytes: int, host_budget_bytes: int | None, prefetch_depth: int, slab_bytes: int | None) -> None:
+        """Builds the runtime state from settings already checked (``head`` already found, or None)."""
+        # What pickling keeps: the settings as given (a default budget is half the free RAM where it is loaded).
+        self._settings = dict(model=model, head=head, min_bytes=min_bytes, host_budget_bytes=host_budget_bytes,
+                              prefetch_depth=prefetch_depth, slab_bytes=slab_bytes)
         self.transport = transport
         self.model = model
-        self.head = None if include_logits else (head or (_find_head(model) if model is not None else None))
+        self.head = head
         self.min_bytes = min_bytes
         self.prefetch_depth = prefetch_depth
         self.device = transport.device if transport is not None else None
@@ -371,7 +445,12 @@ class ActivationOffloader:
         self._dead: collections.deque[tuple[_Record, int]] = collections.deque()
         self._hooks: list[Any] = []
         self._module_hooks: list[Any] = []
-        self._state_keys: set[int] = set()
+        self._state_keys: set[int] = set()  # storages of the tracked modules' parameters and buffers
+        self._frozen_shapes: set[tuple[int, ...]] = set()  # shapes of their frozen floating-point parameters
+        self._state_epoch = -1  # the step the two sets above were gathered for
+        self._tracked: list[weakref.ref[nn.Module]] = []
+        if model is not None:
+            self.track_state(model)
         self._in_tail = False
         self._epoch_id = 0
         self._epoch: list[_Record] = []  # this step's records, in the order they were saved
@@ -386,6 +465,7 @@ class ActivationOffloader:
         self._inflight: collections.deque[_Record] = collections.deque()
         self._finished: collections.deque[_Record] = collections.deque()
         self._warned_budget = False
+        self._end_queued_for = -1  # the backward (graph task) whose end will release what is still restored
         self._counts: collections.Counter[str] = collections.Counter()
         self._kept: collections.Counter[str] = collections.Counter()
 
@@ -405,14 +485,44 @@ class ActivationOffloader:
         # a side stream), not state of the model.
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.save(model) / pickle: a lock, a stream, pinned slabs and this step's records cannot (and need not)
+        # be saved. The settings are; the transport pickles as a fresh one (or None where CUDA is missing).
+        tracked = [m for m in (ref() for ref in self._tracked) if m is not None]
+        return {"transport": self.transport, "tracked": tracked, **self._settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        tracked = state.pop("tracked", [])
+        self._start(state.pop("transport"), **state)
+        for module in tracked:
+            self.track_state(module)
+
+    def track_state(self, module: nn.Module) -> None:
+        """Keeps the parameters and buffers of ``module`` on the device, with views and copies of its frozen
+        parameters (autocast's casts: made afresh at every use, they have no autograd history to trace).
+
+        ``model=`` is tracked already; ``apply_checkpointing`` tracks the model whose blocks share the offloader.
+        """
+        if not any(ref() is module for ref in self._tracked):
+            self._tracked.append(weakref.ref(module))
+            self._state_epoch = -1
+
+    def _gather_state(self) -> None:
+        # Once a step, not at every (per-block) enter: parameters may be replaced between steps (model.to(...)),
+        # and frozen ones may be unfrozen.
+        modules = [m for m in (ref() for ref in self._tracked) if m is not None]
+        params = [p for m in modules for p in m.parameters()]
+        self._state_keys = {t.untyped_storage()._cdata for t in (*params, *(b for m in modules for b in m.buffers()))}
+        self._frozen_shapes = {tuple(p.shape) for p in params if not p.requires_grad and p.is_floating_point()}
+        self._state_epoch = self._epoch_id
+
     def __enter__(self) -> ActivationOffloader:
         if not self.enabled:
             return self
         if not self._hooks:
             self._in_tail = False
             if self.model is not None:
-                self._state_keys = {t.untyped_storage()._cdata for t in (*self.model.parameters(),
-                                                                          *self.model.buffers())}
                 self._module_hooks.append(self.model.register_forward_pre_hook(self._leave_tail))
             if self.head is not None:
                 self._module_hooks.append(self.head.register_forward_pre_hook(self._enter_tail))
@@ -463,8 +573,14 @@ class ActivationOffloader:
         if isinstance(t, nn.Parameter) or storage._cdata in self._state_keys:
             return "parameter"
         base = t if t._base is None else t._base
-        if (base.is_leaf and base.requires_grad) or _derived_from_leaf(t):
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or _derived_from_leaf(t):
             return "parameter"
+        if (base.grad_fn is None and not base.requires_grad and base.is_floating_point()
+                and tuple(base.shape) in self._frozen_shapes):
+            # NOTE: a cast of a frozen weight is a fresh tensor with no history; its shape is all that tells it
+            # apart. An activation of no history (before any trainable weight) with a frozen weight's shape stays
+            # too: a copy saved, never a wrong gradient.
+            return "copy of a frozen parameter"
         if self._in_tail:
             return "logits"
         return None
@@ -475,6 +591,8 @@ class ActivationOffloader:
             if self._unpacked_since_pack or (self._epoch and self._epoch_live == 0):
                 # A forward after a backward, or after a graph dropped without one: a new step begins.
                 self._new_epoch()
+            if self._state_epoch != self._epoch_id:
+                self._gather_state()
             reason = self._keep_reason(t)
             if reason is not None:
                 self._kept[reason] += 1
@@ -496,16 +614,26 @@ class ActivationOffloader:
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record | None:
         nbytes = storage.nbytes()
-        extent = self.pool.alloc(nbytes)
+        pool = self.pool
+        extent = pool.alloc(nbytes)
         if extent is None:
+            # Kept on the device, as if it were not worth a copy: the step still runs, with more device memory.
             self._counts["over_budget_bytes"] += nbytes
+            self._kept["pinning failed" if pool.pin_error else "host budget"] += 1
             if not self._warned_budget:
                 self._warned_budget = True
-                warnings.warn(
-                    f"offload_activations: the host budget of {format_bytes(self.pool.capacity_bytes)} is full "
-                    f"({format_bytes(self.pool.used_bytes)} in use); tensors that do not fit stay on the device "
-                    "(OffloadStats.over_budget_bytes counts them). Hint: raise host_budget_bytes, or checkpoint "
-                    "more blocks.", stacklevel=4)
+                if pool.pin_error:
+                    message = (f"offload_activations could not pin {format_bytes(pool.slab_bytes)} more host "
+                               f"memory ({pool.pin_error}); it keeps using the {format_bytes(pool.reserved_bytes)} "
+                               "pinned so far, and tensors that do not fit stay on the device "
+                               "(OffloadStats.over_budget_bytes counts them). Hint: free host memory, or pass "
+                               "a smaller host_budget_bytes.")
+                else:
+                    message = (f"offload_activations: the host budget of {format_bytes(pool.capacity_bytes)} is "
+                               f"full ({format_bytes(pool.used_bytes)} in use); tensors that do not fit stay on "
+                               "the device (OffloadStats.over_budget_bytes counts them). Hint: raise "
+                               "host_budget_bytes, or checkpoint more blocks.")
+                warnings.warn(message, stacklevel=4)
             return None
         record = _Record(self._epoch_id, len(self._epoch), nbytes, extent)
         record.src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
@@ -545,6 +673,7 @@ class ActivationOffloader:
         with self._lock:
             self._drain()
             self._unpacked_since_pack = True
+            self._release_at_end_of_backward()
             record = packed.record
             current = record.epoch == self._epoch_id
             if current and self._plan is None:
@@ -563,6 +692,26 @@ class ActivationOffloader:
             if current:
                 self._prefetch_after(record)
             return out
+
+    def _release_at_end_of_backward(self) -> None:
+        # Nothing calls the offloader between backward and the optimizer step: without a callback at the end of
+        # backward, the last records' device copies (and sources still copying) would stay through the step.
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._end_queued_for:
+            self._end_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Backward is over: released records free their host blocks; the others (``retain_graph``) keep only
+        their host copy, fetched again if another backward needs it."""
+        with self._lock:
+            self._drain()
+            for record in (*self._epoch, *self._finished, *self._inflight):
+                record.data = None
+                if record.src is not None:
+                    self._release_src(record)
+            self._finished.clear()
+            self._retire_copies()
 
     def _finish_pass(self, record: _Record) -> None:
         """Every live saved tensor of this storage is out: autograd holds what it still needs."""
@@ -685,8 +834,8 @@ def offload_activations(
     an uncheckpointed transformer is bandwidth-bound and slows the step down. Build the context once and enter
     it every step: the pinned pool and the recorded backward order persist in it.
 
-    What stays on the device: tensors whose storage is under ``min_bytes``; parameters, buffers, views and
-    casts of them (autocast's weight copies); and everything saved once ``head`` has started its forward (the
+    What stays on the device: tensors whose storage is under ``min_bytes``; parameters (frozen ones too: LoRA's
+    base weights), buffers, views and casts of them (autocast's weight copies); and everything saved once ``head`` has started its forward (the
     logits, the loss's fp32 softmax): backward needs those first, so moving them out and back would only add
     traffic. ``head`` defaults to the model's output layer (Hugging Face ``get_output_embeddings()``, else a
     child named ``lm_head``/``head``/``output``); ``include_logits=True`` offloads them too.
@@ -695,16 +844,17 @@ def offload_activations(
     and with offloading the value backward sees is undefined. Do not modify saved tensors in place.
 
     Args:
-        model: the model being trained, when the context wraps its whole forward: its buffers are never
-            offloaded (matched by storage; parameters never are in any case), its head is found, and its device
-            is the default ``device``. Leave it out for a context entered per block (``wrap``).
+        model: the model being trained, when the context wraps its whole forward: its buffers and the copies of
+            its frozen parameters are never offloaded (parameters never are in any case), its head is found, and
+            its device is the default ``device``. Leave it out for a context entered per block (``wrap``), and
+            call ``track_state(model)`` instead (``apply_checkpointing`` does).
         head: the module whose start marks the tail of the forward kept on the device (default: found in
             ``model``); ignored when ``include_logits``.
         include_logits: offload the tail too.
         min_bytes: smallest storage (bytes) worth a copy; default 1 MiB.
         host_budget_bytes: most pinned host memory to use (bytes); default half the RAM available now. Checked
             against the available RAM before anything is allocated. Tensors that do not fit stay on the device,
-            with one warning.
+            with one warning; so do they when pinning more host memory fails mid-run.
         prefetch_depth: copies in flight each way: saved tensors fetched ahead of backward, and copies to the
             host outstanding before the compute stream waits for the oldest.
         device: the CUDA device whose tensors move (default: the model's device, else the current CUDA device).
@@ -742,11 +892,7 @@ def offload_activations(
             device = torch.device("cuda", torch.cuda.current_device())
         transport = CudaTransport(device)
     elif device.type == "cpu":
-        global _NOOP_WARNED
-        if not _NOOP_WARNED:
-            _NOOP_WARNED = True
-            warnings.warn("offload_activations: no CUDA device, so saved activations already live in host memory; "
-                          "the context does nothing.", stacklevel=2)
+        _warn_noop("no CUDA device")
     else:
         raise ConfigError(f"offload_activations(device={str(device)!r}): only CUDA devices are supported. To "
                           "resolve this error, train on CUDA, or drop activation offload.")

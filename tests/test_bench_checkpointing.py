@@ -76,13 +76,18 @@ def test_cases_train_the_same_model(bench, run):
         assert loss == pytest.approx(base, rel=1e-5), f"{name}: loss {loss} vs no checkpointing {base}"
 
 
-def test_saved_bytes_are_ordered_as_checkpointing_promises(run):
+def test_saved_bytes_are_ordered_as_checkpointing_promises(bench, run):
     doc, _ = run
     saved = {r["name"]: r["figures"]["activation_bytes"] for r in doc["results"]}
     none, hf, full = saved["no checkpointing"], saved["hf gradient_checkpointing_enable"], saved["memtrain full"]
     every2, selective = saved["memtrain every=2"], saved["memtrain selective(matmul,attention)"]
-    # The same blocks are checkpointed by Hugging Face and by memtrain: the same bytes are kept.
-    assert full == hf, f"memtrain full keeps {full} bytes, Hugging Face {hf}"
+    # The same blocks are checkpointed by Hugging Face and by memtrain: the same bytes are kept. memtrain hands the
+    # blocks' keyword tensors to checkpoint positionally (their RNG devices are then known), where the meter sees
+    # them: the rotary cos and sin (fp32) and position_ids (int64), one copy shared by every block. Hugging Face
+    # keeps them alive in a closure, out of the meter's sight.
+    shape = bench.SHAPES["tiny"]
+    keywords = 2 * shape.seq_len * (shape.hidden // shape.heads) * 4 + shape.seq_len * 8
+    assert full == hf + keywords, f"memtrain full keeps {full} bytes, Hugging Face {hf} + {keywords} keyword bytes"
     assert full < every2 < none, f"full {full}, every=2 {every2}, none {none}: every=2 must lie in between"
     assert full < selective < none, f"full {full}, selective {selective}, none {none}"
     chunked = saved["memtrain full + chunked loss"]

@@ -48,6 +48,12 @@ def gpt(n_layer: int = 8, dropout: float = 0.1) -> GPT:
     return GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=128, seq_len=64, dropout=dropout))
 
 
+def small_gpt(n_layer: int, dropout: float = 0.1) -> GPT:
+    """For tests of wrapping and copying, where the model's size proves nothing."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=32, seq_len=64, dropout=dropout))
+
+
 def gpt_step(model: GPT) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     x = torch.randint(0, 256, (4, 64), generator=g)
@@ -221,6 +227,60 @@ def test_kwargs_non_tensor_args_and_structured_outputs_pass_through():
     assert_grads_equal(blocks, twin)
 
 
+class KeywordDropoutBlock(nn.Module):
+    """Takes its tensors by keyword, as Hugging Face decoder layers are called (``layer(hidden_states=h, ...)``)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, *, hidden_states, mask, pair=None, scale: float = 1.0):
+        y = self.drop(self.lin(hidden_states)) * mask * scale
+        return y if pair is None else y + pair[0] * pair[1]
+
+
+def test_keyword_tensors_reach_checkpoints_device_rng_bookkeeping(monkeypatch):
+    """torch stashes the RNG state of the devices of checkpoint's *positional* tensors only: a block given its
+    tensors by keyword would recompute with other dropout masks on a GPU. Pretend a device module is initialised
+    (as CUDA is on a GPU machine) so that checkpoint asks for device states on the CPU too, and spy on which
+    tensors it looks at."""
+    import types
+
+    import torch.utils.checkpoint as torch_checkpoint
+
+    seen: list[list[torch.Tensor]] = []
+    real_states = torch_checkpoint.get_device_states
+
+    def spy(*args):
+        seen.append([t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)])
+        return real_states(*args)
+
+    initialised = types.SimpleNamespace(_initialized=True, **{k: getattr(torch.cpu, k) for k in dir(torch.cpu)
+                                                              if not k.startswith("__")})
+    monkeypatch.setattr(torch_checkpoint, "get_device_states", spy)
+    monkeypatch.setattr(torch_checkpoint, "_get_device_module", lambda device="cuda": initialised)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([KeywordDropoutBlock(), KeywordDropoutBlock()])
+    twin = copy.deepcopy(blocks)
+    apply_checkpointing(twin)
+    h = torch.randn(4, 16, requires_grad=True)
+    mask, pair = torch.ones(4, 16), (torch.randn(4, 16), torch.randn(4, 16))
+
+    def run(m):
+        torch.manual_seed(3)
+        y = m[0](hidden_states=h, mask=mask, scale=2.0)
+        m[1](hidden_states=y, mask=mask, pair=pair).square().sum().backward()
+
+    run(blocks)
+    run(twin)
+    assert_grads_equal(blocks, twin)
+    assert len(seen) == 2, f"checkpoint asked for device states {len(seen)} times, expected once per block"
+    for name, t in (("hidden_states", h), ("mask", mask), ("pair[0]", pair[0]), ("pair[1]", pair[1])):
+        assert any(s is t for s in seen[0] + seen[1]), f"checkpoint never saw the keyword tensor {name}"
+    assert any(s is h for s in seen[0]), "block 0's hidden_states (a keyword) was not among checkpoint's tensors"
+
+
 def test_gradients_flow_when_no_input_requires_grad():
     """Frozen embeddings / PEFT: the block's input does not require grad, its parameters do."""
     model = gpt(n_layer=2, dropout=0.0)
@@ -233,6 +293,47 @@ def test_gradients_flow_when_no_input_requires_grad():
     for (name, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
         if a.requires_grad:
             assert b.grad is not None and torch.equal(a.grad, b.grad), name
+
+
+class LoRA(nn.Module):
+    """A frozen Linear plus a trainable low-rank adapter, as PEFT's LoRA wraps it."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # PEFT starts B at zero; non-zero, so that A gets gradients
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_lora_adapters_get_the_same_gradients_with_every_input_and_weight_frozen(autocast):
+    """No block input requires grad (frozen embeddings) and every base weight is frozen: only the adapters
+    inside the checkpointed blocks train, and their gradients equal plain training's."""
+    model = small_gpt(n_layer=3)
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.attn.qkv, block.mlp.fc = LoRA(block.attn.qkv), LoRA(block.mlp.fc)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    plain, wrapped, _, _ = run_twice(model, lambda m: _with(amp, lambda: gpt_step(m)))
+    trainable = [n for n, p in plain.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable), trainable
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert a.grad is not None and b.grad is not None, name
+            diff = (a.grad - b.grad).abs().max().item()
+            assert torch.equal(a.grad, b.grad), f"{name}: gradients differ, max abs diff {diff:.3e}"
+        else:
+            assert a.grad is None and b.grad is None, name
+
+
+def _with(context, fn):
+    with context:
+        loss = fn()
+    return loss
 
 
 def test_no_checkpointing_under_no_grad():
@@ -258,6 +359,67 @@ def test_block_selectors():
 def test_resnet_blocks_auto_detected():
     names = apply_checkpointing(ResNet(layers=(2, 1, 1, 1), width=4))
     assert names == ["layer1.0", "layer1.1", "layer2.0", "layer3.0", "layer4.0"]
+
+
+def _mlp_blocks(n: int = 4, width: int = 16) -> list[nn.Sequential]:
+    return [nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(0.2), nn.Linear(2 * width, width))
+            for _ in range(n)]
+
+
+class MLPStack(nn.Module):
+    """Blocks written as plain nn.Sequential (no block class), and a head of the blocks' leaf class."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.layers = nn.ModuleList(_mlp_blocks(4, width))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("build", [lambda: nn.Sequential(*_mlp_blocks()), MLPStack], ids=["sequential", "modulelist"])
+def test_identical_sequential_blocks_detected_with_equal_gradients(build):
+    torch.manual_seed(0)
+    model = build()
+    names = apply_checkpointing(copy.deepcopy(model))
+    prefix = "layers." if isinstance(model, MLPStack) else ""
+    assert names == [f"{prefix}{i}" for i in range(4)], names
+    x = torch.randn(8, 16)
+    plain, wrapped, plain_report, wrapped_report = run_twice(model, lambda m: m(x).square().sum())
+    assert_grads_equal(plain, wrapped)
+    assert wrapped_report.activation_bytes < plain_report.activation_bytes, (
+        f"saved bytes {plain_report.activation_bytes} -> {wrapped_report.activation_bytes}")
+
+
+def test_a_head_of_the_blocks_leaf_class_is_not_wrapped():
+    """The "same kind outside the container" rule is for composite blocks (a ResNet stage of one block); a lone
+    nn.Linear head of the same class as leaf blocks would recompute a matmul to save nothing."""
+
+    class LinearStack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return self.head(x)
+
+    assert apply_checkpointing(LinearStack()) == ["layers.0", "layers.1", "layers.2"]
+    assert apply_checkpointing(MLPStack()) == [f"layers.{i}" for i in range(4)]
+
+
+def test_sequentials_that_differ_are_not_blocks_and_the_error_says_what_was_found():
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    with pytest.raises(ConfigError, match="no repeated blocks") as e:
+        apply_checkpointing(model)
+    message = str(e.value)
+    assert "structurally identical" in message, message
+    assert "the model itself is the largest container; it holds Sequential(Linear, GELU), Sequential(Linear, ReLU)" in message, message
 
 
 # -- bad input ----------------------------------------------------------------------------------------------
@@ -332,3 +494,176 @@ def test_a_selectively_checkpointed_model_saves_and_loads_whole():
     x = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(loaded(x, x), model(x, x), rtol=0, atol=0)
     assert checkpointed_blocks(loaded) == ["blocks.0", "blocks.1"]
+
+
+_OFFLOADING_POLICIES = {
+    "offload=True": dict(offload=True),
+    "every2+offload": dict(every=2, offload=True),
+    "selective+offload": dict(selective=("matmul",), offload=True),
+    "offload blocks": dict(policies={f"blocks.{i}": "offload" for i in range(4)}),
+    "keep/recompute/offload": dict(policies={"blocks.0": "offload", "blocks.1": "keep"}, offload=True),
+}
+
+
+def _copy_model(model: nn.Module, how: str) -> nn.Module:
+    import io
+    import pickle
+
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+@pytest.mark.parametrize("policy", list(_OFFLOADING_POLICIES), ids=list(_OFFLOADING_POLICIES))
+def test_a_model_with_an_offloader_saves_loads_and_trains_with_the_same_gradients(policy, how):
+    """The offloader (a lock, a side stream, pinned slabs, a step's records) is pickled as its settings and built
+    fresh on load; a deep copy shares it (a runtime resource, as estimate's meta copy needs)."""
+    from memtrain.offload import ActivationOffloader, CpuTransport
+
+    model = small_gpt(n_layer=4)
+    offloader = ActivationOffloader(CpuTransport(), min_bytes=1, host_budget_bytes=2**24, slab_bytes=2**16)
+    names = apply_checkpointing(model, offloader=offloader, **_OFFLOADING_POLICIES[policy])
+
+    def step(m: nn.Module) -> dict[str, torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        gpt_step(m).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    step(model)  # the offloader now holds a pool and a recorded order
+    assert offloader.stats().offloaded_bytes > 0, "nothing offloaded: the test would prove nothing"
+    loaded = _copy_model(model, how)
+    assert checkpointed_blocks(loaded) == names
+    offloaders = {id(m.forward.spec.offloader) for m in loaded.modules() if "forward" in m.__dict__}
+    assert len(offloaders) == 1, "the loaded blocks must share one offloader"
+    loaded_offloader = next(m.forward.spec.offloader for m in loaded.modules() if "forward" in m.__dict__)
+    if how == "deepcopy":
+        assert loaded_offloader is offloader
+    else:
+        assert loaded_offloader is not offloader and loaded_offloader.enabled
+        assert loaded_offloader.stats().offloaded_bytes == 0 and loaded_offloader.pool.reserved_bytes == 0
+    expected = step(model)
+    got = step(loaded)
+    for name in expected:
+        diff = (got[name] - expected[name]).abs().max().item()
+        assert torch.equal(got[name], expected[name]), f"{name}: the loaded model's gradient differs by {diff:.3e}"
+    assert loaded_offloader.stats().offloaded_bytes > 0
+
+
+def test_a_model_with_the_cpu_only_offloader_pickles(monkeypatch):
+    """Without CUDA, offload=True builds a disabled offloader: it pickles too."""
+    import memtrain.offload as offload_mod
+
+    monkeypatch.setattr(offload_mod, "_NOOP_WARNED", True)
+    model = small_gpt(n_layer=2, dropout=0.0)
+    apply_checkpointing(model, offload=True, policies={"blocks.1": "offload"})
+    loaded = _copy_model(model, "torch.save")
+    x = torch.randint(0, 256, (2, 64))
+    torch.testing.assert_close(loaded(x, x), model(x, x), rtol=0, atol=0)
+
+
+# -- the typed policy ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["none", "all", "every:3", "selective", "selective(matmul)",
+                                   "selective(matmul,attention,conv)", "blocks(RRKO)", "all+offload",
+                                   "every:2+offload", "blocks(ROK)+offload", True, False, None, 4])
+def test_checkpointing_parse_round_trips_its_str(value):
+    from memtrain.checkpointing import Checkpointing
+
+    policy = Checkpointing.parse(value)
+    assert Checkpointing.parse(str(policy)) == policy, (value, str(policy))
+    assert Checkpointing.parse(policy) is policy
+    hash(policy)  # a frozen, hashable value: plans compare and cache them
+
+
+def test_checkpointing_parse_spellings():
+    from memtrain.checkpointing import Checkpointing, SelectivePolicy
+
+    assert Checkpointing.parse(" Every:2 ") == Checkpointing(mode="every", every=2)
+    assert Checkpointing.parse(True) == Checkpointing() == Checkpointing(mode="all")
+    assert Checkpointing.parse(None) == Checkpointing.parse(False) == Checkpointing(mode="none")
+    assert Checkpointing.parse("selective") == Checkpointing(mode="selective", selective=SelectivePolicy())
+    assert Checkpointing.parse("blocks(rko)").blocks == ("recompute", "keep", "offload")
+    assert Checkpointing.parse("all+offload").offload_inputs
+    assert str(Checkpointing(mode="selective", selective=SelectivePolicy(keep=["matmul"]))) == "selective(matmul)"
+
+
+_POLICY_CASES = {
+    "none": ({}, "none"),
+    "all": ({}, "all"),
+    "every:3": ({"every": 3}, "every:3"),
+    "selective": ({"selective": ("matmul",)}, "selective(matmul)"),
+    "blocks": ({"policies": {"blocks.0": "offload", "blocks.1": "keep", "blocks.2": "recompute",
+                             "blocks.3": "keep", "blocks.4": "offload"}}, "blocks(OKRKO)"),
+    "all+offload": ({"offload": True}, "all+offload"),
+    "blocks+offload": ({"policies": {f"blocks.{i}": p for i, p in enumerate("recompute keep offload keep recompute"
+                                                                             .split())}, "offload": True},
+                       "blocks(RKOKR)+offload"),
+}
+
+
+@pytest.mark.parametrize("case", list(_POLICY_CASES))
+def test_checkpointing_apply_matches_apply_checkpointing(case):
+    """Each mode configures the model exactly as the apply_checkpointing call it stands for, and its
+    block_policies say what each block does."""
+    from memtrain.checkpointing import Checkpointing
+    from memtrain.offload import ActivationOffloader, CpuTransport
+
+    kwargs, spelling = _POLICY_CASES[case]
+    policy = Checkpointing.parse(spelling)
+    by_policy, by_call = small_gpt(n_layer=5), small_gpt(n_layer=5)
+    offloader = ActivationOffloader(CpuTransport(), min_bytes=1, host_budget_bytes=2**24, slab_bytes=2**16)
+    apply_checkpointing(by_policy)  # "none" must remove what is there
+    names = policy.apply(by_policy, offloader=offloader)
+    expected = [] if case == "none" else apply_checkpointing(by_call, offloader=offloader, **kwargs)
+    assert names == expected == checkpointed_blocks(by_policy), (names, expected)
+
+    def specs(model):
+        return {name: (m.forward.spec.policy, m.forward.spec.selective, m.forward.spec.offloader is not None)
+                for name, m in model.named_modules() if name in checkpointed_blocks(model)}
+
+    assert specs(by_policy) == specs(by_call)
+    per_block = policy.block_policies(5)
+    assert [f"blocks.{i}" for i, p in enumerate(per_block) if p != "keep"] == names, per_block
+    assert [f"blocks.{i}" for i, p in enumerate(per_block) if p == "offload"] == [
+        name for name, (kind, _, _) in specs(by_policy).items() if kind == "offload"]
+    torch.manual_seed(1)
+    gpt_step(by_policy).backward()
+    torch.manual_seed(1)
+    gpt_step(by_call).backward()
+    assert_grads_equal(by_policy, by_call)
+
+
+@pytest.mark.parametrize("value, match", [
+    ("every:0", "every=0"), ("sometimes", "not a checkpointing policy"), (0, "must be >= 1"),
+    (2.5, "not a checkpointing policy"), ("auto", "planner"), ("blocks(RX)", "not a checkpointing policy"),
+    ("selective(softmax)", "unknown op kinds"), ("none+offload", "offload_inputs=True with mode='none'"),
+])
+def test_checkpointing_parse_errors_name_the_accepted_spellings(value, match):
+    from memtrain.checkpointing import Checkpointing
+
+    with pytest.raises(ConfigError, match=match) as e:
+        Checkpointing.parse(value)
+    if "not a checkpointing policy" in match:
+        assert "'every:K'" in str(e.value) and "To resolve this error" in str(e.value), str(e.value)
+
+
+def test_checkpointing_reports_every_problem_at_once():
+    from memtrain.checkpointing import Checkpointing
+
+    with pytest.raises(ConfigError) as e:
+        Checkpointing(mode="all", every=2, selective=("matmul",), blocks=("keep", "swap"), offload_inputs="yes")
+    assert len(e.value.problems) == 5, e.value.problems
+    with pytest.raises(ConfigError, match="is not a checkpointing mode"):
+        Checkpointing(mode="some")
+    with pytest.raises(ConfigError, match="needs one policy per block"):
+        Checkpointing(mode="blocks")
+    with pytest.raises(ConfigError, match="names 3 blocks, but GPT has 2"):
+        Checkpointing.parse("blocks(RKR)").apply(gpt(n_layer=2))
+    with pytest.raises(ConfigError, match="names 3 blocks, not 4"):
+        Checkpointing.parse("blocks(RKR)").block_policies(4)

@@ -1,89 +1,216 @@
-"""Activation offload on the CPU: the pack / unpack / prefetch logic through a fake device.
+"""Activation offload on the CPU: the pack / unpack / prefetch logic through a model of two CUDA streams.
 
-``FakeTransport`` defers every copy (a side stream that lags behind) and fills restored tensors with NaN until
-their copy has run, so a missing wait shows up as wrong gradients; it logs the copies in order so that what
-moves, when and in which order can be checked.
+``FakeTransport`` runs ``CudaTransport``'s own synchronisation logic over a model of the compute stream and the
+side stream (see its docstring): a missing wait, ``wait_stream`` or ``record_stream``, or a source freed before
+its copy ran, shows up as NaN gradients or as an error; it logs the copies in order so that what moves, when and
+in which order can be checked.
 """
 
 from __future__ import annotations
 
 import collections
-import inspect
+import contextlib
 import warnings
+import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 import memtrain.offload as offload_mod
 from memtrain.checkpointing import apply_checkpointing, remove_checkpointing
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.models import GPT, GPTConfig
-from memtrain.offload import ActivationOffloader, CpuTransport, offload_activations
+from memtrain.offload import ActivationOffloader, CudaTransport, offload_activations
+
+POISON = 255  # a byte that makes NaN of every float dtype
 
 
 class FakeEvent:
     def __init__(self, kind: str, tag: int) -> None:
         self.kind, self.tag, self.done = kind, tag, False
+        self.block: DeviceBlock | None = None  # the destination of a copy to the device
 
 
-class FakeTransport(CpuTransport):
-    """A side stream on the CPU: copies run ``lag`` transport calls after they are issued, in order."""
+class DeviceBlock:
+    """Device memory allocated on the side stream, as the caching allocator sees it."""
 
-    def __init__(self, lag: int = 3):
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref = StorageWeakRef(tensor.untyped_storage())
+        self.cdata = tensor.untyped_storage()._cdata
+        self.nbytes = tensor.numel()
+        self.read_by_compute = False  # the compute stream waited for its copy: it reads the block
+        self.recorded = False  # record_stream(compute stream) was called on it
+
+
+class FakeTransport(CudaTransport):
+    """``CudaTransport``'s logic over a model of two CUDA streams on the CPU.
+
+    - The compute stream is the CPU itself (its kernels are done at once) with a clock: it ticks at every call
+      into the transport, since the offloader's caller computed in between; a tensor handed to ``copy_to_host``
+      was written at the current tick.
+    - The side stream runs its copies ``lag`` transfers after they are issued, in order. A copy to the host reads
+      its source when it runs, holding it weakly (a queued kernel keeps no memory alive): it writes NaN bytes when
+      the source died first, or when the side stream had not waited for the compute stream (``wait_stream``)
+      since the source was written. A copy to the device fills its destination only when it runs (NaN before),
+      so a missing wait on its event reads NaN.
+    - Device memory allocated on the side stream and read by the compute stream must be ``record_stream``-ed to
+      the compute stream before it is freed: otherwise the next allocation on the side stream may reuse it while
+      the compute stream still reads it. The next allocation raises then.
+    - ``refuse_pinning_after``: that many host slabs are pinned, then pinning fails (host memory exhausted).
+    """
+
+    def __init__(self, lag: int = 3, refuse_pinning_after: int | None = None):
         self.lag = lag
-        self.queue: collections.deque[tuple[FakeEvent, object]] = collections.deque()
+        self.refuse_pinning_after = refuse_pinning_after
+        self.queue: collections.deque[tuple[list, FakeEvent]] = collections.deque()
         self.log: list[tuple] = []
         self.slabs = 0
         self.host_offsets: list[int] = []  # host address of each copy to the host, in order
-        self._base: dict[int, int] = {}
+        self.hazards: list[str] = []  # data races seen by the copies that ran
+        self.clock = 0  # the compute stream's progress
+        self.side_synced = 0  # the compute clock the side stream last waited for
+        self.blocks: list[DeviceBlock] = []
+        self.sources: list[tuple[weakref.ref, int]] = []  # the offloader's handle on each source, with its bytes
+        self._ops: list = []  # side-stream copies issued since the last event
+        self._transfer: tuple[str, int, int] = ("", -1, 0)  # (direction, tag, compute tick its source was written)
+        self._block: DeviceBlock | None = None
+        super().__init__(torch.device("cpu"))
 
-    def _advance(self, keep: int) -> None:
-        while len(self.queue) > keep:
-            event, run = self.queue.popleft()
-            run()
-            event.done = True
+    def __reduce__(self):  # a model holding this transport pickles as a fresh one
+        return type(self), (self.lag, self.refuse_pinning_after)
 
-    def _issue(self, kind: str, tag: int, run) -> FakeEvent:
-        event = FakeEvent(kind, tag)
-        self.queue.append((event, run))
-        self._advance(self.lag)
-        return event
-
+    # -- what the offloader calls: log, and tick the compute clock
     def allocate_host(self, nbytes: int) -> torch.Tensor:
+        self.clock += 1
+        return super().allocate_host(nbytes)
+
+    def copy_to_host(self, src, segments, tag):
+        self.clock += 1
+        self.log.append(("d2h", tag, src.numel()))
+        self.host_offsets.append(segments[0][1].data_ptr())
+        self._transfer = ("d2h", tag, self.clock)
+        self.sources.append((weakref.ref(src), src.numel()))
+        return super().copy_to_host(src, segments, tag)
+
+    def copy_to_device(self, segments, nbytes, tag):
+        self.clock += 1
+        self.log.append(("h2d", tag, nbytes))
+        self._transfer = ("h2d", tag, self.clock)
+        return super().copy_to_device(segments, nbytes, tag)
+
+    def wait(self, event) -> None:
+        # The compute stream waits: the side stream must have reached the event.
+        self.clock += 1
+        self.log.append(("wait", event.kind, event.tag))
+        super().wait(event)
+
+    def query(self, event) -> bool:
+        self.clock += 1
+        return super().query(event)
+
+    def hand_over(self, tensor) -> None:
+        self.clock += 1
+        super().hand_over(tensor)
+
+    # -- the stream operations CudaTransport is built from
+    def _new_stream(self):
+        return "side"
+
+    def _current(self):
+        return "compute"
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        if self.refuse_pinning_after is not None and self.slabs >= self.refuse_pinning_after:
+            raise RuntimeError("CUDA error: out of memory (FakeTransport refuses to pin more host memory)")
         self.slabs += 1
         self.log.append(("slab", nbytes))
         return torch.zeros(nbytes, dtype=torch.uint8)
 
-    def copy_to_host(self, src, segments, tag):
-        self.log.append(("d2h", tag, src.numel()))
-        self.host_offsets.append(segments[0][1].data_ptr())
+    def _empty(self, nbytes: int, stream) -> torch.Tensor:
+        assert stream == "side", stream
+        self._check_frees()
+        dst = torch.full((nbytes,), POISON, dtype=torch.uint8)
+        self._block = DeviceBlock(dst)
+        self.blocks.append(self._block)
+        return dst
+
+    def _copy(self, dst, src, stream) -> None:
+        assert stream == "side", stream
+        direction, tag, written = self._transfer
+        if direction == "h2d":
+            self._ops.append(lambda: dst.copy_(src))
+            return
+        ordered = self.side_synced >= written
+        ref, offset, n = StorageWeakRef(src.untyped_storage()), src.storage_offset(), src.numel()
 
         def run() -> None:
-            for offset, host in segments:
-                host.copy_(src[offset:offset + host.numel()])
+            if not ordered:
+                self.hazards.append(f"d2h {tag}: read before the compute stream wrote it (no wait_stream)")
+                dst.fill_(POISON)
+            elif ref.expired():
+                self.hazards.append(f"d2h {tag}: its source was freed before the copy ran")
+                dst.fill_(POISON)
+            else:
+                storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+                dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage, offset, (n,)))
 
-        return self._issue("d2h", tag, run)
+        self._ops.append(run)
 
-    def copy_to_device(self, segments, nbytes, tag):
-        self.log.append(("h2d", tag, nbytes))
-        dst = torch.full((nbytes,), 255, dtype=torch.uint8)  # NaN in every float dtype until the copy runs
+    def _wait_stream(self, stream, other) -> None:
+        assert (stream, other) == ("side", "compute"), (stream, other)
+        self.side_synced = self.clock
 
-        def run() -> None:
-            for offset, host in segments:
-                dst[offset:offset + host.numel()].copy_(host)
+    def _record_event(self, stream):
+        assert stream == "side", stream
+        direction, tag, _ = self._transfer
+        event = FakeEvent(direction, tag)
+        event.block, self._block = (self._block if direction == "h2d" else None), None
+        self.queue.append((self._ops, event))
+        self._ops = []
+        self._advance(self.lag)
+        return event
 
-        return dst, self._issue("h2d", tag, run)
-
-    def wait(self, event) -> None:
-        # The compute stream waits: the side stream must have reached the event.
-        self.log.append(("wait", event.kind, event.tag))
+    def _wait_event(self, stream, event) -> None:
+        assert stream == "compute", stream
         while not event.done:
             self._advance(len(self.queue) - 1)
+        if event.block is not None:
+            event.block.read_by_compute = True
 
-    def query(self, event) -> bool:
+    def _query(self, event) -> bool:
         return event.done
+
+    def _record_stream(self, tensor, stream) -> None:
+        assert stream == "compute", stream
+        key = tensor.untyped_storage()._cdata
+        for block in self.blocks:
+            if block.cdata == key and not block.ref.expired():
+                block.recorded = True
+
+    # -- the model's bookkeeping
+    def _advance(self, keep: int) -> None:
+        while len(self.queue) > keep:
+            ops, event = self.queue.popleft()
+            for op in ops:
+                op()
+            event.done = True
+
+    def _check_frees(self) -> None:
+        for block in [b for b in self.blocks if b.ref.expired()]:
+            self.blocks.remove(block)
+            if block.read_by_compute and not block.recorded:
+                raise AssertionError(
+                    f"a restored block of {block.nbytes} bytes was freed while the compute stream may still read it, "
+                    "without record_stream: the side stream's next allocation could overwrite it")
+
+    def live_device_bytes(self) -> int:
+        """Bytes of device memory the offload still holds: restored blocks, and the sources of copies to the host
+        that the offloader still references."""
+        return (sum(b.nbytes for b in self.blocks if not b.ref.expired())
+                + sum(n for ref, n in self.sources if ref() is not None))
 
     def tags(self, kind: str) -> list[int]:
         return [entry[1] for entry in self.log if entry[0] == kind]
@@ -163,6 +290,55 @@ def test_a_missing_wait_corrupts_gradients():
 
     got = gpt_step(model, idx, offloader(NoWait(lag=1000), model=model))
     assert any(not torch.equal(got[n], expected[n]) for n in expected), "gradients matched without waiting"
+
+
+def _chain_step(model: nn.Module, x: torch.Tensor, off: ActivationOffloader | None = None) -> dict:
+    model.zero_grad(set_to_none=True)
+    if off is None:
+        model(x).square().sum().backward()
+    else:
+        with off:
+            loss = model(x).square().sum()
+        loss.backward()
+    return grads(model)
+
+
+def test_sources_outlive_their_copies_to_the_host():
+    """Copies lag far behind compute (8 transfers) and only one may be in flight: the offloader lets each source
+    go only once its copy is done or the compute stream waits for it; no copy reads a freed source."""
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    expected = _chain_step(model, x)
+    transport = FakeTransport(lag=8)
+    for _ in range(2):
+        assert_same_grads(_chain_step(model, x, offloader(transport, prefetch_depth=1)), expected)
+    assert transport.hazards == [], transport.hazards
+    assert transport.tags("h2d"), "nothing came back from the host: the test would prove nothing"
+
+
+@pytest.mark.parametrize("missing", ["release wait", "wait_stream", "record_stream"])
+def test_the_stream_model_catches_a_missing_synchronisation(monkeypatch, missing):
+    """The tests above can fail: without each synchronisation, gradients go wrong or the model of the caching
+    allocator sees memory reused under the compute stream."""
+    if missing == "release wait":  # _release_src dropping the source without the compute stream waiting
+        monkeypatch.setattr(ActivationOffloader, "_release_src", lambda self, record: setattr(record, "src", None))
+    elif missing == "wait_stream":
+        monkeypatch.setattr(FakeTransport, "_wait_stream", lambda self, stream, other: None)
+    else:
+        monkeypatch.setattr(FakeTransport, "_record_stream", lambda self, tensor, stream: None)
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    expected = _chain_step(model, x)
+    transport = FakeTransport(lag=8)
+    try:
+        got = _chain_step(model, x, offloader(transport, prefetch_depth=1))
+    except AssertionError as e:
+        assert "record_stream" in str(e), e
+        return
+    assert any(not torch.equal(got[n], expected[n]) for n in expected), f"{missing}: gradients matched"
+    assert transport.hazards, f"{missing}: no hazard seen"
 
 
 def test_hugging_face_llama_gradients_identical():
@@ -344,6 +520,98 @@ def test_checkpointed_blocks_offload_exactly_their_inputs():
     assert moved == [block_input] * 4, f"moved {moved}, expected four block inputs of {block_input} bytes"
 
 
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a small trainable low-rank adapter, as PEFT's LoRA builds it."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 4):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).requires_grad_(False)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # PEFT starts B at zero; non-zero, so that A gets gradients
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class LoRABlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width).requires_grad_(False)
+        self.up = LoRALinear(width, 3 * width)
+        self.down = LoRALinear(3 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class LoRANet(nn.Module):
+    """Frozen embedding, blocks with frozen base weights and trainable adapters, a frozen head."""
+
+    def __init__(self, width: int = 40, vocab: int = 50, n_blocks: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width).requires_grad_(False)
+        self.blocks = nn.ModuleList(LoRABlock(width) for _ in range(n_blocks))
+        self.head = nn.Linear(width, vocab).requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), idx.flatten())
+
+
+class RecordingTransport(FakeTransport):
+    """Keeps the bytes of every copy to the host, to tell what crossed the link."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.moved: list[torch.Tensor] = []
+
+    def copy_to_host(self, src, segments, tag):
+        self.moved.append(src.clone())  # the CPU has written src already
+        return super().copy_to_host(src, segments, tag)
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
+@pytest.mark.parametrize("how", ["whole model", "offload blocks"])
+def test_frozen_weights_their_views_and_casts_stay_on_the_device(how, autocast):
+    """LoRA: the frozen base weights (and, under autocast, their bf16 copies, made afresh at every use) are saved
+    for backward as operands of the adapters' inputs' gradients; moving them would cross the link twice a step
+    for bytes that are on the device anyway."""
+    torch.manual_seed(0)
+    model = LoRANet()
+    idx = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(1))
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+
+    def step(context=None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with amp, (context or contextlib.nullcontext()):
+            loss = model(idx)
+        loss.backward()
+        return grads(model)
+
+    expected = step()
+    assert expected and all("lora" in n for n in expected), sorted(expected)
+    transport = RecordingTransport(lag=2)
+    if how == "whole model":
+        off = offloader(transport, model=model, include_logits=True)
+        got = step(off)
+    else:  # apply_checkpointing's per-block contexts: the offloader is not given the model
+        off = offloader(transport)
+        apply_checkpointing(model, policies={f"blocks.{i}": "offload" for i in range(3)}, offloader=off)
+        got = step()
+        remove_checkpointing(model)
+    assert_same_grads(got, expected)
+    frozen = [p.detach() for p in model.parameters() if not p.requires_grad and p.dim() == 2]
+    copies = [w.to(dtype).contiguous().view(torch.uint8).flatten() for w in frozen
+              for dtype in (torch.float32, torch.bfloat16)]
+    crossed = [m for m in transport.moved if any(m.numel() == c.numel() and torch.equal(m, c) for c in copies)]
+    assert not crossed, (f"{len(crossed)} frozen weights or copies of them ({sum(m.numel() for m in crossed)} bytes)"
+                         f" crossed the link, out of {sum(m.numel() for m in transport.moved)} bytes moved")
+    assert off.stats().offloaded_bytes > 0, "no activation moved: the test would prove nothing"
+
+
 # -- order, prefetch, pool ----------------------------------------------------------------------------------
 def test_prefetch_in_reverse_order_depth_ahead():
     torch.manual_seed(0)
@@ -445,6 +713,50 @@ def test_host_budget_keeps_the_rest_on_device_and_warns_once():
     assert stats.over_budget_bytes > 0 and stats.offloaded_bytes > 0, stats
 
 
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_nothing_offloaded_holds_device_memory_after_backward(retain_graph):
+    """The optimizer step runs right after backward: no restored tensor nor copy source may still be on the
+    device then (nothing calls into the offloader between backward and the step to release them)."""
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    expected = _chain_step(model, x)
+    transport = FakeTransport(lag=3)
+    off = offloader(transport, prefetch_depth=2)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with off:
+            loss = model(x).square().sum()
+        assert transport.live_device_bytes() > 0, "nothing on the device after forward: the test proves nothing"
+        loss.backward(retain_graph=retain_graph)
+        held = transport.live_device_bytes()
+        assert held == 0, f"step {step}: {held} bytes of offloaded tensors still on the device after backward"
+        assert_same_grads(grads(model), expected)
+    if retain_graph:  # the host copies serve a second backward of the same graph
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        assert_same_grads(grads(model), expected)
+
+
+def test_a_pinning_failure_mid_forward_keeps_tensors_on_the_device_with_one_warning():
+    """Host memory can run out after the up-front check (other processes pin too): the offloader keeps what it
+    cannot pin on the device, as over its budget, and says so once."""
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+    expected = _chain_step(model, x)
+    transport = FakeTransport(lag=1, refuse_pinning_after=2)
+    off = offloader(transport, slab_bytes=1024)  # each step needs more than the two slabs that can be pinned
+    with pytest.warns(UserWarning, match="could not pin") as record:
+        for _ in range(2):
+            assert_same_grads(_chain_step(model, x, off), expected)
+    assert len(record) == 1, [str(w.message) for w in record]
+    stats = off.stats()
+    kept = dict(stats.kept)
+    assert kept.get("pinning failed", 0) > 0 and stats.over_budget_bytes > 0, stats
+    assert stats.offloaded_bytes > 0 and stats.host_reserved_bytes == 2 * 1024, stats
+
+
 # -- configuration and the CPU-only no-op -------------------------------------------------------------------
 def test_budget_above_free_ram_raises_before_allocating():
     transport = FakeTransport()
@@ -479,12 +791,7 @@ def test_cpu_only_context_is_a_noop_that_says_so_once(monkeypatch):
         offload_activations(device="cuda")
 
 
-# -- apply_checkpointing(offload=True) and per-block policies (the change to checkpointing.py of issue 5) ----
-_HAS_POLICIES = "policies" in inspect.signature(apply_checkpointing).parameters
-needs_policies = pytest.mark.skipif(not _HAS_POLICIES, reason="apply_checkpointing has no per-block policies yet")
-
-
-@needs_policies
+# -- apply_checkpointing(offload=True) and per-block policies ------------------------------------------------
 def test_apply_checkpointing_offload_moves_block_inputs_only():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, seq_len=16, dropout=0.1))
@@ -502,7 +809,38 @@ def test_apply_checkpointing_offload_moves_block_inputs_only():
     assert_same_grads(gpt_step(model, idx), expected)
 
 
-@needs_policies
+class KeywordBlock(nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, *, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(hidden_states))
+
+
+def test_apply_checkpointing_offload_moves_inputs_given_by_keyword():
+    """A block called as ``block(hidden_states=h)`` (Hugging Face style): checkpoint saves only its positional
+    tensors through the hooks and would hold keyword ones in a closure, on the device."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([KeywordBlock() for _ in range(3)])
+    x = torch.randn(8, 32)  # not a leaf that requires grad: those count as parameters and stay
+
+    def step() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        h = x
+        for block in model:
+            h = block(hidden_states=h)
+        h.sum().backward()
+        return grads(model)
+
+    expected = step()
+    transport = FakeTransport(lag=1)
+    apply_checkpointing(model, offload=True, offloader=offloader(transport))
+    assert_same_grads(step(), expected)
+    moved = [n for kind, _, n in (e for e in transport.log if e[0] == "d2h")]
+    assert moved == [8 * 32 * 4] * 3, f"moved {moved}: expected the three blocks' keyword inputs of {8 * 32 * 4} bytes"
+
+
 def test_per_block_keep_recompute_offload():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, seq_len=16))
@@ -520,7 +858,6 @@ def test_per_block_keep_recompute_offload():
     assert len(e.value.problems) == 2, e.value.problems
 
 
-@needs_policies
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_apply_checkpointing_offload_without_cuda_is_a_noop(monkeypatch):
     monkeypatch.setattr(offload_mod, "_NOOP_WARNED", False)
@@ -531,6 +868,18 @@ def test_apply_checkpointing_offload_without_cuda_is_a_noop(monkeypatch):
     with pytest.warns(UserWarning, match="does nothing"):
         apply_checkpointing(model, offload=True)
     assert_same_grads(gpt_step(model, idx), expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_a_cuda_transport_loads_as_none_without_cuda(monkeypatch):
+    """A model saved with an offloader on a GPU loads on a CPU-only machine with a disabled (no-op) offloader."""
+    import pickle
+
+    monkeypatch.setattr(offload_mod, "_NOOP_WARNED", False)
+    transport = object.__new__(CudaTransport)  # what a GPU run pickles: its device (the stream is not saved)
+    transport.device = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match="saved on cuda:0, which this machine does not have"):
+        assert pickle.loads(pickle.dumps(transport)) is None
 
 
 def test_forwards_without_backward_do_not_pile_up():

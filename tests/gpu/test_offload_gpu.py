@@ -5,16 +5,15 @@ Run on a GPU machine: ``.venv/bin/python -m pytest tests/gpu/test_offload_gpu.py
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from memtrain.checkpointing import apply_checkpointing, checkpointed_blocks
+from memtrain.checkpointing import apply_checkpointing
 from memtrain.models import GPT, GPTConfig
-from memtrain.offload import ActivationOffloader, offload_activations
+from memtrain.offload import offload_activations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,17 +27,6 @@ def assert_same_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
     for name in expected:
         diff = (got[name].float() - expected[name].float()).abs().max().item()
         assert torch.equal(got[name], expected[name]), f"{what}: {name} differs, max abs diff {diff}"
-
-
-def offload_checkpointed_inputs(model: nn.Module, offloader: ActivationOffloader) -> None:
-    """``apply_checkpointing(model, offload=True)``; by hand (each checkpointed block call run in the context)
-    until checkpointing.py takes ``offloader`` (issue 5's change)."""
-    if "offloader" in inspect.signature(apply_checkpointing).parameters:
-        apply_checkpointing(model, offload=True, offloader=offloader)
-        return
-    modules = dict(model.named_modules())
-    for name in checkpointed_blocks(model):
-        modules[name].forward = offloader.wrap(modules[name].forward)
 
 
 def gpt_step(model: GPT, idx: torch.Tensor, context=None, *, autocast: bool = False) -> torch.Tensor:
@@ -71,12 +59,16 @@ def test_gpt_gradients_identical(autocast):
     assert stats.offloaded_bytes > 0 and stats.prefetched > 0 and stats.learned_order_used >= 1, stats
 
 
-def _peak(fn) -> int:
+def _peaks(fn) -> tuple[int, int]:
+    """(max_memory_allocated, max_memory_reserved) over ``fn``. The cache is emptied first, so the reserved peak
+    is what ``fn`` made the allocator hold: restored activations live in the side stream's pool, which the
+    compute stream cannot reuse, so a lower allocated peak alone does not mean that a run fits."""
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
 
 def test_offloading_checkpointed_inputs_lowers_the_peak():
@@ -92,17 +84,24 @@ def test_offloading_checkpointed_inputs_lowers_the_peak():
     apply_checkpointing(model)
     gpt_step(model, idx)  # warm-up: allocator, cuBLAS workspaces
     expected = grads(model)
-    checkpointed = _peak(lambda: gpt_step(model, idx))
+    checkpointed, checkpointed_reserved = _peaks(lambda: gpt_step(model, idx))
     offloader = offload_activations()  # per block: no model, so no head to watch
-    offload_checkpointed_inputs(model, offloader)
+    apply_checkpointing(model, offload=True, offloader=offloader)
     gpt_step(model, idx)
-    offloaded = _peak(lambda: gpt_step(model, idx))
+    offloaded, offloaded_reserved = _peaks(lambda: gpt_step(model, idx))
     assert_same_grads(grads(model), expected, "checkpointing + offload")
     saved = checkpointed - offloaded
     # All but the blocks whose inputs are still in flight or already back (prefetch depth, copies in flight)
     # leave the device.
     assert saved >= (config.n_layer - 6) * block_input, (
         f"peak {checkpointed} -> {offloaded} bytes: saved {saved}, expected >= {(config.n_layer - 6) * block_input}")
+    # Reserved: the side stream's pool holds up to prefetch_depth + 1 restored inputs (and a rounding's worth)
+    # that the compute stream cannot reuse; the rest of what the allocated peak lost must leave the cache too.
+    saved_reserved = checkpointed_reserved - offloaded_reserved
+    side_pool = (offloader.prefetch_depth + 2) * block_input
+    assert saved_reserved > 0 and saved_reserved >= saved - side_pool, (
+        f"reserved peak {checkpointed_reserved} -> {offloaded_reserved} bytes: saved {saved_reserved}, expected "
+        f">= {saved - side_pool} (the allocated peak's {saved} less a side-stream pool of {side_pool})")
     assert offloader.stats().offloaded_bytes >= config.n_layer * block_input, offloader.stats()
 
 
@@ -111,12 +110,34 @@ def test_whole_forward_offload_lowers_the_peak():
     model = GPT(GPTConfig(n_layer=8, n_embd=512, n_head=8, seq_len=512)).cuda()
     idx = torch.randint(0, 256, (8, 512), device="cuda")
     gpt_step(model, idx)
-    plain = _peak(lambda: gpt_step(model, idx))
+    plain, plain_reserved = _peaks(lambda: gpt_step(model, idx))
     offloader = offload_activations(model=model)
     gpt_step(model, idx, offloader)
-    offloaded = _peak(lambda: gpt_step(model, idx, offloader))
+    offloaded, offloaded_reserved = _peaks(lambda: gpt_step(model, idx, offloader))
     moved = offloader.stats().offloaded_bytes // 2  # bytes of one step (two steps ran)
     assert plain - offloaded >= moved // 2, f"peak {plain} -> {offloaded} bytes with {moved} bytes offloaded per step"
+    assert plain_reserved - offloaded_reserved >= moved // 4, (
+        f"reserved peak {plain_reserved} -> {offloaded_reserved} bytes with {moved} bytes offloaded per step")
+
+
+def test_nothing_restored_is_held_through_the_optimizer_step():
+    """After backward (before the optimizer step) the device holds what a plain step leaves: parameters,
+    gradients, the batch. Restored inputs and copy sources are dropped by the end-of-backward callback."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=6, n_embd=512, n_head=8, seq_len=1024)).cuda()
+    idx = torch.randint(0, 256, (4, 1024), device="cuda")
+    apply_checkpointing(model)
+    gpt_step(model, idx)
+    torch.cuda.synchronize()
+    plain = torch.cuda.memory_allocated()
+    offloader = offload_activations()
+    apply_checkpointing(model, offload=True, offloader=offloader)
+    for _ in range(2):
+        gpt_step(model, idx)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        assert held == plain, f"{held - plain} bytes more on the device after backward than without offload"
+    assert offloader.stats().offloaded_bytes > 0 and offloader.stats().host_used_bytes == 0, offloader.stats()
 
 
 class Cheap(nn.Module):
