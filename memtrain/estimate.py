@@ -903,9 +903,11 @@ class _SimulatedOffload:
     offloader is (every offloaded block enters the same one). The meter still counts every saved tensor.
     """
 
-    def __init__(self, meter: MemoryMeter, state_storages: set[int], *, min_bytes: int, prefetch_depth: int = 2):
+    def __init__(self, meter: MemoryMeter, state_storages: set[int], *, min_bytes: int, prefetch_depth: int = 2,
+                 frozen_shapes: frozenset[tuple[int, ...]] = frozenset()):
         self.meter = meter
         self.state_storages = state_storages
+        self.frozen_shapes = frozen_shapes  # the shapes of frozen parameters: their autocast casts stay too
         self.min_bytes = min_bytes
         self.prefetch_depth = prefetch_depth
         self.records: list[_HostRecord] = []
@@ -932,8 +934,12 @@ class _SimulatedOffload:
             return True
         if isinstance(t, nn.Parameter) or storage._cdata in self.state_storages:
             return True
+        # The offloader's own rules (ActivationOffloader._keep_reason): parameters' views, casts and copies stay.
         base = t if t._base is None else t._base
-        return (base.is_leaf and base.requires_grad) or _derived_from_leaf(t)
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or _derived_from_leaf(t):
+            return True
+        return (base.grad_fn is None and not base.requires_grad and base.is_floating_point()
+                and tuple(base.shape) in self.frozen_shapes)
 
     def _pack(self, t: torch.Tensor) -> Any:
         self.meter._count(t)  # saved-tensor hooks do not stack: the meter's own would not see this tensor
@@ -1288,7 +1294,8 @@ def trace(
     whole_forward: Any = _nullcontext()
     if offloads:
         state_storages = {t.untyped_storage()._cdata for t in (*meta.parameters(), *meta.buffers())}
-        offload = _SimulatedOffload(meter, state_storages, min_bytes=offload_min_bytes)
+        offload = _SimulatedOffload(meter, state_storages, min_bytes=offload_min_bytes, frozen_shapes=frozenset(
+            tuple(p.shape) for p in params if not p.requires_grad))
         if not _simulate_offload(meta, offload) and offload_activations:
             # No checkpointing: the whole forward is offloaded, but for what the head and the loss save.
             whole_forward = offload

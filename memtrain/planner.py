@@ -1013,13 +1013,18 @@ _KIND_CHECKPOINTING: dict[str, Any] = {
 }
 
 
+_LEAD = 5  # blocks kept in front by _truncated
+
+
 def _truncated(model: nn.Module, blocks: Sequence[str]) -> tuple[nn.Module, list[int]] | None:
-    """A copy of ``model`` keeping only its first three blocks and its last, and the block of that copy each block
-    of the model is profiled by: when the blocks are the children of one ModuleList (or Sequential) and
+    """A copy of ``model`` keeping only its first ``_LEAD`` blocks and its last, and the block of that copy each
+    block of the model is profiled by: when the blocks are the children of one ModuleList (or Sequential) and
     structurally identical (same class, parameter and buffer shapes), the interior blocks' profiles are the same,
-    and tracing four costs what tracing eighty would. Three in front: in backward the offloader fetches two
-    records ahead, so the third block is the first with the interior's neighbours. None where this does not hold."""
-    if len(blocks) <= 4:
+    and tracing six costs what tracing eighty would. Several in front: in backward the offloader fetches two
+    records ahead, and tensors every block shares (rotary tables) come first, so the first blocks differ; the
+    last two in front must profile alike (``_traced_profiles`` checks) for the last to stand for the interior.
+    None where the model's blocks are not of that kind."""
+    if len(blocks) <= _LEAD + 1:
         return None
     parents = {name.rpartition(".")[0] for name in blocks}
     modules = dict(model.named_modules())
@@ -1042,8 +1047,8 @@ def _truncated(model: nn.Module, blocks: Sequence[str]) -> tuple[nn.Module, list
     kept = getattr(holder, attr)
     # NOTE: the config keeps its layer count: Hugging Face models loop over self.layers[:num_hidden_layers], and
     # every submodule shares the one config object (a copy would part them: e.g. use_cache off in one only).
-    setattr(holder, attr, type(kept)([kept[0], kept[1], kept[2], kept[len(kept) - 1]]))
-    return copy, [0, 1] + [2] * (len(blocks) - 3) + [3]
+    setattr(holder, attr, type(kept)([*list(kept)[:_LEAD], kept[len(kept) - 1]]))
+    return copy, list(range(_LEAD - 1)) + [_LEAD - 1] * (len(blocks) - _LEAD) + [_LEAD]
 
 
 def _state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cuda: bool) -> dict[str, Any]:
@@ -1079,7 +1084,9 @@ def _profiles(ctx: _Context, flavors: Sequence[str], offload: bool, weights: str
         try:
             return _traced_profiles(ctx, flavors, offload, weights, truncated)
         except MemtrainError:
-            pass  # a model whose forward needs every block (it indexes them by the config): trace it whole
+            # A model whose forward needs every block (it indexes them by its config), or whose interior blocks
+            # do not profile alike: trace it whole.
+            pass
     return _traced_profiles(ctx, flavors, offload, weights, None)
 
 
@@ -1117,8 +1124,11 @@ def _traced_profiles(ctx: _Context, flavors: Sequence[str], offload: bool, weigh
         part = _state_bytes(traced_model, traced_blocks, weights, cuda)
         fixed += (full["rounded"] + full["state"]) - (part["rounded"] + part["state"])
     input_bytes = ctx.seq_len * 8  # int64 token ids, one example
+    kind_profiles = {k: _kind_profile(*pair) for k, pair in traces.items()}
+    if truncated is not None and not all(_alike(kp, _LEAD - 2, _LEAD - 1) for kp in kind_profiles.values()):
+        raise _NotRepresentative  # the interior does not repeat: trace the whole model
     return _Profiles(
-        kinds={k: _expand(_kind_profile(*pair), index) for k, pair in traces.items()},
+        kinds={k: _expand(kp, index) for k, kp in kind_profiles.items()},
         tails=tails,
         fixed_bytes=fixed,
         input_bytes=(float(input_bytes), float(input_bytes)),
@@ -1161,6 +1171,25 @@ def _input_shift(traces: dict[str, tuple[Trace, Trace]], kept: str, offloaded: s
         return None
     a, b = _tail_profile(*traces[kept]), _tail_profile(*traces[offloaded])
     return b.tail_fwd_net[0] - a.tail_fwd_net[0], b.tail_fwd_net[1] - a.tail_fwd_net[1]
+
+
+class _NotRepresentative(MemtrainError):
+    """The truncated copy's leading blocks did not settle into the interior's profile."""
+
+
+def _alike(kp: _KindProfile, i: int, j: int) -> bool:
+    """Blocks ``i`` and ``j`` have the same profile (bytes, peaks at micro-batches 1 and 2, work)."""
+    for f in dataclasses.fields(kp):
+        value = getattr(kp, f.name)
+        if isinstance(value, np.ndarray):
+            if not np.array_equal(value[i], value[j]):
+                return False
+        elif isinstance(value[i], _Lines):
+            if any(value[i].at(b) != value[j].at(b) for b in (1, 2)):
+                return False
+        elif value[i] != value[j]:
+            return False
+    return True
 
 
 def _expand(kp: _KindProfile, index: list[int]) -> _KindProfile:
