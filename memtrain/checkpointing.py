@@ -784,10 +784,21 @@ class Checkpointing:
             ConfigError: as ``apply_checkpointing``; mode="blocks" with a policy count that is not the number
                 of blocks ``find_blocks(model)`` detects.
         """
-        if self.mode == "none":
+        kwargs = self.arguments(model)
+        if kwargs is None:
             remove_checkpointing(model)
             return []
-        kwargs: dict[str, Any] = {"offload": self.offload_inputs, "offloader": offloader}
+        return apply_checkpointing(model, **kwargs, offloader=offloader)
+
+    def arguments(self, model: nn.Module) -> dict[str, Any] | None:
+        """``apply_checkpointing``'s keyword arguments for this policy on ``model`` (None for mode="none").
+
+        Raises:
+            ConfigError: mode="blocks" with a policy count that is not the number of blocks of ``model``.
+        """
+        if self.mode == "none":
+            return None
+        kwargs: dict[str, Any] = {"offload": self.offload_inputs}
         if self.mode == "every":
             kwargs["every"] = self.every
         elif self.mode == "selective":
@@ -801,4 +812,4 @@ class Checkpointing:
                     "in the order find_blocks(model) returns them."
                 )
             kwargs["policies"] = dict(zip(names, self.blocks, strict=True))  # no blocks: apply_checkpointing says so
-        return apply_checkpointing(model, **kwargs)
+        return kwargs

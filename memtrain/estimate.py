@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from memtrain.checkpointing import (
+    Checkpointing,
     _auto_blocks,
     _CheckpointedForward,
     apply_checkpointing,
@@ -70,18 +71,10 @@ _CUDA_WORKSPACE_BYTES = 2 * 32 * 2**20
 
 
 # -- arguments ----------------------------------------------------------------------------------------------
-def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> dict[str, Any] | None:
-    """``"none"``/None/False -> None; ``"all"``/True -> every=1; ``"every:K"`` or int K -> every=K; a mapping ->
-    ``apply_checkpointing``'s keyword arguments as given."""
-    if checkpointing is None or checkpointing is False or checkpointing == "none":
-        return None
-    if checkpointing is True or checkpointing == "all":
-        return {"every": 1}
+def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> Checkpointing | dict[str, Any] | None:
+    """A ``Checkpointing`` for every spelling it parses, or a mapping of ``apply_checkpointing`` arguments as
+    given; None (with the problem noted) for anything else."""
     if isinstance(checkpointing, Mapping):
-        import inspect
-
-        from memtrain.checkpointing import apply_checkpointing
-
         allowed = [n for n in inspect.signature(apply_checkpointing).parameters if n != "model"]
         unknown = [k for k in checkpointing if k not in allowed]
         if unknown:
@@ -89,17 +82,11 @@ def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> dict[str, 
                             f"error, use only {allowed}.")
             return None
         return dict(checkpointing)
-    if isinstance(checkpointing, int) and not isinstance(checkpointing, bool) and checkpointing >= 1:
-        return {"every": checkpointing}
-    if isinstance(checkpointing, str) and checkpointing.startswith("every:"):
-        k = checkpointing.split(":", 1)[1]
-        if k.isdigit() and int(k) >= 1:
-            return {"every": int(k)}
-    problems.append(
-        f"checkpointing={checkpointing!r} is not a policy. To resolve this error, pass 'none', 'all', 'every:K' "
-        "(K >= 1), an integer K, or a dict of apply_checkpointing arguments such as {'every': 2}."
-    )
-    return None
+    try:
+        return Checkpointing.parse(checkpointing)
+    except ConfigError as e:
+        problems.append(f"{e} (or a dict of apply_checkpointing arguments such as {{'every': 2}})")
+        return None
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...], problems: list[str]) -> None:
@@ -1206,7 +1193,7 @@ def trace(
                         "length (accumulate micro-batches to reach the batch you want).")
     ConfigError.raise_if(problems)
     remove_checkpointing(meta)
-    kwargs = dict(ckpt) if ckpt is not None else None
+    kwargs = ckpt.arguments(meta) if isinstance(ckpt, Checkpointing) else ckpt
     offloads = offload_activations or "offload" in ((kwargs or {}).get("policies") or {}).values()
     if kwargs is not None:
         if offload_activations:
