@@ -91,10 +91,10 @@ def accumulation_steps(micro_batch_size: int, global_batch_size: int, world_size
     if global_batch_size % per_step:
         below = max(per_step, global_batch_size // per_step * per_step)
         raise ConfigError(
-            f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size {micro_batch_size} x "
-            f"world size {world_size} = {per_step}: accumulation needs a whole number of micro-batches per step. "
-            f"To resolve this error, pass --global-batch-size {below} or {below + per_step}, or a "
-            "--micro-batch-size that divides it."
+            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={micro_batch_size} x "
+            f"world_size={world_size} = {per_step}: accumulation needs a whole number of micro-batches per step. "
+            f"To resolve this error, pass global_batch_size={below} or {below + per_step}, or a "
+            "micro_batch_size that divides it."
         )
     return global_batch_size // per_step
 
