@@ -192,6 +192,7 @@ class GradientAccumulator:
         self._reduction: Reduction | None = None
         self._stats: torch.Tensor | None = None  # [items, micro-batches, loss sum] on this rank
         self._in_micro_batch = False
+        self._is_last = False
         self._backward_done = False
         self._closed = False  # the micro-batch marked is_last=True has run
 
@@ -240,6 +241,7 @@ class GradientAccumulator:
                 "synchronised. To resolve this error, pass is_last=True on the last micro-batch of each window."
             )
         self._in_micro_batch = True
+        self._is_last = is_last
         self._backward_done = False
         try:
             with self._sync_context(is_last):
@@ -310,6 +312,9 @@ class GradientAccumulator:
             if reduction == "sum":
                 scaled = loss * self._prescale(items)
             scaled = self.scaler.scale(scaled)
+        if self._is_last and callable(getattr(self.optimizer, "next_backward_is_last", None)):
+            # CPUOffloadOptimizer: this backward's landings take the norms the clip at the boundary reads.
+            self.optimizer.next_backward_is_last()
         scaled.backward()
 
         # float64 counts stay exact past 2**24 items; MPS has no float64.
