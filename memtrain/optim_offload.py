@@ -237,6 +237,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._link_state()
 
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._skip_landing = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
         self._landings: list[Future[None]] = []
         # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
@@ -267,11 +268,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     # -- set-up -------------------------------------------------------------------------------------------------
     def _make_buckets(self, slots: list[_Slot], optimizer_class: type[torch.optim.Optimizer],
                       optimizer_kwargs: dict[str, Any]) -> list[_Bucket]:
-        runs: list[list[_Slot]] = [[]]
-        for slot in slots:
-            if runs[-1] and sum(s.master.numel() for s in runs[-1]) + slot.master.numel() > self.bucket_numel:
-                runs.append([])
-            runs[-1].append(slot)
+        runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], self.bucket_numel)]
         buckets = []
         for index, run in enumerate(runs):
             for slot in run:
@@ -315,7 +312,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"parameter {slot.key!r} received a sparse gradient ({param.grad.layout}); CPUOffloadOptimizer "
                     "keeps dense host buffers. To resolve this error, build the module with sparse=False (e.g. "
                     "nn.Embedding(..., sparse=False)) or keep that parameter on a separate device optimizer.")
-            if self.offload_gradients:
+            if self._skip_landing:
+                # memtrain.optim.LeanAdamW's second pass of a two-pass backward: this gradient landed in the first.
+                param.grad = None
+            elif self.offload_gradients:
                 self._land(slot, free=True)
         return hook
 
@@ -734,6 +734,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k not in ("params", "param_names", *IMPLEMENTATION_KEYS)})
         for bucket in self._buckets:
             bucket.inner.state.clear()
+        fp32_state = type(self._buckets[0].inner) in STATE_BYTES_PER_PARAM
         for slot in self._slots:
             slot.master.copy_(slot.device.detach())
         for key, entry in state_dict["state"].items():
@@ -743,9 +744,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             master = entry.pop("master_weight", None)
             if master is not None:
                 slot.master.copy_(master)
-            # The host kernels need fp32 CPU tensors (a fused/capturable device optimizer keeps "step" on the GPU).
+            # The host kernels need CPU tensors, fp32 for torch's own optimizers (a fused/capturable device optimizer
+            # keeps "step" on the GPU); other classes keep their state's dtypes (bf16 moments, 8-bit codes).
             owner.inner.state[slot.master] = {
-                k: v.detach().to("cpu", torch.float32, copy=True) if isinstance(v, torch.Tensor) else v
+                k: (v.detach().to("cpu", torch.float32 if fp32_state else v.dtype, copy=True)
+                    if isinstance(v, torch.Tensor) else v)
                 for k, v in entry.items()
             }
         self._link_state()
@@ -833,6 +836,20 @@ def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return buffer.pin_memory()
     weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, buffer.data_ptr())
     return buffer
+
+
+def bucket_runs(numels: list[int], bucket_numel: int) -> list[list[int]]:
+    """How CPUOffloadOptimizer groups parameters (given in its bucket order) into buckets: runs of indices whose
+    numels add up to at most ``bucket_numel`` (a larger parameter gets a bucket of its own). Pure, for byte models."""
+    runs: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(numels):
+        if runs[-1] and total + n > bucket_numel:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += n
+    return runs
 
 
 def _aligned(numel: int) -> int:
@@ -933,7 +950,8 @@ def _check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_b
     """Raises before allocating when the host buffers would not fit in the machine's available RAM."""
     numel = sum(_aligned(p.numel()) for p in flat)
     cast = sum(p.numel() * p.element_size() for p in flat if p.dtype != torch.float32)
-    state = STATE_BYTES_PER_PARAM.get(optimizer_class, 8) * numel
+    per_param = getattr(optimizer_class, "state_bytes_per_param", None)  # memtrain.optim's lean classes say theirs
+    state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
     need = 4 * numel * (1 + n_grad_buffers) + cast + state
     available = host_available_bytes()
     if available is not None and need > available:
