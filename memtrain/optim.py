@@ -528,6 +528,9 @@ class LeanAdamW(torch.optim.Optimizer):
         self._norms: dict[int, torch.Tensor] = {}
         self._had_grad: set[int] = set()
         self._coef: torch.Tensor | None = None
+        # Per device, for one window's backward: the inf flag, the inverse scale and the clip coefficient, kept
+        # on the device so that no hook synchronises with the host.
+        self._on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._measuring = False
         self._synced = False  # the inner optimizers hold param_groups' hyper-parameters of this step
         self._hooks = []
@@ -657,6 +660,7 @@ class LeanAdamW(torch.optim.Optimizer):
                                 "the call.")
         self._sync_hyperparameters()
         self._synced = True
+        self._on_device.clear()
         self._arming = _Arming(last=last, grad_factor=float(grad_factor),
                                max_norm=None if max_norm is None or max_norm == math.inf else float(max_norm),
                                scaler=scaler if scaler is not None and scaler.is_enabled() else None)
@@ -674,7 +678,7 @@ class LeanAdamW(torch.optim.Optimizer):
             return
         self._norms.clear()
         self._had_grad.clear()
-        self._found_inf = torch.zeros((), dtype=torch.float32)
+        self._on_device.clear()
         self._measuring = True
         try:
             loss.backward(retain_graph=True)
@@ -685,9 +689,10 @@ class LeanAdamW(torch.optim.Optimizer):
         if found or not math.isfinite(total.item()):
             self._skip_window = True  # the scaler backs off (or the accumulator refuses); nothing steps
             self._backward_ran = True
-            self._found_inf = torch.ones((), dtype=torch.float32)
             return
         self._coef = None
+        for cache in self._on_device.values():
+            cache.pop("coef", None)
         if arming.max_norm is not None:
             self._coef = torch.clamp(arming.max_norm / (total + 1e-6), max=1.0)
             if self._host is not None:
@@ -705,6 +710,22 @@ class LeanAdamW(torch.optim.Optimizer):
     def _inv_scale(self, scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:
         return scaler._scale.double().reciprocal().float().to(device)  # as GradScaler.unscale_ computes it
 
+    def _cached(self, device: torch.device, key: str) -> torch.Tensor:
+        cache = self._on_device.setdefault(device, {})
+        if key not in cache:
+            if key == "found":
+                cache[key] = torch.zeros((), dtype=torch.float32, device=device)
+            elif key == "inv":
+                cache[key] = self._inv_scale(self._arming.scaler, device)
+            else:
+                cache[key] = self._coef.to(device)
+        return cache[key]
+
+    def _found_any(self) -> bool:
+        """Whether any gradient of this window was inf/nan (one host sync per device)."""
+        found = [c["found"].item() for c in self._on_device.values() if "found" in c]
+        return any(f > 0 for f in found)
+
     def _window_norm(self) -> tuple[torch.Tensor, bool]:
         """After the first pass: the global norm over device (from the hooks) and host gradients, param order."""
         arming = self._arming
@@ -714,26 +735,31 @@ class LeanAdamW(torch.optim.Optimizer):
             host = {id(s.device): s for s in self._host._slots}
             grads = [s.master.grad for s in self._host._slots if s.master.grad is not None]
             if grads and arming.scaler is not None:
-                found = torch.zeros((), dtype=torch.float32)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self._inv_scale(arming.scaler,
-                                                                                             grads[0].device))
-                self._found_inf = found if self._found_inf is None else self._found_inf + found
+                device = grads[0].device
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, self._cached(device, "found"),
+                                                                 self._cached(device, "inv"))
             if grads and arming.grad_factor != 1.0:
                 torch._foreach_mul_(grads, arming.grad_factor)
+        if self._arming.two_pass:
+            for p in self._leftovers():
+                if id(p) not in self._norms:  # no hook of this backward saw it: measured now, stepped at step()
+                    self._measure(p, None)
+        # The device norms cross to the host in one copy per device, then stack in param_groups order as torch's
+        # clip_grad_norm_ does (another order can move the last bit).
+        on_host: dict[int, torch.Tensor] = {}
+        for ids in _by_device_ids(self._norms).values():
+            for i, norm in zip(ids, torch.stack([self._norms[i] for i in ids]).cpu(), strict=True):
+                on_host[i] = norm
         norms = []
         for p in self.param_groups[0]["params"]:
             if id(p) in host:
                 g = host[id(p)].master.grad
                 if g is not None:
                     norms.append(torch._foreach_norm([g], 2.0)[0])
-            elif id(p) in self._norms:
-                norms.append(self._norms[id(p)].cpu())
-            elif p.grad is not None and self._arming.two_pass:
-                self._measure(p, None)  # a leftover (see _leftovers): measured now, stepped at step()
-                norms.append(self._norms[id(p)].cpu())
+            elif id(p) in on_host:
+                norms.append(on_host[id(p)])
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
-        found_inf = self._found_inf is not None and self._found_inf.item() > 0
-        return total, found_inf
+        return total, self._found_any()
 
     def _window_gradient(self, grad: torch.Tensor, *, in_place: bool) -> torch.Tensor:
         """The gradient as the step sees it: unscaled (fp16), times the window's factor, in the accumulator's order
@@ -741,11 +767,8 @@ class LeanAdamW(torch.optim.Optimizer):
         arming = self._arming
         grad = grad if in_place else grad.clone()
         if arming.scaler is not None:
-            found = torch.zeros((), dtype=torch.float32, device=grad.device)
-            torch._amp_foreach_non_finite_check_and_unscale_([grad], found, self._inv_scale(arming.scaler,
-                                                                                          grad.device))
-            if self._found_inf is not None:
-                self._found_inf += found.cpu()
+            torch._amp_foreach_non_finite_check_and_unscale_([grad], self._cached(grad.device, "found"),
+                                                             self._cached(grad.device, "inv"))
         if arming.grad_factor != 1.0:
             torch._foreach_mul_([grad], arming.grad_factor)
         return grad
@@ -763,7 +786,7 @@ class LeanAdamW(torch.optim.Optimizer):
         if not self._arming.two_pass:
             self._norms[id(p)] = torch._foreach_norm([grad], 2.0)[0]
         elif self._coef is not None:
-            torch._foreach_mul_([grad], self._coef.to(grad.device))
+            torch._foreach_mul_([grad], self._cached(grad.device, "coef"))
         self._inner[id(p)].step()
         p.grad = None  # freed at once: the whole model's gradients never coexist
         self._backward_ran = True
@@ -831,6 +854,7 @@ class LeanAdamW(torch.optim.Optimizer):
         self._skip_window = False
         self._synced = False
         self._norms.clear()
+        self._on_device.clear()
         self._arming = _Arming()  # the default: every backward steps (plain loops)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -972,6 +996,13 @@ def _post_hook(owner: weakref.ref[LeanAdamW]) -> Callable[[torch.Tensor], None]:
             with torch.no_grad():
                 self._step_param(param)
     return hook
+
+
+def _by_device_ids(norms: dict[int, torch.Tensor]) -> dict[torch.device, list[int]]:
+    out: dict[torch.device, list[int]] = {}
+    for i, t in norms.items():
+        out.setdefault(t.device, []).append(i)
+    return out
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

@@ -418,3 +418,27 @@ def test_lr_scheduler_drives_every_part() -> None:
     opt.step()
     assert max_diff(before, model) == 0.0, "lr=0 from the scheduler still moved weights"
     assert max_diff(frozen, model) > 0.0
+
+
+def test_step_in_backward_steps_a_parameter_used_only_in_earlier_micro_batches() -> None:
+    """A parameter whose gradient comes from the first micro-batch only (no hook fires for it in the last
+    backward) still steps, at step(), and its norm counts: the same result as the ordinary step."""
+    def run(options: dict | None, max_norm: float | None) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"body": nn.Linear(16, 4), "side": nn.Linear(16, 4)})
+        if options is None:
+            opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+        else:
+            opt = build_optimizer(model.named_parameters(), **HYPER, **options)
+        acc = GradientAccumulator(model, opt, steps=2, max_grad_norm=max_norm)
+        for x, y in batches(6):
+            for m in range(2):
+                with acc.micro_batch(is_last=m == 1):
+                    out = model["body"](x) + (model["side"](x) if m == 0 else 0)
+                    acc.backward(((out - y) ** 2).sum(), reduction="sum", items=x.shape[0])
+            acc.step()
+        return model
+
+    for max_norm in (None, 0.5):
+        ref, ours = run(None, max_norm), run({"step_in_backward": True}, max_norm)
+        assert max_diff(ref, ours) <= 1e-6, f"max_norm={max_norm}: {max_diff(ref, ours):.3e}"
