@@ -5,11 +5,14 @@ of step-in-backward's two passes, on the built-in GPT and corpus, on this machin
   fp32, bf16 and int8 AdamW moments (same seed, data and hyper-parameters), and prints each final eval loss, its
   relative difference to fp32 (the target: within 1%), and the state bytes per parameter measured on the
   optimizer (``memtrain.measure.optimizer_state_bytes``) beside ``optimizer_memory``'s prediction.
+- ``--case cpu-rate``: one CPU AdamW step on ``--params`` parameters (4 tensors) with each state precision,
+  interleaved: the host step's rate that ``memtrain.optim.cpu_step_rate`` probes for the planner.
 - ``--case step-in-backward``: one optimizer step of ``gpt-mini`` (2 micro-batches), ordinary vs step-in-backward
   without clipping (one pass) and with clipping (two passes of the last backward), side by side (median of
   ``--repeats``, interleaved).
 
-Run: ``.venv/bin/python benchmarks/bench_optim_state.py --steps 300`` and
+Run: ``.venv/bin/python benchmarks/bench_optim_state.py --steps 300``,
+``.venv/bin/python benchmarks/bench_optim_state.py --case cpu-rate --repeats 20`` and
 ``.venv/bin/python benchmarks/bench_optim_state.py --case step-in-backward --repeats 20``.
 """
 
@@ -28,7 +31,7 @@ from memtrain.accumulation import GradientAccumulator  # noqa: E402
 from memtrain.data import builtin_corpus  # noqa: E402
 from memtrain.measure import optimizer_state_bytes  # noqa: E402
 from memtrain.models import GPT  # noqa: E402
-from memtrain.optim import build_optimizer, optimizer_memory  # noqa: E402
+from memtrain.optim import _state_class, build_optimizer, optimizer_memory  # noqa: E402
 
 
 def train_gpt(state_precision: str, *, steps: int, model: str = "gpt-tiny", batch: int = 16, lr: float = 3e-3,
@@ -80,12 +83,41 @@ def step_in_backward_case(mode: str):
     return step
 
 
+def cpu_rate_case(precision: str, n_params: int):
+    cls, kwargs = _state_class(precision, "cpu")
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(n_params // 4, generator=g) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    opt = cls(params, lr=1e-4, **kwargs)
+
+    def step() -> dict[str, float]:
+        opt.step()
+        return {}
+
+    return step
+
+
 def main() -> None:
     parser = common_args(__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["loss", "step-in-backward"], default="loss")
+    parser.add_argument("--case", choices=["loss", "cpu-rate", "step-in-backward"], default="loss")
+    parser.add_argument("--params", type=float, default=4e6, help="parameters of --case cpu-rate")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (1 steadies timings on a machine shared with other jobs)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.case == "cpu-rate":
+        n = int(args.params)
+        cases = [Case(f"{p} moments", lambda p=p: cpu_rate_case(p, n)) for p in ("fp32", "bf16", "int8")]
+        results = run_side_by_side(cases, title="optim_cpu_rate", repeats=args.repeats, warmup=args.warmup,
+                                   device="cpu", json_path=args.out)
+        for r in results:
+            if r.median_s:
+                print(f"  {r.name}: {n / r.median_s / 1e6:.0f} M params/s on {torch.get_num_threads()} threads")
+        return
     if args.case == "step-in-backward":
         cases = [Case("ordinary step, clip 1.0", lambda: step_in_backward_case("ordinary")),
                  Case("step-in-backward, no clip (one pass)", lambda: step_in_backward_case("one pass")),

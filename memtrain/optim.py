@@ -43,17 +43,44 @@ INT8_BLOCK = 256  # elements per block-wise quantisation scale (one fp32 absmax 
 QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned 8-bit code books, fp32, once per bitsandbytes optimizer
 LOWBIT_EXTRA = "pip install 'memtrain[lowbit]'"
 # Elements per chunk of BF16StateAdamW's step: the fp32 copies of the moments live only for one chunk.
-BF16_CHUNK = {"cuda": 1 << 24, "cpu": 1 << 16}
+BF16_CHUNK = {"cuda": 1 << 24, "cpu": 1 << 18}
 _INT8_DEVICES = ("cpu", "cuda")
 
 
 # -- bf16 moments -------------------------------------------------------------------------------------------
-def _round_bf16_stochastic(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """fp32 -> bf16, rounding away from zero with probability (dropped bits) / 2**16: unbiased in expectation, so
-    the second moment keeps moving when beta2's update (1e-3 of it) is below bf16's half ulp (2**-9)."""
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    # Adding to the bit pattern carries into the kept bits with that probability; the mask drops the rest.
-    return (x.view(torch.int32) + noise).bitwise_and_(-65536).view(torch.float32).bfloat16()
+_WEYL = 0x9E3779B1 - (1 << 32)  # 2**32 / golden ratio, odd, as signed int32
+_INDEX: dict[tuple[torch.device, int], torch.Tensor] = {}  # element index x _WEYL, per device and chunk length
+
+
+def _noise16(numel: int, key: int, device: torch.device) -> torch.Tensor:
+    """Rounding noise in [0, 2**16): the high 16 bits of (index + key) x a Weyl constant, mod 2**32.
+
+    Across steps (a fresh key each) every element's noise is uniform, which is what makes the rounding unbiased;
+    neighbours follow a low-discrepancy sequence. Four vectorised passes, several times cheaper on the CPU than a
+    generator's draw, and the same numbers on every device. NOTE: relies on int32 arithmetic wrapping, as torch's
+    kernels do.
+    """
+    chunk = BF16_CHUNK.get(device.type, 1 << 20)
+    cached = _INDEX.get((device, chunk))
+    if cached is None:
+        cached = _INDEX[(device, chunk)] = torch.arange(chunk, dtype=torch.int32, device=device).mul_(_WEYL)
+    offset = (key * _WEYL + (1 << 31)) % (1 << 32) - (1 << 31)  # key x _WEYL as a wrapped int32
+    if numel <= chunk:
+        h = cached[:numel] + offset
+    else:
+        h = torch.arange(numel, dtype=torch.int32, device=device).mul_(_WEYL).add_(offset)
+    # The high half of each int32 (little-endian: the odd int16), as an unsigned 16-bit value.
+    return h.view(torch.int16)[1::2].to(torch.int32).bitwise_and_(0xFFFF)
+
+
+def _round_into_bf16_(dst: torch.Tensor, x: torch.Tensor, key: int) -> None:
+    """Writes fp32 ``x`` (a scratch tensor, overwritten) into bf16 ``dst``, rounding away from zero with
+    probability (dropped bits) / 2**16: unbiased in expectation, so the second moment keeps moving when beta2's
+    update (1e-3 of it) is below bf16's half ulp (2**-9)."""
+    # Adding to the bit pattern carries into the kept bits with that probability; the mask drops the rest, so
+    # the conversion in copy_ is exact.
+    x.view(torch.int32).add_(_noise16(x.numel(), key, x.device).view(x.shape)).bitwise_and_(-65536)
+    dst.copy_(x)
 
 
 class BF16StateAdamW(torch.optim.Optimizer):
@@ -75,7 +102,6 @@ class BF16StateAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.seed = int(seed)
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._salts = 0
 
     @torch.no_grad()
@@ -106,22 +132,16 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 self._step_one(p, state, group)
         return loss
 
-    def _generator(self, device: torch.device, state: dict[str, Any]) -> torch.Generator:
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = self._generators[device] = torch.Generator(device=device)
-        # A counter-based draw: the noise depends on (seed, parameter, step) only, not on what ran before.
-        gen.manual_seed(hash((self.seed, state["salt"], state["draws"])) & ((1 << 63) - 1))
-        state["draws"] += 1
-        return gen
-
     def _step_one(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         flat_p = p.view(-1)
         flat_g = p.grad.contiguous().view(-1)
         flat_m, flat_v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
         fused = p.device.type in ("cpu", "cuda")
         chunk = BF16_CHUNK.get(p.device.type, 1 << 20)
-        gen = self._generator(p.device, state)
+        # Counter-based noise: it depends on (seed, parameter, step, chunk) only, not on what ran before, so a
+        # resumed run (draws and salt are in the state) rounds as the straight one.
+        base = (self.seed, state["salt"], state["draws"])
+        state["draws"] += 1
         beta1, beta2 = group["betas"]
         for start in range(0, flat_p.numel(), chunk):
             end = min(start + chunk, flat_p.numel())
@@ -132,9 +152,14 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 foreach=False, fused=fused, capturable=False, differentiable=False, grad_scale=None, found_inf=None,
                 has_complex=False, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-            flat_m[start:end].copy_(_round_bf16_stochastic(m32, gen))
-            flat_v[start:end].copy_(_round_bf16_stochastic(v32, gen))
+            _round_into_bf16_(flat_m[start:end], m32, _key(*base, start, 0))
+            _round_into_bf16_(flat_v[start:end], v32, _key(*base, start, 1))
         state["step"].add_(1)
+
+
+def _key(*parts: int) -> int:
+    """A 31-bit key from integers, stable across processes (Python's hash of ints and tuples of ints is)."""
+    return hash(parts) & 0x7FFFFFFF
 
 
 # -- int8 moments (bitsandbytes, optional) ------------------------------------------------------------------
@@ -423,7 +448,7 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
     temp = 0
     if state_precision == "bf16":
         chunk = min(largest, BF16_CHUNK.get(device_type, 1 << 20))
-        temp = chunk * (4 + 4 + 4 + 4)  # fp32 moments, noise and rounded bits of one chunk
+        temp = chunk * (4 + 4 + 4 + 4)  # one chunk's fp32 moments, rounding noise and its shifted copy
     elif state_precision == "int8" and device_type == "cpu":
         temp = largest * 4 * 4  # bitsandbytes' CPU path dequantises whole tensors: moments, gradient, weights
     if step_in_backward:
@@ -522,7 +547,8 @@ class LeanAdamW(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None
         self._gathered = False
-        self._arming = _Arming()
+        self._arming = _Arming(scaler=self.grad_scaler)
+        self._measured = False  # the first pass of a two-pass backward ran
         self._backward_ran = False  # a backward stepped (or measured) since the last step()
         self._skip_window = False  # the first pass found inf/nan: nothing steps in this window
         self._norms: dict[int, torch.Tensor] = {}
@@ -684,6 +710,7 @@ class LeanAdamW(torch.optim.Optimizer):
             loss.backward(retain_graph=True)
         finally:
             self._measuring = False
+        self._measured = True
         total, found = self._window_norm()
         self.last_grad_norm = total
         if found or not math.isfinite(total.item()):
@@ -855,7 +882,8 @@ class LeanAdamW(torch.optim.Optimizer):
         self._synced = False
         self._norms.clear()
         self._on_device.clear()
-        self._arming = _Arming()  # the default: every backward steps (plain loops)
+        self._measured = False
+        self._arming = _Arming(scaler=self.grad_scaler)  # the default: every backward steps (plain loops)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)  # the device gradients
@@ -864,8 +892,8 @@ class LeanAdamW(torch.optim.Optimizer):
             self._host.zero_grad(set_to_none=set_to_none)
         self._gathered = False
         if self._skip_window:
-            self._skip_window = self._backward_ran = False
-            self._arming = _Arming()
+            self._skip_window = self._backward_ran = self._measured = False
+            self._arming = _Arming(scaler=self.grad_scaler)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -993,6 +1021,11 @@ def _post_hook(owner: weakref.ref[LeanAdamW]) -> Callable[[torch.Tensor], None]:
             self._backward_ran = True
             return
         if self._arming.last and param.grad is not None and not self._skip_window:
+            if self._arming.two_pass and not self._measured:
+                raise MemtrainError(
+                    "a backward armed for two passes (clipping or an fp16 scaler: the norm and the inf check come "
+                    "before any step) ran as one: loss.backward() was called instead of optimizer.backward(loss). "
+                    "To resolve this error, call optimizer.backward(loss) (GradientAccumulator.backward does).")
             with torch.no_grad():
                 self._step_param(param)
     return hook

@@ -355,6 +355,16 @@ def test_step_in_backward_plain_loop_and_explicit_boundary() -> None:
         opt.step()
     with pytest.raises(MemtrainError, match="clip_grad_norm_ on a step-in-backward optimizer"):
         opt.clip_grad_norm_(1.0)
+    # Clipping is given before backward; then the backward runs as two passes, through optimizer.backward.
+    x, y = batches(1)[0]
+    opt.prepare_backward(max_norm=1.0)
+    with pytest.raises(MemtrainError, match=r"instead of optimizer.backward\(loss\)"):
+        ((ours(x) - y) ** 2).sum().backward()
+    opt.zero_grad()
+    opt.prepare_backward(max_norm=1e-3)
+    opt.backward(((ours(x) - y) ** 2).sum())
+    opt.step()
+    assert opt.last_grad_norm.item() > 1e-3  # clipped to 1e-3 before stepping
 
 
 def test_unknown_state_precision() -> None:
