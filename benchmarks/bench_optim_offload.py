@@ -20,11 +20,15 @@ Two more cases time the work CPUOffloadOptimizer adds to the training loop's own
 - ``--case delayed``: width 256 (16.5M parameters), bf16 device weights with ``delayed_update=True``; ``step_call_ms`` is the median time the
   ``step()`` call holds the loop's thread (it returns before the CPU step; it copies the previous step's weights).
 
-Run: ``.venv/bin/python benchmarks/bench_optim_offload.py --case landing --repeats 30``.
+Run: ``.venv/bin/python benchmarks/bench_optim_offload.py --case landing --repeats 30``. ``--against FILE`` adds
+the same cases for the CPUOffloadOptimizer of another version of ``optim_offload.py``, interleaved (before/after):
+``git show 54d082f:memtrain/optim_offload.py > /tmp/old_optim_offload.py`` then
+``... --case landing --against /tmp/old_optim_offload.py``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import sys
 import time
@@ -93,13 +97,21 @@ def many_tensors(dtype: torch.dtype = torch.float32, width: int = 64) -> torch.n
     return torch.nn.Sequential(*layers).to(dtype)
 
 
-def landing_window(kind: str):
+def load_other(path: str) -> type:
+    """CPUOffloadOptimizer from another version of optim_offload.py (for before/after runs)."""
+    spec = importlib.util.spec_from_file_location("other_optim_offload", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CPUOffloadOptimizer
+
+
+def landing_window(kind: str, cls: type = CPUOffloadOptimizer):
     """One 4-micro-batch window with clipping; figure: median forward+backward of one micro-batch."""
     model = many_tensors()
     if kind == "device":
         opt = torch.optim.AdamW(model.parameters(), **HYPER)
     else:
-        opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
+        opt = cls(model.named_parameters(), **HYPER)
     acc = GradientAccumulator(model, opt, steps=4, max_grad_norm=1.0)
     x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
     times: list[float] = []
@@ -116,10 +128,10 @@ def landing_window(kind: str):
     return window
 
 
-def delayed_bf16():
+def delayed_bf16(cls: type = CPUOffloadOptimizer):
     """bf16 device weights, delayed_update=True; figure: median time the step() call holds the loop's thread."""
     model = many_tensors(torch.bfloat16, width=256)  # 16.5M parameters
-    opt = CPUOffloadOptimizer(model.named_parameters(), delayed_update=True, **HYPER)
+    opt = cls(model.named_parameters(), delayed_update=True, **HYPER)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     times: list[float] = []
 
@@ -138,13 +150,19 @@ def main() -> None:
     parser = common_args(__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=16e6, help="parameters to step (default 16e6)")
     parser.add_argument("--case", choices=["throughput", "landing", "delayed"], default="throughput")
+    parser.add_argument("--against", help="another optim_offload.py whose CPUOffloadOptimizer runs beside this one")
     args = parser.parse_args()
     if args.case != "throughput":
+        other = load_other(args.against) if args.against else None
         if args.case == "landing":
             cases = [Case("device AdamW window", lambda: landing_window("device"), notes="4 micro-batches + clip"),
                      Case("offload window", lambda: landing_window("offload"), notes="4 micro-batches + clip")]
+            if other is not None:
+                cases.append(Case("offload window (--against)", lambda: landing_window("offload", other)))
         else:
             cases = [Case("delayed bf16 iteration", delayed_bf16, notes="fwd+bwd+step, 500 bf16 tensors")]
+            if other is not None:
+                cases.append(Case("delayed bf16 iteration (--against)", lambda: delayed_bf16(other)))
         run_side_by_side(cases, title=f"optim_offload_{args.case}", repeats=args.repeats, warmup=args.warmup,
                          device="cpu", json_path=args.out)
         print_json_if_asked(args, args.out or f"bench-results/optim_offload_{args.case}.json")

@@ -1095,6 +1095,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         raise ConfigError(f"build_optimizer builds AdamW (with a choice of state precision), not "
                           f"{getattr(optimizer_class, '__name__', optimizer_class)}. To resolve this error, drop "
                           "optimizer_class, or build that optimizer yourself (CPUOffloadOptimizer takes any class).")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world_size = max(world_size, torch.distributed.get_world_size())  # the ranks running now count too
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
     if not named:
         raise ConfigError("build_optimizer got no parameter that requires grad. To resolve this error, pass "

@@ -400,6 +400,13 @@ def test_step_in_backward_refuses_what_cannot_step_per_parameter() -> None:
         plain.prepare_backward(last=True)
 
 
+def test_step_in_backward_under_running_ranks_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
+    with pytest.raises(ConfigError, match="world_size=4: DDP averages gradients after the hooks"):
+        build_optimizer(make_model().named_parameters(), lr=1e-3, step_in_backward=True)
+
+
 def test_other_bad_input() -> None:
     with pytest.raises(ConfigError, match=r"offload_fraction=1.5 must be a number in \[0, 1\]"):
         build_optimizer(make_model().named_parameters(), lr=1e-3, offload_fraction=1.5)
@@ -452,3 +459,20 @@ def test_step_in_backward_steps_a_parameter_used_only_in_earlier_micro_batches()
     for max_norm in (None, 0.5):
         ref, ours = run(None, max_norm), run({"step_in_backward": True}, max_norm)
         assert max_diff(ref, ours) <= 1e-6, f"max_norm={max_norm}: {max_diff(ref, ours):.3e}"
+
+
+def test_step_in_backward_refuses_a_non_finite_window_before_stepping() -> None:
+    """With clipping the first pass sees the non-finite norm: no parameter steps, the accumulator raises."""
+    model = make_model()
+    opt = build_optimizer(model.named_parameters(), **HYPER, step_in_backward=True)
+    acc = GradientAccumulator(model, opt, steps=1, max_grad_norm=1.0)
+    before = copy.deepcopy(model)
+    x, y = batches(1)[0]
+    with acc.micro_batch(is_last=True):
+        acc.backward(((model(x) - y) ** 2).sum() * float("inf"), reduction="sum", items=x.shape[0])
+    with pytest.raises(MemtrainError, match="the first pass of the backward saw it, so no parameter stepped"):
+        acc.step()
+    assert max_diff(before, model) == 0.0, "a parameter stepped on a non-finite gradient"
+    with acc.micro_batch(is_last=True):  # the next window trains as usual
+        acc.backward(((model(x) - y) ** 2).sum(), reduction="sum", items=x.shape[0])
+    assert acc.step().step == 1 and max_diff(before, model) > 0.0
