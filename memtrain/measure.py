@@ -82,7 +82,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
         if not is_traceable_wrapper_subclass(t):
             return [t]
         names, _ = t.__tensor_flatten__()
-        return [leaf for name in names for leaf in inner(getattr(t, name))]
+        held = [getattr(t, name) for name in names]
+        return [leaf for h in held if isinstance(h, torch.Tensor) for leaf in inner(h)]
 
     tensors = [leaf for state in optimizer.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)
                for leaf in inner(v)]

@@ -338,6 +338,22 @@ def test_wrapper_subclass_state_counts_the_tensors_it_holds() -> None:
     assert optimizer_state_bytes(opt) == 80
 
 
+def test_dtensor_state_counts_its_local_shard() -> None:
+    """FSDP2 keeps optimizer state as DTensors, whose flattening also names their (non-tensor) device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        p = nn.Parameter(torch.zeros(10))
+        opt = torch.optim.SGD([p], lr=0.1)
+        opt.state[p]["exp_avg"] = distribute_tensor(torch.zeros(10), init_device_mesh("cpu", (1,)), [Shard(0)])
+        assert optimizer_state_bytes(opt) == 40
+    finally:
+        dist.destroy_process_group()
+
+
 # -- the explicit boundary and bad input --------------------------------------------------------------------
 def test_step_in_backward_plain_loop_and_explicit_boundary() -> None:
     ref, ours = make_model(), make_model()
