@@ -101,6 +101,7 @@ def load_other(path: str) -> type:
     """CPUOffloadOptimizer from another version of optim_offload.py (for before/after runs)."""
     spec = importlib.util.spec_from_file_location("other_optim_offload", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.CPUOffloadOptimizer
 
