@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +51,7 @@ _INT8_DEVICES = ("cpu", "cuda")
 # -- bf16 moments -------------------------------------------------------------------------------------------
 _WEYL = 0x9E3779B1 - (1 << 32)  # 2**32 / golden ratio, odd, as signed int32
 _INDEX: dict[tuple[torch.device, int], torch.Tensor] = {}  # element index x _WEYL, per device and chunk length
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0  # where an int32's high 16 bits sit in its int16 view
 
 
 def _noise16(numel: int, key: int, device: torch.device) -> torch.Tensor:
@@ -69,8 +71,8 @@ def _noise16(numel: int, key: int, device: torch.device) -> torch.Tensor:
         h = cached[:numel] + offset
     else:
         h = torch.arange(numel, dtype=torch.int32, device=device).mul_(_WEYL).add_(offset)
-    # The high half of each int32 (little-endian: the odd int16), as an unsigned 16-bit value.
-    return h.view(torch.int16)[1::2].to(torch.int32).bitwise_and_(0xFFFF)
+    # The high half of each int32 (the odd int16 on little-endian machines), as an unsigned 16-bit value.
+    return h.view(torch.int16)[_HIGH_HALF::2].to(torch.int32).bitwise_and_(0xFFFF)
 
 
 def _round_into_bf16_(dst: torch.Tensor, x: torch.Tensor, key: int) -> None:

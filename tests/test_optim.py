@@ -492,3 +492,27 @@ def test_step_in_backward_refuses_a_non_finite_window_before_stepping() -> None:
     with acc.micro_batch(is_last=True):  # the next window trains as usual
         acc.backward(((model(x) - y) ** 2).sum(), reduction="sum", items=x.shape[0])
     assert acc.step().step == 1 and max_diff(before, model) > 0.0
+
+
+def test_two_pass_step_in_backward_works_under_activation_checkpointing() -> None:
+    """The two passes retain the graph between them; checkpointed blocks recompute in each: same weights."""
+    from memtrain import apply_checkpointing
+
+    def run(step_in_backward: bool, checkpointed: bool) -> nn.Module:
+        torch.manual_seed(0)
+        gpt = GPT.from_preset("gpt-tiny")
+        if checkpointed:
+            apply_checkpointing(gpt)
+        opt = build_optimizer(gpt.named_parameters(), lr=1e-3, step_in_backward=step_in_backward)
+        acc = GradientAccumulator(gpt, opt, steps=2, max_grad_norm=0.5)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for m in range(2):
+                x = torch.randint(0, 256, (2, 32), generator=g)
+                with acc.micro_batch(is_last=m == 1):
+                    acc.backward(gpt(x, x), reduction="mean")
+            acc.step()
+        return gpt
+
+    ref, ours = run(False, False), run(True, True)
+    assert max_diff(ref, ours) <= 1e-6, f"max abs difference {max_diff(ref, ours):.3e}"
