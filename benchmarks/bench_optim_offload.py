@@ -10,11 +10,28 @@ delayed_update), so it must run at the speed of torch's own fused kernel on the 
   updated weights back into the parameters (on a GPU that copy is the host->device transfer, overlapped).
 
 Run: ``.venv/bin/python benchmarks/bench_optim_offload.py [--params 16e6]``.
+
+Two more cases time the work CPUOffloadOptimizer adds to the training loop's own thread, on a 500-tensor model
+(250 ``Linear``s) where per-tensor overheads dominate (issue 13 items 5 and 6):
+
+- ``--case landing``: a 4-micro-batch window through ``GradientAccumulator`` with clipping; the figure
+  ``fwd_bwd_ms`` is the median forward+backward of one micro-batch (the gradient landings run in backward's hooks).
+  Device AdamW is the baseline.
+- ``--case delayed``: width 256 (16.5M parameters), bf16 device weights with ``delayed_update=True``; ``step_call_ms`` is the median time the
+  ``step()`` call holds the loop's thread (it returns before the CPU step; it copies the previous step's weights).
+
+Run: ``.venv/bin/python benchmarks/bench_optim_offload.py --case landing --repeats 30``. ``--against FILE`` adds
+the same cases for the CPUOffloadOptimizer of another version of ``optim_offload.py``, interleaved (before/after):
+``git show 54d082f:memtrain/optim_offload.py > /tmp/old_optim_offload.py`` then
+``... --case landing --against /tmp/old_optim_offload.py``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from runner import Case, common_args, print_json_if_asked, run_side_by_side  # noqa: E402
 
+from memtrain.accumulation import GradientAccumulator  # noqa: E402
 from memtrain.optim_offload import CPUOffloadOptimizer  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -70,10 +88,86 @@ def offload(n_params: int, *, full: bool):
     return cpu_step
 
 
+def many_tensors(dtype: torch.dtype = torch.float32, width: int = 64) -> torch.nn.Module:
+    """500 parameter tensors (250 Linear(width, width) with biases): per-tensor costs dominate its step."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(250):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def load_other(path: str) -> type:
+    """CPUOffloadOptimizer from another version of optim_offload.py (for before/after runs)."""
+    spec = importlib.util.spec_from_file_location("other_optim_offload", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.CPUOffloadOptimizer
+
+
+def landing_window(kind: str, cls: type = CPUOffloadOptimizer):
+    """One 4-micro-batch window with clipping; figure: median forward+backward of one micro-batch."""
+    model = many_tensors()
+    if kind == "device":
+        opt = torch.optim.AdamW(model.parameters(), **HYPER)
+    else:
+        opt = cls(model.named_parameters(), **HYPER)
+    acc = GradientAccumulator(model, opt, steps=4, max_grad_norm=1.0)
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+    times: list[float] = []
+
+    def window() -> dict[str, float]:
+        for m in range(4):
+            t0 = time.perf_counter()
+            with acc.micro_batch(is_last=m == 3):
+                acc.backward(model(x[m]).pow(2).sum(), reduction="sum", items=16)
+            times.append(time.perf_counter() - t0)
+        acc.step()
+        return {"fwd_bwd_ms": statistics.median(times) * 1e3}
+
+    return window
+
+
+def delayed_bf16(cls: type = CPUOffloadOptimizer):
+    """bf16 device weights, delayed_update=True; figure: median time the step() call holds the loop's thread."""
+    model = many_tensors(torch.bfloat16, width=256)  # 16.5M parameters
+    opt = cls(model.named_parameters(), delayed_update=True, **HYPER)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    times: list[float] = []
+
+    def iteration() -> dict[str, float]:
+        model(x).float().pow(2).sum().backward()
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+        return {"step_call_ms": statistics.median(times) * 1e3}
+
+    return iteration
+
+
 def main() -> None:
     parser = common_args(__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=16e6, help="parameters to step (default 16e6)")
+    parser.add_argument("--case", choices=["throughput", "landing", "delayed"], default="throughput")
+    parser.add_argument("--against", help="another optim_offload.py whose CPUOffloadOptimizer runs beside this one")
     args = parser.parse_args()
+    if args.case != "throughput":
+        other = load_other(args.against) if args.against else None
+        if args.case == "landing":
+            cases = [Case("device AdamW window", lambda: landing_window("device"), notes="4 micro-batches + clip"),
+                     Case("offload window", lambda: landing_window("offload"), notes="4 micro-batches + clip")]
+            if other is not None:
+                cases.append(Case("offload window (--against)", lambda: landing_window("offload", other)))
+        else:
+            cases = [Case("delayed bf16 iteration", delayed_bf16, notes="fwd+bwd+step, 500 bf16 tensors")]
+            if other is not None:
+                cases.append(Case("delayed bf16 iteration (--against)", lambda: delayed_bf16(other)))
+        run_side_by_side(cases, title=f"optim_offload_{args.case}", repeats=args.repeats, warmup=args.warmup,
+                         device="cpu", json_path=args.out)
+        print_json_if_asked(args, args.out or f"bench-results/optim_offload_{args.case}.json")
+        return
     n = int(args.params)
     numel = sum(torch.Size(s).numel() for s in shapes(n))
     cases = [

@@ -91,10 +91,10 @@ def accumulation_steps(micro_batch_size: int, global_batch_size: int, world_size
     if global_batch_size % per_step:
         below = max(per_step, global_batch_size // per_step * per_step)
         raise ConfigError(
-            f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size {micro_batch_size} x "
-            f"world size {world_size} = {per_step}: accumulation needs a whole number of micro-batches per step. "
-            f"To resolve this error, pass --global-batch-size {below} or {below + per_step}, or a "
-            "--micro-batch-size that divides it."
+            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={micro_batch_size} x "
+            f"world_size={world_size} = {per_step}: accumulation needs a whole number of micro-batches per step. "
+            f"To resolve this error, pass global_batch_size={below} or {below + per_step}, or a "
+            "micro_batch_size that divides it."
         )
     return global_batch_size // per_step
 
@@ -177,6 +177,9 @@ class GradientAccumulator:
         self.scheduler = scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._sync = _sync_kind(model)
+        # memtrain.optim.LeanAdamW(step_in_backward=True): parameters step inside the last micro-batch's backward,
+        # so the window's normalisation, clipping and inf check are handed to it before that backward.
+        self._steps_in_backward = bool(getattr(optimizer, "steps_in_backward", False))
         # Counters over the whole run.
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -192,6 +195,7 @@ class GradientAccumulator:
         self._reduction: Reduction | None = None
         self._stats: torch.Tensor | None = None  # [items, micro-batches, loss sum] on this rank
         self._in_micro_batch = False
+        self._is_last = False
         self._backward_done = False
         self._closed = False  # the micro-batch marked is_last=True has run
 
@@ -240,6 +244,7 @@ class GradientAccumulator:
                 "synchronised. To resolve this error, pass is_last=True on the last micro-batch of each window."
             )
         self._in_micro_batch = True
+        self._is_last = is_last
         self._backward_done = False
         try:
             with self._sync_context(is_last):
@@ -310,14 +315,35 @@ class GradientAccumulator:
             if reduction == "sum":
                 scaled = loss * self._prescale(items)
             scaled = self.scaler.scale(scaled)
-        scaled.backward()
-
         # float64 counts stay exact past 2**24 items; MPS has no float64.
         dtype = torch.float32 if loss.device.type == "mps" else torch.float64
         one = torch.ones((), dtype=dtype, device=loss.device)
         count = (one * 0) if items is None else torch.as_tensor(items, device=loss.device).reshape(()).double()
         stats = torch.stack([count, one, loss.detach().reshape(()).double()])
-        self._stats = stats if self._stats is None else self._stats + stats
+        window = stats if self._stats is None else self._stats + stats
+
+        if self._steps_in_backward:
+            if self._is_last:
+                # The window's factor is known before its last backward: this one steps the parameters.
+                factor = self._factor(window, reduction)
+                if factor is None:
+                    self.discard_window()
+                    raise MemtrainError(
+                        "the window holds 0 items: a sum-reduced loss over nothing cannot be normalised, and with "
+                        "step-in-backward its backward would step the parameters. To resolve this error, skip "
+                        "micro-batches whose labels are all -100, or count items as (labels != -100).sum().")
+                self.optimizer.prepare_backward(last=True, grad_factor=factor, max_norm=self.max_grad_norm,
+                                                scaler=self.scaler)
+                self.optimizer.backward(scaled)  # two passes with clipping or an fp16 scaler
+            else:
+                self.optimizer.prepare_backward(last=False)
+                scaled.backward()
+        else:
+            if self._is_last and callable(getattr(self.optimizer, "next_backward_is_last", None)):
+                # CPUOffloadOptimizer: this backward's landings take the norms the clip at the boundary reads.
+                self.optimizer.next_backward_is_last()
+            scaled.backward()
+        self._stats = window
         self._reduction = reduction
         self._micro_batches += 1
         self._backward_done = True
@@ -374,11 +400,10 @@ class GradientAccumulator:
             self.discard_window()
             raise MemtrainError(message)
         divisor = items_f if reduction == "sum" else micro_f
-        # DDP and FSDP2 average gradients over the ranks; multiply by the world size to get the sum back.
-        factor = (world if self._sync != "none" else 1) / divisor
-        if reduction == "sum" and self.scaler is not None:
-            factor /= self._sum_prescale
+        factor = self._factor(stats, reduction, reduced=True)
 
+        if self._steps_in_backward:
+            return self._finish_stepped_window(loss_sum / divisor, items)
         if _host_gradients(self.optimizer):
             # CPUOffloadOptimizer streamed the gradients to host memory during backward (and unscales them
             # itself, with its grad_scaler): normalise and clip them there.
@@ -425,6 +450,61 @@ class GradientAccumulator:
         return StepResult(step=self.optimizer_steps, loss=loss_sum / divisor, grad_norm=grad_norm,
                           skipped=skipped, items=items, micro_batches=micro_batches)
 
+    def _factor(self, stats: torch.Tensor, reduction: Reduction | None, *, reduced: bool = False) -> float | None:
+        """What every gradient is multiplied by at the boundary: world size / items (sum) or / micro-batches."""
+        world = _world_size()
+        if world > 1 and not reduced:
+            stats = stats.to(_collective_device())
+            dist.all_reduce(stats)
+        items_f, micro_f, _ = stats.tolist()
+        divisor = items_f if reduction == "sum" else micro_f
+        if divisor <= 0:
+            return None  # a window of zero items: the callers refuse it
+        # DDP and FSDP2 average gradients over the ranks; multiply by the world size to get the sum back.
+        factor = (world if self._sync != "none" else 1) / divisor
+        if reduction == "sum" and self.scaler is not None:
+            factor /= self._sum_prescale
+        return factor
+
+    def _finish_stepped_window(self, loss: float, items: int) -> StepResult:
+        """The boundary of a step-in-backward window: the parameters stepped in the last backward (normalised,
+        clipped, unscaled); ``optimizer.step()`` finishes (host part, inf check), then the scaler and scheduler."""
+        skipped = False
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before
+        else:
+            self.optimizer.step()
+        grad_norm = float(self.optimizer.last_grad_norm)
+        if not skipped and not math.isfinite(grad_norm):
+            self.skipped_steps += 1
+            two_pass = self.max_grad_norm is not None
+            self.discard_window()
+            raise MemtrainError(
+                f"the gradient norm is {grad_norm} at optimizer step {self.optimizer_steps + 1} and no fp16 scaler "
+                "owns overflows: "
+                + ("the first pass of the backward saw it, so no parameter stepped and the window's gradients were "
+                   "dropped. " if two_pass else
+                   "with step-in-backward and no clipping the parameters stepped during backward, so weights with a "
+                   "non-finite gradient now hold nan: resume from the last checkpoint. ")
+                + "To resolve this error, lower the learning rate, set max_grad_norm (step-in-backward then checks "
+                "the norm before stepping), or check the data of this window for inf/nan.")
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.optimizer_steps += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.items_seen += items
+        self.last_grad_norm = grad_norm
+        micro_batches = self._micro_batches
+        self._reset_window()
+        return StepResult(step=self.optimizer_steps, loss=loss, grad_norm=grad_norm, skipped=skipped, items=items,
+                          micro_batches=micro_batches)
+
     def discard_window(self) -> None:
         """Drops the current window's gradients and counts without stepping (e.g. after an out-of-memory error
         in one of its micro-batches); the next micro-batch starts a new window."""
@@ -447,10 +527,13 @@ def _fsdp2_sync(model: Any, sync: bool) -> Iterator[None]:
 
 
 def _host_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """True for an optimizer whose gradients live in host memory, not in ``p.grad`` (CPUOffloadOptimizer)."""
+    """True for an optimizer whose gradients live (partly) in host memory, not in ``p.grad``: CPUOffloadOptimizer,
+    or memtrain.optim.LeanAdamW with a host part (``manages_gradients``)."""
     from memtrain.optim_offload import CPUOffloadOptimizer
 
-    return isinstance(optimizer, CPUOffloadOptimizer) and optimizer.offload_gradients
+    if isinstance(optimizer, CPUOffloadOptimizer):
+        return optimizer.offload_gradients
+    return bool(getattr(optimizer, "manages_gradients", False))
 
 
 def _valid_items(items: object) -> bool:

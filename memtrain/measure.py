@@ -69,10 +69,24 @@ def note_saved(obj: Any) -> None:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of every tensor held in ``optimizer.state``, each storage once (host-resident state included)."""
+    """Bytes of every tensor held in ``optimizer.state``, each storage once (host-resident state included).
+
+    Tensor subclasses that wrap others (torchao's 8-bit and 4-bit optimizer states, DTensor shards) count the
+    tensors they hold (codes, scales, code books, the local shard), not their apparent dtype and shape.
+    """
     if optimizer is None:
         return 0
-    tensors = [v for state in optimizer.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)]
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def inner(t: torch.Tensor) -> list[torch.Tensor]:
+        if not is_traceable_wrapper_subclass(t):
+            return [t]
+        names, _ = t.__tensor_flatten__()
+        held = [getattr(t, name) for name in names]
+        return [leaf for h in held if isinstance(h, torch.Tensor) for leaf in inner(h)]
+
+    tensors = [leaf for state in optimizer.state.values() for v in tree_leaves(state) if isinstance(v, torch.Tensor)
+               for leaf in inner(v)]
     return sum(_tensor_storage_keys(tensors).values())
 
 

@@ -8,10 +8,14 @@ How a step flows:
 
 - backward: a post-accumulate-grad hook copies each gradient device -> host on a side stream as soon as autograd
   has produced it and frees the device gradient. A second micro-batch's gradient is added into the host buffer,
-  so gradient accumulation needs no change to the loop.
+  so gradient accumulation needs no change to the loop. The host side of the landings (waiting for the copies,
+  adding, casting) is handed to the worker thread once per bucket: one event and one task per bucket.
 - ``clip_grad_norm_(max_norm)`` (optional): the global norm over the host gradients, exactly as
   ``torch.nn.utils.clip_grad_norm_`` computes it (within float rounding after ``scale_gradients_``, which reuses
-  the norms taken as the gradients landed); the coefficient is applied before the CPU step.
+  the norms taken as the gradients landed); the coefficient is applied before the CPU step. The worker takes the
+  per-tensor norms during the window's last backward, which ``next_backward_is_last()`` announces
+  (``GradientAccumulator`` calls it on the micro-batch marked ``is_last``); loops of one backward per step get
+  them without it, after their first clip.
 - ``step()``: with a ``GradScaler`` attached, the host gradients are unscaled and checked for inf/NaN (a step with
   one is skipped, weights and state untouched); then the wrapped optimizer steps bucket by bucket on the worker
   thread, and each bucket's weights go back host -> device (in the device parameter's dtype) while the next
@@ -65,8 +69,22 @@ class _Slot:
     cast: torch.Tensor | None  # pinned host copy in the device dtype, when that is not fp32 (halves PCIe bytes)
     has_grad: bool = False
     zeroed: bool = False  # the host buffer holds zeros (zero_grad(set_to_none=False)): copy, don't add
-    norm: torch.Tensor | None = None  # 2-norm of the host gradient, computed by the worker as it lands
+    # 2-norm of the host gradient, taken by the worker as it lands; written only by the worker (in task order), or
+    # by the loop's thread once no task is pending.
+    norm: torch.Tensor | None = None
+    landings: int = 0  # backwards that landed a gradient in this window
     bucket: int = -1
+
+
+@dataclass(eq=False)
+class _Landing:
+    """One gradient copied device -> host, whose host side (add or cast, norm) the worker finishes."""
+
+    slot: _Slot
+    dst: torch.Tensor
+    staged: torch.Tensor | None  # the copied gradient, when it must be added or cast into dst
+    copy: bool  # staged replaces dst (first landing of the window) instead of adding to it
+    want_norm: bool
 
 
 @dataclass(eq=False)
@@ -219,15 +237,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._link_state()
 
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._skip_landing = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
         self._landings: list[Future[None]] = []
+        # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
+        # bucket's landings go to the worker in one task once all its slots landed (or at clip/step time).
+        self._pending: list[list[_Landing]] = [[] for _ in self._buckets]
+        self._unlanded: list[set[int]] = [{id(s) for s in b.slots} for b in self._buckets]
         self._update: list[Future[None]] | None = None  # the CPU step in flight (delayed_update)
         self._h2d_done: torch.cuda.Event | None = None
         self._buffer = 0  # which host gradient buffer the next backward writes
         self._gathered = False  # this step's gradients are on the host, attached, unscaled
         self._found_inf: torch.Tensor | None = None
-        # Set by the first clip_grad_norm_: the worker then takes each gradient's norm as it lands, during backward.
-        self._precompute_norms = False
+        # next_backward_is_last(): the worker takes each gradient's norm as it lands in the next backward.
+        self._norms_in_backward = False
+        # Set by a clip_grad_norm_ after a window of one backward: the worker then takes the norm of each gradient
+        # landing first in its window (a loop with one backward per step needs no call to get them).
+        self._norms_on_first_landing = False
         # step_in_next_backward(): the buckets whose gradients have not all landed yet, and the steps started.
         self._waiting: list[set[int]] | None = None
         self._early: dict[int, Future[None]] = {}
@@ -242,11 +268,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     # -- set-up -------------------------------------------------------------------------------------------------
     def _make_buckets(self, slots: list[_Slot], optimizer_class: type[torch.optim.Optimizer],
                       optimizer_kwargs: dict[str, Any]) -> list[_Bucket]:
-        runs: list[list[_Slot]] = [[]]
-        for slot in slots:
-            if runs[-1] and sum(s.master.numel() for s in runs[-1]) + slot.master.numel() > self.bucket_numel:
-                runs.append([])
-            runs[-1].append(slot)
+        runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], self.bucket_numel)]
         buckets = []
         for index, run in enumerate(runs):
             for slot in run:
@@ -290,7 +312,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"parameter {slot.key!r} received a sparse gradient ({param.grad.layout}); CPUOffloadOptimizer "
                     "keeps dense host buffers. To resolve this error, build the module with sparse=False (e.g. "
                     "nn.Embedding(..., sparse=False)) or keep that parameter on a separate device optimizer.")
-            if self.offload_gradients:
+            if self._skip_landing:
+                # memtrain.optim.LeanAdamW's second pass of a two-pass backward: this gradient landed in the first.
+                param.grad = None
+            elif self.offload_gradients:
                 self._land(slot, free=True)
         return hook
 
@@ -302,30 +327,65 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         dst = slot.grads[self._buffer]
         # Without offload_gradients the device gradient already holds the micro-batches' sum: copy, never add.
         copy = not slot.has_grad or slot.zeroed or not free
-        event = None
+        if id(slot) not in self._unlanded[slot.bucket]:
+            # Landed again before its bucket completed (a new backward, or a parameter that got no gradient in
+            # the last one): hand over what is pending first, so that a bucket never holds two backwards' copies.
+            self._flush_bucket(slot.bucket)
         if self._stream is not None:
             # The gradient was produced on the stream current here (autograd's for this leaf): copy it only once
             # it is complete. Read before entering the side stream's context, which changes the current stream.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._side_stream():
+            staged = None
             if copy and grad.dtype == torch.float32:
                 dst.copy_(grad, non_blocking=True)  # straight into the pinned buffer
-                staged = None
+            elif self._stream is None and grad.dtype == torch.float32:
+                dst.add_(grad)  # the "device" is the CPU: adding now costs one pass, staging a copy two
             else:
                 # Another dtype, or a sum: stage the copy, the worker adds/casts it on the CPU.
                 staged = grad.to("cpu", non_blocking=True, copy=True)
             if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
                 grad.record_stream(self._stream)  # the allocator must not reuse it before the copy is done
-        slot.has_grad, slot.zeroed, slot.norm = True, False, None
+        want_norm = self._norms_in_backward or (self._norms_on_first_landing and copy)
+        slot.has_grad, slot.zeroed = True, False
+        slot.landings += 1
         if free:
             slot.device.grad = None
-        norm_of = slot if self._precompute_norms else None
-        if staged is not None or event is not None or norm_of is not None:
-            self._landings.append(self._worker.submit(_finish_landing, dst, staged, copy, event, norm_of))
+        self._pending[slot.bucket].append(_Landing(slot, dst, staged, copy, want_norm))
+        unlanded = self._unlanded[slot.bucket]
+        unlanded.discard(id(slot))
+        if not unlanded:
+            self._flush_bucket(slot.bucket)
         if self._waiting is not None:
             self._maybe_step_bucket(slot)
+
+    def _flush_bucket(self, index: int) -> None:
+        """Hands the bucket's pending landings to the worker: one event (the side stream's copies so far) and one
+        task that waits for it, adds or casts each staged gradient and takes the norms asked for."""
+        landings, self._pending[index] = self._pending[index], []
+        self._unlanded[index] = {id(s) for s in self._buckets[index].slots}
+        if not landings:
+            return
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)  # after every copy of this bucket: the side stream runs them in order
+        # Always a task, even with nothing to add: only the worker writes the slots' norms (in task order).
+        self._landings.append(self._worker.submit(_finish_landings, landings, event))
+
+    def _flush_landings(self) -> None:
+        for index in range(len(self._buckets)):
+            self._flush_bucket(index)
+
+    def next_backward_is_last(self) -> None:
+        """Says that the next backward is the last of the accumulation window (the one before
+        ``clip_grad_norm_``/``step()``): the worker takes each gradient's norm as it lands in it, so that the clip
+        reads no gradient again. ``GradientAccumulator`` calls it on the micro-batch marked ``is_last=True``.
+
+        Without it, a loop of one backward per step gets the same after its first clip; a window of several
+        backwards then takes the norms at ``clip_grad_norm_`` (one more pass over the host gradients).
+        """
+        self._norms_in_backward = True
 
     def _maybe_step_bucket(self, slot: _Slot) -> None:
         if slot.bucket in self._early:
@@ -336,7 +396,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         waiting = self._waiting[slot.bucket]
         waiting.discard(id(slot))
         if not waiting:
-            # The worker queue is FIFO: this runs after the bucket's landings, on complete gradients.
+            # The worker queue is FIFO: this runs after the bucket's landings (handed over first), on complete
+            # gradients.
+            self._flush_bucket(slot.bucket)
             bucket = self._buckets[slot.bucket]
             for s in bucket.slots:
                 s.master.grad = s.grads[self._buffer]
@@ -376,9 +438,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not self.offload_gradients:
             for slot in self._slots:
                 self._land(slot, free=False)
+        self._flush_landings()  # buckets holding a parameter that got no gradient
         for future in self._landings:
             future.result()  # re-raises a worker error here
         self._landings.clear()
+        self._norms_in_backward = False
         for slot in self._slots:
             slot.master.grad = slot.grads[self._buffer] if slot.has_grad else None
         self._found_inf = None
@@ -466,10 +530,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "during backward. To resolve this error, drop step_in_next_backward() when clipping (or use "
                 "delayed_update=True to hide the CPU step).")
         scaling = self.grad_scaler is not None and self.grad_scaler.is_enabled()
-        self._precompute_norms = norm_type == 2.0 and not scaling  # unscaling would change the gradients after
         self._gather()
         masters = [s.master for s in self._slots]
         landed = [s for s in self._slots if s.master.grad is not None]
+        # A window of one backward: from now on the worker takes the norm of each first landing (the last one,
+        # in such loops). Unscaling would change the gradients after they landed, so not with a scaler.
+        self._norms_on_first_landing = (norm_type == 2.0 and not scaling and bool(landed)
+                                        and all(s.landings == 1 for s in landed))
         if not landed:
             return torch.zeros(())
         if norm_type == 2.0 and not scaling and all(s.norm is not None for s in landed):
@@ -528,6 +595,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._buffer = 1 - self._buffer  # the next backward writes the other host buffer
                 for slot in self._slots:
                     slot.has_grad = slot.zeroed = False
+                    slot.landings = 0
             else:
                 for future in futures:
                     future.result()
@@ -542,19 +610,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _step_bucket(self, bucket: _Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool) -> None:
         if h2d_done is not None:
-            h2d_done.synchronize()  # the previous copies back read the masters we are about to overwrite
+            h2d_done.synchronize()  # the previous copies back read the masters (and casts) we are about to overwrite
         with torch.no_grad():
             bucket.inner.step()
+            # Cast on the CPU, here on the worker: the device dtype's bytes cross PCIe, and with delayed_update the
+            # loop's thread then only launches the copies at the next step().
+            for slot in bucket.slots:
+                if slot.cast is not None:
+                    slot.cast.copy_(slot.master)
             if copy_back:
                 self._copy_to_device(bucket.slots)
 
     def _copy_to_device(self, slots: list[_Slot]) -> None:
+        """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
         with torch.no_grad(), self._side_stream():
-            for slot in slots:
-                src = slot.master
-                if slot.cast is not None:
-                    src = slot.cast.copy_(src)  # cast on the CPU: the device dtype's bytes cross PCIe
-                slot.device.copy_(src, non_blocking=True)
+            # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
+            torch._foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
+                                 non_blocking=True)
 
     def _after_copies(self) -> None:
         if self._stream is not None:
@@ -584,10 +656,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"zero_grad() after a backward armed by step_in_next_backward() that already stepped "
                 f"{len(self._early)} bucket(s): the others would never be stepped. To resolve this error, call "
                 "step() before zero_grad().")
+        self._flush_landings()
         for future in self._landings:
             future.result()  # a pending add must not land in a buffer we are resetting
         self._landings.clear()
+        self._norms_in_backward = False
         for slot in self._slots:
+            slot.landings = 0
             if set_to_none:
                 slot.has_grad = False
             elif slot.has_grad:
@@ -659,6 +734,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k not in ("params", "param_names", *IMPLEMENTATION_KEYS)})
         for bucket in self._buckets:
             bucket.inner.state.clear()
+        fp32_state = type(self._buckets[0].inner) in STATE_BYTES_PER_PARAM
         for slot in self._slots:
             slot.master.copy_(slot.device.detach())
         for key, entry in state_dict["state"].items():
@@ -668,9 +744,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             master = entry.pop("master_weight", None)
             if master is not None:
                 slot.master.copy_(master)
-            # The host kernels need fp32 CPU tensors (a fused/capturable device optimizer keeps "step" on the GPU).
+            # The host kernels need CPU tensors, fp32 for torch's own optimizers (a fused/capturable device optimizer
+            # keeps "step" on the GPU); other classes keep their state's dtypes (bf16 moments, 8-bit codes).
             owner.inner.state[slot.master] = {
-                k: v.detach().to("cpu", torch.float32, copy=True) if isinstance(v, torch.Tensor) else v
+                k: (v.detach().to("cpu", torch.float32 if fp32_state else v.dtype, copy=True)
+                    if isinstance(v, torch.Tensor) else v)
                 for k, v in entry.items()
             }
         self._link_state()
@@ -760,25 +838,43 @@ def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return buffer
 
 
+def bucket_runs(numels: list[int], bucket_numel: int) -> list[list[int]]:
+    """How CPUOffloadOptimizer groups parameters (given in its bucket order) into buckets: runs of indices whose
+    numels add up to at most ``bucket_numel`` (a larger parameter gets a bucket of its own). Pure, for byte models."""
+    runs: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(numels):
+        if runs[-1] and total + n > bucket_numel:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += n
+    return runs
+
+
 def _aligned(numel: int) -> int:
     # Every view starts on a 256-byte boundary: the CPU kernels' vector loops then split each tensor the same way
     # as for a separately allocated one, so the rounding (and the result) is bit-identical to a plain optimizer.
     return -(-numel // 64) * 64
 
 
-def _finish_landing(dst: torch.Tensor, staged: torch.Tensor | None, copy: bool,
-                    event: torch.cuda.Event | None, norm_of: _Slot | None) -> None:
-    """Worker side of a gradient copy: wait for the transfer, add (or cast) the staged gradient, take its norm."""
+def _finish_landings(landings: list[_Landing], event: torch.cuda.Event | None) -> None:
+    """Worker side of one bucket's gradient copies: wait for the transfers, add (or cast) each staged gradient,
+    then take the norms asked for (of the sum, after a parameter's last landing in the list)."""
     if event is not None:
         event.synchronize()
+    last: dict[int, _Landing] = {}
     with torch.no_grad():
-        if staged is not None:
-            if copy:
-                dst.copy_(staged)
-            else:
-                dst.add_(staged)
-        if norm_of is not None:
-            norm_of.norm = torch.linalg.vector_norm(dst, 2.0)
+        for landing in landings:
+            if landing.staged is not None:
+                if landing.copy:
+                    landing.dst.copy_(landing.staged)
+                else:
+                    landing.dst.add_(landing.staged)
+            last[id(landing.slot)] = landing
+        for landing in last.values():
+            # A landing that takes no norm drops the one of an earlier landing: it no longer matches the sum.
+            landing.slot.norm = torch.linalg.vector_norm(landing.dst, 2.0) if landing.want_norm else None
 
 
 # -- validation ---------------------------------------------------------------------------------------------
@@ -854,7 +950,8 @@ def _check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_b
     """Raises before allocating when the host buffers would not fit in the machine's available RAM."""
     numel = sum(_aligned(p.numel()) for p in flat)
     cast = sum(p.numel() * p.element_size() for p in flat if p.dtype != torch.float32)
-    state = STATE_BYTES_PER_PARAM.get(optimizer_class, 8) * numel
+    per_param = getattr(optimizer_class, "state_bytes_per_param", None)  # memtrain.optim's lean classes say theirs
+    state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
     need = 4 * numel * (1 + n_grad_buffers) + cast + state
     available = host_available_bytes()
     if available is not None and need > available:

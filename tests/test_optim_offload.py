@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import pytest
 import torch
 from torch import nn
 
+from memtrain.accumulation import GradientAccumulator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.models import GPT
 from memtrain.optim_offload import CPUOffloadOptimizer
@@ -80,9 +82,11 @@ def train_pair(steps: int, micro: int, max_norm: float | None, fused: bool, **of
         for m in range(micro):
             x, y = data[step * micro + m]
             (loss_fn(ref, x, y) / micro).backward()
+            if m == micro - 1 and max_norm is not None:
+                opt.next_backward_is_last()  # its landings take the norms the clip below uses
             (loss_fn(ours, x, y) / micro).backward()
         if max_norm is not None:
-            if step > 0:  # the worker took every norm during backward: the clip's fast path is the one tested
+            if opt.offload_gradients:  # the worker took every norm during backward: the clip's fast path is tested
                 opt._gather()
                 assert all(s.norm is not None for s in opt._slots if s.has_grad)
             # In param_groups order, as ours sums: a different order can move the norm by an ulp.
@@ -571,3 +575,92 @@ def test_scaling_after_step_in_next_backward_is_refused():
         opt.scale_gradients_(0.5)
     opt.step()
     opt.close()
+
+
+# -- work per landing (issue 13 items 5 and 6) --------------------------------------------------------------
+class _CountingWorker:
+    """Stands in for the optimizer's worker pool, counting the tasks submitted by the function's name."""
+
+    def __init__(self, pool) -> None:
+        self.pool, self.names = pool, []
+
+    def submit(self, fn, *args, **kwargs):
+        self.names.append(getattr(fn, "__name__", repr(fn)))
+        return self.pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.pool.shutdown(wait=wait)
+
+
+def test_norms_are_taken_in_the_windows_last_backward_only(monkeypatch) -> None:
+    """A 3-micro-batch window through GradientAccumulator takes each gradient's norm once, in the last backward
+    (the old code took one per landing after the first clip: 3 per parameter), and the clip uses them."""
+    model = make_mlp()
+    opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
+    acc = GradientAccumulator(model, opt, steps=3, max_grad_norm=0.5)
+    worker_norms = []
+    real_norm = torch.linalg.vector_norm
+
+    def counting_norm(*args, **kwargs):
+        if threading.current_thread().name.startswith("memtrain-cpu-optim"):
+            worker_norms.append(1)
+        return real_norm(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", counting_norm)
+    data = batches(9)
+    with_grad = sum(p is not model.unused for p in model.parameters())
+    for window in range(3):
+        worker_norms.clear()
+        for m in range(3):
+            with acc.micro_batch(is_last=m == 2):
+                acc.backward(loss_fn(model, *data[3 * window + m]), reduction="mean")
+        opt._gather()
+        assert all(s.norm is not None for s in opt._slots if s.has_grad), "the clip would read every gradient"
+        acc.step()
+        assert len(worker_norms) == with_grad, (
+            f"window {window}: {len(worker_norms)} norms taken on the worker for {with_grad} gradients")
+
+
+def test_gradients_land_with_one_worker_task_per_bucket() -> None:
+    model = make_mlp()
+    opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
+    opt._worker = _CountingWorker(opt._worker)
+    n_buckets = len(opt._buckets)
+    assert n_buckets == 3 and len(opt._slots) == 9, "the fixture's bucket size must give several buckets"
+    data = batches(3)
+    for m, (x, y) in enumerate(data):
+        before = len(opt._worker.names)
+        if m == 2:
+            opt.next_backward_is_last()
+        loss_fn(model, x, y).backward()
+        opt._flush_landings()  # hands over a bucket whose parameter got no gradient (step() does it too)
+        tasks = [n for n in opt._worker.names[before:] if "landing" in n]
+        assert len(tasks) <= n_buckets, f"micro-batch {m}: {len(tasks)} landing tasks for {n_buckets} buckets"
+    opt.step()
+    opt.close()
+
+
+def test_delayed_update_casts_on_the_worker_and_lands_the_rounded_master(monkeypatch) -> None:
+    """With bf16 device weights, the fp32 -> bf16 cast of the new weights runs on the worker as each bucket
+    finishes, not in the loop's thread at the next step(); the device still gets the master rounded."""
+    model = make_mlp().to(torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.named_parameters(), delayed_update=True, **HYPER)
+    main_casts = []
+    real_copy = torch.Tensor.copy_
+
+    def spying_copy(dst, src, *args, **kwargs):
+        if (threading.current_thread() is threading.main_thread() and dst.dtype == torch.bfloat16
+                and src.dtype == torch.float32):
+            main_casts.append(tuple(dst.shape))
+        return real_copy(dst, src, *args, **kwargs)
+
+    for x, y in batches(4):
+        loss_fn(model, x.bfloat16(), y.bfloat16()).backward()
+        monkeypatch.setattr(torch.Tensor, "copy_", spying_copy)
+        opt.step()
+        monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+        opt.zero_grad()
+    assert main_casts == [], f"step() cast {len(main_casts)} tensors fp32 -> bf16 on the loop's thread"
+    opt.synchronize()
+    for slot in opt._slots:
+        assert torch.equal(slot.device, slot.master.to(torch.bfloat16)), f"{slot.key}: not the rounded master"

@@ -85,3 +85,90 @@ def test_bf16_weights_and_device_bytes_saved() -> None:
     sd = opt.state_dict()
     for name, p in model.named_parameters():
         assert torch.equal(p.cpu(), sd["state"][name]["master_weight"].to(torch.bfloat16))
+
+
+# -- memtrain.optim.LeanAdamW on a GPU ------------------------------------------------------------------------
+def _train_lean(options: dict | None, *, steps: int = 6, max_norm: float | None = 0.5) -> nn.Module:
+    """make_model() on CUDA through GradientAccumulator (2 micro-batches); options=None: fused torch AdamW."""
+    from memtrain.accumulation import GradientAccumulator
+    from memtrain.optim import build_optimizer
+
+    model = make_model().cuda()
+    if options is None:
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    else:
+        opt = build_optimizer(model.named_parameters(), **HYPER, **options)
+    acc = GradientAccumulator(model, opt, steps=2, max_grad_norm=max_norm)
+    data = batches(2 * steps)
+    for step in range(steps):
+        for m in range(2):
+            x, y = data[2 * step + m]
+            with acc.micro_batch(is_last=m == 1):
+                acc.backward(nn.functional.mse_loss(model(x), y), reduction="mean")
+        acc.step()
+    if hasattr(opt, "close"):
+        opt.close()
+    return model
+
+
+@pytest.mark.parametrize("options", [{"step_in_backward": True}, {"offload_fraction": 0.5},
+                                     {"offload_fraction": 0.5, "step_in_backward": True}],
+                         ids=["in-backward", "half-offloaded", "both"])
+def test_lean_adamw_matches_fused_adamw(options: dict) -> None:
+    """fp32 state, clipping active (two passes with step-in-backward): the same weights as fused AdamW. The
+    tolerance allows the second pass's recomputed gradients and the norm's device order to differ by rounding."""
+    ref = _train_lean(None)
+    ours = _train_lean(options)
+    diff = max_diff(ref, ours)
+    assert diff <= 1e-5, f"{options}: max abs difference {diff:.3e} (tolerance 1e-5)"
+
+
+def test_step_in_backward_lowers_the_device_peak_by_the_gradients() -> None:
+    from memtrain.optim import build_optimizer
+
+    peaks = {}
+    for step_in_backward in (False, True):
+        model = make_model().cuda()
+        opt = build_optimizer(model.named_parameters(), **HYPER, step_in_backward=step_in_backward)
+        x, y = batches(1)[0]
+        for _ in range(2):  # the second step runs with the optimizer state already allocated
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            peaks[step_in_backward] = torch.cuda.max_memory_allocated() - base
+        opt.close()
+    grads = [p.numel() * 4 for p in make_model().parameters()]
+    saved = peaks[False] - peaks[True]
+    assert saved >= 0.9 * (sum(grads) - max(grads)), (
+        f"step-in-backward saved {saved} bytes at the peak; the gradients but the largest are {sum(grads) - max(grads)}")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_low_precision_state_on_the_gpu_trains_and_holds_the_predicted_bytes(precision: str) -> None:
+    if precision == "int8":
+        pytest.importorskip("bitsandbytes")
+    from memtrain.measure import optimizer_state_bytes
+    from memtrain.optim import build_optimizer, optimizer_memory
+
+    final = {}
+    for state in ("fp32", precision):
+        model = make_model().cuda()
+        opt = build_optimizer(model.named_parameters(), **HYPER, state_precision=state)
+        losses = []
+        for x, y in batches(30):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        final[state] = losses[-1]
+    assert all(v.is_cuda for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    predicted = optimizer_memory([(p.numel(), p.dtype) for p in model.parameters()], state_precision=precision,
+                                 device_type="cuda")
+    assert optimizer_state_bytes(opt) == predicted.device_state_bytes
+    rel = abs(final[precision] / final["fp32"] - 1)
+    assert rel <= 0.05, f"{precision}: final loss {final[precision]:.4f} vs fp32 {final['fp32']:.4f}"
