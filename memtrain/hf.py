@@ -450,6 +450,11 @@ def _build_trainer_class() -> type:
                      **trainer_kwargs: Any):
             if not isinstance(memory, TrainerMemory):
                 raise ConfigError(f"memory={memory!r} must be a memtrain.hf.TrainerMemory.")
+            if memory.checkpointing and getattr(args, "gradient_checkpointing", False):
+                raise ConfigError("MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and "
+                                  "TrainerMemory(checkpointing=True) would checkpoint every layer twice (each "
+                                  "recompute recomputed again). To resolve this error, drop gradient_checkpointing "
+                                  "from the TrainingArguments (memtrain's checkpointing replaces it).")
             self.memory = memory
             self.prepared = prepare_model(model, memory)
             super().__init__(model=model, args=args, **trainer_kwargs)

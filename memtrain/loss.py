@@ -51,16 +51,18 @@ def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor]) ->
     matmul of the head again; it takes the head's weight and bias, never calling the head. ``"memtrain"``:
     memtrain's chunks, recomputed in backward (one more matmul of the head), for any callable head.
 
-    torch's op is used where it gives the same result: eagerly (under ``torch.compile`` it breaks the graph and
-    runs eagerly: memtrain's chunks trace into the compiled graph), for a plain ``nn.Linear`` head without
-    forward hooks (a LoRA head, a quantised linear or an activation offloader's hook on the head need the
-    head's own forward to run).
+    torch's op is used where it gives the same result at no extra cost: eagerly, for a plain ``nn.Linear`` head
+    without forward hooks (a LoRA head, a quantised linear or an activation offloader's hook on the head need the
+    head's own forward to run). Under ``torch.compile`` (torch 2.13, checked with ``aot_eager``) the op breaks
+    the graph at the warning with which it forces ``allow_retain_graph=True``; with that option given it
+    compiles, but keeps a second copy of its gradients (tokens x hidden + the head's weight). memtrain's chunks
+    compile into the graph with neither cost, so they run there.
     """
     if not hasattr(F, "linear_cross_entropy") or not hasattr(nn, "LinearCrossEntropyOptions"):
         return "memtrain", f"torch {torch.__version__} has no chunked F.linear_cross_entropy (torch >= 2.13 has)"
     if torch.compiler.is_compiling():
-        return "memtrain", ("under torch.compile torch's chunked op breaks the graph and runs eagerly; memtrain's "
-                            "chunks compile into the graph")
+        return "memtrain", ("under torch.compile torch's chunked op breaks the graph (or, with allow_retain_graph, "
+                            "copies its gradients once more); memtrain's chunks compile into the graph")
     if type(head) is not nn.Linear:
         return "memtrain", (f"the head is a {type(head).__name__}, not a plain nn.Linear: torch's op would use its "
                             "weight without running its forward")
@@ -160,6 +162,29 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@torch.no_grad()
+def _cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                        grad_total: torch.Tensor) -> torch.Tensor:
+    """``grad_total * d(sum of F.cross_entropy(logits.float(), labels))/d(logits)``, in one fp32 buffer of the
+    logits' shape: ``softmax - one_hot(label)`` per row, zero on ignored rows.
+
+    Autograd through ``F.cross_entropy`` would hold three such buffers at once (the saved log-softmax, its
+    gradient and the logits' gradient); computed in place, one (two under autocast: the fp32 copy and its cast).
+    """
+    grad = logits.detach().float()  # fp32 logits: the buffer itself, reused (backward of the head never reads it)
+    # softmax in place (logsumexp would allocate a second buffer of this size)
+    grad.sub_(grad.amax(dim=-1, keepdim=True)).exp_()
+    grad.div_(grad.sum(dim=-1, keepdim=True))
+    keep = (labels != ignore_index).to(grad.dtype).unsqueeze(-1)
+    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), -keep)
+    grad.mul_(keep * grad_total)
+    return grad.to(logits.dtype)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """memtrain's kernel: chunks without a graph in forward, recomputed in backward into one gradient buffer."""
 
@@ -189,19 +214,28 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_params: list[torch.Tensor | None] = [None] * len(ctx.params)
         for start in range(0, labels.numel(), ctx.chunk_tokens):
             stop = start + ctx.chunk_tokens
-            with torch.enable_grad(), (torch.autocast(device_type, dtype=dtype) if autocast
-                                       else contextlib.nullcontext()):
+            inputs = [ctx.params[i] for i in wanted]
+            # Identity hooks: the recompute's saved tensors live for this chunk's backward only, so an outer
+            # saved_tensors_hooks (an estimate's meter, which spans backward) must not count them, as it does not
+            # count torch.utils.checkpoint's recompute.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+                    (torch.autocast(device_type, dtype=dtype) if autocast else contextlib.nullcontext()):
                 h = hidden[start:stop].detach().requires_grad_(wants_hidden)
-                loss = _chunk_loss(ctx.head, h, labels[start:stop], ctx.ignore_index)
-            inputs = ([h] if wants_hidden else []) + [ctx.params[i] for i in wanted]
+                logits = ctx.head(h)
+            if wants_hidden:
+                inputs.insert(0, h)
             if not inputs:
                 break
-            grads = list(torch.autograd.grad(loss, inputs, grad_total, allow_unused=True))
+            grad_logits = _cross_entropy_grad(logits, labels[start:stop], ctx.ignore_index, grad_total)
+            grads = list(torch.autograd.grad(logits, inputs, grad_logits, allow_unused=True))
             if wants_hidden:
                 grad_hidden[start:stop].copy_(grads.pop(0))
             for i, g in zip(wanted, grads, strict=True):
                 if g is not None:
                     grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
+            # Drop this chunk's gradients (a weight gradient of the head each) before the next chunk's backward:
+            # its softmax is the peak, and there only the running sum must exist.
+            grads = g = inputs = logits = grad_logits = h = None
         return (grad_hidden, None, None, None, None, *grad_params)
 
 

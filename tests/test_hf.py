@@ -314,3 +314,44 @@ def test_trainer_steps_equal_memtrains_own_loop(hf_model_dir, packed_rows, tmp_p
     for (name, p), q in zip(trainer.model.named_parameters(), model.parameters(), strict=True):
         diff = (p.detach() - q.detach()).abs().max().item()
         assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g} > 1e-6"
+
+
+def test_a_lora_model_takes_memtrains_summed_loss_call(hf_model_dir):
+    """train()'s call for a chunked Hugging Face loss (labels already shifted, num_items_in_batch=1: the summed
+    loss) reaches the causal LM through PEFT's wrapper, and equals the plain model's summed loss."""
+    from memtrain.train import language_model_loss
+
+    x = batch(5)
+    y = torch.roll(x, -1, dims=1)
+    y[:, -1] = -100
+    torch.manual_seed(0)
+    plain = apply_lora(load_pretrained(hf_model_dir), 4)
+    want = torch.nn.functional.cross_entropy(plain(input_ids=x).logits.flatten(0, 1), y.flatten(), reduction="sum")
+    apply_chunked_loss(plain, chunk_tokens=16)
+    got = language_model_loss(plain, x, y)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_estimate_of_a_lora_model_with_a_chunked_loss_equals_measure_on_the_cpu(hf_model_dir):
+    from memtrain import MemoryMeter, estimate
+
+    lora = apply_lora(load_pretrained(hf_model_dir), 4)
+    apply_checkpointing(lora)
+    apply_chunked_loss(lora)
+    x = batch(1)
+    with MemoryMeter(lora) as meter:
+        loss = lora(input_ids=x, labels=x).loss
+    loss.backward()
+    predicted = estimate(lora, x, device="cpu", checkpointing="all", chunked_loss=True)
+    assert predicted.activation_bytes == meter.activation_bytes, (predicted.activation_bytes, meter.activation_bytes)
+
+
+def test_the_trainer_refuses_checkpointing_twice(hf_model_dir, tmp_path):
+    from memtrain.hf import MemtrainTrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True, use_cpu=True,
+                                          report_to="none")
+    with pytest.raises(ConfigError, match="checkpoint every layer twice"):
+        MemtrainTrainer(load_pretrained(hf_model_dir), args)
+    with pytest.raises(ConfigError, match="must be a memtrain.hf.TrainerMemory"):
+        MemtrainTrainer(load_pretrained(hf_model_dir), args, memory={"checkpointing": False})

@@ -436,3 +436,71 @@ def test_estimate_traces_the_kernel_the_cpu_run_takes(monkeypatch):
     loss.backward()
     predicted = estimate(model, input_ids, device="cpu", checkpointing="all", chunked_loss=True)
     assert predicted.activation_bytes == meter.activation_bytes, (predicted.activation_bytes, meter.activation_bytes)
+
+
+def test_activation_offload_keeps_the_loss_tail_on_the_device_with_memtrains_kernel():
+    """The offloader hooks the head (so auto picks memtrain's kernel): the kernel's saved hidden states and labels
+    stay on the device as the whole-logits loss's tensors do; the blocks' bytes crossing the link are the same,
+    and so are the loss and gradients (fp32, 1e-5 of the largest entry)."""
+    from memtrain.offload import ActivationOffloader, CpuTransport
+
+    def run(chunked: bool):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32))
+        if chunked:
+            apply_chunked_loss(model, chunk_tokens=16)
+        offloader = ActivationOffloader(CpuTransport(), model=model, min_bytes=1, host_budget_bytes=2**24,
+                                        slab_bytes=2**16)
+        x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+        with offloader:
+            assert not chunked or chunked_loss_implementation(model.head)[0] == "memtrain"
+            loss = model(x, x, reduction="sum")
+        loss.backward()
+        return offloader.stats(), (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+
+    (whole_stats, want), (chunked_stats, got) = run(False), run(True)
+    assert chunked_stats.offloaded_bytes == whole_stats.offloaded_bytes > 0
+    assert dict(chunked_stats.kept)["logits"] == 2  # the hidden states and the labels, kept as the tail
+    assert_same(got, want)
+
+
+def _allocator_peak_bytes(step) -> int:
+    """The CPU allocator's high-water mark during ``step()`` above what existed before it (torch.profiler's
+    allocation events: every allocation, those inside kernels included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def test_memtrains_kernel_holds_one_chunk_of_logits_and_two_head_gradients_at_its_peak():
+    """Backward recomputes a chunk's logits and turns them into their gradient in place (softmax - one hot):
+    one (chunk x vocabulary) fp32 buffer, not the three that autograd through F.cross_entropy holds (the
+    log-softmax, its gradient, the logits' gradient). Peak over forward + backward: that buffer, the running sum
+    of the head's weight gradient and one chunk's, the hidden states' gradient; 64 KiB of slack for small
+    temporaries (row maxima, sums). The kernel memtrain had before (a checkpoint per slice) peaked at 3.6 MiB."""
+    torch.manual_seed(0)
+    tokens, width, vocab, chunk = 512, 64, 2000, 128
+    head = nn.Linear(width, vocab, bias=False)
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    labels[:40] = -100
+
+    def step():
+        hidden.grad = head.weight.grad = None
+        chunked_cross_entropy(hidden, head, labels, chunk_tokens=chunk, implementation="memtrain").backward()
+
+    step()
+    peak = _allocator_peak_bytes(step)
+    bound = chunk * vocab * 4 + 2 * vocab * width * 4 + tokens * width * 4 + 64 * 2**10
+    assert peak <= bound, f"peak {peak} bytes > {bound}"
+    want = torch.autograd.grad(F.cross_entropy(head(hidden), labels, reduction="sum"), (hidden, head.weight))
+    for got, w in zip((hidden.grad, head.weight.grad), want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
