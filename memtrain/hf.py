@@ -11,6 +11,22 @@ Fine-tuning a pretrained model is the common case on a GPU that is too small. Th
   ``CPUOffloadOptimizer`` inside ``transformers.Trainer``.
 
 transformers and peft are imported when first needed: ``pip install 'memtrain[hf]'`` / ``'memtrain[lora]'``.
+
+Fine-tuning a local model with the Hugging Face Trainer (tested in tests/test_hf.py: the weights equal
+memtrain's own loop's)::
+
+    from transformers import TrainingArguments
+    from memtrain.data import hf_collate, tokenized_rows
+    from memtrain.hf import MemtrainTrainer, TrainerMemory, apply_lora, load_pretrained, load_tokenizer, save_hf
+
+    model = load_pretrained("my-llama")                      # config.json + *.safetensors, fp32 weights
+    rows, _ = tokenized_rows("docs.jsonl", load_tokenizer("my-llama"), seq_len=2048)  # packed, cached
+    model = apply_lora(model, 8)                             # optional: adapters on a frozen base
+    args = TrainingArguments("out", bf16=True, max_steps=1000, max_grad_norm=1.0, learning_rate=2e-4)
+    trainer = MemtrainTrainer(model, args, memory=TrainerMemory(offload_optimizer=True),
+                              train_dataset=rows, data_collator=hf_collate)
+    trainer.train()
+    save_hf(trainer.model, "out/hf", tokenizer="my-llama")   # adapters; save_hf(merge_lora(...)) for weights
 """
 
 from __future__ import annotations

@@ -176,12 +176,12 @@ def _cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index
     gradient and the logits' gradient); computed in place, one (two under autocast: the fp32 copy and its cast).
     """
     grad = logits.detach().float()  # fp32 logits: the buffer itself, reused (backward of the head never reads it)
-    # softmax in place (logsumexp would allocate a second buffer of this size)
+    # softmax in place, as torch's own chunked kernel does (logsumexp would allocate a second such buffer); the
+    # normalisation, the ignored rows and grad_total are one multiply
     grad.sub_(grad.amax(dim=-1, keepdim=True)).exp_()
-    grad.div_(grad.sum(dim=-1, keepdim=True))
-    keep = (labels != ignore_index).to(grad.dtype).unsqueeze(-1)
-    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), -keep)
-    grad.mul_(keep * grad_total)
+    weight = (labels != ignore_index).to(grad.dtype).unsqueeze(-1) * grad_total
+    grad.mul_(weight / grad.sum(dim=-1, keepdim=True))
+    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), -weight)
     return grad.to(logits.dtype)
 
 
