@@ -43,7 +43,8 @@ def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tens
     return F.cross_entropy(head(hidden).float(), labels, ignore_index=ignore_index, reduction="sum")
 
 
-def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor]) -> tuple[LossImplementation, str]:
+def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor], *,
+                                dtype: torch.dtype | None = None) -> tuple[LossImplementation, str]:
     """Which kernel ``chunked_cross_entropy`` runs for ``head`` here, and why (for a run's reasons).
 
     ``"torch"``: ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions`` (torch >= 2.13): its chunked op
@@ -53,10 +54,18 @@ def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor]) ->
 
     torch's op is used where it gives the same result at no extra cost: eagerly, for a plain ``nn.Linear`` head
     without forward hooks (a LoRA head, a quantised linear or an activation offloader's hook on the head need the
-    head's own forward to run). Under ``torch.compile`` (torch 2.13, checked with ``aot_eager``) the op breaks
-    the graph at the warning with which it forces ``allow_retain_graph=True``; with that option given it
-    compiles, but keeps a second copy of its gradients (tokens x hidden + the head's weight). memtrain's chunks
-    compile into the graph with neither cost, so they run there.
+    head's own forward to run), except with bf16/fp16 inputs on the CPU. Measured on this CPU
+    (``benchmarks/bench_loss.py``, 8192 tokens, hidden 512, vocabulary 32000): in fp32 torch's took 0.85x the
+    whole-logits loss's time at 206 MiB, memtrain's 1.33x at 268 MiB; under bf16 autocast torch's took 2.8x
+    (its per-token path recomputes in backward, and CPU half matmuls are emulated) against memtrain's 1.3x. Under
+    ``torch.compile`` (torch 2.13, checked with ``aot_eager``) the op breaks the graph at the warning with which it
+    forces ``allow_retain_graph=True``; with that option given it compiles, but keeps a second copy of its
+    gradients (tokens x hidden + the head's weight). memtrain's chunks compile into the graph with neither cost.
+
+    Args:
+        head: the output layer.
+        dtype: the dtype of the head's matmul; default: autocast's where it is on for the head's device (it is
+            inside the training step), else the weight's. A run's reasons pass its autocast dtype.
     """
     if not hasattr(F, "linear_cross_entropy") or not hasattr(nn, "LinearCrossEntropyOptions"):
         return "memtrain", f"torch {torch.__version__} has no chunked F.linear_cross_entropy (torch >= 2.13 has)"
@@ -69,6 +78,13 @@ def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor]) ->
     if head._forward_pre_hooks or head._forward_hooks:
         return "memtrain", ("the head has forward hooks (e.g. activation offload's), which torch's op, never "
                             "calling the head, would skip")
+    device_type = head.weight.device.type
+    if dtype is None:
+        autocast, autocast_dtype = _autocast_state(device_type)
+        dtype = autocast_dtype if autocast else head.weight.dtype
+    if device_type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return "memtrain", (f"torch's chunked op with {str(dtype).replace('torch.', '')} inputs on the CPU took 2.8x "
+                            "the whole-logits loss's time, memtrain's 1.3x (benchmarks/bench_loss.py --precision bf16)")
     return "torch", ("torch's F.linear_cross_entropy computes each chunk's logits once and its gradients in forward "
                      "(no second matmul of the head in backward)")
 

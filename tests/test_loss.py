@@ -380,6 +380,12 @@ def test_the_choice_of_kernel_and_its_reason():
     hooked.register_forward_pre_hook(lambda module, args: None)
     kind, reason = chunked_loss_implementation(hooked)
     assert kind == "memtrain" and "hooks" in reason
+    linear = nn.Linear(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # half inputs on the CPU: memtrain's (measured faster)
+        kind, reason = chunked_loss_implementation(linear)
+    assert kind == "memtrain" and "bfloat16 inputs on the CPU" in reason
+    assert chunked_loss_implementation(linear, dtype=torch.float16)[0] == "memtrain"
+    assert chunked_loss_implementation(linear, dtype=torch.float32)[0] == "torch"
     head = Scaled(4, 8)  # auto picks memtrain's kernel, and it runs the subclass's forward
     hidden, labels = torch.randn(10, 4), torch.randint(0, 8, (10,))
     torch.testing.assert_close(chunked_cross_entropy(hidden, head, labels, chunk_tokens=3),
