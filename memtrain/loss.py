@@ -1,11 +1,13 @@
-"""Chunked cross-entropy: the head's logits recomputed chunk by chunk in backward, never held whole.
+"""Chunked cross-entropy: the head's logits ``chunk_tokens`` tokens at a time, never held whole.
 
 With every block checkpointed, the largest saved tensors of a language model are no longer in its blocks: the
 loss upcasts the logits to fp32 and keeps their log-softmax for backward (batch x seq x vocabulary x 4 bytes:
 1 GiB for 8192 tokens of a 32000-token vocabulary), on top of the logits themselves. ``chunked_cross_entropy``
-computes the loss over ``chunk_tokens`` tokens at a time, each chunk checkpointed: forward keeps only the final
-hidden states (batch x seq x hidden), and backward recomputes one chunk's logits at a time. The price is one
-more matmul of the head per step.
+computes the loss over ``chunk_tokens`` tokens at a time with one of two kernels (``chunked_loss_implementation``
+says which, and why): torch >= 2.13's ``F.linear_cross_entropy`` chunked op, which computes the gradients in
+forward (2.93 GiB -> 206 MiB at 0.85x the time on the CPU, ``benchmarks/bench_loss.py``); or memtrain's, which
+keeps only the final hidden states and recomputes one chunk's logits at a time in backward (268 MiB at 1.33x: one
+more matmul of the head), for heads torch's op cannot take and under ``torch.compile``.
 
 ``apply_chunked_loss(model)`` switches a model's loss to it: memtrain's ``GPT`` and the Hugging Face causal LMs
 whose head is a plain linear layer on the last hidden state (see ``HF_MODEL_TYPES``). A model whose loss is
