@@ -12,12 +12,15 @@ pinning and prefetch settings checked against the machine, automatic choices wit
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import re
 import sysconfig
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,12 +124,26 @@ def builtin_corpus(seq_len: int, *, max_bytes: int = 8 * 2**20, val_fraction: fl
 _BLANK_LINES = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
 
 
+class Document(NamedTuple):
+    """One document whose loss covers only some of its tokens (a completion after its prompt).
+
+    ``labels`` equals ``tokens`` where the model must learn to predict the token and is ``ignore_index`` (-100)
+    elsewhere, aligned with ``tokens`` (Hugging Face's unshifted convention): the collates build the target of
+    position ``t`` from ``labels[t + 1]``.
+    """
+
+    tokens: torch.Tensor  # (length,) int64
+    labels: torch.Tensor  # (length,) int64; ignore_index on tokens that carry no loss
+
+
 class TokenDocuments(Dataset):
-    """Separate documents as one ``uint8`` token array plus a start and a length per document.
+    """Separate documents as one token array plus a start and a length per document.
 
     Variable-length examples cost nothing in padding only if batches group similar lengths (see
     ``LengthBucketSampler``); the arrays are shared by DataLoader workers instead of copied on access. Item ``i``
-    is document ``i`` as an ``int64`` tensor of byte tokens; ``PadCollate`` turns a list of them into ``(x, y)``.
+    is document ``i`` as an ``int64`` tensor of tokens (bytes, or a tokenizer's ids); ``PadCollate`` turns a list
+    of them into ``(x, y)``. With a ``loss_mask`` (False on tokens that carry no loss, e.g. a prompt: see
+    ``tokenize_file``) item ``i`` is a ``Document`` instead.
 
     Build one with ``from_file`` (a ``.jsonl`` file with a ``"text"`` field per line, or a text file split on
     blank lines), ``from_texts`` or ``from_tokens``. With ``max_len``, longer documents are cut into pieces of at
@@ -138,11 +155,17 @@ class TokenDocuments(Dataset):
         (3, [2, 6, 6], b' world')
     """
 
-    def __init__(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                 loss_mask: np.ndarray | None = None):
         tokens, starts, lengths = np.asarray(tokens), np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
         problems = []
         if tokens.ndim != 1:
             problems.append(f"tokens has shape {tokens.shape}; it must be one flat array.")
+        if loss_mask is not None:
+            loss_mask = np.asarray(loss_mask, dtype=bool)
+            if loss_mask.shape != tokens.shape:
+                problems.append(f"loss_mask has shape {loss_mask.shape}; it must have one flag per token "
+                                f"({tokens.shape}).")
         if starts.shape != lengths.shape or starts.ndim != 1:
             problems.append(f"starts {starts.shape} and lengths {lengths.shape} must be flat arrays of one size.")
         elif len(starts) and (starts.min() < 0 or lengths.min() < 1 or (starts + lengths).max() > len(tokens)):
@@ -151,16 +174,20 @@ class TokenDocuments(Dataset):
             problems.append("no documents. To resolve this error, give text holding at least one document of "
                             "two or more bytes.")
         ConfigError.raise_if(problems)
-        self.tokens, self.starts, self.lengths = tokens, starts, lengths
+        self.tokens, self.starts, self.lengths, self.loss_mask = tokens, starts, lengths, loss_mask
 
     def __len__(self) -> int:
         return len(self.starts)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> torch.Tensor | Document:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        start = self.starts[i]
-        return torch.from_numpy(self.tokens[start: start + self.lengths[i]].astype(np.int64))
+        start, stop = self.starts[i], self.starts[i] + self.lengths[i]
+        tokens = torch.from_numpy(self.tokens[start:stop].astype(np.int64))
+        if self.loss_mask is None:
+            return tokens
+        labels = tokens.masked_fill(torch.from_numpy(~self.loss_mask[start:stop]), -100)
+        return Document(tokens, labels)
 
     @property
     def total_tokens(self) -> int:
@@ -174,12 +201,12 @@ class TokenDocuments(Dataset):
         if cut == 0 or cut == len(self):
             raise ConfigError(f"{len(self)} documents make {cut} training and {len(self) - cut} validation "
                               "documents. To resolve this error, use more documents or another val_fraction.")
-        return (TokenDocuments(self.tokens, self.starts[:cut], self.lengths[:cut]),
-                TokenDocuments(self.tokens, self.starts[cut:], self.lengths[cut:]))
+        return (TokenDocuments(self.tokens, self.starts[:cut], self.lengths[:cut], self.loss_mask),
+                TokenDocuments(self.tokens, self.starts[cut:], self.lengths[cut:], self.loss_mask))
 
     @classmethod
     def from_spans(cls, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, *, max_len: int | None = None,
-                   min_len: int = 2) -> TokenDocuments:
+                   min_len: int = 2, loss_mask: np.ndarray | None = None) -> TokenDocuments:
         """Documents ``tokens[starts[i]:ends[i]]``, cut to ``max_len``; pieces under ``min_len`` tokens dropped."""
         problems = []
         if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
@@ -199,7 +226,7 @@ class TokenDocuments(Dataset):
             starts = starts[doc] + k * stride
             lengths = np.minimum(max_len, lengths[doc] - k * stride)
         keep = lengths >= min_len
-        return cls(tokens, starts[keep], lengths[keep])
+        return cls(tokens, starts[keep], lengths[keep], loss_mask)
 
     @classmethod
     def from_tokens(cls, tokens: np.ndarray, *, max_len: int | None = None, min_len: int = 2) -> TokenDocuments:
@@ -254,6 +281,292 @@ def stdlib_documents(max_len: int, *, max_bytes: int = 8 * 2**20) -> TokenDocume
     return TokenDocuments.from_tokens(stdlib_corpus(max_bytes), max_len=max_len)
 
 
+# -- tokenised text: a model's own tokenizer, cached beside the data --------------------------------------------
+TOKEN_CACHE_VERSION = 1  # bump when the tokenisation below changes: old caches then miss instead of lying
+_PROGRESS_BYTES = 4 * 2**20  # files above this show a progress bar while tokenising
+_MAX_LISTED_PROBLEMS = 20
+
+
+def _jsonl_records(path: Path) -> list[tuple[str, str]]:
+    """(prompt, text) per record: ``{"text": ...}`` gives ("", text); ``{"prompt": ..., "completion": ...}``
+    gives (prompt, completion). Every bad line is reported, with its number, in one ConfigError."""
+    records, problems = [], []
+    with path.open(encoding="utf-8", errors="strict") as f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text ({e}). To resolve this error, re-encode it as UTF-8.") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"line {number}: not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        if not isinstance(record, dict):
+            problems.append(f"line {number}: a JSON {type(record).__name__}, not an object")
+        elif "prompt" in record or "completion" in record:
+            bad = [k for k in ("prompt", "completion") if not isinstance(record.get(k), str)]
+            if bad:
+                problems.append(f"line {number}: " + ", ".join(
+                    f'"{k}" is {"missing" if k not in record else type(record[k]).__name__ + ", not a string"}'
+                    for k in bad))
+            else:
+                records.append((record["prompt"], record["completion"]))
+        elif not isinstance(record.get("text"), str):
+            problems.append(f'line {number}: "text" is ' + ("missing" if "text" not in record else
+                                                          f"{type(record['text']).__name__}, not a string"))
+        else:
+            records.append(("", record["text"]))
+    if problems:
+        listed = problems[:_MAX_LISTED_PROBLEMS]
+        more = len(problems) - len(listed)
+        raise ConfigError(f"--data {path}: {len(problems)} bad line(s): " + "; ".join(listed) +
+                          (f"; and {more} more" if more else "") + '. To resolve this error, write one JSON '
+                          'object per line with a "text" string, or "prompt" and "completion" strings (the loss '
+                          "is then on the completion only).")
+    if not records:
+        raise ConfigError(f"--data {path} holds no records. To resolve this error, write one JSON object per line, "
+                          'e.g. {"text": "..."}.')
+    return records
+
+
+def _text_documents(path: Path) -> list[tuple[str, str]]:
+    """A text file's documents (split on blank lines), as ("", document)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e}). To resolve this error, re-encode it as UTF-8.") from None
+    docs = [d for d in re.split(r"\n(?:[ \t\r\f\v]*\n)+", text) if d.strip()]
+    if not docs:
+        raise ConfigError(f"--data {path} holds no text. To resolve this error, pass a file with documents "
+                          "separated by blank lines.")
+    return [("", d) for d in docs]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of everything that decides a tokenizer's ids here: its full definition and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ConfigError(f"{type(tokenizer).__name__} is not a fast tokenizer (no backend_tokenizer). To resolve "
+                          "this error, load the model folder's tokenizer.json (memtrain.hf.load_tokenizer).")
+    h = hashlib.sha256(backend.to_str().encode())
+    h.update(json.dumps([TOKEN_CACHE_VERSION, tokenizer.eos_token_id, tokenizer.bos_token_id]).encode())
+    return h.hexdigest()
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def token_cache_path(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: str | os.PathLike[str] | None = None
+                     ) -> Path:
+    """Where ``tokenize_file`` caches ``path`` tokenised by ``tokenizer``: a hidden ``.npz`` beside the data (or
+    in ``cache_dir``), named by a hash of the file's bytes and the tokenizer, so an edit of either misses."""
+    p = Path(path)
+    key = hashlib.sha256((_file_hash(p) + tokenizer_fingerprint(tokenizer)).encode()).hexdigest()[:20]
+    return Path(cache_dir or p.parent) / f".{p.name}.{key}.tokens.npz"
+
+
+def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: str | os.PathLike[str] | None = None,
+                  batch_size: int = 1000, progress: bool | None = None) -> TokenDocuments:
+    """Tokenises a ``.txt`` or ``.jsonl`` file with a fast tokenizer, once: later calls read the cache.
+
+    ``.jsonl``: one object per line, ``{"text": ...}`` or ``{"prompt": ..., "completion": ...}``; other files are
+    UTF-8 text whose documents are separated by blank lines. Each document is ``tokenizer(text)`` (its special
+    tokens, e.g. a BOS, as the tokenizer adds them) followed by the EOS token, so packed documents are
+    delimited. A prompt/completion record is the prompt's ids then the completion's (no special tokens between)
+    and the EOS; its loss mask is False on the prompt, so training predicts the completion and the EOS only.
+    Texts are tokenised ``batch_size`` at a time (the fast tokenizer's batched, multi-threaded path), with a
+    progress bar for files over 4 MiB.
+
+    Returns:
+        ``TokenDocuments`` with int32 tokens and, for files with prompts, a ``loss_mask`` (items are then
+        ``Document``s).
+
+    Raises:
+        ConfigError: a missing or non-UTF-8 file, no documents, or bad ``.jsonl`` lines (all listed, with
+            their line numbers), a tokenizer that is not fast.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--data {str(path)!r}: no such file. To resolve this error, pass the path of a .txt or "
+                          ".jsonl file.")
+    cache = token_cache_path(p, tokenizer, cache_dir=cache_dir)
+    if cache.is_file():
+        with np.load(cache, allow_pickle=False) as saved:  # arrays only: nothing is unpickled
+            mask = saved["loss_mask"] if saved["has_mask"] else None
+            return TokenDocuments(saved["tokens"], saved["starts"], saved["lengths"], mask)
+    records = _jsonl_records(p) if p.suffix.lower() == ".jsonl" else _text_documents(p)
+    with_prompts = any(prompt for prompt, _ in records)
+    eos = tokenizer.eos_token_id
+    show = progress if progress is not None else p.stat().st_size > _PROGRESS_BYTES
+    from tqdm.auto import tqdm
+
+    pieces: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    for start in tqdm(range(0, len(records), batch_size), desc=f"tokenising {p.name}", unit="batch",
+                      disable=not show):
+        batch = records[start: start + batch_size]
+        if with_prompts:
+            prompts = tokenizer([r[0] for r in batch], add_special_tokens=True)["input_ids"]
+            texts = tokenizer([r[1] for r in batch], add_special_tokens=False)["input_ids"]
+        else:
+            prompts, texts = [[] for _ in batch], tokenizer([r[1] for r in batch], add_special_tokens=True)["input_ids"]
+        for prompt, text in zip(prompts, texts, strict=True):
+            ids = prompt + text + ([eos] if eos is not None and (not text or text[-1] != eos) else [])
+            pieces.append(np.asarray(ids, dtype=np.int32))
+            if with_prompts:
+                mask = np.ones(len(ids), dtype=bool)
+                mask[: len(prompt)] = False
+                masks.append(mask)
+    lengths = np.array([len(x) for x in pieces], dtype=np.int64)
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+    starts = np.cumsum(lengths) - lengths
+    keep = lengths >= 2  # a document of one token holds no (input, target) pair
+    loss_mask = np.concatenate(masks) if with_prompts else None
+    docs = TokenDocuments(tokens, starts[keep], lengths[keep], loss_mask)
+    _write_token_cache(cache, docs)
+    return docs
+
+
+def _write_token_cache(cache: Path, docs: TokenDocuments) -> None:
+    from memtrain.runstate import atomic_write
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as f:
+            np.savez(f, tokens=docs.tokens, starts=docs.starts, lengths=docs.lengths,
+                     has_mask=np.array(docs.loss_mask is not None),
+                     loss_mask=docs.loss_mask if docs.loss_mask is not None else np.zeros(0, bool))
+
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(cache, write)
+    except OSError as e:  # a read-only data folder: the run goes on, only the next one tokenises again
+        warnings.warn(f"could not cache the tokenised data at {cache} ({e}); pass a writable cache_dir to keep "
+                      "it.", stacklevel=3)
+
+
+class PackedRow(NamedTuple):
+    """One row of ``PackedRows``: ``seq_len`` positions of one or more documents back to back."""
+
+    input_ids: torch.Tensor  # (seq_len,) int64; pad_id after the last document
+    labels: torch.Tensor  # (seq_len,) int64: the token that follows each position; -100 on padding and prompts
+    position_ids: torch.Tensor  # (seq_len,) int64: restarts at 0 at each document's start
+
+
+class PackedRows(Dataset):
+    """Documents packed once, best-fit decreasing, into rows of exactly ``seq_len`` positions: fixed-shape
+    batches with little padding, at the price of several documents per row.
+
+    Item ``i`` is a ``PackedRow(input_ids, labels, position_ids)`` of ``seq_len`` int64 each: ``labels[t]`` is
+    already the target of position ``t`` (shifted: do not shift again), ``-100`` (``ignore_index``) at padding and
+    on prompt tokens. ``DataLoader(rows, batch_size=B)`` (the default collate) stacks them to three (B, seq_len)
+    tensors; the loss is summed over the labels that are not -100 (``real_tokens``). ``position_ids`` restart at
+    every document, which Hugging Face models (transformers >= 4.54 without an attention mask) read as packed
+    sequences: attention stays inside each document. Without them a document attends to the ones before it in
+    its row. A document with more than ``seq_len`` (input, target) pairs is cut into pieces of ``seq_len``
+    pairs, overlapping by one token so no pair is lost; each piece is its own document. Packing is deterministic
+    (ties keep the dataset order); shuffle with the loader.
+
+    Example:
+        >>> rows = PackedRows(TokenDocuments.from_texts(["abcd", "xyz", "pq"]), seq_len=4)
+        >>> len(rows), rows[0].labels.tolist(), rows[0].position_ids.tolist()
+        (2, [98, 99, 100, 113], [0, 1, 2, 0])
+    """
+
+    def __init__(self, documents: TokenDocuments, seq_len: int, *, pad_id: int = 0, ignore_index: int = -100):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ConfigError(f"PackedRows(seq_len={seq_len!r}): seq_len must be an integer >= 1, the model's "
+                              "sequence length.")
+        self.documents, self.seq_len, self.pad_id, self.ignore_index = documents, seq_len, pad_id, ignore_index
+        pieces = TokenDocuments.from_spans(documents.tokens, documents.starts, documents.starts + documents.lengths,
+                                           max_len=seq_len + 1, loss_mask=documents.loss_mask)
+        self.piece_starts, pairs = pieces.starts, pieces.lengths - 1
+        # Best-fit decreasing: each piece, longest first, into the fullest row it fits (bisect over free space).
+        order = np.argsort(-pairs, kind="stable")
+        free: list[tuple[int, int]] = []  # (free positions, row), sorted
+        row_of = np.empty(len(pairs), dtype=np.int64)
+        rows = 0
+        for piece in order:
+            n = int(pairs[piece])
+            at = bisect.bisect_left(free, (n, -1))
+            if at == len(free):
+                row, space = rows, seq_len
+                rows += 1
+            else:
+                space, row = free.pop(at)
+            row_of[piece] = row
+            if space - n > 0:
+                bisect.insort(free, (space - n, row))
+        # Rows as ranges of a piece list sorted by row (pieces of a row keep their dataset order).
+        self.row_pieces = np.argsort(row_of, kind="stable")
+        self.row_ptr = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=rows))])
+        self.piece_pairs = pairs
+        self.real_tokens = int(self._target_count(pieces))
+
+    def _target_count(self, pieces: TokenDocuments) -> int:
+        if pieces.loss_mask is None:
+            return int(self.piece_pairs.sum())
+        return sum(int(pieces.loss_mask[s + 1: s + 1 + n].sum()) for s, n in zip(pieces.starts, self.piece_pairs,
+                                                                                   strict=True))
+
+    def __len__(self) -> int:
+        return len(self.row_ptr) - 1
+
+    @property
+    def padding_fraction(self) -> float:
+        """The share of all positions that carry no target (padding and prompts)."""
+        return 1.0 - self.real_tokens / max(1, len(self) * self.seq_len)
+
+    def __getitem__(self, i: int) -> PackedRow:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        n = self.seq_len
+        x = torch.full((n,), self.pad_id, dtype=torch.long)
+        y = torch.full((n,), self.ignore_index, dtype=torch.long)
+        positions = torch.arange(n, dtype=torch.long)
+        tokens, mask, at = self.documents.tokens, self.documents.loss_mask, 0
+        for piece in self.row_pieces[self.row_ptr[i]: self.row_ptr[i + 1]]:
+            start, pairs = int(self.piece_starts[piece]), int(self.piece_pairs[piece])
+            ids = torch.from_numpy(tokens[start: start + pairs + 1].astype(np.int64))
+            x[at: at + pairs] = ids[:-1]
+            targets = ids[1:]
+            if mask is not None:
+                targets = targets.masked_fill(torch.from_numpy(~mask[start + 1: start + pairs + 1]), self.ignore_index)
+            y[at: at + pairs] = targets
+            positions[at: at + pairs] = torch.arange(pairs)
+            at += pairs
+        positions[at:] = torch.arange(n - at)
+        return PackedRow(x, y, positions)
+
+
+def hf_collate(rows: Sequence[PackedRow]) -> dict[str, torch.Tensor]:
+    """Stacks ``PackedRow``s into a Hugging Face batch (for ``transformers.Trainer``'s ``data_collator``).
+
+    Returns ``input_ids``, ``position_ids`` and the already shifted targets as ``shift_labels`` (the model then
+    shifts nothing: no target is lost at a row's end) and as ``labels`` (the model needs labels to compute a
+    loss; with ``shift_labels`` given, Hugging Face's loss and memtrain's chunked loss read only those, and the
+    Trainer counts ``shift_labels`` for ``num_items_in_batch``).
+    """
+    input_ids, labels, positions = (torch.stack(column) for column in zip(*rows, strict=True))
+    return {"input_ids": input_ids, "labels": labels, "shift_labels": labels, "position_ids": positions}
+
+
+def tokenized_rows(path: str | os.PathLike[str], tokenizer: Any, seq_len: int, *, val_fraction: float = 0.05,
+                   cache_dir: str | os.PathLike[str] | None = None) -> tuple[PackedRows, PackedRows]:
+    """(training, validation) packed rows of a ``.txt``/``.jsonl`` file: ``tokenize_file`` then ``PackedRows``,
+    the last ``val_fraction`` of the documents held out (before packing, so no document is in both)."""
+    train, val = tokenize_file(path, tokenizer, cache_dir=cache_dir).split(val_fraction)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return PackedRows(train, seq_len, pad_id=pad), PackedRows(val, seq_len, pad_id=pad)
+
+
 # -- collate: pad to the batch's longest example ---------------------------------------------------------------
 class TokenBatch(NamedTuple):
     """A padded batch of next-token examples. ``y`` holds ``ignore_index`` wherever ``x`` is padding.
@@ -299,8 +612,8 @@ class PadCollate:
                 or self.pad_to_multiple_of < 1:
             raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an integer >= 1.")
 
-    def __call__(self, examples: Sequence[torch.Tensor | np.ndarray]) -> TokenBatch:
-        docs = [torch.as_tensor(e, dtype=torch.long) for e in examples]
+    def __call__(self, examples: Sequence[torch.Tensor | np.ndarray | Document]) -> TokenBatch:
+        docs, labels = _tokens_and_labels(examples)
         pairs = [len(d) - 1 for d in docs]
         if not docs or min(pairs) < 1:
             raise ConfigError(f"PadCollate got documents of lengths {[len(d) for d in docs]}; each needs >= 2 "
@@ -309,10 +622,10 @@ class PadCollate:
         time = -(-max(pairs) // m) * m
         x = torch.full((len(docs), time), self.pad_id, dtype=torch.long)
         y = torch.full((len(docs), time), self.ignore_index, dtype=torch.long)
-        for row, (doc, n) in enumerate(zip(docs, pairs, strict=True)):
+        for row, (doc, label, n) in enumerate(zip(docs, labels, pairs, strict=True)):
             x[row, :n] = doc[:-1]
-            y[row, :n] = doc[1:]
-        return TokenBatch(x, y, sum(pairs))
+            y[row, :n] = label[1:]
+        return TokenBatch(x, y, int((y != self.ignore_index).sum()))
 
 
 class PackedBatch(NamedTuple):
@@ -365,8 +678,8 @@ class PackCollate:
             raise ConfigError(f"PackCollate(seq_len={self.seq_len!r}): seq_len must be an integer >= 1, the "
                               "model's sequence length.")
 
-    def __call__(self, examples: Sequence[torch.Tensor | np.ndarray]) -> PackedBatch:
-        docs = [torch.as_tensor(e, dtype=torch.long) for e in examples]
+    def __call__(self, examples: Sequence[torch.Tensor | np.ndarray | Document]) -> PackedBatch:
+        docs, labels = _tokens_and_labels(examples)
         if not docs:
             raise ConfigError("PackCollate got an empty batch. To resolve this error, give the loader a batch "
                               "size or batch sampler that yields at least one document per batch.")
@@ -375,7 +688,8 @@ class PackCollate:
                               "tokens. To resolve this error, build the dataset with min_len=2 (the default).")
         n = self.seq_len
         # (inputs, targets) pieces of at most seq_len pairs, longest first: first-fit decreasing.
-        pieces = [(d[:-1][i:i + n], d[1:][i:i + n]) for d in docs for i in range(0, len(d) - 1, n)]
+        pieces = [(d[:-1][i:i + n], t[1:][i:i + n]) for d, t in zip(docs, labels, strict=True)
+                  for i in range(0, len(d) - 1, n)]
         pieces.sort(key=lambda piece: -len(piece[0]))
         rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         free: list[int] = []
@@ -401,7 +715,20 @@ class PackCollate:
                 at += len(inputs)
             segments[r, at:] = len(row)  # the tail's padding: a segment of its own
             positions[r, at:] = torch.arange(n - at)
-        return PackedBatch(x, y, sum(len(p[0]) for p in pieces), segments, positions)
+        return PackedBatch(x, y, int((y != self.ignore_index).sum()), segments, positions)
+
+
+def _tokens_and_labels(examples: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each example's tokens, and its labels: its own tokens, or a ``Document``'s (ignore_index on prompts)."""
+    docs, labels = [], []
+    for e in examples:
+        if isinstance(e, Document):
+            docs.append(torch.as_tensor(e.tokens, dtype=torch.long))
+            labels.append(torch.as_tensor(e.labels, dtype=torch.long))
+        else:
+            docs.append(torch.as_tensor(e, dtype=torch.long))
+            labels.append(docs[-1])
+    return docs, labels
 
 
 # -- length bucketing -----------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""Chunked cross-entropy: the head's logits recomputed chunk by chunk in backward, never held whole.
+"""Chunked cross-entropy: the head's logits ``chunk_tokens`` tokens at a time, never held whole.
 
 With every block checkpointed, the largest saved tensors of a language model are no longer in its blocks: the
 loss upcasts the logits to fp32 and keeps their log-softmax for backward (batch x seq x vocabulary x 4 bytes:
 1 GiB for 8192 tokens of a 32000-token vocabulary), on top of the logits themselves. ``chunked_cross_entropy``
-computes the loss over ``chunk_tokens`` tokens at a time, each chunk checkpointed: forward keeps only the final
-hidden states (batch x seq x hidden), and backward recomputes one chunk's logits at a time. The price is one
-more matmul of the head per step.
+computes the loss over ``chunk_tokens`` tokens at a time with one of two kernels (``chunked_loss_implementation``
+says which, and why): torch >= 2.13's ``F.linear_cross_entropy`` chunked op, which computes the gradients in
+forward (2.93 GiB -> 206 MiB at 0.85x the time on the CPU, ``benchmarks/bench_loss.py``); or memtrain's, which
+keeps only the final hidden states and recomputes one chunk's logits at a time in backward (268 MiB at 1.33x: one
+more matmul of the head), for heads torch's op cannot take and under ``torch.compile``.
 
 ``apply_chunked_loss(model)`` switches a model's loss to it: memtrain's ``GPT`` and the Hugging Face causal LMs
 whose head is a plain linear layer on the last hidden state (see ``HF_MODEL_TYPES``). A model whose loss is
@@ -15,8 +17,10 @@ Without labels, or with gradients off (evaluation, generation), the model's own 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -32,25 +36,95 @@ from memtrain.errors import ConfigError
 HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
 
 
+LossImplementation = Literal["torch", "memtrain"]
+
+
 def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
                 ignore_index: int) -> torch.Tensor:
     # fp32 logits for the loss, as Hugging Face and memtrain's GPT compute it: a bf16 softmax loses precision.
     return F.cross_entropy(head(hidden).float(), labels, ignore_index=ignore_index, reduction="sum")
 
 
+def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor], *,
+                                dtype: torch.dtype | None = None) -> tuple[LossImplementation, str]:
+    """Which kernel ``chunked_cross_entropy`` runs for ``head`` here, and why (for a run's reasons).
+
+    ``"torch"``: ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions`` (torch >= 2.13): its chunked op
+    computes each chunk's logits once, in forward, and keeps the gradients for backward, so backward does no
+    matmul of the head again; it takes the head's weight and bias, never calling the head. ``"memtrain"``:
+    memtrain's chunks, recomputed in backward (one more matmul of the head), for any callable head.
+
+    torch's op is used where it gives the same result at no extra cost: eagerly, for a plain ``nn.Linear`` head
+    without forward hooks (a LoRA head, a quantised linear or an activation offloader's hook on the head need the
+    head's own forward to run), except with bf16/fp16 inputs on the CPU. Measured on this CPU
+    (``benchmarks/bench_loss.py``, 8192 tokens, hidden 512, vocabulary 32000): in fp32 torch's took 0.85x the
+    whole-logits loss's time at 206 MiB, memtrain's 1.33x at 268 MiB; under bf16 autocast torch's took 2.8x
+    (its per-token path recomputes in backward, and CPU half matmuls are emulated) against memtrain's 1.3x. Under
+    ``torch.compile`` (torch 2.13, checked with ``aot_eager``) the op breaks the graph at the warning with which it
+    forces ``allow_retain_graph=True``; with that option given it compiles, but keeps a second copy of its
+    gradients (tokens x hidden + the head's weight). memtrain's chunks compile into the graph with neither cost.
+
+    Args:
+        head: the output layer.
+        dtype: the dtype of the head's matmul; default: autocast's where it is on for the head's device (it is
+            inside the training step), else the weight's. A run's reasons pass its autocast dtype.
+    """
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(nn, "LinearCrossEntropyOptions"):
+        return "memtrain", f"torch {torch.__version__} has no chunked F.linear_cross_entropy (torch >= 2.13 has)"
+    if torch.compiler.is_compiling():
+        return "memtrain", ("under torch.compile torch's chunked op breaks the graph (or, with allow_retain_graph, "
+                            "copies its gradients once more); memtrain's chunks compile into the graph")
+    if type(head) is not nn.Linear:
+        return "memtrain", (f"the head is a {type(head).__name__}, not a plain nn.Linear: torch's op would use its "
+                            "weight without running its forward")
+    if head._forward_pre_hooks or head._forward_hooks:
+        return "memtrain", ("the head has forward hooks (e.g. activation offload's), which torch's op, never "
+                            "calling the head, would skip")
+    device_type = head.weight.device.type
+    if dtype is None:
+        autocast, autocast_dtype = _autocast_state(device_type)
+        dtype = autocast_dtype if autocast else head.weight.dtype
+    if device_type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return "memtrain", (f"torch's chunked op with {str(dtype).replace('torch.', '')} inputs on the CPU took 2.8x "
+                            "the whole-logits loss's time, memtrain's 1.3x (benchmarks/bench_loss.py --precision bf16)")
+    return "torch", ("torch's F.linear_cross_entropy computes each chunk's logits once and its gradients in forward "
+                     "(no second matmul of the head in backward)")
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], labels: torch.Tensor,
-                          *, chunk_tokens: int = 1024, ignore_index: int = -100) -> torch.Tensor:
+                          *, chunk_tokens: int = 1024, ignore_index: int = -100,
+                          implementation: LossImplementation | Literal["auto"] = "auto") -> torch.Tensor:
     """The summed cross-entropy of ``head(hidden)`` against ``labels``, ``chunk_tokens`` positions at a time.
 
     Equals ``F.cross_entropy(head(hidden).float().flatten(0, -2), labels.flatten(), reduction="sum")`` (fp32:
-    within float rounding), while saving for backward only ``hidden``: each chunk's logits are recomputed in
-    backward. Divide by the number of labels that are not ``ignore_index`` for the mean.
+    within float rounding) without holding the logits of more than ``chunk_tokens`` positions at once. Divide by
+    the number of labels that are not ``ignore_index`` for the mean.
+
+    Two kernels (``chunked_loss_implementation`` says which runs and why):
+
+    - ``"torch"`` (torch >= 2.13, eager, a plain ``nn.Linear`` head): ``F.linear_cross_entropy``'s chunked op.
+      It computes the gradients in forward and holds them until backward (hidden x tokens for the input, the
+      head's weight gradient), which ``saved_tensors_hooks`` do not see: a ``MemoryMeter`` counts no saved
+      activation for the loss. In fp32 the loss is summed inside the op; with bf16/fp16 inputs (autocast, which
+      this applies to the head's inputs as it would to the head's matmul) it returns per-token losses summed here
+      in fp32, since a half-precision sum of thousands of losses keeps three digits (fp16 overflows at 65504).
+    - ``"memtrain"``: the forward computes the loss chunk by chunk without a graph and saves ``hidden`` and
+      ``labels`` only; backward recomputes one chunk's logits at a time and writes each chunk's gradient into
+      one preallocated gradient of ``hidden`` (a slice's own backward would allocate a zero-filled gradient of
+      the whole ``hidden`` per chunk). The head must be deterministic (no dropout): it runs again in backward.
+      Under ``torch.compile`` each chunk is a non-reentrant checkpoint of a ``split`` of ``hidden`` instead,
+      which traces into the compiled graph.
 
     Args:
         hidden: (..., hidden) final hidden states.
         head: maps hidden states to logits, e.g. the model's output ``nn.Linear``.
         labels: (...) target ids, ``ignore_index`` where no loss is wanted; already aligned with ``hidden``.
         chunk_tokens: positions per chunk: smaller holds less at once, larger runs fewer, bigger matmuls.
+        implementation: ``"auto"`` (``chunked_loss_implementation``), ``"torch"`` or ``"memtrain"``.
+
+    Raises:
+        ConfigError: a bad ``chunk_tokens``, shapes that do not match, or ``implementation="torch"`` where torch's
+            op cannot run (no ``F.linear_cross_entropy``, or a head that is not an ``nn.Linear``).
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ConfigError(f"chunk_tokens={chunk_tokens!r} must be an integer >= 1. To resolve this error, pass "
@@ -58,15 +132,129 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
     if hidden.shape[:-1] != labels.shape:
         raise ConfigError(f"hidden states of shape {tuple(hidden.shape)} do not match labels of shape "
                           f"{tuple(labels.shape)}. To resolve this error, pass one label per position.")
+    if implementation not in ("auto", "torch", "memtrain"):
+        raise ConfigError(f"implementation={implementation!r} must be 'auto', 'torch' or 'memtrain'.")
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if flat_labels.numel() == 0:  # an empty batch: a zero loss that backward can still run through
         return head(flat_hidden).float().sum() * 0
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, flat_labels.numel(), chunk_tokens):
-        stop = start + chunk_tokens
-        total = total + checkpoint(_chunk_loss, head, flat_hidden[start:stop], flat_labels[start:stop], ignore_index,
-                                   use_reentrant=False)
-    return total
+    if implementation == "auto":
+        implementation = chunked_loss_implementation(head)[0]
+    elif implementation == "torch" and not (hasattr(F, "linear_cross_entropy") and isinstance(head, nn.Linear)):
+        raise ConfigError(f"implementation='torch' needs torch >= 2.13's F.linear_cross_entropy (torch "
+                          f"{torch.__version__}) and an nn.Linear head (got {type(head).__name__}). To resolve this "
+                          "error, pass implementation='auto'.")
+    if implementation == "torch":
+        return _torch_chunked(flat_hidden, head, flat_labels, chunk_tokens, ignore_index)  # type: ignore[arg-type]
+    if torch.compiler.is_compiling():
+        total = flat_hidden.new_zeros((), dtype=torch.float32)
+        for h, y in zip(flat_hidden.split(chunk_tokens), flat_labels.split(chunk_tokens), strict=True):
+            total = total + checkpoint(_chunk_loss, head, h, y, ignore_index, use_reentrant=False)
+        return total
+    params = [p for p in head.parameters()] if isinstance(head, nn.Module) else []
+    return _ChunkedCrossEntropy.apply(flat_hidden, flat_labels, head, chunk_tokens, ignore_index, *params)
+
+
+def _torch_chunked(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk_tokens: int,
+                   ignore_index: int) -> torch.Tensor:
+    weight, bias = head.weight, head.bias
+    device_type = hidden.device.type
+    autocast = _autocast_state(device_type)[0]
+    if autocast:
+        # What autocast does to the head's matmul: both operands in the autocast dtype. Inside, the op accumulates
+        # in fp32 and must not be cast again.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    options = nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_tokens)
+    half = hidden.dtype in (torch.float16, torch.bfloat16)
+    with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+        loss = F.linear_cross_entropy(hidden, weight, labels, linear_bias=bias, ignore_index=ignore_index,
+                                      reduction="none" if half else "sum", options=options)
+    return loss.float().sum() if half else loss.float()
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of autocast for a device type; off for types autocast does not know (e.g. meta)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return False, torch.float32
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@torch.no_grad()
+def _cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                        grad_total: torch.Tensor) -> torch.Tensor:
+    """``grad_total * d(sum of F.cross_entropy(logits.float(), labels))/d(logits)``, in one fp32 buffer of the
+    logits' shape: ``softmax - one_hot(label)`` per row, zero on ignored rows.
+
+    Autograd through ``F.cross_entropy`` would hold three such buffers at once (the saved log-softmax, its
+    gradient and the logits' gradient); computed in place, one (two under autocast: the fp32 copy and its cast).
+    """
+    grad = logits.detach().float()  # fp32 logits: the buffer itself, reused (backward of the head never reads it)
+    # softmax in place, as torch's own chunked kernel does (logsumexp would allocate a second such buffer); the
+    # normalisation, the ignored rows and grad_total are one multiply
+    grad.sub_(grad.amax(dim=-1, keepdim=True)).exp_()
+    weight = (labels != ignore_index).to(grad.dtype).unsqueeze(-1) * grad_total
+    grad.mul_(weight / grad.sum(dim=-1, keepdim=True))
+    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), -weight)
+    return grad.to(logits.dtype)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """memtrain's kernel: chunks without a graph in forward, recomputed in backward into one gradient buffer."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                chunk_tokens: int, ignore_index: int, *params: torch.Tensor) -> torch.Tensor:
+        device_type = hidden.device.type
+        # Backward runs outside the caller's autocast region: the recompute restores it, so each chunk's logits
+        # round as they did in forward (as torch.utils.checkpoint does).
+        ctx.autocast = (device_type, *_autocast_state(device_type))
+        ctx.head, ctx.chunk_tokens, ctx.ignore_index, ctx.params = head, chunk_tokens, ignore_index, params
+        ctx.save_for_backward(hidden, labels)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, labels.numel(), chunk_tokens):
+            stop = start + chunk_tokens
+            total += _chunk_loss(head, hidden[start:stop], labels[start:stop], ignore_index)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, labels = ctx.saved_tensors
+        device_type, autocast, dtype = ctx.autocast
+        wants_hidden = ctx.needs_input_grad[0]
+        wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[5 + i]]
+        # One gradient of hidden, each chunk writing its own rows: no full-size zeros per chunk.
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        grad_params: list[torch.Tensor | None] = [None] * len(ctx.params)
+        for start in range(0, labels.numel(), ctx.chunk_tokens):
+            stop = start + ctx.chunk_tokens
+            inputs = [ctx.params[i] for i in wanted]
+            # Identity hooks: the recompute's saved tensors live for this chunk's backward only, so an outer
+            # saved_tensors_hooks (an estimate's meter, which spans backward) must not count them, as it does not
+            # count torch.utils.checkpoint's recompute.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+                    (torch.autocast(device_type, dtype=dtype) if autocast else contextlib.nullcontext()):
+                h = hidden[start:stop].detach().requires_grad_(wants_hidden)
+                logits = ctx.head(h)
+            if wants_hidden:
+                inputs.insert(0, h)
+            if not inputs:
+                break
+            grad_logits = _cross_entropy_grad(logits, labels[start:stop], ctx.ignore_index, grad_total)
+            grads = list(torch.autograd.grad(logits, inputs, grad_logits, allow_unused=True))
+            if wants_hidden:
+                grad_hidden[start:stop].copy_(grads.pop(0))
+            for i, g in zip(wanted, grads, strict=True):
+                if g is not None:
+                    grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
+            # Drop this chunk's gradients (a weight gradient of the head each) before the next chunk's backward:
+            # its softmax is the peak, and there only the running sum must exist.
+            grads = g = inputs = logits = grad_logits = h = None
+        return (grad_hidden, None, None, None, None, *grad_params)
 
 
 # Arguments of a Hugging Face causal LM's forward that belong to its loss or its logits, not to its decoder.
@@ -128,12 +316,34 @@ class _HFChunkedForward:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside ``torch.compile``'s and DDP's wrappers."""
+    """The model inside ``torch.compile``'s, DDP's and PEFT's wrappers.
+
+    A PEFT model forwards attribute lookups to the model it wraps, so ``peft_model.model`` (its
+    ``base_model_prefix``) is the whole causal LM, not its decoder: the causal LM itself is what to patch (PEFT
+    calls its forward; LoRA layers live inside it).
+    """
     while True:
         inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if _is_peft(model):
+            inner = model.get_base_model()
         if not isinstance(inner, nn.Module):
             return model
         model = inner
+
+
+def _is_peft(model: nn.Module) -> bool:
+    peft = sys.modules.get("peft")  # a PEFT model exists only once peft is imported
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The output head of memtrain's GPT or of a Hugging Face model (None for other models)."""
+    model = _unwrap(model)
+    if _is_gpt(model):
+        return model.head
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
 
 
 def _hf_problems(model: nn.Module) -> list[str]:

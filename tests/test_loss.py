@@ -12,6 +12,7 @@ from memtrain.loss import (
     HF_MODEL_TYPES,
     apply_chunked_loss,
     chunked_cross_entropy,
+    chunked_loss_implementation,
     chunked_loss_kind,
     remove_chunked_loss,
     supports_chunked_loss,
@@ -76,7 +77,10 @@ def test_chunked_cross_entropy_equals_the_whole_logits_loss(chunk_tokens):
         torch.testing.assert_close(g, w, **TOL)
 
 
-def test_only_the_hidden_states_are_saved():
+@pytest.mark.parametrize("implementation", ["memtrain", "torch"])
+def test_only_the_hidden_states_are_saved(implementation):
+    """memtrain's kernel saves the hidden states and labels; torch's saves nothing through saved_tensors_hooks
+    (it holds the gradients it computed in forward instead, which the hooks cannot see)."""
     torch.manual_seed(0)
     head = nn.Linear(16, 1000, bias=False)
     hidden = torch.randn(4, 32, 16, requires_grad=True)
@@ -84,13 +88,15 @@ def test_only_the_hidden_states_are_saved():
     for chunked in (False, True):
         with MemoryMeter(head) as meter:
             if chunked:
-                loss = chunked_cross_entropy(hidden * 1, head, labels, chunk_tokens=16)
+                loss = chunked_cross_entropy(hidden * 1, head, labels, chunk_tokens=16, implementation=implementation)
             else:
                 loss = F.cross_entropy(head(hidden * 1).float().flatten(0, 1), labels.flatten(), reduction="sum")
         loss.backward()
-        if chunked:
+        if chunked and implementation == "memtrain":
             # the hidden states and the labels, once each (every chunk's input is a view of them)
             assert meter.activation_bytes == hidden.numel() * 4 + labels.numel() * 8
+        elif chunked:
+            assert meter.activation_bytes == 0
         else:  # the hidden states plus the (tokens x vocabulary) fp32 log-softmax
             assert meter.activation_bytes >= hidden.numel() * 4 + 4 * 32 * 1000 * 4
 
@@ -316,3 +322,191 @@ def test_models_it_cannot_chunk_are_refused_with_the_fix():
     assert not supports_chunked_loss(old)
     with pytest.raises(ConfigError, match="upgrade transformers"):
         apply_chunked_loss(old)
+
+
+# -- the two kernels: torch's F.linear_cross_entropy and memtrain's --------------------------------------------
+@pytest.mark.parametrize("implementation", ["torch", "memtrain"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_both_kernels_equal_the_whole_logits_loss_in_fp32(implementation, bias):
+    """fp32: the loss within rtol 1e-5, every gradient within 1e-5 of its largest entry (chunking reorders sums)."""
+    torch.manual_seed(0)
+    head = nn.Linear(32, 300, bias=bias)
+    hidden = torch.randn(2, 45, 32, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 45))
+    labels[1, 30:] = -100
+    params = (hidden, *head.parameters())
+    whole = F.cross_entropy(head(hidden).float().flatten(0, 1), labels.flatten(), reduction="sum")
+    want = torch.autograd.grad(whole * 0.5, params)  # a scale in front, as a mean or an accumulator applies
+    loss = chunked_cross_entropy(hidden, head, labels, chunk_tokens=16, implementation=implementation)
+    got = torch.autograd.grad(loss * 0.5, params)
+    torch.testing.assert_close(loss, whole, rtol=1e-5, atol=0)
+    for g, w in zip(got, want, strict=True):
+        diff, scale = (g - w).abs().max().item(), w.abs().max().item()
+        assert diff <= 1e-5 * scale, f"{implementation}: max abs diff {diff:.3g} > 1e-5 x {scale:.3g}"
+
+
+@pytest.mark.parametrize("implementation", ["torch", "memtrain"])
+def test_both_kernels_round_like_the_whole_logits_loss_under_bf16_autocast(implementation):
+    """bf16 autocast: the whole-logits loss rounds the logits to bf16 (8 bits of mantissa); torch's kernel keeps
+    them in fp32 and rounds each token's loss to bf16 instead. Loss within 2e-3 relative, gradients within 2e-2
+    of their largest entry."""
+    torch.manual_seed(0)
+    head = nn.Linear(64, 500, bias=False)
+    hidden = torch.randn(256, 64, requires_grad=True)
+    labels = torch.randint(0, 500, (256,))
+    params = (hidden, head.weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = F.cross_entropy(head(hidden).float(), labels, reduction="sum")
+        loss = chunked_cross_entropy(hidden, head, labels, chunk_tokens=64, implementation=implementation)
+    want, got = torch.autograd.grad(whole, params), torch.autograd.grad(loss, params)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - whole.item()) <= 2e-3 * whole.item(), (loss.item(), whole.item())
+    for g, w in zip(got, want, strict=True):
+        diff, scale = (g.float() - w.float()).abs().max().item(), w.abs().max().item()
+        assert diff <= 2e-2 * scale, f"{implementation}: max abs diff {diff:.3g} > 2e-2 x {scale:.3g}"
+
+
+def test_the_choice_of_kernel_and_its_reason():
+    kind, reason = chunked_loss_implementation(nn.Linear(4, 8))
+    assert kind == "torch" and "linear_cross_entropy" in reason
+
+    class Scaled(nn.Linear):  # a subclass may change what forward computes: torch's op would skip it
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    kind, reason = chunked_loss_implementation(Scaled(4, 8))
+    assert kind == "memtrain" and "Scaled" in reason
+    hooked = nn.Linear(4, 8)
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    kind, reason = chunked_loss_implementation(hooked)
+    assert kind == "memtrain" and "hooks" in reason
+    linear = nn.Linear(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # half inputs on the CPU: memtrain's (measured faster)
+        kind, reason = chunked_loss_implementation(linear)
+    assert kind == "memtrain" and "bfloat16 inputs on the CPU" in reason
+    assert chunked_loss_implementation(linear, dtype=torch.float16)[0] == "memtrain"
+    assert chunked_loss_implementation(linear, dtype=torch.float32)[0] == "torch"
+    head = Scaled(4, 8)  # auto picks memtrain's kernel, and it runs the subclass's forward
+    hidden, labels = torch.randn(10, 4), torch.randint(0, 8, (10,))
+    torch.testing.assert_close(chunked_cross_entropy(hidden, head, labels, chunk_tokens=3),
+                               F.cross_entropy(head(hidden), labels, reduction="sum"), **TOL)
+    with pytest.raises(ConfigError, match="nn.Linear head"):
+        chunked_cross_entropy(hidden, lambda h: h, labels, implementation="torch")
+
+
+class _FullSizeAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the new tensors of one shape that ops allocate (views and in-place results are not new)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.count += sum(isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape
+                          and t.untyped_storage().data_ptr() not in given for t in outs)
+        return out
+
+
+def test_memtrains_backward_allocates_one_gradient_of_the_hidden_states_not_one_per_chunk():
+    """Each chunk's gradient is written into one preallocated gradient of the hidden states. The old kernel (a
+    checkpoint per slice of hidden) allocated a zero-filled full-size gradient per chunk in the slice's backward
+    and added them up: 8 chunks here, 8 allocations of 256 x 64 x 4 bytes plus the sums."""
+    torch.manual_seed(0)
+    head = nn.Linear(64, 100, bias=False)
+    hidden = torch.randn(256, 64, requires_grad=True)
+    labels = torch.randint(0, 100, (256,))
+    loss = chunked_cross_entropy(hidden, head, labels, chunk_tokens=32, implementation="memtrain")
+    with _FullSizeAllocations(hidden.shape) as counter:
+        loss.backward()
+    assert counter.count == 1, f"{counter.count} tensors of the hidden states' size {tuple(hidden.shape)} in backward"
+    want = torch.autograd.grad(F.cross_entropy(head(hidden), labels, reduction="sum"), hidden)[0]
+    torch.testing.assert_close(hidden.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_estimate_traces_the_kernel_the_cpu_run_takes(monkeypatch):
+    """memtrain's kernel on a Llama (the auto choice there is torch's, covered above): estimate == measure."""
+    import memtrain.loss
+    from memtrain import estimate
+
+    monkeypatch.setattr(memtrain.loss, "chunked_loss_implementation", lambda head: ("memtrain", "test"))
+    model = hf_model("llama")
+    input_ids = torch.randint(0, 128, (4, 32))
+    apply_checkpointing(model)
+    apply_chunked_loss(model, chunk_tokens=16)
+    with MemoryMeter(model) as meter:
+        loss = model(input_ids, labels=input_ids.clone()).loss
+    loss.backward()
+    predicted = estimate(model, input_ids, device="cpu", checkpointing="all", chunked_loss=True)
+    assert predicted.activation_bytes == meter.activation_bytes, (predicted.activation_bytes, meter.activation_bytes)
+
+
+def test_activation_offload_keeps_the_loss_tail_on_the_device_with_memtrains_kernel():
+    """The offloader hooks the head (so auto picks memtrain's kernel): the kernel's saved hidden states and labels
+    stay on the device as the whole-logits loss's tensors do; the blocks' bytes crossing the link are the same,
+    and so are the loss and gradients (fp32, 1e-5 of the largest entry)."""
+    from memtrain.offload import ActivationOffloader, CpuTransport
+
+    def run(chunked: bool):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=32))
+        if chunked:
+            apply_chunked_loss(model, chunk_tokens=16)
+        offloader = ActivationOffloader(CpuTransport(), model=model, min_bytes=1, host_budget_bytes=2**24,
+                                        slab_bytes=2**16)
+        x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+        with offloader:
+            assert not chunked or chunked_loss_implementation(model.head)[0] == "memtrain"
+            loss = model(x, x, reduction="sum")
+        loss.backward()
+        return offloader.stats(), (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+
+    (whole_stats, want), (chunked_stats, got) = run(False), run(True)
+    assert chunked_stats.offloaded_bytes == whole_stats.offloaded_bytes > 0
+    assert dict(chunked_stats.kept)["logits"] == 2  # the hidden states and the labels, kept as the tail
+    assert_same(got, want)
+
+
+def _allocator_peak_bytes(step) -> int:
+    """The CPU allocator's high-water mark during ``step()`` above what existed before it (torch.profiler's
+    allocation events: every allocation, those inside kernels included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def test_memtrains_kernel_holds_one_chunk_of_logits_and_two_head_gradients_at_its_peak():
+    """Backward recomputes a chunk's logits and turns them into their gradient in place (softmax - one hot):
+    one (chunk x vocabulary) fp32 buffer, not the three that autograd through F.cross_entropy holds (the
+    log-softmax, its gradient, the logits' gradient). Peak over forward + backward: that buffer, the running sum
+    of the head's weight gradient and one chunk's, the hidden states' gradient; 64 KiB of slack for small
+    temporaries (row maxima, sums). The kernel memtrain had before (a checkpoint per slice) peaked at 3.6 MiB."""
+    torch.manual_seed(0)
+    tokens, width, vocab, chunk = 512, 64, 2000, 128
+    head = nn.Linear(width, vocab, bias=False)
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    labels[:40] = -100
+
+    def step():
+        hidden.grad = head.weight.grad = None
+        chunked_cross_entropy(hidden, head, labels, chunk_tokens=chunk, implementation="memtrain").backward()
+
+    step()
+    peak = _allocator_peak_bytes(step)
+    bound = chunk * vocab * 4 + 2 * vocab * width * 4 + tokens * width * 4 + 64 * 2**10
+    assert peak <= bound, f"peak {peak} bytes > {bound}"
+    want = torch.autograd.grad(F.cross_entropy(head(hidden), labels, reduction="sum"), (hidden, head.weight))
+    for got, w in zip((hidden.grad, head.weight.grad), want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())

@@ -1,0 +1,132 @@
+"""The chunked loss side by side: the whole batch's fp32 logits, torch's F.linear_cross_entropy, memtrain's kernel.
+
+A step is the loss of ``--tokens`` final hidden states (``--hidden`` wide) through a bias-free head of
+``--vocab`` outputs, forward and backward (gradients of the hidden states and of the head's weight), as the last
+layer of a language model computes it:
+
+- ``whole logits``: ``F.cross_entropy(head(h).float(), y, reduction="sum")``, the baseline;
+- ``torch chunked``: ``chunked_cross_entropy(..., implementation="torch")``: torch >= 2.13's chunked op
+  (``LinearCrossEntropyOptions(batch_chunk_size=--chunk)``);
+- ``memtrain chunked``: ``implementation="memtrain"``: chunks recomputed in backward, each writing its rows of
+  one preallocated gradient;
+- ``memtrain chunked, before``: the kernel memtrain had before (a non-reentrant checkpoint per slice of ``h``:
+  each slice's backward allocates a zero-filled gradient of the whole ``h``), kept here for the comparison.
+
+``peak_bytes`` is the most memory the CPU allocator held at once during one step, above what existed before it
+(the hidden states and the head's weight), read from ``torch.profiler``'s allocation events in an untimed step.
+``loss_rel_diff`` and ``grad_rel_diff`` compare each case with the baseline: the loss's relative difference, and
+the largest gradient difference over the largest gradient entry.
+
+Run: ``.venv/bin/python benchmarks/bench_loss.py`` (issue 12's shape: 8192 tokens, hidden 512, vocabulary 32000,
+fp32; about 3 minutes on 2 CPUs) or ``memtrain bench loss``; ``--precision bf16`` runs under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+for _path in (_HERE.parent, _HERE):  # the repo root (memtrain) and benchmarks/ (runner), when run directly
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import contextlib  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from runner import Case, common_args, print_json_if_asked, run_side_by_side  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from memtrain.loss import _chunk_loss, chunked_cross_entropy  # noqa: E402
+
+
+def before(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """memtrain's chunked loss before issue 12: a checkpoint per slice of the hidden states."""
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, labels.numel(), chunk):
+        total = total + checkpoint(_chunk_loss, head, hidden[start:start + chunk], labels[start:start + chunk], -100,
+                                   use_reentrant=False)
+    return total
+
+
+def peak_bytes(step) -> int:
+    """The allocator's high-water mark during ``step()`` above what was allocated before it (CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def main(argv: list[str] | None = None) -> list[Any]:
+    parser = common_args(__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (both chunked kernels)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.set_defaults(repeats=5, warmup=1)
+    args = parser.parse_args(argv)
+    device = args.device
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.tokens, args.hidden, generator=generator).to(device).requires_grad_()
+    head = nn.Linear(args.hidden, args.vocab, bias=False).to(device)
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator).to(device)
+    autocast = (torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if args.precision == "bf16"
+                else contextlib.nullcontext())
+    losses = {
+        "whole logits": lambda: F.cross_entropy(head(hidden).float(), labels, reduction="sum"),
+        "torch chunked": lambda: chunked_cross_entropy(hidden, head, labels, chunk_tokens=args.chunk,
+                                                       implementation="torch"),
+        "memtrain chunked": lambda: chunked_cross_entropy(hidden, head, labels, chunk_tokens=args.chunk,
+                                                          implementation="memtrain"),
+        "memtrain chunked, before": lambda: before(hidden, head, labels, args.chunk),
+    }
+    reference: dict[str, torch.Tensor] = {}
+
+    def run(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden.grad = head.weight.grad = None
+        with autocast:
+            loss = losses[name]()
+        loss.backward()
+        return loss.detach(), hidden.grad, head.weight.grad
+
+    def case(name: str) -> Case:
+        def setup():
+            loss, grad_h, grad_w = run(name)
+            if not reference:
+                reference.update(loss=loss, grad_h=grad_h.clone(), grad_w=grad_w.clone())
+            figures = {
+                "loss_rel_diff": abs(loss.item() - reference["loss"].item()) / abs(reference["loss"].item()),
+                "grad_rel_diff": max((g - w).abs().max().item() / w.abs().max().item()
+                                     for g, w in ((grad_h, reference["grad_h"]), (grad_w, reference["grad_w"]))),
+            }
+            hidden.grad = head.weight.grad = None
+            figures["peak_bytes"] = peak_bytes(lambda: run(name)) if device == "cpu" else None
+
+            def step():
+                run(name)
+                hidden.grad = head.weight.grad = None
+                return figures
+            return step
+        return Case(name, setup)
+
+    title = f"loss-{args.precision}"
+    path = args.out or Path("bench-results") / f"{title}.json"
+    results = run_side_by_side([case(name) for name in losses], title=title, repeats=args.repeats,
+                               warmup=args.warmup, device=device, json_path=path, tokens_per_step=args.tokens)
+    print_json_if_asked(args, path)
+    return results
+
+
+if __name__ == "__main__":
+    main()

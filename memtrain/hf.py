@@ -1,0 +1,536 @@
+"""Hugging Face models in memtrain: local pretrained folders in, LoRA adapters, ``from_pretrained`` folders out.
+
+Fine-tuning a pretrained model is the common case on a GPU that is too small. This module is the bridge:
+
+- ``load_pretrained(DIR)`` / ``load_tokenizer(DIR)``: a local folder (``config.json``, ``*.safetensors``, a fast
+  tokenizer), never the network, never a pickle (``.bin`` checkpoints are refused: unpickling runs code).
+- ``apply_lora(model, r)``: PEFT LoRA adapters of rank ``r`` on a frozen base; ``merge_lora(model)`` folds them in.
+- ``save_hf(model, DIR, tokenizer=...)``: a folder that ``AutoModelForCausalLM.from_pretrained`` (or, for a LoRA
+  model, ``PeftModel.from_pretrained``) loads to the same logits, written atomically.
+- ``prepare_model`` and ``MemtrainTrainer``: memtrain's checkpointing, chunked loss, activation offload and
+  ``CPUOffloadOptimizer`` inside ``transformers.Trainer``.
+
+transformers and peft are imported when first needed: ``pip install 'memtrain[hf]'`` / ``'memtrain[lora]'``.
+
+Fine-tuning a local model with the Hugging Face Trainer (tested in tests/test_hf.py: the weights equal
+memtrain's own loop's)::
+
+    from transformers import TrainingArguments
+    from memtrain.data import hf_collate, tokenized_rows
+    from memtrain.hf import MemtrainTrainer, TrainerMemory, apply_lora, load_pretrained, load_tokenizer, save_hf
+
+    model = load_pretrained("my-llama")                      # config.json + *.safetensors, fp32 weights
+    rows, _ = tokenized_rows("docs.jsonl", load_tokenizer("my-llama"), seq_len=2048)  # packed, cached
+    model = apply_lora(model, 8)                             # optional: adapters on a frozen base
+    args = TrainingArguments("out", bf16=True, max_steps=1000, max_grad_norm=1.0, learning_rate=2e-4)
+    trainer = MemtrainTrainer(model, args, memory=TrainerMemory(offload_optimizer=True),
+                              train_dataset=rows, data_collator=hf_collate)
+    trainer.train()
+    save_hf(trainer.model, "out/hf", tokenizer="my-llama")   # adapters; save_hf(merge_lora(...)) for weights
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from memtrain.errors import ConfigError
+
+# Checkpoint formats that are pickles: loading one runs whatever code it holds.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("Hugging Face models need the transformers package, which is not installed. To resolve "
+                          "this error, run: pip install 'memtrain[hf]'") from None
+    return transformers
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("LoRA needs the peft package, which is not installed. To resolve this error, run: pip "
+                          "install 'memtrain[lora]'") from None
+    return peft
+
+
+# -- loading ------------------------------------------------------------------------------------------------------
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The weight files of a local pretrained folder, after checking it: ``config.json`` and safetensors weights
+    (one file, several, or a sharded index whose shards are all present).
+
+    Raises:
+        ConfigError: a missing folder, no ``config.json``, a pickle-only checkpoint, missing shards, no weights.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"--hf-model {str(path)!r}: no such folder. To resolve this error, pass a local folder "
+                          "holding config.json and *.safetensors weights (e.g. one written by save_pretrained).")
+    problems = []
+    if not (folder / "config.json").is_file():
+        problems.append(f"{folder} holds no config.json, so the architecture is unknown. To resolve this error, "
+                        "pass the folder save_pretrained wrote (config.json beside the weights).")
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index} is not a safetensors index ({type(e).__name__}: {e}). To resolve this "
+                              "error, write it again with save_pretrained.") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            problems.append(f"{index} lists {len(shards)} shards, {len(missing)} of them missing: "
+                            f"{', '.join(missing[:5])}. To resolve this error, copy every shard into {folder}.")
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            problems.append(f"{folder} holds only pickled weights ({', '.join(pickles[:3])}); memtrain never "
+                            "unpickles a checkpoint (loading a pickle runs the code it holds). To resolve this "
+                            "error, convert them once where you trust the file: AutoModelForCausalLM."
+                            "from_pretrained(DIR).save_pretrained(DIR) writes model.safetensors.")
+        else:
+            problems.append(f"{folder} holds no weights (*.safetensors). To resolve this error, pass a folder "
+                            "written by save_pretrained, or use --hf-config config.json for a randomly "
+                            "initialised model.")
+    ConfigError.raise_if(problems)
+    return files
+
+
+def load_pretrained(path: str | os.PathLike[str], *, dtype: torch.dtype | Literal["auto"] = torch.float32,
+                    attn_implementation: str = "sdpa") -> nn.Module:
+    """Loads a causal LM from a local folder: safetensors only, no network, no remote code.
+
+    Args:
+        path: a folder holding ``config.json`` and ``*.safetensors`` (or a sharded ``model.safetensors.index.json``).
+        dtype: the parameters' dtype (fp32 by default: master weights for mixed precision); ``"auto"`` keeps the
+            checkpoint's.
+        attn_implementation: ``"sdpa"`` (torch's fused attention; what memtrain's estimate models) or ``"eager"``.
+
+    Returns:
+        The ``PreTrainedModel`` in training mode with ``use_cache=False`` (a KV cache is only for generation).
+
+    Raises:
+        ConfigError: see ``safetensors_files``; a checkpoint that leaves some of the model's weights unset.
+    """
+    safetensors_files(path)
+    transformers = _transformers()
+    if dtype != "auto" and not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or 'auto'.")
+    # transformers 4.56 renamed torch_dtype to dtype.
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    dtype_key = "dtype" if version >= (4, 56) else "torch_dtype"
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, use_safetensors=True, trust_remote_code=False,
+            attn_implementation=attn_implementation, output_loading_info=True, **{dtype_key: dtype})
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"transformers could not load {path}: {type(e).__name__}: {str(e).splitlines()[0]}. "
+                          "To resolve this error, check that config.json names a causal LM architecture that "
+                          f"transformers {transformers.__version__} knows and that the weights match it.") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ConfigError(f"{path}: the checkpoint leaves {len(missing)} of the model's weights unset "
+                          f"({', '.join(missing[:5])}); they would train from random values. To resolve this "
+                          "error, pass a folder whose weights match its config.json.")
+    if info.get("unexpected_keys"):
+        keys = sorted(info["unexpected_keys"])
+        warnings.warn(f"{path}: {len(keys)} weights in the checkpoint are not used by the model "
+                      f"({', '.join(keys[:5])}).", stacklevel=2)
+    model.config.use_cache = False
+    return model.train()
+
+
+def load_tokenizer(path: str | os.PathLike[str], *, needed_for: str = "tokenising the data") -> Any:
+    """The fast tokenizer saved in a model folder (``tokenizer.json``), loaded without the network.
+
+    Args:
+        needed_for: what needs it, for the error message (e.g. ``"--data docs.jsonl"``).
+
+    Raises:
+        ConfigError: the folder holds no tokenizer, or only a slow (Python) one.
+    """
+    folder = Path(path)
+    if not folder.is_dir() or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{folder} holds no tokenizer ({' / '.join(TOKENIZER_FILES)}), which {needed_for} "
+                          "needs. To resolve this error, save the model's tokenizer into the folder "
+                          "(tokenizer.save_pretrained(DIR)), or train on the built-in GPT, which reads bytes.")
+    transformers = _transformers()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                               trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"transformers could not load the tokenizer in {folder}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0]}. To resolve this error, save it again with "
+                          "tokenizer.save_pretrained(DIR).") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(f"the tokenizer in {folder} is a slow (Python) {type(tokenizer).__name__}; memtrain "
+                          "tokenises in batches with a fast one. To resolve this error, save a tokenizer.json "
+                          "(AutoTokenizer.from_pretrained(DIR, use_fast=True).save_pretrained(DIR)).")
+    return tokenizer
+
+
+# -- LoRA ----------------------------------------------------------------------------------------------------------
+def is_lora(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model (LoRA adapters on a frozen base), inside compile/DDP wrappers too."""
+    model = _strip_wrappers(model)
+    try:
+        import peft
+    except ImportError:
+        return False
+    return isinstance(model, peft.PeftModel)
+
+
+def lora_targets(model: nn.Module) -> list[str]:
+    """The default LoRA targets: every ``nn.Linear`` of the model but its output head (attention and MLP
+    projections; the head stays frozen, as in PEFT's ``"all-linear"``)."""
+    from memtrain.loss import _output_embeddings
+
+    head = _output_embeddings(model)
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head]
+
+
+def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None, dropout: float = 0.0,
+               target_modules: Sequence[str] | None = None) -> nn.Module:
+    """Adds LoRA adapters of rank ``r`` and freezes everything else: the gradients and optimizer state of
+    ``r * (in + out)`` numbers per adapted layer instead of its whole weight, at a lower capacity.
+
+    Args:
+        model: a Hugging Face causal LM, or any module with linear layers (memtrain's GPT included).
+        r: the rank, or a ready ``peft.LoraConfig`` (the other arguments must then be left out).
+        alpha: LoRA's scaling numerator (the update is scaled by ``alpha / r``); None keeps PEFT's default.
+        dropout: dropout on the adapters' input.
+        target_modules: the module names to adapt; default ``lora_targets(model)``.
+
+    Returns:
+        The ``peft.PeftModel``; only adapter weights require grad. Its ``state_dict`` names differ from the
+        base's (``base_model.model...``): save it with ``save_hf``.
+
+    Raises:
+        ConfigError: a bad rank, a model that already has adapters, or no linear layer to adapt.
+    """
+    peft = _peft()
+    if isinstance(r, peft.LoraConfig):
+        config = r
+        if alpha is not None or dropout != 0.0 or target_modules is not None:
+            raise ConfigError("apply_lora got a LoraConfig and alpha/dropout/target_modules: the config already "
+                              "holds them. To resolve this error, set them on the LoraConfig only.")
+    else:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ConfigError(f"--lora {r!r}: the LoRA rank must be an integer >= 1. To resolve this error, pass "
+                              "e.g. --lora 8.")
+        config = None
+    if is_lora(model):
+        raise ConfigError(f"{type(model).__name__} already has LoRA adapters. To resolve this error, apply LoRA "
+                          "once (merge_lora(model) first to stack a second set on merged weights).")
+    targets = list(target_modules) if target_modules is not None else lora_targets(model)
+    if config is None and not targets:
+        raise ConfigError(f"--lora {r}: {type(model).__name__} has no linear layer to adapt (LoRA adds low-rank "
+                          "updates to nn.Linear weights; the output head is left out). To resolve this error, "
+                          "train the whole model without --lora, or pass target_modules naming its layers.")
+    if config is None:
+        config = peft.LoraConfig(r=r, target_modules=targets, lora_dropout=dropout,
+                                 task_type="CAUSAL_LM" if _is_hf_causal_lm(model) else None,
+                                 **({} if alpha is None else {"lora_alpha": alpha}))
+    try:
+        lora = peft.get_peft_model(model, config)
+    except ValueError as e:
+        raise ConfigError(f"peft could not add adapters to {type(model).__name__}: {e}. To resolve this error, "
+                          "pass target_modules naming its nn.Linear layers.") from None
+    if getattr(getattr(model, "config", None), "use_cache", None):
+        model.config.use_cache = False
+    return lora
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Folds the LoRA adapters into the base weights and returns the base model (in place: the PEFT wrapper is
+    spent). Its forward is then one matmul per layer again, and ``save_hf`` writes a plain checkpoint.
+
+    Raises:
+        ConfigError: the model has no LoRA adapters (``--merge-lora`` without ``--lora``).
+    """
+    inner = _strip_wrappers(model)
+    if not is_lora(inner):
+        raise ConfigError(f"--merge-lora: {type(inner).__name__} has no LoRA adapters to merge. To resolve this "
+                          "error, train with --lora R (apply_lora), or drop --merge-lora.")
+    return inner.merge_and_unload()
+
+
+def _is_hf_causal_lm(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel) and hasattr(model, "prepare_inputs_for_generation")
+
+
+def _strip_wrappers(model: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile``'s and DDP's wrappers (a PEFT model stays one)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+# -- export --------------------------------------------------------------------------------------------------------
+def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: Any = None) -> Path:
+    """Writes a Hugging Face folder: the model's ``config.json`` and ``model.safetensors`` (its own parameter
+    names and dtype; sharded as ``save_pretrained`` shards), or for a LoRA model ``adapter_config.json`` and
+    ``adapter_model.safetensors`` (the adapters only); plus the tokenizer's files.
+
+    ``AutoModelForCausalLM.from_pretrained(directory)`` (``PeftModel.from_pretrained(base, directory)`` for
+    adapters) gives the same logits. memtrain's patches (checkpointing, the chunked loss) live on module
+    instances, not in the state dict, so a patched model saves as the plain one. The folder is assembled under a
+    temporary name beside ``directory`` and renamed into place: a crash leaves the old folder or the new one.
+
+    Args:
+        model: a ``PreTrainedModel`` or ``PeftModel`` (inside compile/DDP wrappers too).
+        directory: the folder to write (replaced if it exists).
+        tokenizer: a tokenizer, or a folder to copy its tokenizer files from; None writes none.
+
+    Returns:
+        The folder written.
+
+    Raises:
+        ConfigError: a model Hugging Face cannot save (not a PreTrainedModel/PeftModel, or sharded by FSDP).
+    """
+    model = _strip_wrappers(model)
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise ConfigError(f"save_hf: a {type(model).__name__} has no save_pretrained, so no Hugging Face folder can "
+                          "be written for it. To resolve this error, pass a transformers PreTrainedModel or a PEFT "
+                          "model (memtrain's own models are saved as model.safetensors).")
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise ConfigError("save_hf: the model's parameters are sharded (FSDP2 DTensors). To resolve this error, "
+                          "gather a full state dict on rank 0 first (torch.distributed.checkpoint."
+                          "state_dict.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))).")
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer, needed_for="the hf/ folder")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        _replace_folder(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_folder(staging: Path, target: Path) -> None:
+    """Renames a complete ``staging`` folder to ``target``, after its files are on disk."""
+    for file in staging.rglob("*"):
+        if file.is_file():
+            _fsync(file)
+    _fsync(staging)
+    old = None
+    if target.exists():
+        # Two renames: the window between them has no target, but the old folder survives under .old until
+        # the new one is in place.
+        old = target.with_name(f".{target.name}.old.{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    os.replace(staging, target)
+    _fsync(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- the Hugging Face Trainer ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainerMemory:
+    """What ``MemtrainTrainer`` does to save memory; each True trades time for bytes.
+
+    checkpointing: recompute each decoder layer in backward (about one more forward; keeps only layer inputs).
+    chunked_loss: the loss over ``chunk_tokens`` tokens of logits at a time (``memtrain.loss``; never the batch's
+        fp32 logits whole).
+    offload_activations: saved activations in pinned host memory (CUDA; a no-op on the CPU).
+    offload_optimizer: ``memtrain.CPUOffloadOptimizer`` (AdamW with the Trainer's hyper-parameters) keeps fp32
+        master weights, gradients and state on the host: 12 fewer device bytes per trainable parameter.
+    """
+
+    checkpointing: bool = True
+    chunked_loss: bool = True
+    chunk_tokens: int = 1024
+    offload_activations: bool = False
+    offload_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare_model`` applied, with a reason per technique."""
+
+    checkpointed: tuple[str, ...]
+    chunk_tokens: int | None
+    reasons: tuple[str, ...]
+
+
+def prepare_model(model: nn.Module, memory: TrainerMemory = TrainerMemory()) -> Prepared:
+    """Applies ``memory``'s checkpointing and chunked loss to a Hugging Face causal LM (a LoRA one too), in place,
+    and turns its KV cache off (a cache holds every layer's keys and values: for generation, not training).
+
+    Raises:
+        ConfigError: a model whose loss ``memtrain.loss`` cannot chunk, with ``chunked_loss=True``.
+    """
+    from memtrain.checkpointing import apply_checkpointing
+    from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
+
+    inner = _strip_wrappers(model)
+    config = getattr(inner, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+    reasons = []
+    blocks: list[str] = []
+    if memory.checkpointing:
+        blocks = apply_checkpointing(inner)
+        reasons.append(f"checkpointing: {len(blocks)} blocks recomputed in backward")
+    if memory.chunked_loss:
+        apply_chunked_loss(inner, chunk_tokens=memory.chunk_tokens)
+        kind, why = chunked_loss_implementation(output_head(inner))
+        reasons.append(f"loss: {memory.chunk_tokens} tokens of logits at a time with {kind}'s kernel, because: {why}")
+    return Prepared(tuple(blocks), chunk_tokens_of(inner), tuple(reasons))
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside accelerate's ``AcceleratedOptimizer`` wrappers."""
+    while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _build_trainer_class() -> type:
+    transformers = _transformers()
+    from memtrain.optim_offload import CPUOffloadOptimizer
+
+    class _ZeroHostGradients(transformers.TrainerCallback):
+        # The Trainer ends a step with model.zero_grad(), which clears only device gradients: the host buffers
+        # CPUOffloadOptimizer accumulates into would carry this step's sum into the next.
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            inner = _inner_optimizer(optimizer)
+            if isinstance(inner, CPUOffloadOptimizer):
+                inner.zero_grad(set_to_none=True)
+
+    class MemtrainTrainer(transformers.Trainer):
+        """``transformers.Trainer`` with memtrain's memory savings (see ``TrainerMemory``).
+
+        Differences from the plain Trainer, each needed for correctness:
+
+        - With ``CPUOffloadOptimizer`` (``memory.offload_optimizer=True``, or one passed in ``optimizers=``)
+          gradients leave the device as backward produces them, so the Trainer's
+          ``accelerator.clip_grad_norm_(model.parameters(), ...)`` would find none: clipping and the logged
+          gradient norm go through ``CPUOffloadOptimizer.clip_grad_norm_`` instead; its host gradients are reset
+          after each optimizer step; fp16 (a GradScaler on host gradients) is refused: use ``bf16=True``.
+        - ``memory.offload_activations`` wraps each training step's forward and backward in
+          ``memtrain.offload_activations(model=...)``.
+
+        Example:
+            >>> trainer = MemtrainTrainer(model=model, args=TrainingArguments("out", max_steps=10),  # doctest: +SKIP
+            ...                           train_dataset=rows, data_collator=hf_collate,
+            ...                           memory=TrainerMemory(offload_optimizer=True))
+            >>> trainer.train()  # doctest: +SKIP
+        """
+
+        def __init__(self, model: nn.Module, args: Any = None, *, memory: TrainerMemory = TrainerMemory(),
+                     **trainer_kwargs: Any):
+            if not isinstance(memory, TrainerMemory):
+                raise ConfigError(f"memory={memory!r} must be a memtrain.hf.TrainerMemory.")
+            if memory.checkpointing and getattr(args, "gradient_checkpointing", False):
+                raise ConfigError("MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and "
+                                  "TrainerMemory(checkpointing=True) would checkpoint every layer twice (each "
+                                  "recompute recomputed again). To resolve this error, drop gradient_checkpointing "
+                                  "from the TrainingArguments (memtrain's checkpointing replaces it).")
+            self.memory = memory
+            self.prepared = prepare_model(model, memory)
+            super().__init__(model=model, args=args, **trainer_kwargs)
+            offloaded = memory.offload_optimizer or isinstance(_inner_optimizer(self.optimizer), CPUOffloadOptimizer)
+            if offloaded and (self.args.fp16 or getattr(self.args, "half_precision_backend", None) == "apex"):
+                raise ConfigError("MemtrainTrainer: fp16=True with CPUOffloadOptimizer: the Trainer's GradScaler "
+                                  "would unscale gradients that are already on the host. To resolve this error, "
+                                  "pass bf16=True (no scaler needed), or train without offload_optimizer.")
+            self._offloader = None
+            if memory.offload_activations:
+                from memtrain.offload import offload_activations
+
+                self._offloader = offload_activations(model=_strip_wrappers(model))
+            self.add_callback(_ZeroHostGradients())
+            clip = self.accelerator.clip_grad_norm_
+
+            def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+                # NOTE: every Trainer version clips (and takes the logged norm) through this one call.
+                inner = _inner_optimizer(self.optimizer)
+                if isinstance(inner, CPUOffloadOptimizer):
+                    return inner.clip_grad_norm_(max_norm, norm_type)
+                return clip(parameters, max_norm, norm_type=norm_type)
+
+            self.accelerator.clip_grad_norm_ = clip_grad_norm_
+
+        def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+            if self.optimizer is not None or not self.memory.offload_optimizer:
+                return super().create_optimizer(*([] if model is None else [model]))
+            model = self.model if model is None else model
+            decay = set(self.get_decay_parameter_names(model))
+            trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+            self.optimizer = CPUOffloadOptimizer(
+                [g for g in groups if g["params"]], torch.optim.AdamW, lr=self.args.learning_rate,
+                betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
+            return self.optimizer
+
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            with self._offloader if self._offloader is not None else contextlib.nullcontext():
+                return super().training_step(*args, **kwargs)
+
+    return MemtrainTrainer
+
+
+_TRAINER_CLASS: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # MemtrainTrainer subclasses transformers.Trainer: built on first use, so importing memtrain.hf needs no
+    # transformers.
+    global _TRAINER_CLASS
+    if name == "MemtrainTrainer":
+        if _TRAINER_CLASS is None:
+            _TRAINER_CLASS = _build_trainer_class()
+        return _TRAINER_CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [  # noqa: F822 - MemtrainTrainer is built by __getattr__
+    "MemtrainTrainer", "Prepared", "TrainerMemory", "apply_lora", "is_lora", "load_pretrained", "load_tokenizer",
+    "lora_targets", "merge_lora", "prepare_model", "safetensors_files", "save_hf",
+]

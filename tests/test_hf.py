@@ -1,0 +1,383 @@
+"""memtrain.hf: local pretrained folders in, LoRA, Hugging Face folders out, memtrain inside transformers.Trainer.
+
+Every model here is the tiny Llama of tests/conftest.py (``hf_model_dir``), loaded from disk without the network.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from memtrain import ConfigError, apply_checkpointing
+from memtrain.hf import (
+    TrainerMemory,
+    apply_lora,
+    is_lora,
+    load_pretrained,
+    load_tokenizer,
+    merge_lora,
+    prepare_model,
+    save_hf,
+)
+from memtrain.loss import apply_chunked_loss, chunked_loss_kind
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LOGITS_TOL = 1e-5  # the exported folder must give the trained model's logits (fp32: in fact bit for bit)
+
+
+def batch(seed: int = 0, rows: int = 2, seq_len: int = 32, vocab: int = 512) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def train_steps(model: nn.Module, steps: int = 3, lr: float = 1e-2) -> None:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1)
+    for step in range(steps):
+        x = batch(step)
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def copy_folder(src, dst, *, keep) -> None:
+    dst.mkdir()
+    for name in keep:
+        shutil.copy(src / name, dst / name)
+
+
+# -- loading -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_local_folder_loads_with_its_weights_in_the_requested_dtype(hf_model_dir, dtype):
+    from safetensors.torch import load_file
+
+    model = load_pretrained(hf_model_dir, dtype=dtype)
+    saved = load_file(hf_model_dir / "model.safetensors")
+    assert model.training and model.config.use_cache is False
+    state = model.state_dict()
+    assert set(saved) <= set(state)
+    for name, tensor in saved.items():
+        assert state[name].dtype == dtype, name
+        assert torch.equal(state[name], tensor.to(dtype)), name
+    tokenizer = load_tokenizer(hf_model_dir)
+    assert tokenizer.is_fast and tokenizer.eos_token_id is not None and len(tokenizer) == model.config.vocab_size
+
+
+def test_bad_folders_are_one_clear_error_each(hf_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="no such folder"):
+        load_pretrained(tmp_path / "nowhere")
+    no_config = tmp_path / "no-config"
+    copy_folder(hf_model_dir, no_config, keep=["model.safetensors", "tokenizer.json"])
+    with pytest.raises(ConfigError, match="holds no config.json") as e:
+        load_pretrained(no_config)
+    assert len(e.value.problems) == 1
+    pickles = tmp_path / "pickles"
+    copy_folder(hf_model_dir, pickles, keep=["config.json"])
+    (pickles / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(ConfigError, match="only pickled weights.*never unpickles"):
+        load_pretrained(pickles)
+    empty = tmp_path / "no-weights"
+    copy_folder(hf_model_dir, empty, keep=["config.json"])
+    with pytest.raises(ConfigError, match=r"holds no weights \(\*.safetensors\)"):
+        load_pretrained(empty)
+    sharded = tmp_path / "sharded"
+    copy_folder(hf_model_dir, sharded, keep=["config.json"])
+    (sharded / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    with pytest.raises(ConfigError, match="lists 2 shards, 2 of them missing"):
+        load_pretrained(sharded)
+    with pytest.raises(ConfigError, match="holds no tokenizer.*docs.jsonl needs"):
+        load_tokenizer(empty, needed_for="--data docs.jsonl")
+    partial = tmp_path / "partial"  # weights for some of the model only: it would train from random values
+    copy_folder(hf_model_dir, partial, keep=["config.json"])
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(hf_model_dir / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "layers.1." not in k}, partial / "model.safetensors")
+    with pytest.raises(ConfigError, match="leaves 9 of the model's weights unset"):
+        load_pretrained(partial)
+
+
+def test_a_missing_extra_names_the_pip_command(monkeypatch, hf_model_dir):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'memtrain\[hf\]'"):
+        load_pretrained(hf_model_dir)
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(ConfigError, match=r"pip install 'memtrain\[lora\]'"):
+        apply_lora(nn.Linear(2, 2), 4)
+
+
+# -- export --------------------------------------------------------------------------------------------------------
+def test_the_exported_folder_loads_to_the_trained_models_logits(hf_model_dir, tmp_path):
+    model = load_pretrained(hf_model_dir)
+    apply_checkpointing(model)  # patched forwards live on the instances, not in the state dict
+    apply_chunked_loss(model, chunk_tokens=16)
+    train_steps(model)
+    out = save_hf(model, tmp_path / "run" / "hf", tokenizer=hf_model_dir)
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
+                                               "tokenizer_config.json"}
+    assert not [p for p in out.parent.iterdir() if p.name != "hf"]  # no staging folder left behind
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert chunked_loss_kind(loaded) is None and loaded.dtype == torch.float32
+    x = batch(7)
+    diff = (logits(loaded, x) - logits(model, x)).abs().max().item()
+    assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.3g} > {LOGITS_TOL}"
+    assert transformers.AutoTokenizer.from_pretrained(out).encode("def f(x):") == \
+        load_tokenizer(hf_model_dir).encode("def f(x):")
+    save_hf(model, out)  # writing again replaces the folder as a whole (no tokenizer this time)
+    assert not (out / "tokenizer.json").exists() and (out / "model.safetensors").is_file()
+
+
+def test_export_refuses_a_model_hugging_face_cannot_save(tmp_path):
+    with pytest.raises(ConfigError, match="has no save_pretrained"):
+        save_hf(nn.Linear(2, 2), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+# -- LoRA ------------------------------------------------------------------------------------------------------------
+def test_lora_trains_only_the_adapters_and_leaves_the_base_bitwise_unchanged(hf_model_dir):
+    model = load_pretrained(hf_model_dir)
+    base = {name: p.detach().clone() for name, p in model.named_parameters()}
+    lora = apply_lora(model, 4)
+    assert is_lora(lora)
+    trainable = {name for name, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    # every attention and MLP projection of both layers, A and B; never the head
+    assert len(trainable) == 2 * 7 * 2 and not any("lm_head" in n for n in trainable)
+    apply_checkpointing(lora)
+    apply_chunked_loss(lora, chunk_tokens=16)
+    adapters = {name: p.detach().clone() for name, p in lora.named_parameters() if p.requires_grad}
+    train_steps(lora)
+    for name, p in lora.named_parameters():
+        if p.requires_grad:
+            assert not torch.equal(p, adapters[name]), f"adapter {name} did not change"
+    inner = lora.get_base_model().state_dict()
+    for name, value in base.items():
+        key = name if name in inner else name.replace(".weight", ".base_layer.weight")
+        assert torch.equal(inner[key], value), f"frozen {name} changed"
+
+
+def test_checkpointing_and_the_chunked_loss_keep_a_lora_models_gradients(hf_model_dir):
+    """PEFT forwards attribute lookups to the causal LM it wraps (peft_model.model is the whole LM, not the
+    decoder): memtrain patches the causal LM itself. Same loss and adapter gradients (fp32, rtol 1e-5)."""
+    x = batch(3)
+
+    def run(memtrain: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        base = load_pretrained(hf_model_dir)
+        torch.manual_seed(0)  # LoRA's A matrices start random
+        lora = apply_lora(base, 4, alpha=8)
+        for name, p in lora.named_parameters():  # B starts at zero: give it values so A's gradient is not zero
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(name)))
+        if memtrain:
+            apply_checkpointing(lora)
+            apply_chunked_loss(lora, chunk_tokens=16)
+            assert chunked_loss_kind(lora) == "hf" and lora(input_ids=x, labels=x).logits is None
+        loss = lora(input_ids=x, labels=x).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in lora.named_parameters() if p.requires_grad}
+
+    (got_loss, got), (want_loss, want) = run(True), run(False)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        diff, scale = (got[name] - grad).abs().max().item(), grad.abs().max().item()
+        assert scale > 0 and diff <= 1e-5 * scale, f"{name}: max abs diff {diff:.3g} > 1e-5 x {scale:.3g}"
+
+
+def test_the_adapter_and_the_merged_export_load_to_the_trained_logits(hf_model_dir, tmp_path):
+    lora = apply_lora(load_pretrained(hf_model_dir), 4)
+    train_steps(lora)
+    x = batch(9)
+    want = logits(lora, x)
+    adapter = save_hf(lora, tmp_path / "adapter", tokenizer=hf_model_dir)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    assert not (adapter / "model.safetensors").exists()  # the adapters only: the base is in hf_model_dir
+    reloaded = peft.PeftModel.from_pretrained(load_pretrained(hf_model_dir), adapter)
+    diff = (logits(reloaded, x) - want).abs().max().item()
+    assert diff <= LOGITS_TOL, f"adapter export: max abs logit diff {diff:.3g} > {LOGITS_TOL}"
+    merged = merge_lora(lora)
+    assert not is_lora(merged) and not any("lora_" in n for n, _ in merged.named_parameters())
+    out = save_hf(merged, tmp_path / "merged", tokenizer=hf_model_dir)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert set(loaded.state_dict()) == set(load_pretrained(hf_model_dir).state_dict())  # the base's own names
+    diff = (logits(loaded, x) - want).abs().max().item()
+    assert diff <= LOGITS_TOL, f"merged export: max abs logit diff {diff:.3g} > {LOGITS_TOL}"
+
+
+def test_lora_bad_input_is_one_clear_error_each(hf_model_dir):
+    no_linear = nn.Sequential(nn.Embedding(10, 4), nn.Conv1d(4, 4, 1))
+    with pytest.raises(ConfigError, match="no linear layer to adapt"):
+        apply_lora(no_linear, 8)
+    with pytest.raises(ConfigError, match="rank must be an integer >= 1"):
+        apply_lora(load_pretrained(hf_model_dir), 0)
+    with pytest.raises(ConfigError, match="--merge-lora: LlamaForCausalLM has no LoRA adapters"):
+        merge_lora(load_pretrained(hf_model_dir))
+    lora = apply_lora(load_pretrained(hf_model_dir), 2)
+    with pytest.raises(ConfigError, match="already has LoRA adapters"):
+        apply_lora(lora, 2)
+    with pytest.raises(ConfigError, match="the config already holds them"):
+        apply_lora(load_pretrained(hf_model_dir), peft.LoraConfig(r=2, target_modules=["q_proj"]), alpha=4)
+
+
+def test_lora_on_memtrains_gpt():
+    """Any module with linear layers: memtrain's GPT gets adapters on its blocks' projections, not on its head."""
+    from memtrain.models import GPT, GPTConfig
+
+    lora = apply_lora(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16)), 2)
+    names = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names) and not any(".head." in n for n in names)
+    x = batch(0, seq_len=16, vocab=256)
+    lora(x, x).backward()
+    assert all(p.grad is not None for p in lora.parameters() if p.requires_grad)
+
+
+# -- the Hugging Face Trainer --------------------------------------------------------------------------------------
+def test_prepare_model_says_what_it_applied(hf_model_dir):
+    model = load_pretrained(hf_model_dir)
+    prepared = prepare_model(model, TrainerMemory(chunk_tokens=64))
+    assert prepared.checkpointed == ("model.layers.0", "model.layers.1") and prepared.chunk_tokens == 64
+    assert "torch's kernel" in prepared.reasons[1], prepared.reasons
+
+
+@pytest.fixture(scope="module")
+def packed_rows(hf_model_dir, tmp_path_factory):
+    """The built-in corpus as a .txt, tokenised with the fixture's tokenizer and packed into rows of 64."""
+    from memtrain.data import PackedRows, stdlib_corpus, tokenize_file
+
+    text = tmp_path_factory.mktemp("data") / "stdlib.txt"
+    text.write_bytes(stdlib_corpus(2**15).tobytes())
+    return PackedRows(tokenize_file(text, load_tokenizer(hf_model_dir)), seq_len=64)
+
+
+@pytest.mark.parametrize("offload_optimizer", [True, False], ids=["CPUOffloadOptimizer", "AdamW"])
+def test_trainer_steps_equal_memtrains_own_loop(hf_model_dir, packed_rows, tmp_path, offload_optimizer):
+    """3 Trainer steps (2 micro-batches each, linear warmup schedule, clipping at 0.5, weight decay) give the
+    weights of memtrain's loop (GradientAccumulator, the same optimizer and schedule) on the same batches.
+
+    Tolerance: fp32 AdamW; the Trainer divides each micro-batch's loss by the window's token count before
+    backward, the accumulator scales the summed gradient once after it, so the gradients differ in the last
+    bits, which Adam's division by sqrt(v) amplifies where a gradient is near zero: 1e-6 absolute (the learning
+    rate is 1e-3)."""
+    from memtrain import CPUOffloadOptimizer, GradientAccumulator
+    from memtrain.data import hf_collate
+    from memtrain.hf import MemtrainTrainer
+
+    seen = []
+
+    def collate(rows):
+        seen.append(hf_collate(rows))
+        return seen[-1]
+
+    memory = TrainerMemory(chunk_tokens=32, offload_optimizer=offload_optimizer)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), max_steps=3, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-3, warmup_steps=1, lr_scheduler_type="linear",
+        weight_decay=0.1, max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        dataloader_num_workers=0, seed=0, disable_tqdm=True)
+    trainer = MemtrainTrainer(load_pretrained(hf_model_dir), args, memory=memory, train_dataset=packed_rows,
+                              data_collator=collate)
+    assert trainer.prepared.chunk_tokens == 32 and len(trainer.prepared.checkpointed) == 2
+    trainer.train()
+    optimizer_type = type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer)
+    assert (optimizer_type is CPUOffloadOptimizer) == offload_optimizer, optimizer_type
+    trainer_norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+    model = load_pretrained(hf_model_dir)
+    prepare_model(model, memory)
+    decay = set(trainer.get_decay_parameter_names(model))
+    groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.1},
+              {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    optimizer = (CPUOffloadOptimizer(groups, torch.optim.AdamW, lr=1e-3) if offload_optimizer else
+                 torch.optim.AdamW(groups, lr=1e-3))
+    scheduler = transformers.get_scheduler("linear", optimizer, num_warmup_steps=1, num_training_steps=3)
+    acc = GradientAccumulator(model, optimizer, steps=2, scheduler=scheduler, max_grad_norm=0.5)
+    norms = []
+    for window in (seen[0:2], seen[2:4], seen[4:6]):
+        for i, b in enumerate(window):
+            with acc.micro_batch(is_last=i == len(window) - 1):
+                loss = model(input_ids=b["input_ids"], labels=b["labels"], shift_labels=b["shift_labels"],
+                             position_ids=b["position_ids"], num_items_in_batch=1).loss  # the summed loss
+                acc.backward(loss, reduction="sum", items=(b["shift_labels"] != -100).sum())
+        norms.append(acc.step().grad_norm)
+    assert trainer_norms == pytest.approx(norms, rel=1e-5), (trainer_norms, norms)
+    assert min(norms) > 0.5  # clipping was active in every step
+    for (name, p), q in zip(trainer.model.named_parameters(), model.parameters(), strict=True):
+        diff = (p.detach() - q.detach()).abs().max().item()
+        assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g} > 1e-6"
+
+
+def test_a_lora_model_takes_memtrains_summed_loss_call(hf_model_dir):
+    """train()'s call for a chunked Hugging Face loss (labels already shifted, num_items_in_batch=1: the summed
+    loss) reaches the causal LM through PEFT's wrapper, and equals the plain model's summed loss."""
+    from memtrain.train import language_model_loss
+
+    x = batch(5)
+    y = torch.roll(x, -1, dims=1)
+    y[:, -1] = -100
+    torch.manual_seed(0)
+    plain = apply_lora(load_pretrained(hf_model_dir), 4)
+    want = torch.nn.functional.cross_entropy(plain(input_ids=x).logits.flatten(0, 1), y.flatten(), reduction="sum")
+    apply_chunked_loss(plain, chunk_tokens=16)
+    got = language_model_loss(plain, x, y)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_estimate_of_a_lora_model_with_a_chunked_loss_equals_measure_on_the_cpu(hf_model_dir):
+    from memtrain import MemoryMeter, estimate
+
+    lora = apply_lora(load_pretrained(hf_model_dir), 4)
+    apply_checkpointing(lora)
+    apply_chunked_loss(lora)
+    x = batch(1)
+    with MemoryMeter(lora) as meter:
+        loss = lora(input_ids=x, labels=x).loss
+    loss.backward()
+    predicted = estimate(lora, x, device="cpu", checkpointing="all", chunked_loss=True)
+    assert predicted.activation_bytes == meter.activation_bytes, (predicted.activation_bytes, meter.activation_bytes)
+
+
+def test_the_trainer_refuses_checkpointing_twice(hf_model_dir, tmp_path):
+    from memtrain.hf import MemtrainTrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True, use_cpu=True,
+                                          report_to="none")
+    with pytest.raises(ConfigError, match="checkpoint every layer twice"):
+        MemtrainTrainer(load_pretrained(hf_model_dir), args)
+    with pytest.raises(ConfigError, match="must be a memtrain.hf.TrainerMemory"):
+        MemtrainTrainer(load_pretrained(hf_model_dir), args, memory={"checkpointing": False})
+
+
+def test_the_trainer_trains_lora_adapters_with_the_offloaded_optimizer(hf_model_dir, packed_rows, tmp_path):
+    """The module docstring's recipe: LoRA + CPUOffloadOptimizer in the Trainer; the base stays bitwise equal,
+    every adapter changes, and the adapter export loads with PEFT to the trained logits."""
+    from memtrain.data import hf_collate
+    from memtrain.hf import MemtrainTrainer
+
+    torch.manual_seed(0)
+    lora = apply_lora(load_pretrained(hf_model_dir), 4)
+    before = {n: p.detach().clone() for n, p in lora.named_parameters()}
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=2,
+                                          per_device_train_batch_size=2, learning_rate=1e-2, save_strategy="no",
+                                          report_to="none", use_cpu=True, dataloader_num_workers=0,
+                                          disable_tqdm=True)
+    trainer = MemtrainTrainer(lora, args, memory=TrainerMemory(offload_optimizer=True), train_dataset=packed_rows,
+                              data_collator=hf_collate)
+    trainer.train()
+    for name, p in lora.named_parameters():
+        changed = not torch.equal(p, before[name])
+        assert changed == p.requires_grad, f"{name}: changed={changed}, trainable={p.requires_grad}"
+    out = save_hf(trainer.model, tmp_path / "hf")
+    x = batch(2)
+    reloaded = peft.PeftModel.from_pretrained(load_pretrained(hf_model_dir), out)
+    diff = (logits(reloaded, x) - logits(lora, x)).abs().max().item()
+    assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.3g} > {LOGITS_TOL}"
