@@ -384,6 +384,14 @@ def _op_cost(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
         outputs = out if name == "convolution" else args[0]  # the backward's grad_output has the output's shape
         flops = 2.0 * _numel(outputs.shape) * _numel(weight.shape[1:])
         return (2.0 * flops if name == "convolution_backward" else flops), 0.0, 0  # input grad + weight grad
+    if name.startswith("_linear_cross_entropy_batch_chunked"):
+        # torch's chunked linear + cross-entropy: the logits (2NHV) and, computed in forward, their gradients with
+        # respect to the input and the weight (2NHV each); backward only scales what forward kept.
+        hidden, weight = args[0], args[1]
+        logits = _numel(hidden.shape[:-1]) * weight.shape[0]
+        # About 20 bytes of traffic a logit inside: fp32 logits written, the softmax read and written, its
+        # gradient read and written, chunk by chunk.
+        return 6.0 * _numel(hidden.shape) * weight.shape[0], 0.0, 20 * logits
     if name in _ATTENTION_OPS:
         causal = bool(_argument(func, args, kwargs, "is_causal", False))
         return 0.0, _attention_flops(args[0], args[1], causal), 0
@@ -1048,6 +1056,9 @@ def estimate(
     checkpointing: Any = "none",
     offload_activations: bool = False,
     optimizer: OptimizerKind = "adamw",
+    state_precision: str = "fp32",
+    offload_fraction: float = 0.0,
+    step_in_backward: bool = False,
     chunked_loss: bool = False,
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
@@ -1081,6 +1092,9 @@ def estimate(
             exactly (what leaves the device, what comes back and when, two records prefetched ahead).
         optimizer: ``"adamw"`` (fused), ``"sgd"``, ``"sgd-momentum"``, ``"adafactor"`` or ``"adamw-offload"``
             (``CPUOffloadOptimizer``: state on the host, gradients streamed there as they are produced).
+        state_precision, offload_fraction, step_in_backward: AdamW as ``memtrain.optim.build_optimizer`` builds
+            it: moments in ``"fp32"``, ``"bf16"`` or ``"int8"``; that share of the parameters' state in host RAM
+            (their gradients streamed there); each parameter stepping in backward, its gradient freed at once.
         chunked_loss: the loss computed with ``memtrain.loss.apply_chunked_loss`` (the model's own chunk size
             when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the whole
             batch's fp32 logits; applied to a copy of the model.
@@ -1114,7 +1128,8 @@ def estimate(
         ('estimated', True)
     """
     return trace(model, batch, device=device, precision=precision, checkpointing=checkpointing,
-                 offload_activations=offload_activations, optimizer=optimizer, chunked_loss=chunked_loss,
+                 offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
+                 offload_fraction=offload_fraction, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
                  micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation,
                  weights_dtype=weights_dtype, keep_output=keep_output, replay=replay).report
 
@@ -1128,6 +1143,9 @@ def trace(
     checkpointing: Any = "none",
     offload_activations: bool = False,
     optimizer: OptimizerKind = "adamw",
+    state_precision: str = "fp32",
+    offload_fraction: float = 0.0,
+    step_in_backward: bool = False,
     chunked_loss: bool = False,
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
@@ -1158,6 +1176,16 @@ def trace(
                         f"{[k for k in _WEIGHT_DTYPES if k]} or None (the model's own).")
     _check_choice("precision", precision, get_args(Precision), problems)
     _check_choice("optimizer", optimizer, get_args(OptimizerKind), problems)
+    _check_choice("state_precision", state_precision, ("fp32", "bf16", "int8"), problems)
+    if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not (
+            0.0 <= offload_fraction <= 1.0):
+        problems.append(f"offload_fraction={offload_fraction!r} must be a number in [0, 1].")
+    if not isinstance(step_in_backward, bool):
+        problems.append(f"step_in_backward={step_in_backward!r} must be True or False.")
+    lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True
+    if lean and optimizer not in ("adamw", "adamw-offload"):
+        problems.append(f"state_precision/offload_fraction/step_in_backward are options of AdamW (memtrain.optim), "
+                        f"not of optimizer={optimizer!r}. To resolve this error, pass optimizer='adamw'.")
     ckpt = _checkpointing_kwargs(checkpointing, problems)
     spec = _batch_spec(batch, micro_batch_size, seq_len, problems)
     _check_layers(model, problems)
@@ -1221,8 +1249,26 @@ def trace(
     trainable = [p for p in params if p.requires_grad]
     state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = _optimizer_bytes(trainable, optimizer, round_to,
                                                                                 on_cuda)
-    # CPUOffloadOptimizer (one process) copies each gradient to the host as autograd produces it and frees it.
-    streamed = optimizer == "adamw-offload"
+    all_state_bytes = state_bytes if optimizer != "adamw-offload" else optimizer_host_bytes
+    # Gradients that do not stay on the device once accumulated: CPUOffloadOptimizer (one process) copies each to
+    # the host as autograd produces it; a parameter that steps in backward frees its own.
+    leaving: list[nn.Parameter] = list(trainable) if optimizer == "adamw-offload" else []
+    if lean:
+        from memtrain.optim import offloaded_mask, optimizer_memory
+
+        fraction = 1.0 if optimizer == "adamw-offload" else offload_fraction
+        memory = optimizer_memory([(p.numel(), p.dtype) for p in trainable], state_precision=state_precision,
+                                  offload_fraction=fraction, step_in_backward=step_in_backward,
+                                  accumulation_steps=accumulation, device_type=device_type)
+        state_bytes, step_temp_bytes = memory.device_state_bytes, memory.device_step_temp_bytes
+        optimizer_host_bytes, all_state_bytes = memory.host_bytes, memory.state_bytes
+        on_host = offloaded_mask([p.numel() for p in trainable], fraction)
+        leaving = [p for p, h in zip(trainable, on_host, strict=True)
+                   if h or (step_in_backward and accumulation == 1)]
+        optimizer_note = (f"AdamW from memtrain.optim.build_optimizer: {state_precision} moments, {fraction:.0%} of "
+                          f"the parameters' state in host RAM, step in backward {'on' if step_in_backward else 'off'}"
+                          " (bytes from memtrain.optim.optimizer_memory; step temporaries an upper bound)")
+    streamed = bool(leaving)
     where = _Where(meta)
     tracker = _LiveTracker(round_to, where)
     tracker.recording = runs
@@ -1242,14 +1288,14 @@ def trace(
         def drop(p: torch.Tensor) -> None:
             p.grad = None
 
-        hooks = [p.register_post_accumulate_grad_hook(drop) for p in trainable]
-    elif accumulation > 1:
+        hooks = [p.register_post_accumulate_grad_hook(drop) for p in leaving]
+    if accumulation > 1:
         # A later micro-batch of the window: the earlier ones' gradients are alive from its start, and its own
         # backward adds into them in place.
         with fake_mode, tracker:
-            for p in trainable:
+            for p in {id(p): p for p in trainable if p not in set(leaving)}.values():
                 p.grad = torch.empty_like(p)
-    elif runs:
+    if runs and not streamed and accumulation == 1:
         # Which run each gradient came into being in, and whether before its peak: what a streaming optimizer (or
         # accumulation, which adds each new gradient into the old one and frees it) would not hold there.
         landed: dict[int, tuple[int, int]] = {}
@@ -1419,7 +1465,7 @@ def trace(
     report = MemoryReport(
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         gradient_bytes=measured.gradient_bytes,
-        optimizer_state_bytes=state_bytes if optimizer != "adamw-offload" else optimizer_host_bytes,
+        optimizer_state_bytes=all_state_bytes,
         activation_bytes=measured.activation_bytes,
         activation_tensors=measured.activation_tensors,
         device=device_type,
