@@ -76,6 +76,8 @@ class DeviceProfile:
     memory_bytes: int | None  # the device's memory, the default budget
     source: str  # "probe" or "table ...": how these were found
     asynchronous: bool = True  # kernels run while the host dispatches the next ones (a GPU; not a CPU)
+    cpu_adamw_bf16: float | None = None  # parameters/s of the host's step with bf16 moments (None: not measured)
+    cpu_adamw_int8: float | None = None  # ... with bitsandbytes' 8-bit moments
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -238,6 +240,14 @@ def _probe(device: torch.device, name: str) -> DeviceProfile:
     p.grad = torch.randn(n)
     adam = torch.optim.AdamW([p], lr=1e-3, fused=True)
     cpu_adamw = n / _timed(adam.step, lambda: None)
+    from memtrain.optim import cpu_step_rate
+
+    lean = {}
+    for precision in ("bf16", "int8"):
+        try:
+            lean[precision] = cpu_step_rate(precision, n_params=1 << 20)
+        except ConfigError:
+            lean[precision] = None  # int8 without bitsandbytes: not a candidate anyway
     host_copy = torch.empty(n)
     host_bandwidth = 2 * n * 4 / _timed(lambda: host_copy.copy_(p.grad), lambda: None)
     table = None
@@ -251,7 +261,8 @@ def _probe(device: torch.device, name: str) -> DeviceProfile:
                          memory_bandwidth=bandwidth, op_overhead_s=overhead, host_to_device=h2d, device_to_host=d2h,
                          cpu_adamw=cpu_adamw, host_bandwidth=host_bandwidth,
                          interconnect=table.interconnect if table is not None else (20e9 if cuda else 5e9),
-                         memory_bytes=memory, source="probe", asynchronous=cuda)
+                         memory_bytes=memory, source="probe", asynchronous=cuda, cpu_adamw_bf16=lean["bf16"],
+                         cpu_adamw_int8=lean["int8"])
 
 
 def device_profile(device: str | torch.device, *, calibrated: bool = False) -> DeviceProfile:
@@ -281,6 +292,20 @@ class PlanSettings:
     distribution: Distribution
     compile: bool
     precision: str = "bf16-mixed"  # compute precision (autocast): fp32, bf16-mixed, fp16-mixed
+    state_precision: str = "fp32"  # AdamW's moments: fp32 (8 bytes/param), bf16 (4), int8 (about 2)
+    step_in_backward: bool = False  # each parameter steps as its gradient is final, which is freed at once
+    offload_fraction: float = 0.0  # with optimizer "device": this share of the parameters' state in host RAM
+
+    @property
+    def optimizer_text(self) -> str:
+        """The optimizer in words, e.g. "device, int8 moments, step in backward"."""
+        parts = [self.optimizer if not (self.optimizer == "device" and self.offload_fraction) else
+                 f"{100 * self.offload_fraction:.0f}% offloaded"]
+        if self.state_precision != "fp32":
+            parts.append(f"{self.state_precision} moments")
+        if self.step_in_backward:
+            parts.append("step in backward")
+        return ", ".join(parts)
 
     @property
     def checkpointing(self) -> str:
@@ -318,6 +343,9 @@ class Fixed:
     flavor: RecomputeFlavor | None = None  # how the recomputed blocks recompute
     chunked_loss: bool | None = None
     optimizer: OptimizerPlacement | None = None
+    state_precision: str | None = None
+    step_in_backward: bool | None = None
+    offload_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -386,7 +414,7 @@ class Plan:
             f"plan for {self.parameters / 1e6:.1f}M parameters, {self.global_batch_size} x {self.seq_len} tokens per "
             f"step, {self.precision}, on {self.device_profile.name} x {self.world_size}; budget {budget}",
             f"  choice: micro-batch {s.micro_batch_size} x {s.accumulation} accumulation, checkpointing "
-            f"{s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer}, "
+            f"{s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}, "
             f"{s.distribution if self.world_size > 1 else 'one process'}{', compiled' if s.compile else ''}",
             f"  predicted: peak {format_bytes(self.peak_bytes)} per rank, host {format_bytes(self.host_bytes)}, "
             f"step {self.step_seconds * 1e3:.1f} ms, {self.tokens_per_s:,.0f} tokens/s",
@@ -399,7 +427,7 @@ class Plan:
                 cs = c.settings
                 rows.append((f"{cs.micro_batch_size} x {cs.accumulation}", cs.checkpointing,
                              "chunked" if cs.chunked_loss else "whole",
-                             cs.optimizer + (" +compile" if cs.compile else ""), cs.distribution,
+                             cs.optimizer_text + (" +compile" if cs.compile else ""), cs.distribution,
                              format_bytes(c.peak_bytes) + ("" if c.verified else "*"), f"{c.tokens_per_s:,.0f}",
                              c.lost_because))
             widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -676,6 +704,8 @@ class _Profiles:
     block_parameter_bytes: np.ndarray  # (L,)
     adamw_state_bytes: int
     traces: int
+    trainable_params: list[tuple[int, torch.dtype]] = field(default_factory=list)  # registration order
+    trainable_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # -1: no block
 
 
 def _at(pair: Sequence[float] | np.ndarray, b: int) -> Any:
@@ -714,11 +744,22 @@ class _Config:
     compile: bool
 
     precision: str = "bf16-mixed"
+    state_precision: str = "fp32"
+    step_in_backward: bool = False
+    offload_fraction: float = 0.0
 
     def settings(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
-        return PlanSettings(self.micro_batch_size, self.accumulation, _assignment(n_blocks, offload, recompute),
-                            self.flavor, self.chunked_loss, self.optimizer, self.distribution, self.compile,
-                            self.precision)
+        return self.with_blocks(_assignment(n_blocks, offload, recompute))
+
+    def with_blocks(self, blocks: tuple[BlockKind, ...]) -> PlanSettings:
+        return PlanSettings(self.micro_batch_size, self.accumulation, blocks, self.flavor, self.chunked_loss,
+                            self.optimizer, self.distribution, self.compile, self.precision, self.state_precision,
+                            self.step_in_backward, self.offload_fraction)
+
+    @property
+    def host_fraction(self) -> float:
+        """The share of the parameters whose optimizer state (and gradients) go to the host."""
+        return 1.0 if self.optimizer != "device" else self.offload_fraction
 
 
 def _assignment(n_blocks: int, offload: int, recompute: int) -> tuple[BlockKind, ...]:
@@ -755,6 +796,29 @@ class _Composer:
         self.ctx = ctx
         self.profiles = profiles
         self._cache: dict[tuple[Any, ...], _KindArrays] = {}
+        self._optimizers: dict[tuple[Any, ...], tuple[Any, np.ndarray, bool]] = {}
+
+    def optimizer(self, prof: _Profiles, cfg: _Config) -> tuple[Any, np.ndarray, bool]:
+        """The optimizer's bytes (``memtrain.optim.optimizer_memory``), which blocks' gradients leave the device
+        as they land (streamed to the host, or stepped in backward), and whether the head's and embeddings' do."""
+        from memtrain.optim import offloaded_mask, optimizer_memory
+
+        key = (id(prof), cfg.state_precision, cfg.host_fraction, cfg.step_in_backward, cfg.accumulation)
+        if key not in self._optimizers:
+            memory = optimizer_memory(prof.trainable_params, state_precision=cfg.state_precision,
+                                      offload_fraction=cfg.host_fraction, step_in_backward=cfg.step_in_backward,
+                                      accumulation_steps=cfg.accumulation, device_type=self.ctx.device)
+            leaving = np.array(offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction), dtype=bool)
+            if cfg.step_in_backward and cfg.accumulation == 1:
+                leaving[:] = True
+            blocks = prof.trainable_blocks
+            n = len(self.ctx.block_names)
+            # A block's gradients leave when all of its parameters' do (a block split by a partial offload stays).
+            block_leaves = np.array([bool(leaving[blocks == i].all()) if (blocks == i).any() else False
+                                     for i in range(n)])
+            other = blocks < 0
+            self._optimizers[key] = (memory, block_leaves, bool(other.any() and leaving[other].all()))
+        return self._optimizers[key]
 
     def profile(self, optimizer: str) -> _Profiles:
         return self.profiles["bf16" if optimizer == "offload-bf16-weights" else None]
@@ -797,16 +861,19 @@ class _Composer:
 
         tail = prof.tails[cfg.chunked_loss]
         # -- model state, one process (distributed ranks differ by _distributed_shift)
-        streamed = cfg.optimizer != "device"  # each gradient leaves for the host as it is produced
-        transient = streamed or cfg.accumulation > 1  # or is added into an earlier micro-batch's and freed
-        suffix = "_streamed" if transient else ""
+        memory, block_leaves, other_leaves = self.optimizer(prof, cfg)
+        # A gradient that leaves the device as it lands (to the host, or stepped in backward), or is added into an
+        # earlier micro-batch's and freed, does not stay: the "_streamed" figures.
+        transient = block_leaves | (cfg.accumulation > 1)
+        suffix = "_streamed" if (other_leaves or cfg.accumulation > 1) else ""
         saved, fexcess, released = pick("saved"), pick("forward_excess"), pick("released")
-        bexcess, bnet, offloaded = pick("backward_excess" + suffix), pick("backward_net" + suffix), pick("offloaded")
-        fixed = float(prof.fixed_bytes) + _at(prof.input_bytes, b) - prof.input_bytes[0]
-        if streamed:
-            fixed -= prof.adamw_state_bytes  # no optimizer state on the device
-        elif cfg.accumulation > 1:
-            fixed += prof.trainable_bytes  # the earlier micro-batches' gradients, alive from the start
+        bexcess = np.where(transient, pick("backward_excess_streamed"), pick("backward_excess"))
+        bnet = np.where(transient, pick("backward_net_streamed"), pick("backward_net"))
+        offloaded = pick("offloaded")
+        fixed = (float(prof.fixed_bytes) + _at(prof.input_bytes, b) - prof.input_bytes[0] - prof.adamw_state_bytes
+                 + memory.device_state_bytes)
+        if cfg.accumulation > 1:
+            fixed += memory.device_gradient_bytes  # the earlier micro-batches' gradients, alive from the start
 
         # -- forward, block by block; the head and loss; backward from the last block to the first
         start = fixed + _at(tail.pre, b)
@@ -822,18 +889,18 @@ class _Composer:
         peak = np.maximum(peak, backward_start + getattr(tail, "tail_bwd_excess" + suffix).at(b))
         first_block = backward_start + _at(getattr(tail, "tail_bwd_net" + suffix), b)
         later = np.cumsum(bnet[:, ::-1], axis=1)[:, ::-1] - bnet  # what the blocks after each one left
-        peak = np.maximum(peak, np.max(first_block[:, None] + later + bexcess, axis=1))
+        # Stepping in backward, the step's temporaries come during backward (an upper bound: at its peak).
+        in_backward = memory.device_step_temp_bytes if cfg.step_in_backward else 0
+        peak = np.maximum(peak, np.max(first_block[:, None] + later + bexcess, axis=1) + in_backward)
         end_blocks = first_block + bnet.sum(axis=1)
         peak = np.maximum(peak, end_blocks + getattr(tail, "post_excess" + suffix).at(b))
         after = end_blocks + _at(getattr(tail, "post_net" + suffix), b)
-        peak = np.maximum(peak, after)  # the fused step allocates nothing more
+        peak = np.maximum(peak, after + (0 if cfg.step_in_backward else memory.device_step_temp_bytes))
         peak = peak + _distributed_shift(ctx, prof, cfg)
 
         # -- host bytes (one node: every rank's share)
         host = offloaded.sum(axis=1) if ctx.device == "cuda" else np.zeros(is_off.shape[0])
-        if streamed:  # fp32 master, both moments and a gradient buffer, and a bf16 copy for the way back
-            host = host + prof.trainable_numel * (16 + (2 if cfg.optimizer == "offload-bf16-weights" else 0))
-        host = host * _ranks_per_node(ctx.world)
+        host = (host + memory.host_bytes) * _ranks_per_node(ctx.world)
 
         # -- time
         fwd, bwd = pick("forward_s"), pick("backward_s")
@@ -845,6 +912,11 @@ class _Composer:
         if ctx.device == "cuda" and offloaded.any():
             micro = micro + _offload_stall(fwd, bwd, offloaded, dev)
         backward = bwd.sum(axis=1)
+        head_backward = (tail.tail_bwd_work, tail.post_work)
+        if cfg.step_in_backward and (ctx.grad_clip or ctx.precision == "fp16-mixed"):
+            # Two passes over the last backward: the norm (and the inf check) first, then the steps.
+            micro = micro + (backward + sum(w.seconds(b, tokens, dev, cfg.compile) for w in head_backward)) / max(
+                1, cfg.accumulation)
         seconds = (micro * cfg.accumulation + _optimizer_seconds(ctx, prof, cfg, backward)
                    + _communication_seconds(ctx, prof, cfg, backward + fwd.sum(axis=1)))
         return peak, host, seconds
@@ -880,21 +952,41 @@ def _ranks_per_node(world: int) -> int:
     return max(1, min(world, local))
 
 
+# Bytes a device AdamW step reads and writes per parameter, by moment precision: fused fp32 AdamW reads p, g,
+# m, v and writes p, m, v (28); BF16StateAdamW adds fp32 copies of the moments a chunk at a time; bitsandbytes'
+# 8-bit step moves 2 bytes of each moment and a scale per 256. (Assumptions; the CPU uses measured rates.)
+_STEP_BYTES = {"fp32": 28.0, "bf16": 44.0, "int8": 20.0}
+# A host step's rate relative to fp32 AdamW's, where the probe did not measure it (memtrain.optim.cpu_step_rate on
+# this machine's 2 cores: bf16 about 4x and int8 about 30x slower).
+_CPU_RATE = {"fp32": 1.0, "bf16": 0.25, "int8": 1 / 30}
+
+
 def _optimizer_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, backward_s: np.ndarray) -> np.ndarray:
+    """The step after the last backward: the device's part (memory-bound) and the host's (the offloaded share),
+    which run side by side."""
     dev = ctx.device_profile
     numel = float(prof.trainable_numel)
     if cfg.distribution == "fsdp2":
         numel /= ctx.world
-    if cfg.optimizer == "device":
-        return 28.0 * numel / dev.memory_bandwidth + 0 * backward_s  # fused AdamW: reads p, g, m, v; writes p, m, v
-    grad_bytes = numel * (2 if cfg.optimizer == "offload-bf16-weights" else 4)
+    on_host = numel * cfg.host_fraction
+    on_device = numel - on_host
+    if ctx.device == "cuda":
+        device_part = _STEP_BYTES[cfg.state_precision] * on_device / dev.memory_bandwidth
+    else:  # the "device" is the host: its own AdamW rate
+        rate = {"fp32": dev.cpu_adamw, "bf16": dev.cpu_adamw_bf16, "int8": dev.cpu_adamw_int8}[cfg.state_precision]
+        device_part = on_device / (rate or dev.cpu_adamw * _CPU_RATE[cfg.state_precision])
+    device_part = device_part + 0 * backward_s
+    if on_host == 0:
+        return device_part
+    grad_bytes = on_host * (2 if cfg.optimizer == "offload-bf16-weights" else 4)
     # Gradients stream to the host during each micro-batch's backward, the host adds later micro-batches in;
     # after the last backward: the norms (clipping), the CPU step, then the last bucket's weights cross back.
     d2h = np.maximum(0.0, grad_bytes / dev.device_to_host - backward_s) * cfg.accumulation
-    host_adds = (cfg.accumulation - 1) * 12 * numel / dev.host_bandwidth
-    norms = 4 * numel / dev.host_bandwidth if ctx.grad_clip else 0.0
-    last_bucket = min(grad_bytes, _BUCKET_BYTES * grad_bytes / (4 * numel))
-    return d2h + host_adds + norms + numel / dev.cpu_adamw + last_bucket / dev.host_to_device
+    host_adds = (cfg.accumulation - 1) * 12 * on_host / dev.host_bandwidth
+    norms = 4 * on_host / dev.host_bandwidth if ctx.grad_clip else 0.0
+    last_bucket = min(grad_bytes, _BUCKET_BYTES * grad_bytes / (4 * on_host))
+    host_part = d2h + host_adds + norms + on_host / dev.cpu_adamw + last_bucket / dev.host_to_device
+    return np.maximum(device_part, host_part)
 
 
 def _communication_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, compute_s: np.ndarray) -> np.ndarray:
@@ -1064,6 +1156,7 @@ def _state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, c
     trainable = [as_traced[id(p)] for p in params if p.requires_grad]
     buffers = list(dict.fromkeys(model.buffers()))
     modules = dict(model.named_modules())
+    block_of = {id(p): i for i, name in enumerate(blocks) for p in modules[name].parameters()}
     return {
         "rounded": sum(_round(t.numel() * t.element_size(), round_to) for t in (*as_traced.values(), *buffers)),
         "parameters": sum(t.numel() * t.element_size() for t in as_traced.values()),
@@ -1073,6 +1166,8 @@ def _state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, c
         "blocks": np.array([sum(as_traced[id(p)].numel() * as_traced[id(p)].element_size()
                                 for p in modules[name].parameters() if p.requires_grad) for name in blocks],
                            dtype=np.float64),
+        "params": [(t.numel(), t.dtype) for t in trainable],
+        "param_blocks": np.array([block_of.get(id(p), -1) for p in params if p.requires_grad], dtype=np.int64),
     }
 
 
@@ -1138,6 +1233,8 @@ def _traced_profiles(ctx: _Context, flavors: Sequence[str], offload: bool, weigh
         block_parameter_bytes=full["blocks"],
         adamw_state_bytes=full["state"],
         traces=2 * len(kinds),
+        trainable_params=full["params"],
+        trainable_blocks=full["param_blocks"],
     )
 
 
@@ -1206,7 +1303,7 @@ def _divisors(n: int) -> list[int]:
 
 
 TECHNIQUES = ("checkpointing", "selective", "offload-activations", "chunked-loss", "offload-optimizer",
-              "bf16-weights")
+              "bf16-weights", "optimizer-state", "step-in-backward")
 
 
 def plan(
@@ -1324,6 +1421,11 @@ def plan(
         placements.append("offload")
         if "bf16-weights" in allowed and precision == "bf16-mixed":
             placements.append("offload-bf16-weights")
+    states = ["fp32"]
+    if "optimizer-state" in allowed:
+        states.append("bf16")
+        if _int8_runs(device):
+            states.append("int8")
     distributions: list[Distribution] = ["none"] if world_size == 1 else (
         ["fsdp2"] if fsdp else ["ddp"] if fsdp is False else ["ddp", "fsdp2"])
     L = len(blocks)
@@ -1341,6 +1443,8 @@ def plan(
             losses = [fixed.chunked_loss]
         if fixed.optimizer is not None:
             placements = [fixed.optimizer]
+        if fixed.state_precision is not None:
+            states = [fixed.state_precision]
     if settings is not None:
         _check_settings(settings, L, per_rank, cuda, world_size, ctx.chunkable, precision)
         composer = _composer_for(ctx, [settings])
@@ -1352,26 +1456,25 @@ def plan(
             profiles["bf16"] = _profiles(ctx, flavors, offload_blocks, "bf16")
         composer = _Composer(ctx, profiles)
     micros = [micro_batch_size] if micro_batch_size is not None else _divisors(per_rank)
-    for placement in placements:
-        for dist in distributions:
-            if dist == "fsdp2" and placement != "device":
-                continue  # FSDP2 shards the optimizer state itself; CPUOffloadOptimizer needs whole parameters
-            for compiled in ([False, True] if compile else [False]):
-                for chunked in losses:
-                    for b in micros:
-                        for flavor in flavors or ["full"]:
-                            cfg = _Config(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision)
-                            if fixed.blocks is not None:
-                                _add_given(composer, results, PlanSettings(
-                                    b, per_rank // b, fixed.blocks, flavor, chunked, placement, dist, compiled,
-                                    precision), explicit=False)
-                                continue
-                            for o in (range(L + 1) if offload_blocks else [0]):
-                                # Without recomputed blocks every flavor is the same set-up: the first has it.
-                                lowest = 0 if flavor == (flavors or ["full"])[0] else 1
-                                recompute = np.arange(lowest, (L - o + 1) if flavors else 1)
-                                if len(recompute):
-                                    results.add(cfg, o, recompute, *composer.rows(cfg, o, recompute))
+    choices = _optimizer_choices(placements, states, distributions, allowed, cuda, fixed)
+    for placement, state, in_backward, fraction, dist in choices:
+        for compiled in ([False, True] if compile else [False]):
+            for chunked in losses:
+                for b in micros:
+                    if in_backward and per_rank // b > 1:
+                        continue  # with accumulation the earlier micro-batches' gradients stay: no bytes saved
+                    for flavor in flavors or ["full"]:
+                        cfg = _Config(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision, state,
+                                      in_backward, fraction)
+                        if fixed.blocks is not None:
+                            _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
+                            continue
+                        for o in (range(L + 1) if offload_blocks else [0]):
+                            # Without recomputed blocks every flavor is the same set-up: the first has it.
+                            lowest = 0 if flavor == (flavors or ["full"])[0] else 1
+                            recompute = np.arange(lowest, (L - o + 1) if flavors else 1)
+                            if len(recompute):
+                                results.add(cfg, o, recompute, *composer.rows(cfg, o, recompute))
     results.finish()
     results.peak = results.peak + correction_bytes
     # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
@@ -1380,6 +1483,51 @@ def plan(
     usable = None if budget_bytes is None else int(budget_bytes * (1 - safety_margin))
     return _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin, started,
                    correction_bytes)
+
+
+_PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # partial optimizer offloads the search tries
+
+
+def _int8_runs(device: str) -> bool:
+    """Whether bitsandbytes' 8-bit AdamW is importable for ``device`` (the lowbit extra)."""
+    from memtrain.optim import adamw_8bit_class
+
+    try:
+        adamw_8bit_class(device)
+    except ConfigError:
+        return False
+    return True
+
+
+def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequence[str],
+                       distributions: Sequence[Distribution], allowed: set[str], cuda: bool,
+                       fixed: Fixed) -> list[tuple[OptimizerPlacement, str, bool, float, Distribution]]:
+    """(placement, moment precision, step in backward, partial offload fraction, distribution) to search."""
+    out: list[tuple[OptimizerPlacement, str, bool, float, Distribution]] = []
+    in_backward = [False] + ([True] if "step-in-backward" in allowed else [])
+    if fixed.step_in_backward is not None:
+        in_backward = [fixed.step_in_backward]
+    fractions = [0.0] + (list(_PARTIAL_FRACTIONS) if cuda and "offload-optimizer" in allowed else [])
+    if fixed.offload_fraction is not None:
+        fractions = [fixed.offload_fraction]
+    for dist in distributions:
+        for placement in placements:
+            if placement != "device":
+                # CPUOffloadOptimizer: fp32 state on the host; FSDP2 shards the state itself and needs none.
+                if dist != "fsdp2":
+                    out.append((placement, "fp32", False, 1.0, dist))
+                continue
+            for state in states:
+                if dist == "fsdp2" and state != "fp32":
+                    continue  # torch's AdamW on FSDP2's sharded parameters
+                for sib in in_backward:
+                    for fraction in fractions:
+                        if dist != "none" and (sib or fraction):
+                            continue  # both would act on gradients before DDP averages them
+                        if fraction and (sib or state != "fp32"):
+                            continue  # a partial offload keeps fp32 moments and steps after backward
+                        out.append((placement, state, sib, fraction, dist))
+    return out
 
 
 def _check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision: str) -> None:
@@ -1433,7 +1581,7 @@ def _composer_for(ctx: _Context, given: Sequence[PlanSettings]) -> _Composer:
 def _add_given(composer: _Composer, results: _Results, s: PlanSettings, *, explicit: bool = True) -> None:
     """One candidate with its own block layout; ``explicit``: it was given whole (nothing was searched)."""
     cfg = _Config(s.micro_batch_size, s.accumulation, s.flavor, s.chunked_loss, s.optimizer, s.distribution,
-                  s.compile, s.precision)
+                  s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction)
     kinds = np.array(s.blocks)[None, :]
     results.add_settings(cfg, s, *composer.assigned(cfg, kinds == "offload", kinds == "recompute"))
     results.searched |= not explicit
@@ -1496,6 +1644,14 @@ def _check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, w
                         "the device with FSDP2, or use DDP.")
     if s.chunked_loss and not chunkable:
         problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss).")
+    if s.state_precision not in ("fp32", "bf16", "int8"):
+        problems.append(f"state_precision={s.state_precision!r} is not one of fp32, bf16, int8.")
+    if not 0.0 <= s.offload_fraction <= 1.0 or (s.offload_fraction and s.optimizer != "device"):
+        problems.append(f"offload_fraction={s.offload_fraction!r}: a share in [0, 1] of a device optimizer's state "
+                        "(optimizer 'offload' already puts all of it on the host).")
+    if (s.step_in_backward or s.offload_fraction) and world > 1:
+        problems.append("step_in_backward and offload_fraction act on gradients before DDP averages them: one "
+                        "process only.")
     ConfigError.raise_if(problems)
 
 
@@ -1509,6 +1665,8 @@ def _estimate_of(ctx: _Context, prof: _Profiles, s: PlanSettings) -> tuple[float
     t = trace(ctx.model, (s.micro_batch_size, ctx.seq_len), device=ctx.device, precision=ctx.precision,
               checkpointing=checkpointing, chunked_loss=s.chunked_loss,
               optimizer="adamw" if s.optimizer == "device" else "adamw-offload", accumulation=s.accumulation,
+              state_precision=s.state_precision, offload_fraction=s.offload_fraction,
+              step_in_backward=s.step_in_backward,
               weights_dtype="bf16" if s.optimizer == "offload-bf16-weights" else None)
     return t.report.peak_bytes + _distributed_shift(ctx, prof, s), t
 
@@ -1575,7 +1733,7 @@ def _choose(ctx: _Context, composer: _Composer, results: _Results, budget_bytes:
 def _family(s: PlanSettings) -> tuple[Any, ...]:
     kinds = set(s.blocks)
     shape = "none" if kinds == {"keep"} else "all" if kinds == {"recompute"} else "mixed"
-    return shape, s.flavor if "recompute" in kinds else "-", "offload" in kinds, s.chunked_loss, s.optimizer, \
+    return shape, s.flavor if "recompute" in kinds else "-", "offload" in kinds, s.chunked_loss, s.optimizer_text, \
         s.micro_batch_size, s.distribution, s.compile
 
 
@@ -1632,7 +1790,7 @@ def _reasons(ctx: _Context, results: _Results, chosen: int, peak: float, fits: n
     budget_text = "no budget" if usable is None else f"the usable {format_bytes(usable)}"
     if results.explicit and not results.searched:  # nothing was searched: the set-up was given
         return [f"precision {ctx.precision}, checkpointing {s.checkpointing}, loss "
-                f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer}, micro-batch "
+                f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}, micro-batch "
                 f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
                 f"predicted peak {format_bytes(int(peak))} per rank (a full estimate of this set-up) within "
                 f"{budget_text}"]
@@ -1675,13 +1833,31 @@ def _reasons(ctx: _Context, results: _Results, chosen: int, peak: float, fits: n
                         "loss on the whole logits") + (f", because: {other}" if other else ""))
     else:
         reasons.append("loss on the whole logits: memtrain does not chunk this model's loss")
-    names = {"device": "AdamW on the device (fused)",
+    names = {"device": "AdamW on the device",
              "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
              "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
-    alternatives = [alternative(results.column("optimizer") == o, names[o].split(" (")[0]) for o in names
-                    if o != s.optimizer and (results.column("optimizer") == o).any()]
-    reasons.append(f"optimizer {names[s.optimizer]}"
-                   + (f", because: {'; '.join(a for a in alternatives if a)}" if any(alternatives) else
+    placement, state = results.column("optimizer"), results.column("state_precision")
+    in_backward, fraction = results.column("step_in_backward"), results.column("offload_fraction")
+    plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
+    text = names[s.optimizer]
+    details = [f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, not 8)"
+               if s.state_precision != "fp32" else "",
+               "each parameter stepping in backward, its gradient freed at once" if s.step_in_backward else "",
+               f"{100 * s.offload_fraction:.0f}% of the state in host RAM" if s.offload_fraction else ""]
+    if any(details):
+        text += " with " + ", ".join(d for d in details if d)
+    elif s.optimizer == "device":
+        text += " (fused, fp32 moments)"
+    alternatives = []
+    if not plain[chosen]:
+        alternatives.append(alternative(plain, "fused fp32 AdamW on the device"))
+    alternatives += [alternative(placement == o, names[o].split(" (")[0]) for o in names
+                     if o != s.optimizer and o != "device" and (placement == o).any()]
+    if plain[chosen] and (~plain & (placement == "device")).any():
+        alternatives.append(alternative(~plain & (placement == "device"), "a leaner device optimizer"))
+    alternatives = [a for a in alternatives if a]
+    reasons.append(f"optimizer {text}"
+                   + (f", because: {'; '.join(alternatives)}" if alternatives else
                       ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")))
     per_rank = ctx.global_batch // ctx.world
     other = alternative(~same["micro_batch_size"], "a smaller micro-batch" if s.micro_batch_size == per_rank else
@@ -1742,7 +1918,7 @@ def _raise_nothing_fits(ctx: _Context, composer: _Composer, results: _Results,
                  f"{format_bytes(usable)} ({format_bytes(budget_bytes)} less the {100 * margin:.0f}% margin)")
         raise ConfigError(
             f"the set-up asked for (micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
-            f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer}) {where}. To resolve this error, "
+            f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}) {where}. To resolve this error, "
             "leave the choices to the plan (drop the fixed micro-batch or techniques), or raise the budget.")
     peaks = results.peak.copy()
     for k, (p, _) in verified.items():
@@ -1778,7 +1954,7 @@ def _raise_nothing_fits(ctx: _Context, composer: _Composer, results: _Results,
     raise ConfigError(
         f"no set-up fits: the smallest predicted peak is {format_bytes(int(peaks[k]))} per rank (micro-batch "
         f"{s.micro_batch_size}, checkpointing {s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, "
-        f"optimizer {s.optimizer}{'' if fits_host[k] else ', more host RAM than there is'})"
+        f"optimizer {s.optimizer_text}{'' if fits_host[k] else ', more host RAM than there is'})"
         + (f", but the budget {format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin leaves "
            f"{format_bytes(usable)}" if usable is not None else "")
         + f". To resolve this error, try {'; or '.join(hints)}."
@@ -1870,11 +2046,20 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         train_model = torch.compile(train_model)  # type: ignore[assignment]
     hyper = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if s.optimizer == "device":
+    if s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and not s.offload_fraction:
+        # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
         optimizer: torch.optim.Optimizer = torch.optim.AdamW([p for _, p in trainable], fused=True, **hyper)
+    elif s.optimizer == "device":
+        from memtrain.optim import build_optimizer
+
+        optimizer = build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
+                                    step_in_backward=s.step_in_backward, grad_scaler=precision.scaler,
+                                    world_size=world, **hyper)
     else:
         from memtrain.optim_offload import CPUOffloadOptimizer
 
+        # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that
+        # would have copied them to the host. In one process they stream to the host during backward.
         optimizer = CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
                                         **hyper)
     accumulator = GradientAccumulator(train_model, optimizer, steps=s.accumulation, scaler=precision.scaler,

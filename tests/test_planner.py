@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -19,6 +20,7 @@ from memtrain.optim_offload import CPUOffloadOptimizer
 from memtrain.planner import (
     DeviceProfile,
     PlanSettings,
+    TECHNIQUES,
     apply_plan,
     calibrate,
     known_gpu,
@@ -58,8 +60,10 @@ def llama():
 # -- composition: a candidate's peak from per-block profiles equals a full estimate of it ---------------------
 def test_composed_peaks_match_full_estimates_of_mixed_set_ups():
     """Random mixes of kept, recomputed (fully, selectively, inputs offloaded) and offloaded blocks, micro-batches,
-    losses and optimizer placements, on a Llama shape whose sequence is a multiple of the loss's chunk: the
-    composed peak is within 2% of a full estimate of the same set-up."""
+    losses and optimizers (placement, moment precision, step in backward, partial offload), on a Llama shape whose
+    sequence is a multiple of the loss's chunk: the composed peak is within 3% of a full estimate of the same
+    set-up. (The profiles let the offloader move every saved tensor, the real one keeps those under 1 MiB: on a
+    model this small, per-row statistics of a few KiB make up to about 2.5% of the peak.)"""
     from memtrain.planner import _Composer, _Config, _context, _estimate_of, _profiles
 
     config = _llama(layers=5, hidden=1024, vocab_size=8192)
@@ -69,10 +73,15 @@ def test_composed_peaks_match_full_estimates_of_mixed_set_ups():
                                                                                          "bf16")})
     rng = random.Random(0)
     errors = []
-    for _ in range(10):
+    for _ in range(14):
         b = rng.choice([1, 2, 4])
-        cfg = _Config(b, 4 // b, rng.choice(flavors), rng.random() < 0.5,
-                      rng.choice(["device", "offload", "offload-bf16-weights"]), "none", False, "bf16-mixed")
+        placement = rng.choice(["device", "device", "offload", "offload-bf16-weights"])
+        lean = placement == "device"
+        cfg = _Config(b, 4 // b, rng.choice(flavors), rng.random() < 0.5, placement, "none", False, "bf16-mixed",
+                      rng.choice(["fp32", "bf16", "int8"]) if lean else "fp32",
+                      lean and b == 4 and rng.random() < 0.5, rng.choice([0.0, 0.5]) if lean else 0.0)
+        if cfg.offload_fraction:
+            cfg = dataclasses.replace(cfg, state_precision="fp32", step_in_backward=False)
         o = rng.randint(0, 5) if rng.random() < 0.5 else 0
         r = rng.randint(0, 5 - o)
         composed = composer.rows(cfg, o, np.array([r]))[0][0]
@@ -80,7 +89,7 @@ def test_composed_peaks_match_full_estimates_of_mixed_set_ups():
         estimated, _ = _estimate_of(ctx, composer.profile(cfg.optimizer), settings)
         errors.append((composed / estimated - 1, settings.checkpointing, cfg))
     worst = max(errors, key=lambda e: abs(e[0]))
-    assert abs(worst[0]) <= 0.02, f"composed vs full estimate: worst {100 * worst[0]:+.2f}% for {worst[1:]}"
+    assert abs(worst[0]) <= 0.03, f"composed vs full estimate: worst {100 * worst[0]:+.2f}% for {worst[1:]}"
 
 
 def test_identical_blocks_are_traced_three_at_a_time():
@@ -139,10 +148,18 @@ def test_a_budget_below_the_model_state_offloads_the_optimizer():
     config = _llama(layers=4, hidden=1024, vocab_size=8192)
     n = sum(p.numel() for p in _meta_model(config).parameters())
     state = 16 * n  # fp32 weights, gradients and AdamW's two moments
-    p = plan(config, budget=int(0.8 * state), seq_len=1024, global_batch_size=2, device_profile=H100)
-    assert p.settings.optimizer in ("offload", "offload-bf16-weights"), p.summary()
-    assert p.host_bytes >= 16 * n
+    no_lean_state = [t for t in TECHNIQUES if t not in ("optimizer-state", "step-in-backward")]
+    p = plan(config, budget=int(0.8 * state), seq_len=1024, global_batch_size=2, device_profile=H100,
+             techniques=no_lean_state)
+    on_host = 1.0 if p.settings.optimizer != "device" else p.settings.offload_fraction  # all, or a share
+    assert on_host > 0, p.summary()
+    assert p.host_bytes >= 0.95 * 16 * n * on_host, (p.host_bytes, n, on_host)  # master, gradient, two moments
     assert p.peak_bytes <= 0.8 * state
+    # With 8-bit or bf16 moments (or stepping in backward) the device keeps the optimizer, faster than the host.
+    lean = plan(config, budget=int(0.8 * state), seq_len=1024, global_batch_size=2, device_profile=H100)
+    s = lean.settings
+    assert s.optimizer == "device" and (s.state_precision != "fp32" or s.step_in_backward), lean.summary()
+    assert lean.tokens_per_s > p.tokens_per_s and lean.peak_bytes <= 0.8 * state
 
 
 def test_a_tight_budget_recomputes_and_chunks_the_loss(llama):
@@ -155,6 +172,23 @@ def test_a_tight_budget_recomputes_and_chunks_the_loss(llama):
 
 
 # -- apply_plan ---------------------------------------------------------------------------------------------
+def test_apply_plan_builds_the_lean_optimizer_the_settings_say():
+    from memtrain.optim import LeanAdamW
+
+    model = _gpt(layers=4)
+    settings = PlanSettings(8, 1, ("keep",) * 4, "full", False, "device", "none", False, "fp32",
+                            state_precision="bf16", step_in_backward=True)
+    run = apply_plan(model, settings, lr=1e-3, max_grad_norm=None)
+    assert isinstance(run.optimizer, LeanAdamW) and run.optimizer.steps_in_backward
+    x = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+    with run.accumulator.micro_batch(is_last=True):
+        run.accumulator.backward(model(x, x, reduction="sum"), reduction="sum", items=x.numel())
+    run.accumulator.step()
+    state = next(iter(run.optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.bfloat16
+    run.optimizer.close()
+
+
 def test_apply_plan_sets_up_exactly_what_the_settings_say():
     model = _gpt(layers=4)
     names = [f"blocks.{i}" for i in range(4)]
