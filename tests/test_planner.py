@@ -18,9 +18,9 @@ from memtrain.loss import chunk_tokens_of
 from memtrain.models import GPT, GPTConfig
 from memtrain.optim_offload import CPUOffloadOptimizer
 from memtrain.planner import (
+    TECHNIQUES,
     DeviceProfile,
     PlanSettings,
-    TECHNIQUES,
     apply_plan,
     calibrate,
     known_gpu,
