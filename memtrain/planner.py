@@ -956,6 +956,9 @@ def _ranks_per_node(world: int) -> int:
 # m, v and writes p, m, v (28); BF16StateAdamW adds fp32 copies of the moments a chunk at a time; bitsandbytes'
 # 8-bit step moves 2 bytes of each moment and a scale per 256. (Assumptions; the CPU uses measured rates.)
 _STEP_BYTES = {"fp32": 28.0, "bf16": 44.0, "int8": 20.0}
+# Kernel launches per parameter tensor: fused AdamW steps every tensor in a few multi-tensor launches;
+# BF16StateAdamW casts, steps, draws its rounding noise and rounds back, per chunk; bitsandbytes steps per tensor.
+_STEP_OPS = {"fp32": 0.05, "bf16": 15.0, "int8": 2.0}
 # A host step's rate relative to fp32 AdamW's, where the probe did not measure it (memtrain.optim.cpu_step_rate on
 # this machine's 2 cores: bf16 about 4x and int8 about 30x slower).
 _CPU_RATE = {"fp32": 1.0, "bf16": 0.25, "int8": 1 / 30}
@@ -971,7 +974,9 @@ def _optimizer_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, backward_s:
     on_host = numel * cfg.host_fraction
     on_device = numel - on_host
     if ctx.device == "cuda":
-        device_part = _STEP_BYTES[cfg.state_precision] * on_device / dev.memory_bandwidth
+        tensors = len(prof.trainable_params) * (1 - cfg.host_fraction)
+        device_part = max(_STEP_BYTES[cfg.state_precision] * on_device / dev.memory_bandwidth,
+                          _STEP_OPS[cfg.state_precision] * tensors * dev.op_overhead_s)
     else:  # the "device" is the host: its own AdamW rate
         rate = {"fp32": dev.cpu_adamw, "bf16": dev.cpu_adamw_bf16, "int8": dev.cpu_adamw_int8}[cfg.state_precision]
         device_part = on_device / (rate or dev.cpu_adamw * _CPU_RATE[cfg.state_precision])
@@ -1515,7 +1520,7 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
             if placement != "device":
                 # CPUOffloadOptimizer: fp32 state on the host; FSDP2 shards the state itself and needs none.
                 if dist != "fsdp2":
-                    out.append((placement, "fp32", False, 1.0, dist))
+                    out.append((placement, "fp32", False, 0.0, dist))  # host_fraction is 1 for these
                 continue
             for state in states:
                 if dist == "fsdp2" and state != "fp32":
