@@ -40,7 +40,8 @@ def test_train_end_to_end_on_the_builtin_corpus(tmp_path, capsys):
     for picture in ("loss.png", "memory.png"):
         assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
     assert len((out / "sample.txt").read_text()) > 0
-    assert json.loads((out / "config.json").read_text())["max_steps"] == 4
+    assert json.loads((out / "config.json").read_text())["train"]["max_steps"] == 4
+    assert json.loads((out / ".memtrain-run").read_text())["format"] == 1
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000004"]
 
 

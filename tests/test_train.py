@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from memtrain import ConfigError, TrainConfig, train
 from memtrain.data import split_windows, text_file_tokens
 from memtrain.models import GPT, GPTConfig
-from memtrain.runstate import RunCheckpoints
+from memtrain.runstate import RunCheckpoints, RunWriteError
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = (b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300)
@@ -116,7 +116,7 @@ def test_a_good_checkpoint_is_never_replaced_by_a_failed_write(tmp_path, monkeyp
     import safetensors.torch
 
     monkeypatch.setattr(safetensors.torch, "save_file", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(RunWriteError, match="disk full"):
         checkpoints.save(1, {"w": torch.zeros(3)})
     step, state, skipped = checkpoints.load_latest()
     assert step == 1 and state["w"].tolist() == [1.0, 1.0, 1.0] and skipped == []
@@ -284,7 +284,7 @@ def test_train_config_lists_every_problem():
 
 
 def test_resume_without_checkpoint(tmp_path, text_file):
-    with pytest.raises(ConfigError, match="no checkpoint to resume"):
+    with pytest.raises(ConfigError, match="does not exist, so there is no run to continue"):
         train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=1, resume=True, out_dir=str(tmp_path / "x"),
                                                                 progress=False))
     assert not (tmp_path / "x").exists(), "a run that fails its checks must not create its folder"
@@ -305,12 +305,12 @@ def finished_run(tmp_path, text_file) -> Path:
 def test_overwrite_that_fails_set_up_leaves_the_old_run_whole(finished_run, text_file):
     before = _snapshot(finished_run)
     config = TrainConfig(max_steps=1, micro_batch_size=2, out_dir=str(finished_run), overwrite=True, progress=False)
-    with pytest.raises(ConfigError, match="--fsdp needs several processes"):
+    with pytest.raises(ConfigError, match="fsdp=True needs several processes"):
         train(_tiny_model(), _tiny_data(text_file), replace(config, fsdp=True))
     assert _snapshot(finished_run) == before
     train(_tiny_model(), _tiny_data(text_file), config)  # a good --overwrite replaces every file of the old run
     assert [p.name for p in (finished_run / "checkpoints").iterdir()] == ["step-0000001"]
-    assert json.loads((finished_run / "config.json").read_text())["max_steps"] == 1
+    assert json.loads((finished_run / "config.json").read_text())["train"]["max_steps"] == 1
 
 
 def test_resume_refuses_another_run_and_a_finished_one(finished_run, text_file):
@@ -318,7 +318,7 @@ def test_resume_refuses_another_run_and_a_finished_one(finished_run, text_file):
     config = TrainConfig(max_steps=4, micro_batch_size=2, out_dir=str(finished_run), resume=True, progress=False)
     with pytest.raises(ConfigError) as info:
         train(_tiny_model(), _tiny_data(text_file), replace(config, seed=5, global_batch_size=4))
-    assert len(info.value.problems) == 2 and "--seed 0" in str(info.value), info.value
+    assert len(info.value.problems) == 2 and "seed=0 in the run being resumed" in str(info.value), info.value
     with pytest.raises(ConfigError, match="already reached step 2"):
         train(_tiny_model(), _tiny_data(text_file), replace(config, max_steps=2))
     assert _snapshot(finished_run) == before
