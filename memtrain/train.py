@@ -537,6 +537,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
         with StopSignals() as signals:
             for step in range(start_step, config.max_steps):
                 rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+                lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves it on after the step
                 while True:  # retried with half the micro-batch after an out-of-memory error
                     out_of_memory = False
                     try:
@@ -557,7 +558,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
                 step_tokens, seconds = line.pop("tokens") * world, line.pop("seconds")
                 tokens, step_seconds = tokens + step_tokens, step_seconds + seconds
                 line["tokens_per_s"] = step_tokens / seconds  # all ranks' tokens in this step's time
-                line["lr"] = scheduler.get_last_lr()[0]
+                line["lr"] = lr
                 if val_data is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
                     eval_loss = line["eval_loss"] = evaluate(model, val_data, config, device, precision, micro)
                 metrics.append(line)
