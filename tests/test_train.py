@@ -457,3 +457,16 @@ def test_the_training_step_does_not_stall_the_device_queue_to_measure(tmp_path, 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 123)
     train(model, _tiny_data(text_file), TrainConfig(max_steps=3, micro_batch_size=2, progress=False))
     assert calls.count("reset") == 3 and "synchronize" not in calls, calls
+
+
+def test_train_config_errors_name_arguments_and_suggest_only_what_it_accepts():
+    bad = TrainConfig(max_steps=0, lr=float("nan"), seed=-1, checkpointing="every:2", precision="fp8",
+                      overwrite=True, resume=True, offload_optimizer=True, fsdp=True, warmup_steps=-1)
+    with pytest.raises(ConfigError) as info:
+        bad.validate()
+    problems = info.value.problems
+    assert not [p for p in problems if "--" in p], problems  # flags are the CLI's words, not the library's
+    assert any("out_dir='DIR'" in p for p in problems), problems
+    checkpointing = next(p for p in problems if p.startswith("checkpointing="))
+    assert "every:K" not in checkpointing and "checkpoint_every=2" in checkpointing, checkpointing
+    TrainConfig(checkpointing="every", checkpoint_every=2).validate()  # what the message suggests is accepted
