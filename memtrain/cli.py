@@ -475,7 +475,9 @@ def _distributed_group() -> Iterator[tuple[int, int, Any]]:
 # The options of memtrain train that config.json records (the others say how to run, not what: --json, --out,
 # --resume, --overwrite, --config); and those that define the model and the data, which a resume must keep.
 _NOT_RECORDED = frozenset({"help", "config", "out", "resume", "overwrite", "json", "command"})
-_MODEL_AND_DATA = ("model", "hf_config", "data", "seq_len")
+_MODEL_FLAGS = ("model", "seq_len")  # refused here when changed; a new --data or --hf-config path is let through:
+# train() compares the contents (a SHA-256 of the token stream, the parameters' names and shapes), so a moved
+# file still resumes and a changed one is refused
 
 
 def _command_record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -495,27 +497,27 @@ def _resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, exp
     """With --resume: every option not given now takes the value the run started with (from its config.json);
     model and data options given now must equal those. Returns notes for the log.
 
-    The other options given now go to train(), which refuses a changed run-defining one (e.g. --lr) and applies
-    the others (e.g. --max-steps) with a logged line.
+    The other options given now go to train(), which refuses a changed run-defining one (e.g. --lr, other data
+    under a new --data path) and applies the others (e.g. --max-steps) with a logged line.
     """
     from memtrain.runstate import read_run_config
 
     try:
         saved = read_run_config(args.out).get("command")
     except ConfigError as e:
-        return [f"config.json: {e} Using the flags given now; the checkpoint checks them."]
+        return [f"--resume: {e}: using the flags given now (the checkpoint checks the run-defining ones)"]
     if not isinstance(saved, dict):
         raise ConfigError(f"--resume: the run in {args.out!r} was started from Python (train()), not by memtrain "
                           "train, so its model and data flags are not recorded. To resolve this error, resume it "
                           "from Python with TrainConfig(resume=True), or pass its flags to a new run.")
     now = _command_record(args, parser)
     problems = []
-    for dest in _MODEL_AND_DATA:
+    for dest in _MODEL_FLAGS:
         if dest in explicit and dest in saved and now[dest] != saved[dest]:
             flag = "--" + dest.replace("_", "-")
             problems.append(f"--resume: {flag} {now[dest]!r} now but {saved[dest]!r} in the run being resumed: "
-                            f"another model or other data would not continue it. To resolve this error, drop {flag} "
-                            "(--resume reads it from the run's config.json), or start a new run in another --out.")
+                            f"another model would not continue it. To resolve this error, drop {flag} (--resume "
+                            "reads it from the run's config.json), or start a new run in another --out.")
     ConfigError.raise_if(problems)
     for dest, value in saved.items():
         if dest not in explicit and dest in now:

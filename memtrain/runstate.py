@@ -666,18 +666,17 @@ def read_run_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """The config.json of a run folder.
 
     Raises:
-        ConfigError: it is missing or unreadable (the message says which).
+        ConfigError: it is missing or unreadable (the message says which, for a log line).
     """
     path = Path(folder) / "config.json"
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{str(path)!r} is missing. To resolve this error, pass the out_dir of a run that "
-                          "memtrain started.") from None
+        raise ConfigError(f"{str(path)!r} is missing") from None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{str(path)!r} is unreadable ({e}).") from None
+        raise ConfigError(f"{str(path)!r} is unreadable ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("train"), dict):
-        raise ConfigError(f"{str(path)!r} is not a memtrain run config (no \"train\" settings).")
+        raise ConfigError(f"{str(path)!r} is not a memtrain run config (no \"train\" settings)")
     return doc
 
 

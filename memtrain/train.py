@@ -429,7 +429,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     if len(train_data) < global_batch:
         raise ConfigError(f"the training data holds {len(train_data)} examples, fewer than one global batch of "
                           f"{global_batch}. To resolve this error, lower global_batch_size or use more data.")
-    # Nothing in the folder changes before every check below has passed: a failed set-up leaves it as it was.
+    # Nothing in the folder changes before every check below has passed (taking it is undone if one fails).
     out = folder.path if folder is not None else None
     checkpoints = RunCheckpoints(out) if out is not None else None
     writer = rank == 0 and out is not None
@@ -494,6 +494,9 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
         if auto_warmup and isinstance(state["run"].get("warmup_steps"), int):
             config = replace(config, warmup_steps=state["run"]["warmup_steps"])
             run["warmup_steps"] = config.warmup_steps
+        # The optimizer comes back with the rate the old schedule set for this step; a changed max_steps moves it.
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["lr"] = base * lr_at(scheduler.last_epoch, config) / config.lr
         notes += [f"skipped a damaged checkpoint: {problem}; using the previous one" for problem in skipped]
         notes += applied_changes(state.get("config", {}), asdict(config))
         estimate_check = state["extra"].get("estimate_check")

@@ -433,9 +433,15 @@ def test_a_resume_keeps_the_runs_automatic_warm_up_when_max_steps_grows(tmp_path
                                                             progress=False, sample_bytes=0, save_every=5))
     train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=20, micro_batch_size=2, out_dir=str(out),
                                                             progress=False, sample_bytes=0, resume=True))
+    from memtrain.train import lr_at
+
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    # Warm-up 1 (from max_steps 10) kept: the learning rate never falls back to a new warm-up's 50 steps.
-    assert lrs[10] > lrs[0] / 2 and max(lrs) <= 3e-3 + 1e-12, lrs
+    # Step 11 runs on the new schedule (it ends at step 20), with the run's warm-up of 1 step (from max_steps 10)
+    # kept: not the old schedule's last rate, nor a new warm-up of min(50, 20 // 10) = 2 steps.
+    expected = lr_at(10, TrainConfig(max_steps=20, warmup_steps=1, lr=3e-3))
+    assert lrs[10] == pytest.approx(expected), lrs
+    assert lrs[9] == pytest.approx(lr_at(9, TrainConfig(max_steps=10, warmup_steps=1, lr=3e-3))), lrs
+    assert expected != pytest.approx(lr_at(10, TrainConfig(max_steps=20, lr=3e-3)))
 
 
 def test_the_training_step_does_not_stall_the_device_queue_to_measure(tmp_path, text_file, monkeypatch):
