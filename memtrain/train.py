@@ -604,7 +604,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
 
     final_state = model_state_dict(model) if out is not None and not stopped_by else None  # collective under FSDP2
     if final_state:  # tied weights once, under their first name, however the state dict was gathered
-        final_state = {k: v for k, v in final_state.items() if k not in tied_duplicates(model)}
+        duplicates = tied_duplicates(model)
+        final_state = {k: v for k, v in final_state.items() if k not in duplicates}
     if writer and not stopped_by:
         with write_faults(out / "model.safetensors", checkpoints):
             save_weights_file(final_state, out / "model.safetensors")
