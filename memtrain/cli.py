@@ -1,6 +1,10 @@
-"""The ``memtrain`` command: ``memtrain train`` and ``memtrain bench``.
+"""The ``memtrain`` command: ``memtrain train``, ``memtrain estimate`` and ``memtrain bench``.
 
-Exit codes: 0 success, 2 bad input (one message naming the fix), 1 an internal failure.
+Exit codes: 0 success, 2 bad input (one message naming the fix), 1 an environment fault (one line: a full disk,
+a read-only filesystem, stdout closed early) or an internal failure (with its trace).
+
+The library names its arguments in its errors (``out_dir=``); this module translates them into flags (``--out``)
+with one table, ``ARGUMENT_FLAGS``.
 """
 
 from __future__ import annotations
@@ -8,8 +12,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import runpy
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -17,9 +23,58 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from memtrain import __version__
 from memtrain.errors import ConfigError, MemtrainError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_ENVIRONMENT = 1  # one line, no trace: the machine, not memtrain, failed
+
+# The flag behind each library argument, for translating the library's errors into the command's terms.
+ARGUMENT_FLAGS: dict[str, str] = {
+    "out_dir": "--out", "max_steps": "--max-steps", "micro_batch_size": "--micro-batch-size",
+    "global_batch_size": "--global-batch-size", "lr": "--lr", "warmup_steps": "--warmup-steps",
+    "weight_decay": "--weight-decay", "grad_clip": "--grad-clip", "precision": "--precision",
+    "checkpointing": "--checkpointing", "checkpoint_every": "--checkpointing every:", "seed": "--seed",
+    "eval_every": "--eval-every", "save_every": "--save-every", "seq_len": "--seq-len", "device": "--device",
+    "world_size": "torchrun --nproc_per_node",
+}
+# Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
+ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
+    "overwrite": ("--overwrite", None), "resume": ("--resume", None), "fsdp": ("--fsdp", None),
+    "offload_optimizer": ("--offload-optimizer", None), "offload_activations": ("--offload-activations", None),
+    "compile": ("--compile", None), "chunked_loss": (None, "--no-chunked-loss"), "progress": (None, "--no-progress"),
+}
+_VALUE = r"('[^']*'|\"[^\"]*\"|\[[^\]]*\]|[^\s,;)]+)"
+
+
+def in_flag_terms(message: str) -> str:
+    """A library message in the command's terms: ``out_dir='x'`` -> ``--out 'x'``, ``resume=True`` -> ``--resume``,
+    ``micro_batch_size`` -> ``--micro-batch-size``."""
+    def switch(match: re.Match[str]) -> str:
+        on, off = ARGUMENT_SWITCHES[match.group(1)]
+        flag = on if match.group(2) == "True" else off
+        return flag if flag is not None else f"without {off if match.group(2) == 'True' else on}"
+
+    names = "|".join(sorted(ARGUMENT_SWITCHES, key=len, reverse=True))
+    message = re.sub(rf"(?<![\w./-])({names})=(True|False)\b", switch, message)
+    names = "|".join(sorted(ARGUMENT_FLAGS, key=len, reverse=True))
+
+    def valued(match: re.Match[str]) -> str:
+        flag = ARGUMENT_FLAGS[match.group(1)]
+        return f"{flag}{match.group(2)}" if flag.endswith(":") else f"{flag} {match.group(2)}"
+
+    message = re.sub(rf"(?<![\w./-])({names})={_VALUE}", valued, message)
+    bare = [n for n in (*ARGUMENT_FLAGS, *ARGUMENT_SWITCHES) if "_" in n]
+    names = "|".join(sorted(bare, key=len, reverse=True))
+
+    def named(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in ARGUMENT_FLAGS:
+            return ARGUMENT_FLAGS[name].removesuffix(" every:")
+        on, off = ARGUMENT_SWITCHES[name]
+        return on or off or name
+
+    return re.sub(rf"(?<![\w./-])({names})(?![\w=/-])", named, message)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +112,29 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _grad_clip(text: str) -> float | None:
+    """A norm > 0, or 0 / none: no clipping."""
+    if text.strip().lower() in ("none", "0", "0.0"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'none'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0 (or 0 / none: no clipping)")
+    return value
+
+
 def _checkpointing(text: str) -> tuple[str, int]:
     """none | all | auto | every:K -> (mode, K)."""
     if text in ("none", "all", "auto"):
@@ -69,6 +147,7 @@ def _checkpointing(text: str) -> tuple[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memtrain", description="Make a PyTorch model fit a memory budget at the least slowdown.")
+    parser.add_argument("--version", action="version", version=f"memtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train the built-in GPT on the built-in corpus (or your model and data)")
@@ -83,12 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto picks bf16-mixed where the GPU supports it, fp32 on a CPU (default auto)")
     t.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps (default 500)")
     t.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
-    t.add_argument("--seed", type=_non_negative_int, default=0)
+    t.add_argument("--warmup-steps", type=_non_negative_int, default=None,
+                   help="linear warm-up steps to --lr (default min(50, max-steps // 10): a 10-step run warms up "
+                   "in 1), then cosine decay to a tenth of --lr")
+    t.add_argument("--weight-decay", type=_non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
+    t.add_argument("--grad-clip", type=_grad_clip, default=1.0,
+                   help="clip the global gradient norm to this (default 1.0; 0 or none: no clipping)")
+    t.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the weights, the data order and "
+                   "dropout (0 <= seed < 2**63; default 0)")
     t.add_argument("--out", metavar="DIR", help="run folder (default runs/<model>-<time>)")
     t.add_argument("--save-every", type=_positive_int, default=100, help="optimizer steps between resumable "
                    "checkpoints, also written at the end and on SIGTERM/SIGINT (default 100)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
-    t.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
+    t.add_argument("--eval-every", type=_positive_int, default=100,
+                   help="optimizer steps between evaluations on the held-out windows (default 100; also at the end)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact "
+                   "checkpoint, with the flags it started with (flags given now are checked against them)")
+    t.add_argument("--overwrite", action="store_true", help="replace another run's results in --out (memtrain's "
+                   "files only: it never deletes what it did not write)")
     t.add_argument("--offload-activations", action="store_true",
                    help="keep saved activations in pinned host memory, prefetched before backward (CUDA only)")
     t.add_argument("--offload-optimizer", action="store_true",
@@ -96,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 instead of DDP")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (after checkpointing and the DDP/FSDP2 wrapper)")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
+                   "(in a log)")
     t.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
     e = sub.add_parser("estimate", help="predict the peak memory of a training step, without a GPU")
@@ -130,18 +221,34 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         "1024 tokens at a time (the default where the model allows it)")
 
 
-def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    """Makes the keys of ``--config FILE.toml`` the sub-parser's defaults; checks every key and value at once."""
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return sub.choices[command]
+
+
+def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str], command: str) -> set[str]:
+    """The options the command line gives itself (argparse fills the others in with their defaults)."""
+    sub = _subparser(parser, command)
+    unset = object()
+    # argparse sets a default only where the namespace has no value yet: a marker shows which were never given.
+    namespace = argparse.Namespace(**{a.dest: unset for a in sub._actions if a.dest != "help"})  # noqa: SLF001
+    sub.parse_known_args(argv[argv.index(command) + 1:], namespace=namespace)
+    return {dest for dest, value in vars(namespace).items() if value is not unset}
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Makes the keys of ``--config FILE.toml`` the sub-parser's defaults; checks every key and value at once.
+    Returns the options the file set."""
     import tomllib
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
     if not argv or argv[0] not in sub.choices or "--config" not in " ".join(argv):
-        return
+        return set()
     train_parser = sub.choices[argv[0]]
     known, _ = train_parser.parse_known_args(argv[1:])
     path = getattr(known, "config", None)
     if not path:
-        return
+        return set()
     try:
         with open(path, "rb") as f:
             values = tomllib.load(f)
@@ -187,11 +294,40 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None
         defaults[action.dest] = converted
     ConfigError.raise_if(problems)
     train_parser.set_defaults(**defaults)
+    return set(defaults)
+
+
+_STDOUT_CLOSED = False  # set when a reader closed stdout early (e.g. `| head -1`); main() exits 1 saying so
+
+
+def _print(message: str, *, file: Any = None) -> None:
+    """print(), except that a stdout closed by its reader drops the rest of the output instead of raising."""
+    global _STDOUT_CLOSED
+    file = file or sys.stdout
+    if _STDOUT_CLOSED and file is sys.stdout:
+        return
+    try:
+        print(message, file=file, flush=True)
+    except BrokenPipeError:
+        if file is not sys.stdout:
+            raise
+        _STDOUT_CLOSED = True
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """Points stdout at /dev/null: Python would otherwise fail again flushing it at exit."""
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    if sys.stdout is sys.__stdout__:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull.fileno(), sys.stdout.fileno())
+            return
+    sys.stdout = devnull
 
 
 def _log(args: argparse.Namespace, message: str) -> None:
     # With --json, stdout carries only the JSON document.
-    print(message, file=sys.stderr if args.json else sys.stdout, flush=True)
+    _print(message, file=sys.stderr if args.json else sys.stdout)
 
 
 def _build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
@@ -238,7 +374,75 @@ def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
     ConfigError.raise_if(problems)
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_config(config), wanted
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config), wanted
+    except Exception as e:  # noqa: BLE001 - transformers refuses configs with exceptions of many types
+        cause = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"--hf-config {path!r}: transformers cannot build a causal language model from this "
+                          f"{config.model_type} config ({type(e).__name__}: {cause[:400]}"
+                          f"{'...' if len(cause) > 400 else ''}). To resolve this error, pass the config of a "
+                          "decoder model (llama, gpt2, qwen2, ...) whose sizes are positive.") from None
+
+
+def _check_data_path(path: str) -> None:
+    """--data must be a readable regular text file: a directory or a FIFO would fail late or block forever."""
+    p = Path(path)
+    shown = f"--data {path!r}"
+    if not p.exists():
+        what = "a symbolic link to nothing" if os.path.islink(p) else "no such file"
+        raise ConfigError(f"{shown}: {what}. To resolve this error, pass the path of a text file.")
+    if p.is_dir():
+        raise ConfigError(f"{shown} is a directory. To resolve this error, pass the path of a text file in it.")
+    if not stat.S_ISREG(p.stat().st_mode):
+        raise ConfigError(f"{shown} is not a regular file (a FIFO, socket or device: reading it could block or "
+                          "never end). To resolve this error, pass the path of a text file.")
+    if p.suffix.lower() == ".jsonl":
+        raise ConfigError(f"{shown} is a .jsonl file, which memtrain train does not read yet (it would train on "
+                          "the raw JSON bytes). To resolve this error, pass a plain .txt file of the texts.")
+    if not os.access(p, os.R_OK):
+        raise ConfigError(f"{shown} is not readable. To resolve this error, pass a text file you can read.")
+
+
+def _check_writable_file(path: str, flag: str) -> None:
+    """The file at ``path`` can be created or replaced (checked before a long command, not after it)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path!r} is a directory. To resolve this error, pass a file path.")
+    parent = p.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    target = p if p.exists() else parent
+    if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK) and os.access(target, os.W_OK)):
+        raise ConfigError(f"{flag} {path!r} cannot be written ({str(target)!r} is not writable). To resolve "
+                          "this error, pass a path in a folder you can write to.")
+
+
+def _launch_environment() -> tuple[int, int]:
+    """(world size, local rank) from torchrun's environment, checked: a partial one is refused, not crashed on."""
+    names = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+    values = {}
+    for name in names:
+        text = os.environ.get(name)
+        if text is not None:
+            try:
+                values[name] = int(text)
+            except ValueError:
+                raise ConfigError(f"the environment variable {name}={text!r} is not an integer. To resolve this "
+                                  f"error, unset {name} or launch with torchrun, which sets it.") from None
+    world = values.get("WORLD_SIZE", 1)
+    if world > 1:
+        missing = [n for n in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if n not in os.environ]
+        if missing:
+            raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                              " not: memtrain joins a distributed group only as torchrun starts it. To resolve this "
+                              f"error, launch with torchrun --nproc_per_node {world} -m memtrain train ..., or unset "
+                              "WORLD_SIZE.")
+        if not 0 <= values["RANK"] < world:
+            raise ConfigError(f"RANK={values['RANK']} is not in [0, WORLD_SIZE={world}). To resolve this error, "
+                              "launch with torchrun, which sets both.")
+    elif world < 1:
+        raise ConfigError(f"WORLD_SIZE={world} must be >= 1. To resolve this error, unset WORLD_SIZE.")
+    return world, values.get("LOCAL_RANK", 0)
 
 
 @contextlib.contextmanager
@@ -249,13 +453,10 @@ def _distributed_group() -> Iterator[tuple[int, int, Any]]:
     connections down while a peer still uses them, and in any case before the interpreter exits (a gloo group
     left to interpreter shutdown can abort the process).
     """
-    import os
-
     import torch
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world, local_rank = _launch_environment()
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     opened = world > 1 and not dist.is_initialized()
     if opened:
@@ -271,34 +472,96 @@ def _distributed_group() -> Iterator[tuple[int, int, Any]]:
             dist.destroy_process_group()
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+# The options of memtrain train that config.json records (the others say how to run, not what: --json, --out,
+# --resume, --overwrite, --config); and those that define the model and the data, which a resume must keep.
+_NOT_RECORDED = frozenset({"help", "config", "out", "resume", "overwrite", "json", "command"})
+_MODEL_FLAGS = ("model", "seq_len")  # refused here when changed; a new --data or --hf-config path is let through:
+# train() compares the contents (a SHA-256 of the token stream, the parameters' names and shapes), so a moved
+# file still resumes and a changed one is refused
+
+
+def _command_record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The train options as JSON values, paths absolute (a resume may run from another folder)."""
+    record = {}
+    for action in _subparser(parser, "train")._actions:  # noqa: SLF001
+        if action.dest in _NOT_RECORDED:
+            continue
+        value = getattr(args, action.dest)
+        if action.dest in ("data", "hf_config") and value:
+            value = str(Path(value).absolute())
+        record[action.dest] = list(value) if isinstance(value, tuple) else value
+    return record
+
+
+def _resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, explicit: set[str]) -> list[str]:
+    """With --resume: every option not given now takes the value the run started with (from its config.json);
+    model and data options given now must equal those. Returns notes for the log.
+
+    The other options given now go to train(), which refuses a changed run-defining one (e.g. --lr, other data
+    under a new --data path) and applies the others (e.g. --max-steps) with a logged line.
+    """
+    from memtrain.runstate import read_run_config
+
+    try:
+        saved = read_run_config(args.out).get("command")
+    except ConfigError as e:
+        return [f"--resume: {e}: using the flags given now (the checkpoint checks the run-defining ones)"]
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume: the run in {args.out!r} was started from Python (train()), not by memtrain "
+                          "train, so its model and data flags are not recorded. To resolve this error, resume it "
+                          "from Python with TrainConfig(resume=True), or pass its flags to a new run.")
+    now = _command_record(args, parser)
+    problems = []
+    for dest in _MODEL_FLAGS:
+        if dest in explicit and dest in saved and now[dest] != saved[dest]:
+            flag = "--" + dest.replace("_", "-")
+            problems.append(f"--resume: {flag} {now[dest]!r} now but {saved[dest]!r} in the run being resumed: "
+                            f"another model would not continue it. To resolve this error, drop {flag} (--resume "
+                            "reads it from the run's config.json), or start a new run in another --out.")
+    ConfigError.raise_if(problems)
+    for dest, value in saved.items():
+        if dest not in explicit and dest in now:
+            setattr(args, dest, tuple(value) if isinstance(value, list) else value)
+    return [f"--resume: the flags of the run in {args.out} (config.json)"
+            + (f", with {', '.join('--' + d.replace('_', '-') for d in sorted(explicit & set(now)))} given now"
+               if explicit & set(now) else "")]
+
+
+def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explicit: set[str]) -> int:
     from memtrain.data import builtin_corpus, split_windows, text_file_tokens
     from memtrain.report import format_bytes
+    from memtrain.runstate import RunFolder
     from memtrain.train import TrainConfig, train
 
+    # The checks that need no model come first: a bad folder or file fails in a second, not after set-up.
+    if args.resume and not args.out:
+        raise ConfigError("--resume needs the run folder to continue. To resolve this error, pass --out DIR.")
+    notes = []
+    if args.resume and not args.overwrite:
+        RunFolder(args.out, resume=True).check()
+        notes = _resume_flags(args, parser, explicit)
+    if args.data:
+        _check_data_path(args.data)
     mode, every = args.checkpointing
     name = Path(args.hf_config).stem if args.hf_config else args.model
     out = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     config = TrainConfig(
         max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-        lr=args.lr, precision=args.precision, checkpointing=mode, checkpoint_every=every, fsdp=args.fsdp,
+        lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        precision=args.precision, checkpointing=mode, checkpoint_every=every, fsdp=args.fsdp,
         offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
-        chunked_loss=not args.no_chunked_loss, compile=args.compile,
-        seed=args.seed, save_every=args.save_every, out_dir=out, overwrite=args.overwrite, resume=args.resume,
+        chunked_loss=not args.no_chunked_loss, compile=args.compile, seed=args.seed, eval_every=args.eval_every,
+        save_every=args.save_every, out_dir=out, overwrite=args.overwrite, resume=args.resume,
         progress=not args.no_progress,
     )
     config.validate()
-    if args.resume and not args.out:
-        raise ConfigError("--resume needs the run folder to continue. To resolve this error, pass --out DIR.")
+    RunFolder(out, overwrite=args.overwrite, resume=args.resume).check()
     import torch
 
     with _distributed_group() as (rank, world, device):
-        # The checks that need no model come first: a bad folder or batch fails in a second, not after set-up.
         from memtrain.accumulation import accumulation_steps
-        from memtrain.runstate import check_run_folder
 
         accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
-        check_run_folder(out, overwrite=args.overwrite, resume=args.resume)
         torch.manual_seed(args.seed)
         model, seq_len = _build_language_model(args)
         model.to(device)
@@ -310,10 +573,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             source = "the Python standard library's source (built-in corpus)"
         n_params = sum(p.numel() for p in model.parameters())
         if rank == 0:
+            for note in notes:
+                _print(f"  {note}", file=sys.stderr)
             _log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters) on {device}, {seq_len} tokens x "
                        f"{config.global_batch_size or args.micro_batch_size * world} per step, {args.max_steps} steps on "
                        f"{source} ({len(data[0])} training windows)")
-        result = train(model, data, config)
+        result = train(model, data, config, command=_command_record(args, parser))
         if rank != 0:
             return EXIT_OK
         if result.stopped_by:
@@ -322,11 +587,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         else:
             eval_text = f" (eval {result.eval_loss:.3f})" if result.eval_loss is not None else ""
             peak = f", peak {format_bytes(result.peak_bytes)}" if result.peak_bytes is not None else ""
-            _log(args, f"done: loss {result.final_loss:.3f}{eval_text}, {result.tokens / result.seconds:.0f} tokens/s, "
-                       f"saved activations {format_bytes(result.activation_bytes)} per micro-batch, model state "
+            # The first figure is the progress bar's: tokens over the time inside training steps.
+            speed = (f"{result.tokens / result.step_seconds:.0f} tokens/s in training steps "
+                     f"({result.tokens / result.seconds:.0f} tokens/s wall-clock, with evaluation and checkpoints)"
+                     if result.step_seconds else "no step run")
+            _log(args, f"done: loss {result.final_loss:.3f}{eval_text}, {speed}, saved activations "
+                       f"{format_bytes(result.activation_bytes)} per micro-batch, model state "
                        f"{format_bytes(result.model_state_bytes)}{peak}; run folder {result.out_dir}")
         if args.json:
-            print(json.dumps(asdict(result)))
+            _print(json.dumps(asdict(result)))
         return EXIT_OK
 
 
@@ -353,11 +622,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                       checkpointing=policy, optimizer="adamw-offload" if args.offload_optimizer else "adamw",
                       offload_activations=args.offload_activations, chunked_loss=chunked)
     if args.json:
-        print(json.dumps(report.to_dict()))
+        _print(json.dumps(report.to_dict()))
     else:
-        print(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
-              f"{policy}{' with a chunked loss' if chunked else ''}, on {args.device}")
-        print(report.summary())
+        _print(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
+               f"{policy}{' with a chunked loss' if chunked else ''}, on {args.device}")
+        _print(report.summary())
     return EXIT_OK
 
 
@@ -372,6 +641,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"no benchmark named {args.name!r}" + (f"; available: {', '.join(available)}" if available
                           else " (benchmarks ship with the source checkout)") + ". To resolve this error, pass one "
                           "of those names.")
+    if "--out" in args.bench_args[:-1]:  # the benchmark writes its results at the end: check before it runs
+        _check_writable_file(args.bench_args[args.bench_args.index("--out") + 1], "bench --out")
     argv = [str(script), *args.bench_args] + (["--json"] if args.json else [])
     saved_argv, sys.argv = sys.argv, argv
     sys.path.insert(0, str(root))
@@ -384,32 +655,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _STDOUT_CLOSED
     argv = list(sys.argv[1:] if argv is None else argv)
+    _STDOUT_CLOSED = False
     parser = build_parser()
     try:
-        _apply_config_file(parser, argv)
+        from_file = _apply_config_file(parser, argv)
     except ConfigError as e:
-        print(f"memtrain: error: {e}", file=sys.stderr)
+        print(f"memtrain: error: {in_flag_terms(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     args = parser.parse_args(argv)
-    commands = {"train": cmd_train, "estimate": cmd_estimate, "bench": cmd_bench}
     try:
-        return commands[args.command](args)
-    except (ConfigError, MemtrainError) as e:
-        print(f"memtrain {args.command}: error: {e}", file=sys.stderr)
+        if args.command == "train":
+            code = cmd_train(args, parser, _explicit_dests(parser, argv, "train") | from_file)
+        else:
+            code = {"estimate": cmd_estimate, "bench": cmd_bench}[args.command](args)
+    except BrokenPipeError:  # a benchmark printing to a closed stdout
+        _drop_stdout()
+        _STDOUT_CLOSED = True
+        code = EXIT_OK
+    except ConfigError as e:
+        print(f"memtrain {args.command}: error: {in_flag_terms(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except MemtrainError as e:
+        from memtrain.runstate import RunWriteError
+
+        print(f"memtrain {args.command}: error: {in_flag_terms(str(e))}", file=sys.stderr)
+        return EXIT_ENVIRONMENT if isinstance(e, RunWriteError) else EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("memtrain: interrupted", file=sys.stderr)
         return 130
     except SystemExit:
         raise
-    except Exception:
+    except Exception as e:
+        if isinstance(e, OSError) and e.filename is not None:
+            # The machine refused a file (full disk, read-only, permissions): one line, not a trace.
+            print(f"memtrain {args.command}: error: {e.filename}: {e.strerror}. To resolve this error, free space "
+                  "on that disk or make the path writable, then run the command again.", file=sys.stderr)
+            return EXIT_ENVIRONMENT
         import traceback
 
         traceback.print_exc()
         print(f"memtrain {args.command}: internal error (a bug in memtrain: please report it with the trace above)",
               file=sys.stderr)
         return EXIT_INTERNAL
+    if _STDOUT_CLOSED:
+        print(f"memtrain {args.command}: stdout was closed before all the output was written (e.g. by `| head`); "
+              "the rest was dropped", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    return code
 
 
 if __name__ == "__main__":

@@ -126,8 +126,8 @@ def hf_config_from_file(path: str | os.PathLike[str]) -> Any:
     try:
         return AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # noqa: BLE001 - transformers validates fields with exceptions of many types
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{str(path)!r}: a field of this {model_type} config is invalid ({first}). To resolve "
+        cause = " ".join(str(e).split())[:500] or type(e).__name__  # whole: the cause is often on a later line
+        raise ConfigError(f"{str(path)!r}: a field of this {model_type} config is invalid ({cause}). To resolve "
                           "this error, fix that field in the file.") from None
 
 

@@ -100,6 +100,10 @@ class MemoryMeter:
         model: the model being trained; its parameters and buffers are model state, never activations. Without
             it, leaf tensors that require grad (and views of them) are treated as parameters.
         optimizer: counted for optimizer-state bytes, if given.
+        synchronize: on CUDA, wait for the device at entry and at each ``mark`` (what ``measure`` does, so that
+            each phase's bytes follow its own kernels). False never stalls the queue: a training loop's meter
+            reads the allocator's counters as they are, which is exact for the peak, since the caching allocator
+            counts a block when the host allocates or frees it, not when kernels run.
 
     Example:
         >>> model = torch.nn.Linear(4, 3)
@@ -109,9 +113,11 @@ class MemoryMeter:
         32
     """
 
-    def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, *,
+                 synchronize: bool = True):
         self.model = model
         self.optimizer = optimizer
+        self.synchronize = synchronize
         self._state_keys: dict[int, int] = {}
         self._saved: dict[int, int] = {}
         self._phases: list[tuple[str, int, int]] = []  # (phase, allocated, running max) on CUDA
@@ -119,6 +125,11 @@ class MemoryMeter:
         self._hooks: contextlib.AbstractContextManager | None = None
         self._cuda = False
         self._device = "cpu"
+
+    @staticmethod
+    def _devices(tensors: list[torch.Tensor]) -> set[torch.device]:
+        """The devices of the model's state (one place, so that a CPU test can stand a CUDA model in for it)."""
+        return {t.device for t in tensors}
 
     # -- counting ---------------------------------------------------------------------------------------
     def _is_model_state(self, t: torch.Tensor) -> bool:
@@ -148,13 +159,14 @@ class MemoryMeter:
         if self.model is not None:
             state = [*self.model.parameters(), *self.model.buffers()]
             self._state_keys = _tensor_storage_keys(state)
-            devices = {t.device for t in state}
+            devices = self._devices(state)
             self._device = str(next(iter(devices))) if len(devices) == 1 else ", ".join(sorted(map(str, devices)))
             self._cuda = any(d.type == "cuda" for d in devices)
         elif torch.cuda.is_available() and torch.cuda.is_initialized():
             self._cuda, self._device = True, "cuda"
         if self._cuda:
-            torch.cuda.synchronize()
+            if self.synchronize:
+                torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         self._saved.clear()
         self._phases.clear()
@@ -176,7 +188,8 @@ class MemoryMeter:
         if phase == "backward":
             self._gradient_bytes = self._current_gradient_bytes()
         if self._cuda:
-            torch.cuda.synchronize()
+            if self.synchronize:
+                torch.cuda.synchronize()
             self._phases.append((phase, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
 
     # -- results ----------------------------------------------------------------------------------------

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import random
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -35,23 +34,27 @@ from memtrain.offload import ActivationOffloader, offload_activations
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import check_estimate, format_bytes, write_run_report
 from memtrain.runstate import (
+    MetricsLog,
     RunCheckpoints,
+    RunFolder,
     StopSignals,
+    agree_on_stop,
+    applied_changes,
     atomic_write_bytes,
-    check_run_folder,
-    clear_run_folder,
-    load_run_state,
+    data_fingerprint,
+    model_fingerprint,
     model_state_dict,
-    read_metrics,
     restore_run_state,
+    resume_run,
     save_run_state,
     save_weights_file,
     tied_duplicates,
+    write_faults,
 )
 
 CheckpointingMode = Literal["none", "all", "every", "auto"]
 PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
-
+MAX_SEED = 2**63  # seeds are torch.Generator seeds (64 bits), plus one per epoch of the data
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,10 @@ class TrainConfig:
     micro_batch_size: int = 16  # examples per forward: activation memory grows with it
     global_batch_size: int | None = None  # examples per optimizer step, all ranks; None = micro x world size
     lr: float = 3e-3
-    warmup_steps: int = 50
+    warmup_steps: int | None = None  # linear warm-up; None: min(50, max_steps // 10), so short runs reach lr
     min_lr_ratio: float = 0.1  # the cosine schedule decays to lr * min_lr_ratio
     weight_decay: float = 0.1
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = 1.0  # the global gradient norm is clipped to this; None: not clipped
     precision: PrecisionChoice = "auto"  # 16-bit halves most activation bytes
     checkpointing: CheckpointingMode = "auto"  # "all" cuts saved activations to the blocks' inputs
     checkpoint_every: int = 2  # with checkpointing="every": one block in this many
@@ -85,7 +88,7 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        """Raises one ConfigError listing every bad field."""
+        """Raises one ConfigError listing every bad field (each named as the argument, e.g. ``out_dir=``)."""
         problems = []
         for name in ("max_steps", "micro_batch_size", "checkpoint_every", "eval_every", "eval_batches"):
             value = getattr(self, name)
@@ -100,8 +103,18 @@ class TrainConfig:
 
         if not (number(self.lr) and self.lr > 0):
             problems.append(f"lr={self.lr!r} must be a positive number, e.g. 3e-3.")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0.")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or
+                                              not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+            problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0, or None for "
+                            "min(50, max_steps // 10).")
+        elif (isinstance(self.warmup_steps, int) and isinstance(self.max_steps, int)
+              and self.warmup_steps > self.max_steps >= 1):
+            problems.append(f"warmup_steps={self.warmup_steps} is more than max_steps={self.max_steps}: the learning "
+                            f"rate would never reach lr. To resolve this error, pass warmup_steps={self.max_steps // 10}"
+                            " or fewer, or leave it unset.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            problems.append(f"seed={self.seed!r} must be an integer in [0, 2**63). To resolve this error, pass e.g. "
+                            "seed=0.")
         if not (number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
             problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be a number in [0, 1].")
         if not (number(self.weight_decay) and self.weight_decay >= 0):
@@ -113,18 +126,21 @@ class TrainConfig:
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.checkpointing not in ("none", "all", "every", "auto"):
-            problems.append(f"checkpointing={self.checkpointing!r} is not one of none, all, every:K, auto.")
+            problems.append(f"checkpointing={self.checkpointing!r} is not one of 'none', 'all', 'every' (one block in "
+                            "checkpoint_every), 'auto'. To resolve this error, pass e.g. checkpointing='all', or "
+                            "checkpointing='every' with checkpoint_every=2.")
         if self.precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed"):
             problems.append(f"precision={self.precision!r} is not one of auto, fp32, bf16-mixed, fp16-mixed.")
-        if self.overwrite and self.resume:
-            problems.append("overwrite and resume contradict each other. To resolve this error, pass --resume to "
-                            "continue the run in --out, or --overwrite to start it again.")
-        if (self.overwrite or self.resume) and not self.out_dir:
-            problems.append("overwrite/resume need a run folder. To resolve this error, pass --out DIR.")
-        if self.offload_optimizer and self.fsdp:
-            problems.append("offload_optimizer and fsdp together: FSDP2 shards the optimizer state itself and "
-                            "CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
-                            "--offload-optimizer and --fsdp.")
+        if self.overwrite is True and self.resume is True:
+            problems.append("overwrite=True and resume=True contradict each other. To resolve this error, pass "
+                            "resume=True to continue the run in out_dir, or overwrite=True to start it again.")
+        if (self.overwrite is True or self.resume is True) and not self.out_dir:
+            problems.append("overwrite=True and resume=True need a run folder. To resolve this error, pass "
+                            "out_dir='DIR'.")
+        if self.offload_optimizer is True and self.fsdp is True:
+            problems.append("offload_optimizer=True and fsdp=True together: FSDP2 shards the optimizer state itself "
+                            "and CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
+                            "offload_optimizer=True and fsdp=True.")
         if not isinstance(self.sample_bytes, int) or self.sample_bytes < 0:
             problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0.")
         ConfigError.raise_if(problems)
@@ -146,9 +162,12 @@ class TrainResult:
     peak_bytes: int | None  # CUDA allocator peak over a step
     skipped_steps: int
     resumed_from: int | None
-    stopped_by: str | None  # "SIGTERM" / "SIGINT" when a signal ended the run early
+    stopped_by: str | None  # "SIGTERM" / "SIGINT" when a signal ended the run early (received by any rank)
     out_dir: str | None
     reasons: tuple[str, ...] = field(default_factory=tuple)
+    # Seconds inside training steps (forward, backward, optimizer) in this session: tokens / step_seconds is the
+    # throughput the progress bar shows; ``seconds`` adds evaluation, checkpoints and the run folder's files.
+    step_seconds: float = 0.0
 
 
 def _log(message: str, rank: int = 0) -> None:
@@ -200,6 +219,10 @@ def choose_checkpointing(model: nn.Module, config: TrainConfig) -> tuple[list[st
     offload = config.offload_activations  # with checkpointing: the blocks' saved inputs go to host memory
     if config.checkpointing == "none":
         return [], "checkpointing off (--checkpointing none): every activation is kept"
+    if config.checkpointing == "auto" and not find_blocks(model):
+        return [], (f"checkpointing off, because: auto found no repeated blocks in {type(model).__name__} (no "
+                    "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules); to "
+                    "checkpoint it, call apply_checkpointing(model, blocks=...) before train()")
     if config.checkpointing == "every":
         names = apply_checkpointing(model, every=config.checkpoint_every, offload=offload)
         return names, f"checkpointing {len(names)} blocks, one in {config.checkpoint_every} (--checkpointing every)"
@@ -210,9 +233,9 @@ def choose_checkpointing(model: nn.Module, config: TrainConfig) -> tuple[list[st
     return names, f"checkpointing all {len(names)} blocks (--checkpointing all)"
 
 
-def choose_chunked_loss(model: nn.Module, config: TrainConfig) -> str:
+def choose_chunked_loss(model: nn.Module, config: TrainConfig, checkpointed: bool = True) -> str:
     """With checkpointing on, the loss 1024 tokens at a time (``apply_chunked_loss``); returns the reason."""
-    if not config.chunked_loss or config.checkpointing == "none":
+    if not config.chunked_loss or config.checkpointing == "none" or not checkpointed:
         return ""
     if not supports_chunked_loss(model):
         return f"; the loss on the whole batch's logits ({type(model).__name__}: no chunked loss for this model)"
@@ -221,11 +244,18 @@ def choose_chunked_loss(model: nn.Module, config: TrainConfig) -> str:
             "batch's fp32 logits are the largest saved tensor (--no-chunked-loss keeps them)")
 
 
+def warmup_steps_of(config: TrainConfig) -> int:
+    """``warmup_steps``, or by default ``min(50, max_steps // 10)``: a 10-step run warms up in 1 step and reaches
+    ``lr``, a 500-step run in 50."""
+    return config.warmup_steps if config.warmup_steps is not None else min(50, config.max_steps // 10)
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+    warmup = warmup_steps_of(config)
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, config.max_steps - warmup))
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -255,8 +285,8 @@ def _wrap_distributed(model: nn.Module, config: TrainConfig, device: torch.devic
     """DDP or FSDP2 when several ranks run; the model itself otherwise."""
     if world == 1:
         if config.fsdp:
-            raise ConfigError("--fsdp needs several processes. To resolve this error, launch with "
-                              "torchrun --nproc_per_node N -m memtrain train --fsdp, or drop --fsdp.")
+            raise ConfigError("fsdp=True needs several processes (torch.distributed with a world size > 1). To "
+                              "resolve this error, launch under torchrun --nproc_per_node N, or drop fsdp=True.")
         return model, "one process: no gradient synchronisation"
     if config.fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -326,7 +356,8 @@ def sample_text(model: nn.Module, prompt: bytes, n: int, seq_len: int, *, seed: 
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
-def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: TrainConfig) -> TrainResult:
+def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: TrainConfig, *,
+          command: Mapping[str, Any] | None = None) -> TrainResult:
     """Trains a language model on ``(x, y)`` token windows with every configured memory technique.
 
     Args:
@@ -335,33 +366,76 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
         config: the run's settings. Under ``torchrun`` (torch.distributed initialised) the global batch is split
             over the ranks, gradients synchronise once per step (DDP, or FSDP2 with ``fsdp=True``) and only rank
             0 writes files.
+        command: the flags of the command that started the run (``memtrain train`` passes its own), kept in the
+            run folder's ``config.json`` so that a resume needs no other flag.
 
     Returns:
-        A ``TrainResult``. With ``config.out_dir`` the run folder holds ``metrics.jsonl`` (one line per optimizer
-        step), ``model.safetensors``, ``config.json``, ``sample.txt`` and resumable ``checkpoints/``.
+        A ``TrainResult``. With ``config.out_dir`` the run folder (marked ``.memtrain-run``, locked while the run
+        uses it) holds ``config.json`` (written at the start), ``metrics.jsonl`` (one line appended per optimizer
+        step), ``model.safetensors``, ``report.json``, ``sample.txt`` and resumable ``checkpoints/``.
 
     Raises:
-        ConfigError: a bad config, or an ``out_dir`` holding another run's results (without overwrite/resume).
+        ConfigError: a bad config; an ``out_dir`` holding another run's results or files memtrain did not write
+            (without overwrite/resume), or in use by another live run; a resume whose run-defining settings, data
+            or model differ from the run's (each difference named).
+        RunWriteError: a file of the run could not be written (a full disk, a read-only filesystem); the message
+            names it and the last good checkpoint, which is intact.
         MemtrainError: out of memory even at a micro-batch of 1.
     """
     config.validate()
+    if next(iter(model.parameters()), None) is None:
+        raise ConfigError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train. To "
+                          "resolve this error, pass a model with trainable parameters.")
     rank, world = _distributed()
-    train_data, val_data = data if isinstance(data, tuple) else (data, None)
     device = next(model.parameters()).device
+    folder = None
+    if config.out_dir:
+        folder = RunFolder(config.out_dir, overwrite=config.overwrite, resume=config.resume)
+        folder.check()  # every rank, before anything is written: all fail alike
+    _take_folder(folder, rank, world, device)
+    try:
+        return _train(model, data, config, folder, command, rank, world, device)
+    finally:
+        if folder is not None and rank == 0:
+            folder.release()  # before the set-up succeeded, this also removes what taking the folder created
+
+
+def _take_folder(folder: RunFolder | None, rank: int, world: int, device: torch.device) -> None:
+    """Rank 0 locks the run folder; under torchrun the other ranks learn whether it could, so that all fail
+    alike (a rank failing alone would leave the others waiting in the first collective)."""
+    if folder is None:
+        return
+    error = None
+    if rank == 0:
+        try:
+            folder.lock()
+        except ConfigError as e:
+            error = e
+    if world > 1:
+        box = [str(error) if error is not None else None]
+        dist.broadcast_object_list(box, src=0, device=device if dist.get_backend() == "nccl" else None)
+        if box[0] is not None and error is None:
+            raise ConfigError(box[0])
+    if error is not None:
+        raise error
+
+
+def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: TrainConfig,
+           folder: RunFolder | None, command: Mapping[str, Any] | None, rank: int, world: int,
+           device: torch.device) -> TrainResult:
+    train_data, val_data = data if isinstance(data, tuple) else (data, None)
     global_batch = config.global_batch_size or config.micro_batch_size * world
     accumulation = accumulation_steps(config.micro_batch_size, global_batch, world)
     if len(train_data) < global_batch:
         raise ConfigError(f"the training data holds {len(train_data)} examples, fewer than one global batch of "
-                          f"{global_batch}. To resolve this error, lower --global-batch-size or use more data.")
-    # Nothing is written before every check below has passed: a run that fails set-up leaves the folder as it was.
-    out = None  # every rank checks the folder: all fail alike
-    if config.out_dir:
-        out = check_run_folder(config.out_dir, overwrite=config.overwrite, resume=config.resume)
+                          f"{global_batch}. To resolve this error, lower global_batch_size or use more data.")
+    # Nothing in the folder changes before every check below has passed (taking it is undone if one fails).
+    out = folder.path if folder is not None else None
     checkpoints = RunCheckpoints(out) if out is not None else None
+    writer = rank == 0 and out is not None
     seq_len = len(train_data[0][0])
-    run = {"seed": config.seed, "global_batch_size": global_batch, "world_size": world,
-           "train_examples": len(train_data), "seq_len": seq_len,
-           "parameters": sum(p.numel() for p in model.parameters())}
+    auto_warmup = config.warmup_steps is None
+    config = replace(config, warmup_steps=warmup_steps_of(config))  # fixed at the start: lr_at reads this config
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model.train()
@@ -369,8 +443,14 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     # Set-up: each technique one line, each automatic choice with its reason.
     precision_name, precision_reason = resolve_precision(device, config.precision)
     precision = MixedPrecision(precision_name, device.type)
+    # What defines the run: a resume that differs in any of these is refused, naming each difference.
+    run = {"seed": config.seed, "global_batch_size": global_batch, "world_size": world, "seq_len": seq_len,
+           "data": data_fingerprint(train_data), "model": model_fingerprint(model), "precision": precision_name,
+           "lr": config.lr, "warmup_steps": config.warmup_steps, "min_lr_ratio": config.min_lr_ratio,
+           "weight_decay": config.weight_decay, "grad_clip": config.grad_clip,
+           "offload_optimizer": config.offload_optimizer, "fsdp": config.fsdp}
     blocks, checkpoint_reason = choose_checkpointing(model, config)
-    checkpoint_reason += choose_chunked_loss(model, config)
+    checkpoint_reason += choose_chunked_loss(model, config, checkpointed=bool(blocks))
     # Without checkpointing, offload wraps the whole forward; with it, the blocks' inputs (set up above).
     offload = (offload_activations(model=model) if config.offload_activations and not blocks
                else contextlib.nullcontext())
@@ -389,32 +469,43 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config.lr)
     micro = config.micro_batch_size
     reasons = [precision_reason, checkpoint_reason, optimizer_reason, dist_reason,
-               f"global batch {global_batch} = micro-batch {micro} x {accumulation} accumulation x {world} rank(s)"]
+               f"global batch {global_batch} = micro-batch {micro} x {accumulation} accumulation x {world} rank(s)",
+               f"learning rate {config.lr:g} after {config.warmup_steps} warm-up steps"
+               + (" (min(50, max_steps // 10))" if auto_warmup else "") + f", cosine to "
+               f"{config.lr * config.min_lr_ratio:g} at step {config.max_steps}"]
 
     def make_accumulator(steps: int) -> GradientAccumulator:
         return GradientAccumulator(ddp_model, optimizer, steps=steps, scaler=precision.scaler, scheduler=scheduler,
                                    max_grad_norm=config.grad_clip)
 
     acc = make_accumulator(accumulation)
+    notes = list(folder.notes) if writer else []  # what taking the folder found (stale locks, temporaries)
     start_step, resumed_from, estimate_check = 0, None, None
     if config.resume:
-        start_step, state, skipped = load_run_state(checkpoints, run)
-        if start_step >= config.max_steps:
-            raise ConfigError(f"--resume: the run in {str(out)!r} already reached step {start_step} of "
-                              f"--max-steps {config.max_steps}. To resolve this error, pass a larger --max-steps to "
-                              "continue it.")
-        restore_run_state(start_step, state, model, optimizer, scheduler, precision.scaler, acc)
-        for problem in skipped:
-            _log(f"  skipped a damaged checkpoint: {problem}; using the previous one", rank)
+        def restore(step: int, state: dict[str, Any]) -> None:
+            if step >= config.max_steps:
+                raise ConfigError(f"resume: the run in {str(out)!r} already reached step {step} of max_steps="
+                                  f"{config.max_steps}. To resolve this error, pass a larger max_steps to continue it.")
+            restore_run_state(step, state, model, optimizer, scheduler, precision.scaler, acc)
+
+        # An automatic warm-up is the run's own: a longer max_steps on resume must not move it.
+        compared = {k: v for k, v in run.items() if not (auto_warmup and k == "warmup_steps")}
+        start_step, state, skipped = resume_run(checkpoints, compared, restore)
+        if auto_warmup and isinstance(state["run"].get("warmup_steps"), int):
+            config = replace(config, warmup_steps=state["run"]["warmup_steps"])
+            run["warmup_steps"] = config.warmup_steps
+        # The optimizer comes back with the rate the old schedule set for this step; a changed max_steps moves it.
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["lr"] = base * lr_at(scheduler.last_epoch, config) / config.lr
+        notes += [f"skipped a damaged checkpoint: {problem}; using the previous one" for problem in skipped]
+        notes += applied_changes(state.get("config", {}), asdict(config))
         estimate_check = state["extra"].get("estimate_check")
         if state["extra"].get("requested_micro_batch_size") == config.micro_batch_size:
             micro = int(state["micro_batch_size"])  # as the run left it (halved after an out-of-memory error)
             accumulation = global_batch // (micro * world)
             acc = _carry_counters(acc, make_accumulator(accumulation))
         resumed_from = start_step
-        _log(f"  resumed from step {start_step} (micro-batch {micro})", rank)
-    metrics_path = out / "metrics.jsonl" if out is not None else None
-    metrics = read_metrics(metrics_path, upto=start_step) if config.resume else []
+        notes.append(f"resumed from step {start_step} (micro-batch {micro})")
 
     def loader_from(step: int, micro_batch: int) -> Iterator[Any]:
         sampler = StepBatches(len(train_data), global_batch, micro_batch, seed=config.seed, start=step, rank=rank,
@@ -429,102 +520,152 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
     reasons += loader_settings[0].splitlines()
     for line in reasons:
         _log(f"  {line}", rank)
-    if out is not None and rank == 0:  # set-up succeeded: now the folder may change
-        out.mkdir(parents=True, exist_ok=True)
-        if config.overwrite:
-            clear_run_folder(out)  # the old run's files, checkpoints included: --resume must not pick them
+    metrics: list[dict[str, Any]] = []
+    metrics_log = MetricsLog(out / "metrics.jsonl") if writer else None
+    if writer:  # set-up succeeded: now the folder may change
+        with write_faults(out, checkpoints):
+            folder.commit()  # the marker; with overwrite, the old run's files go (memtrain's only)
+            folder.write_config(asdict(config), command)
+            metrics, metric_notes = metrics_log.start(resume_step=start_step if config.resume else None)
+        notes += metric_notes
+    for line in notes:
+        _log(f"  {line}", rank)
     # NOTE: saved-tensor hooks do not stack, so while activations are offloaded the meter stays out of the way
     # (on CUDA the allocator peak is the figure then).
     measuring = not (isinstance(offload, ActivationOffloader) and offload.enabled) and not _offloads_blocks(model)
-    bar = tqdm(total=config.max_steps, initial=start_step, disable=not config.progress or rank != 0, unit="step",
-               dynamic_ncols=True, file=sys.stderr)
-    tokens, eval_loss, last, stopped_by = 0, None, None, None
+    progress = _Progress(config.max_steps, start_step, enabled=config.progress and rank == 0)
+    tokens, step_seconds, eval_loss, last, stopped_by = 0, 0.0, None, None, None
     start = time.perf_counter()
-    with StopSignals() as signals:
-        for step in range(start_step, config.max_steps):
-            rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-            while True:  # retried with half the micro-batch after an out-of-memory error
-                out_of_memory = False
-                try:
-                    line = _one_step(ddp_model, model, optimizer, acc, precision, offload, measuring, batches,
-                                     accumulation, device, step)
+    try:
+        with StopSignals() as signals:
+            for step in range(start_step, config.max_steps):
+                rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+                lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves it on after the step
+                while True:  # retried with half the micro-batch after an out-of-memory error
+                    out_of_memory = False
+                    try:
+                        line = _one_step(ddp_model, model, optimizer, acc, precision, offload, measuring, batches,
+                                         accumulation, device, step)
+                        break
+                    except torch.OutOfMemoryError:
+                        out_of_memory = True
+                    # Outside the except block: the traceback no longer pins the failed step's tensors.
+                    if out_of_memory:
+                        micro = _halve_after_oom(micro, global_batch // world, step, optimizer, device, rank)
+                        accumulation = global_batch // (micro * world)
+                        acc = _carry_counters(acc, make_accumulator(accumulation))
+                        torch.set_rng_state(rng[0])  # the retry draws the same dropout masks
+                        if rng[1] is not None:
+                            torch.cuda.set_rng_state(rng[1], device)
+                        batches = loader_from(step, micro)
+                step_tokens, seconds = line.pop("tokens") * world, line.pop("seconds")
+                tokens, step_seconds = tokens + step_tokens, step_seconds + seconds
+                line["tokens_per_s"] = step_tokens / seconds  # all ranks' tokens in this step's time
+                line["lr"] = lr
+                if val_data is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
+                    eval_loss = line["eval_loss"] = evaluate(model, val_data, config, device, precision, micro)
+                metrics.append(line)
+                last = line
+                if step + 1 == min(2, config.max_steps) and rank == 0 and world == 1:
+                    # From the second step on the optimizer state exists: the steady state estimate predicts.
+                    estimate_check = check_estimate(model, line, micro, seq_len, device, precision_name,
+                                                    estimate_policy(config.checkpointing if blocks else "none",
+                                                                    config.checkpoint_every),
+                                                    chunked_loss=chunked_loss_kind(model) is not None)
+                    _log(f"  {estimate_check['log']}")
+                if metrics_log is not None:
+                    with write_faults(metrics_log.path, checkpoints):
+                        metrics_log.append(line)
+                stopped_by = agree_on_stop(signals.received, device)  # every rank stops after the same step
+                due = config.save_every is not None and (step + 1) % config.save_every == 0
+                if checkpoints is not None and (due or stopped_by or step + 1 == config.max_steps):
+                    if metrics_log is not None:
+                        with write_faults(metrics_log.path, checkpoints):
+                            metrics_log.sync()  # no checkpoint is ever ahead of the durable metrics
+                    save_run_state(checkpoints if rank == 0 else None, step + 1, micro, model, optimizer, scheduler,
+                                   precision.scaler, acc, run, {"estimate_check": estimate_check,
+                                                                "requested_micro_batch_size": config.micro_batch_size},
+                                   config=asdict(config))
+                memory = (f"peak {format_bytes(line['peak_bytes'])}" if line["peak_bytes"] is not None
+                          else f"saved {format_bytes(line['activation_bytes'])}")
+                # The throughput shown is the mean over this session's training steps, as the final summary's.
+                progress.update(step + 1, f"loss {line['loss']:.3f} | {tokens / step_seconds:.0f} tok/s | {memory}")
+                if stopped_by:
+                    _log(f"{stopped_by} received: stopped after step {step + 1} with a checkpoint; continue with "
+                         "--resume", rank)
                     break
-                except torch.OutOfMemoryError:
-                    out_of_memory = True
-                # Outside the except block: the traceback no longer pins the failed step's tensors.
-                if out_of_memory:
-                    micro = _halve_after_oom(micro, global_batch // world, step, optimizer, device, rank)
-                    accumulation = global_batch // (micro * world)
-                    acc = _carry_counters(acc, make_accumulator(accumulation))
-                    torch.set_rng_state(rng[0])  # the retry draws the same dropout masks
-                    if rng[1] is not None:
-                        torch.cuda.set_rng_state(rng[1], device)
-                    batches = loader_from(step, micro)
-            tokens += line.pop("tokens") * world
-            line["lr"] = scheduler.get_last_lr()[0]
-            if val_data is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
-                eval_loss = line["eval_loss"] = evaluate(model, val_data, config, device, precision, micro)
-            metrics.append(line)
-            last = line
-            if step + 1 == min(2, config.max_steps) and rank == 0 and world == 1:
-                # From the second step on the optimizer state exists: the steady state estimate predicts.
-                estimate_check = check_estimate(model, line, micro, seq_len, device, precision_name,
-                                                estimate_policy(config.checkpointing, config.checkpoint_every),
-                                                chunked_loss=chunked_loss_kind(model) is not None)
-                _log(f"  {estimate_check['log']}")
-            if metrics_path is not None and rank == 0:
-                atomic_write_bytes(metrics_path, "".join(json.dumps(m) + "\n" for m in metrics).encode())
-            stopped_by = signals.received
-            due = config.save_every is not None and (step + 1) % config.save_every == 0
-            if checkpoints is not None and (due or stopped_by or step + 1 == config.max_steps):
-                save_run_state(checkpoints if rank == 0 else None, step + 1, micro, model, optimizer, scheduler,
-                               precision.scaler, acc, run, {"estimate_check": estimate_check,
-                                                            "requested_micro_batch_size": config.micro_batch_size})
-            memory = (f"peak {format_bytes(line['peak_bytes'])}" if line["peak_bytes"] is not None
-                      else f"saved {format_bytes(line['activation_bytes'])}")
-            bar.set_postfix_str(f"loss {line['loss']:.3f} | {line['tokens_per_s']:.0f} tok/s | {memory}")
-            bar.update()
-            if stopped_by:
-                _log(f"{stopped_by} received: stopped after step {step + 1} with a checkpoint; continue with "
-                     "--resume", rank)
-                break
-    bar.close()
-    seconds = time.perf_counter() - start  # training only: the files below are not tokens/s
+    finally:
+        progress.close()
+        if metrics_log is not None:
+            metrics_log.close()
+    seconds = time.perf_counter() - start  # the whole session: evaluation, checkpoints and files included
     if hasattr(optimizer, "close"):  # CPUOffloadOptimizer: its gradient hooks and worker thread end with the run
         optimizer.close()
 
     final_state = model_state_dict(model) if out is not None and not stopped_by else None  # collective under FSDP2
     if final_state:  # tied weights once, under their first name, however the state dict was gathered
-        final_state = {k: v for k, v in final_state.items() if k not in tied_duplicates(model)}
-    if out is not None and rank == 0 and not stopped_by:
-        save_weights_file(final_state, out / "model.safetensors")
-        atomic_write_bytes(out / "config.json", json.dumps(asdict(config), indent=2).encode())
-        report = write_run_report(out, metrics, estimate_check, model, global_batch, seq_len, device, world)
+        duplicates = tied_duplicates(model)
+        final_state = {k: v for k, v in final_state.items() if k not in duplicates}
+    if writer and not stopped_by:
+        with write_faults(out / "model.safetensors", checkpoints):
+            save_weights_file(final_state, out / "model.safetensors")
+        with write_faults(out / "report.json", checkpoints):
+            report = write_run_report(out, metrics, estimate_check, model, global_batch, seq_len, device, world)
         if report.get("without_memtrain_error"):
             _log(f"  report.json: no estimate of plain training ({report['without_memtrain_error']})")
         if config.sample_bytes and world == 1:
             text = sample_text(model, b"def ", config.sample_bytes, seq_len, seed=config.seed)
-            atomic_write_bytes(out / "sample.txt", text.encode())
+            with write_faults(out / "sample.txt", checkpoints):
+                atomic_write_bytes(out / "sample.txt", text.encode())
     return TrainResult(
         steps=last["step"], tokens=tokens, seconds=seconds, final_loss=last["loss"],
         eval_loss=eval_loss, checkpointed_blocks=tuple(blocks), precision=precision_name, micro_batch_size=micro,
         accumulation=accumulation, activation_bytes=last["activation_bytes"],
         model_state_bytes=last["model_state_bytes"], peak_bytes=last["peak_bytes"], skipped_steps=acc.skipped_steps,
         resumed_from=resumed_from, stopped_by=stopped_by, out_dir=str(out) if out is not None else None,
-        reasons=tuple(reasons),
+        reasons=tuple(reasons), step_seconds=step_seconds,
     )
+
+
+class _Progress:
+    """A tqdm bar where stderr is a terminal; elsewhere (a log file, a pipe) one plain line every ``every`` steps,
+    so that a log holds no carriage-return redraws."""
+
+    def __init__(self, total: int, initial: int, *, enabled: bool, lines: int = 20):
+        self.total = total
+        terminal = enabled and sys.stderr.isatty()
+        self.bar = (tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+                    if terminal else None)
+        self.lines = enabled and not terminal
+        self.every = max(1, total // lines)
+
+    def update(self, step: int, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update()
+        elif self.lines and (step % self.every == 0 or step == self.total):
+            _log(f"step {step}/{self.total}: {text}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer, acc: GradientAccumulator,
               precision: MixedPrecision, offload: contextlib.AbstractContextManager[Any], measuring: bool,
               batches: Iterator[Any], accumulation: int, device: torch.device, step: int) -> dict[str, Any]:
     """One optimizer step: ``accumulation`` micro-batches, then the accumulator's boundary. ``measuring``: the
-    first micro-batch's saved bytes are counted (not while activations are offloaded: hooks do not stack)."""
+    first micro-batch's saved bytes are counted (not while activations are offloaded: hooks do not stack).
+
+    On CUDA the step waits for the device once, at its end (its time must include the optimizer's kernels); the
+    peak is read from the allocator's counters, which need no wait.
+    """
     t0 = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens = 0
-    meter = MemoryMeter(model, optimizer)
+    # synchronize=False: the meter must not stall the queue twice per step; it counts saved bytes on the host.
+    meter = MemoryMeter(model, optimizer, synchronize=False)
     for i in range(accumulation):
         x, y = next(batches)  # already on the device: DevicePrefetcher copied it during the previous compute
         with acc.micro_batch(is_last=i == accumulation - 1):
@@ -537,7 +678,7 @@ def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Opt
     report = meter.report()
     result = acc.step()  # unscale -> clip -> optimizer step -> scheduler -> zero_grad, once
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # the step's one wait: its time includes the optimizer's kernels
     seconds = time.perf_counter() - t0
     state_bytes = optimizer_state_bytes(optimizer)
     return {
@@ -546,7 +687,7 @@ def _one_step(ddp_model: nn.Module, model: nn.Module, optimizer: torch.optim.Opt
         "grad_norm": result.grad_norm,
         "skipped": result.skipped,
         "tokens": tokens,
-        "tokens_per_s": tokens / seconds,
+        "seconds": seconds,
         "activation_bytes": report.activation_bytes if measuring else None,
         "parameter_bytes": report.parameter_bytes,
         "gradient_bytes": report.gradient_bytes,
@@ -567,8 +708,8 @@ def _halve_after_oom(micro: int, per_rank_batch: int, step: int, optimizer: torc
         raise MemtrainError(
             f"out of memory at step {step + 1} with a micro-batch of {micro}"
             + (" on one of several ranks (the others cannot retry in step)" if micro > 1 else "")
-            + ". To resolve this error, pass a smaller --micro-batch-size, --checkpointing all, "
-            "--offload-optimizer, or a shorter --seq-len."
+            + ". To resolve this error, pass a smaller micro_batch_size, checkpointing='all', "
+            "offload_optimizer=True, or a shorter seq_len."
         )
     optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
     gc.collect()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -40,7 +42,8 @@ def test_train_end_to_end_on_the_builtin_corpus(tmp_path, capsys):
     for picture in ("loss.png", "memory.png"):
         assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
     assert len((out / "sample.txt").read_text()) > 0
-    assert json.loads((out / "config.json").read_text())["max_steps"] == 4
+    assert json.loads((out / "config.json").read_text())["train"]["max_steps"] == 4
+    assert json.loads((out / ".memtrain-run").read_text())["format"] == 1
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000004"]
 
 
@@ -160,3 +163,197 @@ def test_estimate_hf_config_and_bad_input(tmp_path, capsys):
     assert not any("apply_chunked_loss" in a for a in whole_logits["assumptions"])
     assert main(["estimate", "--hf-config", str(tmp_path / "missing.json")]) == 2
     assert "To resolve this error" in capsys.readouterr().err
+
+
+# -- faults get one line, not a traceback, and write nothing (issue 13, item 22) -----------------------------
+def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
+    """The argv of one bad input (set up in tmp_path); the run folder is tmp_path / "r" unless the case is --out."""
+    run = ["--out", str(tmp_path / "r")]
+    if case == "seed beyond 64 bits":
+        return ["train", "--seed", str(2**64), *run]
+    if case in ("out a dangling symlink", "out a symlink loop"):
+        link = tmp_path / "link"
+        link.symlink_to(tmp_path / "nowhere" if case == "out a dangling symlink" else link)
+        return ["train", "--data", str(text_file), "--out", str(link)]
+    if case.startswith("hf-config"):
+        pytest.importorskip("transformers")
+        fields = {"hf-config t5": {"model_type": "t5", "vocab_size": 512, "d_model": 32, "num_layers": 1,
+                                   "num_heads": 2, "d_kv": 8, "d_ff": 64},
+                  "hf-config negative hidden size": {"model_type": "llama", "vocab_size": 512, "hidden_size": -4,
+                                                     "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                     "intermediate_size": 8},
+                  "hf-config bad field keeps its cause": {"model_type": "llama", "vocab_size": "abc"}}[case]
+        (tmp_path / "config.json").write_text(json.dumps(fields))
+        return ["train", "--hf-config", str(tmp_path / "config.json"), "--data", str(text_file), *run]
+    if case == "WORLD_SIZE without RANK":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.delenv("RANK", raising=False)
+        return ["train", "--data", str(text_file), *run]
+    if case == "data a directory":
+        return ["train", "--data", str(tmp_path), *run]
+    if case == "data a FIFO":
+        os.mkfifo(tmp_path / "fifo")
+        return ["train", "--data", str(tmp_path / "fifo"), *run]
+    if case == "data a .jsonl file":
+        (tmp_path / "x.jsonl").write_text('{"text": "def f(): pass"}\n' * 200)
+        return ["train", "--data", str(tmp_path / "x.jsonl"), *run]
+    if case == "bench out unwritable":
+        (tmp_path / "ro").mkdir(mode=0o500)
+        return ["bench", "checkpointing", "--out", str(tmp_path / "ro" / "results.json")]
+    raise AssertionError(case)
+
+
+FAULTS = {  # case: the words of the one line that names the fix
+    "seed beyond 64 bits": "--seed 18446744073709551616 must be an integer in [0, 2**63)",
+    "out a dangling symlink": "is a symbolic link to",
+    "out a symlink loop": "is a symbolic link to",
+    "hf-config t5": "cannot build a causal language model from this t5 config",
+    "hf-config negative hidden size": "negative dimension -4",
+    "hf-config bad field keeps its cause": "expected int, got str",
+    "WORLD_SIZE without RANK": "WORLD_SIZE=2 is set but RANK",
+    "data a directory": "is a directory",
+    "data a FIFO": "is not a regular file",
+    "data a .jsonl file": "is a .jsonl file, which memtrain train does not read yet",
+    "bench out unwritable": "cannot be written",
+}
+
+
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_each_fault_gets_one_line_naming_the_fix_and_writes_nothing(case, tmp_path, text_file, monkeypatch, capsys):
+    if case == "bench out unwritable" and os.geteuid() == 0:
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: not str(path).endswith("ro"))
+    argv = _fault_case(case, tmp_path, text_file, monkeypatch)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert FAULTS[case] in lines[0] and "To resolve this error" in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "a refused command must write nothing"
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_naming_the_file_and_the_intact_checkpoint(
+        tmp_path, text_file, monkeypatch, capsys):
+    import errno
+
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+    saved = []
+
+    def fills_up(tensors, filename, *args, **kwargs):
+        if "checkpoints" in str(filename) and saved:
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
+        saved.append(filename)
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fills_up)
+    out = tmp_path / "run"
+    code = main(["train", *TINY, "--data", str(text_file), "--save-every", "2", "--out", str(out)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert code == 1 and len(lines) == 1, lines
+    assert "could not write" in lines[0] and "step-0000004" in lines[0] and "(No space left on device)" in lines[0]
+    assert f"the last good checkpoint, {out / 'checkpoints' / 'step-0000002'}, is intact" in lines[0]
+    assert "then continue the run with --resume" in lines[0]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000002"]
+
+
+def test_stdout_closed_early_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["estimate", "--model", "gpt-tiny", "--micro-batch-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "stdout was closed before all the output was written" in err and "Traceback" not in err
+    # The real thing: a reader that closes the pipe before memtrain writes (as `| head -0` would).
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "estimate", "--model", "gpt-tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+# -- resume from the folder alone (item 18) ----------------------------------------------------------------
+def test_resume_needs_only_the_folder_and_checks_the_flags_given_with_it(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    first = ["train", "--model", "gpt-tiny", "--seq-len", "32", "--data", str(text_file), "--max-steps", "2",
+             "--micro-batch-size", "2", "--lr", "0.01", "--no-progress", "--out", str(out)]
+    assert main(first) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "3", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["resumed_from"] == 2 and result["steps"] == 3, result
+    assert "max_steps=3 applied (the run had max_steps=2)" in captured.err
+    config = json.loads((out / "config.json").read_text())
+    assert config["command"]["model"] == "gpt-tiny" and config["train"]["max_steps"] == 3
+    # A changed run-defining flag is refused by its flag; so is another model or other data.
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "4", "--lr", "0.5", "--seed", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr 0.5 now but --lr 0.01 in the run being resumed" in err, err
+    assert "--seed 7 now but --seed 0" in err and "lr=" not in err
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "4", "--model", "gpt-mini"]) == 2
+    assert "--model 'gpt-mini' now but 'gpt-tiny' in the run being resumed" in capsys.readouterr().err
+    # A new --data path is let through (a moved file still resumes); its contents are what is compared.
+    other = tmp_path / "other.txt"
+    other.write_bytes(text_file.read_bytes().replace(b"return", b"yield "))
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "4", "--data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "the training data differ from the run being resumed: the same" in err and "other contents" in err, err
+    assert json.loads((out / "config.json").read_text())["train"]["max_steps"] == 3, "refused: nothing written"
+
+
+# -- flags users expect (item 23) and library names turned into flags (item 12) ----------------------------
+def test_version(capsys):
+    from memtrain import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"memtrain {__version__}"
+
+
+def test_schedule_and_evaluation_flags_reach_the_run(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--data", str(text_file), "--warmup-steps", "2", "--weight-decay", "0",
+                 "--grad-clip", "none", "--eval-every", "2", "--out", str(out)]) == 0
+    settings = json.loads((out / "config.json").read_text())["train"]
+    assert (settings["warmup_steps"], settings["weight_decay"], settings["grad_clip"], settings["eval_every"]) == (
+        2, 0.0, None, 2)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [("eval_loss" in m) for m in lines] == [False, True, False, True]
+    # Each line's lr is the one its step used: 2 warm-up steps to --lr, then the cosine decay.
+    assert [m["lr"] for m in lines[:2]] == pytest.approx([0.003 / 2, 0.003]) and lines[3]["lr"] < 0.003
+    with pytest.raises(SystemExit) as info:
+        main(["train", *TINY, "--grad-clip", "-1", "--out", str(tmp_path / "x")])
+    assert info.value.code == 2 and "must be > 0 (or 0 / none: no clipping)" in capsys.readouterr().err
+
+
+def test_progress_in_a_log_is_lines_not_carriage_returns_and_agrees_with_the_summary(tmp_path, text_file, capsys):
+    argv = ["train", "--model", "gpt-tiny", "--max-steps", "4", "--micro-batch-size", "4", "--data", str(text_file),
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 0  # capsys's stderr is not a terminal, as a log file or a pipe is not
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err, "tqdm redraws in a log file"
+    progress = re.findall(r"step (\d+)/4: loss [\d.]+ \| (\d+) tok/s", captured.err)
+    assert [int(step) for step, _ in progress] == [1, 2, 3, 4], captured.err
+    summary = re.search(r"(\d+) tokens/s in training steps", captured.out)
+    assert summary and summary.group(1) == progress[-1][1], (summary, progress)
+
+
+def test_library_errors_are_shown_in_flag_terms():
+    from memtrain.cli import in_flag_terms
+
+    assert in_flag_terms("out_dir='/a/out_dir' is a file") == "--out '/a/out_dir' is a file"
+    assert in_flag_terms("pass resume=True, overwrite=True or chunked_loss=False") == (
+        "pass --resume, --overwrite or --no-chunked-loss")
+    assert in_flag_terms("checkpoint_every=0 must be >= 1; lower global_batch_size") == (
+        "--checkpointing every:0 must be >= 1; lower --global-batch-size")
+    assert in_flag_terms("world_size=2 now") == "torchrun --nproc_per_node 2 now"
+    assert in_flag_terms("the precision of the run (precision='fp32')") == (
+        "the precision of the run (--precision 'fp32')")

@@ -101,3 +101,30 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(12) == "12 B"
     assert format_bytes(None) == "-"
+
+
+def _count_cuda_calls(monkeypatch) -> list[str]:
+    """Fakes a CUDA allocator on the CPU and records every call the meter makes into it."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 4096)
+    return calls
+
+
+def test_a_meter_that_must_not_stall_the_queue_reads_the_peak_without_synchronising(monkeypatch):
+    calls = _count_cuda_calls(monkeypatch)
+    x = torch.randn(4, 8, requires_grad=True)
+    with MemoryMeter(synchronize=False) as meter:
+        y = x * 2  # saves nothing (a constant factor); y is saved by the product below
+        (y * y).sum().backward()
+        meter.mark("backward")
+    report = meter.report()
+    assert "synchronize" not in calls and calls.count("reset") == 1, calls
+    assert report.peak_bytes == 4096 and report.activation_bytes == 4 * 8 * 4
+    calls.clear()
+    measure(lambda: (x * x).sum())  # measure() keeps its waits: each phase's bytes follow its own kernels
+    assert calls.count("synchronize") == 4, calls  # at entry, and at the forward, backward and end marks

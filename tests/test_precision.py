@@ -118,3 +118,13 @@ def test_cuda_modes_without_cuda_raise_instead_of_running_disabled():
     with pytest.raises(ConfigError, match="torch sees no CUDA device"):
         MixedPrecision("fp16-mixed", "cuda")
     assert MixedPrecision("fp32", "cuda").scaler is None  # fp32 needs nothing from the device
+
+
+def test_errors_name_the_argument_not_a_command_line_flag():
+    """The library cannot know which flag (if any) set a value: it names its own argument; the CLI translates."""
+    with pytest.raises(ConfigError) as info:
+        MixedPrecision("fp8", "cpu")
+    assert "precision='fp8' is not one of" in str(info.value) and "--" not in str(info.value), info.value
+    with pytest.raises(ConfigError) as info:
+        MixedPrecision("bf16-mixed", "meta")
+    assert "pass precision='fp32'" in str(info.value) and "--" not in str(info.value), info.value

@@ -19,3 +19,20 @@ def test_readme_opens_with_the_two_setup_commands():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index, capsys):
     exec(compile(BLOCKS[index], f"README.md example {index + 1}", "exec"), {"__name__": "__readme__"})
+
+
+def test_the_resume_table_says_what_resume_does():
+    """Every setting a resume refuses or applies (RESUME_POLICY) sits in the README row that says so."""
+    from memtrain.cli import ARGUMENT_FLAGS, ARGUMENT_SWITCHES
+    from memtrain.runstate import RESUME_POLICY
+
+    text = README.read_text()
+    rows = {kind: next(line for line in text.splitlines() if line.startswith("| `") and f"| {kind}" in line)
+            for kind in ("refused", "applied")}
+    for key, policy in RESUME_POLICY.items():
+        flag = ARGUMENT_FLAGS.get(key) or next((f for f in ARGUMENT_SWITCHES.get(key, ()) if f), None)
+        if flag is None:
+            continue  # no flag sets it (e.g. min_lr_ratio)
+        flag = flag.split()[0]
+        row = rows["refused" if policy == "refuse" else "applied"]
+        assert f"`{flag}`" in row, (key, policy, flag)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from memtrain import ConfigError, TrainConfig, train
 from memtrain.data import split_windows, text_file_tokens
 from memtrain.models import GPT, GPTConfig
-from memtrain.runstate import RunCheckpoints
+from memtrain.runstate import RunCheckpoints, RunWriteError
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = (b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300)
@@ -90,17 +90,19 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, text
     args = ("--data", str(text_file), "--micro-batch-size", "2", "--global-batch-size", "4", "--out", str(out))
     # Stop at step 5 the honest way: a run of 8 steps interrupted by SIGTERM after its 5th checkpoint.
     proc = subprocess.Popen(cli(*args, "--max-steps", "8", "--save-every", "1"), cwd=ROOT, stderr=subprocess.PIPE,
-                            text=True)
+                            stdout=subprocess.PIPE, text=True)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    said, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "SIGTERM received" in err
     newest = RunCheckpoints(out).paths()[0]
     data = (newest / "tensors.safetensors").read_bytes()
     (newest / "tensors.safetensors").write_bytes(data[: len(data) // 2])  # truncated by a crash mid-copy
-    done = subprocess.run(cli(*args, "--max-steps", "8", "--resume"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    # As the SIGTERM message says: the folder alone is enough, the run's flags come from its config.json.
+    assert f"continue with: memtrain train --out {out} --resume" in said
+    done = subprocess.run([sys.executable, "-m", "memtrain", "train", "--out", str(out), "--resume"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "skipped a damaged checkpoint" in done.stderr and newest.name in done.stderr
     assert_same_weights(out, uninterrupted)
@@ -116,7 +118,7 @@ def test_a_good_checkpoint_is_never_replaced_by_a_failed_write(tmp_path, monkeyp
     import safetensors.torch
 
     monkeypatch.setattr(safetensors.torch, "save_file", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(RunWriteError, match="disk full"):
         checkpoints.save(1, {"w": torch.zeros(3)})
     step, state, skipped = checkpoints.load_latest()
     assert step == 1 and state["w"].tolist() == [1.0, 1.0, 1.0] and skipped == []
@@ -284,7 +286,7 @@ def test_train_config_lists_every_problem():
 
 
 def test_resume_without_checkpoint(tmp_path, text_file):
-    with pytest.raises(ConfigError, match="no checkpoint to resume"):
+    with pytest.raises(ConfigError, match="does not exist, so there is no run to continue"):
         train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=1, resume=True, out_dir=str(tmp_path / "x"),
                                                                 progress=False))
     assert not (tmp_path / "x").exists(), "a run that fails its checks must not create its folder"
@@ -305,12 +307,12 @@ def finished_run(tmp_path, text_file) -> Path:
 def test_overwrite_that_fails_set_up_leaves_the_old_run_whole(finished_run, text_file):
     before = _snapshot(finished_run)
     config = TrainConfig(max_steps=1, micro_batch_size=2, out_dir=str(finished_run), overwrite=True, progress=False)
-    with pytest.raises(ConfigError, match="--fsdp needs several processes"):
+    with pytest.raises(ConfigError, match="fsdp=True needs several processes"):
         train(_tiny_model(), _tiny_data(text_file), replace(config, fsdp=True))
     assert _snapshot(finished_run) == before
     train(_tiny_model(), _tiny_data(text_file), config)  # a good --overwrite replaces every file of the old run
     assert [p.name for p in (finished_run / "checkpoints").iterdir()] == ["step-0000001"]
-    assert json.loads((finished_run / "config.json").read_text())["max_steps"] == 1
+    assert json.loads((finished_run / "config.json").read_text())["train"]["max_steps"] == 1
 
 
 def test_resume_refuses_another_run_and_a_finished_one(finished_run, text_file):
@@ -318,10 +320,159 @@ def test_resume_refuses_another_run_and_a_finished_one(finished_run, text_file):
     config = TrainConfig(max_steps=4, micro_batch_size=2, out_dir=str(finished_run), resume=True, progress=False)
     with pytest.raises(ConfigError) as info:
         train(_tiny_model(), _tiny_data(text_file), replace(config, seed=5, global_batch_size=4))
-    assert len(info.value.problems) == 2 and "--seed 0" in str(info.value), info.value
+    assert len(info.value.problems) == 2 and "seed=0 in the run being resumed" in str(info.value), info.value
     with pytest.raises(ConfigError, match="already reached step 2"):
         train(_tiny_model(), _tiny_data(text_file), replace(config, max_steps=2))
     assert _snapshot(finished_run) == before
     result = train(_tiny_model(), _tiny_data(text_file), config)
     assert result.resumed_from == 2 and result.steps == 4
     assert json.loads((finished_run / "report.json").read_text())["estimate_check"]["relative_error"] is not None
+
+
+# -- resume never silently changes the run (issue 13, items 17-19) ------------------------------------------
+def test_resume_refuses_changed_run_defining_settings_naming_each(finished_run, text_file):
+    """A changed lr used to be ignored (and written to config.json); now each such change is refused by name."""
+    before = _snapshot(finished_run)
+    config = TrainConfig(max_steps=4, micro_batch_size=2, out_dir=str(finished_run), resume=True, progress=False)
+    with pytest.raises(ConfigError) as info:
+        train(_tiny_model(), _tiny_data(text_file), replace(config, lr=0.5, weight_decay=0.0, grad_clip=None))
+    problems = info.value.problems
+    assert len(problems) == 3, problems
+    assert any("lr=0.5 now but lr=0.003 in the run being resumed" in p for p in problems), problems
+    assert any("weight_decay=0.0 now but weight_decay=0.1" in p for p in problems), problems
+    assert any("grad_clip=None now but grad_clip=1.0" in p for p in problems), problems
+    assert _snapshot(finished_run) == before
+
+
+def test_resume_applies_safe_changes_with_a_logged_line(finished_run, text_file, capsys):
+    config = TrainConfig(max_steps=4, micro_batch_size=1, global_batch_size=2, out_dir=str(finished_run),
+                         resume=True, progress=False, eval_every=3, save_every=1, checkpointing="none")
+    result = train(_tiny_model(), _tiny_data(text_file), config)
+    err = capsys.readouterr().err
+    for line in ("max_steps=4 applied (the run had max_steps=2)", "micro_batch_size=1 applied",
+                 "eval_every=3 applied", "save_every=1 applied", "checkpointing='none' applied"):
+        assert line in err, err
+    assert result.steps == 4 and result.accumulation == 2
+    saved = json.loads((finished_run / "config.json").read_text())["train"]
+    assert saved["max_steps"] == 4 and saved["eval_every"] == 3, saved
+
+
+def test_resume_refuses_other_data_of_the_same_size_and_another_model(finished_run, text_file, tmp_path):
+    config = TrainConfig(max_steps=4, micro_batch_size=2, out_dir=str(finished_run), resume=True, progress=False)
+    other = tmp_path / "other.txt"
+    other.write_bytes(TEXT.replace(b"Point", b"Plane"))  # same length, other text
+    with pytest.raises(ConfigError, match=r"the same \d+ examples, but other contents") as info:
+        train(_tiny_model(), _tiny_data(other), config)
+    assert "examples now" not in str(info.value)
+    torch.manual_seed(0)
+    wider = GPT(GPTConfig(seq_len=32, n_layer=3, n_head=2, n_embd=32))
+    with pytest.raises(ConfigError, match="the model differs") as info:
+        train(wider, _tiny_data(text_file), config)
+    assert "parameter(s) only in this model (blocks.2." in str(info.value), info.value
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match=r"28 of another shape \(wte.weight: \[256, 48\] now, \[256, 32\] then"):
+        train(GPT(GPTConfig(seq_len=32, n_layer=2, n_head=2, n_embd=48)), _tiny_data(text_file), config)
+
+
+def test_a_foreign_name_under_checkpoints_neither_crashes_a_run_nor_a_resume(finished_run, text_file):
+    (finished_run / "checkpoints" / "step-abc").mkdir()
+    (finished_run / "checkpoints" / "step-12x").write_text("not a checkpoint")
+    config = TrainConfig(max_steps=4, micro_batch_size=2, out_dir=str(finished_run), resume=True, progress=False,
+                         save_every=1)
+    result = train(_tiny_model(), _tiny_data(text_file), config)
+    assert result.steps == 4
+    names = sorted(p.name for p in (finished_run / "checkpoints").iterdir())
+    assert names == ["step-0000003", "step-0000004", "step-12x", "step-abc"], names
+
+
+# -- one clear error, or a stated choice, instead of a traceback (item 22) ---------------------------------
+def test_a_model_without_parameters_is_a_clear_error(tmp_path, text_file):
+    with pytest.raises(ConfigError, match="has no parameters: there is nothing to train"):
+        train(torch.nn.Identity(), _tiny_data(text_file), TrainConfig(max_steps=1, progress=False,
+                                                                       out_dir=str(tmp_path / "x")))
+    assert not (tmp_path / "x").exists()
+
+
+class _FlatLM(torch.nn.Module):
+    """A language model with no repeated blocks: nothing for auto-detection to checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 16)
+        self.head = torch.nn.Linear(16, 256)
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_auto_trains_a_model_without_blocks_unchekpointed_and_says_why(tmp_path, text_file, capsys):
+    result = train(_FlatLM(), _tiny_data(text_file), TrainConfig(max_steps=2, micro_batch_size=2, progress=False,
+                                                                 sample_bytes=0, out_dir=str(tmp_path / "flat")))
+    assert result.checkpointed_blocks == () and result.steps == 2
+    assert "checkpointing off, because: auto found no repeated blocks in _FlatLM" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no repeated blocks found"):  # asked for explicitly: an error
+        train(_FlatLM(), _tiny_data(text_file), TrainConfig(max_steps=1, checkpointing="all", progress=False))
+
+
+# -- the schedule and the step's device waits (items 23, 7) ------------------------------------------------
+def test_the_default_warm_up_lets_a_short_run_reach_its_learning_rate():
+    from memtrain.train import lr_at, warmup_steps_of
+
+    for max_steps, warmup in ((10, 1), (5, 0), (500, 50), (10_000, 50)):
+        config = TrainConfig(max_steps=max_steps, lr=1e-3)
+        assert warmup_steps_of(config) == warmup
+        assert max(lr_at(s, config) for s in range(max_steps)) == pytest.approx(1e-3), max_steps
+    assert warmup_steps_of(TrainConfig(warmup_steps=7)) == 7
+    with pytest.raises(ConfigError, match="warmup_steps=20 is more than max_steps=10"):
+        TrainConfig(max_steps=10, warmup_steps=20).validate()
+
+
+def test_a_resume_keeps_the_runs_automatic_warm_up_when_max_steps_grows(tmp_path, text_file):
+    out = tmp_path / "warm"
+    train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=10, micro_batch_size=2, out_dir=str(out),
+                                                            progress=False, sample_bytes=0, save_every=5))
+    train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=20, micro_batch_size=2, out_dir=str(out),
+                                                            progress=False, sample_bytes=0, resume=True))
+    from memtrain.train import lr_at
+
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # Step 11 runs on the new schedule (it ends at step 20), with the run's warm-up of 1 step (from max_steps 10)
+    # kept: not the old schedule's last rate, nor a new warm-up of min(50, 20 // 10) = 2 steps.
+    expected = lr_at(10, TrainConfig(max_steps=20, warmup_steps=1, lr=3e-3))
+    assert lrs[10] == pytest.approx(expected), lrs
+    assert lrs[9] == pytest.approx(lr_at(9, TrainConfig(max_steps=10, warmup_steps=1, lr=3e-3))), lrs
+    assert expected != pytest.approx(lr_at(10, TrainConfig(max_steps=20, lr=3e-3)))
+
+
+def test_the_training_step_does_not_stall_the_device_queue_to_measure(tmp_path, text_file, monkeypatch):
+    """The per-step meter used to synchronise twice per step; on CUDA the step's only wait is its own, at its
+    end. Modelled on the CPU: the meter believes the model is on CUDA and every CUDA call is counted."""
+    from memtrain.measure import MemoryMeter
+
+    calls = []
+    model = _tiny_model()
+    trained = {id(p) for p in model.parameters()}
+
+    def as_if_on_cuda(tensors):  # only the trained model's meters: the estimate check's traces fake tensors
+        return {torch.device("cuda", 0) if id(t) in trained else t.device for t in tensors}
+
+    monkeypatch.setattr(MemoryMeter, "_devices", staticmethod(as_if_on_cuda))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 123)
+    train(model, _tiny_data(text_file), TrainConfig(max_steps=3, micro_batch_size=2, progress=False))
+    assert calls.count("reset") == 3 and "synchronize" not in calls, calls
+
+
+def test_train_config_errors_name_arguments_and_suggest_only_what_it_accepts():
+    bad = TrainConfig(max_steps=0, lr=float("nan"), seed=-1, checkpointing="every:2", precision="fp8",
+                      overwrite=True, resume=True, offload_optimizer=True, fsdp=True, warmup_steps=-1)
+    with pytest.raises(ConfigError) as info:
+        bad.validate()
+    problems = info.value.problems
+    assert not [p for p in problems if "--" in p], problems  # flags are the CLI's words, not the library's
+    assert any("out_dir='DIR'" in p for p in problems), problems
+    checkpointing = next(p for p in problems if p.startswith("checkpointing="))
+    assert "every:K" not in checkpointing and "checkpoint_every=2" in checkpointing, checkpointing
+    TrainConfig(checkpointing="every", checkpoint_every=2).validate()  # what the message suggests is accepted
