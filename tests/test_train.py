@@ -200,7 +200,9 @@ def test_offloaded_optimizer_matches_device_adamw_with_accumulation_and_clipping
 
 
 def test_chunked_loss_keeps_fewer_bytes_for_the_same_weights(tmp_path, text_file):
-    """With checkpointing on, train chunks the loss by default: the saved bytes fall, the weights stay (1e-5)."""
+    """With checkpointing on, train chunks the loss by default: the saved bytes fall, the weights stay within 1e-4
+    after 3 AdamW steps at lr 1e-2 (torch's chunked linear cross-entropy sums in another order than the whole-logits
+    loss, and Adam's normalisation amplifies such rounding where a gradient is near zero)."""
     runs = {}
     for chunked in (False, True):
         out = tmp_path / f"chunked{chunked}"
@@ -212,7 +214,7 @@ def test_chunked_loss_keeps_fewer_bytes_for_the_same_weights(tmp_path, text_file
     # gpt-tiny here: vocabulary 256 over width 32, so the fp32 log-softmax dwarfs the hidden states kept instead
     assert runs[True].activation_bytes < runs[False].activation_bytes / 2, (runs[True].activation_bytes,
                                                                             runs[False].activation_bytes)
-    assert_same_weights(tmp_path / "chunkedFalse", tmp_path / "chunkedTrue", atol=1e-5)
+    assert_same_weights(tmp_path / "chunkedFalse", tmp_path / "chunkedTrue", atol=1e-4)
     report = json.loads((tmp_path / "chunkedTrue" / "report.json").read_text())
     check = report["estimate_check"]  # the estimate knows the loss is chunked: saved bytes on CPU within 5%
     assert abs(check["relative_error"]) < 0.05, check["log"]
