@@ -178,7 +178,7 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
         try:
             cached = json.loads(path.read_text()).get(key)
             if cached:
-                return DeviceProfile(**{**cached, "source": f"probe (cached in {path})"})
+                return DeviceProfile(**{**cached, "source": f"{cached.get('source', 'probe')}, cached in {path}"})
         except (OSError, ValueError, TypeError):
             pass  # an unreadable cache is measured again and rewritten
     profile = _probe(device, name)
@@ -188,7 +188,7 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
 
             path.parent.mkdir(parents=True, exist_ok=True)
             entries = json.loads(path.read_text()) if path.is_file() else {}
-            entries[key] = {k: v for k, v in profile.to_dict().items() if k != "source"}
+            entries[key] = profile.to_dict()
             atomic_write_bytes(path, json.dumps(entries, indent=2).encode())
         except (OSError, ValueError):
             pass  # a read-only home: the figures are used, not kept
@@ -202,14 +202,17 @@ def _probe(device: torch.device, name: str) -> DeviceProfile:
     dim = 4096 if cuda else 1024
     weight = torch.randn(dim, dim, device=device, dtype=dtype)
     rates = []
-    for m in ((512, 2048, 8192, 32768) if cuda else (64, 256, 1024, 4096)):
+    for m in ((512, 2048, 8192, 32768) if cuda else (128, 512, 2048, 8192)):
         x = torch.randn(m, dim, device=device, dtype=dtype)
-        seconds = _timed(lambda x=x: x @ weight, sync)
+        seconds = _timed(lambda x=x: x @ weight, sync, repeats=5)
         rates.append((m, 2.0 * m * dim * dim / seconds))
-    peak = max(r for _, r in rates)
-    # rate(m) = peak * m / (m + h): solve for h at each size below the top one and take the median.
-    halves = sorted(m * (peak / r - 1) for m, r in rates if r < peak) or [0.0]
-    half = float(np.median(halves))
+    # rate(m) = peak * m / (m + half) is 1/rate = 1/peak + (half/peak) / m: a straight line in 1/m, fitted by least
+    # squares over the sizes (robust to one noisy size, unlike the largest rate alone).
+    slope, intercept = np.polyfit([1.0 / m for m, _ in rates], [1.0 / r for _, r in rates], 1)
+    if intercept > 0 and slope >= 0:
+        peak, half = float(1.0 / intercept), float(slope / intercept)
+    else:  # no size effect measurable: the best rate at any size
+        peak, half = max(r for _, r in rates), 0.0
     b, h, t, d = (4, 16, 2048, 128) if cuda else (1, 4, 512, 64)
     q = torch.randn(b, h, t, d, device=device, dtype=dtype)
     seconds = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), sync)
@@ -261,8 +264,21 @@ def _probe(device: torch.device, name: str) -> DeviceProfile:
                          memory_bandwidth=bandwidth, op_overhead_s=overhead, host_to_device=h2d, device_to_host=d2h,
                          cpu_adamw=cpu_adamw, host_bandwidth=host_bandwidth,
                          interconnect=table.interconnect if table is not None else (20e9 if cuda else 5e9),
-                         memory_bytes=memory, source="probe", asynchronous=cuda, cpu_adamw_bf16=lean["bf16"],
+                         memory_bytes=memory, source=_probe_source(), asynchronous=cuda, cpu_adamw_bf16=lean["bf16"],
                          cpu_adamw_int8=lean["int8"])
+
+
+def _probe_source() -> str:
+    """How the probe ran: other work on the machine lowers every rate it measures (seen here: 5-20x on 2 busy
+    cores), so a probe taken under load says so."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return "probe"
+    cores = os.cpu_count() or 1
+    busy = f"; probed under load {load:.1f} on {cores} cores: rates low, run memtrain plan --calibrate again when " \
+           "the machine is idle" if load > 0.75 * cores else ""
+    return f"probe (load {load:.1f} on {cores} cores{busy})"
 
 
 def device_profile(device: str | torch.device, *, calibrated: bool = False) -> DeviceProfile:
