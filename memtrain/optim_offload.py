@@ -118,6 +118,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             before update t: each update uses a gradient one step stale. Each ``step()`` consumes its gradients
             (the next backward writes a second host buffer: 4 more bytes per parameter of host RAM). Call
             ``synchronize()`` before evaluating or saving the model.
+        device_dtype: e.g. ``torch.bfloat16``: the fp32 masters are taken from the parameters as given, then the
+            device parameters are cast to this dtype (2 bytes per parameter off the device, and the master keeps
+            the weights' fp32 digits; casting the model first would start the master from rounded weights).
         grad_scaler: the fp16 ``torch.amp.GradScaler`` in use, if any: ``step()`` then unscales the host
             gradients and checks them for inf/NaN itself (``scaler.unscale_(optimizer)`` cannot see gradients on
             the host: call ``optimizer.clip_grad_norm_`` instead; ``scaler.step``/``scaler.update`` work as usual).
@@ -154,6 +157,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         offload_gradients: bool = True,
         delayed_update: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
+        device_dtype: torch.dtype | None = None,
         **optimizer_kwargs: Any,
     ):
         groups, names = _parse_params(params, optimizer_class)
@@ -193,10 +197,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         master_flat = _host_buffer(total, torch.float32, pin)
         # Never read before written: a gradient's first landing copies, later ones add.
         grad_flats = [_host_buffer(total, torch.float32, pin) for _ in range(1 + delayed_update)]
+        def target(p: torch.Tensor) -> torch.dtype:  # the device parameter's dtype once set up
+            return device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
+
         cast_numel: dict[torch.dtype, int] = {}
         for p in flat:
-            if p.dtype != torch.float32:
-                cast_numel[p.dtype] = cast_numel.get(p.dtype, 0) + _aligned(p.numel())
+            if target(p) != torch.float32:
+                cast_numel[target(p)] = cast_numel.get(target(p), 0) + _aligned(p.numel())
         cast_flats = {dt: _host_buffer(n, dt, pin) for dt, n in cast_numel.items()}
         group_index = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         slots: dict[int, _Slot] = {}
@@ -204,9 +211,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for i in order:
             p, n = flat[i], flat[i].numel()
             cast = None
-            if p.dtype in cast_flats:
-                cast = cast_flats[p.dtype][cast_offset[p.dtype]:cast_offset[p.dtype] + n].view(p.shape)
-                cast_offset[p.dtype] += _aligned(n)
+            if target(p) in cast_flats:
+                cast = cast_flats[target(p)][cast_offset[target(p)]:cast_offset[target(p)] + n].view(p.shape)
+                cast_offset[target(p)] += _aligned(n)
             slot = _Slot(
                 key=names[i] if names is not None else i,
                 group=group_index[id(p)],
@@ -217,6 +224,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
             with torch.no_grad():
                 slot.master.copy_(p.detach())
+                if target(p) != p.dtype:
+                    p.data = p.data.to(target(p))  # after the master took the full-precision digits
             slots[i] = slot
             offset += _aligned(n)
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them

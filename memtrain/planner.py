@@ -2003,9 +2003,10 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> PlannedRun:
     """Configures ``model`` in place as ``plan`` says and builds the optimizer and accumulator it asks for.
 
-    In order: device weights' dtype, checkpointing (per-block policies, selective, offloaded inputs), the
-    chunked loss, DDP/FSDP2, ``torch.compile``, the optimizer (``torch.optim.AdamW(fused=True)`` or
-    ``CPUOffloadOptimizer``), the ``GradientAccumulator``.
+    In order: checkpointing (per-block policies, selective, offloaded inputs), the chunked loss, an offloaded
+    optimizer (``CPUOffloadOptimizer``, which takes the fp32 master and then makes the device weights bf16 where
+    the plan says), DDP/FSDP2, ``torch.compile``, a device optimizer (``torch.optim.AdamW(fused=True)`` or
+    ``memtrain.optim.build_optimizer``'s lean variants), the ``GradientAccumulator``.
 
     Args:
         model: the model the plan was made for, on its training device.
@@ -2030,10 +2031,6 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                           f"{len(s.blocks)} (made for another model). To resolve this error, plan this model.")
     device = next(model.parameters()).device
     precision = MixedPrecision(s.precision, device.type)  # type: ignore[arg-type]
-    if s.optimizer == "offload-bf16-weights":
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(torch.bfloat16)
     remove_checkpointing(model)
     wrapped: list[str] = []
     if "recompute" in s.blocks or "offload" in s.blocks:
@@ -2053,6 +2050,10 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         raise ConfigError(f"apply_plan: the plan's distribution is {s.distribution!r}, and this process group has "
                           f"{world} rank(s). To resolve this error, plan with world_size equal to torchrun's "
                           "--nproc_per_node.")
+    hyper = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+    # An offloaded optimizer before DDP (which buckets the weights as they are): it may cast them to bf16. A device
+    # optimizer after FSDP2, whose sharded parameters it must hold.
+    optimizer = _planned_optimizer(model, s, precision, world, hyper) if s.optimizer != "device" else None
     if s.distribution == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -2065,29 +2066,36 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if s.compile:
         train_model = torch.compile(train_model)  # type: ignore[assignment]
-    hyper = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and not s.offload_fraction:
-        # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW([p for _, p in trainable], fused=True, **hyper)
-    elif s.optimizer == "device":
-        from memtrain.optim import build_optimizer
-
-        optimizer = build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
-                                    step_in_backward=s.step_in_backward, grad_scaler=precision.scaler,
-                                    world_size=world, **hyper)
-    else:
-        from memtrain.optim_offload import CPUOffloadOptimizer
-
-        # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that
-        # would have copied them to the host. In one process they stream to the host during backward.
-        optimizer = CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
-                                        **hyper)
+    if optimizer is None:
+        optimizer = _planned_optimizer(model, s, precision, world, hyper)
     accumulator = GradientAccumulator(train_model, optimizer, steps=s.accumulation, scaler=precision.scaler,
                                       scheduler=scheduler(optimizer) if scheduler is not None else None,
                                       max_grad_norm=max_grad_norm)
     return PlannedRun(settings=s, model=model, train_model=train_model, optimizer=optimizer, accumulator=accumulator,
                       precision=precision, blocks=wrapped)
+
+
+def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world: int,
+                       hyper: dict[str, Any]) -> torch.optim.Optimizer:
+    """AdamW as the plan places it, over the parameters that require grad (a LoRA model's adapters)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and not s.offload_fraction:
+        # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
+        return torch.optim.AdamW([p for _, p in trainable], fused=True, **hyper)
+    if s.optimizer == "device":
+        from memtrain.optim import build_optimizer
+
+        return build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
+                               step_in_backward=s.step_in_backward, grad_scaler=precision.scaler,
+                               world_size=world, **hyper)
+    from memtrain.optim_offload import CPUOffloadOptimizer
+
+    # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that would
+    # have copied them to the host. In one process they stream to the host during backward.
+    # offload-bf16-weights: the fp32 master takes the weights' full digits, then the device copy becomes bf16.
+    bf16 = torch.bfloat16 if s.optimizer == "offload-bf16-weights" else None
+    return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
+                               device_dtype=bf16, **hyper)
 
 
 __all__ = ["Candidate", "DeviceProfile", "Plan", "PlanSettings", "PlannedRun", "apply_plan", "calibrate",

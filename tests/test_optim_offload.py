@@ -204,6 +204,23 @@ def test_bf16_device_weights_with_fp32_master() -> None:
             assert diff == 0.0, f"{name}: fp32 master differs from fp32 AdamW by {diff:.3e}"
 
 
+def test_device_dtype_keeps_the_fp32_digits_in_the_master() -> None:
+    """device_dtype=bf16 on an fp32 model: the master holds the weights as given (not bf16-rounded), the device
+    parameters become the rounded copy, and a step leaves them the rounded master."""
+    model = make_mlp()
+    given = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = CPUOffloadOptimizer(model.named_parameters(), device_dtype=torch.bfloat16, **HYPER)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, given[name].to(torch.bfloat16)), name
+    for slot in opt._slots:
+        assert torch.equal(slot.master, given[slot.key]), f"{slot.key}: the master lost fp32 digits"
+    x, y = next(iter(batches(1)))
+    loss_fn(model, x.bfloat16(), y.bfloat16()).backward()
+    opt.step()
+    for slot in opt._slots:
+        assert torch.equal(slot.device, slot.master.to(torch.bfloat16)), f"{slot.key}: not the rounded master"
+
+
 # -- fp16 GradScaler ----------------------------------------------------------------------------------------
 def test_fp16_scaler_skips_overflow_and_matches_torch() -> None:
     ref, ours = make_mlp(), make_mlp()
