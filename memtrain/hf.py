@@ -295,6 +295,12 @@ def _strip_wrappers(model: nn.Module) -> nn.Module:
 
 
 # -- export --------------------------------------------------------------------------------------------------------
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``save_hf`` can write ``model``: a transformers ``PreTrainedModel`` or a PEFT model (inside
+    compile/DDP wrappers too), whatever is installed."""
+    return callable(getattr(_strip_wrappers(model), "save_pretrained", None))
+
+
 def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: Any = None) -> Path:
     """Writes a Hugging Face folder: the model's ``config.json`` and ``model.safetensors`` (its own parameter
     names and dtype; sharded as ``save_pretrained`` shards), or for a LoRA model ``adapter_config.json`` and

@@ -45,7 +45,7 @@ QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned 8-bit code books, fp32, once
 LOWBIT_EXTRA = "pip install 'memtrain[lowbit]'"
 # Elements per chunk of BF16StateAdamW's step: the fp32 copies of the moments live only for one chunk.
 BF16_CHUNK = {"cuda": 1 << 24, "cpu": 1 << 18}
-_INT8_DEVICES = ("cpu", "cuda")
+INT8_DEVICES = ("cpu", "cuda")
 
 
 # -- bf16 moments -------------------------------------------------------------------------------------------
@@ -176,10 +176,10 @@ def adamw_8bit_class(device_type: str = "cpu") -> type[torch.optim.Optimizer]:
             bf16 fallback).
     """
     global _ADAMW8BIT
-    if device_type not in _INT8_DEVICES:
+    if device_type not in INT8_DEVICES:
         raise ConfigError(
             f"state_precision='int8' on a {device_type!r} device: bitsandbytes' 8-bit AdamW runs on "
-            f"{' and '.join(_INT8_DEVICES)} only. To resolve this error, pass state_precision='bf16' (4 bytes per "
+            f"{' and '.join(INT8_DEVICES)} only. To resolve this error, pass state_precision='bf16' (4 bytes per "
             "parameter, no extra needed) or train on a CUDA device.")
     if _ADAMW8BIT is not None:
         return _ADAMW8BIT

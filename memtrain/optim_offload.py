@@ -659,6 +659,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """Finishes a delayed update and copies its weights to the device (no-op without delayed_update)."""
         self._finish_update()
 
+    def master_weights(self) -> dict[int, torch.Tensor]:
+        """``id(parameter)`` -> its fp32 master on the host (finished updates included): the weights to save
+        where the device holds bf16 copies (``device_dtype``)."""
+        self._finish_update()
+        return {id(slot.device): slot.master for slot in self._slots}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._early:
             raise MemtrainError(

@@ -350,6 +350,20 @@ class PlanSettings:
         out["checkpointing"] = self.checkpointing
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PlanSettings:
+        """The settings ``to_dict`` wrote (e.g. in a run's checkpoint).
+
+        Raises:
+            ConfigError: a dictionary that is not one (a missing or unknown field).
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: (tuple(v) if k == "blocks" else v) for k, v in d.items() if k in names})
+        except TypeError as e:
+            raise ConfigError(f"{d!r} is not a plan's settings ({e}). To resolve this error, pass what "
+                              "PlanSettings.to_dict() wrote.") from None
+
 
 @dataclass(frozen=True)
 class Fixed:
@@ -362,6 +376,62 @@ class Fixed:
     state_precision: str | None = None
     step_in_backward: bool | None = None
     offload_fraction: float | None = None
+    compile: bool | None = None  # torch.compile the step (True), or not (False)
+
+    @classmethod
+    def of_choices(cls, *, n_blocks: int, device: str, checkpointing: Any = None, offload_activations: bool | None = None,
+                   offload_optimizer: bool | None = None, chunked_loss: bool | None = None,
+                   state_precision: str | None = None, step_in_backward: bool | None = None,
+                   offload_fraction: float | None = None) -> tuple[Fixed, frozenset[str], list[str]]:
+        """A user's choices (``TrainConfig``'s, a command's flags; None: the plan's) as the constraints of a plan.
+
+        Returns:
+            (the fixed choices, the ``TECHNIQUES`` the search may use, notes for choices that do nothing on
+            ``device``).
+
+        Raises:
+            ConfigError: a checkpointing policy that is not one.
+        """
+        from memtrain.checkpointing import Checkpointing
+
+        allowed, notes = set(TECHNIQUES), []
+        cuda = device == "cuda"
+        policy = None if checkpointing is None else Checkpointing.parse(checkpointing)
+        offload = offload_activations
+        if policy is not None and policy.offload_inputs:
+            offload = True
+        if offload and not cuda:
+            notes.append("activation offload has no effect on a CPU-only run (no device memory to save): off")
+            offload = False
+            if policy is not None:
+                policy = dataclasses.replace(policy, offload_inputs=False)
+        blocks: tuple[BlockKind, ...] | None = None
+        flavor: RecomputeFlavor | None = None
+        if policy is not None:
+            blocks = policy.block_policies(n_blocks)
+            flavor = "selective" if policy.mode == "selective" else "full"
+            if offload and "recompute" in blocks:
+                flavor = "offload-inputs"  # the recomputed blocks' saved inputs wait in host memory
+            elif offload:
+                blocks = ("offload",) * n_blocks  # nothing recomputes: every block's activations go to the host
+        elif offload:
+            # Asked for, with the layout left open: every block recomputes and its saved input is offloaded.
+            blocks, flavor = ("recompute",) * n_blocks, "offload-inputs"
+        if offload is False:
+            allowed.discard("offload-activations")
+        optimizer: OptimizerPlacement | None = None
+        if offload_optimizer is True:
+            optimizer = "offload"
+        elif offload_optimizer is False or offload_fraction is not None:
+            optimizer = "device"
+            if offload_fraction is None:
+                offload_fraction = 0.0
+        if state_precision is not None or step_in_backward:
+            optimizer = optimizer or "device"  # lean moments and the in-backward step are device optimizers
+        fixed = cls(blocks=blocks, flavor=flavor, chunked_loss=chunked_loss, optimizer=optimizer,
+                    state_precision=state_precision, step_in_backward=step_in_backward,
+                    offload_fraction=offload_fraction)
+        return fixed, frozenset(allowed), notes
 
 
 @dataclass(frozen=True)
@@ -1091,6 +1161,18 @@ class _Results:
 
 
 # -- plan() -------------------------------------------------------------------------------------------------
+def budget_bytes(value: Any, name: str = "budget") -> int | None:
+    """A budget as bytes: an int, a size such as ``"24GiB"`` / ``"8000MB"``, or None / ``"unlimited"`` (None).
+
+    Raises:
+        ConfigError: a negative, zero, non-finite or unparsable value (naming ``name``).
+    """
+    problems: list[str] = []
+    out = _budget(value, name, problems)
+    ConfigError.raise_if(problems)
+    return out
+
+
 def _budget(value: Any, name: str, problems: list[str]) -> int | None:
     if value is None:
         return None
@@ -1479,7 +1561,7 @@ def plan(
     micros = [micro_batch_size] if micro_batch_size is not None else _divisors(per_rank)
     choices = _optimizer_choices(placements, states, distributions, allowed, cuda, fixed)
     for placement, state, in_backward, fraction, dist in choices:
-        for compiled in ([False, True] if compile else [False]):
+        for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
             for chunked in losses:
                 for b in micros:
                     if in_backward and per_rank // b > 1:
@@ -1510,14 +1592,16 @@ _PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # partial optimizer offloads the search 
 
 
 def _int8_runs(device: str) -> bool:
-    """Whether bitsandbytes' 8-bit AdamW is importable for ``device`` (the lowbit extra)."""
-    from memtrain.optim import adamw_8bit_class
+    """Whether bitsandbytes' 8-bit AdamW is installed (the lowbit extra) and has kernels for ``device``.
 
-    try:
-        adamw_8bit_class(device)
-    except ConfigError:
-        return False
-    return True
+    NOTE: found, not imported: importing bitsandbytes takes seconds (it loads torch.compile's machinery), which a
+    plan that never picks int8 moments should not pay; apply_plan imports it when it does.
+    """
+    import importlib.util
+
+    from memtrain.optim import INT8_DEVICES
+
+    return device in INT8_DEVICES and importlib.util.find_spec("bitsandbytes") is not None
 
 
 def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequence[str],
@@ -1557,10 +1641,11 @@ def _check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision
                                                                   for k in f.blocks)):
         problems.append(f"the checkpointing layout has {len(f.blocks)} entries {sorted(set(f.blocks))}: the model "
                         f"has {n_blocks} blocks, each 'keep', 'recompute' or 'offload'.")
-    if not cuda and ((f.blocks is not None and "offload" in f.blocks) or f.flavor == "offload-inputs"
-                     or f.optimizer not in (None, "device")):
-        problems.append("an offload (activations or optimizer) on a CPU only copies within RAM. To resolve this "
-                        "error, drop it (offload_activations / offload_optimizer) for a CPU run.")
+    if not cuda and ((f.blocks is not None and "offload" in f.blocks) or f.flavor == "offload-inputs"):
+        problems.append("activation offload on a CPU only copies within RAM. To resolve this error, drop it "
+                        "(offload_activations) for a CPU run.")
+    # NOTE: a fixed optimizer offload is planned on the CPU too (CPUOffloadOptimizer runs there, the same code
+    # path as on a GPU); the search never proposes one there.
     if f.chunked_loss and not chunkable:
         problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss). To "
                         "resolve this error, pass chunked_loss=False (or leave it to the plan).")
@@ -1651,9 +1736,9 @@ def _check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, w
         problems.append(f"micro_batch_size {s.micro_batch_size} x accumulation {s.accumulation} is not the "
                         f"{per_rank} examples each rank takes per step. To resolve this error, pass a micro-batch "
                         f"among {_divisors(per_rank)} with the accumulation that makes {per_rank}.")
-    if not cuda and ("offload" in s.blocks or s.flavor == "offload-inputs" or s.optimizer != "device"):
-        problems.append("an offload (activations or optimizer) on a CPU only copies within RAM. To resolve this "
-                        "error, plan it for device='cuda'.")
+    if not cuda and ("offload" in s.blocks or s.flavor == "offload-inputs"):
+        problems.append("activation offload on a CPU only copies within RAM. To resolve this error, plan it for "
+                        "device='cuda'.")
     if s.optimizer == "offload-bf16-weights" and precision != "bf16-mixed":
         problems.append(f"bf16 device weights need precision bf16-mixed, not {precision}.")
     if (s.distribution == "none") != (world == 1):
@@ -2020,30 +2105,13 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
             initialised with ``plan.world_size`` ranks.
     """
     from memtrain.accumulation import GradientAccumulator
-    from memtrain.checkpointing import apply_checkpointing, find_blocks, remove_checkpointing
-    from memtrain.loss import apply_chunked_loss, remove_chunked_loss
     from memtrain.precision import MixedPrecision
 
     s = plan.settings if isinstance(plan, Plan) else plan
-    names = find_blocks(model)
-    if len(names) != len(s.blocks) or (isinstance(plan, Plan) and tuple(names) != plan.block_names):
-        raise ConfigError(f"apply_plan: the model's {len(names)} blocks {names[:3]}... are not the plan's "
-                          f"{len(s.blocks)} (made for another model). To resolve this error, plan this model.")
+    names = _check_blocks(model, s, plan.block_names if isinstance(plan, Plan) else None)
     device = next(model.parameters()).device
     precision = MixedPrecision(s.precision, device.type)  # type: ignore[arg-type]
-    remove_checkpointing(model)
-    wrapped: list[str] = []
-    if "recompute" in s.blocks or "offload" in s.blocks:
-        wrapped = apply_checkpointing(
-            model, policies=s.policies(names),
-            selective=("matmul", "attention") if s.flavor == "selective" else None,
-            offload=s.flavor == "offload-inputs")
-    remove_chunked_loss(model)
-    if s.chunked_loss:
-        apply_chunked_loss(model)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # a KV cache only holds memory in training (the plan's estimate has none)
+    wrapped = configure_model(model, s)
     train_model: nn.Module = model
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if (s.distribution == "none") != (world == 1):
@@ -2075,6 +2143,45 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                       precision=precision, blocks=wrapped)
 
 
+def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:
+    """The model's part of ``apply_plan``, in place: checkpointing per block (recompute / offload, the
+    flavor), the chunked loss, no KV cache. Undoes what an earlier plan set, so a re-plan calls it again.
+    Returns the wrapped blocks' names.
+
+    Raises:
+        ConfigError: the model's blocks are not the plan's.
+    """
+    from memtrain.checkpointing import apply_checkpointing, remove_checkpointing
+    from memtrain.loss import apply_chunked_loss, remove_chunked_loss
+
+    names = _check_blocks(model, settings, None)
+    wrapped: list[str] = []
+    if settings.blocks:  # no blocks detected: checkpointing the user applied by hand stays
+        remove_checkpointing(model)
+    if "recompute" in settings.blocks or "offload" in settings.blocks:
+        wrapped = apply_checkpointing(
+            model, policies=settings.policies(names),
+            selective=("matmul", "attention") if settings.flavor == "selective" else None,
+            offload=settings.flavor == "offload-inputs")
+    remove_chunked_loss(model)
+    if settings.chunked_loss:
+        apply_chunked_loss(model)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # a KV cache only holds memory in training (the plan's estimate has none)
+    return wrapped
+
+
+def _check_blocks(model: nn.Module, s: PlanSettings, planned: tuple[str, ...] | None) -> list[str]:
+    from memtrain.checkpointing import find_blocks
+
+    names = find_blocks(model)
+    if len(names) != len(s.blocks) or (planned is not None and tuple(names) != planned):
+        raise ConfigError(f"apply_plan: the model's {len(names)} blocks {names[:3]}... are not the plan's "
+                          f"{len(s.blocks)} (made for another model). To resolve this error, plan this model.")
+    return names
+
+
 def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world: int,
                        hyper: dict[str, Any]) -> torch.optim.Optimizer:
     """AdamW as the plan places it, over the parameters that require grad (a LoRA model's adapters)."""
@@ -2098,5 +2205,5 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
                                device_dtype=bf16, **hyper)
 
 
-__all__ = ["Candidate", "DeviceProfile", "Plan", "PlanSettings", "PlannedRun", "apply_plan", "calibrate",
-           "device_profile", "known_gpu", "plan", "predictions"]
+__all__ = ["Candidate", "DeviceProfile", "Fixed", "Plan", "PlanSettings", "PlannedRun", "apply_plan", "budget_bytes",
+           "calibrate", "configure_model", "device_profile", "known_gpu", "plan", "predictions"]

@@ -635,11 +635,13 @@ class RunFolder:
         self.release()
 
     # -- the run's config -------------------------------------------------------------------------------
-    def write_config(self, config: Mapping[str, Any], command: Mapping[str, Any] | None) -> None:
+    def write_config(self, config: Mapping[str, Any], command: Mapping[str, Any] | None,
+                     plan: Mapping[str, Any] | None = None) -> None:
         """config.json: the run's settings (and the command's flags that started it), for a resume from the folder
-        alone."""
-        doc = {"format": RUN_FORMAT, "train": dict(config), "command": dict(command) if command else None}
-        atomic_write_bytes(self.path / "config.json", json.dumps(doc, indent=2).encode())
+        alone, and the plan it started with (whose optimizer a resume keeps)."""
+        doc = {"format": RUN_FORMAT, "train": dict(config), "command": dict(command) if command else None,
+               "plan": dict(plan) if plan else None}
+        atomic_write_bytes(self.path / "config.json", json.dumps(doc, indent=2, default=str).encode())
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

@@ -24,9 +24,10 @@ def text_file(tmp_path):
 
 def test_train_end_to_end_on_the_builtin_corpus(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", *TINY, "--out", str(out), "--json"]) == 0
+    assert main(["train", *TINY, "--checkpointing", "all", "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["steps"] == 4 and result["checkpointed_blocks"] == ["blocks.0", "blocks.1"]
+    assert result["plan"]["settings"]["micro_batch_size"] == 4 and result["plan"]["peak_bytes"] > 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
     assert all(m["activation_bytes"] > 0 and m["tokens_per_s"] > 0 for m in lines)
@@ -38,7 +39,7 @@ def test_train_end_to_end_on_the_builtin_corpus(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["with_memtrain"]["activation_bytes"] == lines[-1]["activation_bytes"]
     assert report["without_memtrain"]["activation_bytes"] > report["with_memtrain"]["activation_bytes"]
-    assert report["estimate_check"]["relative_error"] is not None
+    assert report["measurement"]["relative_error"] is not None
     for picture in ("loss.png", "memory.png"):
         assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
     assert len((out / "sample.txt").read_text()) > 0
@@ -121,8 +122,8 @@ def test_hf_config_trains(tmp_path, text_file, capsys):
                                       num_key_value_heads=1, vocab_size=256, max_position_embeddings=64)
     config.save_pretrained(tmp_path / "cfg")
     assert main(["train", "--hf-config", str(tmp_path / "cfg" / "config.json"), "--data", str(text_file),
-                 "--seq-len", "32", "--max-steps", "2", "--micro-batch-size", "2", "--no-progress",
-                 "--out", str(tmp_path / "run"), "--json"]) == 0
+                 "--seq-len", "32", "--max-steps", "2", "--micro-batch-size", "2", "--checkpointing", "all",
+                 "--no-progress", "--out", str(tmp_path / "run"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpointed_blocks"] == ["model.layers.0", "model.layers.1"]
 
 

@@ -43,11 +43,11 @@ def _worker(rank: int, init_file: str, folder: str) -> None:
         real_loss = train_module.language_model_loss
         forwards = {"n": 0}
 
-        def loss(model, x, y):  # one micro-batch per rank and step here: the n-th forward is step n's
+        def loss(model, x, y, position_ids=None):  # one micro-batch per rank and step: the n-th forward is step n's
             forwards["n"] += 1
             if rank == SIGNALLED_RANK and forwards["n"] == SIGNALLED_AT_STEP:
                 os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler preempting this rank's host would
-            return real_loss(model, x, y)
+            return real_loss(model, x, y, position_ids)
 
         train_module.language_model_loss = loss
         torch.manual_seed(0)
