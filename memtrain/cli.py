@@ -683,6 +683,12 @@ def _resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, exp
                             f"another model would not continue it. To resolve this error, drop {flag} (--resume "
                             "reads it from the run's config.json), or start a new run in another --out.")
     ConfigError.raise_if(problems)
+    # Runs recorded before the planner: checkpointing as [mode, K], and a --no-chunked-loss switch.
+    if isinstance(saved.get("checkpointing"), list):
+        mode, every = saved["checkpointing"]
+        saved["checkpointing"] = f"every:{every}" if mode == "every" else mode
+    if saved.get("no_chunked_loss") is True and "chunked_loss" not in saved:
+        saved["chunked_loss"] = False
     for dest, value in saved.items():
         if dest not in explicit and dest in now:
             setattr(args, dest, tuple(value) if isinstance(value, list) else value)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from memtrain.cli import main
+from memtrain.errors import ConfigError
 
 TINY = ["--model", "gpt-tiny", "--max-steps", "4", "--micro-batch-size", "4", "--no-progress"]
 
@@ -430,6 +431,25 @@ def test_progress_in_a_log_is_lines_not_carriage_returns_and_agrees_with_the_sum
     assert summary and summary.group(1) == progress[-1][1], (summary, progress)
 
 
+def test_a_config_file_sets_the_new_flags_switches_by_either_spelling(tmp_path):
+    from memtrain.cli import _apply_config_file, build_parser
+
+    (tmp_path / "run.toml").write_text('budget = "8MiB"\nno-chunked-loss = true\noffload-optimizer = false\n'
+                                       'offload-optimizer-fraction = 0.25\nlora = 4\ncheckpointing = "Every:2"\n'
+                                       'optimizer-state = "bf16"\nstep-in-backward = true\n')
+    parser = build_parser()
+    argv = ["train", "--config", str(tmp_path / "run.toml"), "--offload-optimizer-fraction", "0.5"]
+    assert _apply_config_file(parser, argv) >= {"budget", "chunked_loss", "offload_optimizer", "lora"}
+    args = parser.parse_args(argv)
+    assert (args.budget, args.chunked_loss, args.offload_optimizer, args.offload_optimizer_fraction, args.lora,
+            args.checkpointing, args.optimizer_state, args.step_in_backward) == (
+        8 * 2**20, False, False, 0.5, 4, "every:2", "bf16", True)
+    (tmp_path / "bad.toml").write_text('budget = "lots"\nchunked-loss = "yes"\n')
+    with pytest.raises(ConfigError) as info:
+        _apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "bad.toml")])
+    assert "'lots' is not a size" in str(info.value) and "chunked-loss = 'yes' must be true or false" in str(info.value)
+
+
 def test_library_errors_are_shown_in_flag_terms():
     from memtrain.cli import in_flag_terms
 
@@ -441,3 +461,6 @@ def test_library_errors_are_shown_in_flag_terms():
     assert in_flag_terms("world_size=2 now") == "torchrun --nproc_per_node 2 now"
     assert in_flag_terms("the precision of the run (precision='fp32')") == (
         "the precision of the run (--precision 'fp32')")
+    assert in_flag_terms("pass chunked_loss=True or offload_optimizer=False; state_precision='int8'") == (
+        "pass --chunked-loss or --no-offload-optimizer; --optimizer-state 'int8'")
+    assert in_flag_terms("world_size=2 with fsdp=False", "plan") == "--nproc 2 with --ddp"
