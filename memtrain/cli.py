@@ -1,10 +1,10 @@
-"""The ``memtrain`` command: ``memtrain train``, ``memtrain estimate`` and ``memtrain bench``.
+"""The ``memtrain`` command: ``memtrain train``, ``memtrain estimate``, ``memtrain plan`` and ``memtrain bench``.
 
 Exit codes: 0 success, 2 bad input (one message naming the fix), 1 an environment fault (one line: a full disk,
 a read-only filesystem, stdout closed early) or an internal failure (with its trace).
 
 The library names its arguments in its errors (``out_dir=``); this module translates them into flags (``--out``)
-with one table, ``ARGUMENT_FLAGS``.
+with one table, ``ARGUMENT_FLAGS`` (``COMMAND_FLAGS`` where one command spells an argument its own way).
 """
 
 from __future__ import annotations
@@ -36,42 +36,52 @@ ARGUMENT_FLAGS: dict[str, str] = {
     "weight_decay": "--weight-decay", "grad_clip": "--grad-clip", "precision": "--precision",
     "checkpointing": "--checkpointing", "checkpoint_every": "--checkpointing every:", "seed": "--seed",
     "eval_every": "--eval-every", "save_every": "--save-every", "seq_len": "--seq-len", "device": "--device",
-    "world_size": "torchrun --nproc_per_node",
+    "world_size": "torchrun --nproc_per_node", "budget": "--budget", "host_budget": "--host-budget",
+    "state_precision": "--optimizer-state", "offload_fraction": "--offload-optimizer-fraction",
 }
 # Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
 ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
     "overwrite": ("--overwrite", None), "resume": ("--resume", None), "fsdp": ("--fsdp", None),
-    "offload_optimizer": ("--offload-optimizer", None), "offload_activations": ("--offload-activations", None),
-    "compile": ("--compile", None), "chunked_loss": (None, "--no-chunked-loss"), "progress": (None, "--no-progress"),
+    "offload_optimizer": ("--offload-optimizer", "--no-offload-optimizer"),
+    "offload_activations": ("--offload-activations", "--no-offload-activations"),
+    "compile": ("--compile", None), "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
+    "progress": (None, "--no-progress"), "step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
+    "merge_lora": ("--merge-lora", None),
 }
+# Where a command spells an argument its own way: memtrain plan plans --nproc ranks and compares --fsdp / --ddp.
+COMMAND_FLAGS: dict[str, dict[str, str]] = {"plan": {"world_size": "--nproc"}}
+COMMAND_SWITCHES: dict[str, dict[str, tuple[str | None, str | None]]] = {"plan": {"fsdp": ("--fsdp", "--ddp")}}
 _VALUE = r"('[^']*'|\"[^\"]*\"|\[[^\]]*\]|[^\s,;)]+)"
 
 
-def in_flag_terms(message: str) -> str:
+def in_flag_terms(message: str, command: str | None = None) -> str:
     """A library message in the command's terms: ``out_dir='x'`` -> ``--out 'x'``, ``resume=True`` -> ``--resume``,
-    ``micro_batch_size`` -> ``--micro-batch-size``."""
+    ``micro_batch_size`` -> ``--micro-batch-size`` (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``)."""
+    flags = {**ARGUMENT_FLAGS, **COMMAND_FLAGS.get(command or "", {})}
+    switches = {**ARGUMENT_SWITCHES, **COMMAND_SWITCHES.get(command or "", {})}
+
     def switch(match: re.Match[str]) -> str:
-        on, off = ARGUMENT_SWITCHES[match.group(1)]
+        on, off = switches[match.group(1)]
         flag = on if match.group(2) == "True" else off
         return flag if flag is not None else f"without {off if match.group(2) == 'True' else on}"
 
-    names = "|".join(sorted(ARGUMENT_SWITCHES, key=len, reverse=True))
+    names = "|".join(sorted(switches, key=len, reverse=True))
     message = re.sub(rf"(?<![\w./-])({names})=(True|False)\b", switch, message)
-    names = "|".join(sorted(ARGUMENT_FLAGS, key=len, reverse=True))
+    names = "|".join(sorted(flags, key=len, reverse=True))
 
     def valued(match: re.Match[str]) -> str:
-        flag = ARGUMENT_FLAGS[match.group(1)]
+        flag = flags[match.group(1)]
         return f"{flag}{match.group(2)}" if flag.endswith(":") else f"{flag} {match.group(2)}"
 
     message = re.sub(rf"(?<![\w./-])({names})={_VALUE}", valued, message)
-    bare = [n for n in (*ARGUMENT_FLAGS, *ARGUMENT_SWITCHES) if "_" in n]
+    bare = [n for n in (*flags, *switches) if "_" in n]
     names = "|".join(sorted(bare, key=len, reverse=True))
 
     def named(match: re.Match[str]) -> str:
         name = match.group(1)
-        if name in ARGUMENT_FLAGS:
-            return ARGUMENT_FLAGS[name].removesuffix(" every:")
-        on, off = ARGUMENT_SWITCHES[name]
+        if name in flags:
+            return flags[name].removesuffix(" every:")
+        on, off = switches[name]
         return on or off or name
 
     return re.sub(rf"(?<![\w./-])({names})(?![\w=/-])", named, message)
@@ -135,14 +145,55 @@ def _grad_clip(text: str) -> float | None:
     return value
 
 
-def _checkpointing(text: str) -> tuple[str, int]:
-    """none | all | auto | every:K -> (mode, K)."""
-    if text in ("none", "all", "auto"):
-        return text, 2
-    match = re.fullmatch(r"every:(\d+)", text)
-    if match and int(match.group(1)) >= 1:
-        return "every", int(match.group(1))
-    raise argparse.ArgumentTypeError(f"{text!r} is not one of none, all, auto, every:K (K >= 1, e.g. every:2)")
+def _checkpointing(text: str) -> str:
+    """auto, or a spelling ``Checkpointing.parse`` reads, written back as ``str(Checkpointing)`` (one spelling
+    per policy in the run's config.json)."""
+    from memtrain.checkpointing import Checkpointing
+
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return str(Checkpointing.parse(text))
+    except ConfigError as e:
+        spellings = ("auto (the planner chooses), none, all, every:K (K >= 1), selective, selective(matmul,attention), "
+                     "blocks(RKO...) (one letter per block: recompute, keep, offload), each with an optional +offload")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy ({e}); the spellings are "
+                                         f"{spellings}") from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a fraction in [0, 1] (the share of the optimizer state "
+                                         "kept in host RAM)")
+    return value
+
+
+UNLIMITED = "unlimited"
+
+
+def _size(text: str) -> int | str:
+    """A byte size (``24GiB``, ``8000MB``, ``4096``) as an int, or ``unlimited``."""
+    from memtrain.report import parse_bytes
+
+    if text.strip().lower() in ("unlimited", "none", "inf"):
+        return UNLIMITED
+    fix = "To resolve this error, pass a positive size such as 24GiB or 8000MB (GiB = 2**30, GB = 10**9), or unlimited"
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r} is negative. {fix}")
+    try:
+        return parse_bytes(text)
+    except ConfigError:
+        what = "zero" if re.fullmatch(r"\s*0*\.?0*\s*[a-zA-Z]*\s*", text) and re.search(r"\d", text) else "not a size"
+        raise argparse.ArgumentTypeError(f"{text!r} is {what}. {fix}") from None
+
+
+# Flags whose value may start with "-" (a negative size): argparse would take it for a flag and say only
+# "expected one argument"; main() joins them as --budget=-1GiB so the size's own check explains.
+_SIZE_FLAGS = ("--budget", "--host-budget")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,13 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the built-in GPT on the built-in corpus (or your model and data)")
     t.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (keys as the flags, e.g. "
                    "micro-batch-size = 4); flags given on the command line win")
-    _add_model_flags(t)
-    t.add_argument("--data", metavar="PATH", help="a text file to train on (default: the Python standard library)")
+    _add_model_flags(t, pretrained_weights=True)
+    t.add_argument("--data", metavar="PATH", help="the text to train on: with --hf-model a .txt (documents split on "
+                   "blank lines) or .jsonl (a \"text\" field, or \"prompt\"/\"completion\": the loss on the completion) "
+                   "tokenised with the folder's tokenizer; for the built-in GPT a text file read as bytes (default: "
+                   "the Python standard library)")
+    t.add_argument("--lora", type=_positive_int, metavar="R", help="train LoRA adapters of rank R on the frozen "
+                   "model (every linear layer but the output head); hf/ then holds the adapters")
+    t.add_argument("--merge-lora", action="store_true", help="with --lora: hf/ holds the weights with the adapters "
+                   "merged in (a plain from_pretrained folder)")
     t.add_argument("--global-batch-size", type=_positive_int,
-                   help="examples per optimizer step over all ranks (default: micro-batch x world size); the "
-                   "accumulation steps follow")
+                   help="examples per optimizer step over all ranks (default: 16 x world size, or micro-batch x "
+                   "world size when --micro-batch-size is given); the accumulation steps follow")
     t.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed", "fp16-mixed"], default="auto",
                    help="auto picks bf16-mixed where the GPU supports it, fp32 on a CPU (default auto)")
+    _add_budget_flags(t, default_text="the device's free memory (CUDA) or the free RAM (CPU)")
+    t.add_argument("--nproc", type=_positive_int, metavar="N", help="check that torchrun started N processes "
+                   "(memtrain train starts none itself: launch torchrun --nproc_per_node N -m memtrain train)")
     t.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps (default 500)")
     t.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
     t.add_argument("--warmup-steps", type=_non_negative_int, default=None,
@@ -179,10 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint, with the flags it started with (flags given now are checked against them)")
     t.add_argument("--overwrite", action="store_true", help="replace another run's results in --out (memtrain's "
                    "files only: it never deletes what it did not write)")
-    t.add_argument("--offload-activations", action="store_true",
-                   help="keep saved activations in pinned host memory, prefetched before backward (CUDA only)")
-    t.add_argument("--offload-optimizer", action="store_true",
-                   help="keep fp32 master weights and AdamW state in host RAM (saves 8-12 bytes per parameter)")
     t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 instead of DDP")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (after checkpointing and the DDP/FSDP2 wrapper)")
@@ -191,14 +248,35 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
     e = sub.add_parser("estimate", help="predict the peak memory of a training step, without a GPU")
-    _add_model_flags(e)
+    _add_model_flags(e, micro_batch_default=16, checkpointing_default="all")
     e.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
                    help="the precision to predict for (default bf16-mixed)")
     e.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="the device whose peak is predicted (default cuda)")
-    e.add_argument("--offload-optimizer", action="store_true", help="optimizer state in host memory")
-    e.add_argument("--offload-activations", action="store_true", help="saved activations in host memory")
     e.add_argument("--json", action="store_true", help="print the report as JSON (peak_bytes: the predicted peak)")
+
+    p = sub.add_parser("plan", help="choose the fastest set-up that fits a memory budget, with its reasons")
+    _add_model_flags(p)
+    p.add_argument("--global-batch-size", type=_positive_int,
+                   help="examples per optimizer step over all ranks (default 16 x --nproc, as memtrain train)")
+    p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
+                   help="compute precision (default bf16-mixed)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="the device planned for (default cuda; a CPU plan is probed on this machine)")
+    _add_budget_flags(p, default_text="unlimited")
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                   help="ranks to plan for (the peak is per rank; default 1)")
+    dist = p.add_mutually_exclusive_group()
+    dist.add_argument("--fsdp", action="store_const", const=True, dest="fsdp",
+                      help="with --nproc > 1: plan FSDP2 only (default: DDP and FSDP2 compared)")
+    dist.add_argument("--ddp", action="store_const", const=False, dest="fsdp",
+                      help="with --nproc > 1: plan DDP only")
+    p.add_argument("--compile", action="store_true", help="also consider torch.compile'd set-ups")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's device first (a few seconds "
+                   "of matmuls, copies and a CPU AdamW step; cached) instead of the table of known GPUs; a CPU "
+                   "plan always probes")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON: plan (the chosen settings), "
+                   "peak_bytes, step_seconds, tokens_per_s, candidates")
 
     b = sub.add_parser("bench", help="run the side-by-side benchmarks in benchmarks/")
     b.add_argument("name", nargs="?", default="checkpointing", help="benchmark to run (default: checkpointing)")
@@ -207,18 +285,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The model / batch / technique flags shared by train and estimate."""
-    parser.add_argument("--model", default="gpt-mini", help="GPT preset: gpt-tiny, gpt-mini (default), gpt-small")
-    parser.add_argument("--hf-config", metavar="PATH",
+def _add_model_flags(parser: argparse.ArgumentParser, *, micro_batch_default: int | None = None,
+                     checkpointing_default: str = "auto", pretrained_weights: bool = False) -> None:
+    """The model / batch / technique flags shared by train, estimate and plan."""
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--model", default="gpt-mini", help="GPT preset: gpt-tiny, gpt-mini (default), gpt-small")
+    models.add_argument("--hf-config", metavar="PATH",
                         help="a Hugging Face config.json: that model, randomly initialised")
-    parser.add_argument("--seq-len", type=_positive_int, help="tokens per example (default: the preset's)")
-    parser.add_argument("--micro-batch-size", type=_positive_int, default=16, help="examples per forward (default 16)")
-    parser.add_argument("--checkpointing", type=_checkpointing, default=("auto", 2),
-                        help="none | all | every:K | auto (default auto)")
-    parser.add_argument("--no-chunked-loss", action="store_true",
-                        help="with checkpointing, compute the loss on the whole batch's fp32 logits instead of "
-                        "1024 tokens at a time (the default where the model allows it)")
+    models.add_argument("--hf-model", metavar="DIR", help=(
+        "a local pretrained Hugging Face folder: config.json, *.safetensors weights (loaded in fp32: master "
+        "weights for mixed precision) and a tokenizer, never the network" if pretrained_weights else
+        "a local Hugging Face model folder: only its config.json is read (nothing is loaded)"))
+    parser.add_argument("--seq-len", type=_positive_int, help="tokens per example (default: the preset's; 256 for "
+                        "Hugging Face models, at most their positions)" if pretrained_weights else
+                        "tokens per example (default: the preset's; for Hugging Face models 2048, at most their "
+                        "positions)")
+    parser.add_argument("--micro-batch-size", type=_positive_int, default=micro_batch_default, help=(
+        f"examples per forward (default {micro_batch_default})" if micro_batch_default else
+        "examples per forward (default: the plan picks it; given, it is fixed)"))
+    parser.add_argument("--checkpointing", type=_checkpointing, default=checkpointing_default, help=(
+        "none | all | every:K | selective | blocks(RKO..) (per block: recompute, keep, offload), each with an "
+        "optional +offload (the recomputed blocks' inputs in host memory)"
+        + (" | auto: the planner chooses (default)" if checkpointing_default == "auto"
+           else f" (default {checkpointing_default})")))
+    _add_technique_flags(parser, planned=checkpointing_default == "auto")
+
+
+def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> None:
+    """The memory techniques a user may fix; unset, the planner decides (train, plan) or they are off (estimate)."""
+    unset = "default: the plan decides" if planned else "default: off"
+    switch = argparse.BooleanOptionalAction
+    parser.add_argument("--offload-activations", action=switch, default=None,
+                        help=f"saved activations in pinned host memory, prefetched before backward (CUDA; {unset})")
+    parser.add_argument("--offload-optimizer", action=switch, default=None,
+                        help=f"fp32 master weights and AdamW state in host RAM, 8-12 bytes per parameter off the "
+                        f"device ({unset})")
+    parser.add_argument("--offload-optimizer-fraction", type=_fraction, metavar="F", default=None,
+                        help=f"this share of the parameters' fp32 master and AdamW state in host RAM, the rest on "
+                        f"the device ({unset})")
+    parser.add_argument("--chunked-loss", action=switch, default=None,
+                        help="the loss's fp32 logits 1024 tokens at a time, never whole (default: "
+                        + ("the plan decides)" if planned else "on with checkpointing where the model allows it)"))
+    parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "int8"], default=None,
+                        help=f"AdamW's moments in fp32 (8 bytes per parameter), bf16 (4) or int8 (about 2; needs "
+                        f"bitsandbytes) ({unset.replace('off', 'fp32')})")
+    parser.add_argument("--step-in-backward", action=switch, default=None,
+                        help=f"each parameter steps as soon as its gradient is final, which is freed at once: the "
+                        f"whole model's gradients never coexist ({unset})")
+
+
+def _add_budget_flags(parser: argparse.ArgumentParser, *, default_text: str) -> None:
+    parser.add_argument("--budget", type=_size, metavar="SIZE", help="device bytes per rank the run may use, e.g. "
+                        f"24GiB or 8000MB (GiB = 2**30, GB = 10**9; default {default_text})")
+    parser.add_argument("--host-budget", type=_size, metavar="SIZE", help="host RAM the run may use (offloaded "
+                        "state, pinned buffers; default: the RAM available now)")
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -262,22 +382,25 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> set[
         raise ConfigError(f"--config {path!r} is not valid TOML ({e}). To resolve this error, fix that line.") from None
     actions = {a.option_strings[0][2:]: a for a in train_parser._actions if a.option_strings and  # noqa: SLF001
                a.option_strings[0].startswith("--") and a.dest not in ("help", "config")}
+    # A switch's negative spelling is a key too: no-chunked-loss = true is chunked-loss = false.
+    negated = {a.option_strings[1][2:]: a for a in actions.values()
+               if isinstance(a, argparse.BooleanOptionalAction) and len(a.option_strings) > 1}
     problems, defaults = [], {}
     for key, value in values.items():
-        action = actions.get(key)
+        action = actions.get(key) or negated.get(key)
         if action is None:
             import difflib
 
-            close = difflib.get_close_matches(key.replace("_", "-"), list(actions), n=1)
+            close = difflib.get_close_matches(key.replace("_", "-"), [*actions, *negated], n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             problems.append(f"--config: unknown key {key!r}.{hint} Keys are the flags of memtrain {argv[0]} "
                             "without the dashes, e.g. micro-batch-size = 4.")
             continue
-        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):  # noqa: SLF001
             if not isinstance(value, bool):
                 problems.append(f"--config: {key} = {value!r} must be true or false.")
                 continue
-            defaults[action.dest] = value
+            defaults[action.dest] = value if key not in negated else not value
             continue
         if isinstance(value, (dict, list)):
             problems.append(f"--config: {key} = {value!r} must be a single value.")
@@ -331,11 +454,24 @@ def _log(args: argparse.Namespace, message: str) -> None:
 
 
 def _build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
-    """The model and its sequence length."""
-    if args.hf_config:
-        return _build_hf_model(args.hf_config, args.seq_len)
-    model = _build_gpt(args)
-    return model, model.config.seq_len
+    """The model (LoRA adapters added with --lora) and its sequence length."""
+    if args.hf_model:
+        from memtrain.hf import load_pretrained
+
+        # fp32 weights whatever the checkpoint holds: the master weights of mixed precision (autocast computes in
+        # bf16), which the optimizer needs; the plan may still put bf16 copies on the device (offloaded master).
+        model = load_pretrained(args.hf_model)
+        seq_len = _hf_seq_len(model.config, args.seq_len, "--hf-model")
+    elif args.hf_config:
+        model, seq_len = _build_hf_model(args.hf_config, args.seq_len)
+    else:
+        model = _build_gpt(args)
+        seq_len = model.config.seq_len
+    if args.lora:
+        from memtrain.hf import apply_lora
+
+        model = apply_lora(model, args.lora)
+    return model, seq_len
 
 
 # Encoder model types whose causal-LM class attends both ways unless the config says is_decoder.
@@ -349,28 +485,39 @@ def _build_gpt(args: argparse.Namespace) -> Any:
 
     if args.model not in GPT_PRESETS:
         raise ConfigError(f"--model {args.model!r} is not a known model. To resolve this error, pass one of "
-                          f"{', '.join(GPT_PRESETS)}, or --hf-config PATH.")
+                          f"{', '.join(GPT_PRESETS)}, --hf-config PATH or --hf-model DIR.")
     return GPT.from_preset(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
+
+
+def _hf_seq_len(config: Any, seq_len: int | None, flag: str, *, default: int = 256,
+                problems: list[str] | None = None) -> int:
+    """--seq-len, or ``default`` capped at the model's positions; a causal LM only (not an encoder)."""
+    own = problems is None
+    problems = [] if problems is None else problems
+    if config.model_type in _ENCODERS and not getattr(config, "is_decoder", False):
+        problems.append(f"{flag}: a {config.model_type} config is an encoder: trained on next tokens it would "
+                        "see the tokens it predicts. To resolve this error, set \"is_decoder\": true in the config, "
+                        "or use a decoder model (llama, gpt2, qwen2, ...).")
+    max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    wanted = seq_len or min(default, max_len or default)
+    if max_len is not None and wanted > max_len:
+        problems.append(f"--seq-len {wanted} is longer than the model's {max_len} positions. To resolve this "
+                        f"error, pass --seq-len {max_len} or less.")
+    if own:
+        ConfigError.raise_if(problems)
+    return wanted
 
 
 def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
     from memtrain.estimate import hf_config_from_file
 
     config = hf_config_from_file(path)  # plain JSON: nothing executed; every bad field is a ConfigError
-    problems = []
+    problems: list[str] = []
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 256:
         problems.append(f"--hf-config: vocab_size={vocab!r} must be an integer >= 256: the data is byte-level. To "
                         "resolve this error, set vocab_size >= 256 in the config.")
-    if config.model_type in _ENCODERS and not getattr(config, "is_decoder", False):
-        problems.append(f"--hf-config: a {config.model_type} config is an encoder: trained on next tokens it would "
-                        "see the tokens it predicts. To resolve this error, set \"is_decoder\": true in the config, "
-                        "or use a decoder model (llama, gpt2, qwen2, ...).")
-    max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    wanted = seq_len or min(256, max_len or 256)
-    if max_len is not None and wanted > max_len:
-        problems.append(f"--seq-len {wanted} is longer than the model's {max_len} positions. To resolve this "
-                        f"error, pass --seq-len {max_len} or less.")
+    wanted = _hf_seq_len(config, seq_len, "--hf-config", problems=problems)
     ConfigError.raise_if(problems)
     import transformers
 
@@ -384,8 +531,23 @@ def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
                           "decoder model (llama, gpt2, qwen2, ...) whose sizes are positive.") from None
 
 
-def _check_data_path(path: str) -> None:
-    """--data must be a readable regular text file: a directory or a FIFO would fail late or block forever."""
+def _hf_folder_config(path: str) -> Any:
+    """The config.json of a --hf-model folder (only that file is read)."""
+    from memtrain.estimate import hf_config_from_file
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"--hf-model {path!r}: no such folder. To resolve this error, pass a local folder holding "
+                          "config.json (and, to train, *.safetensors weights and a tokenizer).")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"--hf-model {path!r} holds no config.json, so the architecture is unknown. To resolve "
+                          "this error, pass the folder save_pretrained wrote (config.json beside the weights).")
+    return hf_config_from_file(folder / "config.json")
+
+
+def _check_data_path(path: str, *, tokenised: bool) -> None:
+    """--data must be a readable regular text file: a directory or a FIFO would fail late or block forever.
+    ``tokenised``: a model tokenizer reads it, so .jsonl is read too (bytes otherwise)."""
     p = Path(path)
     shown = f"--data {path!r}"
     if not p.exists():
@@ -396,9 +558,10 @@ def _check_data_path(path: str) -> None:
     if not stat.S_ISREG(p.stat().st_mode):
         raise ConfigError(f"{shown} is not a regular file (a FIFO, socket or device: reading it could block or "
                           "never end). To resolve this error, pass the path of a text file.")
-    if p.suffix.lower() == ".jsonl":
-        raise ConfigError(f"{shown} is a .jsonl file, which memtrain train does not read yet (it would train on "
-                          "the raw JSON bytes). To resolve this error, pass a plain .txt file of the texts.")
+    if p.suffix.lower() == ".jsonl" and not tokenised:
+        raise ConfigError(f"{shown} is a .jsonl file, which only a model with a tokenizer reads (the built-in GPT "
+                          "and --hf-config models read bytes: they would train on the raw JSON). To resolve this "
+                          "error, pass --hf-model DIR (a folder with a tokenizer), or a plain .txt file of the texts.")
     if not os.access(p, os.R_OK):
         raise ConfigError(f"{shown} is not readable. To resolve this error, pass a text file you can read.")
 
@@ -475,9 +638,10 @@ def _distributed_group() -> Iterator[tuple[int, int, Any]]:
 # The options of memtrain train that config.json records (the others say how to run, not what: --json, --out,
 # --resume, --overwrite, --config); and those that define the model and the data, which a resume must keep.
 _NOT_RECORDED = frozenset({"help", "config", "out", "resume", "overwrite", "json", "command"})
-_MODEL_FLAGS = ("model", "seq_len")  # refused here when changed; a new --data or --hf-config path is let through:
-# train() compares the contents (a SHA-256 of the token stream, the parameters' names and shapes), so a moved
-# file still resumes and a changed one is refused
+_MODEL_FLAGS = ("model", "hf_model", "lora", "seq_len")  # refused here when changed; a new --data or --hf-config
+# path is let through: train() compares the contents (a SHA-256 of the token stream, the parameters' names and
+# shapes), so a moved file still resumes and a changed one is refused
+_PATH_FLAGS = ("data", "hf_config", "hf_model")  # recorded absolute: a resume may run from another folder
 
 
 def _command_record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -487,7 +651,7 @@ def _command_record(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         if action.dest in _NOT_RECORDED:
             continue
         value = getattr(args, action.dest)
-        if action.dest in ("data", "hf_config") and value:
+        if action.dest in _PATH_FLAGS and value:
             value = str(Path(value).absolute())
         record[action.dest] = list(value) if isinstance(value, tuple) else value
     return record
@@ -519,6 +683,12 @@ def _resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, exp
                             f"another model would not continue it. To resolve this error, drop {flag} (--resume "
                             "reads it from the run's config.json), or start a new run in another --out.")
     ConfigError.raise_if(problems)
+    # Runs recorded before the planner: checkpointing as [mode, K], and a --no-chunked-loss switch.
+    if isinstance(saved.get("checkpointing"), list):
+        mode, every = saved["checkpointing"]
+        saved["checkpointing"] = f"every:{every}" if mode == "every" else mode
+    if saved.get("no_chunked_loss") is True and "chunked_loss" not in saved:
+        saved["chunked_loss"] = False
     for dest, value in saved.items():
         if dest not in explicit and dest in now:
             setattr(args, dest, tuple(value) if isinstance(value, list) else value)
@@ -527,8 +697,39 @@ def _resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, exp
                if explicit & set(now) else "")]
 
 
+def _technique_problems(args: argparse.Namespace) -> list[str]:
+    """Flags that contradict each other, named as flags (train and plan)."""
+    from memtrain.checkpointing import Checkpointing
+
+    problems = []
+    if args.offload_optimizer and args.offload_optimizer_fraction is not None:
+        problems.append(f"--offload-optimizer and --offload-optimizer-fraction {args.offload_optimizer_fraction} "
+                        "together: the first puts all of the optimizer state in host RAM, the second a share of it. "
+                        "To resolve this error, pass one of them.")
+    if args.offload_optimizer is False and args.offload_optimizer_fraction:
+        problems.append(f"--no-offload-optimizer and --offload-optimizer-fraction {args.offload_optimizer_fraction} "
+                        "contradict each other. To resolve this error, drop one of them.")
+    if args.offload_optimizer and args.optimizer_state not in (None, "fp32"):
+        problems.append(f"--offload-optimizer with --optimizer-state {args.optimizer_state}: CPUOffloadOptimizer "
+                        "keeps fp32 state in host RAM (the device holds none). To resolve this error, drop "
+                        "--optimizer-state, or use it with the optimizer on the device (--no-offload-optimizer).")
+    if args.offload_optimizer and args.step_in_backward:
+        problems.append("--offload-optimizer with --step-in-backward: the offloaded optimizer already takes each "
+                        "gradient off the device as it is produced and steps on the host; --step-in-backward is for "
+                        "the device optimizer. To resolve this error, pass one of them.")
+    if args.step_in_backward and args.offload_optimizer_fraction:
+        problems.append("--step-in-backward with --offload-optimizer-fraction: a partial offload steps after "
+                        "backward. To resolve this error, pass one of them.")
+    if args.checkpointing != "auto" and args.offload_activations is False and \
+            Checkpointing.parse(args.checkpointing).offload_inputs:
+        problems.append(f"--checkpointing {args.checkpointing} offloads the recomputed blocks' inputs, but "
+                        "--no-offload-activations says not to. To resolve this error, drop +offload or "
+                        "--no-offload-activations.")
+    return problems
+
+
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explicit: set[str]) -> int:
-    from memtrain.data import builtin_corpus, split_windows, text_file_tokens
+    from memtrain.data import builtin_corpus, split_windows, text_file_tokens, tokenized_rows
     from memtrain.report import format_bytes
     from memtrain.runstate import RunFolder
     from memtrain.train import TrainConfig, train
@@ -540,17 +741,36 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
     if args.resume and not args.overwrite:
         RunFolder(args.out, resume=True).check()
         notes = _resume_flags(args, parser, explicit)
+    problems = _technique_problems(args)
+    if args.merge_lora and not args.lora:
+        problems.append("--merge-lora without --lora: there are no adapters to merge. To resolve this error, pass "
+                        "--lora R (e.g. --lora 8), or drop --merge-lora.")
+    if args.nproc is not None:
+        problems += _nproc_problems(args.nproc)
+    ConfigError.raise_if(problems)
+    tokenizer = None
+    if args.hf_model:
+        from memtrain.hf import load_tokenizer, safetensors_files
+
+        safetensors_files(args.hf_model)  # config.json and safetensors weights, before anything is loaded
+        _hf_seq_len(_hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
+        if not args.data:
+            raise ConfigError(f"--hf-model {args.hf_model!r} without --data: the built-in corpus is read as bytes, "
+                              "not with the model's tokenizer. To resolve this error, pass --data PATH (a .txt "
+                              "file, documents split on blank lines, or a .jsonl file with a \"text\" field).")
+        tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
     if args.data:
-        _check_data_path(args.data)
-    mode, every = args.checkpointing
-    name = Path(args.hf_config).stem if args.hf_config else args.model
+        _check_data_path(args.data, tokenised=tokenizer is not None)
+    name = Path(args.hf_model).name if args.hf_model else Path(args.hf_config).stem if args.hf_config else args.model
     out = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     config = TrainConfig(
         max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-        precision=args.precision, checkpointing=mode, checkpoint_every=every, fsdp=args.fsdp,
-        offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
-        chunked_loss=not args.no_chunked_loss, compile=args.compile, seed=args.seed, eval_every=args.eval_every,
+        precision=args.precision, checkpointing=args.checkpointing, budget=args.budget, host_budget=args.host_budget,
+        fsdp=args.fsdp, offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
+        chunked_loss=args.chunked_loss, state_precision=args.optimizer_state,
+        step_in_backward=args.step_in_backward, offload_fraction=args.offload_optimizer_fraction,
+        merge_lora=args.merge_lora, compile=args.compile, seed=args.seed, eval_every=args.eval_every,
         save_every=args.save_every, out_dir=out, overwrite=args.overwrite, resume=args.resume,
         progress=not args.no_progress,
     )
@@ -561,24 +781,34 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
     with _distributed_group() as (rank, world, device):
         from memtrain.accumulation import accumulation_steps
 
-        accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
+        if args.micro_batch_size is not None:  # else the plan picks one that divides the global batch
+            accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
         torch.manual_seed(args.seed)
+        if args.hf_model:
+            seq_len = _hf_seq_len(_hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
+            # Tokenised (or read from the cache beside the data) before the model loads: a bad line fails fast.
+            data = tokenized_rows(args.data, tokenizer, seq_len)
         model, seq_len = _build_language_model(args)
         model.to(device)
-        if args.data:
+        if args.hf_model:
+            source = f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed)"
+        elif args.data:
             data = split_windows(text_file_tokens(args.data), seq_len)
             source = args.data
         else:
             data = builtin_corpus(seq_len)
             source = "the Python standard library's source (built-in corpus)"
         n_params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        global_batch = args.global_batch_size or (args.micro_batch_size or 16) * world
         if rank == 0:
             for note in notes:
                 _print(f"  {note}", file=sys.stderr)
-            _log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters) on {device}, {seq_len} tokens x "
-                       f"{config.global_batch_size or args.micro_batch_size * world} per step, {args.max_steps} steps on "
-                       f"{source} ({len(data[0])} training windows)")
-        result = train(model, data, config, command=_command_record(args, parser))
+            lora = f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable" if args.lora else ""
+            _log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
+                       f"tokens x {global_batch} per step, {args.max_steps} steps on {source} ({len(data[0])} "
+                       "training rows)")
+        result = train(model, data, config, command=_command_record(args, parser), tokenizer=tokenizer)
         if rank != 0:
             return EXIT_OK
         if result.stopped_by:
@@ -599,34 +829,144 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         return EXIT_OK
 
 
-def cmd_estimate(args: argparse.Namespace) -> int:
+def _nproc_problems(nproc: int) -> list[str]:
+    """memtrain train --nproc N is a check: torchrun, not memtrain, starts the processes."""
+    world, _ = _launch_environment()
+    if nproc == world:
+        return []
+    if "WORLD_SIZE" not in os.environ:
+        return [f"--nproc {nproc}: this is one process, not started by torchrun (memtrain train starts no "
+                "processes itself). To resolve this error, launch torchrun --nproc_per_node "
+                f"{nproc} -m memtrain train ..., or drop --nproc."]
+    return [f"--nproc {nproc}, but torchrun started WORLD_SIZE={world} processes. To resolve this error, pass "
+            f"--nproc {world} (or drop it), or launch torchrun --nproc_per_node {nproc}."]
+
+
+def _meta_target(args: argparse.Namespace, *, default_seq_len: int = 2048) -> tuple[Any, int, str]:
+    """(the model on the meta device, tokens per example, its name) for estimate and plan: nothing allocated."""
     import torch
 
-    from memtrain.estimate import estimate, hf_config_from_file
-    from memtrain.loss import HF_MODEL_TYPES, supports_chunked_loss
-    from memtrain.train import estimate_policy
+    from memtrain.estimate import _meta_model, hf_config_from_file
 
-    if args.hf_config:
-        target = hf_config_from_file(args.hf_config)
-        seq_len = args.seq_len or min(2048, getattr(target, "max_position_embeddings", None) or 2048)
-        name = Path(args.hf_config).name
-    else:
-        with torch.device("meta"):  # nothing is allocated
-            target = _build_gpt(args)
-        seq_len, name = target.config.seq_len, args.model
-    policy = estimate_policy(*args.checkpointing)
-    # As memtrain train does: with checkpointing on, the loss 1024 tokens at a time where the model allows it.
-    chunked = policy != "none" and not args.no_chunked_loss and (supports_chunked_loss(target) if isinstance(target, torch.nn.Module)
-                                    else getattr(target, "model_type", None) in HF_MODEL_TYPES)
+    if args.hf_config or args.hf_model:
+        config = hf_config_from_file(args.hf_config) if args.hf_config else _hf_folder_config(args.hf_model)
+        flag = "--hf-config" if args.hf_config else "--hf-model"
+        seq_len = _hf_seq_len(config, args.seq_len, flag, default=default_seq_len)
+        name = Path(args.hf_config).name if args.hf_config else Path(args.hf_model).name
+        return _meta_model(config), seq_len, name
+    with torch.device("meta"):
+        model = _build_gpt(args)
+    return model, model.config.seq_len, args.model
+
+
+def _chunkable(model: Any) -> bool:
+    from memtrain.loss import supports_chunked_loss
+
+    return supports_chunked_loss(model)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from memtrain.checkpointing import Checkpointing
+    from memtrain.estimate import estimate
+
+    if args.checkpointing == "auto":
+        raise ConfigError("--checkpointing auto asks the planner to choose, and memtrain estimate predicts one given "
+                          "set-up. To resolve this error, run memtrain plan --budget SIZE (it estimates its choice), "
+                          "or pass a policy such as all, every:2 or none.")
+    target, seq_len, name = _meta_target(args)
+    policy = Checkpointing.parse(args.checkpointing)
+    chunked = args.chunked_loss
+    if chunked is None:  # as memtrain train did by hand: with checkpointing, the loss chunked where the model allows
+        chunked = policy.mode != "none" and _chunkable(target)
+    elif chunked and not _chunkable(target):
+        raise ConfigError(f"--chunked-loss, but memtrain cannot chunk the loss of {name} (see memtrain.loss). To "
+                          "resolve this error, drop --chunked-loss.")
     report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
                       checkpointing=policy, optimizer="adamw-offload" if args.offload_optimizer else "adamw",
-                      offload_activations=args.offload_activations, chunked_loss=chunked)
+                      offload_activations=bool(args.offload_activations), chunked_loss=chunked,
+                      state_precision=args.optimizer_state or "fp32",
+                      offload_fraction=args.offload_optimizer_fraction or 0.0,
+                      step_in_backward=bool(args.step_in_backward))
     if args.json:
         _print(json.dumps(report.to_dict()))
     else:
+        optimizer = ("offloaded" if args.offload_optimizer else
+                     f"{100 * args.offload_optimizer_fraction:.0f}% offloaded" if args.offload_optimizer_fraction
+                     else "on the device") + f", {args.optimizer_state or 'fp32'} moments" + (
+                         ", step in backward" if args.step_in_backward else "")
         _print(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
-               f"{policy}{' with a chunked loss' if chunked else ''}, on {args.device}")
+               f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {args.device}")
         _print(report.summary())
+    return EXIT_OK
+
+
+def _fixed_choices(args: argparse.Namespace, n_blocks: int) -> tuple[Any, list[str]]:
+    """The planner's ``Fixed`` choices and allowed ``techniques`` for the technique flags given (unset: planned).
+
+    --checkpointing fixes the layout of blocks (+offload: the recomputed blocks' inputs offloaded);
+    --offload-activations with a fixed layout offloads what the layout keeps and the recomputed blocks' inputs,
+    with auto it fixes how recomputed blocks recompute (inputs offloaded); --no-...: the plan never offloads them.
+    """
+    from memtrain.checkpointing import Checkpointing, SelectivePolicy
+    from memtrain.planner import TECHNIQUES, Fixed
+
+    techniques = list(TECHNIQUES)
+    blocks, flavor = None, None
+    if args.checkpointing != "auto":
+        policy = Checkpointing.parse(args.checkpointing)
+        blocks = policy.block_policies(n_blocks)
+        if policy.mode == "selective":
+            if policy.selective != SelectivePolicy():
+                raise ConfigError(f"--checkpointing {policy}: the planner's selective recompute keeps the outputs of "
+                                  f"{', '.join(SelectivePolicy().keep)}. To resolve this error, pass --checkpointing "
+                                  "selective, or estimate this policy with memtrain estimate.")
+            if policy.offload_inputs:
+                raise ConfigError(f"--checkpointing {policy}: the planner does not combine a selective recompute "
+                                  "with offloaded inputs. To resolve this error, pass selective or all+offload.")
+            flavor = "selective"
+        else:
+            flavor = "offload-inputs" if policy.offload_inputs else "full"
+        if args.offload_activations:
+            blocks = tuple("offload" if kind == "keep" else kind for kind in blocks)
+            if flavor == "full":
+                flavor = "offload-inputs"
+    elif args.offload_activations:
+        flavor = "offload-inputs"
+    if args.offload_activations is False:
+        techniques.remove("offload-activations")
+    optimizer = {True: "offload", False: "device", None: None}[args.offload_optimizer]
+    if args.offload_optimizer is False:
+        techniques = [t for t in techniques if t not in ("offload-optimizer", "bf16-weights")]
+    fraction = args.offload_optimizer_fraction
+    if fraction is not None:
+        optimizer = "device"  # a partial offload is the device optimizer with a share of its state on the host
+    if args.offload_optimizer is False and fraction is None:
+        fraction = 0.0
+    fixed = Fixed(blocks=blocks, flavor=flavor, chunked_loss=args.chunked_loss, optimizer=optimizer,
+                  state_precision=args.optimizer_state, step_in_backward=args.step_in_backward,
+                  offload_fraction=fraction)
+    return fixed, techniques
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from memtrain.checkpointing import find_blocks
+    from memtrain.planner import calibrate, plan
+
+    ConfigError.raise_if(_technique_problems(args))
+    target, seq_len, name = _meta_target(args)
+    fixed, techniques = _fixed_choices(args, len(find_blocks(target)))
+    # On the CPU the planner always probes; --calibrate probes a GPU now instead of the table of known ones.
+    profile = calibrate(args.device, refresh=True) if args.calibrate else None
+    p = plan(target, budget=None if args.budget == UNLIMITED else args.budget, seq_len=seq_len,
+             global_batch_size=args.global_batch_size or 16 * args.nproc, device=args.device,
+             precision=args.precision, world_size=args.nproc, fsdp=args.fsdp if args.nproc > 1 else False,
+             host_budget=None if args.host_budget == UNLIMITED else args.host_budget, compile=args.compile,
+             micro_batch_size=args.micro_batch_size, techniques=techniques, device_profile=profile, fixed=fixed)
+    if args.json:
+        _print(json.dumps(p.to_dict()))
+    else:
+        _print(f"{name}: {p.summary()}")
+        _print(f"  planned in {p.plan_seconds:.1f} s")
     return EXIT_OK
 
 
@@ -654,9 +994,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _join_sizes(argv: list[str]) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse reads a value starting with "-" as a flag."""
+    out = []
+    for i, token in enumerate(argv):
+        if i and argv[i - 1] in _SIZE_FLAGS and re.match(r"-[\d.]", token) and "--" not in argv[:i]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     global _STDOUT_CLOSED
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _join_sizes(list(sys.argv[1:] if argv is None else argv))
     _STDOUT_CLOSED = False
     parser = build_parser()
     try:
@@ -669,18 +1020,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             code = cmd_train(args, parser, _explicit_dests(parser, argv, "train") | from_file)
         else:
-            code = {"estimate": cmd_estimate, "bench": cmd_bench}[args.command](args)
+            code = {"estimate": cmd_estimate, "plan": cmd_plan, "bench": cmd_bench}[args.command](args)
     except BrokenPipeError:  # a benchmark printing to a closed stdout
         _drop_stdout()
         _STDOUT_CLOSED = True
         code = EXIT_OK
     except ConfigError as e:
-        print(f"memtrain {args.command}: error: {in_flag_terms(str(e))}", file=sys.stderr)
+        print(f"memtrain {args.command}: error: {in_flag_terms(str(e), args.command)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except MemtrainError as e:
         from memtrain.runstate import RunWriteError
 
-        print(f"memtrain {args.command}: error: {in_flag_terms(str(e))}", file=sys.stderr)
+        print(f"memtrain {args.command}: error: {in_flag_terms(str(e), args.command)}", file=sys.stderr)
         return EXIT_ENVIRONMENT if isinstance(e, RunWriteError) else EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("memtrain: interrupted", file=sys.stderr)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from memtrain.cli import main
+from memtrain.errors import ConfigError
 
 TINY = ["--model", "gpt-tiny", "--max-steps", "4", "--micro-batch-size", "4", "--no-progress"]
 
@@ -166,6 +167,25 @@ def test_estimate_hf_config_and_bad_input(tmp_path, capsys):
     assert "To resolve this error" in capsys.readouterr().err
 
 
+def test_estimate_takes_the_lean_optimizer_flags_and_every_checkpointing_spelling(capsys):
+    def estimate(*flags: str) -> dict:
+        assert main(["estimate", "--model", "gpt-tiny", "--micro-batch-size", "4", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    base = estimate()  # checkpointing all, AdamW with fp32 moments on the device
+    bf16 = estimate("--optimizer-state", "bf16")
+    assert bf16["optimizer_state_bytes"] < 0.6 * base["optimizer_state_bytes"], (bf16, base)
+    in_backward = estimate("--step-in-backward")
+    assert in_backward["gradient_bytes"] < base["gradient_bytes"], (in_backward, base)
+    half = estimate("--offload-optimizer-fraction", "0.5")
+    assert 0 < half["host_bytes"] and half["optimizer_state_bytes"] < base["optimizer_state_bytes"], half
+    saved = {policy: estimate("--checkpointing", policy)["activation_bytes"]
+             for policy in ("none", "blocks(RK)", "selective", "all")}
+    assert saved["all"] < saved["blocks(RK)"] < saved["none"] and saved["selective"] < saved["none"], saved
+    assert main(["estimate", "--model", "gpt-tiny", "--checkpointing", "auto"]) == 2
+    assert "memtrain plan --budget SIZE" in capsys.readouterr().err
+
+
 # -- faults get one line, not a traceback, and write nothing (issue 13, item 22) -----------------------------
 def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
     """The argv of one bad input (set up in tmp_path); the run folder is tmp_path / "r" unless the case is --out."""
@@ -198,10 +218,56 @@ def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
     if case == "data a .jsonl file":
         (tmp_path / "x.jsonl").write_text('{"text": "def f(): pass"}\n' * 200)
         return ["train", "--data", str(tmp_path / "x.jsonl"), *run]
+    if case.startswith("budget") or case == "nproc without torchrun" or case == "merge-lora without lora":
+        flags = {"budget negative": ["--budget", "-1GiB"], "budget zero": ["--budget", "0"],
+                 "budget unparsable": ["--budget", "lots"], "budget below one block": ["--budget", "4KiB"],
+                 "budget with a micro-batch that cannot fit": ["--budget", "1MiB", "--micro-batch-size", "16",
+                                                               "--global-batch-size", "16"],
+                 "nproc without torchrun": ["--nproc", "2"],
+                 "merge-lora without lora": ["--merge-lora"]}[case]
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        return ["train", "--model", "gpt-tiny", "--data", str(text_file), *flags, *run]
+    if case.startswith("hf-model") or case.startswith("jsonl"):
+        return _hf_fault_case(case, tmp_path, run)
+    if case == "lora without linear layers":
+        pytest.importorskip("peft")
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256, "n_embd": 16,
+                                                          "n_layer": 1, "n_head": 2, "n_positions": 64}))
+        return ["train", "--hf-config", str(tmp_path / "config.json"), "--data", str(text_file), "--lora", "4", *run]
     if case == "bench out unwritable":
         (tmp_path / "ro").mkdir(mode=0o500)
         return ["bench", "checkpointing", "--out", str(tmp_path / "ro" / "results.json")]
     raise AssertionError(case)
+
+
+def _hf_fault_case(case: str, tmp_path, run: list[str]) -> list[str]:
+    """A pretrained folder or tokenised data that cannot be used (built from conftest's tiny Llama)."""
+    from conftest import build_llama, build_tokenizer
+
+    folder = tmp_path / "model"
+    tokenizer = build_tokenizer(folder, corpus_bytes=2**14)
+    build_llama(folder, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "def f(): pass"}\n' * 50)
+    if case == "hf-model without weights":
+        (folder / "model.safetensors").unlink()
+    elif case == "hf-model with pickled weights only":
+        (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    elif case == "hf-model without a tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (folder / name).unlink(missing_ok=True)
+    elif case == "hf-model without config.json":
+        (folder / "config.json").unlink()
+    elif case == "hf-model without data":
+        return ["train", "--hf-model", str(folder), *run]
+    elif case == "jsonl with malformed lines":
+        data.write_text('{"text": "a fine line"}\n{"text": "unterminated\n{"text": "fine"}\n[1, 2]\n')
+    elif case == "jsonl without the text field":
+        data.write_text('{"text": "fine"}\n{"body": "no text here"}\n')
+    else:
+        raise AssertionError(case)
+    return ["train", "--hf-model", str(folder), "--data", str(data), *run]
 
 
 FAULTS = {  # case: the words of the one line that names the fix
@@ -214,8 +280,23 @@ FAULTS = {  # case: the words of the one line that names the fix
     "WORLD_SIZE without RANK": "WORLD_SIZE=2 is set but RANK",
     "data a directory": "is a directory",
     "data a FIFO": "is not a regular file",
-    "data a .jsonl file": "is a .jsonl file, which memtrain train does not read yet",
+    "data a .jsonl file": "is a .jsonl file, which only a model with a tokenizer reads",
     "bench out unwritable": "cannot be written",
+    "budget negative": "--budget: '-1GiB' is negative",
+    "budget zero": "--budget: '0' is zero",
+    "budget unparsable": "--budget: 'lots' is not a size",
+    "budget below one block": "is smaller than one block's parameters",
+    "budget with a micro-batch that cannot fit": "micro-batch 16",
+    "nproc without torchrun": "--nproc 2: this is one process, not started by torchrun",
+    "merge-lora without lora": "--merge-lora without --lora",
+    "lora without linear layers": "has no linear layer to adapt",
+    "hf-model without weights": "holds no weights (*.safetensors)",
+    "hf-model with pickled weights only": "holds only pickled weights (pytorch_model.bin)",
+    "hf-model without a tokenizer": "holds no tokenizer",
+    "hf-model without config.json": "holds no config.json",
+    "hf-model without data": "without --data: the built-in corpus is read as bytes",
+    "jsonl with malformed lines": "2 bad line(s): line 2: not valid JSON",
+    "jsonl without the text field": 'line 2: "text" is missing',
 }
 
 
@@ -225,9 +306,13 @@ def test_each_fault_gets_one_line_naming_the_fix_and_writes_nothing(case, tmp_pa
         monkeypatch.setattr(os, "access", lambda path, mode, **kw: not str(path).endswith("ro"))
     argv = _fault_case(case, tmp_path, text_file, monkeypatch)
     before = sorted(p.name for p in tmp_path.iterdir())
-    code = main(argv)
+    capsys.readouterr()  # what building the case printed (save_pretrained's progress bar)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals: the usage, then one line
+        code = e.code
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
     assert code == 2 and len(lines) == 1, err
     assert FAULTS[case] in lines[0] and "To resolve this error" in lines[0], lines[0]
     assert "Traceback" not in err
@@ -347,6 +432,25 @@ def test_progress_in_a_log_is_lines_not_carriage_returns_and_agrees_with_the_sum
     assert summary and summary.group(1) == progress[-1][1], (summary, progress)
 
 
+def test_a_config_file_sets_the_new_flags_switches_by_either_spelling(tmp_path):
+    from memtrain.cli import _apply_config_file, build_parser
+
+    (tmp_path / "run.toml").write_text('budget = "8MiB"\nno-chunked-loss = true\noffload-optimizer = false\n'
+                                       'offload-optimizer-fraction = 0.25\nlora = 4\ncheckpointing = "Every:2"\n'
+                                       'optimizer-state = "bf16"\nstep-in-backward = true\n')
+    parser = build_parser()
+    argv = ["train", "--config", str(tmp_path / "run.toml"), "--offload-optimizer-fraction", "0.5"]
+    assert _apply_config_file(parser, argv) >= {"budget", "chunked_loss", "offload_optimizer", "lora"}
+    args = parser.parse_args(argv)
+    assert (args.budget, args.chunked_loss, args.offload_optimizer, args.offload_optimizer_fraction, args.lora,
+            args.checkpointing, args.optimizer_state, args.step_in_backward) == (
+        8 * 2**20, False, False, 0.5, 4, "every:2", "bf16", True)
+    (tmp_path / "bad.toml").write_text('budget = "lots"\nchunked-loss = "yes"\n')
+    with pytest.raises(ConfigError) as info:
+        _apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "bad.toml")])
+    assert "'lots' is not a size" in str(info.value) and "chunked-loss = 'yes' must be true or false" in str(info.value)
+
+
 def test_library_errors_are_shown_in_flag_terms():
     from memtrain.cli import in_flag_terms
 
@@ -358,3 +462,6 @@ def test_library_errors_are_shown_in_flag_terms():
     assert in_flag_terms("world_size=2 now") == "torchrun --nproc_per_node 2 now"
     assert in_flag_terms("the precision of the run (precision='fp32')") == (
         "the precision of the run (--precision 'fp32')")
+    assert in_flag_terms("pass chunked_loss=True or offload_optimizer=False; state_precision='int8'") == (
+        "pass --chunked-loss or --no-offload-optimizer; --optimizer-state 'int8'")
+    assert in_flag_terms("world_size=2 with fsdp=False", "plan") == "--nproc 2 with --ddp"

@@ -1,0 +1,165 @@
+"""memtrain plan: the chosen set-up fits each budget, flags fix what they name, bad input is one message (exit 2).
+
+CPU plans probe this machine (cached), so which set-up wins may vary with its load; what is checked holds for any
+device figures: the prediction fits the budget less its margin, a larger budget never plans slower, fixed flags
+are kept. CUDA plans use the table of known GPUs (an H100 is assumed where torch sees no GPU).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memtrain.cli import main
+
+MiB = 2**20
+TINY = ["--model", "gpt-tiny"]
+
+
+def _plan(capsys, *argv: str) -> dict:
+    code = main(["plan", *argv, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def _fails(capsys, *argv: str) -> str:
+    """The one error line of a refused plan (exit 2, no traceback)."""
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("memtrain")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_gpt_preset_fits_each_budget_and_more_budget_is_never_slower(capsys):
+    plans = {budget: _plan(capsys, *TINY, "--device", "cpu", "--budget", budget)
+             for budget in ("1MiB", "2MiB", "8MiB", "unlimited")}
+    for budget, p in plans.items():
+        assert {"plan", "peak_bytes", "step_seconds", "tokens_per_s", "candidates"} <= set(p), sorted(p)
+        assert p["plan"]["micro_batch_size"] * p["plan"]["accumulation"] == 16, p["plan"]  # the default batch
+        if budget != "unlimited":
+            assert p["peak_bytes"] <= p["usable_bytes"] <= 0.95 * p["budget_bytes"] + 1, (budget, p["peak_bytes"])
+    speeds = [plans[b]["tokens_per_s"] for b in ("1MiB", "2MiB", "8MiB", "unlimited")]
+    assert speeds == sorted(speeds), f"a larger budget planned slower: {speeds} tokens/s"
+    assert plans["unlimited"]["budget_bytes"] is None
+    assert plans["unlimited"]["plan"]["checkpointing"] == "none", "no limit: nothing recomputed"
+    assert plans["1MiB"]["plan"]["checkpointing"] != "none", "1 MiB cannot keep every activation"
+    # The text form is Plan.summary(): the choice, the reasons and the runners-up.
+    assert main(["plan", *TINY, "--device", "cpu", "--budget", "2MiB"]) == 0
+    text = capsys.readouterr().out
+    assert "choice: micro-batch" in text and "because:" in text and "runners-up" in text and "planned in" in text
+
+
+@pytest.fixture
+def llama_folder(tmp_path):
+    """A folder holding only a Llama config.json: memtrain plan --hf-model reads nothing else."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512,
+                             max_position_embeddings=256).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def test_a_hugging_face_config_fits_each_budget_on_cuda(capsys, llama_folder):
+    common = ["--seq-len", "128", "--device", "cuda"]
+    roomy = _plan(capsys, "--hf-model", str(llama_folder), *common, "--budget", "200MiB")
+    tight = _plan(capsys, "--hf-config", str(llama_folder / "config.json"), *common, "--budget", "70MiB")
+    for p, budget in ((roomy, 200 * MiB), (tight, 70 * MiB)):
+        assert p["budget_bytes"] == budget and p["peak_bytes"] <= 0.95 * budget, (budget, p["peak_bytes"])
+        assert p["seq_len"] == 128 and p["blocks"] == ["model.layers.0", "model.layers.1"]
+        assert "H100" in p["device_profile"]["name"] or p["device_profile"]["source"] != "table"
+    assert tight["tokens_per_s"] <= roomy["tokens_per_s"], (tight["tokens_per_s"], roomy["tokens_per_s"])
+    assert tight["plan"]["checkpointing"] != "none" and roomy["plan"]["checkpointing"] == "none"
+    # Nothing fits: the planner's message names the smallest peak it found and what would make it fit.
+    line = _fails(capsys, "--hf-model", str(llama_folder), *common, "--budget", "66MiB")
+    assert "no set-up fits: the smallest predicted peak is" in line and "To resolve this error" in line, line
+    assert "--seq-len" in line, "the library's seq_len is shown as the flag"
+
+
+def test_nothing_fits_names_the_smallest_peak_and_a_fixed_micro_batch_is_kept(capsys):
+    line = _fails(capsys, *TINY, "--device", "cpu", "--budget", "600KiB")
+    assert "no set-up fits: the smallest predicted peak is" in line and "600.00 KiB" in line, line
+    # The whole batch in one forward cannot fit 2 MiB, though micro-batches of 8 do (the plan above).
+    line = _fails(capsys, *TINY, "--device", "cpu", "--budget", "2MiB", "--micro-batch-size", "16")
+    assert "micro-batch 16" in line and "smallest predicted peak" in line, line
+
+
+def test_fixed_flags_are_kept_as_given(capsys):
+    p = _plan(capsys, *TINY, "--device", "cpu", "--checkpointing", "every:2", "--no-chunked-loss",
+              "--optimizer-state", "fp32", "--no-step-in-backward", "--micro-batch-size", "4")
+    s = p["plan"]
+    assert (s["blocks"], s["chunked_loss"], s["state_precision"], s["step_in_backward"], s["micro_batch_size"]) == (
+        ["recompute", "keep"], False, "fp32", False, 4), s
+    assert all(c["settings"]["blocks"] == ["recompute", "keep"] for c in p["candidates"]), "a runner-up moved it"
+    # Offload forbidden by flag: neither the choice nor any runner-up offloads, even where it would be faster.
+    p = _plan(capsys, *TINY, "--budget", "70MiB", "--no-offload-optimizer", "--no-offload-activations")
+    for s in [p["plan"], *(c["settings"] for c in p["candidates"])]:
+        assert s["optimizer"] == "device" and s["offload_fraction"] == 0 and "offload" not in s["blocks"], s
+        assert s["flavor"] != "offload-inputs" or "recompute" not in s["blocks"], s
+    p = _plan(capsys, *TINY, "--budget", "200MiB", "--offload-optimizer", "--checkpointing", "all")
+    assert p["plan"]["optimizer"] == "offload" and p["plan"]["blocks"] == ["recompute", "recompute"], p["plan"]
+    p = _plan(capsys, *TINY, "--budget", "200MiB", "--offload-optimizer-fraction", "0.5")
+    assert (p["plan"]["optimizer"], p["plan"]["offload_fraction"]) == ("device", 0.5), p["plan"]
+
+
+def test_nproc_plans_per_rank_and_compares_ddp_with_fsdp(capsys):
+    both = _plan(capsys, *TINY, "--budget", "100MiB", "--nproc", "2")
+    assert both["world_size"] == 2 and both["global_batch_size"] == 32, "16 per rank, as memtrain train"
+    assert any("FSDP2" in r and "DDP" in r for r in both["reasons"]), both["reasons"]
+    for flag, kind in (("--fsdp", "fsdp2"), ("--ddp", "ddp")):
+        p = _plan(capsys, *TINY, "--budget", "100MiB", "--nproc", "2", flag)
+        assert {c["settings"]["distribution"] for c in p["candidates"]} | {p["plan"]["distribution"]} == {kind}
+
+
+def test_calibrate_measures_the_device_again(capsys, monkeypatch):
+    import memtrain.planner as planner
+
+    calls = []
+    real = planner.calibrate
+
+    def calibrate(device, **kwargs):
+        calls.append((str(device), kwargs))
+        return planner.DeviceProfile(**{**real("cpu").to_dict(), "name": "probed just now"})
+
+    monkeypatch.setattr(planner, "calibrate", calibrate)
+    p = _plan(capsys, *TINY, "--device", "cpu", "--calibrate")
+    assert calls == [("cpu", {"refresh": True})] and p["device_profile"]["name"] == "probed just now", calls
+
+
+
+def test_calibrate_without_a_gpu_is_refused(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: --calibrate would probe it")
+    assert "torch sees no CUDA device" in _fails(capsys, *TINY, "--device", "cuda", "--calibrate")
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--budget", "-1GiB"], "'-1GiB' is negative"),
+    (["--budget", "0"], "'0' is zero"),
+    (["--budget", "lots"], "'lots' is not a size"),
+    (["--host-budget", "-5GB"], "'-5GB' is negative"),
+    (["--budget", "1KiB"], "smaller than one block's parameters"),
+    (["--device", "cpu", "--offload-optimizer"], "only copies within RAM"),
+    (["--checkpointing", "blocks(RKK)"], "names 3 blocks, not 2"),
+    (["--checkpointing", "sometimes"], "is not a checkpointing policy"),
+    (["--checkpointing", "all+offload", "--no-offload-activations"], "--no-offload-activations says not to"),
+    (["--offload-optimizer", "--optimizer-state", "int8"], "keeps fp32 state in host RAM"),
+    (["--offload-optimizer", "--offload-optimizer-fraction", "0.5"], "pass one of them"),
+    (["--offload-optimizer-fraction", "1.5"], "must be a fraction in [0, 1]"),
+    (["--nproc", "3", "--global-batch-size", "16"], "does not split over --nproc 3 ranks"),
+    (["--fsdp", "--ddp"], "not allowed with argument"),
+    (["--model", "gpt-tiny", "--hf-config", "x.json"], "not allowed with argument"),
+    (["--hf-model", "/nonexistent"], "no such folder"),
+])
+def test_bad_input_is_one_message_and_exit_2(argv, fragment, capsys):
+    line = _fails(capsys, *(TINY if "--model" not in argv and "--hf-model" not in argv else []), *argv)
+    assert fragment in line, line
