@@ -13,6 +13,7 @@ from memtrain.estimate import estimate
 from memtrain.measure import MemoryMeter, measure
 from memtrain.offload import offload_activations
 from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.planner import Plan, apply_plan, plan
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import MemoryReport, format_bytes, parse_bytes
 from memtrain.train import TrainConfig, TrainResult, train
@@ -28,12 +29,14 @@ __all__ = [
     "MemoryReport",
     "MemtrainError",
     "MixedPrecision",
+    "Plan",
     "SelectivePolicy",
     "StepResult",
     "TrainConfig",
     "TrainResult",
     "accumulation_steps",
     "apply_checkpointing",
+    "apply_plan",
     "checkpoint_sequential",
     "estimate",
     "format_bytes",
@@ -41,6 +44,7 @@ __all__ = [
     "measure",
     "offload_activations",
     "parse_bytes",
+    "plan",
     "remove_checkpointing",
     "resolve_precision",
     "train",

@@ -853,11 +853,6 @@ def _offloads_blocks(model: nn.Module) -> bool:
     return any(spec is not None and spec.offloader is not None and spec.offloader.enabled for spec in spec_offloaders)
 
 
-def estimate_policy(mode: str, every: int) -> str:
-    """The estimator's name for a checkpointing mode ("auto" checkpoints every block, as train does)."""
-    return {"none": "none", "every": f"every:{every}"}.get(mode, "all")
-
-
 def _carry_counters(old: GradientAccumulator, new: GradientAccumulator) -> GradientAccumulator:
     new.load_state_dict(old.state_dict())
     return new

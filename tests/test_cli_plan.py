@@ -148,7 +148,6 @@ def test_calibrate_without_a_gpu_is_refused(capsys):
     (["--budget", "lots"], "'lots' is not a size"),
     (["--host-budget", "-5GB"], "'-5GB' is negative"),
     (["--budget", "1KiB"], "smaller than one block's parameters"),
-    (["--device", "cpu", "--offload-optimizer"], "only copies within RAM"),
     (["--checkpointing", "blocks(RKK)"], "names 3 blocks, not 2"),
     (["--checkpointing", "sometimes"], "is not a checkpointing policy"),
     (["--checkpointing", "all+offload", "--no-offload-activations"], "--no-offload-activations says not to"),
