@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -103,11 +104,43 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+# -- the wrappers a trained model comes in ---------------------------------------------------------------------
+def unwrap_model(model: nn.Module, *, ddp: bool = True, peft: bool = False) -> nn.Module:
+    """The module inside ``torch.compile``'s wrapper and (with ``ddp``) DDP's or DataParallel's, at any depth;
+    with ``peft`` also inside a PEFT model. What to patch or inspect, where the wrapper is what to call.
+
+    A PEFT model stays one unless ``peft``: it forwards attribute lookups to the model it wraps, so
+    ``peft_model.model`` (its ``base_model_prefix``) is the whole causal LM, not its decoder; ``peft=True`` gives
+    that causal LM (PEFT calls its forward; the LoRA layers live inside it). FSDP2 is not a wrapper
+    (``fully_shard`` changes the module's class in place): an FSDP2 module is returned as it is.
+    """
+    while True:
+        if _is_peft(model):
+            inner = model.get_base_model() if peft else None
+        elif ddp and isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            inner = model.module
+        else:
+            inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _is_peft(model: nn.Module) -> bool:
+    peft = sys.modules.get("peft")  # a PEFT model exists only once peft is imported (importing it takes seconds)
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` (inside a ``torch.compile`` wrapper too) was sharded by FSDP2's ``fully_shard``."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by fully_shard; importing it here costs 0.5 s
+    return fsdp is not None and isinstance(unwrap_model(model), fsdp.FSDPModule)
+
+
 def _sync_kind(model: nn.Module) -> Literal["fsdp2", "no_sync", "none"]:
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    if callable(getattr(model, "set_requires_gradient_sync", None)):
-        return "fsdp2"
-    if callable(getattr(model, "no_sync", None)):
+    if is_fsdp2(model):
+        return "fsdp2"  # its modules have no no_sync(): set_requires_gradient_sync instead
+    if callable(getattr(unwrap_model(model, ddp=False), "no_sync", None)):
         return "no_sync"  # DDP (and FSDP1)
     return "none"
 
@@ -257,7 +290,7 @@ class GradientAccumulator:
         self._closed = is_last
 
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager[object]:
-        model = getattr(self.model, "_orig_mod", self.model)
+        model = unwrap_model(self.model, ddp=False)  # no_sync() is DDP's own, on its wrapper
         if self._sync == "no_sync" and not sync:
             return model.no_sync()
         if self._sync == "fsdp2":

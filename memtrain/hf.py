@@ -45,6 +45,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from memtrain.accumulation import unwrap_model
 from memtrain.errors import ConfigError
 
 # Checkpoint formats that are pickles: loading one runs whatever code it holds.
@@ -192,7 +193,7 @@ def load_tokenizer(path: str | os.PathLike[str], *, needed_for: str = "tokenisin
 # -- LoRA ----------------------------------------------------------------------------------------------------------
 def is_lora(model: nn.Module) -> bool:
     """Whether ``model`` is a PEFT model (LoRA adapters on a frozen base), inside compile/DDP wrappers too."""
-    model = _strip_wrappers(model)
+    model = unwrap_model(model)
     try:
         import peft
     except ImportError:
@@ -268,7 +269,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     Raises:
         ConfigError: the model has no LoRA adapters (``--merge-lora`` without ``--lora``).
     """
-    inner = _strip_wrappers(model)
+    inner = unwrap_model(model)
     if not is_lora(inner):
         raise ConfigError(f"--merge-lora: {type(inner).__name__} has no LoRA adapters to merge. To resolve this "
                           "error, train with --lora R (apply_lora), or drop --merge-lora.")
@@ -281,17 +282,6 @@ def _is_hf_causal_lm(model: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, PreTrainedModel) and hasattr(model, "prepare_inputs_for_generation")
-
-
-def _strip_wrappers(model: nn.Module) -> nn.Module:
-    """The module inside ``torch.compile``'s and DDP's wrappers (a PEFT model stays one)."""
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
-            inner = model.module
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
 
 
 # -- export --------------------------------------------------------------------------------------------------------
@@ -322,7 +312,7 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
     Raises:
         ConfigError: a model Hugging Face cannot save (not a PreTrainedModel/PeftModel, or sharded by FSDP).
     """
-    model = _strip_wrappers(model)
+    model = unwrap_model(model)
     if not callable(getattr(model, "save_pretrained", None)):
         raise ConfigError(f"save_hf: a {type(model).__name__} has no save_pretrained, so no Hugging Face folder can "
                           "be written for it. To resolve this error, pass a transformers PreTrainedModel or a PEFT "
@@ -413,7 +403,7 @@ def prepare_model(model: nn.Module, memory: TrainerMemory = TrainerMemory()) -> 
     from memtrain.checkpointing import apply_checkpointing
     from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
 
-    inner = _strip_wrappers(model)
+    inner = unwrap_model(model)
     config = getattr(inner, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
@@ -489,7 +479,7 @@ def _build_trainer_class() -> type:
             if memory.offload_activations:
                 from memtrain.offload import offload_activations
 
-                self._offloader = offload_activations(model=_strip_wrappers(model))
+                self._offloader = offload_activations(model=unwrap_model(model))
             self.add_callback(_ZeroHostGradients())
             clip = self.accelerator.clip_grad_norm_
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memtrain.accumulation import unwrap_model
 from memtrain.errors import ConfigError
 
 # Hugging Face model types whose causal-LM forward is: decoder -> lm_head(last hidden state) -> ForCausalLMLoss,
@@ -315,30 +315,9 @@ class _HFChunkedForward:
         return result.to_tuple() if return_dict is False else result
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside ``torch.compile``'s, DDP's and PEFT's wrappers.
-
-    A PEFT model forwards attribute lookups to the model it wraps, so ``peft_model.model`` (its
-    ``base_model_prefix``) is the whole causal LM, not its decoder: the causal LM itself is what to patch (PEFT
-    calls its forward; LoRA layers live inside it).
-    """
-    while True:
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if _is_peft(model):
-            inner = model.get_base_model()
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
-def _is_peft(model: nn.Module) -> bool:
-    peft = sys.modules.get("peft")  # a PEFT model exists only once peft is imported
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
     """The output head of memtrain's GPT or of a Hugging Face model (None for other models)."""
-    model = _unwrap(model)
+    model = unwrap_model(model, peft=True)
     if _is_gpt(model):
         return model.head
     get = getattr(model, "get_output_embeddings", None)
@@ -380,13 +359,13 @@ def _is_gpt(model: nn.Module) -> bool:
 def output_head(model: nn.Module) -> nn.Module:
     """The module ``chunked_cross_entropy`` recomputes in backward: GPT's ``head``, a Hugging Face model's
     output embeddings."""
-    model = _unwrap(model)
+    model = unwrap_model(model, peft=True)
     return model.head if _is_gpt(model) else model.get_output_embeddings()
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether ``apply_chunked_loss`` knows how to chunk this model's loss (inside a compile or DDP wrapper too)."""
-    model = _unwrap(model)
+    model = unwrap_model(model, peft=True)
     return _is_gpt(model) or not _hf_problems(model)
 
 
@@ -396,12 +375,12 @@ def chunked_loss_kind(model: nn.Module) -> Literal["gpt", "hf"] | None:
     None when it is not."""
     if chunk_tokens_of(model) is None:
         return None
-    return "gpt" if _is_gpt(_unwrap(model)) else "hf"
+    return "gpt" if _is_gpt(unwrap_model(model, peft=True)) else "hf"
 
 
 def chunk_tokens_of(model: nn.Module) -> int | None:
     """The ``chunk_tokens`` of ``model``'s chunked loss, or None when its loss is not chunked."""
-    model = _unwrap(model)
+    model = unwrap_model(model, peft=True)
     if _is_gpt(model):
         return model.loss_chunk_tokens
     forward = model.__dict__.get("forward")
@@ -429,7 +408,9 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         problems.append(f"chunk_tokens={chunk_tokens!r} must be an integer >= 1. To resolve this error, pass e.g. "
                         "chunk_tokens=1024.")
-    model = _unwrap(model)  # a compiled model: the module it compiles, so the compiled forward runs the chunks
+    # A compiled model: the module it compiles, so the compiled forward runs the chunks; a PEFT model: its causal
+    # LM, whose forward PEFT calls.
+    model = unwrap_model(model, peft=True)
     if not _is_gpt(model):
         problems += _hf_problems(model)
     ConfigError.raise_if(problems)
@@ -443,7 +424,7 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
 
 def remove_chunked_loss(model: nn.Module) -> bool:
     """Undoes ``apply_chunked_loss``; returns whether there was anything to undo."""
-    model = _unwrap(model)
+    model = unwrap_model(model, peft=True)
     if _is_gpt(model):
         was, model.loss_chunk_tokens = model.loss_chunk_tokens is not None, None
         return was

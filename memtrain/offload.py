@@ -359,12 +359,6 @@ def _derived_from_leaf(t: torch.Tensor) -> bool:
     return False
 
 
-def available_ram_bytes() -> int:
-    """Host memory available to new allocations; a huge number where the machine does not say (do not refuse)."""
-    free = available_host_bytes()
-    return free if free is not None else 2**62
-
-
 def _find_head(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
@@ -426,7 +420,8 @@ class ActivationOffloader:
         self.device = transport.device if transport is not None else None
         self.pool: HostPool | None = None
         if transport is not None:
-            free = available_ram_bytes()
+            free = available_host_bytes()
+            free = 2**62 if free is None else free  # the machine does not say: do not refuse
             if host_budget_bytes is None:
                 host_budget_bytes = free // 2
             elif host_budget_bytes > free:

@@ -52,11 +52,6 @@ IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 STATE_BYTES_PER_PARAM = {torch.optim.Adam: 8, torch.optim.AdamW: 8, torch.optim.SGD: 4}
 
 
-def host_available_bytes() -> int | None:
-    """Host memory available to new allocations, or None where the machine does not say."""
-    return available_host_bytes()
-
-
 @dataclass(eq=False)
 class _Slot:
     """One parameter: its device tensor and its host views (fp32 master, gradient buffers, cast buffer)."""
@@ -968,7 +963,7 @@ def _check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_b
     per_param = getattr(optimizer_class, "state_bytes_per_param", None)  # memtrain.optim's lean classes say theirs
     state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
     need = 4 * numel * (1 + n_grad_buffers) + cast + state
-    available = host_available_bytes()
+    available = available_host_bytes()
     if available is not None and need > available:
         raise MemtrainError(
             f"CPUOffloadOptimizer needs {format_bytes(need)} of host RAM ({numel:,} parameters: fp32 master weights "

@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from memtrain.accumulation import is_fsdp2
 from memtrain.errors import ConfigError, MemtrainError
 
 try:  # POSIX; elsewhere the lock is a pid file only
@@ -925,12 +926,8 @@ def tied_duplicates(model: nn.Module) -> set[str]:
     return duplicates
 
 
-def _is_fsdp(model: nn.Module) -> bool:
-    return callable(getattr(model, "set_requires_gradient_sync", None))
-
-
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    if _is_fsdp(model):
+    if is_fsdp2(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -938,7 +935,7 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    if _is_fsdp(model):
+    if is_fsdp2(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         return get_optimizer_state_dict(model, optimizer,
@@ -979,7 +976,7 @@ def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimi
                       scheduler: Any, scaler: Any, accumulator: Any) -> None:
     """Loads a checkpoint's state into the run's objects (raises what the objects raise on a state that does not
     fit them)."""
-    if _is_fsdp(model):
+    if is_fsdp2(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,

@@ -389,3 +389,67 @@ def test_discard_window_drops_gradients_and_starts_a_new_window():
     with acc.micro_batch(is_last=True):  # a new window may mix in nothing from the old one
         acc.backward(model(x, y, reduction="sum"), reduction="sum", items=(y != -100).sum())
     assert acc.step().micro_batches == 1
+
+
+# -- the wrappers a trained model comes in ---------------------------------------------------------------------
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-process gloo group, so that DDP and fully_shard can wrap a module inside this test process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unwrap_model_sees_through_compile_and_ddp_at_any_depth(one_rank_group):
+    from memtrain.accumulation import unwrap_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model))
+    assert unwrap_model(torch.compile(ddp)) is model
+    assert unwrap_model(torch.compile(ddp), ddp=False) is ddp  # DDP's no_sync() lives on its wrapper
+    assert unwrap_model(torch.nn.DataParallel(model)) is model and unwrap_model(model) is model
+
+    class Holder(torch.nn.Module):  # a user's model whose child happens to be called "module": not a wrapper
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = model
+
+    holder = Holder()
+    assert unwrap_model(torch.compile(holder)) is holder
+
+
+def test_unwrap_model_enters_a_peft_model_only_when_asked():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from memtrain.accumulation import unwrap_model
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    lora = peft.get_peft_model(transformers.LlamaForCausalLM(config),
+                               peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    causal_lm = lora.get_base_model()
+    assert isinstance(causal_lm, transformers.LlamaForCausalLM)
+    assert unwrap_model(torch.compile(lora), peft=True) is causal_lm  # the module whose forward PEFT calls
+    assert unwrap_model(torch.compile(lora)) is lora  # a PEFT model stays one (save_hf saves its adapters)
+
+
+def test_fsdp2_is_detected_inside_compile_and_a_plain_module_is_not(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    from memtrain.accumulation import _sync_kind, is_fsdp2
+
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    assert not is_fsdp2(plain) and not is_fsdp2(torch.compile(plain))
+    assert not is_fsdp2(torch.nn.parallel.DistributedDataParallel(plain))
+    assert _sync_kind(torch.nn.parallel.DistributedDataParallel(plain)) == "no_sync"
+    assert _sync_kind(plain) == "none"
+
+    sharded = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(sharded[0])
+    fully_shard(sharded)
+    assert is_fsdp2(sharded) and is_fsdp2(torch.compile(sharded))
+    assert _sync_kind(torch.compile(sharded)) == "fsdp2"

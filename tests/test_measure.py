@@ -128,3 +128,22 @@ def test_a_meter_that_must_not_stall_the_queue_reads_the_peak_without_synchronis
     calls.clear()
     measure(lambda: (x * x).sum())  # measure() keeps its waits: each phase's bytes follow its own kernels
     assert calls.count("synchronize") == 4, calls  # at entry, and at the forward, backward and end marks
+
+
+def test_available_host_bytes_is_the_free_ram_or_none_where_the_machine_does_not_say(monkeypatch):
+    import builtins
+    import os
+
+    from memtrain.measure import available_host_bytes
+
+    free = available_host_bytes()
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert isinstance(free, int) and 0 < free <= total, (free, total)
+
+    def no_file(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(builtins, "open", no_file)
+    assert available_host_bytes() == os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # free pages
+    monkeypatch.setattr(os, "sysconf", lambda name: (_ for _ in ()).throw(ValueError(name)))
+    assert available_host_bytes() is None

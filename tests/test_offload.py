@@ -765,6 +765,14 @@ def test_budget_above_free_ram_raises_before_allocating():
     assert "available" in str(e.value) and transport.slabs == 0
 
 
+def test_a_machine_that_does_not_say_its_free_ram_is_not_refused(monkeypatch):
+    monkeypatch.setattr(offload_mod, "available_host_bytes", lambda: None)
+    transport = FakeTransport()
+    off = ActivationOffloader(transport, host_budget_bytes=2**40)
+    assert off.pool is not None and off.pool.capacity_bytes == 2**40 and transport.slabs == 0
+    assert ActivationOffloader(transport).pool is not None and transport.slabs == 0  # the default budget too
+
+
 def test_bad_arguments_are_reported_together():
     with pytest.raises(ConfigError) as e:
         ActivationOffloader(FakeTransport(), min_bytes=0, prefetch_depth=0, host_budget_bytes=-1)

@@ -502,7 +502,7 @@ def test_unknown_hyperparameter() -> None:
 
 
 def test_host_ram_is_checked_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("memtrain.optim_offload.host_available_bytes", lambda: 1000)
+    monkeypatch.setattr("memtrain.optim_offload.available_host_bytes", lambda: 1000)
     with pytest.raises(MemtrainError, match="of host RAM") as e:
         CPUOffloadOptimizer(make_mlp().parameters(), lr=1e-3)
     assert "available" in str(e.value)
