@@ -288,7 +288,7 @@ def _is_hf_causal_lm(model: nn.Module) -> bool:
 def is_hf_model(model: nn.Module) -> bool:
     """Whether ``save_hf`` can write ``model``: a transformers ``PreTrainedModel`` or a PEFT model (inside
     compile/DDP wrappers too), whatever is installed."""
-    return callable(getattr(_strip_wrappers(model), "save_pretrained", None))
+    return callable(getattr(unwrap_model(model), "save_pretrained", None))
 
 
 def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: Any = None) -> Path:
