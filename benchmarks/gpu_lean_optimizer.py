@@ -57,6 +57,7 @@ from gpu_plan import (  # noqa: E402
     _kill_children,
     _tps,
     environment,
+    fp32_moments_only,
     judge,
     measure_budget,
     no_savings_peak,
@@ -68,7 +69,6 @@ from gpu_plan import (  # noqa: E402
 )
 
 from memtrain.errors import ConfigError  # noqa: E402
-from memtrain.planner import TECHNIQUES  # noqa: E402
 from memtrain.report import format_bytes, parse_bytes  # noqa: E402
 
 # The lean run's budget per shape (issue 14: the 7B in 24 GiB, or the 1.1B in 4 GiB), and --small's.
@@ -99,7 +99,7 @@ def lean_row(args: argparse.Namespace, shape_name: str, device: torch.device) ->
     # --budget is the first shape's; the fallback shape runs in its own (the 1.1B in 4 GiB)
     budget_text = args.budget if args.budget and shape_name == args.shape else BUDGETS[shape_name]
     spec = parse_budgets(budget_text, lambda: no_savings_peak(shape, args.seq_len, args.global_batch))[0]
-    techniques = [t for t in TECHNIQUES if t != "optimizer-state"] if args.fp32_moments else None
+    techniques = fp32_moments_only() if args.fp32_moments else None
     host_budget = parse_bytes(args.host_budget) if args.host_budget else None
     row = measure_budget(spec, shape, seq_len=args.seq_len, batch=args.global_batch, device=device,
                          calibrated=args.calibrate, warmup=args.warmup, repeats=args.repeats, lr=args.lr,

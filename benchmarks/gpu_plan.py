@@ -56,7 +56,16 @@ for _path in (_HERE.parent, _HERE):  # the repo root (memtrain) and benchmarks/ 
 import torch  # noqa: E402
 
 from memtrain.errors import ConfigError, MemtrainError  # noqa: E402
-from memtrain.planner import DeviceProfile, Plan, PlanSettings, apply_plan, calibrate, known_gpu, plan  # noqa: E402
+from memtrain.planner import (  # noqa: E402
+    TECHNIQUES,
+    DeviceProfile,
+    Plan,
+    PlanSettings,
+    apply_plan,
+    calibrate,
+    known_gpu,
+    plan,
+)
 from memtrain.report import format_bytes, parse_bytes  # noqa: E402
 from memtrain.runstate import atomic_write_bytes  # noqa: E402
 
@@ -206,6 +215,11 @@ def no_savings_peak(shape: LlamaShape, seq_len: int, batch: int) -> int:
     report = estimate(meta_llama(shape, seq_len), (batch, seq_len), device="cuda", precision="bf16-mixed",
                       optimizer="adamw")
     return int(report.peak_bytes)
+
+
+def fp32_moments_only() -> list[str]:
+    """Every technique but leaner AdamW moments (bf16, int8): the optimizer's maths stays fp32 AdamW's."""
+    return [t for t in TECHNIQUES if t != "optimizer-state"]
 
 
 def weights_dtype(settings: PlanSettings) -> torch.dtype:
@@ -502,6 +516,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--calibrate", action="store_true", help="device figures from calibrate('cuda'), not the "
                         "table of known GPUs")
     parser.add_argument("--host-budget", help="host RAM the plans may use (default: what is free now)")
+    parser.add_argument("--fp32-moments", action="store_true", help="forbid bf16/int8 AdamW moments (the anchors' "
+                        "optimizer is fp32 AdamW)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per budget")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per budget")
@@ -549,6 +565,8 @@ def child_argv(args: argparse.Namespace, spec: BudgetSpec) -> list[str]:
         argv.append("--small")
     if args.calibrate:
         argv.append("--calibrate")
+    if args.fp32_moments:
+        argv.append("--fp32-moments")
     if args.host_budget:
         argv += ["--host-budget", args.host_budget]
     return argv
@@ -587,7 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             row = measure_budget(spec, shape, seq_len=args.seq_len, batch=args.batch, device=device,
                                  calibrated=args.calibrate, warmup=args.warmup, repeats=args.repeats, lr=args.lr,
-                                 host_budget=host_budget)
+                                 host_budget=host_budget, techniques=fp32_moments_only() if args.fp32_moments else None)
         row["budget"] = spec.text
         design = args.shape == "1.1b" and args.batch == 4 and args.seq_len == 2048  # the anchors' workload
         row["design_workload"] = design
