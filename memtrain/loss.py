@@ -199,7 +199,10 @@ def _cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index
     grad.sub_(grad.amax(dim=-1, keepdim=True)).exp_()
     weight = (labels != ignore_index).to(grad.dtype).unsqueeze(-1) * grad_total
     grad.mul_(weight / grad.sum(dim=-1, keepdim=True))
-    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), -weight)
+    # Ignored rows scatter their zero weight into column 0: their label (ignore_index, which may be >= the
+    # vocabulary, e.g. ignore_index=vocab_size) is no column to index. A label outside [0, vocab) that is not
+    # ignored never gets here: forward's F.cross_entropy refused it.
+    grad.scatter_add_(-1, labels.masked_fill(labels == ignore_index, 0).unsqueeze(-1), -weight)
     return grad.to(logits.dtype)
 
 
