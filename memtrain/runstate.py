@@ -16,6 +16,7 @@ read whole is skipped for the previous one, saying why. Resuming never unpickles
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -37,7 +38,6 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from memtrain.accumulation import is_fsdp2
 from memtrain.errors import ConfigError, MemtrainError
@@ -791,26 +791,87 @@ def agree_on_stop(received: str | None, device: torch.device) -> str | None:
 
 
 # -- what defines a run -------------------------------------------------------------------------------------
+# A dataset without a token stream that is not an in-memory list is hashed through this many evenly spaced
+# examples at most: each is one __getitem__ (which may read a file or tokenise), paid at every start and resume.
+FINGERPRINT_MAX_EXAMPLES = 65536
+
+
 def data_fingerprint(dataset: Any) -> dict[str, Any]:
-    """The number of examples and a SHA-256 of the data: of its whole token stream where the dataset exposes one
-    (``tokens``, plus ``starts``/``lengths`` for documents), else of up to 256 evenly spaced examples."""
+    """The number of examples and a SHA-256 of the data's contents, for a resume to refuse other data.
+
+    What is hashed: the whole token stream where the dataset exposes one (numpy ``tokens``, plus ``starts``,
+    ``lengths`` and ``loss_mask`` for documents; a ``PackedRows`` through its ``documents`` and packing
+    settings); else every example of a list or tuple, and of any other dataset up to
+    ``FINGERPRINT_MAX_EXAMPLES`` examples (that many, evenly spaced, beyond). Each example counts by its whole
+    content (``_hash_item``): tensors and arrays by dtype, shape and bytes, other values by type and value, so
+    two datasets of the same length with other contents fingerprint differently.
+    """
     digest = hashlib.sha256()
-    arrays = [getattr(dataset, name, None) for name in ("tokens", "starts", "lengths")]
-    if isinstance(arrays[0], np.ndarray):
-        for array in arrays:
+    source = dataset if _token_stream(dataset) else getattr(dataset, "documents", None)
+    if _token_stream(source):
+        for name in ("tokens", "starts", "lengths", "loss_mask"):
+            array = getattr(source, name, None)
             if isinstance(array, np.ndarray):
                 digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        if source is not dataset:  # rows built from the stream: how they were built is part of the data
+            settings = {name: getattr(dataset, name) for name in ("seq_len", "pad_id", "ignore_index")
+                        if isinstance(getattr(dataset, name, None), int)}
+            digest.update(repr((type(dataset).__qualname__, sorted(settings.items()))).encode())
         of = "token stream"
     else:
         n = len(dataset)
-        for i in sorted({int(i) for i in np.linspace(0, n - 1, num=min(n, 256))}) if n else []:
-            for t in tree_leaves(dataset[i]):
-                if isinstance(t, torch.Tensor):
-                    digest.update(t.detach().cpu().contiguous().numpy().tobytes())
-                elif isinstance(t, np.ndarray):
-                    digest.update(np.ascontiguousarray(t).tobytes())
-        of = "256 sampled examples" if n > 256 else "every example"
+        if isinstance(dataset, (list, tuple)) or n <= FINGERPRINT_MAX_EXAMPLES:
+            indices: Any = range(n)
+            of = "every example"
+        else:
+            indices = sorted({int(i) for i in np.linspace(0, n - 1, num=FINGERPRINT_MAX_EXAMPLES)})
+            of = f"{len(indices)} sampled examples"
+        for i in indices:
+            _hash_item(digest, dataset[i])
     return {"examples": len(dataset), "sha256": digest.hexdigest(), "of": of}
+
+
+def _token_stream(dataset: Any) -> bool:
+    return isinstance(getattr(dataset, "tokens", None), np.ndarray)
+
+
+def _hash_item(digest: Any, item: Any) -> None:
+    """Feeds one example into ``digest``, type-tagged and length-prefixed so that no two different contents
+    feed the same bytes ([[1, 2], [3]] and [[1], [2, 3]], int32 and float32 zeros, a (2, 3) and a (3, 2)).
+
+    Tensors and arrays: dtype, shape and bytes; str/bytes/numbers/None: their repr; lists, tuples (named ones
+    with their field names), dicts and dataclasses: their fields in order; any other object: its ``__dict__``,
+    or its repr where it has none (a repr holding an address would make equal data differ: a refused resume,
+    never a silent one)."""
+    if isinstance(item, torch.Tensor):
+        # The bytes through a uint8 view: bf16 (which numpy has not) has no .numpy() of its own.
+        data = item.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        digest.update(f"T{item.dtype}{tuple(item.shape)}".encode())
+        digest.update(memoryview(data).cast("B"))
+    elif isinstance(item, np.ndarray):
+        digest.update(f"N{item.dtype.str}{item.shape}".encode())
+        digest.update(memoryview(np.ascontiguousarray(item).reshape(-1)).cast("B"))
+    elif item is None or isinstance(item, (str, bytes, bool, int, float, complex, np.generic)):
+        text = repr(item).encode()
+        digest.update(f"S{type(item).__qualname__}:{len(text)}:".encode() + text)
+    elif isinstance(item, Mapping):
+        digest.update(f"M{type(item).__qualname__}:{len(item)}:".encode())
+        for key, value in item.items():
+            _hash_item(digest, key)
+            _hash_item(digest, value)
+    elif isinstance(item, (list, tuple)):
+        fields = getattr(item, "_fields", None)  # a NamedTuple: its field names are part of its meaning
+        digest.update(f"L{type(item).__qualname__}{fields or ''}:{len(item)}:".encode())
+        for value in item:
+            _hash_item(digest, value)
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        _hash_item(digest, {f.name: getattr(item, f.name) for f in dataclasses.fields(item)})
+        digest.update(type(item).__qualname__.encode())
+    elif hasattr(item, "__dict__"):
+        _hash_item(digest, vars(item))
+        digest.update(type(item).__qualname__.encode())
+    else:
+        _hash_item(digest, repr(item))
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, Any]:
