@@ -184,7 +184,7 @@ _DAMAGE = (CheckpointDamaged, SafetensorError, OSError, ValueError, KeyError, Ty
 
 
 class RunCheckpoints:
-    """The checkpoints of one run, in ``folder/checkpoints/step-NNNNNNN/``; the newest ``keep`` are kept.
+    """The checkpoints of one run, in ``folder/checkpoints/step-NNNNNNN/``; the newest ``keep`` intact ones are kept.
 
     Names under ``checkpoints/`` that are not ``step-<number>`` folders are ignored (never read, never removed).
 
@@ -200,6 +200,7 @@ class RunCheckpoints:
     def __init__(self, folder: str | os.PathLike[str], *, keep: int = 2):
         self.root = Path(folder) / "checkpoints"
         self.keep = max(1, keep)
+        self._verified: dict[str, tuple[tuple[int, int], ...]] = {}  # name -> _signature when found intact
 
     def paths(self) -> list[Path]:
         """Checkpoint folders, newest first."""
@@ -213,7 +214,7 @@ class RunCheckpoints:
         return [p for _, p in sorted(found, reverse=True)]
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Writes ``state`` as the checkpoint of ``step``; older ones beyond ``keep`` are removed afterwards.
+        """Writes ``state`` as the checkpoint of ``step``; ones older than the ``keep`` newest intact are removed after.
 
         Raises:
             RunWriteError: a file could not be written (the checkpoints already there are untouched).
@@ -252,9 +253,42 @@ class RunCheckpoints:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for stale in self.paths()[self.keep:]:
-            shutil.rmtree(stale, ignore_errors=True)
+        self._prune(final)
         return final
+
+    def _prune(self, written: Path) -> None:
+        """Removes every checkpoint older than the ``keep``-th newest intact one.
+
+        Only intact checkpoints count: a damaged one (which a resume skips) must not push the last good one
+        out, nor, newer than the one just written (a resume from before it), remove that one. Damaged ones
+        newer than the oldest kept stay, for a person to look at, until enough intact ones follow."""
+        intact = 0
+        for path in self.paths():
+            if intact >= self.keep:
+                shutil.rmtree(path, ignore_errors=True)
+            elif path == written:
+                intact += 1
+                signature = _signature(path)  # just written whole: the next save need not hash it again
+                if signature is not None:
+                    self._verified[path.name] = signature
+            elif self._intact(path):
+                intact += 1
+
+    def _intact(self, path: Path) -> bool:
+        """Whether ``path`` passes ``verify`` and its meta.json is a checkpoint's; a result is remembered while its
+        files keep their size and mtime, so that pruning at every save does not hash every kept checkpoint again."""
+        signature = _signature(path)
+        if signature is not None and self._verified.get(path.name) == signature:
+            return True
+        if self.verify(path) is not None:
+            return False
+        try:
+            self._read_meta(path)
+        except CheckpointDamaged:
+            return False
+        if signature is not None:
+            self._verified[path.name] = signature
+        return True
 
     def verify(self, path: Path) -> str | None:
         """None if the checkpoint at ``path`` is complete and matches its checksums, else what is wrong with it."""
@@ -285,6 +319,15 @@ class RunCheckpoints:
         problem = self.verify(path)
         if problem is not None:
             raise CheckpointDamaged(problem)
+        step, meta = self._read_meta(path)
+        try:
+            state = unflatten_state(meta["state"], load_file(str(path / "tensors.safetensors")))
+        except _DAMAGE as e:
+            raise CheckpointDamaged(f"tensors.safetensors cannot be decoded ({type(e).__name__}: {e})") from None
+        return step, state
+
+    def _read_meta(self, path: Path) -> tuple[int, dict[str, Any]]:
+        """The step and meta.json of a checkpoint whose checksums are right; CheckpointDamaged if it is not one."""
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError) as e:
@@ -293,11 +336,7 @@ class RunCheckpoints:
         if not (isinstance(meta, dict) and meta.get("format") == CHECKPOINT_FORMAT and meta.get("step") == step
                 and isinstance(meta.get("state"), dict)):
             raise CheckpointDamaged(f"meta.json does not describe the checkpoint of step {step}")
-        try:
-            state = unflatten_state(meta["state"], load_file(str(path / "tensors.safetensors")))
-        except _DAMAGE as e:
-            raise CheckpointDamaged(f"tensors.safetensors cannot be decoded ({type(e).__name__}: {e})") from None
-        return step, state
+        return step, meta
 
     def readable(self) -> Iterator[tuple[Path, int | None, dict[str, Any] | str]]:
         """Each checkpoint, newest first, as (path, step, state) or (path, None, what is wrong with it)."""
@@ -349,6 +388,14 @@ class RunCheckpoints:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
             removed.append(f"checkpoints/{p.name}")
         return removed, restored
+
+
+def _signature(path: Path) -> tuple[tuple[int, int], ...] | None:
+    """(size, mtime_ns) of each file of a checkpoint: what an edit or a rewrite changes; None if one is missing."""
+    try:
+        return tuple((st.st_size, st.st_mtime_ns) for st in (os.stat(path / n) for n in (*CHECKPOINT_FILES, SUMS)))
+    except OSError:
+        return None
 
 
 def write_fault(error: OSError, path: Path, checkpoints: RunCheckpoints | None, *,

@@ -420,3 +420,57 @@ def test_the_fingerprint_takes_bf16_empty_and_zero_d_tensors_and_the_packing_of_
     assert len(rows) == len(other) and data_fingerprint(rows)["of"] == "token stream"
     assert data_fingerprint(rows)["sha256"] != data_fingerprint(other)["sha256"], "the padding is data"
     assert data_fingerprint(rows) == data_fingerprint(PackedRows(docs, seq_len=4))
+
+
+# -- pruning counts intact checkpoints only -----------------------------------------------------------------
+def _damage(path: Path) -> None:
+    data = bytearray((path / "tensors.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte in the tensors: fails its checksum
+    (path / "tensors.safetensors").write_bytes(bytes(data))
+
+
+def test_a_damaged_newest_checkpoint_does_not_push_the_last_good_one_out(tmp_path):
+    checkpoints = RunCheckpoints(tmp_path, keep=2)
+    checkpoints.save(1, {"w": torch.ones(3)})
+    checkpoints.save(2, {"w": torch.full((3,), 2.0)})
+    _damage(checkpoints.paths()[0])
+    checkpoints.save(3, {"w": torch.full((3,), 3.0)})
+    names = [p.name for p in checkpoints.paths()]
+    assert names == ["step-0000003", "step-0000002", "step-0000001"], (
+        f"keep=2 must keep two intact checkpoints (3 and 1) beside the damaged 2: {names}")
+    checkpoints.save(4, {"w": torch.full((3,), 4.0)})  # now 4 and 3 are the two intact: 2 and 1 go
+    assert [p.name for p in checkpoints.paths()] == ["step-0000004", "step-0000003"]
+
+
+def test_a_damaged_checkpoint_of_a_later_step_never_removes_the_one_just_written(tmp_path):
+    """A resume from step 4 past a damaged step 6, saving step 5 with keep=1: step 5 is the only good one."""
+    checkpoints = RunCheckpoints(tmp_path, keep=1)
+    checkpoints.save(4, {"w": torch.ones(3)})
+    checkpoints.keep = 2
+    checkpoints.save(6, {"w": torch.full((3,), 6.0)})
+    checkpoints.keep = 1
+    _damage(checkpoints.paths()[0])
+    step, _, skipped = checkpoints.load_latest()
+    assert step == 4 and len(skipped) == 1
+    checkpoints.save(5, {"w": torch.full((3,), 5.0)})
+    assert [p.name for p in checkpoints.paths()] == ["step-0000006", "step-0000005"]
+    step, state, skipped = checkpoints.load_latest()
+    assert step == 5 and state["w"].tolist() == [5.0, 5.0, 5.0], (step, skipped)
+
+
+def test_pruning_hashes_each_kept_checkpoint_once_not_at_every_save(tmp_path, monkeypatch):
+    import memtrain.runstate as runstate
+
+    checkpoints = RunCheckpoints(tmp_path, keep=3)
+    hashed = []
+    real = runstate._sha256
+    monkeypatch.setattr(runstate, "_sha256", lambda path: hashed.append(path.parent.name) or real(path))
+    for step in range(1, 6):
+        checkpoints.save(step, {"w": torch.full((3,), float(step))})
+    verified = [name for name in hashed if name.startswith("step-")]
+    assert verified == [], f"the checkpoints this process wrote are known intact; hashed again: {verified}"
+    fresh = RunCheckpoints(tmp_path, keep=3)  # a resumed process: hashes each kept one once
+    fresh.save(6, {"w": torch.zeros(3)})
+    fresh.save(7, {"w": torch.zeros(3)})
+    verified = [name for name in hashed if name.startswith("step-")]
+    assert sorted(verified) == ["step-0000004"] * 2 + ["step-0000005"] * 2, verified
