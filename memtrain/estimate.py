@@ -24,6 +24,7 @@ import functools
 import inspect
 import json
 import math
+import numbers
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -185,21 +186,38 @@ def _to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> None:
 
 
 # -- the batch ----------------------------------------------------------------------------------------------
-def _shape_of(x: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+def _shape_of(x: Any) -> tuple[tuple[Any, ...], torch.dtype] | None:
+    """(shape, dtype) of a tensor or of a shape given as numbers (checked by ``_bad_dimensions``), else None."""
     if isinstance(x, torch.Tensor):
         return tuple(x.shape), x.dtype
-    if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and x and all(isinstance(d, int) for d in x)):
+    if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and x and all(isinstance(d, numbers.Number)
+                                                                                 for d in x)):
         return tuple(x), torch.long
     return None
+
+
+def _is_count(value: Any) -> bool:
+    """An integer >= 1 (not a bool, not a float that happens to be whole)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _bad_dimensions(where: str, shape: tuple[Any, ...], problems: list[str]) -> None:
+    """One problem naming each dimension of ``shape`` that is not an integer >= 1 (a traced batch needs sizes)."""
+    bad = [f"dimension {i} is {d!r}" for i, d in enumerate(shape) if not _is_count(d)]
+    if bad:
+        problems.append(f"{where} of shape {tuple(shape)}: {', '.join(bad)}; every dimension of a batch must be an integer "
+                        ">= 1. To resolve this error, pass sizes such as batch=(4, 2048) (micro-batch, tokens).")
 
 
 def _batch_spec(batch: Any, micro_batch_size: int | None, seq_len: int | None,
                 problems: list[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
     """Named input shapes: ``{"input_ids": ((B, T), long)}`` for tokens, or a dict's entries."""
-    for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            problems.append(f"{name}={value!r} must be a positive integer. To resolve this error, pass e.g. 4.")
-            return None
+    bad = [f"{name}={value!r}" for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len))
+           if value is not None and not _is_count(value)]
+    if bad:
+        problems.append(f"{' and '.join(bad)}: each must be an integer >= 1. To resolve this error, pass e.g. "
+                        "micro_batch_size=4, seq_len=2048.")
+        return None
     if batch is None:
         if micro_batch_size is None or seq_len is None:
             problems.append("estimate needs a batch: none was given, and micro_batch_size and seq_len are not both "
@@ -229,7 +247,9 @@ def _batch_spec(batch: Any, micro_batch_size: int | None, seq_len: int | None,
             dims[0] = micro_batch_size
         if seq_len is not None and len(dims) >= 2 and not dtype.is_floating_point:
             dims[1] = seq_len
-        resized[key] = (tuple(dims), dtype)
+        _bad_dimensions("batch" if batch is None or not isinstance(batch, Mapping) else f"batch[{key!r}]",
+                        tuple(dims), problems)
+        resized[key] = (tuple(int(d) if _is_count(d) else d for d in dims), dtype)  # numpy ints as ints
     return resized
 
 

@@ -296,3 +296,33 @@ def test_only_the_loss_outlives_forward_unless_the_output_is_kept():
     kept = estimate(config, (b, t), device="cpu", checkpointing="all", keep_output=True)
     assert kept.peak_bytes - dropped.peak_bytes == logits, (kept.peak_bytes - dropped.peak_bytes, logits)
     assert kept.activation_bytes == dropped.activation_bytes
+
+
+@pytest.mark.parametrize("batch, bad", [
+    ((-1, 8), ["dimension 0 is -1"]),
+    ((0, 8), ["dimension 0 is 0"]),
+    ((2, 0), ["dimension 1 is 0"]),
+    ((True, 8), ["dimension 0 is True"]),
+    ((2.0, 8), ["dimension 0 is 2.0"]),
+    ((2, 8.5), ["dimension 1 is 8.5"]),
+    ((-2, 0.5), ["dimension 0 is -2", "dimension 1 is 0.5"]),
+    ({"input_ids": (2, -8), "labels": (0, 8)}, ["batch['input_ids'] of shape (2, -8): dimension 1 is -8",
+                                               "batch['labels'] of shape (0, 8): dimension 0 is 0"]),
+    (torch.zeros(0, 8, dtype=torch.long), ["dimension 0 is 0"]),
+])
+def test_every_dimension_of_the_batch_must_be_an_integer_of_at_least_one(batch, bad):
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(ConfigError) as info:
+        estimate(model, batch, device="cpu")
+    message = str(info.value)
+    for fragment in bad:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    assert "To resolve this error" in message and message.count("To resolve this error") == len(info.value.problems)
+
+
+def test_bad_micro_batch_size_and_seq_len_are_both_reported():
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(ConfigError) as info:
+        estimate(model, micro_batch_size=0, seq_len=True, device="cpu")
+    message = str(info.value)
+    assert "micro_batch_size=0" in message and "seq_len=True" in message, message
