@@ -61,18 +61,32 @@ def stdlib_corpus(max_bytes: int = 8 * 2**20) -> np.ndarray:
             break
     if total == 0:
         raise ConfigError("no Python standard library source found under "
-                          f"{sysconfig.get_paths()['stdlib']}. To resolve this error, pass --data PATH to a text file.")
+                          f"{sysconfig.get_paths()['stdlib']}. To resolve this error, train on a text file of your "
+                          "own: text_file_tokens(path=...).")
     return np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
+
+
+def data_file(path: str | os.PathLike[str], kind: str) -> Path:
+    """``path`` as a ``Path`` if it is a regular file, else one ConfigError saying what it is instead.
+
+    Args:
+        kind: what the caller reads, for the fix (e.g. ``"a text file"``).
+    """
+    p = Path(path)
+    if p.is_file():
+        return p
+    what = ("is a directory" if p.is_dir() else "is not a regular file (a FIFO, socket or device)" if p.exists()
+            else "no such file")
+    raise ConfigError(f"path={str(path)!r}: {what}. To resolve this error, pass the path of {kind}.")
 
 
 def text_file_tokens(path: str | os.PathLike[str]) -> np.ndarray:
     """The bytes of a text file as ``uint8`` tokens."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--data {str(path)!r}: no such file. To resolve this error, pass the path of a text file.")
+    p = data_file(path, "a text file")
     tokens = np.fromfile(p, dtype=np.uint8)
     if tokens.size < 2:
-        raise ConfigError(f"--data {str(path)!r} holds {tokens.size} bytes; at least two windows of text are needed.")
+        raise ConfigError(f"path={str(path)!r} holds {tokens.size} bytes; at least two windows of text are needed. "
+                          "To resolve this error, pass a longer text file.")
     return tokens
 
 
@@ -110,7 +124,7 @@ def split_windows(tokens: np.ndarray, seq_len: int, *, val_fraction: float = 0.0
     train, val = ByteWindows(tokens[:cut], seq_len), ByteWindows(tokens[cut:], seq_len)
     if len(train) == 0 or len(val) == 0:
         raise ConfigError(f"{len(tokens)} tokens make {len(train)} training and {len(val)} validation windows of "
-                          f"{seq_len} tokens. To resolve this error, use more text or a shorter --seq-len.")
+                          f"{seq_len} tokens. To resolve this error, use more text or a shorter seq_len.")
     return train, val
 
 
@@ -254,10 +268,7 @@ class TokenDocuments(Dataset):
         p = Path(path)
         if p.suffix.lower() != ".jsonl":
             return cls.from_tokens(text_file_tokens(p), max_len=max_len, min_len=min_len)
-        if not p.is_file():
-            raise ConfigError(f"--data {str(path)!r}: no such file. To resolve this error, pass the path of a "
-                              ".jsonl file.")
-        return cls.from_texts(_jsonl_texts(p), max_len=max_len, min_len=min_len)
+        return cls.from_texts(_jsonl_texts(data_file(p, "a .jsonl file")), max_len=max_len, min_len=min_len)
 
 
 def _jsonl_texts(path: Path) -> Iterator[str]:
@@ -322,12 +333,12 @@ def _jsonl_records(path: Path) -> list[tuple[str, str]]:
     if problems:
         listed = problems[:_MAX_LISTED_PROBLEMS]
         more = len(problems) - len(listed)
-        raise ConfigError(f"--data {path}: {len(problems)} bad line(s): " + "; ".join(listed) +
+        raise ConfigError(f"{path}: {len(problems)} bad line(s): " + "; ".join(listed) +
                           (f"; and {more} more" if more else "") + '. To resolve this error, write one JSON '
                           'object per line with a "text" string, or "prompt" and "completion" strings (the loss '
                           "is then on the completion only).")
     if not records:
-        raise ConfigError(f"--data {path} holds no records. To resolve this error, write one JSON object per line, "
+        raise ConfigError(f"{path} holds no records. To resolve this error, write one JSON object per line, "
                           'e.g. {"text": "..."}.')
     return records
 
@@ -340,7 +351,7 @@ def _text_documents(path: Path) -> list[tuple[str, str]]:
         raise ConfigError(f"{path} is not UTF-8 text ({e}). To resolve this error, re-encode it as UTF-8.") from None
     docs = [d for d in re.split(r"\n(?:[ \t\r\f\v]*\n)+", text) if d.strip()]
     if not docs:
-        raise ConfigError(f"--data {path} holds no text. To resolve this error, pass a file with documents "
+        raise ConfigError(f"{path} holds no text. To resolve this error, pass a file with documents "
                           "separated by blank lines.")
     return [("", d) for d in docs]
 
@@ -393,10 +404,7 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
         ConfigError: a missing or non-UTF-8 file, no documents, or bad ``.jsonl`` lines (all listed, with
             their line numbers), a tokenizer that is not fast.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--data {str(path)!r}: no such file. To resolve this error, pass the path of a .txt or "
-                          ".jsonl file.")
+    p = data_file(path, "a .txt or .jsonl file")
     cache = token_cache_path(p, tokenizer, cache_dir=cache_dir)
     if cache.is_file():
         with np.load(cache, allow_pickle=False) as saved:  # arrays only: nothing is unpickled

@@ -47,7 +47,7 @@ from memtrain.checkpointing import (
     apply_checkpointing,
     remove_checkpointing,
 )
-from memtrain.errors import ConfigError, MemtrainError
+from memtrain.errors import ConfigError, MemtrainError, describe_exception
 from memtrain.loss import (
     HF_MODEL_TYPES,
     apply_chunked_loss,
@@ -127,8 +127,8 @@ def hf_config_from_file(path: str | os.PathLike[str]) -> Any:
     try:
         return AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # noqa: BLE001 - transformers validates fields with exceptions of many types
-        cause = " ".join(str(e).split())[:500] or type(e).__name__  # whole: the cause is often on a later line
-        raise ConfigError(f"{str(path)!r}: a field of this {model_type} config is invalid ({cause}). To resolve "
+        raise ConfigError(f"{str(path)!r}: a field of this {model_type} config is invalid "
+                          f"({describe_exception(e)}). To resolve "
                           "this error, fix that field in the file.") from None
 
 
@@ -1373,7 +1373,7 @@ def trace(
             module = where.stack[-1] if where.stack else type(meta).__name__
             raise MemtrainError(
                 f"estimate: the forward of {module!r} failed on fake tensors (shapes only, no values): "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. This happens when a module reads "
+                f"{describe_exception(e)}. This happens when a module reads "
                 "tensor values (.item(), .tolist(), data-dependent shapes, numpy) or when the batch does not fit "
                 "the model. To resolve this error, check the batch's shape and dtype against the model, or make "
                 "that module's forward shape-only (e.g. precompute the value it reads); or, on a device with "
@@ -1395,7 +1395,7 @@ def trace(
         except Exception as e:  # noqa: BLE001 - re-raised with the place and the fix
             raise MemtrainError(
                 f"estimate: the backward failed on fake tensors near {where.backward_label or type(meta).__name__!r}: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. To resolve this error, estimate "
+                f"{describe_exception(e)}. To resolve this error, estimate "
                 "without checkpointing to see whether the recompute is the cause, or use memtrain.measure on a "
                 "device with memory."
             ) from None
