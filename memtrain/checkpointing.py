@@ -384,7 +384,8 @@ def _select_blocks(model: nn.Module, blocks: BlockSelector, problems: list[str])
 
 def _check_model(model: nn.Module, problems: list[str]) -> None:
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}.")
+        raise ConfigError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}. To resolve this "
+                          "error, pass the model (an nn.Module) whose blocks to checkpoint.")
     if not _has_parameters(model):
         problems.append(
             f"{type(model).__name__} has no parameters, so there is no gradient to checkpoint for. "
@@ -715,7 +716,8 @@ class Checkpointing:
             problems.append(f"blocks={blocks!r} applies only with mode='blocks', not mode={self.mode!r}. To "
                             "resolve this error, pass mode='blocks' or blocks=().")
         if not isinstance(self.offload_inputs, bool):
-            problems.append(f"offload_inputs={self.offload_inputs!r}: it must be True or False.")
+            problems.append(f"offload_inputs={self.offload_inputs!r}: it must be True or False. To resolve this "
+                            "error, pass offload_inputs=True or False.")
         elif self.offload_inputs and self.mode == "none":
             problems.append("offload_inputs=True with mode='none': no block recomputes, so no block input is "
                             "saved alone to offload. To resolve this error, pass a mode that recomputes, or wrap "
@@ -783,7 +785,8 @@ class Checkpointing:
     def block_policies(self, n_blocks: int) -> tuple[BlockPolicy, ...]:
         """What each of ``n_blocks`` blocks does: "keep", "recompute" (selective ones included) or "offload"."""
         if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
-            raise ConfigError(f"n_blocks={n_blocks!r}: it must be an integer >= 0 (the number of blocks).")
+            raise ConfigError(f"n_blocks={n_blocks!r}: it must be an integer >= 0 (the number of blocks). To resolve "
+                              "this error, pass len(find_blocks(model)).")
         if self.mode == "none":
             return ("keep",) * n_blocks
         if self.mode == "every":

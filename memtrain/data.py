@@ -101,7 +101,8 @@ class ByteWindows(Dataset):
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         if seq_len < 1:
-            raise ConfigError(f"seq_len={seq_len} must be >= 1.")
+            raise ConfigError(f"seq_len={seq_len} must be >= 1. To resolve this error, pass the model's sequence "
+                              "length, e.g. seq_len=256.")
         self.tokens = tokens
         self.seq_len = seq_len
 
@@ -119,7 +120,8 @@ class ByteWindows(Dataset):
 def split_windows(tokens: np.ndarray, seq_len: int, *, val_fraction: float = 0.05) -> tuple[ByteWindows, ByteWindows]:
     """Splits a token stream into a training and a held-out part (the last ``val_fraction``), as windows."""
     if not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive).")
+        raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive). To resolve this "
+                          "error, pass e.g. val_fraction=0.05.")
     cut = int(len(tokens) * (1.0 - val_fraction))
     train, val = ByteWindows(tokens[:cut], seq_len), ByteWindows(tokens[cut:], seq_len)
     if len(train) == 0 or len(val) == 0:
@@ -174,16 +176,19 @@ class TokenDocuments(Dataset):
         tokens, starts, lengths = np.asarray(tokens), np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
         problems = []
         if tokens.ndim != 1:
-            problems.append(f"tokens has shape {tokens.shape}; it must be one flat array.")
+            problems.append(f"tokens has shape {tokens.shape}; it must be one flat array. To resolve this error, "
+                            "pass tokens.reshape(-1) with starts and lengths into it.")
         if loss_mask is not None:
             loss_mask = np.asarray(loss_mask, dtype=bool)
             if loss_mask.shape != tokens.shape:
                 problems.append(f"loss_mask has shape {loss_mask.shape}; it must have one flag per token "
-                                f"({tokens.shape}).")
+                                f"({tokens.shape}). To resolve this error, pass a bool array of the tokens' shape.")
         if starts.shape != lengths.shape or starts.ndim != 1:
-            problems.append(f"starts {starts.shape} and lengths {lengths.shape} must be flat arrays of one size.")
+            problems.append(f"starts {starts.shape} and lengths {lengths.shape} must be flat arrays of one size. To "
+                            "resolve this error, pass one start and one length per document.")
         elif len(starts) and (starts.min() < 0 or lengths.min() < 1 or (starts + lengths).max() > len(tokens)):
-            problems.append(f"document spans must lie inside the {len(tokens)} tokens and hold >= 1 token each.")
+            problems.append(f"document spans must lie inside the {len(tokens)} tokens and hold >= 1 token each. To "
+                            "resolve this error, pass starts >= 0, lengths >= 1 and starts + lengths <= len(tokens).")
         if len(starts) == 0:
             problems.append("no documents. To resolve this error, give text holding at least one document of "
                             "two or more bytes.")
@@ -210,7 +215,8 @@ class TokenDocuments(Dataset):
     def split(self, val_fraction: float = 0.05) -> tuple[TokenDocuments, TokenDocuments]:
         """(training, validation): the last ``val_fraction`` of the documents held out; the tokens are shared."""
         if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive).")
+            raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive). To resolve this "
+                          "error, pass e.g. val_fraction=0.05.")
         cut = int(len(self) * (1.0 - val_fraction))
         if cut == 0 or cut == len(self):
             raise ConfigError(f"{len(self)} documents make {cut} training and {len(self) - cut} validation "
@@ -227,7 +233,8 @@ class TokenDocuments(Dataset):
             problems.append(f"max_len={max_len!r} must be an integer >= 2 (one input and one target token), "
                             "or None. To resolve this error, pass max_len=seq_len + 1.")
         if isinstance(min_len, bool) or not isinstance(min_len, int) or min_len < 1:
-            problems.append(f"min_len={min_len!r} must be an integer >= 1 (2 drops documents with no pair).")
+            problems.append(f"min_len={min_len!r} must be an integer >= 1 (2 drops documents with no pair). To "
+                            "resolve this error, pass e.g. min_len=2.")
         ConfigError.raise_if(problems)
         starts, lengths = np.asarray(starts, np.int64), np.asarray(ends, np.int64) - np.asarray(starts, np.int64)
         if max_len is not None and len(starts):
@@ -491,7 +498,7 @@ class PackedRows(Dataset):
     def __init__(self, documents: TokenDocuments, seq_len: int, *, pad_id: int = 0, ignore_index: int = -100):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ConfigError(f"PackedRows(seq_len={seq_len!r}): seq_len must be an integer >= 1, the model's "
-                              "sequence length.")
+                              "sequence length. To resolve this error, pass e.g. seq_len=256.")
         self.documents, self.seq_len, self.pad_id, self.ignore_index = documents, seq_len, pad_id, ignore_index
         pieces = TokenDocuments.from_spans(documents.tokens, documents.starts, documents.starts + documents.lengths,
                                            max_len=seq_len + 1, loss_mask=documents.loss_mask)
@@ -618,7 +625,8 @@ class PadCollate:
     def __post_init__(self) -> None:
         if isinstance(self.pad_to_multiple_of, bool) or not isinstance(self.pad_to_multiple_of, int) \
                 or self.pad_to_multiple_of < 1:
-            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an integer >= 1.")
+            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an integer >= 1. To resolve "
+                              "this error, pass e.g. 8, or 1 for no rounding.")
 
     def __call__(self, examples: Sequence[torch.Tensor | np.ndarray | Document]) -> TokenBatch:
         docs, labels = _tokens_and_labels(examples)
@@ -684,7 +692,7 @@ class PackCollate:
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ConfigError(f"PackCollate(seq_len={self.seq_len!r}): seq_len must be an integer >= 1, the "
-                              "model's sequence length.")
+                              "model's sequence length. To resolve this error, pass e.g. seq_len=256.")
 
     def __call__(self, examples: Sequence[torch.Tensor | np.ndarray | Document]) -> PackedBatch:
         docs, labels = _tokens_and_labels(examples)
@@ -789,11 +797,14 @@ class LengthBucketSampler(Sampler[list[int]]):
         for name, value, low in (("batch_size", batch_size, 1), ("mega_batch_factor", mega_batch_factor, 1),
                                  ("world_size", world_size, 1), ("rank", rank, 0), ("seed", seed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                problems.append(f"{name}={value!r} must be an integer >= {low}.")
+                problems.append(f"{name}={value!r} must be an integer >= {low}. To resolve this error, pass e.g. "
+                                f"{name}={max(low, 1)}.")
         if not problems and rank >= world_size:
-            problems.append(f"rank={rank} must be below world_size={world_size}.")
+            problems.append(f"rank={rank} must be below world_size={world_size}. To resolve this error, pass the "
+                            "rank and world size of torch.distributed (or leave both None to read them).")
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
-            problems.append(f"lengths has shape {self.lengths.shape}; it must list one length per example.")
+            problems.append(f"lengths has shape {self.lengths.shape}; it must list one length per example. To "
+                            "resolve this error, pass a flat array of len(dataset) lengths.")
         elif not problems and drop_last and len(self.lengths) < batch_size * world_size:
             problems.append(f"{len(self.lengths)} examples fill no global batch of {batch_size} x {world_size} "
                             "ranks with drop_last=True. To resolve this error, lower batch_size or pass "
@@ -979,7 +990,8 @@ def resolve_loader_settings(*, num_workers: int | Auto = "auto", pin_memory: boo
             reasons.append("persistent_workers=True, because: workers then survive the epoch instead of "
                            "restarting (and re-copying the dataset)")
     elif not isinstance(persistent_workers, bool):
-        problems.append(f"persistent_workers={persistent_workers!r} must be 'auto', True or False.")
+        problems.append(f"persistent_workers={persistent_workers!r} must be 'auto', True or False. To resolve "
+                        "this error, pass persistent_workers='auto'.")
         persistent = False
     elif persistent_workers and workers == 0 and explicit_zero:
         problems.append("persistent_workers=True needs worker processes, but num_workers=0 loads in the training "
@@ -1005,7 +1017,8 @@ def resolve_loader_settings(*, num_workers: int | Auto = "auto", pin_memory: boo
             " (pinned memory makes the host->device copy asynchronous)" if pin else
             " (pinning would only add a copy per batch)"))
     elif not isinstance(pin_memory, bool):
-        problems.append(f"pin_memory={pin_memory!r} must be 'auto', True or False.")
+        problems.append(f"pin_memory={pin_memory!r} must be 'auto', True or False. To resolve this error, pass "
+                        "pin_memory='auto'.")
         pin = False
     elif pin_memory and not to_accelerator:
         problems.append(f"pin_memory=True, but {where}: pinned memory only speeds host->accelerator copies, and "
@@ -1065,7 +1078,8 @@ def make_loader(dataset: Dataset, *, batch_size: int | None = None, num_workers:
     elif batch_size is None:
         problems.append("no batch_size. To resolve this error, pass batch_size=N or a batch_sampler.")
     elif not _is_int(batch_size) or batch_size < 1:
-        problems.append(f"batch_size={batch_size!r} must be an integer >= 1.")
+        problems.append(f"batch_size={batch_size!r} must be an integer >= 1. To resolve this error, pass e.g. "
+                            "batch_size=8.")
     elif hasattr(dataset, "__len__") and sampler is None and drop_last and len(dataset) < batch_size:
         problems.append(f"the dataset holds {len(dataset)} examples, fewer than one batch of {batch_size} with "
                         "drop_last=True. To resolve this error, lower batch_size or pass drop_last=False.")
@@ -1076,7 +1090,8 @@ def make_loader(dataset: Dataset, *, batch_size: int | None = None, num_workers:
         problems.append("an IterableDataset decides its own order, so shuffle, sampler and batch_sampler cannot "
                         "apply. To resolve this error, drop them, or use a map-style Dataset.")
     if seed is not None and (not _is_int(seed) or seed < 0):
-        problems.append(f"seed={seed!r} must be an integer >= 0, or None.")
+        problems.append(f"seed={seed!r} must be an integer >= 0, or None. To resolve this error, pass e.g. "
+                            "seed=0.")
     try:
         settings = resolve_loader_settings(num_workers=num_workers, pin_memory=pin_memory,
                                            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,

@@ -1186,11 +1186,14 @@ def trace(
         device_type = str(device)
     _check_choice("device", device_type, ("cuda", "cpu"), problems)
     if not isinstance(offload_activations, bool):
-        problems.append(f"offload_activations={offload_activations!r} must be True or False.")
+        problems.append(f"offload_activations={offload_activations!r} must be True or False. To resolve this "
+                        "error, pass offload_activations=True or False.")
     if not isinstance(chunked_loss, bool):
-        problems.append(f"chunked_loss={chunked_loss!r} must be True or False.")
+        problems.append(f"chunked_loss={chunked_loss!r} must be True or False. To resolve this error, pass "
+                        "chunked_loss=True or False.")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-        problems.append(f"accumulation={accumulation!r} must be an integer >= 1 (micro-batches per step).")
+        problems.append(f"accumulation={accumulation!r} must be an integer >= 1 (micro-batches per step). To "
+                        "resolve this error, pass e.g. accumulation=1.")
     if weights_dtype not in _WEIGHT_DTYPES:
         problems.append(f"weights_dtype={weights_dtype!r} is not known. To resolve this error, pass one of "
                         f"{[k for k in _WEIGHT_DTYPES if k]} or None (the model's own).")
@@ -1199,9 +1202,11 @@ def trace(
     _check_choice("state_precision", state_precision, ("fp32", "bf16", "int8"), problems)
     if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not (
             0.0 <= offload_fraction <= 1.0):
-        problems.append(f"offload_fraction={offload_fraction!r} must be a number in [0, 1].")
+        problems.append(f"offload_fraction={offload_fraction!r} must be a number in [0, 1]. To resolve this "
+                        "error, pass e.g. offload_fraction=1.0 (every parameter's state on the host) or 0.")
     if not isinstance(step_in_backward, bool):
-        problems.append(f"step_in_backward={step_in_backward!r} must be True or False.")
+        problems.append(f"step_in_backward={step_in_backward!r} must be True or False. To resolve this error, "
+                        "pass step_in_backward=True or False.")
     lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True
     if lean and optimizer not in ("adamw", "adamw-offload"):
         problems.append(f"state_precision/offload_fraction/step_in_backward are options of AdamW (memtrain.optim), "

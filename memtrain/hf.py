@@ -136,7 +136,8 @@ def load_pretrained(path: str | os.PathLike[str], *, dtype: torch.dtype | Litera
     safetensors_files(path)
     transformers = _transformers()
     if dtype != "auto" and not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or 'auto'.")
+        raise ConfigError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or 'auto'. To resolve "
+                          "this error, pass dtype=torch.float32 (the default) or dtype='auto'.")
     # transformers 4.56 renamed torch_dtype to dtype.
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     dtype_key = "dtype" if version >= (4, 56) else "torch_dtype"
@@ -461,7 +462,8 @@ def _build_trainer_class() -> type:
         def __init__(self, model: nn.Module, args: Any = None, *, memory: TrainerMemory = TrainerMemory(),
                      **trainer_kwargs: Any):
             if not isinstance(memory, TrainerMemory):
-                raise ConfigError(f"memory={memory!r} must be a memtrain.hf.TrainerMemory.")
+                raise ConfigError(f"memory={memory!r} must be a memtrain.hf.TrainerMemory. To resolve this "
+                                  "error, pass e.g. memory=TrainerMemory(checkpointing=True).")
             if memory.checkpointing and getattr(args, "gradient_checkpointing", False):
                 raise ConfigError("MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and "
                                   "TrainerMemory(checkpointing=True) would checkpoint every layer twice (each "

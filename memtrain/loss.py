@@ -133,7 +133,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
         raise ConfigError(f"hidden states of shape {tuple(hidden.shape)} do not match labels of shape "
                           f"{tuple(labels.shape)}. To resolve this error, pass one label per position.")
     if implementation not in ("auto", "torch", "memtrain"):
-        raise ConfigError(f"implementation={implementation!r} must be 'auto', 'torch' or 'memtrain'.")
+        raise ConfigError(f"implementation={implementation!r} must be 'auto', 'torch' or 'memtrain'. To resolve "
+                          "this error, pass implementation='auto' (chunked_loss_implementation says which runs).")
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if flat_labels.numel() == 0:  # an empty batch: a zero loss that backward can still run through
         return head(flat_hidden).float().sum() * 0
