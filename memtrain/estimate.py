@@ -311,12 +311,8 @@ def _optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int,
         return (state + step_bytes, temp, 0,
                 "Adafactor (torch.optim.Adafactor, foreach): factored second moments, no first moment; the step "
                 "builds one fp32 variance estimate per parameter at once")
-    # adamw-offload: master weights and both moments live in pinned host memory (CPUOffloadOptimizer).
-    host = sum(p.numel() * 4 * 4 for p in params)  # fp32 master + exp_avg + exp_avg_sq + host grad buffer
-    return (0, 0, host,
-            "AdamW with state offloaded to the host: fp32 master weights, moments and a gradient buffer in pinned "
-            "host memory (16 bytes per parameter); device gradients are counted in full (streaming frees "
-            "them earlier, so the device figure is an upper bound)")
+    # adamw-offload is memtrain.optim.optimizer_memory(offload_fraction=1.0)'s: one byte model for both.
+    raise AssertionError(f"_optimizer_bytes: {kind!r} is counted by memtrain.optim.optimizer_memory")
 
 
 def _storage_elements(t: torch.Tensor) -> int:
@@ -1272,13 +1268,14 @@ def trace(
 
     params = list(dict.fromkeys(p for p in meta.parameters()))
     trainable = [p for p in params if p.requires_grad]
-    state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = _optimizer_bytes(trainable, optimizer, round_to,
-                                                                                on_cuda)
-    all_state_bytes = state_bytes if optimizer != "adamw-offload" else optimizer_host_bytes
     # Gradients that do not stay on the device once accumulated: CPUOffloadOptimizer (one process) copies each to
     # the host as autograd produces it; a parameter that steps in backward frees its own.
-    leaving: list[nn.Parameter] = list(trainable) if optimizer == "adamw-offload" else []
-    if lean:
+    leaving: list[nn.Parameter] = []
+    if not (lean or optimizer == "adamw-offload"):
+        state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = _optimizer_bytes(
+            trainable, optimizer, round_to, on_cuda)
+        all_state_bytes = state_bytes
+    else:  # memtrain.optim's AdamW, CPUOffloadOptimizer (adamw-offload: every parameter's state) included
         from memtrain.optim import offloaded_mask, optimizer_memory
 
         fraction = 1.0 if optimizer == "adamw-offload" else offload_fraction
@@ -1293,6 +1290,10 @@ def trace(
         optimizer_note = (f"AdamW from memtrain.optim.build_optimizer: {state_precision} moments, {fraction:.0%} of "
                           f"the parameters' state in host RAM, step in backward {'on' if step_in_backward else 'off'}"
                           " (bytes from memtrain.optim.optimizer_memory; step temporaries an upper bound)")
+        if fraction:
+            optimizer_note += ("; offloaded parameters' fp32 masters, moments and gradient buffers in pinned host "
+                               "memory, their device gradients counted in full (streaming frees them earlier, so "
+                               "the device figure is an upper bound)")
     streamed = bool(leaving)
     where = _Where(meta)
     tracker = _LiveTracker(round_to, where)
