@@ -137,7 +137,10 @@ def builtin_corpus(seq_len: int, *, max_bytes: int = 8 * 2**20, val_fraction: fl
 
 # -- documents: variable-length examples ---------------------------------------------------------------------
 # A blank line: a newline, then lines holding only whitespace, then a newline.
-_BLANK_LINES = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
+# What separates two documents of a text file: a blank line (or several; spaces and tabs count as blank). One
+# pattern for byte tokens (TokenDocuments.from_tokens) and for text (tokenize_file).
+_BLANK_LINE = r"\n(?:[ \t\r\f\v]*\n)+"
+_BLANK_LINES = re.compile(_BLANK_LINE.encode())
 
 
 class Document(NamedTuple):
@@ -275,23 +278,14 @@ class TokenDocuments(Dataset):
         p = Path(path)
         if p.suffix.lower() != ".jsonl":
             return cls.from_tokens(text_file_tokens(p), max_len=max_len, min_len=min_len)
-        return cls.from_texts(_jsonl_texts(data_file(p, "a .jsonl file")), max_len=max_len, min_len=min_len)
-
-
-def _jsonl_texts(path: Path) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{number} is not valid JSON ({e.msg}). To resolve this error, write one "
-                                  'JSON object per line, e.g. {"text": "..."}.') from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ConfigError(f'{path}:{number} has no "text" string field. To resolve this error, write one '
-                                  'JSON object per line with a "text" field, e.g. {"text": "..."}.')
-            yield record["text"]
+        records = _jsonl_records(data_file(p, "a .jsonl file"))
+        prompted = sum(bool(prompt) for prompt, _ in records)
+        if prompted:
+            # Bytes have no loss mask here: the prompt would be trained on as text, silently.
+            raise ConfigError(f"{p} holds {prompted} prompt/completion record(s), whose loss belongs on the "
+                              "completion only. To resolve this error, tokenise it with tokenize_file(path, "
+                              'tokenizer) (a loss mask on the prompt), or write {"text": ...} records.')
+        return cls.from_texts([text for _, text in records], max_len=max_len, min_len=min_len)
 
 
 def stdlib_documents(max_len: int, *, max_bytes: int = 8 * 2**20) -> TokenDocuments:
@@ -356,7 +350,7 @@ def _text_documents(path: Path) -> list[tuple[str, str]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text ({e}). To resolve this error, re-encode it as UTF-8.") from None
-    docs = [d for d in re.split(r"\n(?:[ \t\r\f\v]*\n)+", text) if d.strip()]
+    docs = [d for d in re.split(_BLANK_LINE, text) if d.strip()]
     if not docs:
         raise ConfigError(f"{path} holds no text. To resolve this error, pass a file with documents "
                           "separated by blank lines.")
@@ -374,20 +368,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def _file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def token_cache_path(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: str | os.PathLike[str] | None = None
                      ) -> Path:
     """Where ``tokenize_file`` caches ``path`` tokenised by ``tokenizer``: a hidden ``.npz`` beside the data (or
     in ``cache_dir``), named by a hash of the file's bytes and the tokenizer, so an edit of either misses."""
     p = Path(path)
-    key = hashlib.sha256((_file_hash(p) + tokenizer_fingerprint(tokenizer)).encode()).hexdigest()[:20]
+    from memtrain.runstate import sha256_file
+
+    key = hashlib.sha256((sha256_file(p) + tokenizer_fingerprint(tokenizer)).encode()).hexdigest()[:20]
     return Path(cache_dir or p.parent) / f".{p.name}.{key}.tokens.npz"
 
 

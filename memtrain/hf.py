@@ -47,6 +47,7 @@ from torch import nn
 
 from memtrain.accumulation import unwrap_model
 from memtrain.errors import ConfigError, describe_exception
+from memtrain.runstate import replace_folder
 
 # Checkpoint formats that are pickles: loading one runs whatever code it holds.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -331,38 +332,11 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
             tokenizer = load_tokenizer(tokenizer, needed_for="the hf/ folder")
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        _replace_folder(staging, target)
+        replace_folder(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_folder(staging: Path, target: Path) -> None:
-    """Renames a complete ``staging`` folder to ``target``, after its files are on disk."""
-    for file in staging.rglob("*"):
-        if file.is_file():
-            _fsync(file)
-    _fsync(staging)
-    old = None
-    if target.exists():
-        # Two renames: the window between them has no target, but the old folder survives under .old until
-        # the new one is in place.
-        old = target.with_name(f".{target.name}.old.{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-    os.replace(staging, target)
-    _fsync(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # -- the Hugging Face Trainer ----------------------------------------------------------------------------------------

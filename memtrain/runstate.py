@@ -69,12 +69,35 @@ class RunWriteError(MemtrainError):
     bad input. The message names the file and the last good checkpoint, which is intact."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flushes a file's or a folder's contents to disk (a folder's: its names, so a rename survives a power cut)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Renames the complete folder ``staging`` to ``target``, after its files are on disk, so that a crash leaves
+    the old ``target`` or the new one, never a mix.
+
+    An existing ``target`` is swapped, never deleted first: two renames, with the old folder kept as
+    ``.<name>.old`` beside it until the new one is in place (``RunCheckpoints.clean_temporaries`` puts a
+    checkpoint caught between the two renames back)."""
+    for file in staging.rglob("*"):
+        if file.is_file():
+            fsync_path(file)
+    fsync_path(staging)
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    os.replace(staging, target)
+    fsync_path(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -93,7 +116,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], Any]) -> 
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)  # the rename itself survives a power cut
+        fsync_path(path.parent)  # the rename itself survives a power cut
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -116,7 +139,8 @@ def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLi
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes, read 1 MiB at a time."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -232,19 +256,8 @@ class RunCheckpoints:
             meta = {"format": CHECKPOINT_FORMAT, "step": step, "state": skeleton}
             (tmp / "meta.json").write_text(json.dumps(meta))
             # The sums list every file: an edit of meta.json (e.g. the scheduler's last_epoch) is damage too.
-            (tmp / SUMS).write_text("".join(f"{_sha256(tmp / name)}  {name}\n" for name in CHECKPOINT_FILES))
-            for name in (*CHECKPOINT_FILES, SUMS):
-                with open(tmp / name, "rb") as f:
-                    os.fsync(f.fileno())
-            if final.exists():  # the same step saved again (after a resume): swap, never delete first
-                old = final.with_name(f".{final.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(self.root)
+            (tmp / SUMS).write_text("".join(f"{sha256_file(tmp / name)}  {name}\n" for name in CHECKPOINT_FILES))
+            replace_folder(tmp, final)  # the same step saved again (after a resume) is swapped
         except OSError as e:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -304,7 +317,7 @@ class RunCheckpoints:
                 return f"{SUMS} does not list {name}"
             if not (path / name).is_file():
                 return f"{name} missing"
-            if _sha256(path / name) != sums[name]:
+            if sha256_file(path / name) != sums[name]:
                 return f"{name} does not match its checksum (edited, truncated or corrupt)"
         return None
 

@@ -463,8 +463,8 @@ def test_pruning_hashes_each_kept_checkpoint_once_not_at_every_save(tmp_path, mo
 
     checkpoints = RunCheckpoints(tmp_path, keep=3)
     hashed = []
-    real = runstate._sha256
-    monkeypatch.setattr(runstate, "_sha256", lambda path: hashed.append(path.parent.name) or real(path))
+    real = runstate.sha256_file
+    monkeypatch.setattr(runstate, "sha256_file", lambda path: hashed.append(path.parent.name) or real(path))
     for step in range(1, 6):
         checkpoints.save(step, {"w": torch.full((3,), float(step))})
     verified = [name for name in hashed if name.startswith("step-")]
