@@ -2041,22 +2041,29 @@ def _raise_nothing_fits(ctx: _Context, composer: _Composer, results: _Results,
     else:
         assert usable is not None
         prof = composer.profile(s.optimizer)
-        weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1)
-        state = weights + (0 if s.optimizer != "device" else prof.adamw_state_bytes + prof.trainable_bytes)
+        shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
+        weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
+        state = weights + (0 if s.optimizer != "device" else
+                           (prof.adamw_state_bytes + prof.trainable_bytes) / shards)
         if ctx.device == "cuda":
             # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
             full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
             room = usable - (peaks[k] - state) - 2 * float(prof.block_parameter_bytes.max())
-            ranks = math.ceil(full / room) if room > 0 else None
-            hints.append(f"FSDP2 over {'at least ' + str(ranks) if ranks else 'more'} GPUs (memtrain plan --nproc N "
-                         "--fsdp: parameters, gradients and optimizer state sharded over the ranks)")
+            if room > 0:  # more ranks cannot shrink a rank's activations
+                ranks = max(math.ceil(full / room), ctx.world + 1)
+                hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
+                             "gradients and optimizer state sharded over the ranks)")
+        activations = peaks[k] - state
         if weights < usable:
-            activations = peaks[k] - state
-            shorter = int(ctx.seq_len * (usable - state) / activations) if activations > 0 else 0
-            if 0 < shorter < ctx.seq_len:
-                hints.append(f"a shorter sequence (about seq_len {shorter} or less)")
+            if activations > usable - state:  # not a length: the activations are not linear in it (fixed buffers)
+                hints.append(f"a shorter sequence (at seq_len {ctx.seq_len} a micro-batch of "
+                             f"{s.micro_batch_size} needs {format_bytes(int(activations))} beside the model state's "
+                             f"{format_bytes(int(state))})")
         else:
             hints.append(f"a larger budget: the weights alone take {format_bytes(int(weights))} on the device")
+        if not hints:
+            hints.append(f"a larger budget: a micro-batch of {s.micro_batch_size} alone needs "
+                         f"{format_bytes(int(activations))} beside the model state")
     raise ConfigError(
         f"no set-up fits: the smallest predicted peak is {format_bytes(int(peaks[k]))} per rank (micro-batch "
         f"{s.micro_batch_size}, checkpointing {s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, "

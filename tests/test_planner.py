@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -258,7 +259,24 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(llama):
     with pytest.raises(ConfigError) as info:
         plan(llama, budget=40 * MiB, seq_len=1024, global_batch_size=4, device_profile=H100)
     message = str(info.value)
-    assert "smallest predicted peak" in message and "FSDP2" in message and "To resolve this error" in message, message
+    assert "smallest predicted peak" in message and "To resolve this error" in message, message
+    # One sequence's activations are what is over (the optimizer is offloaded): more ranks would not help.
+    assert "a shorter sequence (at seq_len 1024 a micro-batch of 1 needs" in message and "FSDP2" not in message, message
+
+
+def test_nothing_fits_over_fsdp2_ranks_names_a_rank_count_that_fits():
+    config = _llama(layers=4, hidden=1024, vocab_size=8192)
+    kwargs = dict(budget=400 * MiB, seq_len=128, fsdp=True, device_profile=H100)
+    with pytest.raises(ConfigError) as info:  # the model state alone is 415 MB a rank over 2 ranks
+        plan(config, global_batch_size=2, world_size=2, **kwargs)
+    found = re.search(r"FSDP2 over at least (\d+) GPUs", str(info.value))
+    assert found and int(found.group(1)) > 2, str(info.value)
+    ranks = int(found.group(1))
+    fits = plan(config, global_batch_size=ranks, world_size=ranks, **kwargs)
+    assert fits.peak_bytes <= 0.95 * 400 * MiB, (ranks, fits.peak_bytes)
+    with pytest.raises(ConfigError) as info:  # one sequence's activations over the budget: no rank count helps
+        plan(config, global_batch_size=2, world_size=2, **{**kwargs, "budget": 40 * MiB})
+    assert "FSDP2 over" not in str(info.value) and "a larger budget" in str(info.value), str(info.value)
 
 
 def test_a_fixed_set_up_that_cannot_fit_is_a_clear_error(llama):
