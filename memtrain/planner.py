@@ -977,11 +977,17 @@ class _Composer:
         later = np.cumsum(bnet[:, ::-1], axis=1)[:, ::-1] - bnet  # what the blocks after each one left
         # Stepping in backward, the step's temporaries come during backward (an upper bound: at its peak).
         in_backward = memory.device_step_temp_bytes if cfg.step_in_backward else 0
-        peak = np.maximum(peak, np.max(first_block[:, None] + later + bexcess, axis=1) + in_backward)
+        # FSDP2 frees the share of each gradient that other ranks own as it lands: at block i's backward the
+        # gradients of the blocks after it (a lower bound: the head's are not counted before the end).
+        sharded = _gradient_shard(ctx, cfg)
+        grads = np.asarray(prof.block_parameter_bytes, dtype=float)
+        landed = sharded * (np.cumsum(grads[::-1])[::-1] - grads)
+        peak = np.maximum(peak, np.max(first_block[:, None] + later + bexcess - landed[None, :], axis=1) + in_backward)
         end_blocks = first_block + bnet.sum(axis=1)
-        peak = np.maximum(peak, end_blocks + getattr(tail, "post_excess" + suffix).at(b))
+        peak = np.maximum(peak, end_blocks + getattr(tail, "post_excess" + suffix).at(b) - sharded * grads.sum())
         after = end_blocks + _at(getattr(tail, "post_net" + suffix), b)
-        peak = np.maximum(peak, after + (0 if cfg.step_in_backward else memory.device_step_temp_bytes))
+        peak = np.maximum(peak, after + (0 if cfg.step_in_backward else memory.device_step_temp_bytes)
+                          - sharded * float(prof.trainable_bytes))
         peak = peak + _distributed_shift(ctx, prof, cfg)
 
         # -- host bytes (one node: every rank's share)
@@ -1095,7 +1101,8 @@ def _communication_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, compute
 
 
 def _distributed_shift(ctx: _Context, prof: _Profiles, cfg: _Config | PlanSettings) -> float:
-    """What DDP or FSDP2 changes in a one-process peak of the same set-up, per rank (bytes)."""
+    """What DDP or FSDP2 changes at every moment of a one-process step of the same set-up, per rank (bytes); the
+    gradients FSDP2 shards exist only from their backward on (``_gradient_shard``)."""
     n = ctx.world
     if cfg.distribution == "none" or n == 1:
         return 0.0
@@ -1105,13 +1112,34 @@ def _distributed_shift(ctx: _Context, prof: _Profiles, cfg: _Config | PlanSettin
         if cfg.optimizer != "device":
             extra += grads  # under DDP gradients stay on the device until the step (not streamed before averaging)
         return extra
-    # FSDP2: parameters and state sharded, the block computed and the next one (prefetched) gathered whole;
-    # gradients reduce-scattered block by block, unless accumulation keeps them unsharded between micro-batches.
+    # FSDP2: parameters and state sharded, the block computed and the next one (prefetched) gathered whole.
     shift = -(prof.parameter_bytes + prof.adamw_state_bytes) * (1 - 1 / n)
-    shift += 2 * float(prof.block_parameter_bytes.max())
-    if cfg.accumulation == 1:
-        shift -= grads * (1 - 1 / n)
-    return shift
+    return shift + 2 * float(prof.block_parameter_bytes.max())
+
+
+def _gradient_shard(ctx: _Context, cfg: _Config | PlanSettings) -> float:
+    """The share of the gradients alive at a moment that a rank does not hold: FSDP2 reduce-scatters each block's
+    as it lands, unless accumulation keeps them unsharded between micro-batches."""
+    if cfg.distribution != "fsdp2" or ctx.world == 1 or cfg.accumulation > 1:
+        return 0.0
+    return 1 - 1 / ctx.world
+
+
+def _rank_peak(ctx: _Context, prof: _Profiles, s: PlanSettings, t: Trace) -> float:
+    """A rank's peak from a one-process trace: each run's peak less the sharded share of the gradients that had
+    landed before it, the step's after all of them; then the shift every moment has."""
+    sharded = _gradient_shard(ctx, s)
+    if not sharded or not t.runs:
+        return t.report.peak_bytes + _distributed_shift(ctx, prof, s)
+    landed, peak = 0, 0.0
+    for run in t.runs:
+        peak = max(peak, run.peak_bytes - sharded * landed)
+        landed += run.gradient_bytes
+    step = t.runs[-1].end_bytes + (0 if s.step_in_backward else t.step_temp_bytes)
+    peak = max(peak, step - sharded * landed)
+    if t.report.peak_bytes > max(max(r.peak_bytes for r in t.runs), step):  # a moment outside the runs: as is
+        peak = max(peak, t.report.peak_bytes)
+    return peak + _distributed_shift(ctx, prof, s)
 
 
 class _Results:
@@ -1773,8 +1801,9 @@ def _estimate_of(ctx: _Context, prof: _Profiles, s: PlanSettings) -> tuple[float
               optimizer="adamw" if s.optimizer == "device" else "adamw-offload", accumulation=s.accumulation,
               state_precision=s.state_precision, offload_fraction=s.offload_fraction,
               step_in_backward=s.step_in_backward,
-              weights_dtype="bf16" if s.optimizer == "offload-bf16-weights" else None)
-    return t.report.peak_bytes + _distributed_shift(ctx, prof, s), t
+              weights_dtype="bf16" if s.optimizer == "offload-bf16-weights" else None,
+              runs=_gradient_shard(ctx, s) > 0)  # when the sharded gradients' moments matter
+    return _rank_peak(ctx, prof, s, t), t
 
 
 def _choose(ctx: _Context, composer: _Composer, results: _Results, budget_bytes: int | None, usable: int | None,
@@ -2041,22 +2070,29 @@ def _raise_nothing_fits(ctx: _Context, composer: _Composer, results: _Results,
     else:
         assert usable is not None
         prof = composer.profile(s.optimizer)
-        weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1)
-        state = weights + (0 if s.optimizer != "device" else prof.adamw_state_bytes + prof.trainable_bytes)
+        shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
+        weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
+        state = weights + (0 if s.optimizer != "device" else
+                           (prof.adamw_state_bytes + prof.trainable_bytes) / shards)
         if ctx.device == "cuda":
             # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
             full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
             room = usable - (peaks[k] - state) - 2 * float(prof.block_parameter_bytes.max())
-            ranks = math.ceil(full / room) if room > 0 else None
-            hints.append(f"FSDP2 over {'at least ' + str(ranks) if ranks else 'more'} GPUs (memtrain plan --nproc N "
-                         "--fsdp: parameters, gradients and optimizer state sharded over the ranks)")
+            if room > 0:  # more ranks cannot shrink a rank's activations
+                ranks = max(math.ceil(full / room), ctx.world + 1)
+                hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
+                             "gradients and optimizer state sharded over the ranks)")
+        activations = peaks[k] - state
         if weights < usable:
-            activations = peaks[k] - state
-            shorter = int(ctx.seq_len * (usable - state) / activations) if activations > 0 else 0
-            if 0 < shorter < ctx.seq_len:
-                hints.append(f"a shorter sequence (about seq_len {shorter} or less)")
+            if activations > usable - state:  # not a length: the activations are not linear in it (fixed buffers)
+                hints.append(f"a shorter sequence (at seq_len {ctx.seq_len} a micro-batch of "
+                             f"{s.micro_batch_size} needs {format_bytes(int(activations))} beside the model state's "
+                             f"{format_bytes(int(state))})")
         else:
             hints.append(f"a larger budget: the weights alone take {format_bytes(int(weights))} on the device")
+        if not hints:
+            hints.append(f"a larger budget: a micro-batch of {s.micro_batch_size} alone needs "
+                         f"{format_bytes(int(activations))} beside the model state")
     raise ConfigError(
         f"no set-up fits: the smallest predicted peak is {format_bytes(int(peaks[k]))} per rank (micro-batch "
         f"{s.micro_batch_size}, checkpointing {s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, "
