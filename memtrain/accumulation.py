@@ -86,7 +86,8 @@ def accumulation_steps(micro_batch_size: int, global_batch_size: int, world_size
     for name, value in (("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size),
                         ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name}={value!r} must be an integer >= 1.")
+            problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass a whole number "
+                             f"of examples, e.g. {name}=8.")
     ConfigError.raise_if(problems)
     per_step = micro_batch_size * world_size
     if global_batch_size % per_step:
@@ -180,22 +181,28 @@ class GradientAccumulator:
                  max_grad_norm: float | None = None):
         problems = []
         if not isinstance(model, nn.Module):
-            problems.append(f"model is a {type(model).__name__}, not an nn.Module.")
+            problems.append(f"model is a {type(model).__name__}, not an nn.Module. To resolve this error, pass the "
+                            "model being trained (wrapped in DDP/FSDP where it is).")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            problems.append(f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer.")
+            problems.append(f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer. To resolve this "
+                            "error, pass the optimizer that steps the model's parameters.")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             problems.append(f"accumulation steps={steps!r} must be an integer >= 1 (1 means no accumulation). To "
                             "resolve this error, pass steps=accumulation_steps(micro_batch_size, global_batch_size, "
                             "world_size).")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
-            problems.append(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None for no clipping.")
+            problems.append(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None for no clipping. "
+                            "To resolve this error, pass e.g. max_grad_norm=1.0.")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-            problems.append(f"scaler is a {type(scaler).__name__}, not a torch.amp.GradScaler.")
+            problems.append(f"scaler is a {type(scaler).__name__}, not a torch.amp.GradScaler. To resolve this "
+                            "error, pass torch.amp.GradScaler() (fp16 only) or None.")
         elif scaler is not None and scaler.is_enabled() and not scaler.get_backoff_factor() < 1:
             # A skipped step is recognised by the scale going down; see step().
-            problems.append(f"GradScaler backoff_factor={scaler.get_backoff_factor()} must be < 1.")
+            problems.append(f"GradScaler backoff_factor={scaler.get_backoff_factor()} must be < 1 (a skipped step is "
+                            "seen as the scale going down). To resolve this error, keep the default 0.5.")
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-            problems.append(f"scheduler is a {type(scheduler).__name__} with no step() method.")
+            problems.append(f"scheduler is a {type(scheduler).__name__} with no step() method. To resolve this "
+                            "error, pass a torch.optim.lr_scheduler.LRScheduler or None.")
         if isinstance(model, nn.Module) and _world_size() > 1 and _sync_kind(model) == "none":
             problems.append(
                 f"torch.distributed runs {_world_size()} ranks but the model is a plain {type(model).__name__}: "
@@ -262,7 +269,8 @@ class GradientAccumulator:
             is_last: True for the last micro-batch of the window (the ``steps``-th, or the last one of the data).
         """
         if not isinstance(is_last, bool):
-            raise ConfigError(f"is_last={is_last!r} must be True or False.")
+            raise ConfigError(f"is_last={is_last!r} must be True or False. To resolve this error, pass is_last=True "
+                              "for the window's last micro-batch, else False.")
         if self._in_micro_batch:
             raise MemtrainError("acc.micro_batch() entered inside another micro-batch: one micro-batch runs at a "
                                 f"time. {_FIX_WINDOW}")
@@ -322,7 +330,8 @@ class GradientAccumulator:
                                 "backward once.")
         problems = []
         if reduction not in ("sum", "mean"):
-            problems.append(f"reduction={reduction!r} must be 'sum' or 'mean'.")
+            problems.append(f"reduction={reduction!r} must be 'sum' or 'mean'. To resolve this error, pass "
+                            "reduction='sum' with items=, or reduction='mean'.")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             problems.append(f"loss must be a scalar tensor, got {shape}. To resolve this error, reduce it with "
@@ -332,9 +341,11 @@ class GradientAccumulator:
                             "it from the model's output outside torch.no_grad().")
         if items is None and reduction == "sum":
             problems.append("reduction='sum' needs items=<number of items the loss sums over> (e.g. "
-                            "(labels != -100).sum() tokens), to normalise the window.")
+                            "(labels != -100).sum() tokens), to normalise the window. To resolve this error, pass "
+                            "items=, or reduction='mean' for a loss already averaged.")
         elif items is not None and not _valid_items(items):
-            problems.append(f"items={items!r} must be an int >= 0 or a one-element integer tensor.")
+            problems.append(f"items={items!r} must be an int >= 0 or a one-element integer tensor. To resolve this "
+                            "error, pass e.g. items=(labels != -100).sum().")
         ConfigError.raise_if(problems)
         if self._reduction is not None and reduction != self._reduction:
             raise MemtrainError(

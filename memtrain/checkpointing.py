@@ -301,6 +301,12 @@ def _auto_blocks(model: nn.Module) -> list[str]:
 
 
 def _no_blocks_problem(model: nn.Module) -> str:
+    return (f"{_no_blocks_found(model)}. To resolve this error, pass blocks= a module class, a list of module names, "
+            "or a predicate (name, module) -> bool.")
+
+
+def _no_blocks_found(model: nn.Module) -> str:
+    """What auto-detection looked for and what the model holds instead (no fix: callers differ in theirs)."""
     containers = [(name, m) for name, m in model.named_modules()
                   if isinstance(m, (nn.Sequential, nn.ModuleList)) and len(m) >= 2]
     seen = ""
@@ -314,8 +320,7 @@ def _no_blocks_problem(model: nn.Module) -> str:
         f"no repeated blocks found in {type(model).__name__}: auto-detection looks for an nn.ModuleList or "
         "nn.Sequential of two or more modules with parameters that are alike (one class, or structurally "
         "identical nn.Sequential blocks), a module class with submodules that repeats, or Hugging Face "
-        f"_no_split_modules, and found none{seen}. To resolve this error, pass blocks= a module class, a list "
-        "of module names, or a predicate (name, module) -> bool."
+        f"_no_split_modules, and found none{seen}"
     )
 
 
@@ -339,6 +344,12 @@ def _select_blocks(model: nn.Module, blocks: BlockSelector, problems: list[str])
     elif isinstance(blocks, Sequence) and not isinstance(blocks, (str, bytes)) and all(
         isinstance(b, str) for b in blocks
     ):
+        if not blocks:
+            # Not "checkpoint nothing" (remove_checkpointing says that): an empty list is most often a filter that
+            # matched nothing upstream, and wrapping nothing would hide it until the run runs out of memory.
+            problems.append(f"blocks={blocks!r} selects no module. To resolve this error, pass the names of the "
+                            "blocks to checkpoint, blocks=None to auto-detect them, or call "
+                            "remove_checkpointing(model) for none.")
         unknown = [b for b in blocks if b not in modules or b == ""]
         for name in unknown:
             close = difflib.get_close_matches(name, list(modules), n=3)
@@ -373,7 +384,8 @@ def _select_blocks(model: nn.Module, blocks: BlockSelector, problems: list[str])
 
 def _check_model(model: nn.Module, problems: list[str]) -> None:
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}.")
+        raise ConfigError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}. To resolve this "
+                          "error, pass the model (an nn.Module) whose blocks to checkpoint.")
     if not _has_parameters(model):
         problems.append(
             f"{type(model).__name__} has no parameters, so there is no gradient to checkpoint for. "
@@ -697,13 +709,15 @@ class Checkpointing:
             problems.append(f"blocks: unknown block policies {unknown}. To resolve this error, use "
                             f"{list(get_args(BlockPolicy))}.")
         if self.mode == "blocks" and not blocks:
-            problems.append("mode='blocks' needs one policy per block. To resolve this error, pass e.g. "
-                            "blocks=('recompute', 'keep', 'offload'), or another mode.")
+            problems.append("mode='blocks' needs one policy per block, and blocks=() gives none. To resolve this "
+                            "error, pass e.g. blocks=('recompute', 'recompute', 'keep') (spelled 'blocks(RRK)': a "
+                            "letter per block, R recompute, K keep, O offload), or another mode.")
         elif self.mode != "blocks" and blocks:
             problems.append(f"blocks={blocks!r} applies only with mode='blocks', not mode={self.mode!r}. To "
                             "resolve this error, pass mode='blocks' or blocks=().")
         if not isinstance(self.offload_inputs, bool):
-            problems.append(f"offload_inputs={self.offload_inputs!r}: it must be True or False.")
+            problems.append(f"offload_inputs={self.offload_inputs!r}: it must be True or False. To resolve this "
+                            "error, pass offload_inputs=True or False.")
         elif self.offload_inputs and self.mode == "none":
             problems.append("offload_inputs=True with mode='none': no block recomputes, so no block input is "
                             "saved alone to offload. To resolve this error, pass a mode that recomputes, or wrap "
@@ -743,6 +757,13 @@ class Checkpointing:
             if match := re.fullmatch(r"blocks\(([rko]+)\)", text):
                 by_letter = {letter.lower(): policy for policy, letter in _LETTERS.items()}
                 return cls(mode="blocks", blocks=tuple(by_letter[c] for c in match[1]), offload_inputs=offload)
+            if match := re.fullmatch(r"blocks(?:\((.*)\))?", text):
+                others = sorted(set(match[1] or "") - set("rko"))
+                what = (f"{', '.join(map(repr, others))} {'is not a block letter' if len(others) == 1 else 'are not block letters'}"
+                        if others else "it names no block")
+                raise ConfigError(f"checkpointing={value!r}: {what}; a block layout takes a letter per block (R "
+                                  "recompute, K keep, O offload), in the order find_blocks(model) returns them. To "
+                                  "resolve this error, pass e.g. 'blocks(RRK)' for three blocks, or another policy.")
             if text == "auto":
                 raise ConfigError("checkpointing='auto' is not a policy but a request that the planner choose "
                                   "one. To resolve this error, let memtrain's planner resolve 'auto' (train does) "
@@ -764,7 +785,8 @@ class Checkpointing:
     def block_policies(self, n_blocks: int) -> tuple[BlockPolicy, ...]:
         """What each of ``n_blocks`` blocks does: "keep", "recompute" (selective ones included) or "offload"."""
         if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
-            raise ConfigError(f"n_blocks={n_blocks!r}: it must be an integer >= 0 (the number of blocks).")
+            raise ConfigError(f"n_blocks={n_blocks!r}: it must be an integer >= 0 (the number of blocks). To resolve "
+                              "this error, pass len(find_blocks(model)).")
         if self.mode == "none":
             return ("keep",) * n_blocks
         if self.mode == "every":
@@ -804,12 +826,20 @@ class Checkpointing:
         elif self.mode == "selective":
             kwargs["selective"] = self.selective
         elif self.mode == "blocks":
-            names = find_blocks(model) if isinstance(model, nn.Module) else []
-            if names and len(names) != len(self.blocks):
+            if not isinstance(model, nn.Module):
+                raise ConfigError(f"checkpointing {self}: model is a {type(model).__name__}, not an nn.Module. To "
+                                  "resolve this error, pass the model whose blocks the letters name.")
+            names = find_blocks(model)
+            if not names:
+                raise ConfigError(f"checkpointing {self} gives one policy per detected block, but "
+                                  f"{_no_blocks_found(model)}. To resolve this error, name the blocks with "
+                                  "apply_checkpointing(model, blocks=[...], policies={name: policy}), or pass "
+                                  "checkpointing='none'.")
+            if len(names) != len(self.blocks):
                 raise ConfigError(
                     f"checkpointing {self} names {len(self.blocks)} blocks, but {type(model).__name__} has "
                     f"{len(names)} ({names[0]} ... {names[-1]}). To resolve this error, give one policy per block, "
                     "in the order find_blocks(model) returns them."
                 )
-            kwargs["policies"] = dict(zip(names, self.blocks, strict=True))  # no blocks: apply_checkpointing says so
+            kwargs["policies"] = dict(zip(names, self.blocks, strict=True))
         return kwargs

@@ -61,18 +61,32 @@ def stdlib_corpus(max_bytes: int = 8 * 2**20) -> np.ndarray:
             break
     if total == 0:
         raise ConfigError("no Python standard library source found under "
-                          f"{sysconfig.get_paths()['stdlib']}. To resolve this error, pass --data PATH to a text file.")
+                          f"{sysconfig.get_paths()['stdlib']}. To resolve this error, train on a text file of your "
+                          "own: text_file_tokens(path=...).")
     return np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
+
+
+def data_file(path: str | os.PathLike[str], kind: str) -> Path:
+    """``path`` as a ``Path`` if it is a regular file, else one ConfigError saying what it is instead.
+
+    Args:
+        kind: what the caller reads, for the fix (e.g. ``"a text file"``).
+    """
+    p = Path(path)
+    if p.is_file():
+        return p
+    what = ("is a directory" if p.is_dir() else "is not a regular file (a FIFO, socket or device)" if p.exists()
+            else "no such file")
+    raise ConfigError(f"path={str(path)!r}: {what}. To resolve this error, pass the path of {kind}.")
 
 
 def text_file_tokens(path: str | os.PathLike[str]) -> np.ndarray:
     """The bytes of a text file as ``uint8`` tokens."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--data {str(path)!r}: no such file. To resolve this error, pass the path of a text file.")
+    p = data_file(path, "a text file")
     tokens = np.fromfile(p, dtype=np.uint8)
     if tokens.size < 2:
-        raise ConfigError(f"--data {str(path)!r} holds {tokens.size} bytes; at least two windows of text are needed.")
+        raise ConfigError(f"path={str(path)!r} holds {tokens.size} bytes; at least two windows of text are needed. "
+                          "To resolve this error, pass a longer text file.")
     return tokens
 
 
@@ -87,7 +101,8 @@ class ByteWindows(Dataset):
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         if seq_len < 1:
-            raise ConfigError(f"seq_len={seq_len} must be >= 1.")
+            raise ConfigError(f"seq_len={seq_len} must be >= 1. To resolve this error, pass the model's sequence "
+                              "length, e.g. seq_len=256.")
         self.tokens = tokens
         self.seq_len = seq_len
 
@@ -105,12 +120,13 @@ class ByteWindows(Dataset):
 def split_windows(tokens: np.ndarray, seq_len: int, *, val_fraction: float = 0.05) -> tuple[ByteWindows, ByteWindows]:
     """Splits a token stream into a training and a held-out part (the last ``val_fraction``), as windows."""
     if not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive).")
+        raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive). To resolve this "
+                          "error, pass e.g. val_fraction=0.05.")
     cut = int(len(tokens) * (1.0 - val_fraction))
     train, val = ByteWindows(tokens[:cut], seq_len), ByteWindows(tokens[cut:], seq_len)
     if len(train) == 0 or len(val) == 0:
         raise ConfigError(f"{len(tokens)} tokens make {len(train)} training and {len(val)} validation windows of "
-                          f"{seq_len} tokens. To resolve this error, use more text or a shorter --seq-len.")
+                          f"{seq_len} tokens. To resolve this error, use more text or a shorter seq_len.")
     return train, val
 
 
@@ -121,7 +137,10 @@ def builtin_corpus(seq_len: int, *, max_bytes: int = 8 * 2**20, val_fraction: fl
 
 # -- documents: variable-length examples ---------------------------------------------------------------------
 # A blank line: a newline, then lines holding only whitespace, then a newline.
-_BLANK_LINES = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
+# What separates two documents of a text file: a blank line (or several; spaces and tabs count as blank). One
+# pattern for byte tokens (TokenDocuments.from_tokens) and for text (tokenize_file).
+_BLANK_LINE = r"\n(?:[ \t\r\f\v]*\n)+"
+_BLANK_LINES = re.compile(_BLANK_LINE.encode())
 
 
 class Document(NamedTuple):
@@ -160,16 +179,19 @@ class TokenDocuments(Dataset):
         tokens, starts, lengths = np.asarray(tokens), np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
         problems = []
         if tokens.ndim != 1:
-            problems.append(f"tokens has shape {tokens.shape}; it must be one flat array.")
+            problems.append(f"tokens has shape {tokens.shape}; it must be one flat array. To resolve this error, "
+                            "pass tokens.reshape(-1) with starts and lengths into it.")
         if loss_mask is not None:
             loss_mask = np.asarray(loss_mask, dtype=bool)
             if loss_mask.shape != tokens.shape:
                 problems.append(f"loss_mask has shape {loss_mask.shape}; it must have one flag per token "
-                                f"({tokens.shape}).")
+                                f"({tokens.shape}). To resolve this error, pass a bool array of the tokens' shape.")
         if starts.shape != lengths.shape or starts.ndim != 1:
-            problems.append(f"starts {starts.shape} and lengths {lengths.shape} must be flat arrays of one size.")
+            problems.append(f"starts {starts.shape} and lengths {lengths.shape} must be flat arrays of one size. To "
+                            "resolve this error, pass one start and one length per document.")
         elif len(starts) and (starts.min() < 0 or lengths.min() < 1 or (starts + lengths).max() > len(tokens)):
-            problems.append(f"document spans must lie inside the {len(tokens)} tokens and hold >= 1 token each.")
+            problems.append(f"document spans must lie inside the {len(tokens)} tokens and hold >= 1 token each. To "
+                            "resolve this error, pass starts >= 0, lengths >= 1 and starts + lengths <= len(tokens).")
         if len(starts) == 0:
             problems.append("no documents. To resolve this error, give text holding at least one document of "
                             "two or more bytes.")
@@ -196,7 +218,8 @@ class TokenDocuments(Dataset):
     def split(self, val_fraction: float = 0.05) -> tuple[TokenDocuments, TokenDocuments]:
         """(training, validation): the last ``val_fraction`` of the documents held out; the tokens are shared."""
         if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive).")
+            raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive). To resolve this "
+                          "error, pass e.g. val_fraction=0.05.")
         cut = int(len(self) * (1.0 - val_fraction))
         if cut == 0 or cut == len(self):
             raise ConfigError(f"{len(self)} documents make {cut} training and {len(self) - cut} validation "
@@ -213,7 +236,8 @@ class TokenDocuments(Dataset):
             problems.append(f"max_len={max_len!r} must be an integer >= 2 (one input and one target token), "
                             "or None. To resolve this error, pass max_len=seq_len + 1.")
         if isinstance(min_len, bool) or not isinstance(min_len, int) or min_len < 1:
-            problems.append(f"min_len={min_len!r} must be an integer >= 1 (2 drops documents with no pair).")
+            problems.append(f"min_len={min_len!r} must be an integer >= 1 (2 drops documents with no pair). To "
+                            "resolve this error, pass e.g. min_len=2.")
         ConfigError.raise_if(problems)
         starts, lengths = np.asarray(starts, np.int64), np.asarray(ends, np.int64) - np.asarray(starts, np.int64)
         if max_len is not None and len(starts):
@@ -254,26 +278,14 @@ class TokenDocuments(Dataset):
         p = Path(path)
         if p.suffix.lower() != ".jsonl":
             return cls.from_tokens(text_file_tokens(p), max_len=max_len, min_len=min_len)
-        if not p.is_file():
-            raise ConfigError(f"--data {str(path)!r}: no such file. To resolve this error, pass the path of a "
-                              ".jsonl file.")
-        return cls.from_texts(_jsonl_texts(p), max_len=max_len, min_len=min_len)
-
-
-def _jsonl_texts(path: Path) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{number} is not valid JSON ({e.msg}). To resolve this error, write one "
-                                  'JSON object per line, e.g. {"text": "..."}.') from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ConfigError(f'{path}:{number} has no "text" string field. To resolve this error, write one '
-                                  'JSON object per line with a "text" field, e.g. {"text": "..."}.')
-            yield record["text"]
+        records = _jsonl_records(data_file(p, "a .jsonl file"))
+        prompted = sum(bool(prompt) for prompt, _ in records)
+        if prompted:
+            # Bytes have no loss mask here: the prompt would be trained on as text, silently.
+            raise ConfigError(f"{p} holds {prompted} prompt/completion record(s), whose loss belongs on the "
+                              "completion only. To resolve this error, tokenise it with tokenize_file(path, "
+                              'tokenizer) (a loss mask on the prompt), or write {"text": ...} records.')
+        return cls.from_texts([text for _, text in records], max_len=max_len, min_len=min_len)
 
 
 def stdlib_documents(max_len: int, *, max_bytes: int = 8 * 2**20) -> TokenDocuments:
@@ -322,12 +334,12 @@ def _jsonl_records(path: Path) -> list[tuple[str, str]]:
     if problems:
         listed = problems[:_MAX_LISTED_PROBLEMS]
         more = len(problems) - len(listed)
-        raise ConfigError(f"--data {path}: {len(problems)} bad line(s): " + "; ".join(listed) +
+        raise ConfigError(f"{path}: {len(problems)} bad line(s): " + "; ".join(listed) +
                           (f"; and {more} more" if more else "") + '. To resolve this error, write one JSON '
                           'object per line with a "text" string, or "prompt" and "completion" strings (the loss '
                           "is then on the completion only).")
     if not records:
-        raise ConfigError(f"--data {path} holds no records. To resolve this error, write one JSON object per line, "
+        raise ConfigError(f"{path} holds no records. To resolve this error, write one JSON object per line, "
                           'e.g. {"text": "..."}.')
     return records
 
@@ -338,9 +350,9 @@ def _text_documents(path: Path) -> list[tuple[str, str]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text ({e}). To resolve this error, re-encode it as UTF-8.") from None
-    docs = [d for d in re.split(r"\n(?:[ \t\r\f\v]*\n)+", text) if d.strip()]
+    docs = [d for d in re.split(_BLANK_LINE, text) if d.strip()]
     if not docs:
-        raise ConfigError(f"--data {path} holds no text. To resolve this error, pass a file with documents "
+        raise ConfigError(f"{path} holds no text. To resolve this error, pass a file with documents "
                           "separated by blank lines.")
     return [("", d) for d in docs]
 
@@ -356,20 +368,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def _file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def token_cache_path(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: str | os.PathLike[str] | None = None
                      ) -> Path:
     """Where ``tokenize_file`` caches ``path`` tokenised by ``tokenizer``: a hidden ``.npz`` beside the data (or
     in ``cache_dir``), named by a hash of the file's bytes and the tokenizer, so an edit of either misses."""
     p = Path(path)
-    key = hashlib.sha256((_file_hash(p) + tokenizer_fingerprint(tokenizer)).encode()).hexdigest()[:20]
+    from memtrain.runstate import sha256_file
+
+    key = hashlib.sha256((sha256_file(p) + tokenizer_fingerprint(tokenizer)).encode()).hexdigest()[:20]
     return Path(cache_dir or p.parent) / f".{p.name}.{key}.tokens.npz"
 
 
@@ -393,10 +399,7 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
         ConfigError: a missing or non-UTF-8 file, no documents, or bad ``.jsonl`` lines (all listed, with
             their line numbers), a tokenizer that is not fast.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--data {str(path)!r}: no such file. To resolve this error, pass the path of a .txt or "
-                          ".jsonl file.")
+    p = data_file(path, "a .txt or .jsonl file")
     cache = token_cache_path(p, tokenizer, cache_dir=cache_dir)
     if cache.is_file():
         with np.load(cache, allow_pickle=False) as saved:  # arrays only: nothing is unpickled
@@ -483,7 +486,7 @@ class PackedRows(Dataset):
     def __init__(self, documents: TokenDocuments, seq_len: int, *, pad_id: int = 0, ignore_index: int = -100):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ConfigError(f"PackedRows(seq_len={seq_len!r}): seq_len must be an integer >= 1, the model's "
-                              "sequence length.")
+                              "sequence length. To resolve this error, pass e.g. seq_len=256.")
         self.documents, self.seq_len, self.pad_id, self.ignore_index = documents, seq_len, pad_id, ignore_index
         pieces = TokenDocuments.from_spans(documents.tokens, documents.starts, documents.starts + documents.lengths,
                                            max_len=seq_len + 1, loss_mask=documents.loss_mask)
@@ -610,7 +613,8 @@ class PadCollate:
     def __post_init__(self) -> None:
         if isinstance(self.pad_to_multiple_of, bool) or not isinstance(self.pad_to_multiple_of, int) \
                 or self.pad_to_multiple_of < 1:
-            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an integer >= 1.")
+            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an integer >= 1. To resolve "
+                              "this error, pass e.g. 8, or 1 for no rounding.")
 
     def __call__(self, examples: Sequence[torch.Tensor | np.ndarray | Document]) -> TokenBatch:
         docs, labels = _tokens_and_labels(examples)
@@ -676,7 +680,7 @@ class PackCollate:
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ConfigError(f"PackCollate(seq_len={self.seq_len!r}): seq_len must be an integer >= 1, the "
-                              "model's sequence length.")
+                              "model's sequence length. To resolve this error, pass e.g. seq_len=256.")
 
     def __call__(self, examples: Sequence[torch.Tensor | np.ndarray | Document]) -> PackedBatch:
         docs, labels = _tokens_and_labels(examples)
@@ -781,11 +785,14 @@ class LengthBucketSampler(Sampler[list[int]]):
         for name, value, low in (("batch_size", batch_size, 1), ("mega_batch_factor", mega_batch_factor, 1),
                                  ("world_size", world_size, 1), ("rank", rank, 0), ("seed", seed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                problems.append(f"{name}={value!r} must be an integer >= {low}.")
+                problems.append(f"{name}={value!r} must be an integer >= {low}. To resolve this error, pass e.g. "
+                                f"{name}={max(low, 1)}.")
         if not problems and rank >= world_size:
-            problems.append(f"rank={rank} must be below world_size={world_size}.")
+            problems.append(f"rank={rank} must be below world_size={world_size}. To resolve this error, pass the "
+                            "rank and world size of torch.distributed (or leave both None to read them).")
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
-            problems.append(f"lengths has shape {self.lengths.shape}; it must list one length per example.")
+            problems.append(f"lengths has shape {self.lengths.shape}; it must list one length per example. To "
+                            "resolve this error, pass a flat array of len(dataset) lengths.")
         elif not problems and drop_last and len(self.lengths) < batch_size * world_size:
             problems.append(f"{len(self.lengths)} examples fill no global batch of {batch_size} x {world_size} "
                             "ranks with drop_last=True. To resolve this error, lower batch_size or pass "
@@ -971,7 +978,8 @@ def resolve_loader_settings(*, num_workers: int | Auto = "auto", pin_memory: boo
             reasons.append("persistent_workers=True, because: workers then survive the epoch instead of "
                            "restarting (and re-copying the dataset)")
     elif not isinstance(persistent_workers, bool):
-        problems.append(f"persistent_workers={persistent_workers!r} must be 'auto', True or False.")
+        problems.append(f"persistent_workers={persistent_workers!r} must be 'auto', True or False. To resolve "
+                        "this error, pass persistent_workers='auto'.")
         persistent = False
     elif persistent_workers and workers == 0 and explicit_zero:
         problems.append("persistent_workers=True needs worker processes, but num_workers=0 loads in the training "
@@ -997,7 +1005,8 @@ def resolve_loader_settings(*, num_workers: int | Auto = "auto", pin_memory: boo
             " (pinned memory makes the host->device copy asynchronous)" if pin else
             " (pinning would only add a copy per batch)"))
     elif not isinstance(pin_memory, bool):
-        problems.append(f"pin_memory={pin_memory!r} must be 'auto', True or False.")
+        problems.append(f"pin_memory={pin_memory!r} must be 'auto', True or False. To resolve this error, pass "
+                        "pin_memory='auto'.")
         pin = False
     elif pin_memory and not to_accelerator:
         problems.append(f"pin_memory=True, but {where}: pinned memory only speeds host->accelerator copies, and "
@@ -1057,7 +1066,8 @@ def make_loader(dataset: Dataset, *, batch_size: int | None = None, num_workers:
     elif batch_size is None:
         problems.append("no batch_size. To resolve this error, pass batch_size=N or a batch_sampler.")
     elif not _is_int(batch_size) or batch_size < 1:
-        problems.append(f"batch_size={batch_size!r} must be an integer >= 1.")
+        problems.append(f"batch_size={batch_size!r} must be an integer >= 1. To resolve this error, pass e.g. "
+                            "batch_size=8.")
     elif hasattr(dataset, "__len__") and sampler is None and drop_last and len(dataset) < batch_size:
         problems.append(f"the dataset holds {len(dataset)} examples, fewer than one batch of {batch_size} with "
                         "drop_last=True. To resolve this error, lower batch_size or pass drop_last=False.")
@@ -1068,7 +1078,8 @@ def make_loader(dataset: Dataset, *, batch_size: int | None = None, num_workers:
         problems.append("an IterableDataset decides its own order, so shuffle, sampler and batch_sampler cannot "
                         "apply. To resolve this error, drop them, or use a map-style Dataset.")
     if seed is not None and (not _is_int(seed) or seed < 0):
-        problems.append(f"seed={seed!r} must be an integer >= 0, or None.")
+        problems.append(f"seed={seed!r} must be an integer >= 0, or None. To resolve this error, pass e.g. "
+                            "seed=0.")
     try:
         settings = resolve_loader_settings(num_workers=num_workers, pin_memory=pin_memory,
                                            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,

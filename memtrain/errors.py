@@ -43,3 +43,29 @@ class ConfigError(MemtrainError, ValueError):
         problems = list(problems)
         if problems:
             raise cls(problems)
+
+
+def describe_exception(error: BaseException, *, max_chars: int = 600) -> str:
+    """``Type: message`` of another library's exception for one of memtrain's, keeping its cause.
+
+    The whole message when it is short; else its first line (what failed) and its last (often the reason, after
+    lines of context), joined by " ... ". The exception's ``__cause__`` (``raise ... from e``) is added the same
+    way, since a wrapper's message alone ("Error while loading the model") often hides it.
+    """
+    text = f"{type(error).__name__}: {_shorten(str(error), max_chars)}"
+    cause = error.__cause__
+    if cause is not None and cause is not error:
+        text += f" (caused by {type(cause).__name__}: {_shorten(str(cause), max_chars)})"
+    return text
+
+
+def _shorten(message: str, max_chars: int) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    whole = " ".join(lines)
+    if len(whole) <= max_chars:
+        return whole
+    first, last = lines[0], lines[-1]
+    joined = first if len(lines) == 1 else f"{first} ... {last}"
+    return joined if len(joined) <= max_chars else joined[: max_chars - 3] + "..."

@@ -24,6 +24,7 @@ import functools
 import inspect
 import json
 import math
+import numbers
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,7 +47,7 @@ from memtrain.checkpointing import (
     apply_checkpointing,
     remove_checkpointing,
 )
-from memtrain.errors import ConfigError, MemtrainError
+from memtrain.errors import ConfigError, MemtrainError, describe_exception
 from memtrain.loss import (
     HF_MODEL_TYPES,
     apply_chunked_loss,
@@ -126,8 +127,8 @@ def hf_config_from_file(path: str | os.PathLike[str]) -> Any:
     try:
         return AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # noqa: BLE001 - transformers validates fields with exceptions of many types
-        cause = " ".join(str(e).split())[:500] or type(e).__name__  # whole: the cause is often on a later line
-        raise ConfigError(f"{str(path)!r}: a field of this {model_type} config is invalid ({cause}). To resolve "
+        raise ConfigError(f"{str(path)!r}: a field of this {model_type} config is invalid "
+                          f"({describe_exception(e)}). To resolve "
                           "this error, fix that field in the file.") from None
 
 
@@ -185,21 +186,38 @@ def _to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> None:
 
 
 # -- the batch ----------------------------------------------------------------------------------------------
-def _shape_of(x: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+def _shape_of(x: Any) -> tuple[tuple[Any, ...], torch.dtype] | None:
+    """(shape, dtype) of a tensor or of a shape given as numbers (checked by ``_bad_dimensions``), else None."""
     if isinstance(x, torch.Tensor):
         return tuple(x.shape), x.dtype
-    if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and x and all(isinstance(d, int) for d in x)):
+    if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and x and all(isinstance(d, numbers.Number)
+                                                                                 for d in x)):
         return tuple(x), torch.long
     return None
+
+
+def _is_count(value: Any) -> bool:
+    """An integer >= 1 (not a bool, not a float that happens to be whole)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _bad_dimensions(where: str, shape: tuple[Any, ...], problems: list[str]) -> None:
+    """One problem naming each dimension of ``shape`` that is not an integer >= 1 (a traced batch needs sizes)."""
+    bad = [f"dimension {i} is {d!r}" for i, d in enumerate(shape) if not _is_count(d)]
+    if bad:
+        problems.append(f"{where} of shape {tuple(shape)}: {', '.join(bad)}; every dimension of a batch must be an integer "
+                        ">= 1. To resolve this error, pass sizes such as batch=(4, 2048) (micro-batch, tokens).")
 
 
 def _batch_spec(batch: Any, micro_batch_size: int | None, seq_len: int | None,
                 problems: list[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
     """Named input shapes: ``{"input_ids": ((B, T), long)}`` for tokens, or a dict's entries."""
-    for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            problems.append(f"{name}={value!r} must be a positive integer. To resolve this error, pass e.g. 4.")
-            return None
+    bad = [f"{name}={value!r}" for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len))
+           if value is not None and not _is_count(value)]
+    if bad:
+        problems.append(f"{' and '.join(bad)}: each must be an integer >= 1. To resolve this error, pass e.g. "
+                        "micro_batch_size=4, seq_len=2048.")
+        return None
     if batch is None:
         if micro_batch_size is None or seq_len is None:
             problems.append("estimate needs a batch: none was given, and micro_batch_size and seq_len are not both "
@@ -229,7 +247,9 @@ def _batch_spec(batch: Any, micro_batch_size: int | None, seq_len: int | None,
             dims[0] = micro_batch_size
         if seq_len is not None and len(dims) >= 2 and not dtype.is_floating_point:
             dims[1] = seq_len
-        resized[key] = (tuple(dims), dtype)
+        _bad_dimensions("batch" if batch is None or not isinstance(batch, Mapping) else f"batch[{key!r}]",
+                        tuple(dims), problems)
+        resized[key] = (tuple(int(d) if _is_count(d) else d for d in dims), dtype)  # numpy ints as ints
     return resized
 
 
@@ -291,12 +311,8 @@ def _optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int,
         return (state + step_bytes, temp, 0,
                 "Adafactor (torch.optim.Adafactor, foreach): factored second moments, no first moment; the step "
                 "builds one fp32 variance estimate per parameter at once")
-    # adamw-offload: master weights and both moments live in pinned host memory (CPUOffloadOptimizer).
-    host = sum(p.numel() * 4 * 4 for p in params)  # fp32 master + exp_avg + exp_avg_sq + host grad buffer
-    return (0, 0, host,
-            "AdamW with state offloaded to the host: fp32 master weights, moments and a gradient buffer in pinned "
-            "host memory (16 bytes per parameter); device gradients are counted in full (streaming frees "
-            "them earlier, so the device figure is an upper bound)")
+    # adamw-offload is memtrain.optim.optimizer_memory(offload_fraction=1.0)'s: one byte model for both.
+    raise AssertionError(f"_optimizer_bytes: {kind!r} is counted by memtrain.optim.optimizer_memory")
 
 
 def _storage_elements(t: torch.Tensor) -> int:
@@ -1166,11 +1182,14 @@ def trace(
         device_type = str(device)
     _check_choice("device", device_type, ("cuda", "cpu"), problems)
     if not isinstance(offload_activations, bool):
-        problems.append(f"offload_activations={offload_activations!r} must be True or False.")
+        problems.append(f"offload_activations={offload_activations!r} must be True or False. To resolve this "
+                        "error, pass offload_activations=True or False.")
     if not isinstance(chunked_loss, bool):
-        problems.append(f"chunked_loss={chunked_loss!r} must be True or False.")
+        problems.append(f"chunked_loss={chunked_loss!r} must be True or False. To resolve this error, pass "
+                        "chunked_loss=True or False.")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-        problems.append(f"accumulation={accumulation!r} must be an integer >= 1 (micro-batches per step).")
+        problems.append(f"accumulation={accumulation!r} must be an integer >= 1 (micro-batches per step). To "
+                        "resolve this error, pass e.g. accumulation=1.")
     if weights_dtype not in _WEIGHT_DTYPES:
         problems.append(f"weights_dtype={weights_dtype!r} is not known. To resolve this error, pass one of "
                         f"{[k for k in _WEIGHT_DTYPES if k]} or None (the model's own).")
@@ -1179,9 +1198,11 @@ def trace(
     _check_choice("state_precision", state_precision, ("fp32", "bf16", "int8"), problems)
     if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not (
             0.0 <= offload_fraction <= 1.0):
-        problems.append(f"offload_fraction={offload_fraction!r} must be a number in [0, 1].")
+        problems.append(f"offload_fraction={offload_fraction!r} must be a number in [0, 1]. To resolve this "
+                        "error, pass e.g. offload_fraction=1.0 (every parameter's state on the host) or 0.")
     if not isinstance(step_in_backward, bool):
-        problems.append(f"step_in_backward={step_in_backward!r} must be True or False.")
+        problems.append(f"step_in_backward={step_in_backward!r} must be True or False. To resolve this error, "
+                        "pass step_in_backward=True or False.")
     lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True
     if lean and optimizer not in ("adamw", "adamw-offload"):
         problems.append(f"state_precision/offload_fraction/step_in_backward are options of AdamW (memtrain.optim), "
@@ -1247,13 +1268,14 @@ def trace(
 
     params = list(dict.fromkeys(p for p in meta.parameters()))
     trainable = [p for p in params if p.requires_grad]
-    state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = _optimizer_bytes(trainable, optimizer, round_to,
-                                                                                on_cuda)
-    all_state_bytes = state_bytes if optimizer != "adamw-offload" else optimizer_host_bytes
     # Gradients that do not stay on the device once accumulated: CPUOffloadOptimizer (one process) copies each to
     # the host as autograd produces it; a parameter that steps in backward frees its own.
-    leaving: list[nn.Parameter] = list(trainable) if optimizer == "adamw-offload" else []
-    if lean:
+    leaving: list[nn.Parameter] = []
+    if not (lean or optimizer == "adamw-offload"):
+        state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = _optimizer_bytes(
+            trainable, optimizer, round_to, on_cuda)
+        all_state_bytes = state_bytes
+    else:  # memtrain.optim's AdamW, CPUOffloadOptimizer (adamw-offload: every parameter's state) included
         from memtrain.optim import offloaded_mask, optimizer_memory
 
         fraction = 1.0 if optimizer == "adamw-offload" else offload_fraction
@@ -1268,6 +1290,10 @@ def trace(
         optimizer_note = (f"AdamW from memtrain.optim.build_optimizer: {state_precision} moments, {fraction:.0%} of "
                           f"the parameters' state in host RAM, step in backward {'on' if step_in_backward else 'off'}"
                           " (bytes from memtrain.optim.optimizer_memory; step temporaries an upper bound)")
+        if fraction:
+            optimizer_note += ("; offloaded parameters' fp32 masters, moments and gradient buffers in pinned host "
+                               "memory, their device gradients counted in full (streaming frees them earlier, so "
+                               "the device figure is an upper bound)")
     streamed = bool(leaving)
     where = _Where(meta)
     tracker = _LiveTracker(round_to, where)
@@ -1353,7 +1379,7 @@ def trace(
             module = where.stack[-1] if where.stack else type(meta).__name__
             raise MemtrainError(
                 f"estimate: the forward of {module!r} failed on fake tensors (shapes only, no values): "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. This happens when a module reads "
+                f"{describe_exception(e)}. This happens when a module reads "
                 "tensor values (.item(), .tolist(), data-dependent shapes, numpy) or when the batch does not fit "
                 "the model. To resolve this error, check the batch's shape and dtype against the model, or make "
                 "that module's forward shape-only (e.g. precompute the value it reads); or, on a device with "
@@ -1375,7 +1401,7 @@ def trace(
         except Exception as e:  # noqa: BLE001 - re-raised with the place and the fix
             raise MemtrainError(
                 f"estimate: the backward failed on fake tensors near {where.backward_label or type(meta).__name__!r}: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. To resolve this error, estimate "
+                f"{describe_exception(e)}. To resolve this error, estimate "
                 "without checkpointing to see whether the recompute is the cause, or use memtrain.measure on a "
                 "device with memory."
             ) from None

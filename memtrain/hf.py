@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from memtrain.accumulation import unwrap_model
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, describe_exception
+from memtrain.runstate import replace_folder
 
 # Checkpoint formats that are pickles: loading one runs whatever code it holds.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -82,7 +83,7 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise ConfigError(f"--hf-model {str(path)!r}: no such folder. To resolve this error, pass a local folder "
+        raise ConfigError(f"path={str(path)!r}: no such folder. To resolve this error, pass a local folder "
                           "holding config.json and *.safetensors weights (e.g. one written by save_pretrained).")
     problems = []
     if not (folder / "config.json").is_file():
@@ -111,8 +112,8 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
                             "from_pretrained(DIR).save_pretrained(DIR) writes model.safetensors.")
         else:
             problems.append(f"{folder} holds no weights (*.safetensors). To resolve this error, pass a folder "
-                            "written by save_pretrained, or use --hf-config config.json for a randomly "
-                            "initialised model.")
+                            "written by save_pretrained, or build a randomly initialised model from config.json "
+                            "alone (AutoModelForCausalLM.from_config).")
     ConfigError.raise_if(problems)
     return files
 
@@ -136,7 +137,8 @@ def load_pretrained(path: str | os.PathLike[str], *, dtype: torch.dtype | Litera
     safetensors_files(path)
     transformers = _transformers()
     if dtype != "auto" and not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or 'auto'.")
+        raise ConfigError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or 'auto'. To resolve "
+                          "this error, pass dtype=torch.float32 (the default) or dtype='auto'.")
     # transformers 4.56 renamed torch_dtype to dtype.
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     dtype_key = "dtype" if version >= (4, 56) else "torch_dtype"
@@ -145,7 +147,7 @@ def load_pretrained(path: str | os.PathLike[str], *, dtype: torch.dtype | Litera
             str(path), local_files_only=True, use_safetensors=True, trust_remote_code=False,
             attn_implementation=attn_implementation, output_loading_info=True, **{dtype_key: dtype})
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"transformers could not load {path}: {type(e).__name__}: {str(e).splitlines()[0]}. "
+        raise ConfigError(f"transformers could not load {path}: {describe_exception(e)}. "
                           "To resolve this error, check that config.json names a causal LM architecture that "
                           f"transformers {transformers.__version__} knows and that the weights match it.") from None
     missing = sorted(info.get("missing_keys") or ())
@@ -165,7 +167,7 @@ def load_tokenizer(path: str | os.PathLike[str], *, needed_for: str = "tokenisin
     """The fast tokenizer saved in a model folder (``tokenizer.json``), loaded without the network.
 
     Args:
-        needed_for: what needs it, for the error message (e.g. ``"--data docs.jsonl"``).
+        needed_for: what needs it, for the error message (e.g. ``"tokenize_file('docs.jsonl')"``).
 
     Raises:
         ConfigError: the folder holds no tokenizer, or only a slow (Python) one.
@@ -180,8 +182,8 @@ def load_tokenizer(path: str | os.PathLike[str], *, needed_for: str = "tokenisin
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
                                                                trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"transformers could not load the tokenizer in {folder}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0]}. To resolve this error, save it again with "
+        raise ConfigError(f"transformers could not load the tokenizer in {folder}: {describe_exception(e)}. "
+                          "To resolve this error, save it again with "
                           "tokenizer.save_pretrained(DIR).") from None
     if not getattr(tokenizer, "is_fast", False):
         raise ConfigError(f"the tokenizer in {folder} is a slow (Python) {type(tokenizer).__name__}; memtrain "
@@ -237,17 +239,17 @@ def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None
                               "holds them. To resolve this error, set them on the LoraConfig only.")
     else:
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ConfigError(f"--lora {r!r}: the LoRA rank must be an integer >= 1. To resolve this error, pass "
-                              "e.g. --lora 8.")
+            raise ConfigError(f"r={r!r}: the LoRA rank must be an integer >= 1. To resolve this error, pass "
+                              "e.g. r=8.")
         config = None
     if is_lora(model):
         raise ConfigError(f"{type(model).__name__} already has LoRA adapters. To resolve this error, apply LoRA "
                           "once (merge_lora(model) first to stack a second set on merged weights).")
     targets = list(target_modules) if target_modules is not None else lora_targets(model)
     if config is None and not targets:
-        raise ConfigError(f"--lora {r}: {type(model).__name__} has no linear layer to adapt (LoRA adds low-rank "
+        raise ConfigError(f"r={r}: {type(model).__name__} has no linear layer to adapt (LoRA adds low-rank "
                           "updates to nn.Linear weights; the output head is left out). To resolve this error, "
-                          "train the whole model without --lora, or pass target_modules naming its layers.")
+                          "train the whole model without LoRA, or pass target_modules naming its layers.")
     if config is None:
         config = peft.LoraConfig(r=r, target_modules=targets, lora_dropout=dropout,
                                  task_type="CAUSAL_LM" if _is_hf_causal_lm(model) else None,
@@ -267,12 +269,12 @@ def merge_lora(model: nn.Module) -> nn.Module:
     spent). Its forward is then one matmul per layer again, and ``save_hf`` writes a plain checkpoint.
 
     Raises:
-        ConfigError: the model has no LoRA adapters (``--merge-lora`` without ``--lora``).
+        ConfigError: the model has no LoRA adapters (no ``apply_lora`` before).
     """
     inner = unwrap_model(model)
     if not is_lora(inner):
-        raise ConfigError(f"--merge-lora: {type(inner).__name__} has no LoRA adapters to merge. To resolve this "
-                          "error, train with --lora R (apply_lora), or drop --merge-lora.")
+        raise ConfigError(f"merge_lora: {type(inner).__name__} has no LoRA adapters to merge. To resolve this "
+                          "error, add adapters with apply_lora(model, r=8) before training, or do not merge.")
     return inner.merge_and_unload()
 
 
@@ -330,38 +332,11 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
             tokenizer = load_tokenizer(tokenizer, needed_for="the hf/ folder")
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        _replace_folder(staging, target)
+        replace_folder(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_folder(staging: Path, target: Path) -> None:
-    """Renames a complete ``staging`` folder to ``target``, after its files are on disk."""
-    for file in staging.rglob("*"):
-        if file.is_file():
-            _fsync(file)
-    _fsync(staging)
-    old = None
-    if target.exists():
-        # Two renames: the window between them has no target, but the old folder survives under .old until
-        # the new one is in place.
-        old = target.with_name(f".{target.name}.old.{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-    os.replace(staging, target)
-    _fsync(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # -- the Hugging Face Trainer ----------------------------------------------------------------------------------------
@@ -461,7 +436,8 @@ def _build_trainer_class() -> type:
         def __init__(self, model: nn.Module, args: Any = None, *, memory: TrainerMemory = TrainerMemory(),
                      **trainer_kwargs: Any):
             if not isinstance(memory, TrainerMemory):
-                raise ConfigError(f"memory={memory!r} must be a memtrain.hf.TrainerMemory.")
+                raise ConfigError(f"memory={memory!r} must be a memtrain.hf.TrainerMemory. To resolve this "
+                                  "error, pass e.g. memory=TrainerMemory(checkpointing=True).")
             if memory.checkpointing and getattr(args, "gradient_checkpointing", False):
                 raise ConfigError("MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and "
                                   "TrainerMemory(checkpointing=True) would checkpoint every layer twice (each "

@@ -133,7 +133,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
         raise ConfigError(f"hidden states of shape {tuple(hidden.shape)} do not match labels of shape "
                           f"{tuple(labels.shape)}. To resolve this error, pass one label per position.")
     if implementation not in ("auto", "torch", "memtrain"):
-        raise ConfigError(f"implementation={implementation!r} must be 'auto', 'torch' or 'memtrain'.")
+        raise ConfigError(f"implementation={implementation!r} must be 'auto', 'torch' or 'memtrain'. To resolve "
+                          "this error, pass implementation='auto' (chunked_loss_implementation says which runs).")
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if flat_labels.numel() == 0:  # an empty batch: a zero loss that backward can still run through
         return head(flat_hidden).float().sum() * 0
@@ -199,7 +200,10 @@ def _cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index
     grad.sub_(grad.amax(dim=-1, keepdim=True)).exp_()
     weight = (labels != ignore_index).to(grad.dtype).unsqueeze(-1) * grad_total
     grad.mul_(weight / grad.sum(dim=-1, keepdim=True))
-    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), -weight)
+    # Ignored rows scatter their zero weight into column 0: their label (ignore_index, which may be >= the
+    # vocabulary, e.g. ignore_index=vocab_size) is no column to index. A label outside [0, vocab) that is not
+    # ignored never gets here: forward's F.cross_entropy refused it.
+    grad.scatter_add_(-1, labels.masked_fill(labels == ignore_index, 0).unsqueeze(-1), -weight)
     return grad.to(logits.dtype)
 
 

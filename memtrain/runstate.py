@@ -16,6 +16,7 @@ read whole is skipped for the previous one, saying why. Resuming never unpickles
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -37,7 +38,6 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from memtrain.accumulation import is_fsdp2
 from memtrain.errors import ConfigError, MemtrainError
@@ -69,12 +69,35 @@ class RunWriteError(MemtrainError):
     bad input. The message names the file and the last good checkpoint, which is intact."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flushes a file's or a folder's contents to disk (a folder's: its names, so a rename survives a power cut)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Renames the complete folder ``staging`` to ``target``, after its files are on disk, so that a crash leaves
+    the old ``target`` or the new one, never a mix.
+
+    An existing ``target`` is swapped, never deleted first: two renames, with the old folder kept as
+    ``.<name>.old`` beside it until the new one is in place (``RunCheckpoints.clean_temporaries`` puts a
+    checkpoint caught between the two renames back)."""
+    for file in staging.rglob("*"):
+        if file.is_file():
+            fsync_path(file)
+    fsync_path(staging)
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    os.replace(staging, target)
+    fsync_path(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -93,7 +116,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], Any]) -> 
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)  # the rename itself survives a power cut
+        fsync_path(path.parent)  # the rename itself survives a power cut
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -116,7 +139,8 @@ def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLi
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes, read 1 MiB at a time."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -184,7 +208,7 @@ _DAMAGE = (CheckpointDamaged, SafetensorError, OSError, ValueError, KeyError, Ty
 
 
 class RunCheckpoints:
-    """The checkpoints of one run, in ``folder/checkpoints/step-NNNNNNN/``; the newest ``keep`` are kept.
+    """The checkpoints of one run, in ``folder/checkpoints/step-NNNNNNN/``; the newest ``keep`` intact ones are kept.
 
     Names under ``checkpoints/`` that are not ``step-<number>`` folders are ignored (never read, never removed).
 
@@ -200,6 +224,7 @@ class RunCheckpoints:
     def __init__(self, folder: str | os.PathLike[str], *, keep: int = 2):
         self.root = Path(folder) / "checkpoints"
         self.keep = max(1, keep)
+        self._verified: dict[str, tuple[tuple[int, int], ...]] = {}  # name -> _signature when found intact
 
     def paths(self) -> list[Path]:
         """Checkpoint folders, newest first."""
@@ -213,7 +238,7 @@ class RunCheckpoints:
         return [p for _, p in sorted(found, reverse=True)]
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Writes ``state`` as the checkpoint of ``step``; older ones beyond ``keep`` are removed afterwards.
+        """Writes ``state`` as the checkpoint of ``step``; ones older than the ``keep`` newest intact are removed after.
 
         Raises:
             RunWriteError: a file could not be written (the checkpoints already there are untouched).
@@ -231,19 +256,8 @@ class RunCheckpoints:
             meta = {"format": CHECKPOINT_FORMAT, "step": step, "state": skeleton}
             (tmp / "meta.json").write_text(json.dumps(meta))
             # The sums list every file: an edit of meta.json (e.g. the scheduler's last_epoch) is damage too.
-            (tmp / SUMS).write_text("".join(f"{_sha256(tmp / name)}  {name}\n" for name in CHECKPOINT_FILES))
-            for name in (*CHECKPOINT_FILES, SUMS):
-                with open(tmp / name, "rb") as f:
-                    os.fsync(f.fileno())
-            if final.exists():  # the same step saved again (after a resume): swap, never delete first
-                old = final.with_name(f".{final.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(self.root)
+            (tmp / SUMS).write_text("".join(f"{sha256_file(tmp / name)}  {name}\n" for name in CHECKPOINT_FILES))
+            replace_folder(tmp, final)  # the same step saved again (after a resume) is swapped
         except OSError as e:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -252,9 +266,42 @@ class RunCheckpoints:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for stale in self.paths()[self.keep:]:
-            shutil.rmtree(stale, ignore_errors=True)
+        self._prune(final)
         return final
+
+    def _prune(self, written: Path) -> None:
+        """Removes every checkpoint older than the ``keep``-th newest intact one.
+
+        Only intact checkpoints count: a damaged one (which a resume skips) must not push the last good one
+        out, nor, newer than the one just written (a resume from before it), remove that one. Damaged ones
+        newer than the oldest kept stay, for a person to look at, until enough intact ones follow."""
+        intact = 0
+        for path in self.paths():
+            if intact >= self.keep:
+                shutil.rmtree(path, ignore_errors=True)
+            elif path == written:
+                intact += 1
+                signature = _signature(path)  # just written whole: the next save need not hash it again
+                if signature is not None:
+                    self._verified[path.name] = signature
+            elif self._intact(path):
+                intact += 1
+
+    def _intact(self, path: Path) -> bool:
+        """Whether ``path`` passes ``verify`` and its meta.json is a checkpoint's; a result is remembered while its
+        files keep their size and mtime, so that pruning at every save does not hash every kept checkpoint again."""
+        signature = _signature(path)
+        if signature is not None and self._verified.get(path.name) == signature:
+            return True
+        if self.verify(path) is not None:
+            return False
+        try:
+            self._read_meta(path)
+        except CheckpointDamaged:
+            return False
+        if signature is not None:
+            self._verified[path.name] = signature
+        return True
 
     def verify(self, path: Path) -> str | None:
         """None if the checkpoint at ``path`` is complete and matches its checksums, else what is wrong with it."""
@@ -270,7 +317,7 @@ class RunCheckpoints:
                 return f"{SUMS} does not list {name}"
             if not (path / name).is_file():
                 return f"{name} missing"
-            if _sha256(path / name) != sums[name]:
+            if sha256_file(path / name) != sums[name]:
                 return f"{name} does not match its checksum (edited, truncated or corrupt)"
         return None
 
@@ -285,6 +332,15 @@ class RunCheckpoints:
         problem = self.verify(path)
         if problem is not None:
             raise CheckpointDamaged(problem)
+        step, meta = self._read_meta(path)
+        try:
+            state = unflatten_state(meta["state"], load_file(str(path / "tensors.safetensors")))
+        except _DAMAGE as e:
+            raise CheckpointDamaged(f"tensors.safetensors cannot be decoded ({type(e).__name__}: {e})") from None
+        return step, state
+
+    def _read_meta(self, path: Path) -> tuple[int, dict[str, Any]]:
+        """The step and meta.json of a checkpoint whose checksums are right; CheckpointDamaged if it is not one."""
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError) as e:
@@ -293,11 +349,7 @@ class RunCheckpoints:
         if not (isinstance(meta, dict) and meta.get("format") == CHECKPOINT_FORMAT and meta.get("step") == step
                 and isinstance(meta.get("state"), dict)):
             raise CheckpointDamaged(f"meta.json does not describe the checkpoint of step {step}")
-        try:
-            state = unflatten_state(meta["state"], load_file(str(path / "tensors.safetensors")))
-        except _DAMAGE as e:
-            raise CheckpointDamaged(f"tensors.safetensors cannot be decoded ({type(e).__name__}: {e})") from None
-        return step, state
+        return step, meta
 
     def readable(self) -> Iterator[tuple[Path, int | None, dict[str, Any] | str]]:
         """Each checkpoint, newest first, as (path, step, state) or (path, None, what is wrong with it)."""
@@ -349,6 +401,14 @@ class RunCheckpoints:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
             removed.append(f"checkpoints/{p.name}")
         return removed, restored
+
+
+def _signature(path: Path) -> tuple[tuple[int, int], ...] | None:
+    """(size, mtime_ns) of each file of a checkpoint: what an edit or a rewrite changes; None if one is missing."""
+    try:
+        return tuple((st.st_size, st.st_mtime_ns) for st in (os.stat(path / n) for n in (*CHECKPOINT_FILES, SUMS)))
+    except OSError:
+        return None
 
 
 def write_fault(error: OSError, path: Path, checkpoints: RunCheckpoints | None, *,
@@ -791,26 +851,87 @@ def agree_on_stop(received: str | None, device: torch.device) -> str | None:
 
 
 # -- what defines a run -------------------------------------------------------------------------------------
+# A dataset without a token stream that is not an in-memory list is hashed through this many evenly spaced
+# examples at most: each is one __getitem__ (which may read a file or tokenise), paid at every start and resume.
+FINGERPRINT_MAX_EXAMPLES = 65536
+
+
 def data_fingerprint(dataset: Any) -> dict[str, Any]:
-    """The number of examples and a SHA-256 of the data: of its whole token stream where the dataset exposes one
-    (``tokens``, plus ``starts``/``lengths`` for documents), else of up to 256 evenly spaced examples."""
+    """The number of examples and a SHA-256 of the data's contents, for a resume to refuse other data.
+
+    What is hashed: the whole token stream where the dataset exposes one (numpy ``tokens``, plus ``starts``,
+    ``lengths`` and ``loss_mask`` for documents; a ``PackedRows`` through its ``documents`` and packing
+    settings); else every example of a list or tuple, and of any other dataset up to
+    ``FINGERPRINT_MAX_EXAMPLES`` examples (that many, evenly spaced, beyond). Each example counts by its whole
+    content (``_hash_item``): tensors and arrays by dtype, shape and bytes, other values by type and value, so
+    two datasets of the same length with other contents fingerprint differently.
+    """
     digest = hashlib.sha256()
-    arrays = [getattr(dataset, name, None) for name in ("tokens", "starts", "lengths")]
-    if isinstance(arrays[0], np.ndarray):
-        for array in arrays:
+    source = dataset if _token_stream(dataset) else getattr(dataset, "documents", None)
+    if _token_stream(source):
+        for name in ("tokens", "starts", "lengths", "loss_mask"):
+            array = getattr(source, name, None)
             if isinstance(array, np.ndarray):
                 digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        if source is not dataset:  # rows built from the stream: how they were built is part of the data
+            settings = {name: getattr(dataset, name) for name in ("seq_len", "pad_id", "ignore_index")
+                        if isinstance(getattr(dataset, name, None), int)}
+            digest.update(repr((type(dataset).__qualname__, sorted(settings.items()))).encode())
         of = "token stream"
     else:
         n = len(dataset)
-        for i in sorted({int(i) for i in np.linspace(0, n - 1, num=min(n, 256))}) if n else []:
-            for t in tree_leaves(dataset[i]):
-                if isinstance(t, torch.Tensor):
-                    digest.update(t.detach().cpu().contiguous().numpy().tobytes())
-                elif isinstance(t, np.ndarray):
-                    digest.update(np.ascontiguousarray(t).tobytes())
-        of = "256 sampled examples" if n > 256 else "every example"
+        if isinstance(dataset, (list, tuple)) or n <= FINGERPRINT_MAX_EXAMPLES:
+            indices: Any = range(n)
+            of = "every example"
+        else:
+            indices = sorted({int(i) for i in np.linspace(0, n - 1, num=FINGERPRINT_MAX_EXAMPLES)})
+            of = f"{len(indices)} sampled examples"
+        for i in indices:
+            _hash_item(digest, dataset[i])
     return {"examples": len(dataset), "sha256": digest.hexdigest(), "of": of}
+
+
+def _token_stream(dataset: Any) -> bool:
+    return isinstance(getattr(dataset, "tokens", None), np.ndarray)
+
+
+def _hash_item(digest: Any, item: Any) -> None:
+    """Feeds one example into ``digest``, type-tagged and length-prefixed so that no two different contents
+    feed the same bytes ([[1, 2], [3]] and [[1], [2, 3]], int32 and float32 zeros, a (2, 3) and a (3, 2)).
+
+    Tensors and arrays: dtype, shape and bytes; str/bytes/numbers/None: their repr; lists, tuples (named ones
+    with their field names), dicts and dataclasses: their fields in order; any other object: its ``__dict__``,
+    or its repr where it has none (a repr holding an address would make equal data differ: a refused resume,
+    never a silent one)."""
+    if isinstance(item, torch.Tensor):
+        # The bytes through a uint8 view: bf16 (which numpy has not) has no .numpy() of its own.
+        data = item.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        digest.update(f"T{item.dtype}{tuple(item.shape)}".encode())
+        digest.update(memoryview(data).cast("B"))
+    elif isinstance(item, np.ndarray):
+        digest.update(f"N{item.dtype.str}{item.shape}".encode())
+        digest.update(memoryview(np.ascontiguousarray(item).reshape(-1)).cast("B"))
+    elif item is None or isinstance(item, (str, bytes, bool, int, float, complex, np.generic)):
+        text = repr(item).encode()
+        digest.update(f"S{type(item).__qualname__}:{len(text)}:".encode() + text)
+    elif isinstance(item, Mapping):
+        digest.update(f"M{type(item).__qualname__}:{len(item)}:".encode())
+        for key, value in item.items():
+            _hash_item(digest, key)
+            _hash_item(digest, value)
+    elif isinstance(item, (list, tuple)):
+        fields = getattr(item, "_fields", None)  # a NamedTuple: its field names are part of its meaning
+        digest.update(f"L{type(item).__qualname__}{fields or ''}:{len(item)}:".encode())
+        for value in item:
+            _hash_item(digest, value)
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        _hash_item(digest, {f.name: getattr(item, f.name) for f in dataclasses.fields(item)})
+        digest.update(type(item).__qualname__.encode())
+    elif hasattr(item, "__dict__"):
+        _hash_item(digest, vars(item))
+        digest.update(type(item).__qualname__.encode())
+    else:
+        _hash_item(digest, repr(item))
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, Any]:

@@ -641,7 +641,7 @@ def test_checkpointing_apply_matches_apply_checkpointing(case):
 
 @pytest.mark.parametrize("value, match", [
     ("every:0", "every=0"), ("sometimes", "not a checkpointing policy"), (0, "must be >= 1"),
-    (2.5, "not a checkpointing policy"), ("auto", "planner"), ("blocks(RX)", "not a checkpointing policy"),
+    (2.5, "not a checkpointing policy"), ("auto", "planner"), ("blocks(RX)", "'x' is not a block letter"),
     ("selective(softmax)", "unknown op kinds"), ("none+offload", "offload_inputs=True with mode='none'"),
 ])
 def test_checkpointing_parse_errors_name_the_accepted_spellings(value, match):
@@ -667,3 +667,43 @@ def test_checkpointing_reports_every_problem_at_once():
         Checkpointing.parse("blocks(RKR)").apply(gpt(n_layer=2))
     with pytest.raises(ConfigError, match="names 3 blocks, not 4"):
         Checkpointing.parse("blocks(RKR)").block_policies(4)
+
+
+# -- a per-block layout with nothing to lay out ---------------------------------------------------------------
+def test_a_block_layout_on_a_model_without_detected_blocks_is_a_config_error():
+    from memtrain.checkpointing import Checkpointing
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))  # no repeated blocks
+    policy = Checkpointing.parse("blocks(RK)")
+    for call in (lambda: policy.arguments(model), lambda: policy.apply(model)):
+        with pytest.raises(ConfigError) as info:
+            call()
+        message = str(info.value)
+        assert "blocks(RK)" in message and "no repeated blocks" in message and "To resolve this error" in message, (
+            message)
+
+
+@pytest.mark.parametrize("spelling, fragment", [("blocks", "a letter per block"), ("blocks()", "a letter per block"),
+                                                ("blocks(RXK)", "'x'")])
+def test_a_block_layout_spelling_without_valid_letters_names_the_spelling(spelling, fragment):
+    from memtrain.checkpointing import Checkpointing
+
+    with pytest.raises(ConfigError) as info:
+        Checkpointing.parse(spelling)
+    message = str(info.value)
+    assert fragment in message and "blocks(RRK)" in message and "To resolve this error" in message, message
+
+
+def test_mode_blocks_without_policies_names_the_spelling():
+    from memtrain.checkpointing import Checkpointing
+
+    with pytest.raises(ConfigError, match=r"blocks\(RRK\)"):
+        Checkpointing(mode="blocks")
+
+
+def test_an_empty_explicit_block_list_is_refused_not_silently_ignored():
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16))
+    for empty in ([], ()):
+        with pytest.raises(ConfigError, match="blocks=.*selects no module.*To resolve this error"):
+            apply_checkpointing(model, blocks=empty)
+    assert checkpointed_blocks(model) == []

@@ -6,6 +6,7 @@ The corpus part of memtrain/data.py (ByteWindows, builtin_corpus) is tested in t
 from __future__ import annotations
 
 import json
+import re
 from collections import namedtuple
 from dataclasses import dataclass
 
@@ -382,12 +383,20 @@ def test_long_documents_are_cut_without_losing_a_next_token_pair():
     assert pairs == list(zip(raw[:-1], raw[1:], strict=True))
 
 
-@pytest.mark.parametrize("line, needle", [("not json", "docs.jsonl:2 is not valid JSON"),
-                                          ('{"body": "x"}', 'docs.jsonl:2 has no "text" string field')])
+@pytest.mark.parametrize("line, needle", [("not json", "docs.jsonl: 1 bad line(s): line 2: not valid JSON"),
+                                          ('{"body": "x"}', 'docs.jsonl: 1 bad line(s): line 2: "text" is missing')])
 def test_bad_jsonl_lines_are_named(tmp_path, line, needle):
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
-    with pytest.raises(ConfigError, match=needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        TokenDocuments.from_file(path)
+
+
+def test_byte_documents_refuse_prompt_completion_records(tmp_path):
+    """Bytes carry no loss mask: the prompt would be trained on as text, so a tokenizer's reader must take it."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"prompt": "Q", "completion": "A"}) + "\n")
+    with pytest.raises(ConfigError, match=r"1 prompt/completion record\(s\).*tokenize_file"):
         TokenDocuments.from_file(path)
 
 
@@ -395,7 +404,7 @@ def test_empty_or_missing_files_raise(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         TokenDocuments.from_file(tmp_path / "missing.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(ConfigError, match="no documents"):
+    with pytest.raises(ConfigError, match="holds no records"):
         TokenDocuments.from_file(tmp_path / "empty.jsonl")
     with pytest.raises(ConfigError, match="max_len=1 must be an integer >= 2"):
         TokenDocuments.from_texts(["abc"], max_len=1)

@@ -140,7 +140,8 @@ def test_offloaded_optimizer_state_moves_to_the_host():
     on_device = estimate(model, (2, 64), device="cpu", optimizer="adamw")
     offloaded = estimate(model, (2, 64), device="cpu", optimizer="adamw-offload")
     n = sum(p.numel() for p in model.parameters())
-    assert offloaded.host_bytes == 16 * n
+    # fp32 master, two moments and a gradient buffer (16 bytes a parameter), plus step counters and alignment
+    assert 16 * n <= offloaded.host_bytes <= 16.2 * n, (offloaded.host_bytes, 16 * n)
     assert on_device.peak_bytes - offloaded.peak_bytes == on_device.optimizer_state_bytes
 
 
@@ -296,3 +297,49 @@ def test_only_the_loss_outlives_forward_unless_the_output_is_kept():
     kept = estimate(config, (b, t), device="cpu", checkpointing="all", keep_output=True)
     assert kept.peak_bytes - dropped.peak_bytes == logits, (kept.peak_bytes - dropped.peak_bytes, logits)
     assert kept.activation_bytes == dropped.activation_bytes
+
+
+@pytest.mark.parametrize("batch, bad", [
+    ((-1, 8), ["dimension 0 is -1"]),
+    ((0, 8), ["dimension 0 is 0"]),
+    ((2, 0), ["dimension 1 is 0"]),
+    ((True, 8), ["dimension 0 is True"]),
+    ((2.0, 8), ["dimension 0 is 2.0"]),
+    ((2, 8.5), ["dimension 1 is 8.5"]),
+    ((-2, 0.5), ["dimension 0 is -2", "dimension 1 is 0.5"]),
+    ({"input_ids": (2, -8), "labels": (0, 8)}, ["batch['input_ids'] of shape (2, -8): dimension 1 is -8",
+                                               "batch['labels'] of shape (0, 8): dimension 0 is 0"]),
+    (torch.zeros(0, 8, dtype=torch.long), ["dimension 0 is 0"]),
+])
+def test_every_dimension_of_the_batch_must_be_an_integer_of_at_least_one(batch, bad):
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(ConfigError) as info:
+        estimate(model, batch, device="cpu")
+    message = str(info.value)
+    for fragment in bad:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    assert "To resolve this error" in message and message.count("To resolve this error") == len(info.value.problems)
+
+
+def test_bad_micro_batch_size_and_seq_len_are_both_reported():
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(ConfigError) as info:
+        estimate(model, micro_batch_size=0, seq_len=True, device="cpu")
+    message = str(info.value)
+    assert "micro_batch_size=0" in message and "seq_len=True" in message, message
+
+
+@pytest.mark.parametrize("weights_dtype", [None, "bf16"])
+def test_the_offloaded_adamws_bytes_are_optimizer_memorys_byte_for_byte(weights_dtype):
+    """optimizer="adamw-offload" (CPUOffloadOptimizer, every parameter's state on the host) and
+    memtrain.optim.optimizer_memory(offload_fraction=1.0) are one byte model: they cannot drift apart."""
+    from memtrain.optim import optimizer_memory
+
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    dtype = torch.bfloat16 if weights_dtype else torch.float32
+    params = [(p.numel(), dtype) for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    want = optimizer_memory(params, offload_fraction=1.0, device_type="cpu")
+    for kwargs in ({"optimizer": "adamw-offload"}, {"optimizer": "adamw", "offload_fraction": 1.0}):
+        got = estimate(model, (2, 16), device="cpu", weights_dtype=weights_dtype, **kwargs)
+        assert got.host_bytes == want.host_bytes, (kwargs, weights_dtype, got.host_bytes, want.host_bytes)
+        assert got.optimizer_state_bytes == want.state_bytes, (kwargs, got.optimizer_state_bytes, want.state_bytes)

@@ -220,7 +220,7 @@ def test_lora_bad_input_is_one_clear_error_each(hf_model_dir):
         apply_lora(no_linear, 8)
     with pytest.raises(ConfigError, match="rank must be an integer >= 1"):
         apply_lora(load_pretrained(hf_model_dir), 0)
-    with pytest.raises(ConfigError, match="--merge-lora: LlamaForCausalLM has no LoRA adapters"):
+    with pytest.raises(ConfigError, match="merge_lora: LlamaForCausalLM has no LoRA adapters"):
         merge_lora(load_pretrained(hf_model_dir))
     lora = apply_lora(load_pretrained(hf_model_dir), 2)
     with pytest.raises(ConfigError, match="already has LoRA adapters"):
@@ -381,3 +381,58 @@ def test_the_trainer_trains_lora_adapters_with_the_offloaded_optimizer(hf_model_
     reloaded = peft.PeftModel.from_pretrained(load_pretrained(hf_model_dir), out)
     diff = (logits(reloaded, x) - logits(lora, x)).abs().max().item()
     assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.3g} > {LOGITS_TOL}"
+
+
+# -- errors keep their cause and name arguments, not CLI flags -----------------------------------------------------
+def _multi_line_error() -> OSError:
+    try:
+        raise KeyError("'rope_scaling' has an unknown 'type'")
+    except KeyError as cause:
+        error = OSError("Error while loading the model.\nStep 1 of 3 went fine.\nThe real reason: bad rope_scaling.")
+        error.__cause__ = cause
+        return error
+
+
+@pytest.mark.parametrize("what", ["model", "tokenizer"])
+def test_a_hugging_face_error_keeps_its_last_line_and_its_cause(hf_model_dir, monkeypatch, what):
+    error = _multi_line_error()
+
+    def fail(*args, **kwargs):
+        raise error
+
+    if what == "model":
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
+        call = lambda: load_pretrained(hf_model_dir)  # noqa: E731
+    else:
+        monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
+        call = lambda: load_tokenizer(hf_model_dir)  # noqa: E731
+    with pytest.raises(ConfigError) as info:
+        call()
+    message = str(info.value)
+    for fragment in ("OSError: Error while loading the model.", "The real reason: bad rope_scaling.",
+                     "KeyError", "unknown 'type'", "To resolve this error"):
+        assert fragment in message, f"{fragment!r} lost from: {message}"
+
+
+def test_hf_errors_name_the_argument_not_a_cli_flag(hf_model_dir, tmp_path):
+    import re
+
+    no_weights = tmp_path / "no-weights"
+    copy_folder(hf_model_dir, no_weights, keep=["config.json"])
+    calls = {
+        "no folder": lambda: load_pretrained(tmp_path / "nowhere"),
+        "no weights": lambda: load_pretrained(no_weights),
+        "bad rank": lambda: apply_lora(nn.Linear(4, 4), 0),
+        "no linear": lambda: apply_lora(nn.Sequential(nn.Embedding(10, 4), nn.Conv1d(4, 4, 1)), 8),
+        "nothing to merge": lambda: merge_lora(nn.Linear(4, 4)),
+    }
+    for case, call in calls.items():
+        with pytest.raises(ConfigError) as info:
+            call()
+        message = str(info.value)
+        assert not re.search(r"(?<![\w-])--[a-z]", message), f"{case}: a CLI flag in a library error: {message}"
+        assert "To resolve this error" in message, message
+    with pytest.raises(ConfigError, match=r"path='.*nowhere': no such folder"):
+        load_pretrained(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match=r"r=0: the LoRA rank must be an integer >= 1.*pass e.g. r=8"):
+        apply_lora(nn.Linear(4, 4), 0)

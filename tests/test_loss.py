@@ -510,3 +510,45 @@ def test_memtrains_kernel_holds_one_chunk_of_logits_and_two_head_gradients_at_it
     want = torch.autograd.grad(F.cross_entropy(head(hidden), labels, reduction="sum"), (hidden, head.weight))
     for got, w in zip((hidden.grad, head.weight.grad), want, strict=True):
         torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+
+# -- labels: an ignore_index that is a valid or out-of-range id, and out-of-range labels ------------------------
+@pytest.mark.parametrize("implementation", ["torch", "memtrain"])
+def test_an_ignore_index_equal_to_the_vocabulary_size_is_ignored_as_torch_does(implementation):
+    """ignore_index = vocab (not negative, one past the last id): the ignored rows carry no loss and no gradient.
+
+    The backward must not gather the logit at the ignored label (clamping it at 0 left vocab out of range)."""
+    torch.manual_seed(0)
+    vocab = 300
+    head = nn.Linear(32, vocab)
+    hidden = torch.randn(2, 45, 32, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, 45))
+    labels[1, 30:] = vocab
+    labels[0, :5] = vocab
+    params = (hidden, *head.parameters())
+    whole = F.cross_entropy(head(hidden).float().flatten(0, 1), labels.flatten(), ignore_index=vocab,
+                            reduction="sum")
+    want = torch.autograd.grad(whole, params)
+    loss = chunked_cross_entropy(hidden, head, labels, chunk_tokens=16, ignore_index=vocab,
+                                 implementation=implementation)
+    got = torch.autograd.grad(loss, params)
+    assert abs(loss.item() - whole.item()) <= 1e-6 * abs(whole.item()), (
+        f"{implementation}: loss {loss.item():.9g} != F.cross_entropy's {whole.item():.9g} (rtol 1e-6)")
+    for g, w in zip(got, want, strict=True):
+        diff, scale = (g - w).abs().max().item(), w.abs().max().item()
+        assert diff <= 1e-6 * max(scale, 1.0), f"{implementation}: max abs diff {diff:.3g} > 1e-6 x {scale:.3g}"
+    assert got[0][1, 30:].abs().max().item() == 0, "ignored positions must get a zero gradient"
+
+
+@pytest.mark.parametrize("implementation", ["torch", "memtrain"])
+@pytest.mark.parametrize("bad_label", [300, 1000, -5])
+def test_labels_outside_the_vocabulary_that_are_not_ignored_are_an_error(implementation, bad_label):
+    """A label outside [0, vocab) that is not ignore_index is a bug in the data: an error, never a silent loss."""
+    torch.manual_seed(0)
+    head = nn.Linear(32, 300)
+    hidden = torch.randn(2, 45, 32, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 45))
+    labels[0, 7] = bad_label
+    with pytest.raises((IndexError, RuntimeError, ConfigError), match=r"(?i)out of bounds|out of range|label"):
+        loss = chunked_cross_entropy(hidden, head, labels, chunk_tokens=16, implementation=implementation)
+        loss.backward()

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -353,3 +354,123 @@ def test_a_second_process_is_refused_while_the_first_holds_the_folder(tmp_path):
             time.sleep(0.1)
     else:
         pytest.fail("the lock of a killed process was never released")
+
+
+# -- the data fingerprint ----------------------------------------------------------------------------------
+def _datasets_of_each_kind():
+    """Pairs (a, b) of datasets of the same length whose contents differ in one item's one field."""
+    from memtrain.data import Document, PackedRow
+
+    def packed(flip: int):
+        rows = [PackedRow(torch.arange(8), torch.arange(1, 9), torch.arange(8)) for _ in range(3)]
+        labels = rows[1].labels.clone()
+        labels[3] = flip
+        rows[1] = rows[1]._replace(labels=labels)
+        return rows
+
+    def docs(last: int):
+        return [Document(torch.tensor([1, 2, 3]), torch.tensor([-100, 2, last])) for _ in range(2)]
+
+    return {
+        "PackedRow": (packed(-100), packed(7)),
+        "Document": (docs(3), docs(4)),
+        "tuples of lists": ([([1, 2, 3], [2, 3, 4])] * 2, [([1, 2, 3], [2, 3, 5]), ([1, 2, 3], [2, 3, 4])]),
+        "lists of ints": ([[1, 2], [3, 4]], [[1, 2], [3, 5]]),
+        "strings": (["def f(): pass", "x = 1"], ["def f(): pass", "x = 2"]),
+        "dicts": ([{"input_ids": [1, 2]}], [{"input_ids": [1, 3]}]),
+        "dtype only": ([torch.zeros(4, dtype=torch.int32)], [torch.zeros(4, dtype=torch.float32)]),
+        "shape only": ([torch.zeros(2, 3)], [torch.zeros(3, 2)]),
+        "numpy": ([np.arange(4)], [np.arange(4) * 2]),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_datasets_of_each_kind()))
+def test_data_of_the_same_length_and_other_contents_fingerprint_differently(kind):
+    from memtrain.runstate import data_fingerprint
+
+    a, b = _datasets_of_each_kind()[kind]
+    assert len(a) == len(b)
+    fa, fb = data_fingerprint(a), data_fingerprint(b)
+    assert fa["examples"] == fb["examples"]
+    assert fa["sha256"] != fb["sha256"], f"{kind}: two datasets with other contents fingerprint alike: {fa}"
+    again = _datasets_of_each_kind()[kind][0]  # equal contents, other objects
+    assert data_fingerprint(again) == fa, f"{kind}: equal contents must fingerprint alike"
+
+
+def test_every_example_of_a_list_counts_not_a_sample():
+    from memtrain.runstate import data_fingerprint
+
+    a = [torch.tensor([i]) for i in range(1000)]
+    b = list(a)
+    b[1] = torch.tensor([-1])  # not among 256 evenly spaced samples of 1000
+    assert data_fingerprint(a)["sha256"] != data_fingerprint(b)["sha256"]
+    assert data_fingerprint(a)["of"] == "every example"
+
+
+def test_the_fingerprint_takes_bf16_empty_and_zero_d_tensors_and_the_packing_of_rows():
+    from memtrain.data import PackedRows, TokenDocuments
+    from memtrain.runstate import data_fingerprint
+
+    items = [torch.ones(3, dtype=torch.bfloat16), torch.zeros(2, 0), torch.tensor(3.0), np.zeros(()), None, 1.5]
+    assert data_fingerprint(items)["sha256"] != data_fingerprint(items[:-1] + [2.5])["sha256"]
+    docs = TokenDocuments.from_texts(["abcd", "xyz", "pq"])
+    masked = TokenDocuments(docs.tokens, docs.starts, docs.lengths, loss_mask=np.arange(len(docs.tokens)) % 2 == 0)
+    assert data_fingerprint(docs)["sha256"] != data_fingerprint(masked)["sha256"], "the loss mask is data"
+    rows, other = PackedRows(docs, seq_len=4), PackedRows(docs, seq_len=4, pad_id=7)
+    assert len(rows) == len(other) and data_fingerprint(rows)["of"] == "token stream"
+    assert data_fingerprint(rows)["sha256"] != data_fingerprint(other)["sha256"], "the padding is data"
+    assert data_fingerprint(rows) == data_fingerprint(PackedRows(docs, seq_len=4))
+
+
+# -- pruning counts intact checkpoints only -----------------------------------------------------------------
+def _damage(path: Path) -> None:
+    data = bytearray((path / "tensors.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte in the tensors: fails its checksum
+    (path / "tensors.safetensors").write_bytes(bytes(data))
+
+
+def test_a_damaged_newest_checkpoint_does_not_push_the_last_good_one_out(tmp_path):
+    checkpoints = RunCheckpoints(tmp_path, keep=2)
+    checkpoints.save(1, {"w": torch.ones(3)})
+    checkpoints.save(2, {"w": torch.full((3,), 2.0)})
+    _damage(checkpoints.paths()[0])
+    checkpoints.save(3, {"w": torch.full((3,), 3.0)})
+    names = [p.name for p in checkpoints.paths()]
+    assert names == ["step-0000003", "step-0000002", "step-0000001"], (
+        f"keep=2 must keep two intact checkpoints (3 and 1) beside the damaged 2: {names}")
+    checkpoints.save(4, {"w": torch.full((3,), 4.0)})  # now 4 and 3 are the two intact: 2 and 1 go
+    assert [p.name for p in checkpoints.paths()] == ["step-0000004", "step-0000003"]
+
+
+def test_a_damaged_checkpoint_of_a_later_step_never_removes_the_one_just_written(tmp_path):
+    """A resume from step 4 past a damaged step 6, saving step 5 with keep=1: step 5 is the only good one."""
+    checkpoints = RunCheckpoints(tmp_path, keep=1)
+    checkpoints.save(4, {"w": torch.ones(3)})
+    checkpoints.keep = 2
+    checkpoints.save(6, {"w": torch.full((3,), 6.0)})
+    checkpoints.keep = 1
+    _damage(checkpoints.paths()[0])
+    step, _, skipped = checkpoints.load_latest()
+    assert step == 4 and len(skipped) == 1
+    checkpoints.save(5, {"w": torch.full((3,), 5.0)})
+    assert [p.name for p in checkpoints.paths()] == ["step-0000006", "step-0000005"]
+    step, state, skipped = checkpoints.load_latest()
+    assert step == 5 and state["w"].tolist() == [5.0, 5.0, 5.0], (step, skipped)
+
+
+def test_pruning_hashes_each_kept_checkpoint_once_not_at_every_save(tmp_path, monkeypatch):
+    import memtrain.runstate as runstate
+
+    checkpoints = RunCheckpoints(tmp_path, keep=3)
+    hashed = []
+    real = runstate.sha256_file
+    monkeypatch.setattr(runstate, "sha256_file", lambda path: hashed.append(path.parent.name) or real(path))
+    for step in range(1, 6):
+        checkpoints.save(step, {"w": torch.full((3,), float(step))})
+    verified = [name for name in hashed if name.startswith("step-")]
+    assert verified == [], f"the checkpoints this process wrote are known intact; hashed again: {verified}"
+    fresh = RunCheckpoints(tmp_path, keep=3)  # a resumed process: hashes each kept one once
+    fresh.save(6, {"w": torch.zeros(3)})
+    fresh.save(7, {"w": torch.zeros(3)})
+    verified = [name for name in hashed if name.startswith("step-")]
+    assert sorted(verified) == ["step-0000004"] * 2 + ["step-0000005"] * 2, verified
