@@ -54,10 +54,11 @@ COMMAND_SWITCHES: dict[str, dict[str, tuple[str | None, str | None]]] = {"plan":
 _VALUE = r"('[^']*'|\"[^\"]*\"|\[[^\]]*\]|[^\s,;)]+)"
 
 
-def in_flag_terms(message: str, command: str | None = None) -> str:
+def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str] | None = None) -> str:
     """A library message in the command's terms: ``out_dir='x'`` -> ``--out 'x'``, ``resume=True`` -> ``--resume``,
-    ``micro_batch_size`` -> ``--micro-batch-size`` (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``)."""
-    flags = {**ARGUMENT_FLAGS, **COMMAND_FLAGS.get(command or "", {})}
+    ``micro_batch_size`` -> ``--micro-batch-size`` (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``);
+    ``extra`` names what an argument means at one call site (``path=`` is --hf-model's folder or --data's file)."""
+    flags = {**ARGUMENT_FLAGS, **COMMAND_FLAGS.get(command or "", {}), **(extra or {})}
     switches = {**ARGUMENT_SWITCHES, **COMMAND_SWITCHES.get(command or "", {})}
 
     def switch(match: re.Match[str]) -> str:
@@ -453,6 +454,18 @@ def _log(args: argparse.Namespace, message: str) -> None:
     _print(message, file=sys.stderr if args.json else sys.stdout)
 
 
+@contextlib.contextmanager
+def _flags_of(extra: dict[str, str]) -> Any:
+    """Library errors raised inside, with the arguments of this call site named as their flags."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError([in_flag_terms(p, extra=extra) for p in e.problems]) from None
+
+
+_HF_MODEL, _DATA = {"path": "--hf-model"}, {"path": "--data"}
+
+
 def _build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
     """The model (LoRA adapters added with --lora) and its sequence length."""
     if args.hf_model:
@@ -460,7 +473,8 @@ def _build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
 
         # fp32 weights whatever the checkpoint holds: the master weights of mixed precision (autocast computes in
         # bf16), which the optimizer needs; the plan may still put bf16 copies on the device (offloaded master).
-        model = load_pretrained(args.hf_model)
+        with _flags_of(_HF_MODEL):
+            model = load_pretrained(args.hf_model)
         seq_len = _hf_seq_len(model.config, args.seq_len, "--hf-model")
     elif args.hf_config:
         model, seq_len = _build_hf_model(args.hf_config, args.seq_len)
@@ -470,7 +484,8 @@ def _build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
     if args.lora:
         from memtrain.hf import apply_lora
 
-        model = apply_lora(model, args.lora)
+        with _flags_of({"r": "--lora"}):
+            model = apply_lora(model, args.lora)
     return model, seq_len
 
 
@@ -752,13 +767,15 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
     if args.hf_model:
         from memtrain.hf import load_tokenizer, safetensors_files
 
-        safetensors_files(args.hf_model)  # config.json and safetensors weights, before anything is loaded
-        _hf_seq_len(_hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
+        with _flags_of(_HF_MODEL):
+            safetensors_files(args.hf_model)  # config.json and safetensors weights, before anything is loaded
+            _hf_seq_len(_hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
         if not args.data:
             raise ConfigError(f"--hf-model {args.hf_model!r} without --data: the built-in corpus is read as bytes, "
                               "not with the model's tokenizer. To resolve this error, pass --data PATH (a .txt "
                               "file, documents split on blank lines, or a .jsonl file with a \"text\" field).")
-        tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
+        with _flags_of(_HF_MODEL):
+            tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
     if args.data:
         _check_data_path(args.data, tokenised=tokenizer is not None)
     name = Path(args.hf_model).name if args.hf_model else Path(args.hf_config).stem if args.hf_config else args.model
@@ -787,7 +804,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         if args.hf_model:
             seq_len = _hf_seq_len(_hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
             # Tokenised (or read from the cache beside the data) before the model loads: a bad line fails fast.
-            data = tokenized_rows(args.data, tokenizer, seq_len)
+            with _flags_of(_DATA):
+                data = tokenized_rows(args.data, tokenizer, seq_len)
         model, seq_len = _build_language_model(args)
         model.to(device)
         if args.hf_model:

@@ -79,6 +79,7 @@ def test_refuses_a_folder_holding_another_run(tmp_path, text_file, capsys):
     (["--model", "gpt-huge"], "--model 'gpt-huge'"),
     (["--data", "/nonexistent/file.txt"], "no such file"),
     (["--hf-config", "/nonexistent/config.json"], "could not read the Hugging Face config"),
+    (["--hf-model", "/nonexistent/model", "--data", "TEXT"], "--hf-model '/nonexistent/model': no such folder"),
     (["--seq-len", "100000", "--data", "TEXT"], "validation windows"),
     (["--bogus"], "unrecognized arguments"),
     (["--micro-batch-size", "3", "--global-batch-size", "8"], "not divisible"),
