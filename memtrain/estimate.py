@@ -355,7 +355,7 @@ class Run:
     # step at two micro-batch sizes pair point by point (the planner's exact peaks at any micro-batch).
     curve: list[int] = field(default_factory=list, repr=False)
     serials: list[int] = field(default_factory=list, repr=False)
-    gradients: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (allocation serial, bytes)
+    gradients: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (landing serial, bytes)
 
 
 _MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}  # name -> index of the first matrix argument
@@ -1324,12 +1324,14 @@ def trace(
     if runs and not streamed and accumulation == 1:
         # Which run each gradient came into being in, and whether before its peak: what a streaming optimizer (or
         # accumulation, which adds each new gradient into the old one and frees it) would not hold there.
-        landed: dict[int, tuple[int, int]] = {}
+        # Keyed by the gradient's allocation serial; the landing serial is when a streaming optimizer takes it
+        # (the chunked loss allocates the head's gradient at its first chunk and fills it over the others).
+        landed: dict[int, tuple[int, int, int]] = {}
 
         def note(p: torch.Tensor) -> None:
             entry = tracker.live.get(p.grad.untyped_storage()._cdata)
             if entry is not None and tracker.runs and entry[2] not in landed:
-                landed[entry[2]] = (entry[0], len(tracker.runs) - 1)
+                landed[entry[2]] = (entry[0], len(tracker.runs) - 1, tracker._serial)
 
         hooks = [p.register_post_accumulate_grad_hook(note) for p in trainable]
     fixed_bytes = tracker.current
@@ -1427,11 +1429,11 @@ def trace(
     for handle in hooks:
         handle.remove()
     if runs and not streamed and accumulation == 1:
-        for serial, (nbytes, index) in landed.items():
+        for allocated, (nbytes, index, serial) in landed.items():
             run = tracker.runs[index]
             run.gradient_bytes += nbytes
             run.gradients.append((serial, nbytes))
-            if serial <= run.peak_serial:
+            if allocated <= run.peak_serial:
                 run.gradient_bytes_at_peak += nbytes
     measured = meter.report()
 
