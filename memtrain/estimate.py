@@ -1348,7 +1348,7 @@ def trace(
         if chunked_loss:  # each chunk's logits are recomputed in backward: under the same rules
             head = output_head(meta)
             head.forward = rules.around_recompute(head.forward)  # type: ignore[method-assign]
-    cpu_autocast = (torch.autocast("cpu", dtype=autocast_dtype) if (autocast_dtype and not on_cuda)
+    cpu_autocast = (torch.autocast("cpu", dtype=autocast_dtype, cache_enabled=False) if (autocast_dtype and not on_cuda)
                     else _nullcontext())
     meter = _BlockMeter(meta, where, tracker)
     offload = None
@@ -1367,7 +1367,7 @@ def trace(
     with _hf_sees_real_tensors(), fake_mode, tracker, where, meter, (rules or _nullcontext()):
         # -- forward (inside autocast: CUDA's emulated, or the CPU's own)
         if rules is not None:
-            rules.autocast, rules.cache = True, {}
+            rules.autocast, rules.cache = True, None  # MixedPrecision.autocast() keeps no weight-cast cache
         try:
             with cpu_autocast, whole_forward:
                 out = run(inputs)

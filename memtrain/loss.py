@@ -241,7 +241,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # saved_tensors_hooks (an estimate's meter, which spans backward) must not count them, as it does not
             # count torch.utils.checkpoint's recompute.
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
-                    (torch.autocast(device_type, dtype=dtype) if autocast else contextlib.nullcontext()):
+                    (torch.autocast(device_type, dtype=dtype, cache_enabled=False) if autocast
+                     else contextlib.nullcontext()):
                 h = hidden[start:stop].detach().requires_grad_(wants_hidden)
                 logits = ctx.head(h)
             if wants_hidden:

@@ -88,7 +88,10 @@ class MixedPrecision:
         """The context to run forward (and the loss) in; backward needs none."""
         if self.mode == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        # No weight-cast cache: it would keep a 16-bit copy of every fp32 weight until forward ends, which under
+        # checkpointing (and FSDP2's gathered blocks) is half the weights' bytes kept for nothing; each matmul
+        # casts its weight instead, once per use, as a cache miss would (and a recompute does anyway).
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
 
 
 def resolve_precision(device: torch.device | str, requested: Precision | Literal["auto"] = "auto"
