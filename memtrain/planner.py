@@ -1606,6 +1606,18 @@ def plan(
                             recompute = np.arange(lowest, (L - o + 1) if flavors else 1)
                             if len(recompute):
                                 results.add(cfg, o, recompute, *composer.rows(cfg, o, recompute))
+    if not results._parts:  # the fixed choices rule out every set-up
+        chosen = {k: v for k, v in (("optimizer", fixed.optimizer), ("state_precision", fixed.state_precision),
+                                    ("step_in_backward", fixed.step_in_backward),
+                                    ("offload_fraction", fixed.offload_fraction),
+                                    ("micro_batch_size", micro_batch_size)) if v is not None}
+        given = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "the techniques allowed"
+        raise ConfigError(
+            f"no set-up can be built from {given} with world_size={world_size}"
+            f"{' (FSDP2)' if fsdp else ''}: step_in_backward and offload_fraction act on gradients before DDP or "
+            "FSDP2 reduces them (one process only), a partial offload keeps fp32 moments and steps after backward, "
+            "FSDP2 shards fp32 moments only, and step_in_backward cannot accumulate. To resolve this error, drop "
+            "one of the fixed choices (leave it to the plan).")
     results.finish()
     results.peak = results.peak + correction_bytes
     # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
@@ -1677,6 +1689,14 @@ def _check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision
     if f.chunked_loss and not chunkable:
         problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss). To "
                         "resolve this error, pass chunked_loss=False (or leave it to the plan).")
+    if f.optimizer in ("offload", "offload-bf16-weights"):
+        extra = {k: v for k, v in (("state_precision", f.state_precision), ("step_in_backward", f.step_in_backward),
+                                   ("offload_fraction", f.offload_fraction))
+                 if v not in (None, "fp32", False, 0.0, 1.0)}
+        if extra:
+            given = ", ".join(f"{k}={v!r}" for k, v in extra.items())
+            problems.append(f"offload_optimizer=True with {given}: the offloaded optimizer keeps fp32 moments in "
+                            "host RAM and steps after backward. To resolve this error, drop one of them.")
     if f.optimizer == "offload-bf16-weights" and precision != "bf16-mixed":
         problems.append(f"bf16 device weights need precision bf16-mixed, not {precision}.")
     ConfigError.raise_if(problems)

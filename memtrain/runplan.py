@@ -113,6 +113,9 @@ def plan_run(model: nn.Module, config: TrainConfig, *, seq_len: int, global_batc
     blocks = find_blocks(model)
     policy = config.checkpointing_policy()
     if not blocks and policy is None:
+        if settings is not None:  # a resume continues on the settings it left off with (a halved micro-batch)
+            return RunPlan(settings, None, None, ("no plan (the model has no repeated blocks): the run's settings "
+                                                  "as saved",), correction_bytes)
         return _unplanned(model, config, global_batch, world, precision, micro)
     if budget is None:
         budget, budget_reason = run_budget(config, model, device)
@@ -126,6 +129,16 @@ def plan_run(model: nn.Module, config: TrainConfig, *, seq_len: int, global_batc
     fixed = dataclasses.replace(fixed, compile=config.compile)
     if keep_optimizer is not None:
         k = keep_optimizer
+        differ = [f"{name}={value!r}" for name, value, kept in (
+            ("offload_optimizer", config.offload_optimizer, k.optimizer != "device"),
+            ("state_precision", config.state_precision, k.state_precision),
+            ("step_in_backward", config.step_in_backward, k.step_in_backward),
+            ("offload_fraction", config.offload_fraction, k.offload_fraction)) if value is not None and value != kept]
+        if differ:
+            raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {k.optimizer_text}, and its state exists "
+                              "already (a resume or a re-plan keeps it). To resolve this error, drop "
+                              f"{' and '.join(d.split('=')[0] + '=' for d in differ)} or start a new run "
+                              "(overwrite=True).")
         fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
                                     step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction)
     chosen = plan(model, budget=budget, seq_len=seq_len, global_batch_size=global_batch, device=device.type,
@@ -223,13 +236,16 @@ def replan(run_plan: RunPlan, model: nn.Module, config: TrainConfig, *, shortfal
     return dataclasses.replace(new, reasons=(*notes, *new.reasons))
 
 
-def shortfall_after_oom(run_plan: RunPlan, error: BaseException) -> int:
-    """What the estimate missed at least, after a step ran out of memory: the real peak passed the usable budget
-    (the device gave out), by the allocation that failed (where the error does not say, ``OOM_MIN_OVERSHOOT`` of
-    the predicted peak)."""
+def shortfall_after_oom(run_plan: RunPlan, error: str, measured_peak: int | None = None) -> int:
+    """What the estimate missed at least, after a step ran out of memory: the allocator's peak in the failed
+    step plus the allocation that failed, over the predicted peak (``measured_peak``, CUDA); where it is not known,
+    the real peak passed the usable budget (the device gave out) by that allocation. Where the error does not say
+    how much it asked for, ``OOM_MIN_OVERSHOOT`` of the predicted peak."""
     p = run_plan.plan
     assert p is not None and p.usable_bytes is not None
-    failed = failed_allocation_bytes(str(error)) or int(OOM_MIN_OVERSHOOT * p.peak_bytes)
+    failed = failed_allocation_bytes(error) or int(OOM_MIN_OVERSHOOT * p.peak_bytes)
+    if measured_peak is not None:
+        return max(measured_peak + failed - p.peak_bytes, failed)
     return p.usable_bytes - p.peak_bytes + failed
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Dataset, Sampler, Subset
 from tqdm import tqdm
 
@@ -542,6 +543,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
 
     notes = list(folder.notes) if writer else []  # what taking the folder found (stale locks, temporaries)
     start_step, resumed_from, plan_check, replans = 0, None, None, []
+    check_at: int | None = min(2, config.max_steps)  # the step whose measurement is compared with the plan
     if config.resume:
         def restore(step: int, state: dict[str, Any]) -> None:
             if step >= config.max_steps:
@@ -572,8 +574,13 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
                                     correction_bytes=int(extra.get("correction_bytes", 0)), **context))
                 except ConfigError as e:
                     notes.append(f"resume: the run's last plan does not fit now ({e}); the new plan applies")
+                    plan_check = None  # a plan this session adopts: checked at its second step
         elif isinstance(left_at, dict):
             notes.append("resume: the memory settings changed, so the run continues on a new plan")
+            plan_check = None
+        # Not checked yet (stopped before it), or on a new plan: the session's second step (its first may still
+        # warm the allocator up); a plan checked before is not checked again.
+        check_at = min(start_step + 2, config.max_steps) if plan_check is None else None
         resumed_from = start_step
         notes.append(f"resumed from step {start_step} (micro-batch {micro})")
 
@@ -604,13 +611,17 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     progress = _Progress(config.max_steps, start_step, enabled=config.progress and rank == 0)
     tokens, step_seconds, eval_loss, last, stopped_by = 0, 0.0, None, None, None
     start = time.perf_counter()
+    # Whether an optimizer (any: step-in-backward steps inner ones during backward) began a step in this attempt:
+    # after that an out-of-memory error cannot be retried without applying the step twice to some parameters.
+    updates = [False]
+    watch = register_optimizer_step_pre_hook(lambda *_: updates.__setitem__(0, True))
     try:
         with StopSignals() as signals:
             for step in range(start_step, config.max_steps):
                 rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
                 lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves it on after the step
                 for attempt in range(MAX_REPLANS_PER_STEP + 1):  # after out of memory: again, on a new plan
-                    out_of_memory = None
+                    out_of_memory, updates[0] = None, False
                     try:
                         # NOTE: saved-tensor hooks do not stack: while blocks offload, the meter stays out (on
                         # CUDA the allocator peak is the figure then).
@@ -618,15 +629,23 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
                                          batches, accumulation, device, step)
                         break
                     except torch.OutOfMemoryError as e:
-                        out_of_memory = e
-                    # Outside the except block: the traceback no longer pins the failed step's tensors.
-                    _release_step(optimizer, device)
+                        out_of_memory = str(e)  # the message only: the traceback would pin the step's tensors
+                    measured_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+                    if updates[0]:
+                        raise MemtrainError(
+                            f"out of memory at step {step + 1} after some parameters had already been updated "
+                            f"(optimizer {run_plan.settings.optimizer_text}: stepping in backward, or inside the "
+                            "optimizer step): a retry would apply this step twice to them; checkpoints already written are "
+                            "intact. To resolve this error, resume from the last (resume=True) with a smaller budget= "
+                            "or step_in_backward=False.")
+                    _release_step(optimizer, device, acc, precision)
                     if attempt == MAX_REPLANS_PER_STEP:
                         raise MemtrainError(f"out of memory at step {step + 1} after {attempt} re-plans (the last: "
                                             f"micro-batch {micro}, checkpointing {run_plan.settings.checkpointing}). "
                                             "To resolve this error, pass a smaller budget= (the plan then leaves "
                                             "more room), offload_optimizer=True, or a shorter seq_len.")
-                    new = _after_out_of_memory(run_plan, out_of_memory, model, config, context, step, micro, world)
+                    new = _after_out_of_memory(run_plan, out_of_memory, model, config, context, step, micro, world,
+                                               measured_peak)
                     _log(f"out of memory at step {step + 1} with micro-batch {micro}: " + "; ".join(new.reasons[:2])
                          + f"; now micro-batch {new.settings.micro_batch_size} x {new.settings.accumulation}, "
                          f"checkpointing {new.settings.checkpointing} (global batch unchanged)", rank)
@@ -645,12 +664,12 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
                                                              eval_examples)
                 metrics.append(line)
                 last = line
-                if step + 1 == min(2, config.max_steps) and rank == 0 and resumed_from is None:
+                if step + 1 == check_at and rank == 0:
                     # From the second step on the optimizer state exists: the steady state the plan predicts.
                     plan_check = check_plan(run_plan, line, device)
                     _log(f"  {plan_check['log']}")
                     if plan_check["over_budget"] and world == 1 and step + 1 < config.max_steps:
-                        _release_step(optimizer, device)
+                        _release_step(optimizer, device, acc, precision)
                         new = replan(run_plan, model, config, why=f"a measured peak over the budget at step {step + 1}",
                                      shortfall_bytes=plan_check["measured_bytes"] - plan_check["predicted_bytes"],
                                      **context)
@@ -682,6 +701,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
                          "--resume", rank)
                     break
     finally:
+        watch.remove()
         progress.close()
         if metrics_log is not None:
             metrics_log.close()
@@ -704,8 +724,9 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     )
 
 
-def _after_out_of_memory(run_plan: RunPlan, error: BaseException, model: nn.Module, config: TrainConfig,
-                         context: dict[str, Any], step: int, micro: int, world: int) -> RunPlan:
+def _after_out_of_memory(run_plan: RunPlan, error: str, model: nn.Module, config: TrainConfig,
+                         context: dict[str, Any], step: int, micro: int, world: int,
+                         measured_peak: int | None) -> RunPlan:
     """The plan after a step ran out of memory: with the shortfall folded in, or (a model without blocks, so no
     plan) half the micro-batch."""
     if world > 1:
@@ -722,7 +743,7 @@ def _after_out_of_memory(run_plan: RunPlan, error: BaseException, model: nn.Modu
         return replace(run_plan, settings=s, reasons=("no plan to correct (the model has no repeated blocks)",
                                                       f"micro-batch halved to {smaller}"))
     return replan(run_plan, model, config, why=f"out of memory at step {step + 1}",
-                  shortfall_bytes=shortfall_after_oom(run_plan, error), **context)
+                  shortfall_bytes=shortfall_after_oom(run_plan, error, measured_peak), **context)
 
 
 def _replan_record(step: int, why: str, old: RunPlan, new: RunPlan) -> dict[str, Any]:
@@ -735,9 +756,17 @@ def _replan_record(step: int, why: str, old: RunPlan, new: RunPlan) -> dict[str,
             "estimated_peak_before": raw(old), "estimated_peak_after": raw(new)}
 
 
-def _release_step(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Frees what a failed or finished step left (its partial gradients, the allocator's cached blocks)."""
+def _release_step(optimizer: torch.optim.Optimizer, device: torch.device, acc: GradientAccumulator,
+                  precision: MixedPrecision) -> None:
+    """Frees what a failed or finished step left (its partial gradients and window, a GradScaler's record of an
+    unscale that no update followed, the allocator's cached blocks)."""
     optimizer.zero_grad(set_to_none=True)
+    with contextlib.suppress(MemtrainError):  # not inside a micro-batch: its context has exited
+        acc.discard_window()
+    if precision.scaler is not None:
+        # NOTE: GradScaler keeps "unscale_() already called" per optimizer until update(); a step that failed
+        # between the two would make the retry's unscale_() raise. No public reset exists.
+        precision.scaler._per_optimizer_states.clear()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -264,6 +264,21 @@ def test_an_fsdp2_rank_holds_every_saved_activation_beside_its_shard_of_the_stat
     assert p.peak_bytes >= at_least, (p.peak_bytes / MiB, at_least / MiB)
 
 
+@pytest.mark.parametrize("kwargs, fixed, match", [
+    ({}, dict(optimizer="device", step_in_backward=True, offload_fraction=0.5), "no set-up can be built"),
+    ({"world_size": 2}, dict(optimizer="device", step_in_backward=True), "no set-up can be built"),
+    ({"world_size": 2, "fsdp": True}, dict(optimizer="device", state_precision="int8"), "no set-up can be built"),
+    ({}, dict(optimizer="offload", state_precision="int8"), "offload_optimizer=True with state_precision='int8'"),
+])
+def test_fixed_optimizer_choices_that_cannot_go_together_are_one_clear_error(kwargs, fixed, match):
+    from memtrain.planner import Fixed
+
+    with pytest.raises(ConfigError, match=match) as info:  # was a raw ValueError, or a silent fp32 optimizer
+        plan(_gpt(2), budget=2**30, seq_len=32, global_batch_size=8, device="cpu", precision="fp32",
+             fixed=Fixed(**fixed), device_profile=CPU, **kwargs)
+    assert "To resolve this error" in str(info.value)
+
+
 # -- input and output ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("budget, match", [(-1, "positive"), (0, "positive"), ("lots", "not a size"),
                                            ("1KiB", "smaller than one block")])

@@ -208,6 +208,70 @@ def test_out_of_memory_with_nothing_left_to_shrink_is_a_clear_error(tmp_path, te
     assert not (tmp_path / "x" / "model.safetensors").exists()
 
 
+def test_out_of_memory_after_parameters_stepped_in_backward_is_not_retried(tmp_path, text_file, monkeypatch):
+    """With step_in_backward the first parameters step during the last backward: an out-of-memory error after
+    them cannot be retried (they would step twice, their AdamW counters one ahead), so it is one clear error."""
+    from memtrain import MemtrainError
+
+    train_module = importlib.import_module("memtrain.train")
+    real_apply, fired = train_module.apply_plan, []
+
+    def apply_then_fail_in_backward(*args, **kwargs):
+        run = real_apply(*args, **kwargs)
+
+        def hook(p):  # registered after the optimizer's: its parameter has stepped when this runs
+            if not fired:
+                fired.append(p.shape)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 KiB (injected in backward)")
+        for p in run.model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        return run
+
+    monkeypatch.setattr(train_module, "apply_plan", apply_then_fail_in_backward)
+    config = TrainConfig(max_steps=3, global_batch_size=8, lr=1e-2, progress=False, precision="fp32",
+                         chunked_loss=False, step_in_backward=True, grad_clip=None, state_precision="fp32",
+                         sample_bytes=0, out_dir=str(tmp_path / "sib"))
+    with pytest.raises(MemtrainError, match="after some parameters had already been updated"):
+        train(_tiny_model(), _tiny_data(text_file), config)
+    assert fired
+
+
+def test_out_of_memory_before_the_optimizer_step_retries_with_an_fp16_scaler(tmp_path, text_file, monkeypatch):
+    """The scaler has unscaled the window's gradients when the step fails: the retry's unscale_() must not find
+    that record (torch raises 'unscale_() has already been called'), and the run trains on."""
+    train_module = importlib.import_module("memtrain.train")
+    real_apply = train_module.apply_plan
+
+    def apply_then_fail_once_in_step(*args, **kwargs):
+        run = real_apply(*args, **kwargs)
+        real_step, fired = run.optimizer.step, []
+
+        def step(*a, **k):
+            if not fired:
+                fired.append(1)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 KiB (injected in step)")
+            return real_step(*a, **k)
+        run.optimizer.step = step
+        return run
+
+    monkeypatch.setattr(train_module, "apply_plan", apply_then_fail_once_in_step)
+    config = TrainConfig(max_steps=2, global_batch_size=8, progress=False, precision="fp16-mixed", sample_bytes=0,
+                         state_precision="fp32", step_in_backward=False, offload_optimizer=False,
+                         out_dir=str(tmp_path / "fp16"))
+    result = train(_tiny_model(), _tiny_data(text_file), config)
+    assert result.steps == 2 and result.replans == 1
+
+
+def test_a_resume_refuses_another_optimizer(tmp_path, text_file):
+    from memtrain import ConfigError
+
+    base = dict(global_batch_size=8, progress=False, precision="fp32", sample_bytes=0, out_dir=str(tmp_path / "r"))
+    train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=2, offload_optimizer=False, **base))
+    with pytest.raises(ConfigError, match="offload_optimizer=True: the run's optimizer is device"):
+        train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=3, resume=True, offload_optimizer=True,
+                                                                  **base))
+
+
 def test_accumulation_equals_the_large_batch(tmp_path, text_file):
     """fp32, no checkpointing: micro-batch 2 x 4 accumulation ends with the weights of micro-batch 8 (1e-5)."""
     runs = {}
