@@ -120,20 +120,22 @@ class TrainConfig:
         for name in ("max_steps", "checkpoint_every", "eval_every", "eval_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name}={value!r} must be an integer >= 1.")
+                problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass e.g. {name}=1.")
         for name in ("micro_batch_size", "global_batch_size", "save_every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                problems.append(f"{name}={value!r} must be an integer >= 1, or unset.")
+                problems.append(f"{name}={value!r} must be an integer >= 1, or unset. To resolve this error, pass e.g. {name}=4, or "
+                                "leave it unset.")
         def number(value: object) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
         if not (number(self.lr) and self.lr > 0):
-            problems.append(f"lr={self.lr!r} must be a positive number, e.g. 3e-3.")
+            problems.append(f"lr={self.lr!r} must be a positive number. To resolve this error, pass e.g. lr=3e-3.")
         if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or
                                               not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
             problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0, or None for "
-                            "min(50, max_steps // 10).")
+                            "min(50, max_steps // 10). To resolve this error, pass e.g. warmup_steps=10, or leave it "
+                            "unset.")
         elif (isinstance(self.warmup_steps, int) and isinstance(self.max_steps, int)
               and self.warmup_steps > self.max_steps >= 1):
             problems.append(f"warmup_steps={self.warmup_steps} is more than max_steps={self.max_steps}: the learning "
@@ -143,31 +145,36 @@ class TrainConfig:
             problems.append(f"seed={self.seed!r} must be an integer in [0, 2**63). To resolve this error, pass e.g. "
                             "seed=0.")
         if not (number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
-            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be a number in [0, 1].")
+            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be a number in [0, 1]. To resolve this error, pass e.g. "
+                            "min_lr_ratio=0.1.")
         if not (number(self.weight_decay) and self.weight_decay >= 0):
-            problems.append(f"weight_decay={self.weight_decay!r} must be a number >= 0.")
+            problems.append(f"weight_decay={self.weight_decay!r} must be a number >= 0. To resolve this error, pass e.g. "
+                            "weight_decay=0.1.")
         if self.grad_clip is not None and not (number(self.grad_clip) and self.grad_clip > 0):
-            problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping.")
+            problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping. To resolve this error, "
+                            "pass e.g. grad_clip=1.0.")
         for name in ("fsdp", "compile", "overwrite", "resume", "progress", "merge_lora"):
             if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be True or False.")
+                problems.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, pass one of them.")
         for name in ("offload_optimizer", "offload_activations", "chunked_loss", "step_in_backward"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be True, False, or None (the plan decides).")
+                problems.append(f"{name}={getattr(self, name)!r} must be True, False, or None (the plan decides). "
+                                f"To resolve this error, pass one of them.")
         for name in ("budget", "host_budget"):
             try:
                 budget_bytes(getattr(self, name), name)
             except ConfigError as e:
                 problems += e.problems
         if not (number(self.safety_margin) and 0 <= self.safety_margin < 0.9):
-            problems.append(f"safety_margin={self.safety_margin!r} must be a fraction in [0, 0.9), e.g. 0.05.")
+            problems.append(f"safety_margin={self.safety_margin!r} must be a fraction in [0, 0.9). To resolve this error, "
+                            "pass e.g. safety_margin=0.05.")
         if self.state_precision not in (None, "fp32", "bf16", "int8"):
             problems.append(f"state_precision={self.state_precision!r} is not one of 'fp32', 'bf16', 'int8', or None "
-                            "(the plan decides).")
+                            "(the plan decides). To resolve this error, pass one of them.")
         if self.offload_fraction is not None and not (number(self.offload_fraction)
                                                       and 0.0 <= self.offload_fraction <= 1.0):
             problems.append(f"offload_fraction={self.offload_fraction!r} must be a fraction in [0, 1], or None (the "
-                            "plan decides).")
+                            "plan decides). To resolve this error, pass e.g. offload_fraction=0.5.")
         try:
             self.checkpointing_policy()
         except ConfigError as e:
@@ -179,7 +186,8 @@ class TrainConfig:
                             f"{self.global_batch_size}. To resolve this error, pass a micro_batch_size that divides "
                             "it, or leave micro_batch_size unset for the plan to choose.")
         if self.precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed"):
-            problems.append(f"precision={self.precision!r} is not one of auto, fp32, bf16-mixed, fp16-mixed.")
+            problems.append(f"precision={self.precision!r} is not one of auto, fp32, bf16-mixed, fp16-mixed. "
+                            "To resolve this error, pass one of them.")
         if self.overwrite is True and self.resume is True:
             problems.append("overwrite=True and resume=True contradict each other. To resolve this error, pass "
                             "resume=True to continue the run in out_dir, or overwrite=True to start it again.")
@@ -193,8 +201,12 @@ class TrainConfig:
             problems.append("offload_optimizer=True and fsdp=True together: FSDP2 shards the optimizer state itself "
                             "and CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
                             "offload_optimizer=True and fsdp=True.")
-        if not isinstance(self.sample_bytes, int) or self.sample_bytes < 0:
-            problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0.")
+        if isinstance(self.sample_bytes, bool) or not isinstance(self.sample_bytes, int) or self.sample_bytes < 0:
+            problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0. To resolve this error, pass "
+                            "e.g. sample_bytes=240, or 0 for no sample.")
+        if self.checkpointing is None:  # every other None means "the plan decides": here that is "auto"
+            problems.append("checkpointing=None is ambiguous. To resolve this error, pass checkpointing='auto' (the "
+                            "plan decides) or 'none' (no checkpointing).")
         ConfigError.raise_if(problems)
 
     def checkpointing_policy(self) -> Checkpointing | None:

@@ -233,7 +233,8 @@ def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
     if case == "lora without linear layers":
         pytest.importorskip("peft")
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256, "n_embd": 16,
-                                                          "n_layer": 1, "n_head": 2, "n_positions": 64}))
+                                                          "n_layer": 1, "n_head": 2, "n_positions": 64,
+                                                          "bos_token_id": 0, "eos_token_id": 0}))
         return ["train", "--hf-config", str(tmp_path / "config.json"), "--data", str(text_file), "--lora", "4", *run]
     if case == "bench out unwritable":
         (tmp_path / "ro").mkdir(mode=0o500)
