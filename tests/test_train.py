@@ -385,6 +385,17 @@ def test_train_config_lists_every_problem():
     assert len(info.value.problems) == 5, info.value.problems
 
 
+def test_every_train_config_problem_says_how_to_resolve_it():
+    bad = dict(max_steps=0, micro_batch_size=0, lr=-1.0, warmup_steps=-1, seed=-1, min_lr_ratio=2.0,
+               weight_decay=-1.0, grad_clip=0.0, compile="yes", chunked_loss="yes", safety_margin=2.0,
+               state_precision="fp8", offload_fraction=2.0, precision="fp8", sample_bytes=True, checkpointing=None,
+               budget="lots")
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**bad).validate()
+    assert len(info.value.problems) >= len(bad), info.value.problems
+    assert all("To resolve this error" in p for p in info.value.problems), info.value.problems
+
+
 def test_resume_without_checkpoint(tmp_path, text_file):
     with pytest.raises(ConfigError, match="does not exist, so there is no run to continue"):
         train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=1, resume=True, out_dir=str(tmp_path / "x"),
