@@ -276,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine's device first (a few seconds "
                    "of matmuls, copies and a CPU AdamW step; cached) instead of the table of known GPUs; a CPU "
                    "plan always probes")
+    p.add_argument("--gpu", metavar="NAME", help="plan for this GPU from the table of known ones (H200, H100, A100, "
+                   "L4, 4090), e.g. for another machine (default: this machine's GPU, else an H100)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON: plan (the chosen settings), "
                    "peak_bytes, step_seconds, tokens_per_s, candidates")
 
@@ -968,13 +970,18 @@ def _fixed_choices(args: argparse.Namespace, n_blocks: int) -> tuple[Any, list[s
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from memtrain.checkpointing import find_blocks
-    from memtrain.planner import calibrate, plan
+    from memtrain.planner import calibrate, known_gpu, plan
 
     ConfigError.raise_if(_technique_problems(args))
     target, seq_len, name = _meta_target(args)
     fixed, techniques = _fixed_choices(args, len(find_blocks(target)))
     # On the CPU the planner always probes; --calibrate probes a GPU now instead of the table of known ones.
-    profile = calibrate(args.device, refresh=True) if args.calibrate else None
+    if args.gpu and (args.calibrate or args.device != "cuda"):
+        other = "--calibrate" if args.calibrate else "--device cpu"
+        why = " (which measures this machine's GPU instead)" if args.calibrate else ""
+        raise ConfigError(f"--gpu {args.gpu!r} names the GPU to plan for from the table, which contradicts "
+                          f"{other}{why}. To resolve this error, drop --gpu or {other}.")
+    profile = calibrate(args.device, refresh=True) if args.calibrate else known_gpu(args.gpu) if args.gpu else None
     p = plan(target, budget=None if args.budget == UNLIMITED else args.budget, seq_len=seq_len,
              global_batch_size=args.global_batch_size or 16 * args.nproc, device=args.device,
              precision=args.precision, world_size=args.nproc, fsdp=args.fsdp if args.nproc > 1 else False,

@@ -83,6 +83,16 @@ def test_a_hugging_face_config_fits_each_budget_on_cuda(capsys, llama_folder):
     assert "--seq-len" in line, "the library's seq_len is shown as the flag"
 
 
+def test_gpu_plans_for_a_known_gpu_of_another_machine(capsys):
+    h200 = _plan(capsys, *TINY, "--gpu", "H200", "--budget", "256MiB")
+    h100 = _plan(capsys, *TINY, "--gpu", "NVIDIA H100 80GB HBM3", "--budget", "256MiB")
+    assert "H200" in h200["device_profile"]["source"] and "H100" in h100["device_profile"]["source"]
+    # The same FLOP/s, more HBM bandwidth: the H200 is predicted no slower.
+    assert h200["tokens_per_s"] >= h100["tokens_per_s"], (h200["tokens_per_s"], h100["tokens_per_s"])
+    assert "it knows H200, H100" in _fails(capsys, *TINY, "--gpu", "TPU")
+    assert "contradicts --device cpu" in _fails(capsys, *TINY, "--gpu", "H200", "--device", "cpu")
+
+
 def test_nothing_fits_names_the_smallest_peak_and_a_fixed_micro_batch_is_kept(capsys):
     line = _fails(capsys, *TINY, "--device", "cpu", "--budget", "600KiB")
     assert "no set-up fits: the smallest predicted peak is" in line and "600.00 KiB" in line, line
