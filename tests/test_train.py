@@ -32,6 +32,11 @@ def text_file(tmp_path_factory) -> Path:
     return path
 
 
+# The interrupted runs' length: long enough that a signal sent after a few steps lands with steps still to run (at
+# 8 steps a tiny model could finish between two polls of the test).
+RUN_STEPS = 40
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "memtrain", "train", "--model", "gpt-tiny", "--seq-len", "32", "--no-progress",
             "--lr", "1e-2", *args]
@@ -52,7 +57,7 @@ def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, text_file) -> Path:
     out = tmp_path_factory.mktemp("runs") / "full"
-    subprocess.run(cli("--data", str(text_file), "--max-steps", "8", "--micro-batch-size", "2",
+    subprocess.run(cli("--data", str(text_file), "--max-steps", str(RUN_STEPS), "--micro-batch-size", "2",
                        "--global-batch-size", "4", "--out", str(out)), check=True, timeout=300, cwd=ROOT)
     return out
 
@@ -66,8 +71,8 @@ def wait_for(predicate, timeout: float = 240.0) -> None:
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path, text_file, uninterrupted):
     out = tmp_path / "killed"
-    args = ("--data", str(text_file), "--max-steps", "8", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--out", str(out))
+    args = ("--data", str(text_file), "--max-steps", str(RUN_STEPS), "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--out", str(out))
     proc = subprocess.Popen(cli(*args, "--save-every", "1"), cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: len(RunCheckpoints(out).paths()) >= 1 and RunCheckpoints(out).paths()[0].name >= "step-0000003")
@@ -82,15 +87,15 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, text_file, uninterrupted
     assert "resumed from step" in done.stderr
     assert_same_weights(out, uninterrupted)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 9)), steps
+    assert steps == list(range(1, RUN_STEPS + 1)), steps
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, text_file, uninterrupted):
     out = tmp_path / "corrupt"
     args = ("--data", str(text_file), "--micro-batch-size", "2", "--global-batch-size", "4", "--out", str(out))
-    # Stop at step 5 the honest way: a run of 8 steps interrupted by SIGTERM after its 5th checkpoint.
-    proc = subprocess.Popen(cli(*args, "--max-steps", "8", "--save-every", "1"), cwd=ROOT, stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    # Stop after a few steps the honest way: the run interrupted by SIGTERM, with a checkpoint after every step.
+    proc = subprocess.Popen(cli(*args, "--max-steps", str(RUN_STEPS), "--save-every", "1"), cwd=ROOT,
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4)
     proc.send_signal(signal.SIGTERM)
     said, err = proc.communicate(timeout=120)
