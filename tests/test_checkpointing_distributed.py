@@ -50,6 +50,7 @@ def _worker(rank: int, init_file: str, kind: str, results: dict) -> None:
             ddp = torch.nn.parallel.DistributedDataParallel(model)
             ddp(xs, ys).backward()
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            del ddp  # its reducer must go before the process group it uses (else a rare SIGABRT at teardown)
         else:
             from torch.distributed.fsdp import fully_shard
 
