@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import re
@@ -649,6 +650,7 @@ def _distributed_group() -> Iterator[tuple[int, int, Any]]:
             dist.barrier()
     finally:
         if opened:
+            gc.collect()  # a DDP reducer left in a reference cycle must not outlive the group it uses
             dist.destroy_process_group()
 
 
