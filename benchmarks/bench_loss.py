@@ -41,6 +41,7 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from memtrain.loss import _chunk_loss, chunked_cross_entropy  # noqa: E402
+from memtrain.measure import cpu_allocation_peak_bytes  # noqa: E402
 
 
 def before(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -50,21 +51,6 @@ def before(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk: i
         total = total + checkpoint(_chunk_loss, head, hidden[start:start + chunk], labels[start:start + chunk], -100,
                                    use_reentrant=False)
     return total
-
-
-def peak_bytes(step) -> int:
-    """The allocator's high-water mark during ``step()`` above what was allocated before it (CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
 
 
 def main(argv: list[str] | None = None) -> list[Any]:
@@ -111,7 +97,7 @@ def main(argv: list[str] | None = None) -> list[Any]:
                                      for g, w in ((grad_h, reference["grad_h"]), (grad_w, reference["grad_w"]))),
             }
             hidden.grad = head.weight.grad = None
-            figures["peak_bytes"] = peak_bytes(lambda: run(name)) if device == "cpu" else None
+            figures["peak_bytes"] = cpu_allocation_peak_bytes(lambda: run(name)) if device == "cpu" else None
 
             def step():
                 run(name)

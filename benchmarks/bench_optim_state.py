@@ -31,7 +31,7 @@ from memtrain.accumulation import GradientAccumulator  # noqa: E402
 from memtrain.data import builtin_corpus  # noqa: E402
 from memtrain.measure import optimizer_state_bytes  # noqa: E402
 from memtrain.models import GPT  # noqa: E402
-from memtrain.optim import _state_class, build_optimizer, optimizer_memory  # noqa: E402
+from memtrain.optim import build_optimizer, host_step_probe, optimizer_memory  # noqa: E402
 
 
 def train_gpt(state_precision: str, *, steps: int, model: str = "gpt-tiny", batch: int = 16, lr: float = 3e-3,
@@ -84,12 +84,7 @@ def step_in_backward_case(mode: str):
 
 
 def cpu_rate_case(precision: str, n_params: int):
-    cls, kwargs = _state_class(precision, "cpu")
-    g = torch.Generator().manual_seed(0)
-    params = [torch.randn(n_params // 4, generator=g) for _ in range(4)]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    opt = cls(params, lr=1e-4, **kwargs)
+    opt = host_step_probe(precision, n_params)
 
     def step() -> dict[str, float]:
         opt.step()

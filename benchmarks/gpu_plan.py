@@ -297,22 +297,24 @@ def run_settings(settings: PlanSettings, shape: LlamaShape, *, seq_len: int, dev
                 acc.backward(loss, reduction="sum", items=yb.numel())
         return acc.step().loss
 
-    losses, warmup_s, seconds = [], [], []
-    for _ in range(warmup):
-        _sync(device)
-        t0 = time.perf_counter()
-        losses.append(step())
-        _sync(device)
-        warmup_s.append(time.perf_counter() - t0)
+    losses: list[float] = []
+
+    def timed(n: int) -> list[float]:
+        """Seconds of each of ``n`` steps, the device waited for on both sides."""
+        spans = []
+        for _ in range(n):
+            _sync(device)
+            t0 = time.perf_counter()
+            losses.append(step())
+            _sync(device)
+            spans.append(time.perf_counter() - t0)
+        return spans
+
+    warmup_s = timed(warmup)
     warm_peaks = _peaks(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        losses.append(step())
-        _sync(device)
-        seconds.append(time.perf_counter() - t0)
+    seconds = timed(repeats)
     peaks = _peaks(device)
     median = statistics.median(seconds) if seconds else None
     out = {

@@ -114,24 +114,22 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
-def _positive_float(text: str) -> float:
+def _float(text: str, *, zero_allowed: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    if not (value >= 0 if zero_allowed else value > 0):
+        raise argparse.ArgumentTypeError(f"{value} must be {'>=' if zero_allowed else '>'} 0")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _float(text, zero_allowed=False)
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
+    return _float(text, zero_allowed=True)
 
 
 def _grad_clip(text: str) -> float | None:

@@ -44,6 +44,22 @@ def _tensor_storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return keys
 
 
+def cpu_allocation_peak_bytes(step: Callable[[], Any]) -> int:
+    """The CPU allocator's high-water mark during ``step()`` above what existed before it, from torch.profiler's
+    allocation events: every allocation, those inside kernels included (which saved-tensor counting misses)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
 def available_host_bytes() -> int | None:
     """Host memory available to new allocations (Linux ``MemAvailable``; elsewhere free physical pages), or None
     where the machine does not say."""

@@ -461,17 +461,24 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         offloaded_params=len(host))
 
 
-def cpu_step_rate(state_precision: str = "fp32", n_params: int = 1 << 22, repeats: int = 3) -> float:
-    """Parameters per second of one host AdamW step with moments in ``state_precision`` (the planner's rate of
-    CPUOffloadOptimizer's CPU step), measured here on ``n_params`` parameters in 4 tensors: median of
-    ``repeats`` steps after one warm-up (which creates the state)."""
+def host_step_probe(state_precision: str, n_params: int) -> torch.optim.Optimizer:
+    """A host AdamW with moments in ``state_precision`` over ``n_params`` parameters in 4 tensors, their gradients
+    set (seeded): what ``cpu_step_rate`` and benchmarks/bench_optim_state.py time."""
     _check_precision(state_precision)
     cls, kwargs = _state_class(state_precision, "cpu")
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(n_params // 4, generator=g) for _ in range(4)]
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    opt = cls(params, lr=1e-4, **kwargs)
+    return cls(params, lr=1e-4, **kwargs)
+
+
+def cpu_step_rate(state_precision: str = "fp32", n_params: int = 1 << 22, repeats: int = 3) -> float:
+    """Parameters per second of one host AdamW step with moments in ``state_precision`` (the planner's rate of
+    CPUOffloadOptimizer's CPU step), measured here on ``n_params`` parameters in 4 tensors: median of
+    ``repeats`` steps after one warm-up (which creates the state)."""
+    opt = host_step_probe(state_precision, n_params)
+    params = opt.param_groups[0]["params"]
     opt.step()
     times = []
     for _ in range(repeats):

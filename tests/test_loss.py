@@ -17,6 +17,7 @@ from memtrain.loss import (
     remove_chunked_loss,
     supports_chunked_loss,
 )
+from memtrain.measure import cpu_allocation_peak_bytes
 from memtrain.models import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -470,22 +471,6 @@ def test_activation_offload_keeps_the_loss_tail_on_the_device_with_memtrains_ker
     assert_same(got, want)
 
 
-def _allocator_peak_bytes(step) -> int:
-    """The CPU allocator's high-water mark during ``step()`` above what existed before it (torch.profiler's
-    allocation events: every allocation, those inside kernels included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
-
-
 def test_memtrains_kernel_holds_one_chunk_of_logits_and_two_head_gradients_at_its_peak():
     """Backward recomputes a chunk's logits and turns them into their gradient in place (softmax - one hot):
     one (chunk x vocabulary) fp32 buffer, not the three that autograd through F.cross_entropy holds (the
@@ -504,7 +489,7 @@ def test_memtrains_kernel_holds_one_chunk_of_logits_and_two_head_gradients_at_it
         chunked_cross_entropy(hidden, head, labels, chunk_tokens=chunk, implementation="memtrain").backward()
 
     step()
-    peak = _allocator_peak_bytes(step)
+    peak = cpu_allocation_peak_bytes(step)
     bound = chunk * vocab * 4 + 2 * vocab * width * 4 + tokens * width * 4 + 64 * 2**10
     assert peak <= bound, f"peak {peak} bytes > {bound}"
     want = torch.autograd.grad(F.cross_entropy(head(hidden), labels, reduction="sum"), (hidden, head.weight))

@@ -95,8 +95,8 @@ def test_composed_peaks_match_full_estimates_of_mixed_set_ups():
 
 def test_composed_peaks_with_accumulation_and_the_chunked_loss_match_the_full_estimate():
     """The chunked loss allocates the head's gradient at its first chunk and fills it over the rest: a streaming
-    optimizer (or accumulation) lets it go when it lands, not when it is allocated. Counted from its allocation,
-    the composed peak was one fp32 head weight short (-3.3% here)."""
+    optimizer (or accumulation) lets it go when it lands, not when it is allocated; counted from its allocation,
+    the composed peak falls one fp32 head weight short."""
     from memtrain.planner import _Composer, _Config, _context, _estimate_of, _profiles
 
     config = _llama(layers=5, hidden=1024, vocab_size=8192)
@@ -255,7 +255,7 @@ def test_fsdp2_shards_the_state_and_the_plan_says_which_is_faster():
 
 def test_an_fsdp2_rank_holds_every_saved_activation_beside_its_shard_of_the_state():
     """At the start of backward a rank holds all its saved activations and its shard of the weights and moments;
-    the gradients FSDP2 shards do not exist yet. (The shift once took them off every moment: 809 MiB here.)"""
+    the gradients FSDP2 shards do not exist yet (a shift that takes them off every moment plans below this)."""
     config = _llama(layers=16, hidden=1024, vocab_size=256, num_attention_heads=16, num_key_value_heads=16)
     numel = sum(p.numel() for p in _meta_model(config).parameters())
     p = plan(config, budget=None, seq_len=1024, global_batch_size=16, world_size=16, fsdp=True, device_profile=H100,

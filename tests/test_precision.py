@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memtrain.errors import ConfigError
+from memtrain.measure import cpu_allocation_peak_bytes
 from memtrain.models import GPT, GPTConfig
 from memtrain.precision import MixedPrecision, resolve_precision
 
@@ -32,23 +33,19 @@ def test_mixed_modes_autocast_matmuls_to_16_bit(mode, dtype):
 def _forward_peak_bytes(autocast: contextlib.AbstractContextManager) -> int:
     """The CPU allocator's high-water mark during a forward of 4 checkpointed 512 x 512 fp32 layers (1 MiB of
     weights each) on a batch of 2, above what was allocated before it."""
-    from torch.profiler import ProfilerActivity, profile
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(512, 512, bias=False) for _ in range(4)]
     x = torch.randn(2, 512, requires_grad=True)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, autocast:
-        h = x
-        for layer in layers:
-            h = checkpoint(layer, h, use_reentrant=False)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
+
+    def forward() -> None:
+        with autocast:
+            h = x
+            for layer in layers:
+                h = checkpoint(layer, h, use_reentrant=False)
+
+    return cpu_allocation_peak_bytes(forward)
 
 
 def test_autocast_keeps_no_16_bit_copy_of_the_weights_through_a_checkpointed_forward():
