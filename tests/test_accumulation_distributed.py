@@ -10,7 +10,6 @@ The gradient communication is counted: it must run on the last micro-batch of ea
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 from datetime import timedelta
@@ -133,11 +132,12 @@ def _worker(rank: int, init_file: str, kind: str, out: str) -> None:
                     "grad_norms": [w.grad_norm for w in windows],
                     "naive_syncs": naive_syncs},
                    os.path.join(out, f"rank{rank}.pt"))
-        del trained, acc, optimizer  # DDP's reducer goes before the process group it uses (a rare SIGABRT else)
-        gc.collect()
         dist.barrier()  # no rank closes its connections while a peer is still using them
     finally:
         dist.destroy_process_group()
+    # NOTE: the interpreter's own teardown can abort a gloo rank ("terminate called without an active exception"
+    # from a thread destroyed still joinable): once the work is done and the group closed, skip it.
+    os._exit(0)
 
 
 def _run(kind: str) -> list[dict]:
