@@ -1095,9 +1095,41 @@ def _communication_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, compute
     if cfg.distribution == "ddp":
         # One all-reduce per step, bucket by bucket during the last micro-batch's backward (2/3 of its compute).
         return np.maximum(0.0, 2 * grads / dev.interconnect - compute_s * 2 / 3)
-    params = prof.parameter_bytes * share
-    gathers = 2 * params / dev.interconnect  # all-gathers in forward and in backward, prefetched under compute
+    # All-gathers in forward and in backward (in bf16 under bf16-mixed), prefetched under compute; one fp32
+    # reduce-scatter of the gradients.
+    params = prof.parameter_bytes * _gathered_ratio(ctx, prof) * share
+    gathers = 2 * params / dev.interconnect
     return np.maximum(0.0, gathers - 0.9 * compute_s) * cfg.accumulation + grads / dev.interconnect
+
+
+def fsdp2_param_dtype(precision: str) -> torch.dtype | None:
+    """The dtype FSDP2 gathers and computes a block's parameters in under ``precision`` (its
+    ``MixedPrecisionPolicy.param_dtype``): bf16 under bf16-mixed, as torchtitan does, which halves the all-gather
+    traffic and the gathered blocks' bytes; the gradients are reduce-scattered in fp32 into the fp32 shards the
+    optimizer steps. None (the parameters' own dtype) under fp32 and fp16-mixed.
+
+    NOTE: fp16-mixed keeps fp32 gathers. With fp16 parameters the whole residual stream would be fp16 (FSDP2 casts
+    each block's inputs; the embeddings would return fp16), where autocast keeps it fp32: an activation beyond
+    fp16's 65504 would be inf in forward, which the GradScaler (it scales the loss's gradient) cannot prevent, so
+    every step would be skipped.
+    """
+    return torch.bfloat16 if precision == "bf16-mixed" else None
+
+
+def _gathered_ratio(ctx: _Context, prof: _Profiles) -> float:
+    """Bytes of a parameter as FSDP2 gathers it over its bytes as traced (1, or 0.5 for fp32 weights gathered in
+    bf16)."""
+    dtype = fsdp2_param_dtype(ctx.precision)
+    if dtype is None or not prof.trainable_params:
+        return 1.0
+    traced = sum(n * d.itemsize for n, d in prof.trainable_params)
+    gathered = sum(n * (dtype if d.is_floating_point else d).itemsize for n, d in prof.trainable_params)
+    return gathered / traced
+
+
+def _gathered_block_bytes(ctx: _Context, prof: _Profiles) -> float:
+    """The largest block's parameters as FSDP2 gathers them (``fsdp2_param_dtype``)."""
+    return float(prof.block_parameter_bytes.max()) * _gathered_ratio(ctx, prof)
 
 
 def _distributed_shift(ctx: _Context, prof: _Profiles, cfg: _Config | PlanSettings) -> float:
@@ -1108,21 +1140,27 @@ def _distributed_shift(ctx: _Context, prof: _Profiles, cfg: _Config | PlanSettin
         return 0.0
     grads = float(prof.trainable_bytes)
     if cfg.distribution == "ddp":
-        extra = grads  # DDP's flat buckets beside param.grad (gradient_as_bucket_view=False)
-        if cfg.optimizer != "device":
-            extra += grads  # under DDP gradients stay on the device until the step (not streamed before averaging)
-        return extra
+        # DDP's flat all-reduce buckets exist from its construction on, and each gradient becomes a view into its
+        # bucket (gradient_as_bucket_view=True) when the reducer copies it in, in the backward that syncs: the
+        # gradients landing there are no extra bytes (_gradient_shard). zero_grad(set_to_none=True) drops the
+        # views each step, so a window's earlier micro-batches (no sync) accumulate into tensors of their own:
+        # a device optimizer's trace counts those already; an offloaded one's streams them, but not under DDP.
+        return grads * (2 if cfg.optimizer != "device" and cfg.accumulation > 1 else 1)
     # FSDP2: parameters and state sharded, the block computed and the next one (prefetched) gathered whole.
     shift = -(prof.parameter_bytes + prof.adamw_state_bytes) * (1 - 1 / n)
-    return shift + 2 * float(prof.block_parameter_bytes.max())
+    return shift + 2 * _gathered_block_bytes(ctx, prof)
 
 
 def _gradient_shard(ctx: _Context, cfg: _Config | PlanSettings) -> float:
-    """The share of the gradients alive at a moment that a rank does not hold: FSDP2 reduce-scatters each block's
-    as it lands, unless accumulation keeps them unsharded between micro-batches."""
-    if cfg.distribution != "fsdp2" or ctx.world == 1 or cfg.accumulation > 1:
+    """The share of the gradients a one-process step holds as they land that a rank does not hold beside what
+    ``_distributed_shift`` adds: FSDP2 reduce-scatters each block's as it lands, unless accumulation keeps them
+    unsharded between micro-batches; under DDP, in the backward that syncs, each one becomes a view into the
+    buckets the shift counts (an offloaded optimizer's trace never holds them)."""
+    if ctx.world == 1 or cfg.accumulation > 1:
         return 0.0
-    return 1 - 1 / ctx.world
+    if cfg.distribution == "ddp":
+        return 1.0 if cfg.optimizer == "device" else 0.0
+    return 1 - 1 / ctx.world if cfg.distribution == "fsdp2" else 0.0
 
 
 def _rank_peak(ctx: _Context, prof: _Profiles, s: PlanSettings, t: Trace) -> float:
@@ -2048,9 +2086,11 @@ def _assumptions(ctx: _Context, margin: float, composer: _Composer, host_limit: 
         "per op; offloaded activations queue on the host link; the offloaded optimizer steps after backward",
     ]
     if ctx.world > 1:
-        out.append("distributed memory by formula on a one-process estimate: DDP adds its flat gradient buckets; "
-                   "FSDP2 shards parameters and optimizer state (gradients too without accumulation), two blocks "
-                   f"gathered at a time; host RAM is one node's ({_ranks_per_node(ctx.world)} ranks)")
+        gathered = "in bf16 " if fsdp2_param_dtype(ctx.precision) == torch.bfloat16 else ""
+        out.append("distributed memory by formula on a one-process estimate: DDP's gradients are views into its "
+                   "all-reduce buckets (a second copy while accumulating); FSDP2 shards parameters and optimizer "
+                   f"state (gradients too without accumulation), two blocks gathered {gathered}at a time, "
+                   f"gradients reduced in fp32; host RAM is one node's ({_ranks_per_node(ctx.world)} ranks)")
     if host_limit is None:
         out.append("host RAM not checked (planned for another machine): pass host_budget to check it")
     out.append("compiled set-ups: memory as eager (compiled graphs keep no more), elementwise traffic halved, a "
@@ -2097,7 +2137,7 @@ def _raise_nothing_fits(ctx: _Context, composer: _Composer, results: _Results,
         if ctx.device == "cuda":
             # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
             full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
-            room = usable - (peaks[k] - state) - 2 * float(prof.block_parameter_bytes.max())
+            room = usable - (peaks[k] - state) - 2 * _gathered_block_bytes(ctx, prof)
             if room > 0:  # more ranks cannot shrink a rank's activations
                 ranks = max(math.ceil(full / room), ctx.world + 1)
                 hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
@@ -2179,15 +2219,20 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     # optimizer after FSDP2, whose sharded parameters it must hold.
     optimizer = _planned_optimizer(model, s, precision, world, hyper) if s.optimizer != "device" else None
     if s.distribution == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # bf16-mixed: blocks gathered (and computed) in bf16, gradients reduce-scattered in fp32 into the fp32
+        # shards the optimizer steps; autocast still runs the fp32 ops (norms, softmax, the loss) in fp32.
+        gathered = fsdp2_param_dtype(s.precision)
+        policy = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32 if gathered else None)
         modules = dict(model.named_modules())
         for name in names:
-            fully_shard(modules[name])
-        fully_shard(model)
+            fully_shard(modules[name], mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     elif s.distribution == "ddp":
         ids = [device.index] if device.type == "cuda" else None
-        train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # Each p.grad is a view into DDP's all-reduce bucket: one copy of the gradients, not two.
+        train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     if s.compile:
         train_model = torch.compile(train_model)  # type: ignore[assignment]
     if optimizer is None:
@@ -2262,4 +2307,4 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
 
 
 __all__ = ["Candidate", "DeviceProfile", "Fixed", "Plan", "PlanSettings", "PlannedRun", "apply_plan", "budget_bytes",
-           "calibrate", "configure_model", "device_profile", "known_gpu", "plan", "predictions"]
+           "calibrate", "configure_model", "device_profile", "fsdp2_param_dtype", "known_gpu", "plan", "predictions"]

@@ -264,6 +264,75 @@ def test_an_fsdp2_rank_holds_every_saved_activation_beside_its_shard_of_the_stat
     assert p.peak_bytes >= at_least, (p.peak_bytes / MiB, at_least / MiB)
 
 
+def _per_rank_and_one_process(config, settings: PlanSettings, world: int, **kwargs):
+    """The plan of ``settings`` over ``world`` ranks and of the same set-up in one process (the same micro-batch
+    and accumulation: the same activations), both full estimates."""
+    micro, acc = settings.micro_batch_size, settings.accumulation
+    common = dict(budget=None, seq_len=64, device_profile=H100, precision=settings.precision, **kwargs)
+    ranks = plan(config, global_batch_size=micro * acc * world, world_size=world,
+                 fsdp=settings.distribution == "fsdp2", settings=settings, **common)
+    one = plan(config, global_batch_size=micro * acc, settings=dataclasses.replace(settings, distribution="none"),
+               **common)
+    return ranks, one
+
+
+@pytest.mark.parametrize("precision, gathered_bytes", [("bf16-mixed", 2), ("fp32", 4)])
+def test_fsdp2_gathers_blocks_in_bf16_under_bf16_mixed(precision, gathered_bytes):
+    """A rank holds its shard of the weights and AdamW's state and two blocks gathered whole (the one computing,
+    the next one prefetched): in bf16 under bf16-mixed (FSDP2's MixedPrecisionPolicy), 2 bytes a parameter."""
+    from memtrain.planner import _state_bytes
+
+    config = _llama(layers=4, hidden=256, vocab_size=1024)
+    model = _meta_model(config)
+    blocks = [f"model.layers.{i}" for i in range(4)]
+    world = 4
+    # Accumulation keeps FSDP2's gradients unsharded: the whole difference is the shift of every moment.
+    settings = PlanSettings(1, 2, ("recompute",) * 4, "full", False, "device", "fsdp2", False, precision)
+    ranks, one = _per_rank_and_one_process(config, settings, world)
+    state = _state_bytes(model, blocks, None, cuda=True)
+    block_numel = max(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
+    expected = -(state["parameters"] + state["state"]) * (1 - 1 / world) + 2 * gathered_bytes * block_numel
+    assert ranks.peak_bytes - one.peak_bytes == pytest.approx(expected, abs=1), (
+        (ranks.peak_bytes - one.peak_bytes) / MiB, expected / MiB)
+
+
+def test_fsdp2_all_gathers_in_bf16_and_reduce_scatters_in_fp32():
+    """Link time of a step on a slow interconnect: two all-gathers of the weights (bf16 under bf16-mixed) and one
+    reduce-scatter of the fp32 gradients, per rank's share; halving the link speed adds exactly that much again."""
+    config = _llama(layers=4, hidden=256, vocab_size=1024)
+    numel = sum(p.numel() for p in _meta_model(config).parameters())
+    world, acc = 4, 1
+    settings = PlanSettings(1, acc, ("keep",) * 4, "full", False, "device", "fsdp2", False, "bf16-mixed")
+    seconds = {}
+    for link in (1e6, 2e6):  # bytes/s: so slow that no compute hides the collectives
+        profile = dataclasses.replace(H100, interconnect=link)
+        seconds[link] = plan(config, budget=None, seq_len=64, global_batch_size=world, world_size=world, fsdp=True,
+                             settings=settings, device_profile=profile).step_seconds
+    share = (world - 1) / world
+    link_bytes = (2 * 2 * numel * acc + 4 * numel) * share  # 2 bf16 all-gathers + 1 fp32 reduce-scatter
+    added = seconds[1e6] - seconds[2e6]  # the link time at 1e6 B/s less that at 2e6 B/s: half of it at 1e6
+    assert added == pytest.approx(link_bytes / 2e6, rel=1e-6), (added, link_bytes / 2e6)
+
+
+def test_ddp_gradients_are_its_buckets():
+    """Under DDP each gradient is a view into its all-reduce bucket (gradient_as_bucket_view=True): the buckets
+    exist from the start, but the step holds one copy of the gradients, not two. While accumulating (and at the
+    first window, before the views exist) the earlier micro-batches' gradients are tensors of their own beside the
+    buckets; an offloaded optimizer keeps them on the device until the step under DDP."""
+    config = _llama(layers=4, hidden=256, vocab_size=1024)
+    grads = 4 * sum(p.numel() for p in _meta_model(config).parameters())
+    # All blocks recomputed, 64 tokens: the step (every gradient alive) is the one-process peak.
+    for optimizer, acc, expected in (("device", 1, 0), ("device", 2, grads), ("offload", 1, grads),
+                                     ("offload", 2, 2 * grads)):
+        settings = PlanSettings(1, acc, ("recompute",) * 4, "full", False, optimizer, "ddp", False, "bf16-mixed")
+        ranks, one = _per_rank_and_one_process(config, settings, 2)
+        extra = ranks.peak_bytes - one.peak_bytes
+        if expected:
+            assert extra == expected, (optimizer, acc, extra / MiB, expected / MiB)
+        else:  # the buckets exist in forward too, and the head's gradient counts beside them until the step
+            assert 0 <= extra < grads / 2, (optimizer, acc, extra / MiB, grads / MiB)
+
+
 @pytest.mark.parametrize("kwargs, fixed, match", [
     ({}, dict(optimizer="device", step_in_backward=True, offload_fraction=0.5), "no set-up can be built"),
     ({"world_size": 2}, dict(optimizer="device", step_in_backward=True), "no set-up can be built"),

@@ -76,3 +76,174 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_one_chec
         assert checkpoints == [f"step-{SIGNALLED_AT_STEP:07d}"], checkpoints
         steps = [json.loads(line)["step"] for line in Path(folder, "run", "metrics.jsonl").read_text().splitlines()]
         assert steps == list(range(1, SIGNALLED_AT_STEP + 1)), steps
+
+
+
+# -- apply_plan's DDP and FSDP2 ---------------------------------------------------------------------------------
+SEQ, MICRO, ACCUMULATION, STEPS = 16, 2, 2, 2
+# FSDP2 under bf16-mixed (blocks gathered in bf16, so the residual stream is bf16 too) against DDP (fp32 weights
+# under bf16 autocast): the first window's gradients, max abs difference over the largest gradient entry (4.9e-3 in
+# this test's run).
+BF16_GRAD_TOL = 2e-2
+FP32_TOL = 1e-6  # DDP with bucket views against one process on the union of the ranks' batches: fp32 rounding
+
+
+def _plan_model():
+    from memtrain.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=SEQ, dropout=0.0))
+
+
+def _settings(distribution: str, precision: str, micro: int = MICRO, accumulation: int = ACCUMULATION):
+    from memtrain.planner import PlanSettings
+
+    return PlanSettings(micro, accumulation, ("keep", "keep"), "full", True, "device", distribution, False,
+                        precision)
+
+
+def _plan_batch(step: int, rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + index)
+    x = torch.randint(0, 256, (MICRO, SEQ), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _train_planned(settings, batches, *, setup=None, before_step=None):
+    """apply_plan, then STEPS optimizer steps over ``batches(step)`` (a list of micro-batches) as train()'s loop
+    runs them: a sum-reduced loss under the plan's autocast, the accumulator's boundary (clipping at 1.0)."""
+    from memtrain.planner import apply_plan
+
+    run = apply_plan(_plan_model(), settings, lr=1e-3)
+    if setup is not None:
+        setup(run)
+    for step in range(STEPS):
+        micro_batches = batches(step)
+        for i, (x, y) in enumerate(micro_batches):
+            with run.accumulator.micro_batch(is_last=i == len(micro_batches) - 1):
+                with run.precision.autocast():
+                    loss = run.train_model(x, y, reduction="sum")
+                run.accumulator.backward(loss, reduction="sum", items=y.numel())
+        if before_step is not None:
+            before_step(run, step)
+        run.accumulator.step()
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in run.model.named_parameters()}
+
+
+def _planned_worker(rank: int, init_file: str, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=TIMEOUT)
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def mine(step):
+            return [_plan_batch(step, rank, i) for i in range(ACCUMULATION)]
+
+        out: dict = {"views": [], "buckets": [], "storages": []}
+
+        # DDP, fp32: every p.grad a view into a bucket that the comm hook all-reduces.
+        buckets: set[int] = set()
+
+        def hook(state, bucket):
+            buckets.add(bucket.buffer().untyped_storage().data_ptr())
+            return allreduce_hook(state, bucket)
+
+        def bucket_views(run, step):
+            storages = {p.grad.untyped_storage().data_ptr() for p in run.model.parameters()}
+            out["views"].append(storages <= buckets)
+            out["buckets"].append(len(buckets))
+            out["storages"].append(len(storages))
+            buckets.clear()
+
+        out["ddp_fp32"] = _train_planned(_settings("ddp", "fp32"), mine,
+                                         setup=lambda run: run.train_model.register_comm_hook(None, hook),
+                                         before_step=bucket_views)
+
+        # DDP and FSDP2 under bf16-mixed: the first window's gradients (before the boundary scales and clips them).
+        def first_grads(key):
+            def record(run, step):
+                if step == 0:
+                    grads = {n: p.grad for n, p in run.model.named_parameters()}
+                    out[key] = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+                                for n, g in grads.items()}
+                    out[key + "_dtypes"] = sorted({str(g.dtype) for g in grads.values()})
+            return record
+
+        _train_planned(_settings("ddp", "bf16-mixed"), mine, before_step=first_grads("ddp_bf16"))
+        forward = set()  # the dtypes of each block's parameters as it computes, and of its output
+
+        def watch_blocks(run):
+            for block in run.model.blocks:
+                # After FSDP2's own pre-forward hook (prepended): the block's parameters are gathered.
+                block.register_forward_pre_hook(
+                    lambda m, args: forward.update(f"parameter {p.dtype}" for p in m.parameters()))
+                block.register_forward_hook(lambda m, args, output: forward.add(f"output {output.dtype}"))
+
+        # Every collective FSDP2 issues, with its dtype and bytes (it calls these through torch.distributed).
+        collectives: list[tuple[str, str, int]] = []
+        def counting(name, real):
+            def counted(*args, **kwargs):
+                tensor = kwargs["input"] if "input" in kwargs else kwargs.get("input_tensor", args[1])
+                collectives.append((name, str(tensor.dtype), tensor.numel() * tensor.element_size()))
+                return real(*args, **kwargs)
+            return counted
+
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            setattr(dist, name, counting(name, getattr(dist, name)))
+        out["fsdp2_bf16_params"] = _train_planned(_settings("fsdp2", "bf16-mixed"), mine, setup=watch_blocks,
+                                                  before_step=first_grads("fsdp2_bf16"))
+        out["forward"] = sorted(forward)
+        out["collectives"] = collectives
+        torch.save(out, os.path.join(folder, f"planned{rank}.pt"))
+        dist.barrier()  # no rank closes its connections while a peer is still using them
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # see _worker
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """One 2-rank run of the three set-ups (a spawn costs seconds): DDP fp32, DDP and FSDP2 under bf16-mixed."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_planned_worker, args=(os.path.join(folder, "init"), folder), nprocs=WORLD, join=True)
+        return [torch.load(os.path.join(folder, f"planned{r}.pt"), weights_only=True) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_ddp_gradients_are_views_into_its_buckets_and_training_equals_one_process(planned):
+    # One process, one micro-batch holding every rank's micro-batches: the same token-mean loss per step.
+    def union_batch(step):
+        batches = [_plan_batch(step, r, i) for r in range(WORLD) for i in range(ACCUMULATION)]
+        return [(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))]
+
+    union = _train_planned(_settings("none", "fp32", micro=MICRO * ACCUMULATION * WORLD, accumulation=1),
+                           union_batch)
+    for rank, result in enumerate(planned):
+        # Each step's gradients live in the storages of the buckets the hook all-reduced (a tiny model: one
+        # bucket), not in one storage per parameter as with gradient_as_bucket_view=False.
+        assert result["views"] == [True] * STEPS, (rank, result["views"], result["storages"], result["buckets"])
+        assert result["storages"] == result["buckets"], (result["storages"], result["buckets"])
+        diffs = {n: (result["ddp_fp32"][n] - p).abs().max().item() for n, p in union.items()}
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] <= FP32_TOL, f"rank {rank}: {worst} differs from one process by {diffs[worst]:.3e}"
+
+
+@pytest.mark.slow
+def test_fsdp2_under_bf16_mixed_gathers_bf16_and_reduces_fp32_gradients(planned):
+    for rank, result in enumerate(planned):
+        # The blocks compute with bf16 parameters (and return bf16); the gradients the optimizer sees are fp32.
+        assert result["forward"] == ["output torch.bfloat16", "parameter torch.bfloat16"], result["forward"]
+        assert result["fsdp2_bf16_dtypes"] == ["torch.float32"], result["fsdp2_bf16_dtypes"]
+        gathers = {dtype for kind, dtype, _ in result["collectives"] if kind == "all_gather_single"}
+        reduces = [(dtype, n) for kind, dtype, n in result["collectives"] if kind == "reduce_scatter_single"]
+        assert gathers == {"torch.bfloat16"}, result["collectives"]
+        # Three groups (two blocks, the root) reduce-scatter once a window, in fp32: 4 bytes a parameter.
+        numel = sum(p.numel() for p in result["fsdp2_bf16_params"].values())
+        assert {dtype for dtype, _ in reduces} == {"torch.float32"} and len(reduces) == 3 * STEPS, reduces
+        assert sum(n for _, n in reduces) == 4 * numel * STEPS, (sum(n for _, n in reduces), numel)
+        # Parity with DDP under the same autocast, within bf16 rounding of the residual stream.
+        ddp, fsdp = result["ddp_bf16"], result["fsdp2_bf16"]
+        scale = max(g.abs().max().item() for g in ddp.values())
+        worst = max(ddp, key=lambda n: (fsdp[n] - ddp[n]).abs().max().item())
+        diff = (fsdp[worst] - ddp[worst]).abs().max().item() / scale
+        assert diff <= BF16_GRAD_TOL, f"rank {rank}: {worst}'s gradient differs from DDP's by {diff:.3e} of the largest"
