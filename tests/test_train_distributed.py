@@ -95,10 +95,11 @@ def _plan_model():
     return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=SEQ, dropout=0.0))
 
 
-def _settings(distribution: str, precision: str, micro: int = MICRO, accumulation: int = ACCUMULATION):
+def _settings(distribution: str, precision: str, micro: int = MICRO, accumulation: int = ACCUMULATION,
+              optimizer: str = "device"):
     from memtrain.planner import PlanSettings
 
-    return PlanSettings(micro, accumulation, ("keep", "keep"), "full", True, "device", distribution, False,
+    return PlanSettings(micro, accumulation, ("keep", "keep"), "full", True, optimizer, distribution, False,
                         precision)
 
 
@@ -158,6 +159,8 @@ def _planned_worker(rank: int, init_file: str, folder: str) -> None:
         out["ddp_fp32"] = _train_planned(_settings("ddp", "fp32"), mine,
                                          setup=lambda run: run.train_model.register_comm_hook(None, hook),
                                          before_step=bucket_views)
+        # CPUOffloadOptimizer under DDP: it copies the (clipped) bucket views to the host at the step.
+        out["ddp_offload_fp32"] = _train_planned(_settings("ddp", "fp32", optimizer="offload"), mine)
 
         # DDP and FSDP2 under bf16-mixed: the first window's gradients (before the boundary scales and clips them).
         def first_grads(key):
@@ -203,7 +206,8 @@ def _planned_worker(rank: int, init_file: str, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def planned():
-    """One 2-rank run of the three set-ups (a spawn costs seconds): DDP fp32, DDP and FSDP2 under bf16-mixed."""
+    """One 2-rank run of the four set-ups (a spawn costs seconds): DDP fp32 with a device and with an offloaded
+    optimizer, DDP and FSDP2 under bf16-mixed."""
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_planned_worker, args=(os.path.join(folder, "init"), folder), nprocs=WORLD, join=True)
         return [torch.load(os.path.join(folder, f"planned{r}.pt"), weights_only=True) for r in range(WORLD)]
@@ -223,9 +227,10 @@ def test_ddp_gradients_are_views_into_its_buckets_and_training_equals_one_proces
         # bucket), not in one storage per parameter as with gradient_as_bucket_view=False.
         assert result["views"] == [True] * STEPS, (rank, result["views"], result["storages"], result["buckets"])
         assert result["storages"] == result["buckets"], (result["storages"], result["buckets"])
-        diffs = {n: (result["ddp_fp32"][n] - p).abs().max().item() for n, p in union.items()}
-        worst = max(diffs, key=diffs.get)
-        assert diffs[worst] <= FP32_TOL, f"rank {rank}: {worst} differs from one process by {diffs[worst]:.3e}"
+        for key in ("ddp_fp32", "ddp_offload_fp32"):
+            diffs = {n: (result[key][n] - p).abs().max().item() for n, p in union.items()}
+            worst = max(diffs, key=diffs.get)
+            assert diffs[worst] <= FP32_TOL, f"{key} rank {rank}: {worst} differs from one process by {diffs[worst]:.3e}"
 
 
 @pytest.mark.slow
