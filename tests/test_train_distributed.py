@@ -4,6 +4,11 @@ checkpoint of that step is written once, and every rank returns normally.
 Without an agreement the signalled rank went into the checkpoint's barrier while the other went on into the
 next step's gradient all-reduce: both waited for each other until the collective timed out (torchrun then
 killed them after 30 s).
+
+apply_plan's wrappers, in one 2-rank run: DDP keeps each gradient as a view into its all-reduce bucket (and trains
+as one process does, with a device and with an offloaded optimizer); FSDP2 under bf16-mixed gathers and computes
+with bf16 blocks and reduce-scatters fp32 gradients once a window (gloo all-gathers bf16), within bf16 rounding
+of DDP's gradients.
 """
 
 from __future__ import annotations
