@@ -2188,8 +2188,8 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     optimizer (``CPUOffloadOptimizer``, which takes the fp32 master and then makes the device weights bf16 where
     the plan says), DDP (each gradient a view into its all-reduce bucket) or FSDP2 (blocks gathered in
     ``fsdp2_param_dtype``, gradients reduced in fp32), ``torch.compile``, a device optimizer
-    (``torch.optim.AdamW(fused=True)`` or
-    ``memtrain.optim.build_optimizer``'s lean variants), the ``GradientAccumulator``.
+    (``torch.optim.AdamW(fused=True)`` or ``memtrain.optim.build_optimizer``'s lean variants), the
+    ``GradientAccumulator``.
 
     Args:
         model: the model the plan was made for, on its training device.
