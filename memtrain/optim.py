@@ -110,6 +110,20 @@ class BF16StateAdamW(torch.optim.Optimizer):
         self.seed = int(seed)
         self._salts = 0
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, then the moments back to bf16 (lossless): ``Optimizer.load_state_dict`` casts every floating
+        state tensor to its parameter's dtype, which would keep them in fp32 (8 bytes per parameter) unnoticed. A
+        state saved by torch's AdamW (fp32 moments) is rounded to nearest and gets fresh rounding counters."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+            state["exp_avg"] = state["exp_avg"].to(torch.bfloat16, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.bfloat16, memory_format=torch.contiguous_format)
+            if "salt" not in state:
+                state["draws"], state["salt"] = 0, self._salts
+                self._salts += 1
+        self._salts = max((s["salt"] + 1 for s in self.state.values()), default=self._salts)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = None
