@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -31,7 +30,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.optim.adam import adam as _adam  # the functional torch.optim.AdamW steps with
 
 from memtrain.errors import ConfigError, MemtrainError
 
@@ -43,62 +41,68 @@ INT8_MIN_NUMEL = 4096
 INT8_BLOCK = 256  # elements per block-wise quantisation scale (one fp32 absmax per block and moment)
 QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned 8-bit code books, fp32, once per bitsandbytes optimizer
 LOWBIT_EXTRA = "pip install 'memtrain[lowbit]'"
-# Elements per chunk of BF16StateAdamW's step: the fp32 copies of the moments live only for one chunk.
+# Elements per pass of BF16StateAdamW's step, all the parameters of the pass together: the fp32 copies of the
+# moments (8 bytes an element) live only for one pass.
 BF16_CHUNK = {"cuda": 1 << 24, "cpu": 1 << 18}
 INT8_DEVICES = ("cpu", "cuda")
 
 
 # -- bf16 moments -------------------------------------------------------------------------------------------
 _WEYL = 0x9E3779B1 - (1 << 32)  # 2**32 / golden ratio, odd, as signed int32
-_INDEX: dict[tuple[torch.device, int], torch.Tensor] = {}  # element index x _WEYL, per device and chunk length
-_HIGH_HALF = 1 if sys.byteorder == "little" else 0  # where an int32's high 16 bits sit in its int16 view
+_OFFSETS = 1 << 16  # a segment's rounding noise starts at an offset in [0, _OFFSETS) of the noise table
+_INDEX: dict[torch.device, torch.Tensor] = {}  # the noise table per device (see _noise_table)
 
 
-def _noise16(numel: int, key: int, device: torch.device) -> torch.Tensor:
-    """Rounding noise in [0, 2**16): the high 16 bits of (index + key) x a Weyl constant, mod 2**32.
+def _noise_table(device: torch.device, numel: int) -> torch.Tensor:
+    """At least ``numel + _OFFSETS`` int32 values of rounding noise in [0, 2**16), cached per device: entry k is
+    the high 16 bits of k x a Weyl constant, mod 2**32.
 
-    Across steps (a fresh key each) every element's noise is uniform, which is what makes the rounding unbiased;
-    neighbours follow a low-discrepancy sequence. Four vectorised passes, several times cheaper on the CPU than a
-    generator's draw, and the same numbers on every device. NOTE: relies on int32 arithmetic wrapping, as torch's
-    kernels do.
+    A segment of n elements reads n consecutive entries from an offset its key picks in [0, 2**16): across steps
+    (a fresh key each) an element's noise runs over 2**16 consecutive terms of a Weyl sequence, whose high bits
+    are uniform to within about 1e-4 of a bucket: that is what makes the rounding unbiased. Slicing the table
+    costs no kernel, so the noise of a whole pass is one multi-tensor add. NOTE: relies on int32 arithmetic
+    wrapping, as torch's kernels do. Grows (to a power of two, at most BF16_CHUNK + _OFFSETS) when a longer
+    segment comes.
     """
-    chunk = BF16_CHUNK.get(device.type, 1 << 20)
-    cached = _INDEX.get((device, chunk))
-    if cached is None:
-        cached = _INDEX[(device, chunk)] = torch.arange(chunk, dtype=torch.int32, device=device).mul_(_WEYL)
-    offset = (key * _WEYL + (1 << 31)) % (1 << 32) - (1 << 31)  # key x _WEYL as a wrapped int32
-    if numel <= chunk:
-        h = cached[:numel] + offset
-    else:
-        h = torch.arange(numel, dtype=torch.int32, device=device).mul_(_WEYL).add_(offset)
-    # The high half of each int32 (the odd int16 on little-endian machines), as an unsigned 16-bit value.
-    return h.view(torch.int16)[_HIGH_HALF::2].to(torch.int32).bitwise_and_(0xFFFF)
-
-
-def _round_into_bf16_(dst: torch.Tensor, x: torch.Tensor, key: int) -> None:
-    """Writes fp32 ``x`` (a scratch tensor, overwritten) into bf16 ``dst``, rounding away from zero with
-    probability (dropped bits) / 2**16: unbiased in expectation, so the second moment keeps moving when beta2's
-    update (1e-3 of it) is below bf16's half ulp (2**-9)."""
-    # Adding to the bit pattern carries into the kept bits with that probability; the mask drops the rest, so
-    # the conversion in copy_ is exact.
-    x.view(torch.int32).add_(_noise16(x.numel(), key, x.device).view(x.shape)).bitwise_and_(-65536)
-    dst.copy_(x)
+    table = _INDEX.get(device)
+    if table is None or table.numel() < numel + _OFFSETS:
+        length = (1 << max(numel - 1, 1).bit_length()) + _OFFSETS
+        h = torch.arange(length, dtype=torch.int32, device=device).mul_(_WEYL)
+        table = _INDEX[device] = torch.bitwise_right_shift(h, 16).bitwise_and_(0xFFFF)
+    return table
 
 
 class BF16StateAdamW(torch.optim.Optimizer):
     """AdamW with both moments stored in bf16: 4 bytes per parameter instead of 8, on fp32 parameters.
 
-    Trade-off: the update is torch's AdamW arithmetic in fp32 (the fused kernel, on fp32 copies of one chunk of
-    the moments at a time), then the moments are rounded to bf16 stochastically; the extra cost is the casts
-    (about two more passes over the moments). Parameters must be fp32: they are the master weights.
+    Trade-off: the update is torch's fused AdamW kernel in fp32 on fp32 copies of the moments, then the moments
+    are rounded back to bf16 stochastically; against fused fp32 AdamW that is four more multi-tensor kernels per
+    pass (copy in, add the rounding noise, drop the low bits, copy out) and about 3.3x its bytes moved (92 bytes
+    per parameter instead of 28: 12 copying in, 28 in the kernel, 24 adding the noise, 16 masking, 12 copying
+    out). Parameters must be fp32: they are the master weights.
+
+    One step is one pass over all the parameters of a group on a device (multi-tensor ops, no per-parameter
+    loop), or several when they hold more than ``BF16_CHUNK`` elements: a pass takes up to that many elements,
+    splitting a parameter where the budget ends, so the fp32 copies (8 bytes an element) stay bounded.
+
+    Rounding: the fp32 moment's bit pattern plus noise in [0, 2**16), then the low 16 bits dropped: it rounds
+    away from zero with probability (dropped bits) / 2**16, unbiased in expectation, so the second moment keeps
+    moving when beta2's update (1e-3 of it) is below bf16's half ulp (2**-9); an unchanged moment stays exact.
 
     Args:
         params: fp32 parameters or groups.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         seed: seeds the rounding noise, drawn per (parameter, step), so a resumed run rounds as the straight one.
+
+    Raises:
+        MemtrainError: at ``step()``, a parameter or gradient that is not fp32, a non-contiguous parameter, or a
+            device without torch's fused AdamW kernel.
     """
 
     state_bytes_per_param = 4  # read by CPUOffloadOptimizer's host-RAM check
+    # torch's fused AdamW protocol: GradScaler.step() hands over grad_scale and found_inf instead of unscaling and
+    # checking itself (a host sync); the kernel unscales and skips on its own.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, seed: int = 0):
@@ -106,57 +110,132 @@ class BF16StateAdamW(torch.optim.Optimizer):
         self.seed = int(seed)
         self._salts = 0
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, then the moments back to bf16 (lossless): ``Optimizer.load_state_dict`` casts every floating
+        state tensor to its parameter's dtype, which would keep them in fp32 (8 bytes per parameter) unnoticed. A
+        state saved by torch's AdamW (fp32 moments) is rounded to nearest and gets fresh rounding counters."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+            state["exp_avg"] = state["exp_avg"].to(torch.bfloat16, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.bfloat16, memory_format=torch.contiguous_format)
+            if "salt" not in state:
+                state["draws"], state["salt"] = 0, self._salts
+                self._salts += 1
+        self._salts = max((s["salt"] + 1 for s in self.state.values()), default=self._salts)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         for group in self.param_groups:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.dtype != torch.float32 or p.grad.dtype != torch.float32:
-                    raise MemtrainError(
-                        f"BF16StateAdamW steps fp32 parameters (the master weights), got a {p.dtype} parameter with a "
-                        f"{p.grad.dtype} gradient. To resolve this error, keep trainable weights in fp32 (autocast "
-                        "computes in bf16), or offload the optimizer (it keeps an fp32 master of bf16 weights).")
-                state = self.state[p]
-                if not state:
-                    fused = p.device.type in ("cpu", "cuda")
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16,
-                                                           memory_format=torch.contiguous_format)
-                    state["draws"] = 0
-                    state["salt"] = self._salts
-                    self._salts += 1
-                self._step_one(p, state, group)
+                if p.grad is not None:
+                    self._check(p)
+                    by_device.setdefault(p.device, []).append(p)
+            for device, params in by_device.items():
+                self._step_device(group, params, device, grad_scale, found_inf)
         return loss
 
-    def _step_one(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        flat_p = p.view(-1)
-        flat_g = p.grad.contiguous().view(-1)
-        flat_m, flat_v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-        fused = p.device.type in ("cpu", "cuda")
-        chunk = BF16_CHUNK.get(p.device.type, 1 << 20)
-        # Counter-based noise: it depends on (seed, parameter, step, chunk) only, not on what ran before, so a
-        # resumed run (draws and salt are in the state) rounds as the straight one.
-        base = (self.seed, state["salt"], state["draws"])
-        state["draws"] += 1
+    def _check(self, p: torch.Tensor) -> None:
+        if p.dtype != torch.float32 or p.grad.dtype != torch.float32:
+            raise MemtrainError(
+                f"BF16StateAdamW steps fp32 parameters (the master weights), got a {p.dtype} parameter with a "
+                f"{p.grad.dtype} gradient. To resolve this error, keep trainable weights in fp32 (autocast "
+                "computes in bf16), or offload the optimizer (it keeps an fp32 master of bf16 weights).")
+        if not p.is_contiguous():
+            raise MemtrainError(
+                f"BF16StateAdamW steps contiguous parameters (its passes slice them flat), got one of shape "
+                f"{tuple(p.shape)} with strides {p.stride()}. To resolve this error, make the parameter contiguous "
+                "(p.data = p.data.contiguous()) before building the optimizer, or use state_precision='fp32'.")
+        if p.device.type not in torch.utils._foreach_utils._get_fused_kernels_supported_devices():
+            raise MemtrainError(
+                f"BF16StateAdamW runs torch's fused AdamW kernel, which has no {p.device.type!r} implementation. "
+                "To resolve this error, train on a CPU or CUDA device, or use state_precision='fp32'.")
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+            state["draws"] = 0
+            state["salt"] = self._salts
+            self._salts += 1
+        elif state["step"].device != p.device:  # e.g. loaded from a for-loop AdamW's state (CPU step counters)
+            state["step"] = state["step"].to(p.device, torch.float32)
+
+    def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
+                     grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)  # once per parameter, however many passes its segments fall in
+        if grad_scale is not None:  # GradScaler keeps them on its device; the kernel reads them on ours
+            grad_scale = grad_scale.to(device, non_blocking=True)
+        if found_inf is not None:
+            found_inf = found_inf.to(device, non_blocking=True)
         beta1, beta2 = group["betas"]
-        for start in range(0, flat_p.numel(), chunk):
-            end = min(start + chunk, flat_p.numel())
-            m32, v32 = flat_m[start:end].float(), flat_v[start:end].float()
-            step = state["step"].clone()  # the kernel adds 1 to it; every chunk starts from the same count
-            _adam(
-                [flat_p[start:end]], [flat_g[start:end]], [m32], [v32], [], [step],
-                foreach=False, fused=fused, capturable=False, differentiable=False, grad_scale=None, found_inf=None,
-                has_complex=False, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-            _round_into_bf16_(flat_m[start:end], m32, _key(*base, start, 0))
-            _round_into_bf16_(flat_v[start:end], v32, _key(*base, start, 1))
-        state["step"].add_(1)
+        chunk = BF16_CHUNK.get(device.type, 1 << 20)
+        total = sum(p.numel() for p in params)
+        grads = [p.grad.contiguous().view(-1) for p in params]
+        # The fp32 moments of one pass: [exp_avg of every segment | exp_avg_sq of every segment].
+        scratch = torch.empty(2 * min(total, chunk), dtype=torch.float32, device=device)
+        for segments in _passes([p.numel() for p in params], chunk):
+            n = sum(end - start for _, start, end in segments)
+            ps, gs, m16, v16, seg_steps = [], [], [], [], []
+            keys_m, keys_v = [], []
+            for i, start, end in segments:
+                p, state = params[i], states[i]
+                ps.append(p.view(-1)[start:end])
+                gs.append(grads[i][start:end])
+                m16.append(state["exp_avg"].view(-1)[start:end])
+                v16.append(state["exp_avg_sq"].view(-1)[start:end])
+                seg_steps.append(state["step"])
+                # Counter-based noise: it depends on (seed, parameter, step, segment start) only, not on what ran
+                # before, so a resumed run (draws and salt are in the state) rounds as the straight one.
+                base = (self.seed, state["salt"], state["draws"], start)
+                keys_m.append(_key(*base, 0) % _OFFSETS)
+                keys_v.append(_key(*base, 1) % _OFFSETS)
+            m32 = list(scratch[:n].split([end - start for _, start, end in segments]))
+            v32 = list(scratch[n:2 * n].split([end - start for _, start, end in segments]))
+            torch._foreach_copy_(m32 + v32, m16 + v16)
+            torch._fused_adamw_(ps, gs, m32, v32, [], seg_steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+                                maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+            table = _noise_table(device, max(t.numel() for t in m32))
+            noise = [table[k:k + t.numel()] for k, t in zip(keys_m + keys_v, m32 + v32, strict=True)]
+            # Stochastic rounding: adding to the bit pattern carries into the kept bits with probability
+            # (dropped bits) / 2**16; the mask drops the rest, so the copy back to bf16 is exact.
+            torch._foreach_add_([t.view(torch.int32) for t in m32 + v32], noise)
+            scratch[:2 * n].view(torch.int32).bitwise_and_(-65536)
+            torch._foreach_copy_(m16 + v16, m32 + v32)
+        for state in states:
+            state["draws"] += 1
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count (as torch's)
+
+
+def _passes(numels: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
+    """Splits tensors of ``numels`` elements, in order, into passes of at most ``chunk`` elements:
+    ``(tensor index, start, end)`` segments, a tensor cut where a pass's budget ends."""
+    passes: list[list[tuple[int, int, int]]] = []
+    segments: list[tuple[int, int, int]] = []
+    room = chunk
+    for i, numel in enumerate(numels):
+        start = 0
+        while start < numel:
+            end = min(numel, start + room)
+            segments.append((i, start, end))
+            room -= end - start
+            start = end
+            if room == 0:
+                passes.append(segments)
+                segments, room = [], chunk
+    if segments:
+        passes.append(segments)
+    return passes
 
 
 def _key(*parts: int) -> int:
