@@ -378,7 +378,7 @@ class GradientAccumulator:
                         "micro-batches whose labels are all -100, or count items as (labels != -100).sum().")
                 self.optimizer.prepare_backward(last=True, grad_factor=factor, max_norm=self.max_grad_norm,
                                                 scaler=self.scaler)
-                self.optimizer.backward(scaled)  # two passes with clipping or an fp16 scaler
+                self.optimizer.backward(scaled)  # one pass: lagged clipping, the inf flag on the device
             else:
                 self.optimizer.prepare_backward(last=False)
                 scaled.backward()
@@ -524,17 +524,17 @@ class GradientAccumulator:
         grad_norm = float(self.optimizer.last_grad_norm)
         if not skipped and not math.isfinite(grad_norm):
             self.skipped_steps += 1
-            two_pass = self.max_grad_norm is not None
+            guarded = getattr(self.optimizer, "state_precision", "fp32") == "fp32"
             self.discard_window()
             raise MemtrainError(
                 f"the gradient norm is {grad_norm} at optimizer step {self.optimizer_steps + 1} and no fp16 scaler "
-                "owns overflows: "
-                + ("the first pass of the backward saw it, so no parameter stepped and the window's gradients were "
-                   "dropped. " if two_pass else
-                   "with step-in-backward and no clipping the parameters stepped during backward, so weights with a "
-                   "non-finite gradient now hold nan: resume from the last checkpoint. ")
-                + "To resolve this error, lower the learning rate, set max_grad_norm (step-in-backward then checks "
-                "the norm before stepping), or check the data of this window for inf/nan.")
+                "owns overflows: with step-in-backward the parameters whose gradients came before the first "
+                "non-finite one stepped during backward and no later one did"
+                + (" (the weights hold no nan); " if guarded else
+                   "; with bf16 or int8 moments the parameter with the non-finite gradient may hold nan: resume "
+                   "from the last checkpoint; ")
+                + "the window's other gradients were dropped. To resolve this error, lower the learning rate, "
+                "or check the data of this window for inf/nan.")
         if skipped:
             self.skipped_steps += 1
         else:
