@@ -21,12 +21,14 @@ planner); it equals what ``memtrain.measure.optimizer_state_bytes`` counts for t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -489,13 +491,74 @@ def cpu_step_rate(state_precision: str = "fp32", n_params: int = 1 << 22, repeat
     return sum(p.numel() for p in params) / sorted(times)[len(times) // 2]
 
 
+# -- host syncs ---------------------------------------------------------------------------------------------
+_SYNC_CALLS = ((torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "tolist"), (torch.Tensor, "__bool__"),
+               (torch.Tensor, "__float__"), (torch.Tensor, "__int__"), (torch.Tensor, "nonzero"), (torch, "nonzero"),
+               (torch.cuda, "synchronize"))
+
+
+@dataclass
+class HostSyncs:
+    """Calls that make the host wait for the device, counted by ``count_host_syncs``: their names in order."""
+
+    calls: list[str]
+
+    @property
+    def total(self) -> int:
+        return len(self.calls)
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[HostSyncs]:
+    """Counts, on this thread, the calls that synchronise the host with the device: ``Tensor.item``, ``.cpu``,
+    ``.tolist``, ``bool(tensor)``, ``float(tensor)``, ``int(tensor)``, ``nonzero`` and ``torch.cuda.synchronize``.
+
+    Every tensor counts, whatever its device: on a CPU-only machine the "device" is the CPU, so the count is what
+    a GPU run of the same code path would pay at most (a read of a host tensor counts too). Other threads (the
+    offloaded optimizer's worker) are not counted: the loop's thread does not wait for them there.
+
+    Example:
+        >>> with count_host_syncs() as syncs:
+        ...     _ = torch.ones(2).sum().item()
+        >>> syncs.calls
+        ['Tensor.item']
+    """
+    counts = HostSyncs([])
+    thread = threading.get_ident()
+    saved = []
+    for owner, name in _SYNC_CALLS:
+        original = getattr(owner, name)
+        label = f"{'Tensor' if owner is torch.Tensor else owner.__name__}.{name}"
+
+        def counted(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            if threading.get_ident() == thread:
+                counts.calls.append(_label)
+            return _original(*args, **kwargs)
+
+        saved.append((owner, name, owner.__dict__.get(name, _MISSING), original))
+        setattr(owner, name, counted)
+    try:
+        yield counts
+    finally:
+        for owner, name, own, _ in reversed(saved):
+            if own is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+
+
+_MISSING = object()
+
+
 # -- the optimizer ------------------------------------------------------------------------------------------
 @dataclass
 class _Arming:
     """How the next backward treats the device gradients (step-in-backward)."""
 
     last: bool = True  # False: a non-final micro-batch, gradients accumulate as usual
-    grad_factor: float = 1.0  # multiplies the (unscaled) gradients first: the window's normalisation
+    # Multiplies the (unscaled) gradients first: the window's normalisation; a device tensor from the accumulator
+    # (1 / items, not read back).
+    grad_factor: float | torch.Tensor = 1.0
     max_norm: float | None = None  # clip the global norm to this
     scaler: torch.amp.GradScaler | None = None
 
@@ -565,6 +628,9 @@ class LeanAdamW(torch.optim.Optimizer):
         # With host gradients the accumulator normalises and clips through us (scale_gradients_, clip_grad_norm_),
         # and GradScaler hands its inf check to step() (as with CPUOffloadOptimizer).
         self.manages_gradients = self._host is not None and not step_in_backward
+        # Whether step() skips on a device flag (found_inf) with no host sync: every part is torch's fused AdamW.
+        self.takes_skip_flag = self._host is None and not step_in_backward and all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in self._inner.values())
         self._step_supports_amp_scaling = self._host is not None or step_in_backward
         self.last_grad_norm: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None
@@ -695,7 +761,8 @@ class LeanAdamW(torch.optim.Optimizer):
 
         Args:
             last: False for a micro-batch that is not the window's last: its gradients accumulate as usual.
-            grad_factor: multiplies the unscaled gradients before clipping and stepping (e.g. 1 / items).
+            grad_factor: multiplies the unscaled gradients before clipping and stepping (e.g. 1 / items): a
+                number, or a 0-d tensor (never read on the host).
             max_norm: clip with the coefficient of the *previous* window's norm (lagged clipping, see the class
                 docstring); this window's norm is taken as its gradients step and clips the next one.
             scaler: the fp16 GradScaler whose scale the gradients carry: each is unscaled and checked as it
@@ -708,7 +775,8 @@ class LeanAdamW(torch.optim.Optimizer):
         self._sync_hyperparameters()
         self._synced = True
         self._on_device.clear()
-        self._arming = _Arming(last=last, grad_factor=float(grad_factor),
+        factor = grad_factor if isinstance(grad_factor, torch.Tensor) else float(grad_factor)
+        self._arming = _Arming(last=last, grad_factor=factor,
                                max_norm=None if max_norm is None or max_norm == math.inf else float(max_norm),
                                scaler=scaler if scaler is not None and scaler.is_enabled() else None)
 
@@ -731,6 +799,8 @@ class LeanAdamW(torch.optim.Optimizer):
                 cache[key] = torch.zeros((), dtype=torch.float32, device=device)
             elif key == "inv":
                 cache[key] = self._inv_scale(self._arming.scaler, device)
+            elif key == "factor":  # fp32, as a Python factor would be rounded for fp32 gradients
+                cache[key] = self._arming.grad_factor.to(device, torch.float32, non_blocking=True)
             else:  # "coef": lagged clipping, from the last finite window norm (0 before any: no clipping)
                 lagged = self._lagged_norm.to(device, non_blocking=True)
                 cache[key] = torch.clamp(self._arming.max_norm / (lagged + 1e-6), max=1.0)
@@ -751,8 +821,8 @@ class LeanAdamW(torch.optim.Optimizer):
                 host_found = torch.zeros((), dtype=torch.float32)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, host_found,
                                                                  self._inv_scale(arming.scaler, grads[0].device))
-            if grads and arming.grad_factor != 1.0:
-                torch._foreach_mul_(grads, arming.grad_factor)
+            if grads:
+                self._multiply_by_factor(grads)
         target = next(iter(self._norms.values())).device if self._norms else torch.device("cpu")
         norms = []
         for p in self.param_groups[0]["params"]:
@@ -777,9 +847,15 @@ class LeanAdamW(torch.optim.Optimizer):
         if arming.scaler is not None:
             torch._amp_foreach_non_finite_check_and_unscale_([grad], self._cached(grad.device, "found"),
                                                              self._cached(grad.device, "inv"))
-        if arming.grad_factor != 1.0:
-            torch._foreach_mul_([grad], arming.grad_factor)
+        self._multiply_by_factor([grad])
         return grad
+
+    def _multiply_by_factor(self, grads: list[torch.Tensor]) -> None:
+        factor = self._arming.grad_factor
+        if isinstance(factor, torch.Tensor):
+            torch._foreach_mul_(grads, self._cached(grads[0].device, "factor"))
+        elif factor != 1.0:
+            torch._foreach_mul_(grads, factor)
 
     def _step_param(self, p: torch.Tensor) -> None:
         """Unscale, normalise, take the norm, clip (lagged), step this parameter, free its gradient: one pass."""
@@ -836,8 +912,16 @@ class LeanAdamW(torch.optim.Optimizer):
     def _step_ordinary(self) -> None:
         self._sync_hyperparameters()
         if self._host is None:  # a plain optimizer: GradScaler.step() unscaled and checked the gradients
+            flag = getattr(self, "found_inf", None)  # set by GradientAccumulator (or GradScaler): skip on it
             for inner in {id(o): o for o in self._inner.values()}.values():
-                inner.step()
+                if flag is not None and getattr(inner, "_step_supports_amp_scaling", False):
+                    inner.grad_scale, inner.found_inf = getattr(self, "grad_scale", None), flag
+                    try:
+                        inner.step()
+                    finally:
+                        inner.grad_scale = inner.found_inf = None
+                else:
+                    inner.step()
             return
         self._gather()
         if self._found_inf is not None and self._found_inf.item() > 0:

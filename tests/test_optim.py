@@ -556,3 +556,31 @@ def test_step_in_backward_with_clipping_under_checkpointing_and_torchs_chunked_l
     ref, ours = run(True, False), run(True, True)
     # 1e-5: the chunked loss's gradients equal the whole-logits loss's within float rounding, not bit for bit.
     assert max_diff(ref, ours) <= 1e-5, f"max abs difference {max_diff(ref, ours):.3e} (tolerance 1e-5)"
+
+
+# -- step-in-backward from the CLI and the planner ----------------------------------------------------------
+@pytest.mark.parametrize("extra", [[], ["--global-batch-size", "8"]], ids=["one-micro-batch", "accumulation"])
+def test_cli_trains_with_step_in_backward_and_the_default_clipping(tmp_path, capsys, extra) -> None:
+    """The default --grad-clip 1.0 with torch's native chunked loss (the old two-pass backward raised "chunked
+    backward called twice"); with accumulation the parameters step in the last micro-batch's backward (it was
+    refused, naming torchrun in a one-process run)."""
+    from memtrain.cli import main
+
+    code = main(["train", "--model", "gpt-tiny", "--micro-batch-size", "4", "--max-steps", "2", "--step-in-backward",
+                 "--no-progress", "--out", str(tmp_path / "run"), *extra])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "torchrun" not in err
+
+
+def test_planner_keeps_an_asked_for_step_in_backward_with_accumulation() -> None:
+    from memtrain.planner import Fixed, plan
+
+    torch.manual_seed(0)
+    p = plan(GPT.from_preset("gpt-tiny"), budget=None, seq_len=32, global_batch_size=8, device="cpu",
+             precision="fp32", micro_batch_size=4, fixed=Fixed(optimizer="device", step_in_backward=True))
+    assert (p.settings.step_in_backward, p.settings.accumulation) == (True, 2), p.summary()
+    with pytest.raises(ConfigError, match="no set-up can be built") as info:
+        plan(GPT.from_preset("gpt-tiny"), budget=None, seq_len=32, global_batch_size=8, device="cpu",
+             precision="fp32", fixed=Fixed(optimizer="device", step_in_backward=True, offload_fraction=0.5))
+    assert "world_size" not in str(info.value) and "cannot accumulate" not in str(info.value), str(info.value)
