@@ -35,7 +35,6 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -50,7 +49,6 @@ _FIX_WINDOW = ("To resolve this error, run each micro-batch as `with acc.micro_b
                "acc.backward(loss, reduction=..., items=...)` and end the window with `acc.step()`.")
 
 
-@dataclass(frozen=True)
 class StepResult:
     """What one optimizer-step boundary did.
 
@@ -59,17 +57,51 @@ class StepResult:
         loss: the window's loss normalised like the full batch: sum of losses / items (sum-reduced) or the mean
             of the micro-batch means (mean-reduced), over every rank.
         grad_norm: global L2 norm of the normalised gradient before clipping (inf or nan when skipped).
-        skipped: True when the fp16 scaler found an inf/nan gradient and skipped the optimizer step.
+        skipped: True when the step was skipped: the fp16 scaler found an inf/nan gradient, or (without clipping
+            and scaler, see ``GradientAccumulator``) the device-side check found a non-finite gradient.
         items: items in the window summed over ranks (0 for mean-reduced losses given without items).
         micro_batches: micro-batches in the window on this rank.
+
+    ``loss``, ``grad_norm``, ``skipped`` and ``items`` may still live on the device: the first of them read makes
+    the one host sync (log every N steps to keep the loop free of syncs).
     """
 
-    step: int
-    loss: float
-    grad_norm: float
-    skipped: bool
-    items: int
-    micro_batches: int
+    def __init__(self, *, step: int, micro_batches: int, loss: float | None = None, grad_norm: float | None = None,
+                 skipped: bool | None = None, items: int | None = None, on_device: torch.Tensor | None = None):
+        self.step = step
+        self.micro_batches = micro_batches
+        # [loss, grad_norm, skipped, items] as a device tensor until read, then as Python numbers.
+        self._values: Any = on_device if on_device is not None else (loss, grad_norm, skipped, items)
+
+    def _value(self, i: int) -> Any:
+        if isinstance(self._values, torch.Tensor):
+            self._values = tuple(self._values.tolist())  # the reader's host sync, once
+        return self._values[i]
+
+    @property
+    def loss(self) -> float:
+        return float(self._value(0))
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self._value(1))
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self._value(2))
+
+    @property
+    def items(self) -> int:
+        return int(round(self._value(3)))
+
+    def __repr__(self) -> str:
+        return (f"StepResult(step={self.step}, loss={self.loss}, grad_norm={self.grad_norm}, skipped={self.skipped}, "
+                f"items={self.items}, micro_batches={self.micro_batches})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepResult) and repr(self) == repr(other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def accumulation_steps(micro_batch_size: int, global_batch_size: int, world_size: int = 1) -> int:
@@ -223,8 +255,9 @@ class GradientAccumulator:
         # Counters over the whole run.
         self.optimizer_steps = 0
         self.skipped_steps = 0
-        self.items_seen = 0
-        self.last_grad_norm: float | None = None
+        self._items_seen = 0
+        self._last_grad_norm: float | None = None
+        self._results: list[StepResult] = []  # results not read yet: items_seen and last_grad_norm read them
         # fp16 only: the constant sum-reduced losses are multiplied by before backward (see the module docstring).
         self._sum_prescale: float | None = None
         self._reset_window()
@@ -240,6 +273,21 @@ class GradientAccumulator:
         self._closed = False  # the micro-batch marked is_last=True has run
 
     @property
+    def items_seen(self) -> int:
+        """Items stepped on over the run (reading it reads the steps' results: a host sync)."""
+        for result in self._results:
+            self._items_seen += result.items
+            self._last_grad_norm = result.grad_norm
+        self._results.clear()
+        return self._items_seen
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last window's gradient norm before clipping (reading it is a host sync)."""
+        self.items_seen  # noqa: B018  (folds the pending results in)
+        return self._last_grad_norm
+
+    @property
     def micro_batches_in_window(self) -> int:
         """Micro-batches run since the last step()."""
         return self._micro_batches
@@ -253,8 +301,9 @@ class GradientAccumulator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer_steps = int(state["optimizer_steps"])
         self.skipped_steps = int(state["skipped_steps"])
-        self.items_seen = int(state["items_seen"])
-        self.last_grad_norm = state["last_grad_norm"]
+        self._results.clear()
+        self._items_seen = int(state["items_seen"])
+        self._last_grad_norm = state["last_grad_norm"]
         self._sum_prescale = state.get("sum_prescale")
 
     # -- one micro-batch ----------------------------------------------------------------------------------
@@ -368,17 +417,15 @@ class GradientAccumulator:
 
         if self._steps_in_backward:
             if self._is_last:
-                # The window's factor is known before its last backward: this one steps the parameters.
-                factor = self._factor(window, reduction)
-                if factor is None:
-                    self.discard_window()
-                    raise MemtrainError(
-                        "the window holds 0 items: a sum-reduced loss over nothing cannot be normalised, and with "
-                        "step-in-backward its backward would step the parameters. To resolve this error, skip "
-                        "micro-batches whose labels are all -100, or count items as (labels != -100).sum().")
+                # The window's factor is known before its last backward (on the device: no sync), which steps the
+                # parameters. A window of zero items gives an infinite factor: the first gradient to land sets the
+                # optimizer's inf flag, so no parameter steps, and step() refuses the window.
+                self._reduction = reduction
+                divisor = window[0] if reduction == "sum" else float(self._micro_batches + 1)
+                factor = self._factor(divisor)
                 self.optimizer.prepare_backward(last=True, grad_factor=factor, max_norm=self.max_grad_norm,
                                                 scaler=self.scaler)
-                self.optimizer.backward(scaled)  # two passes with clipping or an fp16 scaler
+                self.optimizer.backward(scaled)  # one pass: lagged clipping, the inf flag on the device
             else:
                 self.optimizer.prepare_backward(last=False)
                 scaled.backward()
@@ -407,6 +454,10 @@ class GradientAccumulator:
         """Ends the window: unscale -> normalise -> clip -> optimizer step -> scaler update -> scheduler step
         -> zero_grad(set_to_none=True), each once.
 
+        Host syncs: one read of the window's numbers (items, loss, norm, inf flag) with clipping, an fp16 scaler,
+        host gradients (CPUOffloadOptimizer: its host step needs the factor) or an optimizer that cannot skip a
+        step on a device flag; none otherwise (``count_host_syncs`` in ``memtrain.optim`` counts them).
+
         Returns:
             A StepResult. With an fp16 scaler an overflowing window is skipped: parameters, optimizer state and
             scheduler are left as they were, ``skipped`` is True and ``skipped_steps`` grows.
@@ -414,7 +465,10 @@ class GradientAccumulator:
         Raises:
             MemtrainError: no micro-batch ran, the last one was not marked ``is_last=True``, the window holds
                 zero items over all ranks, or (without a scaler) the gradient is not finite; the window's
-                gradients are dropped, the weights are untouched.
+                gradients are dropped, the weights are untouched. NOTE: where nothing is read back (no clipping,
+                no scaler, fused AdamW or memtrain's AdamW), the last two cannot be seen on the host: the step is
+                skipped on the device instead (fused AdamW leaves weights and moments as they were) and
+                ``StepResult.skipped`` says so when read; ``optimizer_steps`` and the scheduler count it as a step.
         """
         if self._in_micro_batch:
             raise MemtrainError(f"acc.step() called inside a micro-batch. {_FIX_WINDOW}")
@@ -432,53 +486,99 @@ class GradientAccumulator:
         if world > 1:
             stats = stats.to(_collective_device())
             dist.all_reduce(stats)
-        items_f, micro_f, loss_sum = stats.tolist()
-        items = round(items_f)
-        reduction = self._reduction
-        if reduction == "sum" and items <= 0:
-            message = (
-                f"the window holds {items} items over {world} rank(s) ({self._micro_batches} micro-batch(es) here): "
-                "a sum-reduced loss over nothing cannot be normalised. To resolve this error, skip micro-batches "
-                "whose labels are all -100 before the window, or count items as (labels != -100).sum()."
-            )
-            self.discard_window()
-            raise MemtrainError(message)
-        divisor = items_f if reduction == "sum" else micro_f
-        factor = self._factor(stats, reduction, reduced=True)
-
         if self._steps_in_backward:
-            return self._finish_stepped_window(loss_sum / divisor, items)
+            return self._finish_stepped_window(stats)
         if _host_gradients(self.optimizer):
-            # CPUOffloadOptimizer streamed the gradients to host memory during backward (and unscales them
-            # itself, with its grad_scaler): normalise and clip them there.
-            self.optimizer.scale_gradients_(factor)  # keeps the norms taken as they landed: no second pass
-            grad_norm = float(self.optimizer.clip_grad_norm_(self.max_grad_norm or math.inf))
-        else:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)  # first: normalising and clipping act on true gradients
-            grads = [p.grad for p in params if p.grad is not None]
-            if factor != 1.0 and grads:
-                torch._foreach_mul_(grads, factor)
-            grad_norm = _grad_norm([p for p in params if p.grad is not None], self.max_grad_norm)
+            return self._step_host_gradients(stats)
+        return self._step_device_gradients(stats)
 
+    def _step_host_gradients(self, stats: torch.Tensor) -> StepResult:
+        """CPUOffloadOptimizer (or LeanAdamW with a host part) streamed the gradients to host memory during
+        backward and unscales them itself (its grad_scaler): the factor goes to it as a number (one read), and it
+        folds the factor and the clip coefficient into its host step."""
+        items_f, micro_f, loss_sum = stats.tolist()  # the one read: the host step needs the factor on the host
+        divisor = self._check_items(items_f, micro_f)
+        self.optimizer.scale_gradients_(self._factor(divisor))  # no pass: folded into the host step
+        norm = self.optimizer.clip_grad_norm_(self.max_grad_norm or math.inf)
         skipped = False
         if self.scaler is not None:
             scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips optimizer.step() if unscale_ found inf/nan
+            self.scaler.step(self.optimizer)  # the optimizer unscaled and checked its host gradients itself
             self.scaler.update()
             skipped = self.scaler.get_scale() < scale_before  # the scale only goes down after an overflow
+        else:
+            grad_norm = float(norm)
+            if not math.isfinite(grad_norm):
+                self._refuse_non_finite(grad_norm)
+            self.optimizer.step()
+        return self._end_window(skipped, loss=loss_sum / divisor, grad_norm=float(norm), items=round(items_f))
+
+    def _step_device_gradients(self, stats: torch.Tensor) -> StepResult:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        found = None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # first: normalising and clipping act on true gradients
+            found_per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+            found = sum(f.to(stats.device, non_blocking=True) for f in found_per_device.values())
+        grads = [p.grad for p in params if p.grad is not None]
+        divisor = stats[0] if self._reduction == "sum" else stats[1]
+        if self._reduction == "mean" and _world_size() == 1:
+            divisor = float(self._micro_batches)  # known here: a factor of 1.0 then costs no pass
+        factor = self._factor(divisor)
+        if grads and (isinstance(factor, torch.Tensor) or factor != 1.0):
+            for device, group in _by_device(grads).items():
+                f = factor.to(device, torch.float32, non_blocking=True) if isinstance(factor, torch.Tensor) else factor
+                torch._foreach_mul_(group, f)
+        norm = _grad_norm([p for p in params if p.grad is not None], self.max_grad_norm, stats.device)
+        items, micro_f, loss_sum = stats.unbind()
+        loss = loss_sum / (items if self._reduction == "sum" else micro_f)
+        if self.scaler is None and self.max_grad_norm is None and _takes_skip_flag(self.optimizer):
+            # Nothing to read back: a non-finite gradient or an empty window skips the step on the device.
+            flag = (~norm.isfinite() | ((items <= 0) & (self._reduction == "sum"))).float()
+            _step_with_flag(self.optimizer, flag)
+            return self._end_window(False, on_device=torch.stack([loss, norm, flag.double(), items]))
+        # The one read: the window's numbers together.
+        values = [items, micro_f, loss_sum, norm] + ([found.double()] if found is not None else [])
+        read = torch.stack(values).tolist()
+        items_f, micro_host, loss_sum_f, grad_norm = read[:4]
+        divisor_f = self._check_items(items_f, micro_host)
+        skipped = False
+        if self.scaler is not None:
+            skipped = read[4] > 0
+            if not skipped:
+                _step_with_flag(self.optimizer, None)
+            self.scaler.update()  # reads the inf check unscale_ recorded, on the device
         elif not math.isfinite(grad_norm):
-            self.skipped_steps += 1
-            self.discard_window()
-            raise MemtrainError(
-                f"the gradient norm is {grad_norm} at optimizer step {self.optimizer_steps + 1} and no fp16 scaler "
-                "owns overflows: stepping would write nan into the weights, so the step was not taken and the "
-                "window's gradients were dropped. To resolve this error, lower the learning rate, set "
-                "max_grad_norm, or check the data of this window for inf/nan."
-            )
+            self._refuse_non_finite(grad_norm)
         else:
             self.optimizer.step()
+        return self._end_window(skipped, loss=loss_sum_f / divisor_f, grad_norm=grad_norm, items=round(items_f))
+
+    def _check_items(self, items_f: float, micro_f: float) -> float:
+        """The window's divisor (items or micro-batches); refuses a sum-reduced window of zero items."""
+        items = round(items_f)
+        if self._reduction == "sum" and items <= 0:
+            message = (
+                f"the window holds {items} items over {_world_size()} rank(s) ({self._micro_batches} micro-batch(es) "
+                "here): a sum-reduced loss over nothing cannot be normalised. To resolve this error, skip "
+                "micro-batches whose labels are all -100 before the window, or count items as (labels != -100).sum()."
+            )
+            self.discard_window()
+            raise MemtrainError(message)
+        return items_f if self._reduction == "sum" else micro_f
+
+    def _refuse_non_finite(self, grad_norm: float) -> None:
+        self.skipped_steps += 1
+        self.discard_window()
+        raise MemtrainError(
+            f"the gradient norm is {grad_norm} at optimizer step {self.optimizer_steps + 1} and no fp16 scaler "
+            "owns overflows: stepping would write nan into the weights, so the step was not taken and the "
+            "window's gradients were dropped. To resolve this error, lower the learning rate, set "
+            "max_grad_norm, or check the data of this window for inf/nan."
+        )
+
+    def _end_window(self, skipped: bool, *, loss: float | None = None, grad_norm: float | None = None,
+                    items: int | None = None, on_device: torch.Tensor | None = None) -> StepResult:
         if skipped:
             self.skipped_steps += 1  # the scheduler stays where it was: no update happened
         else:
@@ -486,68 +586,58 @@ class GradientAccumulator:
             if self.scheduler is not None:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # None, not zeros: frees the gradients' memory
-
-        self.items_seen += items
-        self.last_grad_norm = grad_norm
         micro_batches = self._micro_batches
         self._reset_window()
-        return StepResult(step=self.optimizer_steps, loss=loss_sum / divisor, grad_norm=grad_norm,
-                          skipped=skipped, items=items, micro_batches=micro_batches)
+        result = StepResult(step=self.optimizer_steps, micro_batches=micro_batches, loss=loss, grad_norm=grad_norm,
+                            skipped=skipped, items=items, on_device=on_device)
+        self._results.append(result)
+        return result
 
-    def _factor(self, stats: torch.Tensor, reduction: Reduction | None, *, reduced: bool = False) -> float | None:
-        """What every gradient is multiplied by at the boundary: world size / items (sum) or / micro-batches."""
-        world = _world_size()
-        if world > 1 and not reduced:
-            stats = stats.to(_collective_device())
-            dist.all_reduce(stats)
-        items_f, micro_f, _ = stats.tolist()
-        divisor = items_f if reduction == "sum" else micro_f
-        if divisor <= 0:
-            return None  # a window of zero items: the callers refuse it
+    def _factor(self, divisor: float | torch.Tensor) -> float | torch.Tensor:
+        """What every gradient is multiplied by at the boundary: world size / items (sum) or / micro-batches;
+        a device tensor when the divisor is one (no host sync)."""
         # DDP and FSDP2 average gradients over the ranks; multiply by the world size to get the sum back.
-        factor = (world if self._sync != "none" else 1) / divisor
-        if reduction == "sum" and self.scaler is not None:
-            factor /= self._sum_prescale
+        factor = (_world_size() if self._sync != "none" else 1) / divisor
+        if self._reduction == "sum" and self.scaler is not None:
+            factor = factor / self._sum_prescale
         return factor
 
-    def _finish_stepped_window(self, loss: float, items: int) -> StepResult:
+    def _finish_stepped_window(self, stats: torch.Tensor) -> StepResult:
         """The boundary of a step-in-backward window: the parameters stepped in the last backward (normalised,
-        clipped, unscaled); ``optimizer.step()`` finishes (host part, inf check), then the scaler and scheduler."""
-        skipped = False
+        clipped by the last window's norm, unscaled); ``optimizer.step()`` finishes (leftovers, host part, inf
+        flag), then the scaler and scheduler. One read with clipping or a scaler, none otherwise."""
+        self.optimizer.step()  # GradScaler.step is not used: the inf flag lives in the optimizer (window_found_inf)
+        norm = self.optimizer.last_grad_norm
+        found = self.optimizer.window_found_inf
+        if found is None:
+            found = torch.zeros((), device=norm.device)
+        items, micro_f, loss_sum = stats.unbind()
+        device = norm.device
+        loss = loss_sum / (items if self._reduction == "sum" else micro_f)
         if self.scaler is not None:
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < scale_before
-        else:
-            self.optimizer.step()
-        grad_norm = float(self.optimizer.last_grad_norm)
+            self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"] = {found.device: found}
+            self.scaler.update()  # backs off on the device when an inf was seen
+        if self.scaler is None and self.max_grad_norm is None:
+            values = torch.stack([loss.to(device), norm.double(), found.double(), items.to(device)])
+            return self._end_window(False, on_device=values)
+        items_f, micro_host, loss_sum_f, grad_norm, found_f = torch.stack(
+            [items.to(device), micro_f.to(device), loss_sum.to(device), norm.double(), found.double()]).tolist()
+        divisor = self._check_items(items_f, micro_host)
+        skipped = found_f > 0 and self.scaler is not None
         if not skipped and not math.isfinite(grad_norm):
             self.skipped_steps += 1
-            two_pass = self.max_grad_norm is not None
+            guarded = getattr(self.optimizer, "state_precision", "fp32") == "fp32"
             self.discard_window()
             raise MemtrainError(
                 f"the gradient norm is {grad_norm} at optimizer step {self.optimizer_steps + 1} and no fp16 scaler "
-                "owns overflows: "
-                + ("the first pass of the backward saw it, so no parameter stepped and the window's gradients were "
-                   "dropped. " if two_pass else
-                   "with step-in-backward and no clipping the parameters stepped during backward, so weights with a "
-                   "non-finite gradient now hold nan: resume from the last checkpoint. ")
-                + "To resolve this error, lower the learning rate, set max_grad_norm (step-in-backward then checks "
-                "the norm before stepping), or check the data of this window for inf/nan.")
-        if skipped:
-            self.skipped_steps += 1
-        else:
-            self.optimizer_steps += 1
-            if self.scheduler is not None:
-                self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.items_seen += items
-        self.last_grad_norm = grad_norm
-        micro_batches = self._micro_batches
-        self._reset_window()
-        return StepResult(step=self.optimizer_steps, loss=loss, grad_norm=grad_norm, skipped=skipped, items=items,
-                          micro_batches=micro_batches)
+                "owns overflows: with step-in-backward the parameters whose gradients came before the first "
+                "non-finite one stepped during backward and no later one did"
+                + (" (the weights hold no nan); " if guarded else
+                   "; with bf16 or int8 moments the parameter with the non-finite gradient may hold nan: resume "
+                   "from the last checkpoint; ")
+                + "the window's other gradients were dropped. To resolve this error, lower the learning rate, "
+                "or check the data of this window for inf/nan.")
+        return self._end_window(skipped, loss=loss_sum_f / divisor, grad_norm=grad_norm, items=round(items_f))
 
     def discard_window(self) -> None:
         """Drops the current window's gradients and counts without stepping (e.g. after an out-of-memory error
@@ -593,12 +683,42 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
+def _grad_norm(params: list[torch.Tensor], max_norm: float | None, device: torch.device) -> torch.Tensor:
+    """The global norm of the gradients (a tensor on ``device``; not read), clipping them to ``max_norm`` on the
+    device when given (torch's coefficient, a tensor: no host sync)."""
     if not params:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64, device=device)
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
         norm = norm.full_tensor()
-    return float(norm)
+    return norm.to(device, torch.float64, non_blocking=True)
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def _takes_skip_flag(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` skips on a device flag (``found_inf``, as GradScaler hands it): torch's fused
+    Adam/AdamW, and memtrain's AdamW whose every part is fused (``takes_skip_flag``)."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return bool(optimizer.defaults.get("fused"))
+    return bool(getattr(optimizer, "takes_skip_flag", False))
+
+
+def _step_with_flag(optimizer: torch.optim.Optimizer, flag: torch.Tensor | None) -> None:
+    """``optimizer.step()``, skipped on the device where ``flag`` is 1 (weights, moments and step count left as
+    they were), with the gradients already unscaled."""
+    if flag is None or not _takes_skip_flag(optimizer):
+        optimizer.step()
+        return
+    optimizer.grad_scale, optimizer.found_inf = None, flag
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = optimizer.found_inf = None

@@ -9,8 +9,9 @@ a little time or precision for some of them, and ``build_optimizer`` combines th
   rounding, fp32 master kept) or int8 (about 2.03: bitsandbytes' block-wise 8-bit AdamW, the ``lowbit`` extra;
   tensors under 4,096 elements keep fp32 moments, as bitsandbytes and torchao do).
 - ``step_in_backward``: each parameter steps as soon as its gradient is final and the gradient is freed at once,
-  so the whole model's gradients never coexist (4 bytes/param less at the backward's peak). With clipping or an
-  fp16 scaler the last backward runs twice (the first pass takes the norm and the inf check, the second steps).
+  so the whole model's gradients never coexist (4 bytes/param less at the backward's peak). One backward pass:
+  clipping uses the previous window's norm (lagged clipping), an fp16 overflow stops the parameters not yet
+  stepped (see ``LeanAdamW``).
 - ``offload_fraction``: that share of the parameters (the last ones in registration order, whose gradients land
   first in backward) keep their fp32 master and state in host RAM through ``CPUOffloadOptimizer``.
 
@@ -20,11 +21,13 @@ planner); it equals what ``memtrain.measure.optimizer_state_bytes`` counts for t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -567,19 +570,76 @@ def cpu_step_rate(state_precision: str = "fp32", n_params: int = 1 << 22, repeat
     return sum(p.numel() for p in params) / sorted(times)[len(times) // 2]
 
 
+# -- host syncs ---------------------------------------------------------------------------------------------
+_SYNC_CALLS = ((torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "tolist"), (torch.Tensor, "__bool__"),
+               (torch.Tensor, "__float__"), (torch.Tensor, "__int__"), (torch.Tensor, "nonzero"), (torch, "nonzero"),
+               (torch.cuda, "synchronize"))
+
+
+@dataclass
+class HostSyncs:
+    """Calls that make the host wait for the device, counted by ``count_host_syncs``: their names in order."""
+
+    calls: list[str]
+
+    @property
+    def total(self) -> int:
+        return len(self.calls)
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[HostSyncs]:
+    """Counts, on this thread, the calls that synchronise the host with the device: ``Tensor.item``, ``.cpu``,
+    ``.tolist``, ``bool(tensor)``, ``float(tensor)``, ``int(tensor)``, ``nonzero`` and ``torch.cuda.synchronize``.
+
+    Every tensor counts, whatever its device: on a CPU-only machine the "device" is the CPU, so the count is what
+    a GPU run of the same code path would pay at most (a read of a host tensor counts too). Other threads (the
+    offloaded optimizer's worker) are not counted: the loop's thread does not wait for them there.
+
+    Example:
+        >>> with count_host_syncs() as syncs:
+        ...     _ = torch.ones(2).sum().item()
+        >>> syncs.calls
+        ['Tensor.item']
+    """
+    counts = HostSyncs([])
+    thread = threading.get_ident()
+    saved = []
+    for owner, name in _SYNC_CALLS:
+        original = getattr(owner, name)
+        label = f"{'Tensor' if owner is torch.Tensor else owner.__name__}.{name}"
+
+        def counted(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            if threading.get_ident() == thread:
+                counts.calls.append(_label)
+            return _original(*args, **kwargs)
+
+        saved.append((owner, name, owner.__dict__.get(name, _MISSING), original))
+        setattr(owner, name, counted)
+    try:
+        yield counts
+    finally:
+        for owner, name, own, _ in reversed(saved):
+            if own is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+
+
+_MISSING = object()
+
+
 # -- the optimizer ------------------------------------------------------------------------------------------
 @dataclass
 class _Arming:
     """How the next backward treats the device gradients (step-in-backward)."""
 
     last: bool = True  # False: a non-final micro-batch, gradients accumulate as usual
-    grad_factor: float = 1.0  # multiplies the (unscaled) gradients first: the window's normalisation
+    # Multiplies the (unscaled) gradients first: the window's normalisation; a device tensor from the accumulator
+    # (1 / items, not read back).
+    grad_factor: float | torch.Tensor = 1.0
     max_norm: float | None = None  # clip the global norm to this
     scaler: torch.amp.GradScaler | None = None
-
-    @property
-    def two_pass(self) -> bool:
-        return self.last and (self.max_norm is not None or self.scaler is not None)
 
 
 class LeanAdamW(torch.optim.Optimizer):
@@ -592,7 +652,23 @@ class LeanAdamW(torch.optim.Optimizer):
     of ``loss.backward(); opt.step(); opt.zero_grad()`` works, with no clipping); ``GradientAccumulator`` arms each
     micro-batch itself (``prepare_backward``) and runs the last one through ``backward(loss)``. ``step()`` stays
     the explicit boundary: it checks that a backward stepped since the last one, steps the host part and
-    reports ``last_grad_norm``; it raises when no backward ran.
+    reports ``last_grad_norm`` (a device tensor: reading it is the caller's host sync); it raises when no backward
+    ran.
+
+    Step-in-backward runs one backward pass per micro-batch, with clipping and with the fp16 scaler:
+
+    - Clipping is *lagged*: window t's gradients are multiplied by ``min(1, max_norm / (norm_{t-1} + 1e-6))``,
+      the coefficient of the last finite window norm before it, since a parameter steps before the later
+      gradients (and so the window's norm) exist. The first window has no previous norm and is not clipped: AdamW's
+      first update is ``g / (|g| + eps)`` per element, whatever the gradient's scale, so only its moments carry the
+      unclipped magnitude. ``last_grad_norm`` is the window's own norm before clipping, as ``clip_grad_norm_``
+      returns it. A two-pass scheme (norm first, steps in a second backward) was exact but cost a second backward
+      every step and broke torch's native chunked loss, whose backward runs once.
+    - NOTE: an inf/nan gradient (fp16 overflow, or any non-finite gradient) sets a flag on the device as that
+      gradient lands; fused AdamW reads it and no parameter steps after it (weights, moments, step count as they
+      were), with no host sync. Parameters whose gradients landed *before* it took this step with their finite
+      gradients: the compromise of stepping in one pass. The scaler then backs off as usual and the window counts
+      as skipped. Inner optimizers without that flag (bf16 and int8 moments) are refused with an fp16 scaler.
     """
 
     _OPTIONS = ("lr", "betas", "eps", "weight_decay")
@@ -631,28 +707,28 @@ class LeanAdamW(torch.optim.Optimizer):
         # With host gradients the accumulator normalises and clips through us (scale_gradients_, clip_grad_norm_),
         # and GradScaler hands its inf check to step() (as with CPUOffloadOptimizer).
         self.manages_gradients = self._host is not None and not step_in_backward
+        # Whether step() skips on a device flag (found_inf) with no host sync: every part is torch's fused AdamW.
+        self.takes_skip_flag = self._host is None and not step_in_backward and all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in self._inner.values())
         self._step_supports_amp_scaling = self._host is not None or step_in_backward
         self.last_grad_norm: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None
         self._gathered = False
         self._arming = _Arming(scaler=self.grad_scaler)
-        self._measured = False  # the first pass of a two-pass backward ran
-        self._backward_ran = False  # a backward stepped (or measured) since the last step()
-        self._skip_window = False  # the first pass found inf/nan: nothing steps in this window
-        self._norms: dict[int, torch.Tensor] = {}
-        self._had_grad: set[int] = set()
-        self._coef: torch.Tensor | None = None
+        self._backward_ran = False  # a backward stepped since the last step()
+        self._norms: dict[int, torch.Tensor] = {}  # this window's per-parameter norms (device tensors)
+        # The last finite window norm: it clips the next window (lagged clipping). 0 before any: no clipping.
+        self._lagged_norm = torch.zeros(())
+        self.window_found_inf: torch.Tensor | None = None  # the last window's inf/nan flag (step-in-backward)
         # Per device, for one window's backward: the inf flag, the inverse scale and the clip coefficient, kept
         # on the device so that no hook synchronises with the host.
         self._on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self._measuring = False
         self._synced = False  # the inner optimizers hold param_groups' hyper-parameters of this step
         self._hooks = []
         if step_in_backward:
             # The hooks hold the optimizer weakly: a dropped optimizer must not keep stepping in backward.
             owner = weakref.ref(self)
             for p in self._device_params:
-                self._hooks.append(p.register_hook(_pre_hook(owner, p)))
                 self._hooks.append(p.register_post_accumulate_grad_hook(_post_hook(owner)))
             weakref.finalize(self, _remove_hooks, self._hooks)
         self._link_state()
@@ -764,9 +840,12 @@ class LeanAdamW(torch.optim.Optimizer):
 
         Args:
             last: False for a micro-batch that is not the window's last: its gradients accumulate as usual.
-            grad_factor: multiplies the unscaled gradients before clipping and stepping (e.g. 1 / items).
-            max_norm: clip the global gradient norm to this; then ``backward(loss)`` runs two passes.
-            scaler: the fp16 GradScaler whose scale the gradients carry; two passes too (the inf check first).
+            grad_factor: multiplies the unscaled gradients before clipping and stepping (e.g. 1 / items): a
+                number, or a 0-d tensor (never read on the host).
+            max_norm: clip with the coefficient of the *previous* window's norm (lagged clipping, see the class
+                docstring); this window's norm is taken as its gradients step and clips the next one.
+            scaler: the fp16 GradScaler whose scale the gradients carry: each is unscaled and checked as it
+                lands, and no parameter steps once an inf/nan was seen.
         """
         if not self.steps_in_backward:
             raise MemtrainError("prepare_backward() on an optimizer built with step_in_backward=False: its step() "
@@ -775,134 +854,112 @@ class LeanAdamW(torch.optim.Optimizer):
         self._sync_hyperparameters()
         self._synced = True
         self._on_device.clear()
-        self._arming = _Arming(last=last, grad_factor=float(grad_factor),
+        factor = grad_factor if isinstance(grad_factor, torch.Tensor) else float(grad_factor)
+        self._arming = _Arming(last=last, grad_factor=factor,
                                max_norm=None if max_norm is None or max_norm == math.inf else float(max_norm),
                                scaler=scaler if scaler is not None and scaler.is_enabled() else None)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagates ``loss`` as armed: one pass, or (clipping, fp16 scaler) a first pass that takes each
-        gradient's norm and inf check without keeping it, then a second that steps with the clip coefficient.
+        """Back-propagates ``loss`` as armed: one pass, the parameters stepping as their gradients are final.
 
-        The second pass costs one more backward of this micro-batch (the graph is retained in between: peak
-        activation memory is unchanged); ``benchmarks/bench_optim_state.py --case step-in-backward`` measures it.
+        Kept so that callers need not know the arming: it is ``loss.backward()``.
         """
-        arming = self._arming
-        if not (self.steps_in_backward and arming.two_pass):
-            loss.backward()
-            return
-        self._norms.clear()
-        self._had_grad.clear()
-        self._on_device.clear()
-        self._measuring = True
-        try:
-            loss.backward(retain_graph=True)
-        finally:
-            self._measuring = False
-        self._measured = True
-        total, found = self._window_norm()
-        self.last_grad_norm = total
-        if found or not math.isfinite(total.item()):
-            self._skip_window = True  # the scaler backs off (or the accumulator refuses); nothing steps
-            self._backward_ran = True
-            return
-        self._coef = None
-        for cache in self._on_device.values():
-            cache.pop("coef", None)
-        if arming.max_norm is not None:
-            self._coef = torch.clamp(arming.max_norm / (total + 1e-6), max=1.0)
-            if self._host is not None:
-                host_grads = [s.master.grad for s in self._host._slots if s.master.grad is not None]
-                if host_grads:
-                    torch._foreach_mul_(host_grads, self._coef)
-        if self._host is not None:
-            self._host._skip_landing = True  # its gradients landed in the first pass
-        try:
-            loss.backward()
-        finally:
-            if self._host is not None:
-                self._host._skip_landing = False
+        loss.backward()
 
     def _inv_scale(self, scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:
         return scaler._scale.double().reciprocal().float().to(device)  # as GradScaler.unscale_ computes it
 
     def _cached(self, device: torch.device, key: str) -> torch.Tensor:
+        """Per device, for one window's backward: the inf flag, the inverse scale and the clip coefficient, made
+        on the device once so that no hook synchronises with the host."""
         cache = self._on_device.setdefault(device, {})
         if key not in cache:
             if key == "found":
                 cache[key] = torch.zeros((), dtype=torch.float32, device=device)
             elif key == "inv":
                 cache[key] = self._inv_scale(self._arming.scaler, device)
-            else:
-                cache[key] = self._coef.to(device)
+            elif key == "factor":  # fp32, as a Python factor would be rounded for fp32 gradients
+                cache[key] = self._arming.grad_factor.to(device, torch.float32, non_blocking=True)
+            else:  # "coef": lagged clipping, from the last finite window norm (0 before any: no clipping)
+                lagged = self._lagged_norm.to(device, non_blocking=True)
+                cache[key] = torch.clamp(self._arming.max_norm / (lagged + 1e-6), max=1.0)
         return cache[key]
 
-    def _found_any(self) -> bool:
-        """Whether any gradient of this window was inf/nan (one host sync per device)."""
-        found = [c["found"].item() for c in self._on_device.values() if "found" in c]
-        return any(f > 0 for f in found)
-
-    def _window_norm(self) -> tuple[torch.Tensor, bool]:
-        """After the first pass: the global norm over device (from the hooks) and host gradients, param order."""
+    def _window_norm(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After the last backward: the global norm over device (from the hooks) and host gradients, in param order
+        as torch's clip_grad_norm_ stacks them (another order can move the last bit), on the device; and the
+        window's inf flag (None when nothing was checked)."""
         arming = self._arming
         host: dict[int, Any] = {}
+        host_found = None
         if self._host is not None:
             self._host._gather()
             host = {id(s.device): s for s in self._host._slots}
             grads = [s.master.grad for s in self._host._slots if s.master.grad is not None]
             if grads and arming.scaler is not None:
-                device = grads[0].device
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, self._cached(device, "found"),
-                                                                 self._cached(device, "inv"))
-            if grads and arming.grad_factor != 1.0:
-                torch._foreach_mul_(grads, arming.grad_factor)
-        if self._arming.two_pass:
-            for p in self._leftovers():
-                if id(p) not in self._norms:  # no hook of this backward saw it: measured now, stepped at step()
-                    self._measure(p, None)
-        # The device norms cross to the host in one copy per device, then stack in param_groups order as torch's
-        # clip_grad_norm_ does (another order can move the last bit).
-        on_host: dict[int, torch.Tensor] = {}
-        for ids in _by_device_ids(self._norms).values():
-            for i, norm in zip(ids, torch.stack([self._norms[i] for i in ids]).cpu(), strict=True):
-                on_host[i] = norm
+                host_found = torch.zeros((), dtype=torch.float32)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, host_found,
+                                                                 self._inv_scale(arming.scaler, grads[0].device))
+            if grads:
+                self._multiply_by_factor(grads)
+        target = next(iter(self._norms.values())).device if self._norms else torch.device("cpu")
         norms = []
         for p in self.param_groups[0]["params"]:
             if id(p) in host:
                 g = host[id(p)].master.grad
                 if g is not None:
-                    norms.append(torch._foreach_norm([g], 2.0)[0])
-            elif id(p) in on_host:
-                norms.append(on_host[id(p)])
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
-        return total, self._found_any()
+                    norms.append(torch._foreach_norm([g], 2.0)[0].to(target, non_blocking=True))
+            elif id(p) in self._norms:
+                norms.append(self._norms[id(p)].to(target, non_blocking=True))
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros((), device=target)
+        flags = [c["found"].to(target, non_blocking=True) for c in self._on_device.values() if "found" in c]
+        if host_found is not None:
+            flags.append(host_found.to(target, non_blocking=True))
+        found = torch.stack(flags).amax() if flags else None
+        return total, found
 
-    def _window_gradient(self, grad: torch.Tensor, *, in_place: bool) -> torch.Tensor:
-        """The gradient as the step sees it: unscaled (fp16), times the window's factor, in the accumulator's order
-        of operations (the same kernels, so that the result is bit-identical to the ordinary path)."""
+    def _window_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient as the step sees it, in place: unscaled (fp16), times the window's factor, in the
+        accumulator's order of operations (the same kernels, so that the result is bit-identical to the ordinary
+        path)."""
         arming = self._arming
-        grad = grad if in_place else grad.clone()
         if arming.scaler is not None:
             torch._amp_foreach_non_finite_check_and_unscale_([grad], self._cached(grad.device, "found"),
                                                              self._cached(grad.device, "inv"))
-        if arming.grad_factor != 1.0:
-            torch._foreach_mul_([grad], arming.grad_factor)
+        self._multiply_by_factor([grad])
         return grad
 
-    def _measure(self, p: torch.Tensor, incoming: torch.Tensor | None) -> None:
-        """First pass: the norm of the gradient this window will step on (accumulated + incoming), not kept."""
-        total = p.grad if incoming is None else (incoming if p.grad is None else p.grad + incoming)
-        self._norms[id(p)] = torch._foreach_norm([self._window_gradient(total, in_place=False)], 2.0)[0]
+    def _multiply_by_factor(self, grads: list[torch.Tensor]) -> None:
+        factor = self._arming.grad_factor
+        if isinstance(factor, torch.Tensor):
+            torch._foreach_mul_(grads, self._cached(grads[0].device, "factor"))
+        elif factor != 1.0:
+            torch._foreach_mul_(grads, factor)
 
     def _step_param(self, p: torch.Tensor) -> None:
-        """Second (or only) pass: transform the gradient in place, clip, step this parameter, free its gradient."""
+        """Unscale, normalise, take the norm, clip (lagged), step this parameter, free its gradient: one pass."""
         if not self._synced:
             self._sync_hyperparameters()  # an LR scheduler stepped since: this backward steps with its lr
-        grad = self._window_gradient(p.grad, in_place=True)
-        if not self._arming.two_pass:
-            self._norms[id(p)] = torch._foreach_norm([grad], 2.0)[0]
-        elif self._coef is not None:
+        grad = self._window_gradient(p.grad)
+        norm = torch._foreach_norm([grad], 2.0)[0]
+        self._norms[id(p)] = norm
+        found = self._cached(grad.device, "found")
+        # A non-finite gradient without a scaler is flagged too: no parameter steps after it (see the NOTE in
+        # the class docstring), so weights never take nan from it. One scalar op, no host sync.
+        torch.logical_or(found, norm.isfinite().logical_not(), out=found)
+        if self._arming.max_norm is not None:
             torch._foreach_mul_([grad], self._cached(grad.device, "coef"))
-        self._inner[id(p)].step()
+        inner = self._inner[id(p)]
+        if getattr(inner, "_step_supports_amp_scaling", False):
+            # torch's fused AdamW reads the flag on the device and leaves weights, moments and step count as they
+            # were when it is set (as under GradScaler.step).
+            inner.grad_scale, inner.found_inf = None, found
+            try:
+                inner.step()
+            finally:
+                inner.grad_scale = inner.found_inf = None
+        else:
+            inner.step()
         p.grad = None  # freed at once: the whole model's gradients never coexist
         self._backward_ran = True
 
@@ -934,8 +991,16 @@ class LeanAdamW(torch.optim.Optimizer):
     def _step_ordinary(self) -> None:
         self._sync_hyperparameters()
         if self._host is None:  # a plain optimizer: GradScaler.step() unscaled and checked the gradients
+            flag = getattr(self, "found_inf", None)  # set by GradientAccumulator (or GradScaler): skip on it
             for inner in {id(o): o for o in self._inner.values()}.values():
-                inner.step()
+                if flag is not None and getattr(inner, "_step_supports_amp_scaling", False):
+                    inner.grad_scale, inner.found_inf = getattr(self, "grad_scale", None), flag
+                    try:
+                        inner.step()
+                    finally:
+                        inner.grad_scale = inner.found_inf = None
+                else:
+                    inner.step()
             return
         self._gather()
         if self._found_inf is not None and self._found_inf.item() > 0:
@@ -952,26 +1017,36 @@ class LeanAdamW(torch.optim.Optimizer):
                 "inside backward, so there is nothing to step. To resolve this error, call loss.backward() (or "
                 "GradientAccumulator's micro-batches) before step().")
         arming = self._arming
-        skip = self._skip_window
-        if not skip:
-            for p in self._leftovers():
-                self._step_param(p)
-        if not arming.two_pass:
-            # One pass: the norm of what stepped (device, from the hooks) and of the host gradients, scaled now.
-            total, _ = self._window_norm()
-            self.last_grad_norm = total
-        if self._host is not None and not skip:
-            self._sync_hyperparameters()
-            self._host.step()
+        for p in self._leftovers():
+            self._step_param(p)
+        total, found = self._window_norm()
+        self.last_grad_norm = total
+        self.window_found_inf = found
+        if self._host is not None:
+            # NOTE: the host part steps after backward, so it can be clipped exactly and skipped on an inf: one
+            # host sync (the norm and the flag in one copy), as the offloaded optimizer needs anyway.
+            total_host, found_host = torch.stack([total, found if found is not None else torch.zeros_like(total)]
+                                                 ).cpu().tolist()
+            if found_host == 0 and math.isfinite(total_host):
+                host_grads = [s.master.grad for s in self._host._slots if s.master.grad is not None]
+                if arming.max_norm is not None and host_grads:
+                    lagged = float(self._lagged_norm)
+                    coef = min(1.0, arming.max_norm / (lagged + 1e-6))
+                    if coef < 1.0:
+                        torch._foreach_mul_(host_grads, coef)
+                self._sync_hyperparameters()
+                self._host.step()
+        # The norm that clips the next window: this one's when finite (a skipped window leaves it as it was).
+        finite = total.isfinite() if found is None else total.isfinite() & (found == 0)
+        self._lagged_norm = torch.where(finite, total, self._lagged_norm.to(total.device, non_blocking=True))
         if arming.scaler is not None:
-            self._found_inf = torch.ones((), dtype=torch.float32) if skip else torch.zeros((), dtype=torch.float32)
+            self._found_inf = found if found is not None else torch.zeros((), device=total.device)
         self._backward_ran = False
-        self._skip_window = False
         self._synced = False
         self._norms.clear()
         self._on_device.clear()
-        self._measured = False
         self._arming = _Arming(scaler=self.grad_scaler)  # the default: every backward steps (plain loops)
+
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)  # the device gradients
@@ -979,8 +1054,9 @@ class LeanAdamW(torch.optim.Optimizer):
         if self._host is not None:
             self._host.zero_grad(set_to_none=set_to_none)
         self._gathered = False
-        if self._skip_window:
-            self._skip_window = self._backward_ran = self._measured = False
+        self._on_device.clear()
+        if self._backward_ran:  # a window dropped without step() (discard_window): the next one starts afresh
+            self._backward_ran = self._synced = False
             self._arming = _Arming(scaler=self.grad_scaler)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
@@ -998,7 +1074,10 @@ class LeanAdamW(torch.optim.Optimizer):
         state.update(host_sd["state"])
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(group["param_names"])
-        return {"state": state, "param_groups": [group], "state_precision": self.state_precision}
+        out = {"state": state, "param_groups": [group], "state_precision": self.state_precision}
+        if self.steps_in_backward:
+            out["lagged_grad_norm"] = float(self._lagged_norm)  # clips the next window: a resumed run clips alike
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1044,6 +1123,7 @@ class LeanAdamW(torch.optim.Optimizer):
         saved_group = saved_groups[0]
         self.param_groups[0].update({k: saved_group[k] for k in self._OPTIONS if k in saved_group})
         self._sync_hyperparameters()
+        self._lagged_norm = torch.tensor(float(state_dict.get("lagged_grad_norm", 0.0)))
         for i, p in enumerate(self._device_params):
             inner = self._inner[id(p)]
             inner.state.pop(p, None)
@@ -1084,46 +1164,15 @@ def _remove_hooks(hooks: list[Any]) -> None:
     hooks.clear()
 
 
-def _pre_hook(owner: weakref.ref[LeanAdamW], p: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    def hook(grad: torch.Tensor) -> torch.Tensor | None:
-        self = owner()
-        if self is None or not self._measuring:
-            return None
-        # First pass of two: measure the gradient, keep nothing. Returning zeros leaves p.grad as it was.
-        with torch.no_grad():
-            if p.grad is not None:
-                self._had_grad.add(id(p))
-            self._measure(p, grad)
-        return torch.zeros_like(grad)
-    return hook
-
-
 def _post_hook(owner: weakref.ref[LeanAdamW]) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
         self = owner()
         if self is None:
             return
-        if self._measuring:
-            if id(param) not in self._had_grad:
-                param.grad = None  # the zeros the pre-hook returned
-            self._backward_ran = True
-            return
-        if self._arming.last and param.grad is not None and not self._skip_window:
-            if self._arming.two_pass and not self._measured:
-                raise MemtrainError(
-                    "a backward armed for two passes (clipping or an fp16 scaler: the norm and the inf check come "
-                    "before any step) ran as one: loss.backward() was called instead of optimizer.backward(loss). "
-                    "To resolve this error, call optimizer.backward(loss) (GradientAccumulator.backward does).")
+        if self._arming.last and param.grad is not None:
             with torch.no_grad():
                 self._step_param(param)
     return hook
-
-
-def _by_device_ids(norms: dict[int, torch.Tensor]) -> dict[torch.device, list[int]]:
-    out: dict[torch.device, list[int]] = {}
-    for i, t in norms.items():
-        out.setdefault(t.device, []).append(i)
-    return out
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -1189,6 +1238,11 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
     if not named:
         raise ConfigError("build_optimizer got no parameter that requires grad. To resolve this error, pass "
                           "model.named_parameters() of a model with trainable parameters.")
+    if step_in_backward and grad_scaler is not None and grad_scaler.is_enabled() and state_precision != "fp32":
+        problems.append(f"step_in_backward=True with an fp16 GradScaler and state_precision={state_precision!r}: "
+                        "an overflow must stop the parameters still to step on a flag read on the device, which "
+                        "only fused AdamW (fp32 moments) takes. To resolve this error, pass state_precision='fp32', "
+                        "bf16-mixed precision (no scaler) or step_in_backward=False.")
     if step_in_backward and world_size > 1:
         problems.append(f"step_in_backward=True with world_size={world_size}: DDP averages gradients after the "
                         "hooks that would step on them, so each rank would step on its own gradient. To resolve "

@@ -1004,11 +1004,8 @@ class _Composer:
         if ctx.device == "cuda" and offloaded.any():
             micro = micro + _offload_stall(fwd, bwd, offloaded, dev)
         backward = bwd.sum(axis=1)
-        head_backward = (tail.tail_bwd_work, tail.post_work)
-        if cfg.step_in_backward and (ctx.grad_clip or ctx.precision == "fp16-mixed"):
-            # Two passes over the last backward: the norm (and the inf check) first, then the steps.
-            micro = micro + (backward + sum(w.seconds(b, tokens, dev, cfg.compile) for w in head_backward)) / max(
-                1, cfg.accumulation)
+        # Step-in-backward costs no second pass: one backward, clipping by the previous window's norm (lagged) and
+        # the fp16 inf check on the device; its steps are in _optimizer_seconds like the ordinary step's.
         seconds = (micro * cfg.accumulation + _optimizer_seconds(ctx, prof, cfg, backward)
                    + _communication_seconds(ctx, prof, cfg, backward + fwd.sum(axis=1)))
         return peak, host, seconds
@@ -1630,8 +1627,10 @@ def plan(
         for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
             for chunked in losses:
                 for b in micros:
-                    if in_backward and per_rank // b > 1:
-                        continue  # with accumulation the earlier micro-batches' gradients stay: no bytes saved
+                    if in_backward and per_rank // b > 1 and not fixed.step_in_backward:
+                        # With accumulation the earlier micro-batches' gradients stay: no bytes saved, so the search
+                        # skips it; asked for, it steps in the last micro-batch's backward.
+                        continue
                     for flavor in flavors or ["full"]:
                         cfg = _Config(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision, state,
                                       in_backward, fraction)
@@ -1650,12 +1649,14 @@ def plan(
                                     ("offload_fraction", fixed.offload_fraction),
                                     ("micro_batch_size", micro_batch_size)) if v is not None}
         given = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "the techniques allowed"
+        ranks = f" with world_size={world_size}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
+        why = ["a partial offload keeps fp32 moments and steps after backward"]
+        if world_size > 1 or fsdp:
+            why = ["step_in_backward and offload_fraction act on gradients before DDP or FSDP2 reduces them (one "
+                   "process only)", *why, "FSDP2 shards fp32 moments only"]
         raise ConfigError(
-            f"no set-up can be built from {given} with world_size={world_size}"
-            f"{' (FSDP2)' if fsdp else ''}: step_in_backward and offload_fraction act on gradients before DDP or "
-            "FSDP2 reduces them (one process only), a partial offload keeps fp32 moments and steps after backward, "
-            "FSDP2 shards fp32 moments only, and step_in_backward cannot accumulate. To resolve this error, drop "
-            "one of the fixed choices (leave it to the plan).")
+            f"no set-up can be built from {given}{ranks}: {', '.join(why)}. To resolve this error, drop one of the "
+            "fixed choices (leave it to the plan).")
     results.finish()
     results.peak = results.peak + correction_bytes
     # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
