@@ -2189,7 +2189,10 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         ids = [device.index] if device.type == "cuda" else None
         train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if s.compile:
-        train_model = torch.compile(train_model)  # type: ignore[assignment]
+        from memtrain.checkpointing import compile_model
+
+        # Per block where blocks offload their activations (saved-tensor hooks cannot be traced), else whole.
+        train_model = compile_model(train_model)
     if optimizer is None:
         optimizer = _planned_optimizer(model, s, precision, world, hyper)
     accumulator = GradientAccumulator(train_model, optimizer, steps=s.accumulation, scaler=precision.scaler,
