@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memtrain.errors import ConfigError
-from memtrain.measure import note_saved
+from memtrain.measure import metering, note_saved
 from memtrain.offload import ActivationOffloader, offload_activations
 
 OpKind = Literal["matmul", "attention", "conv"]
@@ -81,17 +81,82 @@ class SelectivePolicy:
 
 @functools.cache
 def _selective_contexts(keep: tuple[str, ...]) -> Callable[[], tuple[Any, Any]]:
-    """Checkpoint's ``context_fn`` for ``keep``: a ``functools.partial`` of torch's own function, the one form
-    torch.compile traces; cached, so every block and step passes the same object (no recompiles)."""
-    return functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep_policy, _op_packets(keep)))
+    """Checkpoint's ``context_fn`` for ``keep``: a ``functools.partial`` (the form torch.compile traces); cached, so
+    every block and step passes the same object (no recompiles)."""
+    return functools.partial(_selective_modes, _op_packets(keep))
+
+
+def _selective_modes(ops: frozenset[Any]) -> tuple[Any, Any]:
+    """torch's two dispatch modes for the policy keeping ``ops``, the forward one reporting what it keeps.
+
+    Kept outputs live in checkpoint's cache, not in autograd's saved tensors, so the meter hears of them here.
+    They are counted after each op has run, in the forward mode: torch 2.13's policy sees the output
+    (``SelectiveCheckpointContext.op_output``), torch 2.11's runs before the op and never does.
+    """
+    caching, cached = create_selective_checkpoint_contexts(functools.partial(_keep_policy, ops))
+    caching.__class__ = _counting_mode(type(caching))  # NOTE: a subclass adding one step; its state is torch's
+    caching._memtrain_ops = ops
+    return caching, cached
+
+
+@functools.cache
+def _counting_mode(base: type) -> type:
+    class _KeptOutputsCounted(base):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            # A compiled graph saves kept outputs as ordinary saved tensors, which the meter sees anyway.
+            if metering() and not _tracing() and _keeps(self._memtrain_ops, func, args, kwargs or {}):
+                note_saved(out)
+            return out
+
+    return _KeptOutputsCounted
+
+
+def _tracing() -> bool:
+    """Whether a compiler traces the ops (dynamo, or AOTAutograd's proxy mode): their outputs are fake then."""
+    return torch.compiler.is_compiling() or torch._C._get_dispatch_mode(
+        torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+_NO_ARGUMENT = object()
+
+
+def _argument(op: Any, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The value ``op`` gets for its schema argument ``name`` (its default when not passed), or _NO_ARGUMENT."""
+    schema = getattr(op, "_schema", None)
+    for i, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name == name:
+            if name in kwargs:
+                return kwargs[name]
+            if i < len(args) and not argument.kwarg_only:
+                return args[i]
+            return argument.default_value
+    return _NO_ARGUMENT
+
+
+def _consumes_rng(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``op`` draws from the random generator: dropout, bernoulli, and the fused attention kernels when
+    their ``dropout_p`` is not 0 (their outputs then include the Philox seed and offset they used).
+
+    torch tags every such op ``nondeterministic_seeded``, attention kernels whatever their ``dropout_p``.
+    """
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    p = _argument(op, "dropout_p", args, kwargs)
+    return p is _NO_ARGUMENT or p is None or p != 0
+
+
+def _keeps(ops: frozenset[Any], op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    return getattr(op, "overloadpacket", None) in ops and not _consumes_rng(op, args, kwargs)
 
 
 def _keep_policy(ops: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op.overloadpacket in ops:
-        if not ctx.is_recompute and not torch.compiler.is_compiling():
-            # Kept outputs live in checkpoint's cache, not in autograd's saved tensors: count them (in eager; a
-            # compiled graph saves them as ordinary saved tensors, which the meter sees anyway).
-            note_saved(getattr(ctx, "op_output", None))
+    if _consumes_rng(op, args, kwargs):
+        # Recomputed, never kept: checkpoint restores the RNG state before the recompute, which then draws what
+        # forward drew only if every op that drew in forward draws again, in order. A kept fused attention kernel
+        # would skip its Philox offsets, and every dropout after it in the block would get another mask.
+        return CheckpointPolicy.MUST_RECOMPUTE
+    if _keeps(ops, op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -149,12 +214,10 @@ def _checkpointed_call(
     fn: Callable[..., Any], spec: CheckpointSpec, checkpoint_kwargs: dict[str, Any], norms: Sequence[nn.Module],
     *args: Any, **kwargs: Any
 ) -> Any:
-    offloading = spec.offloader if spec.offloader is not None else contextlib.nullcontext()
-    if spec.policy == "offload":
-        # Offload instead of recompute: every tensor the block saves goes through the offloader's hooks.
-        with offloading:
-            return fn(*args, **kwargs)
-    if not torch.is_grad_enabled():
+    """A wrapped block's call without its offloader: what a compiled region may hold (``compile_model``)."""
+    if spec.policy == "offload" or not torch.is_grad_enabled():
+        # Offload instead of recompute: every tensor the block saves goes through the offloader's hooks, which
+        # the caller has entered.
         return fn(*args, **kwargs)
     run = fn
     # Only eager blocks with running statistics pay for this bookkeeping: torch.compile cannot trace a
@@ -173,9 +236,8 @@ def _checkpointed_call(
 
     run, args, kwargs = _keyword_tensors_positional(run, args, kwargs)
     # Non-reentrant checkpoint saves the block inputs through the outer saved-tensor hooks (the block's own
-    # activations go through its inner ones), so the offloader moves exactly the inputs.
-    with offloading:
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs, **kwargs)
+    # activations go through its inner ones), so an offloader entered around this call moves exactly the inputs.
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs, **kwargs)
 
 
 def _keyword_tensors_positional(
@@ -216,17 +278,33 @@ class _CheckpointedForward:
         self.spec = spec
         self.norms = _running_stat_modules(module)
         self.checkpoint_kwargs = spec.checkpoint_kwargs  # built here, outside any compiled region
+        self.compiled: Callable[..., Any] | None = None  # the call within the offloader, compiled (compile_model)
         self.__wrapped__ = original  # inspect.signature(module.forward) still shows the block's own arguments
 
+    @property
+    def offloader(self) -> ActivationOffloader | None:
+        """The offloader this block enters, when it moves tensors (a disabled one, without CUDA, does nothing)."""
+        offloader = self.spec.offloader
+        return offloader if offloader is not None and offloader.enabled else None
+
     def __getstate__(self) -> dict[str, Any]:  # torch.save(model): op packets cannot be pickled; rebuilt on load
-        return {k: v for k, v in self.__dict__.items() if k != "checkpoint_kwargs"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("checkpoint_kwargs", "compiled")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.checkpoint_kwargs = self.spec.checkpoint_kwargs
+        self.compiled = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _checkpointed_call(self.original, self.spec, self.checkpoint_kwargs, self.norms, *args, **kwargs)
+        offloader = self.offloader
+        if offloader is None:  # nothing dynamo cannot trace: a compiled model takes the block into its graph
+            return _checkpointed_call(self.original, self.spec, self.checkpoint_kwargs, self.norms, *args, **kwargs)
+        # Saved-tensor hooks cannot be traced (dynamo breaks the graph at them, and skips the model's whole forward
+        # when that happens in its loop over blocks): they stay outside, around this block's compiled region.
+        call = self.compiled or functools.partial(_checkpointed_call, self.original, self.spec,
+                                                  self.checkpoint_kwargs, self.norms)
+        with offloader:
+            return call(*args, **kwargs)
 
 
 # -- choosing blocks ----------------------------------------------------------------------------------------
@@ -531,6 +609,9 @@ def apply_checkpointing(
         # A KV cache would be appended to twice (forward and recompute); it is useless in training anyway.
         setattr(model, _USE_CACHE_ATTR, True)
         config.use_cache = False
+    compiled = getattr(model, _COMPILE_ATTR, None)
+    if compiled is not None:
+        _compile_blocks(model, compiled)  # compile_model compiled the earlier wrapping per block: so this one
     return chosen
 
 
@@ -538,6 +619,58 @@ def _wrap(module: nn.Module, spec: CheckpointSpec) -> None:
     had_instance_forward = "forward" in module.__dict__
     module.forward = _CheckpointedForward(module, module.forward, had_instance_forward, spec)  # type: ignore[method-assign]
     setattr(module, _WRAPPED_ATTR, spec)
+
+
+def compile_model(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """``torch.compile`` for a model memtrain checkpoints: one compiled model where dynamo can trace every block,
+    else one compiled region per block, with each block's activation offloader outside it.
+
+    An offloader's saved-tensor hooks cannot be traced: ``torch.compile(model)`` would break its graph at the
+    first offloaded block and, that being inside the loop over blocks, run the whole forward eagerly. Compiled
+    per block, each block's checkpointed call (or, for an offloaded block, its forward) is a compiled region
+    entered inside the offloader's context, whose hooks then see that region's saved tensors; the blocks without
+    an offloader are compiled whole (``module.compile``), and the code between blocks (embeddings, the last norm,
+    the head and the loss) runs eagerly.
+
+    The choice is kept on the model: blocks wrapped again later (a re-plan calls ``apply_checkpointing``) are
+    compiled the same way.
+
+    Args:
+        model: the model, checkpointed already (a DDP wrapper too: its module's blocks are compiled).
+        **compile_kwargs: passed to ``torch.compile`` (e.g. ``backend="aot_eager"``).
+
+    Returns:
+        ``torch.compile(model)``, or ``model`` itself with its blocks compiled.
+    """
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    if not any(isinstance(f, _CheckpointedForward) and f.offloader is not None for f in _wrapped_forwards(inner)):
+        return torch.compile(model, **compile_kwargs)  # type: ignore[return-value]
+    setattr(inner, _COMPILE_ATTR, dict(compile_kwargs))
+    _compile_blocks(inner, compile_kwargs)
+    return model
+
+
+_COMPILE_ATTR = "_memtrain_compile_per_block"
+
+
+def _wrapped_forwards(model: nn.Module) -> list[Any]:
+    return [m.__dict__.get("forward") for m in model.modules()]
+
+
+def _compile_blocks(model: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+    modules = dict(model.named_modules())
+    for name in dict.fromkeys([*find_blocks(model), *checkpointed_blocks(model)]):
+        module = modules[name]
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, _CheckpointedForward) and forward.offloader is not None:
+            module._compiled_call_impl = None  # compiled whole before (a re-plan): the offloader must stay outside
+            if forward.compiled is None:
+                forward.compiled = torch.compile(functools.partial(
+                    _checkpointed_call, forward.original, forward.spec, forward.checkpoint_kwargs, forward.norms),
+                    **compile_kwargs)
+        elif getattr(module, "_compiled_call_impl", None) is None and not any(
+                isinstance(f, _CheckpointedForward) and f.offloader is not None for f in _wrapped_forwards(module)):
+            module.compile(**compile_kwargs)
 
 
 def find_blocks(model: nn.Module) -> list[str]:

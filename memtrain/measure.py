@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +75,11 @@ def available_host_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def metering() -> bool:
+    """Whether a ``MemoryMeter`` is counting now (so that callers of ``note_saved`` skip their work otherwise)."""
+    return bool(_ACTIVE_METERS)
 
 
 def note_saved(obj: Any) -> None:
@@ -301,3 +307,48 @@ def measure(
             meter.mark("step")
     return meter.report()
 
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    """What torch.compile made of a step: a graph break or a frame left eager means code that runs uncompiled."""
+
+    graphs: int  # distinct graphs dynamo captured
+    graph_breaks: int  # graph breaks dynamo recorded (a break inside a loop also skips the frame)
+    eager_frames: int  # frames dynamo tried and gave up on: they ran eagerly
+    reasons: tuple[str, ...]  # the first line of each break's reason
+
+    def __str__(self) -> str:
+        return (f"{self.graphs} graphs, {self.graph_breaks} graph breaks, {self.eager_frames} frames eager"
+                + "".join(f"\n  break: {r}" for r in self.reasons))
+
+
+def compile_counts(step: Callable[[], Any]) -> CompileCounts:
+    """Compiles and runs ``step()`` from a fresh dynamo cache and counts its graphs and graph breaks.
+
+    ``step`` calls the ``torch.compile``d model (forward and backward); its first call compiles, so dynamo's
+    counters then describe every frame of it. The cache is reset first (earlier compilations would be reused
+    uncounted) and after (a count leaves nothing behind).
+
+    Example:
+        >>> model = torch.compile(torch.nn.Linear(4, 4), backend="eager")
+        >>> compile_counts(lambda: model(torch.randn(2, 4)).sum().backward()).graph_breaks
+        0
+    """
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        step()
+        frames = counters["frames"]
+        breaks = counters["graph_break"]
+        return CompileCounts(
+            graphs=counters["stats"]["unique_graphs"],
+            graph_breaks=sum(breaks.values()),
+            eager_frames=frames["total"] - frames["ok"],
+            reasons=tuple(dict.fromkeys(reason.strip().splitlines()[0] for reason in breaks)),
+        )
+    finally:
+        counters.clear()
+        torch._dynamo.reset()

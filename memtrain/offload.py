@@ -297,7 +297,7 @@ class _Record:
         self.handles = 0  # live _Handles: the saved tensors (views, duplicates) backed by this record
         self.unpacked = 0  # live handles unpacked in the current backward pass
         self.passes = 0  # backward passes that used every handle (more than one with retain_graph)
-        self.done = False  # every handle unpacked once: no prefetch wanted any more
+        self.done = False  # every handle unpacked once in this backward: no prefetch wanted until the next one
         self.released = False
 
 
@@ -703,6 +703,7 @@ class ActivationOffloader:
             self._drain()
             for record in (*self._epoch, *self._finished, *self._inflight):
                 record.data = None
+                record.done = False  # another backward of this graph (retain_graph) wants it prefetched again
                 if record.src is not None:
                     self._release_src(record)
             self._finished.clear()

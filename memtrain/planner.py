@@ -2237,7 +2237,10 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         # Each p.grad is a view into DDP's all-reduce bucket: one copy of the gradients, not two.
         train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     if s.compile:
-        train_model = torch.compile(train_model)  # type: ignore[assignment]
+        from memtrain.checkpointing import compile_model
+
+        # Per block where blocks offload their activations (saved-tensor hooks cannot be traced), else whole.
+        train_model = compile_model(train_model)
     if optimizer is None:
         optimizer = _planned_optimizer(model, s, precision, world, hyper)
     accumulator = GradientAccumulator(train_model, optimizer, steps=s.accumulation, scaler=precision.scaler,

@@ -13,6 +13,7 @@ import torch
 
 from memtrain import CPUOffloadOptimizer, apply_checkpointing
 from memtrain.loss import apply_chunked_loss
+from memtrain.measure import CompileCounts, compile_counts
 from memtrain.models import GPT, GPTConfig
 from memtrain.offload import ActivationOffloader, CpuTransport
 
@@ -135,3 +136,88 @@ def test_batchnorm_blocks_compile_and_update_their_statistics_once():
         torch.testing.assert_close(a, b, **TOL, msg=name)  # num_batches_tracked == 1 in both
     for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+
+
+# -- activation offload under compile, and graph breaks in every set-up the planner chooses ------------------
+def _cpu_offloader() -> ActivationOffloader:
+    """An enabled offloader on the CPU: the hooks, pool and prefetch of the CUDA path, with plain copies."""
+    return ActivationOffloader(CpuTransport(), min_bytes=1, host_budget_bytes=2**24, slab_bytes=2**16)
+
+
+# What the planner can choose for the blocks (apply_plan spells each as one of these), on a 3-block GPT.
+SET_UPS = ("none", "all", "every:2", "selective", "all+offload", "selective+offload", "blocks(ORK)",
+           "blocks(ORK)+offload")
+
+
+def graph_break_counts(set_up: str, chunked_loss: bool, *, backend: str = "aot_eager") -> CompileCounts:
+    """Graphs and graph breaks of one training step of a 3-block GPT checkpointed as ``set_up`` (a
+    ``Checkpointing`` spelling; offloaded activations through an enabled CPU offloader), compiled as
+    ``apply_plan`` compiles it (``compile_model``). A plain GPT compiles with 0 breaks, so every break counted
+    here is memtrain's. benchmarks import this to print the figure."""
+    from memtrain.checkpointing import Checkpointing, compile_model
+
+    model = _gpt3()
+    Checkpointing.parse(set_up).apply(model, offloader=_cpu_offloader())
+    if chunked_loss:
+        apply_chunked_loss(model, chunk_tokens=16)
+    compiled = compile_model(model, backend=backend)
+    x = _batch(0)
+    return compile_counts(lambda: compiled(x, x).backward())
+
+
+def _gpt3(dropout: float = 0.0) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, seq_len=32, dropout=dropout))
+
+
+@pytest.mark.parametrize("chunked_loss", [False, True], ids=["whole-loss", "chunked-loss"])
+@pytest.mark.parametrize("set_up", SET_UPS)
+def test_no_graph_break_caused_by_memtrain_in_any_checkpointing_set_up(set_up, chunked_loss):
+    counts = graph_break_counts(set_up, chunked_loss)
+    assert counts.graph_breaks == 0 and counts.eager_frames == 0 and counts.graphs >= 1, str(counts)
+
+
+@pytest.mark.parametrize("set_up", ["all+offload", "blocks(ORK)", "selective+offload"])
+def test_offloaded_activations_compile_per_block_and_keep_the_gradients(set_up):
+    """The offloader's hooks stay outside the compiled regions and see their saved tensors: every block compiled,
+    the gradients of eager training with the same offloading (dropout on: the masks are replayed too)."""
+    from memtrain.checkpointing import Checkpointing, compile_model
+
+    eager, model = _gpt3(dropout=0.1), _gpt3(dropout=0.1)
+    Checkpointing.parse(set_up).apply(eager, offloader=_cpu_offloader())
+    offloader = _cpu_offloader()
+    Checkpointing.parse(set_up).apply(model, offloader=offloader)
+    compiled = compile_model(model, backend="aot_eager")
+
+    def step(seed: int) -> None:
+        x = _batch(seed)
+        torch.manual_seed(seed)
+        eager(x, x).backward()
+        torch.manual_seed(seed)
+        compiled(x, x).backward()
+
+    counts = compile_counts(lambda: step(0))
+    assert counts.graph_breaks == 0 and counts.eager_frames == 0 and counts.graphs >= 1, str(counts)
+    step(1)  # a second step: the offloader's pool and learned order, the compiled blocks' cache
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    stats = offloader.stats()
+    assert stats.offloaded_tensors > 0 and stats.host_used_bytes == 0, stats
+
+
+def test_apply_plan_compiles_a_plan_with_offloaded_activations(monkeypatch):
+    """apply_plan compiles the blocks of an offloading plan one by one: graphs, no break, nothing eager."""
+    import functools
+
+    import memtrain.checkpointing
+    from memtrain.planner import PlanSettings, apply_plan
+
+    monkeypatch.setattr(memtrain.checkpointing, "offload_activations", lambda **_: _cpu_offloader())
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    model = _gpt3()
+    settings = PlanSettings(4, 1, ("offload", "recompute", "keep"), "offload-inputs", False, "device", "none", True,
+                            "fp32")
+    run = apply_plan(model, settings)
+    x = _batch(0)
+    counts = compile_counts(lambda: run.train_model(x, x).backward())
+    assert counts.graph_breaks == 0 and counts.eager_frames == 0 and counts.graphs >= 2, str(counts)

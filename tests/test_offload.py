@@ -415,6 +415,29 @@ def test_retain_graph_second_backward_fetches_again():
     assert_same_grads(grads(model), expected)
 
 
+def test_every_backward_of_a_retained_graph_prefetches():
+    """The second backward of a graph kept with retain_graph fetches what the first fetched, ahead of use too."""
+    torch.manual_seed(0)
+    model = Chain(widths=tuple(range(8, 8 + 4 * 9, 4)))  # 9 storages saved
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+    off = offloader(FakeTransport(lag=0), prefetch_depth=2)  # copies done at once: every record comes back
+    with off:
+        out = model(x).sum()
+    out.backward(retain_graph=True)
+    first = off.stats()
+    model.zero_grad(set_to_none=True)
+    out.backward()
+    second = off.stats()
+    assert_same_grads(grads(model), expected)
+    prefetched = (first.prefetched, second.prefetched - first.prefetched)
+    on_demand = (first.fetched_on_demand, second.fetched_on_demand - first.fetched_on_demand)
+    assert prefetched[0] > 0 and prefetched[1] == prefetched[0], f"prefetched per pass {prefetched}, on demand {on_demand}"
+    assert on_demand[1] == on_demand[0], f"fetched on demand per pass {on_demand}"
+
+
 # -- what moves ---------------------------------------------------------------------------------------------
 def _saves(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     h = lin(x)  # saves x (4096 bytes)
