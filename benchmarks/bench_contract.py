@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -223,6 +222,15 @@ SYNC_CALLS: tuple[tuple[Any, str], ...] = (
 )
 
 
+def _short(path: str) -> str:
+    """A caller's file relative to the repository, or to the site-packages holding it (torch/amp/...)."""
+    torch_root = Path(torch.__file__).resolve().parent.parent
+    for root in (_ROOT, torch_root):
+        with contextlib.suppress(ValueError):
+            return str(Path(path).resolve().relative_to(root))
+    return path
+
+
 @contextlib.contextmanager
 def count_syncs(calls: collections.Counter[tuple[str, str]] | None = None
                 ) -> Iterator[collections.Counter[tuple[str, str]]]:
@@ -241,7 +249,7 @@ def count_syncs(calls: collections.Counter[tuple[str, str]] | None = None
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1)
-            where = f"{os.path.relpath(caller.f_code.co_filename, _ROOT)}:{caller.f_lineno}"
+            where = f"{_short(caller.f_code.co_filename)}:{caller.f_lineno}"
             calls[(name.strip("_"), where)] += 1
             return original(*args, **kwargs)
 
