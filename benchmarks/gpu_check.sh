@@ -56,9 +56,9 @@ step() {  # step SECONDS NAME FILES COMMAND...: COMMAND under a hard time limit;
     fi
     echo "== $name (limit ${limit}s) ==" | tee -a "$log"
     local start=$SECONDS
-    # -k: a process stuck in a CUDA call may ignore SIGTERM; SIGKILL follows 10 s later (inside the limit: the
-    # command gets limit - 10 s).
-    timeout -k 10 "$((limit - 10))" "$@" 2>&1 | tee -a "$log"
+    # -k: a process stuck in a CUDA call may ignore SIGTERM; SIGKILL follows 5 s later (inside the limit: the
+    # command gets limit - 5 s).
+    timeout -k 5 "$((limit - 5))" "$@" 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
     echo "== $name: exit $rc after $((SECONDS - start))s ==" | tee -a "$log"
     [ "$rc" -eq 0 ] || status=1
@@ -72,7 +72,7 @@ if [ "$dry" -eq 0 ]; then
 fi
 files+=("$stage.log")
 
-step 15 environment - "$py" -c "import importlib.util as u, torch, transformers; \
+step 20 environment - "$py" -c "import importlib.util as u, torch, transformers; \
 assert torch.cuda.is_available(), 'no CUDA device'; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name()); \
 print('torchao', 'present' if u.find_spec('torchao') else 'absent: its comparison is skipped', \
@@ -84,7 +84,7 @@ fi
 
 if [ "$stage" = quick ]; then
     # tests/gpu: each test under tests/gpu/conftest.py's per-test limit (MEMTRAIN_GPU_TEST_TIMEOUT seconds).
-    step 110 tests-gpu - env MEMTRAIN_GPU_TEST_TIMEOUT=40 "$py" -m pytest -q -p no:cacheprovider tests/gpu -rfEs \
+    step 105 tests-gpu - env MEMTRAIN_GPU_TEST_TIMEOUT=40 "$py" -m pytest -q -p no:cacheprovider tests/gpu -rfEs \
         --durations=15
     # The plans of issue 11's targets, each budget in a fresh process; --deadline skips a budget that would not
     # finish, so the table survives a slow step. Eager and compiled apart: compiling costs most of its limit.

@@ -2,7 +2,7 @@
 stream wait, a compile that never ends) must not eat it. pytest-timeout is not installed there, so the limit is
 here: ``MEMTRAIN_GPU_TEST_TIMEOUT`` seconds per test (default 120; ``@pytest.mark.time_limit(s)`` for one test).
 
-A test past its limit gets ``GPUTestTimeout`` raised in it (SIGALRM: it fails, and the next test runs). A test
+The files in ``LAST`` run after the others. A test past its limit gets ``GPUTestTimeout`` raised in it (SIGALRM: it fails, and the next test runs). A test
 stuck inside one C call (a CUDA synchronisation) cannot take a Python exception; 30 s later faulthandler prints
 every thread's stack and ends the process, so the log says where it hung.
 """
@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import pytest
 
 DEFAULT_S = 120.0
+# Run last: the files that build the largest models. A run cut at its step's limit then loses the fewest tests.
+LAST = ("test_estimate_gpu.py",)
 GRACE_S = 30.0  # after the limit, before the hard stop for a test that cannot be interrupted
 
 
@@ -27,6 +29,10 @@ class GPUTestTimeout(Exception):
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "time_limit(seconds): this test's limit instead of MEMTRAIN_GPU_TEST_TIMEOUT")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name in LAST)  # stable: the order within each group is kept
 
 
 def limit_for(item: pytest.Item) -> float:
