@@ -163,6 +163,7 @@ class CompileCount:
     memtrain_breaks: int = 0  # over the same model compiled with no technique, reason by reason
     reasons: list[str] = field(default_factory=list)
     refused: str | None = None  # apply_plan's ConfigError: the pairing is refused, nothing runs eager silently
+    error: str | None = None  # the count could not be made as designed (see _dynamo_counts)
 
 
 GRAPH_BREAK_SETUPS: dict[str, dict[str, Any]] = {
@@ -186,14 +187,22 @@ def _dynamo_counts(name: str, setup: dict[str, Any]) -> tuple[CompileCount, coll
     count = CompileCount(name)
     model = tiny_gpt()
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    transports: list[CountingTransport] = []
     try:
-        with compile_backend(), cpu_offload(min_bytes=1):
+        with compile_backend(), cpu_offload(transports, min_bytes=1):
             run = apply_plan(model, settings(**setup, compile=True), max_grad_norm=1.0)
             train_step(run, x, x, 1)
     except ConfigError as e:
         count.refused = str(e).splitlines()[0]
         return count, collections.Counter()
     _close(run)
+    offloads = "offload" in setup["blocks"] or setup.get("flavor") == "offload-inputs"
+    if offloads and not any(t.to_host_bytes for t in transports):
+        # Either the offloader is not the CPU transport's (then it is a no-op here and nothing it does is traced),
+        # or compiled regions' saved tensors bypass its hooks: an offload that silently does nothing.
+        count.error = ("no activation crossed the counting CPU transport: the compiled set-up offloads nothing "
+                       "(saved tensors bypass the offload hooks), or apply_checkpointing no longer builds its "
+                       "offloader through memtrain.checkpointing.offload_activations, which cpu_offload() patches")
     reasons = collections.Counter({reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()})
     count.graphs = int(counters["stats"]["unique_graphs"])
     count.breaks = sum(reasons.values())
@@ -498,6 +507,11 @@ def link_bytes() -> list[LinkCount]:
             count.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             out.append(count)
             continue
+        except AttributeError as e:  # count_optimizer_link's hooks into CPUOffloadOptimizer
+            count.error = (f"CPUOffloadOptimizer changed ({e}): count_optimizer_link wraps its _land (gradients to "
+                           "the host) and _copy_to_device (weights back); update it to the new methods")
+            out.append(count)
+            continue
         count.to_host_bytes = totals["to_host"] + sum(t.to_host_bytes for t in transports)
         count.to_device_bytes = totals["to_device"] + sum(t.to_device_bytes for t in transports)
         out.append(count)
@@ -517,7 +531,7 @@ def format_report(doc: dict[str, Any]) -> str:
         parts.append("(a) graph breaks under torch.compile (aot_eager), one step; bound: 0 caused by memtrain, "
                      ">= 1 graph\n" + _table(
                          ("set-up", "graphs", "breaks", "by memtrain", "refused"),
-                         [(c["setup"], c["graphs"], c["breaks"], c["memtrain_breaks"], c["refused"])
+                         [(c["setup"], c["graphs"], c["breaks"], c["memtrain_breaks"], c["error"] or c["refused"])
                           for c in doc["graph_breaks"]]))
     if "syncs" in doc:
         parts.append("(b) host syncs per optimizer step (2 micro-batches: acc.backward x2 + acc.step); bound: <= 1 "

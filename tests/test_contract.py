@@ -119,6 +119,7 @@ def test_counting_transport_counts_the_bytes_of_both_directions():
 @pytest.mark.parametrize("setup", list(bench.GRAPH_BREAK_SETUPS))
 def test_compiled_setup_has_no_graph_break_caused_by_memtrain(compile_counts, setup):
     c = compile_counts[(setup, None)]
+    assert c.error is None, f"{setup}: {c.error}"
     if c.refused is not None:
         return  # apply_plan refused compile with this technique, with one clear error: nothing runs eager
     assert c.graphs >= 1 and c.memtrain_breaks == 0, (
