@@ -48,7 +48,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from memtrain.errors import ConfigError  # noqa: E402
+from memtrain.errors import ConfigError, MemtrainError  # noqa: E402
 from memtrain.models import GPT, GPTConfig  # noqa: E402
 from memtrain.planner import PlanSettings, apply_plan, predictions  # noqa: E402
 
@@ -195,6 +195,9 @@ def _dynamo_counts(name: str, setup: dict[str, Any]) -> tuple[CompileCount, coll
     except ConfigError as e:
         count.refused = str(e).splitlines()[0]
         return count, collections.Counter()
+    except (MemtrainError, RuntimeError) as e:
+        count.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return count, collections.Counter()
     _close(run)
     offloads = "offload" in setup["blocks"] or setup.get("flavor") == "offload-inputs"
     if offloads and not any(t.to_host_bytes for t in transports):
@@ -310,7 +313,7 @@ def _sync_run(name: str, setup: dict[str, Any], clip: bool, accumulation: int = 
         calls: collections.Counter[tuple[str, str]] = collections.Counter()
         # The accumulator's path only: every acc.backward and acc.step (forward is the model's).
         train_step(run, x, x, accumulation, lambda: count_syncs(calls), lambda: count_syncs(calls))
-    except (ConfigError, ImportError, RuntimeError) as e:
+    except (MemtrainError, ImportError, RuntimeError) as e:
         count.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         return count
     finally:
@@ -396,7 +399,7 @@ def optimizer_ops() -> list[OpsCount]:
                     continue
                 with OpCounter() as counter:
                     optimizer.step()
-        except (ConfigError, ImportError, RuntimeError) as e:
+        except (MemtrainError, ImportError, RuntimeError) as e:
             count.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             out.append(count)
             continue
@@ -503,7 +506,7 @@ def link_bytes() -> list[LinkCount]:
             with count_optimizer_link(totals):
                 train_step(run, x, x, LINK_ACCUMULATION)
             _close(run)
-        except (ConfigError, RuntimeError) as e:
+        except (MemtrainError, RuntimeError) as e:
             count.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             out.append(count)
             continue
