@@ -1,74 +1,139 @@
 #!/usr/bin/env bash
-# Every GPU check of the project, in stages of at most about 6 minutes each (a lent H200 has ~15 minutes in all
-# and 10 minutes a command: run one stage per command, most important first):
+# The project's device check. One lease of the GPU machine has ~13 usable minutes after the machine starts and
+# 10 minutes a command, and at most 8 result files come back: `quick` is the check that fits, every step under
+# its own limit (the limits add up to at most 480 s):
 #
-#   benchmarks/gpu_check.sh tests     # tests/gpu: parity, peaks, races, estimate within 10%         (<= 4 min)
-#   benchmarks/gpu_check.sh plan      # 1.1B Llama: plans for 8/16/24/40 GiB (+24 compiled), 5 steps  (<= 6 min)
-#   benchmarks/gpu_check.sh lean      # 7B Llama in 24 GiB (or 1.1B in 4 GiB) vs no technique         (<= 6.5 min)
-#   benchmarks/gpu_check.sh bench     # 1.1B Llama: checkpointing table, activation offload table    (<= 5 min)
-#   benchmarks/gpu_check.sh optim     # 1.1B Llama: optimizer offload table (issue 4's targets)      (<= 4 min)
-#   benchmarks/gpu_check.sh compile   # 1.1B Llama: checkpointing under torch.compile, 4 cases        (<= 6 min)
-#   benchmarks/gpu_check.sh all       # every stage one after another (no lease limit)
+#   benchmarks/gpu_check.sh quick     # tests/gpu, the 1.1B Llama plans at 8 and 24 GiB (eager and compiled), one
+#                                     # activation-offload and one optimizer-offload comparison      (<= 8 min)
+#   benchmarks/gpu_check.sh --dry-run quick   # each step, its limit and files; last line `total <N>s`
 #
-# Run from the repository root; with no install, the working tree is used (PYTHONPATH=.). Results (JSON tables,
-# each step's log) go to $OUT, or bench-results/ when $OUT is unset. Each command has its own time limit, so one
-# hang cannot eat the lease; a failing step is reported, the next one still runs, and the exit status is 1.
+# The older, longer stages (one per command, most important first; `all` runs every one, with no lease limit):
+#
+#   benchmarks/gpu_check.sh tests     # tests/gpu: parity, peaks, races, estimate within 5%
+#   benchmarks/gpu_check.sh plan      # 1.1B Llama: plans for 8/16/24/40 GiB (+24 compiled), 5 steps
+#   benchmarks/gpu_check.sh lean      # 7B Llama in 24 GiB (or 1.1B in 4 GiB) vs no technique
+#   benchmarks/gpu_check.sh bench     # 1.1B Llama: checkpointing table, activation offload table
+#   benchmarks/gpu_check.sh optim     # 1.1B Llama: optimizer offload table
+#   benchmarks/gpu_check.sh compile   # 1.1B Llama: checkpointing under torch.compile
+#   benchmarks/gpu_check.sh all       # every stage above, one after another
+#
+# Run from the repository root; the working tree is used (PYTHONPATH=.), with `python3` (or $PYTHON). Results go
+# to $OUT (bench-results/ when unset): one log per invocation, <stage>.log, and the JSON tables the steps name.
+# A step that fails or passes its limit is reported, the next one still runs, and the exit status is 1.
 set -u
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then
+    dry=1
+    shift
+fi
 stage="${1:-}"
 case "$stage" in
-    tests|plan|lean|bench|optim|compile|all) ;;
-    *) echo "usage: benchmarks/gpu_check.sh tests|plan|lean|bench|optim|compile|all (got '${stage}')" >&2; exit 2 ;;
+    quick|tests|plan|lean|bench|optim|compile|all) ;;
+    *) echo "usage: benchmarks/gpu_check.sh [--dry-run] quick|tests|plan|lean|bench|optim|compile|all (got '${stage}')" >&2
+       exit 2 ;;
 esac
 out="${OUT:-bench-results}"
-mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:-.}"
-py="${PYTHON:-python}"
-[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && py=.venv/bin/python
+py="${PYTHON:-python3}"
+log="$out/$stage.log"
 status=0
+total=0
+files=()
 
-step() {  # step SECONDS NAME COMMAND...: runs COMMAND under a time limit, output also in $out/NAME.log
-    local limit="$1" name="$2"
-    shift 2
-    echo "== $name (limit ${limit}s) =="
+step() {  # step SECONDS NAME FILES COMMAND...: COMMAND under a hard time limit; FILES (comma-separated, or -)
+    # are the result files it writes into $out, besides the shared log.
+    local limit="$1" name="$2" writes="$3"
+    shift 3
+    total=$((total + limit))
+    if [ "$writes" != "-" ]; then
+        local f
+        IFS=',' read -r -a written <<< "$writes"
+        for f in "${written[@]}"; do files+=("$f"); done
+    fi
+    if [ "$dry" -eq 1 ]; then
+        echo "step $name limit ${limit}s writes ${writes}: $*"
+        return
+    fi
+    echo "== $name (limit ${limit}s) ==" | tee -a "$log"
     local start=$SECONDS
-    # -k: a process stuck in a CUDA call may ignore SIGTERM; SIGKILL follows 10 s later.
-    timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    # -k: a process stuck in a CUDA call may ignore SIGTERM; SIGKILL follows 5 s later (inside the limit: the
+    # command gets limit - 5 s).
+    timeout -k 5 "$((limit - 5))" "$@" 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
-    echo "== $name: exit $rc after $((SECONDS - start))s =="
+    echo "== $name: exit $rc after $((SECONDS - start))s ==" | tee -a "$log"
     [ "$rc" -eq 0 ] || status=1
 }
 
 runs() { [ "$stage" = "$1" ] || [ "$stage" = all ]; }
 
-"$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
+if [ "$dry" -eq 0 ]; then
+    mkdir -p "$out"
+    : > "$log"
+fi
+files+=("$stage.log")
 
+step 20 environment - "$py" -c "import importlib.util as u, torch, transformers; \
+assert torch.cuda.is_available(), 'no CUDA device'; \
+print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name()); \
+print('torchao', 'present' if u.find_spec('torchao') else 'absent: its comparison is skipped', \
+'| bitsandbytes', 'present' if u.find_spec('bitsandbytes') else 'absent')"
+if [ "$dry" -eq 0 ] && [ "$status" -ne 0 ]; then
+    echo "no usable CUDA device: nothing else runs" | tee -a "$log"
+    exit 2
+fi
+
+if [ "$stage" = quick ]; then
+    # tests/gpu: each test under tests/gpu/conftest.py's per-test limit (MEMTRAIN_GPU_TEST_TIMEOUT seconds).
+    step 105 tests-gpu - env MEMTRAIN_GPU_TEST_TIMEOUT=40 "$py" -m pytest -q -p no:cacheprovider tests/gpu -rfEs \
+        --durations=15
+    # The plans of issue 11's targets, each budget in a fresh process; --deadline skips a budget that would not
+    # finish, so the table survives a slow step. Eager and compiled apart: compiling costs most of its limit.
+    step 80 plans-eager gpu_plan-eager.json "$py" benchmarks/gpu_plan.py --budgets 8GiB,24GiB --warmup 1 \
+        --repeats 3 --deadline 66 --child-timeout 40 --min-child-s 25 --out "$out/gpu_plan-eager.json"
+    step 175 plans-compiled gpu_plan-compiled.json "$py" benchmarks/gpu_plan.py \
+        --budgets 8GiB+compile,24GiB+compile --warmup 1 --repeats 3 --deadline 160 --child-timeout 90 \
+        --min-child-s 45 --out "$out/gpu_plan-compiled.json"
+    step 50 activation-offload gpu_offload.json "$py" benchmarks/gpu_offload.py --warmup 2 --repeats 3 \
+        --cases "checkpointing;checkpointing + memtrain offload;checkpointing + torch save_on_cpu" \
+        --out "$out/gpu_offload.json"
+    # torchao's case is left out, with a note in the log, where torchao is not installed.
+    step 50 optimizer-offload gpu_optim_offload.json "$py" benchmarks/gpu_optim_offload.py --warmup 1 --repeats 3 \
+        --cases "device AdamW;memtrain offload;torchao CPUOffloadOptimizer" --out "$out/gpu_optim_offload.json"
+fi
 if runs tests; then
-    step 240 pytest-gpu "$py" -m pytest -q -p no:cacheprovider tests/gpu -s
+    step 240 pytest-gpu - "$py" -m pytest -q -p no:cacheprovider tests/gpu -s
 fi
 if runs plan; then
     # Issue 11: each budget in a fresh process (peaks do not add up); --deadline skips what would not finish, so
     # the table survives; the outer limit is the hard stop.
-    step 360 plan "$py" benchmarks/gpu_plan.py --deadline 340 --out "$out/gpu_plan-1.1b.json"
+    step 360 plan gpu_plan-1.1b.json "$py" benchmarks/gpu_plan.py --deadline 340 --out "$out/gpu_plan-1.1b.json"
 fi
 if runs lean; then
     # Issue 14: the 7B in 24 GiB (its process limited to 200 s), else the 1.1B in 4 GiB (--fallback, 90 s), then
     # the no-technique baseline (90 s).
-    step 400 lean-optimizer "$py" benchmarks/gpu_lean_optimizer.py --fallback --deadline 385 \
-        --out "$out/gpu_lean_optimizer.json"
+    step 400 lean-optimizer gpu_lean_optimizer.json "$py" benchmarks/gpu_lean_optimizer.py --fallback \
+        --deadline 385 --out "$out/gpu_lean_optimizer.json"
 fi
 if runs bench; then
-    step 120 checkpointing "$py" benchmarks/bench_checkpointing.py --shape llama-1.1b --device cuda --repeats 3 \
-        --out "$out/checkpointing-llama-1.1b.json"
-    step 170 activation-offload "$py" benchmarks/gpu_offload.py --repeats 3 --out "$out/gpu_offload.json"
+    step 120 checkpointing checkpointing-llama-1.1b.json "$py" benchmarks/bench_checkpointing.py \
+        --shape llama-1.1b --device cuda --repeats 3 --out "$out/checkpointing-llama-1.1b.json"
+    step 170 activation-offload gpu_offload.json "$py" benchmarks/gpu_offload.py --repeats 3 \
+        --out "$out/gpu_offload.json"
 fi
 if runs optim; then
     # The founding document's offload (~10 s a step) is left out: DESIGN.md's anchors already measure it.
-    step 230 optimizer-offload "$py" benchmarks/gpu_optim_offload.py --repeats 3 --out "$out/gpu_optim_offload.json" \
+    step 230 optimizer-offload gpu_optim_offload.json "$py" benchmarks/gpu_optim_offload.py --repeats 3 \
+        --out "$out/gpu_optim_offload.json" \
         --cases "device AdamW;memtrain offload;memtrain offload, delayed;memtrain offload, bf16 weights;memtrain offload, bf16 weights + chunked loss;torchao CPUOffloadOptimizer"
 fi
 if runs compile; then
-    step 350 checkpointing-compiled "$py" benchmarks/bench_checkpointing.py --shape llama-1.1b --device cuda \
-        --compile --repeats 3 --out "$out/checkpointing-llama-1.1b-compiled.json" \
+    step 350 checkpointing-compiled checkpointing-llama-1.1b-compiled.json "$py" benchmarks/bench_checkpointing.py \
+        --shape llama-1.1b --device cuda --compile --repeats 3 --out "$out/checkpointing-llama-1.1b-compiled.json" \
         --cases "hf gradient_checkpointing_enable;memtrain full;memtrain full + chunked loss"
+fi
+
+if [ "$dry" -eq 1 ]; then
+    echo "files ${#files[@]}: ${files[*]}"
+    echo "total ${total}s"
 fi
 exit $status

@@ -137,6 +137,8 @@ def make_case(name: str, shape: Shape, device: str) -> Case:
 def _parse(argv: list[str] | None) -> Any:
     parser = common_args(__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a seconds-long Llama, runnable on the CPU")
+    parser.add_argument("--cases", default="", help=f"semicolon-separated subset of the cases (the baseline, "
+                        f"{BASELINE!r}, is always run): {'; '.join(CASES)}")
     # Two warm-up steps: the first pins the host pool and records the backward order, the second uses it.
     parser.set_defaults(repeats=5, warmup=2)
     args = parser.parse_args(argv)
@@ -150,14 +152,22 @@ def _parse(argv: list[str] | None) -> Any:
     if args.repeats < 1 or args.warmup < 0:
         problems.append(f"--repeats {args.repeats} --warmup {args.warmup}: repeats must be >= 1 and warmup >= 0. "
                         "To resolve this error, pass e.g. --repeats 5 --warmup 2.")
+    unknown = [c for c in _names(args.cases) if c not in CASES]
+    if unknown:
+        problems.append(f"--cases names no such case: {unknown}. To resolve this error, pick from {CASES}.")
     ConfigError.raise_if(problems)
     return args
+
+
+def _names(text: str) -> list[str]:
+    return [c.strip() for c in text.split(";") if c.strip()]
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
     args = _parse(argv)
     shape = SHAPES["tiny" if args.small else "llama-1.1b"]
-    cases = [make_case(name, shape, args.device) for name in CASES]
+    wanted = set(_names(args.cases)) | {BASELINE} if args.cases else set(CASES)
+    cases = [make_case(name, shape, args.device) for name in CASES if name in wanted]
     title = f"offload-{'small' if args.small else 'llama-1.1b'}"
     path = Path(args.out) if args.out else Path("bench-results") / f"{title}.json"
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():

@@ -528,7 +528,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "CUDA), or none: one process, memory freed between budgets (default on the CPU)")
     parser.add_argument("--child-timeout", type=float, default=240.0, help="seconds one budget's process may run")
     parser.add_argument("--deadline", type=float, help="seconds the whole run may take: budgets that would start "
-                        "with less than a minute left are skipped (recorded as such), the last one is cut to fit")
+                        "with less than --min-child-s left are skipped (recorded as such), the last one is cut to fit")
+    parser.add_argument("--min-child-s", type=float, default=MIN_CHILD_S, help="seconds a budget needs at least "
+                        f"to start (default {MIN_CHILD_S:.0f}: planning, building and a few steps of the 1.1B)")
     parser.add_argument("--out", help="the JSON file (default bench-results/gpu_plan-<shape>.json)")
     parser.add_argument("--json", action="store_true", help="also print the JSON document on stdout")
     parser.add_argument("--quiet", action="store_true", help="no final table (a child process's)")
@@ -593,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _kill_children)
     clock = Deadline(args.deadline)
     for spec in specs:
-        if clock.left() < MIN_CHILD_S:
+        if clock.left() < args.min_child_s:
             row = {"budget_bytes": spec.budget_bytes, "compile": spec.compile,
                    "error": f"skipped: {clock.left():.0f} s left of --deadline {args.deadline:.0f}"}
         elif args.isolate == "process":

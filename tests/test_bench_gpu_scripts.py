@@ -1,7 +1,8 @@
 """CPU smoke tests of the GPU scripts benchmarks/gpu_plan.py (issue 11) and benchmarks/gpu_lean_optimizer.py (issue
 14): their ``--small`` modes plan, apply and train tiny Llamas end to end on the CPU and write their JSON, and the
 logic that only matters on a GPU (budgets as fractions, process isolation and its time limit, the lean run's
-fallback, the baseline's next candidate after an out-of-memory) is exercised here.
+fallback, the baseline's next candidate after an out-of-memory) is exercised here. So are benchmarks/gpu_check.sh's
+steps, limits and result files (issue 18: ``quick`` fits one lease) and tests/gpu's per-test time limit.
 
 No timing is asserted; the CPU has no allocator peak, so the peaks must be reported as not measured.
 """
@@ -217,3 +218,103 @@ def test_lean_baseline_takes_the_next_candidate_after_out_of_memory(lean, monkey
     assert first == ("tiny-wide", 8), f"the largest shape at the largest batch goes first, not {first}"
     assert (row["shape"], row["batch"]) == ("tiny-wide", 4), row
     assert row["parameters"] == lean.SHAPES["tiny-wide"].parameters
+
+
+# -- benchmarks/gpu_check.sh quick: the device check that fits one lease (issue 18) ------------------------------
+LEASE_S = 480  # 8 of the ~13 usable minutes of a lease: time to rerun a failed step
+RESULT_FILES = 8  # what comes back from a run on the device machine
+
+
+def _dry_run(stage: str, tmp_path: Path, **env: str) -> list[str]:
+    import os
+    import subprocess
+
+    run = subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh"), "--dry-run", stage], capture_output=True,
+                         text=True, timeout=60, cwd=BENCHMARKS.parent,
+                         env={**{k: v for k, v in os.environ.items() if k != "PYTHON"}, "OUT": str(tmp_path / "out"),
+                              **env})
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "out").exists(), "a dry run must not write anything"
+    return run.stdout.strip().splitlines()
+
+
+def _steps(lines: list[str]) -> list[tuple[str, int, list[str], str]]:
+    import re
+
+    steps = []
+    for line in lines:
+        m = re.fullmatch(r"step (\S+) limit (\d+)s writes (\S+): (.*)", line)
+        if m:
+            steps.append((m[1], int(m[2]), [] if m[3] == "-" else m[3].split(","), m[4]))
+    return steps
+
+
+@pytest.mark.parametrize("stage", ["quick", "tests", "plan", "lean", "bench", "optim", "compile", "all"])
+def test_gpu_check_dry_run_declares_every_limit_and_file(stage, tmp_path):
+    import re
+
+    lines = _dry_run(stage, tmp_path)
+    total = re.fullmatch(r"total (\d+)s", lines[-1])
+    assert total, f"the last line must be 'total <N>s', got {lines[-1]!r}"
+    steps = _steps(lines)
+    assert steps and steps[0][0] == "environment", lines
+    assert int(total[1]) == sum(limit for _, limit, _, _ in steps), lines
+    files = re.fullmatch(r"files (\d+): (.*)", lines[-2])
+    assert files, lines[-2]
+    names = files[2].split()
+    assert len(names) == int(files[1]) == len(set(names)), f"result files named twice: {names}"
+    assert len(names) <= RESULT_FILES, f"{stage} writes {len(names)} result files, {RESULT_FILES} come back: {names}"
+    assert names[0] == f"{stage}.log", names
+    for name, _, writes, command in steps:
+        # Every file a command writes is under $OUT and declared: what the count above counts is what is written.
+        outs = re.findall(r"--out (\S+)", command)
+        assert [Path(o).name for o in outs] == writes, f"{name}: writes {outs}, declares {writes}"
+        assert all(Path(o).parent == tmp_path / "out" for o in outs), outs
+        assert command.split()[0] in ("python3", "env"), f"{name}: {command.split()[0]}, not python3"
+
+
+def test_gpu_check_quick_fits_one_lease_and_covers_the_issue(tmp_path):
+    import re
+
+    lines = _dry_run("quick", tmp_path)
+    total = int(re.fullmatch(r"total (\d+)s", lines[-1])[1])
+    assert total <= LEASE_S, f"quick's limits add to {total} s, over the {LEASE_S} s a lease allows"
+    commands = {name: command for name, _, _, command in _steps(lines)}
+    assert "pytest" in commands["tests-gpu"] and "tests/gpu" in commands["tests-gpu"]
+    assert "MEMTRAIN_GPU_TEST_TIMEOUT=" in commands["tests-gpu"], "every GPU test needs a limit"
+    assert "--budgets 8GiB,24GiB " in commands["plans-eager"], commands["plans-eager"]
+    assert "--budgets 8GiB+compile,24GiB+compile " in commands["plans-compiled"], commands["plans-compiled"]
+    assert "torch save_on_cpu" in commands["activation-offload"]
+    assert "torchao CPUOffloadOptimizer" in commands["optimizer-offload"]
+    # $PYTHON still chooses the interpreter.
+    custom = _dry_run("quick", tmp_path, PYTHON="/opt/py/bin/python")
+    assert all(c.split()[0] in ("/opt/py/bin/python", "env") for *_, c in _steps(custom))
+
+
+def test_gpu_check_rejects_an_unknown_stage(tmp_path):
+    import subprocess
+
+    run = subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh"), "--dry-run", "quik"], capture_output=True,
+                         text=True, timeout=30, cwd=BENCHMARKS.parent)
+    assert run.returncode == 2 and "usage:" in run.stderr and "quik" in run.stderr, run
+
+
+def test_gpu_tests_conftest_fails_a_test_past_its_limit_and_runs_the_next(tmp_path):
+    # tests/gpu/conftest.py's limit, exercised on the CPU: the device has no pytest-timeout.
+    import os
+    import shutil
+    import subprocess
+
+    shutil.copy(Path(__file__).parent / "gpu" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_sleepy.py").write_text(
+        "import time, pytest\n"
+        "def test_hangs():\n    time.sleep(30)\n"
+        "@pytest.mark.time_limit(20)\n"
+        "def test_own_limit():\n    time.sleep(2)\n"
+        "def test_after():\n    pass\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={**os.environ, "MEMTRAIN_GPU_TEST_TIMEOUT": "1"})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "1 failed, 2 passed" in run.stdout, run.stdout
+    assert "GPUTestTimeout" in run.stdout and "test_hangs ran past its 1 s limit" in run.stdout, run.stdout

@@ -60,7 +60,10 @@ def _steady_state_peak(model, optimizer, x, labels, dtype, keep_output: bool = F
 def measured_peak(config, precision: str, checkpointing: str, batch=BATCH, keep_output: bool = False) -> int:
     """max_memory_allocated over one steady-state training step of the model ``config`` describes."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).cuda().train()
+    # Built on the device: a random init of half a billion parameters on the host, then copied over, takes longer
+    # than the step it measures.
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config).train()
     if checkpointing == "all":
         apply_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
