@@ -14,8 +14,9 @@ by ``tests/test_contract.py``:
     ``int(t)``, ``nonzero`` and ``torch.cuda.synchronize``, counted by patching them (``count_syncs``). On a
     GPU each is the host waiting for the device. Bound: at most 1 with clipping or the fp16 scaler, 0 without.
 (c) aten ops per parameter tensor per optimizer step (a ``TorchDispatchMode`` count of ``optimizer.step()``,
-    after the step that creates the state), for each moment precision against ``torch.optim.AdamW(fused=True)``
-    on the same parameters. Bound: within 2x fused AdamW's.
+    after the step that creates the state; ops that may launch a kernel: views, allocations and profiler markers
+    apart), for each moment precision against ``torch.optim.AdamW(fused=True)`` on the same parameters. Bound:
+    within 2x fused AdamW's.
 (d) bytes over the host link per optimizer step for each offload mode: activations through a counting
     ``CpuTransport`` (both directions), the offloaded optimizer through ``CPUOffloadOptimizer``'s gradient landings
     and weight copies back, against the planner's prediction: ``predictions(...)``'s host bytes (each offloaded
@@ -336,21 +337,28 @@ def host_syncs() -> list[SyncCount]:
 
 
 # -- (c) aten ops per parameter tensor ----------------------------------------------------------------------------
-_PROFILER_OPS = ("aten._record_function", "profiler.")
+# Dispatched ops that launch no kernel: allocations (the caching allocator) and the profiler's markers around
+# Optimizer.step. Views and other aliasing ops (slices, detach) are metadata only: counted apart, by their schema.
+NOT_KERNELS = frozenset({"aten.empty.memory_format", "aten.empty_strided.default",
+                         "profiler._record_function_enter_new.default", "profiler._record_function_exit._RecordFunction"})
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every op dispatched inside it, views included (each is a call on the host), the profiler's markers
-    left out."""
+    """Counts the ops dispatched inside it that may launch a kernel on a GPU (``ops``); views and aliasing ops
+    (``views``) and allocations and profiler markers (``others``) apart."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.views = self.others = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = str(func.overloadpacket)
-        if not name.startswith(_PROFILER_OPS):  # optimizer.step()'s record_function markers launch nothing
-            self.ops[name] += 1
+        if func.is_view:
+            self.views += 1
+        elif str(func) in NOT_KERNELS:
+            self.others += 1
+        else:
+            self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -365,6 +373,7 @@ class OpsCount:
     ops: int | None = None
     ops_per_tensor: float | None = None
     over_fused: float | None = None
+    views: int | None = None
     top: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 
@@ -404,6 +413,7 @@ def optimizer_ops() -> list[OpsCount]:
             out.append(count)
             continue
         count.ops = counter.total
+        count.views = counter.views
         count.ops_per_tensor = counter.total / len(named)
         count.top = dict(counter.ops.most_common(6))
         out.append(count)
@@ -544,11 +554,12 @@ def format_report(doc: dict[str, Any]) -> str:
                            c["error"] or "; ".join(f"{k} x{n}" for k, n in c["sites"].items()))
                           for c in doc["syncs"]]))
     if "ops" in doc:
-        parts.append("(c) aten ops per parameter tensor per optimizer step; bound: <= 2x torch fused AdamW\n" + _table(
-            ("optimizer", "tensors", "ops", "ops/tensor", "x fused", "most frequent"),
+        parts.append("(c) aten ops that may launch a kernel (views, allocations, profiler marks apart) per parameter "
+                     "tensor per optimizer step; bound: <= 2x torch fused AdamW\n" + _table(
+            ("optimizer", "tensors", "ops", "ops/tensor", "x fused", "views", "most frequent"),
             [(c["optimizer"], c["tensors"], c["ops"],
               None if c["ops_per_tensor"] is None else f"{c['ops_per_tensor']:.2f}",
-              None if c["over_fused"] is None else f"{c['over_fused']:.1f}x",
+              None if c["over_fused"] is None else f"{c['over_fused']:.1f}x", c["views"],
               c["error"] or ", ".join(f"{k.split('.')[-1]} {n}" for k, n in c["top"].items()))
              for c in doc["ops"]]))
     if "link_bytes" in doc:

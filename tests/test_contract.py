@@ -5,7 +5,7 @@ The counts come from ``benchmarks/bench_contract.py`` (which prints them: ``pyth
 - graph breaks under ``torch.compile`` caused by memtrain: 0, and at least one graph (nothing runs eager
   silently), unless ``apply_plan`` refuses the pairing with a ``ConfigError``;
 - host syncs per optimizer step on the accumulator's path: at most 1 with clipping or the fp16 scaler, 0 without;
-- aten ops per parameter tensor per optimizer step: within 2x ``torch.optim.AdamW(fused=True)``'s, per moment
+- aten ops that may launch a kernel, per parameter tensor per optimizer step: within 2x ``torch.optim.AdamW(fused=True)``'s, per moment
   precision;
 - bytes over the host link per optimizer step, per offload mode: equal to the planner's prediction.
 
@@ -91,12 +91,15 @@ def test_count_syncs_counts_each_kind_of_host_sync_and_restores_torch():
     assert torch.Tensor.item.__name__ == "item" and not hasattr(torch.Tensor.item, "__wrapped__")
 
 
-def test_op_counter_counts_dispatched_ops():
+def test_op_counter_counts_kernel_ops_and_views_apart():
     a, b = torch.ones(4), torch.ones(4)
     with bench.OpCounter() as counter:
         a.add_(b).mul_(2)
         torch._foreach_add_([a, b], 1)
+        a.view(2, 2).detach()
+        torch.empty(3)
     assert counter.ops == {"aten.add_": 1, "aten.mul_": 1, "aten._foreach_add_": 1}, counter.ops
+    assert (counter.views, counter.others) == (2, 1), (counter.views, counter.others)
 
 
 def test_counting_transport_counts_the_bytes_of_both_directions():
