@@ -283,9 +283,10 @@ class _CheckpointedForward:
 
     @property
     def offloader(self) -> ActivationOffloader | None:
-        """The offloader this block enters, when it moves tensors (a disabled one, without CUDA, does nothing)."""
+        """The offloader this block enters, when it moves tensors (a disabled one, without CUDA, does nothing;
+        the estimator's simulated one is always entered)."""
         offloader = self.spec.offloader
-        return offloader if offloader is not None and offloader.enabled else None
+        return offloader if offloader is not None and getattr(offloader, "enabled", True) else None
 
     def __getstate__(self) -> dict[str, Any]:  # torch.save(model): op packets cannot be pickled; rebuilt on load
         return {k: v for k, v in self.__dict__.items() if k not in ("checkpoint_kwargs", "compiled")}
@@ -301,10 +302,27 @@ class _CheckpointedForward:
             return _checkpointed_call(self.original, self.spec, self.checkpoint_kwargs, self.norms, *args, **kwargs)
         # Saved-tensor hooks cannot be traced (dynamo breaks the graph at them, and skips the model's whole forward
         # when that happens in its loop over blocks): they stay outside, around this block's compiled region.
-        call = self.compiled or functools.partial(_checkpointed_call, self.original, self.spec,
-                                                  self.checkpoint_kwargs, self.norms)
+        call = self.compiled
+        if call is None:
+            if _in_compiled_region():
+                raise ConfigError(
+                    "torch.compile(model) cannot trace the activation offloader of a block memtrain offloads "
+                    "(saved-tensor hooks): dynamo would break the graph there and run the model's forward eagerly. "
+                    "To resolve this error, compile with memtrain.checkpointing.compile_model(model) (apply_plan "
+                    "does), which compiles such a model block by block with the offloader outside, or drop the "
+                    "activation offload.")
+            call = functools.partial(_checkpointed_call, self.original, self.spec, self.checkpoint_kwargs, self.norms)
         with offloader:
             return call(*args, **kwargs)
+
+
+def _in_compiled_region() -> bool:
+    """Whether a ``torch.compile``d call is running (dynamo's frame callback is installed), traced or not."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # a torch built without dynamo compiles nothing
+        return False
+    return get_eval_frame_callback() not in (None, False)
 
 
 # -- choosing blocks ----------------------------------------------------------------------------------------

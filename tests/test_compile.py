@@ -221,3 +221,29 @@ def test_apply_plan_compiles_a_plan_with_offloaded_activations(monkeypatch):
     x = _batch(0)
     counts = compile_counts(lambda: run.train_model(x, x).backward())
     assert counts.graph_breaks == 0 and counts.eager_frames == 0 and counts.graphs >= 2, str(counts)
+
+
+def test_compiling_a_model_with_offloaded_activations_whole_is_one_clear_error_not_a_silent_eager_run():
+    from memtrain import ConfigError
+
+    model = _gpt3()
+    apply_checkpointing(model, offload=True, offloader=_cpu_offloader())
+    x = _batch(0)
+    with pytest.raises(ConfigError, match="compile_model"):
+        torch.compile(model, backend="aot_eager")(x, x)
+    torch._dynamo.reset()
+
+
+def test_blocks_wrapped_again_after_compile_model_are_compiled_the_same_way():
+    """A re-plan wraps the blocks again (configure_model): they stay compiled, the offloader outside each."""
+    from memtrain.checkpointing import Checkpointing, compile_model
+
+    model = _gpt3()
+    offloader = _cpu_offloader()
+    Checkpointing.parse("blocks(ORK)").apply(model, offloader=offloader)
+    compiled = compile_model(model, backend="aot_eager")
+    Checkpointing.parse("blocks(KOO)+offload").apply(model, offloader=offloader)  # block 0 kept, 1 and 2 offload
+    x = _batch(0)
+    counts = compile_counts(lambda: compiled(x, x).backward())
+    assert counts.graph_breaks == 0 and counts.eager_frames == 0 and counts.graphs >= 2, str(counts)
+    assert all(model.blocks[i].forward.compiled is not None for i in (1, 2))
