@@ -53,6 +53,7 @@ INT8_DEVICES = ("cpu", "cuda")
 # -- bf16 moments -------------------------------------------------------------------------------------------
 _WEYL = 0x9E3779B1 - (1 << 32)  # 2**32 / golden ratio, odd, as signed int32
 _OFFSETS = 1 << 16  # a segment's rounding noise starts at an offset in [0, _OFFSETS) of the noise table
+_ALIGN = 16  # elements: segments start 64-byte aligned in the scratch and in their tensors (vectorised loads)
 _INDEX: dict[torch.device, torch.Tensor] = {}  # the noise table per device (see _noise_table)
 
 
@@ -181,28 +182,33 @@ class BF16StateAdamW(torch.optim.Optimizer):
             found_inf = found_inf.to(device, non_blocking=True)
         beta1, beta2 = group["betas"]
         chunk = BF16_CHUNK.get(device.type, 1 << 20)
-        total = sum(p.numel() for p in params)
         grads = [p.grad.contiguous().view(-1) for p in params]
-        # The fp32 moments of one pass: [exp_avg of every segment | exp_avg_sq of every segment].
-        scratch = torch.empty(2 * min(total, chunk), dtype=torch.float32, device=device)
+        # The fp32 moments of one pass: [exp_avg of every segment | exp_avg_sq of every segment], each segment in
+        # a slot of a multiple of _ALIGN elements so that every one starts aligned for vectorised loads.
+        scratch = torch.empty(2 * min(sum(_padded(p.numel()) for p in params), chunk), dtype=torch.float32,
+                              device=device)
         for segments in _passes([p.numel() for p in params], chunk):
-            n = sum(end - start for _, start, end in segments)
+            slots = [_padded(end - start) for _, start, end in segments]
+            n = sum(slots)
             ps, gs, m16, v16, seg_steps = [], [], [], [], []
+            m32, v32 = [], []
             keys_m, keys_v = [], []
-            for i, start, end in segments:
+            offset = 0
+            for (i, start, end), slot in zip(segments, slots, strict=True):
                 p, state = params[i], states[i]
                 ps.append(p.view(-1)[start:end])
                 gs.append(grads[i][start:end])
                 m16.append(state["exp_avg"].view(-1)[start:end])
                 v16.append(state["exp_avg_sq"].view(-1)[start:end])
+                m32.append(scratch[offset:offset + end - start])
+                v32.append(scratch[n + offset:n + offset + end - start])
+                offset += slot
                 seg_steps.append(state["step"])
                 # Counter-based noise: it depends on (seed, parameter, step, segment start) only, not on what ran
                 # before, so a resumed run (draws and salt are in the state) rounds as the straight one.
                 base = (self.seed, state["salt"], state["draws"], start)
                 keys_m.append(_key(*base, 0) % _OFFSETS)
                 keys_v.append(_key(*base, 1) % _OFFSETS)
-            m32 = list(scratch[:n].split([end - start for _, start, end in segments]))
-            v32 = list(scratch[n:2 * n].split([end - start for _, start, end in segments]))
             torch._foreach_copy_(m32 + v32, m16 + v16)
             torch._fused_adamw_(ps, gs, m32, v32, [], seg_steps, lr=group["lr"], beta1=beta1, beta2=beta2,
                                 weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
@@ -220,9 +226,11 @@ class BF16StateAdamW(torch.optim.Optimizer):
             torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count (as torch's)
 
 
-def _passes(numels: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
+def _passes(numels: Sequence[int], chunk: int, align: int = _ALIGN) -> list[list[tuple[int, int, int]]]:
     """Splits tensors of ``numels`` elements, in order, into passes of at most ``chunk`` elements:
-    ``(tensor index, start, end)`` segments, a tensor cut where a pass's budget ends."""
+    ``(tensor index, start, end)`` segments, a tensor cut where a pass's budget ends. Each segment takes its
+    length rounded up to ``align`` (its slot in the scratch), so cuts and slots fall on multiples of ``align``."""
+    chunk = max(align, chunk // align * align)
     passes: list[list[tuple[int, int, int]]] = []
     segments: list[tuple[int, int, int]] = []
     room = chunk
@@ -231,7 +239,7 @@ def _passes(numels: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]
         while start < numel:
             end = min(numel, start + room)
             segments.append((i, start, end))
-            room -= end - start
+            room -= _padded(end - start, align)
             start = end
             if room == 0:
                 passes.append(segments)
@@ -239,6 +247,10 @@ def _passes(numels: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]
     if segments:
         passes.append(segments)
     return passes
+
+
+def _padded(numel: int, align: int = _ALIGN) -> int:
+    return -(-numel // align) * align
 
 
 def _key(*parts: int) -> int:

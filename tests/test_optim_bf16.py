@@ -324,9 +324,13 @@ def test_bf16_refuses_what_its_flat_fp32_passes_cannot_step(bad) -> None:
 
 
 def test_passes_split_tensors_where_the_budget_ends() -> None:
-    assert _passes([3, 10, 2], 4) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 9)], [(1, 9, 10), (2, 0, 2)]]
-    assert _passes([0, 4], 4) == [[(1, 0, 4)]]
+    assert _passes([3, 10, 2], 4, align=1) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 9)],
+                                               [(1, 9, 10), (2, 0, 2)]]
+    assert _passes([0, 4], 4, align=1) == [[(1, 0, 4)]]
     assert _passes([], 4) == []
+    # Aligned: a segment's slot is its length rounded up to 16, so cuts fall on multiples of 16.
+    assert _passes([20, 40, 5], 32, align=16) == [[(0, 0, 20)], [(1, 0, 32)], [(1, 32, 40), (2, 0, 5)]]
+    assert _passes([40], 40, align=16) == [[(0, 0, 32)], [(0, 32, 40)]]  # a budget of 40 counts as 32
 
 
 def test_bf16_state_dict_round_trip_keeps_bf16_moments_and_resumes_bit_identically(monkeypatch) -> None:
