@@ -487,7 +487,7 @@ class Candidate:
     tokens_per_s: float
     verified: bool  # the peak is a full estimate of this set-up (else composed from the profiles)
     lost_because: str = ""
-    host_link: HostLink | None = None  # per rank and step (None: not worked out for this runner-up)
+    host_link: HostLink | None = None  # bytes over the host link per step, per rank
 
     def to_dict(self) -> dict[str, Any]:
         return {"settings": self.settings.to_dict(), "peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes,
@@ -2058,7 +2058,8 @@ def _choose(ctx: _Context, composer: _Composer, results: _Results, budget_bytes:
         seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
         parameters=int(sum(p.numel() for p in dict.fromkeys(ctx.model.parameters()))),
         reasons=tuple(_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)),
-        candidates=tuple(_runners_up(ctx, results, chosen, verified, fits_verified, fits_host, usable, host_limit)),
+        candidates=tuple(_runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
+                                     host_limit)),
         assumptions=tuple(_assumptions(ctx, margin, composer, host_limit) + (
             [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
              "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
@@ -2087,8 +2088,9 @@ def _why_lost(results: _Results, k: int, chosen: int, peak: float, fits: np.ndar
     return _slower(results.seconds[k] / results.seconds[chosen])
 
 
-def _runners_up(ctx: _Context, results: _Results, chosen: int, verified: dict[int, tuple[float, Trace]],
-                fits: np.ndarray, fits_host: np.ndarray, usable: int | None, host_limit: int | None) -> list[Candidate]:
+def _runners_up(ctx: _Context, composer: _Composer, results: _Results, chosen: int,
+                verified: dict[int, tuple[float, Trace]], fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
+                host_limit: int | None) -> list[Candidate]:
     """Up to three faster candidates that do not fit and five slower ones that do, one of each family (the shape
     of the checkpointing, the loss, the optimizer, the micro-batch, ...), each with why it lost."""
     tokens_per_step = ctx.global_batch * ctx.seq_len
@@ -2115,7 +2117,8 @@ def _runners_up(ctx: _Context, results: _Results, chosen: int, verified: dict[in
         peak = verified[k][0] if k in verified else float(results.peak[k])
         group.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
                                tokens_per_step / float(results.seconds[k]), k in verified,
-                               _why_lost(results, k, chosen, peak, fits, fits_host, usable, host_limit)))
+                               _why_lost(results, k, chosen, peak, fits, fits_host, usable, host_limit),
+                               composer.host_link(s)))
     return faster + slower
 
 

@@ -510,6 +510,7 @@ def test_a_plan_reports_its_host_link_bytes():
              host_budget="64GiB")
     (c,) = predictions(model, [s], seq_len=256, global_batch_size=4, device="cuda", device_profile=H100)
     assert p.host_link == c.host_link and p.host_link_bytes == c.host_link.total > 0
+    assert all(r.host_link is not None for r in p.candidates)
     assert p.host_link.activations_to_host > 0 and p.host_link.optimizer_to_host > 0, p.host_link
     assert json.loads(json.dumps(p.to_dict()))["host_link"] == p.host_link.to_dict()
     assert "host link per step:" in p.summary(), p.summary()
@@ -523,7 +524,8 @@ def test_compiled_offloading_set_ups_time_the_code_around_the_blocks_eager(llama
 
     fast_link = dataclasses.replace(H100, host_to_device=1e30, device_to_host=1e30)
     settings = {(kind, compiled): PlanSettings(2, 1, (kind,) * 4, "full", False, "device", "none", compiled,
-                                               "bf16-mixed") for kind in ("keep", "offload") for compiled in (False, True)}
+                                               "bf16-mixed")
+                for kind in ("keep", "offload") for compiled in (False, True)}
     seconds = {k: c.step_seconds for k, c in zip(settings, predictions(
         llama, list(settings.values()), seq_len=512, global_batch_size=2, device_profile=fast_link), strict=True)}
     ctx = planner._context(llama, 512, 2, "cuda", "bf16-mixed", 1, True, True, fast_link)
