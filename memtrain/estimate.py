@@ -347,6 +347,9 @@ class Run:
     other_bytes: int = 0  # bytes read and written by every other op that computes (memory-bound work)
     ops: int = 0  # operator calls (per-op launch and dispatch overhead)
     offloaded_bytes: int = 0  # bytes the activation offloader moved to the host during the run
+    # Each storage it moved, in bytes, in the order moved: the planner applies the offloader's threshold to these
+    # at any micro-batch (a storage under it at the traced sizes can be over it at a larger one).
+    offloaded_sizes: list[int] = field(default_factory=list, repr=False)
     released_bytes: int = 0  # bytes allocated here that autocast's weight-cast cache let go when forward ended
     gradient_bytes: int = 0  # parameter gradients that came into being during the run (backward)
     gradient_bytes_at_peak: int = 0  # of those, the ones already alive at the run's peak
@@ -965,6 +968,7 @@ class _SimulatedOffload:
             run = self.meter.tracker.run_here() if isinstance(self.meter, _BlockMeter) else None
             if run is not None:
                 run.offloaded_bytes += entry[1].nbytes
+                run.offloaded_sizes.append(entry[1].nbytes)
         record = entry[1]
         record.packs += 1
         return record, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype

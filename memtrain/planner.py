@@ -435,6 +435,48 @@ class Fixed:
 
 
 @dataclass(frozen=True)
+class HostLink:
+    """Bytes over the host link (PCIe, or NVLink-C2C) in one optimizer step, per rank, as the time model counts
+    them: offloaded activations go out in each micro-batch's forward and come back in its backward; an offloaded
+    optimizer's gradients (the device weights' dtype) go out in each micro-batch's backward and its new weights
+    come back once a step. Small transfers (norms, flags, the loss) are not counted."""
+
+    activations_to_host: int
+    activations_to_device: int
+    optimizer_to_host: int
+    optimizer_to_device: int
+
+    @property
+    def to_host(self) -> int:
+        return self.activations_to_host + self.optimizer_to_host
+
+    @property
+    def to_device(self) -> int:
+        return self.activations_to_device + self.optimizer_to_device
+
+    @property
+    def total(self) -> int:
+        return self.to_host + self.to_device
+
+    def text(self) -> str:
+        """E.g. "1.0 GiB to host, 512.0 MiB to device (activations 512.0 MiB each way; optimizer ...)"."""
+        parts = []
+        if self.activations_to_host or self.activations_to_device:
+            parts.append(f"activations {format_bytes(self.activations_to_host)} out, "
+                         f"{format_bytes(self.activations_to_device)} back")
+        if self.optimizer_to_host or self.optimizer_to_device:
+            parts.append(f"optimizer {format_bytes(self.optimizer_to_host)} gradients out, "
+                         f"{format_bytes(self.optimizer_to_device)} weights back")
+        return (f"{format_bytes(self.to_host)} to host, {format_bytes(self.to_device)} to device"
+                + (f" ({'; '.join(parts)})" if parts else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"activations_to_host": self.activations_to_host, "activations_to_device": self.activations_to_device,
+                "optimizer_to_host": self.optimizer_to_host, "optimizer_to_device": self.optimizer_to_device,
+                "to_host": self.to_host, "to_device": self.to_device, "total": self.total}
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One candidate's predictions and, unless it was chosen, why it lost."""
 
@@ -445,11 +487,13 @@ class Candidate:
     tokens_per_s: float
     verified: bool  # the peak is a full estimate of this set-up (else composed from the profiles)
     lost_because: str = ""
+    host_link: HostLink | None = None  # bytes over the host link per step, per rank
 
     def to_dict(self) -> dict[str, Any]:
         return {"settings": self.settings.to_dict(), "peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes,
                 "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_s, "verified": self.verified,
-                "lost_because": self.lost_because}
+                "lost_because": self.lost_because,
+                "host_link": self.host_link.to_dict() if self.host_link is not None else None}
 
 
 @dataclass(frozen=True)
@@ -482,6 +526,12 @@ class Plan:
     device_profile: DeviceProfile
     report: MemoryReport  # the estimate behind peak_bytes
     plan_seconds: float = 0.0  # how long planning took
+    host_link: HostLink = HostLink(0, 0, 0, 0)  # bytes over the host link per step, per rank
+
+    @property
+    def host_link_bytes(self) -> int:
+        """Bytes over the host link in one optimizer step, per rank, both directions (see ``host_link``)."""
+        return self.host_link.total
 
     @property
     def micro_batch_size(self) -> int:
@@ -504,6 +554,7 @@ class Plan:
             f"{s.distribution if self.world_size > 1 else 'one process'}{', compiled' if s.compile else ''}",
             f"  predicted: peak {format_bytes(self.peak_bytes)} per rank, host {format_bytes(self.host_bytes)}, "
             f"step {self.step_seconds * 1e3:.1f} ms, {self.tokens_per_s:,.0f} tokens/s",
+            *([f"  host link per step: {self.host_link.text()}"] if self.host_link.total else []),
             "  because:",
             *(f"    - {r}" for r in self.reasons),
         ]
@@ -546,6 +597,7 @@ class Plan:
             "assumptions": list(self.assumptions),
             "device_profile": self.device_profile.to_dict(),
             "plan_seconds": self.plan_seconds,
+            "host_link": self.host_link.to_dict(),
             "estimate": self.report.to_dict(),
         }
 
@@ -680,13 +732,27 @@ class _KindProfile:
     saved: np.ndarray  # bytes a block's forward leaves alive
     released: np.ndarray  # bytes its forward cached that die when forward ends (weight casts)
     backward_net: np.ndarray  # bytes its backward leaves alive less what it found (gradients - saved)
-    offloaded: np.ndarray  # bytes it moves to the host (and back)
+    offloaded: np.ndarray  # bytes it could move to the host (and back): every storage, whatever its size
     backward_net_streamed: np.ndarray  # the same where gradients do not stay (streamed or accumulated)
     forward_excess: list[_Lines]  # its forward's peak above its start
     backward_excess: list[_Lines]  # its backward's peak above its start
     backward_excess_streamed: list[_Lines]
     fwd_work: list[_Work]
     bwd_work: list[_Work]
+    # Per block, the storages it could move, (n, 2) of (bytes at b = 1, per example), or None where the two
+    # traces moved different storages (then all of ``offloaded`` moves): see _moved.
+    offloaded_tensors: list[np.ndarray | None] = field(default_factory=list)
+
+
+def _moved(tensors: np.ndarray, b: int) -> float:
+    """Bytes the activation offloader moves of these storages at micro-batch ``b``: those of at least its
+    ``min_bytes`` (``memtrain.offload.MIN_BYTES_DEFAULT``, what ``apply_plan`` gives it) at that size. The traces
+    record every storage it could move (``offload_min_bytes=0``): one under the threshold at the traced
+    micro-batches 1 and 2 can be over it at the candidate's."""
+    from memtrain.offload import MIN_BYTES_DEFAULT
+
+    sizes = tensors[:, 0] + tensors[:, 1] * (b - 1)
+    return float(sizes[sizes >= MIN_BYTES_DEFAULT].sum())
 
 
 @dataclass
@@ -739,10 +805,16 @@ def _kind_profile(t1: Trace, t2: Trace) -> _KindProfile:
         bexcess.append(_lines(b1, b1[0].start_bytes, b2, b2[0].start_bytes))
         bexcess_streamed.append(_lines(b1, b1[0].start_bytes, b2, b2[0].start_bytes, without_gradients=True))
     arrays = [np.array(c, dtype=np.float64) for c in nets]
+    tensors: list[np.ndarray | None] = []
+    for f1, f2 in zip(s1.block_fwd, s2.block_fwd, strict=True):
+        one = np.array([n for r in f1 for n in r.offloaded_sizes], dtype=np.float64)
+        two = np.array([n for r in f2 for n in r.offloaded_sizes], dtype=np.float64)
+        tensors.append(np.stack([one, two - one], axis=1) if len(one) == len(two) else None)
     return _KindProfile(*arrays, forward_excess=fexcess, backward_excess=bexcess,
                         backward_excess_streamed=bexcess_streamed,
                         fwd_work=[_work(a, b) for a, b in zip(s1.block_fwd, s2.block_fwd, strict=True)],
-                        bwd_work=[_work(a, b) for a, b in zip(s1.block_bwd, s2.block_bwd, strict=True)])
+                        bwd_work=[_work(a, b) for a, b in zip(s1.block_bwd, s2.block_bwd, strict=True)],
+                        offloaded_tensors=tensors)
 
 
 def _tail_nets(t: Trace, s: _Segments) -> tuple[float, ...]:
@@ -920,8 +992,19 @@ class _Composer:
                 field_ = getattr(kp, name)
                 return np.array([x.at(b) for x in field_]) if isinstance(field_, list) else _at(field_, b)
 
+            values = {name: value(name) for name in self._FIELDS}
+            if kp.offloaded_tensors:
+                # What the offloader leaves on the device (under its threshold at this micro-batch) stays saved
+                # until the block's backward frees it.
+                moved = np.array([_moved(t, b) if t is not None else float(all_)
+                                  for t, all_ in zip(kp.offloaded_tensors, values["offloaded"], strict=True)])
+                stays = values["offloaded"] - moved
+                values["offloaded"] = moved
+                values["saved"] = values["saved"] + stays
+                values["backward_net"] = values["backward_net"] - stays
+                values["backward_net_streamed"] = values["backward_net_streamed"] - stays
             self._cache[key] = _KindArrays(
-                *(value(name) for name in self._FIELDS),
+                **values,
                 forward_s=np.array([w.seconds(b, tokens, dev, compiled) for w in kp.fwd_work]),
                 backward_s=np.array([w.seconds(b, tokens, dev, compiled) for w in kp.bwd_work]),
             )
@@ -933,11 +1016,11 @@ class _Composer:
         return self.assigned(cfg, np.broadcast_to(i < offload, (len(recompute), i.shape[1])),
                              (i >= offload) & (i < offload + recompute[:, None]))
 
-    def assigned(self, cfg: _Config, is_off: np.ndarray, is_rec: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(peak, host, seconds) per row of a (rows, blocks) assignment: offloaded where ``is_off``, recomputed
-        where ``is_rec``, kept elsewhere."""
-        ctx, b = self.ctx, cfg.micro_batch_size
-        prof = self.profile(cfg.optimizer)
+    def picker(self, cfg: _Config, is_off: np.ndarray, is_rec: np.ndarray) -> Callable[[str], np.ndarray]:
+        """A (rows, blocks) array of one ``_KindArrays`` field per assignment row: the offloaded kind's where
+        ``is_off``, the recomputed kind's where ``is_rec``, the kept kind's elsewhere."""
+        b, prof = cfg.micro_batch_size, self.profile(cfg.optimizer)
+        # Blocks compiled one by one run their own code compiled whatever the set-up (see compile_model).
         keep = self.arrays(prof, "keep", b, cfg.compile)
         rec = self.arrays(prof, cfg.flavor, b, cfg.compile) if is_rec.any() else keep
         off = self.arrays(prof, "offload", b, cfg.compile) if is_off.any() else keep
@@ -945,6 +1028,29 @@ class _Composer:
         def pick(name: str) -> np.ndarray:
             return np.where(is_off, getattr(off, name), np.where(is_rec, getattr(rec, name), getattr(keep, name)))
 
+        return pick
+
+    def offloaded(self, cfg: _Config, pick: Callable[[str], np.ndarray]) -> np.ndarray:
+        """Bytes each block moves to the host (and back) in one micro-batch, (rows, blocks): none on a CPU."""
+        offloaded = pick("offloaded")
+        return offloaded if self.ctx.device == "cuda" else np.zeros_like(offloaded)
+
+    def host_link(self, s: PlanSettings) -> HostLink:
+        """Bytes over the host link in one optimizer step of ``s`` (per rank): the figures the time model's
+        ``_offload_stall`` and ``_optimizer_seconds`` take."""
+        cfg = _config_of(s)
+        kinds = np.array(s.blocks)[None, :]
+        activations = float(self.offloaded(cfg, self.picker(cfg, kinds == "offload", kinds == "recompute")).sum())
+        gradients, weights = _optimizer_link(self.ctx, self.profile(cfg.optimizer), cfg)
+        return HostLink(round(activations * cfg.accumulation), round(activations * cfg.accumulation),
+                        round(gradients * cfg.accumulation), round(weights))
+
+    def assigned(self, cfg: _Config, is_off: np.ndarray, is_rec: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(peak, host, seconds) per row of a (rows, blocks) assignment: offloaded where ``is_off``, recomputed
+        where ``is_rec``, kept elsewhere."""
+        ctx, b = self.ctx, cfg.micro_batch_size
+        prof = self.profile(cfg.optimizer)
+        pick = self.picker(cfg, is_off, is_rec)
         tail = prof.tails[cfg.chunked_loss]
         # -- model state, one process (distributed ranks differ by _distributed_shift)
         memory, block_leaves, other_leaves = self.optimizer(prof, cfg)
@@ -955,7 +1061,7 @@ class _Composer:
         saved, fexcess, released = pick("saved"), pick("forward_excess"), pick("released")
         bexcess = np.where(transient, pick("backward_excess_streamed"), pick("backward_excess"))
         bnet = np.where(transient, pick("backward_net_streamed"), pick("backward_net"))
-        offloaded = pick("offloaded")
+        offloaded = self.offloaded(cfg, pick)
         fixed = (float(prof.fixed_bytes) + _at(prof.input_bytes, b) - prof.input_bytes[0] - prof.adamw_state_bytes
                  + memory.device_state_bytes)
         if cfg.accumulation > 1:
@@ -991,15 +1097,19 @@ class _Composer:
         peak = peak + _distributed_shift(ctx, prof, cfg)
 
         # -- host bytes (one node: every rank's share)
-        host = offloaded.sum(axis=1) if ctx.device == "cuda" else np.zeros(is_off.shape[0])
-        host = (host + memory.host_bytes) * _ranks_per_node(ctx.world)
+        host = (offloaded.sum(axis=1) + memory.host_bytes) * _ranks_per_node(ctx.world)
 
         # -- time
         fwd, bwd = pick("forward_s"), pick("backward_s")
         dev = ctx.device_profile
         tokens = b * ctx.seq_len
-        head = sum(w.seconds(b, tokens, dev, cfg.compile)
-                   for w in (tail.pre_work, tail.tail_fwd_work, tail.tail_bwd_work, tail.post_work))
+        # compile_model compiles block by block where an offloader's hooks must stay outside the compiled regions:
+        # the embeddings, the last norm, the head and the loss then run eagerly.
+        def rest(compiled: bool) -> float:
+            return sum(w.seconds(b, tokens, dev, compiled)
+                       for w in (tail.pre_work, tail.tail_fwd_work, tail.tail_bwd_work, tail.post_work))
+
+        head = np.where(_compiled_per_block(cfg, is_off, is_rec), rest(False), rest(cfg.compile))
         micro = fwd.sum(axis=1) + bwd.sum(axis=1) + head
         if ctx.device == "cuda" and offloaded.any():
             micro = micro + _offload_stall(fwd, bwd, offloaded, dev)
@@ -1009,6 +1119,13 @@ class _Composer:
         seconds = (micro * cfg.accumulation + _optimizer_seconds(ctx, prof, cfg, backward)
                    + _communication_seconds(ctx, prof, cfg, backward + fwd.sum(axis=1)))
         return peak, host, seconds
+
+
+def _compiled_per_block(cfg: _Config, is_off: np.ndarray, is_rec: np.ndarray) -> np.ndarray:
+    """Per row: whether ``compile_model`` compiles this set-up block by block (compiled, with a block that
+    offloads its activations or its saved input), leaving the code between the blocks eager."""
+    offloads = is_off.any(axis=1) | (is_rec.any(axis=1) & (cfg.flavor == "offload-inputs"))
+    return offloads & cfg.compile
 
 
 def _offload_stall(fwd: np.ndarray, bwd: np.ndarray, offloaded: np.ndarray, dev: DeviceProfile) -> np.ndarray:
@@ -1072,7 +1189,7 @@ def _optimizer_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, backward_s:
     device_part = device_part + 0 * backward_s
     if on_host == 0:
         return device_part
-    grad_bytes = on_host * (2 if cfg.optimizer == "offload-bf16-weights" else 4)
+    grad_bytes, _ = _optimizer_link(ctx, prof, cfg)
     # Gradients stream to the host during each micro-batch's backward, the host adds later micro-batches in;
     # after the last backward: the norms (clipping), the CPU step, then the last bucket's weights cross back.
     d2h = np.maximum(0.0, grad_bytes / dev.device_to_host - backward_s) * cfg.accumulation
@@ -1081,6 +1198,20 @@ def _optimizer_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, backward_s:
     last_bucket = min(grad_bytes, _BUCKET_BYTES * grad_bytes / (4 * on_host))
     host_part = d2h + host_adds + norms + on_host / dev.cpu_adamw + last_bucket / dev.host_to_device
     return np.maximum(device_part, host_part)
+
+
+def _optimizer_link(ctx: _Context, prof: _Profiles, cfg: _Config) -> tuple[float, float]:
+    """(bytes of gradients to the host per micro-batch, bytes of weights back per step) of the parameters whose
+    step runs on the host (``memtrain.optim.offloaded_mask``, whole tensors): both in the device weights' dtype."""
+    from memtrain.optim import offloaded_mask
+
+    if cfg.host_fraction == 0:
+        return 0.0, 0.0
+    mask = offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction)
+    device_bytes = float(sum(n * d.itemsize for (n, d), m in zip(prof.trainable_params, mask, strict=True) if m))
+    if cfg.distribution == "fsdp2":
+        device_bytes /= ctx.world  # each rank's shard
+    return device_bytes, device_bytes
 
 
 def _communication_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, compute_s: np.ndarray) -> np.ndarray:
@@ -1370,6 +1501,8 @@ def _traced_profiles(ctx: _Context, flavors: Sequence[str], offload: bool, weigh
         first, second = (trace(traced_model, (b, ctx.seq_len), device=ctx.device, precision=ctx.precision,
                                checkpointing=checkpointing, chunked_loss=chunked, optimizer="adamw",
                                weights_dtype=weights, runs=True, offload_min_bytes=0) for b in (1, 2))
+        # offload_min_bytes=0: every storage the offloader could move is recorded with its size, and _moved keeps
+        # those at least its threshold at the candidate's micro-batch.
         traces[kind] = (first, second)
     keep1, _ = traces["keep"]
     chunked_kept = next((k for k in kinds if k in ("full", "selective", "keep-chunked")), "")
@@ -1449,6 +1582,10 @@ def _alike(kp: _KindProfile, i: int, j: int) -> bool:
                 return False
         elif isinstance(value[i], _Lines):
             if any(value[i].at(b) != value[j].at(b) for b in (1, 2)):
+                return False
+        elif value[i] is None or isinstance(value[i], np.ndarray):  # offloaded_tensors
+            if (value[i] is None) != (value[j] is None) or (value[i] is not None
+                                                            and not np.array_equal(value[i], value[j])):
                 return False
         elif value[i] != value[j]:
             return False
@@ -1771,10 +1908,14 @@ def _composer_for(ctx: _Context, given: Sequence[PlanSettings]) -> _Composer:
     return _Composer(ctx, profiles)
 
 
+def _config_of(s: PlanSettings) -> _Config:
+    return _Config(s.micro_batch_size, s.accumulation, s.flavor, s.chunked_loss, s.optimizer, s.distribution,
+                   s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction)
+
+
 def _add_given(composer: _Composer, results: _Results, s: PlanSettings, *, explicit: bool = True) -> None:
     """One candidate with its own block layout; ``explicit``: it was given whole (nothing was searched)."""
-    cfg = _Config(s.micro_batch_size, s.accumulation, s.flavor, s.chunked_loss, s.optimizer, s.distribution,
-                  s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction)
+    cfg = _config_of(s)
     kinds = np.array(s.blocks)[None, :]
     results.add_settings(cfg, s, *composer.assigned(cfg, kinds == "offload", kinds == "recompute"))
     results.searched |= not explicit
@@ -1806,7 +1947,8 @@ def predictions(model_or_hf_config: Any, given: Sequence[PlanSettings], *, seq_l
     results.finish()
     tokens = global_batch_size * seq_len
     return [Candidate(results.settings(k), int(results.peak[k]), int(results.host[k]), float(results.seconds[k]),
-                      tokens / float(results.seconds[k]), False) for k in range(len(given))]
+                      tokens / float(results.seconds[k]), False, host_link=composer.host_link(results.settings(k)))
+            for k in range(len(given))]
 
 
 def _check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, world: int, chunkable: bool,
@@ -1916,11 +2058,12 @@ def _choose(ctx: _Context, composer: _Composer, results: _Results, budget_bytes:
         seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
         parameters=int(sum(p.numel() for p in dict.fromkeys(ctx.model.parameters()))),
         reasons=tuple(_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)),
-        candidates=tuple(_runners_up(ctx, results, chosen, verified, fits_verified, fits_host, usable, host_limit)),
+        candidates=tuple(_runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
+                                     host_limit)),
         assumptions=tuple(_assumptions(ctx, margin, composer, host_limit) + (
             [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
              "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
-        plan_seconds=time.perf_counter() - started,
+        plan_seconds=time.perf_counter() - started, host_link=composer.host_link(s),
     )
 
 
@@ -1945,8 +2088,9 @@ def _why_lost(results: _Results, k: int, chosen: int, peak: float, fits: np.ndar
     return _slower(results.seconds[k] / results.seconds[chosen])
 
 
-def _runners_up(ctx: _Context, results: _Results, chosen: int, verified: dict[int, tuple[float, Trace]],
-                fits: np.ndarray, fits_host: np.ndarray, usable: int | None, host_limit: int | None) -> list[Candidate]:
+def _runners_up(ctx: _Context, composer: _Composer, results: _Results, chosen: int,
+                verified: dict[int, tuple[float, Trace]], fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
+                host_limit: int | None) -> list[Candidate]:
     """Up to three faster candidates that do not fit and five slower ones that do, one of each family (the shape
     of the checkpointing, the loss, the optimizer, the micro-batch, ...), each with why it lost."""
     tokens_per_step = ctx.global_batch * ctx.seq_len
@@ -1973,7 +2117,8 @@ def _runners_up(ctx: _Context, results: _Results, chosen: int, verified: dict[in
         peak = verified[k][0] if k in verified else float(results.peak[k])
         group.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
                                tokens_per_step / float(results.seconds[k]), k in verified,
-                               _why_lost(results, k, chosen, peak, fits, fits_host, usable, host_limit)))
+                               _why_lost(results, k, chosen, peak, fits, fits_host, usable, host_limit),
+                               composer.host_link(s)))
     return faster + slower
 
 
@@ -2064,7 +2209,11 @@ def _reasons(ctx: _Context, results: _Results, chosen: int, peak: float, fits: n
                        + (f", because: {other}" if other else " (as asked)"))
     if s.compile or (~same["compile"]).any():
         other = alternative(~same["compile"], "eager" if s.compile else "torch.compile")
-        reasons.append(("torch.compile" if s.compile else "eager") + (f", because: {other}" if other else ""))
+        per_block = s.compile and ("offload" in s.blocks or (s.flavor == "offload-inputs" and "recompute" in s.blocks))
+        reasons.append(("torch.compile" if s.compile else "eager")
+                       + (" block by block (the blocks offload activations: the offloader stays outside the compiled "
+                          "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
+                       + (f", because: {other}" if other else ""))
     reasons.append(f"predicted peak {format_bytes(int(peak))} per rank (a full estimate of this set-up) within "
                    f"{budget_text}")
     return reasons
@@ -2095,7 +2244,8 @@ def _assumptions(ctx: _Context, margin: float, composer: _Composer, host_limit: 
     if host_limit is None:
         out.append("host RAM not checked (planned for another machine): pass host_budget to check it")
     out.append("compiled set-ups: memory as eager (compiled graphs keep no more), elementwise traffic halved, a "
-               "tenth of the per-op overhead")
+               "tenth of the per-op overhead; where blocks offload activations only the blocks are compiled "
+               "(compile_model), the code around them (embeddings, last norm, head, loss) is timed eager")
     traces = sum(p.traces for p in composer.profiles.values())
     out.append(f"profiles from {traces} traced steps")
     return out

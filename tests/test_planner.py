@@ -465,3 +465,84 @@ def test_a_measured_overshoot_is_folded_into_a_replan(llama):
     assert again.settings != first.settings
     assert again.peak_bytes - overshoot < first.peak_bytes, (again.peak_bytes, first.peak_bytes)
     assert any("measurement" in a for a in again.assumptions)
+
+
+# -- bytes over the host link, and what compile_model compiles ------------------------------------------------
+def _offload_gpt() -> GPT:
+    # Block inputs of 256 x 256 fp32 per example: 256 KiB at micro-batch 1, the offloader's 1 MiB at 4.
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=256, seq_len=256, vocab_size=256, dropout=0.0))
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+def test_host_link_of_offloaded_activations_is_what_the_offloader_moves_at_that_micro_batch(micro):
+    from memtrain.estimate import trace
+    from memtrain.offload import MIN_BYTES_DEFAULT
+
+    model = _offload_gpt()
+    s = PlanSettings(micro, 2, ("offload", "offload"), "full", False, "device", "none", False, "fp32")
+    (c,) = predictions(model, [s], seq_len=256, global_batch_size=2 * micro, device="cuda", device_profile=H100)
+    # The full estimate's simulated offloader, with the real one's threshold, at the candidate's micro-batch.
+    t = trace(model, (micro, 256), device="cuda", precision="fp32",
+              checkpointing={"policies": dict.fromkeys(("blocks.0", "blocks.1"), "offload")},
+              offload_min_bytes=MIN_BYTES_DEFAULT)
+    assert t.offloaded_bytes > 0
+    assert c.host_bytes == t.offloaded_bytes, (c.host_bytes, t.offloaded_bytes)
+    link = c.host_link
+    assert (link.activations_to_host, link.activations_to_device) == (2 * t.offloaded_bytes,) * 2, link
+    assert (link.optimizer_to_host, link.optimizer_to_device) == (0, 0), link
+
+
+def test_host_link_of_an_offloaded_optimizer_is_its_gradients_each_micro_batch_and_the_weights_once():
+    model = _gpt(2)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    s = PlanSettings(1, 3, ("keep", "keep"), "full", False, "offload", "none", False, "fp32")
+    (c,) = predictions(model, [s], seq_len=32, global_batch_size=3, device="cuda", device_profile=H100)
+    assert c.host_link.to_dict() == {"activations_to_host": 0, "activations_to_device": 0,
+                                     "optimizer_to_host": 3 * 4 * numel, "optimizer_to_device": 4 * numel,
+                                     "to_host": 12 * numel, "to_device": 4 * numel, "total": 16 * numel}
+
+
+def test_a_plan_reports_its_host_link_bytes():
+    model = _offload_gpt()
+    s = PlanSettings(4, 1, ("offload", "keep"), "full", False, "offload", "none", False, "fp32")
+    p = plan(model, budget=None, seq_len=256, global_batch_size=4, device_profile=H100, settings=s,
+             host_budget="64GiB")
+    (c,) = predictions(model, [s], seq_len=256, global_batch_size=4, device="cuda", device_profile=H100)
+    assert p.host_link == c.host_link and p.host_link_bytes == c.host_link.total > 0
+    assert all(r.host_link is not None for r in p.candidates)
+    assert p.host_link.activations_to_host > 0 and p.host_link.optimizer_to_host > 0, p.host_link
+    assert json.loads(json.dumps(p.to_dict()))["host_link"] == p.host_link.to_dict()
+    assert "host link per step:" in p.summary(), p.summary()
+
+
+def test_compiled_offloading_set_ups_time_the_code_around_the_blocks_eager(llama):
+    # compile_model compiles an offloading set-up block by block: the embeddings, the head and the loss stay eager,
+    # so compiling saves such a set-up its blocks' time only; a set-up without offload is compiled whole. With an
+    # unlimited host link nothing waits on copies: the step is the blocks' time plus the rest's.
+    from memtrain import planner
+
+    fast_link = dataclasses.replace(H100, host_to_device=1e30, device_to_host=1e30)
+    settings = {(kind, compiled): PlanSettings(2, 1, (kind,) * 4, "full", False, "device", "none", compiled,
+                                               "bf16-mixed")
+                for kind in ("keep", "offload") for compiled in (False, True)}
+    seconds = {k: c.step_seconds for k, c in zip(settings, predictions(
+        llama, list(settings.values()), seq_len=512, global_batch_size=2, device_profile=fast_link), strict=True)}
+    ctx = planner._context(llama, 512, 2, "cuda", "bf16-mixed", 1, True, True, fast_link)
+    composer = planner._composer_for(ctx, list(settings.values()))
+    prof = composer.profile("device")
+
+    def blocks_s(kind, compiled):
+        a = composer.arrays(prof, kind, 2, compiled)
+        return float(a.forward_s.sum() + a.backward_s.sum())
+
+    for kind in ("keep", "offload"):
+        gain = seconds[kind, False] - seconds[kind, True]
+        blocks_gain = blocks_s(kind, False) - blocks_s(kind, True)
+        if kind == "offload":
+            assert gain == pytest.approx(blocks_gain, rel=1e-9), (gain, blocks_gain)
+        else:  # compiled whole: the code around the blocks gains too
+            assert gain > blocks_gain * (1 + 1e-6), (gain, blocks_gain)
+    p = plan(llama, budget=None, seq_len=512, global_batch_size=2, device_profile=H100,
+             settings=settings["offload", True])
+    assert any("compile_model" in a and "eager" in a for a in p.assumptions), p.assumptions
