@@ -252,7 +252,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._h2d_done: torch.cuda.Event | None = None
         self._buffer = 0  # which host gradient buffer the next backward writes
         self._gathered = False  # this step's gradients are on the host, attached, unscaled
-        self._found_inf: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
+        # This step's lazy gradient multiplier (scale_gradients_ factors, fp16 inverse scale), and the window's
+        # (norm, multiplier with the clip coefficient, inf flag) once clip_grad_norm_ or step made them.
+        self._grad_factor: float | torch.Tensor = 1.0
+        self._inv_scale: torch.Tensor | None = None
+        self._scalars: tuple[torch.Tensor, float | torch.Tensor, torch.Tensor] | None = None
         # next_backward_is_last(): the worker takes each gradient's norm as it lands in the next backward.
         self._norms_in_backward = False
         # Set by a clip_grad_norm_ after a window of one backward: the worker then takes the norm of each gradient
@@ -458,12 +463,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._found_inf = sum(t.cpu() for t in state["found_inf_per_device"].values()) + torch.zeros(())
                 self._gathered = True
                 return
-            # The same arithmetic as GradScaler.unscale_: inverse scale in double, then fp32.
-            inv_scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64).reciprocal().float()
-            self._found_inf = torch.zeros((), dtype=torch.float32)
-            grads = [s.master.grad for s in self._slots if s.master.grad is not None]
-            if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, inv_scale)
+            # No pass here: the inverse scale (GradScaler.unscale_'s arithmetic: double, then fp32) joins the
+            # multiplier the host step divides by, and the inf check is the norm's (see _window_scalars).
+            self._inv_scale = self.grad_scaler._scale.double().reciprocal().float().to("cpu", copy=True)
         self._gathered = True
 
     def _check_unscaled_on_device(self) -> None:
@@ -475,28 +477,38 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "build the optimizer with offload_gradients=False to keep gradients on the device).")
 
     def gradients(self) -> list[torch.Tensor]:
-        """This step's host gradients (landed, unscaled), in param_groups order, for in-place edits.
+        """This step's host gradients (landed, unscaled, normalised by ``scale_gradients_``), in param_groups
+        order, for in-place edits.
 
         For code that must change gradients before the step (e.g. normalising an accumulated sum by the token
-        count): ``[p.grad for p in model.parameters()]`` finds nothing once gradients are offloaded.
+        count): ``[p.grad for p in model.parameters()]`` finds nothing once gradients are offloaded. This applies
+        the pending multiplier (one pass; ``scale_gradients_`` and ``clip_grad_norm_`` make none).
         """
         self._gather()
+        grads = [s.master.grad for s in self._slots if s.master.grad is not None]
+        multiplier = self._multiplier()
+        if grads and (isinstance(multiplier, torch.Tensor) or multiplier != 1.0):
+            torch._foreach_mul_(grads, multiplier)
+        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
         for slot in self._slots:
             slot.norm = None  # the caller may change them
-        return [s.master.grad for s in self._slots if s.master.grad is not None]
+        return grads
 
     @torch.no_grad()
-    def scale_gradients_(self, factor: float) -> None:
-        """Multiplies this step's host gradients by ``factor`` in place (e.g. one over the items in the window).
+    def scale_gradients_(self, factor: float | torch.Tensor) -> None:
+        """Multiplies this step's host gradients by ``factor`` (e.g. one over the items in the window), lazily.
 
-        Unlike editing ``gradients()``, this keeps the per-tensor norms the worker took as the gradients landed
-        (scaled by ``|factor|``), so ``clip_grad_norm_`` does not read every gradient again: on a 1.1B model that
-        pass reads 4.4 GB on the critical path of the step. The price: ``|factor| * norm`` can differ from the norm
-        of the scaled gradient in its last bit, so a clipped step equals torch's within float rounding rather than
-        bit for bit (``pytest tests/test_optim_offload.py -k scaled`` checks the norm to rtol 1e-6).
+        No pass over the gradients: the factor joins the multiplier that the host step applies as it reads each
+        gradient (fused AdamW's ``grad_scale``; other classes get one multiply per bucket inside the step), and
+        the per-tensor norms the worker took as the gradients landed are scaled by ``|factor|``, so
+        ``clip_grad_norm_`` reads no gradient either: on a 1.1B model each of those passes reads 4.4 GB on the
+        critical path of the step. The price: ``|factor| * norm`` can differ from the norm of the scaled gradient
+        in its last bit, and dividing by the multiplier's inverse from multiplying, so a step equals torch's
+        within float rounding rather than bit for bit (``pytest tests/test_optim_offload.py`` checks 1e-6).
 
         Args:
-            factor: multiplies every gradient (dimensionless; negative flips the sign, the norms keep theirs).
+            factor: multiplies every gradient (dimensionless; negative flips the sign, the norms keep theirs); a
+                0-d CPU tensor too.
 
         Raises:
             MemtrainError: after ``step_in_next_backward()``: buckets were already stepped with these gradients.
@@ -507,13 +519,42 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "these gradients, so scaling them now changes nothing in this update. To resolve this error, drop "
                 "step_in_next_backward() when gradients need normalising (e.g. accumulation over token counts).")
         self._gather()
-        grads = [s.master.grad for s in self._slots if s.master.grad is not None]
-        if factor == 1.0 or not grads:
+        if not isinstance(factor, torch.Tensor) and factor == 1.0:
             return
-        torch._foreach_mul_(grads, factor)
-        for slot in self._slots:
-            if slot.norm is not None:
-                slot.norm = slot.norm * abs(factor)
+        self._grad_factor = self._grad_factor * factor
+        self._scalars = None
+
+    def _multiplier(self) -> float | torch.Tensor:
+        """What the host gradients are multiplied by before the step, clip coefficient aside: the factors of
+        scale_gradients_ times the fp16 inverse scale."""
+        multiplier = self._grad_factor
+        if self._inv_scale is not None:
+            multiplier = self._inv_scale.double() * multiplier
+        return multiplier
+
+    def _window_scalars(self, max_norm: float = math.inf) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:
+        """(global norm of the true gradients, multiplier with the clip coefficient, inf flag), host tensors made
+        from the per-tensor norms the worker took as the gradients landed (one read of the gradients where some
+        are missing); nothing is read back to Python."""
+        landed = [s for s in self._slots if s.master.grad is not None]
+        if not landed:
+            zero = torch.zeros(())
+            return zero, self._multiplier(), zero
+        if all(s.norm is not None for s in landed):
+            # The per-tensor norms torch would take (linalg.vector_norm on CPU), taken during backward, summed in
+            # param_groups order as torch sums the list it is given (another order can move the last bit).
+            raw = torch.linalg.vector_norm(torch.stack([s.norm for s in landed]), 2.0)
+        else:
+            raw = torch.nn.utils.get_total_norm([s.master.grad for s in landed], 2.0)
+        multiplier = self._multiplier()
+        scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
+        total = (raw.double() * scale).float() if isinstance(scale, torch.Tensor) else raw * scale
+        found = (~total.isfinite()).float()
+        if max_norm != math.inf:
+            # torch's coefficient, clamped at 1: a multiply by 1.0 changes nothing and costs nothing here.
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            multiplier = coef.double() * multiplier
+        return total, multiplier, found
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -521,9 +562,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
         The gradients live on the host, where ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` cannot
         see them (it would find none and clip nothing): call this instead, after backward and before ``step()``.
-        With a grad_scaler attached the norm is that of the unscaled gradients. The per-tensor norms are summed
-        in ``param_groups`` order (the order of ``model.parameters()`` with one group), as torch does for the list
-        it is given; another order can change the last bit of the norm.
+        With a grad_scaler attached the norm is that of the unscaled gradients. The coefficient joins the
+        multiplier the host step applies (no pass over the gradients, no host sync); the norm comes from the
+        per-tensor norms taken as the gradients landed.
 
         Returns:
             The total norm before clipping (a CPU tensor; inf or NaN when the step will be skipped).
@@ -533,27 +574,32 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "clip_grad_norm_ after step_in_next_backward(): buckets were already stepped with unclipped gradients "
                 "during backward. To resolve this error, drop step_in_next_backward() when clipping (or use "
                 "delayed_update=True to hide the CPU step).")
-        scaling = self.grad_scaler is not None and self.grad_scaler.is_enabled()
         self._gather()
-        masters = [s.master for s in self._slots]
         landed = [s for s in self._slots if s.master.grad is not None]
         # A window of one backward: from now on the worker takes the norm of each first landing (the last one,
-        # in such loops). Unscaling would change the gradients after they landed, so not with a scaler.
-        self._norms_on_first_landing = (norm_type == 2.0 and not scaling and bool(landed)
-                                        and all(s.landings == 1 for s in landed))
-        if not landed:
-            return torch.zeros(())
-        if norm_type == 2.0 and not scaling and all(s.norm is not None for s in landed):
-            # The per-tensor norms torch would take (linalg.vector_norm on CPU), already taken during backward.
-            total = torch.linalg.vector_norm(torch.stack([s.norm for s in landed]), 2.0)
-        else:
-            total = torch.nn.utils.get_total_norm([s.master.grad for s in landed], norm_type)
-        # torch multiplies by min(1, coef) always; a multiply by 1.0 changes nothing, so only pay the pass below 1.
-        if math.isfinite(total.item()) and (max_norm / (total + 1e-6)).item() < 1.0:
-            torch.nn.utils.clip_grads_with_norm_(masters, max_norm, total)
-            for slot in landed:
-                slot.norm = None
-        return total
+        # in such loops).
+        self._norms_on_first_landing = bool(landed) and all(s.landings == 1 for s in landed)
+        if norm_type != 2.0:
+            total = torch.nn.utils.get_total_norm([s.master.grad for s in landed], norm_type) if landed else \
+                torch.zeros(())
+            multiplier = self._multiplier()
+            scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
+            total = total * scale
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            self._scalars = (total, coef.double() * multiplier, (~total.isfinite()).float())
+            return total
+        self._scalars = self._window_scalars(max_norm)
+        return self._scalars[0]
+
+    @property
+    def found_inf_flag(self) -> torch.Tensor | None:
+        """This step's inf/nan flag (a host tensor, 1.0 when the step will be skipped), once the gradients are
+        gathered (``clip_grad_norm_`` or ``step``): a non-finite norm, which an fp16 overflow gives."""
+        if not self._gathered:
+            return None
+        if self._scalars is None:
+            self._scalars = self._window_scalars()
+        return self._scalars[2]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -583,28 +629,43 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # from here to back off the scale. Written in step() because scaler.step() resets it before calling us.
             self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
                 self._found_inf.device: self._found_inf}
-        skip = self._found_inf is not None and bool(self._found_inf.item())
+        # The window's multiplier (normalisation, fp16 inverse scale, clip coefficient) and inf flag: the host step
+        # applies them as it reads each gradient, and skips on the flag on the worker (a host value: no device
+        # sync, and no Python read of it on this thread).
+        if self._scalars is None and self._inv_scale is not None:
+            self._scalars = self._window_scalars()  # an fp16 step needs the inf check: the norm's
+        if self._scalars is not None:
+            _, multiplier, found = self._scalars
+        else:
+            multiplier, found = self._multiplier(), None
+        if self._found_inf is not None:
+            found = self._found_inf if found is None else torch.maximum(found, self._found_inf.to(found.device))
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            # NOTE: GradScaler has no public way to receive an inf check made elsewhere: scaler.update() reads it
+            # from here to back off the scale. Written in step() because scaler.step() resets it before calling us.
+            found = found if found is not None else torch.zeros(())
+            self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
         early, self._early, self._waiting = self._early, {}, None
-        if not skip:
-            self._sync_hyperparameters()
-            if self._stream is not None:
-                # The copies back overwrite weights that this step's backward read on the compute stream.
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            h2d_done = self._h2d_done
-            futures = list(early.values())  # stepped during backward (step_in_next_backward)
-            futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update)
-                        for i, b in enumerate(self._buckets) if i not in early]
-            if self.delayed_update:
-                self._update = futures
-                self._buffer = 1 - self._buffer  # the next backward writes the other host buffer
-                for slot in self._slots:
-                    slot.has_grad = slot.zeroed = False
-                    slot.landings = 0
-            else:
-                for future in futures:
-                    future.result()
-                self._after_copies()
+        self._sync_hyperparameters()
+        if self._stream is not None:
+            # The copies back overwrite weights that this step's backward read on the compute stream.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        h2d_done = self._h2d_done
+        futures = list(early.values())  # stepped during backward (step_in_next_backward)
+        futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found)
+                    for i, b in enumerate(self._buckets) if i not in early]
+        if self.delayed_update:
+            self._update = futures
+            self._buffer = 1 - self._buffer  # the next backward writes the other host buffer
+            for slot in self._slots:
+                slot.has_grad = slot.zeroed = False
+                slot.landings = 0
+        else:
+            for future in futures:
+                future.result()
+            self._after_copies()
         self._gathered = False
+        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
         return loss
 
     def _sync_hyperparameters(self) -> None:
@@ -612,10 +673,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for inner_group, gi in zip(bucket.inner.param_groups, bucket.group_of, strict=True):
                 inner_group.update(self._hyperparameters(gi))
 
-    def _step_bucket(self, bucket: _Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool) -> None:
+    def _step_bucket(self, bucket: _Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
+                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None) -> None:
+        if found is not None and found.item():
+            return  # an inf/nan gradient (fp16 overflow): skipped, weights and state untouched, nothing to copy
         if h2d_done is not None:
             h2d_done.synchronize()  # the previous copies back read the masters (and casts) we are about to overwrite
         with torch.no_grad():
+            if isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
+                grads = [s.master.grad for s in bucket.slots if s.master.grad is not None]
+                if grads:
+                    # The normalisation, the fp16 unscale and the clip coefficient as one fp32 multiply, inside the
+                    # step, bucket by bucket on the worker (the loop's thread makes no pass). NOTE: not fused
+                    # AdamW's grad_scale: it divides by it (g / (1/c) is not g * c in float), which moved gpt-tiny's
+                    # weights 1e-4 from torch's in 8 steps at lr 1e-2; a multiply by torch's coefficient is
+                    # bit-identical to torch's clip.
+                    torch._foreach_mul_(grads, torch.as_tensor(multiplier, dtype=torch.float64).float())
             bucket.inner.step()
             # Cast on the CPU, here on the worker: the device dtype's bytes cross PCIe, and with delayed_update the
             # loop's thread then only launches the copies at the next step().
@@ -671,6 +744,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             future.result()  # a pending add must not land in a buffer we are resetting
         self._landings.clear()
         self._norms_in_backward = False
+        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
         for slot in self._slots:
             slot.landings = 0
             if set_to_none:
