@@ -442,7 +442,8 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
                          for run in bucket_runs([n for n, _ in host_rev], CPUOffloadOptimizer.bucket_numel)])
     aligned = sum(_aligned(n) for n, _ in host)
     cast = sum(_aligned(n) * torch.empty((), dtype=dt).element_size() for n, dt in host if dt != torch.float32)
-    host_bytes = host_state + 4 * aligned * (2 + bool(delayed_update)) + cast if host else 0
+    # Non-fp32 device weights: a cast buffer and a gradient stage in their dtype.
+    host_bytes = host_state + 4 * aligned * (2 + bool(delayed_update)) + 2 * cast if host else 0
 
     grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
     device_grads = sum(grad_bytes)

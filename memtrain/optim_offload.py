@@ -62,6 +62,10 @@ class _Slot:
     master: torch.Tensor  # fp32 host weights; also the parameter the wrapped optimizer steps
     grads: tuple[torch.Tensor, ...]  # one host gradient buffer, two with delayed_update
     cast: torch.Tensor | None  # pinned host copy in the device dtype, when that is not fp32 (halves PCIe bytes)
+    # Pinned host buffer the device-dtype gradient lands in before the worker casts (or adds) it into ``grads``:
+    # owned and counted in the host-RAM check, not torch's pinned cache (rounded up to powers of two, kept).
+    stage: torch.Tensor | None = None
+    reader: Future[None] | None = None  # the worker task still reading ``stage``
     has_grad: bool = False
     zeroed: bool = False  # the host buffer holds zeros (zero_grad(set_to_none=False)): copy, don't add
     # 2-norm of the host gradient, taken by the worker as it lands; written only by the worker (in task order), or
@@ -173,7 +177,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if (optimizer_class in (torch.optim.Adam, torch.optim.AdamW)
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
             optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
-        _check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin)
+        _check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin,
+                        device_dtype=device_dtype)
         # Probe the class and its arguments on one-element stand-ins, before allocating gigabytes.
         try:
             template = optimizer_class(
@@ -200,14 +205,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if target(p) != torch.float32:
                 cast_numel[target(p)] = cast_numel.get(target(p), 0) + _aligned(p.numel())
         cast_flats = {dt: _host_buffer(n, dt, pin) for dt, n in cast_numel.items()}
+        stage_flats = {dt: _host_buffer(n, dt, pin) for dt, n in cast_numel.items()}  # same layout as the casts
         group_index = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         slots: dict[int, _Slot] = {}
         offset, cast_offset = 0, dict.fromkeys(cast_flats, 0)
         for i in order:
             p, n = flat[i], flat[i].numel()
-            cast = None
+            cast = stage = None
             if target(p) in cast_flats:
-                cast = cast_flats[target(p)][cast_offset[target(p)]:cast_offset[target(p)] + n].view(p.shape)
+                start = cast_offset[target(p)]
+                cast = cast_flats[target(p)][start:start + n].view(p.shape)
+                stage = stage_flats[target(p)][start:start + n].view(p.shape)
                 cast_offset[target(p)] += _aligned(n)
             slot = _Slot(
                 key=names[i] if names is not None else i,
@@ -216,6 +224,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 master=master_flat[offset:offset + n].view(p.shape),
                 grads=tuple(g[offset:offset + n].view(p.shape) for g in grad_flats),
                 cast=cast,
+                stage=stage,
             )
             with torch.no_grad():
                 slot.master.copy_(p.detach())
@@ -350,8 +359,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 dst.copy_(grad, non_blocking=True)  # straight into the pinned buffer
             elif self._stream is None and grad.dtype == torch.float32:
                 dst.add_(grad)  # the "device" is the CPU: adding now costs one pass, staging a copy two
+            elif slot.stage is not None and grad.dtype == slot.stage.dtype:
+                # Another dtype (bf16 device weights): into the owned pinned stage, the worker casts or adds it.
+                if slot.reader is not None:
+                    slot.reader.result()  # the last landing's task must have read the stage (long done, in practice)
+                slot.stage.copy_(grad, non_blocking=True)
+                staged = slot.stage
             else:
-                # Another dtype, or a sum: stage the copy, the worker adds/casts it on the CPU.
+                # NOTE: an fp32 sum on CUDA (a later micro-batch of the window) is staged through torch's pinned
+                # cache: an owned buffer would cost 4 more bytes per parameter of host RAM for every run.
                 staged = grad.to("cpu", non_blocking=True, copy=True)
             if self._stream is not None:
                 grad.record_stream(self._stream)  # the allocator must not reuse it before the copy is done
@@ -380,7 +396,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             event = torch.cuda.Event()
             event.record(self._stream)  # after every copy of this bucket: the side stream runs them in order
         # Always a task, even with nothing to add: only the worker writes the slots' norms (in task order).
-        self._landings.append(self._worker.submit(_finish_landings, landings, event))
+        task = self._worker.submit(_finish_landings, landings, event)
+        self._landings.append(task)
+        for landing in landings:
+            if landing.staged is not None and landing.staged is landing.slot.stage:
+                landing.slot.reader = task
 
     def _flush_landings(self) -> None:
         for index in range(len(self._buckets)):
@@ -1030,18 +1050,32 @@ def _group_indices(groups: list[dict[str, Any]]) -> list[list[int]]:
     return out
 
 
-def _check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool) -> None:
+def host_buffer_bytes(flat: list[torch.Tensor], *, n_grad_buffers: int,
+                      device_dtype: torch.dtype | None = None) -> int:
+    """Bytes of CPUOffloadOptimizer's host buffers over ``flat`` (state aside): fp32 masters, the gradient
+    buffers, and for parameters whose device dtype is not fp32 a cast buffer and a gradient stage in that dtype."""
+    numel = sum(_aligned(p.numel()) for p in flat)
+    cast = 0
+    for p in flat:
+        dtype = device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
+        if dtype != torch.float32:
+            cast += _aligned(p.numel()) * torch.empty((), dtype=dtype).element_size()
+    return 4 * numel * (1 + n_grad_buffers) + 2 * cast
+
+
+def _check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool,
+                    device_dtype: torch.dtype | None = None) -> None:
     """Raises before allocating when the host buffers would not fit in the machine's available RAM."""
     numel = sum(_aligned(p.numel()) for p in flat)
-    cast = sum(p.numel() * p.element_size() for p in flat if p.dtype != torch.float32)
     per_param = getattr(optimizer_class, "state_bytes_per_param", None)  # memtrain.optim's lean classes say theirs
     state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
-    need = 4 * numel * (1 + n_grad_buffers) + cast + state
+    need = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype) + state
     available = available_host_bytes()
     if available is not None and need > available:
         raise MemtrainError(
             f"CPUOffloadOptimizer needs {format_bytes(need)} of host RAM ({numel:,} parameters: fp32 master weights "
-            f"and {n_grad_buffers} gradient buffer(s){', pinned' if pin else ''}, plus about {format_bytes(state)} "
+            f"and {n_grad_buffers} gradient buffer(s){', pinned' if pin else ''} (and cast and gradient stage buffers "
+            f"for non-fp32 device weights), plus about {format_bytes(state)} "
             f"of {optimizer_class.__name__} state), but only {format_bytes(available)} is available. To resolve "
             "this error, free host memory, train fewer parameters, or keep the optimizer on the device.")
 

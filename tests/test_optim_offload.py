@@ -733,3 +733,42 @@ def test_normalising_unscaling_and_clipping_make_no_pass_over_host_gradients(fp1
         opt.step()
     assert max_diff(ref, ours) <= 1e-6, f"max abs difference {max_diff(ref, ours):.3e} (tolerance 1e-6)"
     opt.close()
+
+
+def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_counts(monkeypatch) -> None:
+    """With bf16 device weights each gradient lands in a stage buffer the optimizer owns (pinned on CUDA, sized
+    once, same layout as the cast buffers), not in torch's pinned cache (rounded up to powers of two, kept for the
+    process's life, invisible to the check); the host-RAM check counts every buffer: it refuses a machine with one
+    byte less than masters + gradients + casts + stages + state."""
+    import memtrain.optim_offload as offload
+
+    model = make_mlp()
+    params = list(model.parameters())
+    aligned = sum(offload._aligned(p.numel()) for p in params)
+    buffers = (4 + 4 + 2 + 2) * aligned  # fp32 master and gradient, bf16 cast and stage
+    need = buffers + 8 * aligned  # and AdamW's two fp32 moments
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: need - 1)
+    with pytest.raises(MemtrainError, match="host RAM"):
+        CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, **HYPER)
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: need)
+    opt = CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, **HYPER)
+    owned = {}
+    for slot in opt._slots:
+        for t in (slot.master, *slot.grads, slot.cast, slot.stage):
+            owned[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert sum(owned.values()) == buffers, (sum(owned.values()), buffers)
+    stages = {s.stage.untyped_storage().data_ptr() for s in opt._slots}
+    staged_in = []
+    finish = offload._finish_landings
+
+    def spy(landings, event):
+        staged_in.extend(landing.staged.untyped_storage().data_ptr() for landing in landings if landing.staged is not None)
+        return finish(landings, event)
+
+    monkeypatch.setattr(offload, "_finish_landings", spy)
+    for x, y in batches(2):  # two micro-batches: the second landing adds to the first
+        loss_fn(model, x.bfloat16(), y.bfloat16()).float().backward()
+    opt.step()
+    landed = [p for p in params if p is not model.unused]
+    assert len(staged_in) == 2 * len(landed) and set(staged_in) <= stages, "a gradient was staged outside the stages"
+    opt.close()
