@@ -249,7 +249,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
         self._link_state()
 
-        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
+        # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
+        # PCIe directions overlap.
+        self._streams: dict[str, Any] = {d: torch.cuda.Stream(self.device) if cuda else None for d in _DIRECTIONS}
+        # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
+        self.link_bytes = dict.fromkeys(_DIRECTIONS, 0)
         self._skip_landing = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
         self._landings: list[Future[None]] = []
@@ -315,8 +320,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -- backward: gradients stream to the host ----------------------------------------------------------------
-    def _side_stream(self) -> Any:
-        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+    def _side_stream(self, direction: str) -> Any:
+        """The context a copy over the link is issued in: ``direction``'s own side stream (none on the CPU)."""
+        stream = self._streams[direction]
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def _make_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
         owner = weakref.ref(self)
@@ -349,15 +356,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Landed again before its bucket completed (a new backward, or a parameter that got no gradient in
             # the last one): hand over what is pending first, so that a bucket never holds two backwards' copies.
             self._flush_bucket(slot.bucket)
-        if self._stream is not None:
+        d2h = self._streams["device_to_host"]
+        if d2h is not None:
             # The gradient was produced on the stream current here (autograd's for this leaf): copy it only once
             # it is complete. Read before entering the side stream's context, which changes the current stream.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with self._side_stream():
+            d2h.wait_stream(torch.cuda.current_stream(self.device))
+        self.link_bytes["device_to_host"] += grad.numel() * grad.element_size()
+        with self._side_stream("device_to_host"):
             staged = None
             if copy and grad.dtype == torch.float32:
                 dst.copy_(grad, non_blocking=True)  # straight into the pinned buffer
-            elif self._stream is None and grad.dtype == torch.float32:
+            elif d2h is None and grad.dtype == torch.float32:
                 dst.add_(grad)  # the "device" is the CPU: adding now costs one pass, staging a copy two
             elif slot.stage is not None and grad.dtype == slot.stage.dtype:
                 # Another dtype (bf16 device weights): into the owned pinned stage, the worker casts or adds it.
@@ -369,8 +378,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 # NOTE: an fp32 sum on CUDA (a later micro-batch of the window) is staged through torch's pinned
                 # cache: an owned buffer would cost 4 more bytes per parameter of host RAM for every run.
                 staged = grad.to("cpu", non_blocking=True, copy=True)
-            if self._stream is not None:
-                grad.record_stream(self._stream)  # the allocator must not reuse it before the copy is done
+            if d2h is not None:
+                grad.record_stream(d2h)  # the allocator must not reuse it before the copy is done
         want_norm = self._norms_in_backward or (self._norms_on_first_landing and copy)
         slot.has_grad, slot.zeroed = True, False
         slot.landings += 1
@@ -392,9 +401,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not landings:
             return
         event = None
-        if self._stream is not None:
+        if self._streams["device_to_host"] is not None:
             event = torch.cuda.Event()
-            event.record(self._stream)  # after every copy of this bucket: the side stream runs them in order
+            event.record(self._streams["device_to_host"])  # after every copy of this bucket: in stream order
         # Always a task, even with nothing to add: only the worker writes the slots' norms (in task order).
         task = self._worker.submit(_finish_landings, landings, event)
         self._landings.append(task)
@@ -667,9 +676,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
         early, self._early, self._waiting = self._early, {}, None
         self._sync_hyperparameters()
-        if self._stream is not None:
+        if self._streams["host_to_device"] is not None:
             # The copies back overwrite weights that this step's backward read on the compute stream.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
         h2d_done = self._h2d_done
         futures = list(early.values())  # stepped during backward (step_in_next_backward)
         futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found)
@@ -720,17 +729,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _copy_to_device(self, slots: list[_Slot]) -> None:
         """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
-        with torch.no_grad(), self._side_stream():
+        self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
+        with torch.no_grad(), self._side_stream("host_to_device"):
             # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
             torch._foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
                                  non_blocking=True)
 
     def _after_copies(self) -> None:
-        if self._stream is not None:
+        h2d = self._streams["host_to_device"]
+        if h2d is not None:
             self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record(self._stream)
+            self._h2d_done.record(h2d)
             # The next forward reads the new weights: order it after the copies (the GPU waits, not the host).
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            torch.cuda.current_stream(self.device).wait_stream(h2d)
 
     def _finish_update(self) -> None:
         if self._update is None:
@@ -738,8 +749,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for future in self._update:
             future.result()
         self._update = None
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._streams["host_to_device"] is not None:
+            # The next backward read the old weights on the compute stream: the copies back wait for it (not for
+            # the gradient copies, on the other side stream).
+            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
         self._copy_to_device(self._slots)
         self._after_copies()
 
@@ -908,6 +921,7 @@ def _claim(p: torch.Tensor, optimizer: CPUOffloadOptimizer) -> None:
 
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+_DIRECTIONS = ("device_to_host", "host_to_device")
 
 
 def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -772,3 +772,41 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
     landed = [p for p in params if p is not model.unused]
     assert len(staged_in) == 2 * len(landed) and set(staged_in) <= stages, "a gradient was staged outside the stages"
     opt.close()
+
+
+def test_each_direction_of_the_link_has_its_own_side_stream_and_its_bytes_counted(monkeypatch) -> None:
+    """delayed_update: the gradient copies of backward go on the device->host side stream, the weights of the
+    previous update go back on the host->device one (on CUDA two streams, so the copy-back does not queue behind the
+    next backward's gradient copies). The bytes each way per step are what the planner's link model takes:
+    micro-batches x gradient bytes down (fp32 here), the weights in their device dtype up."""
+    model = make_mlp()
+    opt = CPUOffloadOptimizer(model.parameters(), delayed_update=True, **HYPER)
+    assert set(opt._streams) == {"device_to_host", "host_to_device"}
+    issued: list[tuple[str, str]] = []
+    phase = ["backward"]
+    side_stream = CPUOffloadOptimizer._side_stream
+
+    def record(self, direction):
+        issued.append((phase[0], direction))
+        return side_stream(self, direction)
+
+    monkeypatch.setattr(CPUOffloadOptimizer, "_side_stream", record)
+    landed = [p for p in model.parameters() if p is not model.unused]
+    grad_bytes = sum(4 * p.numel() for p in landed)
+    weight_bytes = sum(4 * p.numel() for p in model.parameters())
+    data = batches(6)
+    for step in range(3):
+        before = dict(opt.link_bytes)
+        phase[0] = "backward"
+        for x, y in data[2 * step:2 * step + 2]:  # two micro-batches
+            loss_fn(model, x, y).backward()
+        phase[0] = "step"
+        opt.step()
+        opt.zero_grad()
+        down = opt.link_bytes["device_to_host"] - before["device_to_host"]
+        up = opt.link_bytes["host_to_device"] - before["host_to_device"]
+        assert down == 2 * grad_bytes, (step, down, 2 * grad_bytes)
+        assert up == (weight_bytes if step > 0 else 0), (step, up)  # step t's weights go up at step t + 1
+    assert {d for p, d in issued if p == "backward"} == {"device_to_host"}, issued
+    assert {d for p, d in issued if p == "step"} == {"host_to_device"}, issued
+    opt.close()
