@@ -10,16 +10,17 @@ How a step flows:
   has produced it and frees the device gradient. A second micro-batch's gradient is added into the host buffer,
   so gradient accumulation needs no change to the loop. The host side of the landings (waiting for the copies,
   adding, casting) is handed to the worker thread once per bucket: one event and one task per bucket.
-- ``clip_grad_norm_(max_norm)`` (optional): the global norm over the host gradients, exactly as
-  ``torch.nn.utils.clip_grad_norm_`` computes it (within float rounding after ``scale_gradients_``, which reuses
-  the norms taken as the gradients landed); the coefficient is applied before the CPU step. The worker takes the
-  per-tensor norms during the window's last backward, which ``next_backward_is_last()`` announces
+- ``scale_gradients_(factor)`` and ``clip_grad_norm_(max_norm)`` (optional) make no pass over the host gradients:
+  the factor, the fp16 inverse scale and the clip coefficient become one multiplier that the CPU step applies to
+  each bucket just before stepping it, on the worker; the global norm (as ``torch.nn.utils.clip_grad_norm_``
+  computes it, within float rounding after ``scale_gradients_``) comes from the per-tensor norms the worker took
+  as the gradients landed during the window's last backward, which ``next_backward_is_last()`` announces
   (``GradientAccumulator`` calls it on the micro-batch marked ``is_last``); loops of one backward per step get
   them without it, after their first clip.
-- ``step()``: with a ``GradScaler`` attached, the host gradients are unscaled and checked for inf/NaN (a step with
-  one is skipped, weights and state untouched); then the wrapped optimizer steps bucket by bucket on the worker
-  thread, and each bucket's weights go back host -> device (in the device parameter's dtype) while the next
-  bucket steps.
+- ``step()``: a non-finite norm (with a ``GradScaler`` attached: an overflow) skips the step on the worker,
+  weights and state untouched; otherwise the wrapped optimizer steps bucket by bucket on the worker thread, and
+  each bucket's weights go back host -> device (in the device parameter's dtype) on the host->device side stream
+  while the next bucket steps; the gradients came down on the other side stream.
 - ``step_in_next_backward()`` (no clipping, no fp16 scaler): the next backward steps each bucket as soon as its
   last gradient lands, so the CPU step overlaps the rest of backward.
 - ``delayed_update=True``: ``step()`` returns at once and the CPU step runs during the next forward and backward
