@@ -17,7 +17,8 @@ How a step flows:
   as the gradients landed during the window's last backward, which ``next_backward_is_last()`` announces
   (``GradientAccumulator`` calls it on the micro-batch marked ``is_last``); loops of one backward per step get
   them without it, after their first clip.
-- ``step()``: a non-finite norm (with a ``GradScaler`` attached: an overflow) skips the step on the worker,
+- ``step()``: after ``clip_grad_norm_`` or with a ``GradScaler`` attached, a non-finite norm (an overflow) skips
+  the step on the worker,
   weights and state untouched; otherwise the wrapped optimizer steps bucket by bucket on the worker thread, and
   each bucket's weights go back host -> device (in the device parameter's dtype) on the host->device side stream
   while the next bucket steps; the gradients came down on the other side stream.
