@@ -635,6 +635,7 @@ class LeanAdamW(torch.optim.Optimizer):
         self._step_supports_amp_scaling = self._host is not None or step_in_backward
         self.last_grad_norm: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None
+        self._device_found: torch.Tensor | None = None  # fp16: the device gradients' inf check (host part)
         self._gathered = False
         self._arming = _Arming(scaler=self.grad_scaler)
         self._backward_ran = False  # a backward stepped since the last step()
@@ -689,11 +690,10 @@ class LeanAdamW(torch.optim.Optimizer):
     def _gather(self) -> None:
         if self._gathered:
             return
-        host_grads: list[torch.Tensor] = []
         if self._host is not None:
             self._host._gather()
-            host_grads = [s.master.grad for s in self._host._slots if s.master.grad is not None]
         self._found_inf = None
+        self._device_found = None
         if self.grad_scaler is not None and not self.steps_in_backward:
             state = self.grad_scaler._per_optimizer_states[id(self)]
             if state["stage"].name == "UNSCALED":
@@ -706,10 +706,11 @@ class LeanAdamW(torch.optim.Optimizer):
             device_grads = self._device_grads()
             if device_grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found, inv)
-            host_found = torch.zeros((), dtype=torch.float32)
-            if host_grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(host_grads, host_found, inv.cpu())
-            self._found_inf = found.cpu() + host_found
+            self._device_found = found
+            if self._host is not None:
+                # No pass over the host gradients: the inverse scale joins the host step's multiplier, and their
+                # inf check is their norm's.
+                self._host._inv_scale = inv.to("cpu", copy=True)
         self._gathered = True
 
     def _all_grads(self) -> list[torch.Tensor]:
@@ -724,27 +725,57 @@ class LeanAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def scale_gradients_(self, factor: float) -> None:
-        """Multiplies this step's gradients (device and host) by ``factor`` in place."""
+        """Multiplies this step's gradients by ``factor``: the device ones in place, the host ones lazily (the
+        host step applies it, see ``CPUOffloadOptimizer.scale_gradients_``)."""
         self._check_not_in_backward("scale_gradients_")
         self._gather()
-        grads = self._all_grads()
+        grads = self._device_grads()
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)
+        if self._host is not None:
+            self._host.scale_gradients_(factor)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients (device and host) by their global norm, as ``torch.nn.utils.clip_grad_norm_``
-        would if all of them were on the device; returns the norm before clipping (a CPU tensor)."""
+        would if all of them were on the device; returns the norm before clipping (a CPU tensor). The host
+        gradients are not read: their norms were taken as they landed, and the coefficient joins the host step's
+        multiplier."""
         self._check_not_in_backward("clip_grad_norm_")
         self._gather()
-        grads = self._all_grads()
-        if not grads:
-            return torch.zeros(())
-        total = torch.nn.utils.get_total_norm(grads, norm_type).cpu()
-        if math.isfinite(total.item()):
+        if self._host is None or norm_type != 2.0:
+            grads = self._all_grads()
+            if self._host is not None:
+                self._host.gradients()  # applies the host multiplier: this norm reads the gradients
+            if not grads:
+                return torch.zeros(())
+            total = torch.nn.utils.get_total_norm(grads, norm_type).cpu()
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for device, group in _by_device(grads).items():
                 torch._foreach_mul_(group, coef.to(device))
+            return total
+        host = {id(s.device): s for s in self._host._slots}
+        host_total, multiplier, host_found = self._host._window_scalars()
+        scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
+        device_grads = self._device_grads()
+        device_norms = iter(torch._foreach_norm(device_grads, 2.0)) if device_grads else iter(())
+        norms = []
+        for p in self.param_groups[0]["params"]:  # param_groups order, as torch stacks them
+            slot = host.get(id(p))
+            if slot is None:
+                if p.grad is not None:
+                    norms.append(next(device_norms).to("cpu", non_blocking=True))
+            elif slot.master.grad is not None:
+                norm = slot.norm if slot.norm is not None else torch.linalg.vector_norm(slot.master.grad, 2.0)
+                norms.append((norm.double() * scale).float() if isinstance(scale, torch.Tensor) else norm * scale)
+        if not norms:
+            return torch.zeros(())
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for device, group in _by_device(device_grads).items():
+            torch._foreach_mul_(group, coef.to(device))
+        self._host._scalars = (host_total, coef.double() * multiplier, torch.maximum(host_found,
+                                                                                    (~total.isfinite()).float()))
         return total
 
     def _check_not_in_backward(self, what: str) -> None:
@@ -925,8 +956,11 @@ class LeanAdamW(torch.optim.Optimizer):
                     inner.step()
             return
         self._gather()
-        if self._found_inf is not None and self._found_inf.item() > 0:
-            return  # fp16 overflow: skipped, weights and state untouched
+        if self._device_found is not None:
+            # fp16: the device gradients' inf check and the host ones' (their norm's), for the scaler and the skip.
+            self._found_inf = self._device_found.to("cpu") + self._host.found_inf_flag
+            if self._found_inf.item() > 0:
+                return  # fp16 overflow: skipped, weights and state untouched
         for inner in {id(o): o for o in self._inner.values()}.values():
             inner.step()
         if self._host is not None:
