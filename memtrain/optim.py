@@ -374,9 +374,10 @@ class OptimizerMemory:
         device_gradient_peak_bytes: live device gradient bytes at the backward's peak: with step-in-backward and
             one micro-batch per step, the largest device parameter's gradient; else ``device_gradient_bytes``.
         device_step_temp_bytes: transient device bytes of the step (an upper bound: bf16 moments' fp32 chunk
-            copies and rounding noise, the first pass of a two-pass backward's gradient sum).
+            copies and rounding noise; step-in-backward's one pass adds none).
         host_state_bytes: optimizer state in host RAM (offloaded parameters).
-        host_bytes: everything in host RAM: fp32 masters, gradient buffers, cast buffers and state.
+        host_bytes: everything in host RAM: fp32 masters, gradient buffers, cast and gradient stage buffers
+            (non-fp32 device weights) and state.
         offloaded_params: parameters (tensors) whose state is on the host.
     """
 
@@ -457,8 +458,6 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         temp = chunk * (4 + 4 + 4 + 4)  # one chunk's fp32 moments, rounding noise and its shifted copy
     elif state_precision == "int8" and device_type == "cpu":
         temp = largest * 4 * 4  # bitsandbytes' CPU path dequantises whole tensors: moments, gradient, weights
-    if step_in_backward:
-        temp = max(temp, 4 * largest)  # the first pass's sum of a parameter's gradients
     return OptimizerMemory(
         device_state_bytes=device_state, device_gradient_bytes=device_grads, device_gradient_peak_bytes=peak,
         device_step_temp_bytes=temp, host_state_bytes=host_state, host_bytes=host_bytes,

@@ -257,7 +257,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._streams: dict[str, Any] = {d: torch.cuda.Stream(self.device) if cuda else None for d in _DIRECTIONS}
         # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
         self.link_bytes = dict.fromkeys(_DIRECTIONS, 0)
-        self._skip_landing = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
         self._landings: list[Future[None]] = []
         # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
@@ -339,10 +338,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"parameter {slot.key!r} received a sparse gradient ({param.grad.layout}); CPUOffloadOptimizer "
                     "keeps dense host buffers. To resolve this error, build the module with sparse=False (e.g. "
                     "nn.Embedding(..., sparse=False)) or keep that parameter on a separate device optimizer.")
-            if self._skip_landing:
-                # memtrain.optim.LeanAdamW's second pass of a two-pass backward: this gradient landed in the first.
-                param.grad = None
-            elif self.offload_gradients:
+            if self.offload_gradients:
                 self._land(slot, free=True)
         return hook
 
