@@ -722,6 +722,12 @@ class LeanAdamW(torch.optim.Optimizer):
                 out.append(g)
         return out
 
+    def next_backward_is_last(self) -> None:
+        """The host part takes each gradient's norm as it lands in the next backward (the window's last), so that
+        ``clip_grad_norm_`` reads no host gradient (see ``CPUOffloadOptimizer.next_backward_is_last``)."""
+        if self._host is not None:
+            self._host.next_backward_is_last()
+
     @torch.no_grad()
     def scale_gradients_(self, factor: float) -> None:
         """Multiplies this step's gradients by ``factor``: the device ones in place, the host ones lazily (the
