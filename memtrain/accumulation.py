@@ -493,25 +493,45 @@ class GradientAccumulator:
         return self._step_device_gradients(stats)
 
     def _step_host_gradients(self, stats: torch.Tensor) -> StepResult:
-        """CPUOffloadOptimizer (or LeanAdamW with a host part) streamed the gradients to host memory during
-        backward and unscales them itself (its grad_scaler): the factor goes to it as a number (one read), and it
-        folds the factor and the clip coefficient into its host step."""
-        items_f, micro_f, loss_sum = stats.tolist()  # the one read: the host step needs the factor on the host
-        divisor = self._check_items(items_f, micro_f)
-        self.optimizer.scale_gradients_(self._factor(divisor))  # no pass: folded into the host step
-        norm = self.optimizer.clip_grad_norm_(self.max_grad_norm or math.inf)
-        skipped = False
-        if self.scaler is not None:
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # the optimizer unscaled and checked its host gradients itself
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < scale_before  # the scale only goes down after an overflow
-        else:
-            grad_norm = float(norm)
-            if not math.isfinite(grad_norm):
+        """The optimizer streamed the gradients to host memory during backward and unscales them itself (its
+        grad_scaler). CPUOffloadOptimizer folds the factor and the clip coefficient into its host step (no pass, no
+        read of its own); the window's numbers cross to the host once, as the host step needs the factor."""
+        from memtrain.optim_offload import CPUOffloadOptimizer
+
+        optimizer = self.optimizer
+        if not isinstance(optimizer, CPUOffloadOptimizer):  # LeanAdamW with a host part: its own passes and reads
+            items_f, micro_f, loss_sum = stats.tolist()
+            divisor = self._check_items(items_f, micro_f)
+            optimizer.scale_gradients_(self._factor(divisor))
+            grad_norm = float(optimizer.clip_grad_norm_(self.max_grad_norm or math.inf))
+            skipped = False
+            if self.scaler is not None:
+                scale_before = self.scaler.get_scale()
+                self.scaler.step(optimizer)
+                self.scaler.update()
+                skipped = self.scaler.get_scale() < scale_before  # the scale only goes down after an overflow
+            elif not math.isfinite(grad_norm):
                 self._refuse_non_finite(grad_norm)
-            self.optimizer.step()
-        return self._end_window(skipped, loss=loss_sum / divisor, grad_norm=float(norm), items=round(items_f))
+            else:
+                optimizer.step()
+            return self._end_window(skipped, loss=loss_sum / divisor, grad_norm=grad_norm, items=round(items_f))
+        # NOTE: on CUDA this copy is the step's one wait for the device; the read below (host values only) is what
+        # count_host_syncs counts for it.
+        items_t, micro_t, loss_t = stats.to("cpu").unbind()
+        divisor_t = items_t if self._reduction == "sum" else micro_t
+        optimizer.scale_gradients_(self._factor(divisor_t))  # lazy: folded into the host step
+        norm = optimizer.clip_grad_norm_(self.max_grad_norm or math.inf)  # from the norms taken as grads landed
+        found = optimizer.found_inf_flag
+        items_f, micro_f, loss_sum, grad_norm, found_f = torch.stack(
+            [items_t, micro_t, loss_t, norm.double(), found.double()]).tolist()
+        divisor = self._check_items(items_f, micro_f)
+        skipped = self.scaler is not None and found_f > 0
+        if self.scaler is None and not math.isfinite(grad_norm):
+            self._refuse_non_finite(grad_norm)
+        optimizer.step()  # skips on its flag, and hands it to the scaler
+        if self.scaler is not None:
+            self.scaler.update()
+        return self._end_window(skipped, loss=loss_sum / divisor, grad_norm=grad_norm, items=round(items_f))
 
     def _step_device_gradients(self, stats: torch.Tensor) -> StepResult:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -465,9 +465,10 @@ class OptimizerMemory:
         device_gradient_peak_bytes: live device gradient bytes at the backward's peak: with step-in-backward and
             one micro-batch per step, the largest device parameter's gradient; else ``device_gradient_bytes``.
         device_step_temp_bytes: transient device bytes of the step (an upper bound: bf16 moments' fp32 chunk
-            copies and rounding noise, the first pass of a two-pass backward's gradient sum).
+            copies and rounding noise; step-in-backward's one pass adds none).
         host_state_bytes: optimizer state in host RAM (offloaded parameters).
-        host_bytes: everything in host RAM: fp32 masters, gradient buffers, cast buffers and state.
+        host_bytes: everything in host RAM: fp32 masters, gradient buffers, cast and gradient stage buffers
+            (non-fp32 device weights) and state.
         offloaded_params: parameters (tensors) whose state is on the host.
     """
 
@@ -533,7 +534,8 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
                          for run in bucket_runs([n for n, _ in host_rev], CPUOffloadOptimizer.bucket_numel)])
     aligned = sum(_aligned(n) for n, _ in host)
     cast = sum(_aligned(n) * torch.empty((), dtype=dt).element_size() for n, dt in host if dt != torch.float32)
-    host_bytes = host_state + 4 * aligned * (2 + bool(delayed_update)) + cast if host else 0
+    # Non-fp32 device weights: a cast buffer and a gradient stage in their dtype.
+    host_bytes = host_state + 4 * aligned * (2 + bool(delayed_update)) + 2 * cast if host else 0
 
     grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
     device_grads = sum(grad_bytes)
@@ -547,8 +549,6 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         temp = chunk * (4 + 4 + 4 + 4)  # one chunk's fp32 moments, rounding noise and its shifted copy
     elif state_precision == "int8" and device_type == "cpu":
         temp = largest * 4 * 4  # bitsandbytes' CPU path dequantises whole tensors: moments, gradient, weights
-    if step_in_backward:
-        temp = max(temp, 4 * largest)  # the first pass's sum of a parameter's gradients
     return OptimizerMemory(
         device_state_bytes=device_state, device_gradient_bytes=device_grads, device_gradient_peak_bytes=peak,
         device_step_temp_bytes=temp, host_state_bytes=host_state, host_bytes=host_bytes,
@@ -725,6 +725,7 @@ class LeanAdamW(torch.optim.Optimizer):
         self._step_supports_amp_scaling = self._host is not None or step_in_backward
         self.last_grad_norm: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None
+        self._device_found: torch.Tensor | None = None  # fp16: the device gradients' inf check (host part)
         self._gathered = False
         self._arming = _Arming(scaler=self.grad_scaler)
         self._backward_ran = False  # a backward stepped since the last step()
@@ -779,11 +780,10 @@ class LeanAdamW(torch.optim.Optimizer):
     def _gather(self) -> None:
         if self._gathered:
             return
-        host_grads: list[torch.Tensor] = []
         if self._host is not None:
             self._host._gather()
-            host_grads = [s.master.grad for s in self._host._slots if s.master.grad is not None]
         self._found_inf = None
+        self._device_found = None
         if self.grad_scaler is not None and not self.steps_in_backward:
             state = self.grad_scaler._per_optimizer_states[id(self)]
             if state["stage"].name == "UNSCALED":
@@ -796,10 +796,11 @@ class LeanAdamW(torch.optim.Optimizer):
             device_grads = self._device_grads()
             if device_grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found, inv)
-            host_found = torch.zeros((), dtype=torch.float32)
-            if host_grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(host_grads, host_found, inv.cpu())
-            self._found_inf = found.cpu() + host_found
+            self._device_found = found
+            if self._host is not None:
+                # No pass over the host gradients: the inverse scale joins the host step's multiplier, and their
+                # inf check is their norm's.
+                self._host._inv_scale = inv.to("cpu", copy=True)
         self._gathered = True
 
     def _all_grads(self) -> list[torch.Tensor]:
@@ -812,29 +813,65 @@ class LeanAdamW(torch.optim.Optimizer):
                 out.append(g)
         return out
 
+    def next_backward_is_last(self) -> None:
+        """The host part takes each gradient's norm as it lands in the next backward (the window's last), so that
+        ``clip_grad_norm_`` reads no host gradient (see ``CPUOffloadOptimizer.next_backward_is_last``)."""
+        if self._host is not None:
+            self._host.next_backward_is_last()
+
     @torch.no_grad()
     def scale_gradients_(self, factor: float) -> None:
-        """Multiplies this step's gradients (device and host) by ``factor`` in place."""
+        """Multiplies this step's gradients by ``factor``: the device ones in place, the host ones lazily (the
+        host step applies it, see ``CPUOffloadOptimizer.scale_gradients_``)."""
         self._check_not_in_backward("scale_gradients_")
         self._gather()
-        grads = self._all_grads()
+        grads = self._device_grads()
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)
+        if self._host is not None:
+            self._host.scale_gradients_(factor)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients (device and host) by their global norm, as ``torch.nn.utils.clip_grad_norm_``
-        would if all of them were on the device; returns the norm before clipping (a CPU tensor)."""
+        would if all of them were on the device; returns the norm before clipping (a CPU tensor). The host
+        gradients are not read: their norms were taken as they landed, and the coefficient joins the host step's
+        multiplier."""
         self._check_not_in_backward("clip_grad_norm_")
         self._gather()
-        grads = self._all_grads()
-        if not grads:
-            return torch.zeros(())
-        total = torch.nn.utils.get_total_norm(grads, norm_type).cpu()
-        if math.isfinite(total.item()):
+        if self._host is None or norm_type != 2.0:
+            grads = self._all_grads()
+            if self._host is not None:
+                self._host.gradients()  # applies the host multiplier: this norm reads the gradients
+            if not grads:
+                return torch.zeros(())
+            total = torch.nn.utils.get_total_norm(grads, norm_type).cpu()
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for device, group in _by_device(grads).items():
                 torch._foreach_mul_(group, coef.to(device))
+            return total
+        host = {id(s.device): s for s in self._host._slots}
+        host_total, multiplier, host_found = self._host._window_scalars()
+        scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
+        device_grads = self._device_grads()
+        device_norms = iter(torch._foreach_norm(device_grads, 2.0)) if device_grads else iter(())
+        norms = []
+        for p in self.param_groups[0]["params"]:  # param_groups order, as torch stacks them
+            slot = host.get(id(p))
+            if slot is None:
+                if p.grad is not None:
+                    norms.append(next(device_norms).to("cpu", non_blocking=True))
+            elif slot.master.grad is not None:
+                norm = slot.norm if slot.norm is not None else torch.linalg.vector_norm(slot.master.grad, 2.0)
+                norms.append((norm.double() * scale).float() if isinstance(scale, torch.Tensor) else norm * scale)
+        if not norms:
+            return torch.zeros(())
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for device, group in _by_device(device_grads).items():
+            torch._foreach_mul_(group, coef.to(device))
+        self._host._scalars = (host_total, coef.double() * multiplier, torch.maximum(host_found,
+                                                                                    (~total.isfinite()).float()))
         return total
 
     def _check_not_in_backward(self, what: str) -> None:
@@ -1015,8 +1052,11 @@ class LeanAdamW(torch.optim.Optimizer):
                     inner.step()
             return
         self._gather()
-        if self._found_inf is not None and self._found_inf.item() > 0:
-            return  # fp16 overflow: skipped, weights and state untouched
+        if self._device_found is not None:
+            # fp16: the device gradients' inf check and the host ones' (their norm's), for the scaler and the skip.
+            self._found_inf = self._device_found.to("cpu") + self._host.found_inf_flag
+            if self._found_inf.item() > 0:
+                return  # fp16 overflow: skipped, weights and state untouched
         for inner in {id(o): o for o in self._inner.values()}.values():
             inner.step()
         if self._host is not None:

@@ -10,16 +10,18 @@ How a step flows:
   has produced it and frees the device gradient. A second micro-batch's gradient is added into the host buffer,
   so gradient accumulation needs no change to the loop. The host side of the landings (waiting for the copies,
   adding, casting) is handed to the worker thread once per bucket: one event and one task per bucket.
-- ``clip_grad_norm_(max_norm)`` (optional): the global norm over the host gradients, exactly as
-  ``torch.nn.utils.clip_grad_norm_`` computes it (within float rounding after ``scale_gradients_``, which reuses
-  the norms taken as the gradients landed); the coefficient is applied before the CPU step. The worker takes the
-  per-tensor norms during the window's last backward, which ``next_backward_is_last()`` announces
+- ``scale_gradients_(factor)`` and ``clip_grad_norm_(max_norm)`` (optional) make no pass over the host gradients:
+  the factor, the fp16 inverse scale and the clip coefficient become one multiplier that the CPU step applies to
+  each bucket just before stepping it, on the worker; the global norm (as ``torch.nn.utils.clip_grad_norm_``
+  computes it, within float rounding after ``scale_gradients_``) comes from the per-tensor norms the worker took
+  as the gradients landed during the window's last backward, which ``next_backward_is_last()`` announces
   (``GradientAccumulator`` calls it on the micro-batch marked ``is_last``); loops of one backward per step get
   them without it, after their first clip.
-- ``step()``: with a ``GradScaler`` attached, the host gradients are unscaled and checked for inf/NaN (a step with
-  one is skipped, weights and state untouched); then the wrapped optimizer steps bucket by bucket on the worker
-  thread, and each bucket's weights go back host -> device (in the device parameter's dtype) while the next
-  bucket steps.
+- ``step()``: after ``clip_grad_norm_`` or with a ``GradScaler`` attached, a non-finite norm (an overflow) skips
+  the step on the worker,
+  weights and state untouched; otherwise the wrapped optimizer steps bucket by bucket on the worker thread, and
+  each bucket's weights go back host -> device (in the device parameter's dtype) on the host->device side stream
+  while the next bucket steps; the gradients came down on the other side stream.
 - ``step_in_next_backward()`` (no clipping, no fp16 scaler): the next backward steps each bucket as soon as its
   last gradient lands, so the CPU step overlaps the rest of backward.
 - ``delayed_update=True``: ``step()`` returns at once and the CPU step runs during the next forward and backward
@@ -62,6 +64,10 @@ class _Slot:
     master: torch.Tensor  # fp32 host weights; also the parameter the wrapped optimizer steps
     grads: tuple[torch.Tensor, ...]  # one host gradient buffer, two with delayed_update
     cast: torch.Tensor | None  # pinned host copy in the device dtype, when that is not fp32 (halves PCIe bytes)
+    # Pinned host buffer the device-dtype gradient lands in before the worker casts (or adds) it into ``grads``:
+    # owned and counted in the host-RAM check, not torch's pinned cache (rounded up to powers of two, kept).
+    stage: torch.Tensor | None = None
+    reader: Future[None] | None = None  # the worker task still reading ``stage``
     has_grad: bool = False
     zeroed: bool = False  # the host buffer holds zeros (zero_grad(set_to_none=False)): copy, don't add
     # 2-norm of the host gradient, taken by the worker as it lands; written only by the worker (in task order), or
@@ -173,7 +179,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if (optimizer_class in (torch.optim.Adam, torch.optim.AdamW)
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
             optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
-        _check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin)
+        _check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin,
+                        device_dtype=device_dtype)
         # Probe the class and its arguments on one-element stand-ins, before allocating gigabytes.
         try:
             template = optimizer_class(
@@ -200,14 +207,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if target(p) != torch.float32:
                 cast_numel[target(p)] = cast_numel.get(target(p), 0) + _aligned(p.numel())
         cast_flats = {dt: _host_buffer(n, dt, pin) for dt, n in cast_numel.items()}
+        stage_flats = {dt: _host_buffer(n, dt, pin) for dt, n in cast_numel.items()}  # same layout as the casts
         group_index = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         slots: dict[int, _Slot] = {}
         offset, cast_offset = 0, dict.fromkeys(cast_flats, 0)
         for i in order:
             p, n = flat[i], flat[i].numel()
-            cast = None
+            cast = stage = None
             if target(p) in cast_flats:
-                cast = cast_flats[target(p)][cast_offset[target(p)]:cast_offset[target(p)] + n].view(p.shape)
+                start = cast_offset[target(p)]
+                cast = cast_flats[target(p)][start:start + n].view(p.shape)
+                stage = stage_flats[target(p)][start:start + n].view(p.shape)
                 cast_offset[target(p)] += _aligned(n)
             slot = _Slot(
                 key=names[i] if names is not None else i,
@@ -216,6 +226,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 master=master_flat[offset:offset + n].view(p.shape),
                 grads=tuple(g[offset:offset + n].view(p.shape) for g in grad_flats),
                 cast=cast,
+                stage=stage,
             )
             with torch.no_grad():
                 slot.master.copy_(p.detach())
@@ -240,8 +251,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
         self._link_state()
 
-        self._stream = torch.cuda.Stream(self.device) if cuda else None
-        self._skip_landing = False
+        # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
+        # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
+        # PCIe directions overlap.
+        self._streams: dict[str, Any] = {d: torch.cuda.Stream(self.device) if cuda else None for d in _DIRECTIONS}
+        # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
+        self.link_bytes = dict.fromkeys(_DIRECTIONS, 0)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
         self._landings: list[Future[None]] = []
         # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
@@ -252,7 +267,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._h2d_done: torch.cuda.Event | None = None
         self._buffer = 0  # which host gradient buffer the next backward writes
         self._gathered = False  # this step's gradients are on the host, attached, unscaled
-        self._found_inf: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
+        # This step's lazy gradient multiplier (scale_gradients_ factors, fp16 inverse scale), and the window's
+        # (norm, multiplier with the clip coefficient, inf flag) once clip_grad_norm_ or step made them.
+        self._grad_factor: float | torch.Tensor = 1.0
+        self._inv_scale: torch.Tensor | None = None
+        self._scalars: tuple[torch.Tensor, float | torch.Tensor, torch.Tensor] | None = None
         # next_backward_is_last(): the worker takes each gradient's norm as it lands in the next backward.
         self._norms_in_backward = False
         # Set by a clip_grad_norm_ after a window of one backward: the worker then takes the norm of each gradient
@@ -301,8 +321,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -- backward: gradients stream to the host ----------------------------------------------------------------
-    def _side_stream(self) -> Any:
-        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+    def _side_stream(self, direction: str) -> Any:
+        """The context a copy over the link is issued in: ``direction``'s own side stream (none on the CPU)."""
+        stream = self._streams[direction]
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def _make_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
         owner = weakref.ref(self)
@@ -316,10 +338,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"parameter {slot.key!r} received a sparse gradient ({param.grad.layout}); CPUOffloadOptimizer "
                     "keeps dense host buffers. To resolve this error, build the module with sparse=False (e.g. "
                     "nn.Embedding(..., sparse=False)) or keep that parameter on a separate device optimizer.")
-            if self._skip_landing:
-                # memtrain.optim.LeanAdamW's second pass of a two-pass backward: this gradient landed in the first.
-                param.grad = None
-            elif self.offload_gradients:
+            if self.offload_gradients:
                 self._land(slot, free=True)
         return hook
 
@@ -335,21 +354,30 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Landed again before its bucket completed (a new backward, or a parameter that got no gradient in
             # the last one): hand over what is pending first, so that a bucket never holds two backwards' copies.
             self._flush_bucket(slot.bucket)
-        if self._stream is not None:
+        d2h = self._streams["device_to_host"]
+        if d2h is not None:
             # The gradient was produced on the stream current here (autograd's for this leaf): copy it only once
             # it is complete. Read before entering the side stream's context, which changes the current stream.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with self._side_stream():
+            d2h.wait_stream(torch.cuda.current_stream(self.device))
+        self.link_bytes["device_to_host"] += grad.numel() * grad.element_size()
+        with self._side_stream("device_to_host"):
             staged = None
             if copy and grad.dtype == torch.float32:
                 dst.copy_(grad, non_blocking=True)  # straight into the pinned buffer
-            elif self._stream is None and grad.dtype == torch.float32:
+            elif d2h is None and grad.dtype == torch.float32:
                 dst.add_(grad)  # the "device" is the CPU: adding now costs one pass, staging a copy two
+            elif slot.stage is not None and grad.dtype == slot.stage.dtype:
+                # Another dtype (bf16 device weights): into the owned pinned stage, the worker casts or adds it.
+                if slot.reader is not None:
+                    slot.reader.result()  # the last landing's task must have read the stage (long done, in practice)
+                slot.stage.copy_(grad, non_blocking=True)
+                staged = slot.stage
             else:
-                # Another dtype, or a sum: stage the copy, the worker adds/casts it on the CPU.
+                # NOTE: an fp32 sum on CUDA (a later micro-batch of the window) is staged through torch's pinned
+                # cache: an owned buffer would cost 4 more bytes per parameter of host RAM for every run.
                 staged = grad.to("cpu", non_blocking=True, copy=True)
-            if self._stream is not None:
-                grad.record_stream(self._stream)  # the allocator must not reuse it before the copy is done
+            if d2h is not None:
+                grad.record_stream(d2h)  # the allocator must not reuse it before the copy is done
         want_norm = self._norms_in_backward or (self._norms_on_first_landing and copy)
         slot.has_grad, slot.zeroed = True, False
         slot.landings += 1
@@ -371,11 +399,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not landings:
             return
         event = None
-        if self._stream is not None:
+        if self._streams["device_to_host"] is not None:
             event = torch.cuda.Event()
-            event.record(self._stream)  # after every copy of this bucket: the side stream runs them in order
+            event.record(self._streams["device_to_host"])  # after every copy of this bucket: in stream order
         # Always a task, even with nothing to add: only the worker writes the slots' norms (in task order).
-        self._landings.append(self._worker.submit(_finish_landings, landings, event))
+        task = self._worker.submit(_finish_landings, landings, event)
+        self._landings.append(task)
+        for landing in landings:
+            if landing.staged is not None and landing.staged is landing.slot.stage:
+                landing.slot.reader = task
 
     def _flush_landings(self) -> None:
         for index in range(len(self._buckets)):
@@ -458,12 +490,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._found_inf = sum(t.cpu() for t in state["found_inf_per_device"].values()) + torch.zeros(())
                 self._gathered = True
                 return
-            # The same arithmetic as GradScaler.unscale_: inverse scale in double, then fp32.
-            inv_scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64).reciprocal().float()
-            self._found_inf = torch.zeros((), dtype=torch.float32)
-            grads = [s.master.grad for s in self._slots if s.master.grad is not None]
-            if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, inv_scale)
+            # No pass here: the inverse scale (GradScaler.unscale_'s arithmetic: double, then fp32) joins the
+            # multiplier the host step divides by, and the inf check is the norm's (see _window_scalars).
+            self._inv_scale = self.grad_scaler._scale.double().reciprocal().float().to("cpu", copy=True)
         self._gathered = True
 
     def _check_unscaled_on_device(self) -> None:
@@ -475,28 +504,38 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "build the optimizer with offload_gradients=False to keep gradients on the device).")
 
     def gradients(self) -> list[torch.Tensor]:
-        """This step's host gradients (landed, unscaled), in param_groups order, for in-place edits.
+        """This step's host gradients (landed, unscaled, normalised by ``scale_gradients_``), in param_groups
+        order, for in-place edits.
 
         For code that must change gradients before the step (e.g. normalising an accumulated sum by the token
-        count): ``[p.grad for p in model.parameters()]`` finds nothing once gradients are offloaded.
+        count): ``[p.grad for p in model.parameters()]`` finds nothing once gradients are offloaded. This applies
+        the pending multiplier (one pass; ``scale_gradients_`` and ``clip_grad_norm_`` make none).
         """
         self._gather()
+        grads = [s.master.grad for s in self._slots if s.master.grad is not None]
+        multiplier = self._multiplier()
+        if grads and (isinstance(multiplier, torch.Tensor) or multiplier != 1.0):
+            torch._foreach_mul_(grads, multiplier)
+        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
         for slot in self._slots:
             slot.norm = None  # the caller may change them
-        return [s.master.grad for s in self._slots if s.master.grad is not None]
+        return grads
 
     @torch.no_grad()
-    def scale_gradients_(self, factor: float) -> None:
-        """Multiplies this step's host gradients by ``factor`` in place (e.g. one over the items in the window).
+    def scale_gradients_(self, factor: float | torch.Tensor) -> None:
+        """Multiplies this step's host gradients by ``factor`` (e.g. one over the items in the window), lazily.
 
-        Unlike editing ``gradients()``, this keeps the per-tensor norms the worker took as the gradients landed
-        (scaled by ``|factor|``), so ``clip_grad_norm_`` does not read every gradient again: on a 1.1B model that
-        pass reads 4.4 GB on the critical path of the step. The price: ``|factor| * norm`` can differ from the norm
-        of the scaled gradient in its last bit, so a clipped step equals torch's within float rounding rather than
-        bit for bit (``pytest tests/test_optim_offload.py -k scaled`` checks the norm to rtol 1e-6).
+        No pass over the gradients: the factor joins the multiplier that the host step applies as it reads each
+        gradient (fused AdamW's ``grad_scale``; other classes get one multiply per bucket inside the step), and
+        the per-tensor norms the worker took as the gradients landed are scaled by ``|factor|``, so
+        ``clip_grad_norm_`` reads no gradient either: on a 1.1B model each of those passes reads 4.4 GB on the
+        critical path of the step. The price: ``|factor| * norm`` can differ from the norm of the scaled gradient
+        in its last bit, and dividing by the multiplier's inverse from multiplying, so a step equals torch's
+        within float rounding rather than bit for bit (``pytest tests/test_optim_offload.py`` checks 1e-6).
 
         Args:
-            factor: multiplies every gradient (dimensionless; negative flips the sign, the norms keep theirs).
+            factor: multiplies every gradient (dimensionless; negative flips the sign, the norms keep theirs); a
+                0-d CPU tensor too.
 
         Raises:
             MemtrainError: after ``step_in_next_backward()``: buckets were already stepped with these gradients.
@@ -507,13 +546,42 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "these gradients, so scaling them now changes nothing in this update. To resolve this error, drop "
                 "step_in_next_backward() when gradients need normalising (e.g. accumulation over token counts).")
         self._gather()
-        grads = [s.master.grad for s in self._slots if s.master.grad is not None]
-        if factor == 1.0 or not grads:
+        if not isinstance(factor, torch.Tensor) and factor == 1.0:
             return
-        torch._foreach_mul_(grads, factor)
-        for slot in self._slots:
-            if slot.norm is not None:
-                slot.norm = slot.norm * abs(factor)
+        self._grad_factor = self._grad_factor * factor
+        self._scalars = None
+
+    def _multiplier(self) -> float | torch.Tensor:
+        """What the host gradients are multiplied by before the step, clip coefficient aside: the factors of
+        scale_gradients_ times the fp16 inverse scale."""
+        multiplier = self._grad_factor
+        if self._inv_scale is not None:
+            multiplier = self._inv_scale.double() * multiplier
+        return multiplier
+
+    def _window_scalars(self, max_norm: float = math.inf) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:
+        """(global norm of the true gradients, multiplier with the clip coefficient, inf flag), host tensors made
+        from the per-tensor norms the worker took as the gradients landed (one read of the gradients where some
+        are missing); nothing is read back to Python."""
+        landed = [s for s in self._slots if s.master.grad is not None]
+        if not landed:
+            zero = torch.zeros(())
+            return zero, self._multiplier(), zero
+        if all(s.norm is not None for s in landed):
+            # The per-tensor norms torch would take (linalg.vector_norm on CPU), taken during backward, summed in
+            # param_groups order as torch sums the list it is given (another order can move the last bit).
+            raw = torch.linalg.vector_norm(torch.stack([s.norm for s in landed]), 2.0)
+        else:
+            raw = torch.nn.utils.get_total_norm([s.master.grad for s in landed], 2.0)
+        multiplier = self._multiplier()
+        scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
+        total = (raw.double() * scale).float() if isinstance(scale, torch.Tensor) else raw * scale
+        found = (~total.isfinite()).float()
+        if max_norm != math.inf:
+            # torch's coefficient, clamped at 1: a multiply by 1.0 changes nothing and costs nothing here.
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            multiplier = coef.double() * multiplier
+        return total, multiplier, found
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -521,9 +589,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
         The gradients live on the host, where ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` cannot
         see them (it would find none and clip nothing): call this instead, after backward and before ``step()``.
-        With a grad_scaler attached the norm is that of the unscaled gradients. The per-tensor norms are summed
-        in ``param_groups`` order (the order of ``model.parameters()`` with one group), as torch does for the list
-        it is given; another order can change the last bit of the norm.
+        With a grad_scaler attached the norm is that of the unscaled gradients. The coefficient joins the
+        multiplier the host step applies (no pass over the gradients, no host sync); the norm comes from the
+        per-tensor norms taken as the gradients landed.
 
         Returns:
             The total norm before clipping (a CPU tensor; inf or NaN when the step will be skipped).
@@ -533,27 +601,32 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "clip_grad_norm_ after step_in_next_backward(): buckets were already stepped with unclipped gradients "
                 "during backward. To resolve this error, drop step_in_next_backward() when clipping (or use "
                 "delayed_update=True to hide the CPU step).")
-        scaling = self.grad_scaler is not None and self.grad_scaler.is_enabled()
         self._gather()
-        masters = [s.master for s in self._slots]
         landed = [s for s in self._slots if s.master.grad is not None]
         # A window of one backward: from now on the worker takes the norm of each first landing (the last one,
-        # in such loops). Unscaling would change the gradients after they landed, so not with a scaler.
-        self._norms_on_first_landing = (norm_type == 2.0 and not scaling and bool(landed)
-                                        and all(s.landings == 1 for s in landed))
-        if not landed:
-            return torch.zeros(())
-        if norm_type == 2.0 and not scaling and all(s.norm is not None for s in landed):
-            # The per-tensor norms torch would take (linalg.vector_norm on CPU), already taken during backward.
-            total = torch.linalg.vector_norm(torch.stack([s.norm for s in landed]), 2.0)
-        else:
-            total = torch.nn.utils.get_total_norm([s.master.grad for s in landed], norm_type)
-        # torch multiplies by min(1, coef) always; a multiply by 1.0 changes nothing, so only pay the pass below 1.
-        if math.isfinite(total.item()) and (max_norm / (total + 1e-6)).item() < 1.0:
-            torch.nn.utils.clip_grads_with_norm_(masters, max_norm, total)
-            for slot in landed:
-                slot.norm = None
-        return total
+        # in such loops).
+        self._norms_on_first_landing = bool(landed) and all(s.landings == 1 for s in landed)
+        if norm_type != 2.0:
+            total = torch.nn.utils.get_total_norm([s.master.grad for s in landed], norm_type) if landed else \
+                torch.zeros(())
+            multiplier = self._multiplier()
+            scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
+            total = total * scale
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            self._scalars = (total, coef.double() * multiplier, (~total.isfinite()).float())
+            return total
+        self._scalars = self._window_scalars(max_norm)
+        return self._scalars[0]
+
+    @property
+    def found_inf_flag(self) -> torch.Tensor | None:
+        """This step's inf/nan flag (a host tensor, 1.0 when the step will be skipped), once the gradients are
+        gathered (``clip_grad_norm_`` or ``step``): a non-finite norm, which an fp16 overflow gives."""
+        if not self._gathered:
+            return None
+        if self._scalars is None:
+            self._scalars = self._window_scalars()
+        return self._scalars[2]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -583,28 +656,43 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # from here to back off the scale. Written in step() because scaler.step() resets it before calling us.
             self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
                 self._found_inf.device: self._found_inf}
-        skip = self._found_inf is not None and bool(self._found_inf.item())
+        # The window's multiplier (normalisation, fp16 inverse scale, clip coefficient) and inf flag: the host step
+        # applies them as it reads each gradient, and skips on the flag on the worker (a host value: no device
+        # sync, and no Python read of it on this thread).
+        if self._scalars is None and self._inv_scale is not None:
+            self._scalars = self._window_scalars()  # an fp16 step needs the inf check: the norm's
+        if self._scalars is not None:
+            _, multiplier, found = self._scalars
+        else:
+            multiplier, found = self._multiplier(), None
+        if self._found_inf is not None:
+            found = self._found_inf if found is None else torch.maximum(found, self._found_inf.to(found.device))
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            # NOTE: GradScaler has no public way to receive an inf check made elsewhere: scaler.update() reads it
+            # from here to back off the scale. Written in step() because scaler.step() resets it before calling us.
+            found = found if found is not None else torch.zeros(())
+            self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
         early, self._early, self._waiting = self._early, {}, None
-        if not skip:
-            self._sync_hyperparameters()
-            if self._stream is not None:
-                # The copies back overwrite weights that this step's backward read on the compute stream.
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            h2d_done = self._h2d_done
-            futures = list(early.values())  # stepped during backward (step_in_next_backward)
-            futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update)
-                        for i, b in enumerate(self._buckets) if i not in early]
-            if self.delayed_update:
-                self._update = futures
-                self._buffer = 1 - self._buffer  # the next backward writes the other host buffer
-                for slot in self._slots:
-                    slot.has_grad = slot.zeroed = False
-                    slot.landings = 0
-            else:
-                for future in futures:
-                    future.result()
-                self._after_copies()
+        self._sync_hyperparameters()
+        if self._streams["host_to_device"] is not None:
+            # The copies back overwrite weights that this step's backward read on the compute stream.
+            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
+        h2d_done = self._h2d_done
+        futures = list(early.values())  # stepped during backward (step_in_next_backward)
+        futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found)
+                    for i, b in enumerate(self._buckets) if i not in early]
+        if self.delayed_update:
+            self._update = futures
+            self._buffer = 1 - self._buffer  # the next backward writes the other host buffer
+            for slot in self._slots:
+                slot.has_grad = slot.zeroed = False
+                slot.landings = 0
+        else:
+            for future in futures:
+                future.result()
+            self._after_copies()
         self._gathered = False
+        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
         return loss
 
     def _sync_hyperparameters(self) -> None:
@@ -612,10 +700,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for inner_group, gi in zip(bucket.inner.param_groups, bucket.group_of, strict=True):
                 inner_group.update(self._hyperparameters(gi))
 
-    def _step_bucket(self, bucket: _Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool) -> None:
+    def _step_bucket(self, bucket: _Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
+                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None) -> None:
+        if found is not None and found.item():
+            return  # an inf/nan gradient (fp16 overflow): skipped, weights and state untouched, nothing to copy
         if h2d_done is not None:
             h2d_done.synchronize()  # the previous copies back read the masters (and casts) we are about to overwrite
         with torch.no_grad():
+            if isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
+                grads = [s.master.grad for s in bucket.slots if s.master.grad is not None]
+                if grads:
+                    # The normalisation, the fp16 unscale and the clip coefficient as one fp32 multiply, inside the
+                    # step, bucket by bucket on the worker (the loop's thread makes no pass). NOTE: not fused
+                    # AdamW's grad_scale: it divides by it (g / (1/c) is not g * c in float), which moved gpt-tiny's
+                    # weights 1e-4 from torch's in 8 steps at lr 1e-2; a multiply by torch's coefficient is
+                    # bit-identical to torch's clip.
+                    torch._foreach_mul_(grads, torch.as_tensor(multiplier, dtype=torch.float64).float())
             bucket.inner.step()
             # Cast on the CPU, here on the worker: the device dtype's bytes cross PCIe, and with delayed_update the
             # loop's thread then only launches the copies at the next step().
@@ -627,17 +727,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _copy_to_device(self, slots: list[_Slot]) -> None:
         """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
-        with torch.no_grad(), self._side_stream():
+        self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
+        with torch.no_grad(), self._side_stream("host_to_device"):
             # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
             torch._foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
                                  non_blocking=True)
 
     def _after_copies(self) -> None:
-        if self._stream is not None:
+        h2d = self._streams["host_to_device"]
+        if h2d is not None:
             self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record(self._stream)
+            self._h2d_done.record(h2d)
             # The next forward reads the new weights: order it after the copies (the GPU waits, not the host).
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            torch.cuda.current_stream(self.device).wait_stream(h2d)
 
     def _finish_update(self) -> None:
         if self._update is None:
@@ -645,8 +747,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for future in self._update:
             future.result()
         self._update = None
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._streams["host_to_device"] is not None:
+            # The next backward read the old weights on the compute stream: the copies back wait for it (not for
+            # the gradient copies, on the other side stream).
+            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
         self._copy_to_device(self._slots)
         self._after_copies()
 
@@ -671,6 +775,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             future.result()  # a pending add must not land in a buffer we are resetting
         self._landings.clear()
         self._norms_in_backward = False
+        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
         for slot in self._slots:
             slot.landings = 0
             if set_to_none:
@@ -814,6 +919,7 @@ def _claim(p: torch.Tensor, optimizer: CPUOffloadOptimizer) -> None:
 
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+_DIRECTIONS = ("device_to_host", "host_to_device")
 
 
 def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -956,18 +1062,32 @@ def _group_indices(groups: list[dict[str, Any]]) -> list[list[int]]:
     return out
 
 
-def _check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool) -> None:
+def host_buffer_bytes(flat: list[torch.Tensor], *, n_grad_buffers: int,
+                      device_dtype: torch.dtype | None = None) -> int:
+    """Bytes of CPUOffloadOptimizer's host buffers over ``flat`` (state aside): fp32 masters, the gradient
+    buffers, and for parameters whose device dtype is not fp32 a cast buffer and a gradient stage in that dtype."""
+    numel = sum(_aligned(p.numel()) for p in flat)
+    cast = 0
+    for p in flat:
+        dtype = device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
+        if dtype != torch.float32:
+            cast += _aligned(p.numel()) * torch.empty((), dtype=dtype).element_size()
+    return 4 * numel * (1 + n_grad_buffers) + 2 * cast
+
+
+def _check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool,
+                    device_dtype: torch.dtype | None = None) -> None:
     """Raises before allocating when the host buffers would not fit in the machine's available RAM."""
     numel = sum(_aligned(p.numel()) for p in flat)
-    cast = sum(p.numel() * p.element_size() for p in flat if p.dtype != torch.float32)
     per_param = getattr(optimizer_class, "state_bytes_per_param", None)  # memtrain.optim's lean classes say theirs
     state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
-    need = 4 * numel * (1 + n_grad_buffers) + cast + state
+    need = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype) + state
     available = available_host_bytes()
     if available is not None and need > available:
         raise MemtrainError(
             f"CPUOffloadOptimizer needs {format_bytes(need)} of host RAM ({numel:,} parameters: fp32 master weights "
-            f"and {n_grad_buffers} gradient buffer(s){', pinned' if pin else ''}, plus about {format_bytes(state)} "
+            f"and {n_grad_buffers} gradient buffer(s){', pinned' if pin else ''} (and cast and gradient stage buffers "
+            f"for non-fp32 device weights), plus about {format_bytes(state)} "
             f"of {optimizer_class.__name__} state), but only {format_bytes(available)} is available. To resolve "
             "this error, free host memory, train fewer parameters, or keep the optimizer on the device.")
 

@@ -1114,10 +1114,16 @@ class _Composer:
         if ctx.device == "cuda" and offloaded.any():
             micro = micro + _offload_stall(fwd, bwd, offloaded, dev)
         backward = bwd.sum(axis=1)
-        # Step-in-backward costs no second pass: one backward, clipping by the previous window's norm (lagged) and
-        # the fp16 inf check on the device; its steps are in _optimizer_seconds like the ordinary step's.
         seconds = (micro * cfg.accumulation + _optimizer_seconds(ctx, prof, cfg, backward)
                    + _communication_seconds(ctx, prof, cfg, backward + fwd.sum(axis=1)))
+        if cfg.step_in_backward:
+            # One backward pass (clipping by the previous window's norm, the fp16 inf check on the device), its
+            # steps in _optimizer_seconds like the ordinary step's; on top, per tensor: its gradient's norm read in
+            # the hook, the inf flag, the clip multiply and an optimizer call of its own (a few small ops each). So
+            # it is never faster than the ordinary step: the search takes it for the memory it saves.
+            tensors = len(prof.trainable_params)
+            seconds = seconds + (tensors * _IN_BACKWARD_OPS * dev.op_overhead_s
+                                 + 4.0 * prof.trainable_numel / dev.memory_bandwidth)
         return peak, host, seconds
 
 
@@ -1126,6 +1132,9 @@ def _compiled_per_block(cfg: _Config, is_off: np.ndarray, is_rec: np.ndarray) ->
     offloads its activations or its saved input), leaving the code between the blocks eager."""
     offloads = is_off.any(axis=1) | (is_rec.any(axis=1) & (cfg.flavor == "offload-inputs"))
     return offloads & cfg.compile
+
+
+_IN_BACKWARD_OPS = 4  # extra small ops per parameter tensor of step-in-backward's hooks
 
 
 def _offload_stall(fwd: np.ndarray, bwd: np.ndarray, offloaded: np.ndarray, dev: DeviceProfile) -> np.ndarray:
@@ -2181,7 +2190,9 @@ def _reasons(ctx: _Context, results: _Results, chosen: int, peak: float, fits: n
     text = names[s.optimizer]
     details = [f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, not 8)"
                if s.state_precision != "fp32" else "",
-               "each parameter stepping in backward, its gradient freed at once" if s.step_in_backward else "",
+               ("each parameter stepping in backward, its gradient freed at once"
+                + (" (one backward pass: clipped by the previous step's norm, the first step unclipped)"
+                   if ctx.grad_clip else "")) if s.step_in_backward else "",
                f"{100 * s.offload_fraction:.0f}% of the state in host RAM" if s.offload_fraction else ""]
     if any(details):
         text += " with " + ", ".join(d for d in details if d)

@@ -316,12 +316,12 @@ def test_byte_model_equals_what_measure_counts(config) -> None:
         return
     buffers = {}
     for slot in host._slots:
-        for t in (slot.master, *slot.grads, *([slot.cast] if slot.cast is not None else [])):
+        for t in (slot.master, *slot.grads, *(t for t in (slot.cast, slot.stage) if t is not None)):
             buffers[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
     host_state = sum(v.untyped_storage().nbytes() for v in {id(v): v for e in host.state.values()
                                                             for v in e.values() if torch.is_tensor(v)}.values())
     assert predicted.host_state_bytes == host_state
-    assert predicted.host_bytes == host_state + sum(buffers.values()), "host RAM: masters, gradients, casts, state"
+    assert predicted.host_bytes == host_state + sum(buffers.values()), "host RAM: masters, gradients, casts, stages, state"
     assert predicted.offloaded_params == len(host._slots)
 
 
@@ -584,3 +584,48 @@ def test_planner_keeps_an_asked_for_step_in_backward_with_accumulation() -> None
         plan(GPT.from_preset("gpt-tiny"), budget=None, seq_len=32, global_batch_size=8, device="cpu",
              precision="fp32", fixed=Fixed(optimizer="device", step_in_backward=True, offload_fraction=0.5))
     assert "world_size" not in str(info.value) and "cannot accumulate" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scaler"])
+def test_a_partial_offload_normalises_unscales_and_clips_without_a_pass_over_host_gradients(fp16) -> None:
+    """LeanAdamW's host part through GradientAccumulator (3 micro-batches, clipping active): between the last
+    backward and the host step no aten op reads or writes a host gradient buffer (the old code multiplied them
+    by 1/items, unscaled them and multiplied them by the clip coefficient, a pass each)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Touches(TorchDispatchMode):
+        def __init__(self, storages: set[int]):
+            super().__init__()
+            self.storages, self.ops = storages, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+            if any(t.untyped_storage().data_ptr() in self.storages for t in flat):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = make_model()
+    opt = build_optimizer(model.named_parameters(), **HYPER, offload_fraction=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if fp16 else None
+    opt.grad_scaler = scaler
+    acc = GradientAccumulator(model, opt, steps=3, max_grad_norm=0.5, scaler=scaler)
+    storages = {s.grads[0].untyped_storage().data_ptr() for s in opt._host._slots}
+    seen: list[list[str]] = []
+    step = opt._host.step
+
+    def counted_until_the_host_step(*args, **kwargs):
+        seen.append(list(touches.ops))  # what touched host gradients before the host step began
+        return step(*args, **kwargs)
+
+    opt._host.step = counted_until_the_host_step
+    data = batches(3)
+    for m, (x, y) in enumerate(data):
+        with acc.micro_batch(is_last=m == 2):
+            acc.backward(((model(x) - y) ** 2).sum(), reduction="sum", items=x.shape[0])
+    opt._host._flush_landings()
+    for future in opt._host._landings:
+        future.result()  # the landings (copies, adds, norms) are backward's work, done on the worker
+    with Touches(storages) as touches:
+        result = acc.step()
+    assert seen == [[]], f"ops on host gradients before the host step: {seen}"
+    assert result.grad_norm > 0.5, "clipping must be active to be tested"

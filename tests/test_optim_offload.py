@@ -681,3 +681,132 @@ def test_delayed_update_casts_on_the_worker_and_lands_the_rounded_master(monkeyp
     opt.synchronize()
     for slot in opt._slots:
         assert torch.equal(slot.device, slot.master.to(torch.bfloat16)), f"{slot.key}: not the rounded master"
+
+
+# -- passes over the host gradients -------------------------------------------------------------------------
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scaler"])
+def test_normalising_unscaling_and_clipping_make_no_pass_over_host_gradients(fp16: bool) -> None:
+    """Between backward and the host step, scale_gradients_ (the window's 1/items), the fp16 unscale and
+    clip_grad_norm_ touch no host gradient (aten ops reading or writing their buffers, counted with a
+    TorchDispatchMode on this thread): the factor, 1/scale and the clip coefficient are applied inside the step,
+    the norm comes from the norms taken as the gradients landed. The old code made one pass each (a multiply
+    for the factor, an unscale, a multiply for the clip). The step stays within 1e-6 of torch AdamW."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Touches(TorchDispatchMode):
+        def __init__(self, storages: set[int]):
+            super().__init__()
+            self.storages, self.ops = storages, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+            if any(t.untyped_storage().data_ptr() in self.storages for t in flat):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ref, ours = make_mlp(), make_mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if fp16 else None
+    opt = CPUOffloadOptimizer(ours.parameters(), grad_scaler=scaler, **HYPER)
+    x, y = batches(1)[0]
+    loss_fn(ref, x, y).mul(3).backward()
+    ref_grads = [p.grad for p in ref.parameters() if p.grad is not None]
+    torch._foreach_mul_(ref_grads, 1 / 3)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt.step()
+    opt.next_backward_is_last()
+    loss = loss_fn(ours, x, y).mul(3)
+    (scaler.scale(loss) if fp16 else loss).backward()
+    opt._flush_landings()
+    for future in opt._landings:
+        future.result()  # the landings (copies, norms) are backward's work, done on the worker
+    storages = {s.grads[0].untyped_storage().data_ptr() for s in opt._slots}
+    with Touches(storages) as touches:
+        opt.scale_gradients_(1 / 3)
+        norm = opt.clip_grad_norm_(0.05)
+    assert touches.ops == [], f"{len(touches.ops)} ops on host gradients before the step: {touches.ops}"
+    assert norm.item() > 0.05, "clipping must be active to be tested"
+    if fp16:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    assert max_diff(ref, ours) <= 1e-6, f"max abs difference {max_diff(ref, ours):.3e} (tolerance 1e-6)"
+    opt.close()
+
+
+def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_counts(monkeypatch) -> None:
+    """With bf16 device weights each gradient lands in a stage buffer the optimizer owns (pinned on CUDA, sized
+    once, same layout as the cast buffers), not in torch's pinned cache (rounded up to powers of two, kept for the
+    process's life, invisible to the check); the host-RAM check counts every buffer: it refuses a machine with one
+    byte less than masters + gradients + casts + stages + state."""
+    import memtrain.optim_offload as offload
+
+    model = make_mlp()
+    params = list(model.parameters())
+    aligned = sum(offload._aligned(p.numel()) for p in params)
+    buffers = (4 + 4 + 2 + 2) * aligned  # fp32 master and gradient, bf16 cast and stage
+    need = buffers + 8 * aligned  # and AdamW's two fp32 moments
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: need - 1)
+    with pytest.raises(MemtrainError, match="host RAM"):
+        CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, **HYPER)
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: need)
+    opt = CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, **HYPER)
+    owned = {}
+    for slot in opt._slots:
+        for t in (slot.master, *slot.grads, slot.cast, slot.stage):
+            owned[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert sum(owned.values()) == buffers, (sum(owned.values()), buffers)
+    stages = {s.stage.untyped_storage().data_ptr() for s in opt._slots}
+    staged_in = []
+    finish = offload._finish_landings
+
+    def spy(landings, event):
+        staged_in.extend(landing.staged.untyped_storage().data_ptr() for landing in landings if landing.staged is not None)
+        return finish(landings, event)
+
+    monkeypatch.setattr(offload, "_finish_landings", spy)
+    for x, y in batches(2):  # two micro-batches: the second landing adds to the first
+        loss_fn(model, x.bfloat16(), y.bfloat16()).float().backward()
+    opt.step()
+    landed = [p for p in params if p is not model.unused]
+    assert len(staged_in) == 2 * len(landed) and set(staged_in) <= stages, "a gradient was staged outside the stages"
+    opt.close()
+
+
+def test_each_direction_of_the_link_has_its_own_side_stream_and_its_bytes_counted(monkeypatch) -> None:
+    """delayed_update: the gradient copies of backward go on the device->host side stream, the weights of the
+    previous update go back on the host->device one (on CUDA two streams, so the copy-back does not queue behind the
+    next backward's gradient copies). The bytes each way per step are what the planner's link model takes:
+    micro-batches x gradient bytes down (fp32 here), the weights in their device dtype up."""
+    model = make_mlp()
+    opt = CPUOffloadOptimizer(model.parameters(), delayed_update=True, **HYPER)
+    assert set(opt._streams) == {"device_to_host", "host_to_device"}
+    issued: list[tuple[str, str]] = []
+    phase = ["backward"]
+    side_stream = CPUOffloadOptimizer._side_stream
+
+    def record(self, direction):
+        issued.append((phase[0], direction))
+        return side_stream(self, direction)
+
+    monkeypatch.setattr(CPUOffloadOptimizer, "_side_stream", record)
+    landed = [p for p in model.parameters() if p is not model.unused]
+    grad_bytes = sum(4 * p.numel() for p in landed)
+    weight_bytes = sum(4 * p.numel() for p in model.parameters())
+    data = batches(6)
+    for step in range(3):
+        before = dict(opt.link_bytes)
+        phase[0] = "backward"
+        for x, y in data[2 * step:2 * step + 2]:  # two micro-batches
+            loss_fn(model, x, y).backward()
+        phase[0] = "step"
+        opt.step()
+        opt.zero_grad()
+        down = opt.link_bytes["device_to_host"] - before["device_to_host"]
+        up = opt.link_bytes["host_to_device"] - before["host_to_device"]
+        assert down == 2 * grad_bytes, (step, down, 2 * grad_bytes)
+        assert up == (weight_bytes if step > 0 else 0), (step, up)  # step t's weights go up at step t + 1
+    assert {d for p, d in issued if p == "backward"} == {"device_to_host"}, issued
+    assert {d for p, d in issued if p == "step"} == {"host_to_device"}, issued
+    opt.close()
