@@ -456,7 +456,7 @@ class GradientAccumulator:
 
         Host syncs: one read of the window's numbers (items, loss, norm, inf flag) with clipping, an fp16 scaler,
         host gradients (CPUOffloadOptimizer: its host step needs the factor) or an optimizer that cannot skip a
-        step on a device flag; none otherwise (``count_host_syncs`` in ``memtrain.optim`` counts them).
+        step on a device flag; none otherwise (``memtrain.measure.count_host_syncs`` counts them).
 
         Returns:
             A StepResult. With an fp16 scaler an overflowing window is skipped: parameters, optimizer state and

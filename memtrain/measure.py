@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -352,3 +355,75 @@ def compile_counts(step: Callable[[], Any]) -> CompileCounts:
     finally:
         counters.clear()
         torch._dynamo.reset()
+
+
+# -- host syncs ---------------------------------------------------------------------------------------------
+_SYNC_CALLS = ((torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "tolist"), (torch.Tensor, "__bool__"),
+               (torch.Tensor, "__float__"), (torch.Tensor, "__int__"), (torch.Tensor, "nonzero"), (torch, "nonzero"),
+               (torch.cuda, "synchronize"))
+_MISSING = object()
+
+
+@dataclass
+class HostSyncs:
+    """Calls that make the host wait for the device, counted by ``count_host_syncs``: their names in order, and
+    per call site (``"Tensor.item memtrain/optim.py:123"``) how many."""
+
+    calls: list[str] = field(default_factory=list)
+    sites: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return len(self.calls)
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[HostSyncs]:
+    """Counts, on this thread, the calls that synchronise the host with the device: ``Tensor.item``, ``.cpu``,
+    ``.tolist``, ``bool(tensor)``, ``float(tensor)``, ``int(tensor)``, ``nonzero`` (its output size is
+    data-dependent) and ``torch.cuda.synchronize``.
+
+    Every tensor counts, whatever its device: on a CPU-only machine the "device" is the CPU, so the count is what
+    a GPU run of the same code path would pay at most (a read of a host tensor counts too). Other threads (the
+    offloaded optimizer's worker, which steps host tensors) are not counted: the thread that launches the
+    device's work is the one a sync stalls.
+
+    Example:
+        >>> with count_host_syncs() as syncs:
+        ...     _ = torch.ones(2).sum().item()
+        >>> syncs.calls
+        ['Tensor.item']
+    """
+    counts = HostSyncs()
+    thread = threading.get_ident()
+    saved = []
+    for owner, name in _SYNC_CALLS:
+        original = getattr(owner, name)
+        label = f"{'Tensor' if owner is torch.Tensor else owner.__name__}.{name}"
+
+        def counted(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            if threading.get_ident() == thread:
+                counts.calls.append(_label)
+                caller = sys._getframe(1)
+                counts.sites[f"{_label} {_site(caller.f_code.co_filename)}:{caller.f_lineno}"] += 1
+            return _original(*args, **kwargs)
+
+        saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        setattr(owner, name, counted)
+    try:
+        yield counts
+    finally:
+        for owner, name, own in reversed(saved):
+            if own is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+
+
+def _site(path: str) -> str:
+    """A caller's file from its package folder on (memtrain/..., torch/...), else as it is."""
+    parts = path.replace("\\", "/").split("/")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("memtrain", "torch", "tests", "benchmarks"):
+            return "/".join(parts[i:])
+    return path

@@ -21,13 +21,11 @@ planner); it equals what ``memtrain.measure.optimizer_state_bytes`` counts for t
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -580,65 +578,6 @@ def cpu_step_rate(state_precision: str = "fp32", n_params: int = 1 << 22, repeat
         opt.step()
         times.append(time.perf_counter() - t0)
     return sum(p.numel() for p in params) / sorted(times)[len(times) // 2]
-
-
-# -- host syncs ---------------------------------------------------------------------------------------------
-_SYNC_CALLS = ((torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "tolist"), (torch.Tensor, "__bool__"),
-               (torch.Tensor, "__float__"), (torch.Tensor, "__int__"), (torch.Tensor, "nonzero"), (torch, "nonzero"),
-               (torch.cuda, "synchronize"))
-
-
-@dataclass
-class HostSyncs:
-    """Calls that make the host wait for the device, counted by ``count_host_syncs``: their names in order."""
-
-    calls: list[str]
-
-    @property
-    def total(self) -> int:
-        return len(self.calls)
-
-
-@contextlib.contextmanager
-def count_host_syncs() -> Iterator[HostSyncs]:
-    """Counts, on this thread, the calls that synchronise the host with the device: ``Tensor.item``, ``.cpu``,
-    ``.tolist``, ``bool(tensor)``, ``float(tensor)``, ``int(tensor)``, ``nonzero`` and ``torch.cuda.synchronize``.
-
-    Every tensor counts, whatever its device: on a CPU-only machine the "device" is the CPU, so the count is what
-    a GPU run of the same code path would pay at most (a read of a host tensor counts too). Other threads (the
-    offloaded optimizer's worker) are not counted: the loop's thread does not wait for them there.
-
-    Example:
-        >>> with count_host_syncs() as syncs:
-        ...     _ = torch.ones(2).sum().item()
-        >>> syncs.calls
-        ['Tensor.item']
-    """
-    counts = HostSyncs([])
-    thread = threading.get_ident()
-    saved = []
-    for owner, name in _SYNC_CALLS:
-        original = getattr(owner, name)
-        label = f"{'Tensor' if owner is torch.Tensor else owner.__name__}.{name}"
-
-        def counted(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
-            if threading.get_ident() == thread:
-                counts.calls.append(_label)
-            return _original(*args, **kwargs)
-
-        saved.append((owner, name, owner.__dict__.get(name, _MISSING), original))
-        setattr(owner, name, counted)
-    try:
-        yield counts
-    finally:
-        for owner, name, own, _ in reversed(saved):
-            if own is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, own)
-
-
-_MISSING = object()
 
 
 # -- the optimizer ------------------------------------------------------------------------------------------

@@ -459,7 +459,7 @@ def test_fsdp2_is_detected_inside_compile_and_a_plain_module_is_not(one_rank_gro
 def _syncs_of_a_step(make_optimizer, *, max_grad_norm=None, fp16=False, lr=1e-3) -> list[str]:
     """The host syncs of the second window's last backward and its acc.step() (the first window pays one-off
     set-up: the fp16 pre-scale is read once per run), 2 micro-batches of sum-reduced losses."""
-    from memtrain.optim import count_host_syncs
+    from memtrain.measure import count_host_syncs
 
     model = _model()
     optimizer = make_optimizer(model)
@@ -515,7 +515,7 @@ SYNC_CASES = {
                          ids=["plain", "clip", "fp16", "clip+fp16"])
 def test_at_most_one_host_sync_per_optimizer_step(case, clip, fp16):
     """The contract (DESIGN, "GPU-speed contract"): at most one host sync per optimizer step on the accumulator's
-    path with clipping or an fp16 scaler, none without, counted by memtrain.optim.count_host_syncs during the
+    path with clipping or an fp16 scaler, none without, counted by memtrain.measure.count_host_syncs during the
     last backward and acc.step(). Where nothing may be read back, a non-finite window is skipped on the device.
     Exceptions, each one read: bf16 moments (BF16StateAdamW takes no device skip flag) and the offloaded optimizer
     (its host step needs the window's item count on the host)."""
