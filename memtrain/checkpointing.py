@@ -654,12 +654,16 @@ def compile_model(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
     compiled the same way.
 
     Args:
-        model: the model, checkpointed already (a DDP wrapper too: its module's blocks are compiled).
+        model: the model, checkpointed already (a DDP wrapper too: its module's blocks are compiled), or what an
+            earlier call returned.
         **compile_kwargs: passed to ``torch.compile`` (e.g. ``backend="aot_eager"``).
 
     Returns:
         ``torch.compile(model)``, or ``model`` itself with its blocks compiled.
     """
+    # Compiled before (a re-plan that wrapped the blocks again): compiled anew as the blocks now are, since a
+    # whole-model graph cannot hold blocks that started offloading.
+    model = getattr(model, "_orig_mod", model)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     if not any(isinstance(f, _CheckpointedForward) and f.offloader is not None for f in _wrapped_forwards(inner)):
         return torch.compile(model, **compile_kwargs)  # type: ignore[return-value]

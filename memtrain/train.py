@@ -27,7 +27,7 @@ from torch.utils.data import Dataset, Sampler, Subset
 from tqdm import tqdm
 
 from memtrain.accumulation import GradientAccumulator, accumulation_steps
-from memtrain.checkpointing import Checkpointing
+from memtrain.checkpointing import Checkpointing, compile_model
 from memtrain.data import DevicePrefetcher, make_loader, map_tensors
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.hf import is_hf_model
@@ -546,10 +546,12 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
 
     def follow(new: RunPlan) -> None:
         """Switches the model to a re-plan (or a resumed run's plan): the optimizer and its state stay."""
-        nonlocal run_plan, blocks, micro, accumulation, acc
+        nonlocal run_plan, blocks, micro, accumulation, acc, train_model
         run_plan = new
         if new.settings.blocks:
             blocks = configure_model(model, new.settings)
+            if new.settings.compile:  # blocks that now offload cannot stay in a whole-model graph
+                train_model = compile_model(train_model)
         micro, accumulation = new.settings.micro_batch_size, new.settings.accumulation
         acc = _carry_counters(acc, make_accumulator(accumulation))
 

@@ -247,3 +247,27 @@ def test_blocks_wrapped_again_after_compile_model_are_compiled_the_same_way():
     counts = compile_counts(lambda: compiled(x, x).backward())
     assert counts.graph_breaks == 0 and counts.eager_frames == 0 and counts.graphs >= 2, str(counts)
     assert all(model.blocks[i].forward.compiled is not None for i in (1, 2))
+
+
+def test_a_model_compiled_whole_whose_blocks_start_offloading_compiles_again_block_by_block():
+    """A re-plan may make the blocks of a model compiled whole offload their activations (train follows it with
+    compile_model again): the second call takes what the first returned and compiles block by block, with no
+    break and nothing eager (the whole-model graph would raise: an offloader cannot be traced)."""
+    from memtrain.checkpointing import Checkpointing, compile_model
+
+    eager, model = _gpt3(), _gpt3()
+    for m in (eager, model):
+        Checkpointing.parse("all").apply(m, offloader=_cpu_offloader())
+    compiled = compile_model(model, backend="aot_eager")
+    assert compiled is not model  # nothing offloads yet: one compiled model
+    x = _batch(0)
+    compiled(x, x).backward()
+    eager(x, x).backward()
+    for m in (eager, model):
+        Checkpointing.parse("all+offload").apply(m, offloader=_cpu_offloader())
+    again = compile_model(compiled, backend="aot_eager")
+    counts = compile_counts(lambda: again(x, x).backward())
+    eager(x, x).backward()
+    assert counts.graph_breaks == 0 and counts.eager_frames == 0 and counts.graphs >= 1, str(counts)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
