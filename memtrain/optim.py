@@ -543,8 +543,14 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
     largest = max((n for n, _ in device), default=0)
     temp = 0
     if state_precision == "bf16":
-        chunk = min(largest, BF16_CHUNK.get(device_type, 1 << 20))
-        temp = chunk * (4 + 4 + 4 + 4)  # one chunk's fp32 moments, rounding noise and its shifted copy
+        # BF16StateAdamW: one pass's fp32 copies of both moments (its parameters cut at multiples of 16 elements,
+        # one optimizer per parameter with step-in-backward), and the rounding-noise table it keeps per device
+        # (a power of two over the longest piece, plus the offsets it reads at; built through one int32 temporary
+        # of its size).
+        chunk = BF16_CHUNK.get(device_type, 1 << 20)
+        padded = [-(-n // 16) * 16 for n, _ in device]
+        scratch = min(max(padded, default=0) if step_in_backward else sum(padded), chunk)
+        temp = 8 * scratch + 2 * 4 * ((1 << max(min(largest, chunk) - 1, 1).bit_length()) + _OFFSETS)
     elif state_precision == "int8" and device_type == "cpu":
         temp = largest * 4 * 4  # bitsandbytes' CPU path dequantises whole tensors: moments, gradient, weights
     return OptimizerMemory(

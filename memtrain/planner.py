@@ -1168,15 +1168,17 @@ def _ranks_per_node(world: int) -> int:
 
 
 # Bytes a device AdamW step reads and writes per parameter, by moment precision: fused fp32 AdamW reads p, g,
-# m, v and writes p, m, v (28); BF16StateAdamW adds fp32 copies of the moments a chunk at a time; bitsandbytes'
-# 8-bit step moves 2 bytes of each moment and a scale per 256. (Assumptions; the CPU uses measured rates.)
-_STEP_BYTES = {"fp32": 28.0, "bf16": 44.0, "int8": 20.0}
+# m, v and writes p, m, v (28); BF16StateAdamW runs it on fp32 copies of the moments, copied in, rounded with
+# noise and copied back a pass at a time (92: its docstring counts them); bitsandbytes' 8-bit step moves 2 bytes of
+# each moment and a scale per 256. (Assumptions; the CPU uses measured rates.)
+_STEP_BYTES = {"fp32": 28.0, "bf16": 92.0, "int8": 20.0}
 # Kernel launches per parameter tensor: fused AdamW steps every tensor in a few multi-tensor launches;
-# BF16StateAdamW casts, steps, draws its rounding noise and rounds back, per chunk; bitsandbytes steps per tensor.
-_STEP_OPS = {"fp32": 0.05, "bf16": 15.0, "int8": 2.0}
+# BF16StateAdamW 6 multi-tensor ops a pass of up to BF16_CHUNK elements (benchmarks/bench_optim_ops.py prints
+# them; one a tensor is an upper bound); bitsandbytes steps per tensor.
+_STEP_OPS = {"fp32": 0.05, "bf16": 1.0, "int8": 2.0}
 # A host step's rate relative to fp32 AdamW's, where the probe did not measure it (memtrain.optim.cpu_step_rate on
-# this machine's 2 cores: bf16 about 4x and int8 about 30x slower).
-_CPU_RATE = {"fp32": 1.0, "bf16": 0.25, "int8": 1 / 30}
+# this machine's 2 cores: bf16 about 3.5x and int8 about 30x slower).
+_CPU_RATE = {"fp32": 1.0, "bf16": 0.3, "int8": 1 / 30}
 
 
 def _optimizer_seconds(ctx: _Context, prof: _Profiles, cfg: _Config, backward_s: np.ndarray) -> np.ndarray:

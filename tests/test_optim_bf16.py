@@ -376,3 +376,22 @@ def test_bf16_loads_torch_adamws_state() -> None:
     assert sorted(s["salt"] for s in opt.state.values()) == list(range(4))
     opt.step()
     assert {float(s["step"]) for s in opt.state.values()} == {2.0}
+
+
+def test_optimizer_memory_bounds_the_bf16_steps_transient_bytes_over_many_small_tensors():
+    """optimizer_memory's device_step_temp_bytes is an upper bound of what a BF16StateAdamW step allocates: one
+    pass holds fp32 copies of every tensor's moments (not of the largest tensor's only, as per-tensor chunks did)
+    and the first step builds the rounding-noise table."""
+    from memtrain.measure import cpu_allocation_peak_bytes
+
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(1000, generator=g)) for _ in range(40)]
+    opt = optim.BF16StateAdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    predicted = optim.optimizer_memory([(p.numel(), p.dtype) for p in params], state_precision="bf16",
+                                       device_type="cpu").device_step_temp_bytes
+    state = sum(2 * 2 * p.numel() + 64 for p in params)  # the moments (bf16) and counters the first step creates
+    first = cpu_allocation_peak_bytes(opt.step) - state
+    second = cpu_allocation_peak_bytes(opt.step)
+    assert 8 * 40 * 1000 <= second <= predicted and first <= predicted, (first, second, predicted)
