@@ -51,10 +51,9 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from memtrain.errors import ConfigError, MemtrainError  # noqa: E402
-from memtrain.measure import count_host_syncs  # noqa: E402
+from memtrain.measure import KernelOps, count_host_syncs  # noqa: E402
 from memtrain.models import GPT, GPTConfig  # noqa: E402
 from memtrain.planner import HostLink, PlanSettings, apply_plan, predictions  # noqa: E402
 
@@ -329,35 +328,6 @@ def host_syncs() -> list[SyncCount]:
 
 
 # -- (c) aten ops per parameter tensor ----------------------------------------------------------------------------
-# Dispatched ops that launch no kernel: allocations (the caching allocator) and the profiler's markers around
-# Optimizer.step. Views and other aliasing ops (slices, detach) are metadata only: counted apart, by their schema.
-NOT_KERNELS = frozenset({"aten.empty.memory_format", "aten.empty_strided.default",
-                         "profiler._record_function_enter_new.default", "profiler._record_function_exit._RecordFunction"})
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ops dispatched inside it that may launch a kernel on a GPU (``ops``); views and aliasing ops
-    (``views``) and allocations and profiler markers (``others``) apart."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-        self.views = self.others = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.is_view:
-            self.views += 1
-        elif str(func) in NOT_KERNELS:
-            self.others += 1
-        else:
-            self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-
 @dataclass
 class OpsCount:
     optimizer: str
@@ -398,7 +368,7 @@ def optimizer_ops() -> list[OpsCount]:
                 if step == 0:
                     optimizer.step()
                     continue
-                with OpCounter() as counter:
+                with KernelOps() as counter:
                     optimizer.step()
         except (MemtrainError, ImportError, RuntimeError) as e:
             count.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -407,7 +377,10 @@ def optimizer_ops() -> list[OpsCount]:
         count.ops = counter.total
         count.views = counter.views
         count.ops_per_tensor = counter.total / len(named)
-        count.top = dict(counter.ops.most_common(6))
+        packets: collections.Counter[str] = collections.Counter()
+        for op, n in counter.kernels.items():
+            packets[op.rsplit(".", 1)[0]] += n  # aten._foreach_add_.Scalar -> aten._foreach_add_
+        count.top = dict(packets.most_common(6))
         out.append(count)
     fused = out[0].ops_per_tensor
     for c in out:

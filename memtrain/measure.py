@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memtrain.errors import MemtrainError
@@ -427,3 +428,45 @@ def _site(path: str) -> str:
         if parts[i] in ("memtrain", "torch", "tests", "benchmarks"):
             return "/".join(parts[i:])
     return path
+
+
+# -- kernel ops -----------------------------------------------------------------------------------------------
+# Dispatched ops that run no kernel: tensor allocation (the caching allocator) and the profiler's markers around
+# Optimizer.step. Views and other aliasing ops (slices, detach) are counted apart, by their schema.
+_NOT_KERNELS = frozenset({"aten.empty.memory_format", "aten.empty_strided.default",
+                          "profiler._record_function_enter_new.default",
+                          "profiler._record_function_exit._RecordFunction"})
+
+
+class KernelOps(TorchDispatchMode):
+    """Counts the ops dispatched inside it that may launch a kernel on a GPU (``kernels``, by op overload; a host
+    read such as ``_local_scalar_dense`` counts too), with views and aliasing ops (``views``: metadata only) and
+    allocations and profiler markers (``others``) apart. Thread-safe: it may be entered on a worker thread too
+    (the offloaded optimizer's host step).
+
+    Example:
+        >>> with KernelOps() as ops:
+        ...     _ = torch.ones(4).add_(1)
+        >>> ops.total
+        2
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: Counter[str] = Counter()
+        self.views = self.others = 0
+        self._lock = threading.Lock()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with self._lock:
+            if func.is_view:
+                self.views += 1
+            elif str(func) in _NOT_KERNELS:
+                self.others += 1
+            else:
+                self.kernels[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.kernels.values())

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from memtrain.measure import KernelOps
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_contract.py"
 
 
@@ -93,12 +95,13 @@ def test_count_syncs_counts_each_kind_of_host_sync_and_restores_torch():
 
 def test_op_counter_counts_kernel_ops_and_views_apart():
     a, b = torch.ones(4), torch.ones(4)
-    with bench.OpCounter() as counter:
+    with KernelOps() as counter:
         a.add_(b).mul_(2)
         torch._foreach_add_([a, b], 1)
         a.view(2, 2).detach()
         torch.empty(3)
-    assert counter.ops == {"aten.add_": 1, "aten.mul_": 1, "aten._foreach_add_": 1}, counter.ops
+    assert counter.kernels == {"aten.add_.Tensor": 1, "aten.mul_.Tensor": 1, "aten._foreach_add_.Scalar": 1}, \
+        counter.kernels
     assert (counter.views, counter.others) == (2, 1), (counter.views, counter.others)
 
 

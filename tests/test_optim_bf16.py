@@ -9,25 +9,18 @@ stochastic rounding), the bounded fp32 copies, and GradScaler's fused protocol.
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import memtrain.optim as optim
 from memtrain.errors import MemtrainError
-from memtrain.measure import cpu_allocation_peak_bytes
+from memtrain.measure import KernelOps, cpu_allocation_peak_bytes
 from memtrain.optim import BF16StateAdamW, _passes, build_optimizer
 from memtrain.optim_offload import CPUOffloadOptimizer
-
-# Dispatched ops that run no kernel: tensor allocation (the caching allocator) and the profiler's markers around
-# Optimizer.step. Views and other aliasing ops (slices, detach) are counted apart, by their schema.
-_NOT_KERNELS = {"aten.empty.memory_format", "aten.empty_strided.default", "profiler._record_function_enter_new.default",
-                "profiler._record_function_exit._RecordFunction"}
 
 
 @dataclass(frozen=True)
@@ -53,26 +46,6 @@ class StepOps:
         return sum(self.kernels.values()) / self.tensors
 
 
-class _CountOps(TorchDispatchMode):
-    """Counts dispatched ops; entered on every thread that runs a step (CPUOffloadOptimizer's worker too)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels: Counter[str] = Counter()
-        self.views = self.others = 0
-        self._lock = threading.Lock()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        with self._lock:
-            if func.is_view:
-                self.views += 1
-            elif str(func) in _NOT_KERNELS:
-                self.others += 1
-            else:
-                self.kernels[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def aten_ops_per_param(make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], model: nn.Module,
                        inputs: torch.Tensor) -> StepOps:
     """The aten ops of one optimizer step, per parameter tensor: the second step of ``make_optimizer(model)`` on
@@ -90,7 +63,7 @@ def aten_ops_per_param(make_optimizer: Callable[[nn.Module], torch.optim.Optimiz
     """
     opt = make_optimizer(model)
     host = opt if isinstance(opt, CPUOffloadOptimizer) else getattr(opt, "_host", None)
-    mode, counting = _CountOps(), threading.Event()
+    mode, counting = KernelOps(), threading.Event()
     if host is not None:
         for bucket in host._buckets:
             def step_counted(step=bucket.inner.step):
