@@ -499,21 +499,16 @@ class GradientAccumulator:
         from memtrain.optim_offload import CPUOffloadOptimizer
 
         optimizer = self.optimizer
-        if not isinstance(optimizer, CPUOffloadOptimizer):  # LeanAdamW with a host part: its own passes and reads
+        if not isinstance(optimizer, CPUOffloadOptimizer) and self.scaler is not None:
+            # LeanAdamW with a host part under the fp16 scaler: its own passes and reads (the scaler's inf check).
             items_f, micro_f, loss_sum = stats.tolist()
             divisor = self._check_items(items_f, micro_f)
             optimizer.scale_gradients_(self._factor(divisor))
             grad_norm = float(optimizer.clip_grad_norm_(self.max_grad_norm or math.inf))
-            skipped = False
-            if self.scaler is not None:
-                scale_before = self.scaler.get_scale()
-                self.scaler.step(optimizer)
-                self.scaler.update()
-                skipped = self.scaler.get_scale() < scale_before  # the scale only goes down after an overflow
-            elif not math.isfinite(grad_norm):
-                self._refuse_non_finite(grad_norm)
-            else:
-                optimizer.step()
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before  # the scale only goes down after an overflow
             return self._end_window(skipped, loss=loss_sum / divisor, grad_norm=grad_norm, items=round(items_f))
         # NOTE: on CUDA this copy is the step's one wait for the device; the read below (host values only) is what
         # count_host_syncs counts for it.
@@ -521,7 +516,8 @@ class GradientAccumulator:
         divisor_t = items_t if self._reduction == "sum" else micro_t
         optimizer.scale_gradients_(self._factor(divisor_t))  # lazy: folded into the host step
         norm = optimizer.clip_grad_norm_(self.max_grad_norm or math.inf)  # from the norms taken as grads landed
-        found = optimizer.found_inf_flag
+        # LeanAdamW with a host part (no scaler here): its device norms joined the host's, read with the rest.
+        found = getattr(optimizer, "found_inf_flag", torch.zeros(()))
         items_f, micro_f, loss_sum, grad_norm, found_f = torch.stack(
             [items_t, micro_t, loss_t, norm.double(), found.double()]).tolist()
         divisor = self._check_items(items_f, micro_f)

@@ -765,13 +765,17 @@ class LeanAdamW(torch.optim.Optimizer):
             self._host.next_backward_is_last()
 
     @torch.no_grad()
-    def scale_gradients_(self, factor: float) -> None:
-        """Multiplies this step's gradients by ``factor``: the device ones in place, the host ones lazily (the
-        host step applies it, see ``CPUOffloadOptimizer.scale_gradients_``)."""
+    def scale_gradients_(self, factor: float | torch.Tensor) -> None:
+        """Multiplies this step's gradients by ``factor`` (a number, or a one-element host tensor: not read): the
+        device ones in place, the host ones lazily (the host step applies it, see
+        ``CPUOffloadOptimizer.scale_gradients_``)."""
         self._check_not_in_backward("scale_gradients_")
         self._gather()
         grads = self._device_grads()
-        if factor != 1.0 and grads:
+        if grads and isinstance(factor, torch.Tensor):
+            for device, group in _by_device(grads).items():
+                torch._foreach_mul_(group, factor.to(device, torch.float32, non_blocking=True))
+        elif grads and factor != 1.0:
             torch._foreach_mul_(grads, factor)
         if self._host is not None:
             self._host.scale_gradients_(factor)
