@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.precision import step_with_inf_flag
 
 Reduction = Literal["sum", "mean"]
 
@@ -730,11 +731,4 @@ def _takes_skip_flag(optimizer: torch.optim.Optimizer) -> bool:
 def _step_with_flag(optimizer: torch.optim.Optimizer, flag: torch.Tensor | None) -> None:
     """``optimizer.step()``, skipped on the device where ``flag`` is 1 (weights, moments and step count left as
     they were), with the gradients already unscaled."""
-    if flag is None or not _takes_skip_flag(optimizer):
-        optimizer.step()
-        return
-    optimizer.grad_scale, optimizer.found_inf = None, flag
-    try:
-        optimizer.step()
-    finally:
-        optimizer.grad_scale = optimizer.found_inf = None
+    step_with_inf_flag(optimizer, flag if flag is not None and _takes_skip_flag(optimizer) else None)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.precision import step_with_inf_flag
 
 StatePrecision = Literal["fp32", "bf16", "int8"]
 STATE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")
@@ -948,16 +949,7 @@ class LeanAdamW(torch.optim.Optimizer):
         if self._arming.max_norm is not None:
             torch._foreach_mul_([grad], self._cached(grad.device, "coef"))
         inner = self._inner[id(p)]
-        if getattr(inner, "_step_supports_amp_scaling", False):
-            # torch's fused AdamW reads the flag on the device and leaves weights, moments and step count as they
-            # were when it is set (as under GradScaler.step).
-            inner.grad_scale, inner.found_inf = None, found
-            try:
-                inner.step()
-            finally:
-                inner.grad_scale = inner.found_inf = None
-        else:
-            inner.step()
+        step_with_inf_flag(inner, found if getattr(inner, "_step_supports_amp_scaling", False) else None)
         p.grad = None  # freed at once: the whole model's gradients never coexist
         self._backward_ran = True
 
@@ -991,14 +983,8 @@ class LeanAdamW(torch.optim.Optimizer):
         if self._host is None:  # a plain optimizer: GradScaler.step() unscaled and checked the gradients
             flag = getattr(self, "found_inf", None)  # set by GradientAccumulator (or GradScaler): skip on it
             for inner in {id(o): o for o in self._inner.values()}.values():
-                if flag is not None and getattr(inner, "_step_supports_amp_scaling", False):
-                    inner.grad_scale, inner.found_inf = getattr(self, "grad_scale", None), flag
-                    try:
-                        inner.step()
-                    finally:
-                        inner.grad_scale = inner.found_inf = None
-                else:
-                    inner.step()
+                takes = getattr(inner, "_step_supports_amp_scaling", False)
+                step_with_inf_flag(inner, flag if takes else None, getattr(self, "grad_scale", None))
             return
         self._gather()
         if self._device_found is not None:

@@ -154,3 +154,19 @@ def _cuda_name(device: torch.device | str) -> str:
         return f"ROCm {torch.cuda.get_device_name(device)}"
     major, minor = torch.cuda.get_device_capability(device)
     return f"CUDA SM {major}.{minor}"
+
+
+def step_with_inf_flag(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None,
+                       grad_scale: torch.Tensor | None = None) -> None:
+    """``optimizer.step()`` handed ``found_inf`` (and ``grad_scale``) as ``GradScaler.step`` hands them to an
+    optimizer that takes them (torch's fused Adam/AdamW, BF16StateAdamW): where the flag is set on the device the
+    step leaves weights, moments and step count as they were, with no host sync. ``found_inf=None``: a plain
+    step. The caller checks that the optimizer takes the flag."""
+    if found_inf is None:
+        optimizer.step()
+        return
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = optimizer.found_inf = None

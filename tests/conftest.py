@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny pretrained Hugging Face folder (a Llama and its own fast tokenizer), built offline.
+"""Shared fixtures: a tiny pretrained Hugging Face folder (a Llama and its own fast tokenizer), built offline;
+and ``Touches``, which records the ops that reach given buffers.
 
 ``hf_model_dir`` is what a user's local checkpoint looks like: ``config.json``, ``model.safetensors``,
 ``tokenizer.json`` and ``tokenizer_config.json``. The tokenizer is a byte-level BPE trained with the
@@ -12,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TOKENIZER_VOCAB = 512
 EOS, PAD = "<|endoftext|>", "<pad>"
@@ -60,3 +63,18 @@ def hf_model_dir(tmp_path_factory) -> Path:
     build_llama(directory, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id)
     return directory
+
+
+class Touches(TorchDispatchMode):
+    """Records the aten ops (on this thread) that read or write a tensor whose storage starts at one of
+    ``storages`` (data pointers): what a pass over those buffers would show."""
+
+    def __init__(self, storages: set[int]):
+        super().__init__()
+        self.storages, self.ops = storages, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+        if any(t.untyped_storage().data_ptr() in self.storages for t in flat):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

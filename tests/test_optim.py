@@ -591,18 +591,7 @@ def test_a_partial_offload_normalises_unscales_and_clips_without_a_pass_over_hos
     """LeanAdamW's host part through GradientAccumulator (3 micro-batches, clipping active): between the last
     backward and the host step no aten op reads or writes a host gradient buffer (the old code multiplied them
     by 1/items, unscaled them and multiplied them by the clip coefficient, a pass each)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Touches(TorchDispatchMode):
-        def __init__(self, storages: set[int]):
-            super().__init__()
-            self.storages, self.ops = storages, []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
-            if any(t.untyped_storage().data_ptr() in self.storages for t in flat):
-                self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from conftest import Touches
 
     model = make_model()
     opt = build_optimizer(model.named_parameters(), **HYPER, offload_fraction=0.5)

@@ -691,18 +691,7 @@ def test_normalising_unscaling_and_clipping_make_no_pass_over_host_gradients(fp1
     TorchDispatchMode on this thread): the factor, 1/scale and the clip coefficient are applied inside the step,
     the norm comes from the norms taken as the gradients landed. The old code made one pass each (a multiply
     for the factor, an unscale, a multiply for the clip). The step stays within 1e-6 of torch AdamW."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Touches(TorchDispatchMode):
-        def __init__(self, storages: set[int]):
-            super().__init__()
-            self.storages, self.ops = storages, []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
-            if any(t.untyped_storage().data_ptr() in self.storages for t in flat):
-                self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from conftest import Touches
 
     ref, ours = make_mlp(), make_mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)
