@@ -804,13 +804,18 @@ class LeanAdamW(torch.optim.Optimizer):
         host_total, multiplier, host_found = self._host._window_scalars()
         scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
         device_grads = self._device_grads()
-        device_norms = iter(torch._foreach_norm(device_grads, 2.0)) if device_grads else iter(())
+        # The device norms cross in one blocking copy per device: a non-blocking copy to the host returns before
+        # its data arrives, and they are combined on the host right below.
+        norm_of: dict[int, torch.Tensor] = {}
+        for group in _by_device(device_grads).values():
+            for g, norm in zip(group, torch.stack(torch._foreach_norm(group, 2.0)).cpu().unbind(), strict=True):
+                norm_of[id(g)] = norm
         norms = []
         for p in self.param_groups[0]["params"]:  # param_groups order, as torch stacks them
             slot = host.get(id(p))
             if slot is None:
                 if p.grad is not None:
-                    norms.append(next(device_norms).to("cpu", non_blocking=True))
+                    norms.append(norm_of[id(p.grad)])
             elif slot.master.grad is not None:
                 norm = slot.norm if slot.norm is not None else torch.linalg.vector_norm(slot.master.grad, 2.0)
                 norms.append((norm.double() * scale).float() if isinstance(scale, torch.Tensor) else norm * scale)
@@ -878,7 +883,9 @@ class LeanAdamW(torch.optim.Optimizer):
             elif key == "inv":
                 cache[key] = self._inv_scale(self._arming.scaler, device)
             elif key == "factor":  # fp32, as a Python factor would be rounded for fp32 gradients
-                cache[key] = self._arming.grad_factor.to(device, torch.float32, non_blocking=True)
+                # Blocking into host memory (the host gradients are multiplied right away); asynchronous onto a
+                # device, where the multiply is queued behind the copy.
+                cache[key] = self._arming.grad_factor.to(device, torch.float32, non_blocking=device.type != "cpu")
             else:  # "coef": lagged clipping, from the last finite window norm (0 before any: no clipping)
                 lagged = self._lagged_norm.to(device, non_blocking=True)
                 cache[key] = torch.clamp(self._arming.max_norm / (lagged + 1e-6), max=1.0)

@@ -438,6 +438,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[slot.bucket]
             for s in bucket.slots:
                 s.master.grad = s.grads[self._buffer]
+            h2d = self._streams["host_to_device"]
+            if h2d is not None:
+                # The copy back of these weights must not overtake the backward kernels already queued that still
+                # read them (this layer's input gradient, issued before its weight's gradient landed): the
+                # host-to-device stream waits for everything queued on the compute stream so far.
+                h2d.wait_stream(torch.cuda.current_stream(self.device))
             self._early[slot.bucket] = self._worker.submit(self._step_bucket, bucket, self._h2d_done, True)
 
     def step_in_next_backward(self) -> None:
