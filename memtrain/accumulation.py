@@ -518,11 +518,11 @@ class GradientAccumulator:
         optimizer.scale_gradients_(self._factor(divisor_t))  # lazy: folded into the host step
         norm = optimizer.clip_grad_norm_(self.max_grad_norm or math.inf)  # from the norms taken as grads landed
         # LeanAdamW with a host part (no scaler here): its device norms joined the host's, read with the rest.
-        found = getattr(optimizer, "found_inf_flag", torch.zeros(()))
-        items_f, micro_f, loss_sum, grad_norm, found_f = torch.stack(
-            [items_t, micro_t, loss_t, norm.double(), found.double()]).tolist()
+        found = getattr(optimizer, "found_inf_flag", None)
+        values = [items_t, micro_t, loss_t, norm.double()] + ([found.double()] if found is not None else [])
+        items_f, micro_f, loss_sum, grad_norm, *found_f = torch.stack(values).tolist()
         divisor = self._check_items(items_f, micro_f)
-        skipped = self.scaler is not None and found_f > 0
+        skipped = self.scaler is not None and bool(found_f) and found_f[0] > 0
         if self.scaler is None and not math.isfinite(grad_norm):
             self._refuse_non_finite(grad_norm)
         optimizer.step()  # skips on its flag, and hands it to the scaler

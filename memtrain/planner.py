@@ -1173,9 +1173,10 @@ def _ranks_per_node(world: int) -> int:
 # each moment and a scale per 256. (Assumptions; the CPU uses measured rates.)
 _STEP_BYTES = {"fp32": 28.0, "bf16": 92.0, "int8": 20.0}
 # Kernel launches per parameter tensor: fused AdamW steps every tensor in a few multi-tensor launches;
-# BF16StateAdamW 6 multi-tensor ops a pass of up to BF16_CHUNK elements (benchmarks/bench_optim_ops.py prints
-# them; one a tensor is an upper bound); bitsandbytes steps per tensor.
-_STEP_OPS = {"fp32": 0.05, "bf16": 1.0, "int8": 2.0}
+# BF16StateAdamW one step-counter add, then 5 multi-tensor ops a pass of 2**24 elements (bench_optim_ops.py
+# prints them): the 1.1B Llama's 201 tensors take 66 passes, 331 ops, about 1.6 a tensor; bitsandbytes steps per
+# tensor.
+_STEP_OPS = {"fp32": 0.05, "bf16": 2.0, "int8": 2.0}
 # A host step's rate relative to fp32 AdamW's, where the probe did not measure it (memtrain.optim.cpu_step_rate on
 # this machine's 2 cores: bf16 about 3.5x and int8 about 30x slower).
 _CPU_RATE = {"fp32": 1.0, "bf16": 0.3, "int8": 1 / 30}
