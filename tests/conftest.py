@@ -1,11 +1,10 @@
-"""Shared fixtures: a tiny pretrained Hugging Face folder (a Llama and its own fast tokenizer), built offline;
-and ``Touches``, which records the ops that reach given buffers.
+"""Shared fixtures: a tiny pretrained Hugging Face folder (a Llama and its own fast tokenizer), built offline.
 
 ``hf_model_dir`` is what a user's local checkpoint looks like: ``config.json``, ``model.safetensors``,
 ``tokenizer.json`` and ``tokenizer_config.json``. The tokenizer is a byte-level BPE trained with the
 ``tokenizers`` library on the built-in corpus (the standard library's source); the Llama is random but saved
 with ``save_pretrained``, so loading it goes through the same code as a downloaded model. Built once per session
-in about a second.
+in about a second. The builders live in ``helpers``.
 """
 
 from __future__ import annotations
@@ -13,46 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-TOKENIZER_VOCAB = 512
-EOS, PAD = "<|endoftext|>", "<pad>"
-
-
-def build_tokenizer(directory: Path, *, vocab_size: int = TOKENIZER_VOCAB, corpus_bytes: int = 2**19):
-    """Trains a byte-level BPE on the first ``corpus_bytes`` of the built-in corpus and saves it as a
-    ``PreTrainedTokenizerFast`` (eos and pad tokens set) into ``directory``; returns it."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    from memtrain.data import stdlib_corpus
-
-    text = stdlib_corpus(corpus_bytes).tobytes().decode("utf-8", "replace")
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-                                             show_progress=False)
-    bpe.train_from_iterator(text.split("\n\n"), trainer=trainer)
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=PAD)
-    tokenizer.save_pretrained(directory)
-    return tokenizer
-
-
-def build_llama(directory: Path, *, vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int = 0):
-    """A 2-layer Llama (hidden 64) saved with ``save_pretrained`` (safetensors) into ``directory``; returns it."""
-    import torch
-
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
-                                      max_position_embeddings=256, eos_token_id=eos_token_id,
-                                      pad_token_id=pad_token_id, bos_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(directory)
-    return model
+from helpers import build_llama, build_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -63,18 +23,3 @@ def hf_model_dir(tmp_path_factory) -> Path:
     build_llama(directory, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id)
     return directory
-
-
-class Touches(TorchDispatchMode):
-    """Records the aten ops (on this thread) that read or write a tensor whose storage starts at one of
-    ``storages`` (data pointers): what a pass over those buffers would show."""
-
-    def __init__(self, storages: set[int]):
-        super().__init__()
-        self.storages, self.ops = storages, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
-        if any(t.untyped_storage().data_ptr() in self.storages for t in flat):
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))

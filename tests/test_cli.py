@@ -244,7 +244,7 @@ def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
 
 def _hf_fault_case(case: str, tmp_path, run: list[str]) -> list[str]:
     """A pretrained folder or tokenised data that cannot be used (built from conftest's tiny Llama)."""
-    from conftest import build_llama, build_tokenizer
+    from helpers import build_llama, build_tokenizer
 
     folder = tmp_path / "model"
     tokenizer = build_tokenizer(folder, corpus_bytes=2**14)

@@ -591,7 +591,7 @@ def test_a_partial_offload_normalises_unscales_and_clips_without_a_pass_over_hos
     """LeanAdamW's host part through GradientAccumulator (3 micro-batches, clipping active): between the last
     backward and the host step no aten op reads or writes a host gradient buffer (the old code multiplied them
     by 1/items, unscaled them and multiplied them by the clip coefficient, a pass each)."""
-    from conftest import Touches
+    from helpers import Touches
 
     model = make_model()
     opt = build_optimizer(model.named_parameters(), **HYPER, offload_fraction=0.5)

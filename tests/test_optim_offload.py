@@ -691,7 +691,7 @@ def test_normalising_unscaling_and_clipping_make_no_pass_over_host_gradients(fp1
     TorchDispatchMode on this thread): the factor, 1/scale and the clip coefficient are applied inside the step,
     the norm comes from the norms taken as the gradients landed. The old code made one pass each (a multiply
     for the factor, an unscale, a multiply for the clip). The step stays within 1e-6 of torch AdamW."""
-    from conftest import Touches
+    from helpers import Touches
 
     ref, ours = make_mlp(), make_mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)

@@ -1,0 +1,187 @@
+"""The package's shape, measured from its source: no import circles, no module over 800 lines, no function over 100
+lines, no private name imported from another module, and a public surface of at most 22 names.
+
+``python tests/test_layout.py`` prints the measures (the closing notes' before/after figures).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "memtrain"
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 100
+MAX_PUBLIC_NAMES = 22
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module, e.g. "memtrain.planner.search"
+    target: str  # the imported module
+    names: tuple[str, ...]  # the names taken from it (empty for "import x")
+    in_function: bool
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
+    """The memtrain imports of one module: at its top, inside functions and under ``if TYPE_CHECKING:`` alike."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                if base.split(".")[0] == "memtrain":
+                    for alias in child.names:
+                        sub = f"{base}.{alias.name}"
+                        target = sub if sub in known else base  # "from memtrain.planner import search"
+                        found.append(Import(name, target, (alias.name,) if target == base else (), inner))
+            elif isinstance(child, ast.Import):
+                found.extend(Import(name, a.name, (), inner) for a in child.names if a.name.split(".")[0] == "memtrain")
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def all_imports() -> list[Import]:
+    known = modules()
+    return [i for name, path in known.items() for i in imports(name, path, known)]
+
+
+def circles() -> list[list[str]]:
+    """Strongly connected groups of more than one module in the import graph (packages' __init__ files included)."""
+    graph: dict[str, set[str]] = {name: set() for name in modules()}
+    for i in all_imports():
+        if i.target in graph and i.target != i.source:
+            graph[i.source].add(i.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    sys.setrecursionlimit(10_000)
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return groups
+
+
+def module_lines() -> dict[str, int]:
+    return {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+
+
+def long_functions() -> dict[str, int]:
+    """Functions and methods (nested ones inside their outer function) longer than the limit, by qualified name."""
+    out = {}
+    for name, path in modules().items():
+        def visit(node: ast.AST, prefix: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = child.end_lineno - child.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        out[f"{prefix}.{child.name}"] = lines
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}.{child.name}")
+
+        visit(ast.parse(path.read_text()), name)
+    return out
+
+
+def private_imports() -> list[str]:
+    """``from memtrain.x import _name`` in a module other than x (dunder names excepted)."""
+    return sorted(f"{i.source} takes {n} from {i.target}" for i in all_imports() for n in i.names
+                  if n.startswith("_") and not n.startswith("__") and i.source != i.target)
+
+
+def public_names() -> list[str]:
+    import memtrain
+
+    return list(memtrain.__all__)
+
+
+def test_no_import_circles():
+    assert circles() == []
+
+
+def test_no_module_over_the_limit():
+    over = {name: n for name, n in module_lines().items() if n > MAX_MODULE_LINES}
+    assert over == {}, f"modules over {MAX_MODULE_LINES} lines: {over}"
+
+
+def test_no_function_over_the_limit():
+    assert long_functions() == {}, f"functions over {MAX_FUNCTION_LINES} lines"
+
+
+def test_no_private_names_across_modules():
+    assert private_imports() == []
+
+
+def test_public_surface():
+    import memtrain
+
+    names = public_names()
+    assert len(names) <= MAX_PUBLIC_NAMES, f"{len(names)} names in memtrain.__all__"
+    for name in names:
+        assert hasattr(memtrain, name), name
+    # The types the API takes are public too.
+    for name in ("Checkpointing", "Choices", "MixedPrecision", "resolve_precision"):
+        assert name in names, name
+
+
+def _report() -> None:
+    lines = module_lines()
+    print(f"modules: {len(lines)}, lines: {sum(lines.values())}, the largest: "
+          + ", ".join(f"{n} {c}" for n, c in sorted(lines.items(), key=lambda kv: -kv[1])[:6]))
+    print(f"modules over {MAX_MODULE_LINES} lines: {sum(n > MAX_MODULE_LINES for n in lines.values())}")
+    long = long_functions()
+    print(f"functions over {MAX_FUNCTION_LINES} lines: {len(long)}"
+          + (f" (the longest {max(long.values())}: {max(long, key=long.get)})" if long else ""))
+    found = circles()
+    print(f"import circles: {len(found)}" + "".join(f"\n  {', '.join(c)}" for c in found))
+    print(f"private names imported across modules: {len(private_imports())}")
+    print(f"imports inside functions: {sum(i.in_function for i in all_imports())}")
+    print(f"memtrain.__all__: {len(public_names())} names")
+
+
+if __name__ == "__main__":
+    _report()
