@@ -56,6 +56,7 @@ for _path in (_HERE.parent, _HERE):  # the repo root (memtrain) and benchmarks/ 
 import torch  # noqa: E402
 
 from memtrain.errors import ConfigError, MemtrainError  # noqa: E402
+from memtrain.files import atomic_write_bytes  # noqa: E402
 from memtrain.planner import (  # noqa: E402
     TECHNIQUES,
     DeviceProfile,
@@ -67,7 +68,6 @@ from memtrain.planner import (  # noqa: E402
     plan,
 )
 from memtrain.report import format_bytes, parse_bytes  # noqa: E402
-from memtrain.runstate import atomic_write_bytes  # noqa: E402
 
 GiB = 2**30
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from memtrain.files import atomic_write_bytes
 from memtrain.report import format_bytes
-from memtrain.runstate import atomic_write_bytes
 
 Step = Callable[[], dict[str, Any] | None]
 

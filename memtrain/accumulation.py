@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -43,6 +42,7 @@ from torch import nn
 
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.precision import step_with_inf_flag
+from memtrain.unwrap import is_fsdp2, unwrap_model
 
 Reduction = Literal["sum", "mean"]
 
@@ -136,39 +136,6 @@ def accumulation_steps(micro_batch_size: int, global_batch_size: int, world_size
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-# -- the wrappers a trained model comes in ---------------------------------------------------------------------
-def unwrap_model(model: nn.Module, *, ddp: bool = True, peft: bool = False) -> nn.Module:
-    """The module inside ``torch.compile``'s wrapper and (with ``ddp``) DDP's or DataParallel's, at any depth;
-    with ``peft`` also inside a PEFT model. What to patch or inspect, where the wrapper is what to call.
-
-    A PEFT model stays one unless ``peft``: it forwards attribute lookups to the model it wraps, so
-    ``peft_model.model`` (its ``base_model_prefix``) is the whole causal LM, not its decoder; ``peft=True`` gives
-    that causal LM (PEFT calls its forward; the LoRA layers live inside it). FSDP2 is not a wrapper
-    (``fully_shard`` changes the module's class in place): an FSDP2 module is returned as it is.
-    """
-    while True:
-        if _is_peft(model):
-            inner = model.get_base_model() if peft else None
-        elif ddp and isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            inner = model.module
-        else:
-            inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
-def _is_peft(model: nn.Module) -> bool:
-    peft = sys.modules.get("peft")  # a PEFT model exists only once peft is imported (importing it takes seconds)
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
-def is_fsdp2(model: nn.Module) -> bool:
-    """Whether ``model`` (inside a ``torch.compile`` wrapper too) was sharded by FSDP2's ``fully_shard``."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by fully_shard; importing it here costs 0.5 s
-    return fsdp is not None and isinstance(unwrap_model(model), fsdp.FSDPModule)
 
 
 def _sync_kind(model: nn.Module) -> Literal["fsdp2", "no_sync", "none"]:

@@ -373,7 +373,7 @@ def token_cache_path(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir:
     """Where ``tokenize_file`` caches ``path`` tokenised by ``tokenizer``: a hidden ``.npz`` beside the data (or
     in ``cache_dir``), named by a hash of the file's bytes and the tokenizer, so an edit of either misses."""
     p = Path(path)
-    from memtrain.runstate import sha256_file
+    from memtrain.files import sha256_file
 
     key = hashlib.sha256((sha256_file(p) + tokenizer_fingerprint(tokenizer)).encode()).hexdigest()[:20]
     return Path(cache_dir or p.parent) / f".{p.name}.{key}.tokens.npz"
@@ -439,7 +439,7 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
 
 
 def _write_token_cache(cache: Path, docs: TokenDocuments) -> None:
-    from memtrain.runstate import atomic_write
+    from memtrain.files import atomic_write
 
     def write(tmp: Path) -> None:
         with tmp.open("wb") as f:

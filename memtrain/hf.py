@@ -45,9 +45,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from memtrain.accumulation import unwrap_model
 from memtrain.errors import ConfigError, describe_exception
-from memtrain.runstate import replace_folder
+from memtrain.files import replace_folder
+from memtrain.unwrap import unwrap_model
 
 # Checkpoint formats that are pickles: loading one runs whatever code it holds.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

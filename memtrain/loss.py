@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memtrain.accumulation import unwrap_model
 from memtrain.errors import ConfigError
+from memtrain.unwrap import unwrap_model
 
 # Hugging Face model types whose causal-LM forward is: decoder -> lm_head(last hidden state) -> ForCausalLMLoss,
 # with no logit scaling or soft-capping in between. Parity with each is tested (tests/test_loss.py).

@@ -184,7 +184,7 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
     profile = _probe(device, name)
     if cache:
         try:
-            from memtrain.runstate import atomic_write_bytes
+            from memtrain.files import atomic_write_bytes
 
             path.parent.mkdir(parents=True, exist_ok=True)
             entries = json.loads(path.read_text()) if path.is_file() else {}

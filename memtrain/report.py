@@ -127,7 +127,7 @@ CATEGORIES = (("parameter_bytes", "parameters"), ("gradient_bytes", "gradients")
 
 
 def _save_figure(fig: Any, path: str) -> None:
-    from memtrain.runstate import atomic_write
+    from memtrain.files import atomic_write
 
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
 

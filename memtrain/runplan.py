@@ -257,7 +257,7 @@ def write_run_report(out: Path, metrics: list[dict[str, Any]], run_plan: RunPlan
     and the run's memory with memtrain (measured) beside plain training (estimated: fp32, no checkpointing, the
     whole global batch in one forward). Returns the report."""
     from memtrain.estimate import estimate
-    from memtrain.runstate import atomic_write_bytes
+    from memtrain.files import atomic_write_bytes
 
     measured = metrics[-1]
     with_memtrain = {key: measured[key] for key, _ in CATEGORIES}

@@ -39,8 +39,9 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 
-from memtrain.accumulation import is_fsdp2
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.files import atomic_write, atomic_write_bytes, replace_folder, sha256_file
+from memtrain.unwrap import is_fsdp2
 
 try:  # POSIX; elsewhere the lock is a pid file only
     import fcntl
@@ -69,59 +70,6 @@ class RunWriteError(MemtrainError):
     bad input. The message names the file and the last good checkpoint, which is intact."""
 
 
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    """Flushes a file's or a folder's contents to disk (a folder's: its names, so a rename survives a power cut)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_folder(staging: Path, target: Path) -> None:
-    """Renames the complete folder ``staging`` to ``target``, after its files are on disk, so that a crash leaves
-    the old ``target`` or the new one, never a mix.
-
-    An existing ``target`` is swapped, never deleted first: two renames, with the old folder kept as
-    ``.<name>.old`` beside it until the new one is in place (``RunCheckpoints.clean_temporaries`` puts a
-    checkpoint caught between the two renames back)."""
-    for file in staging.rglob("*"):
-        if file.is_file():
-            fsync_path(file)
-    fsync_path(staging)
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-    os.replace(staging, target)
-    fsync_path(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Writes ``data`` to ``path`` so that a crash leaves either the old file or the new one, never half of it."""
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], Any]) -> None:
-    """Runs ``write(tmp)`` on a temporary file beside ``path``, fsyncs it and renames it over ``path``."""
-    path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_path(path.parent)  # the rename itself survives a power cut
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
     """Saves a model's state dict as safetensors, atomically; tied weights are stored once, under their first name
     (``safetensors.torch.load_model`` restores the ties)."""
@@ -137,15 +85,6 @@ def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLi
         seen.add(key)
         tensors[name] = value.contiguous()
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """The SHA-256 of a file's bytes, read 1 MiB at a time."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # -- nested state <-> (tensors, JSON) -----------------------------------------------------------------------

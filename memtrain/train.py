@@ -30,6 +30,7 @@ from memtrain.accumulation import GradientAccumulator, accumulation_steps
 from memtrain.checkpointing import Checkpointing, compile_model
 from memtrain.data import DevicePrefetcher, make_loader, map_tensors
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.files import atomic_write_bytes
 from memtrain.hf import is_hf_model
 from memtrain.loss import chunked_loss_kind
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
@@ -52,7 +53,6 @@ from memtrain.runstate import (
     StopSignals,
     agree_on_stop,
     applied_changes,
-    atomic_write_bytes,
     data_fingerprint,
     model_fingerprint,
     model_state_dict,

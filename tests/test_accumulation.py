@@ -405,7 +405,7 @@ def one_rank_group(tmp_path):
 
 
 def test_unwrap_model_sees_through_compile_and_ddp_at_any_depth(one_rank_group):
-    from memtrain.accumulation import unwrap_model
+    from memtrain.unwrap import unwrap_model
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model))
@@ -425,7 +425,7 @@ def test_unwrap_model_sees_through_compile_and_ddp_at_any_depth(one_rank_group):
 def test_unwrap_model_enters_a_peft_model_only_when_asked():
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from memtrain.accumulation import unwrap_model
+    from memtrain.unwrap import unwrap_model
 
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
@@ -440,7 +440,8 @@ def test_unwrap_model_enters_a_peft_model_only_when_asked():
 def test_fsdp2_is_detected_inside_compile_and_a_plain_module_is_not(one_rank_group):
     from torch.distributed.fsdp import fully_shard
 
-    from memtrain.accumulation import _sync_kind, is_fsdp2
+    from memtrain.accumulation import _sync_kind
+    from memtrain.unwrap import is_fsdp2
 
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     assert not is_fsdp2(plain) and not is_fsdp2(torch.compile(plain))
