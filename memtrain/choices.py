@@ -1,0 +1,223 @@
+"""The technique choices of a run, in one typed value: parsed once at the edge, checked once.
+
+``Choices`` is what ``TrainConfig(choices=)``, ``plan(choices=)``, ``estimate(setup=)`` and the Hugging Face helper
+take, and what the CLI builds from its flags (a config file the same). A field left ``None`` is the plan's to
+choose; a value is fixed, and the plan fits the rest around it. Every rule about which choices go together lives
+here, in ``Choices.__post_init__`` (choices that contradict each other) and ``Choices.check_run`` (choices a run
+with several processes cannot take), so that a bad combination fails once, at start-up, naming every problem.
+
+Example:
+    >>> Choices(checkpointing="every:2", optimizer=OptimizerChoice(state_precision="bf16")).to_dict()
+    {'checkpointing': 'every:2', 'offload_activations': None, 'optimizer': {'placement': None, \
+'state_precision': 'bf16', 'step_in_backward': None, 'offload_fraction': None}, 'chunked_loss': None, 'compile': False}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from memtrain.checkpointing import Checkpointing
+from memtrain.errors import ConfigError
+
+Placement = Literal["device", "offload"]
+StatePrecision = Literal["fp32", "bf16", "int8"]
+PLACEMENTS: tuple[Placement, ...] = ("device", "offload")
+STATE_PRECISIONS: tuple[StatePrecision, ...] = ("fp32", "bf16", "int8")
+EXAMPLES_PER_RANK = 16  # the global batch per rank when neither the global batch nor the micro-batch is given
+
+
+def default_global_batch(world_size: int, micro_batch_size: int | None = None) -> int:
+    """Examples per optimizer step over all ranks when none is given: the micro-batch (or 16) on each rank."""
+    return (micro_batch_size or EXAMPLES_PER_RANK) * world_size
+
+
+def _is_fraction(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0.0 <= value <= 1.0)
+
+
+def _switch_problems(owner: Any, names: tuple[str, ...], prefix: str = "") -> list[str]:
+    return [f"{prefix}{name}={getattr(owner, name)!r} must be True, False, or None (the plan decides). To resolve "
+            "this error, pass one of them." for name in names
+            if getattr(owner, name) is not None and not isinstance(getattr(owner, name), bool)]
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """AdamW's placement and state; None leaves a field to the plan.
+
+    placement: "device" (state on the device; with ``offload_fraction`` a share of it in host RAM) or "offload"
+        (``CPUOffloadOptimizer``: fp32 master weights and AdamW state in host RAM, 12 fewer device bytes a
+        parameter, gradients streamed there during backward).
+    state_precision: AdamW's moments on the device: "fp32" (8 bytes a parameter), "bf16" (4), "int8" (about 2).
+    step_in_backward: each parameter steps as its gradient is final, which is freed at once (no gradient buffers).
+    offload_fraction: this share of a device optimizer's state in host RAM, in [0, 1].
+    """
+
+    placement: Placement | None = None
+    state_precision: StatePrecision | None = None
+    step_in_backward: bool | None = None
+    offload_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        ConfigError.raise_if(self.problems())
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> OptimizerChoice:
+        """The optimizer choices a config file or ``Choices.to_dict`` names (ConfigError: an unknown field)."""
+        return cls(**_known_fields(cls, values, "optimizer"))
+
+    def problems(self) -> list[str]:
+        """Every bad value and contradiction among the optimizer's choices, in words naming the fix."""
+        problems = []
+        if self.placement not in (None, *PLACEMENTS):
+            problems.append(f"optimizer.placement={self.placement!r} is not one of 'device', 'offload', or None (the "
+                            "plan decides). To resolve this error, pass one of them.")
+        if self.state_precision not in (None, *STATE_PRECISIONS):
+            problems.append(f"optimizer.state_precision={self.state_precision!r} is not one of 'fp32', 'bf16', "
+                            "'int8', or None (the plan decides). To resolve this error, pass one of them.")
+        problems += _switch_problems(self, ("step_in_backward",), "optimizer.")
+        if self.offload_fraction is not None and not _is_fraction(self.offload_fraction):
+            problems.append(f"optimizer.offload_fraction={self.offload_fraction!r} must be a fraction in [0, 1], or "
+                            "None (the plan decides). To resolve this error, pass e.g. offload_fraction=0.5.")
+        if problems:
+            return problems
+        if self.placement == "offload":
+            if self.offload_fraction is not None:
+                problems.append(f"optimizer.placement='offload' with offload_fraction={self.offload_fraction}: the "
+                                "first puts all of the optimizer state in host RAM, the second a share of a device "
+                                "optimizer's. To resolve this error, pass one of them.")
+            if self.state_precision not in (None, "fp32"):
+                problems.append(f"optimizer.placement='offload' with state_precision={self.state_precision!r}: "
+                                "CPUOffloadOptimizer keeps fp32 state in host RAM (the device holds none). To resolve "
+                                "this error, drop state_precision, or keep the optimizer on the device.")
+            if self.step_in_backward:
+                problems.append("optimizer.placement='offload' with step_in_backward=True: the offloaded optimizer "
+                                "already takes each gradient off the device as it is produced and steps on the host; "
+                                "step_in_backward is for the device optimizer. To resolve this error, pass one of "
+                                "them.")
+        if self.step_in_backward and self.offload_fraction:
+            problems.append("optimizer.step_in_backward=True with offload_fraction: a partial offload steps after "
+                            "backward. To resolve this error, pass one of them.")
+        return problems
+
+    @property
+    def fixed_placement(self) -> Placement | None:
+        """The placement these choices imply: lean moments, an in-backward step and a partial offload are device
+        optimizers, so any of them fixes "device" where the placement itself is left open."""
+        if self.placement is not None:
+            return self.placement
+        if self.state_precision is not None or self.step_in_backward or self.offload_fraction is not None:
+            return "device"
+        return None
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The memory techniques of a run; None leaves a choice to the plan, a value fixes it.
+
+    Args:
+        checkpointing: a ``Checkpointing`` or a spelling it parses ("none", "all", "every:K", "selective",
+            "blocks(RKO...)", "...+offload"); None or "auto": the plan's per-block keep / recompute / offload.
+            Recomputing a block costs about one extra forward of it and keeps only its input.
+        offload_activations: saved activations in pinned host memory (CUDA only; PCIe traffic instead of
+            device bytes).
+        optimizer: AdamW's placement and state (``OptimizerChoice``; a mapping of its fields is taken too).
+        chunked_loss: the loss's fp32 logits 1024 tokens at a time, never the whole batch's.
+        compile: ``torch.compile`` the step (fused kernels; the first steps compile).
+
+    Raises:
+        ConfigError: every bad value and contradiction at once, each naming the fix.
+    """
+
+    checkpointing: Checkpointing | None = None
+    offload_activations: bool | None = None
+    optimizer: OptimizerChoice = field(default_factory=OptimizerChoice)
+    chunked_loss: bool | None = None
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        policy = self.checkpointing
+        if isinstance(policy, str) and policy.strip().lower() == "auto":
+            policy = None
+        if policy is not None and not isinstance(policy, Checkpointing):
+            if isinstance(policy, (bool, int)) and not isinstance(policy, Checkpointing):
+                policy = None
+                problems.append(f"checkpointing={self.checkpointing!r} is not a policy. To resolve this error, pass "
+                                "'auto', 'none', 'all', 'every:K' (e.g. 'every:2'), 'selective', or a Checkpointing.")
+            else:
+                try:
+                    policy = Checkpointing.parse(policy)
+                except ConfigError as e:
+                    policy = None
+                    problems += [p if p.startswith("checkpointing") else f"checkpointing={self.checkpointing!r}: {p}"
+                                 for p in e.problems]
+        object.__setattr__(self, "checkpointing", policy)
+        optimizer = self.optimizer
+        if isinstance(optimizer, Mapping):
+            optimizer = OptimizerChoice.from_dict(optimizer)
+        if not isinstance(optimizer, OptimizerChoice):
+            problems.append(f"optimizer={optimizer!r} is not an OptimizerChoice. To resolve this error, pass e.g. "
+                            "optimizer=OptimizerChoice(placement='offload').")
+            optimizer = OptimizerChoice()
+        object.__setattr__(self, "optimizer", optimizer)
+        problems += _switch_problems(self, ("offload_activations", "chunked_loss"))
+        if not isinstance(self.compile, bool):
+            problems.append(f"compile={self.compile!r} must be True or False. To resolve this error, pass one of them.")
+        if policy is not None and policy.offload_inputs and self.offload_activations is False:
+            problems.append(f"checkpointing={str(policy)!r} offloads the recomputed blocks' inputs, but "
+                            "offload_activations=False says not to. To resolve this error, drop +offload or "
+                            "offload_activations=False.")
+        ConfigError.raise_if(problems)
+
+    def check_run(self, *, world_size: int = 1, fsdp: bool = False) -> None:
+        """Raises one ConfigError for the choices a run of ``world_size`` processes cannot take."""
+        problems = []
+        if self.optimizer.placement == "offload" and fsdp:
+            problems.append("optimizer.placement='offload' and fsdp=True together: FSDP2 shards the optimizer state "
+                            "itself and CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
+                            "optimizer.placement='offload' and fsdp=True.")
+        if world_size > 1 and (self.optimizer.step_in_backward or self.optimizer.offload_fraction):
+            problems.append("optimizer.step_in_backward and offload_fraction act on gradients before DDP averages "
+                            f"them, and this run has {world_size} processes. To resolve this error, drop them, or "
+                            "run one process.")
+        ConfigError.raise_if(problems)
+
+    @property
+    def offloads_activations(self) -> bool | None:
+        """Whether activations go to the host: True where asked for directly or by a "+offload" policy."""
+        if self.checkpointing is not None and self.checkpointing.offload_inputs:
+            return True
+        return self.offload_activations
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON values (the policy as its spelling) that ``from_dict`` reads back."""
+        return {"checkpointing": None if self.checkpointing is None else str(self.checkpointing),
+                "offload_activations": self.offload_activations, "optimizer": dataclasses.asdict(self.optimizer),
+                "chunked_loss": self.chunked_loss, "compile": self.compile}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> Choices:
+        """The choices a config file or ``to_dict`` names.
+
+        Raises:
+            ConfigError: an unknown field (naming the known ones), or any bad value.
+        """
+        return cls(**_known_fields(cls, values, "choices"))
+
+
+def _known_fields(cls: type, values: Mapping[str, Any], what: str) -> dict[str, Any]:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{what}={values!r} is not a mapping of field names to values. To resolve this error, pass "
+                          f"e.g. {{'{dataclasses.fields(cls)[0].name}': ...}}.")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"{what}: unknown {'field' if len(unknown) == 1 else 'fields'} {', '.join(unknown)}. To "
+                          f"resolve this error, use {', '.join(names)}.")
+    return dict(values)
