@@ -20,11 +20,11 @@ from memtrain.errors import ConfigError
 
 # A blank line: a newline, then lines holding only whitespace, then a newline.
 # What separates two documents of a text file: a blank line (or several; spaces and tabs count as blank). One
-# pattern for byte tokens (TokenDocuments.from_tokens) and for text (tokenize_file).
+# pattern for byte tokens (TokenDocuments.from_tokens) and for text (text_documents, which tokenize_file reads).
 _BLANK_LINE = r"\n(?:[ \t\r\f\v]*\n)+"
 _BLANK_LINES = re.compile(_BLANK_LINE.encode())
 
-_MAX_LISTED_PROBLEMS = 20
+_MAX_LISTED_PROBLEMS = 20  # bad .jsonl lines named in the error; the rest are counted
 
 
 class Document(NamedTuple):

@@ -1,5 +1,4 @@
-"""Device prefetch: the host->device copy of batch n+1 runs on a side stream during the compute of batch n.
-"""
+"""Device prefetch: the host->device copy of batch n+1 runs on a side stream during the compute of batch n."""
 
 from __future__ import annotations
 
