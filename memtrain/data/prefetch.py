@@ -1,0 +1,100 @@
+"""Device prefetch: the host->device copy of batch n+1 runs on a side stream during the compute of batch n."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from memtrain.data.loader import parse_device
+from memtrain.errors import ConfigError
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """Applies ``fn`` to every tensor in ``batch`` (nested tuples, named tuples, lists, mappings, dataclasses)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple such as TokenBatch
+        return type(batch)(*(map_tensors(fn, v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    if isinstance(batch, MutableMapping):
+        mapped = copy.copy(batch)  # keeps the mapping's own type (e.g. a Hugging Face BatchEncoding)
+        mapped.update({k: map_tensors(fn, v) for k, v in batch.items()})
+        return mapped
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: map_tensors(fn, getattr(batch, f.name))
+                                             for f in dataclasses.fields(batch) if f.init})
+    return batch
+
+
+def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
+    map_tensors(lambda t: t.record_stream(stream), batch)
+
+
+class DevicePrefetcher:
+    """Iterates ``loader`` with every batch already on ``device``: hides the copy behind compute, at the price of
+    one more batch resident on the device.
+
+    On CUDA, batch n+1 is copied on a side stream while the caller computes on batch n; the copy is asynchronous
+    only from pinned memory (``make_loader`` pins when batches go to an accelerator). The compute stream waits
+    for the copy before using a batch (``wait_stream``), and each batch's memory is marked as used on the compute
+    stream (``record_stream``) so the allocator does not hand it to a later copy while compute still reads it. On
+    the CPU it is a plain pass-through; on other devices it copies synchronously. The batches and their order
+    are the loader's. Tensors nested in tuples, named tuples, lists, mappings and dataclasses are moved; other
+    values pass through.
+
+    Example:
+        >>> prefetcher = DevicePrefetcher(make_loader(list(range(4)), batch_size=2, num_workers=0,
+        ...                               machine=Machine(1, None)), "cpu")
+        >>> [b.tolist() for b in prefetcher]
+        [[0, 1], [2, 3]]
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device | str):
+        self.loader = loader
+        problems: list[str] = []
+        self.device = parse_device(device, problems)
+        ConfigError.raise_if(problems)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.device.type == "cpu":
+            yield from self.loader
+        elif self.stream is None:
+            for batch in self.loader:
+                yield map_tensors(lambda t: t.to(self.device), batch)
+        else:
+            yield from self._cuda_batches()
+
+    def _copy_next(self, batches: Iterator[Any]) -> tuple[bool, Any]:
+        try:
+            host = next(batches)
+        except StopIteration:
+            return False, None
+        with torch.cuda.stream(self.stream):
+            # non_blocking only from pinned memory: from pageable memory it would copy synchronously anyway.
+            return True, map_tensors(lambda t: t.to(self.device, non_blocking=t.is_pinned()), host)
+
+    def _cuda_batches(self) -> Iterator[Any]:
+        batches = iter(self.loader)
+        ready, upcoming = self._copy_next(batches)
+        while ready:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.stream)  # compute must not read the batch before its copy has landed
+            batch = upcoming
+            # Allocated on the side stream, used on the compute stream: without this the allocator could reuse
+            # the memory for the next copy as soon as the caller drops the batch, while kernels still read it.
+            _record_stream(batch, compute)
+            ready, upcoming = self._copy_next(batches)  # queued now, so it runs during this batch's compute
+            yield batch
