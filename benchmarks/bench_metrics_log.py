@@ -21,7 +21,7 @@ for _path in (_HERE.parent, _HERE):  # the repo root (memtrain) and benchmarks/ 
 from runner import Case, common_args, print_json_if_asked, run_side_by_side  # noqa: E402
 
 from memtrain.files import atomic_write_bytes  # noqa: E402
-from memtrain.runstate import MetricsLog  # noqa: E402
+from memtrain.run import MetricsLog  # noqa: E402
 
 # A line as train() writes it (CPU run).
 LINE = {"step": 0, "loss": 3.14159, "grad_norm": 0.5, "skipped": False, "tokens_per_s": 91234.5,

@@ -1,0 +1,168 @@
+"""What defines a run: fingerprints of its data and model, and which changed settings a resume refuses or applies."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+# A dataset without a token stream that is not an in-memory list is hashed through this many evenly spaced
+# examples at most: each is one __getitem__ (which may read a file or tokenise), paid at every start and resume.
+FINGERPRINT_MAX_EXAMPLES = 65536
+
+
+def data_fingerprint(dataset: Any) -> dict[str, Any]:
+    """The number of examples and a SHA-256 of the data's contents, for a resume to refuse other data.
+
+    What is hashed: the whole token stream where the dataset exposes one (numpy ``tokens``, plus ``starts``,
+    ``lengths`` and ``loss_mask`` for documents; a ``PackedRows`` through its ``documents`` and packing
+    settings); else every example of a list or tuple, and of any other dataset up to
+    ``FINGERPRINT_MAX_EXAMPLES`` examples (that many, evenly spaced, beyond). Each example counts by its whole
+    content (``_hash_item``): tensors and arrays by dtype, shape and bytes, other values by type and value, so
+    two datasets of the same length with other contents fingerprint differently.
+    """
+    digest = hashlib.sha256()
+    source = dataset if _token_stream(dataset) else getattr(dataset, "documents", None)
+    if _token_stream(source):
+        for name in ("tokens", "starts", "lengths", "loss_mask"):
+            array = getattr(source, name, None)
+            if isinstance(array, np.ndarray):
+                digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        if source is not dataset:  # rows built from the stream: how they were built is part of the data
+            settings = {name: getattr(dataset, name) for name in ("seq_len", "pad_id", "ignore_index")
+                        if isinstance(getattr(dataset, name, None), int)}
+            digest.update(repr((type(dataset).__qualname__, sorted(settings.items()))).encode())
+        of = "token stream"
+    else:
+        n = len(dataset)
+        if isinstance(dataset, (list, tuple)) or n <= FINGERPRINT_MAX_EXAMPLES:
+            indices: Any = range(n)
+            of = "every example"
+        else:
+            indices = sorted({int(i) for i in np.linspace(0, n - 1, num=FINGERPRINT_MAX_EXAMPLES)})
+            of = f"{len(indices)} sampled examples"
+        for i in indices:
+            _hash_item(digest, dataset[i])
+    return {"examples": len(dataset), "sha256": digest.hexdigest(), "of": of}
+
+
+def _token_stream(dataset: Any) -> bool:
+    return isinstance(getattr(dataset, "tokens", None), np.ndarray)
+
+
+def _hash_item(digest: Any, item: Any) -> None:
+    """Feeds one example into ``digest``, type-tagged and length-prefixed so that no two different contents
+    feed the same bytes ([[1, 2], [3]] and [[1], [2, 3]], int32 and float32 zeros, a (2, 3) and a (3, 2)).
+
+    Tensors and arrays: dtype, shape and bytes; str/bytes/numbers/None: their repr; lists, tuples (named ones
+    with their field names), dicts and dataclasses: their fields in order; any other object: its ``__dict__``,
+    or its repr where it has none (a repr holding an address would make equal data differ: a refused resume,
+    never a silent one)."""
+    if isinstance(item, torch.Tensor):
+        # The bytes through a uint8 view: bf16 (which numpy has not) has no .numpy() of its own.
+        data = item.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        digest.update(f"T{item.dtype}{tuple(item.shape)}".encode())
+        digest.update(memoryview(data).cast("B"))
+    elif isinstance(item, np.ndarray):
+        digest.update(f"N{item.dtype.str}{item.shape}".encode())
+        digest.update(memoryview(np.ascontiguousarray(item).reshape(-1)).cast("B"))
+    elif item is None or isinstance(item, (str, bytes, bool, int, float, complex, np.generic)):
+        text = repr(item).encode()
+        digest.update(f"S{type(item).__qualname__}:{len(text)}:".encode() + text)
+    elif isinstance(item, Mapping):
+        digest.update(f"M{type(item).__qualname__}:{len(item)}:".encode())
+        for key, value in item.items():
+            _hash_item(digest, key)
+            _hash_item(digest, value)
+    elif isinstance(item, (list, tuple)):
+        fields = getattr(item, "_fields", None)  # a NamedTuple: its field names are part of its meaning
+        digest.update(f"L{type(item).__qualname__}{fields or ''}:{len(item)}:".encode())
+        for value in item:
+            _hash_item(digest, value)
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        _hash_item(digest, {f.name: getattr(item, f.name) for f in dataclasses.fields(item)})
+        digest.update(type(item).__qualname__.encode())
+    elif hasattr(item, "__dict__"):
+        _hash_item(digest, vars(item))
+        digest.update(type(item).__qualname__.encode())
+    else:
+        _hash_item(digest, repr(item))
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """The model's class and every parameter's name and shape (what a checkpoint must fit)."""
+    return {"class": type(model).__name__,
+            "shapes": {name: list(p.shape) for name, p in model.named_parameters()}}
+
+
+# How a resume treats a changed TrainConfig field. "refuse": the continued run would not be the run that was
+# started (other examples, another optimisation, another optimizer-state layout); "apply": it changes when or how,
+# not what, is computed (or extends the schedule), and is applied with a logged line.
+RESUME_POLICY: dict[str, str] = {
+    **dict.fromkeys(("seed", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "precision",
+                     "offload_optimizer", "fsdp"), "refuse"),
+    **dict.fromkeys(("max_steps", "save_every", "eval_every", "eval_batches", "progress", "sample_bytes",
+                     "micro_batch_size", "checkpointing", "checkpoint_every", "offload_activations", "chunked_loss",
+                     "compile"), "apply"),
+}
+
+
+def compare_runs(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """One message per run-defining difference between a checkpoint's run and this one (empty: the same run)."""
+    problems = []
+    fix = ("To resolve this error, resume with the original {what}, or start a new run in another out_dir.")
+    for key in now:
+        if key not in saved or saved[key] == now[key]:
+            continue
+        if key == "data":
+            problems.append(_data_difference(saved[key], now[key]) + " " + fix.format(what="data"))
+        elif key == "model":
+            problems.append(_model_difference(saved[key], now[key]) + " " + fix.format(what="model"))
+        else:
+            problems.append(f"resume: {key}={now[key]!r} now but {key}={saved[key]!r} in the run being resumed. To "
+                            f"resolve this error, pass {key}={saved[key]!r} (or leave it out: `memtrain train --resume` "
+                            "reads the run's config), or start a new run in another out_dir.")
+    return problems
+
+
+def _data_difference(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    if saved.get("examples") != now.get("examples"):
+        return (f"resume: the training data differ from the run being resumed: {now.get('examples')} examples now, "
+                f"{saved.get('examples')} then (another file, or the same file changed).")
+    return (f"resume: the training data differ from the run being resumed: the same {now.get('examples')} examples, "
+            f"but other contents (SHA-256 of the {now.get('of')} {str(now.get('sha256'))[:12]} now, "
+            f"{str(saved.get('sha256'))[:12]} then): the file changed, or another file of the same size.")
+
+
+def _model_difference(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    if saved.get("class") != now.get("class"):
+        return f"resume: the model is a {now.get('class')} now but was a {saved.get('class')} in the run being resumed."
+    old, new = saved.get("shapes", {}), now.get("shapes", {})
+    parts = []
+    for label, names in (("only in this model", [n for n in new if n not in old]),
+                         ("only in the run being resumed", [n for n in old if n not in new])):
+        if names:
+            parts.append(f"{len(names)} parameter(s) {label} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    reshaped = [n for n in new if n in old and list(new[n]) != list(old[n])]
+    if reshaped:
+        parts.append(f"{len(reshaped)} of another shape ("
+                     + ", ".join(f"{n}: {new[n]} now, {old[n]} then" for n in reshaped[:3])
+                     + (", ..." if len(reshaped) > 3 else "") + ")")
+    return f"resume: the model differs from the run being resumed: {'; '.join(parts) or 'its parameters differ'}."
+
+
+def applied_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """One log line per changed setting a resume applies (RESUME_POLICY "apply")."""
+    lines = []
+    for key, policy in RESUME_POLICY.items():
+        if policy == "apply" and key in saved and key in now and saved[key] != now[key]:
+            note = " (the cosine schedule now ends there)" if key == "max_steps" else ""
+            lines.append(f"resume: {key}={now[key]!r} applied (the run had {key}={saved[key]!r}){note}")
+    return lines
+
+

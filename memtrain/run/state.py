@@ -1,0 +1,155 @@
+"""The state of a run: everything a bit-identical resume needs, saved to and restored from its checkpoints, and
+the model's weights file."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memtrain.errors import ConfigError
+from memtrain.files import atomic_write
+from memtrain.run.checkpoints import CHECKPOINT_DAMAGE, RunCheckpoints
+from memtrain.run.identity import compare_runs
+from memtrain.unwrap import is_fsdp2
+
+
+def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Saves a model's state dict as safetensors, atomically; tied weights are stored once, under their first name
+    (``safetensors.torch.load_model`` restores the ties)."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+    for name, value in state_dict.items():
+        value = value.detach().cpu()
+        key = (value.untyped_storage().data_ptr(), tuple(value.shape), value.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = value.contiguous()
+    atomic_write(path, lambda tmp: safetensors.torch.save_file(tensors, str(tmp)))
+
+
+def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, model: nn.Module,
+                   optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, accumulator: Any,
+                   run: dict[str, Any], extra: dict[str, Any], config: Mapping[str, Any] | None = None) -> None:
+    """Everything a bit-identical resume needs: weights, optimizer (offloaded state included), scheduler, fp16
+    scaler, accumulator counters, the data position (the step) and every RNG. Collective under FSDP2: every rank
+    calls it, rank 0 (the one with ``checkpoints``) writes."""
+    state = {
+        "step": step,
+        "micro_batch_size": micro,
+        "run": run,  # what defines the run (seed, batch, data, model): a resume must match it to be the same run
+        "config": dict(config or {}),  # the settings a resume may change (RESUME_POLICY "apply"), for its log
+        "extra": extra,  # the loop's own bookkeeping (JSON-like), handed back on resume
+        "model": model_state_dict(model),
+        "optimizer": _optimizer_state(model, optimizer),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "accumulator": accumulator.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+        },
+    }
+    if checkpoints is not None:
+        checkpoints.save(step, state)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank runs ahead of a checkpoint that is still being written
+
+
+def tied_duplicates(model: nn.Module) -> set[str]:
+    """Names of parameters that are another name's parameter (a tied head), all but the first."""
+    first: dict[int, str] = {}
+    duplicates = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            duplicates.add(name)
+        first.setdefault(id(p), name)
+    return duplicates
+
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    if is_fsdp2(model):
+        # Imported here: only FSDP2 runs need it, and it takes about 0.6 s to import.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return model.state_dict()
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if is_fsdp2(model):
+        # Imported here: only FSDP2 runs need it, and it takes about 0.6 s to import.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def resume_run(checkpoints: RunCheckpoints, run: dict[str, Any], restore: Callable[[int, dict[str, Any]], None]
+               ) -> tuple[int, dict[str, Any], list[str]]:
+    """Restores the newest checkpoint that is intact and fits, checked against this run's defining settings
+    ``run`` first (one ConfigError listing every difference: another seed, batch, data or model would not
+    continue the same run). A checkpoint that cannot be read or restored is damaged: the previous one is tried.
+
+    Args:
+        restore: loads a checkpoint's (step, state) into the run's objects; whatever it raises marks it damaged.
+
+    Returns:
+        (step, state, the damaged checkpoints skipped, each with what is wrong with it).
+    """
+    skipped: list[str] = []
+    for path, step, state in checkpoints.readable():
+        if step is None:
+            skipped.append(f"{path.name}: {state}")
+            continue
+        ConfigError.raise_if(compare_runs(state.get("run", {}), run))
+        try:
+            restore(step, state)
+        except ConfigError:  # raised on purpose (e.g. the run already reached max_steps): not damage
+            raise
+        except CHECKPOINT_DAMAGE as e:
+            skipped.append(f"{path.name}: its state does not load ({type(e).__name__}: {str(e)[:200]})")
+            continue
+        return step, state, skipped
+    raise checkpoints.none_intact(skipped)
+
+
+def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler: Any, scaler: Any, accumulator: Any) -> None:
+    """Loads a checkpoint's state into the run's objects (raises what the objects raise on a state that does not
+    fit them)."""
+    if is_fsdp2(model):
+        # Imported here: only FSDP2 runs need it, and it takes about 0.6 s to import.
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=options)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    accumulator.load_state_dict(state["accumulator"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    random.setstate(_as_tuples(state["rng"]["python"]))
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
