@@ -78,6 +78,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     # optimizer after FSDP2, whose sharded parameters it must hold.
     optimizer = _planned_optimizer(model, s, precision, world, hyper) if s.optimizer != "device" else None
     if s.distribution == "fsdp2":
+        # Imported here: only an FSDP2 run needs torch.distributed's FSDP (not every torch build has it).
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # bf16-mixed: blocks gathered (and computed) in bf16, gradients reduce-scattered in fp32 into the fp32

@@ -25,6 +25,7 @@ from memtrain.planner.profiles import (
 )
 from memtrain.planner.settings import Problem
 
+# -- the step traced with every block of one kind ----------------------------------------------------------
 _KIND_CHECKPOINTING: dict[str, Any] = {
     "keep": "none",
     "full": {"every": 1},
