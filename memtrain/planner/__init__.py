@@ -1,0 +1,43 @@
+"""plan(): one byte budget in, the fastest training set-up that fits out, with a reason for every choice.
+
+- ``devices``: the device's rates (``DeviceProfile``), known GPUs, calibration (``calibrate``, ``device_profile``).
+- ``settings``: ``PlanSettings``, ``Fixed``, ``HostLink``, ``Candidate``, ``Plan``; the ``Problem`` and a ``Configuration``.
+- ``profiles``: per-block profiles cut from traced steps (bytes saved, peaks, work), affine in the micro-batch.
+- ``tracing``: the step traced per block kind at two micro-batches; the model state's bytes.
+- ``cost``: the cost model: peaks, host bytes and step time composed from the profiles (``Composer``).
+- ``checks``: budgets, fixed choices and hand-made set-ups checked, each problem with its fix.
+- ``reasons``: the reasons, the runners-up, the assumptions and the "nothing fits" error.
+- ``search``: ``plan`` and ``predictions``: the candidates searched, the fastest that fits confirmed by an estimate.
+- ``apply``: ``apply_plan`` and ``configure_model``, the only part that imports the techniques.
+"""
+
+from memtrain.planner.apply import PlannedRun, apply_plan, configure_model
+from memtrain.planner.checks import budget_bytes
+from memtrain.planner.cost import Composer, fsdp2_param_dtype
+from memtrain.planner.devices import DeviceProfile, calibrate, device_profile, known_gpu, probe
+from memtrain.planner.search import composer_for, estimate_of, plan, predictions, problem_of
+from memtrain.planner.settings import (
+    TECHNIQUES,
+    Candidate,
+    Configuration,
+    Fixed,
+    HostLink,
+    Plan,
+    PlanSettings,
+)
+from memtrain.planner.tracing import build_profiles, profiles_from_traces, state_bytes, truncated_copy
+
+_Composer = Composer  # old spelling: removed at merge
+_Config = Configuration  # old spelling: removed at merge
+_composer_for = composer_for  # old spelling: removed at merge
+_context = problem_of  # old spelling: removed at merge
+_estimate_of = estimate_of  # old spelling: removed at merge
+_probe = probe  # old spelling: removed at merge
+_profiles = build_profiles  # old spelling: removed at merge
+_state_bytes = state_bytes  # old spelling: removed at merge
+_traced_profiles = profiles_from_traces  # old spelling: removed at merge
+_truncated = truncated_copy  # old spelling: removed at merge
+
+__all__ = ["TECHNIQUES", "Candidate", "DeviceProfile", "Fixed", "HostLink", "Plan", "PlanSettings", "PlannedRun",
+           "apply_plan", "budget_bytes", "calibrate", "configure_model", "device_profile", "fsdp2_param_dtype",
+           "known_gpu", "plan", "predictions"]

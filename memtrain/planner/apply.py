@@ -1,0 +1,159 @@
+"""``apply_plan``: configures a model in place as a plan says (checkpointing, the chunked loss, the optimizer's
+placement, DDP/FSDP2, ``torch.compile``) and builds its optimizer and accumulator. The only part of the planner
+that imports the techniques.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.accumulation import GradientAccumulator
+from memtrain.checkpointing import apply_checkpointing, compile_model, find_blocks, remove_checkpointing
+from memtrain.errors import ConfigError
+from memtrain.loss import apply_chunked_loss, remove_chunked_loss
+from memtrain.optim import build_optimizer
+from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.planner.cost import fsdp2_param_dtype
+from memtrain.planner.settings import Plan, PlanSettings
+from memtrain.precision import MixedPrecision
+
+
+# -- apply_plan ---------------------------------------------------------------------------------------------
+@dataclass
+class PlannedRun:
+    """What ``apply_plan`` set up: the model (configured in place), the module the loop calls (wrapped for
+    DDP/FSDP2 and compiled as planned), the optimizer, the accumulator and the precision."""
+
+    settings: PlanSettings
+    model: nn.Module
+    train_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    accumulator: Any  # GradientAccumulator
+    precision: Any  # MixedPrecision
+    blocks: list[str] = field(default_factory=list)
+
+
+def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
+               betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0,
+               max_grad_norm: float | None = 1.0,
+               scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> PlannedRun:
+    """Configures ``model`` in place as ``plan`` says and builds the optimizer and accumulator it asks for.
+
+    In order: checkpointing (per-block policies, selective, offloaded inputs), the chunked loss, an offloaded
+    optimizer (``CPUOffloadOptimizer``, which takes the fp32 master and then makes the device weights bf16 where
+    the plan says), DDP (each gradient a view into its all-reduce bucket) or FSDP2 (blocks gathered in
+    ``fsdp2_param_dtype``, gradients reduced in fp32), ``torch.compile``, a device optimizer
+    (``torch.optim.AdamW(fused=True)`` or ``memtrain.optim.build_optimizer``'s lean variants), the
+    ``GradientAccumulator``.
+
+    Args:
+        model: the model the plan was made for, on its training device.
+        plan: from ``plan(...)``.
+        lr, betas, weight_decay: AdamW's hyper-parameters.
+        max_grad_norm: clipping in the accumulator's step (None: none).
+        scheduler: builds an LR scheduler from the optimizer (e.g. ``lambda o: LambdaLR(o, f)``).
+
+    Raises:
+        ConfigError: the model does not match the plan (other blocks), or the plan needs torch.distributed
+            initialised with ``plan.world_size`` ranks.
+    """
+    s = plan.settings if isinstance(plan, Plan) else plan
+    names = _check_blocks(model, s, plan.block_names if isinstance(plan, Plan) else None)
+    device = next(model.parameters()).device
+    precision = MixedPrecision(s.precision, device.type)  # type: ignore[arg-type]
+    wrapped = configure_model(model, s)
+    train_model: nn.Module = model
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if (s.distribution == "none") != (world == 1):
+        raise ConfigError(f"apply_plan: the plan's distribution is {s.distribution!r}, and this process group has "
+                          f"{world} rank(s). To resolve this error, plan with world_size equal to torchrun's "
+                          "--nproc_per_node.")
+    hyper = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+    # An offloaded optimizer before DDP (which buckets the weights as they are): it may cast them to bf16. A device
+    # optimizer after FSDP2, whose sharded parameters it must hold.
+    optimizer = _planned_optimizer(model, s, precision, world, hyper) if s.optimizer != "device" else None
+    if s.distribution == "fsdp2":
+        # Imported here: only an FSDP2 run needs torch.distributed's FSDP (not every torch build has it).
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # bf16-mixed: blocks gathered (and computed) in bf16, gradients reduce-scattered in fp32 into the fp32
+        # shards the optimizer steps; autocast still runs the fp32 ops (norms, softmax, the loss) in fp32.
+        gathered = fsdp2_param_dtype(s.precision)
+        policy = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32 if gathered else None)
+        modules = dict(model.named_modules())
+        for name in names:
+            fully_shard(modules[name], mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    elif s.distribution == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        # Each p.grad is a view into DDP's all-reduce bucket: one copy of the gradients, not two.
+        train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+    if s.compile:
+        # Per block where blocks offload their activations (saved-tensor hooks cannot be traced), else whole.
+        train_model = compile_model(train_model)
+    if optimizer is None:
+        optimizer = _planned_optimizer(model, s, precision, world, hyper)
+    accumulator = GradientAccumulator(train_model, optimizer, steps=s.accumulation, scaler=precision.scaler,
+                                      scheduler=scheduler(optimizer) if scheduler is not None else None,
+                                      max_grad_norm=max_grad_norm)
+    return PlannedRun(settings=s, model=model, train_model=train_model, optimizer=optimizer, accumulator=accumulator,
+                      precision=precision, blocks=wrapped)
+
+
+def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:
+    """The model's part of ``apply_plan``, in place: checkpointing per block (recompute / offload, the
+    flavor), the chunked loss, no KV cache. Undoes what an earlier plan set, so a re-plan calls it again.
+    Returns the wrapped blocks' names.
+
+    Raises:
+        ConfigError: the model's blocks are not the plan's.
+    """
+    names = _check_blocks(model, settings, None)
+    wrapped: list[str] = []
+    if settings.blocks:  # no blocks detected: checkpointing the user applied by hand stays
+        remove_checkpointing(model)
+    if "recompute" in settings.blocks or "offload" in settings.blocks:
+        wrapped = apply_checkpointing(
+            model, policies=settings.policies(names),
+            selective=("matmul", "attention") if settings.flavor == "selective" else None,
+            offload=settings.flavor == "offload-inputs")
+    remove_chunked_loss(model)
+    if settings.chunked_loss:
+        apply_chunked_loss(model)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # a KV cache only holds memory in training (the plan's estimate has none)
+    return wrapped
+
+
+def _check_blocks(model: nn.Module, s: PlanSettings, planned: tuple[str, ...] | None) -> list[str]:
+    names = find_blocks(model)
+    if len(names) != len(s.blocks) or (planned is not None and tuple(names) != planned):
+        raise ConfigError(f"apply_plan: the model's {len(names)} blocks {names[:3]}... are not the plan's "
+                          f"{len(s.blocks)} (made for another model). To resolve this error, plan this model.")
+    return names
+
+
+def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world: int,
+                       hyper: dict[str, Any]) -> torch.optim.Optimizer:
+    """AdamW as the plan places it, over the parameters that require grad (a LoRA model's adapters)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and not s.offload_fraction:
+        # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
+        return torch.optim.AdamW([p for _, p in trainable], fused=True, **hyper)
+    if s.optimizer == "device":
+        return build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
+                               step_in_backward=s.step_in_backward, grad_scaler=precision.scaler,
+                               world_size=world, **hyper)
+
+    # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that would
+    # have copied them to the host. In one process they stream to the host during backward.
+    # offload-bf16-weights: the fp32 master takes the weights' full digits, then the device copy becomes bf16.
+    bf16 = torch.bfloat16 if s.optimizer == "offload-bf16-weights" else None
+    return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
+                               device_dtype=bf16, **hyper)

@@ -1,0 +1,162 @@
+"""The checks of the planner's inputs: budgets, fixed choices and hand-made set-ups, each problem named with its
+fix (``ConfigError`` collects them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from memtrain.errors import ConfigError
+from memtrain.planner.settings import TECHNIQUES, Fixed, PlanSettings
+from memtrain.report import parse_bytes
+
+
+# -- the checks ---------------------------------------------------------------------------------------------
+def budget_bytes(value: Any, name: str = "budget") -> int | None:
+    """A budget as bytes: an int, a size such as ``"24GiB"`` / ``"8000MB"``, or None / ``"unlimited"`` (None).
+
+    Raises:
+        ConfigError: a negative, zero, non-finite or unparsable value (naming ``name``).
+    """
+    problems: list[str] = []
+    out = parse_budget(value, name, problems)
+    ConfigError.raise_if(problems)
+    return out
+
+
+def parse_budget(value: Any, name: str, problems: list[str]) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        problems.append(f"{name}={value!r} is not a size. To resolve this error, pass bytes or a size such as "
+                        "'24GiB'.")
+        return None
+    if isinstance(value, (int, float)):
+        if value == math.inf:
+            return None
+        if not math.isfinite(value) or value <= 0:
+            problems.append(f"{name}={value!r} must be a positive number of bytes. To resolve this error, pass "
+                            "e.g. parse_bytes('24GiB'), or None for no limit.")
+            return None
+        return int(value)
+    if isinstance(value, str):
+        if value.strip().lower() in ("none", "unlimited", "inf"):
+            return None
+        try:
+            return parse_bytes(value)
+        except ConfigError as e:
+            problems.append(f"{name}: {e}")
+            return None
+    problems.append(f"{name}={value!r} is not a size. To resolve this error, pass bytes or a size such as '24GiB'.")
+    return None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision: str) -> None:
+    problems = []
+    if f.blocks is not None and (len(f.blocks) != n_blocks or any(k not in ("keep", "recompute", "offload")
+                                                                  for k in f.blocks)):
+        problems.append(f"the checkpointing layout has {len(f.blocks)} entries {sorted(set(f.blocks))}: the model "
+                        f"has {n_blocks} blocks, each 'keep', 'recompute' or 'offload'.")
+    if not cuda and ((f.blocks is not None and "offload" in f.blocks) or f.flavor == "offload-inputs"):
+        problems.append("activation offload on a CPU only copies within RAM. To resolve this error, drop it "
+                        "(offload_activations) for a CPU run.")
+    # NOTE: a fixed optimizer offload is planned on the CPU too (CPUOffloadOptimizer runs there, the same code
+    # path as on a GPU); the search never proposes one there.
+    if f.chunked_loss and not chunkable:
+        problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss). To "
+                        "resolve this error, pass chunked_loss=False (or leave it to the plan).")
+    if f.optimizer in ("offload", "offload-bf16-weights"):
+        extra = {k: v for k, v in (("state_precision", f.state_precision), ("step_in_backward", f.step_in_backward),
+                                   ("offload_fraction", f.offload_fraction))
+                 if v not in (None, "fp32", False, 0.0, 1.0)}
+        if extra:
+            given = ", ".join(f"{k}={v!r}" for k, v in extra.items())
+            problems.append(f"offload_optimizer=True with {given}: the offloaded optimizer keeps fp32 moments in "
+                            "host RAM and steps after backward. To resolve this error, drop one of them.")
+    if f.optimizer == "offload-bf16-weights" and precision != "bf16-mixed":
+        problems.append(f"bf16 device weights need precision bf16-mixed, not {precision}.")
+    ConfigError.raise_if(problems)
+
+
+def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, world: int, chunkable: bool,
+                    precision: str) -> None:
+    """ConfigError for a hand-made set-up the model, batch or device cannot take."""
+    problems = []
+    if not isinstance(s, PlanSettings):
+        raise ConfigError(f"settings={s!r} must be a PlanSettings (e.g. plan(...).settings, or "
+                          "dataclasses.replace of one).")
+    if len(s.blocks) != n_blocks or any(k not in ("keep", "recompute", "offload") for k in s.blocks):
+        problems.append(f"settings.blocks has {len(s.blocks)} entries {sorted(set(s.blocks))}: the model has "
+                        f"{n_blocks} blocks, each 'keep', 'recompute' or 'offload'.")
+    if s.micro_batch_size * s.accumulation != per_rank:
+        problems.append(f"micro_batch_size {s.micro_batch_size} x accumulation {s.accumulation} is not the "
+                        f"{per_rank} examples each rank takes per step. To resolve this error, pass a micro-batch "
+                        f"among {divisors(per_rank)} with the accumulation that makes {per_rank}.")
+    if not cuda and ("offload" in s.blocks or s.flavor == "offload-inputs"):
+        problems.append("activation offload on a CPU only copies within RAM. To resolve this error, plan it for "
+                        "device='cuda'.")
+    if s.optimizer == "offload-bf16-weights" and precision != "bf16-mixed":
+        problems.append(f"bf16 device weights need precision bf16-mixed, not {precision}.")
+    if (s.distribution == "none") != (world == 1):
+        problems.append(f"distribution {s.distribution!r} with world_size={world}: one process is 'none', "
+                        "several 'ddp' or 'fsdp2'.")
+    if s.distribution == "fsdp2" and s.optimizer != "device":
+        problems.append("FSDP2 with an offloaded optimizer: FSDP2 shards the optimizer state itself, and "
+                        "CPUOffloadOptimizer needs whole parameters. To resolve this error, keep the optimizer on "
+                        "the device with FSDP2, or use DDP.")
+    if s.chunked_loss and not chunkable:
+        problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss).")
+    if s.state_precision not in ("fp32", "bf16", "int8"):
+        problems.append(f"state_precision={s.state_precision!r} is not one of fp32, bf16, int8.")
+    if not 0.0 <= s.offload_fraction <= 1.0 or (s.offload_fraction and s.optimizer != "device"):
+        problems.append(f"offload_fraction={s.offload_fraction!r}: a share in [0, 1] of a device optimizer's state "
+                        "(optimizer 'offload' already puts all of it on the host).")
+    if (s.step_in_backward or s.offload_fraction) and world > 1:
+        problems.append("step_in_backward and offload_fraction act on gradients before DDP averages them: one "
+                        "process only.")
+    ConfigError.raise_if(problems)
+
+
+def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_batch_size: int, world_size: int,
+                         micro_batch_size: int | None, device: str, precision: str, safety_margin: float,
+                         techniques: Iterable[str] | None) -> tuple[int | None, int | None, set[str], int]:
+    """``plan``'s arguments checked, every problem at once: the budgets in bytes, the techniques allowed and the
+    examples each rank takes per step.
+
+    Raises:
+        ConfigError: the problems found, each with its fix.
+    """
+    problems: list[str] = []
+    budget_bytes = parse_budget(budget, "budget", problems)
+    host_budget_bytes = parse_budget(host_budget, "host_budget", problems)
+    for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name}={value!r} must be an integer >= 1.")
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
+                                         or micro_batch_size < 1):
+        problems.append(f"micro_batch_size={micro_batch_size!r} must be an integer >= 1, or None to choose it.")
+    if device not in ("cuda", "cpu"):
+        problems.append(f"device={device!r} is not one of 'cuda', 'cpu'.")
+    if precision not in ("fp32", "bf16-mixed", "fp16-mixed"):
+        problems.append(f"precision={precision!r} is not one of fp32, bf16-mixed, fp16-mixed.")
+    if isinstance(safety_margin, bool) or not isinstance(safety_margin, (int, float)) or not 0 <= safety_margin < 0.9:
+        problems.append(f"safety_margin={safety_margin!r} must be a fraction in [0, 0.9), e.g. 0.05.")
+    allowed = set(TECHNIQUES if techniques is None else techniques)
+    if allowed - set(TECHNIQUES):
+        problems.append(f"techniques: unknown {sorted(allowed - set(TECHNIQUES))}; known: {list(TECHNIQUES)}.")
+    ConfigError.raise_if(problems)
+    per_rank, remainder = divmod(global_batch_size, world_size)
+    if remainder:
+        problems.append(f"global_batch_size={global_batch_size} does not split over world_size={world_size} ranks. "
+                        f"To resolve this error, pass a multiple of {world_size}.")
+    elif micro_batch_size is not None and per_rank % micro_batch_size:
+        problems.append(f"micro_batch_size={micro_batch_size} does not divide the {per_rank} examples each rank "
+                        f"takes per step. To resolve this error, pass one of {divisors(per_rank)}.")
+    ConfigError.raise_if(problems)
+    return budget_bytes, host_budget_bytes, allowed, per_rank

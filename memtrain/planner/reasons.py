@@ -1,0 +1,272 @@
+"""What a plan says about itself: a reason for each decision, the runners-up and why each lost, the assumptions,
+and the "nothing fits" error that names the smallest peak found and what would make a plan fit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from memtrain.errors import ConfigError
+from memtrain.estimate import Trace
+from memtrain.planner.cost import (
+    CandidateTable,
+    Composer,
+    fsdp2_param_dtype,
+    gathered_block_bytes,
+    ranks_per_node,
+)
+from memtrain.planner.settings import Candidate, PlanSettings, Problem
+from memtrain.report import format_bytes
+
+
+def _family(s: PlanSettings) -> tuple[Any, ...]:
+    kinds = set(s.blocks)
+    shape = "none" if kinds == {"keep"} else "all" if kinds == {"recompute"} else "mixed"
+    return shape, s.flavor if "recompute" in kinds else "-", "offload" in kinds, s.chunked_loss, s.optimizer_text, \
+        s.micro_batch_size, s.distribution, s.compile
+
+
+def _slower(ratio: float) -> str:
+    """A step-time ratio in words: "3.2% slower", or "as fast (within 0.1%)"."""
+    return f"{100 * (ratio - 1):.1f}% slower" if ratio >= 1.001 else "as fast (within 0.1%)"
+
+
+def _why_lost(results: CandidateTable, k: int, chosen: int, peak: float, fits: np.ndarray, fits_host: np.ndarray,
+              usable: int | None, host_limit: int | None) -> str:
+    if not fits_host[k]:
+        return f"host RAM: needs {format_bytes(int(results.host[k]))} of {format_bytes(host_limit)}"
+    if not fits[k]:
+        return f"over budget by {format_bytes(int(peak - (usable or 0)))}"
+    return _slower(results.seconds[k] / results.seconds[chosen])
+
+
+def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen: int,
+                verified: dict[int, tuple[float, Trace]], fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
+                host_limit: int | None) -> list[Candidate]:
+    """Up to three faster candidates that do not fit and five slower ones that do, one of each family (the shape
+    of the checkpointing, the loss, the optimizer, the micro-batch, ...), each with why it lost."""
+    tokens_per_step = ctx.global_batch * ctx.seq_len
+    seen = {_family(results.settings(chosen))}
+    faster: list[Candidate] = []
+    slower: list[Candidate] = []
+    for k in results.order:
+        k = int(k)
+        if k == chosen:
+            continue
+        s = results.settings(k)
+        family = _family(s)
+        if family in seen:
+            continue
+        is_faster = results.seconds[k] < results.seconds[chosen]
+        if not is_faster and not (fits[k] and fits_host[k]):
+            continue  # slower and does not fit: nothing to learn from it
+        group = faster if is_faster else slower
+        if len(group) >= (3 if is_faster else 5):
+            if len(slower) >= 5:
+                break
+            continue
+        seen.add(family)
+        peak = verified[k][0] if k in verified else float(results.peak[k])
+        group.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
+                               tokens_per_step / float(results.seconds[k]), k in verified,
+                               _why_lost(results, k, chosen, peak, fits, fits_host, usable, host_limit),
+                               composer.host_link(s)))
+    return faster + slower
+
+
+def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float, fits: np.ndarray, fits_host: np.ndarray,
+             usable: int | None, host_limit: int | None) -> list[str]:
+    """One line per decision: what was chosen, and what the best alternative to that one decision costs."""
+    s = results.settings(chosen)
+    budget_text = "no budget" if usable is None else f"the usable {format_bytes(usable)}"
+    if results.explicit and not results.searched:  # nothing was searched: the set-up was given
+        return [f"precision {ctx.precision}, checkpointing {s.checkpointing}, loss "
+                f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}, micro-batch "
+                f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
+                f"predicted peak {format_bytes(int(peak))} per rank (a full estimate of this set-up) within "
+                f"{budget_text}"]
+    seconds = results.seconds[chosen]
+
+    def alternative(mask: np.ndarray, what: str) -> str:
+        best_fit = results.first(mask & fits)
+        if best_fit is not None:
+            return f"{what} would be {_slower(results.seconds[best_fit] / seconds)}"
+        smallest = int(np.flatnonzero(mask)[np.argmin(results.peak[mask])]) if mask.any() else None
+        if smallest is None:
+            return ""
+        if not fits_host[smallest] and (usable is None or results.peak[smallest] <= usable):
+            return f"{what} would need {format_bytes(int(results.host[smallest]))} of host RAM"
+        return f"{what} would peak at {format_bytes(int(results.peak[smallest]))} at least, over {budget_text}"
+
+    same = {name: results.column(name) == getattr(s, name) for name in
+            ("micro_batch_size", "chunked_loss", "optimizer", "distribution", "compile", "flavor")}
+    keep_all = (results.offload == 0) & (results.recompute == 0)
+    reasons = [f"precision {ctx.precision} (requested)"]
+    n_recompute, n_offload = s.blocks.count("recompute"), s.blocks.count("offload")
+    others = same["micro_batch_size"] & same["chunked_loss"] & same["optimizer"] & same["distribution"] & \
+        same["compile"]
+    if n_recompute == n_offload == 0:
+        reasons.append(f"checkpointing none, because: keeping every activation fits {budget_text} and recomputing "
+                       "or offloading a block only costs time")
+    else:
+        fewer = others & same["flavor"] & (results.offload + results.recompute < n_recompute + n_offload)
+        what = {"full": "recomputed", "selective": "recomputed selectively (matmul and attention outputs kept)",
+                "offload-inputs": "recomputed, their inputs in pinned host memory"}[s.flavor]
+        parts = [f"{n_recompute} of {len(s.blocks)} blocks {what}" if n_recompute else "",
+                 f"{n_offload} with every activation in pinned host memory" if n_offload else ""]
+        why = alternative(others & keep_all, "keeping every block's activations")
+        fewest = alternative(fewer & ~keep_all, "fewer blocks") if fewer.any() else ""
+        reasons.append(f"checkpointing: {', '.join(p for p in parts if p)}, because: {why}"
+                       + (f"; {fewest}" if fewest else ""))
+    if ctx.chunkable:
+        other = alternative(~same["chunked_loss"], "the whole-logits loss" if s.chunked_loss else "the chunked loss")
+        reasons.append(("loss 1024 tokens of logits at a time (chunked)" if s.chunked_loss else
+                        "loss on the whole logits") + (f", because: {other}" if other else ""))
+    else:
+        reasons.append("loss on the whole logits: memtrain does not chunk this model's loss")
+    names = {"device": "AdamW on the device",
+             "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
+             "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
+    placement, state = results.column("optimizer"), results.column("state_precision")
+    in_backward, fraction = results.column("step_in_backward"), results.column("offload_fraction")
+    plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
+    text = names[s.optimizer]
+    details = [f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, not 8)"
+               if s.state_precision != "fp32" else "",
+               ("each parameter stepping in backward, its gradient freed at once"
+                + (" (one backward pass: clipped by the previous step's norm, the first step unclipped)"
+                   if ctx.grad_clip else "")) if s.step_in_backward else "",
+               f"{100 * s.offload_fraction:.0f}% of the state in host RAM" if s.offload_fraction else ""]
+    if any(details):
+        text += " with " + ", ".join(d for d in details if d)
+    elif s.optimizer == "device":
+        text += " (fused, fp32 moments)"
+    alternatives = []
+    if not plain[chosen]:
+        alternatives.append(alternative(plain, "fused fp32 AdamW on the device"))
+    alternatives += [alternative(placement == o, names[o].split(" (")[0]) for o in names
+                     if o != s.optimizer and o != "device" and (placement == o).any()]
+    if plain[chosen] and (~plain & (placement == "device")).any():
+        alternatives.append(alternative(~plain & (placement == "device"), "a leaner device optimizer"))
+    alternatives = [a for a in alternatives if a]
+    reasons.append(f"optimizer {text}"
+                   + (f", because: {'; '.join(alternatives)}" if alternatives else
+                      ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")))
+    per_rank = ctx.global_batch // ctx.world
+    other = alternative(~same["micro_batch_size"], "a smaller micro-batch" if s.micro_batch_size == per_rank else
+                        "another micro-batch")
+    reasons.append(f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {per_rank} examples per "
+                   f"rank per step" + (f", because: {other}" if other else ""))
+    if ctx.world > 1:
+        other = alternative(~same["distribution"], "FSDP2" if s.distribution == "ddp" else "DDP")
+        reasons.append(f"{'DDP' if s.distribution == 'ddp' else 'FSDP2'} over {ctx.world} ranks"
+                       + (f", because: {other}" if other else " (as asked)"))
+    if s.compile or (~same["compile"]).any():
+        other = alternative(~same["compile"], "eager" if s.compile else "torch.compile")
+        per_block = s.compile and ("offload" in s.blocks or (s.flavor == "offload-inputs" and "recompute" in s.blocks))
+        reasons.append(("torch.compile" if s.compile else "eager")
+                       + (" block by block (the blocks offload activations: the offloader stays outside the compiled "
+                          "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
+                       + (f", because: {other}" if other else ""))
+    reasons.append(f"predicted peak {format_bytes(int(peak))} per rank (a full estimate of this set-up) within "
+                   f"{budget_text}")
+    return reasons
+
+
+def _flops(rate: float) -> str:
+    return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+
+
+def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit: int | None) -> list[str]:
+    dev = ctx.device_profile
+    out = [
+        f"device figures: {dev.source}: matmuls {_flops(dev.matmul_flops)} (half of it at "
+        f"{dev.half_efficiency_tokens:.0f} tokens), attention {_flops(dev.attention_flops)}, memory "
+        f"{dev.memory_bandwidth / 1e9:.1f} GB/s, {dev.op_overhead_s * 1e6:.1f} us per op, host link "
+        f"{dev.host_to_device / 1e9:.1f} GB/s, CPU AdamW {dev.cpu_adamw / 1e9:.2f} G params/s",
+        f"safety margin {100 * margin:.0f}% of the budget for the allocator's fragmentation",
+        "the runners-up's peaks are composed from per-block profiles (marked *); the chosen peak is a full estimate",
+        "step time: matmul and attention FLOPs at the rates above, other ops by their memory traffic, a fixed cost "
+        "per op; offloaded activations queue on the host link; the offloaded optimizer steps after backward",
+    ]
+    if ctx.world > 1:
+        gathered = "in bf16 " if fsdp2_param_dtype(ctx.precision) == torch.bfloat16 else ""
+        out.append("distributed memory by formula on a one-process estimate: DDP's gradients are views into its "
+                   "all-reduce buckets (a second copy while accumulating); FSDP2 shards parameters and optimizer "
+                   f"state (gradients too without accumulation), two blocks gathered {gathered}at a time, "
+                   f"gradients reduced in fp32; host RAM is one node's ({ranks_per_node(ctx.world)} ranks)")
+    if host_limit is None:
+        out.append("host RAM not checked (planned for another machine): pass host_budget to check it")
+    out.append("compiled set-ups: memory as eager (compiled graphs keep no more), elementwise traffic halved, a "
+               "tenth of the per-op overhead; where blocks offload activations only the blocks are compiled "
+               "(compile_model), the code around them (embeddings, last norm, head, loss) is timed eager")
+    traces = sum(p.traces for p in composer.profiles.values())
+    out.append(f"profiles from {traces} traced steps")
+    return out
+
+
+def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable,
+                        verified: dict[int, tuple[float, Trace]], budget_bytes: int | None, usable: int | None,
+                        host_limit: int | None, host_budget: int | None, margin: float, fits_host: np.ndarray) -> None:
+    """The ConfigError when no candidate fits: the smallest peak found, and what would make a plan fit."""
+    assert usable is not None or host_limit is not None
+    if results.explicit and not results.searched:
+        s = results.settings(0)
+        peak = verified[0][0] if 0 in verified else float(results.peak[0])
+        where = (f"needs {format_bytes(int(results.host[0]))} of host RAM, more than {format_bytes(host_limit)}"
+                 if not fits_host[0] else f"peaks at {format_bytes(int(peak))} per rank, over the usable "
+                 f"{format_bytes(usable)} ({format_bytes(budget_bytes)} less the {100 * margin:.0f}% margin)")
+        raise ConfigError(
+            f"the set-up asked for (micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
+            f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}) {where}. To resolve this error, "
+            "leave the choices to the plan (drop the fixed micro-batch or techniques), or raise the budget.")
+    peaks = results.peak.copy()
+    for k, (p, _) in verified.items():
+        peaks[k] = p
+    k = int(np.argmin(peaks))
+    s = results.settings(k)
+    fits_device = peaks <= usable if usable is not None else np.ones(len(peaks), bool)
+    hints = []
+    if fits_device.any():
+        least = float(results.host[fits_device].min())
+        hints.append(f"more host RAM: the set-ups that fit the device need {format_bytes(int(least))} of host memory "
+                     f"or more, beyond the {format_bytes(host_limit)} "
+                     f"{'of host_budget' if host_budget is not None else 'available now'}")
+    else:
+        assert usable is not None
+        prof = composer.profile(s.optimizer)
+        shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
+        weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
+        state = weights + (0 if s.optimizer != "device" else
+                           (prof.adamw_state_bytes + prof.trainable_bytes) / shards)
+        if ctx.device == "cuda":
+            # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
+            full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
+            room = usable - (peaks[k] - state) - 2 * gathered_block_bytes(ctx, prof)
+            if room > 0:  # more ranks cannot shrink a rank's activations
+                ranks = max(math.ceil(full / room), ctx.world + 1)
+                hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
+                             "gradients and optimizer state sharded over the ranks)")
+        activations = peaks[k] - state
+        if weights < usable:
+            if activations > usable - state:  # not a length: the activations are not linear in it (fixed buffers)
+                hints.append(f"a shorter sequence (at seq_len {ctx.seq_len} a micro-batch of "
+                             f"{s.micro_batch_size} needs {format_bytes(int(activations))} beside the model state's "
+                             f"{format_bytes(int(state))})")
+        else:
+            hints.append(f"a larger budget: the weights alone take {format_bytes(int(weights))} on the device")
+        if not hints:
+            hints.append(f"a larger budget: a micro-batch of {s.micro_batch_size} alone needs "
+                         f"{format_bytes(int(activations))} beside the model state")
+    raise ConfigError(
+        f"no set-up fits: the smallest predicted peak is {format_bytes(int(peaks[k]))} per rank (micro-batch "
+        f"{s.micro_batch_size}, checkpointing {s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, "
+        f"optimizer {s.optimizer_text}{'' if fits_host[k] else ', more host RAM than there is'})"
+        + (f", but the budget {format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin leaves "
+           f"{format_bytes(usable)}" if usable is not None else "")
+        + f". To resolve this error, try {'; or '.join(hints)}."
+    )

@@ -1,0 +1,458 @@
+"""plan(): one byte budget in, the fastest training set-up that fits out, with a reason for every choice.
+
+The search is over the choices memtrain's techniques give a training step: the micro-batch (and so the
+accumulation), each block kept, recomputed (fully or selectively, its inputs optionally in host memory) or
+offloaded, the loss whole or chunked, the optimizer on the device or on the CPU (with fp32 or bf16 device
+weights), DDP or FSDP2, eager or compiled. It runs in three steps:
+
+1. Profile. The step is traced on fake tensors (``memtrain.estimate.trace``) with every block of one kind, at
+   two micro-batch sizes; each trace records, per block and phase, the bytes alive, the bytes saved and the work
+   done (FLOPs, memory traffic, operator calls). A handful of traces, whatever the number of candidates.
+2. Compose. Every candidate's peak is rebuilt from those per-block figures (forward, the head and loss, backward
+   block by block, the optimizer step), its host bytes from the offloaded bytes and the optimizer state, and its
+   step time from a cost model whose device figures come from a calibration probe or a table of known GPUs.
+   Thousands of candidates cost milliseconds each.
+3. Choose. The fastest candidate whose peak fits the budget less a safety margin, and whose host bytes fit the
+   host, is confirmed by a full ``estimate`` of exactly that set-up; should the estimate disagree, the next one
+   is tried.
+
+``apply_plan(model, plan)`` then calls the public primitives in order, and ``train`` is plan -> apply -> loop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from memtrain.checkpointing import find_blocks
+from memtrain.errors import ConfigError
+from memtrain.estimate import Trace, _meta_model, trace
+from memtrain.loss import supports_chunked_loss
+from memtrain.measure import available_host_bytes
+from memtrain.optim import INT8_DEVICES
+from memtrain.planner.checks import check_fixed, check_plan_arguments, check_settings, divisors
+from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
+from memtrain.planner.devices import DeviceProfile, device_profile
+from memtrain.planner.profiles import Profiles
+from memtrain.planner.reasons import plan_assumptions, plan_reasons, raise_nothing_fits, runners_up
+from memtrain.planner.settings import (
+    DEFAULT_SAFETY_MARGIN,
+    Candidate,
+    Configuration,
+    Distribution,
+    Fixed,
+    OptimizerPlacement,
+    Plan,
+    PlanSettings,
+    Problem,
+    RecomputeFlavor,
+    configuration_of,
+)
+from memtrain.planner.tracing import build_profiles
+from memtrain.report import format_bytes
+
+_VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
+_VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
+_NEAR_MISSES = 3  # at most this many of them
+
+
+def plan(
+    model_or_hf_config: Any,
+    *,
+    budget: int | str | None,
+    seq_len: int,
+    global_batch_size: int,
+    device: str = "cuda",
+    precision: str = "bf16-mixed",
+    world_size: int = 1,
+    fsdp: bool | None = False,
+    host_budget: int | str | None = None,
+    compile: bool = False,
+    micro_batch_size: int | None = None,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    grad_clip: bool = True,
+    techniques: Iterable[str] | None = None,
+    device_profile: DeviceProfile | None = None,
+    settings: PlanSettings | None = None,
+    fixed: Fixed | None = None,
+    correction_bytes: int = 0,
+) -> Plan:
+    """The fastest set-up whose predicted peak fits ``budget`` (per rank), with a reason for each choice.
+
+    Pure: nothing is allocated on a device and the model is not modified (it may live on the meta device, or be
+    a Hugging Face config). A 1.1B Llama plans in a few seconds (``memtrain plan``'s output says how long).
+
+    Args:
+        model_or_hf_config: an ``nn.Module`` (any device) or a Hugging Face ``PretrainedConfig``.
+        budget: device bytes per rank (an int, or a size such as ``"24GiB"``); None for no limit.
+        seq_len: tokens per example.
+        global_batch_size: examples per optimizer step, over all ranks.
+        device: ``"cuda"`` or ``"cpu"`` (a CPU plan leaves out activation and optimizer offload, which would only
+            copy within RAM).
+        precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (compute; weights stay fp32 unless the plan
+            puts bf16 weights on the device with an offloaded fp32 master).
+        world_size: ranks; the global batch is split over them.
+        fsdp: True plans FSDP2, False DDP, None both (the reasons say which fits faster). Ignored for one rank.
+        host_budget: host RAM the plan may use (one node, all ranks); None: the RAM available now.
+        compile: also consider ``torch.compile``d set-ups.
+        micro_batch_size: fix the micro-batch (the plan chooses the rest); None chooses it too.
+        safety_margin: the fraction of ``budget`` left free for the allocator's fragmentation.
+        grad_clip: the run clips gradients (the offloaded optimizer then steps after backward).
+        techniques: allow only some of ``TECHNIQUES``; None allows all.
+        device_profile: the device's rates; None probes the CPU, or takes the table of known GPUs for CUDA.
+        settings: no search: predict exactly this set-up (e.g. one chosen by hand), which must fit ``budget``.
+        fixed: choices the search keeps as given (a checkpointing layout, the loss, the optimizer placement).
+        correction_bytes: added to every predicted peak: what a measurement showed the prediction missed (a
+            re-plan after the device disagreed).
+
+    Returns:
+        A ``Plan``: ``.settings`` for ``apply_plan``, the predictions, the reasons and the runners-up.
+
+    Raises:
+        ConfigError: a bad argument (every problem at once), or nothing fits: the error names the smallest peak
+            found and what would make it fit.
+
+    Example:
+        >>> from memtrain.models import GPT, GPT_PRESETS
+        >>> p = plan(GPT(GPT_PRESETS["gpt-tiny"]), budget=None, seq_len=64, global_batch_size=8, device="cpu")
+        >>> p.settings.checkpointing, p.settings.micro_batch_size  # no limit: nothing recomputed, one forward
+        ('none', 8)
+    """
+    started = time.perf_counter()
+    budget_bytes, host_budget_bytes, allowed, per_rank = check_plan_arguments(
+        budget=budget, host_budget=host_budget, seq_len=seq_len, global_batch_size=global_batch_size,
+        world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
+        safety_margin=safety_margin, techniques=techniques)
+    if settings is not None:
+        precision = settings.precision
+    ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device, precision, world_size,
+                     "chunked-loss" in allowed, grad_clip, device_profile)
+    _check_a_block_fits(ctx, budget_bytes)
+    fixed = fixed if fixed is not None else Fixed()
+    space = _search_space(ctx, allowed, fsdp, fixed)
+    results = CandidateTable(len(ctx.block_names))
+    if settings is not None:
+        check_settings(settings, len(ctx.block_names), per_rank, ctx.device == "cuda", world_size, ctx.chunkable,
+                       precision)
+        composer = composer_for(ctx, [settings])
+        _add_given(composer, results, settings)
+        space.placements = []  # nothing to search
+    else:
+        profiles: dict[Any, Profiles] = {None: build_profiles(ctx, space.flavors, space.offload_blocks, None)}
+        if "offload-bf16-weights" in space.placements:
+            profiles["bf16"] = build_profiles(ctx, space.flavors, space.offload_blocks, "bf16")
+        composer = Composer(ctx, profiles)
+    micros = [micro_batch_size] if micro_batch_size is not None else divisors(per_rank)
+    _search(composer, results, space, fixed, micros, per_rank, compile, allowed)
+    if results.empty:  # the fixed choices rule out every set-up
+        _raise_unbuildable(fixed, micro_batch_size, world_size, fsdp)
+    results.finish()
+    results.peak = results.peak + correction_bytes
+    # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
+    here = device == "cpu" or torch.cuda.is_available()
+    host_limit = host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
+    usable = None if budget_bytes is None else int(budget_bytes * (1 - safety_margin))
+    return _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin, started,
+                   correction_bytes)
+
+
+def _check_a_block_fits(ctx: Problem, budget_bytes: int | None) -> None:
+    """ConfigError for a budget below the largest block's parameters: no set-up computes a block in it."""
+    modules = dict(ctx.model.named_modules())
+    largest_block = max(sum(p.numel() * p.element_size() for p in modules[b].parameters()) for b in ctx.block_names)
+    if budget_bytes is not None and budget_bytes < largest_block:
+        raise ConfigError(f"budget {format_bytes(budget_bytes)} is smaller than one block's parameters "
+                          f"({format_bytes(largest_block)}): no set-up computes a block in it. To resolve this error, "
+                          "pass a larger budget (e.g. the GPU's memory), or shard the model over more GPUs (FSDP2).")
+
+
+@dataclass
+class _SearchSpace:
+    """The choices the search goes over, before the micro-batch: what the techniques allowed and ``fixed`` leave."""
+
+    flavors: list[RecomputeFlavor]
+    offload_blocks: bool
+    placements: list[OptimizerPlacement]
+    states: list[str]
+    distributions: list[Distribution]
+    losses: list[bool]
+
+
+def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fixed) -> _SearchSpace:
+    """The recompute flavors, block offload, optimizer placements and moment precisions, distributions and losses
+    allowed, narrowed to the fixed choices (checked here)."""
+    cuda, precision, world_size = ctx.device == "cuda", ctx.precision, ctx.world
+    flavors: list[RecomputeFlavor] = []
+    if "checkpointing" in allowed:
+        flavors.append("full")
+        if "selective" in allowed:
+            flavors.append("selective")
+        if cuda and "offload-activations" in allowed:
+            flavors.append("offload-inputs")
+    offload_blocks = cuda and "offload-activations" in allowed
+    placements: list[OptimizerPlacement] = ["device"]
+    if cuda and "offload-optimizer" in allowed:
+        placements.append("offload")
+        if "bf16-weights" in allowed and precision == "bf16-mixed":
+            placements.append("offload-bf16-weights")
+    states = ["fp32"]
+    if "optimizer-state" in allowed:
+        states.append("bf16")
+        if _int8_runs(ctx.device):
+            states.append("int8")
+    distributions: list[Distribution] = ["none"] if world_size == 1 else (
+        ["fsdp2"] if fsdp else ["ddp"] if fsdp is False else ["ddp", "fsdp2"])
+    losses = [False, True] if ctx.chunkable else [False]
+    if fixed != Fixed():
+        check_fixed(fixed, len(ctx.block_names), cuda, ctx.chunkable, precision)
+        if fixed.blocks is not None:
+            offload_blocks = "offload" in fixed.blocks
+            flavors = [fixed.flavor or "full"] if "recompute" in fixed.blocks else []
+        elif fixed.flavor is not None:
+            flavors = [fixed.flavor]
+        if fixed.chunked_loss is not None:
+            losses = [fixed.chunked_loss]
+        if fixed.optimizer is not None:
+            placements = [fixed.optimizer]
+        if fixed.state_precision is not None:
+            states = [fixed.state_precision]
+    return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses)
+
+
+def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fixed: Fixed, micros: Sequence[int],
+            per_rank: int, compile: bool, allowed: set[str]) -> None:
+    """Composes every candidate of the space into ``results``: for each configuration, every count of offloaded
+    and recomputed blocks (or the fixed layout)."""
+    ctx = composer.ctx
+    L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
+    choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
+                                 fixed)
+    for placement, state, in_backward, fraction, dist in choices:
+        for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
+            for chunked in space.losses:
+                for b in micros:
+                    if in_backward and per_rank // b > 1 and not fixed.step_in_backward:
+                        # With accumulation the earlier micro-batches' gradients stay: no bytes saved, so the search
+                        # skips it; asked for, it steps in the last micro-batch's backward.
+                        continue
+                    for flavor in flavors or ["full"]:
+                        cfg = Configuration(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision,
+                                            state, in_backward, fraction)
+                        if fixed.blocks is not None:
+                            _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
+                            continue
+                        for o in (range(L + 1) if space.offload_blocks else [0]):
+                            # Without recomputed blocks every flavor is the same set-up: the first has it.
+                            lowest = 0 if flavor == (flavors or ["full"])[0] else 1
+                            recompute = np.arange(lowest, (L - o + 1) if flavors else 1)
+                            if len(recompute):
+                                results.add(cfg, o, recompute, *composer.rows(cfg, o, recompute))
+
+
+def _raise_unbuildable(fixed: Fixed, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> None:
+    """The ConfigError when the fixed choices rule out every set-up."""
+    chosen = {k: v for k, v in (("optimizer", fixed.optimizer), ("state_precision", fixed.state_precision),
+                                ("step_in_backward", fixed.step_in_backward),
+                                ("offload_fraction", fixed.offload_fraction),
+                                ("micro_batch_size", micro_batch_size)) if v is not None}
+    given = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "the techniques allowed"
+    ranks = f" with world_size={world_size}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
+    why = ["a partial offload keeps fp32 moments and steps after backward"]
+    if world_size > 1 or fsdp:
+        why = ["step_in_backward and offload_fraction act on gradients before DDP or FSDP2 reduces them (one "
+               "process only)", *why, "FSDP2 shards fp32 moments only"]
+    raise ConfigError(
+        f"no set-up can be built from {given}{ranks}: {', '.join(why)}. To resolve this error, drop one of the "
+        "fixed choices (leave it to the plan).")
+
+
+_PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # partial optimizer offloads the search tries
+
+
+def _int8_runs(device: str) -> bool:
+    """Whether bitsandbytes' 8-bit AdamW is installed (the lowbit extra) and has kernels for ``device``.
+
+    NOTE: found, not imported: importing bitsandbytes takes seconds (it loads torch.compile's machinery), which a
+    plan that never picks int8 moments should not pay; apply_plan imports it when it does.
+    """
+
+
+    return device in INT8_DEVICES and importlib.util.find_spec("bitsandbytes") is not None
+
+
+def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequence[str],
+                       distributions: Sequence[Distribution], allowed: set[str], cuda: bool,
+                       fixed: Fixed) -> list[tuple[OptimizerPlacement, str, bool, float, Distribution]]:
+    """(placement, moment precision, step in backward, partial offload fraction, distribution) to search."""
+    out: list[tuple[OptimizerPlacement, str, bool, float, Distribution]] = []
+    in_backward = [False] + ([True] if "step-in-backward" in allowed else [])
+    if fixed.step_in_backward is not None:
+        in_backward = [fixed.step_in_backward]
+    fractions = [0.0] + (list(_PARTIAL_FRACTIONS) if cuda and "offload-optimizer" in allowed else [])
+    if fixed.offload_fraction is not None:
+        fractions = [fixed.offload_fraction]
+    for dist in distributions:
+        for placement in placements:
+            if placement != "device":
+                # CPUOffloadOptimizer: fp32 state on the host; FSDP2 shards the state itself and needs none.
+                if dist != "fsdp2":
+                    out.append((placement, "fp32", False, 0.0, dist))  # host_fraction is 1 for these
+                continue
+            for state in states:
+                if dist == "fsdp2" and state != "fp32":
+                    continue  # torch's AdamW on FSDP2's sharded parameters
+                for sib in in_backward:
+                    for fraction in fractions:
+                        if dist != "none" and (sib or fraction):
+                            continue  # both would act on gradients before DDP averages them
+                        if fraction and (sib or state != "fp32"):
+                            continue  # a partial offload keeps fp32 moments and steps after backward
+                        out.append((placement, state, sib, fraction, dist))
+    return out
+
+
+def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, device: str, precision: str,
+             world_size: int, chunk_allowed: bool, grad_clip: bool, device_profile_: DeviceProfile | None) -> Problem:
+    meta = _meta_model(model_or_hf_config)
+    blocks = tuple(find_blocks(meta))
+    if not blocks:
+        raise ConfigError(f"plan: no repeated blocks found in {type(meta).__name__}, so nothing can be checkpointed "
+                          "or offloaded block by block. To resolve this error, plan a model with an nn.ModuleList "
+                          "of blocks (or Hugging Face _no_split_modules), or choose the techniques yourself.")
+    dev = device_profile_ if device_profile_ is not None else device_profile(device)
+    return Problem(model=meta, seq_len=seq_len, global_batch=global_batch_size, world=world_size, device=device,
+                    precision=precision, device_profile=dev, block_names=blocks,
+                    chunkable=chunk_allowed and supports_chunked_loss(meta), grad_clip=grad_clip)
+
+
+def composer_for(ctx: Problem, given: Sequence[PlanSettings]) -> Composer:
+    """Profiles of just the kinds the given set-ups use."""
+    flavors = sorted({s.flavor for s in given if "recompute" in s.blocks})
+    offload = any("offload" in s.blocks for s in given)
+    profiles: dict[Any, Profiles] = {}
+    if any(s.optimizer != "offload-bf16-weights" for s in given):
+        profiles[None] = build_profiles(ctx, flavors, offload, None)
+    if any(s.optimizer == "offload-bf16-weights" for s in given):
+        profiles["bf16"] = build_profiles(ctx, flavors, offload, "bf16")
+    return Composer(ctx, profiles)
+
+
+def _add_given(composer: Composer, results: CandidateTable, s: PlanSettings, *, explicit: bool = True) -> None:
+    """One candidate with its own block layout; ``explicit``: it was given whole (nothing was searched)."""
+    cfg = configuration_of(s)
+    kinds = np.array(s.blocks)[None, :]
+    results.add_settings(cfg, s, *composer.assigned(cfg, kinds == "offload", kinds == "recompute"))
+    results.searched |= not explicit
+
+
+def predictions(model_or_hf_config: Any, given: Sequence[PlanSettings], *, seq_len: int, global_batch_size: int,
+                device: str = "cuda", world_size: int = 1, grad_clip: bool = True,
+                device_profile: DeviceProfile | None = None) -> list[Candidate]:
+    """The peak, host bytes and step time the planner predicts for each given set-up, composed from one set of
+    profiles (no search, no full estimates): what it ranks candidates by. ``benchmarks/bench_plan.py`` sets them
+    beside measured step times.
+
+    Raises:
+        ConfigError: set-ups of different precisions, or one the model or device cannot take.
+    """
+    precisions = {s.precision for s in given}
+    if len(precisions) != 1:
+        raise ConfigError(f"predictions: the set-ups have precisions {sorted(precisions)}; one profile serves one. "
+                          "To resolve this error, ask for one precision at a time.")
+    ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device, precisions.pop(), world_size, True,
+                   grad_clip, device_profile)
+    per_rank = global_batch_size // world_size
+    for s in given:
+        check_settings(s, len(ctx.block_names), per_rank, device == "cuda", world_size, ctx.chunkable, s.precision)
+    composer = composer_for(ctx, given)
+    results = CandidateTable(len(ctx.block_names))
+    for s in given:
+        _add_given(composer, results, s)
+    results.finish()
+    tokens = global_batch_size * seq_len
+    return [Candidate(results.settings(k), int(results.peak[k]), int(results.host[k]), float(results.seconds[k]),
+                      tokens / float(results.seconds[k]), False, host_link=composer.host_link(results.settings(k)))
+            for k in range(len(given))]
+
+
+def estimate_of(ctx: Problem, prof: Profiles, s: PlanSettings) -> tuple[float, Trace]:
+    """A full estimate of exactly this set-up (one process, then the distributed shift): the peak and the trace."""
+    checkpointing: dict[str, Any] = {"policies": s.policies(ctx.block_names)}
+    if s.flavor == "selective":
+        checkpointing["selective"] = ("matmul", "attention")
+    if s.flavor == "offload-inputs" and "recompute" in s.blocks:
+        checkpointing["offload"] = True
+    t = trace(ctx.model, (s.micro_batch_size, ctx.seq_len), device=ctx.device, precision=ctx.precision,
+              checkpointing=checkpointing, chunked_loss=s.chunked_loss,
+              optimizer="adamw" if s.optimizer == "device" else "adamw-offload", accumulation=s.accumulation,
+              state_precision=s.state_precision, offload_fraction=s.offload_fraction,
+              step_in_backward=s.step_in_backward,
+              weights_dtype="bf16" if s.optimizer == "offload-bf16-weights" else None,
+              runs=gradient_shard(ctx, s) > 0)  # when the sharded gradients' moments matter
+    return rank_peak(ctx, prof, s, t), t
+
+
+def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_bytes: int | None, usable: int | None,
+            host_limit: int | None, host_budget: int | None, margin: float, started: float,
+            correction_bytes: int = 0) -> Plan:
+    """The fastest row that fits, confirmed by a full estimate (the next is tried when the estimate disagrees)."""
+    fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
+    fits = fits_host & (results.peak <= usable if usable is not None else True)
+    # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
+    # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
+    # too, on a quota of their own.
+    band = fits_host & (results.peak <= usable * (1 + _VERIFY_BAND) if usable is not None else True)
+    verified: dict[int, tuple[float, Trace]] = {}
+    chosen, tries, near_misses = None, 0, 0
+    # A full estimate above its composed peak says what composition missed for that shape of candidate (the
+    # same configuration, with or without offloaded blocks): later ones of that shape carry the deficit.
+    deficit: dict[tuple[int, bool], float] = {}
+    for k in results.order[band[results.order]]:
+        k = int(k)
+        shape = (int(results.config[k]), bool(results.offload[k]))
+        composed = results.peak[k] + deficit.get(shape, 0.0)
+        near_miss = usable is not None and composed > usable
+        if usable is not None and composed > usable * (1 + _VERIFY_BAND):
+            continue
+        if (near_misses >= _NEAR_MISSES) if near_miss else (tries >= _VERIFY_LIMIT):
+            if tries >= _VERIFY_LIMIT:
+                break
+            continue
+        s = results.settings(k)
+        peak, t = estimate_of(ctx, composer.profile(s.optimizer), s)
+        verified[k] = peak + correction_bytes, t
+        near_misses, tries = near_misses + near_miss, tries + (not near_miss)
+        if usable is None or verified[k][0] <= usable:
+            chosen = k
+            break
+        deficit[shape] = max(deficit.get(shape, 0.0), verified[k][0] - results.peak[k])
+    if chosen is None:
+        raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
+                            fits_host)
+    s = results.settings(chosen)
+    peak, t = verified[chosen]
+    tokens_per_step = ctx.global_batch * ctx.seq_len
+    seconds = float(results.seconds[chosen])
+    fits_verified = fits.copy()
+    for k, (p, _) in verified.items():
+        fits_verified[k] = usable is None or p <= usable
+    return Plan(
+        settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
+        peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
+        step_seconds=seconds, tokens_per_s=tokens_per_step / seconds, precision=ctx.precision, device=ctx.device,
+        seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
+        parameters=int(sum(p.numel() for p in dict.fromkeys(ctx.model.parameters()))),
+        reasons=tuple(plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)),
+        candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
+                                     host_limit)),
+        assumptions=tuple(plan_assumptions(ctx, margin, composer, host_limit) + (
+            [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
+             "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
+        plan_seconds=time.perf_counter() - started, host_link=composer.host_link(s),
+    )

@@ -1,0 +1,394 @@
+"""What a plan is made of: ``PlanSettings`` (one set-up), ``Fixed`` (choices the search keeps), ``HostLink``,
+``Candidate`` and ``Plan`` (with ``summary``/``to_dict``); and the search's own terms, the ``Problem`` (the fixed inputs
+of one planning problem) and a ``Configuration`` (a candidate but for its block assignment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from memtrain.checkpointing import Checkpointing
+from memtrain.errors import ConfigError
+from memtrain.planner.devices import DeviceProfile
+from memtrain.report import MemoryReport, format_bytes
+
+# The kinds a block can be, in plans: what it keeps for backward, and what it costs.
+BlockKind = Literal["keep", "recompute", "offload"]
+RecomputeFlavor = Literal["full", "selective", "offload-inputs"]
+OptimizerPlacement = Literal["device", "offload", "offload-bf16-weights"]
+Distribution = Literal["none", "ddp", "fsdp2"]
+
+DEFAULT_SAFETY_MARGIN = 0.05  # of the budget, left for the allocator's fragmentation
+
+
+# -- the plan -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanSettings:
+    """Every choice of one candidate: what ``apply_plan`` sets up."""
+
+    micro_batch_size: int
+    accumulation: int  # micro-batches per optimizer step on each rank
+    blocks: tuple[BlockKind, ...]  # per block, in the model's order
+    flavor: RecomputeFlavor  # how the recomputed blocks recompute
+    chunked_loss: bool
+    optimizer: OptimizerPlacement
+    distribution: Distribution
+    compile: bool
+    precision: str = "bf16-mixed"  # compute precision (autocast): fp32, bf16-mixed, fp16-mixed
+    state_precision: str = "fp32"  # AdamW's moments: fp32 (8 bytes/param), bf16 (4), int8 (about 2)
+    step_in_backward: bool = False  # each parameter steps as its gradient is final, which is freed at once
+    offload_fraction: float = 0.0  # with optimizer "device": this share of the parameters' state in host RAM
+
+    @property
+    def optimizer_text(self) -> str:
+        """The optimizer in words, e.g. "device, int8 moments, step in backward"."""
+        parts = [self.optimizer if not (self.optimizer == "device" and self.offload_fraction) else
+                 f"{100 * self.offload_fraction:.0f}% offloaded"]
+        if self.state_precision != "fp32":
+            parts.append(f"{self.state_precision} moments")
+        if self.step_in_backward:
+            parts.append("step in backward")
+        return ", ".join(parts)
+
+    @property
+    def checkpointing(self) -> str:
+        """A short name: none, all, selective, all+offload-inputs, or counts per kind."""
+        counts = {kind: self.blocks.count(kind) for kind in ("keep", "recompute", "offload")}
+        n = len(self.blocks)
+        flavor = {"full": "", "selective": " selective", "offload-inputs": " (inputs offloaded)"}[self.flavor]
+        if counts["keep"] == n:
+            return "none"
+        if counts["recompute"] == n:
+            return {"full": "all", "selective": "selective", "offload-inputs": "all+offload-inputs"}[self.flavor]
+        if counts["offload"] == n:
+            return "offload all"
+        parts = [f"{counts['recompute']} recompute{flavor}" if counts["recompute"] else "",
+                 f"{counts['offload']} offload" if counts["offload"] else "",
+                 f"{counts['keep']} keep" if counts["keep"] else ""]
+        return ", ".join(p for p in parts if p) + f" of {n}"
+
+    def policies(self, names: Sequence[str]) -> dict[str, BlockKind]:
+        """``apply_checkpointing(policies=)`` for the block names (in order)."""
+        return dict(zip(names, self.blocks, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["blocks"] = list(self.blocks)
+        out["checkpointing"] = self.checkpointing
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PlanSettings:
+        """The settings ``to_dict`` wrote (e.g. in a run's checkpoint).
+
+        Raises:
+            ConfigError: a dictionary that is not one (a missing or unknown field).
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: (tuple(v) if k == "blocks" else v) for k, v in d.items() if k in names})
+        except TypeError as e:
+            raise ConfigError(f"{d!r} is not a plan's settings ({e}). To resolve this error, pass what "
+                              "PlanSettings.to_dict() wrote.") from None
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Choices a plan keeps as given (a user's flags); None leaves that choice to the search."""
+
+    blocks: tuple[BlockKind, ...] | None = None  # the checkpointing layout, one kind per block
+    flavor: RecomputeFlavor | None = None  # how the recomputed blocks recompute
+    chunked_loss: bool | None = None
+    optimizer: OptimizerPlacement | None = None
+    state_precision: str | None = None
+    step_in_backward: bool | None = None
+    offload_fraction: float | None = None
+    compile: bool | None = None  # torch.compile the step (True), or not (False)
+
+    @classmethod
+    def of_choices(cls, *, n_blocks: int, device: str, checkpointing: Any = None, offload_activations: bool | None = None,
+                   offload_optimizer: bool | None = None, chunked_loss: bool | None = None,
+                   state_precision: str | None = None, step_in_backward: bool | None = None,
+                   offload_fraction: float | None = None) -> tuple[Fixed, frozenset[str], list[str]]:
+        """A user's choices (``TrainConfig``'s, a command's flags; None: the plan's) as the constraints of a plan.
+
+        Returns:
+            (the fixed choices, the ``TECHNIQUES`` the search may use, notes for choices that do nothing on
+            ``device``).
+
+        Raises:
+            ConfigError: a checkpointing policy that is not one.
+        """
+        allowed, notes = set(TECHNIQUES), []
+        cuda = device == "cuda"
+        policy = None if checkpointing is None else Checkpointing.parse(checkpointing)
+        offload = offload_activations
+        if policy is not None and policy.offload_inputs:
+            offload = True
+        if offload and not cuda:
+            notes.append("activation offload has no effect on a CPU-only run (no device memory to save): off")
+            offload = False
+            if policy is not None:
+                policy = dataclasses.replace(policy, offload_inputs=False)
+        blocks: tuple[BlockKind, ...] | None = None
+        flavor: RecomputeFlavor | None = None
+        if policy is not None:
+            blocks = policy.block_policies(n_blocks)
+            flavor = "selective" if policy.mode == "selective" else "full"
+            if offload and "recompute" in blocks:
+                flavor = "offload-inputs"  # the recomputed blocks' saved inputs wait in host memory
+            elif offload:
+                blocks = ("offload",) * n_blocks  # nothing recomputes: every block's activations go to the host
+        elif offload:
+            # Asked for, with the layout left open: every block recomputes and its saved input is offloaded.
+            blocks, flavor = ("recompute",) * n_blocks, "offload-inputs"
+        if offload is False:
+            allowed.discard("offload-activations")
+        optimizer: OptimizerPlacement | None = None
+        if offload_optimizer is True:
+            optimizer = "offload"
+        elif offload_optimizer is False or offload_fraction is not None:
+            optimizer = "device"
+            if offload_fraction is None:
+                offload_fraction = 0.0
+        if state_precision is not None or step_in_backward:
+            optimizer = optimizer or "device"  # lean moments and the in-backward step are device optimizers
+        fixed = cls(blocks=blocks, flavor=flavor, chunked_loss=chunked_loss, optimizer=optimizer,
+                    state_precision=state_precision, step_in_backward=step_in_backward,
+                    offload_fraction=offload_fraction)
+        return fixed, frozenset(allowed), notes
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """Bytes over the host link (PCIe, or NVLink-C2C) in one optimizer step, per rank, as the time model counts
+    them: offloaded activations go out in each micro-batch's forward and come back in its backward; an offloaded
+    optimizer's gradients (the device weights' dtype) go out in each micro-batch's backward and its new weights
+    come back once a step. Small transfers (norms, flags, the loss) are not counted."""
+
+    activations_to_host: int
+    activations_to_device: int
+    optimizer_to_host: int
+    optimizer_to_device: int
+
+    @property
+    def to_host(self) -> int:
+        return self.activations_to_host + self.optimizer_to_host
+
+    @property
+    def to_device(self) -> int:
+        return self.activations_to_device + self.optimizer_to_device
+
+    @property
+    def total(self) -> int:
+        return self.to_host + self.to_device
+
+    def text(self) -> str:
+        """E.g. "1.0 GiB to host, 512.0 MiB to device (activations 512.0 MiB each way; optimizer ...)"."""
+        parts = []
+        if self.activations_to_host or self.activations_to_device:
+            parts.append(f"activations {format_bytes(self.activations_to_host)} out, "
+                         f"{format_bytes(self.activations_to_device)} back")
+        if self.optimizer_to_host or self.optimizer_to_device:
+            parts.append(f"optimizer {format_bytes(self.optimizer_to_host)} gradients out, "
+                         f"{format_bytes(self.optimizer_to_device)} weights back")
+        return (f"{format_bytes(self.to_host)} to host, {format_bytes(self.to_device)} to device"
+                + (f" ({'; '.join(parts)})" if parts else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"activations_to_host": self.activations_to_host, "activations_to_device": self.activations_to_device,
+                "optimizer_to_host": self.optimizer_to_host, "optimizer_to_device": self.optimizer_to_device,
+                "to_host": self.to_host, "to_device": self.to_device, "total": self.total}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate's predictions and, unless it was chosen, why it lost."""
+
+    settings: PlanSettings
+    peak_bytes: int  # per rank, on the device
+    host_bytes: int  # per node (every rank's share)
+    step_seconds: float
+    tokens_per_s: float
+    verified: bool  # the peak is a full estimate of this set-up (else composed from the profiles)
+    lost_because: str = ""
+    host_link: HostLink | None = None  # bytes over the host link per step, per rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"settings": self.settings.to_dict(), "peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes,
+                "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_s, "verified": self.verified,
+                "lost_because": self.lost_because,
+                "host_link": self.host_link.to_dict() if self.host_link is not None else None}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen set-up with its predictions, one reason per decision, and the runners-up.
+
+    ``peak_bytes`` is a full ``estimate`` of exactly this set-up (per rank); ``activation_bytes`` the bytes saved
+    for backward in one micro-batch (on the CPU exactly what ``measure`` counts).
+    """
+
+    settings: PlanSettings
+    budget_bytes: int | None  # None: unlimited
+    usable_bytes: int | None  # the budget less the safety margin
+    host_budget_bytes: int | None
+    peak_bytes: int
+    host_bytes: int
+    activation_bytes: int
+    step_seconds: float
+    tokens_per_s: float
+    precision: str
+    device: str  # "cuda" or "cpu"
+    seq_len: int
+    global_batch_size: int
+    world_size: int
+    block_names: tuple[str, ...]
+    parameters: int
+    reasons: tuple[str, ...]
+    candidates: tuple[Candidate, ...]  # the runners-up, fastest first
+    assumptions: tuple[str, ...]
+    device_profile: DeviceProfile
+    report: MemoryReport  # the estimate behind peak_bytes
+    plan_seconds: float = 0.0  # how long planning took
+    host_link: HostLink = HostLink(0, 0, 0, 0)  # bytes over the host link per step, per rank
+
+    @property
+    def host_link_bytes(self) -> int:
+        """Bytes over the host link in one optimizer step, per rank, both directions (see ``host_link``)."""
+        return self.host_link.total
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.settings.micro_batch_size
+
+    @property
+    def accumulation(self) -> int:
+        return self.settings.accumulation
+
+    def summary(self) -> str:
+        """The choice, its predictions and reasons, and the runners-up, as a table (returned, not printed)."""
+        s = self.settings
+        budget = "unlimited" if self.budget_bytes is None else (
+            f"{format_bytes(self.budget_bytes)} (usable {format_bytes(self.usable_bytes)})")
+        lines = [
+            f"plan for {self.parameters / 1e6:.1f}M parameters, {self.global_batch_size} x {self.seq_len} tokens per "
+            f"step, {self.precision}, on {self.device_profile.name} x {self.world_size}; budget {budget}",
+            f"  choice: micro-batch {s.micro_batch_size} x {s.accumulation} accumulation, checkpointing "
+            f"{s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}, "
+            f"{s.distribution if self.world_size > 1 else 'one process'}{', compiled' if s.compile else ''}",
+            f"  predicted: peak {format_bytes(self.peak_bytes)} per rank, host {format_bytes(self.host_bytes)}, "
+            f"step {self.step_seconds * 1e3:.1f} ms, {self.tokens_per_s:,.0f} tokens/s",
+            *([f"  host link per step: {self.host_link.text()}"] if self.host_link.total else []),
+            "  because:",
+            *(f"    - {r}" for r in self.reasons),
+        ]
+        if self.candidates:
+            rows = [("micro x acc", "checkpointing", "loss", "optimizer", "dist", "peak", "tokens/s", "lost because")]
+            for c in self.candidates:
+                cs = c.settings
+                rows.append((f"{cs.micro_batch_size} x {cs.accumulation}", cs.checkpointing,
+                             "chunked" if cs.chunked_loss else "whole",
+                             cs.optimizer_text + (" +compile" if cs.compile else ""), cs.distribution,
+                             format_bytes(c.peak_bytes) + ("" if c.verified else "*"), f"{c.tokens_per_s:,.0f}",
+                             c.lost_because))
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            lines.append("  runners-up (* composed from the block profiles, not a full estimate):")
+            lines += ["    " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines += [f"  assumes: {a}" for a in self.assumptions]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``plan`` (the settings), the predictions, ``candidates``, reasons and assumptions."""
+        return {
+            "plan": self.settings.to_dict(),
+            "peak_bytes": self.peak_bytes,
+            "host_bytes": self.host_bytes,
+            "activation_bytes": self.activation_bytes,
+            "step_seconds": self.step_seconds,
+            "tokens_per_s": self.tokens_per_s,
+            "budget_bytes": self.budget_bytes,
+            "usable_bytes": self.usable_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "precision": self.precision,
+            "device": self.device,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "world_size": self.world_size,
+            "parameters": self.parameters,
+            "blocks": list(self.block_names),
+            "reasons": list(self.reasons),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "assumptions": list(self.assumptions),
+            "device_profile": self.device_profile.to_dict(),
+            "plan_seconds": self.plan_seconds,
+            "host_link": self.host_link.to_dict(),
+            "estimate": self.report.to_dict(),
+        }
+
+
+# -- the planning problem, and a candidate but for its blocks -----------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    """The fixed inputs of one planning problem."""
+
+    model: Any
+    seq_len: int
+    global_batch: int
+    world: int
+    device: str
+    precision: str
+    device_profile: DeviceProfile
+    block_names: tuple[str, ...]
+    chunkable: bool
+    grad_clip: bool
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A candidate but for its block assignment (offloaded, recomputed and kept counts)."""
+
+    micro_batch_size: int
+    accumulation: int
+    flavor: RecomputeFlavor
+    chunked_loss: bool
+    optimizer: OptimizerPlacement
+    distribution: Distribution
+    compile: bool
+
+    precision: str = "bf16-mixed"
+    state_precision: str = "fp32"
+    step_in_backward: bool = False
+    offload_fraction: float = 0.0
+
+    def settings(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
+        return self.with_blocks(_assignment(n_blocks, offload, recompute))
+
+    def with_blocks(self, blocks: tuple[BlockKind, ...]) -> PlanSettings:
+        return PlanSettings(self.micro_batch_size, self.accumulation, blocks, self.flavor, self.chunked_loss,
+                            self.optimizer, self.distribution, self.compile, self.precision, self.state_precision,
+                            self.step_in_backward, self.offload_fraction)
+
+    @property
+    def host_fraction(self) -> float:
+        """The share of the parameters whose optimizer state (and gradients) go to the host."""
+        return 1.0 if self.optimizer != "device" else self.offload_fraction
+
+
+def _assignment(n_blocks: int, offload: int, recompute: int) -> tuple[BlockKind, ...]:
+    """Offloaded blocks first (they come back last in backward: the most time to prefetch), then the recomputed
+    ones, then the kept ones (the last blocks' activations are the first backward frees)."""
+    return (("offload",) * offload + ("recompute",) * recompute
+            + ("keep",) * (n_blocks - offload - recompute))  # type: ignore[return-value]
+
+
+TECHNIQUES = ("checkpointing", "selective", "offload-activations", "chunked-loss", "offload-optimizer",
+              "bf16-weights", "optimizer-state", "step-in-backward")
+
+
+def configuration_of(s: PlanSettings) -> Configuration:
+    return Configuration(s.micro_batch_size, s.accumulation, s.flavor, s.chunked_loss, s.optimizer, s.distribution,
+                   s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction)

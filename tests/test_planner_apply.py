@@ -1,0 +1,55 @@
+"""Tests of memtrain.planner: apply_plan: it sets up exactly what the settings say."""
+
+from __future__ import annotations
+
+import torch
+from helpers import tiny_gpt
+
+from memtrain.checkpointing import checkpointed_blocks
+from memtrain.loss import chunk_tokens_of
+from memtrain.models import GPT
+from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.planner import (
+    PlanSettings,
+    apply_plan,
+)
+
+
+def _gpt(layers: int = 4) -> GPT:
+    return tiny_gpt(layers, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0, seed=0)
+
+
+# -- apply_plan ---------------------------------------------------------------------------------------------
+def test_apply_plan_builds_the_lean_optimizer_the_settings_say():
+    from memtrain.optim import LeanAdamW
+
+    model = _gpt(layers=4)
+    settings = PlanSettings(8, 1, ("keep",) * 4, "full", False, "device", "none", False, "fp32",
+                            state_precision="bf16", step_in_backward=True)
+    run = apply_plan(model, settings, lr=1e-3, max_grad_norm=None)
+    assert isinstance(run.optimizer, LeanAdamW) and run.optimizer.steps_in_backward
+    x = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+    with run.accumulator.micro_batch(is_last=True):
+        run.accumulator.backward(model(x, x, reduction="sum"), reduction="sum", items=x.numel())
+    run.accumulator.step()
+    state = next(iter(run.optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.bfloat16
+    run.optimizer.close()
+
+
+def test_apply_plan_sets_up_exactly_what_the_settings_say():
+    model = _gpt(layers=4)
+    names = [f"blocks.{i}" for i in range(4)]
+    settings = PlanSettings(2, 2, ("offload", "recompute", "recompute", "keep"), "selective", True, "offload",
+                            "none", False, "fp32")
+    run = apply_plan(model, settings, lr=1e-3)
+    assert checkpointed_blocks(model) == names[:3]
+    specs = [model.get_submodule(n)._memtrain_checkpoint for n in names[:3]]
+    assert [s.policy for s in specs] == ["offload", "recompute", "recompute"]
+    assert specs[1].selective is not None
+    assert chunk_tokens_of(model) == 1024
+    assert isinstance(run.optimizer, CPUOffloadOptimizer) and run.accumulator.steps == 2
+    run.optimizer.close()
+    plain = apply_plan(model, PlanSettings(4, 1, ("keep",) * 4, "full", False, "device", "none", False, "fp32"))
+    assert checkpointed_blocks(model) == [] and chunk_tokens_of(model) is None
+    assert type(plain.optimizer) is torch.optim.AdamW

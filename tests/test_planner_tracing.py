@@ -1,0 +1,45 @@
+"""Tests of memtrain.planner: the traced profiles: identical blocks traced three at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import tiny_llama_config
+
+from memtrain.planner import (
+    known_gpu,
+)
+
+transformers = pytest.importorskip("transformers")
+
+H100 = known_gpu("NVIDIA H100 80GB HBM3")
+
+
+def _llama(layers: int = 4, hidden: int = 512, **overrides):
+    return tiny_llama_config(**{**dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
+                                       max_position_embeddings=2048, use_cache=False), **overrides})
+
+
+def test_identical_blocks_are_traced_three_at_a_time():
+    """Profiles from a copy holding the first five blocks and the last equal those of the whole model."""
+    from memtrain.planner.cost import Composer
+    from memtrain.planner.search import problem_of
+    from memtrain.planner.settings import Configuration
+    from memtrain.planner.tracing import build_profiles, profiles_from_traces, truncated_copy
+
+    ctx = problem_of(_llama(layers=9), 1024, 2, "cuda", "bf16-mixed", 1, True, True, H100)
+    truncated = truncated_copy(ctx.model, ctx.block_names)
+    assert truncated is not None and truncated[1] == [0, 1, 2, 3, 4, 4, 4, 4, 5]
+    whole = Composer(ctx, {None: profiles_from_traces(ctx, ["full", "offload-inputs"], True, None, None)})
+    four = Composer(ctx, {None: build_profiles(ctx, ["full", "offload-inputs"], True, None)})
+    for b in (1, 2):
+        for chunked in (False, True):
+            for flavor in ("full", "offload-inputs"):
+                cfg = Configuration(micro_batch_size=b, accumulation=2 // b, flavor=flavor, chunked_loss=chunked,
+                                    optimizer="device", distribution="none", compile=False, precision="bf16-mixed")
+                for offload in (0, 3):
+                    r = np.arange(10 - offload)
+                    a, c = whole.rows(cfg, offload, r), four.rows(cfg, offload, r)
+                    assert np.allclose(a[0], c[0]), (b, chunked, flavor, offload, a[0] - c[0])
+                    assert np.allclose(a[2], c[2], rtol=1e-9), (b, chunked, flavor, offload, a[2] / c[2])
