@@ -25,7 +25,8 @@ The parts, from the bottom up:
 - ``optimizer_state``: the optimizer's bytes by formula;
 - ``arguments``: the arguments checked, every problem at once;
 - ``explain``: the peak and the assumptions in words;
-- ``step``: ``trace`` and ``estimate``, the step in phases (set-up, forward, backward, optimizer step).
+- ``prepare``: the step's set-up: the model, its inputs, and what watches the step;
+- ``step``: ``trace`` and ``estimate``: forward, backward and optimizer step, then the report.
 """
 
 from memtrain.estimate.arguments import MAX_LAYERS, MAX_LOSS_CHUNKS, OptimizerKind, Precision

@@ -1,46 +1,32 @@
 """The step, traced: ``trace`` runs a steady-state training step on tensors without data (set-up, forward,
 backward, optimizer step) and returns what it showed (``Trace``); ``estimate`` returns its report.
 
-Each phase is a function below, in the order the step runs them; the order of what they record (allocations,
-frees, runs) is the calibrated estimate, so it is kept exactly.
+The set-up lives in ``prepare``; forward, backward and the optimizer step are the functions below, in the order the
+step runs them. The order of what they record (allocations, frees, runs) is what the estimate is calibrated on, so
+it is kept exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memtrain.checkpointing import (
-    Checkpointing,
-    _auto_blocks,
-    _CheckpointedForward,
-    apply_checkpointing,
-    remove_checkpointing,
-)
+from memtrain.checkpointing import _auto_blocks
 from memtrain.errors import MemtrainError, describe_exception
-from memtrain.estimate.arguments import (
-    AUTOCAST_DTYPES,
-    WEIGHT_DTYPES,
-    OptimizerKind,
-    Precision,
-    check_against_model,
-    check_arguments,
-)
-from memtrain.estimate.attribution import BlockMeter, Where, attribute_release
-from memtrain.estimate.cuda import CUDA_BLOCK, CUDA_WORKSPACE_BYTES, CudaRules
+from memtrain.estimate.arguments import AUTOCAST_DTYPES, OptimizerKind, Precision, check_arguments
+from memtrain.estimate.attribution import attribute_release
+from memtrain.estimate.cuda import CUDA_BLOCK
 from memtrain.estimate.explain import assumptions_of, explain_peak
-from memtrain.estimate.fake import call_convention, convert_weights, hf_sees_real_tensors, meta_model, to_fake
+from memtrain.estimate.fake import call_convention, hf_sees_real_tensors
 from memtrain.estimate.optimizer_state import OptimizerFigures, optimizer_figures
-from memtrain.estimate.simulated_offload import SimulatedOffload, simulate_offload
+from memtrain.estimate.prepare import NullContext, Watch, fake_inputs, prepare_model, watch_step
 from memtrain.estimate.tracker import LiveTracker, Run
-from memtrain.loss import apply_chunked_loss, output_head, remove_chunked_loss
 from memtrain.measure import _as_loss
-from memtrain.offload import MIN_BYTES_DEFAULT, ActivationOffloader, _find_head
+from memtrain.offload import MIN_BYTES_DEFAULT
 from memtrain.report import MemoryReport
 
 
@@ -59,19 +45,6 @@ class Trace:
     host_bytes: int  # optimizer state and offloaded activations in host memory
     offloaded_bytes: int  # of host_bytes, the activations (they cross the host link twice a step)
     forward_end_bytes: int  # bytes alive when forward ended, before autocast's cast cache was let go
-
-
-@dataclass
-class _Watch:
-    """What watches the traced step: where it is, every storage alive, what is saved, CUDA's rules (None on the
-    CPU), the simulated offload (None without), and the bytes alive after each phase."""
-
-    where: Where
-    tracker: LiveTracker
-    meter: BlockMeter
-    rules: CudaRules | None
-    offload: SimulatedOffload | None
-    phase_bytes: list[tuple[str, int]] = field(default_factory=list)
 
 
 def estimate(
@@ -195,10 +168,10 @@ def trace(
     round_to = CUDA_BLOCK if on_cuda else 1
     autocast_dtype = AUTOCAST_DTYPES[precision]
 
-    meta, kwargs, offloads, chunk_tokens = _prepare_model(model, spec, ckpt, weights_dtype=weights_dtype,
-                                                          chunked_loss=chunked_loss,
-                                                          offload_activations=offload_activations)
-    fake_mode, inputs = _fake_inputs(meta, spec, on_cuda)
+    meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, weights_dtype=weights_dtype,
+                                                         chunked_loss=chunked_loss,
+                                                         offload_activations=offload_activations)
+    fake_mode, inputs = fake_inputs(meta, spec, on_cuda)
     run = call_convention(meta, spec, isinstance(batch, Mapping))
 
     params = list(dict.fromkeys(p for p in meta.parameters()))
@@ -207,36 +180,26 @@ def trace(
                               offload_fraction=offload_fraction, step_in_backward=step_in_backward,
                               accumulation=accumulation, device_type=device_type, round_to=round_to, on_cuda=on_cuda)
     streamed = bool(optim.leaving)
-    # -- set-up: the tracker (with what is alive before forward), gradient hooks, CUDA's rules, the offload
-    where = Where(meta)
-    tracker, workspace = _start_tracker(meta, inputs, where, round_to, optim.state_bytes, record=runs,
-                                        replay=on_cuda and replay, on_cuda=on_cuda)
-    hooks, landed = _gradient_hooks(tracker, fake_mode, trainable, optim.leaving, accumulation,
-                                    note_landings=runs and not streamed and accumulation == 1)
-    fixed_bytes = tracker.current
-    rules = _cuda_rules(meta, where, tracker, autocast_dtype, on_cuda=on_cuda, chunked_loss=chunked_loss)
-    cpu_autocast = (torch.autocast("cpu", dtype=autocast_dtype, cache_enabled=False) if (autocast_dtype and not on_cuda)
-                    else _nullcontext())
-    meter = BlockMeter(meta, where, tracker)
-    offload, whole_forward = _offload(meta, meter, params, offloads=offloads,
-                                      offload_activations=offload_activations,
-                                      offload_min_bytes=offload_min_bytes)
-    watch = _Watch(where, tracker, meter, rules, offload)
-    with hf_sees_real_tensors(), fake_mode, tracker, where, meter, (rules or _nullcontext()):
-        out, loss, forward_end_bytes = _forward(watch, meta, run, inputs, cpu_autocast, whole_forward, keep_output)
+    watch = watch_step(meta, inputs, params, trainable, optim, fake_mode, round_to=round_to, record=runs,
+                       replay=on_cuda and replay, on_cuda=on_cuda, autocast_dtype=autocast_dtype,
+                       accumulation=accumulation, chunked_loss=chunked_loss, offloads=offloads,
+                       offload_activations=offload_activations, offload_min_bytes=offload_min_bytes)
+    where, tracker, meter, rules, offload = watch.where, watch.tracker, watch.meter, watch.rules, watch.offload
+    with hf_sees_real_tensors(), fake_mode, tracker, where, meter, (rules or NullContext()):
+        out, loss, forward_end_bytes = _forward(watch, meta, run, inputs, keep_output)
         _backward(watch, meta, loss)
         grad_names = _optimizer_step(watch, meta, optim.step_temp_bytes)
         peak_live, (peak_phase_name, peak_where) = tracker.peak_live, tracker.peak_at
         del out, loss
-    for handle in hooks:
+    for handle in watch.hooks:
         handle.remove()
-    if landed is not None:
-        _book_gradients(tracker, landed)
+    if watch.landed is not None:
+        _book_gradients(tracker, watch.landed)
     measured = meter.report()
 
     peak_phase, by_category = explain_peak(tracker, peak_live, peak_phase_name, peak_where, grad_names,
                                            state_bytes=optim.state_bytes, step_temp_bytes=optim.step_temp_bytes,
-                                           workspace=workspace)
+                                           workspace=watch.workspace)
     offloaded_bytes = offload.host_bytes if offload is not None else 0
     host_bytes = optim.host_bytes + offloaded_bytes
     assumptions = assumptions_of(keep_output=keep_output, optimizer_note=optim.note, by_category=by_category,
@@ -257,160 +220,20 @@ def trace(
         host_bytes=host_bytes,
         assumptions=tuple(assumptions),
     )
-    return _trace_of(report, meta, trainable, tracker, optim, fixed_bytes=fixed_bytes, host_bytes=host_bytes,
+    return _trace_of(report, meta, trainable, tracker, optim, fixed_bytes=watch.fixed_bytes, host_bytes=host_bytes,
                      offloaded_bytes=offloaded_bytes, forward_end_bytes=forward_end_bytes)
 
 
-# -- set-up ---------------------------------------------------------------------------------------------------
-def _prepare_model(model: Any, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                   ckpt: Checkpointing | dict[str, Any] | None, *, weights_dtype: str | None, chunked_loss: bool,
-                   offload_activations: bool) -> tuple[nn.Module, dict[str, Any] | None, bool, int]:
-    """A meta copy of ``model`` in training mode, checked against the batch, with the checkpointing and the loss
-    asked for applied. Returns (it, the ``apply_checkpointing`` arguments, whether anything offloads, the loss's
-    chunk size)."""
-    meta = meta_model(model)
-    meta.train()
-    if getattr(getattr(meta, "config", None), "use_cache", False):
-        meta.config.use_cache = False  # as memtrain trains: a KV cache only holds memory in a training step
-    if WEIGHT_DTYPES[weights_dtype] is not None:
-        convert_weights(meta, WEIGHT_DTYPES[weights_dtype])
-    chunk_tokens = check_against_model(meta, spec, chunked_loss)
-    remove_checkpointing(meta)
-    kwargs = ckpt.arguments(meta) if isinstance(ckpt, Checkpointing) else ckpt
-    offloads = offload_activations or "offload" in ((kwargs or {}).get("policies") or {}).values()
-    if kwargs is not None:
-        if offload_activations:
-            kwargs["offload"] = True  # as train does: the recomputed blocks' saved inputs
-        if offloads or kwargs.get("offload"):
-            offloads = True
-            kwargs.setdefault("offloader", ActivationOffloader(None))  # a stand-in, replaced below
-        apply_checkpointing(meta, **kwargs)
-    remove_chunked_loss(meta)
-    if chunked_loss:
-        apply_chunked_loss(meta, chunk_tokens=chunk_tokens)
-    return meta, kwargs, offloads, chunk_tokens
-
-
-def _fake_inputs(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                 on_cuda: bool) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(the tensor mode the step runs in, the batch's inputs in it); the model's tensors moved into it."""
-    # CUDA: meta tensors (fast: the CUDA rules above choose kernels and dtypes). CPU: fake CPU tensors, so that
-    # the CPU's own kernel choices (attention) and autocast apply exactly as in a real CPU run.
-    fake_mode: Any = _nullcontext()
-    if not on_cuda:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # stray tensor attributes become fake
-        to_fake(meta, fake_mode)
-    with fake_mode:
-        inputs = {key: torch.empty(shape, dtype=dtype, device="meta" if on_cuda else "cpu")
-                  for key, (shape, dtype) in spec.items()}
-    return fake_mode, inputs
-
-
-def _start_tracker(meta: nn.Module, inputs: Mapping[str, torch.Tensor], where: Where, round_to: int,
-                   state_bytes: int, *, record: bool, replay: bool, on_cuda: bool) -> tuple[LiveTracker, int]:
-    """A tracker holding what is alive before forward: parameters, buffers, inputs, the optimizer state and (CUDA)
-    the cuBLAS workspaces. Returns it and the workspaces' bytes."""
-    tracker = LiveTracker(round_to, where)
-    tracker.recording = record
-    if replay:
-        tracker.replay = {}
-    for name, p in meta.named_parameters():
-        tracker.add(p, ("state", name, "parameter", tuple(p.shape), p.dtype))
-    for name, b in meta.named_buffers():
-        tracker.add(b, ("state", name, "buffer", tuple(b.shape), b.dtype))
-    for name, t in inputs.items():
-        tracker.add(t, ("input", name, "input", tuple(t.shape), t.dtype))
-    tracker.add_bytes(state_bytes)
-    workspace = CUDA_WORKSPACE_BYTES if on_cuda else 0
-    tracker.add_bytes(workspace)
-    return tracker, workspace
-
-
-def _gradient_hooks(tracker: LiveTracker, fake_mode: Any, trainable: list[nn.Parameter],
-                    leaving: list[nn.Parameter], accumulation: int, *,
-                    note_landings: bool) -> tuple[list[Any], dict[int, tuple[int, int, int]] | None]:
-    """Gradients as the loop holds them: those ``leaving`` dropped once accumulated, the earlier micro-batches' alive
-    from the start (``accumulation > 1``). Returns the hooks and, with ``note_landings``, the landings they note
-    (gradient serial -> (bytes, run index, landing serial))."""
-    streamed = bool(leaving)
-    landed = None
-    hooks = []
-    if streamed:
-        def drop(p: torch.Tensor) -> None:
-            p.grad = None
-
-        hooks = [p.register_post_accumulate_grad_hook(drop) for p in leaving]
-    if accumulation > 1:
-        # A later micro-batch of the window: the earlier ones' gradients are alive from its start, and its own
-        # backward adds into them in place.
-        with fake_mode, tracker:
-            for p in {id(p): p for p in trainable if p not in set(leaving)}.values():
-                p.grad = torch.empty_like(p)
-    if note_landings:
-        # Which run each gradient came into being in, and whether before its peak: what a streaming optimizer (or
-        # accumulation, which adds each new gradient into the old one and frees it) would not hold there.
-        # Keyed by the gradient's allocation serial; the landing serial is when a streaming optimizer takes it
-        # (the chunked loss allocates the head's gradient at its first chunk and fills it over the others).
-        landed: dict[int, tuple[int, int, int]] = {}
-
-        def note(p: torch.Tensor) -> None:
-            entry = tracker.live.get(p.grad.untyped_storage()._cdata)
-            if entry is not None and tracker.runs and entry[2] not in landed:
-                landed[entry[2]] = (entry[0], len(tracker.runs) - 1, tracker.serial)
-
-        hooks = [p.register_post_accumulate_grad_hook(note) for p in trainable]
-    return hooks, landed
-
-
-def _cuda_rules(meta: nn.Module, where: Where, tracker: LiveTracker, autocast_dtype: torch.dtype | None, *,
-                on_cuda: bool, chunked_loss: bool) -> CudaRules | None:
-    """CUDA's rules for the step (None on the CPU); every checkpointed block's recompute runs as its block and,
-    on CUDA, under the same rules."""
-    rules = CudaRules(autocast_dtype) if on_cuda else None
-    for module in meta.modules():
-        wrapped = module.__dict__.get("forward")
-        if isinstance(wrapped, _CheckpointedForward):
-            wrapped.original = where.around(module, wrapped.original)
-            if rules is not None:
-                wrapped.original = rules.around_recompute(wrapped.original)
-    if rules is not None:
-        rules.tracker = tracker
-        if chunked_loss:  # each chunk's logits are recomputed in backward: under the same rules
-            head = output_head(meta)
-            head.forward = rules.around_recompute(head.forward)  # type: ignore[method-assign]
-    return rules
-
-
-def _offload(meta: nn.Module, meter: BlockMeter, params: list[nn.Parameter], *, offloads: bool,
-             offload_activations: bool, offload_min_bytes: int) -> tuple[SimulatedOffload | None, Any]:
-    """The simulated offload the wrapped blocks use (None without), and the context the whole forward runs in (it,
-    when nothing is checkpointed but activations offload)."""
-    offload = None
-    whole_forward: Any = _nullcontext()
-    if offloads:
-        state_storages = {t.untyped_storage()._cdata for t in (*meta.parameters(), *meta.buffers())}
-        offload = SimulatedOffload(meter, state_storages, min_bytes=offload_min_bytes, frozen_shapes=frozenset(
-            tuple(p.shape) for p in params if not p.requires_grad))
-        if not simulate_offload(meta, offload) and offload_activations:
-            # No checkpointing: the whole forward is offloaded, but for what the head and the loss save.
-            whole_forward = offload
-            head = _find_head(meta)
-            if head is not None:
-                head.register_forward_pre_hook(lambda module, args: setattr(offload, "in_tail", True))
-    return offload, whole_forward
-
-
 # -- the step -------------------------------------------------------------------------------------------------
-def _forward(watch: _Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tensor]], Any],
-             inputs: dict[str, torch.Tensor], cpu_autocast: Any, whole_forward: Any,
-             keep_output: bool) -> tuple[Any, torch.Tensor, int]:
+def _forward(watch: Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tensor]], Any],
+             inputs: dict[str, torch.Tensor], keep_output: bool) -> tuple[Any, torch.Tensor, int]:
     """Forward (inside autocast: CUDA's emulated, or the CPU's own). Returns (the output if kept, else None; the
     loss; the bytes alive when forward ended, before autocast's cast cache was let go)."""
     where, tracker, meter, rules = watch.where, watch.tracker, watch.meter, watch.rules
     if rules is not None:
         rules.autocast, rules.cache = True, None  # MixedPrecision.autocast() keeps no weight-cast cache
     try:
-        with cpu_autocast, whole_forward:
+        with watch.cpu_autocast, watch.whole_forward:
             out = run(inputs)
             loss = _as_loss(out)
             if not keep_output:
@@ -439,7 +262,7 @@ def _forward(watch: _Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tens
     return out, loss, forward_end_bytes
 
 
-def _backward(watch: _Watch, meta: nn.Module, loss: torch.Tensor) -> None:
+def _backward(watch: Watch, meta: nn.Module, loss: torch.Tensor) -> None:
     """Backward (autograd turns grad mode off; only checkpoint recomputes run with it, under autocast)."""
     where, tracker, meter, rules, offload = watch.where, watch.tracker, watch.meter, watch.rules, watch.offload
     tracker.phase, where.in_backward = "backward", True
@@ -464,7 +287,7 @@ def _backward(watch: _Watch, meta: nn.Module, loss: torch.Tensor) -> None:
         rules.autocast = False
 
 
-def _optimizer_step(watch: _Watch, meta: nn.Module, step_temp_bytes: int) -> dict[int, str]:
+def _optimizer_step(watch: Watch, meta: nn.Module, step_temp_bytes: int) -> dict[int, str]:
     """Optimizer step: parameters, gradients and state at once, plus the step's temporaries. Returns the names of
     the gradients alive, by allocation serial."""
     tracker = watch.tracker
@@ -510,11 +333,3 @@ def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Paramete
         offloaded_bytes=offloaded_bytes,
         forward_end_bytes=forward_end_bytes,
     )
-
-
-class _nullcontext:  # noqa: N801 - contextlib.nullcontext, but reusable inside one `with` statement list
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
