@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from memtrain.estimate.tracker import LiveTracker, attention_flops
 
+# -- the caching allocator ------------------------------------------------------------------------------------
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes; memory_allocated counts blocks.
 CUDA_BLOCK = 512
 # cuBLAS keeps one workspace per (handle, stream); forward (main thread) and backward (autograd's device thread)

@@ -18,6 +18,7 @@ _FRIENDLY = {
 
 
 def describe_tensor(nbytes: int, label: tuple[Any, ...], grad_of: str | None) -> str:
+    """One tensor alive at the peak, in words: what it is, its bytes, shape and dtype."""
     phase, where, op, shape, dtype = label
     what = f"grad of {grad_of}" if grad_of else _FRIENDLY.get(op, f"{op} output")
     if op == "_to_copy" and not grad_of:

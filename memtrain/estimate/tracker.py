@@ -31,6 +31,7 @@ def round_up(n: int, to: int) -> int:
     """``n`` rounded up to a multiple of ``to`` (an allocator's block size; 1 leaves it as it is)."""
     return -(-n // to) * to if to > 1 and n > 0 else n
 
+
 # -- live memory ------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -66,6 +67,7 @@ class Run:
     gradients: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (landing serial, bytes)
 
 
+# -- the work of an op ----------------------------------------------------------------------------------------
 _MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}  # name -> index of the first matrix argument
 _ATTENTION_OPS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -157,6 +159,7 @@ def _tensor_bytes(values: Any) -> int:
     return total
 
 
+# -- the tracker ----------------------------------------------------------------------------------------------
 class LiveTracker(TorchDispatchMode):
     """Counts the bytes of every storage alive, as an allocator would: one allocation per op output that does not
     alias an input, freed when the last tensor using it dies."""
