@@ -1,0 +1,160 @@
+"""``estimate``'s arguments, checked: the choices it knows, the bounds that keep a trace short, and every problem
+reported at once, naming the fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from memtrain.checkpointing import Checkpointing, apply_checkpointing
+from memtrain.errors import ConfigError
+from memtrain.estimate.fake import batch_spec, max_positions
+from memtrain.estimate.tracker import numel
+from memtrain.loss import HF_MODEL_TYPES, chunk_tokens_of, supports_chunked_loss
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+OptimizerKind = Literal["adamw", "sgd", "sgd-momentum", "adafactor", "adamw-offload"]
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+WEIGHT_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Work that keeps estimate bounded: a real model has at most a few hundred blocks, and a step whose loss needs
+# more chunks than this holds far more tokens than any device (it is refused before anything is traced).
+MAX_LAYERS = 10_000
+MAX_LOSS_CHUNKS = 65_536
+
+
+# -- arguments ----------------------------------------------------------------------------------------------
+def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> Checkpointing | dict[str, Any] | None:
+    """A ``Checkpointing`` for every spelling it parses, or a mapping of ``apply_checkpointing`` arguments as
+    given; None (with the problem noted) for anything else."""
+    if isinstance(checkpointing, Mapping):
+        allowed = [n for n in inspect.signature(apply_checkpointing).parameters if n != "model"]
+        unknown = [k for k in checkpointing if k not in allowed]
+        if unknown:
+            problems.append(f"checkpointing: unknown apply_checkpointing arguments {unknown}. To resolve this "
+                            f"error, use only {allowed}.")
+            return None
+        return dict(checkpointing)
+    try:
+        return Checkpointing.parse(checkpointing)
+    except ConfigError as e:
+        problems.append(f"{e} (or a dict of apply_checkpointing arguments such as {{'every': 2}})")
+        return None
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...], problems: list[str]) -> None:
+    if value not in allowed:
+        problems.append(f"{name}={value!r} is not known. To resolve this error, pass one of {list(allowed)}.")
+
+
+def _check_layers(model: Any, problems: list[str]) -> None:
+    """Refuses a model too deep to trace in bounded time, before building it."""
+    config = getattr(model, "config", model)
+    for attr in ("num_hidden_layers", "n_layer", "num_layers"):
+        layers = getattr(config, attr, None)
+        if isinstance(layers, int) and layers > MAX_LAYERS:
+            problems.append(f"{attr}={layers:,}: more layers than estimate traces in bounded time ({MAX_LAYERS:,}; "
+                            "the deepest published models have a few hundred). To resolve this error, fix the "
+                            "config's layer count.")
+            return
+
+
+def check_arguments(
+    model: Any,
+    batch: Any,
+    *,
+    device: str,
+    precision: Precision,
+    checkpointing: Any,
+    offload_activations: bool,
+    optimizer: OptimizerKind,
+    state_precision: str,
+    offload_fraction: float,
+    step_in_backward: bool,
+    chunked_loss: bool,
+    micro_batch_size: int | None,
+    seq_len: int | None,
+    accumulation: int,
+    weights_dtype: str | None,
+) -> tuple[str, bool, Checkpointing | dict[str, Any] | None, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """``trace``'s arguments checked before anything is built: (device type, whether AdamW is memtrain.optim's
+    lean one, the checkpointing asked for, the batch's named shapes).
+
+    Raises:
+        ConfigError: every problem at once.
+    """
+    problems: list[str] = []
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError):
+        device_type = str(device)
+    _check_choice("device", device_type, ("cuda", "cpu"), problems)
+    if not isinstance(offload_activations, bool):
+        problems.append(f"offload_activations={offload_activations!r} must be True or False. To resolve this "
+                        "error, pass offload_activations=True or False.")
+    if not isinstance(chunked_loss, bool):
+        problems.append(f"chunked_loss={chunked_loss!r} must be True or False. To resolve this error, pass "
+                        "chunked_loss=True or False.")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        problems.append(f"accumulation={accumulation!r} must be an integer >= 1 (micro-batches per step). To "
+                        "resolve this error, pass e.g. accumulation=1.")
+    if weights_dtype not in WEIGHT_DTYPES:
+        problems.append(f"weights_dtype={weights_dtype!r} is not known. To resolve this error, pass one of "
+                        f"{[k for k in WEIGHT_DTYPES if k]} or None (the model's own).")
+    _check_choice("precision", precision, get_args(Precision), problems)
+    _check_choice("optimizer", optimizer, get_args(OptimizerKind), problems)
+    _check_choice("state_precision", state_precision, ("fp32", "bf16", "int8"), problems)
+    if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not (
+            0.0 <= offload_fraction <= 1.0):
+        problems.append(f"offload_fraction={offload_fraction!r} must be a number in [0, 1]. To resolve this "
+                        "error, pass e.g. offload_fraction=1.0 (every parameter's state on the host) or 0.")
+    if not isinstance(step_in_backward, bool):
+        problems.append(f"step_in_backward={step_in_backward!r} must be True or False. To resolve this error, "
+                        "pass step_in_backward=True or False.")
+    lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True
+    if lean and optimizer not in ("adamw", "adamw-offload"):
+        problems.append(f"state_precision/offload_fraction/step_in_backward are options of AdamW (memtrain.optim), "
+                        f"not of optimizer={optimizer!r}. To resolve this error, pass optimizer='adamw'.")
+    ckpt = _checkpointing_kwargs(checkpointing, problems)
+    spec = batch_spec(batch, micro_batch_size, seq_len, problems)
+    _check_layers(model, problems)
+    ConfigError.raise_if(problems)
+    assert spec is not None
+    return device_type, lean, ckpt, spec
+
+
+def check_against_model(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                        chunked_loss: bool) -> int:
+    """The batch checked against the model built from the config: positions, and a chunked loss it supports in
+    bounded time. Returns the loss's chunk size in tokens (the model's own when its loss is chunked already).
+
+    Raises:
+        ConfigError: every problem at once.
+    """
+    problems: list[str] = []
+    max_pos = max_positions(meta)
+    tokens = 0
+    if "input_ids" in spec and len(spec["input_ids"][0]) >= 2:
+        shape = spec["input_ids"][0]
+        tokens = numel(shape)
+        if max_pos is not None and shape[1] > max_pos:
+            problems.append(f"batch: sequences of {shape[1]} tokens are longer than the model's {max_pos} positions. "
+                            f"To resolve this error, pass seq_len <= {max_pos} or a config with more positions.")
+    if chunked_loss and not supports_chunked_loss(meta):
+        problems.append(f"chunked_loss=True: memtrain.loss cannot chunk the loss of {type(meta).__name__} "
+                        f"(model type {getattr(getattr(meta, 'config', None), 'model_type', None)!r}; it knows "
+                        f"GPT and {sorted(HF_MODEL_TYPES)}). To resolve this error, pass chunked_loss=False.")
+    chunk_tokens = chunk_tokens_of(meta) or 1024  # the model's own chunk size when its loss is chunked already
+    if chunked_loss and tokens > MAX_LOSS_CHUNKS * chunk_tokens:
+        problems.append(f"batch: {tokens:,} tokens per micro-batch make {tokens // chunk_tokens:,} loss chunks of "
+                        f"{chunk_tokens}, more than estimate traces in bounded time ({MAX_LOSS_CHUNKS:,}); no device "
+                        "holds such a micro-batch. To resolve this error, pass a smaller micro-batch or sequence "
+                        "length (accumulate micro-batches to reach the batch you want).")
+    ConfigError.raise_if(problems)
+    return chunk_tokens

@@ -1,0 +1,93 @@
+"""The optimizer's bytes, by formula: its state and step temporaries on the device, what it keeps in host memory,
+and which gradients leave the device as autograd produces them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from memtrain.estimate.tracker import round_up
+from memtrain.optim import offloaded_mask, optimizer_memory
+
+
+@dataclass
+class OptimizerFigures:
+    """The optimizer of a traced step, in bytes, with the assumption that explains them."""
+
+    state_bytes: int  # state on the device
+    step_temp_bytes: int  # the step's temporaries on the device
+    host_bytes: int  # state (and gradient buffers) in host memory
+    all_state_bytes: int  # state wherever it lives
+    note: str
+    # Gradients that do not stay on the device once accumulated: CPUOffloadOptimizer (one process) copies each to
+    # the host as autograd produces it; a parameter that steps in backward frees its own.
+    leaving: list[nn.Parameter] = field(default_factory=list)
+
+
+def optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int,
+                     on_cuda: bool) -> tuple[int, int, int, str]:
+    """(device state bytes, device step-temporary bytes, host bytes, assumption) for ``kind``."""
+
+    def r(n: int) -> int:
+        return round_up(n, round_to)
+
+    sizes = [p.numel() * p.element_size() for p in params]
+    # Fused/capturable AdamW keeps its step counter as a 4-byte tensor on the device, one per parameter.
+    step_bytes = len(params) * r(4) if on_cuda else 0
+    if kind == "adamw":
+        return (2 * sum(r(n) for n in sizes) + step_bytes, 0, 0,
+                "AdamW fused (torch.optim.AdamW(fused=True)): exp_avg and exp_avg_sq in the parameter dtype, no "
+                "step temporaries; the foreach implementation would add one fp32 copy of the parameters")
+    if kind == "sgd":
+        return 0, 0, 0, "SGD without momentum: no optimizer state"
+    if kind == "sgd-momentum":
+        return sum(r(n) for n in sizes), 0, 0, "SGD with momentum: one buffer per parameter, weight_decay=0"
+    if kind == "adafactor":
+        state = 0
+        for p in params:
+            shape = tuple(p.shape)
+            if len(shape) >= 2:  # factored second moment: a row and a column vector
+                state += r(math.prod(shape[:-1]) * 4) + r(math.prod(shape[:-2] + shape[-1:]) * 4)
+            else:
+                state += r(p.numel() * 4)
+        temp = sum(r(p.numel() * 4) for p in params)
+        return (state + step_bytes, temp, 0,
+                "Adafactor (torch.optim.Adafactor, foreach): factored second moments, no first moment; the step "
+                "builds one fp32 variance estimate per parameter at once")
+    # adamw-offload is memtrain.optim.optimizer_memory(offload_fraction=1.0)'s: one byte model for both.
+    raise AssertionError(f"optimizer_bytes: {kind!r} is counted by memtrain.optim.optimizer_memory")
+
+
+def optimizer_figures(trainable: Sequence[nn.Parameter], optimizer: str, *, lean: bool, state_precision: str,
+                      offload_fraction: float, step_in_backward: bool, accumulation: int, device_type: str,
+                      round_to: int, on_cuda: bool) -> OptimizerFigures:
+    """The bytes of ``optimizer`` over the ``trainable`` parameters: torch's optimizers by formula, memtrain.optim's
+    AdamW (``lean``: lean moments, offload, step in backward; or ``"adamw-offload"``) by its own byte model."""
+    leaving: list[nn.Parameter] = []
+    if not (lean or optimizer == "adamw-offload"):
+        state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = optimizer_bytes(
+            trainable, optimizer, round_to, on_cuda)
+        all_state_bytes = state_bytes
+    else:  # memtrain.optim's AdamW, CPUOffloadOptimizer (adamw-offload: every parameter's state) included
+        fraction = 1.0 if optimizer == "adamw-offload" else offload_fraction
+        memory = optimizer_memory([(p.numel(), p.dtype) for p in trainable], state_precision=state_precision,
+                                  offload_fraction=fraction, step_in_backward=step_in_backward,
+                                  accumulation_steps=accumulation, device_type=device_type)
+        state_bytes, step_temp_bytes = memory.device_state_bytes, memory.device_step_temp_bytes
+        optimizer_host_bytes, all_state_bytes = memory.host_bytes, memory.state_bytes
+        on_host = offloaded_mask([p.numel() for p in trainable], fraction)
+        leaving = [p for p, h in zip(trainable, on_host, strict=True)
+                   if h or (step_in_backward and accumulation == 1)]
+        optimizer_note = (f"AdamW from memtrain.optim.build_optimizer: {state_precision} moments, {fraction:.0%} of "
+                          f"the parameters' state in host RAM, step in backward {'on' if step_in_backward else 'off'}"
+                          " (bytes from memtrain.optim.optimizer_memory; step temporaries an upper bound)")
+        if fraction:
+            optimizer_note += ("; offloaded parameters' fp32 masters, moments and gradient buffers in pinned host "
+                               "memory, their device gradients counted in full (streaming frees them earlier, so "
+                               "the device figure is an upper bound)")
+    return OptimizerFigures(state_bytes, step_temp_bytes, optimizer_host_bytes, all_state_bytes, optimizer_note,
+                            leaving)

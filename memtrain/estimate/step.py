@@ -1,0 +1,335 @@
+"""The step, traced: ``trace`` runs a steady-state training step on tensors without data (set-up, forward,
+backward, optimizer step) and returns what it showed (``Trace``); ``estimate`` returns its report.
+
+The set-up lives in ``prepare``; forward, backward and the optimizer step are the functions below, in the order the
+step runs them. The order of what they record (allocations, frees, runs) is what the estimate is calibrated on, so
+it is kept exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.checkpointing import _auto_blocks
+from memtrain.errors import MemtrainError, describe_exception
+from memtrain.estimate.arguments import AUTOCAST_DTYPES, OptimizerKind, Precision, check_arguments
+from memtrain.estimate.attribution import attribute_release
+from memtrain.estimate.cuda import CUDA_BLOCK
+from memtrain.estimate.explain import assumptions_of, explain_peak
+from memtrain.estimate.fake import call_convention, hf_sees_real_tensors
+from memtrain.estimate.optimizer_state import OptimizerFigures, optimizer_figures
+from memtrain.estimate.prepare import NullContext, Watch, fake_inputs, prepare_model, watch_step
+from memtrain.estimate.tracker import LiveTracker, Run
+from memtrain.measure import _as_loss
+from memtrain.offload import MIN_BYTES_DEFAULT
+from memtrain.report import MemoryReport
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one traced step showed: the report, and the runs (per block, per phase) the planner composes."""
+
+    report: MemoryReport
+    runs: tuple[Run, ...]  # forward, then backward, in order
+    blocks: tuple[str, ...]  # the model's repeated blocks, in order (wrapped or not)
+    block_parameter_bytes: tuple[int, ...]  # bytes of the trainable parameters of each block
+    trainable_bytes: int  # bytes of every trainable parameter (their gradients' bytes, in the same dtypes)
+    state_bytes: int  # optimizer state on the device
+    step_temp_bytes: int  # the optimizer step's temporaries on the device
+    fixed_bytes: int  # allocated before forward: parameters, buffers, inputs, optimizer state, workspaces
+    host_bytes: int  # optimizer state and offloaded activations in host memory
+    offloaded_bytes: int  # of host_bytes, the activations (they cross the host link twice a step)
+    forward_end_bytes: int  # bytes alive when forward ended, before autocast's cast cache was let go
+
+
+def estimate(
+    model: Any,
+    batch: Any = None,
+    *,
+    device: str = "cuda",
+    precision: Precision = "fp32",
+    checkpointing: Any = "none",
+    offload_activations: bool = False,
+    optimizer: OptimizerKind = "adamw",
+    state_precision: str = "fp32",
+    offload_fraction: float = 0.0,
+    step_in_backward: bool = False,
+    chunked_loss: bool = False,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    accumulation: int = 1,
+    weights_dtype: str | None = None,
+    keep_output: bool = False,
+    replay: bool = True,
+) -> MemoryReport:
+    """Predicts a training step's peak memory by running it on fake tensors: seconds of CPU, no device memory.
+
+    The step is the steady state a training loop reaches from its second step on: forward with labels (the
+    loss on fp32 logits for causal LMs), backward, optimizer step, ``zero_grad(set_to_none=True)``, with the
+    optimizer state already allocated and only the loss kept from the forward's output. The first step's
+    peak is lower (no optimizer state yet). With ``accumulation > 1`` it is the window's later micro-batches,
+    which run with every gradient of the earlier ones alive (unless they stream to the host).
+
+    Args:
+        model: an ``nn.Module`` (on any device, the meta device included; it is not modified and its data is
+            not copied) or a Hugging Face ``PretrainedConfig`` (built with ``AutoModelForCausalLM.from_config``
+            on the meta device).
+        batch: a token tensor (any device), a shape such as ``(4, 2048)``, or a dict of model inputs (tensors or
+            shapes); ``None`` with ``micro_batch_size`` and ``seq_len`` means ``(micro_batch_size, seq_len)``.
+        device: ``"cuda"`` (CUDA autocast lists and attention kernels, 512-byte allocator blocks, cuBLAS
+            workspaces) or ``"cpu"`` (the CPU's own kernels, as ``measure`` sees them).
+        precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast; parameters keep their dtype).
+        checkpointing: ``"none"``, ``"all"``, ``"every:K"`` / ``K``, or a dict of ``apply_checkpointing``
+            arguments (per-block ``policies`` included); applied to a copy of the model.
+        offload_activations: activations in pinned host memory, as ``memtrain train --offload-activations`` does:
+            with checkpointing, the recomputed blocks' saved inputs; without, every saved tensor of 1 MiB or more
+            outside the head. Blocks with an ``"offload"`` policy offload whatever they save either way. Simulated
+            exactly (what leaves the device, what comes back and when, two records prefetched ahead).
+        optimizer: ``"adamw"`` (fused), ``"sgd"``, ``"sgd-momentum"``, ``"adafactor"`` or ``"adamw-offload"``
+            (``CPUOffloadOptimizer``: state on the host, gradients streamed there as they are produced).
+        state_precision, offload_fraction, step_in_backward: AdamW as ``memtrain.optim.build_optimizer`` builds
+            it: moments in ``"fp32"``, ``"bf16"`` or ``"int8"``; that share of the parameters' state in host RAM
+            (their gradients streamed there); each parameter stepping in backward, its gradient freed at once.
+        chunked_loss: the loss computed with ``memtrain.loss.apply_chunked_loss`` (the model's own chunk size
+            when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the whole
+            batch's fp32 logits; applied to a copy of the model.
+        micro_batch_size, seq_len: override the batch's first and second dimensions.
+        accumulation: micro-batches per optimizer step.
+        weights_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the parameters' dtype on the device (e.g. bf16 weights
+            whose fp32 master lives with ``"adamw-offload"``); None keeps the model's.
+        keep_output: the loop holds the forward's output object (its logits) until the step ends, as
+            ``out = model(...); out.loss.backward()`` does; False (the default, memtrain's own loop, and
+            ``model(...).loss.backward()``) keeps only the loss.
+        replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls
+            instead of running torch's meta functions again (same result, several times faster on deep models).
+
+    Returns:
+        A ``MemoryReport`` with ``source="estimated"``: parameter, gradient, optimizer-state and saved-activation
+        bytes (activations exactly as ``measure`` counts them), ``peak_bytes`` (the predicted device peak),
+        ``peak_phase`` (where, and the largest tensors alive there), ``phase_bytes`` (bytes alive after
+        forward, backward and step), ``host_bytes`` and ``assumptions`` (including the breakdown at the peak).
+
+    Raises:
+        ConfigError: an unknown device, precision, optimizer or checkpointing policy; a batch that is missing,
+            does not fit the model, or is too large to trace in bounded time. Every problem at once.
+        MemtrainError: the model's forward cannot run on fake tensors (the message names the module).
+
+    Example:
+        >>> from memtrain.models import GPT, GPT_PRESETS
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPT_PRESETS["gpt-tiny"])
+        >>> report = estimate(model, (8, 64), device="cpu")
+        >>> report.source, report.peak_bytes > report.parameter_bytes
+        ('estimated', True)
+    """
+    return trace(model, batch, device=device, precision=precision, checkpointing=checkpointing,
+                 offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
+                 offload_fraction=offload_fraction, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
+                 micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation,
+                 weights_dtype=weights_dtype, keep_output=keep_output, replay=replay).report
+
+
+def trace(
+    model: Any,
+    batch: Any = None,
+    *,
+    device: str = "cuda",
+    precision: Precision = "fp32",
+    checkpointing: Any = "none",
+    offload_activations: bool = False,
+    optimizer: OptimizerKind = "adamw",
+    state_precision: str = "fp32",
+    offload_fraction: float = 0.0,
+    step_in_backward: bool = False,
+    chunked_loss: bool = False,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    accumulation: int = 1,
+    weights_dtype: str | None = None,
+    keep_output: bool = False,
+    replay: bool = True,
+    runs: bool = False,
+    offload_min_bytes: int = MIN_BYTES_DEFAULT,
+) -> Trace:
+    """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
+    forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). Same arguments, and
+    ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default)."""
+    device_type, lean, ckpt, spec = check_arguments(
+        model, batch, device=device, precision=precision, checkpointing=checkpointing,
+        offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
+        offload_fraction=offload_fraction, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
+        micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation, weights_dtype=weights_dtype)
+    on_cuda = device_type == "cuda"
+    round_to = CUDA_BLOCK if on_cuda else 1
+    autocast_dtype = AUTOCAST_DTYPES[precision]
+
+    meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, weights_dtype=weights_dtype,
+                                                         chunked_loss=chunked_loss,
+                                                         offload_activations=offload_activations)
+    fake_mode, inputs = fake_inputs(meta, spec, on_cuda)
+    run = call_convention(meta, spec, isinstance(batch, Mapping))
+
+    params = list(dict.fromkeys(p for p in meta.parameters()))
+    trainable = [p for p in params if p.requires_grad]
+    optim = optimizer_figures(trainable, optimizer, lean=lean, state_precision=state_precision,
+                              offload_fraction=offload_fraction, step_in_backward=step_in_backward,
+                              accumulation=accumulation, device_type=device_type, round_to=round_to, on_cuda=on_cuda)
+    streamed = bool(optim.leaving)
+    watch = watch_step(meta, inputs, params, trainable, optim, fake_mode, round_to=round_to, record=runs,
+                       replay=on_cuda and replay, on_cuda=on_cuda, autocast_dtype=autocast_dtype,
+                       accumulation=accumulation, chunked_loss=chunked_loss, offloads=offloads,
+                       offload_activations=offload_activations, offload_min_bytes=offload_min_bytes)
+    where, tracker, meter, rules, offload = watch.where, watch.tracker, watch.meter, watch.rules, watch.offload
+    with hf_sees_real_tensors(), fake_mode, tracker, where, meter, (rules or NullContext()):
+        out, loss, forward_end_bytes = _forward(watch, meta, run, inputs, keep_output)
+        _backward(watch, meta, loss)
+        grad_names = _optimizer_step(watch, meta, optim.step_temp_bytes)
+        peak_live, (peak_phase_name, peak_where) = tracker.peak_live, tracker.peak_at
+        del out, loss
+    for handle in watch.hooks:
+        handle.remove()
+    if watch.landed is not None:
+        _book_gradients(tracker, watch.landed)
+    measured = meter.report()
+
+    peak_phase, by_category = explain_peak(tracker, peak_live, peak_phase_name, peak_where, grad_names,
+                                           state_bytes=optim.state_bytes, step_temp_bytes=optim.step_temp_bytes,
+                                           workspace=watch.workspace)
+    offloaded_bytes = offload.host_bytes if offload is not None else 0
+    host_bytes = optim.host_bytes + offloaded_bytes
+    assumptions = assumptions_of(keep_output=keep_output, optimizer_note=optim.note, by_category=by_category,
+                                 accumulation=accumulation, streamed=streamed, weights_dtype=weights_dtype,
+                                 on_cuda=on_cuda, checkpointing=kwargs, chunked_loss=chunked_loss,
+                                 chunk_tokens=chunk_tokens, offload=offload, offloaded_bytes=offloaded_bytes)
+    report = MemoryReport(
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        gradient_bytes=measured.gradient_bytes,
+        optimizer_state_bytes=optim.all_state_bytes,
+        activation_bytes=measured.activation_bytes,
+        activation_tensors=measured.activation_tensors,
+        device=device_type,
+        source="estimated",
+        peak_bytes=tracker.peak,
+        peak_phase=peak_phase,
+        phase_bytes=tuple(watch.phase_bytes),
+        host_bytes=host_bytes,
+        assumptions=tuple(assumptions),
+    )
+    return _trace_of(report, meta, trainable, tracker, optim, fixed_bytes=watch.fixed_bytes, host_bytes=host_bytes,
+                     offloaded_bytes=offloaded_bytes, forward_end_bytes=forward_end_bytes)
+
+
+# -- the step -------------------------------------------------------------------------------------------------
+def _forward(watch: Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tensor]], Any],
+             inputs: dict[str, torch.Tensor], keep_output: bool) -> tuple[Any, torch.Tensor, int]:
+    """Forward (inside autocast: CUDA's emulated, or the CPU's own). Returns (the output if kept, else None; the
+    loss; the bytes alive when forward ended, before autocast's cast cache was let go)."""
+    where, tracker, meter, rules = watch.where, watch.tracker, watch.meter, watch.rules
+    if rules is not None:
+        rules.autocast, rules.cache = True, None  # MixedPrecision.autocast() keeps no weight-cast cache
+    try:
+        with watch.cpu_autocast, watch.whole_forward:
+            out = run(inputs)
+            loss = _as_loss(out)
+            if not keep_output:
+                out = None  # as memtrain's loop does: only the loss outlives forward (and the logits die)
+            before_release = dict(tracker.live)  # autocast's cast cache dies with its region
+    except MemtrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the module and the fix
+        module = where.stack[-1] if where.stack else type(meta).__name__
+        raise MemtrainError(
+            f"estimate: the forward of {module!r} failed on fake tensors (shapes only, no values): "
+            f"{describe_exception(e)}. This happens when a module reads "
+            "tensor values (.item(), .tolist(), data-dependent shapes, numpy) or when the batch does not fit "
+            "the model. To resolve this error, check the batch's shape and dtype against the model, or make "
+            "that module's forward shape-only (e.g. precompute the value it reads); or, on a device with "
+            "memory, use memtrain.measure instead."
+        ) from None
+    if rules is not None:
+        rules.cache = None  # autocast's cast cache dies when the autocast region ends
+    tracker.snapshot()
+    forward_end_bytes = tracker.current + sum(v[0] for k, v in before_release.items() if k not in tracker.live)
+    attribute_release(tracker, before_release)
+    tracker.end_runs()
+    watch.phase_bytes.append(("forward", tracker.current))
+    meter.mark("forward")
+    return out, loss, forward_end_bytes
+
+
+def _backward(watch: Watch, meta: nn.Module, loss: torch.Tensor) -> None:
+    """Backward (autograd turns grad mode off; only checkpoint recomputes run with it, under autocast)."""
+    where, tracker, meter, rules, offload = watch.where, watch.tracker, watch.meter, watch.rules, watch.offload
+    tracker.phase, where.in_backward = "backward", True
+    where.stack.clear()
+    try:
+        loss.backward()
+    except Exception as e:  # noqa: BLE001 - re-raised with the place and the fix
+        raise MemtrainError(
+            f"estimate: the backward failed on fake tensors near {where.backward_label or type(meta).__name__!r}: "
+            f"{describe_exception(e)}. To resolve this error, estimate "
+            "without checkpointing to see whether the recompute is the cause, or use memtrain.measure on a "
+            "device with memory."
+        ) from None
+    if offload is not None:
+        offload.end_of_backward()
+    where.in_backward = False
+    tracker.end_runs()
+    meter.mark("backward")
+    tracker.snapshot()
+    watch.phase_bytes.append(("backward", tracker.current))
+    if rules is not None:
+        rules.autocast = False
+
+
+def _optimizer_step(watch: Watch, meta: nn.Module, step_temp_bytes: int) -> dict[int, str]:
+    """Optimizer step: parameters, gradients and state at once, plus the step's temporaries. Returns the names of
+    the gradients alive, by allocation serial."""
+    tracker = watch.tracker
+    tracker.phase = "optimizer step"
+    grad_names = {tracker.live[k][2]: name for name, k in (
+        (name, p.grad.untyped_storage()._cdata) for name, p in meta.named_parameters() if p.grad is not None
+    ) if k in tracker.live}
+    tracker.add_bytes(step_temp_bytes)
+    tracker.snapshot()
+    watch.phase_bytes.append(("step", tracker.current))
+    return grad_names
+
+
+# -- release and attribution ----------------------------------------------------------------------------------
+def _book_gradients(tracker: LiveTracker, landed: dict[int, tuple[int, int, int]]) -> None:
+    """Books each gradient to the run it came into being in (and to its peak when alive there)."""
+    for allocated, (nbytes, index, serial) in landed.items():
+        run = tracker.runs[index]
+        run.gradient_bytes += nbytes
+        run.gradients.append((serial, nbytes))
+        if allocated <= run.peak_serial:
+            run.gradient_bytes_at_peak += nbytes
+
+
+def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Parameter], tracker: LiveTracker,
+              optim: OptimizerFigures, *, fixed_bytes: int, host_bytes: int, offloaded_bytes: int,
+              forward_end_bytes: int) -> Trace:
+    """The ``Trace`` of a step: its report, its runs (the phase-boundary markers left out) and its blocks."""
+    state_bytes, step_temp_bytes = optim.state_bytes, optim.step_temp_bytes
+    modules = dict(meta.named_modules())
+    block_names = tuple(_auto_blocks(meta))
+    return Trace(
+        report=report,
+        runs=tuple(r for r in tracker.runs if r.phase != "-"),
+        blocks=block_names,
+        block_parameter_bytes=tuple(sum(p.numel() * p.element_size() for p in modules[name].parameters()
+                                        if p.requires_grad) for name in block_names),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        state_bytes=state_bytes,
+        step_temp_bytes=step_temp_bytes,
+        fixed_bytes=fixed_bytes,
+        host_bytes=host_bytes,
+        offloaded_bytes=offloaded_bytes,
+        forward_end_bytes=forward_end_bytes,
+    )

@@ -1,0 +1,128 @@
+"""estimate's step on the CPU: the saved-activation bytes equal measure's, checkpointing orders the peaks, only
+the loss outlives forward, and a forward that cannot run on fake tensors names its module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_llama_config
+from torch import nn
+
+from memtrain import apply_checkpointing, measure, remove_checkpointing
+from memtrain.errors import MemtrainError
+from memtrain.estimate import estimate
+from memtrain.models import GPT, GPT_PRESETS
+
+transformers = pytest.importorskip("transformers")
+
+B, T = 2, 32
+V = 256
+POLICIES = {"none": None, "all": {"every": 1}, "every:2": {"every": 2}}
+
+
+def _gpt2_config():
+    return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=V, n_positions=64,
+                                   bos_token_id=0, eos_token_id=0)
+
+
+def _models():
+    torch.manual_seed(0)
+    return {
+        "gpt": GPT(GPT_PRESETS["gpt-tiny"]),
+        "llama": transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=V, max_position_embeddings=128)),
+        "gpt2": transformers.GPT2LMHeadModel(_gpt2_config()),
+    }
+
+
+def _step(name, model, x):
+    labels = x.clone()  # a training batch's labels are their own tensor
+    if name == "gpt":
+        return lambda: model(x, labels)
+    return lambda: model(input_ids=x, labels=labels)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _models()
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("name", ["gpt", "llama", "gpt2"])
+def test_saved_bytes_match_measure_on_cpu(models, name, policy):
+    model = models[name]
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    if POLICIES[policy]:
+        apply_checkpointing(model, **POLICIES[policy])
+    try:
+        measured = measure(_step(name, model, x), model=model)
+    finally:
+        remove_checkpointing(model)
+        model.zero_grad(set_to_none=True)
+    estimated = estimate(model, x, device="cpu", checkpointing=policy)
+    error = estimated.activation_bytes / measured.activation_bytes - 1
+    assert abs(error) <= 0.05, (
+        f"{name} checkpointing={policy}: estimated {estimated.activation_bytes} saved bytes, measured "
+        f"{measured.activation_bytes} ({100 * error:+.2f}%)"
+    )
+    assert estimated.gradient_bytes == measured.gradient_bytes
+    assert estimated.source == "estimated" and estimated.peak_bytes is not None
+    # The model handed in is left alone: real parameters, no checkpoint wrapping, no gradients.
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+    assert "forward" not in model.__dict__
+
+
+def test_checkpointing_policies_order_saved_bytes_and_peaks():
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    reports = {p: estimate(model, (8, 64), device="cpu", checkpointing=p) for p in POLICIES}
+    saved = {p: r.activation_bytes for p, r in reports.items()}
+    peaks = {p: r.peak_bytes for p, r in reports.items()}
+    assert saved["all"] < saved["every:2"] < saved["none"], saved
+    assert peaks["all"] < peaks["none"], peaks
+
+
+def test_cpu_autocast_bf16():
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    x = torch.randint(0, V, (4, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        measured = measure(lambda: model(x, x.clone()), model=model)
+    estimated = estimate(model, x, device="cpu", precision="bf16-mixed")
+    assert estimated.activation_bytes == measured.activation_bytes, (estimated.activation_bytes,
+                                                                       measured.activation_bytes)
+
+
+class _ReadsValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # reads a value: impossible without data
+            return self.proj(x)
+        return self.proj(-x)
+
+
+def test_forward_that_reads_values_names_the_module():
+    model = nn.Sequential(nn.Linear(8, 8), _ReadsValues())
+    with pytest.raises(MemtrainError) as info:
+        estimate(model, torch.zeros(2, 8), device="cpu")
+    message = str(info.value)
+    assert "'1'" in message and "To resolve this error" in message, message
+
+
+def test_batch_that_does_not_fit_the_model_is_a_clear_error():
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(MemtrainError, match="wte") as info:
+        estimate(model, torch.zeros(2, 16), device="cpu")  # float "tokens" into an embedding
+    assert "To resolve this error" in str(info.value)
+
+
+def test_only_the_loss_outlives_forward_unless_the_output_is_kept():
+    """memtrain's loop keeps the loss, not the output: the logits (here fp32: no autocast) die after forward. A loop
+    holding ``out`` until backward keeps them alive at the backward's peak, on top."""
+    config = tiny_llama_config(max_position_embeddings=128, vocab_size=8192)
+    b, t = 4, 64
+    logits = b * t * 8192 * 4
+    dropped = estimate(config, (b, t), device="cpu", checkpointing="all")
+    kept = estimate(config, (b, t), device="cpu", checkpointing="all", keep_output=True)
+    assert kept.peak_bytes - dropped.peak_bytes == logits, (kept.peak_bytes - dropped.peak_bytes, logits)
+    assert kept.activation_bytes == dropped.activation_bytes
