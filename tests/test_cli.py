@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import build_llama, build_tokenizer
 
 from memtrain.cli import main
 
@@ -193,8 +194,6 @@ def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
 
 def _hf_fault_case(case: str, tmp_path, run: list[str]) -> list[str]:
     """A pretrained folder or tokenised data that cannot be used (built from conftest's tiny Llama)."""
-    from helpers import build_llama, build_tokenizer
-
     folder = tmp_path / "model"
     tokenizer = build_tokenizer(folder, corpus_bytes=2**14)
     build_llama(folder, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
+from helpers import tiny_llama_config
 
 from memtrain.cli import main
 
@@ -20,9 +20,7 @@ def test_estimate_json_and_table(tmp_path, capsys):
 
 
 def test_estimate_hf_config_and_bad_input(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512).save_pretrained(tmp_path / "cfg")
+    tiny_llama_config(vocab_size=512, max_position_embeddings=2048).save_pretrained(tmp_path / "cfg")
     path = str(tmp_path / "cfg" / "config.json")
     assert main(["estimate", "--hf-config", path, "--seq-len", "64", "--micro-batch-size", "2", "--json"]) == 0
     with_all = json.loads(capsys.readouterr().out)

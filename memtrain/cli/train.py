@@ -57,8 +57,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
                 echo(f"  {note}", file=sys.stderr)
             lora = f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable" if args.lora else ""
             log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
-                       f"tokens x {global_batch} per step, {args.max_steps} steps on {source} ({len(data[0])} "
-                       "training rows)")
+                      f"tokens x {global_batch} per step, {args.max_steps} steps on {source} ({len(data[0])} "
+                      "training rows)")
         # Looked up now, not at import: tests wrap memtrain.train.train (which memtrain/__init__ shadows).
         from memtrain.train import train
 
@@ -122,9 +122,10 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
 
 
 def _log_result(args: argparse.Namespace, result: TrainResult) -> None:
+    """The run's last line: how it stopped, or its loss, speed and memory; with --json the result on stdout."""
     if result.stopped_by:
         log(args, f"stopped by {result.stopped_by} after step {result.steps}; checkpoint in {result.out_dir}; "
-                   f"continue with: memtrain train --out {result.out_dir} --resume")
+                  f"continue with: memtrain train --out {result.out_dir} --resume")
     else:
         eval_text = f" (eval {result.eval_loss:.3f})" if result.eval_loss is not None else ""
         peak = f", peak {format_bytes(result.peak_bytes)}" if result.peak_bytes is not None else ""
@@ -133,7 +134,7 @@ def _log_result(args: argparse.Namespace, result: TrainResult) -> None:
                  f"({result.tokens / result.seconds:.0f} tokens/s wall-clock, with evaluation and checkpoints)"
                  if result.step_seconds else "no step run")
         log(args, f"done: loss {result.final_loss:.3f}{eval_text}, {speed}, saved activations "
-                   f"{format_bytes(result.activation_bytes)} per micro-batch, model state "
-                   f"{format_bytes(result.model_state_bytes)}{peak}; run folder {result.out_dir}")
+                  f"{format_bytes(result.activation_bytes)} per micro-batch, model state "
+                  f"{format_bytes(result.model_state_bytes)}{peak}; run folder {result.out_dir}")
     if args.json:
         echo(json.dumps(asdict(result)))
