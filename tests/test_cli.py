@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import build_llama, build_tokenizer
 
 from memtrain.cli import main
-from memtrain.errors import ConfigError
 
 TINY = ["--model", "gpt-tiny", "--max-steps", "4", "--micro-batch-size", "4", "--no-progress"]
 
@@ -137,56 +137,6 @@ def test_python_dash_m_and_help():
     assert done.returncode == 2 and "no benchmark named 'nope'" in done.stderr
 
 
-def test_estimate_json_and_table(tmp_path, capsys):
-    assert main(["estimate", "--model", "gpt-tiny", "--micro-batch-size", "4", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["source"] == "estimated" and report["peak_bytes"] > report["parameter_bytes"] > 0
-    assert main(["estimate", "--model", "gpt-tiny", "--checkpointing", "none", "--device", "cpu"]) == 0
-    table = capsys.readouterr().out
-    assert "memory report (estimated, cpu)" in table and "peak at:" in table
-
-
-def test_estimate_hf_config_and_bad_input(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512).save_pretrained(tmp_path / "cfg")
-    path = str(tmp_path / "cfg" / "config.json")
-    assert main(["estimate", "--hf-config", path, "--seq-len", "64", "--micro-batch-size", "2", "--json"]) == 0
-    with_all = json.loads(capsys.readouterr().out)
-    assert main(["estimate", "--hf-config", path, "--seq-len", "64", "--micro-batch-size", "2", "--json",
-                 "--checkpointing", "none"]) == 0
-    without = json.loads(capsys.readouterr().out)
-    assert with_all["activation_bytes"] < without["activation_bytes"]
-    # By default the loss is chunked with checkpointing on, as memtrain train does; the flag keeps whole logits.
-    assert any("apply_chunked_loss" in a for a in with_all["assumptions"])
-    assert main(["estimate", "--hf-config", path, "--seq-len", "64", "--micro-batch-size", "2", "--json",
-                 "--no-chunked-loss"]) == 0
-    whole_logits = json.loads(capsys.readouterr().out)
-    assert with_all["activation_bytes"] < whole_logits["activation_bytes"] < without["activation_bytes"]
-    assert not any("apply_chunked_loss" in a for a in whole_logits["assumptions"])
-    assert main(["estimate", "--hf-config", str(tmp_path / "missing.json")]) == 2
-    assert "To resolve this error" in capsys.readouterr().err
-
-
-def test_estimate_takes_the_lean_optimizer_flags_and_every_checkpointing_spelling(capsys):
-    def estimate(*flags: str) -> dict:
-        assert main(["estimate", "--model", "gpt-tiny", "--micro-batch-size", "4", "--json", *flags]) == 0
-        return json.loads(capsys.readouterr().out)
-
-    base = estimate()  # checkpointing all, AdamW with fp32 moments on the device
-    bf16 = estimate("--optimizer-state", "bf16")
-    assert bf16["optimizer_state_bytes"] < 0.6 * base["optimizer_state_bytes"], (bf16, base)
-    in_backward = estimate("--step-in-backward")
-    assert in_backward["gradient_bytes"] < base["gradient_bytes"], (in_backward, base)
-    half = estimate("--offload-optimizer-fraction", "0.5")
-    assert 0 < half["host_bytes"] and half["optimizer_state_bytes"] < base["optimizer_state_bytes"], half
-    saved = {policy: estimate("--checkpointing", policy)["activation_bytes"]
-             for policy in ("none", "blocks(RK)", "selective", "all")}
-    assert saved["all"] < saved["blocks(RK)"] < saved["none"] and saved["selective"] < saved["none"], saved
-    assert main(["estimate", "--model", "gpt-tiny", "--checkpointing", "auto"]) == 2
-    assert "memtrain plan --budget SIZE" in capsys.readouterr().err
-
-
 # -- faults get one line, not a traceback, and write nothing (issue 13, item 22) -----------------------------
 def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
     """The argv of one bad input (set up in tmp_path); the run folder is tmp_path / "r" unless the case is --out."""
@@ -244,8 +194,6 @@ def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
 
 def _hf_fault_case(case: str, tmp_path, run: list[str]) -> list[str]:
     """A pretrained folder or tokenised data that cannot be used (built from conftest's tiny Llama)."""
-    from helpers import build_llama, build_tokenizer
-
     folder = tmp_path / "model"
     tokenizer = build_tokenizer(folder, corpus_bytes=2**14)
     build_llama(folder, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
@@ -432,38 +380,3 @@ def test_progress_in_a_log_is_lines_not_carriage_returns_and_agrees_with_the_sum
     assert [int(step) for step, _ in progress] == [1, 2, 3, 4], captured.err
     summary = re.search(r"(\d+) tokens/s in training steps", captured.out)
     assert summary and summary.group(1) == progress[-1][1], (summary, progress)
-
-
-def test_a_config_file_sets_the_new_flags_switches_by_either_spelling(tmp_path):
-    from memtrain.cli import _apply_config_file, build_parser
-
-    (tmp_path / "run.toml").write_text('budget = "8MiB"\nno-chunked-loss = true\noffload-optimizer = false\n'
-                                       'offload-optimizer-fraction = 0.25\nlora = 4\ncheckpointing = "Every:2"\n'
-                                       'optimizer-state = "bf16"\nstep-in-backward = true\n')
-    parser = build_parser()
-    argv = ["train", "--config", str(tmp_path / "run.toml"), "--offload-optimizer-fraction", "0.5"]
-    assert _apply_config_file(parser, argv) >= {"budget", "chunked_loss", "offload_optimizer", "lora"}
-    args = parser.parse_args(argv)
-    assert (args.budget, args.chunked_loss, args.offload_optimizer, args.offload_optimizer_fraction, args.lora,
-            args.checkpointing, args.optimizer_state, args.step_in_backward) == (
-        8 * 2**20, False, False, 0.5, 4, "every:2", "bf16", True)
-    (tmp_path / "bad.toml").write_text('budget = "lots"\nchunked-loss = "yes"\n')
-    with pytest.raises(ConfigError) as info:
-        _apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "bad.toml")])
-    assert "'lots' is not a size" in str(info.value) and "chunked-loss = 'yes' must be true or false" in str(info.value)
-
-
-def test_library_errors_are_shown_in_flag_terms():
-    from memtrain.cli import in_flag_terms
-
-    assert in_flag_terms("out_dir='/a/out_dir' is a file") == "--out '/a/out_dir' is a file"
-    assert in_flag_terms("pass resume=True, overwrite=True or chunked_loss=False") == (
-        "pass --resume, --overwrite or --no-chunked-loss")
-    assert in_flag_terms("checkpoint_every=0 must be >= 1; lower global_batch_size") == (
-        "--checkpointing every:0 must be >= 1; lower --global-batch-size")
-    assert in_flag_terms("world_size=2 now") == "torchrun --nproc_per_node 2 now"
-    assert in_flag_terms("the precision of the run (precision='fp32')") == (
-        "the precision of the run (--precision 'fp32')")
-    assert in_flag_terms("pass chunked_loss=True or offload_optimizer=False; state_precision='int8'") == (
-        "pass --chunked-loss or --no-offload-optimizer; --optimizer-state 'int8'")
-    assert in_flag_terms("world_size=2 with fsdp=False", "plan") == "--nproc 2 with --ddp"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import tiny_llama_config
 
 from memtrain.cli import main
 
@@ -60,10 +61,7 @@ def test_a_gpt_preset_fits_each_budget_and_more_budget_is_never_slower(capsys):
 @pytest.fixture
 def llama_folder(tmp_path):
     """A folder holding only a Llama config.json: memtrain plan --hf-model reads nothing else."""
-    transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512,
-                             max_position_embeddings=256).save_pretrained(tmp_path / "llama")
+    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "llama")
     return tmp_path / "llama"
 
 

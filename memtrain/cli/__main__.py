@@ -1,0 +1,5 @@
+import sys
+
+from memtrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""What the command writes and how it exits: the exit codes, and output that survives a reader closing stdout
+early (``memtrain plan | head -1``)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Any
+
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_ENVIRONMENT = 1  # one line, no trace: the machine, not memtrain, failed
+
+_STDOUT_CLOSED = False  # set when a reader closed stdout early (e.g. `| head -1`); main() exits 1 saying so
+
+
+def echo(message: str, *, file: Any = None) -> None:
+    """print(), except that a stdout closed by its reader drops the rest of the output instead of raising."""
+    file = file or sys.stdout
+    if _STDOUT_CLOSED and file is sys.stdout:
+        return
+    try:
+        print(message, file=file, flush=True)
+    except BrokenPipeError:
+        if file is not sys.stdout:
+            raise
+        close_stdout()
+
+
+def close_stdout() -> None:
+    """Records that stdout's reader went away (main() exits 1 saying so) and drops the rest of the output."""
+    global _STDOUT_CLOSED
+    _STDOUT_CLOSED = True
+    _drop_stdout()
+
+
+def stdout_closed() -> bool:
+    """Whether a reader closed stdout early since the last ``reset_stdout()``."""
+    return _STDOUT_CLOSED
+
+
+def reset_stdout() -> None:
+    """Forgets a closed stdout of an earlier main() call in this process (tests call main() many times)."""
+    global _STDOUT_CLOSED
+    _STDOUT_CLOSED = False
+
+
+def _drop_stdout() -> None:
+    """Points stdout at /dev/null: Python would otherwise fail again flushing it at exit."""
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    if sys.stdout is sys.__stdout__:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull.fileno(), sys.stdout.fileno())
+            return
+    sys.stdout = devnull
+
+
+def log(args: argparse.Namespace, message: str) -> None:
+    # With --json, stdout carries only the JSON document.
+    echo(message, file=sys.stderr if args.json else sys.stdout)
+
+

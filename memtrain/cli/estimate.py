@@ -1,0 +1,47 @@
+"""``memtrain estimate``: the peak memory of one given set-up, predicted on the meta device (no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from memtrain.checkpointing import Checkpointing
+from memtrain.cli.console import EXIT_OK, echo
+from memtrain.cli.workloads import meta_target
+from memtrain.errors import ConfigError
+from memtrain.estimate import estimate
+from memtrain.loss import supports_chunked_loss
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    if args.checkpointing == "auto":
+        raise ConfigError("--checkpointing auto asks the planner to choose, and memtrain estimate predicts one given "
+                          "set-up. To resolve this error, run memtrain plan --budget SIZE (it estimates its choice), "
+                          "or pass a policy such as all, every:2 or none.")
+    target, seq_len, name = meta_target(args)
+    policy = Checkpointing.parse(args.checkpointing)
+    chunked = args.chunked_loss
+    if chunked is None:  # as memtrain train did by hand: with checkpointing, the loss chunked where the model allows
+        chunked = policy.mode != "none" and supports_chunked_loss(target)
+    elif chunked and not supports_chunked_loss(target):
+        raise ConfigError(f"--chunked-loss, but memtrain cannot chunk the loss of {name} (see memtrain.loss). To "
+                          "resolve this error, drop --chunked-loss.")
+    report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
+                      checkpointing=policy, optimizer="adamw-offload" if args.offload_optimizer else "adamw",
+                      offload_activations=bool(args.offload_activations), chunked_loss=chunked,
+                      state_precision=args.optimizer_state or "fp32",
+                      offload_fraction=args.offload_optimizer_fraction or 0.0,
+                      step_in_backward=bool(args.step_in_backward))
+    if args.json:
+        echo(json.dumps(report.to_dict()))
+    else:
+        optimizer = ("offloaded" if args.offload_optimizer else
+                     f"{100 * args.offload_optimizer_fraction:.0f}% offloaded" if args.offload_optimizer_fraction
+                     else "on the device") + f", {args.optimizer_state or 'fp32'} moments" + (
+                         ", step in backward" if args.step_in_backward else "")
+        echo(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
+             f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {args.device}")
+        echo(report.summary())
+    return EXIT_OK
+
+

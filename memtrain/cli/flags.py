@@ -1,0 +1,367 @@
+"""The command line: the parser of the four commands, the flags' types and checks, the ``--config FILE.toml``
+file, and which options the command line gave itself (a resume keeps the others)."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+import tomllib
+from typing import Any
+
+from memtrain import __version__
+from memtrain.checkpointing import Checkpointing
+from memtrain.cli.console import EXIT_BAD_INPUT
+from memtrain.errors import ConfigError
+from memtrain.report import parse_bytes
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own exit code is 2 as well; keep one message format
+        self.print_usage(sys.stderr)
+        print(f"memtrain: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+
+
+def _float(text: str, *, zero_allowed: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 if zero_allowed else value > 0):
+        raise argparse.ArgumentTypeError(f"{value} must be {'>=' if zero_allowed else '>'} 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _float(text, zero_allowed=False)
+
+
+def _non_negative_float(text: str) -> float:
+    return _float(text, zero_allowed=True)
+
+
+def _grad_clip(text: str) -> float | None:
+    """A norm > 0, or 0 / none: no clipping."""
+    if text.strip().lower() in ("none", "0", "0.0"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'none'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0 (or 0 / none: no clipping)")
+    return value
+
+
+def _checkpointing(text: str) -> str:
+    """auto, or a spelling ``Checkpointing.parse`` reads, written back as ``str(Checkpointing)`` (one spelling
+    per policy in the run's config.json)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return str(Checkpointing.parse(text))
+    except ConfigError as e:
+        spellings = ("auto (the planner chooses), none, all, every:K (K >= 1), selective, selective(matmul,attention), "
+                     "blocks(RKO...) (one letter per block: recompute, keep, offload), each with an optional +offload")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy ({e}); the spellings are "
+                                         f"{spellings}") from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a fraction in [0, 1] (the share of the optimizer state "
+                                         "kept in host RAM)")
+    return value
+
+
+UNLIMITED = "unlimited"
+
+
+def _size(text: str) -> int | str:
+    """A byte size (``24GiB``, ``8000MB``, ``4096``) as an int, or ``unlimited``."""
+    if text.strip().lower() in ("unlimited", "none", "inf"):
+        return UNLIMITED
+    fix = "To resolve this error, pass a positive size such as 24GiB or 8000MB (GiB = 2**30, GB = 10**9), or unlimited"
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r} is negative. {fix}")
+    try:
+        return parse_bytes(text)
+    except ConfigError:
+        what = "zero" if re.fullmatch(r"\s*0*\.?0*\s*[a-zA-Z]*\s*", text) and re.search(r"\d", text) else "not a size"
+        raise argparse.ArgumentTypeError(f"{text!r} is {what}. {fix}") from None
+
+
+# Flags whose value may start with "-" (a negative size): argparse would take it for a flag and say only
+# "expected one argument"; main() joins them as --budget=-1GiB so the size's own check explains.
+_SIZE_FLAGS = ("--budget", "--host-budget")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memtrain", description="Make a PyTorch model fit a memory budget at the least slowdown.")
+    parser.add_argument("--version", action="version", version=f"memtrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_train_parser(sub)
+    _add_estimate_parser(sub)
+    _add_plan_parser(sub)
+    _add_bench_parser(sub)
+    return parser
+
+
+def _add_train_parser(sub: Any) -> None:
+    t = sub.add_parser("train", help="train the built-in GPT on the built-in corpus (or your model and data)")
+    t.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (keys as the flags, e.g. "
+                   "micro-batch-size = 4); flags given on the command line win")
+    _add_model_flags(t, pretrained_weights=True)
+    t.add_argument("--data", metavar="PATH", help="the text to train on: with --hf-model a .txt (documents split on "
+                   "blank lines) or .jsonl (a \"text\" field, or \"prompt\"/\"completion\": the loss on the completion) "
+                   "tokenised with the folder's tokenizer; for the built-in GPT a text file read as bytes (default: "
+                   "the Python standard library)")
+    t.add_argument("--lora", type=_positive_int, metavar="R", help="train LoRA adapters of rank R on the frozen "
+                   "model (every linear layer but the output head); hf/ then holds the adapters")
+    t.add_argument("--merge-lora", action="store_true", help="with --lora: hf/ holds the weights with the adapters "
+                   "merged in (a plain from_pretrained folder)")
+    t.add_argument("--global-batch-size", type=_positive_int,
+                   help="examples per optimizer step over all ranks (default: 16 x world size, or micro-batch x "
+                   "world size when --micro-batch-size is given); the accumulation steps follow")
+    t.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed", "fp16-mixed"], default="auto",
+                   help="auto picks bf16-mixed where the GPU supports it, fp32 on a CPU (default auto)")
+    _add_budget_flags(t, default_text="the device's free memory (CUDA) or the free RAM (CPU)")
+    t.add_argument("--nproc", type=_positive_int, metavar="N", help="check that torchrun started N processes "
+                   "(memtrain train starts none itself: launch torchrun --nproc_per_node N -m memtrain train)")
+    t.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps (default 500)")
+    t.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
+    t.add_argument("--warmup-steps", type=_non_negative_int, default=None,
+                   help="linear warm-up steps to --lr (default min(50, max-steps // 10): a 10-step run warms up "
+                   "in 1), then cosine decay to a tenth of --lr")
+    t.add_argument("--weight-decay", type=_non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
+    t.add_argument("--grad-clip", type=_grad_clip, default=1.0,
+                   help="clip the global gradient norm to this (default 1.0; 0 or none: no clipping)")
+    t.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the weights, the data order and "
+                   "dropout (0 <= seed < 2**63; default 0)")
+    t.add_argument("--out", metavar="DIR", help="run folder (default runs/<model>-<time>)")
+    t.add_argument("--save-every", type=_positive_int, default=100, help="optimizer steps between resumable "
+                   "checkpoints, also written at the end and on SIGTERM/SIGINT (default 100)")
+    t.add_argument("--eval-every", type=_positive_int, default=100,
+                   help="optimizer steps between evaluations on the held-out windows (default 100; also at the end)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact "
+                   "checkpoint, with the flags it started with (flags given now are checked against them)")
+    t.add_argument("--overwrite", action="store_true", help="replace another run's results in --out (memtrain's "
+                   "files only: it never deletes what it did not write)")
+    t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 instead of DDP")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step (after checkpointing and the DDP/FSDP2 wrapper)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
+                   "(in a log)")
+    t.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def _add_estimate_parser(sub: Any) -> None:
+    e = sub.add_parser("estimate", help="predict the peak memory of a training step, without a GPU")
+    _add_model_flags(e, micro_batch_default=16, checkpointing_default="all")
+    e.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
+                   help="the precision to predict for (default bf16-mixed)")
+    e.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="the device whose peak is predicted (default cuda)")
+    e.add_argument("--json", action="store_true", help="print the report as JSON (peak_bytes: the predicted peak)")
+
+
+def _add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="choose the fastest set-up that fits a memory budget, with its reasons")
+    _add_model_flags(p)
+    p.add_argument("--global-batch-size", type=_positive_int,
+                   help="examples per optimizer step over all ranks (default 16 x --nproc, as memtrain train)")
+    p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
+                   help="compute precision (default bf16-mixed)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="the device planned for (default cuda; a CPU plan is probed on this machine)")
+    _add_budget_flags(p, default_text="unlimited")
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                   help="ranks to plan for (the peak is per rank; default 1)")
+    dist = p.add_mutually_exclusive_group()
+    dist.add_argument("--fsdp", action="store_const", const=True, dest="fsdp",
+                      help="with --nproc > 1: plan FSDP2 only (default: DDP and FSDP2 compared)")
+    dist.add_argument("--ddp", action="store_const", const=False, dest="fsdp",
+                      help="with --nproc > 1: plan DDP only")
+    p.add_argument("--compile", action="store_true", help="also consider torch.compile'd set-ups")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's device first (a few seconds "
+                   "of matmuls, copies and a CPU AdamW step; cached) instead of the table of known GPUs; a CPU "
+                   "plan always probes")
+    p.add_argument("--gpu", metavar="NAME", help="plan for this GPU from the table of known ones (H200, H100, A100, "
+                   "L4, 4090), e.g. for another machine (default: this machine's GPU, else an H100)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON: plan (the chosen settings), "
+                   "peak_bytes, step_seconds, tokens_per_s, candidates")
+
+
+def _add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="run the side-by-side benchmarks in benchmarks/")
+    b.add_argument("name", nargs="?", default="checkpointing", help="benchmark to run (default: checkpointing)")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark script")
+    b.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser, *, micro_batch_default: int | None = None,
+                     checkpointing_default: str = "auto", pretrained_weights: bool = False) -> None:
+    """The model / batch / technique flags shared by train, estimate and plan."""
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--model", default="gpt-mini", help="GPT preset: gpt-tiny, gpt-mini (default), gpt-small")
+    models.add_argument("--hf-config", metavar="PATH",
+                        help="a Hugging Face config.json: that model, randomly initialised")
+    models.add_argument("--hf-model", metavar="DIR", help=(
+        "a local pretrained Hugging Face folder: config.json, *.safetensors weights (loaded in fp32: master "
+        "weights for mixed precision) and a tokenizer, never the network" if pretrained_weights else
+        "a local Hugging Face model folder: only its config.json is read (nothing is loaded)"))
+    parser.add_argument("--seq-len", type=_positive_int, help="tokens per example (default: the preset's; 256 for "
+                        "Hugging Face models, at most their positions)" if pretrained_weights else
+                        "tokens per example (default: the preset's; for Hugging Face models 2048, at most their "
+                        "positions)")
+    parser.add_argument("--micro-batch-size", type=_positive_int, default=micro_batch_default, help=(
+        f"examples per forward (default {micro_batch_default})" if micro_batch_default else
+        "examples per forward (default: the plan picks it; given, it is fixed)"))
+    parser.add_argument("--checkpointing", type=_checkpointing, default=checkpointing_default, help=(
+        "none | all | every:K | selective | blocks(RKO..) (per block: recompute, keep, offload), each with an "
+        "optional +offload (the recomputed blocks' inputs in host memory)"
+        + (" | auto: the planner chooses (default)" if checkpointing_default == "auto"
+           else f" (default {checkpointing_default})")))
+    _add_technique_flags(parser, planned=checkpointing_default == "auto")
+
+
+def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> None:
+    """The memory techniques a user may fix; unset, the planner decides (train, plan) or they are off (estimate)."""
+    unset = "default: the plan decides" if planned else "default: off"
+    switch = argparse.BooleanOptionalAction
+    parser.add_argument("--offload-activations", action=switch, default=None,
+                        help=f"saved activations in pinned host memory, prefetched before backward (CUDA; {unset})")
+    parser.add_argument("--offload-optimizer", action=switch, default=None,
+                        help=f"fp32 master weights and AdamW state in host RAM, 8-12 bytes per parameter off the "
+                        f"device ({unset})")
+    parser.add_argument("--offload-optimizer-fraction", type=_fraction, metavar="F", default=None,
+                        help=f"this share of the parameters' fp32 master and AdamW state in host RAM, the rest on "
+                        f"the device ({unset})")
+    parser.add_argument("--chunked-loss", action=switch, default=None,
+                        help="the loss's fp32 logits 1024 tokens at a time, never whole (default: "
+                        + ("the plan decides)" if planned else "on with checkpointing where the model allows it)"))
+    parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "int8"], default=None,
+                        help=f"AdamW's moments in fp32 (8 bytes per parameter), bf16 (4) or int8 (about 2; needs "
+                        f"bitsandbytes) ({unset.replace('off', 'fp32')})")
+    parser.add_argument("--step-in-backward", action=switch, default=None,
+                        help=f"each parameter steps as soon as its gradient is final, which is freed at once: the "
+                        f"whole model's gradients never coexist ({unset})")
+
+
+def _add_budget_flags(parser: argparse.ArgumentParser, *, default_text: str) -> None:
+    parser.add_argument("--budget", type=_size, metavar="SIZE", help="device bytes per rank the run may use, e.g. "
+                        f"24GiB or 8000MB (GiB = 2**30, GB = 10**9; default {default_text})")
+    parser.add_argument("--host-budget", type=_size, metavar="SIZE", help="host RAM the run may use (offloaded "
+                        "state, pinned buffers; default: the RAM available now)")
+
+
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return sub.choices[command]
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str], command: str) -> set[str]:
+    """The options the command line gives itself (argparse fills the others in with their defaults)."""
+    sub = subparser(parser, command)
+    unset = object()
+    # argparse sets a default only where the namespace has no value yet: a marker shows which were never given.
+    namespace = argparse.Namespace(**{a.dest: unset for a in sub._actions if a.dest != "help"})  # noqa: SLF001
+    sub.parse_known_args(argv[argv.index(command) + 1:], namespace=namespace)
+    return {dest for dest, value in vars(namespace).items() if value is not unset}
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Makes the keys of ``--config FILE.toml`` the sub-parser's defaults; checks every key and value at once.
+    Returns the options the file set."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    if not argv or argv[0] not in sub.choices or "--config" not in " ".join(argv):
+        return set()
+    train_parser = sub.choices[argv[0]]
+    known, _ = train_parser.parse_known_args(argv[1:])
+    path = getattr(known, "config", None)
+    if not path:
+        return set()
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path!r}: no such file. To resolve this error, pass the path of a TOML "
+                          "file.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path!r} cannot be read as a TOML file ({e}). To resolve this error, pass "
+                          "the path of a UTF-8 text file.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path!r} is not valid TOML ({e}). To resolve this error, fix that line.") from None
+    actions = {a.option_strings[0][2:]: a for a in train_parser._actions if a.option_strings and  # noqa: SLF001
+               a.option_strings[0].startswith("--") and a.dest not in ("help", "config")}
+    # A switch's negative spelling is a key too: no-chunked-loss = true is chunked-loss = false.
+    negated = {a.option_strings[1][2:]: a for a in actions.values()
+               if isinstance(a, argparse.BooleanOptionalAction) and len(a.option_strings) > 1}
+    problems, defaults = [], {}
+    for key, value in values.items():
+        action = actions.get(key) or negated.get(key)
+        if action is None:
+            close = difflib.get_close_matches(key.replace("_", "-"), [*actions, *negated], n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            problems.append(f"--config: unknown key {key!r}.{hint} Keys are the flags of memtrain {argv[0]} "
+                            "without the dashes, e.g. micro-batch-size = 4.")
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):  # noqa: SLF001
+            if not isinstance(value, bool):
+                problems.append(f"--config: {key} = {value!r} must be true or false.")
+                continue
+            defaults[action.dest] = value if key not in negated else not value
+            continue
+        if isinstance(value, (dict, list)):
+            problems.append(f"--config: {key} = {value!r} must be a single value.")
+            continue
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        try:
+            converted = action.type(text) if action.type else text
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            problems.append(f"--config: {key} = {value!r}: {e}.")
+            continue
+        if action.choices and converted not in action.choices:
+            problems.append(f"--config: {key} = {value!r} is not one of {', '.join(map(str, action.choices))}.")
+            continue
+        defaults[action.dest] = converted
+    ConfigError.raise_if(problems)
+    train_parser.set_defaults(**defaults)
+    return set(defaults)
+
+
+def join_sizes(argv: list[str]) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse reads a value starting with "-" as a flag."""
+    out = []
+    for i, token in enumerate(argv):
+        if i and argv[i - 1] in _SIZE_FLAGS and re.match(r"-[\d.]", token) and "--" not in argv[:i]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+

@@ -1,0 +1,83 @@
+"""How the process was launched: torchrun's environment (checked), the distributed group it asks for, and the
+--nproc check (memtrain train starts no processes itself)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memtrain.errors import ConfigError
+
+
+def _launch_environment() -> tuple[int, int]:
+    """(world size, local rank) from torchrun's environment, checked: a partial one is refused, not crashed on."""
+    names = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+    values = {}
+    for name in names:
+        text = os.environ.get(name)
+        if text is not None:
+            try:
+                values[name] = int(text)
+            except ValueError:
+                raise ConfigError(f"the environment variable {name}={text!r} is not an integer. To resolve this "
+                                  f"error, unset {name} or launch with torchrun, which sets it.") from None
+    world = values.get("WORLD_SIZE", 1)
+    if world > 1:
+        missing = [n for n in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if n not in os.environ]
+        if missing:
+            raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                              " not: memtrain joins a distributed group only as torchrun starts it. To resolve this "
+                              f"error, launch with torchrun --nproc_per_node {world} -m memtrain train ..., or unset "
+                              "WORLD_SIZE.")
+        if not 0 <= values["RANK"] < world:
+            raise ConfigError(f"RANK={values['RANK']} is not in [0, WORLD_SIZE={world}). To resolve this error, "
+                              "launch with torchrun, which sets both.")
+    elif world < 1:
+        raise ConfigError(f"WORLD_SIZE={world} must be >= 1. To resolve this error, unset WORLD_SIZE.")
+    return world, values.get("LOCAL_RANK", 0)
+
+
+@contextlib.contextmanager
+def distributed_group() -> Iterator[tuple[int, int, Any]]:
+    """Joins the torchrun group when launched by torchrun; yields (rank, world size, device).
+
+    The group this opens is closed here: after a barrier when the run succeeded, so no rank tears its
+    connections down while a peer still uses them, and in any case before the interpreter exits (a gloo group
+    left to interpreter shutdown can abort the process).
+    """
+    world, local_rank = _launch_environment()
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    opened = world > 1 and not dist.is_initialized()
+    if opened:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield (dist.get_rank() if dist.is_initialized() else 0), world, device
+        if opened:
+            dist.barrier()
+    finally:
+        if opened:
+            gc.collect()  # a DDP reducer left in a reference cycle must not outlive the group it uses
+            dist.destroy_process_group()
+
+
+def nproc_problems(nproc: int) -> list[str]:
+    """memtrain train --nproc N is a check: torchrun, not memtrain, starts the processes."""
+    world, _ = _launch_environment()
+    if nproc == world:
+        return []
+    if "WORLD_SIZE" not in os.environ:
+        return [f"--nproc {nproc}: this is one process, not started by torchrun (memtrain train starts no "
+                "processes itself). To resolve this error, launch torchrun --nproc_per_node "
+                f"{nproc} -m memtrain train ..., or drop --nproc."]
+    return [f"--nproc {nproc}, but torchrun started WORLD_SIZE={world} processes. To resolve this error, pass "
+            f"--nproc {world} (or drop it), or launch torchrun --nproc_per_node {nproc}."]
+
+

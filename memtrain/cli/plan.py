@@ -1,0 +1,43 @@
+"""``memtrain plan``: the fastest set-up that fits the budget, with its reasons (the model on the meta device)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from memtrain.checkpointing import find_blocks
+from memtrain.cli.console import EXIT_OK, echo
+from memtrain.cli.flags import UNLIMITED
+from memtrain.cli.techniques import fixed_choices, technique_problems
+from memtrain.cli.workloads import meta_target
+from memtrain.errors import ConfigError
+from memtrain.planner import known_gpu, plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    ConfigError.raise_if(technique_problems(args))
+    target, seq_len, name = meta_target(args)
+    fixed, techniques = fixed_choices(args, len(find_blocks(target)))
+    # On the CPU the planner always probes; --calibrate probes a GPU now instead of the table of known ones.
+    if args.gpu and (args.calibrate or args.device != "cuda"):
+        other = "--calibrate" if args.calibrate else "--device cpu"
+        why = " (which measures this machine's GPU instead)" if args.calibrate else ""
+        raise ConfigError(f"--gpu {args.gpu!r} names the GPU to plan for from the table, which contradicts "
+                          f"{other}{why}. To resolve this error, drop --gpu or {other}.")
+    # Looked up now, not at import: tests substitute memtrain.planner.calibrate.
+    from memtrain.planner import calibrate
+
+    profile = calibrate(args.device, refresh=True) if args.calibrate else known_gpu(args.gpu) if args.gpu else None
+    p = plan(target, budget=None if args.budget == UNLIMITED else args.budget, seq_len=seq_len,
+             global_batch_size=args.global_batch_size or 16 * args.nproc, device=args.device,
+             precision=args.precision, world_size=args.nproc, fsdp=args.fsdp if args.nproc > 1 else False,
+             host_budget=None if args.host_budget == UNLIMITED else args.host_budget, compile=args.compile,
+             micro_batch_size=args.micro_batch_size, techniques=techniques, device_profile=profile, fixed=fixed)
+    if args.json:
+        echo(json.dumps(p.to_dict()))
+    else:
+        echo(f"{name}: {p.summary()}")
+        echo(f"  planned in {p.plan_seconds:.1f} s")
+    return EXIT_OK
+
+

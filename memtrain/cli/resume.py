@@ -1,0 +1,73 @@
+"""``memtrain train --resume``: the options a run records in its config.json, and the flags a resume takes back
+from it (model and data flags given again must be the same)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from memtrain.cli.flags import subparser
+from memtrain.errors import ConfigError
+from memtrain.runstate import read_run_config
+
+# The options of memtrain train that config.json records (the others say how to run, not what: --json, --out,
+# --resume, --overwrite, --config); and those that define the model and the data, which a resume must keep.
+_NOT_RECORDED = frozenset({"help", "config", "out", "resume", "overwrite", "json", "command"})
+_MODEL_FLAGS = ("model", "hf_model", "lora", "seq_len")  # refused here when changed; a new --data or --hf-config
+# path is let through: train() compares the contents (a SHA-256 of the token stream, the parameters' names and
+# shapes), so a moved file still resumes and a changed one is refused
+_PATH_FLAGS = ("data", "hf_config", "hf_model")  # recorded absolute: a resume may run from another folder
+
+
+def command_record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The train options as JSON values, paths absolute (a resume may run from another folder)."""
+    record = {}
+    for action in subparser(parser, "train")._actions:  # noqa: SLF001
+        if action.dest in _NOT_RECORDED:
+            continue
+        value = getattr(args, action.dest)
+        if action.dest in _PATH_FLAGS and value:
+            value = str(Path(value).absolute())
+        record[action.dest] = list(value) if isinstance(value, tuple) else value
+    return record
+
+
+def resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, explicit: set[str]) -> list[str]:
+    """With --resume: every option not given now takes the value the run started with (from its config.json);
+    model and data options given now must equal those. Returns notes for the log.
+
+    The other options given now go to train(), which refuses a changed run-defining one (e.g. --lr, other data
+    under a new --data path) and applies the others (e.g. --max-steps) with a logged line.
+    """
+    try:
+        saved = read_run_config(args.out).get("command")
+    except ConfigError as e:
+        return [f"--resume: {e}: using the flags given now (the checkpoint checks the run-defining ones)"]
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume: the run in {args.out!r} was started from Python (train()), not by memtrain "
+                          "train, so its model and data flags are not recorded. To resolve this error, resume it "
+                          "from Python with TrainConfig(resume=True), or pass its flags to a new run.")
+    now = command_record(args, parser)
+    problems = []
+    for dest in _MODEL_FLAGS:
+        if dest in explicit and dest in saved and now[dest] != saved[dest]:
+            flag = "--" + dest.replace("_", "-")
+            problems.append(f"--resume: {flag} {now[dest]!r} now but {saved[dest]!r} in the run being resumed: "
+                            f"another model would not continue it. To resolve this error, drop {flag} (--resume "
+                            "reads it from the run's config.json), or start a new run in another --out.")
+    ConfigError.raise_if(problems)
+    # Runs recorded before the planner: checkpointing as [mode, K], and a --no-chunked-loss switch.
+    if isinstance(saved.get("checkpointing"), list):
+        mode, every = saved["checkpointing"]
+        saved["checkpointing"] = f"every:{every}" if mode == "every" else mode
+    if saved.get("no_chunked_loss") is True and "chunked_loss" not in saved:
+        saved["chunked_loss"] = False
+    for dest, value in saved.items():
+        if dest not in explicit and dest in now:
+            setattr(args, dest, tuple(value) if isinstance(value, list) else value)
+    return [f"--resume: the flags of the run in {args.out} (config.json)"
+            + (f", with {', '.join('--' + d.replace('_', '-') for d in sorted(explicit & set(now)))} given now"
+               if explicit & set(now) else "")]
+
+

@@ -1,0 +1,83 @@
+"""The library's errors in the command's terms: the library names its arguments (``out_dir=``), the command its
+flags (``--out``); one table, ``ARGUMENT_FLAGS`` (``COMMAND_FLAGS`` where one command spells an argument its own
+way), translates them."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any
+
+from memtrain.errors import ConfigError
+
+# The flag behind each library argument, for translating the library's errors into the command's terms.
+ARGUMENT_FLAGS: dict[str, str] = {
+    "out_dir": "--out", "max_steps": "--max-steps", "micro_batch_size": "--micro-batch-size",
+    "global_batch_size": "--global-batch-size", "lr": "--lr", "warmup_steps": "--warmup-steps",
+    "weight_decay": "--weight-decay", "grad_clip": "--grad-clip", "precision": "--precision",
+    "checkpointing": "--checkpointing", "checkpoint_every": "--checkpointing every:", "seed": "--seed",
+    "eval_every": "--eval-every", "save_every": "--save-every", "seq_len": "--seq-len", "device": "--device",
+    "world_size": "torchrun --nproc_per_node", "budget": "--budget", "host_budget": "--host-budget",
+    "state_precision": "--optimizer-state", "offload_fraction": "--offload-optimizer-fraction",
+}
+# Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
+ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
+    "overwrite": ("--overwrite", None), "resume": ("--resume", None), "fsdp": ("--fsdp", None),
+    "offload_optimizer": ("--offload-optimizer", "--no-offload-optimizer"),
+    "offload_activations": ("--offload-activations", "--no-offload-activations"),
+    "compile": ("--compile", None), "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
+    "progress": (None, "--no-progress"), "step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
+    "merge_lora": ("--merge-lora", None),
+}
+# Where a command spells an argument its own way: memtrain plan plans --nproc ranks and compares --fsdp / --ddp.
+COMMAND_FLAGS: dict[str, dict[str, str]] = {"plan": {"world_size": "--nproc"}}
+COMMAND_SWITCHES: dict[str, dict[str, tuple[str | None, str | None]]] = {"plan": {"fsdp": ("--fsdp", "--ddp")}}
+_VALUE = r"('[^']*'|\"[^\"]*\"|\[[^\]]*\]|[^\s,;)]+)"
+
+
+def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str] | None = None) -> str:
+    """A library message in the command's terms: ``out_dir='x'`` -> ``--out 'x'``, ``resume=True`` -> ``--resume``,
+    ``micro_batch_size`` -> ``--micro-batch-size`` (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``);
+    ``extra`` names what an argument means at one call site (``path=`` is --hf-model's folder or --data's file)."""
+    flags = {**ARGUMENT_FLAGS, **COMMAND_FLAGS.get(command or "", {}), **(extra or {})}
+    switches = {**ARGUMENT_SWITCHES, **COMMAND_SWITCHES.get(command or "", {})}
+
+    def switch(match: re.Match[str]) -> str:
+        on, off = switches[match.group(1)]
+        flag = on if match.group(2) == "True" else off
+        return flag if flag is not None else f"without {off if match.group(2) == 'True' else on}"
+
+    names = "|".join(sorted(switches, key=len, reverse=True))
+    message = re.sub(rf"(?<![\w./-])({names})=(True|False)\b", switch, message)
+    names = "|".join(sorted(flags, key=len, reverse=True))
+
+    def valued(match: re.Match[str]) -> str:
+        flag = flags[match.group(1)]
+        return f"{flag}{match.group(2)}" if flag.endswith(":") else f"{flag} {match.group(2)}"
+
+    message = re.sub(rf"(?<![\w./-])({names})={_VALUE}", valued, message)
+    bare = [n for n in (*flags, *switches) if "_" in n]
+    names = "|".join(sorted(bare, key=len, reverse=True))
+
+    def named(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in flags:
+            return flags[name].removesuffix(" every:")
+        on, off = switches[name]
+        return on or off or name
+
+    return re.sub(rf"(?<![\w./-])({names})(?![\w=/-])", named, message)
+
+
+@contextlib.contextmanager
+def flags_of(extra: dict[str, str]) -> Any:
+    """Library errors raised inside, with the arguments of this call site named as their flags."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError([in_flag_terms(p, extra=extra) for p in e.problems]) from None
+
+
+# What ``path=`` means at the call sites that load --hf-model's folder or read --data's file.
+HF_MODEL_PATH, DATA_PATH = {"path": "--hf-model"}, {"path": "--data"}
+

@@ -1,0 +1,140 @@
+"""``memtrain train``: the checks that need no model first, then the model and the data the flags name, train(),
+and the summary line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memtrain.accumulation import accumulation_steps
+from memtrain.cli.console import EXIT_OK, echo, log
+from memtrain.cli.launch import distributed_group, nproc_problems
+from memtrain.cli.resume import command_record, resume_flags
+from memtrain.cli.techniques import technique_problems, train_techniques
+from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of
+from memtrain.cli.workloads import build_language_model, check_data_path, hf_folder_config, hf_seq_len
+from memtrain.data import builtin_corpus, split_windows, text_file_tokens, tokenized_rows
+from memtrain.errors import ConfigError
+from memtrain.hf import load_tokenizer, safetensors_files
+from memtrain.report import format_bytes
+from memtrain.runstate import RunFolder
+from memtrain.train import TrainConfig, TrainResult
+
+
+def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explicit: set[str]) -> int:
+    """memtrain train: the checks, the model and the data the flags name, train(), and the summary line."""
+    # The checks that need no model come first: a bad folder or file fails in a second, not after set-up.
+    notes, tokenizer = _check_before_set_up(args, parser, explicit)
+    name = Path(args.hf_model).name if args.hf_model else Path(args.hf_config).stem if args.hf_config else args.model
+    out = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = TrainConfig(
+        max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        precision=args.precision, budget=args.budget, host_budget=args.host_budget, fsdp=args.fsdp,
+        merge_lora=args.merge_lora, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
+        out_dir=out, overwrite=args.overwrite, resume=args.resume, progress=not args.no_progress,
+        **train_techniques(args),
+    )
+    config.validate()
+    RunFolder(out, overwrite=args.overwrite, resume=args.resume).check()
+    with distributed_group() as (rank, world, device):
+        if args.micro_batch_size is not None:  # else the plan picks one that divides the global batch
+            accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
+        torch.manual_seed(args.seed)
+        model, data, seq_len, source = _model_and_data(args, tokenizer, device)
+        n_params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        global_batch = args.global_batch_size or (args.micro_batch_size or 16) * world
+        if rank == 0:
+            for note in notes:
+                echo(f"  {note}", file=sys.stderr)
+            lora = f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable" if args.lora else ""
+            log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
+                      f"tokens x {global_batch} per step, {args.max_steps} steps on {source} ({len(data[0])} "
+                      "training rows)")
+        # Looked up now, not at import: tests wrap memtrain.train.train (which memtrain/__init__ shadows).
+        from memtrain.train import train
+
+        result = train(model, data, config, command=command_record(args, parser), tokenizer=tokenizer)
+        if rank != 0:
+            return EXIT_OK
+        _log_result(args, result)
+        return EXIT_OK
+
+
+def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                         explicit: set[str]) -> tuple[list[str], Any]:
+    """The checks that need no model: (the notes of --resume for the log, --hf-model's tokenizer or None)."""
+    if args.resume and not args.out:
+        raise ConfigError("--resume needs the run folder to continue. To resolve this error, pass --out DIR.")
+    notes = []
+    if args.resume and not args.overwrite:
+        RunFolder(args.out, resume=True).check()
+        notes = resume_flags(args, parser, explicit)
+    problems = technique_problems(args)
+    if args.merge_lora and not args.lora:
+        problems.append("--merge-lora without --lora: there are no adapters to merge. To resolve this error, pass "
+                        "--lora R (e.g. --lora 8), or drop --merge-lora.")
+    if args.nproc is not None:
+        problems += nproc_problems(args.nproc)
+    ConfigError.raise_if(problems)
+    tokenizer = None
+    if args.hf_model:
+        with flags_of(HF_MODEL_PATH):
+            safetensors_files(args.hf_model)  # config.json and safetensors weights, before anything is loaded
+            hf_seq_len(hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
+        if not args.data:
+            raise ConfigError(f"--hf-model {args.hf_model!r} without --data: the built-in corpus is read as bytes, "
+                              "not with the model's tokenizer. To resolve this error, pass --data PATH (a .txt "
+                              "file, documents split on blank lines, or a .jsonl file with a \"text\" field).")
+        with flags_of(HF_MODEL_PATH):
+            tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
+    if args.data:
+        check_data_path(args.data, tokenised=tokenizer is not None)
+    return notes, tokenizer
+
+
+def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> tuple[Any, Any, int, str]:
+    """(the model on ``device``, the data's rows, tokens per example, where the data comes from)."""
+    if args.hf_model:
+        seq_len = hf_seq_len(hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
+        # Tokenised (or read from the cache beside the data) before the model loads: a bad line fails fast.
+        with flags_of(DATA_PATH):
+            data = tokenized_rows(args.data, tokenizer, seq_len)
+    model, seq_len = build_language_model(args)
+    model.to(device)
+    if args.hf_model:
+        source = f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed)"
+    elif args.data:
+        data = split_windows(text_file_tokens(args.data), seq_len)
+        source = args.data
+    else:
+        data = builtin_corpus(seq_len)
+        source = "the Python standard library's source (built-in corpus)"
+    return model, data, seq_len, source
+
+
+def _log_result(args: argparse.Namespace, result: TrainResult) -> None:
+    """The run's last line: how it stopped, or its loss, speed and memory; with --json the result on stdout."""
+    if result.stopped_by:
+        log(args, f"stopped by {result.stopped_by} after step {result.steps}; checkpoint in {result.out_dir}; "
+                  f"continue with: memtrain train --out {result.out_dir} --resume")
+    else:
+        eval_text = f" (eval {result.eval_loss:.3f})" if result.eval_loss is not None else ""
+        peak = f", peak {format_bytes(result.peak_bytes)}" if result.peak_bytes is not None else ""
+        # The first figure is the progress bar's: tokens over the time inside training steps.
+        speed = (f"{result.tokens / result.step_seconds:.0f} tokens/s in training steps "
+                 f"({result.tokens / result.seconds:.0f} tokens/s wall-clock, with evaluation and checkpoints)"
+                 if result.step_seconds else "no step run")
+        log(args, f"done: loss {result.final_loss:.3f}{eval_text}, {speed}, saved activations "
+                  f"{format_bytes(result.activation_bytes)} per micro-batch, model state "
+                  f"{format_bytes(result.model_state_bytes)}{peak}; run folder {result.out_dir}")
+    if args.json:
+        echo(json.dumps(asdict(result)))

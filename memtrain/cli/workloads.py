@@ -1,0 +1,139 @@
+"""The model and the data the flags name: a GPT preset (--model), a Hugging Face config (--hf-config) or pretrained
+folder (--hf-model), with LoRA (--lora); its sequence length (--seq-len); the --data file's checks; and the model
+on the meta device for estimate and plan."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memtrain.cli.terms import HF_MODEL_PATH, flags_of
+from memtrain.errors import ConfigError
+from memtrain.estimate import _meta_model, hf_config_from_file
+from memtrain.hf import apply_lora, load_pretrained
+from memtrain.models import GPT, GPT_PRESETS
+
+
+def build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
+    """The model (LoRA adapters added with --lora) and its sequence length."""
+    if args.hf_model:
+        # fp32 weights whatever the checkpoint holds: the master weights of mixed precision (autocast computes in
+        # bf16), which the optimizer needs; the plan may still put bf16 copies on the device (offloaded master).
+        with flags_of(HF_MODEL_PATH):
+            model = load_pretrained(args.hf_model)
+        seq_len = hf_seq_len(model.config, args.seq_len, "--hf-model")
+    elif args.hf_config:
+        model, seq_len = _build_hf_model(args.hf_config, args.seq_len)
+    else:
+        model = _build_gpt(args)
+        seq_len = model.config.seq_len
+    if args.lora:
+        with flags_of({"r": "--lora"}):
+            model = apply_lora(model, args.lora)
+    return model, seq_len
+
+
+# Encoder model types whose causal-LM class attends both ways unless the config says is_decoder.
+_ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "electra", "camembert", "ernie",
+                       "data2vec-text", "rembert", "roformer", "megatron-bert", "xmod", "big_bird", "bert-generation"})
+
+
+def _build_gpt(args: argparse.Namespace) -> Any:
+    """The --model preset, with --seq-len applied."""
+    if args.model not in GPT_PRESETS:
+        raise ConfigError(f"--model {args.model!r} is not a known model. To resolve this error, pass one of "
+                          f"{', '.join(GPT_PRESETS)}, --hf-config PATH or --hf-model DIR.")
+    return GPT.from_preset(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
+
+
+def hf_seq_len(config: Any, seq_len: int | None, flag: str, *, default: int = 256,
+               problems: list[str] | None = None) -> int:
+    """--seq-len, or ``default`` capped at the model's positions; a causal LM only (not an encoder)."""
+    own = problems is None
+    problems = [] if problems is None else problems
+    if config.model_type in _ENCODERS and not getattr(config, "is_decoder", False):
+        problems.append(f"{flag}: a {config.model_type} config is an encoder: trained on next tokens it would "
+                        "see the tokens it predicts. To resolve this error, set \"is_decoder\": true in the config, "
+                        "or use a decoder model (llama, gpt2, qwen2, ...).")
+    max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    wanted = seq_len or min(default, max_len or default)
+    if max_len is not None and wanted > max_len:
+        problems.append(f"--seq-len {wanted} is longer than the model's {max_len} positions. To resolve this "
+                        f"error, pass --seq-len {max_len} or less.")
+    if own:
+        ConfigError.raise_if(problems)
+    return wanted
+
+
+def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
+    config = hf_config_from_file(path)  # plain JSON: nothing executed; every bad field is a ConfigError
+    problems: list[str] = []
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 256:
+        problems.append(f"--hf-config: vocab_size={vocab!r} must be an integer >= 256: the data is byte-level. To "
+                        "resolve this error, set vocab_size >= 256 in the config.")
+    wanted = hf_seq_len(config, seq_len, "--hf-config", problems=problems)
+    ConfigError.raise_if(problems)
+    import transformers  # an optional extra, seconds to import: only --hf-config pays for it
+
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config), wanted
+    except Exception as e:  # noqa: BLE001 - transformers refuses configs with exceptions of many types
+        cause = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"--hf-config {path!r}: transformers cannot build a causal language model from this "
+                          f"{config.model_type} config ({type(e).__name__}: {cause[:400]}"
+                          f"{'...' if len(cause) > 400 else ''}). To resolve this error, pass the config of a "
+                          "decoder model (llama, gpt2, qwen2, ...) whose sizes are positive.") from None
+
+
+def hf_folder_config(path: str) -> Any:
+    """The config.json of a --hf-model folder (only that file is read)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"--hf-model {path!r}: no such folder. To resolve this error, pass a local folder holding "
+                          "config.json (and, to train, *.safetensors weights and a tokenizer).")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"--hf-model {path!r} holds no config.json, so the architecture is unknown. To resolve "
+                          "this error, pass the folder save_pretrained wrote (config.json beside the weights).")
+    return hf_config_from_file(folder / "config.json")
+
+
+def check_data_path(path: str, *, tokenised: bool) -> None:
+    """--data must be a readable regular text file: a directory or a FIFO would fail late or block forever.
+    ``tokenised``: a model tokenizer reads it, so .jsonl is read too (bytes otherwise)."""
+    p = Path(path)
+    shown = f"--data {path!r}"
+    if not p.exists():
+        what = "a symbolic link to nothing" if os.path.islink(p) else "no such file"
+        raise ConfigError(f"{shown}: {what}. To resolve this error, pass the path of a text file.")
+    if p.is_dir():
+        raise ConfigError(f"{shown} is a directory. To resolve this error, pass the path of a text file in it.")
+    if not stat.S_ISREG(p.stat().st_mode):
+        raise ConfigError(f"{shown} is not a regular file (a FIFO, socket or device: reading it could block or "
+                          "never end). To resolve this error, pass the path of a text file.")
+    if p.suffix.lower() == ".jsonl" and not tokenised:
+        raise ConfigError(f"{shown} is a .jsonl file, which only a model with a tokenizer reads (the built-in GPT "
+                          "and --hf-config models read bytes: they would train on the raw JSON). To resolve this "
+                          "error, pass --hf-model DIR (a folder with a tokenizer), or a plain .txt file of the texts.")
+    if not os.access(p, os.R_OK):
+        raise ConfigError(f"{shown} is not readable. To resolve this error, pass a text file you can read.")
+
+
+def meta_target(args: argparse.Namespace, *, default_seq_len: int = 2048) -> tuple[Any, int, str]:
+    """(the model on the meta device, tokens per example, its name) for estimate and plan: nothing allocated."""
+    if args.hf_config or args.hf_model:
+        config = hf_config_from_file(args.hf_config) if args.hf_config else hf_folder_config(args.hf_model)
+        flag = "--hf-config" if args.hf_config else "--hf-model"
+        seq_len = hf_seq_len(config, args.seq_len, flag, default=default_seq_len)
+        name = Path(args.hf_config).name if args.hf_config else Path(args.hf_model).name
+        return _meta_model(config), seq_len, name
+    with torch.device("meta"):
+        model = _build_gpt(args)
+    return model, model.config.seq_len, args.model
+
+
