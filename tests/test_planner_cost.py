@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import tiny_gpt, tiny_llama_config
 
-from memtrain.estimate import _meta_model
+from memtrain.estimate import meta_model
 from memtrain.models import GPT, GPTConfig
 from memtrain.planner import (
     PlanSettings,
@@ -125,7 +125,7 @@ def test_an_fsdp2_rank_holds_every_saved_activation_beside_its_shard_of_the_stat
     """At the start of backward a rank holds all its saved activations and its shard of the weights and moments;
     the gradients FSDP2 shards do not exist yet (a shift that takes them off every moment plans below this)."""
     config = _llama(layers=16, hidden=1024, vocab_size=256, num_attention_heads=16, num_key_value_heads=16)
-    numel = sum(p.numel() for p in _meta_model(config).parameters())
+    numel = sum(p.numel() for p in meta_model(config).parameters())
     p = plan(config, budget=None, seq_len=1024, global_batch_size=16, world_size=16, fsdp=True, device_profile=H100,
              techniques=[], micro_batch_size=1)
     at_least = p.activation_bytes + 12 * numel / 16  # fp32 weights and two fp32 moments, a sixteenth of each
@@ -139,7 +139,7 @@ def test_fsdp2_gathers_blocks_in_bf16_under_bf16_mixed(precision, gathered_bytes
     from memtrain.planner.tracing import state_bytes
 
     config = _llama(layers=4, hidden=256, vocab_size=1024)
-    model = _meta_model(config)
+    model = meta_model(config)
     blocks = [f"model.layers.{i}" for i in range(4)]
     world = 4
     # Accumulation keeps FSDP2's gradients unsharded: the whole difference is the shift of every moment.
@@ -156,7 +156,7 @@ def test_fsdp2_all_gathers_in_bf16_and_reduce_scatters_in_fp32():
     """Link time of a step on a slow interconnect: two all-gathers of the weights (bf16 under bf16-mixed) and one
     reduce-scatter of the fp32 gradients, per rank's share; halving the link speed adds exactly that much again."""
     config = _llama(layers=4, hidden=256, vocab_size=1024)
-    numel = sum(p.numel() for p in _meta_model(config).parameters())
+    numel = sum(p.numel() for p in meta_model(config).parameters())
     world, acc = 4, 1
     settings = PlanSettings(1, acc, ("keep",) * 4, "full", False, "device", "fsdp2", False, "bf16-mixed")
     seconds = {}
@@ -176,7 +176,7 @@ def test_ddp_gradients_are_its_buckets():
     first window, before the views exist) the earlier micro-batches' gradients are tensors of their own beside the
     buckets; an offloaded optimizer keeps them on the device until the step under DDP."""
     config = _llama(layers=4, hidden=256, vocab_size=1024)
-    grads = 4 * sum(p.numel() for p in _meta_model(config).parameters())
+    grads = 4 * sum(p.numel() for p in meta_model(config).parameters())
     # All blocks recomputed, 64 tokens: the step (every gradient alive) is the one-process peak.
     for optimizer, acc, expected in (("device", 1, 0), ("device", 2, grads), ("offload", 1, grads),
                                      ("offload", 2, 2 * grads)):

@@ -8,7 +8,7 @@ from helpers import tiny_gpt, tiny_llama_config
 
 from memtrain import measure
 from memtrain.errors import ConfigError
-from memtrain.estimate import _meta_model
+from memtrain.estimate import meta_model
 from memtrain.models import GPT
 from memtrain.planner import (
     TECHNIQUES,
@@ -78,7 +78,7 @@ def test_no_limit_plans_no_technique(llama):
 
 def test_a_budget_below_the_model_state_offloads_the_optimizer():
     config = _llama(layers=4, hidden=1024, vocab_size=8192)
-    n = sum(p.numel() for p in _meta_model(config).parameters())
+    n = sum(p.numel() for p in meta_model(config).parameters())
     state = 16 * n  # fp32 weights, gradients and AdamW's two moments
     no_lean_state = [t for t in TECHNIQUES if t not in ("optimizer-state", "step-in-backward")]
     p = plan(config, budget=int(0.8 * state), seq_len=1024, global_batch_size=2, device_profile=H100,

@@ -14,7 +14,7 @@ import torch
 
 from memtrain.cli.terms import HF_MODEL_PATH, flags_of
 from memtrain.errors import ConfigError
-from memtrain.estimate import _meta_model, hf_config_from_file
+from memtrain.estimate import hf_config_from_file, meta_model
 from memtrain.hf import apply_lora, load_pretrained
 from memtrain.models import GPT, GPT_PRESETS
 
@@ -131,7 +131,7 @@ def meta_target(args: argparse.Namespace, *, default_seq_len: int = 2048) -> tup
         flag = "--hf-config" if args.hf_config else "--hf-model"
         seq_len = hf_seq_len(config, args.seq_len, flag, default=default_seq_len)
         name = Path(args.hf_config).name if args.hf_config else Path(args.hf_model).name
-        return _meta_model(config), seq_len, name
+        return meta_model(config), seq_len, name
     with torch.device("meta"):
         model = _build_gpt(args)
     return model, model.config.seq_len, args.model

@@ -35,10 +35,6 @@ from memtrain.estimate.optimizer_state import optimizer_bytes
 from memtrain.estimate.step import Trace, estimate, trace
 from memtrain.estimate.tracker import Run, round_up
 
-_meta_model = meta_model  # old spelling: removed at merge
-_optimizer_bytes = optimizer_bytes  # old spelling: removed at merge
-_round = round_up  # old spelling: removed at merge
-
 __all__ = [
     "MAX_LAYERS",
     "MAX_LOSS_CHUNKS",

@@ -13,30 +13,17 @@
 
 from memtrain.planner.apply import PlannedRun, apply_plan, configure_model
 from memtrain.planner.checks import budget_bytes
-from memtrain.planner.cost import Composer, fsdp2_param_dtype
-from memtrain.planner.devices import DeviceProfile, calibrate, device_profile, known_gpu, probe
-from memtrain.planner.search import composer_for, estimate_of, plan, predictions, problem_of
+from memtrain.planner.cost import fsdp2_param_dtype
+from memtrain.planner.devices import DeviceProfile, calibrate, device_profile, known_gpu
+from memtrain.planner.search import plan, predictions
 from memtrain.planner.settings import (
     TECHNIQUES,
     Candidate,
-    Configuration,
     Fixed,
     HostLink,
     Plan,
     PlanSettings,
 )
-from memtrain.planner.tracing import build_profiles, profiles_from_traces, state_bytes, truncated_copy
-
-_Composer = Composer  # old spelling: removed at merge
-_Config = Configuration  # old spelling: removed at merge
-_composer_for = composer_for  # old spelling: removed at merge
-_context = problem_of  # old spelling: removed at merge
-_estimate_of = estimate_of  # old spelling: removed at merge
-_probe = probe  # old spelling: removed at merge
-_profiles = build_profiles  # old spelling: removed at merge
-_state_bytes = state_bytes  # old spelling: removed at merge
-_traced_profiles = profiles_from_traces  # old spelling: removed at merge
-_truncated = truncated_copy  # old spelling: removed at merge
 
 __all__ = ["TECHNIQUES", "Candidate", "DeviceProfile", "Fixed", "HostLink", "Plan", "PlanSettings", "PlannedRun",
            "apply_plan", "budget_bytes", "calibrate", "configure_model", "device_profile", "fsdp2_param_dtype",

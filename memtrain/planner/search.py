@@ -32,7 +32,7 @@ import torch
 
 from memtrain.checkpointing import find_blocks
 from memtrain.errors import ConfigError
-from memtrain.estimate import Trace, _meta_model, trace
+from memtrain.estimate import Trace, meta_model, trace
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
 from memtrain.optim import INT8_DEVICES
@@ -319,7 +319,7 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
 
 def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, device: str, precision: str,
              world_size: int, chunk_allowed: bool, grad_clip: bool, device_profile_: DeviceProfile | None) -> Problem:
-    meta = _meta_model(model_or_hf_config)
+    meta = meta_model(model_or_hf_config)
     blocks = tuple(find_blocks(meta))
     if not blocks:
         raise ConfigError(f"plan: no repeated blocks found in {type(meta).__name__}, so nothing can be checkpointed "

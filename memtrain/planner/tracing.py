@@ -14,7 +14,7 @@ from torch import nn
 
 from memtrain.checkpointing import find_blocks
 from memtrain.errors import MemtrainError
-from memtrain.estimate import Trace, _meta_model, _optimizer_bytes, _round, trace
+from memtrain.estimate import Trace, meta_model, optimizer_bytes, round_up, trace
 from memtrain.planner.profiles import (
     KindProfile,
     PeakEnvelope,
@@ -60,7 +60,7 @@ def truncated_copy(model: nn.Module, blocks: Sequence[str]) -> tuple[nn.Module, 
     if len({signature(m) for m in container}) != 1:
         return None
 
-    copy = _meta_model(model)
+    copy = meta_model(model)
     parent_name = next(iter({name.rpartition(".")[0] for name in blocks}))
     holder_name, _, attr = parent_name.rpartition(".")
     holder = dict(copy.named_modules())[holder_name]
@@ -84,11 +84,11 @@ def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cu
     modules = dict(model.named_modules())
     block_of = {id(p): i for i, name in enumerate(blocks) for p in modules[name].parameters()}
     return {
-        "rounded": sum(_round(t.numel() * t.element_size(), round_to) for t in (*as_traced.values(), *buffers)),
+        "rounded": sum(round_up(t.numel() * t.element_size(), round_to) for t in (*as_traced.values(), *buffers)),
         "parameters": sum(t.numel() * t.element_size() for t in as_traced.values()),
         "trainable": sum(t.numel() * t.element_size() for t in trainable),
         "numel": sum(t.numel() for t in trainable),
-        "state": _optimizer_bytes(trainable, "adamw", round_to, cuda)[0],
+        "state": optimizer_bytes(trainable, "adamw", round_to, cuda)[0],
         "blocks": np.array([sum(as_traced[id(p)].numel() * as_traced[id(p)].element_size()
                                 for p in modules[name].parameters() if p.requires_grad) for name in blocks],
                            dtype=np.float64),
