@@ -2,18 +2,13 @@
 
 - ``transport``: the device-specific half (``CudaTransport``: pinned slabs, one side stream; ``CpuTransport``);
 - ``host_pool``: ``HostPool``, fixed-size pinned slabs under a host-RAM budget, reused every step;
-- ``offloader``: ``ActivationOffloader`` (the saved-tensor hooks, prefetch, statistics) and ``offload_activations``.
+- ``saved``: what autograd holds for an offloaded tensor, the counters, and which saved tensors stay on the device;
+- ``offloader``: ``ActivationOffloader`` (the saved-tensor hooks, prefetch, the pool) and ``offload_activations``.
 """
 
 from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, HostPool
-from memtrain.offload.offloader import (
-    MIN_BYTES_DEFAULT,
-    ActivationOffloader,
-    OffloadStats,
-    derived_from_leaf,
-    find_output_head,
-    offload_activations,
-)
+from memtrain.offload.offloader import MIN_BYTES_DEFAULT, ActivationOffloader, offload_activations
+from memtrain.offload.saved import OffloadStats, derived_from_leaf, find_output_head
 from memtrain.offload.transport import CpuTransport, CudaTransport, Segments, Transport
 
 _derived_from_leaf = derived_from_leaf  # old spelling: removed at merge

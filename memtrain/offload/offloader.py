@@ -36,7 +36,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,100 +44,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
-from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, Extent, HostPool
+from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, HostPool
+from memtrain.offload.saved import Handle, OffloadStats, Record, derived_from_leaf, find_output_head
 from memtrain.offload.transport import CudaTransport, Transport, warn_noop
 from memtrain.report import format_bytes
 
 MIN_BYTES_DEFAULT = 2**20  # below this a copy costs more in launch overhead than it frees
-
-
-class _Record:
-    """One storage offloaded: its host block, and while they exist its device copies."""
-
-    __slots__ = ("epoch", "index", "nbytes", "extent", "src", "d2h_event", "data", "h2d_event", "handles",
-                 "unpacked", "passes", "done", "released")
-
-    def __init__(self, epoch: int, index: int, nbytes: int, extent: Extent):
-        self.epoch, self.index, self.nbytes, self.extent = epoch, index, nbytes, extent
-        self.src: torch.Tensor | None = None  # the device storage, held until its copy to the host is done
-        self.d2h_event: Any = None
-        self.data: torch.Tensor | None = None  # the restored device bytes (prefetched or fetched)
-        self.h2d_event: Any = None
-        self.handles = 0  # live _Handles: the saved tensors (views, duplicates) backed by this record
-        self.unpacked = 0  # live handles unpacked in the current backward pass
-        self.passes = 0  # backward passes that used every handle (more than one with retain_graph)
-        self.done = False  # every handle unpacked once in this backward: no prefetch wanted until the next one
-        self.released = False
-
-
-class _Handle:
-    """What autograd stores instead of a saved tensor: the record plus the tensor's view of the storage."""
-
-    __slots__ = ("record", "dtype", "size", "stride", "offset", "unpacked_pass", "_dead")
-
-    def __init__(self, record: _Record, t: torch.Tensor, dead: collections.deque[tuple[_Record, int]]):
-        self.record = record
-        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
-        self.unpacked_pass = -1  # the record's pass in which this handle was last unpacked
-        self._dead = dead
-
-    def __del__(self) -> None:
-        # Autograd drops the handle when its node has run (or the graph is freed), from whatever thread: queue
-        # it, and let the next pack or unpack update the record under the lock.
-        self._dead.append((self.record, self.unpacked_pass))
-
-
-@dataclass(frozen=True)
-class OffloadStats:
-    """Counters since the offloader was built. Bytes are the host copies (each storage once)."""
-
-    offloaded_tensors: int  # saved tensors handed to the host (views and duplicates of one storage included)
-    offloaded_bytes: int  # bytes copied device -> host
-    deduplicated: int  # saved tensors whose storage was already on its way to the host
-    kept: tuple[tuple[str, int], ...]  # (reason, count) for saved tensors left where they were
-    over_budget_bytes: int  # bytes kept on the device because the host budget was full or could not be pinned
-    prefetched: int  # host -> device copies started ahead of use
-    fetched_on_demand: int  # host -> device copies started when backward already needed the tensor
-    served_from_device: int  # records used in backward while their device copy still existed (no copy back)
-    learned_order_used: int  # backward passes prefetching in the order recorded in an earlier step
-    host_reserved_bytes: int
-    host_used_bytes: int
-    host_peak_used_bytes: int
-
-
-_VIEW_OR_CAST = frozenset({
-    "ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
-    "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0",
-})
-
-
-def derived_from_leaf(t: torch.Tensor) -> bool:
-    """True for casts and views of a leaf that requires grad (autocast's bf16 copy of a weight, ``w.t()``)."""
-    fn = t.grad_fn
-    for _ in range(4):
-        if fn is None:
-            return False
-        if fn.name() == "torch::autograd::AccumulateGrad":
-            return True
-        if fn.name() not in _VIEW_OR_CAST:
-            return False
-        parents = [f for f, _ in fn.next_functions if f is not None]
-        if len(parents) != 1:
-            return False
-        fn = parents[0]
-    return False
-
-
-def find_output_head(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if isinstance(head, nn.Module):
-        return head
-    for name in ("lm_head", "head", "output"):
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Module) and next(head.parameters(), None) is not None:
-            return head
-    return None
 
 
 # -- the offloader ------------------------------------------------------------------------------------------
@@ -207,7 +118,7 @@ class ActivationOffloader:
             self.pool = HostPool(transport, budget_bytes=host_budget_bytes, slab_bytes=slab_bytes)
 
         self._lock = threading.RLock()
-        self._dead: collections.deque[tuple[_Record, int]] = collections.deque()
+        self._dead: collections.deque[tuple[Record, int]] = collections.deque()
         self._hooks: list[Any] = []
         self._module_hooks: list[Any] = []
         self._state_keys: set[int] = set()  # storages of the tracked modules' parameters and buffers
@@ -218,17 +129,17 @@ class ActivationOffloader:
             self.track_state(model)
         self._in_tail = False
         self._epoch_id = 0
-        self._epoch: list[_Record] = []  # this step's records, in the order they were saved
+        self._epoch: list[Record] = []  # this step's records, in the order they were saved
         self._epoch_live = 0  # records of this step not yet released
         self._observed: list[int] = []  # record indices in the order backward first used them
         self._observed_set: set[int] = set()
         self._unpacked_since_pack = False
-        self._plan: list[_Record] | None = None
+        self._plan: list[Record] | None = None
         self._plan_pos: dict[int, int] = {}
         self._learned: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self._by_storage: dict[int, tuple[StorageWeakRef, _Record, int]] = {}
-        self._inflight: collections.deque[_Record] = collections.deque()
-        self._finished: collections.deque[_Record] = collections.deque()
+        self._by_storage: dict[int, tuple[StorageWeakRef, Record, int]] = {}
+        self._inflight: collections.deque[Record] = collections.deque()
+        self._finished: collections.deque[Record] = collections.deque()
         self._warned_budget = False
         self._end_queued_for = -1  # the backward (graph task) whose end will release what is still restored
         self._counts: collections.Counter[str] = collections.Counter()
@@ -375,9 +286,9 @@ class ActivationOffloader:
                 self._by_storage[storage._cdata] = (StorageWeakRef(storage), record, t._version)
             record.handles += 1
             self._counts["offloaded_tensors"] += 1
-            return _Handle(record, t, self._dead)
+            return Handle(record, t, self._dead)
 
-    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record | None:
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Record | None:
         nbytes = storage.nbytes()
         pool = self.pool
         extent = pool.alloc(nbytes)
@@ -400,7 +311,7 @@ class ActivationOffloader:
                                "host_budget_bytes, or checkpoint more blocks.")
                 warnings.warn(message, stacklevel=4)
             return None
-        record = _Record(self._epoch_id, len(self._epoch), nbytes, extent)
+        record = Record(self._epoch_id, len(self._epoch), nbytes, extent)
         record.src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         record.d2h_event = self.transport.copy_to_host(record.src, self.pool.segments(extent), record.index)
         self._counts["offloaded_bytes"] += nbytes
@@ -425,7 +336,7 @@ class ActivationOffloader:
                     return
             self._inflight.popleft()
 
-    def _release_src(self, record: _Record) -> None:
+    def _release_src(self, record: Record) -> None:
         # The side stream may still be reading src: the compute stream, which reuses freed memory, waits first.
         if not self.transport.query(record.d2h_event):
             self.transport.wait(record.d2h_event)
@@ -433,7 +344,7 @@ class ActivationOffloader:
 
     # -- backward: unpack -------------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Handle):
+        if not isinstance(packed, Handle):
             return packed
         with self._lock:
             self._drain()
@@ -479,7 +390,7 @@ class ActivationOffloader:
             self._finished.clear()
             self._retire_copies()
 
-    def _finish_pass(self, record: _Record) -> None:
+    def _finish_pass(self, record: Record) -> None:
         """Every live saved tensor of this storage is out: autograd holds what it still needs."""
         record.passes += 1
         record.unpacked = 0
@@ -495,7 +406,7 @@ class ActivationOffloader:
                 if old.src is not None:
                     self._release_src(old)
 
-    def _resident(self, record: _Record) -> torch.Tensor:
+    def _resident(self, record: Record) -> torch.Tensor:
         if record.src is not None:
             if record.unpacked == 0 and record.passes == 0:
                 self._counts["served_from_device"] += 1
@@ -507,7 +418,7 @@ class ActivationOffloader:
         self.transport.hand_over(record.data)
         return record.data
 
-    def _fetch(self, record: _Record) -> None:
+    def _fetch(self, record: Record) -> None:
         record.data, record.h2d_event = self.transport.copy_to_device(
             self.pool.segments(record.extent), record.nbytes, record.index)
 
@@ -521,7 +432,7 @@ class ActivationOffloader:
         self._plan = [self._epoch[i] for i in order]
         self._plan_pos = {id(r): pos for pos, r in enumerate(self._plan)}
 
-    def _prefetch_after(self, record: _Record) -> None:
+    def _prefetch_after(self, record: Record) -> None:
         pos = self._plan_pos.get(id(record))
         if pos is None:
             return
