@@ -131,7 +131,7 @@ class CountingTransport:
 def cpu_offload(transports: list[CountingTransport] | None = None, min_bytes: int | None = None) -> Iterator[None]:
     """``apply_checkpointing``'s offloader built on a counting CPU transport (the real one is a no-op without
     CUDA), so that the CPU runs the offload hooks a GPU run would. ``min_bytes`` defaults to the real default."""
-    import memtrain.checkpointing as checkpointing
+    import memtrain.checkpointing.wrap as checkpointing
     from memtrain.offload import MIN_BYTES_DEFAULT, ActivationOffloader
 
     def offload_activations(**_: Any) -> ActivationOffloader:
@@ -210,7 +210,7 @@ def _dynamo_counts(name: str, setup: dict[str, Any]) -> tuple[CompileCount, coll
         # or compiled regions' saved tensors bypass its hooks: an offload that silently does nothing.
         count.error = ("no activation crossed the counting CPU transport: the compiled set-up offloads nothing "
                        "(saved tensors bypass the offload hooks), or apply_checkpointing no longer builds its "
-                       "offloader through memtrain.checkpointing.offload_activations, which cpu_offload() patches")
+                       "offloader through memtrain.checkpointing.wrap.offload_activations, which cpu_offload() patches")
     reasons = collections.Counter({reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()})
     count.graphs = int(counters["stats"]["unique_graphs"])
     count.breaks = sum(reasons.values())

@@ -31,7 +31,7 @@ from memtrain.report import MemoryReport
 _ACTIVE_METERS: list[MemoryMeter] = []
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
     """Identity of the storage behind ``t`` (the StorageImpl), valid on every device including meta."""
     try:
         storage = t.untyped_storage()
@@ -44,7 +44,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 def _tensor_storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     keys: dict[int, int] = {}
     for t in tensors:
-        key, nbytes = _storage_key(t)
+        key, nbytes = storage_key(t)
         keys.setdefault(key, nbytes)
     return keys
 
@@ -162,14 +162,14 @@ class MemoryMeter:
         if isinstance(t, nn.Parameter):
             return True
         if self.model is not None:
-            return _storage_key(t)[0] in self._state_keys
+            return storage_key(t)[0] in self._state_keys
         base = t if t._base is None else t._base
         return base.is_leaf and base.requires_grad
 
     def _count(self, t: torch.Tensor) -> None:
         if self._is_model_state(t):
             return
-        key, nbytes = _storage_key(t)
+        key, nbytes = storage_key(t)
         self._saved.setdefault(key, nbytes)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -257,7 +257,7 @@ class MemoryMeter:
         )
 
 
-def _as_loss(out: Any) -> torch.Tensor:
+def as_loss(out: Any) -> torch.Tensor:
     """The scalar to call backward on: a scalar output, an output's ``.loss``, or the sum of a tensor output."""
     loss = getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
@@ -266,7 +266,7 @@ def _as_loss(out: Any) -> torch.Tensor:
         # A non-scalar output stands in for a loss whose gradient is all ones: same saved tensors.
         return out if out.dim() == 0 else out.float().sum()
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return _as_loss(out[0])
+        return as_loss(out[0])
     raise MemtrainError(
         f"measure: fn returned {type(out).__name__}, which is not a tensor or an object with a .loss tensor. "
         "To resolve this error, make fn return the loss (or the model output) as a tensor."
@@ -302,7 +302,7 @@ def measure(
     if model is None and isinstance(fn, nn.Module):
         model = fn
     with MemoryMeter(model, optimizer) as meter:
-        loss = _as_loss(fn(*args, **kwargs))
+        loss = as_loss(fn(*args, **kwargs))
         meter.mark("forward")
         loss.backward()
         meter.mark("backward")
@@ -470,3 +470,7 @@ class KernelOps(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.kernels.values())
+
+
+_storage_key = storage_key  # old spelling: removed at merge
+_as_loss = as_loss  # old spelling: removed at merge

@@ -209,10 +209,10 @@ def test_apply_plan_compiles_a_plan_with_offloaded_activations(monkeypatch):
     """apply_plan compiles the blocks of an offloading plan one by one: graphs, no break, nothing eager."""
     import functools
 
-    import memtrain.checkpointing
+    import memtrain.checkpointing.wrap
     from memtrain.planner import PlanSettings, apply_plan
 
-    monkeypatch.setattr(memtrain.checkpointing, "offload_activations", lambda **_: _cpu_offloader())
+    monkeypatch.setattr(memtrain.checkpointing.wrap, "offload_activations", lambda **_: _cpu_offloader())
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     model = _gpt3()
     settings = PlanSettings(4, 1, ("offload", "recompute", "keep"), "offload-inputs", False, "device", "none", True,

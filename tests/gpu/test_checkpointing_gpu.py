@@ -59,7 +59,7 @@ def test_keyword_called_dropout_blocks_recompute_the_same_masks():
     plain = _grads(blocks, lambda b, h, m: checkpoint(b, use_reentrant=False, hidden_states=h, mask=m))
     assert _max_diff(plain, expected) > 1e-2, (
         "torch.utils.checkpoint now restores the CUDA RNG for keyword tensors: the workaround in "
-        "checkpointing._keyword_tensors_positional can go")
+        "memtrain.checkpointing.forward._keyword_tensors_positional can go")
 
 
 def _peaks(fn) -> tuple[int, int]:

@@ -25,7 +25,7 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
 The device-specific operations sit behind a small ``Transport`` (``CudaTransport``; ``CpuTransport`` runs the
 same logic on the CPU with plain copies, for tests and dry runs), so the pack / unpack / prefetch logic is
 tested on a CPU-only machine; ``CudaTransport``'s own synchronisation is tested there too, over a model of two
-streams that fails on each missing wait (tests/test_offload.py).
+streams that fails on each missing wait (tests/offload_stream_model.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,330 +44,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
+from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, HostPool
+from memtrain.offload.saved import Handle, OffloadStats, Record, derived_from_leaf, find_output_head
+from memtrain.offload.transport import CudaTransport, Transport, warn_noop
 from memtrain.report import format_bytes
 
 MIN_BYTES_DEFAULT = 2**20  # below this a copy costs more in launch overhead than it frees
-SLAB_BYTES_DEFAULT = 2**27  # 128 MiB: few pinned allocations, little waste at the end of the last slab
-_ALIGN = 512  # block starts aligned for efficient DMA
-
-_NOOP_WARNED = False
-
-Segments = list[tuple[int, torch.Tensor]]  # (offset in the tensor's bytes, host view) pieces of one block
-
-
-# -- transports ---------------------------------------------------------------------------------------------
-class Transport(Protocol):
-    """The device-specific half of offloading: host slabs, asynchronous copies, events.
-
-    ``copy_to_host`` and ``copy_to_device`` are asynchronous; the event they return is done when the copy is.
-    ``wait`` makes the *current* (compute) stream wait for an event without blocking the host.
-    ``allocate_host`` raises ``RuntimeError`` when the host memory cannot be had.
-    """
-
-    device: torch.device
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor: ...
-
-    def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any: ...
-
-    def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]: ...
-
-    def wait(self, event: Any) -> None: ...
-
-    def query(self, event: Any) -> bool: ...
-
-    def hand_over(self, tensor: torch.Tensor) -> None: ...
-
-
-class CpuTransport:
-    """The offload logic on the CPU: "host" blocks are ordinary memory and copies are synchronous.
-
-    Nothing is saved (the device *is* the host); it exists so that tests and dry runs (what would move, how
-    many bytes) run the same code as the GPU.
-    """
-
-    device = torch.device("cpu")
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any:
-        for offset, host in segments:
-            host.copy_(src[offset:offset + host.numel()])
-        return None
-
-    def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]:
-        dst = torch.empty(nbytes, dtype=torch.uint8)
-        for offset, host in segments:
-            dst[offset:offset + host.numel()].copy_(host)
-        return dst, None
-
-    def wait(self, event: Any) -> None:
-        pass
-
-    def query(self, event: Any) -> bool:
-        return True
-
-    def hand_over(self, tensor: torch.Tensor) -> None:
-        pass
-
-
-class CudaTransport:
-    """Pinned host slabs and one side stream for every copy, both directions.
-
-    The synchronisation lives in the public methods; each stream operation they use is a one-line method at the
-    bottom, so that a model of two streams (tests/test_offload.py) runs this very logic on the CPU and fails
-    when a wait, ``wait_stream`` or ``record_stream`` goes missing.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = self._new_stream()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # A stream cannot be pickled: a model saved with an offloader gets a fresh one where it is loaded.
-        return _cuda_transport, (str(self.device),)
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        return self._pinned(nbytes)  # a RuntimeError when it cannot: HostPool keeps the tensors on the device
-
-    def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any:
-        # The kernels writing src are queued on the compute stream: the copy must start after them.
-        self._wait_stream(self.stream, self._current())
-        for offset, host in segments:
-            self._copy(host, src[offset:offset + host.numel()], self.stream)
-        return self._record_event(self.stream)
-
-    def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]:
-        # Allocated on the side stream, the destination is free there at once: the copy need not wait for the
-        # compute stream (which may be far behind the host), so a prefetch really starts early.
-        dst = self._empty(nbytes, self.stream)
-        for offset, host in segments:
-            self._copy(dst[offset:offset + host.numel()], host, self.stream)
-        return dst, self._record_event(self.stream)
-
-    def wait(self, event: Any) -> None:
-        self._wait_event(self._current(), event)
-
-    def query(self, event: Any) -> bool:
-        return self._query(event)
-
-    def hand_over(self, tensor: torch.Tensor) -> None:
-        # Allocated on the side stream, used on the compute stream: without this, the allocator could hand the
-        # memory to the next prefetch while backward still reads it.
-        self._record_stream(tensor, self._current())
-
-    # -- the CUDA calls (one each) ------------------------------------------------------------------------
-    def _new_stream(self) -> Any:
-        return torch.cuda.Stream(self.device)
-
-    def _current(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def _pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def _empty(self, nbytes: int, stream: Any) -> torch.Tensor:
-        with torch.cuda.stream(stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-
-    def _wait_stream(self, stream: Any, other: Any) -> None:
-        stream.wait_stream(other)
-
-    def _record_event(self, stream: Any) -> Any:
-        return stream.record_event()
-
-    def _wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def _query(self, event: Any) -> bool:
-        return event.query()
-
-    def _record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        tensor.record_stream(stream)
-
-
-def _cuda_transport(device: str) -> CudaTransport | None:
-    """A transport for ``device``, or None (a disabled offloader, said once) where that device does not exist."""
-    index = torch.device(device).index or 0
-    if torch.cuda.is_available() and index < torch.cuda.device_count():
-        return CudaTransport(torch.device(device))
-    _warn_noop(f"the offloader was saved on {device}, which this machine does not have")
-    return None
-
-
-def _warn_noop(why: str) -> None:
-    global _NOOP_WARNED
-    if not _NOOP_WARNED:
-        _NOOP_WARNED = True
-        warnings.warn(f"offload_activations: {why}, so saved activations already live in host memory; the context "
-                      "does nothing.", stacklevel=3)
-
-
-# -- the host pool ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Extent:
-    start: int
-    nbytes: int
-
-
-class HostPool:
-    """Host memory for offloaded tensors: fixed-size slabs allocated once, carved by a bump pointer.
-
-    Forward takes blocks in order and backward frees them in reverse, so the pointer works like a stack: it
-    falls back as the top blocks are freed, and every step reuses the slabs of the first one. A block may span
-    two slabs (it is copied in pieces), so no slab space is wasted on sizes that do not fit.
-    """
-
-    def __init__(self, transport: Transport, *, budget_bytes: int, slab_bytes: int):
-        self.transport = transport
-        self.slab_bytes = slab_bytes
-        self.capacity_bytes = budget_bytes // slab_bytes * slab_bytes
-        self.slabs: list[torch.Tensor] = []
-        self._live: dict[int, int] = {}  # start -> end
-        self._top = 0
-        self.peak_used_bytes = 0
-        self.pin_error: str | None = None  # why the last slab could not be allocated; the capacity stopped there
-
-    @property
-    def reserved_bytes(self) -> int:
-        return len(self.slabs) * self.slab_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(end - start for start, end in self._live.items())
-
-    def alloc(self, nbytes: int) -> _Extent | None:
-        """A block of ``nbytes``, or None when the budget has no room left for it."""
-        start = self._top
-        end = start + -(-nbytes // _ALIGN) * _ALIGN
-        if end > self.capacity_bytes:
-            return None
-        while self.reserved_bytes < end:
-            try:
-                self.slabs.append(self.transport.allocate_host(self.slab_bytes))
-            except RuntimeError as e:
-                # Host memory ran out after the up-front check (other processes pin and allocate too): what is
-                # pinned is all there will be, rather than a failed step or a retry at every tensor.
-                self.pin_error = str(e).splitlines()[0] if str(e) else type(e).__name__
-                self.capacity_bytes = self.reserved_bytes
-                return None
-        self._live[start] = end
-        self._top = end
-        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
-        return _Extent(start, nbytes)
-
-    def free(self, extent: _Extent) -> None:
-        # NOTE: no wait for the copies reading or writing this block: they are all on the transport's one side
-        # stream, so a later copy into the block runs after them.
-        end = self._live.pop(extent.start)
-        if end == self._top:
-            self._top = max(self._live.values(), default=0)
-
-    def segments(self, extent: _Extent) -> Segments:
-        """(offset in the tensor's bytes, host view) pieces of ``extent``, split at slab boundaries."""
-        pieces = []
-        done = 0
-        while done < extent.nbytes:
-            slab, at = divmod(extent.start + done, self.slab_bytes)
-            n = min(extent.nbytes - done, self.slab_bytes - at)
-            pieces.append((done, self.slabs[slab][at:at + n]))
-            done += n
-        return pieces
-
-
-# -- what autograd holds ------------------------------------------------------------------------------------
-class _Record:
-    """One storage offloaded: its host block, and while they exist its device copies."""
-
-    __slots__ = ("epoch", "index", "nbytes", "extent", "src", "d2h_event", "data", "h2d_event", "handles",
-                 "unpacked", "passes", "done", "released")
-
-    def __init__(self, epoch: int, index: int, nbytes: int, extent: _Extent):
-        self.epoch, self.index, self.nbytes, self.extent = epoch, index, nbytes, extent
-        self.src: torch.Tensor | None = None  # the device storage, held until its copy to the host is done
-        self.d2h_event: Any = None
-        self.data: torch.Tensor | None = None  # the restored device bytes (prefetched or fetched)
-        self.h2d_event: Any = None
-        self.handles = 0  # live _Handles: the saved tensors (views, duplicates) backed by this record
-        self.unpacked = 0  # live handles unpacked in the current backward pass
-        self.passes = 0  # backward passes that used every handle (more than one with retain_graph)
-        self.done = False  # every handle unpacked once in this backward: no prefetch wanted until the next one
-        self.released = False
-
-
-class _Handle:
-    """What autograd stores instead of a saved tensor: the record plus the tensor's view of the storage."""
-
-    __slots__ = ("record", "dtype", "size", "stride", "offset", "unpacked_pass", "_dead")
-
-    def __init__(self, record: _Record, t: torch.Tensor, dead: collections.deque[tuple[_Record, int]]):
-        self.record = record
-        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
-        self.unpacked_pass = -1  # the record's pass in which this handle was last unpacked
-        self._dead = dead
-
-    def __del__(self) -> None:
-        # Autograd drops the handle when its node has run (or the graph is freed), from whatever thread: queue
-        # it, and let the next pack or unpack update the record under the lock.
-        self._dead.append((self.record, self.unpacked_pass))
-
-
-@dataclass(frozen=True)
-class OffloadStats:
-    """Counters since the offloader was built. Bytes are the host copies (each storage once)."""
-
-    offloaded_tensors: int  # saved tensors handed to the host (views and duplicates of one storage included)
-    offloaded_bytes: int  # bytes copied device -> host
-    deduplicated: int  # saved tensors whose storage was already on its way to the host
-    kept: tuple[tuple[str, int], ...]  # (reason, count) for saved tensors left where they were
-    over_budget_bytes: int  # bytes kept on the device because the host budget was full or could not be pinned
-    prefetched: int  # host -> device copies started ahead of use
-    fetched_on_demand: int  # host -> device copies started when backward already needed the tensor
-    served_from_device: int  # records used in backward while their device copy still existed (no copy back)
-    learned_order_used: int  # backward passes prefetching in the order recorded in an earlier step
-    host_reserved_bytes: int
-    host_used_bytes: int
-    host_peak_used_bytes: int
-
-
-_VIEW_OR_CAST = frozenset({
-    "ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
-    "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0",
-})
-
-
-def _derived_from_leaf(t: torch.Tensor) -> bool:
-    """True for casts and views of a leaf that requires grad (autocast's bf16 copy of a weight, ``w.t()``)."""
-    fn = t.grad_fn
-    for _ in range(4):
-        if fn is None:
-            return False
-        if fn.name() == "torch::autograd::AccumulateGrad":
-            return True
-        if fn.name() not in _VIEW_OR_CAST:
-            return False
-        parents = [f for f, _ in fn.next_functions if f is not None]
-        if len(parents) != 1:
-            return False
-        fn = parents[0]
-    return False
-
-
-def _find_head(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if isinstance(head, nn.Module):
-        return head
-    for name in ("lm_head", "head", "output"):
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Module) and next(head.parameters(), None) is not None:
-            return head
-    return None
 
 
 # -- the offloader ------------------------------------------------------------------------------------------
@@ -402,7 +83,7 @@ class ActivationOffloader:
             problems.append(f"head={type(head).__name__}: it must be an nn.Module (the output layer). To resolve "
                             "this error, pass e.g. head=model.lm_head.")
         ConfigError.raise_if(problems)
-        head = None if include_logits else (head or (_find_head(model) if model is not None else None))
+        head = None if include_logits else (head or (find_output_head(model) if model is not None else None))
         self._start(transport, model=model, head=head, min_bytes=min_bytes, host_budget_bytes=host_budget_bytes,
                     prefetch_depth=prefetch_depth, slab_bytes=slab_bytes)
 
@@ -437,7 +118,7 @@ class ActivationOffloader:
             self.pool = HostPool(transport, budget_bytes=host_budget_bytes, slab_bytes=slab_bytes)
 
         self._lock = threading.RLock()
-        self._dead: collections.deque[tuple[_Record, int]] = collections.deque()
+        self._dead: collections.deque[tuple[Record, int]] = collections.deque()
         self._hooks: list[Any] = []
         self._module_hooks: list[Any] = []
         self._state_keys: set[int] = set()  # storages of the tracked modules' parameters and buffers
@@ -448,17 +129,17 @@ class ActivationOffloader:
             self.track_state(model)
         self._in_tail = False
         self._epoch_id = 0
-        self._epoch: list[_Record] = []  # this step's records, in the order they were saved
+        self._epoch: list[Record] = []  # this step's records, in the order they were saved
         self._epoch_live = 0  # records of this step not yet released
         self._observed: list[int] = []  # record indices in the order backward first used them
         self._observed_set: set[int] = set()
         self._unpacked_since_pack = False
-        self._plan: list[_Record] | None = None
+        self._plan: list[Record] | None = None
         self._plan_pos: dict[int, int] = {}
         self._learned: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self._by_storage: dict[int, tuple[StorageWeakRef, _Record, int]] = {}
-        self._inflight: collections.deque[_Record] = collections.deque()
-        self._finished: collections.deque[_Record] = collections.deque()
+        self._by_storage: dict[int, tuple[StorageWeakRef, Record, int]] = {}
+        self._inflight: collections.deque[Record] = collections.deque()
+        self._finished: collections.deque[Record] = collections.deque()
         self._warned_budget = False
         self._end_queued_for = -1  # the backward (graph task) whose end will release what is still restored
         self._counts: collections.Counter[str] = collections.Counter()
@@ -568,7 +249,7 @@ class ActivationOffloader:
         if isinstance(t, nn.Parameter) or storage._cdata in self._state_keys:
             return "parameter"
         base = t if t._base is None else t._base
-        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or _derived_from_leaf(t):
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or derived_from_leaf(t):
             return "parameter"
         if (base.grad_fn is None and not base.requires_grad and base.is_floating_point()
                 and tuple(base.shape) in self._frozen_shapes):
@@ -605,9 +286,9 @@ class ActivationOffloader:
                 self._by_storage[storage._cdata] = (StorageWeakRef(storage), record, t._version)
             record.handles += 1
             self._counts["offloaded_tensors"] += 1
-            return _Handle(record, t, self._dead)
+            return Handle(record, t, self._dead)
 
-    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _Record | None:
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Record | None:
         nbytes = storage.nbytes()
         pool = self.pool
         extent = pool.alloc(nbytes)
@@ -630,7 +311,7 @@ class ActivationOffloader:
                                "host_budget_bytes, or checkpoint more blocks.")
                 warnings.warn(message, stacklevel=4)
             return None
-        record = _Record(self._epoch_id, len(self._epoch), nbytes, extent)
+        record = Record(self._epoch_id, len(self._epoch), nbytes, extent)
         record.src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         record.d2h_event = self.transport.copy_to_host(record.src, self.pool.segments(extent), record.index)
         self._counts["offloaded_bytes"] += nbytes
@@ -655,7 +336,7 @@ class ActivationOffloader:
                     return
             self._inflight.popleft()
 
-    def _release_src(self, record: _Record) -> None:
+    def _release_src(self, record: Record) -> None:
         # The side stream may still be reading src: the compute stream, which reuses freed memory, waits first.
         if not self.transport.query(record.d2h_event):
             self.transport.wait(record.d2h_event)
@@ -663,7 +344,7 @@ class ActivationOffloader:
 
     # -- backward: unpack -------------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Handle):
+        if not isinstance(packed, Handle):
             return packed
         with self._lock:
             self._drain()
@@ -709,7 +390,7 @@ class ActivationOffloader:
             self._finished.clear()
             self._retire_copies()
 
-    def _finish_pass(self, record: _Record) -> None:
+    def _finish_pass(self, record: Record) -> None:
         """Every live saved tensor of this storage is out: autograd holds what it still needs."""
         record.passes += 1
         record.unpacked = 0
@@ -725,7 +406,7 @@ class ActivationOffloader:
                 if old.src is not None:
                     self._release_src(old)
 
-    def _resident(self, record: _Record) -> torch.Tensor:
+    def _resident(self, record: Record) -> torch.Tensor:
         if record.src is not None:
             if record.unpacked == 0 and record.passes == 0:
                 self._counts["served_from_device"] += 1
@@ -737,7 +418,7 @@ class ActivationOffloader:
         self.transport.hand_over(record.data)
         return record.data
 
-    def _fetch(self, record: _Record) -> None:
+    def _fetch(self, record: Record) -> None:
         record.data, record.h2d_event = self.transport.copy_to_device(
             self.pool.segments(record.extent), record.nbytes, record.index)
 
@@ -751,7 +432,7 @@ class ActivationOffloader:
         self._plan = [self._epoch[i] for i in order]
         self._plan_pos = {id(r): pos for pos, r in enumerate(self._plan)}
 
-    def _prefetch_after(self, record: _Record) -> None:
+    def _prefetch_after(self, record: Record) -> None:
         pos = self._plan_pos.get(id(record))
         if pos is None:
             return
@@ -888,7 +569,7 @@ def offload_activations(
             device = torch.device("cuda", torch.cuda.current_device())
         transport = CudaTransport(device)
     elif device.type == "cpu":
-        _warn_noop("no CUDA device")
+        warn_noop("no CUDA device")
     else:
         raise ConfigError(f"offload_activations(device={str(device)!r}): only CUDA devices are supported. To "
                           "resolve this error, train on CUDA, or drop activation offload.")

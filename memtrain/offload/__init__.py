@@ -1,0 +1,30 @@
+"""Activation offload: the tensors autograd saves for backward wait in host memory instead of on the device.
+
+- ``transport``: the device-specific half (``CudaTransport``: pinned slabs, one side stream; ``CpuTransport``);
+- ``host_pool``: ``HostPool``, fixed-size pinned slabs under a host-RAM budget, reused every step;
+- ``saved``: what autograd holds for an offloaded tensor, the counters, and which saved tensors stay on the device;
+- ``offloader``: ``ActivationOffloader`` (the saved-tensor hooks, prefetch, the pool) and ``offload_activations``.
+"""
+
+from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, HostPool
+from memtrain.offload.offloader import MIN_BYTES_DEFAULT, ActivationOffloader, offload_activations
+from memtrain.offload.saved import OffloadStats, derived_from_leaf, find_output_head
+from memtrain.offload.transport import CpuTransport, CudaTransport, Segments, Transport
+
+_derived_from_leaf = derived_from_leaf  # old spelling: removed at merge
+_find_head = find_output_head  # old spelling: removed at merge
+
+__all__ = [
+    "MIN_BYTES_DEFAULT",
+    "SLAB_BYTES_DEFAULT",
+    "ActivationOffloader",
+    "CpuTransport",
+    "CudaTransport",
+    "HostPool",
+    "OffloadStats",
+    "Segments",
+    "Transport",
+    "derived_from_leaf",
+    "find_output_head",
+    "offload_activations",
+]
