@@ -2,6 +2,7 @@
 
 - ``host_buffers``: the offloaded optimizer's pinned flat buffers, per-parameter slots, buckets, host-RAM check.
 - ``gradient_landing``: backward streams each gradient device -> host as it is ready (CPUOffloadOptimizer's half).
+- ``host_gradients``: its host gradients normalised, clipped, checked for inf/NaN with no pass over them.
 - ``offload_checkpoint``: CPUOffloadOptimizer's state_dict keyed by parameter name.
 - ``offload``: CPUOffloadOptimizer, fp32 masters and state on the CPU, the step overlapped with GPU work.
 - ``moments``: AdamW's moments in bf16 (stochastic rounding) or int8 (bitsandbytes), converting between them.
