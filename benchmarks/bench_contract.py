@@ -433,7 +433,7 @@ LINK_SETUPS: dict[str, dict[str, Any]] = {
 def count_optimizer_link(totals: dict[str, int]) -> Iterator[None]:
     """CPUOffloadOptimizer's gradients landing on the host (device -> host) and its weights copied back (host ->
     device), counted in bytes of the device tensors that cross."""
-    from memtrain.optim_offload import CPUOffloadOptimizer
+    from memtrain.optim import CPUOffloadOptimizer
 
     land, copy_back = CPUOffloadOptimizer._land, CPUOffloadOptimizer._copy_to_device
 

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from runner import Case, common_args, print_json_if_asked, run_side_by_side  # noqa: E402
 
 from memtrain.accumulation import GradientAccumulator  # noqa: E402
-from memtrain.optim_offload import CPUOffloadOptimizer  # noqa: E402
+from memtrain.optim import CPUOffloadOptimizer  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 

@@ -42,7 +42,7 @@ from runner import Case, common_args, print_json_if_asked, run_side_by_side  # n
 
 from memtrain.checkpointing import apply_checkpointing  # noqa: E402
 from memtrain.loss import apply_chunked_loss  # noqa: E402
-from memtrain.optim_offload import CPUOffloadOptimizer  # noqa: E402
+from memtrain.optim import CPUOffloadOptimizer  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 MAX_NORM = 1.0

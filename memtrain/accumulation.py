@@ -464,10 +464,8 @@ class GradientAccumulator:
         """The optimizer streamed the gradients to host memory during backward and unscales them itself (its
         grad_scaler). CPUOffloadOptimizer folds the factor and the clip coefficient into its host step (no pass, no
         read of its own); the window's numbers cross to the host once, as the host step needs the factor."""
-        from memtrain.optim_offload import CPUOffloadOptimizer
-
         optimizer = self.optimizer
-        if not isinstance(optimizer, CPUOffloadOptimizer) and self.scaler is not None:
+        if self.scaler is not None and not getattr(optimizer, "found_inf_before_step", False):
             # LeanAdamW with a host part under the fp16 scaler: its own passes and reads (the scaler's inf check).
             items_f, micro_f, loss_sum = stats.tolist()
             divisor = self._check_items(items_f, micro_f)
@@ -645,12 +643,8 @@ def _fsdp2_sync(model: Any, sync: bool) -> Iterator[None]:
 
 
 def _host_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """True for an optimizer whose gradients live (partly) in host memory, not in ``p.grad``: CPUOffloadOptimizer,
-    or memtrain.optim.LeanAdamW with a host part (``manages_gradients``)."""
-    from memtrain.optim_offload import CPUOffloadOptimizer
-
-    if isinstance(optimizer, CPUOffloadOptimizer):
-        return optimizer.offload_gradients
+    """True for an optimizer whose gradients live (partly) in host memory, not in ``p.grad``, as it says with
+    ``manages_gradients``: CPUOffloadOptimizer with offload_gradients, memtrain.optim.LeanAdamW with a host part."""
     return bool(getattr(optimizer, "manages_gradients", False))
 
 

@@ -497,7 +497,7 @@ def _lean(**options):
 
 
 def _offloaded(model):
-    from memtrain.optim_offload import CPUOffloadOptimizer
+    from memtrain.optim import CPUOffloadOptimizer
 
     return CPUOffloadOptimizer(model.named_parameters(), lr=1e-3)
 

@@ -17,7 +17,7 @@ from torch import nn
 from memtrain.accumulation import GradientAccumulator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.models import GPT
-from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.optim import CPUOffloadOptimizer
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -502,7 +502,7 @@ def test_unknown_hyperparameter() -> None:
 
 
 def test_host_ram_is_checked_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("memtrain.optim_offload.available_host_bytes", lambda: 1000)
+    monkeypatch.setattr("memtrain.optim.host_buffers.available_host_bytes", lambda: 1000)
     with pytest.raises(MemtrainError, match="of host RAM") as e:
         CPUOffloadOptimizer(make_mlp().parameters(), lr=1e-3)
     assert "available" in str(e.value)
@@ -729,17 +729,18 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
     once, same layout as the cast buffers), not in torch's pinned cache (rounded up to powers of two, kept for the
     process's life, invisible to the check); the host-RAM check counts every buffer: it refuses a machine with one
     byte less than masters + gradients + casts + stages + state."""
-    import memtrain.optim_offload as offload
+    import memtrain.optim.gradient_landing as gradient_landing
+    import memtrain.optim.host_buffers as host_buffers
 
     model = make_mlp()
     params = list(model.parameters())
-    aligned = sum(offload._aligned(p.numel()) for p in params)
+    aligned = sum(host_buffers.aligned(p.numel()) for p in params)
     buffers = (4 + 4 + 2 + 2) * aligned  # fp32 master and gradient, bf16 cast and stage
     need = buffers + 8 * aligned  # and AdamW's two fp32 moments
-    monkeypatch.setattr(offload, "available_host_bytes", lambda: need - 1)
+    monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: need - 1)
     with pytest.raises(MemtrainError, match="host RAM"):
         CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, **HYPER)
-    monkeypatch.setattr(offload, "available_host_bytes", lambda: need)
+    monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: need)
     opt = CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, **HYPER)
     owned = {}
     for slot in opt._slots:
@@ -748,13 +749,13 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
     assert sum(owned.values()) == buffers, (sum(owned.values()), buffers)
     stages = {s.stage.untyped_storage().data_ptr() for s in opt._slots}
     staged_in = []
-    finish = offload._finish_landings
+    finish = gradient_landing.finish_landings
 
     def spy(landings, event):
         staged_in.extend(landing.staged.untyped_storage().data_ptr() for landing in landings if landing.staged is not None)
         return finish(landings, event)
 
-    monkeypatch.setattr(offload, "_finish_landings", spy)
+    monkeypatch.setattr(gradient_landing, "finish_landings", spy)
     for x, y in batches(2):  # two micro-batches: the second landing adds to the first
         loss_fn(model, x.bfloat16(), y.bfloat16()).float().backward()
     opt.step()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.optim import CPUOffloadOptimizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

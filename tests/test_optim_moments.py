@@ -1,4 +1,4 @@
-"""BF16StateAdamW's multi-tensor step, and the aten ops per parameter tensor of every state precision's step.
+"""memtrain.optim.moments: BF16StateAdamW's multi-tensor step, and the aten ops per parameter tensor of every state precision's step.
 
 The GPU-speed contract counts, on the CPU, the aten ops an optimizer step dispatches (``aten_ops_per_param``): on
 a GPU each one is a kernel launch of several microseconds, so a step whose count grows with the number of
@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 import memtrain.optim as optim
+import memtrain.optim.moments as moments
 from memtrain.errors import MemtrainError
 from memtrain.measure import KernelOps, cpu_allocation_peak_bytes
-from memtrain.optim import BF16StateAdamW, _passes, build_optimizer
-from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.optim import BF16StateAdamW, CPUOffloadOptimizer, build_optimizer
+from memtrain.optim.moments import split_passes
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def test_bf16_passes_are_bounded_by_bf16_chunk(monkeypatch) -> None:
     """With BF16_CHUNK elements per pass, a step allocates one fp32 scratch of 2 x 4 x BF16_CHUNK bytes (both
     moments of one pass) and no more (the noise table is made once), and runs 1 + 5 ops per pass: 20 tensors of 41,600 elements in 41 passes
     of 1,024 (weights split across passes, biases packed together)."""
-    monkeypatch.setitem(optim.BF16_CHUNK, "cpu", 1024)
+    monkeypatch.setitem(moments.BF16_CHUNK, "cpu", 1024)
     model = mlp()
     total = sum(p.numel() for p in model.parameters())
     ops = aten_ops_per_param(state_precision("bf16"), model, _inputs())
@@ -297,20 +298,20 @@ def test_bf16_refuses_what_its_flat_fp32_passes_cannot_step(bad) -> None:
 
 
 def test_passes_split_tensors_where_the_budget_ends() -> None:
-    assert _passes([3, 10, 2], 4, align=1) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 9)],
+    assert split_passes([3, 10, 2], 4, align=1) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 9)],
                                                [(1, 9, 10), (2, 0, 2)]]
-    assert _passes([0, 4], 4, align=1) == [[(1, 0, 4)]]
-    assert _passes([], 4) == []
+    assert split_passes([0, 4], 4, align=1) == [[(1, 0, 4)]]
+    assert split_passes([], 4) == []
     # Aligned: a segment's slot is its length rounded up to 16, so cuts fall on multiples of 16.
-    assert _passes([20, 40, 5], 32, align=16) == [[(0, 0, 20)], [(1, 0, 32)], [(1, 32, 40), (2, 0, 5)]]
-    assert _passes([40], 40, align=16) == [[(0, 0, 32)], [(0, 32, 40)]]  # a budget of 40 counts as 32
+    assert split_passes([20, 40, 5], 32, align=16) == [[(0, 0, 20)], [(1, 0, 32)], [(1, 32, 40), (2, 0, 5)]]
+    assert split_passes([40], 40, align=16) == [[(0, 0, 32)], [(0, 32, 40)]]  # a budget of 40 counts as 32
 
 
 def test_bf16_state_dict_round_trip_keeps_bf16_moments_and_resumes_bit_identically(monkeypatch) -> None:
     """torch's Optimizer.load_state_dict casts state to the parameters' fp32: the moments must come back bf16
     (4 bytes per parameter), and a run resumed after 3 of 6 steps equals the straight one bit for bit, with
     passes that split tensors (BF16_CHUNK of 1,000 elements)."""
-    monkeypatch.setitem(optim.BF16_CHUNK, "cpu", 1000)
+    monkeypatch.setitem(moments.BF16_CHUNK, "cpu", 1000)
     x = _inputs(32)
 
     def run(model, opt, steps):

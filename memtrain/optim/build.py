@@ -1,0 +1,100 @@
+"""build_optimizer: the one way ``apply_plan`` and ``train`` build the optimizer, every option checked first."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from memtrain.errors import ConfigError
+from memtrain.optim.lean_adamw import LeanAdamW
+from memtrain.optim.memory import offloaded_mask
+from memtrain.optim.moments import adamw_8bit_class, check_precision
+
+# Optimizers whose step needs more than one parameter's gradient (or a closure): they cannot step per parameter.
+_NOT_PER_PARAMETER = (torch.optim.LBFGS,)
+
+
+def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr: float,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                    state_precision: str = "fp32", offload_fraction: float = 0.0, step_in_backward: bool = False,
+                    grad_scaler: torch.amp.GradScaler | None = None, world_size: int = 1,
+                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW) -> LeanAdamW:
+    """The optimizer ``apply_plan``/``train`` use: AdamW with the chosen state precision, partial host offload and
+    step-in-backward, as one ``torch.optim.Optimizer``.
+
+    Args:
+        named_parameters: ``model.named_parameters()``; parameters that do not require grad (frozen, e.g. under
+            LoRA) are skipped.
+        lr, betas, eps, weight_decay: AdamW's hyper-parameters (one group; LR schedulers change ``lr``).
+        state_precision: "fp32" (8 bytes/param of moments), "bf16" (4) or "int8" (about 2; the lowbit extra).
+        offload_fraction: share of the parameters (elements) whose fp32 master and state live in host RAM.
+        step_in_backward: step each device parameter in backward as its gradient is final, freeing it at once.
+        grad_scaler: the fp16 GradScaler in use (needed with offload_fraction > 0 or step_in_backward).
+        world_size: ranks training together; step-in-backward needs 1 (DDP averages gradients after the hooks).
+        optimizer_class: only AdamW is built; another class is refused with the reason.
+
+    Raises:
+        ConfigError: an unknown precision, int8 without bitsandbytes or on a device it cannot run on (naming the
+            bf16 fallback), step-in-backward with an optimizer or setting that cannot do it, no trainable
+            parameter, non-fp32 weights kept on the device, or a bad fraction.
+
+    Example:
+        >>> model = torch.nn.Linear(8, 4)
+        >>> opt = build_optimizer(model.named_parameters(), lr=1e-3, state_precision="bf16")
+        >>> model(torch.randn(2, 8)).sum().backward()
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.state[model.weight]["exp_avg"].dtype
+        torch.bfloat16
+    """
+    problems = []
+    check_precision(state_precision)
+    if step_in_backward and (optimizer_class in _NOT_PER_PARAMETER
+                             or not (isinstance(optimizer_class, type)
+                                     and issubclass(optimizer_class, torch.optim.Optimizer))):
+        raise ConfigError(
+            f"step_in_backward=True with {getattr(optimizer_class, '__name__', optimizer_class)!r}: its step needs "
+            "every parameter's gradient (or a closure re-evaluating the loss), so a parameter cannot step alone as "
+            "its gradient is final. To resolve this error, use AdamW (build_optimizer's default) or pass "
+            "step_in_backward=False.")
+    if optimizer_class is not torch.optim.AdamW:
+        raise ConfigError(f"build_optimizer builds AdamW (with a choice of state precision), not "
+                          f"{getattr(optimizer_class, '__name__', optimizer_class)}. To resolve this error, drop "
+                          "optimizer_class, or build that optimizer yourself (CPUOffloadOptimizer takes any class).")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world_size = max(world_size, torch.distributed.get_world_size())  # the ranks running now count too
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
+    if not named:
+        raise ConfigError("build_optimizer got no parameter that requires grad. To resolve this error, pass "
+                          "model.named_parameters() of a model with trainable parameters.")
+    if step_in_backward and grad_scaler is not None and grad_scaler.is_enabled() and state_precision != "fp32":
+        problems.append(f"step_in_backward=True with an fp16 GradScaler and state_precision={state_precision!r}: "
+                        "an overflow must stop the parameters still to step on a flag read on the device, which "
+                        "only fused AdamW (fp32 moments) takes. To resolve this error, pass state_precision='fp32', "
+                        "bf16-mixed precision (no scaler) or step_in_backward=False.")
+    if step_in_backward and world_size > 1:
+        problems.append(f"step_in_backward=True with world_size={world_size}: DDP averages gradients after the "
+                        "hooks that would step on them, so each rank would step on its own gradient. To resolve "
+                        "this error, pass step_in_backward=False under DDP.")
+    if offload_fraction and world_size > 1:
+        problems.append(f"offload_fraction={offload_fraction} with world_size={world_size}: offloaded gradients "
+                        "leave the device before DDP averages them. To resolve this error, pass offload_fraction=0 "
+                        "(or use CPUOffloadOptimizer(offload_gradients=False) directly).")
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        problems.append(f"the parameters live on several devices ({', '.join(devices)}). To resolve this error, "
+                        "move the model to one device first.")
+    ConfigError.raise_if(problems)
+    mask = offloaded_mask([p.numel() for _, p in named], offload_fraction)
+    on_device = [n for (n, p), h in zip(named, mask, strict=True) if not h and p.dtype != torch.float32]
+    if on_device:
+        raise ConfigError(
+            f"{len(on_device)} trainable parameters are not fp32 ({on_device[:3]}...) and would keep their AdamW "
+            "state on the device without an fp32 master: updates smaller than their dtype's resolution would be "
+            "lost. To resolve this error, keep trainable weights in fp32 (autocast computes in bf16), or pass "
+            "offload_fraction=1.0 (the host keeps an fp32 master of bf16 weights).")
+    if state_precision == "int8":
+        adamw_8bit_class(named[0][1].device.type)  # raises, naming the fallback, before anything is allocated
+    return LeanAdamW(named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_precision=state_precision,
+                     offload_mask=mask, step_in_backward=step_in_backward, grad_scaler=grad_scaler)

@@ -1,0 +1,307 @@
+"""The offloaded optimizer's host side: flat (pinned) buffers, one slot per parameter, buckets, the host-RAM check.
+
+CPUOffloadOptimizer (``memtrain.optim.offload``) lays each parameter's fp32 master, gradient buffers and cast
+buffers out as views of a few large flat host tensors, pinned where a GPU exists. This module sizes and builds
+them (after checking the machine's free RAM), validates the parameters, and keeps the register of which live
+optimizer owns each parameter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memtrain.errors import ConfigError, MemtrainError
+from memtrain.measure import available_host_bytes
+from memtrain.report import format_bytes
+
+# Group keys that choose an implementation rather than the maths: they stay with each side's own optimizer when a
+# state_dict moves between this class and a plain one (a device AdamW's fused=True must not reach the host one).
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+# Bytes of optimizer state per parameter assumed for the host-RAM check (exact for Adam/AdamW without amsgrad).
+STATE_BYTES_PER_PARAM = {torch.optim.Adam: 8, torch.optim.AdamW: 8, torch.optim.SGD: 4}
+
+
+@dataclass(eq=False)
+class Slot:
+    """One parameter: its device tensor and its host views (fp32 master, gradient buffers, cast buffer)."""
+
+    key: int | str  # its key in state_dict(): the parameter's name when known, else its index
+    group: int  # index in param_groups
+    device: torch.Tensor
+    master: torch.Tensor  # fp32 host weights; also the parameter the wrapped optimizer steps
+    grads: tuple[torch.Tensor, ...]  # one host gradient buffer, two with delayed_update
+    cast: torch.Tensor | None  # pinned host copy in the device dtype, when that is not fp32 (halves PCIe bytes)
+    # Pinned host buffer the device-dtype gradient lands in before the worker casts (or adds) it into ``grads``:
+    # owned and counted in the host-RAM check, not torch's pinned cache (rounded up to powers of two, kept).
+    stage: torch.Tensor | None = None
+    reader: Future[None] | None = None  # the worker task still reading ``stage``
+    has_grad: bool = False
+    zeroed: bool = False  # the host buffer holds zeros (zero_grad(set_to_none=False)): copy, don't add
+    # 2-norm of the host gradient, taken by the worker as it lands; written only by the worker (in task order), or
+    # by the loop's thread once no task is pending.
+    norm: torch.Tensor | None = None
+    landings: int = 0  # backwards that landed a gradient in this window
+    bucket: int = -1
+
+
+@dataclass(eq=False)
+class Landing:
+    """One gradient copied device -> host, whose host side (add or cast, norm) the worker finishes."""
+
+    slot: Slot
+    dst: torch.Tensor
+    staged: torch.Tensor | None  # the copied gradient, when it must be added or cast into dst
+    copy: bool  # staged replaces dst (first landing of the window) instead of adding to it
+    want_norm: bool
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters stepped together: one wrapped optimizer each, so a bucket's weights can go back early."""
+
+    slots: list[Slot]
+    inner: torch.optim.Optimizer
+    group_of: list[int]  # inner group i mirrors param_groups[group_of[i]]
+
+
+def release(hooks: list[Any], worker: ThreadPoolExecutor, params: list[torch.Tensor]) -> None:
+    for handle in hooks:
+        handle.remove()
+    for p in params:
+        entry = _OWNERS.get(id(p))
+        if entry is not None and entry[0]() is p:
+            del _OWNERS[id(p)]
+    worker.shutdown(wait=False)
+
+
+# Each parameter's optimizer, weakly both ways (keyed by id: tensors compare by value, not identity). A second live
+# optimizer over the same parameter is refused.
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.optim.Optimizer]]] = {}
+
+
+def _owner(p: torch.Tensor) -> torch.optim.Optimizer | None:
+    entry = _OWNERS.get(id(p))
+    return entry[1]() if entry is not None and entry[0]() is p else None
+
+
+def claim(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    key = id(p)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:  # the parameter is gone
+        if _OWNERS.get(key, (None,))[0] is ref:
+            del _OWNERS[key]
+
+    _OWNERS[key] = (weakref.ref(p, forget), weakref.ref(optimizer))
+
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+DIRECTIONS = ("device_to_host", "host_to_device")
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A flat host tensor, page-locked when ``pin`` (so copies to and from the GPU are asynchronous DMA).
+
+    Registers an ordinary allocation with cudaHostRegister: torch's pinned allocator rounds each request up to a
+    power of two (a 4.4 GB buffer would pin 8 GB). The registration lives as long as the tensor's memory.
+    """
+    buffer = torch.empty(numel, dtype=dtype)
+    if not pin or numel == 0:
+        return buffer
+    cudart = torch.cuda.cudart()
+    register = getattr(cudart, "cudaHostRegister", None)
+    if register is None:
+        return buffer.pin_memory()
+    # On a throwaway thread: a refused registration leaves the CUDA runtime's per-thread "last error" set, which
+    # the next kernel launch's error check on that thread would report as its own failure. A new thread starts on
+    # device 0: it is set to this process's device first (no context on GPU 0 for every rank), and the memory is
+    # registered as portable (page-locked for every device's context, as torch's own host registration does).
+    device = torch.cuda.current_device()
+
+    def register_here() -> int:
+        torch.cuda.set_device(device)
+        return int(register(buffer.data_ptr(), numel * buffer.element_size(), _CUDA_HOST_REGISTER_PORTABLE))
+
+    with ThreadPoolExecutor(max_workers=1) as once:
+        status = once.submit(register_here).result()
+    if status != 0:
+        # NOTE: registration refused (e.g. a locked-memory limit): the allocator's way, rounded up.
+        return buffer.pin_memory()
+    weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
+
+
+def bucket_runs(numels: list[int], bucket_numel: int) -> list[list[int]]:
+    """How CPUOffloadOptimizer groups parameters (given in its bucket order) into buckets: runs of indices whose
+    numels add up to at most ``bucket_numel`` (a larger parameter gets a bucket of its own). Pure, for byte models."""
+    runs: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(numels):
+        if runs[-1] and total + n > bucket_numel:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += n
+    return runs
+
+
+def aligned(numel: int) -> int:
+    # Every view starts on a 256-byte boundary: the CPU kernels' vector loops then split each tensor the same way
+    # as for a separately allocated one, so the rounding (and the result) is bit-identical to a plain optimizer.
+    return -(-numel // 64) * 64
+
+
+def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[str] | None, *,
+            n_grad_buffers: int, device_dtype: torch.dtype | None, pin: bool) -> tuple[dict[int, Slot], list[int]]:
+    """The host buffers of ``flat`` and one slot of views into them per parameter (by index in ``flat``), with the
+    bucket order; fills each master from its parameter, then casts the device parameter to ``device_dtype``.
+
+    A few large flat buffers, parameters laid out in reverse registration order (roughly the order backward
+    produces their gradients) so that a bucket is a contiguous range. Only what crosses PCIe is pinned.
+    """
+    order = list(reversed(range(len(flat))))
+    total = sum(aligned(p.numel()) for p in flat)
+    master_flat = host_buffer(total, torch.float32, pin)
+    # Never read before written: a gradient's first landing copies, later ones add.
+    grad_flats = [host_buffer(total, torch.float32, pin) for _ in range(n_grad_buffers)]
+    def target(p: torch.Tensor) -> torch.dtype:  # the device parameter's dtype once set up
+        return device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
+
+    cast_numel: dict[torch.dtype, int] = {}
+    for p in flat:
+        if target(p) != torch.float32:
+            cast_numel[target(p)] = cast_numel.get(target(p), 0) + aligned(p.numel())
+    cast_flats = {dt: host_buffer(n, dt, pin) for dt, n in cast_numel.items()}
+    stage_flats = {dt: host_buffer(n, dt, pin) for dt, n in cast_numel.items()}  # same layout as the casts
+    group_index = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    slots: dict[int, Slot] = {}
+    offset, cast_offset = 0, dict.fromkeys(cast_flats, 0)
+    for i in order:
+        p, n = flat[i], flat[i].numel()
+        cast = stage = None
+        if target(p) in cast_flats:
+            start = cast_offset[target(p)]
+            cast = cast_flats[target(p)][start:start + n].view(p.shape)
+            stage = stage_flats[target(p)][start:start + n].view(p.shape)
+            cast_offset[target(p)] += aligned(n)
+        slot = Slot(
+            key=names[i] if names is not None else i,
+            group=group_index[id(p)],
+            device=p,
+            master=master_flat[offset:offset + n].view(p.shape),
+            grads=tuple(g[offset:offset + n].view(p.shape) for g in grad_flats),
+            cast=cast,
+            stage=stage,
+        )
+        with torch.no_grad():
+            slot.master.copy_(p.detach())
+            if target(p) != p.dtype:
+                p.data = p.data.to(target(p))  # after the master took the full-precision digits
+        slots[i] = slot
+        offset += aligned(n)
+    return slots, order
+
+
+# -- validation ---------------------------------------------------------------------------------------------
+def parse_params(params: Iterable[Any], optimizer_class: Any) -> tuple[list[dict[str, Any]], list[str] | None]:
+    """Normalises params into groups of plain tensors and names (None unless every parameter is named)."""
+    problems = []
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer_class={optimizer_class!r} is not a torch.optim.Optimizer subclass. To resolve "
+                          "this error, pass a class such as torch.optim.AdamW (the class, not an instance).")
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    items = list(params)
+    raw_groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    groups: list[dict[str, Any]] = []
+    names: list[str | None] = []
+    for g in raw_groups:
+        if not isinstance(g, dict):
+            raise ConfigError("params mixes parameter groups (dicts) with parameters. To resolve this error, pass "
+                              "either a list of parameters or a list of groups.")
+        entries = [g["params"]] if isinstance(g.get("params"), torch.Tensor) else list(g.get("params", []))
+        tensors = []
+        for e in entries:
+            name, p = (e if isinstance(e, tuple) and len(e) == 2 else (None, e))
+            tensors.append(p)
+            names.append(name)
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": tensors})
+    flat = [p for g in groups for p in g["params"]]
+    if not flat:
+        raise ConfigError("CPUOffloadOptimizer got no parameters. To resolve this error, pass model.parameters() "
+                          "(check that the model has parameters and that a generator was not consumed before).")
+    label = [str(n) if n is not None else f"#{i}" for i, n in enumerate(names)]
+    not_tensors = [lbl for lbl, p in zip(label, flat, strict=True) if not isinstance(p, torch.Tensor)]
+    if not_tensors:
+        raise ConfigError(f"params {not_tensors[:5]} are not tensors. To resolve this error, pass model.parameters() "
+                          "or model.named_parameters().")
+    frozen = [lbl for lbl, p in zip(label, flat, strict=True) if not p.requires_grad]
+    if frozen:
+        problems.append(f"{len(frozen)} parameters do not require grad ({frozen[:5]}): they would take host buffers "
+                        "and never get a gradient. To resolve this error, pass only trainable ones: "
+                        "[p for p in model.parameters() if p.requires_grad].")
+    devices = sorted({str(p.device) for p in flat})
+    if len(devices) > 1:
+        problems.append(f"the parameters live on several devices ({', '.join(devices)}); one set of streams and "
+                        "buffers serves one device. To resolve this error, build one CPUOffloadOptimizer per device.")
+    not_float = sorted({str(p.dtype) for p in flat if not p.is_floating_point()})
+    if not_float:
+        problems.append(f"parameters of dtype {not_float} cannot be optimized. To resolve this error, pass floating-"
+                        "point parameters only.")
+    if any(p.layout != torch.strided for p in flat):
+        problems.append("sparse parameters are not supported. To resolve this error, use dense parameters.")
+    if len({id(p) for p in flat}) != len(flat):
+        problems.append("a parameter appears more than once in params: it would get two host copies and two "
+                        "gradient hooks. To resolve this error, pass each parameter once (model.parameters() "
+                        "already lists tied weights once).")
+    owned = [lbl for lbl, p in zip(label, flat, strict=True) if _owner(p) is not None]
+    if owned:
+        problems.append(f"parameters {owned[:5]} already belong to another live CPUOffloadOptimizer, whose hooks "
+                        "take their gradients in backward. To resolve this error, call old_optimizer.close() first.")
+    ConfigError.raise_if(problems)
+    named = all(n is not None for n in names)
+    return groups, ([str(n) for n in names] if named else None)
+
+
+def group_indices(groups: list[dict[str, Any]]) -> list[list[int]]:
+    out, i = [], 0
+    for g in groups:
+        out.append(list(range(i, i + len(g["params"]))))
+        i += len(g["params"])
+    return out
+
+
+def host_buffer_bytes(flat: list[torch.Tensor], *, n_grad_buffers: int,
+                      device_dtype: torch.dtype | None = None) -> int:
+    """Bytes of CPUOffloadOptimizer's host buffers over ``flat`` (state aside): fp32 masters, the gradient
+    buffers, and for parameters whose device dtype is not fp32 a cast buffer and a gradient stage in that dtype."""
+    numel = sum(aligned(p.numel()) for p in flat)
+    cast = 0
+    for p in flat:
+        dtype = device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
+        if dtype != torch.float32:
+            cast += aligned(p.numel()) * torch.empty((), dtype=dtype).element_size()
+    return 4 * numel * (1 + n_grad_buffers) + 2 * cast
+
+
+def check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool,
+                    device_dtype: torch.dtype | None = None) -> None:
+    """Raises before allocating when the host buffers would not fit in the machine's available RAM."""
+    numel = sum(aligned(p.numel()) for p in flat)
+    per_param = getattr(optimizer_class, "state_bytes_per_param", None)  # memtrain.optim's lean classes say theirs
+    state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
+    need = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype) + state
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise MemtrainError(
+            f"CPUOffloadOptimizer needs {format_bytes(need)} of host RAM ({numel:,} parameters: fp32 master weights "
+            f"and {n_grad_buffers} gradient buffer(s){', pinned' if pin else ''} (and cast and gradient stage buffers "
+            f"for non-fp32 device weights), plus about {format_bytes(state)} "
+            f"of {optimizer_class.__name__} state), but only {format_bytes(available)} is available. To resolve "
+            "this error, free host memory, train fewer parameters, or keep the optimizer on the device.")
+

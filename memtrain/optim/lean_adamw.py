@@ -1,0 +1,315 @@
+"""LeanAdamW: AdamW with a state precision, step-in-backward and partial host offload, as one torch optimizer.
+
+AdamW holds 16 bytes per fp32 parameter on the device (weights, gradient, two moments). Each option here trades
+a little time or precision for some of them, and ``build_optimizer`` (``memtrain.optim.build``) combines them into
+one ``torch.optim.Optimizer`` that LR schedulers, ``GradientAccumulator``, clipping, ``state_dict`` and the fp16
+``GradScaler`` accept:
+
+- ``state_precision``: the two moments in fp32 (8 bytes/param), bf16 (4: our ``BF16StateAdamW``, stochastic
+  rounding, fp32 master kept) or int8 (about 2.03: bitsandbytes' block-wise 8-bit AdamW, the ``lowbit`` extra;
+  tensors under 4,096 elements keep fp32 moments, as bitsandbytes and torchao do): ``memtrain.optim.moments``.
+- ``step_in_backward``: each parameter steps as soon as its gradient is final and the gradient is freed at once,
+  so the whole model's gradients never coexist (4 bytes/param less at the backward's peak). One backward pass:
+  clipping uses the previous window's norm (lagged clipping), an fp16 overflow stops the parameters not yet
+  stepped (see ``LeanAdamW``): ``memtrain.optim.in_backward``.
+- ``offload_fraction``: that share of the parameters (the last ones in registration order, whose gradients land
+  first in backward) keep their fp32 master and state in host RAM through ``CPUOffloadOptimizer``:
+  ``memtrain.optim.partial``.
+
+``optimizer_memory`` (``memtrain.optim.memory``) gives the bytes of each option without building anything (for
+``estimate`` and the planner); it equals what ``memtrain.measure.optimizer_state_bytes`` counts for the built
+optimizer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.errors import ConfigError, MemtrainError
+from memtrain.optim.in_backward import Arming, StepInBackward, step_hook
+from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
+from memtrain.optim.offload import CPUOffloadOptimizer
+from memtrain.optim.partial import HostPart
+from memtrain.precision import step_with_inf_flag
+
+
+class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
+    """AdamW over named parameters with a state precision, optional step-in-backward and partial host offload.
+
+    Trade-off: see the module docstring; each option is off (fp32 state on the device, an ordinary step) unless
+    asked for. Build it with ``build_optimizer``.
+
+    With ``step_in_backward``, backward is where parameters step: the default arming steps every backward (a loop
+    of ``loss.backward(); opt.step(); opt.zero_grad()`` works, with no clipping); ``GradientAccumulator`` arms each
+    micro-batch itself (``prepare_backward``) and runs the last one through ``backward(loss)``. ``step()`` stays
+    the explicit boundary: it checks that a backward stepped since the last one, steps the host part and
+    reports ``last_grad_norm`` (a device tensor: reading it is the caller's host sync); it raises when no backward
+    ran.
+
+    Step-in-backward runs one backward pass per micro-batch, with clipping and with the fp16 scaler:
+
+    - Clipping is *lagged*: window t's gradients are multiplied by ``min(1, max_norm / (norm_{t-1} + 1e-6))``,
+      the coefficient of the last finite window norm before it, since a parameter steps before the later
+      gradients (and so the window's norm) exist. The first window has no previous norm and is not clipped: AdamW's
+      first update is ``g / (|g| + eps)`` per element, whatever the gradient's scale, so only its moments carry the
+      unclipped magnitude. ``last_grad_norm`` is the window's own norm before clipping, as ``clip_grad_norm_``
+      returns it. A two-pass scheme (norm first, steps in a second backward) was exact but cost a second backward
+      every step and broke torch's native chunked loss, whose backward runs once.
+    - NOTE: an inf/nan gradient (fp16 overflow, or any non-finite gradient) sets a flag on the device as that
+      gradient lands; fused AdamW reads it and no parameter steps after it (weights, moments, step count as they
+      were), with no host sync. Parameters whose gradients landed *before* it took this step with their finite
+      gradients: the compromise of stepping in one pass. The scaler then backs off as usual and the window counts
+      as skipped. Inner optimizers without that flag (bf16 and int8 moments) are refused with an fp16 scaler.
+    """
+
+    _OPTIONS = ("lr", "betas", "eps", "weight_decay")
+    # No inf check to read before the step (CPUOffloadOptimizer says True): under an fp16 scaler,
+    # GradientAccumulator steps it through scaler.step(optimizer) and reads the skip from the scale.
+    found_inf_before_step = False
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, lr: float, betas: tuple[float, float],
+                 eps: float, weight_decay: float, state_precision: str, offload_mask: Sequence[bool],
+                 step_in_backward: bool, grad_scaler: torch.amp.GradScaler | None):
+        names = [n for n, _ in named_params]
+        params = [p for _, p in named_params]
+        hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.state_precision = state_precision
+        self.steps_in_backward = step_in_backward
+        self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        self._names = {id(p): n for n, p in named_params}
+        self._device_params = [p for p, h in zip(params, offload_mask, strict=True) if not h]
+        host_named = [(n, p) for n, p, h in zip(names, params, offload_mask, strict=True) if h]
+        device_type = params[0].device.type
+        cls, impl = state_class(state_precision, device_type)
+        self._adding = True
+        super().__init__([{"params": params, "param_names": names, **hyper}], hyper)
+        self._adding = False
+        self._inner: dict[int, torch.optim.Optimizer] = {}  # id(device parameter) -> the optimizer stepping it
+        if self._device_params:
+            if step_in_backward:
+                for p in self._device_params:
+                    self._inner[id(p)] = cls([p], **hyper, **impl)
+            else:
+                shared = cls(self._device_params, **hyper, **impl)
+                self._inner.update({id(p): shared for p in self._device_params})
+        self._host = None
+        if host_named:
+            host_cls, host_impl = state_class(state_precision, "cpu")
+            self._host = CPUOffloadOptimizer(host_named, optimizer_class=host_cls, **hyper, **host_impl)
+        # With host gradients the accumulator normalises and clips through us (scale_gradients_, clip_grad_norm_),
+        # and GradScaler hands its inf check to step() (as with CPUOffloadOptimizer, which exposes the same
+        # attribute).
+        self.manages_gradients = self._host is not None and not step_in_backward
+        # Whether step() skips on a device flag (found_inf) with no host sync: every part is torch's fused AdamW.
+        self.takes_skip_flag = self._host is None and not step_in_backward and all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in self._inner.values())
+        self._step_supports_amp_scaling = self._host is not None or step_in_backward
+        self.last_grad_norm: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None
+        self._device_found: torch.Tensor | None = None  # fp16: the device gradients' inf check (host part)
+        self._gathered = False
+        self._arming = Arming(scaler=self.grad_scaler)
+        self._backward_ran = False  # a backward stepped since the last step()
+        self._norms: dict[int, torch.Tensor] = {}  # this window's per-parameter norms (device tensors)
+        # The last finite window norm: it clips the next window (lagged clipping). 0 before any: no clipping.
+        self._lagged_norm = torch.zeros(())
+        self.window_found_inf: torch.Tensor | None = None  # the last window's inf/nan flag (step-in-backward)
+        # Per device, for one window's backward: the inf flag, the inverse scale and the clip coefficient, kept
+        # on the device so that no hook synchronises with the host.
+        self._on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._synced = False  # the inner optimizers hold param_groups' hyper-parameters of this step
+        self._hooks = []
+        if step_in_backward:
+            # The hooks hold the optimizer weakly: a dropped optimizer must not keep stepping in backward.
+            owner = weakref.ref(self)
+            for p in self._device_params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(step_hook(owner)))
+            weakref.finalize(self, _remove_hooks, self._hooks)
+        self._link_state()
+
+    # -- bookkeeping --------------------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_adding", False):
+            raise MemtrainError("LeanAdamW.add_param_group: the inner optimizers are built once. To resolve this "
+                                "error, pass every parameter to build_optimizer.")
+        super().add_param_group(param_group)
+
+    def _link_state(self) -> None:
+        # optimizer.state[p] is the inner optimizers' own dict, so measure.optimizer_state_bytes and tools that
+        # inspect optimizer.state see every byte (device and host).
+        self.state.clear()
+        for p in self._device_params:
+            self.state[p] = self._inner[id(p)].state[p]
+        if self._host is not None:
+            for slot in self._host._slots:
+                self.state[slot.device] = self._host.state[slot.device]
+
+    def _sync_hyperparameters(self) -> None:
+        group = self.param_groups[0]
+        values = {k: group[k] for k in self._OPTIONS}
+        for inner in {id(o): o for o in self._inner.values()}.values():
+            for g in inner.param_groups:
+                g.update(values)
+        if self._host is not None:
+            for g in self._host.param_groups:
+                g.update(values)
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Steps what backward did not: the whole optimizer, or (step-in-backward) the host part; then the
+        scaler's inf check is handed back (skipped steps change nothing)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scaler = self._arming.scaler if self.steps_in_backward else self.grad_scaler
+        if self.steps_in_backward:
+            self._step_after_backward()
+        else:
+            self._step_ordinary()
+        if self._found_inf is not None and scaler is not None:
+            # NOTE: GradScaler has no public way to receive an inf check made elsewhere: scaler.update() reads it.
+            scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {self._found_inf.device: self._found_inf}
+        self._gathered = False
+        return loss
+
+    def _step_ordinary(self) -> None:
+        self._sync_hyperparameters()
+        if self._host is None:  # a plain optimizer: GradScaler.step() unscaled and checked the gradients
+            flag = getattr(self, "found_inf", None)  # set by GradientAccumulator (or GradScaler): skip on it
+            for inner in {id(o): o for o in self._inner.values()}.values():
+                takes = getattr(inner, "_step_supports_amp_scaling", False)
+                step_with_inf_flag(inner, flag if takes else None, getattr(self, "grad_scale", None))
+            return
+        self._gather()
+        if self._device_found is not None:
+            # fp16: the device gradients' inf check and the host ones' (their norm's), for the scaler and the skip.
+            self._found_inf = self._device_found.to("cpu") + self._host.found_inf_flag
+            if self._found_inf.item() > 0:
+                return  # fp16 overflow: skipped, weights and state untouched
+        for inner in {id(o): o for o in self._inner.values()}.values():
+            inner.step()
+        if self._host is not None:
+            self._host.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)  # the device gradients
+        self._norms.clear()
+        if self._host is not None:
+            self._host.zero_grad(set_to_none=set_to_none)
+        self._gathered = False
+        self._on_device.clear()
+        if self._backward_ran:  # a window dropped without step() (discard_window): the next one starts afresh
+            self._backward_ran = self._synced = False
+            self._arming = Arming(scaler=self.grad_scaler)
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The state keyed by parameter name, each entry in its precision's own format (torch's AdamW keys for
+        fp32 and bf16, bitsandbytes' for int8; ``master_weight`` for offloaded non-fp32 weights), plus
+        ``state_precision``. ``load_state_dict`` of any precision converts it."""
+        host_sd = self._host.state_dict() if self._host is not None else {"state": {}}
+        state: dict[str, dict[str, Any]] = {}
+        for p in self._device_params:
+            entry = self.state.get(p)
+            if entry:
+                state[self._names[id(p)]] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                             for k, v in entry.items()}
+        state.update(host_sd["state"])
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group["params"] = list(group["param_names"])
+        out = {"state": state, "param_groups": [group], "state_precision": self.state_precision}
+        if self.steps_in_backward:
+            out["lagged_grad_norm"] = float(self._lagged_norm)  # clips the next window: a resumed run clips alike
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state saved by this class (any state precision), by CPUOffloadOptimizer or by a plain AdamW with
+        named parameters: entries are matched by name and converted to this optimizer's precision (fp32 <-> bf16
+        casts, int8 dequantised or requantised block-wise). Load the model's weights first.
+
+        Raises:
+            ConfigError: unknown names, shape mismatches, or entries that are not AdamW state.
+        """
+        saved_groups = state_dict["param_groups"]
+        saved_names = [n for g in saved_groups for n in g.get("param_names", g["params"])]
+        keys = [k for g in saved_groups for k in g["params"]]
+        by_key = dict(zip(keys, saved_names, strict=True))
+        params = {n: p for n, p in zip(self.param_groups[0]["param_names"], self.param_groups[0]["params"],
+                                       strict=True)}
+        problems = []
+        converted: dict[str, tuple[float, torch.Tensor, torch.Tensor]] = {}
+        same: dict[str, dict[str, Any]] = {}  # entries already in this precision: loaded as they are
+        masters: dict[str, torch.Tensor] = {}
+        for key, entry in state_dict["state"].items():
+            name = by_key.get(key, key)
+            p = params.get(name)
+            if p is None:
+                problems.append(f"state entry {name!r} names no parameter of this optimizer.")
+                continue
+            try:
+                step, m, v = moments_of(entry)
+            except ConfigError as e:
+                problems.append(f"{name!r}: {e}")
+                continue
+            if m.numel() != p.numel():
+                problems.append(f"state of {name!r} holds {m.numel()} elements, the parameter {p.numel()}.")
+                continue
+            converted[name] = (step, m, v)
+            if precision_of(entry) == self.state_precision:
+                same[name] = entry
+            if "master_weight" in entry:
+                masters[name] = entry["master_weight"]
+        if problems:
+            problems[-1] += " To resolve this error, load a state_dict saved for the same model (named parameters)."
+        ConfigError.raise_if(problems)
+        saved_group = saved_groups[0]
+        self.param_groups[0].update({k: saved_group[k] for k in self._OPTIONS if k in saved_group})
+        self._sync_hyperparameters()
+        self._lagged_norm = torch.tensor(float(state_dict.get("lagged_grad_norm", 0.0)))
+        for i, p in enumerate(self._device_params):
+            inner = self._inner[id(p)]
+            inner.state.pop(p, None)
+            name = self._names[id(p)]
+            if name in same:
+                inner.state[p] = adopt_entry(inner, p, same[name])
+            elif name in converted:
+                inner.state[p] = entry_for(inner, p, converted[name], salt=i)
+        if self._host is not None:
+            host = self._host
+            for bucket in host._buckets:
+                bucket.inner.state.clear()
+            for slot in host._slots:
+                slot.master.copy_(slot.device.detach())
+            for i, slot in enumerate(host._slots):
+                name = slot.key
+                if name in masters:
+                    slot.master.copy_(masters[name])
+                bucket = host._buckets[slot.bucket]
+                if name in same:
+                    bucket.inner.state[slot.master] = adopt_entry(bucket.inner, slot.master, same[name])
+                elif name in converted:
+                    bucket.inner.state[slot.master] = entry_for(bucket.inner, slot.master, converted[name],
+                                                                 salt=len(self._device_params) + i)
+            host._link_state()
+        self._link_state()
+
+    def close(self) -> None:
+        """Removes the hooks (step-in-backward) and stops the host part's worker."""
+        _remove_hooks(self._hooks)
+        if self._host is not None:
+            self._host.close()
+
+
+def _remove_hooks(hooks: list[Any]) -> None:
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+

@@ -1,0 +1,476 @@
+"""CPUOffloadOptimizer: optimizer state and fp32 master weights on the CPU, the step overlapped with GPU work.
+
+Trade-off: the device keeps only the weights (and, briefly, each gradient), saving 12 bytes per parameter for
+AdamW with fp32 weights (8 of state + 4 of gradient), at the cost of a CPU optimizer step and two PCIe transfers
+per step, which run on a worker thread and a side stream so that they hide behind GPU work.
+
+How a step flows:
+
+- backward: a post-accumulate-grad hook copies each gradient device -> host on a side stream as soon as autograd
+  has produced it and frees the device gradient. A second micro-batch's gradient is added into the host buffer,
+  so gradient accumulation needs no change to the loop. The host side of the landings (waiting for the copies,
+  adding, casting) is handed to the worker thread once per bucket: one event and one task per bucket.
+- ``scale_gradients_(factor)`` and ``clip_grad_norm_(max_norm)`` (optional) make no pass over the host gradients:
+  the factor, the fp16 inverse scale and the clip coefficient become one multiplier that the CPU step applies to
+  each bucket just before stepping it, on the worker; the global norm (as ``torch.nn.utils.clip_grad_norm_``
+  computes it, within float rounding after ``scale_gradients_``) comes from the per-tensor norms the worker took
+  as the gradients landed during the window's last backward, which ``next_backward_is_last()`` announces
+  (``GradientAccumulator`` calls it on the micro-batch marked ``is_last``); loops of one backward per step get
+  them without it, after their first clip.
+- ``step()``: after ``clip_grad_norm_`` or with a ``GradScaler`` attached, a non-finite norm (an overflow) skips
+  the step on the worker,
+  weights and state untouched; otherwise the wrapped optimizer steps bucket by bucket on the worker thread, and
+  each bucket's weights go back host -> device (in the device parameter's dtype) on the host->device side stream
+  while the next bucket steps; the gradients came down on the other side stream.
+- ``step_in_next_backward()`` (no clipping, no fp16 scaler): the next backward steps each bucket as soon as its
+  last gradient lands, so the CPU step overlaps the rest of backward.
+- ``delayed_update=True``: ``step()`` returns at once and the CPU step runs during the next forward and backward
+  (see the class docstring for the exact semantics).
+
+On a CPU-only machine the "device" is the CPU: the same code runs with no streams and no pinned memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memtrain.errors import ConfigError, MemtrainError
+from memtrain.optim.gradient_landing import GradientLanding
+from memtrain.optim.host_buffers import (
+    DIRECTIONS,
+    IMPLEMENTATION_KEYS,
+    Bucket,
+    Landing,
+    Slot,
+    bucket_runs,
+    check_host_ram,
+    claim,
+    group_indices,
+    lay_out,
+    parse_params,
+    release,
+)
+from memtrain.optim.host_gradients import HostGradients
+from memtrain.optim.offload_checkpoint import OffloadCheckpoint
+
+
+class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, torch.optim.Optimizer):
+    """Runs ``optimizer_class`` on the CPU on fp32 master weights; the device holds only the model's weights.
+
+    Trade-off: saves the optimizer state and the gradients on the device (12 bytes per fp32 parameter with AdamW)
+    for a CPU step (fused AdamW: about 4 G params/s on 16 threads) and one device->host and one host->device copy
+    of the parameters per step, overlapped with backward and with each other.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs (e.g. ``model.named_parameters()``: state_dict() is then
+            keyed by name) or parameter groups (dicts), all on one device and all requiring grad.
+        optimizer_class: a ``torch.optim.Optimizer`` subclass, run on the CPU. Adam and AdamW default to
+            ``fused=True`` there (same maths, rounding may differ from the for-loop kernel by about 1 ulp) unless
+            ``fused`` or ``foreach`` is given.
+        offload_gradients: True (default) copies each gradient to the host during backward and frees it on the
+            device; later micro-batches add into the host buffer. False keeps gradients on the device (they
+            accumulate there, 4 bytes per parameter) and copies them at ``clip_grad_norm_``/``step``.
+        delayed_update: True returns from ``step()`` at once and runs the CPU step during the next forward and
+            backward (DeepSpeed's "delayed parameter update"). The weights of step t reach the device at the
+            next ``step()`` call (or ``synchronize()``), so the gradient of step t+1 is computed on the weights
+            before update t: each update uses a gradient one step stale. Each ``step()`` consumes its gradients
+            (the next backward writes a second host buffer: 4 more bytes per parameter of host RAM). Call
+            ``synchronize()`` before evaluating or saving the model.
+        device_dtype: e.g. ``torch.bfloat16``: the fp32 masters are taken from the parameters as given, then the
+            device parameters are cast to this dtype (2 bytes per parameter off the device, and the master keeps
+            the weights' fp32 digits; casting the model first would start the master from rounded weights).
+        grad_scaler: the fp16 ``torch.amp.GradScaler`` in use, if any: ``step()`` then unscales the host
+            gradients and checks them for inf/NaN itself (``scaler.unscale_(optimizer)`` cannot see gradients on
+            the host: call ``optimizer.clip_grad_norm_`` instead; ``scaler.step``/``scaler.update`` work as usual).
+        **optimizer_kwargs: hyper-parameters of ``optimizer_class`` (lr, betas, weight_decay, ...).
+
+    Raises:
+        ConfigError: no parameters, several devices, parameters that do not require grad, a class that is not a
+            torch optimizer, or hyper-parameters it does not accept.
+        MemtrainError: not enough free host RAM for the buffers (checked before allocating anything); a sparse
+            gradient (raised during backward).
+
+    Example:
+        >>> model = torch.nn.Linear(8, 4)
+        >>> opt = CPUOffloadOptimizer(model.named_parameters(), lr=1e-3, weight_decay=0.1)
+        >>> model(torch.randn(2, 8)).sum().backward()
+        >>> norm = opt.clip_grad_norm_(1.0)  # instead of torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> opt.step()
+        >>> opt.zero_grad(set_to_none=True)
+    """
+
+    # Parameters per bucket: large enough that the fused kernel runs at full speed, small enough that the first
+    # bucket's weights start crossing PCIe while the rest still step.
+    bucket_numel = 1 << 25
+
+    # NOTE: GradScaler.step() hands over grad_scale/found_inf attributes to optimizers that say so; we take the
+    # scale from the attached grad_scaler instead and write our own inf check back for scaler.update().
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        offload_gradients: bool = True,
+        delayed_update: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        device_dtype: torch.dtype | None = None,
+        **optimizer_kwargs: Any,
+    ):
+        groups, names = parse_params(params, optimizer_class)
+        flat = [p for g in groups for p in g["params"]]
+        self.device = flat[0].device
+        pin = torch.cuda.is_available()  # pinned memory makes D2H/H2D copies asynchronous; CPU-only: nothing to pin
+        _check_gradients_after_sync(offload_gradients)
+        self.offload_gradients = offload_gradients
+        self.delayed_update = delayed_update
+        self.grad_scaler = grad_scaler
+        if (optimizer_class in (torch.optim.Adam, torch.optim.AdamW)
+                and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
+            optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
+        check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin,
+                       device_dtype=device_dtype)
+        template = _probe(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
+        slots, order = lay_out(flat, groups, names, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
+                               pin=pin)
+        self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
+        self._init_param_groups(template, groups, names)
+        self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
+        self._link_state()
+        self._init_step_state()
+        self._hooks = [s.device.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
+        for slot in self._slots:
+            claim(slot.device, self)
+        # An optimizer that is dropped without close() must not keep taking gradients: the hooks hold it weakly,
+        # and this removes them (and stops the worker) once it is collected.
+        self._finalizer = weakref.finalize(self, release, list(self._hooks), self._worker,
+                                           [s.device for s in self._slots])
+
+    @property
+    def manages_gradients(self) -> bool:
+        """Whether this step's gradients live in host memory, not in ``p.grad`` (``offload_gradients``): the
+        accumulator then normalises and clips through ``scale_gradients_`` and ``clip_grad_norm_``. LeanAdamW
+        exposes the same attribute."""
+        return self.offload_gradients
+
+    # With a grad_scaler attached, step() takes the inf check from the host gradients' norm, readable before the
+    # step as found_inf_flag (once clip_grad_norm_ gathered them), skips on it and writes it back for
+    # scaler.update(): GradientAccumulator calls step() itself, not scaler.step(optimizer). LeanAdamW says False.
+    found_inf_before_step = True
+
+    def _init_param_groups(self, template: torch.optim.Optimizer, groups: list[dict[str, Any]],
+                           names: list[str] | None) -> None:
+        # The outer param_groups (what LR schedulers and users see) hold the device parameters; the wrapped
+        # optimizers hold the host masters. step() copies the former's hyper-parameters into the latter before
+        # every CPU step, so that an LR change takes effect.
+        defaults = {k: v for k, v in template.defaults.items() if k not in IMPLEMENTATION_KEYS}
+        outer = [{**{k: v for k, v in tg.items() if k not in ("params", *IMPLEMENTATION_KEYS)}, "params": g["params"]}
+                 for tg, g in zip(template.param_groups, groups, strict=True)]
+        self._adding = True
+        super().__init__(outer, defaults)
+        self._adding = False
+        if names is not None:
+            for g, ids in zip(self.param_groups, group_indices(groups), strict=True):
+                g["param_names"] = [names[i] for i in ids]
+
+    def _init_step_state(self) -> None:
+        """The streams, the worker thread and the bookkeeping of landings and steps, all empty."""
+        cuda = self.device.type == "cuda"
+        # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
+        # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
+        # PCIe directions overlap.
+        self._streams: dict[str, Any] = {d: torch.cuda.Stream(self.device) if cuda else None for d in DIRECTIONS}
+        # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
+        self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
+        self._landings: list[Future[None]] = []
+        # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
+        # bucket's landings go to the worker in one task once all its slots landed (or at clip/step time).
+        self._pending: list[list[Landing]] = [[] for _ in self._buckets]
+        self._unlanded: list[set[int]] = [{id(s) for s in b.slots} for b in self._buckets]
+        self._update: list[Future[None]] | None = None  # the CPU step in flight (delayed_update)
+        self._h2d_done: torch.cuda.Event | None = None
+        self._buffer = 0  # which host gradient buffer the next backward writes
+        self._gathered = False  # this step's gradients are on the host, attached, unscaled
+        self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
+        # This step's lazy gradient multiplier (scale_gradients_ factors, fp16 inverse scale), and the window's
+        # (norm, multiplier with the clip coefficient, inf flag) once clip_grad_norm_ or step made them.
+        self._grad_factor: float | torch.Tensor = 1.0
+        self._inv_scale: torch.Tensor | None = None
+        self._scalars: tuple[torch.Tensor, float | torch.Tensor, torch.Tensor] | None = None
+        # next_backward_is_last(): the worker takes each gradient's norm as it lands in the next backward.
+        self._norms_in_backward = False
+        # Set by a clip_grad_norm_ after a window of one backward: the worker then takes the norm of each gradient
+        # landing first in its window (a loop with one backward per step needs no call to get them).
+        self._norms_on_first_landing = False
+        # step_in_next_backward(): the buckets whose gradients have not all landed yet, and the steps started.
+        self._waiting: list[set[int]] | None = None
+        self._early: dict[int, Future[None]] = {}
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+    def _make_buckets(self, slots: list[Slot], optimizer_class: type[torch.optim.Optimizer],
+                      optimizer_kwargs: dict[str, Any]) -> list[Bucket]:
+        runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], self.bucket_numel)]
+        buckets = []
+        for index, run in enumerate(runs):
+            for slot in run:
+                slot.bucket = index
+            group_of = sorted({s.group for s in run})
+            inner_groups = [{**self._hyperparameters(gi), "params": [s.master for s in run if s.group == gi]}
+                            for gi in group_of]
+            buckets.append(Bucket(run, optimizer_class(inner_groups, **optimizer_kwargs), group_of))
+        return buckets
+
+    def _hyperparameters(self, gi: int) -> dict[str, Any]:
+        return {k: v for k, v in self.param_groups[gi].items() if k not in ("params", "param_names")}
+
+    def _link_state(self) -> None:
+        # optimizer.state[device_param] is the host state itself (the same dict objects), so tools that count or
+        # inspect optimizer.state see it; the wrapped optimizers fill these dicts in place at their first step.
+        self.state.clear()
+        for bucket in self._buckets:
+            for slot in bucket.slots:
+                self.state[slot.device] = bucket.inner.state[slot.master]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_adding", False):
+            raise MemtrainError("CPUOffloadOptimizer.add_param_group: the host buffers are sized once, at "
+                                "construction. To resolve this error, pass every parameter group to the constructor.")
+        super().add_param_group(param_group)
+
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def _gather(self) -> None:
+        """Makes this step's gradients ready on the host: landed, attached to the masters, unscaled (fp16)."""
+        if self._gathered:
+            return
+        self._finish_update()  # delayed_update: the previous CPU step reads the masters' .grad until it is done
+        if not self.offload_gradients:
+            for slot in self._slots:
+                self._land(slot, free=False)
+        self._flush_landings()  # buckets holding a parameter that got no gradient
+        for future in self._landings:
+            future.result()  # re-raises a worker error here
+        self._landings.clear()
+        self._norms_in_backward = False
+        for slot in self._slots:
+            slot.master.grad = slot.grads[self._buffer] if slot.has_grad else None
+        self._found_inf = None
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            state = self.grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"].name == "UNSCALED":
+                self._check_unscaled_on_device()
+                # The scaler unscaled the device gradients before we copied them, and checked them for inf.
+                self._found_inf = sum(t.cpu() for t in state["found_inf_per_device"].values()) + torch.zeros(())
+                self._gathered = True
+                return
+            # No pass here: the inverse scale (GradScaler.unscale_'s arithmetic: double, then fp32) joins the
+            # multiplier the host step divides by, and the inf check is the norm's (see _window_scalars).
+            self._inv_scale = self.grad_scaler._scale.double().reciprocal().float().to("cpu", copy=True)
+        self._gathered = True
+
+    def _check_unscaled_on_device(self) -> None:
+        if self.offload_gradients:
+            raise MemtrainError(
+                "scaler.unscale_(optimizer) was called, but CPUOffloadOptimizer's gradients live on the host where "
+                "the scaler cannot see them: they would stay scaled. To resolve this error, remove "
+                "scaler.unscale_(optimizer) and call optimizer.clip_grad_norm_(max_norm), which unscales first (or "
+                "build the optimizer with offload_gradients=False to keep gradients on the device).")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Steps the wrapped optimizer on the host and copies the weights back (see the class docstring).
+
+        Skips the update (weights and state untouched) when the attached grad_scaler found inf/NaN.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # GradScaler.step() sets grad_scale (gradients still scaled) or only found_inf (after scaler.unscale_).
+        scaler_found_inf = None
+        if self.grad_scaler is None and getattr(self, "found_inf", None) is not None:
+            if getattr(self, "grad_scale", None) is not None:
+                raise MemtrainError(
+                    "scaler.step(optimizer) was called, but CPUOffloadOptimizer was built without the scaler, so "
+                    "it cannot unscale its host gradients nor report an overflow to scaler.update(). To resolve "
+                    "this error, pass grad_scaler=scaler to CPUOffloadOptimizer(...).")
+            self._check_unscaled_on_device()
+            scaler_found_inf = torch.as_tensor(self.found_inf).cpu()
+        self._gather()
+        if scaler_found_inf is not None:
+            self._found_inf = scaler_found_inf
+        if self._found_inf is not None and self.grad_scaler is not None:
+            # NOTE: GradScaler has no public way to receive an inf check made elsewhere: scaler.update() reads it
+            # from here to back off the scale. Written in step() because scaler.step() resets it before calling us.
+            self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
+                self._found_inf.device: self._found_inf}
+        # The window's multiplier (normalisation, fp16 inverse scale, clip coefficient) and inf flag: the host step
+        # applies them as it reads each gradient, and skips on the flag on the worker (a host value: no device
+        # sync, and no Python read of it on this thread).
+        if self._scalars is None and self._inv_scale is not None:
+            self._scalars = self._window_scalars()  # an fp16 step needs the inf check: the norm's
+        if self._scalars is not None:
+            _, multiplier, found = self._scalars
+        else:
+            multiplier, found = self._multiplier(), None
+        if self._found_inf is not None:
+            found = self._found_inf if found is None else torch.maximum(found, self._found_inf.to(found.device))
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            # NOTE: GradScaler has no public way to receive an inf check made elsewhere: scaler.update() reads it
+            # from here to back off the scale. Written in step() because scaler.step() resets it before calling us.
+            found = found if found is not None else torch.zeros(())
+            self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
+        early, self._early, self._waiting = self._early, {}, None
+        self._sync_hyperparameters()
+        if self._streams["host_to_device"] is not None:
+            # The copies back overwrite weights that this step's backward read on the compute stream.
+            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
+        h2d_done = self._h2d_done
+        futures = list(early.values())  # stepped during backward (step_in_next_backward)
+        futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found)
+                    for i, b in enumerate(self._buckets) if i not in early]
+        if self.delayed_update:
+            self._update = futures
+            self._buffer = 1 - self._buffer  # the next backward writes the other host buffer
+            for slot in self._slots:
+                slot.has_grad = slot.zeroed = False
+                slot.landings = 0
+        else:
+            for future in futures:
+                future.result()
+            self._after_copies()
+        self._gathered = False
+        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
+        return loss
+
+    def _sync_hyperparameters(self) -> None:
+        for bucket in self._buckets:
+            for inner_group, gi in zip(bucket.inner.param_groups, bucket.group_of, strict=True):
+                inner_group.update(self._hyperparameters(gi))
+
+    def _step_bucket(self, bucket: Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
+                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None) -> None:
+        if found is not None and found.item():
+            return  # an inf/nan gradient (fp16 overflow): skipped, weights and state untouched, nothing to copy
+        if h2d_done is not None:
+            h2d_done.synchronize()  # the previous copies back read the masters (and casts) we are about to overwrite
+        with torch.no_grad():
+            if isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
+                grads = [s.master.grad for s in bucket.slots if s.master.grad is not None]
+                if grads:
+                    # The normalisation, the fp16 unscale and the clip coefficient as one fp32 multiply, inside the
+                    # step, bucket by bucket on the worker (the loop's thread makes no pass). NOTE: not fused
+                    # AdamW's grad_scale: it divides by it (g / (1/c) is not g * c in float), which moved gpt-tiny's
+                    # weights 1e-4 from torch's in 8 steps at lr 1e-2; a multiply by torch's coefficient is
+                    # bit-identical to torch's clip.
+                    torch._foreach_mul_(grads, torch.as_tensor(multiplier, dtype=torch.float64).float())
+            bucket.inner.step()
+            # Cast on the CPU, here on the worker: the device dtype's bytes cross PCIe, and with delayed_update the
+            # loop's thread then only launches the copies at the next step().
+            for slot in bucket.slots:
+                if slot.cast is not None:
+                    slot.cast.copy_(slot.master)
+            if copy_back:
+                self._copy_to_device(bucket.slots)
+
+    def _copy_to_device(self, slots: list[Slot]) -> None:
+        """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
+        self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
+        with torch.no_grad(), self._side_stream("host_to_device"):
+            # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
+            torch._foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
+                                 non_blocking=True)
+
+    def _after_copies(self) -> None:
+        h2d = self._streams["host_to_device"]
+        if h2d is not None:
+            self._h2d_done = torch.cuda.Event()
+            self._h2d_done.record(h2d)
+            # The next forward reads the new weights: order it after the copies (the GPU waits, not the host).
+            torch.cuda.current_stream(self.device).wait_stream(h2d)
+
+    def _finish_update(self) -> None:
+        if self._update is None:
+            return
+        for future in self._update:
+            future.result()
+        self._update = None
+        if self._streams["host_to_device"] is not None:
+            # The next backward read the old weights on the compute stream: the copies back wait for it (not for
+            # the gradient copies, on the other side stream).
+            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
+        self._copy_to_device(self._slots)
+        self._after_copies()
+
+    def synchronize(self) -> None:
+        """Finishes a delayed update and copies its weights to the device (no-op without delayed_update)."""
+        self._finish_update()
+
+    def master_weights(self) -> dict[int, torch.Tensor]:
+        """``id(parameter)`` -> its fp32 master on the host (finished updates included): the weights to save
+        where the device holds bf16 copies (``device_dtype``)."""
+        self._finish_update()
+        return {id(slot.device): slot.master for slot in self._slots}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._early:
+            raise MemtrainError(
+                f"zero_grad() after a backward armed by step_in_next_backward() that already stepped "
+                f"{len(self._early)} bucket(s): the others would never be stepped. To resolve this error, call "
+                "step() before zero_grad().")
+        self._flush_landings()
+        for future in self._landings:
+            future.result()  # a pending add must not land in a buffer we are resetting
+        self._landings.clear()
+        self._norms_in_backward = False
+        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
+        for slot in self._slots:
+            slot.landings = 0
+            if set_to_none:
+                slot.has_grad = False
+            elif slot.has_grad:
+                slot.grads[self._buffer].zero_()
+                slot.zeroed, slot.norm = True, None
+            if self._update is None:
+                slot.master.grad = None  # only once no CPU step reads it (delayed_update)
+        self._gathered = False
+        super().zero_grad(set_to_none=set_to_none)  # the device gradients (offload_gradients=False)
+
+    def close(self) -> None:
+        """Removes the gradient hooks and stops the worker thread (after finishing any pending work). The
+        parameters may then be given to another optimizer."""
+        self.synchronize()
+        self._finalizer()  # runs release once
+
+
+def _check_gradients_after_sync(offload_gradients: bool) -> None:
+    if offload_gradients and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # The tensor hook runs before DDP's reducer: the host would get this rank's unsynchronised gradient.
+        raise ConfigError(
+            f"CPUOffloadOptimizer(offload_gradients=True) with {dist.get_world_size()} ranks: gradients would "
+            "leave the device before DDP averages them, and the ranks' weights would drift apart. To resolve "
+            "this error, pass offload_gradients=False (they are copied at the step, after synchronisation)."
+        )
+
+
+def _probe(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
+           optimizer_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """``optimizer_class`` over one-element stand-ins of ``groups``: checks the class and its arguments."""
+    try:
+        template = optimizer_class(
+            [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1, requires_grad=True)]}
+             for g in groups],
+            **optimizer_kwargs,
+        )
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"{optimizer_class.__name__}({optimizer_kwargs}) rejected its arguments: {e}. To resolve "
+                          f"this error, pass only hyper-parameters {optimizer_class.__name__} accepts.") from None
+    return template
