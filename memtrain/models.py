@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import memtrain.loss
 from memtrain.errors import ConfigError
-from memtrain.loss import chunked_cross_entropy
 
 
 # -- GPT ----------------------------------------------------------------------------------------------------
@@ -171,7 +171,9 @@ class GPT(nn.Module):
             x = block(x) if mask is None else block(x, mask)
         if targets is not None and self.loss_chunk_tokens is not None and reduction in ("sum", "mean") \
                 and torch.is_grad_enabled():
-            total = chunked_cross_entropy(self.ln_f(x), self.head, targets, chunk_tokens=self.loss_chunk_tokens)
+            # memtrain.loss's at call time, as before the top-level import (tests replace it there)
+            total = memtrain.loss.chunked_cross_entropy(self.ln_f(x), self.head, targets,
+                                                        chunk_tokens=self.loss_chunk_tokens)
             return total if reduction == "sum" else total / (targets != -100).sum()
         logits = self.head(self.ln_f(x))
         if targets is None:
