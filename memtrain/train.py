@@ -532,24 +532,24 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
             figures.tokens_per_s = figures.tokens * world / figures.seconds  # all ranks' tokens in the step's time
             figures.lr = lr
 
-            # -- evaluate once in a while ---------------------------------------------------------------------
+            # -- evaluate once in a while --------------------------------------------------------------------
             if val_data is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
                 tally.eval_loss = figures.eval_loss = evaluate(s.model, val_data, config, device, s.precision,
                                                                s.micro, eval_examples)
-            line = figures.to_dict()
-            metrics.append(line)
+            row = figures.to_dict()  # metrics.jsonl's line
+            metrics.append(row)
             tally.last = figures
 
             # -- check the plan at step 2 (from then on the optimizer state exists: the steady state) --------
             if step + 1 == check_at and rank == 0:
                 _check_plan(s, step, figures, config, context)
 
-            # -- log -------------------------------------------------------------------------------------------
+            # -- log -----------------------------------------------------------------------------------------
             if metrics_log is not None:
                 with write_faults(metrics_log.path, checkpoints):
-                    metrics_log.append(line)
+                    metrics_log.append(row)
 
-            # -- save: every save_every steps, at the end, and on a signal --------------------------------------
+            # -- save: every save_every steps, at the end, and on a signal -----------------------------------
             tally.stopped_by = agree_on_stop(signals.received, device)  # every rank stops after the same step
             due = config.save_every is not None and (step + 1) % config.save_every == 0
             if checkpoints is not None and (due or tally.stopped_by or step + 1 == config.max_steps):
@@ -560,7 +560,7 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
             progress.update(step + 1, f"loss {figures.loss:.3f} | {tally.tokens / tally.step_seconds:.0f} tok/s | "
                                       f"{memory}")
 
-            # -- stop on a signal -------------------------------------------------------------------------------
+            # -- stop on a signal ----------------------------------------------------------------------------
             if tally.stopped_by:
                 _log(f"{tally.stopped_by} received: stopped after step {step + 1} with a checkpoint; continue "
                      "with --resume", rank)
