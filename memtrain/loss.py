@@ -13,6 +13,8 @@ more matmul of the head), for heads torch's op cannot take and under ``torch.com
 whose head is a plain linear layer on the last hidden state (see ``HF_MODEL_TYPES``). A model whose loss is
 chunked returns no logits when it is given labels (``outputs.logits`` is ``None``): not holding them is the point.
 Without labels, or with gradients off (evaluation, generation), the model's own forward runs unchanged.
+
+``language_model_loss(model, x, y)`` is the training loop's loss for any of these models, chunked or not.
 """
 
 from __future__ import annotations
