@@ -13,6 +13,8 @@ more matmul of the head), for heads torch's op cannot take and under ``torch.com
 whose head is a plain linear layer on the last hidden state (see ``HF_MODEL_TYPES``). A model whose loss is
 chunked returns no logits when it is given labels (``outputs.logits`` is ``None``): not holding them is the point.
 Without labels, or with gradients off (evaluation, generation), the model's own forward runs unchanged.
+
+``language_model_loss(model, x, y)`` is the training loop's loss for any of these models, chunked or not.
 """
 
 from __future__ import annotations
@@ -320,7 +322,7 @@ class _HFChunkedForward:
         return result.to_tuple() if return_dict is False else result
 
 
-def _output_embeddings(model: nn.Module) -> nn.Module | None:
+def output_embeddings(model: nn.Module) -> nn.Module | None:
     """The output head of memtrain's GPT or of a Hugging Face model (None for other models)."""
     model = unwrap_model(model, peft=True)
     if _is_gpt(model):
@@ -328,6 +330,9 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return head if isinstance(head, nn.Module) else None
+
+
+_output_embeddings = output_embeddings  # old spelling: removed at merge
 
 
 def _hf_problems(model: nn.Module) -> list[str]:
@@ -356,9 +361,9 @@ def _hf_problems(model: nn.Module) -> list[str]:
 
 
 def _is_gpt(model: nn.Module) -> bool:
-    from memtrain.models import GPT  # lazily: GPT.forward imports this module
-
-    return isinstance(model, GPT)
+    """memtrain's GPT (``memtrain.models.GPT``), known by its class attribute ``memtrain_gpt``, so that this
+    module imports nothing from ``memtrain.models`` (which imports it)."""
+    return getattr(type(model), "memtrain_gpt", False) is True
 
 
 def output_head(model: nn.Module) -> nn.Module:
@@ -441,3 +446,22 @@ def remove_chunked_loss(model: nn.Module) -> bool:
     else:
         del model.forward
     return True
+
+
+def language_model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy on fp32 logits (labels of -100 ignored); memtrain GPT or Hugging Face.
+
+    ``y`` is already shifted (``y[t]`` follows ``x[t]``). A model with ``apply_chunked_loss`` computes it from its
+    hidden states a chunk of tokens at a time, never holding the whole batch's logits. ``position_ids`` (packed
+    rows, ``memtrain.data.PackedRows``) restart at each document, so a Hugging Face model attends within it.
+    """
+    kind = chunked_loss_kind(model)  # it looks inside DDP's and torch.compile's wrappers
+    if kind == "gpt":
+        return model(x, y, reduction="sum")
+    positions = {} if position_ids is None else {"position_ids": position_ids}
+    if kind == "hf" and torch.is_grad_enabled():
+        return model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=1, **positions).loss
+    out = model(x, **positions)
+    logits = getattr(out, "logits", out)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import memtrain.loss
 from memtrain.errors import ConfigError
 
 
@@ -115,6 +117,10 @@ class GPT(nn.Module):
         torch.Size([2, 16, 256])
     """
 
+    # How memtrain.loss recognises this model (without importing this module): its output head is ``head``, its
+    # chunked loss is on while ``loss_chunk_tokens`` is set, and ``forward(x, y, reduction="sum")`` is its loss.
+    memtrain_gpt: ClassVar[bool] = True
+
     def __init__(self, config: GPTConfig | None = None):
         super().__init__()
         config = config or GPTConfig()
@@ -165,9 +171,9 @@ class GPT(nn.Module):
             x = block(x) if mask is None else block(x, mask)
         if targets is not None and self.loss_chunk_tokens is not None and reduction in ("sum", "mean") \
                 and torch.is_grad_enabled():
-            from memtrain.loss import chunked_cross_entropy
-
-            total = chunked_cross_entropy(self.ln_f(x), self.head, targets, chunk_tokens=self.loss_chunk_tokens)
+            # memtrain.loss's at call time, as before the top-level import (tests replace it there)
+            total = memtrain.loss.chunked_cross_entropy(self.ln_f(x), self.head, targets,
+                                                        chunk_tokens=self.loss_chunk_tokens)
             return total if reduction == "sum" else total / (targets != -100).sum()
         logits = self.head(self.ln_f(x))
         if targets is None:
@@ -203,6 +209,30 @@ def _packed_positions_and_mask(segments: torch.Tensor, shape: torch.Size) -> tup
     same = segments[:, :, None] == segments[:, None, :]
     causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
     return index - start_index, (same & causal).unsqueeze(1)
+
+
+@torch.no_grad()
+def sample_text(model: nn.Module, prompt: str, n: int, seq_len: int, *, seed: int = 0, tokenizer: Any = None) -> str:
+    """``n`` tokens sampled after ``prompt`` (top-k 20): bytes decoded as UTF-8 with replacement, or the
+    tokenizer's tokens."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    ids = tokenizer.encode(prompt) if tokenizer is not None else list(prompt.encode())
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(n):
+        out = model(idx[:, -seq_len:])
+        logits = getattr(out, "logits", out)[:, -1, :].float()
+        if tokenizer is None:
+            logits = logits[:, :256]  # bytes
+        kth = torch.topk(logits, min(20, logits.shape[-1])).values[:, [-1]]
+        probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    model.train(was_training)
+    if tokenizer is not None:
+        return tokenizer.decode(idx[0].tolist())
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
 # -- ResNet -------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""train(): resume after SIGKILL bit for bit, corrupt checkpoints, SIGTERM, out-of-memory retry, torchrun."""
+"""train(): resume after SIGKILL bit for bit, corrupt checkpoints, SIGTERM, out-of-memory retry and re-plans,
+torchrun. TrainConfig's checks are tests/test_config.py's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_gpt
 from safetensors.torch import load_file
 
 from memtrain import ConfigError, TrainConfig, train
@@ -135,8 +137,7 @@ def _tiny_data(text_file: Path):
 
 
 def _tiny_model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(seq_len=32, n_layer=2, n_head=2, n_embd=32))
+    return tiny_gpt(seq_len=32, seed=0)
 
 
 def test_out_of_memory_re_plans_with_the_shortfall_and_keeps_the_data_order(tmp_path, text_file, monkeypatch,
@@ -384,23 +385,6 @@ def test_config_file_and_validation_before_any_write(tmp_path, text_file):
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
-def test_train_config_lists_every_problem():
-    with pytest.raises(ConfigError) as info:
-        TrainConfig(max_steps=0, lr=-1.0, precision="fp8", resume=True, overwrite=True).validate()
-    assert len(info.value.problems) == 5, info.value.problems
-
-
-def test_every_train_config_problem_says_how_to_resolve_it():
-    bad = dict(max_steps=0, micro_batch_size=0, lr=-1.0, warmup_steps=-1, seed=-1, min_lr_ratio=2.0,
-               weight_decay=-1.0, grad_clip=0.0, compile="yes", chunked_loss="yes", safety_margin=2.0,
-               state_precision="fp8", offload_fraction=2.0, precision="fp8", sample_bytes=True, checkpointing=None,
-               budget="lots")
-    with pytest.raises(ConfigError) as info:
-        TrainConfig(**bad).validate()
-    assert len(info.value.problems) >= len(bad), info.value.problems
-    assert all("To resolve this error" in p for p in info.value.problems), info.value.problems
-
-
 def test_resume_without_checkpoint(tmp_path, text_file):
     with pytest.raises(ConfigError, match="does not exist, so there is no run to continue"):
         train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=1, resume=True, out_dir=str(tmp_path / "x"),
@@ -579,18 +563,3 @@ def test_the_training_step_does_not_stall_the_device_queue_to_measure(tmp_path, 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 123)
     train(model, _tiny_data(text_file), TrainConfig(max_steps=3, micro_batch_size=2, progress=False))
     assert calls.count("reset") == 3 and "synchronize" not in calls, calls
-
-
-def test_train_config_errors_name_arguments_and_suggest_only_what_it_accepts():
-    bad = TrainConfig(max_steps=0, lr=float("nan"), seed=-1, checkpointing="sometimes", precision="fp8",
-                      overwrite=True, resume=True, offload_optimizer=True, fsdp=True, warmup_steps=-1)
-    with pytest.raises(ConfigError) as info:
-        bad.validate()
-    problems = info.value.problems
-    assert not [p for p in problems if "--" in p], problems  # flags are the CLI's words, not the library's
-    assert any("out_dir='DIR'" in p for p in problems), problems
-    checkpointing = next(p for p in problems if p.startswith("checkpointing="))
-    assert "'every:K'" in checkpointing and "'selective'" in checkpointing, checkpointing
-    for accepted in ("every:2", "selective", "blocks(RK)", "all+offload", "auto"):  # what the message suggests
-        TrainConfig(checkpointing=accepted).validate()
-    TrainConfig(checkpointing="every", checkpoint_every=2).validate()  # the older spelling still works

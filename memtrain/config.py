@@ -1,0 +1,202 @@
+"""A training run's settings (``TrainConfig``, checked whole by ``validate``) and its outcome (``TrainResult``).
+
+``memtrain.train`` re-exports both; ``train()`` takes the one and returns the other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from memtrain.checkpointing import Checkpointing
+from memtrain.errors import ConfigError
+from memtrain.planner import budget_bytes
+
+PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
+MAX_SEED = 2**63  # seeds are torch.Generator seeds (64 bits), plus one per epoch of the data
+DEFAULT_MICRO_BATCH = 16  # the global batch per rank when neither micro_batch_size nor global_batch_size is given
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs besides the model and the data. Memory effects are noted per field."""
+
+    max_steps: int = 500
+    # The memory budget: the plan (memtrain.planner) picks every choice left as None / "auto" below so that the
+    # predicted peak fits it at the highest predicted tokens/s, and the run checks the plan at step 2.
+    budget: int | str | None = None  # device bytes per rank ("24GiB"); None: what the device has free at the start
+    host_budget: int | str | None = None  # host RAM the plan may use (offloads, pinned buffers); None: what is free
+    safety_margin: float = 0.05  # of the budget, left for the allocator's fragmentation
+    micro_batch_size: int | None = None  # examples per forward (activations grow with it); None: the plan's
+    global_batch_size: int | None = None  # examples per optimizer step, all ranks; None = 16 x world size, or
+    # micro_batch_size x world size where that is given
+    lr: float = 3e-3
+    warmup_steps: int | None = None  # linear warm-up; None: min(50, max_steps // 10), so short runs reach lr
+    min_lr_ratio: float = 0.1  # the cosine schedule decays to lr * min_lr_ratio
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0  # the global gradient norm is clipped to this; None: not clipped
+    precision: PrecisionChoice = "auto"  # 16-bit halves most activation bytes
+    # "auto": the plan's per-block keep / recompute / offload; else a Checkpointing or a spelling it parses
+    # ("none", "all" (only the blocks' inputs saved), "every:K", "selective", "blocks(RKO...)", "...+offload").
+    checkpointing: str | Checkpointing = "auto"
+    checkpoint_every: int = 2  # with checkpointing="every" (the older spelling of "every:K"): K
+    # None below: the plan decides; True / False: fixed, and the plan fits the rest around it.
+    offload_activations: bool | None = None  # saved activations in pinned host memory (CUDA only)
+    offload_optimizer: bool | None = None  # fp32 master + AdamW state in host RAM (12 bytes/param off the device)
+    chunked_loss: bool | None = None  # the loss's fp32 logits 1024 tokens at a time, never the whole batch's
+    state_precision: str | None = None  # AdamW's moments: "fp32" (8 bytes/param), "bf16" (4), "int8" (about 2)
+    step_in_backward: bool | None = None  # each parameter steps as its gradient is final (no gradient buffers)
+    offload_fraction: float | None = None  # this share of AdamW's state in host RAM (the rest stays on the device)
+    compile: bool = False  # torch.compile the training forward/backward (fused kernels; the first steps compile)
+    fsdp: bool = False  # under torchrun: True shards parameters, gradients and optimizer state over ranks
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int | None = 100  # optimizer steps between run checkpoints (also at the end and on signals)
+    out_dir: str | None = None  # run folder; None writes nothing
+    overwrite: bool = False  # True lets a run replace another run's results in out_dir
+    resume: bool = False  # True continues from the newest intact checkpoint in out_dir
+    sample_bytes: int = 240  # length of the text sample written at the end (0: none)
+    merge_lora: bool = False  # a LoRA model's hf/ folder holds the merged weights instead of the adapters
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raises one ConfigError listing every bad field (each named as the argument, e.g. ``out_dir=``)."""
+        problems = []
+        for name in ("max_steps", "checkpoint_every", "eval_every", "eval_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass e.g. {name}=1.")
+        for name in ("micro_batch_size", "global_batch_size", "save_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                problems.append(f"{name}={value!r} must be an integer >= 1, or unset. To resolve this error, pass e.g. {name}=4, or "
+                                "leave it unset.")
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not (number(self.lr) and self.lr > 0):
+            problems.append(f"lr={self.lr!r} must be a positive number. To resolve this error, pass e.g. lr=3e-3.")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or
+                                              not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+            problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0, or None for "
+                            "min(50, max_steps // 10). To resolve this error, pass e.g. warmup_steps=10, or leave it "
+                            "unset.")
+        elif (isinstance(self.warmup_steps, int) and isinstance(self.max_steps, int)
+              and self.warmup_steps > self.max_steps >= 1):
+            problems.append(f"warmup_steps={self.warmup_steps} is more than max_steps={self.max_steps}: the learning "
+                            f"rate would never reach lr. To resolve this error, pass warmup_steps={self.max_steps // 10}"
+                            " or fewer, or leave it unset.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            problems.append(f"seed={self.seed!r} must be an integer in [0, 2**63). To resolve this error, pass e.g. "
+                            "seed=0.")
+        if not (number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
+            problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be a number in [0, 1]. To resolve this error, pass e.g. "
+                            "min_lr_ratio=0.1.")
+        if not (number(self.weight_decay) and self.weight_decay >= 0):
+            problems.append(f"weight_decay={self.weight_decay!r} must be a number >= 0. To resolve this error, pass e.g. "
+                            "weight_decay=0.1.")
+        if self.grad_clip is not None and not (number(self.grad_clip) and self.grad_clip > 0):
+            problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping. To resolve this error, "
+                            "pass e.g. grad_clip=1.0.")
+        for name in ("fsdp", "compile", "overwrite", "resume", "progress", "merge_lora"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, pass one of them.")
+        for name in ("offload_optimizer", "offload_activations", "chunked_loss", "step_in_backward"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be True, False, or None (the plan decides). "
+                                f"To resolve this error, pass one of them.")
+        for name in ("budget", "host_budget"):
+            try:
+                budget_bytes(getattr(self, name), name)
+            except ConfigError as e:
+                problems += e.problems
+        if not (number(self.safety_margin) and 0 <= self.safety_margin < 0.9):
+            problems.append(f"safety_margin={self.safety_margin!r} must be a fraction in [0, 0.9). To resolve this error, "
+                            "pass e.g. safety_margin=0.05.")
+        if self.state_precision not in (None, "fp32", "bf16", "int8"):
+            problems.append(f"state_precision={self.state_precision!r} is not one of 'fp32', 'bf16', 'int8', or None "
+                            "(the plan decides). To resolve this error, pass one of them.")
+        if self.offload_fraction is not None and not (number(self.offload_fraction)
+                                                      and 0.0 <= self.offload_fraction <= 1.0):
+            problems.append(f"offload_fraction={self.offload_fraction!r} must be a fraction in [0, 1], or None (the "
+                            "plan decides). To resolve this error, pass e.g. offload_fraction=0.5.")
+        try:
+            self.checkpointing_policy()
+        except ConfigError as e:
+            problems += [p if p.startswith("checkpointing") else f"checkpointing={self.checkpointing!r}: {p}"
+                         for p in e.problems]
+        if self.micro_batch_size is not None and isinstance(self.global_batch_size, int) \
+                and isinstance(self.micro_batch_size, int) and self.micro_batch_size > self.global_batch_size >= 1:
+            problems.append(f"micro_batch_size={self.micro_batch_size} is more than global_batch_size="
+                            f"{self.global_batch_size}. To resolve this error, pass a micro_batch_size that divides "
+                            "it, or leave micro_batch_size unset for the plan to choose.")
+        if self.precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed"):
+            problems.append(f"precision={self.precision!r} is not one of auto, fp32, bf16-mixed, fp16-mixed. "
+                            "To resolve this error, pass one of them.")
+        if self.overwrite is True and self.resume is True:
+            problems.append("overwrite=True and resume=True contradict each other. To resolve this error, pass "
+                            "resume=True to continue the run in out_dir, or overwrite=True to start it again.")
+        if (self.overwrite is True or self.resume is True) and not self.out_dir:
+            problems.append("overwrite=True and resume=True need a run folder. To resolve this error, pass "
+                            "out_dir='DIR'.")
+        if self.merge_lora is True and not self.out_dir:
+            problems.append("merge_lora=True writes the merged weights into the run folder's hf/. To resolve this "
+                            "error, pass out_dir='DIR'.")
+        if self.offload_optimizer is True and self.fsdp is True:
+            problems.append("offload_optimizer=True and fsdp=True together: FSDP2 shards the optimizer state itself "
+                            "and CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
+                            "offload_optimizer=True and fsdp=True.")
+        if isinstance(self.sample_bytes, bool) or not isinstance(self.sample_bytes, int) or self.sample_bytes < 0:
+            problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0. To resolve this error, pass "
+                            "e.g. sample_bytes=240, or 0 for no sample.")
+        if self.checkpointing is None:  # every other None means "the plan decides": here that is "auto"
+            problems.append("checkpointing=None is ambiguous. To resolve this error, pass checkpointing='auto' (the "
+                            "plan decides) or 'none' (no checkpointing).")
+        ConfigError.raise_if(problems)
+
+    def checkpointing_policy(self) -> Checkpointing | None:
+        """The fixed checkpointing policy, or None for "auto" (the plan's).
+
+        Raises:
+            ConfigError: a value that is not a policy (the message lists the spellings).
+        """
+        value = self.checkpointing
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return None
+        if value == "every":
+            every = self.checkpoint_every
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise ConfigError(f"checkpoint_every={every!r} must be an integer >= 1 (with checkpointing='every').")
+            return Checkpointing(mode="every", every=every)
+        if isinstance(value, (bool, int)) and not isinstance(value, Checkpointing):
+            raise ConfigError(f"checkpointing={value!r} is not a policy. To resolve this error, pass 'auto', 'none', "
+                              "'all', 'every:K' (e.g. 'every:2'), 'selective', or a Checkpointing.")
+        return Checkpointing.parse(value)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: int  # optimizer steps completed, over the whole run (resumed runs included)
+    tokens: int  # tokens trained on in this process's session, all ranks
+    seconds: float
+    final_loss: float
+    eval_loss: float | None
+    checkpointed_blocks: tuple[str, ...]
+    precision: str
+    micro_batch_size: int  # at the end (a re-plan may have changed it)
+    accumulation: int  # micro-batches per optimizer step at the end
+    activation_bytes: int  # saved for backward in one micro-batch, as measured
+    model_state_bytes: int
+    peak_bytes: int | None  # CUDA allocator peak over a step
+    skipped_steps: int
+    resumed_from: int | None
+    stopped_by: str | None  # "SIGTERM" / "SIGINT" when a signal ended the run early (received by any rank)
+    out_dir: str | None
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+    # Seconds inside training steps (forward, backward, optimizer) in this session: tokens / step_seconds is the
+    # throughput the progress bar shows; ``seconds`` adds evaluation, checkpoints and the run folder's files.
+    step_seconds: float = 0.0
+    plan: dict[str, Any] | None = None  # the plan at the end: its settings and predictions (RunPlan.to_dict())
+    replans: int = 0  # plans made again because the device disagreed (a peak over the budget, out of memory)

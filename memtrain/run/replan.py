@@ -1,0 +1,291 @@
+"""A training run's plan: ``TrainConfig``'s choices as the planner's constraints, the check of the plan against
+the device at step 2, and the re-plan when the device disagrees.
+
+``train()`` calls these in order; the decisions themselves are ``memtrain.planner``'s. When the device
+disagrees (the measured peak passes the budget, or a step runs out of memory) the shortfall is folded into every
+predicted peak (``plan(correction_bytes=)``) and the plan is made again, keeping the optimizer (its state is
+already built) and the global batch: the next plan is the fastest that fits with the estimate corrected, not
+merely half the micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.checkpointing import find_blocks
+from memtrain.config import TrainConfig
+from memtrain.errors import ConfigError, MemtrainError
+from memtrain.loss import supports_chunked_loss
+from memtrain.measure import available_host_bytes
+from memtrain.planner import Fixed, Plan, PlanSettings, budget_bytes, plan
+from memtrain.report import format_bytes, parse_bytes
+
+# The TrainConfig fields that shape the plan: a resume that changes none of them continues on the plan the run
+# had (re-planned ones included); one that changes any plans again.
+OOM_MIN_OVERSHOOT = 0.02  # of the predicted peak: the least a step that ran out of memory is taken to have missed
+PLAN_FIELDS = ("budget", "host_budget", "safety_margin", "micro_batch_size", "checkpointing", "checkpoint_every",
+               "offload_activations", "offload_optimizer", "chunked_loss", "state_precision", "step_in_backward",
+               "offload_fraction", "compile")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The plan a run follows now: the planner's ``Plan`` (None for a model without repeated blocks: nothing is
+    planned per block), its settings, the budget in effect and the correction folded into it so far."""
+
+    settings: PlanSettings
+    plan: Plan | None
+    budget_bytes: int | None
+    reasons: tuple[str, ...]
+    correction_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings and the predictions (the compact form of ``TrainResult.plan``)."""
+        p = self.plan
+        return {"settings": self.settings.to_dict(), "budget_bytes": self.budget_bytes,
+                "usable_bytes": p.usable_bytes if p else None, "correction_bytes": self.correction_bytes,
+                "peak_bytes": p.peak_bytes if p else None, "activation_bytes": p.activation_bytes if p else None,
+                "host_bytes": p.host_bytes if p else None, "step_seconds": p.step_seconds if p else None,
+                "tokens_per_s": p.tokens_per_s if p else None}
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the run is, as every plan of it sees it: fixed at the start (``train`` builds it once) and passed to
+    ``plan_run`` and ``replan`` alike."""
+
+    seq_len: int  # tokens per example
+    global_batch: int  # examples per optimizer step, all ranks
+    device: torch.device  # the training device
+    world: int  # ranks (1 without torchrun)
+    precision: str  # resolved: "fp32", "bf16-mixed" or "fp16-mixed"
+
+
+def plan_request(config: TrainConfig) -> dict[str, Any]:
+    """The plan-shaping fields of ``config`` as JSON values (kept in checkpoints; see ``PLAN_FIELDS``)."""
+    out = {}
+    for name in PLAN_FIELDS:
+        value = getattr(config, name)
+        out[name] = str(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def run_budget(config: TrainConfig, model: nn.Module, device: torch.device) -> tuple[int, str]:
+    """The device bytes per rank the plan must fit, and where the figure comes from.
+
+    Unset, it is what the device can give this run: on CUDA its free memory at the start plus what this process
+    already holds there (the model's weights); on the CPU the RAM available plus the model's own bytes.
+    """
+    given = budget_bytes(config.budget)
+    if given is not None:
+        return given, f"budget {format_bytes(given)} per rank (budget=)"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        have = free + torch.cuda.memory_allocated(device)
+        return have, (f"budget {format_bytes(have)}: the device's free memory at the start with the model already "
+                      "on it (budget= sets one)")
+    ram = available_host_bytes()
+    if ram is None:
+        raise ConfigError("the machine does not say how much RAM is free, so no budget can be inferred. To resolve "
+                          "this error, pass budget= (e.g. '8GiB').")
+    own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return ram + own, (f"budget {format_bytes(ram + own)}: the RAM available at the start with the model already in "
+                       "it (budget= sets one)")
+
+
+def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, correction_bytes: int = 0,
+             keep_optimizer: PlanSettings | None = None, micro_batch_size: int | None = None, free_micro: bool = False,
+             settings: PlanSettings | None = None, budget: int | None = None) -> RunPlan:
+    """The plan for ``model`` under ``config``: its fixed choices kept, the rest chosen to fit the budget.
+
+    Args:
+        context: what the run is (sequence length, global batch, device, ranks, precision).
+        keep_optimizer: a plan whose optimizer (placement, moments, in-backward step, offloaded share) must stay
+            (a resume, a re-plan: the optimizer and its state exist already).
+        micro_batch_size: overrides ``config.micro_batch_size`` (a resume of a re-planned run).
+        free_micro: the plan chooses the micro-batch even where ``config`` fixes it (a re-plan after the fixed one
+            ran out of memory).
+        settings: no search: predict exactly these (a resume continues on the plan it left off with).
+        budget: the budget in bytes as resolved at the run's start (a re-plan keeps it: the free memory moves);
+            None resolves it now (``run_budget``).
+
+    Raises:
+        ConfigError: a bad choice, or nothing fits (the planner's message: the smallest peak and what would fit).
+    """
+    micro = None if free_micro else (micro_batch_size or config.micro_batch_size)
+    device, world = context.device, context.world
+    blocks = find_blocks(model)
+    policy = config.checkpointing_policy()
+    if not blocks and policy is None:
+        if settings is not None:  # a resume continues on the settings it left off with (a halved micro-batch)
+            return RunPlan(settings, None, None, ("no plan (the model has no repeated blocks): the run's settings "
+                                                  "as saved",), correction_bytes)
+        return _unplanned(model, config, context.global_batch, world, context.precision, micro)
+    if budget is None:
+        budget, budget_reason = run_budget(config, model, device)
+    else:
+        budget_reason = f"budget {format_bytes(budget)} per rank (as at the run's start)"
+    fixed, allowed, notes = Fixed.of_choices(
+        n_blocks=len(blocks), device=device.type, checkpointing=policy,
+        offload_activations=config.offload_activations, offload_optimizer=config.offload_optimizer,
+        chunked_loss=config.chunked_loss, state_precision=config.state_precision,
+        step_in_backward=config.step_in_backward, offload_fraction=config.offload_fraction)
+    fixed = dataclasses.replace(fixed, compile=config.compile)
+    if keep_optimizer is not None:
+        k = keep_optimizer
+        differ = [f"{name}={value!r}" for name, value, kept in (
+            ("offload_optimizer", config.offload_optimizer, k.optimizer != "device"),
+            ("state_precision", config.state_precision, k.state_precision),
+            ("step_in_backward", config.step_in_backward, k.step_in_backward),
+            ("offload_fraction", config.offload_fraction, k.offload_fraction)) if value is not None and value != kept]
+        if differ:
+            raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {k.optimizer_text}, and its state exists "
+                              "already (a resume or a re-plan keeps it). To resolve this error, drop "
+                              f"{' and '.join(d.split('=')[0] + '=' for d in differ)} or start a new run "
+                              "(overwrite=True).")
+        fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
+                                    step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction)
+    chosen = plan(model, budget=budget, seq_len=context.seq_len, global_batch_size=context.global_batch,
+                  device=device.type, precision=context.precision, world_size=world,
+                  fsdp=config.fsdp if world > 1 else False,
+                  host_budget=config.host_budget, compile=config.compile, micro_batch_size=micro,
+                  safety_margin=config.safety_margin, grad_clip=config.grad_clip is not None, techniques=allowed,
+                  fixed=fixed if settings is None else None, settings=settings, correction_bytes=correction_bytes)
+    # The precision's reason is train's own line (it resolved "auto").
+    reasons = (budget_reason, *notes, *(r for r in chosen.reasons if not r.startswith("precision ")))
+    return RunPlan(chosen.settings, chosen, budget, reasons, correction_bytes)
+
+
+def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: int, precision: str,
+               micro: int | None) -> RunPlan:
+    """A model without repeated blocks: nothing to checkpoint or offload per block, so no plan; the loss and the
+    optimizer as given (plain where unset), the whole per-rank batch in one micro-batch unless fixed."""
+    per_rank = global_batch // world
+    micro = micro or per_rank
+    chunked = bool(config.chunked_loss)
+    if chunked and not supports_chunked_loss(model):
+        raise ConfigError(f"chunked_loss=True, but memtrain cannot chunk the loss of {type(model).__name__} (see "
+                          "memtrain.loss). To resolve this error, pass chunked_loss=False or leave it unset.")
+    settings = PlanSettings(
+        micro_batch_size=micro, accumulation=per_rank // micro, blocks=(), flavor="full", chunked_loss=chunked,
+        optimizer="offload" if config.offload_optimizer else "device",
+        distribution="none" if world == 1 else "fsdp2" if config.fsdp else "ddp", compile=config.compile,
+        precision=precision, state_precision=config.state_precision or "fp32",
+        step_in_backward=bool(config.step_in_backward), offload_fraction=config.offload_fraction or 0.0)
+    reason = (f"checkpointing off, because: auto found no repeated blocks in {type(model).__name__} (no "
+              "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules), so nothing is "
+              "planned per block; to checkpoint it, call apply_checkpointing(model, blocks=...) before train()")
+    return RunPlan(settings, None, None, (reason, f"optimizer {settings.optimizer_text} (as given)"))
+
+
+# -- the check at step 2 and the re-plans -------------------------------------------------------------------
+def check_plan(run_plan: RunPlan, step: int, peak_bytes: int | None, activation_bytes: int | None,
+               device: torch.device) -> dict[str, Any]:
+    """What the plan predicted beside what step ``step`` (counted from 1) measured: on CUDA the allocator's peak
+    (over the budget: a re-plan), on the CPU the bytes saved for backward (exactly what ``measure`` counts)."""
+    p = run_plan.plan
+    if p is None:
+        return {"log": "plan check: no plan to check (the model has no repeated blocks)", "what": None,
+                "predicted_bytes": None, "measured_bytes": None, "relative_error": None, "over_budget": False}
+    cuda = device.type == "cuda"
+    what, predicted, measured = (("peak", p.peak_bytes, peak_bytes) if cuda else
+                                 ("saved activations", p.activation_bytes, activation_bytes))
+    error = predicted / measured - 1 if measured else None
+    over = bool(cuda and measured is not None and run_plan.budget_bytes is not None
+                and measured > run_plan.budget_bytes)
+    text = f"{error:+.1%}" if error is not None else "not measured"
+    return {
+        "log": f"plan check at step {step}: predicted {what} {format_bytes(predicted)}, measured "
+               f"{format_bytes(measured)} ({text})" + (f": over the budget {format_bytes(run_plan.budget_bytes)}, "
+                                                       "re-planning" if over else ""),
+        "what": what, "predicted_bytes": predicted, "measured_bytes": measured, "relative_error": error,
+        "over_budget": over, "step": step,
+    }
+
+
+def failed_allocation_bytes(message: str) -> int:
+    """The allocation an out-of-memory error names ("Tried to allocate 2.00 GiB"), or 0."""
+    match = re.search(r"Tried to allocate ([0-9.]+) ?([KMGT]i?B)", message)
+    return parse_bytes(match[1] + match[2]) if match else 0
+
+
+def replan(run_plan: RunPlan, model: nn.Module, config: TrainConfig, context: RunContext, *, shortfall_bytes: int,
+           why: str) -> RunPlan:
+    """The next plan with ``shortfall_bytes`` more folded into every predicted peak, the optimizer kept.
+
+    Where the config fixes the micro-batch and nothing fits with it, the plan chooses the micro-batch too (the
+    reasons say so).
+
+    Raises:
+        MemtrainError: nothing fits even so (the message carries the planner's: the smallest peak, what fits).
+    """
+    correction = run_plan.correction_bytes + max(1, int(shortfall_bytes))
+    notes = [f"re-planned after {why}: {format_bytes(correction)} the estimate missed, folded into every predicted "
+             "peak"]
+    try:
+        try:
+            new = plan_run(model, config, context, correction_bytes=correction, keep_optimizer=run_plan.settings,
+                           micro_batch_size=run_plan.settings.micro_batch_size if config.micro_batch_size else None,
+                           budget=run_plan.budget_bytes)
+        except ConfigError:
+            if config.micro_batch_size is None:
+                raise
+            new = plan_run(model, config, context, correction_bytes=correction, keep_optimizer=run_plan.settings,
+                           free_micro=True, budget=run_plan.budget_bytes)
+            notes.append(f"micro_batch_size={config.micro_batch_size} does not fit with the correction: the plan "
+                         f"chose {new.settings.micro_batch_size}")
+    except ConfigError as e:
+        raise MemtrainError(f"{why}, and no plan fits with the {format_bytes(correction)} the estimate missed "
+                            f"folded in: {e}") from None
+    return dataclasses.replace(new, reasons=(*notes, *new.reasons))
+
+
+def shortfall_after_oom(run_plan: RunPlan, error: str, measured_peak: int | None = None) -> int:
+    """What the estimate missed at least, after a step ran out of memory: the allocator's peak in the failed
+    step plus the allocation that failed, over the predicted peak (``measured_peak``, CUDA); where it is not known,
+    the real peak passed the usable budget (the device gave out) by that allocation. Where the error does not say
+    how much it asked for, ``OOM_MIN_OVERSHOOT`` of the predicted peak."""
+    p = run_plan.plan
+    assert p is not None and p.usable_bytes is not None
+    failed = failed_allocation_bytes(error) or int(OOM_MIN_OVERSHOOT * p.peak_bytes)
+    if measured_peak is not None:
+        return max(measured_peak + failed - p.peak_bytes, failed)
+    return p.usable_bytes - p.peak_bytes + failed
+
+
+def plan_after_out_of_memory(run_plan: RunPlan, error: str, model: nn.Module, config: TrainConfig,
+                             context: RunContext, step: int, measured_peak: int | None) -> RunPlan:
+    """The plan after step ``step`` (counted from 0) ran out of memory: with the shortfall folded in, or (a model
+    without blocks, so no plan) half the micro-batch."""
+    micro = run_plan.settings.micro_batch_size
+    if context.world > 1:
+        raise MemtrainError(f"out of memory at step {step + 1} with a micro-batch of {micro} on one of several "
+                            "ranks (the others cannot re-plan in step). To resolve this error, pass a smaller budget "
+                            "(budget=) so that the plan leaves more room, or a smaller micro_batch_size.")
+    if run_plan.plan is None:
+        per_rank = context.global_batch  # one rank
+        if micro == 1:
+            raise MemtrainError(f"out of memory at step {step + 1} with a micro-batch of 1. To resolve this error, "
+                                "pass offload_optimizer=True, a shorter seq_len, or a smaller model.")
+        smaller = next(m for m in range(micro // 2, 0, -1) if per_rank % m == 0)
+        s = dataclasses.replace(run_plan.settings, micro_batch_size=smaller, accumulation=per_rank // smaller)
+        return dataclasses.replace(run_plan, settings=s, reasons=(
+            "no plan to correct (the model has no repeated blocks)", f"micro-batch halved to {smaller}"))
+    return replan(run_plan, model, config, context, why=f"out of memory at step {step + 1}",
+                  shortfall_bytes=shortfall_after_oom(run_plan, error, measured_peak))
+
+
+def replan_record(step: int, why: str, old: RunPlan, new: RunPlan) -> dict[str, Any]:
+    """One entry of report.json's "replans": the step, why, the new settings, the correction, and both plans'
+    peaks as the estimate alone predicts them (the correction left out)."""
+    def raw(r: RunPlan) -> int | None:
+        return r.plan.peak_bytes - r.correction_bytes if r.plan is not None else None
+
+    return {"step": step + 1, "why": why, "settings": new.settings.to_dict(), "correction_bytes": new.correction_bytes,
+            "estimated_peak_before": raw(old), "estimated_peak_after": raw(new)}
