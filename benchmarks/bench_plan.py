@@ -84,7 +84,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def step_fn(shape: Shape, settings: PlanSettings, device: str):
     def setup():
-        from memtrain.train import language_model_loss
+        from memtrain.loss import language_model_loss
 
         torch.manual_seed(0)
         model = build_model(shape, device)

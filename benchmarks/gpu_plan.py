@@ -273,7 +273,7 @@ def run_settings(settings: PlanSettings, shape: LlamaShape, *, seq_len: int, dev
     steps (``peak_*``, reset after the warm-up) and over set-up, warm-up and timed steps together (``run_peak_*``).
     Raises what the run raises (``torch.OutOfMemoryError`` included): the caller records it.
     """
-    from memtrain.train import language_model_loss
+    from memtrain.loss import language_model_loss
 
     batch = settings.micro_batch_size * settings.accumulation
     _free(device)

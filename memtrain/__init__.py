@@ -7,16 +7,17 @@ from memtrain.checkpointing import (
     checkpoint_sequential,
     remove_checkpointing,
 )
+from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import DevicePrefetcher, make_loader
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.estimate import estimate
 from memtrain.measure import MemoryMeter, measure
 from memtrain.offload import offload_activations
-from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.optim import CPUOffloadOptimizer
 from memtrain.planner import Plan, apply_plan, plan
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import MemoryReport, format_bytes, parse_bytes
-from memtrain.train import TrainConfig, TrainResult, train
+from memtrain.train import train
 
 __version__ = "0.1.0"
 

@@ -206,9 +206,9 @@ def is_lora(model: nn.Module) -> bool:
 def lora_targets(model: nn.Module) -> list[str]:
     """The default LoRA targets: every ``nn.Linear`` of the model but its output head (attention and MLP
     projections; the head stays frozen, as in PEFT's ``"all-linear"``)."""
-    from memtrain.loss import _output_embeddings
+    from memtrain.loss import output_embeddings
 
-    head = _output_embeddings(model)
+    head = output_embeddings(model)
     return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head]
 
 
@@ -403,7 +403,7 @@ def _inner_optimizer(optimizer: Any) -> Any:
 
 def _build_trainer_class() -> type:
     transformers = _transformers()
-    from memtrain.optim_offload import CPUOffloadOptimizer
+    from memtrain.optim import CPUOffloadOptimizer
 
     class _ZeroHostGradients(transformers.TrainerCallback):
         # The Trainer ends a step with model.zero_grad(), which clears only device gradients: the host buffers

@@ -332,7 +332,6 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
-_output_embeddings = output_embeddings  # old spelling: removed at merge
 
 
 def _hf_problems(model: nn.Module) -> list[str]:

@@ -472,5 +472,3 @@ class KernelOps(TorchDispatchMode):
         return sum(self.kernels.values())
 
 
-_storage_key = storage_key  # old spelling: removed at merge
-_as_loss = as_loss  # old spelling: removed at merge

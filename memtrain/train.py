@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from memtrain.accumulation import GradientAccumulator, accumulation_steps
 from memtrain.checkpointing import compile_model
-from memtrain.config import DEFAULT_MICRO_BATCH, MAX_SEED, PrecisionChoice, TrainConfig, TrainResult  # noqa: F401
+from memtrain.config import DEFAULT_MICRO_BATCH, TrainConfig, TrainResult
 from memtrain.data import DevicePrefetcher, make_loader, map_tensors
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.files import atomic_write_bytes
@@ -42,18 +42,7 @@ from memtrain.models import sample_text
 from memtrain.planner import PlannedRun, PlanSettings, apply_plan, configure_model
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import format_bytes
-from memtrain.run.replan import (
-    RunContext,
-    RunPlan,
-    check_plan,
-    plan_after_out_of_memory,
-    plan_request,
-    plan_run,
-    replan,
-    replan_record,
-)
-from memtrain.run.report import write_run_report
-from memtrain.runstate import (
+from memtrain.run import (
     MetricsLog,
     RunCheckpoints,
     RunFolder,
@@ -71,6 +60,17 @@ from memtrain.runstate import (
     tied_duplicates,
     write_faults,
 )
+from memtrain.run.replan import (
+    RunContext,
+    RunPlan,
+    check_plan,
+    plan_after_out_of_memory,
+    plan_request,
+    plan_run,
+    replan,
+    replan_record,
+)
+from memtrain.run.report import write_run_report
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
 

@@ -65,7 +65,7 @@ class Spy:
 
 def _stop_after(monkeypatch, step: int) -> None:
     """A SIGTERM arrives during step ``step`` (as a scheduler's would): the run stops after it, with a checkpoint."""
-    from memtrain.runstate import MetricsLog
+    from memtrain.run import MetricsLog
 
     real = MetricsLog.append
 

@@ -319,7 +319,7 @@ def test_trainer_steps_equal_memtrains_own_loop(hf_model_dir, packed_rows, tmp_p
 def test_a_lora_model_takes_memtrains_summed_loss_call(hf_model_dir):
     """train()'s call for a chunked Hugging Face loss (labels already shifted, num_items_in_batch=1: the summed
     loss) reaches the causal LM through PEFT's wrapper, and equals the plain model's summed loss."""
-    from memtrain.train import language_model_loss
+    from memtrain.loss import language_model_loss
 
     x = batch(5)
     y = torch.roll(x, -1, dims=1)

@@ -8,7 +8,7 @@ from helpers import tiny_gpt
 from memtrain.checkpointing import checkpointed_blocks
 from memtrain.loss import chunk_tokens_of
 from memtrain.models import GPT
-from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.optim import CPUOffloadOptimizer
 from memtrain.planner import (
     PlanSettings,
     apply_plan,

@@ -24,7 +24,7 @@ def test_readme_example_runs(index, capsys):
 def test_the_resume_table_says_what_resume_does():
     """Every setting a resume refuses or applies (RESUME_POLICY) sits in the README row that says so."""
     from memtrain.cli import ARGUMENT_FLAGS, ARGUMENT_SWITCHES
-    from memtrain.runstate import RESUME_POLICY
+    from memtrain.run import RESUME_POLICY
 
     text = README.read_text()
     rows = {kind: next(line for line in text.splitlines() if line.startswith("| `") and f"| {kind}" in line)

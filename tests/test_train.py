@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from memtrain import ConfigError, TrainConfig, train
 from memtrain.data import split_windows, text_file_tokens
 from memtrain.models import GPT, GPTConfig
-from memtrain.runstate import RunCheckpoints, RunWriteError
+from memtrain.run import RunCheckpoints, RunWriteError
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = (b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300)

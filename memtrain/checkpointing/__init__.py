@@ -15,9 +15,6 @@ from memtrain.checkpointing.policy import Checkpointing, CheckpointingMode
 from memtrain.checkpointing.selective import OpKind, SelectivePolicy
 from memtrain.checkpointing.wrap import apply_checkpointing, checkpoint_sequential, remove_checkpointing
 
-_auto_blocks = find_blocks  # old spelling: removed at merge
-_CheckpointedForward = CheckpointedForward  # old spelling: removed at merge
-
 __all__ = [
     "BlockPolicy",
     "BlockSelector",

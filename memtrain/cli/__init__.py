@@ -35,7 +35,7 @@ from memtrain.cli.plan import cmd_plan
 from memtrain.cli.terms import ARGUMENT_FLAGS, ARGUMENT_SWITCHES, in_flag_terms
 from memtrain.cli.train import cmd_train
 from memtrain.errors import ConfigError, MemtrainError
-from memtrain.runstate import RunWriteError
+from memtrain.run import RunWriteError
 
 __all__ = ["ARGUMENT_FLAGS", "ARGUMENT_SWITCHES", "build_parser", "in_flag_terms", "main"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from memtrain.cli.flags import subparser
 from memtrain.errors import ConfigError
-from memtrain.runstate import read_run_config
+from memtrain.run import read_run_config
 
 # The options of memtrain train that config.json records (the others say how to run, not what: --json, --out,
 # --resume, --overwrite, --config); and those that define the model and the data, which a resume must keep.

@@ -20,12 +20,12 @@ from memtrain.cli.resume import command_record, resume_flags
 from memtrain.cli.techniques import technique_problems, train_techniques
 from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of
 from memtrain.cli.workloads import build_language_model, check_data_path, hf_folder_config, hf_seq_len
+from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import builtin_corpus, split_windows, text_file_tokens, tokenized_rows
 from memtrain.errors import ConfigError
 from memtrain.hf import load_tokenizer, safetensors_files
 from memtrain.report import format_bytes
-from memtrain.runstate import RunFolder
-from memtrain.train import TrainConfig, TrainResult
+from memtrain.run import RunFolder
 
 
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explicit: set[str]) -> int:

@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from memtrain.checkpointing import _auto_blocks
+from memtrain.checkpointing import find_blocks
 from memtrain.estimate.tracker import LiveTracker
-from memtrain.measure import MemoryMeter, _storage_key
+from memtrain.measure import MemoryMeter, storage_key
 
 
 # -- where are we -------------------------------------------------------------------------------------------
@@ -24,7 +24,7 @@ class Where:
 
     def __init__(self, model: nn.Module):
         names = {id(m): name for name, m in model.named_modules()}
-        blocks = _auto_blocks(model)
+        blocks = find_blocks(model)
         self.root = type(model).__name__  # the top level: embeddings, head and loss live here
         self.labels = {key: self._label(name, blocks) or self.root for key, name in names.items()}
         self.stack: list[str] = []
@@ -105,7 +105,7 @@ class BlockMeter(MemoryMeter):
     def _count(self, t: torch.Tensor) -> None:
         if self._is_model_state(t):
             return
-        key, nbytes = _storage_key(t)
+        key, nbytes = storage_key(t)
         # Keyed by allocation, not only by address: offloaded storages die in forward, and a later one can reuse
         # the address of one counted already.
         entry = self.tracker.live.get(key)

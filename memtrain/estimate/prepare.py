@@ -14,8 +14,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.checkpointing import (
+    CheckpointedForward,
     Checkpointing,
-    _CheckpointedForward,
     apply_checkpointing,
     remove_checkpointing,
 )
@@ -27,7 +27,7 @@ from memtrain.estimate.optimizer_state import OptimizerFigures
 from memtrain.estimate.simulated_offload import SimulatedOffload, simulate_offload
 from memtrain.estimate.tracker import LiveTracker
 from memtrain.loss import apply_chunked_loss, output_head, remove_chunked_loss
-from memtrain.offload import ActivationOffloader, _find_head
+from memtrain.offload import ActivationOffloader, find_output_head
 
 
 @dataclass
@@ -168,7 +168,7 @@ def _cuda_rules(meta: nn.Module, where: Where, tracker: LiveTracker, autocast_dt
     rules = CudaRules(autocast_dtype) if on_cuda else None
     for module in meta.modules():
         wrapped = module.__dict__.get("forward")
-        if isinstance(wrapped, _CheckpointedForward):
+        if isinstance(wrapped, CheckpointedForward):
             wrapped.original = where.around(module, wrapped.original)
             if rules is not None:
                 wrapped.original = rules.around_recompute(wrapped.original)
@@ -193,7 +193,7 @@ def _offload(meta: nn.Module, meter: BlockMeter, params: list[nn.Parameter], *, 
         if not simulate_offload(meta, offload) and offload_activations:
             # No checkpointing: the whole forward is offloaded, but for what the head and the loss save.
             whole_forward = offload
-            head = _find_head(meta)
+            head = find_output_head(meta)
             if head is not None:
                 head.register_forward_pre_hook(lambda module, args: setattr(offload, "in_tail", True))
     return offload, whole_forward

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain.checkpointing import _CheckpointedForward
+from memtrain.checkpointing import CheckpointedForward
 from memtrain.estimate.attribution import BlockMeter
 from memtrain.measure import MemoryMeter
-from memtrain.offload import _derived_from_leaf
+from memtrain.offload import derived_from_leaf
 
 
 # -- activation offload, simulated --------------------------------------------------------------------------
@@ -72,7 +72,7 @@ class SimulatedOffload:
             return True
         # The offloader's own rules (ActivationOffloader._keep_reason): parameters' views, casts and copies stay.
         base = t if t._base is None else t._base
-        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or _derived_from_leaf(t):
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or derived_from_leaf(t):
             return True
         return (base.grad_fn is None and not base.requires_grad and base.is_floating_point()
                 and tuple(base.shape) in self.frozen_shapes)
@@ -125,7 +125,7 @@ def simulate_offload(model: nn.Module, offload: SimulatedOffload) -> int:
     count = 0
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        if isinstance(forward, _CheckpointedForward) and (forward.spec.offloader is not None
+        if isinstance(forward, CheckpointedForward) and (forward.spec.offloader is not None
                                                           or forward.spec.policy == "offload"):
             forward.spec = dataclasses.replace(forward.spec, offloader=offload)  # type: ignore[arg-type]
             module._memtrain_checkpoint = forward.spec

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain.checkpointing import _auto_blocks
+from memtrain.checkpointing import find_blocks
 from memtrain.errors import MemtrainError, describe_exception
 from memtrain.estimate.arguments import AUTOCAST_DTYPES, OptimizerKind, Precision, check_arguments
 from memtrain.estimate.attribution import attribute_release
@@ -25,7 +25,7 @@ from memtrain.estimate.fake import call_convention, hf_sees_real_tensors
 from memtrain.estimate.optimizer_state import OptimizerFigures, optimizer_figures
 from memtrain.estimate.prepare import NullContext, Watch, fake_inputs, prepare_model, watch_step
 from memtrain.estimate.tracker import LiveTracker, Run
-from memtrain.measure import _as_loss
+from memtrain.measure import as_loss
 from memtrain.offload import MIN_BYTES_DEFAULT
 from memtrain.report import MemoryReport
 
@@ -235,7 +235,7 @@ def _forward(watch: Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tenso
     try:
         with watch.cpu_autocast, watch.whole_forward:
             out = run(inputs)
-            loss = _as_loss(out)
+            loss = as_loss(out)
             if not keep_output:
                 out = None  # as memtrain's loop does: only the loss outlives forward (and the logits die)
             before_release = dict(tracker.live)  # autocast's cast cache dies with its region
@@ -318,7 +318,7 @@ def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Paramete
     """The ``Trace`` of a step: its report, its runs (the phase-boundary markers left out) and its blocks."""
     state_bytes, step_temp_bytes = optim.state_bytes, optim.step_temp_bytes
     modules = dict(meta.named_modules())
-    block_names = tuple(_auto_blocks(meta))
+    block_names = tuple(find_blocks(meta))
     return Trace(
         report=report,
         runs=tuple(r for r in tracker.runs if r.phase != "-"),

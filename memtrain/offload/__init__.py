@@ -11,9 +11,6 @@ from memtrain.offload.offloader import MIN_BYTES_DEFAULT, ActivationOffloader, o
 from memtrain.offload.saved import OffloadStats, derived_from_leaf, find_output_head
 from memtrain.offload.transport import CpuTransport, CudaTransport, Segments, Transport
 
-_derived_from_leaf = derived_from_leaf  # old spelling: removed at merge
-_find_head = find_output_head  # old spelling: removed at merge
-
 __all__ = [
     "MIN_BYTES_DEFAULT",
     "SLAB_BYTES_DEFAULT",

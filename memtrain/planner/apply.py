@@ -16,8 +16,7 @@ from memtrain.accumulation import GradientAccumulator
 from memtrain.checkpointing import apply_checkpointing, compile_model, find_blocks, remove_checkpointing
 from memtrain.errors import ConfigError
 from memtrain.loss import apply_chunked_loss, remove_chunked_loss
-from memtrain.optim import build_optimizer
-from memtrain.optim_offload import CPUOffloadOptimizer
+from memtrain.optim import CPUOffloadOptimizer, build_optimizer
 from memtrain.planner.cost import fsdp2_param_dtype
 from memtrain.planner.settings import Plan, PlanSettings
 from memtrain.precision import MixedPrecision

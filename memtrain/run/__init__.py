@@ -6,6 +6,8 @@
 - ``state``: everything a bit-identical resume needs, saved and restored; the model's weights file.
 - ``metrics``: the append-only metrics log.
 - ``signals``: stopping after the current step on SIGTERM / SIGINT, agreed on by every rank.
+- ``replan``: the run's plan from its choices, its check against the device at step 2, the re-plan when they differ.
+- ``report``: the run's report (report.json) and its plots.
 """
 
 from memtrain.run.checkpoints import SUMS, CheckpointDamaged, RunCheckpoints, RunWriteError, write_faults
