@@ -1,50 +1,44 @@
-"""memtrain: make a PyTorch model fit a memory budget at the least possible slowdown."""
+"""memtrain: make a PyTorch model fit a memory budget at the least possible slowdown.
 
-from memtrain.accumulation import GradientAccumulator, StepResult, accumulation_steps
-from memtrain.checkpointing import (
-    SelectivePolicy,
-    apply_checkpointing,
-    checkpoint_sequential,
-    remove_checkpointing,
-)
+The public surface is DESIGN.md's contract and the few types it takes; everything else is imported from its part
+(``memtrain.data``, ``memtrain.loss``, ``memtrain.run`` ...). README.md's "Layout" says what each part holds.
+"""
+
+from memtrain.accumulation import GradientAccumulator
+from memtrain.checkpointing import Checkpointing, apply_checkpointing, remove_checkpointing
+from memtrain.choices import Choices
 from memtrain.config import TrainConfig, TrainResult
-from memtrain.data import DevicePrefetcher, make_loader
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.estimate import estimate
 from memtrain.measure import MemoryMeter, measure
 from memtrain.offload import offload_activations
 from memtrain.optim import CPUOffloadOptimizer
-from memtrain.planner import Plan, apply_plan, plan
+from memtrain.planner import Plan, PlanSettings, apply_plan, plan
 from memtrain.precision import MixedPrecision, resolve_precision
-from memtrain.report import MemoryReport, format_bytes, parse_bytes
+from memtrain.report import MemoryReport
 from memtrain.train import train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadOptimizer",
+    "Checkpointing",
+    "Choices",
     "ConfigError",
-    "DevicePrefetcher",
     "GradientAccumulator",
     "MemoryMeter",
     "MemoryReport",
     "MemtrainError",
     "MixedPrecision",
     "Plan",
-    "SelectivePolicy",
-    "StepResult",
+    "PlanSettings",
     "TrainConfig",
     "TrainResult",
-    "accumulation_steps",
     "apply_checkpointing",
     "apply_plan",
-    "checkpoint_sequential",
     "estimate",
-    "format_bytes",
-    "make_loader",
     "measure",
     "offload_activations",
-    "parse_bytes",
     "plan",
     "remove_checkpointing",
     "resolve_precision",

@@ -263,7 +263,7 @@ def test_a_selectively_checkpointed_model_saves_and_loads_whole():
     policy given as a list works like a tuple."""
     import io
 
-    from memtrain import SelectivePolicy
+    from memtrain.checkpointing import SelectivePolicy
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16))

@@ -133,10 +133,26 @@ def private_imports() -> list[str]:
                   if n.startswith("_") and not n.startswith("__") and i.source != i.target)
 
 
-def public_names() -> list[str]:
-    import memtrain
+# What changes a model or steps it: only ``memtrain.planner.apply`` may take these, so the search stays pure.
+TECHNIQUES = frozenset({"apply_checkpointing", "remove_checkpointing", "checkpoint_sequential", "compile_model",
+                        "offload_activations", "ActivationOffloader", "build_optimizer", "CPUOffloadOptimizer",
+                        "LeanAdamW", "BF16StateAdamW", "GradientAccumulator", "apply_chunked_loss",
+                        "remove_chunked_loss", "MixedPrecision"})
 
-    return list(memtrain.__all__)
+
+def planner_techniques() -> list[str]:
+    """Technique names taken by a planner module other than ``memtrain.planner.apply``."""
+    return sorted(f"{i.source} takes {n}" for i in all_imports() for n in i.names
+                  if i.source.startswith("memtrain.planner") and i.source != "memtrain.planner.apply"
+                  and n in TECHNIQUES)
+
+
+def public_names() -> list[str]:
+    """``memtrain.__all__``, read from the source (this checkout's, whichever memtrain is installed)."""
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return []
 
 
 def test_no_import_circles():
@@ -154,6 +170,10 @@ def test_no_function_over_the_limit():
 
 def test_no_private_names_across_modules():
     assert private_imports() == []
+
+
+def test_only_apply_plan_imports_the_techniques():
+    assert planner_techniques() == []
 
 
 def test_public_surface():
@@ -180,6 +200,7 @@ def _report() -> None:
     print(f"import circles: {len(found)}" + "".join(f"\n  {', '.join(c)}" for c in found))
     print(f"private names imported across modules: {len(private_imports())}")
     print(f"imports inside functions: {sum(i.in_function for i in all_imports())}")
+    print(f"technique names imported by the planner outside planner/apply: {len(planner_techniques())}")
     print(f"memtrain.__all__: {len(public_names())} names")
 
 

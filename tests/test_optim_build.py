@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from test_optim_lean_adamw import make_model
+from optim_training import make_model
 
 from memtrain.errors import ConfigError
 from memtrain.optim import (

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_optim_lean_adamw import HYPER, batches, make_model, max_diff, train, train_lagged_clipping
+from optim_training import HYPER, batches, make_model, max_diff, train, train_lagged_clipping
 from torch import nn
 
 from memtrain.accumulation import GradientAccumulator

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_optim_lean_adamw import HYPER, make_model, train
+from optim_training import HYPER, make_model, train
 from torch import nn
 
 from memtrain.measure import optimizer_state_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_optim_lean_adamw import HYPER, batches, make_model, max_diff, train
+from optim_training import HYPER, batches, make_model, max_diff, train
 
 from memtrain.accumulation import GradientAccumulator
 from memtrain.optim import (
