@@ -98,7 +98,8 @@ class PlanSettings:
 
 @dataclass(frozen=True)
 class Fixed:
-    """Choices a plan keeps as given (a user's flags); None leaves that choice to the search."""
+    """Choices a plan keeps as given, in the search's terms (``of_choices`` makes them from a run's ``Choices``);
+    None leaves that choice to the search."""
 
     blocks: tuple[BlockKind, ...] | None = None  # the checkpointing layout, one kind per block
     flavor: RecomputeFlavor | None = None  # how the recomputed blocks recompute
