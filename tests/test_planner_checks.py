@@ -48,6 +48,7 @@ def llama():
      "step_in_backward and offload_fraction act on gradients before DDP"),
     ({"world_size": 2, "fsdp": True}, dict(placement="device", state_precision="int8"), "no set-up can be built"),
     ({}, dict(placement="offload", state_precision="int8"), "placement='offload' with state_precision='int8'"),
+    ({"world_size": 2, "fsdp": True}, dict(placement="offload"), "placement='offload' and fsdp=True together"),
 ])
 def test_fixed_optimizer_choices_that_cannot_go_together_are_one_clear_error(kwargs, optimizer, match):
     with pytest.raises(ConfigError, match=match) as info:  # was a raw ValueError, or a silent fp32 optimizer
@@ -72,3 +73,14 @@ def test_bad_arguments_are_reported_together(llama):
     assert len(info.value.problems) == 4, info.value.problems
     with pytest.raises(ConfigError, match="does not divide"):
         plan(llama, budget="1GiB", seq_len=1024, global_batch_size=6, micro_batch_size=4, device_profile=H100)
+
+
+def test_choices_compile_fixes_a_compiled_step_and_compile_only_widens_the_search():
+    kwargs = dict(budget=None, seq_len=32, global_batch_size=4, device="cpu", precision="fp32", device_profile=CPU)
+    assert plan(_gpt(2), choices=Choices(compile=True), **kwargs).settings.compile
+    widened = plan(_gpt(2), compile=True, **kwargs)
+    assert any(c.settings.compile for c in (widened, *widened.candidates)), widened.summary()
+    eager = plan(_gpt(2), **kwargs)
+    assert not any(c.settings.compile for c in (eager, *eager.candidates)), eager.summary()
+    with pytest.raises(ConfigError, match="is not a Choices"):
+        plan(_gpt(2), choices={"compile": True}, **kwargs)
