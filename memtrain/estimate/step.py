@@ -8,8 +8,8 @@ it is kept exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,9 +95,8 @@ def estimate(
         optimizer: ``"adamw"`` (fused), ``"sgd"``, ``"sgd-momentum"``, ``"adafactor"`` or ``"adamw-offload"``
             (``CPUOffloadOptimizer``: state on the host, gradients streamed there as they are produced);
             ``setup.optimizer.placement="offload"`` makes ``"adamw"`` ``"adamw-offload"``.
-        setup: the one set-up the step runs with (``memtrain.choices.Choices``; a None in it means off, fp32 moments, no
-            offload, as there is no planner here to choose):
-
+        setup: the one set-up the step runs with (``memtrain.choices.Choices``; a None in it means off, fp32
+            moments, no offload: there is no planner here):
             - ``offload_activations``: activations in pinned host memory, as ``memtrain train
               --offload-activations`` does: with checkpointing, the recomputed blocks' saved inputs; without,
               every saved tensor of 1 MiB or more outside the head. Blocks with an ``"offload"`` policy (or a
@@ -111,13 +110,12 @@ def estimate(
               size when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the
               whole batch's fp32 logits; applied to a copy of the model.
             - ``compile``: the prediction is still the eager step's, and the report's assumptions say so.
-        micro_batch_size, seq_len: override the batch's first and second dimensions.
-        accumulation: micro-batches per optimizer step.
+        micro_batch_size, seq_len, accumulation: override the batch's first and second dimensions; micro-batches
+            per optimizer step.
         weights_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the parameters' dtype on the device (e.g. bf16 weights
             whose fp32 master lives with ``"adamw-offload"``); None keeps the model's.
-        keep_output: the loop holds the forward's output object (its logits) until the step ends, as
-            ``out = model(...); out.loss.backward()`` does; False (the default, memtrain's own loop, and
-            ``model(...).loss.backward()``) keeps only the loss.
+        keep_output: the loop holds the forward's output (its logits) until the step ends, as ``out = model(...);
+            out.loss.backward()`` does; False (the default, memtrain's own loop) keeps only the loss.
         replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls
             instead of running torch's meta functions again (same result, several times faster on deep models).
 
@@ -139,12 +137,10 @@ def estimate(
         >>> with torch.device("meta"):
         ...     model = GPT(GPT_PRESETS["gpt-tiny"])
         >>> report = estimate(model, (8, 64), device="cpu")
-        >>> report.source, report.peak_bytes > report.parameter_bytes
-        ('estimated', True)
-        >>> lean = estimate(model, (8, 64), device="cpu", setup=Choices(
-        ...     checkpointing="all", chunked_loss=True, optimizer=OptimizerChoice(state_precision="bf16")))
-        >>> lean.peak_bytes < report.peak_bytes
-        True
+        >>> lean = estimate(model, (8, 64), device="cpu", setup=Choices(checkpointing="all", chunked_loss=True,
+        ...                 optimizer=OptimizerChoice(state_precision="bf16")))
+        >>> report.source, report.peak_bytes > report.parameter_bytes, lean.peak_bytes < report.peak_bytes
+        ('estimated', True, True)
     """
     options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer)
     arguments = dict(device=device, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
