@@ -17,14 +17,15 @@ memtrain's own loop's)::
 
     from transformers import TrainingArguments
     from memtrain.data import hf_collate, tokenized_rows
-    from memtrain.hf import MemtrainTrainer, TrainerMemory, apply_lora, load_pretrained, load_tokenizer, save_hf
+    from memtrain.choices import Choices, OptimizerChoice
+    from memtrain.hf import MemtrainTrainer, apply_lora, load_pretrained, load_tokenizer, save_hf
 
     model = load_pretrained("my-llama")                      # config.json + *.safetensors, fp32 weights
     rows, _ = tokenized_rows("docs.jsonl", load_tokenizer("my-llama"), seq_len=2048)  # packed, cached
     model = apply_lora(model, 8)                             # optional: adapters on a frozen base
     args = TrainingArguments("out", bf16=True, max_steps=1000, max_grad_norm=1.0, learning_rate=2e-4)
-    trainer = MemtrainTrainer(model, args, memory=TrainerMemory(offload_optimizer=True),
-                              train_dataset=rows, data_collator=hf_collate)
+    memory = Choices(checkpointing="all", chunked_loss=True, optimizer=OptimizerChoice(placement="offload"))
+    trainer = MemtrainTrainer(model, args, memory=memory, train_dataset=rows, data_collator=hf_collate)
     trainer.train()
     save_hf(trainer.model, "out/hf", tokenizer="my-llama")   # adapters; save_hf(merge_lora(...)) for weights
 """
@@ -45,6 +46,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError, describe_exception
 from memtrain.files import replace_folder
 from memtrain.unwrap import unwrap_model
@@ -340,23 +342,36 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
 
 
 # -- the Hugging Face Trainer ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TrainerMemory:
-    """What ``MemtrainTrainer`` does to save memory; each True trades time for bytes.
+# What MemtrainTrainer does when not told: every decoder layer recomputed in backward, the loss's fp32 logits
+# chunk_tokens at a time (the rest off: the Trainer's own AdamW on the device, activations on the device).
+HF_DEFAULT_CHOICES = Choices(checkpointing="all", chunked_loss=True)
 
-    checkpointing: recompute each decoder layer in backward (about one more forward; keeps only layer inputs).
-    chunked_loss: the loss over ``chunk_tokens`` tokens of logits at a time (``memtrain.loss``; never the batch's
-        fp32 logits whole).
-    offload_activations: saved activations in pinned host memory (CUDA; a no-op on the CPU).
-    offload_optimizer: ``memtrain.CPUOffloadOptimizer`` (AdamW with the Trainer's hyper-parameters) keeps fp32
-        master weights, gradients and state on the host: 12 fewer device bytes per trainable parameter.
-    """
 
-    checkpointing: bool = True
-    chunked_loss: bool = True
-    chunk_tokens: int = 1024
-    offload_activations: bool = False
-    offload_optimizer: bool = False
+def _trainer_problems(choices: Any) -> list[str]:
+    """What ``prepare_model`` / ``MemtrainTrainer`` cannot do of ``choices``, in words naming the fix (a None in
+    ``choices`` means off: there is no planner here)."""
+    if not isinstance(choices, Choices):
+        return [f"memory={choices!r} must be a memtrain.choices.Choices. To resolve this error, pass e.g. "
+                "memory=Choices(checkpointing='all', chunked_loss=True), or Choices.from_dict(...) of a mapping."]
+    problems = []
+    optimizer = choices.optimizer
+    if optimizer.state_precision is not None:
+        problems.append(f"optimizer.state_precision={optimizer.state_precision!r}: the Trainer's AdamW (or "
+                        "CPUOffloadOptimizer's fp32 one) keeps its moments in its own dtype; MemtrainTrainer does "
+                        "not build memtrain.optim's lean AdamW. To resolve this error, drop state_precision (or "
+                        "train with `memtrain train`, which does).")
+    if optimizer.step_in_backward:
+        problems.append("optimizer.step_in_backward=True: the Trainer steps after backward and clips through the "
+                        "accelerator; MemtrainTrainer cannot step each parameter inside backward. To resolve this "
+                        "error, drop step_in_backward (or train with `memtrain train`).")
+    if optimizer.offload_fraction:
+        problems.append(f"optimizer.offload_fraction={optimizer.offload_fraction}: MemtrainTrainer offloads all of "
+                        "the optimizer state or none. To resolve this error, pass "
+                        "OptimizerChoice(placement='offload') (all of it) or drop offload_fraction.")
+    if choices.compile:
+        problems.append("compile=True: the Trainer compiles the model itself. To resolve this error, drop "
+                        "compile and pass TrainingArguments(torch_compile=True).")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -368,29 +383,34 @@ class Prepared:
     reasons: tuple[str, ...]
 
 
-def prepare_model(model: nn.Module, memory: TrainerMemory = TrainerMemory()) -> Prepared:
-    """Applies ``memory``'s checkpointing and chunked loss to a Hugging Face causal LM (a LoRA one too), in place,
-    and turns its KV cache off (a cache holds every layer's keys and values: for generation, not training).
+def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, chunk_tokens: int = 1024) -> Prepared:
+    """Applies ``choices``' checkpointing policy and chunked loss (``chunk_tokens`` tokens of logits at a time) to a
+    Hugging Face causal LM (a LoRA one too), in place, and turns its KV cache off (a cache holds every layer's keys
+    and values: for generation, not training). A None in ``choices`` means off. The optimizer placement and
+    ``offload_activations`` are ``MemtrainTrainer``'s to apply (they act on the training step, not the model).
 
     Raises:
-        ConfigError: a model whose loss ``memtrain.loss`` cannot chunk, with ``chunked_loss=True``.
+        ConfigError: ``choices`` not a ``Choices``, or holding what the Trainer helper cannot do
+            (``optimizer.state_precision``, ``step_in_backward``, ``offload_fraction``, ``compile``); a model whose
+            loss ``memtrain.loss`` cannot chunk, with ``chunked_loss=True``. Every problem at once.
     """
-    from memtrain.checkpointing import apply_checkpointing
     from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
 
+    ConfigError.raise_if(_trainer_problems(choices))
     inner = unwrap_model(model)
     config = getattr(inner, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
     reasons = []
     blocks: list[str] = []
-    if memory.checkpointing:
-        blocks = apply_checkpointing(inner)
-        reasons.append(f"checkpointing: {len(blocks)} blocks recomputed in backward")
-    if memory.chunked_loss:
-        apply_chunked_loss(inner, chunk_tokens=memory.chunk_tokens)
+    if choices.checkpointing is not None:
+        blocks = choices.checkpointing.apply(inner)
+        reasons.append(f"checkpointing {str(choices.checkpointing)!r}: {len(blocks)} blocks checkpointed "
+                       "(recomputed in backward as the policy says)")
+    if choices.chunked_loss:
+        apply_chunked_loss(inner, chunk_tokens=chunk_tokens)
         kind, why = chunked_loss_implementation(output_head(inner))
-        reasons.append(f"loss: {memory.chunk_tokens} tokens of logits at a time with {kind}'s kernel, because: {why}")
+        reasons.append(f"loss: {chunk_tokens} tokens of logits at a time with {kind}'s kernel, because: {why}")
     return Prepared(tuple(blocks), chunk_tokens_of(inner), tuple(reasons))
 
 
@@ -414,11 +434,15 @@ def _build_trainer_class() -> type:
                 inner.zero_grad(set_to_none=True)
 
     class MemtrainTrainer(transformers.Trainer):
-        """``transformers.Trainer`` with memtrain's memory savings (see ``TrainerMemory``).
+        """``transformers.Trainer`` with memtrain's memory savings: ``memory``, a ``memtrain.choices.Choices`` (by
+        default ``HF_DEFAULT_CHOICES``: every layer checkpointed, the loss chunked; a None in it means off), applied
+        by ``prepare_model`` (checkpointing policy, chunked loss of ``chunk_tokens``) and here (optimizer placement,
+        activation offload). What the Trainer cannot do (``optimizer.state_precision``, ``step_in_backward``,
+        ``offload_fraction``, ``compile``) is one ConfigError naming the fix.
 
         Differences from the plain Trainer, each needed for correctness:
 
-        - With ``CPUOffloadOptimizer`` (``memory.offload_optimizer=True``, or one passed in ``optimizers=``)
+        - With ``CPUOffloadOptimizer`` (``memory.optimizer.placement="offload"``, or one passed in ``optimizers=``)
           gradients leave the device as backward produces them, so the Trainer's
           ``accelerator.clip_grad_norm_(model.parameters(), ...)`` would find none: clipping and the logged
           gradient norm go through ``CPUOffloadOptimizer.clip_grad_norm_`` instead; its host gradients are reset
@@ -429,28 +453,31 @@ def _build_trainer_class() -> type:
         Example:
             >>> trainer = MemtrainTrainer(model=model, args=TrainingArguments("out", max_steps=10),  # doctest: +SKIP
             ...                           train_dataset=rows, data_collator=hf_collate,
-            ...                           memory=TrainerMemory(offload_optimizer=True))
+            ...                           memory=Choices(checkpointing="all", chunked_loss=True,
+            ...                                          optimizer=OptimizerChoice(placement="offload")))
             >>> trainer.train()  # doctest: +SKIP
         """
 
-        def __init__(self, model: nn.Module, args: Any = None, *, memory: TrainerMemory = TrainerMemory(),
-                     **trainer_kwargs: Any):
-            if not isinstance(memory, TrainerMemory):
-                raise ConfigError(f"memory={memory!r} must be a memtrain.hf.TrainerMemory. To resolve this "
-                                  "error, pass e.g. memory=TrainerMemory(checkpointing=True).")
-            if memory.checkpointing and getattr(args, "gradient_checkpointing", False):
+        def __init__(self, model: nn.Module, args: Any = None, *, memory: Choices = HF_DEFAULT_CHOICES,
+                     chunk_tokens: int = 1024, **trainer_kwargs: Any):
+            ConfigError.raise_if(_trainer_problems(memory))
+            policy = memory.checkpointing
+            if policy is not None and policy.mode != "none" and getattr(args, "gradient_checkpointing", False):
                 raise ConfigError("MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and "
-                                  "TrainerMemory(checkpointing=True) would checkpoint every layer twice (each "
-                                  "recompute recomputed again). To resolve this error, drop gradient_checkpointing "
-                                  "from the TrainingArguments (memtrain's checkpointing replaces it).")
+                                  f"Choices(checkpointing={str(policy)!r}) would checkpoint every layer twice "
+                                  "that the policy checkpoints (each recompute recomputed again). To resolve this "
+                                  "error, drop gradient_checkpointing from the TrainingArguments (memtrain's "
+                                  "checkpointing replaces it).")
             self.memory = memory
-            self.prepared = prepare_model(model, memory)
+            self.prepared = prepare_model(model, memory, chunk_tokens=chunk_tokens)
             super().__init__(model=model, args=args, **trainer_kwargs)
-            offloaded = memory.offload_optimizer or isinstance(_inner_optimizer(self.optimizer), CPUOffloadOptimizer)
+            offloaded = (memory.optimizer.placement == "offload"
+                         or isinstance(_inner_optimizer(self.optimizer), CPUOffloadOptimizer))
             if offloaded and (self.args.fp16 or getattr(self.args, "half_precision_backend", None) == "apex"):
                 raise ConfigError("MemtrainTrainer: fp16=True with CPUOffloadOptimizer: the Trainer's GradScaler "
                                   "would unscale gradients that are already on the host. To resolve this error, "
-                                  "pass bf16=True (no scaler needed), or train without offload_optimizer.")
+                                  "pass bf16=True (no scaler needed), or keep the optimizer on the device (drop "
+                                  "optimizer.placement='offload').")
             self._offloader = None
             if memory.offload_activations:
                 from memtrain.offload import offload_activations
@@ -469,7 +496,7 @@ def _build_trainer_class() -> type:
             self.accelerator.clip_grad_norm_ = clip_grad_norm_
 
         def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-            if self.optimizer is not None or not self.memory.offload_optimizer:
+            if self.optimizer is not None or self.memory.optimizer.placement != "offload":
                 return super().create_optimizer(*([] if model is None else [model]))
             model = self.model if model is None else model
             decay = set(self.get_decay_parameter_names(model))
@@ -503,6 +530,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [  # noqa: F822 - MemtrainTrainer is built by __getattr__
-    "MemtrainTrainer", "Prepared", "TrainerMemory", "apply_lora", "is_lora", "load_pretrained", "load_tokenizer",
+    "HF_DEFAULT_CHOICES", "MemtrainTrainer", "Prepared", "apply_lora", "is_lora", "load_pretrained", "load_tokenizer",
     "lora_targets", "merge_lora", "prepare_model", "safetensors_files", "save_hf",
 ]

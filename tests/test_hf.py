@@ -5,6 +5,7 @@ Every model here is the tiny Llama of tests/conftest.py (``hf_model_dir``), load
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 
@@ -13,8 +14,9 @@ import torch
 from torch import nn
 
 from memtrain import ConfigError, apply_checkpointing
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.hf import (
-    TrainerMemory,
+    HF_DEFAULT_CHOICES,
     apply_lora,
     is_lora,
     load_pretrained,
@@ -244,9 +246,57 @@ def test_lora_on_memtrains_gpt():
 # -- the Hugging Face Trainer --------------------------------------------------------------------------------------
 def test_prepare_model_says_what_it_applied(hf_model_dir):
     model = load_pretrained(hf_model_dir)
-    prepared = prepare_model(model, TrainerMemory(chunk_tokens=64))
+    prepared = prepare_model(model, chunk_tokens=64)
     assert prepared.checkpointed == ("model.layers.0", "model.layers.1") and prepared.chunk_tokens == 64
     assert "torch's kernel" in prepared.reasons[1], prepared.reasons
+
+
+@pytest.mark.parametrize("policy", [None, "none", "all", "every:2", "blocks(RK)", "selective", "all+offload"])
+def test_prepare_model_applies_any_checkpointing_policy(hf_model_dir, policy):
+    """A Choices' policy reaches the model as Checkpointing.apply applies it; None leaves the model as it is."""
+    from memtrain.checkpointing import Checkpointing
+
+    model, twin = load_pretrained(hf_model_dir), load_pretrained(hf_model_dir)
+    prepared = prepare_model(model, Choices(checkpointing=policy, chunked_loss=False))
+    want = [] if policy is None else Checkpointing.parse(policy).apply(twin)
+    assert list(prepared.checkpointed) == want and prepared.chunk_tokens is None
+    assert [type(m) for m in model.modules()] == [type(m) for m in twin.modules()]
+    assert len(prepared.reasons) == (policy is not None)
+    if policy not in (None, "none"):
+        assert prepared.checkpointed and policy in prepared.reasons[0], prepared.reasons
+    assert HF_DEFAULT_CHOICES == Choices(checkpointing="all", chunked_loss=True)
+
+
+REFUSED = {
+    "state_precision": (Choices(optimizer=OptimizerChoice(state_precision="bf16")), "drop state_precision"),
+    "step_in_backward": (Choices(optimizer=OptimizerChoice(step_in_backward=True)), "drop step_in_backward"),
+    "offload_fraction": (Choices(optimizer=OptimizerChoice(offload_fraction=0.5)), "placement='offload'"),
+    "compile": (Choices(compile=True), r"TrainingArguments\(torch_compile=True\)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_choice_the_trainer_cannot_honour_is_a_config_error_naming_the_fix(hf_model_dir, tmp_path, name):
+    from memtrain.hf import MemtrainTrainer
+
+    choices, fix = REFUSED[name]
+    model = load_pretrained(hf_model_dir)
+    with pytest.raises(ConfigError, match=f"{name}.*To resolve this error.*{fix}") as info:
+        prepare_model(model, choices)
+    assert len(info.value.problems) == 1, info.value.problems
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ConfigError, match=f"{name}.*{fix}"):
+        MemtrainTrainer(model, args, memory=choices)
+
+
+def test_every_refused_choice_is_named_in_one_config_error(hf_model_dir):
+    everything = Choices(compile=True, optimizer=OptimizerChoice(state_precision="int8", offload_fraction=0.25))
+    with pytest.raises(ConfigError) as info:
+        prepare_model(load_pretrained(hf_model_dir), everything)
+    assert len(info.value.problems) == 3 and all("To resolve this error" in p for p in info.value.problems)
+    # the off values of the same choices are honoured (nothing to do)
+    off = Choices(checkpointing="all", optimizer=OptimizerChoice(step_in_backward=False, offload_fraction=0.0))
+    assert prepare_model(load_pretrained(hf_model_dir), off).checkpointed
 
 
 @pytest.fixture(scope="module")
@@ -278,14 +328,15 @@ def test_trainer_steps_equal_memtrains_own_loop(hf_model_dir, packed_rows, tmp_p
         seen.append(hf_collate(rows))
         return seen[-1]
 
-    memory = TrainerMemory(chunk_tokens=32, offload_optimizer=offload_optimizer)
+    memory = Choices(checkpointing="all", chunked_loss=True,
+                     optimizer=OptimizerChoice(placement="offload" if offload_optimizer else None))
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "trainer"), max_steps=3, per_device_train_batch_size=2,
         gradient_accumulation_steps=2, learning_rate=1e-3, warmup_steps=1, lr_scheduler_type="linear",
         weight_decay=0.1, max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
         dataloader_num_workers=0, seed=0, disable_tqdm=True)
-    trainer = MemtrainTrainer(load_pretrained(hf_model_dir), args, memory=memory, train_dataset=packed_rows,
-                              data_collator=collate)
+    trainer = MemtrainTrainer(load_pretrained(hf_model_dir), args, memory=memory, chunk_tokens=32,
+                              train_dataset=packed_rows, data_collator=collate)
     assert trainer.prepared.chunk_tokens == 32 and len(trainer.prepared.checkpointed) == 2
     trainer.train()
     optimizer_type = type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer)
@@ -293,7 +344,7 @@ def test_trainer_steps_equal_memtrains_own_loop(hf_model_dir, packed_rows, tmp_p
     trainer_norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
 
     model = load_pretrained(hf_model_dir)
-    prepare_model(model, memory)
+    prepare_model(model, memory, chunk_tokens=32)
     decay = set(trainer.get_decay_parameter_names(model))
     groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.1},
               {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
@@ -342,8 +393,33 @@ def test_estimate_of_a_lora_model_with_a_chunked_loss_equals_measure_on_the_cpu(
     with MemoryMeter(lora) as meter:
         loss = lora(input_ids=x, labels=x).loss
     loss.backward()
-    predicted = estimate(lora, x, device="cpu", checkpointing="all", chunked_loss=True)
+    predicted = estimate(lora, x, device="cpu", checkpointing="all", setup=Choices(chunked_loss=True))
     assert predicted.activation_bytes == meter.activation_bytes, (predicted.activation_bytes, meter.activation_bytes)
+
+
+@pytest.mark.parametrize("offload", [None, True], ids=["off", "offload_activations"])
+def test_the_trainer_wraps_each_training_step_in_the_activation_offloader(hf_model_dir, packed_rows, tmp_path,
+                                                                          monkeypatch, offload):
+    """Choices(offload_activations=True): every training step runs inside memtrain.offload_activations(model=...)
+    (a recording stand-in here: on the CPU the real one does nothing); None: no offloader."""
+    import memtrain.offload
+    from memtrain.data import hf_collate
+    from memtrain.hf import MemtrainTrainer
+
+    entered = []
+
+    class Recorder(contextlib.nullcontext):
+        def __enter__(self):
+            entered.append(True)
+
+    monkeypatch.setattr(memtrain.offload, "offload_activations", lambda **kwargs: Recorder())
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                                          save_strategy="no", report_to="none", use_cpu=True,
+                                          dataloader_num_workers=0, disable_tqdm=True)
+    trainer = MemtrainTrainer(load_pretrained(hf_model_dir), args, memory=Choices(offload_activations=offload),
+                              train_dataset=packed_rows, data_collator=hf_collate)
+    trainer.train()
+    assert len(entered) == (2 if offload else 0), entered
 
 
 def test_the_trainer_refuses_checkpointing_twice(hf_model_dir, tmp_path):
@@ -353,7 +429,7 @@ def test_the_trainer_refuses_checkpointing_twice(hf_model_dir, tmp_path):
                                           report_to="none")
     with pytest.raises(ConfigError, match="checkpoint every layer twice"):
         MemtrainTrainer(load_pretrained(hf_model_dir), args)
-    with pytest.raises(ConfigError, match="must be a memtrain.hf.TrainerMemory"):
+    with pytest.raises(ConfigError, match="must be a memtrain.choices.Choices"):
         MemtrainTrainer(load_pretrained(hf_model_dir), args, memory={"checkpointing": False})
 
 
@@ -370,8 +446,8 @@ def test_the_trainer_trains_lora_adapters_with_the_offloaded_optimizer(hf_model_
                                           per_device_train_batch_size=2, learning_rate=1e-2, save_strategy="no",
                                           report_to="none", use_cpu=True, dataloader_num_workers=0,
                                           disable_tqdm=True)
-    trainer = MemtrainTrainer(lora, args, memory=TrainerMemory(offload_optimizer=True), train_dataset=packed_rows,
-                              data_collator=hf_collate)
+    memory = Choices(checkpointing="all", chunked_loss=True, optimizer=OptimizerChoice(placement="offload"))
+    trainer = MemtrainTrainer(lora, args, memory=memory, train_dataset=packed_rows, data_collator=hf_collate)
     trainer.train()
     for name, p in lora.named_parameters():
         changed = not torch.equal(p, before[name])
