@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from runner import Result, common_args, format_table, print_json_if_asked, write_json  # noqa: E402
 
 from memtrain import apply_checkpointing, measure, remove_checkpointing  # noqa: E402
+from memtrain.choices import Choices  # noqa: E402
 from memtrain.estimate import estimate  # noqa: E402
 from memtrain.models import GPT, GPT_PRESETS  # noqa: E402
 
@@ -85,7 +86,7 @@ def cpu_rows() -> list[Result]:
                                                ("all", True, "adamw-offload", None)):
         t0 = time.perf_counter()
         report = estimate(transformers.LlamaConfig(**LLAMA_1B), (4, 2048), precision="bf16-mixed",
-                          checkpointing=policy, chunked_loss=chunked, optimizer=optimizer)
+                          checkpointing=policy, optimizer=optimizer, setup=Choices(chunked_loss=chunked))
         figures = {"estimated_peak_gib": round(report.peak_bytes / 2**30, 2)}
         if anchor is not None:
             figures |= {"h200_anchor_gib": anchor, "error_pct": 100.0 * (report.peak_bytes / 2**30 / anchor - 1)}

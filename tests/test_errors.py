@@ -13,6 +13,7 @@ from memtrain.errors import ConfigError, MemtrainError, describe_exception
 def _bad_calls():
     from memtrain.accumulation import GradientAccumulator, accumulation_steps
     from memtrain.checkpointing import Checkpointing, apply_checkpointing
+    from memtrain.choices import Choices, OptimizerChoice
     from memtrain.data import (
         ByteWindows,
         LengthBucketSampler,
@@ -43,8 +44,9 @@ def _bad_calls():
         "pad_to_multiple_of": lambda: PadCollate(pad_to_multiple_of=0),
         "PackCollate seq_len": lambda: PackCollate(seq_len=0),
         "sampler": lambda: LengthBucketSampler([3, 4], batch_size=0, rank=3, world_size=2, seed=-1),
-        "estimate flags": lambda: estimate(gpt, (2, 16), device="cpu", offload_activations="x", chunked_loss="y",
-                                           accumulation=0, offload_fraction=2, step_in_backward="z"),
+        "estimate flags": lambda: estimate(gpt, (2, 16), device="cpu", checkpointing="every:2", optimizer="sgd",
+                                           accumulation=0, setup=Choices(checkpointing="all", optimizer=OptimizerChoice(
+                                               placement="offload"))),
         "loss implementation": lambda: chunked_cross_entropy(torch.zeros(2, 4), nn.Linear(4, 8),
                                                              torch.zeros(2, dtype=torch.long), implementation="x"),
     }

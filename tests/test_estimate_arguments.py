@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
-from memtrain.estimate import estimate
+from memtrain.estimate import estimate, trace
+from memtrain.estimate.arguments import COMPILE_NOTE
 from memtrain.models import GPT, GPT_PRESETS
 
 
@@ -30,7 +32,7 @@ def test_bad_checkpointing_arguments_and_flags_are_config_errors():
     with pytest.raises(ConfigError, match="unknown apply_checkpointing arguments"):
         estimate(model, (2, 32), device="cpu", checkpointing={"evry": 2})
     with pytest.raises(ConfigError) as info:
-        estimate(model, (2, 32), device="gpu", checkpointing=0, offload_activations="yes")
+        estimate(model, (2, 32), device="gpu", checkpointing=0, setup={"offload_activations": "yes"})
     assert len(info.value.problems) == 3, info.value.problems
 
 
@@ -62,3 +64,52 @@ def test_bad_micro_batch_size_and_seq_len_are_both_reported():
         estimate(model, micro_batch_size=0, seq_len=True, device="cpu")
     message = str(info.value)
     assert "micro_batch_size=0" in message and "seq_len=True" in message, message
+
+
+# -- setup=: one Choices for the set-up -------------------------------------------------------------------------
+def test_setup_is_traces_keyword_arguments_with_none_as_off():
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    lean = Choices(checkpointing="every:2", chunked_loss=True,
+                   optimizer=OptimizerChoice(state_precision="bf16", step_in_backward=True))
+    got = estimate(model, (2, 32), device="cpu", setup=lean)
+    want = trace(model, (2, 32), device="cpu", checkpointing="every:2", chunked_loss=True, state_precision="bf16",
+                 step_in_backward=True).report
+    assert got == want
+    assert estimate(model, (2, 32), device="cpu", setup=Choices()) == estimate(model, (2, 32), device="cpu")
+    offloaded = estimate(model, (2, 32), device="cpu", setup=Choices(optimizer=OptimizerChoice(placement="offload")))
+    assert offloaded == estimate(model, (2, 32), device="cpu", optimizer="adamw-offload")
+    same = estimate(model, (2, 32), device="cpu", checkpointing="all", setup=Choices(checkpointing="all"))
+    assert same == estimate(model, (2, 32), device="cpu", checkpointing="all")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(checkpointing="every:2", setup=Choices(checkpointing="all")),
+     "checkpointing='every:2' and setup.checkpointing='all' are two different policies"),
+    (dict(checkpointing={"every": 2}, setup=Choices(checkpointing="every:2")), "two different policies"),
+    (dict(optimizer="sgd", setup=Choices(optimizer=OptimizerChoice(placement="offload"))),
+     "placement='offload' with optimizer='sgd'.*pass optimizer='adamw'"),
+    (dict(optimizer="adafactor", setup=Choices(optimizer=OptimizerChoice(state_precision="int8"))),
+     "options of AdamW.*not of optimizer='adafactor'"),
+    (dict(optimizer="adamw-offload", setup=Choices(optimizer=OptimizerChoice(state_precision="bf16"))),
+     "state_precision='bf16' with optimizer='adamw-offload'"),
+    (dict(optimizer="adamw-offload", setup=Choices(optimizer=OptimizerChoice(placement="device"))),
+     "placement='device' with optimizer='adamw-offload'"),
+    (dict(setup={"chunked_loss": True}), r"not a memtrain.choices.Choices.*Choices.from_dict"),
+])
+def test_a_setup_that_contradicts_the_arguments_is_one_config_error_naming_the_fix(kwargs, message):
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(ConfigError, match=message) as info:
+        estimate(model, (2, 32), device="cpu", **kwargs)
+    assert len(info.value.problems) == 1 and "To resolve this error" in str(info.value), info.value.problems
+    with pytest.raises(ConfigError) as info:  # with the other arguments' problems, at once
+        estimate(model, (2, 32), device="tpu", accumulation=0, **kwargs)
+    assert len(info.value.problems) == 3, info.value.problems
+
+
+def test_a_compiled_setup_is_estimated_eager_and_the_report_says_so():
+    model = GPT(GPT_PRESETS["gpt-tiny"])
+    eager = estimate(model, (2, 32), device="cpu")
+    compiled = estimate(model, (2, 32), device="cpu", setup=Choices(compile=True))
+    assert compiled.peak_bytes == eager.peak_bytes
+    assert compiled.assumptions == (*eager.assumptions, COMPILE_NOTE)
+    assert "eager step" in COMPILE_NOTE and COMPILE_NOTE not in eager.assumptions

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.estimate import estimate
 from memtrain.models import GPT, GPT_PRESETS
 
@@ -44,7 +45,8 @@ def test_the_offloaded_adamws_bytes_are_optimizer_memorys_byte_for_byte(weights_
     dtype = torch.bfloat16 if weights_dtype else torch.float32
     params = [(p.numel(), dtype) for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     want = optimizer_memory(params, offload_fraction=1.0, device_type="cpu")
-    for kwargs in ({"optimizer": "adamw-offload"}, {"optimizer": "adamw", "offload_fraction": 1.0}):
+    for kwargs in ({"optimizer": "adamw-offload"},
+                   {"optimizer": "adamw", "setup": Choices(optimizer=OptimizerChoice(offload_fraction=1.0))}):
         got = estimate(model, (2, 16), device="cpu", weights_dtype=weights_dtype, **kwargs)
         assert got.host_bytes == want.host_bytes, (kwargs, weights_dtype, got.host_bytes, want.host_bytes)
         assert got.optimizer_state_bytes == want.state_bytes, (kwargs, got.optimizer_state_bytes, want.state_bytes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import tiny_llama_config
 
+from memtrain.choices import Choices
 from memtrain.estimate import estimate
 
 transformers = pytest.importorskip("transformers")
@@ -18,14 +19,14 @@ def test_activation_offload_moves_saved_bytes_to_the_host():
     b, t = 4, 256
     hidden = b * t * 512 * 4  # one block input: the fp32 residual stream, 2 MiB
     kept = estimate(config, (b, t), checkpointing="all")
-    offloaded = estimate(config, (b, t), checkpointing="all", offload_activations=True)
+    offloaded = estimate(config, (b, t), checkpointing="all", setup=Choices(offload_activations=True))
     assert offloaded.host_bytes == 4 * hidden, (offloaded.host_bytes, 4 * hidden)
     assert offloaded.activation_bytes == kept.activation_bytes  # still saved, only elsewhere
     after_forward = dict(kept.phase_bytes)["forward"] - dict(offloaded.phase_bytes)["forward"]
     assert after_forward == 4 * hidden, (after_forward, 4 * hidden)  # all of them off the device then
     assert offloaded.peak_bytes <= kept.peak_bytes, (offloaded.peak_bytes, kept.peak_bytes)
     plain = estimate(config, (b, t))
-    plain_offloaded = estimate(config, (b, t), offload_activations=True)
+    plain_offloaded = estimate(config, (b, t), setup=Choices(offload_activations=True))
     assert plain_offloaded.host_bytes > 0.5 * plain.activation_bytes, (plain_offloaded.host_bytes,
                                                                        plain.activation_bytes)
     moved = dict(plain.phase_bytes)["forward"] - dict(plain_offloaded.phase_bytes)["forward"]

@@ -342,7 +342,7 @@ def test_estimate_of_a_lora_model_with_a_chunked_loss_equals_measure_on_the_cpu(
     with MemoryMeter(lora) as meter:
         loss = lora(input_ids=x, labels=x).loss
     loss.backward()
-    predicted = estimate(lora, x, device="cpu", checkpointing="all", chunked_loss=True)
+    predicted = estimate(lora, x, device="cpu", checkpointing="all", setup=Choices(chunked_loss=True))
     assert predicted.activation_bytes == meter.activation_bytes, (predicted.activation_bytes, meter.activation_bytes)
 
 

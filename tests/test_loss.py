@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain import ConfigError, MemoryMeter, apply_checkpointing
+from memtrain.choices import Choices
 from memtrain.loss import (
     HF_MODEL_TYPES,
     apply_chunked_loss,
@@ -215,11 +216,12 @@ def test_estimate_predicts_a_chunked_loss(kind):
     getattr(out, "loss", out).backward()
     from memtrain import estimate
 
-    predicted = estimate(model, input_ids, device="cpu", checkpointing="all", chunked_loss=True)
+    predicted = estimate(model, input_ids, device="cpu", checkpointing="all", setup=Choices(chunked_loss=True))
     whole = estimate(model, input_ids, device="cpu", checkpointing="all")
     assert predicted.activation_bytes == meter.activation_bytes < whole.activation_bytes
     assert any("apply_chunked_loss" in a for a in predicted.assumptions)
-    cuda = estimate(model, input_ids, device="cuda", precision="bf16-mixed", checkpointing="all", chunked_loss=True)
+    cuda = estimate(model, input_ids, device="cuda", precision="bf16-mixed", checkpointing="all",
+                    setup=Choices(chunked_loss=True))
     assert cuda.activation_bytes < estimate(model, input_ids, device="cuda", precision="bf16-mixed",
                                             checkpointing="all").activation_bytes
 
@@ -313,7 +315,7 @@ def test_models_it_cannot_chunk_are_refused_with_the_fix():
     from memtrain import estimate
 
     with pytest.raises(ConfigError, match="pass chunked_loss=False"):
-        estimate(config, (1, 8), chunked_loss=True)
+        estimate(config, (1, 8), setup=Choices(chunked_loss=True))
 
     class OldForward(transformers.LlamaForCausalLM):  # transformers < 4.48: no loss arguments in the forward
         def forward(self, input_ids=None, labels=None):
@@ -441,7 +443,7 @@ def test_estimate_traces_the_kernel_the_cpu_run_takes(monkeypatch):
     with MemoryMeter(model) as meter:
         loss = model(input_ids, labels=input_ids.clone()).loss
     loss.backward()
-    predicted = estimate(model, input_ids, device="cpu", checkpointing="all", chunked_loss=True)
+    predicted = estimate(model, input_ids, device="cpu", checkpointing="all", setup=Choices(chunked_loss=True))
     assert predicted.activation_bytes == meter.activation_bytes, (predicted.activation_bytes, meter.activation_bytes)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from memtrain.checkpointing import Checkpointing, apply_checkpointing
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.estimate.fake import batch_spec, max_positions
 from memtrain.estimate.tracker import numel
@@ -27,6 +28,9 @@ WEIGHT_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp1
 # more chunks than this holds far more tokens than any device (it is refused before anything is traced).
 MAX_LAYERS = 10_000
 MAX_LOSS_CHUNKS = 65_536
+COMPILE_NOTE = ("setup.compile=True: this is the eager step's peak; torch.compile fuses kernels and may save fewer or "
+                "other tensors, so measure the compiled step (memtrain.measure, or memtrain train's first steps) to "
+                "know its own")
 
 
 # -- arguments ----------------------------------------------------------------------------------------------
@@ -46,6 +50,66 @@ def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> Checkpoint
     except ConfigError as e:
         problems.append(f"{e} (or a dict of apply_checkpointing arguments such as {{'every': 2}})")
         return None
+
+
+def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+    """``estimate``'s one set-up as ``trace``'s keyword arguments (a None in ``setup`` means off, fp32, no offload),
+    with every contradiction between ``setup`` and the ``checkpointing=`` / ``optimizer=`` arguments, in words
+    naming the fix. Where there is a problem the option keeps its default, so the other arguments are still
+    checked."""
+    problems: list[str] = []
+    if setup is None:
+        setup = Choices()
+    if not isinstance(setup, Choices):
+        problems.append(f"setup={setup!r} is not a memtrain.choices.Choices. To resolve this error, pass e.g. "
+                        "setup=Choices(offload_activations=True), or Choices.from_dict(...) of a mapping.")
+        setup = Choices()
+    choice = setup.optimizer
+    options: dict[str, Any] = {
+        "checkpointing": checkpointing, "optimizer": optimizer,
+        "offload_activations": bool(setup.offload_activations), "chunked_loss": bool(setup.chunked_loss),
+        "state_precision": choice.state_precision or "fp32", "offload_fraction": choice.offload_fraction or 0.0,
+        "step_in_backward": bool(choice.step_in_backward)}
+    if setup.checkpointing is not None:
+        if _same_policy(checkpointing, setup.checkpointing):
+            options["checkpointing"] = setup.checkpointing
+        else:
+            problems.append(f"checkpointing={checkpointing!r} and setup.checkpointing={str(setup.checkpointing)!r} "
+                            "are two different policies for one step. To resolve this error, pass one of them.")
+    lean = choice.state_precision not in (None, "fp32") or bool(choice.offload_fraction) or bool(
+        choice.step_in_backward)  # memtrain.optim's AdamW rather than torch's
+    if choice.placement == "offload" and optimizer == "adamw":
+        options["optimizer"] = "adamw-offload"
+    elif choice.placement == "offload" and optimizer != "adamw-offload":
+        problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded optimizer "
+                        "is AdamW (CPUOffloadOptimizer). To resolve this error, pass optimizer='adamw', or drop "
+                        "placement='offload'.")
+    elif (choice.placement == "device" or lean) and optimizer == "adamw-offload":
+        asked = [f"{name}={getattr(choice, name)!r}" for name in ("placement", "state_precision", "step_in_backward",
+                                                                  "offload_fraction") if getattr(choice, name)]
+        problems.append(f"setup.optimizer {', '.join(asked)} with optimizer='adamw-offload': those choose AdamW on "
+                        "the device, 'adamw-offload' puts all of its state in host RAM. To resolve this error, pass "
+                        "optimizer='adamw', or drop them.")
+    elif lean and optimizer != "adamw":
+        problems.append(f"setup.optimizer's state_precision, step_in_backward and offload_fraction are options of "
+                        f"AdamW (memtrain.optim), not of optimizer={optimizer!r}. To resolve this error, pass "
+                        "optimizer='adamw', or drop them.")
+    if any(p.startswith("setup.optimizer") for p in problems):
+        options.update(state_precision="fp32", offload_fraction=0.0, step_in_backward=False)
+    return options, problems
+
+
+def _same_policy(checkpointing: Any, policy: Checkpointing) -> bool:
+    """Whether the ``checkpointing=`` argument leaves the policy to ``setup`` (its default, "none") or names the
+    same one."""
+    if isinstance(checkpointing, str) and checkpointing == "none":
+        return True
+    if isinstance(checkpointing, Mapping):
+        return False
+    try:
+        return Checkpointing.parse(checkpointing) == policy
+    except ConfigError:
+        return False
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...], problems: list[str]) -> None:

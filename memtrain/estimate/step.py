@@ -9,6 +9,7 @@ it is kept exactly.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +17,16 @@ import torch
 from torch import nn
 
 from memtrain.checkpointing import find_blocks
-from memtrain.errors import MemtrainError, describe_exception
-from memtrain.estimate.arguments import AUTOCAST_DTYPES, OptimizerKind, Precision, check_arguments
+from memtrain.choices import Choices
+from memtrain.errors import ConfigError, MemtrainError, describe_exception
+from memtrain.estimate.arguments import (
+    AUTOCAST_DTYPES,
+    COMPILE_NOTE,
+    OptimizerKind,
+    Precision,
+    check_arguments,
+    setup_options,
+)
 from memtrain.estimate.attribution import attribute_release
 from memtrain.estimate.cuda import CUDA_BLOCK
 from memtrain.estimate.explain import assumptions_of, explain_peak
@@ -54,12 +63,8 @@ def estimate(
     device: str = "cuda",
     precision: Precision = "fp32",
     checkpointing: Any = "none",
-    offload_activations: bool = False,
     optimizer: OptimizerKind = "adamw",
-    state_precision: str = "fp32",
-    offload_fraction: float = 0.0,
-    step_in_backward: bool = False,
-    chunked_loss: bool = False,
+    setup: Choices | None = None,
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
     accumulation: int = 1,
@@ -84,20 +89,28 @@ def estimate(
         device: ``"cuda"`` (CUDA autocast lists and attention kernels, 512-byte allocator blocks, cuBLAS
             workspaces) or ``"cpu"`` (the CPU's own kernels, as ``measure`` sees them).
         precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast; parameters keep their dtype).
-        checkpointing: ``"none"``, ``"all"``, ``"every:K"`` / ``K``, or a dict of ``apply_checkpointing``
-            arguments (per-block ``policies`` included); applied to a copy of the model.
-        offload_activations: activations in pinned host memory, as ``memtrain train --offload-activations`` does:
-            with checkpointing, the recomputed blocks' saved inputs; without, every saved tensor of 1 MiB or more
-            outside the head. Blocks with an ``"offload"`` policy offload whatever they save either way. Simulated
-            exactly (what leaves the device, what comes back and when, two records prefetched ahead).
+        checkpointing: ``"none"``, ``"all"``, ``"every:K"`` / ``K``, any ``Checkpointing`` spelling, or a dict of
+            ``apply_checkpointing`` arguments (per-block ``policies`` included); applied to a copy of the model.
+            ``setup.checkpointing`` says the same (with this left at "none", or naming the same policy).
         optimizer: ``"adamw"`` (fused), ``"sgd"``, ``"sgd-momentum"``, ``"adafactor"`` or ``"adamw-offload"``
-            (``CPUOffloadOptimizer``: state on the host, gradients streamed there as they are produced).
-        state_precision, offload_fraction, step_in_backward: AdamW as ``memtrain.optim.build_optimizer`` builds
-            it: moments in ``"fp32"``, ``"bf16"`` or ``"int8"``; that share of the parameters' state in host RAM
-            (their gradients streamed there); each parameter stepping in backward, its gradient freed at once.
-        chunked_loss: the loss computed with ``memtrain.loss.apply_chunked_loss`` (the model's own chunk size
-            when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the whole
-            batch's fp32 logits; applied to a copy of the model.
+            (``CPUOffloadOptimizer``: state on the host, gradients streamed there as they are produced);
+            ``setup.optimizer.placement="offload"`` makes ``"adamw"`` ``"adamw-offload"``.
+        setup: the one set-up the step runs with (``memtrain.choices.Choices``; a None in it means off, fp32 moments, no
+            offload, as there is no planner here to choose):
+
+            - ``offload_activations``: activations in pinned host memory, as ``memtrain train
+              --offload-activations`` does: with checkpointing, the recomputed blocks' saved inputs; without,
+              every saved tensor of 1 MiB or more outside the head. Blocks with an ``"offload"`` policy (or a
+              "+offload" policy) offload whatever they save either way. Simulated exactly (what leaves the
+              device, what comes back and when, two records prefetched ahead).
+            - ``optimizer`` (``OptimizerChoice``): AdamW as ``memtrain.optim.build_optimizer`` builds it: moments
+              in ``state_precision`` "fp32", "bf16" or "int8"; ``offload_fraction`` of the parameters' state in
+              host RAM (their gradients streamed there); ``step_in_backward``: each parameter stepping in
+              backward, its gradient freed at once.
+            - ``chunked_loss``: the loss computed with ``memtrain.loss.apply_chunked_loss`` (the model's own chunk
+              size when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the
+              whole batch's fp32 logits; applied to a copy of the model.
+            - ``compile``: the prediction is still the eager step's, and the report's assumptions say so.
         micro_batch_size, seq_len: override the batch's first and second dimensions.
         accumulation: micro-batches per optimizer step.
         weights_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the parameters' dtype on the device (e.g. bf16 weights
@@ -115,23 +128,37 @@ def estimate(
         forward, backward and step), ``host_bytes`` and ``assumptions`` (including the breakdown at the peak).
 
     Raises:
-        ConfigError: an unknown device, precision, optimizer or checkpointing policy; a batch that is missing,
-            does not fit the model, or is too large to trace in bounded time. Every problem at once.
+        ConfigError: an unknown device, precision, optimizer or checkpointing policy; a ``setup`` that is not a
+            ``Choices`` or contradicts ``checkpointing=`` / ``optimizer=``; a batch that is missing, does not fit
+            the model, or is too large to trace in bounded time. Every problem at once.
         MemtrainError: the model's forward cannot run on fake tensors (the message names the module).
 
     Example:
+        >>> from memtrain.choices import Choices, OptimizerChoice
         >>> from memtrain.models import GPT, GPT_PRESETS
         >>> with torch.device("meta"):
         ...     model = GPT(GPT_PRESETS["gpt-tiny"])
         >>> report = estimate(model, (8, 64), device="cpu")
         >>> report.source, report.peak_bytes > report.parameter_bytes
         ('estimated', True)
+        >>> lean = estimate(model, (8, 64), device="cpu", setup=Choices(
+        ...     checkpointing="all", chunked_loss=True, optimizer=OptimizerChoice(state_precision="bf16")))
+        >>> lean.peak_bytes < report.peak_bytes
+        True
     """
-    return trace(model, batch, device=device, precision=precision, checkpointing=checkpointing,
-                 offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
-                 offload_fraction=offload_fraction, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
-                 micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation,
-                 weights_dtype=weights_dtype, keep_output=keep_output, replay=replay).report
+    options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer)
+    arguments = dict(device=device, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                     accumulation=accumulation, weights_dtype=weights_dtype)
+    if problems:  # every problem at once: the other arguments' too
+        try:
+            check_arguments(model, batch, **arguments, **options)
+        except ConfigError as e:
+            problems += e.problems
+        raise ConfigError(problems)
+    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay).report
+    if setup is not None and setup.compile:
+        report = dataclasses.replace(report, assumptions=(*report.assumptions, COMPILE_NOTE))
+    return report
 
 
 def trace(
@@ -157,8 +184,10 @@ def trace(
     offload_min_bytes: int = MIN_BYTES_DEFAULT,
 ) -> Trace:
     """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
-    forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). Same arguments, and
-    ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default)."""
+    forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). ``estimate``'s arguments,
+    with the set-up as keyword arguments (``offload_activations``, ``state_precision``, ``offload_fraction``,
+    ``step_in_backward``, ``chunked_loss``: the fields of ``setup``, None there being False / "fp32" / 0.0 here),
+    and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default)."""
     device_type, lean, ckpt, spec = check_arguments(
         model, batch, device=device, precision=precision, checkpointing=checkpointing,
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
