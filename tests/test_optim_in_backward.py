@@ -212,13 +212,17 @@ def test_cli_trains_with_step_in_backward_and_the_default_clipping(tmp_path, cap
 
 
 def test_planner_keeps_an_asked_for_step_in_backward_with_accumulation() -> None:
-    from memtrain.planner import Fixed, plan
+    from memtrain.choices import Choices, OptimizerChoice
+    from memtrain.planner import plan
 
     torch.manual_seed(0)
     p = plan(GPT.from_preset("gpt-tiny"), budget=None, seq_len=32, global_batch_size=8, device="cpu",
-             precision="fp32", micro_batch_size=4, fixed=Fixed(optimizer="device", step_in_backward=True))
+             precision="fp32", micro_batch_size=4,
+             choices=Choices(optimizer=OptimizerChoice(placement="device", step_in_backward=True)))
     assert (p.settings.step_in_backward, p.settings.accumulation) == (True, 2), p.summary()
-    with pytest.raises(ConfigError, match="no set-up can be built") as info:
+    # The contradiction is Choices' to name now, at construction, before any plan.
+    with pytest.raises(ConfigError, match="a partial offload steps after backward") as info:
         plan(GPT.from_preset("gpt-tiny"), budget=None, seq_len=32, global_batch_size=8, device="cpu",
-             precision="fp32", fixed=Fixed(optimizer="device", step_in_backward=True, offload_fraction=0.5))
+             precision="fp32", choices=Choices(optimizer=OptimizerChoice(placement="device", step_in_backward=True,
+                                                                         offload_fraction=0.5)))
     assert "world_size" not in str(info.value) and "cannot accumulate" not in str(info.value), str(info.value)

@@ -7,6 +7,7 @@ import torch
 from helpers import tiny_gpt, tiny_llama_config
 
 from memtrain import measure
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
 from memtrain.estimate import meta_model
 from memtrain.models import GPT
@@ -140,16 +141,15 @@ def test_predictions_of_given_set_ups_rank_recompute_as_slower(llama):
 
 
 def test_fixed_choices_are_kept_and_the_rest_is_searched(llama):
-    from memtrain.planner import Fixed
-
     layout = ("recompute", "keep", "recompute", "keep")
     p = plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100,
-             fixed=Fixed(blocks=layout, chunked_loss=True, optimizer="offload"))
+             choices=Choices(checkpointing="blocks(RKRK)", chunked_loss=True,
+                             optimizer=OptimizerChoice(placement="offload")))
     assert (p.settings.blocks, p.settings.chunked_loss, p.settings.optimizer) == (layout, True, "offload")
     assert p.settings.micro_batch_size == 4  # searched: the fastest, with no budget
     with pytest.raises(ConfigError, match="4 blocks"):
         plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100,
-             fixed=Fixed(blocks=("keep",) * 3))
+             choices=Choices(checkpointing="blocks(KKK)"))
 
 
 def test_a_measured_overshoot_is_folded_into_a_replan(llama):

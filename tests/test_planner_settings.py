@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import torch
 from helpers import tiny_llama_config
 
+from memtrain.choices import Choices, OptimizerChoice
+from memtrain.errors import ConfigError
 from memtrain.models import GPT, GPTConfig
 from memtrain.planner import (
+    TECHNIQUES,
+    Fixed,
     PlanSettings,
     known_gpu,
     plan,
@@ -61,3 +66,86 @@ def test_a_plan_reports_its_host_link_bytes():
     assert p.host_link.activations_to_host > 0 and p.host_link.optimizer_to_host > 0, p.host_link
     assert json.loads(json.dumps(p.to_dict()))["host_link"] == p.host_link.to_dict()
     assert "host link per step:" in p.summary(), p.summary()
+
+
+# -- the one translation of a run's choices into the plan's fixed choices -------------------------------------
+def test_offload_activations_with_a_fixed_layout_offloads_what_it_keeps_and_the_recomputed_inputs():
+    # The CLI's documented meaning; TrainConfig's path (the old of_choices) kept the kept blocks on the device.
+    fixed, allowed, notes = Fixed.of_choices(Choices(checkpointing="every:2", offload_activations=True), n_blocks=4,
+                                             device="cuda")
+    assert fixed.blocks == ("recompute", "offload", "recompute", "offload") and fixed.flavor == "offload-inputs"
+    assert "offload-activations" in allowed and not notes
+    # "+offload" alone offloads the recomputed blocks' inputs; the kept blocks stay kept.
+    fixed, _, _ = Fixed.of_choices(Choices(checkpointing="every:2+offload"), n_blocks=4, device="cuda")
+    assert fixed.blocks == ("recompute", "keep", "recompute", "keep") and fixed.flavor == "offload-inputs"
+    # With the layout left to the plan, it fixes how the recomputed blocks recompute (inputs offloaded).
+    fixed, _, _ = Fixed.of_choices(Choices(offload_activations=True), n_blocks=4, device="cuda")
+    assert (fixed.blocks, fixed.flavor) == (None, "offload-inputs")
+    fixed, allowed, _ = Fixed.of_choices(Choices(offload_activations=False), n_blocks=4, device="cuda")
+    assert fixed == Fixed() and "offload-activations" not in allowed
+
+
+def test_a_plan_keeps_a_fixed_layout_and_offloads_what_it_keeps(llama):
+    p = plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100,
+             choices=Choices(checkpointing="every:2", offload_activations=True))
+    assert p.settings.blocks == ("recompute", "offload", "recompute", "offload"), p.summary()
+    assert p.settings.flavor == "offload-inputs"
+
+
+def test_activation_offload_on_a_cpu_is_off_with_a_note():
+    fixed, allowed, notes = Fixed.of_choices(Choices(checkpointing="all+offload", offload_activations=True),
+                                             n_blocks=2, device="cpu")
+    assert (fixed.blocks, fixed.flavor) == (("recompute", "recompute"), "full")
+    assert "offload-activations" not in allowed and "no effect on a CPU-only run" in notes[0]
+    p = plan(_offload_gpt(), budget=None, seq_len=64, global_batch_size=2, device="cpu", precision="fp32",
+             choices=Choices(offload_activations=True))
+    assert "no effect on a CPU-only run" in p.reasons[0] and "offload" not in p.settings.blocks, p.reasons
+
+
+@pytest.mark.parametrize("policy, match", [("selective(matmul)", "keeps the outputs of matmul, attention"),
+                                           ("selective+offload", "does not combine a selective recompute")])
+def test_a_selective_policy_the_planner_cannot_plan_is_a_clear_error(policy, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        Fixed.of_choices(Choices(checkpointing=policy), n_blocks=2, device="cuda")
+    assert "To resolve this error" in str(info.value)
+    fixed, _, _ = Fixed.of_choices(Choices(checkpointing="selective"), n_blocks=2, device="cuda")
+    assert (fixed.blocks, fixed.flavor) == (("recompute", "recompute"), "selective")
+
+
+def test_compile_and_the_loss_are_fixed_as_given():
+    assert Fixed.of_choices(Choices(), n_blocks=2, device="cuda") == (Fixed(), frozenset(TECHNIQUES), [])
+    fixed, _, _ = Fixed.of_choices(Choices(compile=True, chunked_loss=False), n_blocks=2, device="cuda")
+    assert (fixed.compile, fixed.chunked_loss) == (True, False)
+    with pytest.raises(ConfigError, match=r"is not a Choices.*Choices\.from_dict"):
+        Fixed.of_choices({"compile": True}, n_blocks=2, device="cuda")  # type: ignore[arg-type]
+
+
+_OPTIMIZER_VALUES = dict(placement=(None, "device", "offload"), state_precision=(None, "fp32", "bf16", "int8"),
+                         step_in_backward=(None, False, True), offload_fraction=(None, 0.0, 0.5, 1.0))
+
+
+def test_every_optimizer_choice_is_translated():
+    built = 0
+    for values in itertools.product(*_OPTIMIZER_VALUES.values()):
+        given = dict(zip(_OPTIMIZER_VALUES, values, strict=True))
+        try:
+            choice = OptimizerChoice(**given)
+        except ConfigError:  # a contradiction: Choices' to name (tests/test_choices.py)
+            continue
+        built += 1
+        fixed, allowed, _ = Fixed.of_choices(Choices(optimizer=choice), n_blocks=2, device="cuda")
+        # Lean moments, an in-backward step and an offloaded share are device optimizers; a device optimizer
+        # keeps no share of its state on the host unless given one, and never offloads.
+        device = given["placement"] == "device" or (
+            given["placement"] is None and (given["state_precision"] is not None or given["step_in_backward"]
+                                            or given["offload_fraction"] is not None))
+        expected = "device" if device else given["placement"]
+        fraction = 0.0 if given["placement"] == "device" and given["offload_fraction"] is None else (
+            given["offload_fraction"])
+        assert (fixed.optimizer, fixed.state_precision, fixed.step_in_backward, fixed.offload_fraction) == (
+            expected, given["state_precision"], given["step_in_backward"], fraction), given
+        assert (fixed.blocks, fixed.flavor, fixed.chunked_loss, fixed.compile) == (None, None, None, None)
+        off = given["placement"] == "device"
+        assert ("offload-optimizer" in allowed, "bf16-weights" in allowed) == (not off, not off), given
+        assert allowed | {"offload-optimizer", "bf16-weights"} == set(TECHNIQUES)
+    assert built == 84, built  # of 144: 3 placements x 4 precisions x 3 switches x 4 fractions

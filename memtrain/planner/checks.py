@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner.settings import TECHNIQUES, Fixed, PlanSettings
 from memtrain.report import parse_bytes
@@ -58,11 +59,14 @@ def divisors(n: int) -> list[int]:
 
 
 def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision: str) -> None:
+    """ConfigError for fixed choices this model, device or precision cannot take (the rules between the choices
+    themselves are ``Choices``')."""
     problems = []
     if f.blocks is not None and (len(f.blocks) != n_blocks or any(k not in ("keep", "recompute", "offload")
                                                                   for k in f.blocks)):
-        problems.append(f"the checkpointing layout has {len(f.blocks)} entries {sorted(set(f.blocks))}: the model "
-                        f"has {n_blocks} blocks, each 'keep', 'recompute' or 'offload'.")
+        problems.append(f"the checkpointing layout names {len(f.blocks)} blocks, not {n_blocks} "
+                        f"({sorted(set(f.blocks))}): the model has {n_blocks} blocks, each 'keep', 'recompute' or "
+                        "'offload'. To resolve this error, give one policy per block, in the model's order.")
     if not cuda and ((f.blocks is not None and "offload" in f.blocks) or f.flavor == "offload-inputs"):
         problems.append("activation offload on a CPU only copies within RAM. To resolve this error, drop it "
                         "(offload_activations) for a CPU run.")
@@ -71,17 +75,25 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
     if f.chunked_loss and not chunkable:
         problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss). To "
                         "resolve this error, pass chunked_loss=False (or leave it to the plan).")
-    if f.optimizer in ("offload", "offload-bf16-weights"):
-        extra = {k: v for k, v in (("state_precision", f.state_precision), ("step_in_backward", f.step_in_backward),
-                                   ("offload_fraction", f.offload_fraction))
-                 if v not in (None, "fp32", False, 0.0, 1.0)}
-        if extra:
-            given = ", ".join(f"{k}={v!r}" for k, v in extra.items())
-            problems.append(f"offload_optimizer=True with {given}: the offloaded optimizer keeps fp32 moments in "
-                            "host RAM and steps after backward. To resolve this error, drop one of them.")
     if f.optimizer == "offload-bf16-weights" and precision != "bf16-mixed":
         problems.append(f"bf16 device weights need precision bf16-mixed, not {precision}.")
     ConfigError.raise_if(problems)
+
+
+def check_choices(choices: Any, *, world_size: int, fsdp: bool | None) -> Choices:
+    """``plan``'s choices (None: all the plan's), checked for a run of ``world_size`` ranks (``fsdp`` None: the plan
+    compares DDP with FSDP2, so FSDP2's rules are not applied to the choices).
+
+    Raises:
+        ConfigError: not a ``Choices``, or choices such a run cannot take (``Choices.check_run``).
+    """
+    if choices is None:
+        return Choices()
+    if not isinstance(choices, Choices):
+        raise ConfigError(f"choices={choices!r} is not a Choices. To resolve this error, pass Choices(...) or "
+                          "Choices.from_dict(...).")
+    choices.check_run(world_size=world_size, fsdp=bool(fsdp) and world_size > 1)
+    return choices
 
 
 def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, world: int, chunkable: bool,

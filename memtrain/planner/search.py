@@ -21,6 +21,7 @@ weights), DDP or FSDP2, eager or compiled. It runs in three steps:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from collections.abc import Iterable, Sequence
@@ -31,12 +32,13 @@ import numpy as np
 import torch
 
 from memtrain.checkpointing import find_blocks
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace, meta_model, trace
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
 from memtrain.optim import INT8_DEVICES
-from memtrain.planner.checks import check_fixed, check_plan_arguments, check_settings, divisors
+from memtrain.planner.checks import check_choices, check_fixed, check_plan_arguments, check_settings, divisors
 from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.profiles import Profiles
@@ -80,8 +82,9 @@ def plan(
     techniques: Iterable[str] | None = None,
     device_profile: DeviceProfile | None = None,
     settings: PlanSettings | None = None,
-    fixed: Fixed | None = None,
+    choices: Choices | None = None,
     correction_bytes: int = 0,
+    keep_optimizer: PlanSettings | None = None,
 ) -> Plan:
     """The fastest set-up whose predicted peak fits ``budget`` (per rank), with a reason for each choice.
 
@@ -100,16 +103,21 @@ def plan(
         world_size: ranks; the global batch is split over them.
         fsdp: True plans FSDP2, False DDP, None both (the reasons say which fits faster). Ignored for one rank.
         host_budget: host RAM the plan may use (one node, all ranks); None: the RAM available now.
-        compile: also consider ``torch.compile``d set-ups.
+        compile: also consider ``torch.compile``d set-ups (``choices.compile``: only those).
         micro_batch_size: fix the micro-batch (the plan chooses the rest); None chooses it too.
         safety_margin: the fraction of ``budget`` left free for the allocator's fragmentation.
         grad_clip: the run clips gradients (the offloaded optimizer then steps after backward).
         techniques: allow only some of ``TECHNIQUES``; None allows all.
         device_profile: the device's rates; None probes the CPU, or takes the table of known GPUs for CUDA.
         settings: no search: predict exactly this set-up (e.g. one chosen by hand), which must fit ``budget``.
-        fixed: choices the search keeps as given (a checkpointing layout, the loss, the optimizer placement).
+        choices: the technique choices the search keeps as given (a ``Choices``: a checkpointing layout, the loss,
+            the optimizer's placement and state; its None fields are the plan's), translated by
+            ``Fixed.of_choices``: a choice that does nothing on ``device`` is dropped with a reason saying so.
+            Not applied with ``settings``.
         correction_bytes: added to every predicted peak: what a measurement showed the prediction missed (a
             re-plan after the device disagreed).
+        keep_optimizer: a plan's settings whose optimizer (placement, moments, step in backward, offloaded share)
+            the search keeps, whatever ``choices`` say (a resume or re-plan: the optimizer's state exists).
 
     Returns:
         A ``Plan``: ``.settings`` for ``apply_plan``, the predictions, the reasons and the runners-up.
@@ -129,27 +137,18 @@ def plan(
         budget=budget, host_budget=host_budget, seq_len=seq_len, global_batch_size=global_batch_size,
         world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
         safety_margin=safety_margin, techniques=techniques)
+    choices = check_choices(choices, world_size=world_size, fsdp=fsdp)
     if settings is not None:
         precision = settings.precision
     ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device, precision, world_size,
                      "chunked-loss" in allowed, grad_clip, device_profile)
     _check_a_block_fits(ctx, budget_bytes)
-    fixed = fixed if fixed is not None else Fixed()
+    fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
     space = _search_space(ctx, allowed, fsdp, fixed)
     results = CandidateTable(len(ctx.block_names))
-    if settings is not None:
-        check_settings(settings, len(ctx.block_names), per_rank, ctx.device == "cuda", world_size, ctx.chunkable,
-                       precision)
-        composer = composer_for(ctx, [settings])
-        _add_given(composer, results, settings)
-        space.placements = []  # nothing to search
-    else:
-        profiles: dict[Any, Profiles] = {None: build_profiles(ctx, space.flavors, space.offload_blocks, None)}
-        if "offload-bf16-weights" in space.placements:
-            profiles["bf16"] = build_profiles(ctx, space.flavors, space.offload_blocks, "bf16")
-        composer = Composer(ctx, profiles)
+    composer = _composer(ctx, space, results, settings, per_rank)
     micros = [micro_batch_size] if micro_batch_size is not None else divisors(per_rank)
-    _search(composer, results, space, fixed, micros, per_rank, compile, allowed)
+    _search(composer, results, space, fixed, micros, per_rank, compile or choices.compile, allowed)
     if results.empty:  # the fixed choices rule out every set-up
         _raise_unbuildable(fixed, micro_batch_size, world_size, fsdp)
     results.finish()
@@ -158,8 +157,26 @@ def plan(
     here = device == "cpu" or torch.cuda.is_available()
     host_limit = host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
     usable = None if budget_bytes is None else int(budget_bytes * (1 - safety_margin))
-    return _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin, started,
-                   correction_bytes)
+    chosen = _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin,
+                     started, correction_bytes)
+    return dataclasses.replace(chosen, reasons=(*notes, *chosen.reasons)) if notes else chosen
+
+
+def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable, settings: PlanSettings | None,
+              per_rank: int) -> Composer:
+    """The composer for ``plan``: of the space's kinds; or, with ``settings``, of theirs, added to ``results`` (and
+    nothing left to search)."""
+    if settings is not None:
+        check_settings(settings, len(ctx.block_names), per_rank, ctx.device == "cuda", ctx.world, ctx.chunkable,
+                       ctx.precision)
+        composer = composer_for(ctx, [settings])
+        _add_given(composer, results, settings)
+        space.placements = []  # nothing to search
+        return composer
+    profiles: dict[Any, Profiles] = {None: build_profiles(ctx, space.flavors, space.offload_blocks, None)}
+    if "offload-bf16-weights" in space.placements:
+        profiles["bf16"] = build_profiles(ctx, space.flavors, space.offload_blocks, "bf16")
+    return Composer(ctx, profiles)
 
 
 def _check_a_block_fits(ctx: Problem, budget_bytes: int | None) -> None:
@@ -170,6 +187,21 @@ def _check_a_block_fits(ctx: Problem, budget_bytes: int | None) -> None:
         raise ConfigError(f"budget {format_bytes(budget_bytes)} is smaller than one block's parameters "
                           f"({format_bytes(largest_block)}): no set-up computes a block in it. To resolve this error, "
                           "pass a larger budget (e.g. the GPU's memory), or shard the model over more GPUs (FSDP2).")
+
+
+def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: PlanSettings | None,
+                 keep_optimizer: PlanSettings | None) -> tuple[Fixed, set[str], list[str]]:
+    """The fixed choices, the techniques allowed and the notes for ``plan``: the choices' (none with ``settings``),
+    with ``keep_optimizer``'s optimizer."""
+    fixed, notes = Fixed(), []
+    if settings is None:
+        fixed, can_use, notes = Fixed.of_choices(choices, n_blocks=len(ctx.block_names), device=ctx.device)
+        allowed = allowed & can_use
+    if keep_optimizer is not None:
+        k = keep_optimizer
+        fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
+                                    step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction)
+    return fixed, allowed, notes
 
 
 @dataclass

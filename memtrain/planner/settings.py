@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from memtrain.checkpointing import Checkpointing
+from memtrain.checkpointing import Checkpointing, SelectivePolicy
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner.devices import DeviceProfile
 from memtrain.report import MemoryReport, format_bytes
@@ -109,57 +110,71 @@ class Fixed:
     compile: bool | None = None  # torch.compile the step (True), or not (False)
 
     @classmethod
-    def of_choices(cls, *, n_blocks: int, device: str, checkpointing: Any = None, offload_activations: bool | None = None,
-                   offload_optimizer: bool | None = None, chunked_loss: bool | None = None,
-                   state_precision: str | None = None, step_in_backward: bool | None = None,
-                   offload_fraction: float | None = None) -> tuple[Fixed, frozenset[str], list[str]]:
-        """A user's choices (``TrainConfig``'s, a command's flags; None: the plan's) as the constraints of a plan.
+    def of_choices(cls, choices: Choices, *, n_blocks: int, device: str) -> tuple[Fixed, frozenset[str], list[str]]:
+        """A run's ``Choices`` (a ``TrainConfig``'s, a command's flags; None: the plan's) as the constraints of a plan:
+        the one translation of choices into what the search keeps.
+
+        A fixed checkpointing policy fixes the layout of blocks (``+offload``: the recomputed blocks' inputs
+        offloaded). ``offload_activations=True`` with a fixed layout offloads what the layout keeps and the
+        recomputed blocks' inputs; with the layout left to the plan it fixes how recomputed blocks recompute (inputs
+        offloaded); False: the plan never offloads activations. On a CPU, activation offload is off, with a note.
+        An optimizer placed on the device (or given lean moments, an in-backward step or an offloaded share) is
+        never offloaded; placed on the device, it keeps fp32 weights and no share of its state on the host.
 
         Returns:
             (the fixed choices, the ``TECHNIQUES`` the search may use, notes for choices that do nothing on
             ``device``).
 
         Raises:
-            ConfigError: a checkpointing policy that is not one.
+            ConfigError: ``choices`` not a ``Choices``; a selective policy the planner cannot plan.
         """
+        if not isinstance(choices, Choices):
+            raise ConfigError(f"choices={choices!r} is not a Choices. To resolve this error, pass Choices(...) or "
+                              "Choices.from_dict(...).")
         allowed, notes = set(TECHNIQUES), []
-        cuda = device == "cuda"
-        policy = None if checkpointing is None else Checkpointing.parse(checkpointing)
-        offload = offload_activations
-        if policy is not None and policy.offload_inputs:
-            offload = True
-        if offload and not cuda:
+        policy = choices.checkpointing
+        if policy is not None and policy.mode == "selective":
+            _check_selective(policy)
+        offload_layout = choices.offload_activations  # True: what the layout keeps goes to the host too
+        if choices.offloads_activations and device != "cuda":
             notes.append("activation offload has no effect on a CPU-only run (no device memory to save): off")
-            offload = False
+            offload_layout = False
             if policy is not None:
                 policy = dataclasses.replace(policy, offload_inputs=False)
         blocks: tuple[BlockKind, ...] | None = None
         flavor: RecomputeFlavor | None = None
         if policy is not None:
-            blocks = policy.block_policies(n_blocks)
-            flavor = "selective" if policy.mode == "selective" else "full"
-            if offload and "recompute" in blocks:
-                flavor = "offload-inputs"  # the recomputed blocks' saved inputs wait in host memory
-            elif offload:
-                blocks = ("offload",) * n_blocks  # nothing recomputes: every block's activations go to the host
-        elif offload:
-            # Asked for, with the layout left open: every block recomputes and its saved input is offloaded.
-            blocks, flavor = ("recompute",) * n_blocks, "offload-inputs"
-        if offload is False:
+            # A layout of the wrong length is named by check_fixed, which knows the model's blocks.
+            blocks = policy.blocks if policy.mode == "blocks" else policy.block_policies(n_blocks)
+            flavor = ("selective" if policy.mode == "selective" else
+                      "offload-inputs" if policy.offload_inputs or offload_layout else "full")
+            if offload_layout:
+                blocks = tuple("offload" if kind == "keep" else kind for kind in blocks)
+        elif offload_layout:
+            flavor = "offload-inputs"  # the layout is the plan's; the blocks it recomputes offload their inputs
+        if offload_layout is False:
             allowed.discard("offload-activations")
-        optimizer: OptimizerPlacement | None = None
-        if offload_optimizer is True:
-            optimizer = "offload"
-        elif offload_optimizer is False or offload_fraction is not None:
-            optimizer = "device"
-            if offload_fraction is None:
-                offload_fraction = 0.0
-        if state_precision is not None or step_in_backward:
-            optimizer = optimizer or "device"  # lean moments and the in-backward step are device optimizers
-        fixed = cls(blocks=blocks, flavor=flavor, chunked_loss=chunked_loss, optimizer=optimizer,
-                    state_precision=state_precision, step_in_backward=step_in_backward,
-                    offload_fraction=offload_fraction)
+        opt = choices.optimizer
+        fraction = opt.offload_fraction
+        if opt.placement == "device":
+            allowed -= {"offload-optimizer", "bf16-weights"}
+            if fraction is None:
+                fraction = 0.0
+        fixed = cls(blocks=blocks, flavor=flavor, chunked_loss=choices.chunked_loss, optimizer=opt.fixed_placement,
+                    state_precision=opt.state_precision, step_in_backward=opt.step_in_backward,
+                    offload_fraction=fraction, compile=True if choices.compile else None)
         return fixed, frozenset(allowed), notes
+
+
+def _check_selective(policy: Checkpointing) -> None:
+    """ConfigError for a selective policy the planner cannot plan: other ops kept, or the inputs offloaded."""
+    if policy.selective != SelectivePolicy():
+        raise ConfigError(f"checkpointing={str(policy)!r}: the planner's selective recompute keeps the outputs of "
+                          f"{', '.join(SelectivePolicy().keep)}. To resolve this error, pass checkpointing='selective', "
+                          "or estimate this policy with memtrain estimate.")
+    if policy.offload_inputs:
+        raise ConfigError(f"checkpointing={str(policy)!r}: the planner does not combine a selective recompute with "
+                          "offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")
 
 
 @dataclass(frozen=True)
