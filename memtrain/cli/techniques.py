@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memtrain.checkpointing import Checkpointing, SelectivePolicy
+from memtrain.checkpointing import Checkpointing
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
-from memtrain.planner import TECHNIQUES, Fixed
 
 # --offload-optimizer / --no-offload-optimizer / neither: where AdamW's state lives (neither: the plan decides).
 _PLACEMENT = {True: "offload", False: "device", None: None}
@@ -74,53 +73,6 @@ def technique_problems(args: argparse.Namespace) -> list[str]:
                         "--no-offload-activations says not to. To resolve this error, drop +offload or "
                         "--no-offload-activations.")
     return problems
-
-
-def fixed_choices(args: argparse.Namespace, n_blocks: int) -> tuple[Any, list[str]]:
-    """The planner's ``Fixed`` choices and allowed ``techniques`` for the technique flags given (unset: planned).
-
-    --checkpointing fixes the layout of blocks (+offload: the recomputed blocks' inputs offloaded);
-    --offload-activations with a fixed layout offloads what the layout keeps and the recomputed blocks' inputs,
-    with auto it fixes how recomputed blocks recompute (inputs offloaded); --no-...: the plan never offloads them.
-    """
-    techniques = list(TECHNIQUES)
-    blocks, flavor = None, None
-    if args.checkpointing != "auto":
-        policy = Checkpointing.parse(args.checkpointing)
-        blocks = policy.block_policies(n_blocks)
-        if policy.mode == "selective":
-            if policy.selective != SelectivePolicy():
-                raise ConfigError(f"--checkpointing {policy}: the planner's selective recompute keeps the outputs of "
-                                  f"{', '.join(SelectivePolicy().keep)}. To resolve this error, pass --checkpointing "
-                                  "selective, or estimate this policy with memtrain estimate.")
-            if policy.offload_inputs:
-                raise ConfigError(f"--checkpointing {policy}: the planner does not combine a selective recompute "
-                                  "with offloaded inputs. To resolve this error, pass selective or all+offload.")
-            flavor = "selective"
-        else:
-            flavor = "offload-inputs" if policy.offload_inputs else "full"
-        if args.offload_activations:
-            blocks = tuple("offload" if kind == "keep" else kind for kind in blocks)
-            if flavor == "full":
-                flavor = "offload-inputs"
-    elif args.offload_activations:
-        flavor = "offload-inputs"
-    if args.offload_activations is False:
-        techniques.remove("offload-activations")
-    optimizer = {True: "offload", False: "device", None: None}[args.offload_optimizer]
-    if args.offload_optimizer is False:
-        techniques = [t for t in techniques if t not in ("offload-optimizer", "bf16-weights")]
-    fraction = args.offload_optimizer_fraction
-    if fraction is not None:
-        optimizer = "device"  # a partial offload is the device optimizer with a share of its state on the host
-    if args.offload_optimizer is False and fraction is None:
-        fraction = 0.0
-    fixed = Fixed(blocks=blocks, flavor=flavor, chunked_loss=args.chunked_loss, optimizer=optimizer,
-                  state_precision=args.optimizer_state, step_in_backward=args.step_in_backward,
-                  offload_fraction=fraction)
-    return fixed, techniques
-
-
 
 
 def train_techniques(args: argparse.Namespace) -> dict[str, Any]:
