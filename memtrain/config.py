@@ -6,16 +6,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from memtrain.checkpointing import Checkpointing
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner import budget_bytes
 
 PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
 MAX_SEED = 2**63  # seeds are torch.Generator seeds (64 bits), plus one per epoch of the data
-DEFAULT_MICRO_BATCH = 16  # the global batch per rank when neither micro_batch_size nor global_batch_size is given
 
 
 @dataclass(frozen=True)
@@ -29,26 +28,22 @@ class TrainConfig:
     host_budget: int | str | None = None  # host RAM the plan may use (offloads, pinned buffers); None: what is free
     safety_margin: float = 0.05  # of the budget, left for the allocator's fragmentation
     micro_batch_size: int | None = None  # examples per forward (activations grow with it); None: the plan's
-    global_batch_size: int | None = None  # examples per optimizer step, all ranks; None = 16 x world size, or
-    # micro_batch_size x world size where that is given
+    global_batch_size: int | None = None  # examples per optimizer step, all ranks; None: default_global_batch
+    # (memtrain.choices): 16 x world size, or micro_batch_size x world size where that is given
     lr: float = 3e-3
     warmup_steps: int | None = None  # linear warm-up; None: min(50, max_steps // 10), so short runs reach lr
     min_lr_ratio: float = 0.1  # the cosine schedule decays to lr * min_lr_ratio
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0  # the global gradient norm is clipped to this; None: not clipped
     precision: PrecisionChoice = "auto"  # 16-bit halves most activation bytes
-    # "auto": the plan's per-block keep / recompute / offload; else a Checkpointing or a spelling it parses
-    # ("none", "all" (only the blocks' inputs saved), "every:K", "selective", "blocks(RKO...)", "...+offload").
-    checkpointing: str | Checkpointing = "auto"
-    checkpoint_every: int = 2  # with checkpointing="every" (the older spelling of "every:K"): K
-    # None below: the plan decides; True / False: fixed, and the plan fits the rest around it.
-    offload_activations: bool | None = None  # saved activations in pinned host memory (CUDA only)
-    offload_optimizer: bool | None = None  # fp32 master + AdamW state in host RAM (12 bytes/param off the device)
-    chunked_loss: bool | None = None  # the loss's fp32 logits 1024 tokens at a time, never the whole batch's
-    state_precision: str | None = None  # AdamW's moments: "fp32" (8 bytes/param), "bf16" (4), "int8" (about 2)
-    step_in_backward: bool | None = None  # each parameter steps as its gradient is final (no gradient buffers)
-    offload_fraction: float | None = None  # this share of AdamW's state in host RAM (the rest stays on the device)
-    compile: bool = False  # torch.compile the training forward/backward (fused kernels; the first steps compile)
+    # The memory techniques (memtrain.choices.Choices): a None in them is the plan's to choose, a value is fixed and
+    # the plan fits the rest around it. Their memory effects: checkpointing keeps only a recomputed block's input
+    # (about one extra forward of it); offload_activations puts saved activations in pinned host memory (CUDA only);
+    # optimizer=OptimizerChoice(placement="offload") moves fp32 master + AdamW state to host RAM (12 bytes/param off
+    # the device), state_precision "bf16" / "int8" shrinks AdamW's moments (8 bytes/param to 4 / about 2),
+    # step_in_backward frees each gradient as its parameter steps, offload_fraction puts that share of the state in
+    # host RAM; chunked_loss computes the fp32 logits 1024 tokens at a time; compile fuses the step's kernels.
+    choices: Choices = field(default_factory=Choices)
     fsdp: bool = False  # under torchrun: True shards parameters, gradients and optimizer state over ranks
     seed: int = 0
     eval_every: int = 100
@@ -64,7 +59,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raises one ConfigError listing every bad field (each named as the argument, e.g. ``out_dir=``)."""
         problems = []
-        for name in ("max_steps", "checkpoint_every", "eval_every", "eval_batches"):
+        for name in ("max_steps", "eval_every", "eval_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass e.g. {name}=1.")
@@ -100,13 +95,9 @@ class TrainConfig:
         if self.grad_clip is not None and not (number(self.grad_clip) and self.grad_clip > 0):
             problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping. To resolve this error, "
                             "pass e.g. grad_clip=1.0.")
-        for name in ("fsdp", "compile", "overwrite", "resume", "progress", "merge_lora"):
+        for name in ("fsdp", "overwrite", "resume", "progress", "merge_lora"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, pass one of them.")
-        for name in ("offload_optimizer", "offload_activations", "chunked_loss", "step_in_backward"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be True, False, or None (the plan decides). "
-                                f"To resolve this error, pass one of them.")
         for name in ("budget", "host_budget"):
             try:
                 budget_bytes(getattr(self, name), name)
@@ -115,18 +106,6 @@ class TrainConfig:
         if not (number(self.safety_margin) and 0 <= self.safety_margin < 0.9):
             problems.append(f"safety_margin={self.safety_margin!r} must be a fraction in [0, 0.9). To resolve this error, "
                             "pass e.g. safety_margin=0.05.")
-        if self.state_precision not in (None, "fp32", "bf16", "int8"):
-            problems.append(f"state_precision={self.state_precision!r} is not one of 'fp32', 'bf16', 'int8', or None "
-                            "(the plan decides). To resolve this error, pass one of them.")
-        if self.offload_fraction is not None and not (number(self.offload_fraction)
-                                                      and 0.0 <= self.offload_fraction <= 1.0):
-            problems.append(f"offload_fraction={self.offload_fraction!r} must be a fraction in [0, 1], or None (the "
-                            "plan decides). To resolve this error, pass e.g. offload_fraction=0.5.")
-        try:
-            self.checkpointing_policy()
-        except ConfigError as e:
-            problems += [p if p.startswith("checkpointing") else f"checkpointing={self.checkpointing!r}: {p}"
-                         for p in e.problems]
         if self.micro_batch_size is not None and isinstance(self.global_batch_size, int) \
                 and isinstance(self.micro_batch_size, int) and self.micro_batch_size > self.global_batch_size >= 1:
             problems.append(f"micro_batch_size={self.micro_batch_size} is more than global_batch_size="
@@ -144,36 +123,25 @@ class TrainConfig:
         if self.merge_lora is True and not self.out_dir:
             problems.append("merge_lora=True writes the merged weights into the run folder's hf/. To resolve this "
                             "error, pass out_dir='DIR'.")
-        if self.offload_optimizer is True and self.fsdp is True:
-            problems.append("offload_optimizer=True and fsdp=True together: FSDP2 shards the optimizer state itself "
-                            "and CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
-                            "offload_optimizer=True and fsdp=True.")
         if isinstance(self.sample_bytes, bool) or not isinstance(self.sample_bytes, int) or self.sample_bytes < 0:
             problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0. To resolve this error, pass "
                             "e.g. sample_bytes=240, or 0 for no sample.")
-        if self.checkpointing is None:  # every other None means "the plan decides": here that is "auto"
-            problems.append("checkpointing=None is ambiguous. To resolve this error, pass checkpointing='auto' (the "
-                            "plan decides) or 'none' (no checkpointing).")
+        if not isinstance(self.choices, Choices):
+            problems.append(f"choices={self.choices!r} is not a Choices. To resolve this error, pass e.g. "
+                            "choices=Choices(checkpointing='all'), or choices=Choices.from_dict({...}) for a mapping "
+                            "(memtrain.choices).")
+        elif isinstance(self.fsdp, bool):
+            try:
+                self.choices.check_run(fsdp=self.fsdp)
+            except ConfigError as e:
+                problems += e.problems
         ConfigError.raise_if(problems)
 
-    def checkpointing_policy(self) -> Checkpointing | None:
-        """The fixed checkpointing policy, or None for "auto" (the plan's).
-
-        Raises:
-            ConfigError: a value that is not a policy (the message lists the spellings).
-        """
-        value = self.checkpointing
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return None
-        if value == "every":
-            every = self.checkpoint_every
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ConfigError(f"checkpoint_every={every!r} must be an integer >= 1 (with checkpointing='every').")
-            return Checkpointing(mode="every", every=every)
-        if isinstance(value, (bool, int)) and not isinstance(value, Checkpointing):
-            raise ConfigError(f"checkpointing={value!r} is not a policy. To resolve this error, pass 'auto', 'none', "
-                              "'all', 'every:K' (e.g. 'every:2'), 'selective', or a Checkpointing.")
-        return Checkpointing.parse(value)
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON values (``choices`` as ``Choices.to_dict``): a run folder's config.json."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["choices"] = self.choices.to_dict()
+        return out
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 from memtrain.accumulation import GradientAccumulator, accumulation_steps
 from memtrain.checkpointing import compile_model
-from memtrain.config import DEFAULT_MICRO_BATCH, TrainConfig, TrainResult
+from memtrain.choices import default_global_batch
+from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import DevicePrefetcher, make_loader, map_tensors
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.files import atomic_write_bytes
@@ -64,9 +65,11 @@ from memtrain.run.replan import (
     RunContext,
     RunPlan,
     check_plan,
+    flat_settings,
     plan_after_out_of_memory,
     plan_request,
     plan_run,
+    read_plan_request,
     replan,
     replan_record,
 )
@@ -362,6 +365,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
            device: torch.device) -> TrainResult:
     train_data, val_data = data if isinstance(data, tuple) else (data, None)
     global_batch = _global_batch(config, world, len(train_data))
+    config.choices.check_run(world_size=world, fsdp=config.fsdp)  # what a run of `world` ranks cannot take
     # Nothing in the folder changes before every check below has passed (taking it is undone if one fails).
     out = folder.path if folder is not None else None
     checkpoints = RunCheckpoints(out) if out is not None else None
@@ -422,7 +426,7 @@ def _global_batch(config: TrainConfig, world: int, examples: int) -> int:
     if config.fsdp and world == 1:
         raise ConfigError("fsdp=True needs several processes (torch.distributed with a world size > 1). To "
                           "resolve this error, launch under torchrun --nproc_per_node N, or drop fsdp=True.")
-    global_batch = config.global_batch_size or (config.micro_batch_size or DEFAULT_MICRO_BATCH) * world
+    global_batch = config.global_batch_size or default_global_batch(world, config.micro_batch_size)
     if config.micro_batch_size is not None:
         accumulation_steps(config.micro_batch_size, global_batch, world)  # a clear error when it does not divide
     elif global_batch % world:
@@ -475,11 +479,11 @@ def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunConte
     for group, base in zip(s.optimizer.param_groups, s.scheduler.base_lrs, strict=True):
         group["lr"] = base * lr_at(s.scheduler.last_epoch, config) / config.lr
     notes += [f"skipped a damaged checkpoint: {problem}; using the previous one" for problem in skipped]
-    notes += applied_changes(state.get("config", {}), asdict(config))
+    notes += applied_changes(flat_settings(state.get("config", {})), flat_settings(config.to_dict()))
     extra = state["extra"]
     s.plan_check, s.replans = extra.get("plan_check"), list(extra.get("replans", []))
     left_at = extra.get("plan_settings")
-    if extra.get("plan_request") == plan_request(config) and isinstance(left_at, dict):
+    if read_plan_request(extra.get("plan_request")) == plan_request(config) and isinstance(left_at, dict):
         # The memory settings are the run's: continue on the plan it left off with (re-planned ones too).
         left = PlanSettings.from_dict(left_at)
         if left != s.run_plan.settings:
@@ -504,7 +508,7 @@ def _commit_folder(folder: RunFolder, config: TrainConfig, command: Mapping[str,
     succeeded: only now may the folder change."""
     with write_faults(folder.path, checkpoints):
         folder.commit()
-        folder.write_config(asdict(config), command, plan=started_with.to_dict())
+        folder.write_config(config.to_dict(), command, plan=started_with.to_dict())
         metrics, metric_notes = metrics_log.start(resume_step=start_step if config.resume else None)
     notes += metric_notes
     return metrics
@@ -587,13 +591,13 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
                 f"(optimizer {s.run_plan.settings.optimizer_text}: stepping in backward, or inside the "
                 "optimizer step): a retry would apply this step twice to them; checkpoints already written are "
                 "intact. To resolve this error, resume from the last (resume=True) with a smaller budget= "
-                "or step_in_backward=False.")
+                "or OptimizerChoice(step_in_backward=False).")
         _release_step(s, device)
         if attempt == MAX_REPLANS_PER_STEP:
             raise MemtrainError(f"out of memory at step {step + 1} after {attempt} re-plans (the last: "
                                 f"micro-batch {s.micro}, checkpointing {s.run_plan.settings.checkpointing}). "
                                 "To resolve this error, pass a smaller budget= (the plan then leaves "
-                                "more room), offload_optimizer=True, or a shorter seq_len.")
+                                "more room), OptimizerChoice(placement='offload'), or a shorter seq_len.")
         new = plan_after_out_of_memory(s.run_plan, error, s.model, config, context, step, measured_peak)
         _log(f"out of memory at step {step + 1} with micro-batch {s.micro}: " + "; ".join(new.reasons[:2])
              + f"; now micro-batch {new.settings.micro_batch_size} x {new.settings.accumulation}, "
@@ -634,7 +638,7 @@ def _save(s: Session, step: int, config: TrainConfig, run: dict[str, Any], check
              "plan_request": plan_request(config), "correction_bytes": s.run_plan.correction_bytes,
              "replans": s.replans}
     save_run_state(checkpoints if s.rank == 0 else None, step + 1, s.micro, s.model, s.optimizer, s.scheduler,
-                   s.precision.scaler, s.acc, run, extra, config=asdict(config))
+                   s.precision.scaler, s.acc, run, extra, config=config.to_dict())
 
 
 def _finish(s: Session, tally: Tally, config: TrainConfig, context: RunContext, out: Any,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from memtrain import ConfigError, TrainConfig
+from memtrain.choices import Choices, OptimizerChoice
 
 
 def test_train_config_lists_every_problem():
@@ -16,25 +17,59 @@ def test_train_config_lists_every_problem():
 
 def test_every_train_config_problem_says_how_to_resolve_it():
     bad = dict(max_steps=0, micro_batch_size=0, lr=-1.0, warmup_steps=-1, seed=-1, min_lr_ratio=2.0,
-               weight_decay=-1.0, grad_clip=0.0, compile="yes", chunked_loss="yes", safety_margin=2.0,
-               state_precision="fp8", offload_fraction=2.0, precision="fp8", sample_bytes=True, checkpointing=None,
-               budget="lots")
+               weight_decay=-1.0, grad_clip=0.0, safety_margin=2.0, precision="fp8", sample_bytes=True,
+               budget="lots", choices={"chunked_loss": True})
     with pytest.raises(ConfigError) as info:
         TrainConfig(**bad).validate()
     assert len(info.value.problems) >= len(bad), info.value.problems
     assert all("To resolve this error" in p for p in info.value.problems), info.value.problems
+    # The techniques' own values are checked where they are built: Choices, each problem with its fix.
+    bad_choices = dict(compile="yes", chunked_loss="yes", checkpointing=True)
+    with pytest.raises(ConfigError) as info:
+        Choices(**bad_choices)
+    assert len(info.value.problems) >= len(bad_choices), info.value.problems
+    with pytest.raises(ConfigError) as info:
+        OptimizerChoice(state_precision="fp8", offload_fraction=2.0)
+    assert len(info.value.problems) == 2, info.value.problems
+    assert all("To resolve this error" in p for p in info.value.problems), info.value.problems
 
 
 def test_train_config_errors_name_arguments_and_suggest_only_what_it_accepts():
-    bad = TrainConfig(max_steps=0, lr=float("nan"), seed=-1, checkpointing="sometimes", precision="fp8",
-                      overwrite=True, resume=True, offload_optimizer=True, fsdp=True, warmup_steps=-1)
+    bad = TrainConfig(max_steps=0, lr=float("nan"), seed=-1, precision="fp8", overwrite=True, resume=True,
+                      choices=Choices(optimizer=OptimizerChoice(placement="offload")), fsdp=True, warmup_steps=-1)
     with pytest.raises(ConfigError) as info:
         bad.validate()
     problems = info.value.problems
     assert not [p for p in problems if "--" in p], problems  # flags are the CLI's words, not the library's
     assert any("out_dir='DIR'" in p for p in problems), problems
-    checkpointing = next(p for p in problems if p.startswith("checkpointing="))
+    assert any("optimizer.placement='offload' and fsdp=True" in p for p in problems), problems
+    with pytest.raises(ConfigError) as info:
+        Choices(checkpointing="sometimes")
+    checkpointing = next(p for p in info.value.problems if p.startswith("checkpointing="))
     assert "'every:K'" in checkpointing and "'selective'" in checkpointing, checkpointing
     for accepted in ("every:2", "selective", "blocks(RK)", "all+offload", "auto"):  # what the message suggests
-        TrainConfig(checkpointing=accepted).validate()
-    TrainConfig(checkpointing="every", checkpoint_every=2).validate()  # the older spelling still works
+        TrainConfig(choices=Choices(checkpointing=accepted)).validate()
+
+
+@pytest.mark.parametrize("value", [{"checkpointing": "all"}, "all", None])
+def test_choices_that_are_not_a_choices_are_one_error_naming_it(value):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(choices=value).validate()
+    (problem,) = info.value.problems
+    assert problem.startswith(f"choices={value!r} is not a Choices"), problem
+    assert "Choices(" in problem and "Choices.from_dict(" in problem, problem
+    TrainConfig(choices=Choices.from_dict({"checkpointing": "all"})).validate()  # the fix it names
+
+
+def test_the_world_size_rule_waits_for_the_world_but_fsdp_is_checked_at_once():
+    in_backward = TrainConfig(choices=Choices(optimizer=OptimizerChoice(step_in_backward=True)))
+    in_backward.validate()  # one process is fine; train / plan_run check it against the ranks
+    with pytest.raises(ConfigError, match="this run has 2 processes"):
+        in_backward.choices.check_run(world_size=2, fsdp=in_backward.fsdp)
+
+
+def test_to_dict_writes_the_choices_as_json_values():
+    config = TrainConfig(choices=Choices(checkpointing="every:2", optimizer=OptimizerChoice(placement="offload")))
+    saved = config.to_dict()
+    assert saved["choices"]["checkpointing"] == "every:2" and saved["choices"]["optimizer"]["placement"] == "offload"
+    assert Choices.from_dict(saved["choices"]) == config.choices and saved["max_steps"] == config.max_steps

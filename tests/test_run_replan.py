@@ -3,12 +3,26 @@ re-plans inside a run (the shortfall folded in, the data order kept) are tests/t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
-from memtrain import MemtrainError, TrainConfig
-from memtrain.run.replan import RunContext, check_plan, plan_after_out_of_memory, plan_run, replan_record
+from memtrain import ConfigError, MemtrainError, TrainConfig
+from memtrain.choices import Choices, OptimizerChoice
+from memtrain.run.replan import (
+    PLAN_FIELDS,
+    RunContext,
+    check_kept_optimizer,
+    check_plan,
+    flat_settings,
+    plan_after_out_of_memory,
+    plan_request,
+    plan_run,
+    read_plan_request,
+    replan_record,
+)
 
 
 def _context(world: int = 1) -> RunContext:
@@ -35,3 +49,50 @@ def test_out_of_memory_on_one_of_several_ranks_is_an_error():
     with pytest.raises(MemtrainError, match="on one of several ranks"):
         plan_after_out_of_memory(run_plan, "CUDA out of memory", model, config, _context(world=2), step=0,
                                  measured_peak=None)
+
+
+# -- the plan request a checkpoint keeps (issue 19: choices in one field) ----------------------------------
+def _old_request(**changes) -> dict:
+    """A plan request as the version before ``TrainConfig(choices=)`` saved it: the techniques as flat fields."""
+    return {"budget": None, "host_budget": None, "safety_margin": 0.05, "micro_batch_size": 2,
+            "checkpointing": "every", "checkpoint_every": 2, "offload_activations": None, "offload_optimizer": False,
+            "chunked_loss": None, "state_precision": "fp32", "step_in_backward": None, "offload_fraction": None,
+            "compile": False, **changes}
+
+
+def test_a_plan_request_of_the_previous_version_reads_as_the_same_choices():
+    config = TrainConfig(micro_batch_size=2, choices=Choices(
+        checkpointing="every:2", optimizer=OptimizerChoice(placement="device", state_precision="fp32")))
+    assert set(plan_request(config)) == {*PLAN_FIELDS} and read_plan_request(plan_request(config)) == plan_request(config)
+    assert read_plan_request(_old_request()) == plan_request(config)
+    assert read_plan_request(_old_request(checkpoint_every=3)) != plan_request(config)
+    assert read_plan_request(_old_request(offload_optimizer=True, state_precision=None)) != plan_request(config)
+    auto = read_plan_request(_old_request(checkpointing="auto", offload_optimizer=None, state_precision=None))
+    assert auto == plan_request(TrainConfig(micro_batch_size=2)), auto
+    assert read_plan_request(_old_request(state_precision="fp8")) is None  # not choices: a new plan, no error
+    assert read_plan_request(None) is None
+
+
+def test_a_saved_config_of_either_version_shows_its_choices_by_name():
+    old = {"max_steps": 2, "checkpointing": "none", "checkpoint_every": 2, "compile": False, "chunked_loss": None}
+    new = TrainConfig(max_steps=2, choices=Choices(checkpointing="none")).to_dict()
+    assert flat_settings(old)["checkpointing"] == flat_settings(new)["checkpointing"] == "none"
+    assert flat_settings(old)["compile"] is False and "checkpoint_every" not in flat_settings(old)
+    assert flat_settings(old)["max_steps"] == 2
+
+
+def test_the_world_size_rule_is_checked_where_the_world_is_known():
+    config = TrainConfig(choices=Choices(optimizer=OptimizerChoice(step_in_backward=True)))
+    plan_run(nn.Linear(8, 8), config, _context())
+    with pytest.raises(ConfigError, match="this run has 2 processes"):
+        plan_run(nn.Linear(8, 8), config, _context(world=2))
+
+
+def test_a_kept_optimizer_admits_only_itself():
+    kept = plan_run(nn.Linear(8, 8), TrainConfig(), _context()).settings
+    check_kept_optimizer(OptimizerChoice(), kept)
+    check_kept_optimizer(OptimizerChoice(placement="device", state_precision="fp32"), kept)
+    with pytest.raises(ConfigError, match=r"optimizer.placement='device', optimizer.state_precision='bf16': the "
+                                          r"run's optimizer is"):
+        check_kept_optimizer(OptimizerChoice(placement="device", state_precision="bf16"),
+                             replace(kept, optimizer="offload"))

@@ -19,6 +19,7 @@ from helpers import tiny_gpt
 from safetensors.torch import load_file
 
 from memtrain import ConfigError, TrainConfig, train
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.data import split_windows, text_file_tokens
 from memtrain.models import GPT, GPTConfig
 from memtrain.run import RunCheckpoints, RunWriteError
@@ -158,7 +159,8 @@ def test_out_of_memory_re_plans_with_the_shortfall_and_keeps_the_data_order(tmp_
         return real_loss(model, x, y, positions)
 
     monkeypatch.setattr(train_module, "language_model_loss", loss_that_runs_out_of_memory)
-    fixed = {"checkpointing": "none", "chunked_loss": False, "state_precision": "fp32", "precision": "fp32"}
+    fixed = {"choices": Choices(checkpointing="none", chunked_loss=False,
+                                optimizer=OptimizerChoice(state_precision="fp32")), "precision": "fp32"}
     config = TrainConfig(max_steps=4, micro_batch_size=8, global_batch_size=8, lr=1e-2, out_dir=str(tmp_path / "oom"),
                          progress=False, eval_every=100, **fixed)
     result = train(_tiny_model(), _tiny_data(text_file), config)
@@ -207,8 +209,9 @@ def test_out_of_memory_with_nothing_left_to_shrink_is_a_clear_error(tmp_path, te
     monkeypatch.setattr(train_module, "language_model_loss", always_oom)
     from memtrain import MemtrainError
 
-    config = TrainConfig(max_steps=1, micro_batch_size=1, progress=False, checkpointing="all", chunked_loss=True,
-                         state_precision="fp32", out_dir=str(tmp_path / "x"))
+    config = TrainConfig(max_steps=1, micro_batch_size=1, progress=False, out_dir=str(tmp_path / "x"),
+                         choices=Choices(checkpointing="all", chunked_loss=True,
+                                         optimizer=OptimizerChoice(state_precision="fp32")))
     with pytest.raises(MemtrainError, match="out of memory at step 1.*no plan fits"):
         train(_tiny_model(), _tiny_data(text_file), config)
     assert not (tmp_path / "x" / "model.safetensors").exists()
@@ -235,8 +238,9 @@ def test_out_of_memory_after_parameters_stepped_in_backward_is_not_retried(tmp_p
 
     monkeypatch.setattr(train_module, "apply_plan", apply_then_fail_in_backward)
     config = TrainConfig(max_steps=3, global_batch_size=8, lr=1e-2, progress=False, precision="fp32",
-                         chunked_loss=False, step_in_backward=True, grad_clip=None, state_precision="fp32",
-                         sample_bytes=0, out_dir=str(tmp_path / "sib"))
+                         grad_clip=None, sample_bytes=0, out_dir=str(tmp_path / "sib"),
+                         choices=Choices(chunked_loss=False,
+                                         optimizer=OptimizerChoice(step_in_backward=True, state_precision="fp32")))
     with pytest.raises(MemtrainError, match="after some parameters had already been updated"):
         train(_tiny_model(), _tiny_data(text_file), config)
     assert fired
@@ -262,8 +266,9 @@ def test_out_of_memory_before_the_optimizer_step_retries_with_an_fp16_scaler(tmp
 
     monkeypatch.setattr(train_module, "apply_plan", apply_then_fail_once_in_step)
     config = TrainConfig(max_steps=2, global_batch_size=8, progress=False, precision="fp16-mixed", sample_bytes=0,
-                         state_precision="fp32", step_in_backward=False, offload_optimizer=False,
-                         out_dir=str(tmp_path / "fp16"))
+                         out_dir=str(tmp_path / "fp16"),
+                         choices=Choices(optimizer=OptimizerChoice(placement="device", state_precision="fp32",
+                                                                   step_in_backward=False)))
     result = train(_tiny_model(), _tiny_data(text_file), config)
     assert result.steps == 2 and result.replans == 1
 
@@ -272,9 +277,10 @@ def test_a_resume_refuses_another_optimizer(tmp_path, text_file):
     from memtrain import ConfigError
 
     base = dict(global_batch_size=8, progress=False, precision="fp32", sample_bytes=0, out_dir=str(tmp_path / "r"))
-    train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=2, offload_optimizer=False, **base))
-    with pytest.raises(ConfigError, match="offload_optimizer=True: the run's optimizer is device"):
-        train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=3, resume=True, offload_optimizer=True,
+    on_device, offloaded = (Choices(optimizer=OptimizerChoice(placement=p)) for p in ("device", "offload"))
+    train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=2, choices=on_device, **base))
+    with pytest.raises(ConfigError, match="optimizer.placement='offload': the run's optimizer is device"):
+        train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=3, resume=True, choices=offloaded,
                                                                   **base))
 
 
@@ -284,7 +290,7 @@ def test_accumulation_equals_the_large_batch(tmp_path, text_file):
     for micro in (2, 8):
         out = tmp_path / f"micro{micro}"
         config = TrainConfig(max_steps=4, micro_batch_size=micro, global_batch_size=8, lr=1e-2, precision="fp32",
-                             checkpointing="none", out_dir=str(out), progress=False, sample_bytes=0)
+                             choices=Choices(checkpointing="none"), out_dir=str(out), progress=False, sample_bytes=0)
         runs[micro] = train(_tiny_model(), _tiny_data(text_file), config)
     assert runs[2].accumulation == 4 and runs[8].accumulation == 1
     assert_same_weights(tmp_path / "micro2", tmp_path / "micro8", atol=1e-5)
@@ -296,7 +302,8 @@ def test_offloaded_optimizer_matches_device_adamw_with_accumulation_and_clipping
     for offload in (False, True):
         out = tmp_path / f"offload{offload}"
         config = TrainConfig(max_steps=5, micro_batch_size=2, global_batch_size=6, lr=1e-2, grad_clip=0.05,
-                             offload_optimizer=offload, out_dir=str(out), progress=False, sample_bytes=0)
+                             choices=Choices(optimizer=OptimizerChoice(placement="offload" if offload else "device")),
+                             out_dir=str(out), progress=False, sample_bytes=0)
         runs[offload] = train(_tiny_model(), _tiny_data(text_file), config)
     norms = [json.loads(line)["grad_norm"] for line in (tmp_path / "offloadTrue" / "metrics.jsonl").read_text().splitlines()]
     assert min(norms) > 0.05, f"clipping must be active for this test to mean anything: norms {norms}"
@@ -310,8 +317,9 @@ def test_chunked_loss_keeps_fewer_bytes_for_the_same_weights(tmp_path, text_file
     runs = {}
     for chunked in (False, True):
         out = tmp_path / f"chunked{chunked}"
-        config = TrainConfig(max_steps=3, micro_batch_size=8, lr=1e-2, precision="fp32", checkpointing="all",
-                             chunked_loss=chunked, out_dir=str(out), progress=False, sample_bytes=0)
+        config = TrainConfig(max_steps=3, micro_batch_size=8, lr=1e-2, precision="fp32",
+                             choices=Choices(checkpointing="all", chunked_loss=chunked), out_dir=str(out),
+                             progress=False, sample_bytes=0)
         model = _tiny_model()
         runs[chunked] = train(model, _tiny_data(text_file), config)
         assert (model.loss_chunk_tokens is not None) == chunked
@@ -338,8 +346,9 @@ def test_compiled_training_step_ends_where_eager_does(tmp_path, text_file):
     runs = {}
     for compiled in (False, True):
         out = tmp_path / f"compiled{compiled}"
-        config = TrainConfig(max_steps=3, micro_batch_size=4, lr=1e-2, precision="fp32", checkpointing="all",
-                             compile=compiled, out_dir=str(out), progress=False, sample_bytes=0)
+        config = TrainConfig(max_steps=3, micro_batch_size=4, lr=1e-2, precision="fp32",
+                             choices=Choices(checkpointing="all", compile=compiled), out_dir=str(out), progress=False,
+                             sample_bytes=0)
         runs[compiled] = train(_tiny_model(), _tiny_data(text_file), config)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], (
         dict(counters["stats"]), dict(counters["graph_break"]))
@@ -446,7 +455,7 @@ def test_resume_refuses_changed_run_defining_settings_naming_each(finished_run, 
 
 def test_resume_applies_safe_changes_with_a_logged_line(finished_run, text_file, capsys):
     config = TrainConfig(max_steps=4, micro_batch_size=1, global_batch_size=2, out_dir=str(finished_run),
-                         resume=True, progress=False, eval_every=3, save_every=1, checkpointing="none")
+                         resume=True, progress=False, eval_every=3, save_every=1, choices=Choices(checkpointing="none"))
     result = train(_tiny_model(), _tiny_data(text_file), config)
     err = capsys.readouterr().err
     for line in ("max_steps=4 applied (the run had max_steps=2)", "micro_batch_size=1 applied",
@@ -511,7 +520,7 @@ def test_auto_trains_a_model_without_blocks_unchekpointed_and_says_why(tmp_path,
     assert result.checkpointed_blocks == () and result.steps == 2
     assert "checkpointing off, because: auto found no repeated blocks in _FlatLM" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no repeated blocks found"):  # asked for explicitly: an error
-        train(_FlatLM(), _tiny_data(text_file), TrainConfig(max_steps=1, checkpointing="all", progress=False))
+        train(_FlatLM(), _tiny_data(text_file), TrainConfig(max_steps=1, choices=Choices(checkpointing="all"), progress=False))
 
 
 # -- the schedule and the step's device waits (items 23, 7) ------------------------------------------------
@@ -563,3 +572,50 @@ def test_the_training_step_does_not_stall_the_device_queue_to_measure(tmp_path, 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 123)
     train(model, _tiny_data(text_file), TrainConfig(max_steps=3, micro_batch_size=2, progress=False))
     assert calls.count("reset") == 3 and "synchronize" not in calls, calls
+
+
+def _rewrite_checkpoint(folder: Path, change) -> None:
+    """Edits the newest checkpoint's meta.json with ``change(state)`` and writes its checksums again."""
+    import hashlib
+
+    newest = sorted((folder / "checkpoints").iterdir())[-1]
+    meta = json.loads((newest / "meta.json").read_text())
+    change(meta["state"])
+    (newest / "meta.json").write_text(json.dumps(meta))
+    (newest / "SHA256SUMS").write_text("".join(f"{hashlib.sha256((newest / n).read_bytes()).hexdigest()}  {n}\n"
+                                               for n in ("meta.json", "tensors.safetensors")))
+
+
+def test_a_checkpoint_of_the_previous_version_resumes_on_its_plan(tmp_path, text_file, capsys):
+    """A checkpoint written before ``TrainConfig(choices=)`` names its plan request (and its config) in flat fields
+    ("checkpointing": "every", "checkpoint_every": 2, "offload_optimizer": False, ...): read as the same choices,
+    the resume continues on the plan the run left off with, and logs no setting as changed."""
+    out = tmp_path / "old"
+    choices = Choices(checkpointing="every:2", optimizer=OptimizerChoice(placement="device", state_precision="fp32"))
+    base = dict(global_batch_size=4, out_dir=str(out), progress=False, sample_bytes=0, precision="fp32",
+                choices=choices)
+    train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=2, **base))
+    flat = {"checkpointing": "every", "checkpoint_every": 2, "offload_activations": None, "offload_optimizer": False,
+            "chunked_loss": None, "state_precision": "fp32", "step_in_backward": None, "offload_fraction": None,
+            "compile": False}
+
+    def to_previous_version(state):
+        extra = state["extra"]
+        request = {k: v for k, v in extra["plan_request"].items() if k != "choices"}
+        extra["plan_request"] = {**request, **flat}
+        state["config"] = {**{k: v for k, v in state["config"].items() if k != "choices"}, **flat}
+        # The plan it left off with differs from a fresh one (as after a re-plan): the resume must keep it.
+        settings = extra["plan_settings"]
+        assert settings["micro_batch_size"] != 1, settings
+        extra["plan_settings"] = {**settings, "micro_batch_size": 1, "accumulation": 4}
+    _rewrite_checkpoint(out, to_previous_version)
+    capsys.readouterr()
+    result = train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=3, resume=True, **base))
+    err = capsys.readouterr().err
+    assert result.steps == 3 and result.micro_batch_size == 1 and result.accumulation == 4, result
+    assert "memory settings changed" not in err, err
+    assert [line for line in err.splitlines() if " applied (the run had" in line] == [
+        "  resume: max_steps=3 applied (the run had max_steps=2) (the cosine schedule now ends there)"], err
+    newest = sorted((out / "checkpoints").iterdir())[-1]
+    saved = json.loads((newest / "meta.json").read_text())["state"]["extra"]["plan_request"]
+    assert saved["choices"] == choices.to_dict() and "checkpoint_every" not in saved, saved

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,19 +20,21 @@ import torch
 from torch import nn
 
 from memtrain.checkpointing import find_blocks
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.config import TrainConfig
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
-from memtrain.planner import Fixed, Plan, PlanSettings, budget_bytes, plan
+from memtrain.planner import Plan, PlanSettings, budget_bytes, plan
 from memtrain.report import format_bytes, parse_bytes
 
+OOM_MIN_OVERSHOOT = 0.02  # of the predicted peak: the least a step that ran out of memory is taken to have missed
 # The TrainConfig fields that shape the plan: a resume that changes none of them continues on the plan the run
 # had (re-planned ones included); one that changes any plans again.
-OOM_MIN_OVERSHOOT = 0.02  # of the predicted peak: the least a step that ran out of memory is taken to have missed
-PLAN_FIELDS = ("budget", "host_budget", "safety_margin", "micro_batch_size", "checkpointing", "checkpoint_every",
-               "offload_activations", "offload_optimizer", "chunked_loss", "state_precision", "step_in_backward",
-               "offload_fraction", "compile")
+PLAN_FIELDS = ("budget", "host_budget", "safety_margin", "micro_batch_size", "choices")
+# The flat TrainConfig fields of the version before ``choices``: a checkpoint it wrote names its request in these.
+OLD_CHOICE_FIELDS = ("checkpointing", "checkpoint_every", "offload_activations", "offload_optimizer", "chunked_loss",
+                     "state_precision", "step_in_backward", "offload_fraction", "compile")
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,55 @@ class RunContext:
 
 def plan_request(config: TrainConfig) -> dict[str, Any]:
     """The plan-shaping fields of ``config`` as JSON values (kept in checkpoints; see ``PLAN_FIELDS``)."""
-    out = {}
-    for name in PLAN_FIELDS:
-        value = getattr(config, name)
-        out[name] = str(value) if dataclasses.is_dataclass(value) else value
+    out = {name: getattr(config, name) for name in PLAN_FIELDS}
+    out["choices"] = config.choices.to_dict()
     return out
+
+
+def choices_of_old_fields(values: Mapping[str, Any]) -> Choices:
+    """The ``Choices`` that the previous version's flat fields name (``OLD_CHOICE_FIELDS``: its "auto"
+    checkpointing is None, "every" with ``checkpoint_every`` is "every:K", ``offload_optimizer`` the placement).
+
+    Raises:
+        ConfigError: values that are not choices.
+    """
+    policy = values.get("checkpointing", "auto")
+    if policy == "every":
+        policy = f"every:{values.get('checkpoint_every', 2)}"
+    offload = values.get("offload_optimizer")
+    optimizer = OptimizerChoice(placement=None if offload is None else "offload" if offload else "device",
+                                state_precision=values.get("state_precision"),
+                                step_in_backward=values.get("step_in_backward"),
+                                offload_fraction=values.get("offload_fraction"))
+    return Choices(checkpointing=policy, offload_activations=values.get("offload_activations"), optimizer=optimizer,
+                   chunked_loss=values.get("chunked_loss"), compile=bool(values.get("compile", False)))
+
+
+def read_plan_request(saved: Any) -> dict[str, Any] | None:
+    """A checkpoint's plan request in this version's form (``plan_request``): one written by the version before
+    ``choices`` (flat technique fields) is converted once here; None where it is missing or unreadable."""
+    if not isinstance(saved, Mapping):
+        return None
+    if "choices" in saved or not any(name in saved for name in OLD_CHOICE_FIELDS):
+        return dict(saved)
+    try:
+        choices = choices_of_old_fields(saved)
+    except ConfigError:
+        return None
+    return {**{name: saved.get(name) for name in PLAN_FIELDS if name != "choices"}, "choices": choices.to_dict()}
+
+
+def flat_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved config (``TrainConfig.to_dict``, or the previous version's flat fields) with its choices' run-level
+    fields at the top (checkpointing, offload_activations, chunked_loss, compile), as a resume's log compares them."""
+    out = {k: v for k, v in values.items() if k not in ("choices", *OLD_CHOICE_FIELDS)}
+    saved = values.get("choices")
+    try:
+        choices = Choices.from_dict(saved) if isinstance(saved, Mapping) else choices_of_old_fields(values)
+    except ConfigError:
+        return out
+    top = choices.to_dict()
+    return {**out, **{name: top[name] for name in ("checkpointing", "offload_activations", "chunked_loss", "compile")}}
 
 
 def run_budget(config: TrainConfig, model: nn.Module, device: torch.device) -> tuple[int, str]:
@@ -120,9 +167,10 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
     """
     micro = None if free_micro else (micro_batch_size or config.micro_batch_size)
     device, world = context.device, context.world
+    choices = config.choices
+    choices.check_run(world_size=world, fsdp=config.fsdp)
     blocks = find_blocks(model)
-    policy = config.checkpointing_policy()
-    if not blocks and policy is None:
+    if not blocks and choices.checkpointing is None:
         if settings is not None:  # a resume continues on the settings it left off with (a halved micro-batch)
             return RunPlan(settings, None, None, ("no plan (the model has no repeated blocks): the run's settings "
                                                   "as saved",), correction_bytes)
@@ -131,35 +179,32 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
         budget, budget_reason = run_budget(config, model, device)
     else:
         budget_reason = f"budget {format_bytes(budget)} per rank (as at the run's start)"
-    fixed, allowed, notes = Fixed.of_choices(
-        n_blocks=len(blocks), device=device.type, checkpointing=policy,
-        offload_activations=config.offload_activations, offload_optimizer=config.offload_optimizer,
-        chunked_loss=config.chunked_loss, state_precision=config.state_precision,
-        step_in_backward=config.step_in_backward, offload_fraction=config.offload_fraction)
-    fixed = dataclasses.replace(fixed, compile=config.compile)
     if keep_optimizer is not None:
-        k = keep_optimizer
-        differ = [f"{name}={value!r}" for name, value, kept in (
-            ("offload_optimizer", config.offload_optimizer, k.optimizer != "device"),
-            ("state_precision", config.state_precision, k.state_precision),
-            ("step_in_backward", config.step_in_backward, k.step_in_backward),
-            ("offload_fraction", config.offload_fraction, k.offload_fraction)) if value is not None and value != kept]
-        if differ:
-            raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {k.optimizer_text}, and its state exists "
-                              "already (a resume or a re-plan keeps it). To resolve this error, drop "
-                              f"{' and '.join(d.split('=')[0] + '=' for d in differ)} or start a new run "
-                              "(overwrite=True).")
-        fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
-                                    step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction)
+        check_kept_optimizer(choices.optimizer, keep_optimizer)
+    # The plan translates the choices (Fixed.of_choices); its reasons open with the notes on choices it dropped.
     chosen = plan(model, budget=budget, seq_len=context.seq_len, global_batch_size=context.global_batch,
                   device=device.type, precision=context.precision, world_size=world,
-                  fsdp=config.fsdp if world > 1 else False,
-                  host_budget=config.host_budget, compile=config.compile, micro_batch_size=micro,
-                  safety_margin=config.safety_margin, grad_clip=config.grad_clip is not None, techniques=allowed,
-                  fixed=fixed if settings is None else None, settings=settings, correction_bytes=correction_bytes)
+                  fsdp=config.fsdp if world > 1 else False, host_budget=config.host_budget, micro_batch_size=micro,
+                  safety_margin=config.safety_margin, grad_clip=config.grad_clip is not None, choices=choices,
+                  keep_optimizer=keep_optimizer, settings=settings, correction_bytes=correction_bytes)
     # The precision's reason is train's own line (it resolved "auto").
-    reasons = (budget_reason, *notes, *(r for r in chosen.reasons if not r.startswith("precision ")))
+    reasons = (budget_reason, *(r for r in chosen.reasons if not r.startswith("precision ")))
     return RunPlan(chosen.settings, chosen, budget, reasons, correction_bytes)
+
+
+def check_kept_optimizer(asked: OptimizerChoice, kept: PlanSettings) -> None:
+    """ConfigError where ``asked`` fixes another optimizer than the one a run keeps (a resume, a re-plan: its state
+    exists already), naming each field that differs."""
+    differ = [f"optimizer.{name}={value!r}" for name, value, have in (
+        ("placement", asked.placement, kept.optimizer),
+        ("state_precision", asked.state_precision, kept.state_precision),
+        ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
+        ("offload_fraction", asked.offload_fraction, kept.offload_fraction)) if value is not None and value != have]
+    if differ:
+        raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {kept.optimizer_text}, and its state exists "
+                          "already (a resume or a re-plan keeps it). To resolve this error, drop "
+                          f"{' and '.join(d.split('=')[0] + '=' for d in differ)} or start a new run "
+                          "(overwrite=True).")
 
 
 def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: int, precision: str,
@@ -168,16 +213,18 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
     optimizer as given (plain where unset), the whole per-rank batch in one micro-batch unless fixed."""
     per_rank = global_batch // world
     micro = micro or per_rank
-    chunked = bool(config.chunked_loss)
+    choices = config.choices
+    chunked = bool(choices.chunked_loss)
     if chunked and not supports_chunked_loss(model):
         raise ConfigError(f"chunked_loss=True, but memtrain cannot chunk the loss of {type(model).__name__} (see "
                           "memtrain.loss). To resolve this error, pass chunked_loss=False or leave it unset.")
     settings = PlanSettings(
         micro_batch_size=micro, accumulation=per_rank // micro, blocks=(), flavor="full", chunked_loss=chunked,
-        optimizer="offload" if config.offload_optimizer else "device",
-        distribution="none" if world == 1 else "fsdp2" if config.fsdp else "ddp", compile=config.compile,
-        precision=precision, state_precision=config.state_precision or "fp32",
-        step_in_backward=bool(config.step_in_backward), offload_fraction=config.offload_fraction or 0.0)
+        optimizer="offload" if choices.optimizer.placement == "offload" else "device",
+        distribution="none" if world == 1 else "fsdp2" if config.fsdp else "ddp", compile=choices.compile,
+        precision=precision, state_precision=choices.optimizer.state_precision or "fp32",
+        step_in_backward=bool(choices.optimizer.step_in_backward),
+        offload_fraction=choices.optimizer.offload_fraction or 0.0)
     reason = (f"checkpointing off, because: auto found no repeated blocks in {type(model).__name__} (no "
               "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules), so nothing is "
               "planned per block; to checkpoint it, call apply_checkpointing(model, blocks=...) before train()")
@@ -272,7 +319,8 @@ def plan_after_out_of_memory(run_plan: RunPlan, error: str, model: nn.Module, co
         per_rank = context.global_batch  # one rank
         if micro == 1:
             raise MemtrainError(f"out of memory at step {step + 1} with a micro-batch of 1. To resolve this error, "
-                                "pass offload_optimizer=True, a shorter seq_len, or a smaller model.")
+                                "pass choices=Choices(optimizer=OptimizerChoice(placement='offload')), a shorter "
+                                "seq_len, or a smaller model.")
         smaller = next(m for m in range(micro // 2, 0, -1) if per_rank % m == 0)
         s = dataclasses.replace(run_plan.settings, micro_batch_size=smaller, accumulation=per_rank // smaller)
         return dataclasses.replace(run_plan, settings=s, reasons=(
