@@ -5,9 +5,7 @@ between them are ``Choices``'s own; its errors reach the user in flag terms (``c
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from memtrain.checkpointing import Checkpointing
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
 
@@ -44,40 +42,3 @@ def choices_from_flags(args: argparse.Namespace) -> Choices:
     ConfigError.raise_if(problems)
     return choices
 
-
-# Replaced by choices_from_flags once train, plan and estimate take Choices.
-def technique_problems(args: argparse.Namespace) -> list[str]:
-    """Flags that contradict each other, named as flags (train and plan)."""
-    problems = []
-    if args.offload_optimizer and args.offload_optimizer_fraction is not None:
-        problems.append(f"--offload-optimizer and --offload-optimizer-fraction {args.offload_optimizer_fraction} "
-                        "together: the first puts all of the optimizer state in host RAM, the second a share of it. "
-                        "To resolve this error, pass one of them.")
-    if args.offload_optimizer is False and args.offload_optimizer_fraction:
-        problems.append(f"--no-offload-optimizer and --offload-optimizer-fraction {args.offload_optimizer_fraction} "
-                        "contradict each other. To resolve this error, drop one of them.")
-    if args.offload_optimizer and args.optimizer_state not in (None, "fp32"):
-        problems.append(f"--offload-optimizer with --optimizer-state {args.optimizer_state}: CPUOffloadOptimizer "
-                        "keeps fp32 state in host RAM (the device holds none). To resolve this error, drop "
-                        "--optimizer-state, or use it with the optimizer on the device (--no-offload-optimizer).")
-    if args.offload_optimizer and args.step_in_backward:
-        problems.append("--offload-optimizer with --step-in-backward: the offloaded optimizer already takes each "
-                        "gradient off the device as it is produced and steps on the host; --step-in-backward is for "
-                        "the device optimizer. To resolve this error, pass one of them.")
-    if args.step_in_backward and args.offload_optimizer_fraction:
-        problems.append("--step-in-backward with --offload-optimizer-fraction: a partial offload steps after "
-                        "backward. To resolve this error, pass one of them.")
-    if args.checkpointing != "auto" and args.offload_activations is False and \
-            Checkpointing.parse(args.checkpointing).offload_inputs:
-        problems.append(f"--checkpointing {args.checkpointing} offloads the recomputed blocks' inputs, but "
-                        "--no-offload-activations says not to. To resolve this error, drop +offload or "
-                        "--no-offload-activations.")
-    return problems
-
-
-def train_techniques(args: argparse.Namespace) -> dict[str, Any]:
-    """TrainConfig's technique fields from the flags (unset: the plan decides)."""
-    return dict(checkpointing=args.checkpointing, offload_optimizer=args.offload_optimizer,
-                offload_activations=args.offload_activations, chunked_loss=args.chunked_loss,
-                state_precision=args.optimizer_state, step_in_backward=args.step_in_backward,
-                offload_fraction=args.offload_optimizer_fraction, compile=args.compile)
