@@ -126,6 +126,12 @@ def test_nproc_plans_per_rank_and_compares_ddp_with_fsdp(capsys):
         assert {c["settings"]["distribution"] for c in p["candidates"]} | {p["plan"]["distribution"]} == {kind}
 
 
+def test_the_default_global_batch_is_memtrain_trains(capsys):
+    # memtrain train's default with --micro-batch-size is one micro-batch per rank; the plan once assumed 16.
+    p = _plan(capsys, *TINY, "--nproc", "2", "--micro-batch-size", "4")
+    assert (p["global_batch_size"], p["plan"]["micro_batch_size"]) == (8, 4), p["plan"]
+
+
 def test_calibrate_measures_the_device_again(capsys, monkeypatch):
     import memtrain.planner as planner
 

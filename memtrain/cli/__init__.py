@@ -7,7 +7,7 @@ The parts, from the bottom up:
 - ``terms``: the library's errors in flag terms (``out_dir=`` -> ``--out``), one table, ``ARGUMENT_FLAGS``.
 - ``console``: the exit codes; output that survives a reader closing stdout early.
 - ``flags``: the parser, the flags' types and checks, ``--config FILE.toml``, the flags given explicitly.
-- ``techniques``: the technique flags translated for the library (their contradictions, the planner's choices).
+- ``techniques``: the technique flags as the one ``Choices`` that train, plan and estimate take.
 - ``workloads``: the model and the data the flags name (GPT presets, --hf-config, --hf-model, --data).
 - ``launch``: torchrun's environment, the distributed group, the --nproc check.
 - ``resume``: the flags a run records and a --resume takes back.

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
-from memtrain.checkpointing import Checkpointing
 from memtrain.cli.console import EXIT_OK, echo
+from memtrain.cli.techniques import choices_from_flags
 from memtrain.cli.workloads import meta_target
 from memtrain.errors import ConfigError
 from memtrain.estimate import estimate
@@ -18,27 +19,26 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise ConfigError("--checkpointing auto asks the planner to choose, and memtrain estimate predicts one given "
                           "set-up. To resolve this error, run memtrain plan --budget SIZE (it estimates its choice), "
                           "or pass a policy such as all, every:2 or none.")
+    setup = choices_from_flags(args)
     target, seq_len, name = meta_target(args)
-    policy = Checkpointing.parse(args.checkpointing)
-    chunked = args.chunked_loss
+    policy = setup.checkpointing
+    chunked = setup.chunked_loss
     if chunked is None:  # as memtrain train did by hand: with checkpointing, the loss chunked where the model allows
         chunked = policy.mode != "none" and supports_chunked_loss(target)
     elif chunked and not supports_chunked_loss(target):
         raise ConfigError(f"--chunked-loss, but memtrain cannot chunk the loss of {name} (see memtrain.loss). To "
                           "resolve this error, drop --chunked-loss.")
+    setup = dataclasses.replace(setup, chunked_loss=chunked)
     report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
-                      checkpointing=policy, optimizer="adamw-offload" if args.offload_optimizer else "adamw",
-                      offload_activations=bool(args.offload_activations), chunked_loss=chunked,
-                      state_precision=args.optimizer_state or "fp32",
-                      offload_fraction=args.offload_optimizer_fraction or 0.0,
-                      step_in_backward=bool(args.step_in_backward))
+                      setup=setup)
     if args.json:
         echo(json.dumps(report.to_dict()))
     else:
-        optimizer = ("offloaded" if args.offload_optimizer else
-                     f"{100 * args.offload_optimizer_fraction:.0f}% offloaded" if args.offload_optimizer_fraction
-                     else "on the device") + f", {args.optimizer_state or 'fp32'} moments" + (
-                         ", step in backward" if args.step_in_backward else "")
+        o = setup.optimizer
+        where = ("offloaded" if o.placement == "offload" else f"{100 * o.offload_fraction:.0f}% offloaded"
+                 if o.offload_fraction else "on the device")
+        optimizer = f"{where}, {o.state_precision or 'fp32'} moments" + (", step in backward" if o.step_in_backward
+                                                                          else "")
         echo(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
              f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {args.device}")
         echo(report.summary())

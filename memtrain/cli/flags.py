@@ -193,7 +193,8 @@ def _add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="choose the fastest set-up that fits a memory budget, with its reasons")
     _add_model_flags(p)
     p.add_argument("--global-batch-size", type=_positive_int,
-                   help="examples per optimizer step over all ranks (default 16 x --nproc, as memtrain train)")
+                   help="examples per optimizer step over all ranks (default, as memtrain train: 16 x --nproc, or "
+                   "micro-batch x --nproc when --micro-batch-size is given)")
     p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
                    help="compute precision (default bf16-mixed)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",

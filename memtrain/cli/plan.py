@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
-from memtrain.checkpointing import find_blocks
+from memtrain.choices import default_global_batch
 from memtrain.cli.console import EXIT_OK, echo
 from memtrain.cli.flags import UNLIMITED
-from memtrain.cli.techniques import fixed_choices, technique_problems
+from memtrain.cli.techniques import choices_from_flags
 from memtrain.cli.workloads import meta_target
 from memtrain.errors import ConfigError
 from memtrain.planner import known_gpu, plan
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    ConfigError.raise_if(technique_problems(args))
+    # memtrain plan's --compile fixes nothing: it lets the search weigh compiled set-ups too (plan(compile=)).
+    choices = dataclasses.replace(choices_from_flags(args), compile=False)
     target, seq_len, name = meta_target(args)
-    fixed, techniques = fixed_choices(args, len(find_blocks(target)))
     # On the CPU the planner always probes; --calibrate probes a GPU now instead of the table of known ones.
     if args.gpu and (args.calibrate or args.device != "cuda"):
         other = "--calibrate" if args.calibrate else "--device cpu"
@@ -29,10 +30,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     profile = calibrate(args.device, refresh=True) if args.calibrate else known_gpu(args.gpu) if args.gpu else None
     p = plan(target, budget=None if args.budget == UNLIMITED else args.budget, seq_len=seq_len,
-             global_batch_size=args.global_batch_size or 16 * args.nproc, device=args.device,
-             precision=args.precision, world_size=args.nproc, fsdp=args.fsdp if args.nproc > 1 else False,
-             host_budget=None if args.host_budget == UNLIMITED else args.host_budget, compile=args.compile,
-             micro_batch_size=args.micro_batch_size, techniques=techniques, device_profile=profile, fixed=fixed)
+             global_batch_size=args.global_batch_size or default_global_batch(args.nproc, args.micro_batch_size),
+             device=args.device, precision=args.precision, world_size=args.nproc,
+             fsdp=args.fsdp if args.nproc > 1 else False, compile=args.compile, choices=choices,
+             host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
+             micro_batch_size=args.micro_batch_size, device_profile=profile)
     if args.json:
         echo(json.dumps(p.to_dict()))
     else:

@@ -19,6 +19,7 @@ ARGUMENT_FLAGS: dict[str, str] = {
     "eval_every": "--eval-every", "save_every": "--save-every", "seq_len": "--seq-len", "device": "--device",
     "world_size": "torchrun --nproc_per_node", "budget": "--budget", "host_budget": "--host-budget",
     "state_precision": "--optimizer-state", "offload_fraction": "--offload-optimizer-fraction",
+    "optimizer.state_precision": "--optimizer-state", "optimizer.offload_fraction": "--offload-optimizer-fraction",
 }
 # Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
 ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
@@ -28,6 +29,11 @@ ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
     "compile": ("--compile", None), "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
     "progress": (None, "--no-progress"), "step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
     "merge_lora": ("--merge-lora", None),
+    "optimizer.step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
+}
+# Arguments whose value has a flag of its own (``Choices``'s optimizer placement is --[no-]offload-optimizer).
+ARGUMENT_VALUES: dict[str, str] = {
+    "optimizer.placement='offload'": "--offload-optimizer", "optimizer.placement='device'": "--no-offload-optimizer",
 }
 # Where a command spells an argument its own way: memtrain plan plans --nproc ranks and compares --fsdp / --ddp.
 COMMAND_FLAGS: dict[str, dict[str, str]] = {"plan": {"world_size": "--nproc"}}
@@ -37,7 +43,8 @@ _VALUE = r"('[^']*'|\"[^\"]*\"|\[[^\]]*\]|[^\s,;)]+)"
 
 def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str] | None = None) -> str:
     """A library message in the command's terms: ``out_dir='x'`` -> ``--out 'x'``, ``resume=True`` -> ``--resume``,
-    ``micro_batch_size`` -> ``--micro-batch-size`` (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``);
+    ``micro_batch_size`` -> ``--micro-batch-size``, ``optimizer.placement='offload'`` -> ``--offload-optimizer``
+    (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``);
     ``extra`` names what an argument means at one call site (``path=`` is --hf-model's folder or --data's file)."""
     flags = {**ARGUMENT_FLAGS, **COMMAND_FLAGS.get(command or "", {}), **(extra or {})}
     switches = {**ARGUMENT_SWITCHES, **COMMAND_SWITCHES.get(command or "", {})}
@@ -47,9 +54,11 @@ def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str
         flag = on if match.group(2) == "True" else off
         return flag if flag is not None else f"without {off if match.group(2) == 'True' else on}"
 
-    names = "|".join(sorted(switches, key=len, reverse=True))
+    values = "|".join(map(re.escape, sorted(ARGUMENT_VALUES, key=len, reverse=True)))
+    message = re.sub(rf"(?<![\w./-])({values})", lambda match: ARGUMENT_VALUES[match.group(1)], message)
+    names = "|".join(map(re.escape, sorted(switches, key=len, reverse=True)))
     message = re.sub(rf"(?<![\w./-])({names})=(True|False)\b", switch, message)
-    names = "|".join(sorted(flags, key=len, reverse=True))
+    names = "|".join(map(re.escape, sorted(flags, key=len, reverse=True)))
 
     def valued(match: re.Match[str]) -> str:
         flag = flags[match.group(1)]
@@ -57,7 +66,7 @@ def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str
 
     message = re.sub(rf"(?<![\w./-])({names})={_VALUE}", valued, message)
     bare = [n for n in (*flags, *switches) if "_" in n]
-    names = "|".join(sorted(bare, key=len, reverse=True))
+    names = "|".join(map(re.escape, sorted(bare, key=len, reverse=True)))
 
     def named(match: re.Match[str]) -> str:
         name = match.group(1)

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from memtrain.accumulation import accumulation_steps
+from memtrain.choices import Choices, default_global_batch
 from memtrain.cli.console import EXIT_OK, echo, log
 from memtrain.cli.launch import distributed_group, nproc_problems
 from memtrain.cli.resume import command_record, resume_flags
-from memtrain.cli.techniques import technique_problems, train_techniques
+from memtrain.cli.techniques import choices_from_flags
 from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of
 from memtrain.cli.workloads import build_language_model, check_data_path, hf_folder_config, hf_seq_len
 from memtrain.config import TrainConfig, TrainResult
@@ -31,7 +32,7 @@ from memtrain.run import RunFolder
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explicit: set[str]) -> int:
     """memtrain train: the checks, the model and the data the flags name, train(), and the summary line."""
     # The checks that need no model come first: a bad folder or file fails in a second, not after set-up.
-    notes, tokenizer = _check_before_set_up(args, parser, explicit)
+    notes, tokenizer, choices = _check_before_set_up(args, parser, explicit)
     name = Path(args.hf_model).name if args.hf_model else Path(args.hf_config).stem if args.hf_config else args.model
     out = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     config = TrainConfig(
@@ -39,19 +40,19 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         precision=args.precision, budget=args.budget, host_budget=args.host_budget, fsdp=args.fsdp,
         merge_lora=args.merge_lora, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
-        out_dir=out, overwrite=args.overwrite, resume=args.resume, progress=not args.no_progress,
-        **train_techniques(args),
+        out_dir=out, overwrite=args.overwrite, resume=args.resume, progress=not args.no_progress, choices=choices,
     )
     config.validate()
     RunFolder(out, overwrite=args.overwrite, resume=args.resume).check()
     with distributed_group() as (rank, world, device):
         if args.micro_batch_size is not None:  # else the plan picks one that divides the global batch
-            accumulation_steps(args.micro_batch_size, args.global_batch_size or args.micro_batch_size * world, world)
+            accumulation_steps(args.micro_batch_size,
+                               args.global_batch_size or default_global_batch(world, args.micro_batch_size), world)
         torch.manual_seed(args.seed)
         model, data, seq_len, source = _model_and_data(args, tokenizer, device)
         n_params = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        global_batch = args.global_batch_size or (args.micro_batch_size or 16) * world
+        global_batch = args.global_batch_size or default_global_batch(world, args.micro_batch_size)
         if rank == 0:
             for note in notes:
                 echo(f"  {note}", file=sys.stderr)
@@ -70,15 +71,20 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
 
 
 def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                         explicit: set[str]) -> tuple[list[str], Any]:
-    """The checks that need no model: (the notes of --resume for the log, --hf-model's tokenizer or None)."""
+                         explicit: set[str]) -> tuple[list[str], Any, Choices]:
+    """The checks that need no model: (the notes of --resume for the log, --hf-model's tokenizer or None, the
+    technique choices of the flags, after --resume has taken back the run's)."""
     if args.resume and not args.out:
         raise ConfigError("--resume needs the run folder to continue. To resolve this error, pass --out DIR.")
     notes = []
     if args.resume and not args.overwrite:
         RunFolder(args.out, resume=True).check()
         notes = resume_flags(args, parser, explicit)
-    problems = technique_problems(args)
+    problems, choices = [], Choices()
+    try:
+        choices = choices_from_flags(args)
+    except ConfigError as e:
+        problems += e.problems
     if args.merge_lora and not args.lora:
         problems.append("--merge-lora without --lora: there are no adapters to merge. To resolve this error, pass "
                         "--lora R (e.g. --lora 8), or drop --merge-lora.")
@@ -98,7 +104,7 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
             tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
     if args.data:
         check_data_path(args.data, tokenised=tokenizer is not None)
-    return notes, tokenizer
+    return notes, tokenizer, choices
 
 
 def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> tuple[Any, Any, int, str]:

@@ -1,0 +1,80 @@
+"""The technique flags as one ``Choices``: each flag fixes its field, a flag not given leaves it to the plan, a
+--config file goes through the same flags, and contradictions are one error in flag terms."""
+
+from __future__ import annotations
+
+import pytest
+
+from memtrain.checkpointing import Checkpointing
+from memtrain.choices import Choices, OptimizerChoice
+from memtrain.cli.flags import apply_config_file, build_parser
+from memtrain.cli.techniques import choices_from_flags
+from memtrain.cli.terms import in_flag_terms
+from memtrain.errors import ConfigError
+
+
+def _choices(*argv: str, command: str = "train") -> Choices:
+    return choices_from_flags(build_parser().parse_args([command, *argv]))
+
+
+def _refused(*argv: str, command: str = "train") -> str:
+    with pytest.raises(ConfigError) as info:
+        _choices(*argv, command=command)
+    return in_flag_terms(str(info.value), command)
+
+
+def test_flags_not_given_leave_every_choice_to_the_plan():
+    assert _choices() == Choices() == _choices(command="plan")
+    assert _choices("--checkpointing", "auto").checkpointing is None
+
+
+def test_each_flag_fixes_its_choice():
+    choices = _choices("--checkpointing", "every:2", "--offload-activations", "--no-chunked-loss", "--compile",
+                       "--optimizer-state", "bf16", "--step-in-backward")
+    assert choices == Choices(checkpointing=Checkpointing.parse("every:2"), offload_activations=True,
+                              optimizer=OptimizerChoice(state_precision="bf16", step_in_backward=True),
+                              chunked_loss=False, compile=True)
+    assert _choices("--offload-optimizer").optimizer == OptimizerChoice(placement="offload")
+    assert _choices("--no-offload-optimizer", "--no-offload-activations").optimizer.placement == "device"
+    assert _choices("--offload-optimizer-fraction", "0.25").optimizer == OptimizerChoice(offload_fraction=0.25)
+    assert _choices("--no-offload-optimizer", "--offload-optimizer-fraction", "0").optimizer == OptimizerChoice(
+        placement="device", offload_fraction=0.0)
+    # memtrain estimate predicts one set-up: its default policy is a policy, and it has no --compile.
+    assert _choices("--checkpointing", "selective", command="estimate") == Choices(checkpointing="selective")
+
+
+def test_a_config_file_goes_through_the_same_flags(tmp_path):
+    (tmp_path / "run.toml").write_text('checkpointing = "every:2"\nno-chunked-loss = true\noffload-optimizer = false\n'
+                                       'optimizer-state = "int8"\n')
+    parser = build_parser()
+    argv = ["train", "--config", str(tmp_path / "run.toml"), "--compile"]
+    apply_config_file(parser, argv)
+    assert choices_from_flags(parser.parse_args(argv)) == Choices(
+        checkpointing="every:2", chunked_loss=False, compile=True,
+        optimizer=OptimizerChoice(placement="device", state_precision="int8"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--offload-optimizer", "--optimizer-state", "int8"],
+     "--offload-optimizer with --optimizer-state 'int8': CPUOffloadOptimizer keeps fp32 state in host RAM"),
+    (["--offload-optimizer", "--offload-optimizer-fraction", "0.5"],
+     "--offload-optimizer with --offload-optimizer-fraction 0.5: the first puts all of the optimizer state in host "
+     "RAM"),
+    (["--offload-optimizer", "--step-in-backward"], "--step-in-backward is for the device optimizer"),
+    (["--step-in-backward", "--offload-optimizer-fraction", "0.5"],
+     "--step-in-backward with --offload-optimizer-fraction: a partial offload steps after backward"),
+    (["--no-offload-optimizer", "--offload-optimizer-fraction", "0.5"],
+     "--no-offload-optimizer and --offload-optimizer-fraction 0.5 contradict each other"),
+    (["--checkpointing", "all+offload", "--no-offload-activations"],
+     "but --no-offload-activations says not to. To resolve this error, drop +offload or --no-offload-activations"),
+])
+def test_contradicting_flags_are_named_as_flags(argv, message):
+    for command in ("train", "plan", "estimate"):
+        line = _refused(*argv, command=command)
+        assert message in line and "optimizer.p" not in line and "_" not in line and "To resolve this error" in line, line
+
+
+def test_every_contradiction_is_named_at_once():
+    line = _refused("--offload-optimizer", "--optimizer-state", "bf16", "--step-in-backward",
+                    "--checkpointing", "every:2+offload", "--no-offload-activations")
+    assert "--optimizer-state 'bf16'" in line and "--step-in-backward is for" in line and "says not to" in line, line
