@@ -10,13 +10,8 @@ import torch
 from checkpointing_parity import assert_buffers_equal, assert_grads_equal, gpt, gpt_step, hf_llama, run_twice
 from torch import nn
 
-from memtrain import (
-    ConfigError,
-    apply_checkpointing,
-    checkpoint_sequential,
-    remove_checkpointing,
-)
-from memtrain.checkpointing import checkpointed_blocks
+from memtrain import ConfigError, apply_checkpointing, remove_checkpointing
+from memtrain.checkpointing import checkpoint_sequential, checkpointed_blocks
 
 
 def test_checkpoint_sequential_parity_and_batchnorm():
