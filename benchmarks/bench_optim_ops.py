@@ -1,7 +1,7 @@
 """Aten ops per parameter tensor per optimizer step, and the CPU step time, of each state precision's AdamW beside
 torch's fused AdamW (the GPU-speed contract's figure; on a GPU each op is a kernel launch).
 
-- The ops: ``aten_ops_per_param`` (tests/test_optim_bf16.py) on 20 parameter tensors (10 x Linear(64, 64)), for
+- The ops: ``aten_ops_per_param`` (tests/test_optim_moments.py) on 20 parameter tensors (10 x Linear(64, 64)), for
   torch's fused and foreach AdamW, then ``build_optimizer`` with fp32, bf16 and int8 moments on the device and
   their CPUOffloadOptimizer host step (``offload_fraction=1.0``, the host step only).
 - The time: one step of torch's fused AdamW, torch's foreach AdamW, BF16StateAdamW and (when bitsandbytes is
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 from runner import Case, common_args, print_json_if_asked, run_side_by_side  # noqa: E402
-from test_optim_bf16 import aten_ops_per_param, fused_adamw, mlp, state_precision  # noqa: E402
+from test_optim_moments import aten_ops_per_param, fused_adamw, mlp, state_precision  # noqa: E402
 
 from memtrain.errors import ConfigError  # noqa: E402
 from memtrain.optim import BF16StateAdamW, adamw_8bit_class  # noqa: E402
