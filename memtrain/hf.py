@@ -33,6 +33,7 @@ memtrain's own loop's)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -347,9 +348,18 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
 HF_DEFAULT_CHOICES = Choices(checkpointing="all", chunked_loss=True)
 
 
+def trainer_choices(choices: Choices) -> Choices:
+    """``choices`` with what it leaves open (None) taken from ``HF_DEFAULT_CHOICES``: there is no planner here, so
+    an open checkpointing policy is "all" and an open chunked loss is on; ``checkpointing="none"`` and
+    ``chunked_loss=False`` turn them off."""
+    return dataclasses.replace(
+        choices,
+        checkpointing=HF_DEFAULT_CHOICES.checkpointing if choices.checkpointing is None else choices.checkpointing,
+        chunked_loss=HF_DEFAULT_CHOICES.chunked_loss if choices.chunked_loss is None else choices.chunked_loss)
+
+
 def _trainer_problems(choices: Any) -> list[str]:
-    """What ``prepare_model`` / ``MemtrainTrainer`` cannot do of ``choices``, in words naming the fix (a None in
-    ``choices`` means off: there is no planner here)."""
+    """What ``prepare_model`` / ``MemtrainTrainer`` cannot do of ``choices``, in words naming the fix."""
     if not isinstance(choices, Choices):
         return [f"memory={choices!r} must be a memtrain.choices.Choices. To resolve this error, pass e.g. "
                 "memory=Choices(checkpointing='all', chunked_loss=True), or Choices.from_dict(...) of a mapping."]
@@ -386,7 +396,8 @@ class Prepared:
 def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, chunk_tokens: int = 1024) -> Prepared:
     """Applies ``choices``' checkpointing policy and chunked loss (``chunk_tokens`` tokens of logits at a time) to a
     Hugging Face causal LM (a LoRA one too), in place, and turns its KV cache off (a cache holds every layer's keys
-    and values: for generation, not training). A None in ``choices`` means off. The optimizer placement and
+    and values: for generation, not training). What ``choices`` leaves open is ``HF_DEFAULT_CHOICES``'s
+    (``trainer_choices``): every layer checkpointed, the loss chunked. The optimizer placement and
     ``offload_activations`` are ``MemtrainTrainer``'s to apply (they act on the training step, not the model).
 
     Raises:
@@ -397,6 +408,7 @@ def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, ch
     from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
 
     ConfigError.raise_if(_trainer_problems(choices))
+    choices = trainer_choices(choices)
     inner = unwrap_model(model)
     config = getattr(inner, "config", None)
     if getattr(config, "use_cache", False):
@@ -435,7 +447,8 @@ def _build_trainer_class() -> type:
 
     class MemtrainTrainer(transformers.Trainer):
         """``transformers.Trainer`` with memtrain's memory savings: ``memory``, a ``memtrain.choices.Choices`` (by
-        default ``HF_DEFAULT_CHOICES``: every layer checkpointed, the loss chunked; a None in it means off), applied
+        default ``HF_DEFAULT_CHOICES``: every layer checkpointed, the loss chunked; what it leaves open is taken from
+        there), applied
         by ``prepare_model`` (checkpointing policy, chunked loss of ``chunk_tokens``) and here (optimizer placement,
         activation offload). What the Trainer cannot do (``optimizer.state_precision``, ``step_in_backward``,
         ``offload_fraction``, ``compile``) is one ConfigError naming the fix.
@@ -461,6 +474,7 @@ def _build_trainer_class() -> type:
         def __init__(self, model: nn.Module, args: Any = None, *, memory: Choices = HF_DEFAULT_CHOICES,
                      chunk_tokens: int = 1024, **trainer_kwargs: Any):
             ConfigError.raise_if(_trainer_problems(memory))
+            memory = trainer_choices(memory)
             policy = memory.checkpointing
             if policy is not None and policy.mode != "none" and getattr(args, "gradient_checkpointing", False):
                 raise ConfigError("MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and "
@@ -530,6 +544,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [  # noqa: F822 - MemtrainTrainer is built by __getattr__
-    "HF_DEFAULT_CHOICES", "MemtrainTrainer", "Prepared", "apply_lora", "is_lora", "load_pretrained", "load_tokenizer",
+    "HF_DEFAULT_CHOICES", "MemtrainTrainer", "Prepared", "trainer_choices", "apply_lora", "is_lora", "load_pretrained", "load_tokenizer",
     "lora_targets", "merge_lora", "prepare_model", "safetensors_files", "save_hf",
 ]

@@ -368,7 +368,7 @@ _MISSING = object()
 @dataclass
 class HostSyncs:
     """Calls that make the host wait for the device, counted by ``count_host_syncs``: their names in order, and
-    per call site (``"Tensor.item memtrain/optim.py:123"``) how many."""
+    per call site (``"Tensor.item memtrain/optim/partial.py:123"``) how many."""
 
     calls: list[str] = field(default_factory=list)
     sites: Counter[str] = field(default_factory=Counter)

@@ -591,13 +591,13 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
                 f"(optimizer {s.run_plan.settings.optimizer_text}: stepping in backward, or inside the "
                 "optimizer step): a retry would apply this step twice to them; checkpoints already written are "
                 "intact. To resolve this error, resume from the last (resume=True) with a smaller budget= "
-                "or OptimizerChoice(step_in_backward=False).")
+                "or optimizer.step_in_backward=False.")
         _release_step(s, device)
         if attempt == MAX_REPLANS_PER_STEP:
             raise MemtrainError(f"out of memory at step {step + 1} after {attempt} re-plans (the last: "
                                 f"micro-batch {s.micro}, checkpointing {s.run_plan.settings.checkpointing}). "
                                 "To resolve this error, pass a smaller budget= (the plan then leaves "
-                                "more room), OptimizerChoice(placement='offload'), or a shorter seq_len.")
+                                "more room), optimizer.placement='offload', or a shorter seq_len.")
         new = plan_after_out_of_memory(s.run_plan, error, s.model, config, context, step, measured_peak)
         _log(f"out of memory at step {step + 1} with micro-batch {s.micro}: " + "; ".join(new.reasons[:2])
              + f"; now micro-batch {new.settings.micro_batch_size} x {new.settings.accumulation}, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import build_llama, build_tokenizer
+from helpers import build_llama, build_tokenizer, planner_llama
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +23,9 @@ def hf_model_dir(tmp_path_factory) -> Path:
     build_llama(directory, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id)
     return directory
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """The planner tests' Llama config (``helpers.planner_llama``)."""
+    return planner_llama()

@@ -82,3 +82,58 @@ class Touches(TorchDispatchMode):
         if any(t.untyped_storage().data_ptr() in self.storages for t in flat):
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+# -- the planner's test models and devices --------------------------------------------------------------------
+MiB = 2**20
+
+
+def planner_llama(layers: int = 4, hidden: int = 512, **overrides: Any) -> Any:
+    """The Llama config the planner tests plan for (hidden 512, 4 layers, 8 heads, 4 key/value heads, vocab 4096)."""
+    return tiny_llama_config(**{**dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
+                                       max_position_embeddings=2048, use_cache=False), **overrides})
+
+
+def planner_gpt(layers: int = 4) -> GPT:
+    """The built-in GPT the planner tests plan for (width 128, 128 positions, no dropout)."""
+    return tiny_gpt(layers, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0, seed=0)
+
+
+def h100() -> Any:
+    """The table's H100 profile."""
+    from memtrain.planner import known_gpu
+
+    return known_gpu("NVIDIA H100 80GB HBM3")
+
+
+def fixed_cpu_profile() -> Any:
+    """Fixed CPU figures: the tests do not depend on how fast (or how loaded) the machine running them is."""
+    from memtrain.planner import DeviceProfile
+
+    return DeviceProfile(name="test cpu", matmul_flops=50e9, half_efficiency_tokens=256, attention_flops=10e9,
+                         memory_bandwidth=10e9, op_overhead_s=5e-6, host_to_device=5e9, device_to_host=5e9,
+                         cpu_adamw=5e8, host_bandwidth=10e9, interconnect=5e9, memory_bytes=None, source="test",
+                         asynchronous=False)
+
+
+# -- a short training run in a folder -----------------------------------------------------------------------------
+CODE_TEXT = b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300
+
+
+def code_windows(seq_len: int = 32) -> Any:
+    """``CODE_TEXT`` as byte windows of ``seq_len`` tokens: a dataset the built-in GPT learns in a few steps."""
+    import numpy as np
+
+    from memtrain.data import split_windows
+
+    return split_windows(np.frombuffer(CODE_TEXT, dtype=np.uint8).copy(), seq_len)
+
+
+def quick_run_config(out: Path, **changes: Any) -> Any:
+    """A one-step ``TrainConfig`` writing into ``out`` (no progress bar, no sample); ``changes`` override fields."""
+    from memtrain.config import TrainConfig
+
+    fields = {"max_steps": 1, "micro_batch_size": 2, "out_dir": str(out), "progress": False, "sample_bytes": 0,
+              "lr": 1e-2, "eval_batches": 1}
+    return TrainConfig(**{**fields, **changes})

@@ -9,8 +9,8 @@ def test_library_errors_are_shown_in_flag_terms():
     assert in_flag_terms("out_dir='/a/out_dir' is a file") == "--out '/a/out_dir' is a file"
     assert in_flag_terms("pass resume=True, overwrite=True or chunked_loss=False") == (
         "pass --resume, --overwrite or --no-chunked-loss")
-    assert in_flag_terms("checkpoint_every=0 must be >= 1; lower global_batch_size") == (
-        "--checkpointing every:0 must be >= 1; lower --global-batch-size")
+    assert in_flag_terms("micro_batch_size=0 must be >= 1; lower global_batch_size") == (
+        "--micro-batch-size 0 must be >= 1; lower --global-batch-size")
     assert in_flag_terms("world_size=2 now") == "torchrun --nproc_per_node 2 now"
     assert in_flag_terms("the precision of the run (precision='fp32')") == (
         "the precision of the run (--precision 'fp32')")

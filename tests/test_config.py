@@ -73,3 +73,15 @@ def test_to_dict_writes_the_choices_as_json_values():
     saved = config.to_dict()
     assert saved["choices"]["checkpointing"] == "every:2" and saved["choices"]["optimizer"]["placement"] == "offload"
     assert Choices.from_dict(saved["choices"]) == config.choices and saved["max_steps"] == config.max_steps
+
+
+def test_the_previous_versions_technique_fields_are_one_error_spelling_the_choices():
+    """TrainConfig(checkpointing=..., offload_optimizer=...) was the old spelling: a ConfigError that spells the
+    same choices (copied, it builds them), not a TypeError about an unexpected keyword."""
+    with pytest.raises(ConfigError, match="moved into one field, choices") as info:
+        TrainConfig(max_steps=3, checkpointing="every", checkpoint_every=3, offload_optimizer=True)
+    spelled = str(info.value).split("pass choices=", 1)[1].rstrip(".")
+    assert eval(spelled, {"Choices": Choices}) == Choices(checkpointing="every:3",  # noqa: S307 - the message's code
+                                                           optimizer=OptimizerChoice(placement="offload"))
+    with pytest.raises(ConfigError, match=r"pass choices=Choices\.from_dict\(\{'chunked_loss': True\}\)"):
+        TrainConfig(chunked_loss=True)

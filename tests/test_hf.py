@@ -251,19 +251,30 @@ def test_prepare_model_says_what_it_applied(hf_model_dir):
     assert "torch's kernel" in prepared.reasons[1], prepared.reasons
 
 
+def test_choices_that_leave_checkpointing_and_the_loss_open_keep_the_helpers_defaults(hf_model_dir):
+    """Asking only for the offloaded optimizer keeps TrainerMemory's old defaults (every layer checkpointed, the
+    loss chunked): an open choice is the helper's default, not off; "none" / False turn them off."""
+    offloaded = Choices(optimizer=OptimizerChoice(placement="offload"))
+    prepared = prepare_model(load_pretrained(hf_model_dir), offloaded)
+    assert prepared.checkpointed == ("model.layers.0", "model.layers.1") and prepared.chunk_tokens == 1024
+    off = prepare_model(load_pretrained(hf_model_dir), Choices(checkpointing="none", chunked_loss=False))
+    assert off.checkpointed == () and off.chunk_tokens is None
+
+
 @pytest.mark.parametrize("policy", [None, "none", "all", "every:2", "blocks(RK)", "selective", "all+offload"])
 def test_prepare_model_applies_any_checkpointing_policy(hf_model_dir, policy):
-    """A Choices' policy reaches the model as Checkpointing.apply applies it; None leaves the model as it is."""
+    """A Choices' policy reaches the model as Checkpointing.apply applies it; None (left open) is the helper's
+    default, every layer checkpointed."""
     from memtrain.checkpointing import Checkpointing
 
     model, twin = load_pretrained(hf_model_dir), load_pretrained(hf_model_dir)
     prepared = prepare_model(model, Choices(checkpointing=policy, chunked_loss=False))
-    want = [] if policy is None else Checkpointing.parse(policy).apply(twin)
+    want = Checkpointing.parse(policy or "all").apply(twin)
     assert list(prepared.checkpointed) == want and prepared.chunk_tokens is None
     assert [type(m) for m in model.modules()] == [type(m) for m in twin.modules()]
-    assert len(prepared.reasons) == (policy is not None)
-    if policy not in (None, "none"):
-        assert prepared.checkpointed and policy in prepared.reasons[0], prepared.reasons
+    assert len(prepared.reasons) == 1
+    if policy != "none":
+        assert prepared.checkpointed and (policy or "all") in prepared.reasons[0], prepared.reasons
     assert HF_DEFAULT_CHOICES == Choices(checkpointing="all", chunked_loss=True)
 
 

@@ -188,6 +188,19 @@ def test_public_surface():
         assert name in names, name
 
 
+def test_names_that_left_the_surface_still_import_with_a_warning():
+    import warnings
+
+    import memtrain
+    from memtrain.data import make_loader
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert memtrain.make_loader is make_loader
+    assert "import it from memtrain.data" in str(caught[0].message) and caught[0].category is DeprecationWarning
+    assert not hasattr(memtrain, "no_such_name")
+
+
 def _report() -> None:
     lines = module_lines()
     print(f"modules: {len(lines)}, lines: {sum(lines.values())}, the largest: "

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from helpers import tiny_gpt
+from helpers import planner_gpt
 
 from memtrain.checkpointing import checkpointed_blocks
 from memtrain.loss import chunk_tokens_of
-from memtrain.models import GPT
 from memtrain.optim import CPUOffloadOptimizer
 from memtrain.planner import (
     PlanSettings,
@@ -15,15 +14,11 @@ from memtrain.planner import (
 )
 
 
-def _gpt(layers: int = 4) -> GPT:
-    return tiny_gpt(layers, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0, seed=0)
-
-
 # -- apply_plan ---------------------------------------------------------------------------------------------
 def test_apply_plan_builds_the_lean_optimizer_the_settings_say():
     from memtrain.optim import LeanAdamW
 
-    model = _gpt(layers=4)
+    model = planner_gpt(layers=4)
     settings = PlanSettings(8, 1, ("keep",) * 4, "full", False, "device", "none", False, "fp32",
                             state_precision="bf16", step_in_backward=True)
     run = apply_plan(model, settings, lr=1e-3, max_grad_norm=None)
@@ -38,7 +33,7 @@ def test_apply_plan_builds_the_lean_optimizer_the_settings_say():
 
 
 def test_apply_plan_sets_up_exactly_what_the_settings_say():
-    model = _gpt(layers=4)
+    model = planner_gpt(layers=4)
     names = [f"blocks.{i}" for i in range(4)]
     settings = PlanSettings(2, 2, ("offload", "recompute", "recompute", "keep"), "selective", True, "offload",
                             "none", False, "fp32")

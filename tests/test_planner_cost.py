@@ -8,36 +8,22 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_gpt, tiny_llama_config
+from helpers import MiB, h100, planner_gpt, planner_llama
 
 from memtrain.estimate import meta_model
 from memtrain.models import GPT, GPTConfig
 from memtrain.planner import (
     PlanSettings,
-    known_gpu,
     plan,
     predictions,
 )
 
 transformers = pytest.importorskip("transformers")
 
-H100 = known_gpu("NVIDIA H100 80GB HBM3")
-MiB = 2**20
+H100 = h100()
 
 
-def _llama(layers: int = 4, hidden: int = 512, **overrides):
-    return tiny_llama_config(**{**dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
-                                       max_position_embeddings=2048, use_cache=False), **overrides})
 
-
-def _gpt(layers: int = 4) -> GPT:
-    return tiny_gpt(layers, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0, seed=0)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return _llama()
 
 
 def _per_rank_and_one_process(config, settings: PlanSettings, world: int, **kwargs):
@@ -71,7 +57,7 @@ def test_composed_peaks_match_full_estimates_of_mixed_set_ups():
     from memtrain.planner.settings import Configuration
     from memtrain.planner.tracing import build_profiles
 
-    config = _llama(layers=5, hidden=1024, vocab_size=8192)
+    config = planner_llama(layers=5, hidden=1024, vocab_size=8192)
     ctx = problem_of(config, 2048, 4, "cuda", "bf16-mixed", 1, True, True, H100)
     flavors = ["full", "selective", "offload-inputs"]
     composer = Composer(ctx, {None: build_profiles(ctx, flavors, True, None), "bf16": build_profiles(ctx, flavors, True,
@@ -109,7 +95,7 @@ def test_composed_peaks_with_accumulation_and_the_chunked_loss_match_the_full_es
     from memtrain.planner.settings import Configuration
     from memtrain.planner.tracing import build_profiles
 
-    config = _llama(layers=5, hidden=1024, vocab_size=8192)
+    config = planner_llama(layers=5, hidden=1024, vocab_size=8192)
     ctx = problem_of(config, 2048, 4, "cuda", "bf16-mixed", 1, True, True, H100)
     composer = Composer(ctx, {None: build_profiles(ctx, ["full"], True, None)})
     for placement in ("offload", "device"):
@@ -124,7 +110,7 @@ def test_composed_peaks_with_accumulation_and_the_chunked_loss_match_the_full_es
 def test_an_fsdp2_rank_holds_every_saved_activation_beside_its_shard_of_the_state():
     """At the start of backward a rank holds all its saved activations and its shard of the weights and moments;
     the gradients FSDP2 shards do not exist yet (a shift that takes them off every moment plans below this)."""
-    config = _llama(layers=16, hidden=1024, vocab_size=256, num_attention_heads=16, num_key_value_heads=16)
+    config = planner_llama(layers=16, hidden=1024, vocab_size=256, num_attention_heads=16, num_key_value_heads=16)
     numel = sum(p.numel() for p in meta_model(config).parameters())
     p = plan(config, budget=None, seq_len=1024, global_batch_size=16, world_size=16, fsdp=True, device_profile=H100,
              techniques=[], micro_batch_size=1)
@@ -138,7 +124,7 @@ def test_fsdp2_gathers_blocks_in_bf16_under_bf16_mixed(precision, gathered_bytes
     the next one prefetched): in bf16 under bf16-mixed (FSDP2's MixedPrecisionPolicy), 2 bytes a parameter."""
     from memtrain.planner.tracing import state_bytes
 
-    config = _llama(layers=4, hidden=256, vocab_size=1024)
+    config = planner_llama(layers=4, hidden=256, vocab_size=1024)
     model = meta_model(config)
     blocks = [f"model.layers.{i}" for i in range(4)]
     world = 4
@@ -155,7 +141,7 @@ def test_fsdp2_gathers_blocks_in_bf16_under_bf16_mixed(precision, gathered_bytes
 def test_fsdp2_all_gathers_in_bf16_and_reduce_scatters_in_fp32():
     """Link time of a step on a slow interconnect: two all-gathers of the weights (bf16 under bf16-mixed) and one
     reduce-scatter of the fp32 gradients, per rank's share; halving the link speed adds exactly that much again."""
-    config = _llama(layers=4, hidden=256, vocab_size=1024)
+    config = planner_llama(layers=4, hidden=256, vocab_size=1024)
     numel = sum(p.numel() for p in meta_model(config).parameters())
     world, acc = 4, 1
     settings = PlanSettings(1, acc, ("keep",) * 4, "full", False, "device", "fsdp2", False, "bf16-mixed")
@@ -175,7 +161,7 @@ def test_ddp_gradients_are_its_buckets():
     exist from the start, but the step holds one copy of the gradients, not two. While accumulating (and at the
     first window, before the views exist) the earlier micro-batches' gradients are tensors of their own beside the
     buckets; an offloaded optimizer keeps them on the device until the step under DDP."""
-    config = _llama(layers=4, hidden=256, vocab_size=1024)
+    config = planner_llama(layers=4, hidden=256, vocab_size=1024)
     grads = 4 * sum(p.numel() for p in meta_model(config).parameters())
     # All blocks recomputed, 64 tokens: the step (every gradient alive) is the one-process peak.
     for optimizer, acc, expected in (("device", 1, 0), ("device", 2, grads), ("offload", 1, grads),
@@ -209,7 +195,7 @@ def test_host_link_of_offloaded_activations_is_what_the_offloader_moves_at_that_
 
 
 def test_host_link_of_an_offloaded_optimizer_is_its_gradients_each_micro_batch_and_the_weights_once():
-    model = _gpt(2)
+    model = planner_gpt(2)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     s = PlanSettings(1, 3, ("keep", "keep"), "full", False, "offload", "none", False, "fp32")
     (c,) = predictions(model, [s], seq_len=32, global_batch_size=3, device="cuda", device_profile=H100)

@@ -5,30 +5,19 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import tiny_llama_config
+from helpers import MiB, h100, planner_llama
 
 from memtrain.errors import ConfigError
 from memtrain.planner import (
     PlanSettings,
-    known_gpu,
     plan,
 )
 
 transformers = pytest.importorskip("transformers")
 
-H100 = known_gpu("NVIDIA H100 80GB HBM3")
-MiB = 2**20
+H100 = h100()
 
 
-def _llama(layers: int = 4, hidden: int = 512, **overrides):
-    return tiny_llama_config(**{**dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
-                                       max_position_embeddings=2048, use_cache=False), **overrides})
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return _llama()
 
 
 def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(llama):
@@ -41,7 +30,7 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(llama):
 
 
 def test_nothing_fits_over_fsdp2_ranks_names_a_rank_count_that_fits():
-    config = _llama(layers=4, hidden=1024, vocab_size=8192)
+    config = planner_llama(layers=4, hidden=1024, vocab_size=8192)
     kwargs = dict(budget=400 * MiB, seq_len=128, fsdp=True, device_profile=H100)
     with pytest.raises(ConfigError) as info:  # the model state alone is 415 MB a rank over 2 ranks
         plan(config, global_batch_size=2, world_size=2, **kwargs)

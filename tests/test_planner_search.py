@@ -4,47 +4,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_gpt, tiny_llama_config
+from helpers import MiB, fixed_cpu_profile, h100, planner_gpt, planner_llama
 
 from memtrain import measure
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
 from memtrain.estimate import meta_model
-from memtrain.models import GPT
 from memtrain.planner import (
     TECHNIQUES,
-    DeviceProfile,
     PlanSettings,
     apply_plan,
-    known_gpu,
     plan,
     predictions,
 )
 
 transformers = pytest.importorskip("transformers")
 
-H100 = known_gpu("NVIDIA H100 80GB HBM3")
-# Fixed CPU figures: the tests do not depend on how fast (or how loaded) the machine running them is.
-CPU = DeviceProfile(name="test cpu", matmul_flops=50e9, half_efficiency_tokens=256, attention_flops=10e9,
-                    memory_bandwidth=10e9, op_overhead_s=5e-6, host_to_device=5e9, device_to_host=5e9,
-                    cpu_adamw=5e8, host_bandwidth=10e9, interconnect=5e9, memory_bytes=None, source="test",
-                    asynchronous=False)
-MiB = 2**20
+H100 = h100()
+CPU = fixed_cpu_profile()
 
 
-def _llama(layers: int = 4, hidden: int = 512, **overrides):
-    return tiny_llama_config(**{**dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
-                                       max_position_embeddings=2048, use_cache=False), **overrides})
 
-
-def _gpt(layers: int = 4) -> GPT:
-    return tiny_gpt(layers, n_head=4, n_embd=128, seq_len=128, vocab_size=256, dropout=0.0, seed=0)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return _llama()
 
 
 # -- the choice ---------------------------------------------------------------------------------------------
@@ -78,7 +58,7 @@ def test_no_limit_plans_no_technique(llama):
 
 
 def test_a_budget_below_the_model_state_offloads_the_optimizer():
-    config = _llama(layers=4, hidden=1024, vocab_size=8192)
+    config = planner_llama(layers=4, hidden=1024, vocab_size=8192)
     n = sum(p.numel() for p in meta_model(config).parameters())
     state = 16 * n  # fp32 weights, gradients and AdamW's two moments
     no_lean_state = [t for t in TECHNIQUES if t not in ("optimizer-state", "step-in-backward")]
@@ -105,7 +85,7 @@ def test_a_tight_budget_recomputes_and_chunks_the_loss(llama):
 
 
 def test_a_cpu_plan_predicts_the_saved_bytes_measure_counts():
-    model = _gpt(layers=4)
+    model = planner_gpt(layers=4)
     loose = plan(model, budget=None, seq_len=128, global_batch_size=8, device="cpu", precision="fp32",
                  device_profile=CPU)
     p = plan(model, budget=int(0.7 * loose.peak_bytes), seq_len=128, global_batch_size=8, device="cpu",
@@ -120,7 +100,7 @@ def test_a_cpu_plan_predicts_the_saved_bytes_measure_counts():
 
 # -- distributed ----------------------------------------------------------------------------------------------
 def test_fsdp2_shards_the_state_and_the_plan_says_which_is_faster():
-    config = _llama(layers=4, hidden=1024, vocab_size=8192)
+    config = planner_llama(layers=4, hidden=1024, vocab_size=8192)
     both = plan(config, budget=None, seq_len=1024, global_batch_size=8, world_size=4, fsdp=None,
                 device_profile=H100)
     text = " ".join(both.reasons)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_llama_config
+from helpers import MiB, h100
 
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
@@ -16,26 +16,15 @@ from memtrain.planner import (
     TECHNIQUES,
     Fixed,
     PlanSettings,
-    known_gpu,
     plan,
     predictions,
 )
 
 transformers = pytest.importorskip("transformers")
 
-H100 = known_gpu("NVIDIA H100 80GB HBM3")
-MiB = 2**20
+H100 = h100()
 
 
-def _llama(layers: int = 4, hidden: int = 512, **overrides):
-    return tiny_llama_config(**{**dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
-                                       max_position_embeddings=2048, use_cache=False), **overrides})
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return _llama()
 
 
 # -- bytes over the host link, and what compile_model compiles ------------------------------------------------

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import tiny_llama_config
-
-from memtrain.planner import (
-    known_gpu,
-)
+from helpers import h100, planner_llama
 
 transformers = pytest.importorskip("transformers")
 
-H100 = known_gpu("NVIDIA H100 80GB HBM3")
+H100 = h100()
 
-
-def _llama(layers: int = 4, hidden: int = 512, **overrides):
-    return tiny_llama_config(**{**dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
-                                       max_position_embeddings=2048, use_cache=False), **overrides})
 
 
 def test_identical_blocks_are_traced_three_at_a_time():
@@ -28,7 +19,7 @@ def test_identical_blocks_are_traced_three_at_a_time():
     from memtrain.planner.settings import Configuration
     from memtrain.planner.tracing import build_profiles, profiles_from_traces, truncated_copy
 
-    ctx = problem_of(_llama(layers=9), 1024, 2, "cuda", "bf16-mixed", 1, True, True, H100)
+    ctx = problem_of(planner_llama(layers=9), 1024, 2, "cuda", "bf16-mixed", 1, True, True, H100)
     truncated = truncated_copy(ctx.model, ctx.block_names)
     assert truncated is not None and truncated[1] == [0, 1, 2, 3, 4, 4, 4, 4, 5]
     whole = Composer(ctx, {None: profiles_from_traces(ctx, ["full", "offload-inputs"], True, None, None)})

@@ -12,32 +12,21 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from helpers import tiny_gpt
+from helpers import CODE_TEXT, code_windows, quick_run_config, tiny_gpt
 
-from memtrain import ConfigError, TrainConfig, train
-from memtrain.data import split_windows
+from memtrain import ConfigError, train
 from memtrain.models import GPT
 from memtrain.run import LOCK, MARKER, RunCheckpoints, RunFolder
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXT = (b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300)
 
-
-def _data():
-    return split_windows(np.frombuffer(TEXT, dtype=np.uint8).copy(), 32)
 
 
 def _model() -> GPT:
     return tiny_gpt(seq_len=32, seed=0)
 
-
-def _config(out: Path, **changes) -> TrainConfig:
-    fields = {"max_steps": 1, "micro_batch_size": 2, "out_dir": str(out), "progress": False, "sample_bytes": 0,
-              "lr": 1e-2, "eval_batches": 1}
-    return TrainConfig(**{**fields, **changes})
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -67,7 +56,7 @@ def test_a_folder_with_foreign_files_is_refused_and_they_are_never_replaced(tmp_
     before = _snapshot(out)
     for overwrite in (False, True):
         with pytest.raises(ConfigError, match="holds config.json, which memtrain did not write") as info:
-            train(_model(), _data(), _config(out, overwrite=overwrite))
+            train(_model(), code_windows(), quick_run_config(out, overwrite=overwrite))
         assert "never replaces files it did not write" in str(info.value)
     assert _snapshot(out) == before, "a refused run must leave the folder exactly as it was"
 
@@ -77,13 +66,13 @@ def test_overwrite_writes_beside_foreign_files_and_removes_only_memtrains(tmp_pa
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not a memtrain run folder"):
-        train(_model(), _data(), _config(out))
-    train(_model(), _data(), _config(out, overwrite=True))
+        train(_model(), code_windows(), quick_run_config(out))
+    train(_model(), code_windows(), quick_run_config(out, overwrite=True))
     assert (out / MARKER).is_file() and (out / "model.safetensors").is_file()
     (out / "later.txt").write_text("added to the run folder by its user")
     (out / "checkpoints" / "mine.txt").write_text("also mine")
     first = (out / "model.safetensors").read_bytes()
-    train(_model(), _data(), _config(out, overwrite=True, seed=3))
+    train(_model(), code_windows(), quick_run_config(out, overwrite=True, seed=3))
     assert (out / "model.safetensors").read_bytes() != first
     assert (out / "notes.txt").read_text() == "mine" and (out / "later.txt").is_file()
     # checkpoints/ is memtrain's folder: overwrite replaces it whole.
@@ -95,7 +84,7 @@ def test_a_run_of_a_newer_format_is_refused(tmp_path):
     out.mkdir()
     (out / MARKER).write_text(json.dumps({"format": 99}))
     with pytest.raises(ConfigError, match="newer memtrain"):
-        train(_model(), _data(), _config(out, overwrite=True))
+        train(_model(), code_windows(), quick_run_config(out, overwrite=True))
 
 
 # -- the lock ----------------------------------------------------------------------------------------------
@@ -103,10 +92,10 @@ def test_a_locked_folder_is_refused_naming_its_holder(tmp_path):
     out = tmp_path / "locked"
     with RunFolder(out):  # another run holds it (flock conflicts between open files, in one process too)
         with pytest.raises(ConfigError, match="in use by another run") as info:
-            train(_model(), _data(), _config(out))
+            train(_model(), code_windows(), quick_run_config(out))
         assert f"pid {os.getpid()} on host {socket.gethostname()}, since " in str(info.value)
     assert not (out / "metrics.jsonl").exists()
-    train(_model(), _data(), _config(out))  # released: the next run takes it
+    train(_model(), code_windows(), quick_run_config(out))  # released: the next run takes it
     assert json.loads((out / LOCK).read_bytes() or b"{}") == {}, "a finished run leaves no holder behind"
 
 
@@ -115,7 +104,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_said(tmp_path, capsys):
     out.mkdir()
     dead = {"pid": _dead_pid(), "host": socket.gethostname(), "since": "2025-01-01 00:00:00 +0000"}
     (out / LOCK).write_text(json.dumps(dead))  # its process died: the kernel dropped the flock, the record stays
-    train(_model(), _data(), _config(out))
+    train(_model(), code_windows(), quick_run_config(out))
     assert f"pid {dead['pid']}" in capsys.readouterr().err and (out / "model.safetensors").exists()
 
 
@@ -131,16 +120,16 @@ def test_without_flock_the_pid_file_detects_live_and_stale_holders(tmp_path, mon
     live = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
     (out / LOCK).write_text(json.dumps(live))
     with pytest.raises(ConfigError, match=f"in use by another run: pid {os.getppid()}"):
-        train(_model(), _data(), _config(out))
+        train(_model(), code_windows(), quick_run_config(out))
     (out / LOCK).write_text(json.dumps({**live, "pid": _dead_pid()}))
-    train(_model(), _data(), _config(out))
+    train(_model(), code_windows(), quick_run_config(out))
     assert "removed the stale lock" in capsys.readouterr().err
 
 
 def test_a_failed_set_up_removes_the_lock_and_folder_it_created(tmp_path):
     out = tmp_path / "new"
     with pytest.raises(ConfigError, match="fsdp=True needs several processes"):
-        train(_model(), _data(), _config(out, fsdp=True))
+        train(_model(), code_windows(), quick_run_config(out, fsdp=True))
     assert not out.exists()
 
 
@@ -179,7 +168,7 @@ def test_a_second_process_is_refused_while_the_first_holds_the_folder(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         text = tmp_path / "t.txt"
-        text.write_bytes(TEXT)
+        text.write_bytes(CODE_TEXT)
         argv = ["train", "--model", "gpt-tiny", "--seq-len", "32", "--max-steps", "1", "--micro-batch-size", "2",
                 "--no-progress", "--data", str(text), "--out", str(out)]
         import contextlib

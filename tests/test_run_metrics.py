@@ -7,29 +7,16 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
-from helpers import tiny_gpt
+from helpers import code_windows, quick_run_config, tiny_gpt
 
-from memtrain import TrainConfig, train
-from memtrain.data import split_windows
+from memtrain import train
 from memtrain.models import GPT
 from memtrain.run import MetricsLog
-
-TEXT = (b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300)
-
-
-def _data():
-    return split_windows(np.frombuffer(TEXT, dtype=np.uint8).copy(), 32)
 
 
 def _model() -> GPT:
     return tiny_gpt(seq_len=32, seed=0)
 
-
-def _config(out: Path, **changes) -> TrainConfig:
-    fields = {"max_steps": 1, "micro_batch_size": 2, "out_dir": str(out), "progress": False, "sample_bytes": 0,
-              "lr": 1e-2, "eval_batches": 1}
-    return TrainConfig(**{**fields, **changes})
 
 
 def test_metrics_are_appended_one_line_per_step_never_rewritten(tmp_path, monkeypatch):
@@ -42,7 +29,7 @@ def test_metrics_are_appended_one_line_per_step_never_rewritten(tmp_path, monkey
 
     monkeypatch.setattr(os, "replace", spy)
     out = tmp_path / "appended"
-    train(_model(), _data(), _config(out, max_steps=4, save_every=2))
+    train(_model(), code_windows(), quick_run_config(out, max_steps=4, save_every=2))
     assert "metrics.jsonl" not in renamed, renamed  # rewritten whole, a 100k-step run would be quadratic
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
@@ -75,13 +62,13 @@ def test_resume_cuts_the_log_to_the_checkpoint_and_survives_a_damaged_line(tmp_p
 
 def test_a_resumed_run_with_a_damaged_metrics_line_continues_from_its_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
-    train(_model(), _data(), _config(out, max_steps=3, save_every=2))
+    train(_model(), code_windows(), quick_run_config(out, max_steps=3, save_every=2))
     import shutil
 
     shutil.rmtree(out / "checkpoints" / "step-0000003")  # the run died after logging step 3, before its checkpoint
     with open(out / "metrics.jsonl", "ab") as f:
         f.write(b'{"step": 4, "loss"')
-    result = train(_model(), _data(), _config(out, max_steps=4, resume=True))
+    result = train(_model(), code_windows(), quick_run_config(out, max_steps=4, resume=True))
     assert result.resumed_from == 2 and result.steps == 4
     assert "dropped 2 line(s) after step 2" in capsys.readouterr().err
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -79,6 +79,9 @@ def test_a_saved_config_of_either_version_shows_its_choices_by_name():
     assert flat_settings(old)["checkpointing"] == flat_settings(new)["checkpointing"] == "none"
     assert flat_settings(old)["compile"] is False and "checkpoint_every" not in flat_settings(old)
     assert flat_settings(old)["max_steps"] == 2
+    # A policy left to the plan reads as the flag's own word, as the previous version logged it.
+    assert flat_settings(TrainConfig().to_dict())["checkpointing"] == "auto"
+    assert flat_settings({**old, "checkpointing": "auto"})["checkpointing"] == "auto"
 
 
 def test_the_world_size_rule_is_checked_where_the_world_is_known():

@@ -15,7 +15,7 @@ ARGUMENT_FLAGS: dict[str, str] = {
     "out_dir": "--out", "max_steps": "--max-steps", "micro_batch_size": "--micro-batch-size",
     "global_batch_size": "--global-batch-size", "lr": "--lr", "warmup_steps": "--warmup-steps",
     "weight_decay": "--weight-decay", "grad_clip": "--grad-clip", "precision": "--precision",
-    "checkpointing": "--checkpointing", "checkpoint_every": "--checkpointing every:", "seed": "--seed",
+    "checkpointing": "--checkpointing", "seed": "--seed",
     "eval_every": "--eval-every", "save_every": "--save-every", "seq_len": "--seq-len", "device": "--device",
     "world_size": "torchrun --nproc_per_node", "budget": "--budget", "host_budget": "--host-budget",
     "state_precision": "--optimizer-state", "offload_fraction": "--offload-optimizer-fraction",

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from memtrain.checkpointing import find_blocks
-from memtrain.choices import Choices, OptimizerChoice
+from memtrain.choices import OLD_CHOICE_FIELDS, Choices, OptimizerChoice, choices_of_old_fields
 from memtrain.config import TrainConfig
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import supports_chunked_loss
@@ -33,9 +33,6 @@ OOM_MIN_OVERSHOOT = 0.02  # of the predicted peak: the least a step that ran out
 # had (re-planned ones included); one that changes any plans again.
 PLAN_FIELDS = ("budget", "host_budget", "safety_margin", "micro_batch_size", "choices")
 # The flat TrainConfig fields of the version before ``choices``: a checkpoint it wrote names its request in these.
-OLD_CHOICE_FIELDS = ("checkpointing", "checkpoint_every", "offload_activations", "offload_optimizer", "chunked_loss",
-                     "state_precision", "step_in_backward", "offload_fraction", "compile")
-
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -77,25 +74,6 @@ def plan_request(config: TrainConfig) -> dict[str, Any]:
     return out
 
 
-def choices_of_old_fields(values: Mapping[str, Any]) -> Choices:
-    """The ``Choices`` that the previous version's flat fields name (``OLD_CHOICE_FIELDS``: its "auto"
-    checkpointing is None, "every" with ``checkpoint_every`` is "every:K", ``offload_optimizer`` the placement).
-
-    Raises:
-        ConfigError: values that are not choices.
-    """
-    policy = values.get("checkpointing", "auto")
-    if policy == "every":
-        policy = f"every:{values.get('checkpoint_every', 2)}"
-    offload = values.get("offload_optimizer")
-    optimizer = OptimizerChoice(placement=None if offload is None else "offload" if offload else "device",
-                                state_precision=values.get("state_precision"),
-                                step_in_backward=values.get("step_in_backward"),
-                                offload_fraction=values.get("offload_fraction"))
-    return Choices(checkpointing=policy, offload_activations=values.get("offload_activations"), optimizer=optimizer,
-                   chunked_loss=values.get("chunked_loss"), compile=bool(values.get("compile", False)))
-
-
 def read_plan_request(saved: Any) -> dict[str, Any] | None:
     """A checkpoint's plan request in this version's form (``plan_request``): one written by the version before
     ``choices`` (flat technique fields) is converted once here; None where it is missing or unreadable."""
@@ -119,7 +97,7 @@ def flat_settings(values: Mapping[str, Any]) -> dict[str, Any]:
         choices = Choices.from_dict(saved) if isinstance(saved, Mapping) else choices_of_old_fields(values)
     except ConfigError:
         return out
-    top = choices.to_dict()
+    top = {**choices.to_dict(), "checkpointing": str(choices.checkpointing or "auto")}  # None: the plan's, "auto"
     return {**out, **{name: top[name] for name in ("checkpointing", "offload_activations", "chunked_loss", "compile")}}
 
 
@@ -319,7 +297,7 @@ def plan_after_out_of_memory(run_plan: RunPlan, error: str, model: nn.Module, co
         per_rank = context.global_batch  # one rank
         if micro == 1:
             raise MemtrainError(f"out of memory at step {step + 1} with a micro-batch of 1. To resolve this error, "
-                                "pass choices=Choices(optimizer=OptimizerChoice(placement='offload')), a shorter "
+                                "pass optimizer.placement='offload', a shorter "
                                 "seq_len, or a smaller model.")
         smaller = next(m for m in range(micro // 2, 0, -1) if per_rank % m == 0)
         s = dataclasses.replace(run_plan.settings, micro_batch_size=smaller, accumulation=per_rank // smaller)
