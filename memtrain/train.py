@@ -30,7 +30,7 @@ from torch.utils.data import Dataset, Sampler, Subset
 from tqdm import tqdm
 
 from memtrain.accumulation import GradientAccumulator, accumulation_steps
-from memtrain.checkpointing import compile_model
+from memtrain.checkpointing import checkpoint_spec, compile_model
 from memtrain.choices import default_global_batch
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import DevicePrefetcher, make_loader, map_tensors
@@ -784,5 +784,5 @@ def _one_step(s: Session, step: int, device: torch.device) -> StepFigures:
 
 
 def _offloads_blocks(model: nn.Module) -> bool:
-    spec_offloaders = [getattr(m, "_memtrain_checkpoint", None) for m in model.modules()]
+    spec_offloaders = [checkpoint_spec(m) for m in model.modules()]
     return any(spec is not None and spec.offloader is not None and spec.offloader.enabled for spec in spec_offloaders)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from helpers import planner_gpt
 
-from memtrain.checkpointing import checkpointed_blocks
+from memtrain.checkpointing import checkpoint_spec, checkpointed_blocks
 from memtrain.loss import chunk_tokens_of
 from memtrain.optim import CPUOffloadOptimizer
 from memtrain.planner import (
@@ -39,7 +39,7 @@ def test_apply_plan_sets_up_exactly_what_the_settings_say():
                             "none", False, "fp32")
     run = apply_plan(model, settings, lr=1e-3)
     assert checkpointed_blocks(model) == names[:3]
-    specs = [model.get_submodule(n)._memtrain_checkpoint for n in names[:3]]
+    specs = [checkpoint_spec(model.get_submodule(n)) for n in names[:3]]
     assert [s.policy for s in specs] == ["offload", "recompute", "recompute"]
     assert specs[1].selective is not None
     assert chunk_tokens_of(model) == 1024

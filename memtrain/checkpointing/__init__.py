@@ -4,7 +4,7 @@
 - ``blocks``: finding the repeated blocks (``find_blocks``) and the explicit block selectors;
 - ``forward``: the checkpointed forward of a wrapped block (RNG-exact, BatchNorm-safe, keywords passed through);
 - ``compile``: ``compile_model``, torch.compile whole or block by block around activation offloaders;
-- ``wrap``: ``apply_checkpointing``, ``remove_checkpointing``, ``checkpoint_sequential``;
+- ``wrap``: ``apply_checkpointing``, ``remove_checkpointing``, ``checkpoint_sequential``, ``checkpoint_spec``;
 - ``policy``: ``Checkpointing``, the one typed policy value and its spellings.
 """
 
@@ -13,7 +13,12 @@ from memtrain.checkpointing.compile import compile_model
 from memtrain.checkpointing.forward import CheckpointedForward, CheckpointSpec, checkpointed_blocks
 from memtrain.checkpointing.policy import Checkpointing, CheckpointingMode
 from memtrain.checkpointing.selective import OpKind, SelectivePolicy
-from memtrain.checkpointing.wrap import apply_checkpointing, checkpoint_sequential, remove_checkpointing
+from memtrain.checkpointing.wrap import (
+    apply_checkpointing,
+    checkpoint_sequential,
+    checkpoint_spec,
+    remove_checkpointing,
+)
 
 __all__ = [
     "BlockPolicy",
@@ -26,6 +31,7 @@ __all__ = [
     "SelectivePolicy",
     "apply_checkpointing",
     "checkpoint_sequential",
+    "checkpoint_spec",
     "checkpointed_blocks",
     "compile_model",
     "find_blocks",

@@ -21,7 +21,6 @@ from memtrain.checkpointing.selective import OpKind, SelectivePolicy, resolve_se
 from memtrain.errors import ConfigError
 from memtrain.offload import ActivationOffloader, offload_activations
 
-_WRAPPED_ATTR = "_memtrain_checkpoint"
 _USE_CACHE_ATTR = "_memtrain_use_cache"
 
 
@@ -158,7 +157,13 @@ def apply_checkpointing(
 def _wrap(module: nn.Module, spec: CheckpointSpec) -> None:
     had_instance_forward = "forward" in module.__dict__
     module.forward = CheckpointedForward(module, module.forward, had_instance_forward, spec)  # type: ignore[method-assign]
-    setattr(module, _WRAPPED_ATTR, spec)
+
+
+def checkpoint_spec(module: nn.Module) -> CheckpointSpec | None:
+    """How ``apply_checkpointing`` wrapped ``module`` (its policy, its offloader), or None for a module it did not
+    wrap: what the loop and the estimator ask of a block."""
+    forward = module.__dict__.get("forward")
+    return forward.spec if isinstance(forward, CheckpointedForward) else None
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:
@@ -175,7 +180,6 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
                 module.forward = forward.original  # type: ignore[method-assign]
             else:
                 del module.forward
-            delattr(module, _WRAPPED_ATTR)
             removed.append(name)
     if getattr(model, _USE_CACHE_ATTR, False):
         model.config.use_cache = True

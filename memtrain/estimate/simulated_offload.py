@@ -128,6 +128,5 @@ def simulate_offload(model: nn.Module, offload: SimulatedOffload) -> int:
         if isinstance(forward, CheckpointedForward) and (forward.spec.offloader is not None
                                                           or forward.spec.policy == "offload"):
             forward.spec = dataclasses.replace(forward.spec, offloader=offload)  # type: ignore[arg-type]
-            module._memtrain_checkpoint = forward.spec
             count += 1
     return count
