@@ -380,3 +380,27 @@ def test_progress_in_a_log_is_lines_not_carriage_returns_and_agrees_with_the_sum
     assert [int(step) for step, _ in progress] == [1, 2, 3, 4], captured.err
     summary = re.search(r"(\d+) tokens/s in training steps", captured.out)
     assert summary and summary.group(1) == progress[-1][1], (summary, progress)
+
+
+@pytest.mark.parametrize(("stop", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_run_stopped_by_a_signal_exits_with_the_signals_code(stop, code, text_file, tmp_path, monkeypatch, capsys):
+    """A stopped run is not a success (`memtrain train ... && upload` must not go on): the shell's code for the
+    signal (128 + its number), after the checkpoint, with the line that says how to continue."""
+    import signal
+
+    from memtrain.run import MetricsLog
+
+    real = MetricsLog.append
+
+    def append(self, line):
+        real(self, line)
+        if line["step"] == 1:
+            signal.raise_signal(getattr(signal, stop))
+
+    monkeypatch.setattr(MetricsLog, "append", append)
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--data", str(text_file), "--seq-len", "32", "--out", str(out)]) == code
+    said = capsys.readouterr()
+    assert f"{stop} received: stopped after step 1 with a checkpoint" in said.err, said.err
+    assert f"continue with: memtrain train --out {out} --resume" in said.out + said.err
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0

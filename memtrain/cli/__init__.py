@@ -1,7 +1,8 @@
 """The ``memtrain`` command: ``memtrain train``, ``memtrain estimate``, ``memtrain plan`` and ``memtrain bench``.
 
 Exit codes: 0 success, 2 bad input (one message naming the fix), 1 an environment fault (one line: a full disk,
-a read-only filesystem, stdout closed early) or an internal failure (with its trace).
+a read-only filesystem, stdout closed early) or an internal failure (with its trace), 130 / 143 a run stopped by
+SIGINT / SIGTERM after its checkpoint (``--resume`` continues it).
 
 The parts, from the bottom up:
 - ``terms``: the library's errors in flag terms (``out_dir=`` -> ``--out``), one table, ``ARGUMENT_FLAGS``.

@@ -11,6 +11,12 @@ from typing import Any
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_ENVIRONMENT = 1  # one line, no trace: the machine, not memtrain, failed
+# A run stopped by a signal after its checkpoint is not a success (`memtrain train ... && upload` must not upload):
+# the shell's code for a process a signal ended, 128 + the signal's number.
+EXIT_STOPPED = {"SIGINT": 130, "SIGTERM": 143}
+EXIT_CODES_HELP = ("exit codes: 0 success; 2 bad input (one message naming the fix); 1 an environment fault (a full "
+                   "disk, a read-only filesystem) or an internal failure; 130 / 143 a run stopped by SIGINT / SIGTERM "
+                   "after its checkpoint (continue it with --resume)")
 
 _STDOUT_CLOSED = False  # set when a reader closed stdout early (e.g. `| head -1`); main() exits 1 saying so
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from memtrain import __version__
 from memtrain.checkpointing import Checkpointing
-from memtrain.cli.console import EXIT_BAD_INPUT
+from memtrain.cli.console import EXIT_BAD_INPUT, EXIT_CODES_HELP
 from memtrain.errors import ConfigError
 from memtrain.report import parse_bytes
 
@@ -121,7 +121,8 @@ _SIZE_FLAGS = ("--budget", "--host-budget")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="memtrain", description="Make a PyTorch model fit a memory budget at the least slowdown.")
+    parser = _Parser(prog="memtrain", description="Make a PyTorch model fit a memory budget at the least slowdown.",
+                     epilog=EXIT_CODES_HELP)
     parser.add_argument("--version", action="version", version=f"memtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train_parser(sub)
@@ -132,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_parser(sub: Any) -> None:
-    t = sub.add_parser("train", help="train the built-in GPT on the built-in corpus (or your model and data)")
+    t = sub.add_parser("train", help="train the built-in GPT on the built-in corpus (or your model and data)",
+                       epilog=EXIT_CODES_HELP)
     t.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (keys as the flags, e.g. "
                    "micro-batch-size = 4); flags given on the command line win")
     _add_model_flags(t, pretrained_weights=True)

@@ -15,7 +15,7 @@ import torch
 
 from memtrain.accumulation import accumulation_steps
 from memtrain.choices import Choices, default_global_batch
-from memtrain.cli.console import EXIT_OK, echo, log
+from memtrain.cli.console import EXIT_OK, EXIT_STOPPED, echo, log
 from memtrain.cli.launch import distributed_group, nproc_problems
 from memtrain.cli.resume import command_record, resume_flags
 from memtrain.cli.techniques import choices_from_flags
@@ -64,10 +64,9 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         from memtrain.train import train
 
         result = train(model, data, config, command=command_record(args, parser), tokenizer=tokenizer)
-        if rank != 0:
-            return EXIT_OK
-        _log_result(args, result)
-        return EXIT_OK
+        if rank == 0:
+            _log_result(args, result)
+        return EXIT_STOPPED[result.stopped_by] if result.stopped_by else EXIT_OK  # every rank stopped alike
 
 
 def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentParser,
