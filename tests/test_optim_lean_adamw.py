@@ -158,3 +158,25 @@ def test_lr_scheduler_drives_every_part() -> None:
     opt.step()
     assert max_diff(before, model) == 0.0, "lr=0 from the scheduler still moved weights"
     assert max_diff(frozen, model) > 0.0
+
+
+@pytest.mark.parametrize("options", [{}, {"state_precision": "int8"}, {"offload_fraction": 0.5}],
+                         ids=["fp32", "int8", "half-offloaded"])
+def test_load_state_dict_keeps_every_param_group_key(options) -> None:
+    """As torch's optimizers do (torch's own test_optim load/state-dict tests): a scheduler's ``initial_lr`` and any
+    other key of the saved group survive loading, so ``StepLR(opt, ..., last_epoch=k)`` resumes (it raised KeyError
+    when only lr, betas, eps and weight_decay were kept)."""
+    model = make_model()
+    opt = build_optimizer(model.named_parameters(), **HYPER, **options)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = batches(1)[0]
+    ((model(x) - y) ** 2).sum().backward()
+    opt.step()
+    scheduler.step()
+    opt.param_groups[0]["note"] = "kept"
+    saved = opt.state_dict()
+    again = build_optimizer(make_model().named_parameters(), **HYPER, **options)
+    again.load_state_dict(saved)
+    assert again.param_groups[0]["initial_lr"] == HYPER["lr"] and again.param_groups[0]["note"] == "kept"
+    assert again.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == HYPER["lr"] / 2
+    torch.optim.lr_scheduler.StepLR(again, step_size=1, gamma=0.5, last_epoch=1)  # KeyError 'initial_lr' before

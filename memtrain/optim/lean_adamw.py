@@ -270,8 +270,9 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
         if problems:
             problems[-1] += " To resolve this error, load a state_dict saved for the same model (named parameters)."
         ConfigError.raise_if(problems)
-        saved_group = saved_groups[0]
-        self.param_groups[0].update({k: saved_group[k] for k in self._OPTIONS if k in saved_group})
+        # Every key of the saved group, as torch's optimizers keep them (a scheduler's initial_lr among them:
+        # StepLR(..., last_epoch=k) after loading needs it); the parameters stay this optimizer's own.
+        self.param_groups[0].update({k: v for k, v in saved_groups[0].items() if k not in ("params", "param_names")})
         self._sync_hyperparameters()
         self._lagged_norm = torch.tensor(float(state_dict.get("lagged_grad_norm", 0.0)))
         for i, p in enumerate(self._device_params):
