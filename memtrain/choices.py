@@ -146,7 +146,7 @@ class Choices:
         if isinstance(policy, str) and policy.strip().lower() == "auto":
             policy = None
         if policy is not None and not isinstance(policy, Checkpointing):
-            if isinstance(policy, (bool, int)) and not isinstance(policy, Checkpointing):
+            if isinstance(policy, (bool, int)):  # parse would read 3 as every:3, True as all: a choice names its policy
                 policy = None
                 problems.append(f"checkpointing={self.checkpointing!r} is not a policy. To resolve this error, pass "
                                 "'auto', 'none', 'all', 'every:K' (e.g. 'every:2'), 'selective', or a Checkpointing.")

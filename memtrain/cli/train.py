@@ -45,14 +45,13 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
     config.validate()
     RunFolder(out, overwrite=args.overwrite, resume=args.resume).check()
     with distributed_group() as (rank, world, device):
+        global_batch = args.global_batch_size or default_global_batch(world, args.micro_batch_size)
         if args.micro_batch_size is not None:  # else the plan picks one that divides the global batch
-            accumulation_steps(args.micro_batch_size,
-                               args.global_batch_size or default_global_batch(world, args.micro_batch_size), world)
+            accumulation_steps(args.micro_batch_size, global_batch, world)
         torch.manual_seed(args.seed)
         model, data, seq_len, source = _model_and_data(args, tokenizer, device)
         n_params = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        global_batch = args.global_batch_size or default_global_batch(world, args.micro_batch_size)
         if rank == 0:
             for note in notes:
                 echo(f"  {note}", file=sys.stderr)
