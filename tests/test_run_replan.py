@@ -99,3 +99,5 @@ def test_a_kept_optimizer_admits_only_itself():
                                           r"run's optimizer is"):
         check_kept_optimizer(OptimizerChoice(placement="device", state_precision="bf16"),
                              replace(kept, optimizer="offload"))
+    # The offloaded optimizer with bf16 device weights is placement "offload" too (Choices cannot name the weights).
+    check_kept_optimizer(OptimizerChoice(placement="offload"), replace(kept, optimizer="offload-bf16-weights"))

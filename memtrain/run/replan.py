@@ -174,7 +174,7 @@ def check_kept_optimizer(asked: OptimizerChoice, kept: PlanSettings) -> None:
     """ConfigError where ``asked`` fixes another optimizer than the one a run keeps (a resume, a re-plan: its state
     exists already), naming each field that differs."""
     differ = [f"optimizer.{name}={value!r}" for name, value, have in (
-        ("placement", asked.placement, kept.optimizer),
+        ("placement", asked.placement, "device" if kept.optimizer == "device" else "offload"),  # bf16 weights too
         ("state_precision", asked.state_precision, kept.state_precision),
         ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
         ("offload_fraction", asked.offload_fraction, kept.offload_fraction)) if value is not None and value != have]
