@@ -12,6 +12,7 @@ from typing import Any, Literal
 from memtrain.choices import OLD_CHOICE_FIELDS, Choices, choices_of_old_fields
 from memtrain.errors import ConfigError
 from memtrain.planner import budget_bytes
+from memtrain.run.tensorboard import logger_problems
 
 PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
 MAX_SEED = 2**63  # seeds are torch.Generator seeds (64 bits), plus one per epoch of the data
@@ -55,6 +56,10 @@ class TrainConfig:
     sample_bytes: int = 240  # length of the text sample written at the end (0: none)
     merge_lora: bool = False  # a LoRA model's hf/ folder holds the merged weights instead of the adapters
     progress: bool = True
+    # Where the run logs beside metrics.jsonl: "tensorboard" (event files in <run>/tensorboard/; the
+    # memtrain[tensorboard] extra); quiet=True prints the plan in one line instead of each choice with its reason.
+    log: tuple[str, ...] = ()
+    quiet: bool = False
 
     def validate(self) -> None:
         """Raises one ConfigError listing every bad field (each named as the argument, e.g. ``out_dir=``)."""
@@ -126,6 +131,9 @@ class TrainConfig:
         if isinstance(self.sample_bytes, bool) or not isinstance(self.sample_bytes, int) or self.sample_bytes < 0:
             problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0. To resolve this error, pass "
                             "e.g. sample_bytes=240, or 0 for no sample.")
+        problems += logger_problems(self.log)
+        if not isinstance(self.quiet, bool):
+            problems.append(f"quiet={self.quiet!r} must be True or False. To resolve this error, pass one of them.")
         if not isinstance(self.choices, Choices):
             problems.append(f"choices={self.choices!r} is not a Choices. To resolve this error, pass e.g. "
                             "choices=Choices(checkpointing='all'), or choices=Choices.from_dict({...}) for a mapping "

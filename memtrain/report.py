@@ -126,7 +126,7 @@ CATEGORIES = (("parameter_bytes", "parameters"), ("gradient_bytes", "gradients")
               ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations"))
 
 
-def _save_figure(fig: Any, path: str) -> None:
+def save_figure(fig: Any, path: str) -> None:
     from memtrain.files import atomic_write
 
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
@@ -148,18 +148,12 @@ def plot_loss(path: str, metrics: list[dict[str, Any]]) -> None:
     ax.set_ylabel("cross-entropy (nats per token)")
     ax.grid(alpha=0.3)
     ax.legend()
-    _save_figure(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
-def plot_memory(path: str, breakdowns: dict[str, dict[str, int]]) -> None:
-    """memory.png: the per-category bytes of each breakdown (e.g. without and with memtrain), side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def memory_bars(ax: Any, breakdowns: dict[str, dict[str, int]]) -> None:
+    """Draws on ``ax`` the per-category bytes of each breakdown (e.g. without and with memtrain), side by side."""
     width = 0.8 / max(1, len(breakdowns))
     for i, (label, breakdown) in enumerate(breakdowns.items()):
         values = [(breakdown.get(key) or 0) / 2**20 for key, _ in CATEGORIES]  # None: not measured
@@ -170,5 +164,3 @@ def plot_memory(path: str, breakdowns: dict[str, dict[str, int]]) -> None:
     ax.set_ylabel("MiB")
     ax.set_title("memory of one training step")
     ax.legend()
-    _save_figure(fig, path)
-    plt.close(fig)

@@ -73,7 +73,7 @@ from memtrain.run.replan import (
     replan,
     replan_record,
 )
-from memtrain.run.report import write_run_report
+from memtrain.run.report import plan_summary, write_run_report
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
 
@@ -406,13 +406,14 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     if config.resume:
         config, start_step = _resume(session, model, config, context, checkpoints, run, auto_warmup, notes)
     reasons += session.load_from(start_step).splitlines()
-    for text in reasons:
+    for text in [plan_summary(session.run_plan, precision_name)] if config.quiet else reasons:
         _log(f"  {text}", rank)
     metrics: list[dict[str, Any]] = []
-    metrics_log = MetricsLog(out / "metrics.jsonl") if writer else None
+    metrics_log = MetricsLog(out / "metrics.jsonl", log=config.log) if writer else None
     if writer:  # set-up succeeded: now the folder may change
         metrics = _commit_folder(folder, config, command, started_with or first, checkpoints, metrics_log,
                                  start_step, notes)
+        metrics_log.add_text("plan", reasons)  # TensorBoard's text tab (quiet or not)
     for text in notes:
         _log(f"  {text}", rank)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
@@ -67,3 +69,29 @@ def log(args: argparse.Namespace, message: str) -> None:
     echo(message, file=sys.stderr if args.json else sys.stdout)
 
 
+
+
+@contextlib.contextmanager
+def third_party_progress(*, enabled: bool) -> Iterator[None]:
+    """With ``enabled=False`` (--no-progress), transformers' and huggingface_hub's own progress bars ("Loading
+    weights", "Writing model shards", downloads) are off inside, as memtrain's are; each library's setting comes
+    back after. Libraries that are not installed are left alone (and not imported)."""
+    restore = []
+    if not enabled:
+        if importlib.util.find_spec("transformers") is not None:
+            from transformers.utils import logging as transformers_logging
+
+            if transformers_logging.is_progress_bar_enabled():
+                transformers_logging.disable_progress_bar()
+                restore.append(transformers_logging.enable_progress_bar)
+        if importlib.util.find_spec("huggingface_hub") is not None:
+            from huggingface_hub import utils as hub_utils
+
+            if not hub_utils.are_progress_bars_disabled():
+                hub_utils.disable_progress_bars()
+                restore.append(hub_utils.enable_progress_bars)
+    try:
+        yield
+    finally:
+        for undo in restore:
+            undo()

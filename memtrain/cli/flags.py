@@ -15,6 +15,7 @@ from memtrain.checkpointing import Checkpointing
 from memtrain.cli.console import EXIT_BAD_INPUT, EXIT_CODES_HELP
 from memtrain.errors import ConfigError
 from memtrain.report import parse_bytes
+from memtrain.run.tensorboard import LOGGERS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,6 +99,18 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _loggers(text: str) -> tuple[str, ...]:
+    """``tensorboard``, a comma-separated list of loggers, or ``none`` (metrics.jsonl only)."""
+    if text.strip().lower() == "none":
+        return ()
+    names = tuple(dict.fromkeys(name.strip().lower() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in LOGGERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(map(repr, unknown)) or 'no logger'} is not a logger "
+                                         f"memtrain has; the loggers are {', '.join(LOGGERS)} (or none)")
+    return names
+
+
 UNLIMITED = "unlimited"
 
 
@@ -177,7 +190,12 @@ def _add_train_parser(sub: Any) -> None:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (after checkpointing and the DDP/FSDP2 wrapper)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
-                   "(in a log)")
+                   "(in a log), transformers' and huggingface_hub's bars (\"Loading weights\") included")
+    t.add_argument("--log", type=_loggers, default=(), metavar="LOGGER[,LOGGER]", help="where the run logs beside "
+                   "metrics.jsonl: tensorboard (event files in <run>/tensorboard/: loss, eval loss, lr, tokens/s, "
+                   "memory, the plan as text; pip install 'memtrain[tensorboard]'); none (default): metrics.jsonl only")
+    t.add_argument("--quiet", action="store_true", help="print the plan in one line at the start instead of each "
+                   "automatic choice with its reason (report.json and --json keep the reasons)")
     t.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 

@@ -20,6 +20,7 @@ ARGUMENT_FLAGS: dict[str, str] = {
     "world_size": "torchrun --nproc_per_node", "budget": "--budget", "host_budget": "--host-budget",
     "state_precision": "--optimizer-state", "offload_fraction": "--offload-optimizer-fraction",
     "optimizer.state_precision": "--optimizer-state", "optimizer.offload_fraction": "--offload-optimizer-fraction",
+    "log": "--log",
 }
 # Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
 ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
@@ -28,7 +29,7 @@ ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
     "offload_activations": ("--offload-activations", "--no-offload-activations"),
     "compile": ("--compile", None), "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
     "progress": (None, "--no-progress"), "step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
-    "merge_lora": ("--merge-lora", None),
+    "merge_lora": ("--merge-lora", None), "quiet": ("--quiet", None),
     "optimizer.step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
 }
 # Arguments whose value has a flag of its own (``Choices``'s optimizer placement is --[no-]offload-optimizer).

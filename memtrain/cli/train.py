@@ -15,7 +15,7 @@ import torch
 
 from memtrain.accumulation import accumulation_steps
 from memtrain.choices import Choices, default_global_batch
-from memtrain.cli.console import EXIT_OK, EXIT_STOPPED, echo, log
+from memtrain.cli.console import EXIT_OK, EXIT_STOPPED, echo, log, third_party_progress
 from memtrain.cli.launch import distributed_group, nproc_problems
 from memtrain.cli.resume import command_record, resume_flags
 from memtrain.cli.techniques import choices_from_flags
@@ -41,10 +41,11 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         precision=args.precision, budget=args.budget, host_budget=args.host_budget, fsdp=args.fsdp,
         merge_lora=args.merge_lora, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
         out_dir=out, overwrite=args.overwrite, resume=args.resume, progress=not args.no_progress, choices=choices,
+        log=args.log, quiet=args.quiet,
     )
     config.validate()
     RunFolder(out, overwrite=args.overwrite, resume=args.resume).check()
-    with distributed_group() as (rank, world, device):
+    with distributed_group() as (rank, world, device), third_party_progress(enabled=not args.no_progress):
         global_batch = args.global_batch_size or default_global_batch(world, args.micro_batch_size)
         if args.micro_batch_size is not None:  # else the plan picks one that divides the global batch
             accumulation_steps(args.micro_batch_size, global_batch, world)

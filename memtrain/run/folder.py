@@ -36,7 +36,8 @@ LOCK = ".memtrain-lock"
 # Files whose presence means a folder holds a run's results (a new run must not silently replace them).
 RUN_FILES = ("metrics.jsonl", "model.safetensors", "checkpoints")
 # Every name memtrain writes at a run folder's top level: the only names overwrite replaces.
-RUN_OUTPUTS = (MARKER, LOCK, "config.json", *RUN_FILES, "report.json", "loss.png", "memory.png", "sample.txt", "hf")
+RUN_OUTPUTS = (MARKER, LOCK, "config.json", *RUN_FILES, "report.json", "loss.png", "memory.png", "sample.txt", "hf",
+               "tensorboard")
 _TRASH_PREFIX = ".overwritten."
 
 

@@ -1,4 +1,5 @@
-"""The run's metrics log: one JSON line per optimizer step, appended, cut back to the checkpoint on resume."""
+"""The run's metrics log: one JSON line per optimizer step, appended, cut back to the checkpoint on resume; the
+loggers of ``TrainConfig.log`` (TensorBoard) get the same lines."""
 
 from __future__ import annotations
 
@@ -9,15 +10,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from memtrain.run.tensorboard import TENSORBOARD_FOLDER, TensorBoardLog
+
 
 class MetricsLog:
     """metrics.jsonl: one JSON line per optimizer step, appended (each step costs one line, whatever the run's
     length), flushed every step, fsynced at every checkpoint; on resume cut back to the checkpoint's step.
+
+    ``log``: where else each line goes (``TrainConfig.log``): "tensorboard" writes event files into the run
+    folder's ``tensorboard/`` (a resume appends).
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, log: tuple[str, ...] = ()):
         self.path = path
         self._file: Any = None
+        self.log = log
+        self._tensorboard: TensorBoardLog | None = None
 
     def start(self, *, resume_step: int | None) -> tuple[list[dict[str, Any]], list[str]]:
         """Opens the log for appending. ``resume_step``: the checkpoint's step; lines after it are dropped (those
@@ -28,6 +36,8 @@ class MetricsLog:
         """
         kept: list[dict[str, Any]] = []
         notes: list[str] = []
+        if "tensorboard" in self.log:
+            self._tensorboard = TensorBoardLog(self.path.parent / TENSORBOARD_FOLDER, resume_step=resume_step)
         if resume_step is None:
             self._file = open(self.path, "w", encoding="utf-8")
             return kept, notes
@@ -66,13 +76,26 @@ class MetricsLog:
     def append(self, line: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()  # in the OS's hands: a killed process loses no step it logged
+        if self._tensorboard is not None:
+            self._tensorboard.add_line(line)
+
+    def add_text(self, tag: str, lines: list[str]) -> None:
+        """``lines`` (e.g. the plan's reasons) as text where the loggers show text (TensorBoard); metrics.jsonl
+        holds numbers only."""
+        if self._tensorboard is not None:
+            self._tensorboard.add_lines(tag, lines)
 
     def sync(self) -> None:
         """Makes the lines written so far durable (called before each checkpoint: no checkpoint is ahead of them)."""
         self._file.flush()
         os.fsync(self._file.fileno())
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
 
     def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()

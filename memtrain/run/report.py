@@ -1,9 +1,12 @@
 """A finished run's report: ``report.json`` (the plan, its prediction, the measurement at step 2, the re-plans,
-memory with memtrain beside plain training) and its plots ``loss.png`` and ``memory.png``."""
+memory with memtrain beside plain training) and its plots ``loss.png`` and ``memory.png`` (the categories beside
+plain training, and memory per step against the budget, the predicted and the measured peak); the plan in one line
+for ``quiet`` runs."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,7 @@ from torch import nn
 
 from memtrain.estimate import estimate
 from memtrain.files import atomic_write_bytes
-from memtrain.report import CATEGORIES, plot_loss, plot_memory
+from memtrain.report import CATEGORIES, format_bytes, memory_bars, plot_loss, save_figure
 from memtrain.run.replan import RunPlan
 
 
@@ -48,5 +51,60 @@ def write_run_report(out: Path, metrics: list[dict[str, Any]], run_plan: RunPlan
     bars = {"with memtrain (measured)": with_memtrain}
     if report["without_memtrain"]:
         bars = {"without memtrain (estimated)": report["without_memtrain"], **bars}
-    plot_memory(str(out / "memory.png"), bars)
+    save_figure(memory_figure(bars, metrics, run_plan, replans), str(out / "memory.png"))
     return report
+
+
+# memory.png's timeline: metrics.jsonl's memory figures of each step.
+TIMELINE = (("peak_bytes", "allocator peak", "tab:purple"), ("activation_bytes", "saved activations", "tab:blue"),
+            ("model_state_bytes", "model state", "tab:green"))
+
+
+def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]], run_plan: RunPlan,
+                  replans: list[dict[str, Any]]) -> Any:
+    """memory.png's figure (a ``matplotlib.figure.Figure``): on the left each category's bytes, ``bars`` side by
+    side; on the right the memory of each optimizer step (the allocator's peak, CUDA only; the bytes saved for
+    backward; the model state) on a log scale, against the budget, the plan's predicted peak and saved
+    activations, the measured peak (the highest step's) and the steps that re-planned."""
+    from matplotlib.figure import Figure  # no pyplot: no global figure registry, no GUI backend
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(13, 4.5))
+    bars_ax, steps_ax = fig.subplots(1, 2, width_ratios=(1, 1.3))
+    memory_bars(bars_ax, bars)
+    steps = [m["step"] for m in metrics]
+    for key, label, color in TIMELINE:
+        values = [m.get(key) for m in metrics]
+        if any(v is not None for v in values):
+            steps_ax.plot(steps, [v / 2**20 if v is not None else math.nan for v in values], ".-", color=color,
+                          label=label)
+    peaks = [m["peak_bytes"] for m in metrics if m.get("peak_bytes") is not None]
+    p = run_plan.plan
+    levels = (("budget", run_plan.budget_bytes, "-", "red"),
+              ("predicted peak", p.peak_bytes if p else None, "--", "tab:purple"),
+              ("measured peak", max(peaks) if peaks else None, ":", "tab:purple"),
+              ("predicted saved activations", p.activation_bytes if p else None, "--", "tab:blue"))
+    for name, value, style, color in levels:
+        if value is not None:
+            steps_ax.axhline(value / 2**20, linestyle=style, color=color, linewidth=1,
+                             label=f"{name} {format_bytes(value)}")
+    for replan in replans:
+        steps_ax.axvline(replan["step"], color="grey", linewidth=0.8, label=f"re-plan at step {replan['step']}")
+    steps_ax.set_yscale("log")
+    steps_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps_ax.set_xlabel("optimizer step")
+    steps_ax.set_ylabel("MiB (log scale)")
+    steps_ax.set_title("memory per step" + ("" if peaks else " (no allocator peak on this device)"))
+    steps_ax.grid(alpha=0.3, which="both")
+    steps_ax.legend(fontsize=7)
+    return fig
+
+
+def plan_summary(run_plan: RunPlan, precision: str) -> str:
+    """The plan in one line, for a ``quiet`` run (instead of each choice with its reason)."""
+    s, p = run_plan.settings, run_plan.plan
+    budget = f" of the budget {format_bytes(run_plan.budget_bytes)}" if run_plan.budget_bytes is not None else ""
+    predicted = f"; predicted peak {format_bytes(p.peak_bytes)} per rank{budget}" if p is not None else ""
+    return (f"plan: {precision}, {s.checkpointing} checkpointing, loss {'chunked' if s.chunked_loss else 'whole'}, "
+            f"optimizer {s.optimizer_text}{', compiled' if s.compile else ''}, micro-batch {s.micro_batch_size} x "
+            f"{s.accumulation} accumulation{predicted}")
