@@ -105,6 +105,6 @@ def plan_summary(run_plan: RunPlan, precision: str) -> str:
     s, p = run_plan.settings, run_plan.plan
     budget = f" of the budget {format_bytes(run_plan.budget_bytes)}" if run_plan.budget_bytes is not None else ""
     predicted = f"; predicted peak {format_bytes(p.peak_bytes)} per rank{budget}" if p is not None else ""
-    return (f"plan: {precision}, {s.checkpointing} checkpointing, loss {'chunked' if s.chunked_loss else 'whole'}, "
-            f"optimizer {s.optimizer_text}{', compiled' if s.compile else ''}, micro-batch {s.micro_batch_size} x "
+    return (f"plan: {precision}; checkpointing {s.checkpointing}; loss {'chunked' if s.chunked_loss else 'whole'}; "
+            f"optimizer {s.optimizer_text}{', compiled' if s.compile else ''}; micro-batch {s.micro_batch_size} x "
             f"{s.accumulation} accumulation{predicted}")
