@@ -5,6 +5,7 @@
 - ``identity``: fingerprints of the data and model, and which changed settings a resume refuses or applies.
 - ``state``: everything a bit-identical resume needs, saved and restored; the model's weights file.
 - ``metrics``: the append-only metrics log.
+- ``tensorboard``: TensorBoard event files of the same lines (``log=("tensorboard",)``), an optional extra.
 - ``signals``: stopping after the current step on SIGTERM / SIGINT, agreed on by every rank.
 - ``replan``: the run's plan from its choices, its check against the device at step 2, the re-plan when they differ.
 - ``report``: the run's report (report.json) and its plots.
