@@ -69,8 +69,6 @@ def log(args: argparse.Namespace, message: str) -> None:
     echo(message, file=sys.stderr if args.json else sys.stdout)
 
 
-
-
 @contextlib.contextmanager
 def third_party_progress(*, enabled: bool) -> Iterator[None]:
     """With ``enabled=False`` (--no-progress), transformers' and huggingface_hub's own progress bars ("Loading

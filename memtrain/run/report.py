@@ -64,8 +64,8 @@ def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]]
                   replans: list[dict[str, Any]]) -> Any:
     """memory.png's figure (a ``matplotlib.figure.Figure``): on the left each category's bytes, ``bars`` side by
     side; on the right the memory of each optimizer step (the allocator's peak, CUDA only; the bytes saved for
-    backward; the model state) on a log scale, against the budget, the plan's predicted peak and saved
-    activations, the measured peak (the highest step's) and the steps that re-planned."""
+    backward; the model state) on a log scale, against the budget, the predicted peak and saved activations of
+    the plan at the end, the measured peak (the highest step's) and the steps that re-planned."""
     from matplotlib.figure import Figure  # no pyplot: no global figure registry, no GUI backend
     from matplotlib.ticker import MaxNLocator
 
