@@ -76,6 +76,14 @@ def test_a_resume_appends_and_each_step_shows_once(tmp_path):
     assert sorted(e.step for e in events.Tensors("plan/text_summary")) == [0, 2]  # each session's plan
 
 
+def test_overwrite_replaces_the_previous_runs_event_files(tmp_path):
+    out = tmp_path / "run"
+    for overwrite in (False, True):
+        train(tiny_gpt(seq_len=32, seed=0), code_windows(),
+              quick_run_config(out, max_steps=1, overwrite=overwrite, log=("tensorboard",)))
+    assert len(list((out / "tensorboard").iterdir())) == 1  # tensorboard/ is memtrain's: overwrite replaces it
+
+
 def test_no_tensorboard_files_without_the_option(tmp_path):
     out = tmp_path / "run"
     train(tiny_gpt(seq_len=32, seed=0), code_windows(), quick_run_config(out, max_steps=1))
