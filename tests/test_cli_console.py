@@ -29,7 +29,10 @@ def test_third_party_bars_are_off_inside_and_as_they_were_after():
         transformers_logging.enable_progress_bar()
 
 
-def test_no_progress_and_quiet_print_no_bar_and_one_plan_line(tmp_path, hf_model_dir, capfd):
+def test_no_progress_and_quiet_print_no_bar_and_one_plan_line(tmp_path, hf_model_dir, capfd, monkeypatch):
+    from memtrain.data import token_cache
+
+    monkeypatch.setattr(token_cache, "_PROGRESS_BYTES", 0)  # the tokenising bar of a large file, for a small one
     data = tmp_path / "docs.txt"
     data.write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}" for i in range(300)))
     out = tmp_path / "run"
@@ -37,7 +40,7 @@ def test_no_progress_and_quiet_print_no_bar_and_one_plan_line(tmp_path, hf_model
                  "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-len", "64", "--no-progress",
                  "--quiet", "--out", str(out)]) == 0
     printed = capfd.readouterr()
-    for bar in ("Loading weights", "Writing model shards", "it/s]"):  # transformers' own tqdm bars
+    for bar in ("tokenising", "Loading weights", "Writing model shards", "it/s]"):  # memtrain's, transformers' bars
         assert bar not in printed.err and bar not in printed.out, (bar, printed.err, printed.out)
     lines = printed.err.splitlines()
     assert len(lines) == 2 and lines[0].startswith("  plan: ") and lines[1].startswith("  plan check"), lines

@@ -112,7 +112,7 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
         seq_len = hf_seq_len(hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
         # Tokenised (or read from the cache beside the data) before the model loads: a bad line fails fast.
         with flags_of(DATA_PATH):
-            data = tokenized_rows(args.data, tokenizer, seq_len)
+            data = tokenized_rows(args.data, tokenizer, seq_len, progress=False if args.no_progress else None)
     model, seq_len = build_language_model(args)
     model.to(device)
     if args.hf_model:

@@ -125,9 +125,11 @@ def hf_collate(rows: Sequence[PackedRow]) -> dict[str, torch.Tensor]:
 
 
 def tokenized_rows(path: str | os.PathLike[str], tokenizer: Any, seq_len: int, *, val_fraction: float = 0.05,
-                   cache_dir: str | os.PathLike[str] | None = None) -> tuple[PackedRows, PackedRows]:
-    """(training, validation) packed rows of a ``.txt``/``.jsonl`` file: ``tokenize_file`` then ``PackedRows``,
-    the last ``val_fraction`` of the documents held out (before packing, so no document is in both)."""
-    train, val = tokenize_file(path, tokenizer, cache_dir=cache_dir).split(val_fraction)
+                   cache_dir: str | os.PathLike[str] | None = None,
+                   progress: bool | None = None) -> tuple[PackedRows, PackedRows]:
+    """(training, validation) packed rows of a ``.txt``/``.jsonl`` file: ``tokenize_file`` (``progress``: its
+    bar; None: for files over 4 MiB) then ``PackedRows``, the last ``val_fraction`` of the documents held out
+    (before packing, so no document is in both)."""
+    train, val = tokenize_file(path, tokenizer, cache_dir=cache_dir, progress=progress).split(val_fraction)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return PackedRows(train, seq_len, pad_id=pad), PackedRows(val, seq_len, pad_id=pad)
