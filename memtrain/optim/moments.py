@@ -93,6 +93,9 @@ class BF16StateAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.seed = int(seed)
         self._salts = 0
+        # id(parameter) -> its rounding salt, where an owner fixes it (CPUOffloadOptimizer: the parameter's place in
+        # its param_groups, so that its buckets round as one device optimizer); others take the next free salt.
+        self.salts: dict[int, int] = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, then the moments back to bf16 (lossless): ``Optimizer.load_state_dict`` casts every floating
@@ -146,8 +149,8 @@ class BF16StateAdamW(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
             state["draws"] = 0
-            state["salt"] = self._salts
-            self._salts += 1
+            state["salt"] = self.salts.get(id(p), self._salts)
+            self._salts = max(self._salts, state["salt"]) + 1
         elif state["step"].device != p.device:  # e.g. loaded from a for-loop AdamW's state (CPU step counters)
             state["step"] = state["step"].to(p.device, torch.float32)
 
