@@ -131,8 +131,10 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
                          for run in bucket_runs([n for n, _ in host_rev], CPUOffloadOptimizer.bucket_numel)])
     aligned_numel = sum(aligned(n) for n, _ in host)
     cast = sum(aligned(n) * torch.empty((), dtype=dt).element_size() for n, dt in host if dt != torch.float32)
-    # Non-fp32 device weights: a cast buffer and a gradient stage in their dtype.
-    host_bytes = host_state + 4 * aligned_numel * (2 + bool(delayed_update)) + 2 * cast if host else 0
+    # Non-fp32 device weights: a cast buffer in their dtype, also the gradient stage (a second one for a delayed
+    # update, whose step overlaps the next backward).
+    host_bytes = host_state + 4 * aligned_numel * (2 + bool(delayed_update)) + cast * (1 + bool(delayed_update)) \
+        if host else 0
 
     grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
     device_grads = sum(grad_bytes)
