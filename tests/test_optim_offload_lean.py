@@ -169,3 +169,40 @@ def test_estimate_counts_the_host_bytes_the_offloaded_optimizer_holds(precision)
     measured = _host_bytes(opt)[1]
     opt.close()
     assert predicted == measured, f"{precision}: estimate says {predicted} host bytes, the optimizer holds {measured}"
+
+
+def test_int8_cpu_steps_large_tensors_in_block_aligned_pieces_bit_identically(monkeypatch) -> None:
+    """bitsandbytes' CPU update dequantises whatever it is given to fp32: a large tensor steps a piece of at most
+    INT8_CPU_CHUNK elements at a time (bounded transient host RAM), with the whole tensor's results bit for bit."""
+    import bitsandbytes
+
+    import memtrain.optim.moments as moments
+
+    calls: list[int] = []
+    real = bitsandbytes.functional.optimizer_update_8bit_blockwise
+
+    def spy(name, g, *args, **kwargs):
+        calls.append(g.numel())
+        return real(name, g, *args, **kwargs)
+
+    monkeypatch.setattr(bitsandbytes.functional, "optimizer_update_8bit_blockwise", spy)
+    results = {}
+    for chunk in (1 << 22, 512):  # whole tensors, then pieces of two blocks (a tail of 5,000 % 512 = 392)
+        monkeypatch.setattr(moments, "INT8_CPU_CHUNK", chunk)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(100, 50), nn.Linear(50, 128))  # weights of 5,000 and 6,400 elements
+        opt = _offloaded(model, "int8")
+        calls.clear()
+        for x in torch.randn(3, 4, 100):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        results[chunk] = ([p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))
+        assert max(calls) <= chunk, (chunk, calls)
+        opt.close()
+    assert len(calls) == 3 * (10 + 13), calls  # -(-5000 // 512) + -(-6400 // 512) pieces a step
+    (whole, whole_sd), (pieces, pieces_sd) = results[1 << 22], results[512]
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces, strict=True)), "the pieces stepped differently"
+    for name, entry in whole_sd["state"].items():
+        for k, v in entry.items():
+            assert not torch.is_tensor(v) or torch.equal(v, pieces_sd["state"][name][k]), (name, k)

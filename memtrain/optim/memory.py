@@ -17,6 +17,7 @@ from memtrain.optim.host_buffers import aligned, bucket_runs
 from memtrain.optim.moments import (
     BF16_CHUNK,
     INT8_BLOCK,
+    INT8_CPU_CHUNK,
     INT8_MIN_NUMEL,
     NOISE_OFFSETS,
     QMAP_BYTES,
@@ -153,7 +154,9 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         scratch = min(max(padded, default=0) if step_in_backward else sum(padded), chunk)
         temp = 8 * scratch + 2 * 4 * ((1 << max(min(largest, chunk) - 1, 1).bit_length()) + NOISE_OFFSETS)
     elif state_precision == "int8" and device_type == "cpu":
-        temp = largest * 4 * 4  # bitsandbytes' CPU path dequantises whole tensors: moments, gradient, weights
+        # bitsandbytes' CPU path dequantises what it steps to fp32 (moments, gradient, weights), a piece of at most
+        # INT8_CPU_CHUNK elements at a time (AdamW8bit.update_step).
+        temp = min(largest, INT8_CPU_CHUNK) * 4 * 4
     return OptimizerMemory(
         device_state_bytes=device_state, device_gradient_bytes=device_grads, device_gradient_peak_bytes=peak,
         device_step_temp_bytes=temp, host_state_bytes=host_state, host_bytes=host_bytes,
