@@ -6,10 +6,12 @@ or about 1/4 (int8) of fp32's moment bytes, and ``memtrain train --offload-optim
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from optim_training import HYPER, batches, make_model, max_diff
+from safetensors import safe_open
 from torch import nn
 
 from memtrain.accumulation import GradientAccumulator
@@ -145,11 +147,15 @@ def test_cli_trains_with_the_optimizer_offloaded_and_int8_moments(tmp_path, caps
     out = tmp_path / "run"
     assert main(["train", "--model", "gpt-tiny", "--max-steps", "3", "--micro-batch-size", "4", "--no-progress",
                  "--offload-optimizer", "--optimizer-state", "int8", "--out", str(out), "--json"]) == 0
-    import json
-
     result = json.loads(capsys.readouterr().out)
     settings = result["plan"]["settings"]
     assert (settings["optimizer"], settings["state_precision"], result["steps"]) == ("offload", "int8", 3), result
+    with safe_open(out / "checkpoints" / "step-0000003" / "tensors.safetensors", "pt") as f:
+        codes = {f.get_tensor(k).dtype for k in f.keys() if k.startswith("/optimizer/state/") and "state1" in k}
+    assert torch.uint8 in codes, codes  # the embedding's 8,192 elements: 8-bit moments saved as they are
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["resumed_from"], result["steps"]) == (3, 4), result
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
