@@ -101,7 +101,8 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
 
     Raises:
         ConfigError: no parameters, several devices, parameters that do not require grad, a class that is not a
-            torch optimizer, or hyper-parameters it does not accept.
+            torch optimizer, hyper-parameters it does not accept, an unknown ``state_precision`` or lean moments
+            with a class other than AdamW (int8 without bitsandbytes too, naming the ``lowbit`` extra).
         MemtrainError: not enough free host RAM for the buffers (checked before allocating anything); a sparse
             gradient (raised during backward).
 
