@@ -53,7 +53,8 @@ class OptimizerChoice:
     placement: "device" (state on the device; with ``offload_fraction`` a share of it in host RAM) or "offload"
         (``CPUOffloadOptimizer``: fp32 master weights and AdamW state in host RAM, 12 fewer device bytes a
         parameter, gradients streamed there during backward).
-    state_precision: AdamW's moments on the device: "fp32" (8 bytes a parameter), "bf16" (4), "int8" (about 2).
+    state_precision: AdamW's moments, where the state lives (the device, or host RAM with "offload"): "fp32" (8
+        bytes a parameter), "bf16" (4), "int8" (about 2). The master weights stay fp32 either way.
     step_in_backward: each parameter steps as its gradient is final, which is freed at once (no gradient buffers).
     offload_fraction: this share of a device optimizer's state in host RAM, in [0, 1].
     """
@@ -91,10 +92,6 @@ class OptimizerChoice:
                 problems.append(f"optimizer.placement='offload' with offload_fraction={self.offload_fraction}: the "
                                 "first puts all of the optimizer state in host RAM, the second a share of a device "
                                 "optimizer's. To resolve this error, pass one of them.")
-            if self.state_precision not in (None, "fp32"):
-                problems.append(f"optimizer.placement='offload' with state_precision={self.state_precision!r}: "
-                                "CPUOffloadOptimizer keeps fp32 state in host RAM (the device holds none). To resolve "
-                                "this error, drop state_precision, or keep the optimizer on the device.")
             if self.step_in_backward:
                 problems.append("optimizer.placement='offload' with step_in_backward=True: the offloaded optimizer "
                                 "already takes each gradient off the device as it is produced and steps on the host; "
@@ -107,11 +104,11 @@ class OptimizerChoice:
 
     @property
     def fixed_placement(self) -> Placement | None:
-        """The placement these choices imply: lean moments, an in-backward step and a partial offload are device
-        optimizers, so any of them fixes "device" where the placement itself is left open."""
+        """The placement these choices imply: an in-backward step and a partial offload are device optimizers, so
+        either fixes "device" where the placement itself is left open (lean moments go with either placement)."""
         if self.placement is not None:
             return self.placement
-        if self.state_precision is not None or self.step_in_backward or self.offload_fraction is not None:
+        if self.step_in_backward or self.offload_fraction is not None:
             return "device"
         return None
 

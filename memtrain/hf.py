@@ -365,11 +365,11 @@ def _trainer_problems(choices: Any) -> list[str]:
                 "memory=Choices(checkpointing='all', chunked_loss=True), or Choices.from_dict(...) of a mapping."]
     problems = []
     optimizer = choices.optimizer
-    if optimizer.state_precision is not None:
-        problems.append(f"optimizer.state_precision={optimizer.state_precision!r}: the Trainer's AdamW (or "
-                        "CPUOffloadOptimizer's fp32 one) keeps its moments in its own dtype; MemtrainTrainer does "
-                        "not build memtrain.optim's lean AdamW. To resolve this error, drop state_precision (or "
-                        "train with `memtrain train`, which does).")
+    if optimizer.state_precision is not None and optimizer.placement != "offload":
+        problems.append(f"optimizer.state_precision={optimizer.state_precision!r}: the Trainer's AdamW keeps its "
+                        "moments in its own dtype; MemtrainTrainer builds memtrain.optim's lean moments only on the "
+                        "host. To resolve this error, add placement='offload' (CPUOffloadOptimizer), drop "
+                        "state_precision (or train with `memtrain train`, which does).")
     if optimizer.step_in_backward:
         problems.append("optimizer.step_in_backward=True: the Trainer steps after backward and clips through the "
                         "accelerator; MemtrainTrainer cannot step each parameter inside backward. To resolve this "
@@ -402,7 +402,8 @@ def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, ch
 
     Raises:
         ConfigError: ``choices`` not a ``Choices``, or holding what the Trainer helper cannot do
-            (``optimizer.state_precision``, ``step_in_backward``, ``offload_fraction``, ``compile``); a model whose
+            (``optimizer.state_precision`` without placement "offload", ``step_in_backward``, ``offload_fraction``,
+            ``compile``); a model whose
             loss ``memtrain.loss`` cannot chunk, with ``chunked_loss=True``. Every problem at once.
     """
     from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
@@ -450,8 +451,9 @@ def _build_trainer_class() -> type:
         default ``HF_DEFAULT_CHOICES``: every layer checkpointed, the loss chunked; what it leaves open is taken from
         there), applied
         by ``prepare_model`` (checkpointing policy, chunked loss of ``chunk_tokens``) and here (optimizer placement,
-        activation offload). What the Trainer cannot do (``optimizer.state_precision``, ``step_in_backward``,
-        ``offload_fraction``, ``compile``) is one ConfigError naming the fix.
+        activation offload). What the Trainer cannot do (``optimizer.state_precision`` on the device: lean moments
+        need placement "offload"; ``step_in_backward``, ``offload_fraction``, ``compile``) is one ConfigError
+        naming the fix.
 
         Differences from the plain Trainer, each needed for correctness:
 
@@ -519,6 +521,7 @@ def _build_trainer_class() -> type:
                       {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
             self.optimizer = CPUOffloadOptimizer(
                 [g for g in groups if g["params"]], torch.optim.AdamW, lr=self.args.learning_rate,
+                state_precision=self.memory.optimizer.state_precision or "fp32",
                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
             return self.optimizer
 

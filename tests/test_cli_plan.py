@@ -165,7 +165,6 @@ def test_calibrate_without_a_gpu_is_refused(capsys):
     (["--checkpointing", "blocks(RKK)"], "names 3 blocks, not 2"),
     (["--checkpointing", "sometimes"], "is not a checkpointing policy"),
     (["--checkpointing", "all+offload", "--no-offload-activations"], "--no-offload-activations says not to"),
-    (["--offload-optimizer", "--optimizer-state", "int8"], "keeps fp32 state in host RAM"),
     (["--offload-optimizer", "--offload-optimizer-fraction", "0.5"], "pass one of them"),
     (["--offload-optimizer-fraction", "1.5"], "must be a fraction in [0, 1]"),
     (["--nproc", "3", "--global-batch-size", "16"], "does not split over --nproc 3 ranks"),

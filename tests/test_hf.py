@@ -279,7 +279,7 @@ def test_prepare_model_applies_any_checkpointing_policy(hf_model_dir, policy):
 
 
 REFUSED = {
-    "state_precision": (Choices(optimizer=OptimizerChoice(state_precision="bf16")), "drop state_precision"),
+    "state_precision": (Choices(optimizer=OptimizerChoice(state_precision="bf16")), "add placement=.offload."),
     "step_in_backward": (Choices(optimizer=OptimizerChoice(step_in_backward=True)), "drop step_in_backward"),
     "offload_fraction": (Choices(optimizer=OptimizerChoice(offload_fraction=0.5)), "placement='offload'"),
     "compile": (Choices(compile=True), r"TrainingArguments\(torch_compile=True\)"),
@@ -457,9 +457,16 @@ def test_the_trainer_trains_lora_adapters_with_the_offloaded_optimizer(hf_model_
                                           per_device_train_batch_size=2, learning_rate=1e-2, save_strategy="no",
                                           report_to="none", use_cpu=True, dataloader_num_workers=0,
                                           disable_tqdm=True)
-    memory = Choices(checkpointing="all", chunked_loss=True, optimizer=OptimizerChoice(placement="offload"))
+    memory = Choices(checkpointing="all", chunked_loss=True,
+                     optimizer=OptimizerChoice(placement="offload", state_precision="bf16"))
     trainer = MemtrainTrainer(lora, args, memory=memory, train_dataset=packed_rows, data_collator=hf_collate)
     trainer.train()
+    from memtrain import CPUOffloadOptimizer
+
+    opt = trainer.optimizer
+    while not isinstance(opt, CPUOffloadOptimizer):  # inside accelerate's wrapper
+        opt = opt.optimizer
+    assert opt.state_precision == "bf16" and {e["exp_avg"].dtype for e in opt.state.values()} == {torch.bfloat16}
     for name, p in lora.named_parameters():
         changed = not torch.equal(p, before[name])
         assert changed == p.requires_grad, f"{name}: changed={changed}, trainable={p.requires_grad}"

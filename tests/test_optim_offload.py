@@ -728,14 +728,16 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
     """With bf16 device weights each gradient lands in a stage buffer the optimizer owns (pinned on CUDA, sized
     once, same layout as the cast buffers), not in torch's pinned cache (rounded up to powers of two, kept for the
     process's life, invisible to the check); the host-RAM check counts every buffer: it refuses a machine with one
-    byte less than masters + gradients + casts + stages + state."""
+    byte less than masters + gradients + casts + state. Without a delayed update the stage is the cast buffer (the
+    stage is read before the step, the cast written after it); with one, whose step overlaps the next backward,
+    each has its own."""
     import memtrain.optim.gradient_landing as gradient_landing
     import memtrain.optim.host_buffers as host_buffers
 
     model = make_mlp()
     params = list(model.parameters())
     aligned = sum(host_buffers.aligned(p.numel()) for p in params)
-    buffers = (4 + 4 + 2 + 2) * aligned  # fp32 master and gradient, bf16 cast and stage
+    buffers = (4 + 4 + 2) * aligned  # fp32 master and gradient, bf16 cast (and stage)
     need = buffers + 8 * aligned  # and AdamW's two fp32 moments
     monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: need - 1)
     with pytest.raises(MemtrainError, match="host RAM"):
@@ -761,6 +763,13 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
     opt.step()
     landed = [p for p in params if p is not model.unused]
     assert len(staged_in) == 2 * len(landed) and set(staged_in) <= stages, "a gradient was staged outside the stages"
+    opt.close()
+    monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: need + 6 * aligned - 1)
+    with pytest.raises(MemtrainError, match="host RAM"):  # a second fp32 gradient buffer and a separate stage
+        CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, delayed_update=True, **HYPER)
+    monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: need + 6 * aligned)
+    opt = CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, delayed_update=True, **HYPER)
+    assert all(s.stage.untyped_storage().data_ptr() != s.cast.untyped_storage().data_ptr() for s in opt._slots)
     opt.close()
 
 

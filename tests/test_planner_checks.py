@@ -28,7 +28,6 @@ CPU = fixed_cpu_profile()
     ({"world_size": 2}, dict(placement="device", step_in_backward=True),
      "optimizer.step_in_backward=True: it acts on gradients before DDP"),
     ({"world_size": 2, "fsdp": True}, dict(placement="device", state_precision="int8"), "no set-up can be built"),
-    ({}, dict(placement="offload", state_precision="int8"), "placement='offload' with state_precision='int8'"),
     ({"world_size": 2, "fsdp": True}, dict(placement="offload"), "placement='offload' and fsdp=True together"),
 ])
 def test_fixed_optimizer_choices_that_cannot_go_together_are_one_clear_error(kwargs, optimizer, match):

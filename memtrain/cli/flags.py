@@ -277,8 +277,8 @@ def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> N
     parser.add_argument("--offload-activations", action=switch, default=None,
                         help=f"saved activations in pinned host memory, prefetched before backward (CUDA; {unset})")
     parser.add_argument("--offload-optimizer", action=switch, default=None,
-                        help=f"fp32 master weights and AdamW state in host RAM, 8-12 bytes per parameter off the "
-                        f"device ({unset})")
+                        help=f"fp32 master weights and AdamW state (moments as --optimizer-state) in host RAM, 8-12 "
+                        f"bytes per parameter off the device ({unset})")
     parser.add_argument("--offload-optimizer-fraction", type=_fraction, metavar="F", default=None,
                         help=f"this share of the parameters' fp32 master and AdamW state in host RAM, the rest on "
                         f"the device ({unset})")
@@ -286,8 +286,8 @@ def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> N
                         help="the loss's fp32 logits 1024 tokens at a time, never whole (default: "
                         + ("the plan decides)" if planned else "on with checkpointing where the model allows it)"))
     parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "int8"], default=None,
-                        help=f"AdamW's moments in fp32 (8 bytes per parameter), bf16 (4) or int8 (about 2; needs "
-                        f"bitsandbytes) ({unset.replace('off', 'fp32')})")
+                        help=f"AdamW's moments, on the device or (--offload-optimizer) in host RAM: fp32 (8 bytes "
+                        f"per parameter), bf16 (4) or int8 (about 2; needs bitsandbytes) ({unset.replace('off', 'fp32')})")
     parser.add_argument("--step-in-backward", action=switch, default=None,
                         help=f"each parameter steps as soon as its gradient is final, which is freed at once: the "
                         f"whole model's gradients never coexist ({unset})")

@@ -84,7 +84,8 @@ def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[di
         problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded optimizer "
                         "is AdamW (CPUOffloadOptimizer). To resolve this error, pass optimizer='adamw', or drop "
                         "placement='offload'.")
-    elif (choice.placement == "device" or lean) and optimizer == "adamw-offload":
+    elif (choice.placement == "device" or choice.offload_fraction or choice.step_in_backward) and (
+            optimizer == "adamw-offload"):  # lean moments go with either placement
         asked = [f"{name}={getattr(choice, name)!r}" for name in ("placement", "state_precision", "step_in_backward",
                                                                   "offload_fraction") if getattr(choice, name)]
         problems.append(f"setup.optimizer {', '.join(asked)} with optimizer='adamw-offload': those choose AdamW on "

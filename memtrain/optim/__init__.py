@@ -4,7 +4,8 @@
 - ``gradient_landing``: backward streams each gradient device -> host as it is ready (CPUOffloadOptimizer's half).
 - ``host_gradients``: its host gradients normalised, clipped, checked for inf/NaN with no pass over them.
 - ``offload_checkpoint``: CPUOffloadOptimizer's state_dict keyed by parameter name.
-- ``offload``: CPUOffloadOptimizer, fp32 masters and state on the CPU, the step overlapped with GPU work.
+- ``offload``: CPUOffloadOptimizer, fp32 masters and fp32, bf16 or int8 moments on the CPU, the step overlapped
+  with GPU work.
 - ``moments``: AdamW's moments in bf16 (stochastic rounding) or int8 (bitsandbytes), converting between them.
 - ``memory``: the byte model (optimizer_memory), which parameters go to the host, the host step's rate.
 - ``in_backward``: each parameter steps as its gradient is final (lagged clipping, the inf flag on the device).

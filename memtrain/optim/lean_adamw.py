@@ -99,8 +99,8 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
                 self._inner.update({id(p): shared for p in self._device_params})
         self._host = None
         if host_named:
-            host_cls, host_impl = state_class(state_precision, "cpu")
-            self._host = CPUOffloadOptimizer(host_named, optimizer_class=host_cls, **hyper, **host_impl)
+            host_impl = state_class(state_precision, "cpu")[1]
+            self._host = CPUOffloadOptimizer(host_named, state_precision=state_precision, **hyper, **host_impl)
         # With host gradients the accumulator normalises and clips through us (scale_gradients_, clip_grad_norm_),
         # and GradScaler hands its inf check to step() (as with CPUOffloadOptimizer, which exposes the same
         # attribute).

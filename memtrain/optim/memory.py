@@ -17,6 +17,7 @@ from memtrain.optim.host_buffers import aligned, bucket_runs
 from memtrain.optim.moments import (
     BF16_CHUNK,
     INT8_BLOCK,
+    INT8_CPU_CHUNK,
     INT8_MIN_NUMEL,
     NOISE_OFFSETS,
     QMAP_BYTES,
@@ -131,8 +132,10 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
                          for run in bucket_runs([n for n, _ in host_rev], CPUOffloadOptimizer.bucket_numel)])
     aligned_numel = sum(aligned(n) for n, _ in host)
     cast = sum(aligned(n) * torch.empty((), dtype=dt).element_size() for n, dt in host if dt != torch.float32)
-    # Non-fp32 device weights: a cast buffer and a gradient stage in their dtype.
-    host_bytes = host_state + 4 * aligned_numel * (2 + bool(delayed_update)) + 2 * cast if host else 0
+    # Non-fp32 device weights: a cast buffer in their dtype, also the gradient stage (a second one for a delayed
+    # update, whose step overlaps the next backward).
+    host_bytes = host_state + 4 * aligned_numel * (2 + bool(delayed_update)) + cast * (1 + bool(delayed_update)) \
+        if host else 0
 
     grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
     device_grads = sum(grad_bytes)
@@ -151,7 +154,9 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         scratch = min(max(padded, default=0) if step_in_backward else sum(padded), chunk)
         temp = 8 * scratch + 2 * 4 * ((1 << max(min(largest, chunk) - 1, 1).bit_length()) + NOISE_OFFSETS)
     elif state_precision == "int8" and device_type == "cpu":
-        temp = largest * 4 * 4  # bitsandbytes' CPU path dequantises whole tensors: moments, gradient, weights
+        # bitsandbytes' CPU path dequantises what it steps to fp32 (moments, gradient, weights), a piece of at most
+        # INT8_CPU_CHUNK elements at a time (AdamW8bit.update_step).
+        temp = min(largest, INT8_CPU_CHUNK) * 4 * 4
     return OptimizerMemory(
         device_state_bytes=device_state, device_gradient_bytes=device_grads, device_gradient_peak_bytes=peak,
         device_step_temp_bytes=temp, host_state_bytes=host_state, host_bytes=host_bytes,

@@ -23,6 +23,10 @@ STATE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")
 INT8_MIN_NUMEL = 4096
 INT8_BLOCK = 256  # elements per block-wise quantisation scale (one fp32 absmax per block and moment)
 QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned 8-bit code books, fp32, once per bitsandbytes optimizer
+# Elements per call of bitsandbytes' CPU 8-bit update: it dequantises what it is given to fp32 (both moments, the
+# gradient, the denominator: 16 to 20 bytes an element), so a whole 525M-element embedding would take about 10 GB of
+# transient host RAM; block-aligned pieces take the same arithmetic (scales are per block) in under 100 MB.
+INT8_CPU_CHUNK = 1 << 22
 LOWBIT_EXTRA = "pip install 'memtrain[lowbit]'"
 # Elements per pass of BF16StateAdamW's step, all the parameters of the pass together: the fp32 copies of the
 # moments (8 bytes an element) live only for one pass.
@@ -93,6 +97,9 @@ class BF16StateAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.seed = int(seed)
         self._salts = 0
+        # id(parameter) -> its rounding salt, where an owner fixes it (CPUOffloadOptimizer: the parameter's place in
+        # its param_groups, so that its buckets round as one device optimizer); others take the next free salt.
+        self.salts: dict[int, int] = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, then the moments back to bf16 (lossless): ``Optimizer.load_state_dict`` casts every floating
@@ -146,8 +153,8 @@ class BF16StateAdamW(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
             state["draws"] = 0
-            state["salt"] = self._salts
-            self._salts += 1
+            state["salt"] = self.salts.get(id(p), self._salts)
+            self._salts = max(self._salts, state["salt"]) + 1
         elif state["step"].device != p.device:  # e.g. loaded from a for-loop AdamW's state (CPU step counters)
             state["step"] = state["step"].to(p.device, torch.float32)
 
@@ -283,6 +290,28 @@ def adamw_8bit_class(device_type: str = "cpu") -> type[torch.optim.Optimizer]:
                      eps: float = 1e-8, weight_decay: float = 1e-2):
             super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              min_8bit_size=INT8_MIN_NUMEL, is_paged=False)
+
+        @torch.no_grad()
+        def update_step(self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int) -> None:
+            """bitsandbytes' step of one parameter; on the CPU, 8-bit moments step INT8_CPU_CHUNK elements at a
+            time (bit-identical: the pieces start on block boundaries)."""
+            state = self.state[p]
+            if p.device.type != "cpu" or state["state1"].dtype != torch.uint8 or p.numel() <= INT8_CPU_CHUNK:
+                super().update_step(group, p, gindex, pindex)
+                return
+            config = self.get_config(gindex, pindex, group)
+            state["step"] += 1
+            p.data = p.data.contiguous()  # as bitsandbytes' own step (a no-op for the offloaded masters)
+            grad = p.grad.contiguous().view(-1)
+            weights, m, v = p.data.view(-1), state["state1"].view(-1), state["state2"].view(-1)
+            for start in range(0, p.numel(), INT8_CPU_CHUNK):
+                end = min(start + INT8_CPU_CHUNK, p.numel())
+                blocks = slice(start // INT8_BLOCK, -(-end // INT8_BLOCK))
+                bnb.functional.optimizer_update_8bit_blockwise(
+                    self.optimizer_name, grad[start:end], weights[start:end], m[start:end], v[start:end],
+                    config["betas"][0], config["betas"][1], 0.0, 0.0, config["eps"], state["step"], config["lr"],
+                    state["qmap1"], state["qmap2"], state["absmax1"][blocks], state["absmax2"][blocks],
+                    config["weight_decay"], gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
 
         @torch.no_grad()
         def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

@@ -2,7 +2,9 @@
 
 Trade-off: the device keeps only the weights (and, briefly, each gradient), saving 12 bytes per parameter for
 AdamW with fp32 weights (8 of state + 4 of gradient), at the cost of a CPU optimizer step and two PCIe transfers
-per step, which run on a worker thread and a side stream so that they hide behind GPU work.
+per step, which run on a worker thread and a side stream so that they hide behind GPU work. The host holds the
+fp32 master (4 bytes per parameter), a gradient buffer (4) and AdamW's moments: fp32 (8), or with
+``state_precision`` bf16 (4) or block-wise int8 (about 2.03), for a slower CPU step (``memory.cpu_step_rate``).
 
 How a step flows:
 
@@ -57,6 +59,7 @@ from memtrain.optim.host_buffers import (
     release,
 )
 from memtrain.optim.host_gradients import HostGradients
+from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
 
 
@@ -85,6 +88,12 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         device_dtype: e.g. ``torch.bfloat16``: the fp32 masters are taken from the parameters as given, then the
             device parameters are cast to this dtype (2 bytes per parameter off the device, and the master keeps
             the weights' fp32 digits; casting the model first would start the master from rounded weights).
+        state_precision: AdamW's moments on the host: "fp32" (8 bytes per parameter; ``optimizer_class`` as given),
+            "bf16" (4: ``BF16StateAdamW``, stochastic rounding) or "int8" (about 2.03: bitsandbytes' block-wise
+            8-bit AdamW on CPU tensors, the ``lowbit`` extra; tensors under 4,096 elements keep fp32 moments). The
+            master weights stay fp32 and the update is computed in fp32 either way; "bf16" and "int8" need
+            ``optimizer_class`` AdamW. Host bytes per parameter (fp32 weights on the device, no delayed update):
+            16 with fp32 moments, 12 with bf16, about 10 with int8 (master 4, gradient buffer 4, moments).
         grad_scaler: the fp16 ``torch.amp.GradScaler`` in use, if any: ``step()`` then unscales the host
             gradients and checks them for inf/NaN itself (``scaler.unscale_(optimizer)`` cannot see gradients on
             the host: call ``optimizer.clip_grad_norm_`` instead; ``scaler.step``/``scaler.update`` work as usual).
@@ -92,7 +101,8 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
 
     Raises:
         ConfigError: no parameters, several devices, parameters that do not require grad, a class that is not a
-            torch optimizer, or hyper-parameters it does not accept.
+            torch optimizer, hyper-parameters it does not accept, an unknown ``state_precision`` or lean moments
+            with a class other than AdamW (int8 without bitsandbytes too, naming the ``lowbit`` extra).
         MemtrainError: not enough free host RAM for the buffers (checked before allocating anything); a sparse
             gradient (raised during backward).
 
@@ -122,8 +132,11 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         delayed_update: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         device_dtype: torch.dtype | None = None,
+        state_precision: StatePrecision = "fp32",
         **optimizer_kwargs: Any,
     ):
+        optimizer_class = _moments_class(optimizer_class, state_precision)  # before anything is allocated
+        self.state_precision = state_precision
         groups, names = parse_params(params, optimizer_class)
         flat = [p for g in groups for p in g["params"]]
         self.device = flat[0].device
@@ -219,13 +232,19 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                       optimizer_kwargs: dict[str, Any]) -> list[Bucket]:
         runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], self.bucket_numel)]
         buckets = []
+        place = {id(s): i for i, s in enumerate(self._slots)}
         for index, run in enumerate(runs):
             for slot in run:
                 slot.bucket = index
             group_of = sorted({s.group for s in run})
             inner_groups = [{**self._hyperparameters(gi), "params": [s.master for s in run if s.group == gi]}
                             for gi in group_of]
-            buckets.append(Bucket(run, optimizer_class(inner_groups, **optimizer_kwargs), group_of))
+            inner = optimizer_class(inner_groups, **optimizer_kwargs)
+            if isinstance(inner, BF16StateAdamW):
+                # Each parameter's rounding noise salted by its place in param_groups, as the device optimizer
+                # salts it: the buckets (reverse order, one optimizer each) then round as one device AdamW would.
+                inner.salts = {id(s.master): place[id(s)] for s in run}
+            buckets.append(Bucket(run, inner, group_of))
         return buckets
 
     def _hyperparameters(self, gi: int) -> dict[str, Any]:
@@ -459,6 +478,21 @@ def _check_gradients_after_sync(offload_gradients: bool) -> None:
             "leave the device before DDP averages them, and the ranks' weights would drift apart. To resolve "
             "this error, pass offload_gradients=False (they are copied at the step, after synchronisation)."
         )
+
+
+def _moments_class(optimizer_class: type[torch.optim.Optimizer], state_precision: object) -> type[torch.optim.Optimizer]:
+    """The host optimizer's class: ``optimizer_class`` for fp32 moments, else AdamW's with moments of
+    ``state_precision`` on CPU tensors (``memtrain.optim.moments``)."""
+    check_precision(state_precision)
+    if state_precision == "fp32":
+        return optimizer_class
+    if optimizer_class is not torch.optim.AdamW:
+        raise ConfigError(
+            f"CPUOffloadOptimizer(optimizer_class={getattr(optimizer_class, '__name__', optimizer_class)}, "
+            f"state_precision={state_precision!r}): the lean moments are AdamW's (bf16 with stochastic rounding, or "
+            "bitsandbytes' 8-bit). To resolve this error, drop optimizer_class (AdamW), or pass "
+            "state_precision='fp32'.")
+    return state_class(str(state_precision), "cpu")[0]
 
 
 def _probe(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],

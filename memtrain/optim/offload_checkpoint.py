@@ -12,6 +12,7 @@ import torch
 
 from memtrain.errors import ConfigError
 from memtrain.optim.host_buffers import IMPLEMENTATION_KEYS, STATE_BYTES_PER_PARAM, Bucket, Slot
+from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of
 
 
 class OffloadCheckpoint:
@@ -22,6 +23,7 @@ class OffloadCheckpoint:
         param_groups: list[dict[str, Any]]
         state: Any
         _slots: list[Slot]
+        state_precision: str
         _buckets: list[Bucket]
 
         def synchronize(self) -> None: ...
@@ -77,7 +79,9 @@ class OffloadCheckpoint:
             if slot is None:
                 problems.append(f"state entry {key!r} belongs to no parameter of the state_dict's param_groups.")
                 continue
-            shapes = {k: tuple(v.shape) for k, v in entry.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
+            # 8-bit entries also hold their code books and block scales, which are not parameter-shaped.
+            shapes = {k: tuple(v.shape) for k, v in entry.items() if isinstance(v, torch.Tensor) and v.ndim > 0
+                      and not k.startswith(("qmap", "absmax"))}
             wrong = {k: shape for k, shape in shapes.items() if shape != tuple(slot.master.shape)}
             if wrong:
                 problems.append(f"state of {key!r} has shapes {wrong}, the parameter {tuple(slot.master.shape)}.")
@@ -89,6 +93,7 @@ class OffloadCheckpoint:
         for bucket in self._buckets:
             bucket.inner.state.clear()
         fp32_state = type(self._buckets[0].inner) in STATE_BYTES_PER_PARAM
+        index = {id(slot): i for i, slot in enumerate(self._slots)}  # salts the bf16 rounding of converted moments
         for slot in self._slots:
             slot.master.copy_(slot.device.detach())
         for key, entry in state_dict["state"].items():
@@ -98,6 +103,14 @@ class OffloadCheckpoint:
             master = entry.pop("master_weight", None)
             if master is not None:
                 slot.master.copy_(master)
+            if self.state_precision != "fp32" or precision_of(entry) != "fp32":
+                # AdamW moments of a precision: the same one loads as it is (bit-identical resume: bf16 rounding
+                # counters and 8-bit codes kept), another is converted (cast, or block-wise (de)quantised).
+                same = precision_of(entry) == self.state_precision
+                owner.inner.state[slot.master] = (
+                    adopt_entry(owner.inner, slot.master, entry) if same else
+                    entry_for(owner.inner, slot.master, moments_of(entry), salt=index[id(slot)]))
+                continue
             # The host kernels need CPU tensors, fp32 for torch's own optimizers (a fused/capturable device optimizer
             # keeps "step" on the GPU); other classes keep their state's dtypes (bf16 moments, 8-bit codes).
             owner.inner.state[slot.master] = {

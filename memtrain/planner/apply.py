@@ -155,4 +155,4 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
     # offload-bf16-weights: the fp32 master takes the weights' full digits, then the device copy becomes bf16.
     bf16 = torch.bfloat16 if s.optimizer == "offload-bf16-weights" else None
     return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
-                               device_dtype=bf16, **hyper)
+                               device_dtype=bf16, state_precision=s.state_precision, **hyper)

@@ -332,9 +332,10 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
     for dist in distributions:
         for placement in placements:
             if placement != "device":
-                # CPUOffloadOptimizer: fp32 state on the host; FSDP2 shards the state itself and needs none.
+                # CPUOffloadOptimizer: fp32 master and moments of each precision on the host; FSDP2 shards the
+                # state itself and needs none.
                 if dist != "fsdp2":
-                    out.append((placement, "fp32", False, 0.0, dist))  # host_fraction is 1 for these
+                    out += [(placement, state, False, 0.0, dist) for state in states]  # host_fraction is 1
                 continue
             for state in states:
                 if dist == "fsdp2" and state != "fp32":
