@@ -126,3 +126,35 @@ def test_only_the_loss_outlives_forward_unless_the_output_is_kept():
     kept = estimate(config, (b, t), device="cpu", checkpointing="all", keep_output=True)
     assert kept.peak_bytes - dropped.peak_bytes == logits, (kept.peak_bytes - dropped.peak_bytes, logits)
     assert kept.activation_bytes == dropped.activation_bytes
+
+
+def _packed_batch(rows: int, documents: tuple[int, ...]):
+    """Rows of ``sum(documents)`` positions, several documents each (``position_ids`` restart at each), prompts
+    masked in the labels: the three tensors memtrain's loop passes for ``memtrain.data.PackedRows``."""
+    x = torch.randint(0, V, (rows, sum(documents)), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(n) for n in documents]).repeat(rows, 1)
+    labels = x.clone()
+    labels[:, :3] = -100  # a prompt's tokens carry no loss
+    return x, labels, positions
+
+
+@pytest.mark.parametrize("documents", [(20, 12), (T,)], ids=["packed", "one-document-rows"])
+def test_packed_rows_saved_bytes_match_the_loops_step(documents):
+    """The batch memtrain's loop passes for packed rows (labels with -100, restarting position_ids): the model
+    builds a block-diagonal mask, and the estimate (tensors, or shapes taken as packed) counts what the step saves."""
+    from memtrain.loss import language_model_loss
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=V, max_position_embeddings=128))
+    model.config.use_cache = False  # as memtrain trains (with a KV cache transformers does not look for packing)
+    x, labels, positions = _packed_batch(B, documents)
+    measured = measure(lambda: language_model_loss(model, x, labels, positions), model=model)
+    model.zero_grad(set_to_none=True)
+    given = estimate(model, {"input_ids": x, "labels": labels, "position_ids": positions}, device="cpu")
+    assert given.activation_bytes == measured.activation_bytes, (given.activation_bytes, measured.activation_bytes)
+    unpacked = estimate(model, (B, T), device="cpu").activation_bytes
+    as_shapes = estimate(model, dict.fromkeys(("input_ids", "labels", "position_ids"), (B, T)), device="cpu")
+    if len(documents) > 1:  # the mask costs bytes the token-only estimate missed
+        assert as_shapes.activation_bytes == measured.activation_bytes > unpacked, (as_shapes, unpacked)
+    else:  # positions 0..T-1 in every row: the values say unpacked (no mask), as transformers decides on them
+        assert given.activation_bytes < as_shapes.activation_bytes, (given, as_shapes)

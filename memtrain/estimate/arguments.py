@@ -193,6 +193,18 @@ def check_arguments(
     return device_type, lean, ckpt, spec
 
 
+def packed_batch(batch: Any) -> bool:
+    """Whether ``batch`` holds packed rows: ``position_ids`` that restart inside a row (several documents a row, as
+    ``memtrain.data.PackedRows`` gives), for which Hugging Face models build a block-diagonal attention mask. A
+    tensor's values decide; ``position_ids`` given as a shape (or on the meta device) are taken as packed."""
+    positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+    if positions is None:
+        return False
+    if not isinstance(positions, torch.Tensor) or positions.device.type == "meta" or positions.dim() != 2:
+        return True
+    return bool((torch.diff(positions, dim=-1) != 1).any())
+
+
 def check_against_model(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                         chunked_loss: bool) -> int:
     """The batch checked against the model built from the config: positions, and a chunked loss it supports in

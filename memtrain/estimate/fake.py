@@ -220,13 +220,21 @@ def convert_weights(model: nn.Module, dtype: torch.dtype) -> None:
             module._parameters[name] = done[id(p)]
 
 # -- Hugging Face on fake tensors ---------------------------------------------------------------------------
+def packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's document within its row, as transformers' ``find_packed_sequence_indices`` computes it (the
+    same ops, so the same tensors), without its check of the values: a packed batch is taken as packed."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
 @contextlib.contextmanager
-def hf_sees_real_tensors() -> Iterator[None]:
+def hf_sees_real_tensors(packed: bool = False) -> Iterator[None]:
     """Makes Hugging Face take the path a real training batch takes.
 
     It treats fake tensors as graph tracing, and would then build an explicit attention mask (and repeat grouped
     key/value heads) where the real run passes ``is_causal=True``; and without a KV cache it reads the position
-    ids to detect packed sequences, which fake tensors cannot answer. A token batch is unpacked: say so.
+    ids to detect packed sequences, which fake tensors cannot answer: ``packed`` says (rows of several documents
+    with restarting ``position_ids``: a block-diagonal mask, as the real run builds; else none).
     """
     patches = []
     try:
@@ -238,7 +246,8 @@ def hf_sees_real_tensors() -> Iterator[None]:
     if hasattr(import_utils, "is_fake_tensor"):
         patches.append((import_utils, "is_fake_tensor", lambda x: False))
     if hasattr(masking_utils, "find_packed_sequence_indices"):
-        patches.append((masking_utils, "find_packed_sequence_indices", lambda position_ids: None))
+        patches.append((masking_utils, "find_packed_sequence_indices",
+                        packed_sequence_indices if packed else lambda position_ids: None))
     originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:
         for module, name, value in patches:

@@ -5,6 +5,7 @@ copy truncated to six blocks where the blocks are identical), and the model stat
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +72,25 @@ def truncated_copy(model: nn.Module, blocks: Sequence[str]) -> tuple[nn.Module, 
     return copy, list(range(_LEAD - 1)) + [_LEAD - 1] * (len(blocks) - _LEAD) + [_LEAD]
 
 
+def step_batch(ctx: Problem, micro_batch_size: int) -> Any:
+    """The batch a trace of ``ctx`` passes at ``micro_batch_size``: token ids as a shape, or for packed rows
+    (``ctx.packed``) of a model that reads ``position_ids`` the three tensors the loop passes (input_ids, labels,
+    position_ids: a Hugging Face model then builds a block-diagonal attention mask, as in the real run)."""
+    shape = (micro_batch_size, ctx.seq_len)
+    if not ctx.packed or not _takes_position_ids(ctx.model):
+        return shape
+    return dict.fromkeys(("input_ids", "labels", "position_ids"), shape)
+
+
+def _takes_position_ids(model: nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``position_ids`` (by name, or through ``**kwargs``: PEFT's wrapper)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "position_ids" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cuda: bool) -> dict[str, Any]:
     """The model's state as a trace counts it (parameters in the traced dtype, rounded as the allocator does, and
     AdamW's state), without tracing."""
@@ -126,7 +146,7 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
         # The kept and offloaded traces carry the whole loss, the others the chunked one (where the model has it):
         # the loss's own figures do not depend on the blocks' kind.
         chunked = ctx.chunkable and kind not in ("keep", "offload")
-        first, second = (trace(traced_model, (b, ctx.seq_len), device=ctx.device, precision=ctx.precision,
+        first, second = (trace(traced_model, step_batch(ctx, b), device=ctx.device, precision=ctx.precision,
                                checkpointing=checkpointing, chunked_loss=chunked, optimizer="adamw",
                                weights_dtype=weights, runs=True, offload_min_bytes=0) for b in (1, 2))
         # offload_min_bytes=0: every storage the offloader could move is recorded with its size, and offloader_bytes keeps
@@ -145,7 +165,8 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
     if truncated is not None:  # the fixed bytes of the whole model: its parameters and state, not the copy's
         part = state_bytes(traced_model, traced_blocks, weights, cuda)
         fixed += (full["rounded"] + full["state"]) - (part["rounded"] + part["state"])
-    input_bytes = ctx.seq_len * 8  # int64 token ids, one example
+    batch = step_batch(ctx, 1)
+    input_bytes = ctx.seq_len * 8 * (len(batch) if isinstance(batch, dict) else 1)  # int64 ids, one example
     kind_profiles = {k: kind_profile(*pair) for k, pair in traces.items()}
     if truncated is not None and not all(_alike(kp, _LEAD - 2, _LEAD - 1) for kp in kind_profiles.values()):
         raise _NotRepresentative  # the interior does not repeat: trace the whole model
