@@ -158,3 +158,21 @@ def test_packed_rows_saved_bytes_match_the_loops_step(documents):
         assert as_shapes.activation_bytes == measured.activation_bytes > unpacked, (as_shapes, unpacked)
     else:  # positions 0..T-1 in every row: the values say unpacked (no mask), as transformers decides on them
         assert given.activation_bytes < as_shapes.activation_bytes, (given, as_shapes)
+
+
+@pytest.mark.parametrize("padding", [0, 12], ids=["all-ones", "padded"])
+def test_attention_mask_saved_bytes_match_measure(padding):
+    """A padded batch's mask is kept (a mask in every attention), an all-ones one left out, as transformers does on
+    the values; a mask given as a shape is taken to pad. It used to fail: transformers reads the mask's values."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=V, max_position_embeddings=128))
+    model.config.use_cache = False  # as memtrain trains
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, T - padding:] = 0
+    measured = measure(lambda: model(input_ids=x, attention_mask=mask, labels=x.clone()), model=model)
+    model.zero_grad(set_to_none=True)
+    given = estimate(model, {"input_ids": x, "attention_mask": mask}, device="cpu")
+    assert given.activation_bytes == measured.activation_bytes, (given.activation_bytes, measured.activation_bytes)
+    as_shapes = estimate(model, {"input_ids": (B, T), "attention_mask": (B, T)}, device="cpu").activation_bytes
+    assert as_shapes >= given.activation_bytes and (as_shapes == given.activation_bytes) == bool(padding)

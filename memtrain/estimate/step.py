@@ -24,8 +24,8 @@ from memtrain.estimate.arguments import (
     COMPILE_NOTE,
     OptimizerKind,
     Precision,
+    batch_values,
     check_arguments,
-    packed_batch,
     setup_options,
 )
 from memtrain.estimate.attribution import attribute_release
@@ -85,12 +85,9 @@ def estimate(
         model: an ``nn.Module`` (on any device, the meta device included; it is not modified and its data is
             not copied) or a Hugging Face ``PretrainedConfig`` (built with ``AutoModelForCausalLM.from_config``
             on the meta device).
-        batch: a token tensor (any device), a shape such as ``(4, 2048)``, or a dict of model inputs (tensors or
-            shapes); ``None`` with ``micro_batch_size`` and ``seq_len`` means ``(micro_batch_size, seq_len)``. A
-            dict passes its entries by name (labels are the input ids unless it has ``labels``): packed rows as
-            memtrain's loop passes them are ``{"input_ids", "labels", "position_ids"}``, and ``position_ids`` that
-            restart inside a row (given as a shape, they are taken to) make a Hugging Face model build its
-            block-diagonal attention mask, as in the real step.
+        batch: a token tensor (any device), a shape such as ``(4, 2048)``, a dict of model inputs (tensors or
+            shapes: packed rows' ``position_ids`` and a padded ``attention_mask`` included, see ``batch_values``),
+            or ``None``: ``(micro_batch_size, seq_len)``.
         device: ``"cuda"`` (CUDA autocast lists and attention kernels, 512-byte allocator blocks, cuBLAS
             workspaces) or ``"cpu"`` (the CPU's own kernels, as ``measure`` sees them).
         precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast; parameters keep their dtype).
@@ -215,7 +212,7 @@ def trace(
                        accumulation=accumulation, chunked_loss=chunked_loss, offloads=offloads,
                        offload_activations=offload_activations, offload_min_bytes=offload_min_bytes)
     where, tracker, meter, rules, offload = watch.where, watch.tracker, watch.meter, watch.rules, watch.offload
-    with hf_sees_real_tensors(packed_batch(batch)), fake_mode, tracker, where, meter, (rules or NullContext()):
+    with hf_sees_real_tensors(*batch_values(batch)), fake_mode, tracker, where, meter, (rules or NullContext()):
         out, loss, forward_end_bytes = _forward(watch, meta, run, inputs, keep_output)
         _backward(watch, meta, loss)
         grad_names = _optimizer_step(watch, meta, optim.step_temp_bytes)
