@@ -28,16 +28,16 @@ class OptimizerFigures:
     leaving: list[nn.Parameter] = field(default_factory=list)
 
 
-def optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int,
-                     on_cuda: bool) -> tuple[int, int, int, str]:
+def optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int) -> tuple[int, int, int, str]:
     """(device state bytes, device step-temporary bytes, host bytes, assumption) for ``kind``."""
 
     def r(n: int) -> int:
         return round_up(n, round_to)
 
     sizes = [p.numel() * p.element_size() for p in params]
-    # Fused/capturable AdamW keeps its step counter as a 4-byte tensor on the device, one per parameter.
-    step_bytes = len(params) * r(4) if on_cuda else 0
+    # Fused/capturable AdamW keeps its step counter as a 4-byte tensor on the device, one per parameter (on the
+    # CPU every AdamW does: the step is a CPU tensor).
+    step_bytes = len(params) * r(4)
     if kind == "adamw":
         return (2 * sum(r(n) for n in sizes) + step_bytes, 0, 0,
                 "AdamW fused (torch.optim.AdamW(fused=True)): exp_avg and exp_avg_sq in the parameter dtype, no "
@@ -64,13 +64,13 @@ def optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int,
 
 def optimizer_figures(trainable: Sequence[nn.Parameter], optimizer: str, *, lean: bool, state_precision: str,
                       offload_fraction: float, step_in_backward: bool, accumulation: int, device_type: str,
-                      round_to: int, on_cuda: bool) -> OptimizerFigures:
+                      round_to: int) -> OptimizerFigures:
     """The bytes of ``optimizer`` over the ``trainable`` parameters: torch's optimizers by formula, memtrain.optim's
     AdamW (``lean``: lean moments, offload, step in backward; or ``"adamw-offload"``) by its own byte model."""
     leaving: list[nn.Parameter] = []
     if not (lean or optimizer == "adamw-offload"):
         state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = optimizer_bytes(
-            trainable, optimizer, round_to, on_cuda)
+            trainable, optimizer, round_to)
         all_state_bytes = state_bytes
     else:  # memtrain.optim's AdamW, CPUOffloadOptimizer (adamw-offload: every parameter's state) included
         fraction = 1.0 if optimizer == "adamw-offload" else offload_fraction

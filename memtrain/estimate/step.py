@@ -55,6 +55,7 @@ class Trace:
     host_bytes: int  # optimizer state and offloaded activations in host memory
     offloaded_bytes: int  # of host_bytes, the activations (they cross the host link twice a step)
     forward_end_bytes: int  # bytes alive when forward ended, before autocast's cast cache was let go
+    no_gradient: tuple[str, ...] = ()  # trainable parameters the step gives no gradient (so no optimizer state)
 
 
 def estimate(
@@ -180,12 +181,15 @@ def trace(
     replay: bool = True,
     runs: bool = False,
     offload_min_bytes: int = MIN_BYTES_DEFAULT,
+    no_gradient: frozenset[str] = frozenset(),
 ) -> Trace:
     """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
     forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). ``estimate``'s arguments,
     with the set-up as keyword arguments (``offload_activations``, ``state_precision``, ``offload_fraction``,
     ``step_in_backward``, ``chunked_loss``: the fields of ``setup``, None there being False / "fp32" / 0.0 here),
-    and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default)."""
+    and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default).
+    Parameters the loss does not reach get no gradient and no optimizer state: traced again frozen (``no_gradient``)."""
+    arguments = dict(locals())  # this call's arguments, for the trace again with the parameters found frozen
     device_type, lean, ckpt, spec = check_arguments(
         model, batch, device=device, precision=precision, checkpointing=checkpointing,
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
@@ -198,6 +202,7 @@ def trace(
     meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, weights_dtype=weights_dtype,
                                                          chunked_loss=chunked_loss,
                                                          offload_activations=offload_activations)
+    _freeze(meta, no_gradient)
     fake_mode, inputs = fake_inputs(meta, spec, on_cuda)
     run = call_convention(meta, spec, isinstance(batch, Mapping))
 
@@ -205,7 +210,7 @@ def trace(
     trainable = [p for p in params if p.requires_grad]
     optim = optimizer_figures(trainable, optimizer, lean=lean, state_precision=state_precision,
                               offload_fraction=offload_fraction, step_in_backward=step_in_backward,
-                              accumulation=accumulation, device_type=device_type, round_to=round_to, on_cuda=on_cuda)
+                              accumulation=accumulation, device_type=device_type, round_to=round_to)
     streamed = bool(optim.leaving)
     watch = watch_step(meta, inputs, params, trainable, optim, fake_mode, round_to=round_to, record=runs,
                        replay=on_cuda and replay, on_cuda=on_cuda, autocast_dtype=autocast_dtype,
@@ -214,6 +219,10 @@ def trace(
     where, tracker, meter, rules, offload = watch.where, watch.tracker, watch.meter, watch.rules, watch.offload
     with hf_sees_real_tensors(*batch_values(batch)), fake_mode, tracker, where, meter, (rules or NullContext()):
         out, loss, forward_end_bytes = _forward(watch, meta, run, inputs, keep_output)
+        reached = parameters_reached(loss)
+        unreached = [name for name, p in meta.named_parameters() if p.requires_grad and id(p) not in reached]
+        if unreached:  # as torch's optimizers do, no state for them: again, with them frozen
+            return trace(**{**arguments, "no_gradient": no_gradient | frozenset(unreached)})
         _backward(watch, meta, loss)
         grad_names = _optimizer_step(watch, meta, optim.step_temp_bytes)
         peak_live, (peak_phase_name, peak_where) = tracker.peak_live, tracker.peak_at
@@ -233,6 +242,7 @@ def trace(
                                  accumulation=accumulation, streamed=streamed, weights_dtype=weights_dtype,
                                  on_cuda=on_cuda, checkpointing=kwargs, chunked_loss=chunked_loss,
                                  chunk_tokens=chunk_tokens, offload=offload, offloaded_bytes=offloaded_bytes)
+    assumptions += _no_gradient_note(no_gradient)
     report = MemoryReport(
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         gradient_bytes=measured.gradient_bytes,
@@ -248,7 +258,39 @@ def trace(
         assumptions=tuple(assumptions),
     )
     return _trace_of(report, meta, trainable, tracker, optim, fixed_bytes=watch.fixed_bytes, host_bytes=host_bytes,
-                     offloaded_bytes=offloaded_bytes, forward_end_bytes=forward_end_bytes)
+                     offloaded_bytes=offloaded_bytes, forward_end_bytes=forward_end_bytes, no_gradient=no_gradient)
+
+
+def _freeze(meta: nn.Module, names: frozenset[str]) -> None:
+    """The parameters named frozen (the loss does not reach them: no gradient, no optimizer state)."""
+    for name, p in meta.named_parameters():
+        p.requires_grad_(p.requires_grad and name not in names)
+
+
+def _no_gradient_note(no_gradient: frozenset[str]) -> list[str]:
+    if not no_gradient:
+        return []
+    names = sorted(no_gradient)
+    return [f"{len(names)} trainable parameter(s) the loss does not reach, so no gradient nor optimizer state "
+            f"(optimizers create it lazily): {', '.join(names[:4])}"
+            + (f" and {len(names) - 4} more (Trace.no_gradient)" if len(names) > 4 else "")]
+
+
+def parameters_reached(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) ``loss``'s autograd graph accumulates a gradient into."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if isinstance(variable, torch.Tensor):
+            reached.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return reached
 
 
 # -- the step -------------------------------------------------------------------------------------------------
@@ -341,7 +383,7 @@ def _book_gradients(tracker: LiveTracker, landed: dict[int, tuple[int, int, int]
 
 def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Parameter], tracker: LiveTracker,
               optim: OptimizerFigures, *, fixed_bytes: int, host_bytes: int, offloaded_bytes: int,
-              forward_end_bytes: int) -> Trace:
+              forward_end_bytes: int, no_gradient: frozenset[str]) -> Trace:
     """The ``Trace`` of a step: its report, its runs (the phase-boundary markers left out) and its blocks."""
     state_bytes, step_temp_bytes = optim.state_bytes, optim.step_temp_bytes
     modules = dict(meta.named_modules())
@@ -359,4 +401,5 @@ def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Paramete
         host_bytes=host_bytes,
         offloaded_bytes=offloaded_bytes,
         forward_end_bytes=forward_end_bytes,
+        no_gradient=tuple(sorted(no_gradient)),
     )

@@ -91,15 +91,18 @@ def _takes_position_ids(model: nn.Module) -> bool:
     return any(p.name == "position_ids" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cuda: bool) -> dict[str, Any]:
+def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cuda: bool,
+                no_gradient: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The model's state as a trace counts it (parameters in the traced dtype, rounded as the allocator does, and
-    AdamW's state), without tracing."""
+    AdamW's state), without tracing; the trainable parameters named in ``no_gradient`` (the step gives them no
+    gradient: ``Trace.no_gradient``) have neither gradient nor state."""
     dtype = torch.bfloat16 if weights == "bf16" else None
     round_to = 512 if cuda else 1
-    params = list(dict.fromkeys(model.parameters()))
+    named = dict(model.named_parameters())
+    params = list(named.values())
     as_traced = {id(p): (p.detach().to(dtype) if dtype is not None and p.is_floating_point() else p.detach())
                  for p in params}
-    trainable = [as_traced[id(p)] for p in params if p.requires_grad]
+    trainable = [as_traced[id(p)] for name, p in named.items() if p.requires_grad and name not in no_gradient]
     buffers = list(dict.fromkeys(model.buffers()))
     modules = dict(model.named_modules())
     block_of = {id(p): i for i, name in enumerate(blocks) for p in modules[name].parameters()}
@@ -108,12 +111,13 @@ def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cu
         "parameters": sum(t.numel() * t.element_size() for t in as_traced.values()),
         "trainable": sum(t.numel() * t.element_size() for t in trainable),
         "numel": sum(t.numel() for t in trainable),
-        "state": optimizer_bytes(trainable, "adamw", round_to, cuda)[0],
+        "state": optimizer_bytes(trainable, "adamw", round_to)[0],
         "blocks": np.array([sum(as_traced[id(p)].numel() * as_traced[id(p)].element_size()
-                                for p in modules[name].parameters() if p.requires_grad) for name in blocks],
-                           dtype=np.float64),
+                                for n, p in modules[name].named_parameters(prefix=name)
+                                if p.requires_grad and n not in no_gradient) for name in blocks], dtype=np.float64),
         "params": [(t.numel(), t.dtype) for t in trainable],
-        "param_blocks": np.array([block_of.get(id(p), -1) for p in params if p.requires_grad], dtype=np.int64),
+        "param_blocks": np.array([block_of.get(id(p), -1) for name, p in named.items()
+                                  if p.requires_grad and name not in no_gradient], dtype=np.int64),
     }
 
 
@@ -160,10 +164,12 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
     if ctx.chunkable:
         tails[True] = _tail_profiles(traces, chunked_kept, "offload-inputs", chunked_shift or whole_shift)
     cuda = ctx.device == "cuda"
-    full = state_bytes(ctx.model, ctx.block_names, weights, cuda)
+    no_gradient = frozenset(keep1.no_gradient)
+    full = state_bytes(ctx.model, ctx.block_names, weights, cuda,
+                       _in_model(no_gradient, traced_blocks, ctx.block_names, index))
     fixed = keep1.fixed_bytes
     if truncated is not None:  # the fixed bytes of the whole model: its parameters and state, not the copy's
-        part = state_bytes(traced_model, traced_blocks, weights, cuda)
+        part = state_bytes(traced_model, traced_blocks, weights, cuda, no_gradient)
         fixed += (full["rounded"] + full["state"]) - (part["rounded"] + part["state"])
     batch = step_batch(ctx, 1)
     input_bytes = ctx.seq_len * 8 * (len(batch) if isinstance(batch, dict) else 1)  # int64 ids, one example
@@ -184,6 +190,18 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
         trainable_params=full["params"],
         trainable_blocks=full["param_blocks"],
     )
+
+
+def _in_model(names: frozenset[str], traced_blocks: Sequence[str], blocks: Sequence[str],
+              index: Sequence[int]) -> frozenset[str]:
+    """Parameter names of the traced copy as the model's: a block's stand for every block it profiles (``index``:
+    which traced block each of the model's is)."""
+    out = set()
+    for name in names:
+        k = next((k for k, b in enumerate(traced_blocks) if name.startswith(b + ".")), None)
+        rest = name[len(traced_blocks[k]):] if k is not None else ""
+        out.update([name] if k is None else (blocks[j] + rest for j, i in enumerate(index) if i == k))
+    return frozenset(out)
 
 
 def _tail_profiles(traces: dict[str, tuple[Trace, Trace]], kept: str | None, offloaded: str | None,
