@@ -176,3 +176,55 @@ def test_attention_mask_saved_bytes_match_measure(padding):
     assert given.activation_bytes == measured.activation_bytes, (given.activation_bytes, measured.activation_bytes)
     as_shapes = estimate(model, {"input_ids": (B, T), "attention_mask": (B, T)}, device="cpu").activation_bytes
     assert as_shapes >= given.activation_bytes and (as_shapes == given.activation_bytes) == bool(padding)
+
+
+class _TwoOutputs(nn.Module):
+    """A plain module returning a tuple (a tensor first), as many non-Hugging-Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        return self.b(h), h.mean()
+
+
+def _bert():
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                     vocab_size=V, max_position_embeddings=64)
+    return transformers.BertModel(config)  # a base model: its output (last_hidden_state, pooler_output) has no loss
+
+
+@pytest.mark.parametrize("build, batch", [
+    (_bert, lambda: torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(4))),
+    (_TwoOutputs, lambda: torch.randn(B, T, 32)),
+    (lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)), lambda: torch.randn(B, T, 32)),
+], ids=["BertModel", "tuple", "tensor"])
+def test_outputs_without_a_loss_stand_for_it_by_their_first_tensors_sum(build, batch):
+    """estimate (and measure) take the sum of the first output tensor as the loss: the same saved bytes as the
+    step measured. BertModel's output used to fail with a message about an ``fn`` the caller never passed."""
+    torch.manual_seed(0)
+    model, x = build(), batch()
+    measured = measure(model, x)
+    model.zero_grad(set_to_none=True)
+    r = estimate(model, x, device="cpu")
+    assert (r.activation_bytes, r.gradient_bytes) == (measured.activation_bytes, measured.gradient_bytes), (
+        r.activation_bytes, measured.activation_bytes, r.gradient_bytes, measured.gradient_bytes)
+
+
+def test_an_output_without_any_tensor_is_one_line_naming_estimate():
+    class Nothing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.lin(x)
+            return {"note": "no tensor"}
+
+    with pytest.raises(MemtrainError) as info:
+        estimate(Nothing(), torch.zeros(2, 4), device="cpu")
+    message = str(info.value)
+    assert "estimate: the forward of Nothing returned dict" in message and "fn" not in message.split(), message
+    assert "\n" not in message and "To resolve this error" in message, message
