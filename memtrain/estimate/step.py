@@ -188,8 +188,8 @@ def trace(
     with the set-up as keyword arguments (``offload_activations``, ``state_precision``, ``offload_fraction``,
     ``step_in_backward``, ``chunked_loss``: the fields of ``setup``, None there being False / "fp32" / 0.0 here),
     and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default).
-    Parameters the loss does not reach get no gradient and no optimizer state: traced again frozen (``no_gradient``)."""
-    arguments = dict(locals())  # this call's arguments, for the trace again with the parameters found frozen
+    Parameters the loss does not reach get no gradient, so no optimizer state: traced again so (``no_gradient``)."""
+    arguments = dict(locals())  # this call's arguments, for the trace again once such parameters are found
     device_type, lean, ckpt, spec = check_arguments(
         model, batch, device=device, precision=precision, checkpointing=checkpointing,
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
@@ -228,7 +228,7 @@ def trace(
         del out, loss
     for handle in watch.hooks:
         handle.remove()
-    if unreached:  # as the optimizers do, no state for them: the step again (outside this one's modes), them frozen
+    if unreached:  # as the optimizers do, no state for them: the step again (outside this one's modes) without it
         return trace(**{**arguments, "no_gradient": no_gradient | unreached})
     if watch.landed is not None:
         _book_gradients(tracker, watch.landed)
