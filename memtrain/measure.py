@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,19 +257,24 @@ class MemoryMeter:
         )
 
 
-def as_loss(out: Any) -> torch.Tensor:
-    """The scalar to call backward on: a scalar output, an output's ``.loss``, or the sum of a tensor output."""
-    loss = getattr(out, "loss", None)
+def as_loss(out: Any, who: str = "measure: fn") -> torch.Tensor:
+    """The scalar to call backward on: a scalar output, an output's ``.loss``, or the sum of the first tensor of the
+    output (itself, or the first of a tuple, list or mapping: e.g. a Hugging Face ``ModelOutput`` without a loss,
+    such as ``BertModel``'s ``last_hidden_state``). ``who`` names the caller in the error."""
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
     if isinstance(out, torch.Tensor):
         # A non-scalar output stands in for a loss whose gradient is all ones: same saved tensors.
         return out if out.dim() == 0 else out.float().sum()
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return as_loss(out[0])
+    first = next(iter(out.values() if isinstance(out, Mapping) else out), None) if isinstance(
+        out, (Mapping, tuple, list)) else None
+    if isinstance(first, torch.Tensor):
+        return as_loss(first, who)
     raise MemtrainError(
-        f"measure: fn returned {type(out).__name__}, which is not a tensor or an object with a .loss tensor. "
-        "To resolve this error, make fn return the loss (or the model output) as a tensor."
+        f"{who} returned {type(out).__name__}, which is not a tensor, an object with a .loss tensor, or a tuple, list "
+        "or mapping whose first entry is a tensor: there is no loss to call backward on. To resolve this error, make "
+        "it return the loss (or the model output) as a tensor."
     )
 
 

@@ -61,10 +61,10 @@ from memtrain.run import (
     tied_duplicates,
     write_faults,
 )
+from memtrain.run.plan_check import check_step
 from memtrain.run.replan import (
     RunContext,
     RunPlan,
-    check_plan,
     flat_settings,
     plan_after_out_of_memory,
     plan_request,
@@ -379,7 +379,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     # Plan: every choice the config leaves open, to fit the budget; each with its reason.
     precision_name, precision_reason = resolve_precision(device, config.precision)
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
-                         precision=precision_name)
+                         precision=precision_name, packed=len(train_data[0]) > 2)  # PackedRow: position_ids
     # What defines the run: a resume that differs in any of these is refused, naming each difference.
     run = {"seed": config.seed, "global_batch_size": global_batch, "world_size": world, "seq_len": context.seq_len,
            "data": data_fingerprint(train_data), "model": model_fingerprint(model), "precision": precision_name,
@@ -613,14 +613,14 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
 
 
 def _check_plan(s: Session, step: int, figures: StepFigures, config: TrainConfig, context: RunContext) -> None:
-    """The plan against the device (``check_plan``); a measured peak over the budget re-plans (one rank, steps
+    """The plan against the device (``check_step``); a peak over the budget re-plans (one rank, steps
     left)."""
-    s.plan_check = check_plan(s.run_plan, figures.step, figures.peak_bytes, figures.activation_bytes,
-                              context.device)
+    s.plan_check = check_step(s.run_plan, figures.step, figures.peak_bytes, figures.activation_bytes, context.device,
+                              can_replan=context.world == 1 and step + 1 < config.max_steps)
     _log(f"  {s.plan_check['log']}")
-    if s.plan_check["over_budget"] and context.world == 1 and step + 1 < config.max_steps:
+    if s.plan_check["replanning"]:
         _release_step(s, context.device)
-        new = replan(s.run_plan, s.model, config, context, why=f"a measured peak over the budget at step {step + 1}",
+        new = replan(s.run_plan, s.model, config, context, why=f"a peak over the budget at step {step + 1}",
                      shortfall_bytes=s.plan_check["measured_bytes"] - s.plan_check["predicted_bytes"])
         for reason in new.reasons[:2]:
             _log(f"  {reason}")

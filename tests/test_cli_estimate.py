@@ -57,3 +57,22 @@ def test_estimate_takes_the_lean_optimizer_flags_and_every_checkpointing_spellin
     assert main(["estimate", "--model", "gpt-tiny", "--checkpointing", "auto"]) == 2
     assert "memtrain plan --budget SIZE" in capsys.readouterr().err
 
+
+
+def test_estimate_and_plan_of_a_hf_model_folder_trace_the_packed_rows_train_feeds(hf_model_dir, capsys):
+    """memtrain train --hf-model packs the tokenised documents, so estimate and plan trace packed rows (labels and
+    restarting position_ids: the block-diagonal mask Hugging Face builds for them), as train's own plan does."""
+    from memtrain.estimate import estimate, hf_config_from_file
+
+    argv = ["--hf-model", str(hf_model_dir), "--seq-len", "64", "--device", "cpu", "--precision", "fp32",
+            "--checkpointing", "none", "--no-chunked-loss"]
+    assert main(["estimate", *argv, "--micro-batch-size", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    config = hf_config_from_file(hf_model_dir / "config.json")
+    packed = estimate(config, dict.fromkeys(("input_ids", "labels", "position_ids"), (4, 64)), device="cpu")
+    tokens_only = estimate(config, (4, 64), device="cpu")
+    assert report["activation_bytes"] == packed.activation_bytes > tokens_only.activation_bytes, (
+        report["activation_bytes"], packed.activation_bytes, tokens_only.activation_bytes)
+    assert main(["plan", *argv, "--micro-batch-size", "4", "--global-batch-size", "4", "--budget", "1GiB",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["estimate"]["activation_bytes"] == packed.activation_bytes

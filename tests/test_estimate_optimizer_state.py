@@ -16,7 +16,8 @@ from memtrain.models import GPT, GPT_PRESETS
 def test_optimizer_state_by_kind(optimizer, factor):
     model = GPT(GPT_PRESETS["gpt-tiny"])
     r = estimate(model, (2, 64), device="cpu", optimizer=optimizer)
-    assert r.optimizer_state_bytes == factor * r.parameter_bytes, (optimizer, r.optimizer_state_bytes)
+    steps = 4 * len(list(model.parameters())) if optimizer == "adamw" else 0  # AdamW's step: a float32 tensor each
+    assert r.optimizer_state_bytes == factor * r.parameter_bytes + steps, (optimizer, r.optimizer_state_bytes)
 
 
 def test_offloaded_optimizer_state_moves_to_the_host():
@@ -32,7 +33,7 @@ def test_offloaded_optimizer_state_moves_to_the_host():
 def test_adafactor_state_is_factored():
     layer = nn.Sequential(nn.Linear(256, 512, bias=False))
     r = estimate(layer, torch.zeros(4, 256, device="meta"), device="cpu", optimizer="adafactor")
-    assert r.optimizer_state_bytes == (512 + 256) * 4, r.optimizer_state_bytes  # a row and a column, fp32
+    assert r.optimizer_state_bytes == (512 + 256) * 4 + 4, r.optimizer_state_bytes  # a row, a column, the step
 
 
 @pytest.mark.parametrize("weights_dtype", [None, "bf16"])
@@ -50,3 +51,54 @@ def test_the_offloaded_adamws_bytes_are_optimizer_memorys_byte_for_byte(weights_
         got = estimate(model, (2, 16), device="cpu", weights_dtype=weights_dtype, **kwargs)
         assert got.host_bytes == want.host_bytes, (kwargs, weights_dtype, got.host_bytes, want.host_bytes)
         assert got.optimizer_state_bytes == want.state_bytes, (kwargs, got.optimizer_state_bytes, want.state_bytes)
+
+
+class _SecondLinearUnused(nn.Module):
+    """Two Linear layers, the second never called: it gets no gradient, so no optimizer creates state for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), fused=True)
+
+
+def _lean(model):
+    from memtrain.optim import build_optimizer
+
+    return build_optimizer(model.named_parameters(), lr=1e-3, state_precision="bf16")
+
+
+def _offloaded(model):
+    from memtrain.optim import CPUOffloadOptimizer
+
+    return CPUOffloadOptimizer(model.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("build, optimizer, setup", [
+    (_adamw, "adamw", None),
+    (lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9), "sgd-momentum", None),
+    (_lean, "adamw", Choices(optimizer=OptimizerChoice(state_precision="bf16"))),
+    (_offloaded, "adamw-offload", None),
+], ids=["adamw", "sgd-momentum", "lean-bf16", "offload"])
+def test_state_only_for_parameters_that_get_gradients(build, optimizer, setup):
+    """The issue's case: 1,052,672 bytes of AdamW state predicted, 526,344 real (the unused Linear has none)."""
+    from memtrain import measure
+
+    torch.manual_seed(0)
+    model = _SecondLinearUnused()
+    opt = build(model)
+    x = torch.randn(4, 256)
+    for _ in range(2):  # the second step is the steady state: the state exists
+        measured = measure(model, x, optimizer=opt)
+        opt.zero_grad(set_to_none=True)
+    r = estimate(model, x, device="cpu", optimizer=optimizer, setup=setup)
+    assert r.optimizer_state_bytes == measured.optimizer_state_bytes, (r.optimizer_state_bytes,
+                                                                      measured.optimizer_state_bytes)
+    assert r.gradient_bytes == measured.gradient_bytes, (r.gradient_bytes, measured.gradient_bytes)
+    assert any("unused.weight" in a for a in r.assumptions), r.assumptions

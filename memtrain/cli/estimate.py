@@ -8,7 +8,7 @@ import json
 
 from memtrain.cli.console import EXIT_OK, echo
 from memtrain.cli.techniques import choices_from_flags
-from memtrain.cli.workloads import meta_target
+from memtrain.cli.workloads import meta_batch, meta_target, trains_packed_rows
 from memtrain.errors import ConfigError
 from memtrain.estimate import estimate
 from memtrain.loss import supports_chunked_loss
@@ -29,8 +29,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--chunked-loss, but memtrain cannot chunk the loss of {name} (see memtrain.loss). To "
                           "resolve this error, drop --chunked-loss.")
     setup = dataclasses.replace(setup, chunked_loss=chunked)
-    report = estimate(target, (args.micro_batch_size, seq_len), device=args.device, precision=args.precision,
-                      setup=setup)
+    report = estimate(target, meta_batch(args, args.micro_batch_size, seq_len), device=args.device,
+                      precision=args.precision, setup=setup)
     if args.json:
         echo(json.dumps(report.to_dict()))
     else:
@@ -39,7 +39,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                  if o.offload_fraction else "on the device")
         optimizer = f"{where}, {o.state_precision or 'fp32'} moments" + (", step in backward" if o.step_in_backward
                                                                           else "")
-        echo(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens, {args.precision}, checkpointing "
+        rows = " (packed rows)" if trains_packed_rows(args) else ""
+        echo(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, checkpointing "
              f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {args.device}")
         echo(report.summary())
     return EXIT_OK

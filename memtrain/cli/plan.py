@@ -10,7 +10,7 @@ from memtrain.choices import default_global_batch
 from memtrain.cli.console import EXIT_OK, echo
 from memtrain.cli.flags import UNLIMITED
 from memtrain.cli.techniques import choices_from_flags
-from memtrain.cli.workloads import meta_target
+from memtrain.cli.workloads import meta_target, trains_packed_rows
 from memtrain.errors import ConfigError
 from memtrain.planner import known_gpu, plan
 
@@ -34,7 +34,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
              device=args.device, precision=args.precision, world_size=args.nproc,
              fsdp=args.fsdp if args.nproc > 1 else False, compile=args.compile, choices=choices,
              host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
-             micro_batch_size=args.micro_batch_size, device_profile=profile)
+             micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args))
     if args.json:
         echo(json.dumps(p.to_dict()))
     else:

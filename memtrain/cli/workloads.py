@@ -137,3 +137,14 @@ def meta_target(args: argparse.Namespace, *, default_seq_len: int = 2048) -> tup
     return model, model.config.seq_len, args.model
 
 
+def trains_packed_rows(args: argparse.Namespace) -> bool:
+    """Whether ``memtrain train`` with these flags feeds packed rows: --hf-model tokenises --data into documents
+    packed several to a row, whose restarting position_ids make a Hugging Face model build a block-diagonal mask."""
+    return bool(args.hf_model)
+
+
+def meta_batch(args: argparse.Namespace, micro_batch_size: int, seq_len: int) -> Any:
+    """The batch ``memtrain train`` passes, as shapes for estimate: token ids, or for packed rows the three
+    tensors its loop passes (input_ids, labels, position_ids)."""
+    shape = (micro_batch_size, seq_len)
+    return dict.fromkeys(("input_ids", "labels", "position_ids"), shape) if trains_packed_rows(args) else shape

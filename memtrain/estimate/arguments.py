@@ -5,7 +5,7 @@ reported at once, naming the fix.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
 import torch
@@ -192,6 +192,28 @@ def check_arguments(
     ConfigError.raise_if(problems)
     assert spec is not None
     return device_type, lean, ckpt, spec
+
+
+def batch_values(batch: Any) -> tuple[bool, bool]:
+    """What the values of a dict batch say that its shapes do not, as (packed, padded).
+
+    A dict batch passes its entries to the model by name (labels: the input ids unless it has ``labels``), e.g.
+    memtrain's loop on packed rows: ``{"input_ids", "labels", "position_ids"}``. Two things in it change the step:
+    ``position_ids`` that restart inside a row (several documents a row, as ``memtrain.data.PackedRows`` gives:
+    Hugging Face models then build a block-diagonal attention mask), and an ``attention_mask`` with zeros (padding:
+    kept as a mask; an all-ones one is left out). A tensor's values decide; one given as a shape (or on the meta
+    device) is taken to restart, or to pad."""
+    if not isinstance(batch, Mapping):
+        return False, False
+    positions, mask = batch.get("position_ids"), batch.get("attention_mask")
+    return (positions is not None and _unknown_or(positions, lambda t: (torch.diff(t, dim=-1) != 1).any()),
+            mask is not None and _unknown_or(mask, lambda t: (t == 0).any()))
+
+
+def _unknown_or(value: Any, test: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or value.dim() != 2:
+        return True
+    return bool(test(value))
 
 
 def check_against_model(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],

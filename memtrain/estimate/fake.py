@@ -220,13 +220,28 @@ def convert_weights(model: nn.Module, dtype: torch.dtype) -> None:
             module._parameters[name] = done[id(p)]
 
 # -- Hugging Face on fake tensors ---------------------------------------------------------------------------
+def packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's document within its row, as transformers' ``find_packed_sequence_indices`` computes it (the
+    same ops, so the same tensors), without its check of the values: a packed batch is taken as packed."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def _known_padding(original: Callable[..., bool], padded: bool) -> Callable[..., bool]:
+    """transformers' test of whether a padding mask can be left out, answered by ``padded`` (fake tensors have no
+    values to read): a mask with padding is kept; an all-ones one is the same as none."""
+    return lambda padding_mask, *args: False if padding_mask is not None and padded else original(None, *args)
+
+
 @contextlib.contextmanager
-def hf_sees_real_tensors() -> Iterator[None]:
+def hf_sees_real_tensors(packed: bool = False, padded: bool = False) -> Iterator[None]:
     """Makes Hugging Face take the path a real training batch takes.
 
     It treats fake tensors as graph tracing, and would then build an explicit attention mask (and repeat grouped
-    key/value heads) where the real run passes ``is_causal=True``; and without a KV cache it reads the position
-    ids to detect packed sequences, which fake tensors cannot answer. A token batch is unpacked: say so.
+    key/value heads) where the real run passes ``is_causal=True``; and it reads values that fake tensors do not
+    hold, answered here: ``packed``, whether the position ids restart inside a row (several documents a row: a
+    block-diagonal mask, as the real run builds; else none); ``padded``, whether an attention mask has zeros (kept
+    as a mask; else left out, as for an all-ones one).
     """
     patches = []
     try:
@@ -238,7 +253,11 @@ def hf_sees_real_tensors() -> Iterator[None]:
     if hasattr(import_utils, "is_fake_tensor"):
         patches.append((import_utils, "is_fake_tensor", lambda x: False))
     if hasattr(masking_utils, "find_packed_sequence_indices"):
-        patches.append((masking_utils, "find_packed_sequence_indices", lambda position_ids: None))
+        patches.append((masking_utils, "find_packed_sequence_indices",
+                        packed_sequence_indices if packed else lambda position_ids: None))
+    for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+        if hasattr(masking_utils, name):
+            patches.append((masking_utils, name, _known_padding(getattr(masking_utils, name), padded)))
     originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:
         for module, name, value in patches:

@@ -28,16 +28,16 @@ class OptimizerFigures:
     leaving: list[nn.Parameter] = field(default_factory=list)
 
 
-def optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int,
-                     on_cuda: bool) -> tuple[int, int, int, str]:
+def optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int) -> tuple[int, int, int, str]:
     """(device state bytes, device step-temporary bytes, host bytes, assumption) for ``kind``."""
 
     def r(n: int) -> int:
         return round_up(n, round_to)
 
     sizes = [p.numel() * p.element_size() for p in params]
-    # Fused/capturable AdamW keeps its step counter as a 4-byte tensor on the device, one per parameter.
-    step_bytes = len(params) * r(4) if on_cuda else 0
+    # Fused/capturable AdamW keeps its step counter as a 4-byte tensor on the device, one per parameter (on the
+    # CPU every AdamW does: the step is a CPU tensor).
+    step_bytes = len(params) * r(4)
     if kind == "adamw":
         return (2 * sum(r(n) for n in sizes) + step_bytes, 0, 0,
                 "AdamW fused (torch.optim.AdamW(fused=True)): exp_avg and exp_avg_sq in the parameter dtype, no "
@@ -64,13 +64,15 @@ def optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int,
 
 def optimizer_figures(trainable: Sequence[nn.Parameter], optimizer: str, *, lean: bool, state_precision: str,
                       offload_fraction: float, step_in_backward: bool, accumulation: int, device_type: str,
-                      round_to: int, on_cuda: bool) -> OptimizerFigures:
+                      round_to: int, idle: Sequence[nn.Parameter] = ()) -> OptimizerFigures:
     """The bytes of ``optimizer`` over the ``trainable`` parameters: torch's optimizers by formula, memtrain.optim's
-    AdamW (``lean``: lean moments, offload, step in backward; or ``"adamw-offload"``) by its own byte model."""
+    AdamW (``lean``: lean moments, offload, step in backward; or ``"adamw-offload"``) by its own byte model.
+    ``idle``: trainable parameters that get no gradient: no state (every optimizer creates it lazily), but the
+    host buffers memtrain's offloading AdamW builds for every parameter at its start (fp32 master, gradient)."""
     leaving: list[nn.Parameter] = []
     if not (lean or optimizer == "adamw-offload"):
         state_bytes, step_temp_bytes, optimizer_host_bytes, optimizer_note = optimizer_bytes(
-            trainable, optimizer, round_to, on_cuda)
+            trainable, optimizer, round_to)
         all_state_bytes = state_bytes
     else:  # memtrain.optim's AdamW, CPUOffloadOptimizer (adamw-offload: every parameter's state) included
         fraction = 1.0 if optimizer == "adamw-offload" else offload_fraction
@@ -79,6 +81,12 @@ def optimizer_figures(trainable: Sequence[nn.Parameter], optimizer: str, *, lean
                                   accumulation_steps=accumulation, device_type=device_type)
         state_bytes, step_temp_bytes = memory.device_state_bytes, memory.device_step_temp_bytes
         optimizer_host_bytes, all_state_bytes = memory.host_bytes, memory.state_bytes
+        if idle:  # NOTE: the idle parameters' buffers as if their share were offloaded alike
+            every = optimizer_memory([(p.numel(), p.dtype) for p in (*trainable, *idle)],
+                                     state_precision=state_precision, offload_fraction=fraction,
+                                     step_in_backward=step_in_backward, accumulation_steps=accumulation,
+                                     device_type=device_type)
+            optimizer_host_bytes = memory.host_state_bytes + every.host_bytes - every.host_state_bytes
         on_host = offloaded_mask([p.numel() for p in trainable], fraction)
         leaving = [p for p, h in zip(trainable, on_host, strict=True)
                    if h or (step_in_backward and accumulation == 1)]

@@ -24,6 +24,7 @@ from memtrain.estimate.arguments import (
     COMPILE_NOTE,
     OptimizerKind,
     Precision,
+    batch_values,
     check_arguments,
     setup_options,
 )
@@ -54,6 +55,7 @@ class Trace:
     host_bytes: int  # optimizer state and offloaded activations in host memory
     offloaded_bytes: int  # of host_bytes, the activations (they cross the host link twice a step)
     forward_end_bytes: int  # bytes alive when forward ended, before autocast's cast cache was let go
+    no_gradient: tuple[str, ...] = ()  # trainable parameters the step gives no gradient (so no optimizer state)
 
 
 def estimate(
@@ -74,18 +76,20 @@ def estimate(
 ) -> MemoryReport:
     """Predicts a training step's peak memory by running it on fake tensors: seconds of CPU, no device memory.
 
-    The step is the steady state a training loop reaches from its second step on: forward with labels (the
-    loss on fp32 logits for causal LMs), backward, optimizer step, ``zero_grad(set_to_none=True)``, with the
-    optimizer state already allocated and only the loss kept from the forward's output. The first step's
-    peak is lower (no optimizer state yet). With ``accumulation > 1`` it is the window's later micro-batches,
-    which run with every gradient of the earlier ones alive (unless they stream to the host).
+    The step is the steady state a training loop reaches from its second step on: forward with labels (the loss on
+    fp32 logits for causal LMs), backward, optimizer step, ``zero_grad(set_to_none=True)``, with the optimizer state
+    already allocated and only the loss kept from the forward's output. The first step's peak is lower (no optimizer
+    state yet). With ``accumulation > 1`` it is the window's later micro-batches, which run with every gradient of
+    the earlier ones alive (unless they stream to the host).
 
     Args:
-        model: an ``nn.Module`` (on any device, the meta device included; it is not modified and its data is
-            not copied) or a Hugging Face ``PretrainedConfig`` (built with ``AutoModelForCausalLM.from_config``
-            on the meta device).
-        batch: a token tensor (any device), a shape such as ``(4, 2048)``, or a dict of model inputs (tensors or
-            shapes); ``None`` with ``micro_batch_size`` and ``seq_len`` means ``(micro_batch_size, seq_len)``.
+        model: an ``nn.Module`` (any device, meta included; not modified, no data copied) or a Hugging Face
+            ``PretrainedConfig`` (``AutoModelForCausalLM.from_config`` on the meta device). Where its output has no
+            ``.loss`` (a base model such as ``BertModel``, a tensor, a tuple), the sum of its first tensor stands
+            for the loss: the same saved tensors as a loss on it (``memtrain.measure.as_loss``, as ``measure``).
+        batch: a token tensor (any device), a shape such as ``(4, 2048)``, a dict of model inputs (tensors or
+            shapes: packed rows' ``position_ids`` and a padded ``attention_mask`` included, see ``batch_values``),
+            or ``None``: ``(micro_batch_size, seq_len)``.
         device: ``"cuda"`` (CUDA autocast lists and attention kernels, 512-byte allocator blocks, cuBLAS
             workspaces) or ``"cpu"`` (the CPU's own kernels, as ``measure`` sees them).
         precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast; parameters keep their dtype).
@@ -110,14 +114,13 @@ def estimate(
               size when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the
               whole batch's fp32 logits; applied to a copy of the model.
             - ``compile``: the prediction is still the eager step's, and the report's assumptions say so.
-        micro_batch_size, seq_len, accumulation: override the batch's first and second dimensions; micro-batches
-            per optimizer step.
+        micro_batch_size, seq_len, accumulation: the batch's first and second dimensions; micro-batches a step.
         weights_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the parameters' dtype on the device (e.g. bf16 weights
             whose fp32 master lives with ``"adamw-offload"``); None keeps the model's.
         keep_output: the loop holds the forward's output (its logits) until the step ends, as ``out = model(...);
             out.loss.backward()`` does; False (the default, memtrain's own loop) keeps only the loss.
-        replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls
-            instead of running torch's meta functions again (same result, several times faster on deep models).
+        replay: on meta tensors (``device="cuda"``), reuse the output shapes of identical earlier op calls instead of
+            running torch's meta functions again (same result, several times faster on deep models).
 
     Returns:
         A ``MemoryReport`` with ``source="estimated"``: parameter, gradient, optimizer-state and saved-activation
@@ -178,12 +181,15 @@ def trace(
     replay: bool = True,
     runs: bool = False,
     offload_min_bytes: int = MIN_BYTES_DEFAULT,
+    no_gradient: frozenset[str] = frozenset(),
 ) -> Trace:
     """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
     forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). ``estimate``'s arguments,
     with the set-up as keyword arguments (``offload_activations``, ``state_precision``, ``offload_fraction``,
     ``step_in_backward``, ``chunked_loss``: the fields of ``setup``, None there being False / "fp32" / 0.0 here),
-    and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default)."""
+    and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default).
+    Parameters the loss does not reach get no gradient, so no optimizer state: traced again so (``no_gradient``)."""
+    arguments = dict(locals())  # this call's arguments, for the trace again once such parameters are found
     device_type, lean, ckpt, spec = check_arguments(
         model, batch, device=device, precision=precision, checkpointing=checkpointing,
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
@@ -200,24 +206,30 @@ def trace(
     run = call_convention(meta, spec, isinstance(batch, Mapping))
 
     params = list(dict.fromkeys(p for p in meta.parameters()))
-    trainable = [p for p in params if p.requires_grad]
+    # Not frozen (forward saves for them as in the real step), but without gradient or optimizer state.
+    trainable = [p for name, p in meta.named_parameters() if p.requires_grad and name not in no_gradient]
     optim = optimizer_figures(trainable, optimizer, lean=lean, state_precision=state_precision,
                               offload_fraction=offload_fraction, step_in_backward=step_in_backward,
-                              accumulation=accumulation, device_type=device_type, round_to=round_to, on_cuda=on_cuda)
+                              accumulation=accumulation, device_type=device_type, round_to=round_to,
+                              idle=[p for name, p in meta.named_parameters() if name in no_gradient])
     streamed = bool(optim.leaving)
     watch = watch_step(meta, inputs, params, trainable, optim, fake_mode, round_to=round_to, record=runs,
                        replay=on_cuda and replay, on_cuda=on_cuda, autocast_dtype=autocast_dtype,
                        accumulation=accumulation, chunked_loss=chunked_loss, offloads=offloads,
                        offload_activations=offload_activations, offload_min_bytes=offload_min_bytes)
     where, tracker, meter, rules, offload = watch.where, watch.tracker, watch.meter, watch.rules, watch.offload
-    with hf_sees_real_tensors(), fake_mode, tracker, where, meter, (rules or NullContext()):
+    with hf_sees_real_tensors(*batch_values(batch)), fake_mode, tracker, where, meter, (rules or NullContext()):
         out, loss, forward_end_bytes = _forward(watch, meta, run, inputs, keep_output)
-        _backward(watch, meta, loss)
-        grad_names = _optimizer_step(watch, meta, optim.step_temp_bytes)
-        peak_live, (peak_phase_name, peak_where) = tracker.peak_live, tracker.peak_at
+        unreached = _unreached(meta, loss) - no_gradient
+        if not unreached:
+            _backward(watch, meta, loss)
+            grad_names = _optimizer_step(watch, meta, optim.step_temp_bytes)
+            peak_live, (peak_phase_name, peak_where) = tracker.peak_live, tracker.peak_at
         del out, loss
     for handle in watch.hooks:
         handle.remove()
+    if unreached:  # as the optimizers do, no state for them: the step again (outside this one's modes) without it
+        return trace(**{**arguments, "no_gradient": no_gradient | unreached})
     if watch.landed is not None:
         _book_gradients(tracker, watch.landed)
     measured = meter.report()
@@ -231,6 +243,7 @@ def trace(
                                  accumulation=accumulation, streamed=streamed, weights_dtype=weights_dtype,
                                  on_cuda=on_cuda, checkpointing=kwargs, chunked_loss=chunked_loss,
                                  chunk_tokens=chunk_tokens, offload=offload, offloaded_bytes=offloaded_bytes)
+    assumptions += _no_gradient_note(no_gradient)
     report = MemoryReport(
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         gradient_bytes=measured.gradient_bytes,
@@ -246,7 +259,39 @@ def trace(
         assumptions=tuple(assumptions),
     )
     return _trace_of(report, meta, trainable, tracker, optim, fixed_bytes=watch.fixed_bytes, host_bytes=host_bytes,
-                     offloaded_bytes=offloaded_bytes, forward_end_bytes=forward_end_bytes)
+                     offloaded_bytes=offloaded_bytes, forward_end_bytes=forward_end_bytes, no_gradient=no_gradient)
+
+
+def _no_gradient_note(no_gradient: frozenset[str]) -> list[str]:
+    if not no_gradient:
+        return []
+    names = sorted(no_gradient)
+    return [f"{len(names)} trainable parameter(s) the loss does not reach, so no gradient nor optimizer state "
+            f"(optimizers create it lazily): {', '.join(names[:4])}"
+            + (f" and {len(names) - 4} more (Trace.no_gradient)" if len(names) > 4 else "")]
+
+
+def _unreached(meta: nn.Module, loss: torch.Tensor) -> frozenset[str]:
+    """The trainable parameters of ``meta`` that ``loss`` does not reach: they get no gradient."""
+    reached = parameters_reached(loss)
+    return frozenset(name for name, p in meta.named_parameters() if p.requires_grad and id(p) not in reached)
+
+
+def parameters_reached(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) ``loss``'s autograd graph accumulates a gradient into."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if isinstance(variable, torch.Tensor):
+            reached.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return reached
 
 
 # -- the step -------------------------------------------------------------------------------------------------
@@ -260,7 +305,7 @@ def _forward(watch: Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tenso
     try:
         with watch.cpu_autocast, watch.whole_forward:
             out = run(inputs)
-            loss = as_loss(out)
+            loss = as_loss(out, f"estimate: the forward of {type(meta).__name__}")
             if not keep_output:
                 out = None  # as memtrain's loop does: only the loss outlives forward (and the logits die)
             before_release = dict(tracker.live)  # autocast's cast cache dies with its region
@@ -339,7 +384,7 @@ def _book_gradients(tracker: LiveTracker, landed: dict[int, tuple[int, int, int]
 
 def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Parameter], tracker: LiveTracker,
               optim: OptimizerFigures, *, fixed_bytes: int, host_bytes: int, offloaded_bytes: int,
-              forward_end_bytes: int) -> Trace:
+              forward_end_bytes: int, no_gradient: frozenset[str]) -> Trace:
     """The ``Trace`` of a step: its report, its runs (the phase-boundary markers left out) and its blocks."""
     state_bytes, step_temp_bytes = optim.state_bytes, optim.step_temp_bytes
     modules = dict(meta.named_modules())
@@ -348,8 +393,8 @@ def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Paramete
         report=report,
         runs=tuple(r for r in tracker.runs if r.phase != "-"),
         blocks=block_names,
-        block_parameter_bytes=tuple(sum(p.numel() * p.element_size() for p in modules[name].parameters()
-                                        if p.requires_grad) for name in block_names),
+        block_parameter_bytes=tuple(sum(p.numel() * p.element_size() for n, p in modules[name].named_parameters(
+            prefix=name) if p.requires_grad and n not in no_gradient) for name in block_names),
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
         state_bytes=state_bytes,
         step_temp_bytes=step_temp_bytes,
@@ -357,4 +402,5 @@ def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Paramete
         host_bytes=host_bytes,
         offloaded_bytes=offloaded_bytes,
         forward_end_bytes=forward_end_bytes,
+        no_gradient=tuple(sorted(no_gradient)),
     )

@@ -56,7 +56,7 @@ from memtrain.planner.settings import (
     RecomputeFlavor,
     configuration_of,
 )
-from memtrain.planner.tracing import build_profiles
+from memtrain.planner.tracing import build_profiles, step_batch
 from memtrain.report import format_bytes
 
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
@@ -85,6 +85,7 @@ def plan(
     choices: Choices | None = None,
     correction_bytes: int = 0,
     keep_optimizer: PlanSettings | None = None,
+    packed: bool = False,
 ) -> Plan:
     """The fastest set-up whose predicted peak fits ``budget`` (per rank), with a reason for each choice.
 
@@ -118,6 +119,9 @@ def plan(
             re-plan after the device disagreed).
         keep_optimizer: a plan's settings whose optimizer (placement, moments, step in backward, offloaded share)
             the search keeps, whatever ``choices`` say (a resume or re-plan: the optimizer's state exists).
+        packed: the batches are packed rows (``memtrain.data.PackedRows``: several documents a row): the steps are
+            traced with their labels and restarting ``position_ids``, from which a Hugging Face model builds a
+            block-diagonal attention mask (more saved bytes than a causal one).
 
     Returns:
         A ``Plan``: ``.settings`` for ``apply_plan``, the predictions, the reasons and the runners-up.
@@ -141,7 +145,7 @@ def plan(
     if settings is not None:
         precision = settings.precision
     ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device, precision, world_size,
-                     "chunked-loss" in allowed, grad_clip, device_profile)
+                     "chunked-loss" in allowed, grad_clip, device_profile, packed)
     _check_a_block_fits(ctx, budget_bytes)
     fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
     space = _search_space(ctx, allowed, fsdp, fixed)
@@ -351,7 +355,8 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
 
 
 def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, device: str, precision: str,
-             world_size: int, chunk_allowed: bool, grad_clip: bool, device_profile_: DeviceProfile | None) -> Problem:
+             world_size: int, chunk_allowed: bool, grad_clip: bool, device_profile_: DeviceProfile | None,
+             packed: bool = False) -> Problem:
     meta = meta_model(model_or_hf_config)
     blocks = tuple(find_blocks(meta))
     if not blocks:
@@ -361,7 +366,7 @@ def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, de
     dev = device_profile_ if device_profile_ is not None else device_profile(device)
     return Problem(model=meta, seq_len=seq_len, global_batch=global_batch_size, world=world_size, device=device,
                     precision=precision, device_profile=dev, block_names=blocks,
-                    chunkable=chunk_allowed and supports_chunked_loss(meta), grad_clip=grad_clip)
+                    chunkable=chunk_allowed and supports_chunked_loss(meta), grad_clip=grad_clip, packed=packed)
 
 
 def composer_for(ctx: Problem, given: Sequence[PlanSettings]) -> Composer:
@@ -421,7 +426,7 @@ def estimate_of(ctx: Problem, prof: Profiles, s: PlanSettings) -> tuple[float, T
         checkpointing["selective"] = ("matmul", "attention")
     if s.flavor == "offload-inputs" and "recompute" in s.blocks:
         checkpointing["offload"] = True
-    t = trace(ctx.model, (s.micro_batch_size, ctx.seq_len), device=ctx.device, precision=ctx.precision,
+    t = trace(ctx.model, step_batch(ctx, s.micro_batch_size), device=ctx.device, precision=ctx.precision,
               checkpointing=checkpointing, chunked_loss=s.chunked_loss,
               optimizer="adamw" if s.optimizer == "device" else "adamw-offload", accumulation=s.accumulation,
               state_precision=s.state_precision, offload_fraction=s.offload_fraction,

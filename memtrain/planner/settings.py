@@ -361,6 +361,7 @@ class Problem:
     block_names: tuple[str, ...]
     chunkable: bool
     grad_clip: bool
+    packed: bool = False  # batches of packed rows: the trace passes their labels and position_ids, as the loop does
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ copy truncated to six blocks where the blocks are identical), and the model stat
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,15 +72,37 @@ def truncated_copy(model: nn.Module, blocks: Sequence[str]) -> tuple[nn.Module, 
     return copy, list(range(_LEAD - 1)) + [_LEAD - 1] * (len(blocks) - _LEAD) + [_LEAD]
 
 
-def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cuda: bool) -> dict[str, Any]:
+def step_batch(ctx: Problem, micro_batch_size: int) -> Any:
+    """The batch a trace of ``ctx`` passes at ``micro_batch_size``: token ids as a shape, or for packed rows
+    (``ctx.packed``) of a model that reads ``position_ids`` the three tensors the loop passes (input_ids, labels,
+    position_ids: a Hugging Face model then builds a block-diagonal attention mask, as in the real run)."""
+    shape = (micro_batch_size, ctx.seq_len)
+    if not ctx.packed or not _takes_position_ids(ctx.model):
+        return shape
+    return dict.fromkeys(("input_ids", "labels", "position_ids"), shape)
+
+
+def _takes_position_ids(model: nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``position_ids`` (by name, or through ``**kwargs``: PEFT's wrapper)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "position_ids" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cuda: bool,
+                no_gradient: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The model's state as a trace counts it (parameters in the traced dtype, rounded as the allocator does, and
-    AdamW's state), without tracing."""
+    AdamW's state), without tracing; the trainable parameters named in ``no_gradient`` (the step gives them no
+    gradient: ``Trace.no_gradient``) have neither gradient nor state."""
     dtype = torch.bfloat16 if weights == "bf16" else None
     round_to = 512 if cuda else 1
-    params = list(dict.fromkeys(model.parameters()))
+    named = dict(model.named_parameters())
+    params = list(named.values())
     as_traced = {id(p): (p.detach().to(dtype) if dtype is not None and p.is_floating_point() else p.detach())
                  for p in params}
-    trainable = [as_traced[id(p)] for p in params if p.requires_grad]
+    trainable = [as_traced[id(p)] for name, p in named.items() if p.requires_grad and name not in no_gradient]
     buffers = list(dict.fromkeys(model.buffers()))
     modules = dict(model.named_modules())
     block_of = {id(p): i for i, name in enumerate(blocks) for p in modules[name].parameters()}
@@ -88,12 +111,13 @@ def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cu
         "parameters": sum(t.numel() * t.element_size() for t in as_traced.values()),
         "trainable": sum(t.numel() * t.element_size() for t in trainable),
         "numel": sum(t.numel() for t in trainable),
-        "state": optimizer_bytes(trainable, "adamw", round_to, cuda)[0],
+        "state": optimizer_bytes(trainable, "adamw", round_to)[0],
         "blocks": np.array([sum(as_traced[id(p)].numel() * as_traced[id(p)].element_size()
-                                for p in modules[name].parameters() if p.requires_grad) for name in blocks],
-                           dtype=np.float64),
+                                for n, p in modules[name].named_parameters(prefix=name)
+                                if p.requires_grad and n not in no_gradient) for name in blocks], dtype=np.float64),
         "params": [(t.numel(), t.dtype) for t in trainable],
-        "param_blocks": np.array([block_of.get(id(p), -1) for p in params if p.requires_grad], dtype=np.int64),
+        "param_blocks": np.array([block_of.get(id(p), -1) for name, p in named.items()
+                                  if p.requires_grad and name not in no_gradient], dtype=np.int64),
     }
 
 
@@ -126,7 +150,7 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
         # The kept and offloaded traces carry the whole loss, the others the chunked one (where the model has it):
         # the loss's own figures do not depend on the blocks' kind.
         chunked = ctx.chunkable and kind not in ("keep", "offload")
-        first, second = (trace(traced_model, (b, ctx.seq_len), device=ctx.device, precision=ctx.precision,
+        first, second = (trace(traced_model, step_batch(ctx, b), device=ctx.device, precision=ctx.precision,
                                checkpointing=checkpointing, chunked_loss=chunked, optimizer="adamw",
                                weights_dtype=weights, runs=True, offload_min_bytes=0) for b in (1, 2))
         # offload_min_bytes=0: every storage the offloader could move is recorded with its size, and offloader_bytes keeps
@@ -140,12 +164,15 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
     if ctx.chunkable:
         tails[True] = _tail_profiles(traces, chunked_kept, "offload-inputs", chunked_shift or whole_shift)
     cuda = ctx.device == "cuda"
-    full = state_bytes(ctx.model, ctx.block_names, weights, cuda)
+    no_gradient = frozenset(keep1.no_gradient)
+    full = state_bytes(ctx.model, ctx.block_names, weights, cuda,
+                       _in_model(no_gradient, traced_blocks, ctx.block_names, index))
     fixed = keep1.fixed_bytes
     if truncated is not None:  # the fixed bytes of the whole model: its parameters and state, not the copy's
-        part = state_bytes(traced_model, traced_blocks, weights, cuda)
+        part = state_bytes(traced_model, traced_blocks, weights, cuda, no_gradient)
         fixed += (full["rounded"] + full["state"]) - (part["rounded"] + part["state"])
-    input_bytes = ctx.seq_len * 8  # int64 token ids, one example
+    batch = step_batch(ctx, 1)
+    input_bytes = ctx.seq_len * 8 * (len(batch) if isinstance(batch, dict) else 1)  # int64 ids, one example
     kind_profiles = {k: kind_profile(*pair) for k, pair in traces.items()}
     if truncated is not None and not all(_alike(kp, _LEAD - 2, _LEAD - 1) for kp in kind_profiles.values()):
         raise _NotRepresentative  # the interior does not repeat: trace the whole model
@@ -163,6 +190,18 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
         trainable_params=full["params"],
         trainable_blocks=full["param_blocks"],
     )
+
+
+def _in_model(names: frozenset[str], traced_blocks: Sequence[str], blocks: Sequence[str],
+              index: Sequence[int]) -> frozenset[str]:
+    """Parameter names of the traced copy as the model's: a block's stand for every block it profiles (``index``:
+    which traced block each of the model's is)."""
+    out = set()
+    for name in names:
+        k = next((k for k, b in enumerate(traced_blocks) if name.startswith(b + ".")), None)
+        rest = name[len(traced_blocks[k]):] if k is not None else ""
+        out.update([name] if k is None else (blocks[j] + rest for j, i in enumerate(index) if i == k))
+    return frozenset(out)
 
 
 def _tail_profiles(traces: dict[str, tuple[Trace, Trace]], kept: str | None, offloaded: str | None,

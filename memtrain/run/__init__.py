@@ -8,6 +8,8 @@
 - ``tensorboard``: TensorBoard event files of the same lines (``log=("tensorboard",)``), an optional extra.
 - ``signals``: stopping after the current step on SIGTERM / SIGINT, agreed on by every rank.
 - ``replan``: the run's plan from its choices, its check against the device at step 2, the re-plan when they differ.
+- ``plan_check``: the step-2 check's verdict on every device (the CPU's peak from the measured saved bytes): re-plan
+  or warn when the step is over the budget.
 - ``report``: the run's report (report.json) and its plots.
 """
 

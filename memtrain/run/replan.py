@@ -65,6 +65,7 @@ class RunContext:
     device: torch.device  # the training device
     world: int  # ranks (1 without torchrun)
     precision: str  # resolved: "fp32", "bf16-mixed" or "fp16-mixed"
+    packed: bool = False  # packed rows (position_ids restart at each document): the plan traces such batches
 
 
 def plan_request(config: TrainConfig) -> dict[str, Any]:
@@ -164,7 +165,8 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
                   device=device.type, precision=context.precision, world_size=world,
                   fsdp=config.fsdp if world > 1 else False, host_budget=config.host_budget, micro_batch_size=micro,
                   safety_margin=config.safety_margin, grad_clip=config.grad_clip is not None, choices=choices,
-                  keep_optimizer=keep_optimizer, settings=settings, correction_bytes=correction_bytes)
+                  keep_optimizer=keep_optimizer, settings=settings, correction_bytes=correction_bytes,
+                  packed=context.packed)
     # The precision's reason is train's own line (it resolved "auto").
     reasons = (budget_reason, *(r for r in chosen.reasons if not r.startswith("precision ")))
     return RunPlan(chosen.settings, chosen, budget, reasons, correction_bytes)
