@@ -181,10 +181,11 @@ def batch_spec(batch: Any, micro_batch_size: int | None, seq_len: int | None,
 
 
 def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's config allows; None when it sets no limit (XLNet's -1 among them)."""
     config = getattr(model, "config", None)
     for attr in ("max_position_embeddings", "n_positions", "seq_len"):
         value = getattr(config, attr, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
 
@@ -226,15 +227,18 @@ def hf_sees_real_tensors() -> Iterator[None]:
 
     It treats fake tensors as graph tracing, and would then build an explicit attention mask (and repeat grouped
     key/value heads) where the real run passes ``is_causal=True``; and without a KV cache it reads the position
-    ids to detect packed sequences, which fake tensors cannot answer. A token batch is unpacked: say so.
+    ids to detect packed sequences, which fake tensors cannot answer. A token batch is unpacked: say so. Some models
+    look for padding tokens in the batch only to log a warning: skipped (the values are not there; no memory).
     """
     patches = []
     try:
-        from transformers import masking_utils
+        from transformers import PreTrainedModel, masking_utils
         from transformers.utils import import_utils
     except ImportError:
         yield
         return
+    if hasattr(PreTrainedModel, "warn_if_padding_and_no_attention_mask"):
+        patches.append((PreTrainedModel, "warn_if_padding_and_no_attention_mask", lambda self, *args: None))
     if hasattr(import_utils, "is_fake_tensor"):
         patches.append((import_utils, "is_fake_tensor", lambda x: False))
     if hasattr(masking_utils, "find_packed_sequence_indices"):
@@ -247,3 +251,43 @@ def hf_sees_real_tensors() -> Iterator[None]:
     finally:
         for module, name, value in originals:
             setattr(module, name, value)
+
+
+# -- kernels whose meta function refuses what the real kernel runs ------------------------------------------
+_GROUPED_MM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch._grouped_mm``'s output, as the real kernel allocates it, for the dtypes its meta function refuses.
+
+    Mixture-of-experts layers (transformers' default ``grouped_mm`` experts) run it in the weights' dtype: torch's
+    meta function accepts only bf16 (the CUDA fast path), while the CPU kernel and CUDA's fallback also run fp32 and
+    fp16. The output is the meta function's: the groups' results side by side, rows padded to 16 bytes on CUDA (the
+    meta device stands for CUDA here).
+    """
+    torch._check(mat_a.dtype == mat_b.dtype and mat_a.dtype in _GROUPED_MM_DTYPES,
+                 lambda: f"grouped_mm: expected both inputs in one of {_GROUPED_MM_DTYPES}, got {mat_a.dtype} and "
+                         f"{mat_b.dtype}")
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if a_2d and b_2d:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a_2d:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b_2d:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    dtype = out_dtype or mat_a.dtype
+    if mat_a.device.type != "meta":  # the CPU kernel: a contiguous output
+        return torch.empty(size, dtype=dtype, device=mat_a.device)
+    alignment = 16 // dtype.itemsize
+    padded = -(-size[-1] // alignment) * alignment
+    stride = [size[1] * padded, padded, 1] if a_2d == b_2d else [padded, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
+
+
+def needs_own_kernel(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``func(*args)`` is a call whose meta function would refuse what the real kernel runs."""
+    return (func is torch.ops.aten._grouped_mm.default and isinstance(args[0], torch.Tensor)
+            and args[0].dtype != torch.bfloat16)

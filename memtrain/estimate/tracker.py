@@ -18,6 +18,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memtrain.estimate.fake import grouped_mm_output, needs_own_kernel
+from memtrain.estimate.values import KnownValues
+
 
 # -- allocation sizes -------------------------------------------------------------------------------------------
 def _storage_elements(t: torch.Tensor) -> int:
@@ -68,7 +71,7 @@ class Run:
 
 
 # -- the work of an op ----------------------------------------------------------------------------------------
-_MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}  # name -> index of the first matrix argument
+_MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_grouped_mm": 0}  # name -> index of the first matrix argument
 _ATTENTION_OPS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -185,6 +188,7 @@ class LiveTracker(TorchDispatchMode):
         self.runs: list[Run] = []  # forward and backward, in order (see Run)
         self._mutable: dict[Any, bool] = {}  # op -> mutates or aliases (never replayed)
         self.recording = False  # runs are recorded between start_runs() and stop_runs()
+        self.known = KnownValues()  # constants' real values, for a module that reads one (.item())
 
     def add(self, t: torch.Tensor, label: tuple[Any, ...]) -> None:
         storage = t.untyped_storage()
@@ -271,6 +275,8 @@ class LiveTracker(TorchDispatchMode):
         Identical blocks repeat identical calls, and torch's meta functions are mostly Python: replaying what a
         call produced (shape, strides, dtype) makes a 70B model's 80 layers cost little more than one.
         """
+        if needs_own_kernel(func, args):  # e.g. an fp32 grouped_mm (MoE experts), which torch's meta refuses
+            return grouped_mm_output(*args, **kwargs)
         if self.replay is None:
             return func(*args, **kwargs)
         mutable = self._mutable.get(func)
@@ -305,8 +311,12 @@ class LiveTracker(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        known, value = self.known.read(func, args)
+        if known:
+            return value
         run = self.run_here()
         out = self._run(func, args, kwargs or {})
+        self.known.follow(func, args, kwargs or {}, out)
         if run is not None:
             matmul, attention, nbytes = _op_cost(func, args, kwargs or {}, out)
             run.matmul_flops += matmul
