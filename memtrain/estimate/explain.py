@@ -105,9 +105,9 @@ def forward_failure(module: str, error: BaseException) -> str:
     fix = ("or use memtrain.measure on a device with memory; `memtrain train` runs without the estimate when every "
            "technique is fixed by flag")
     if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
-        return (f"estimate: {module!r} reads a tensor value computed from the batch or the weights ({what}: "
-                ".item(), .tolist() or a shape that depends on values, e.g. a mixture-of-experts router's token "
-                "counts), which a trace without data does not have. To resolve this error, make that module's "
+        return (f"estimate: {module!r} reads a tensor value computed from the batch or the weights (an .item(), "
+                ".tolist() or value-dependent shape, e.g. a mixture-of-experts router's token counts: "
+                f"{what}), which a trace without data does not have. To resolve this error, make that module's "
                 f"shapes independent of values, {fix}.")
     if isinstance(error, (UnsupportedOperatorException, NotImplementedError)):
         return (f"estimate: {module!r} calls an operator that cannot run without data ({what}). To resolve this "
