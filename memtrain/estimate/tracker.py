@@ -9,6 +9,7 @@ than one block).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -163,6 +164,9 @@ def _tensor_bytes(values: Any) -> int:
 
 
 # -- the tracker ----------------------------------------------------------------------------------------------
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
 class LiveTracker(TorchDispatchMode):
     """Counts the bytes of every storage alive, as an allocator would: one allocation per op output that does not
     alias an input, freed when the last tensor using it dies."""
@@ -188,7 +192,18 @@ class LiveTracker(TorchDispatchMode):
         self.runs: list[Run] = []  # forward and backward, in order (see Run)
         self._mutable: dict[Any, bool] = {}  # op -> mutates or aliases (never replayed)
         self.recording = False  # runs are recorded between start_runs() and stop_runs()
+        self._log_levels: list[int] = []  # torch's fake-tensor log level before each entry
         self.known = KnownValues()  # constants' real values, for a module that reads one (.item())
+
+    def __enter__(self) -> LiveTracker:
+        # torch logs the traceback of a meta kernel that fails; the trace's own error says it in one line.
+        self._log_levels.append(_FAKE_TENSOR_LOG.level)
+        _FAKE_TENSOR_LOG.setLevel(logging.CRITICAL)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _FAKE_TENSOR_LOG.setLevel(self._log_levels.pop())
+        super().__exit__(*exc)
 
     def add(self, t: torch.Tensor, label: tuple[Any, ...]) -> None:
         storage = t.untyped_storage()
