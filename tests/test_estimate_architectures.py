@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from memtrain import apply_checkpointing, measure, remove_checkpointing
-from memtrain.cli import main
 from memtrain.checkpointing import find_blocks
+from memtrain.cli import main
 from memtrain.errors import MemtrainError
 from memtrain.estimate import estimate
 
