@@ -40,13 +40,16 @@ class _Experts(nn.Module):
         return torch._grouped_mm(x.reshape(-1, 32), self.weight, offs=_OFFS).square().sum()
 
 
-def test_fp32_grouped_mm_is_estimated_as_measured():
-    model, x = _Experts(), torch.randn(2, 32, 32)
+def _assert_estimated_as_measured(model, x):
     measured = measure(model, x)
     estimated = estimate(model, x, device="cpu")
     assert estimated.activation_bytes == measured.activation_bytes, (estimated.activation_bytes,
                                                                        measured.activation_bytes)
     assert estimated.gradient_bytes == measured.gradient_bytes
+
+
+def test_fp32_grouped_mm_is_estimated_as_measured():
+    _assert_estimated_as_measured(_Experts(), torch.randn(2, 32, 32))
 
 
 class _ChecksItsMask(nn.Module):
@@ -67,10 +70,7 @@ class _ChecksItsMask(nn.Module):
 
 def test_a_value_computed_from_constants_takes_the_real_runs_branch():
     model, x = _ChecksItsMask(), torch.randn(4, 16, 16)
-    measured = measure(model, x)
-    estimated = estimate(model, x, device="cpu")
-    assert estimated.activation_bytes == measured.activation_bytes, (estimated.activation_bytes,
-                                                                       measured.activation_bytes)
+    _assert_estimated_as_measured(model, x)
     assert estimate(model, x, device="cuda").activation_bytes > 0  # the meta path reads it too
 
 
