@@ -89,3 +89,21 @@ def test_a_value_computed_from_the_weights_is_named():
                                             r"the weights") as caught:
         estimate(_ReadsItsWeights(), torch.randn(4, 16, 16), device="cpu")
     assert "batch's shape" not in str(caught.value)
+
+
+class _Misaligned(nn.Module):
+    """bf16 grouped_mm on rows of 10 bytes: torch's kernels (real and meta) refuse it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 32, 5, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return torch._grouped_mm(x.reshape(-1, 32).bfloat16(), self.weight, offs=_OFFS).float().sum()
+
+
+def test_a_meta_kernel_that_fails_is_one_line_not_a_logged_traceback(caplog):
+    with pytest.raises(MemtrainError, match="'_Misaligned'.*16 bytes"):
+        estimate(_Misaligned(), torch.randn(2, 32, 32), device="cpu")
+    logged = [r.getMessage() for r in caplog.records]
+    assert not any("failed while attempting to run meta" in m for m in logged), logged
