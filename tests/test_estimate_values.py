@@ -16,14 +16,18 @@ from memtrain.estimate.fake import grouped_mm_output
 _OFFS = torch.tensor([24, 64], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("a_shape, b_shape", [((64, 32), (2, 32, 48)), ((32, 64), (64, 48))])
-def test_grouped_mm_output_is_the_real_kernels(a_shape, b_shape):
-    # (tokens, K) x (experts, K, N): the forward's form; (K, tokens) x (tokens, N): the weight gradient's, one
-    # output per expert.
-    a, b = torch.randn(a_shape), torch.randn(b_shape)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("a_shape, b_shape, transpose", [((64, 32), (2, 32, 48), False), ((32, 64), (64, 48), False),
+                                                         ((64, 32), (2, 6, 32), True)])
+def test_grouped_mm_output_is_the_real_kernels(a_shape, b_shape, transpose, dtype):
+    # (tokens, K) x (experts, K, N): the forward's form, with a transposed weight the output's rows padded to 16
+    # bytes; (K, tokens) x (tokens, N): the weight gradient's, one output per expert.
+    a, b = torch.randn(a_shape, dtype=dtype), torch.randn(b_shape, dtype=dtype)
+    b = b.transpose(-2, -1) if transpose else b
     real = torch._grouped_mm(a, b, offs=_OFFS)
     stand_in = grouped_mm_output(a, b, _OFFS)
     assert (stand_in.shape, stand_in.stride(), stand_in.dtype) == (real.shape, real.stride(), real.dtype)
+    assert stand_in.untyped_storage().nbytes() == real.untyped_storage().nbytes()
     with pytest.raises(RuntimeError, match="grouped_mm: expected both inputs"):
         grouped_mm_output(a.double(), b.double(), _OFFS)
 

@@ -253,22 +253,37 @@ def hf_sees_real_tensors() -> Iterator[None]:
             setattr(module, name, value)
 
 
-# -- kernels whose meta function refuses what the real kernel runs ------------------------------------------
+# -- kernels whose meta function differs from the real one ---------------------------------------------------
 _GROUPED_MM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_grouped_mm_strides(name: str, t: torch.Tensor) -> None:
+    """The real kernels' layout rule: one of the last two dimensions contiguous, the other's stride 16-byte aligned."""
+    alignment = 16 // t.element_size()
+    rows, columns = t.stride()[-2:]
+    if columns == 1 and rows >= max(1, t.shape[-1]):
+        aligned = rows % alignment == 0
+    elif rows == 1 and columns >= max(1, t.shape[-2]):
+        aligned = columns % alignment == 0
+    else:
+        aligned = False
+    torch._check(aligned, lambda: f"grouped_mm: {name} of shape {tuple(t.shape)} and strides {t.stride()}: strides "
+                                  "should be multiple of 16 bytes")
 
 
 def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``torch._grouped_mm``'s output, as the real kernel allocates it, for the dtypes its meta function refuses.
+    """``torch._grouped_mm``'s output, as the real kernels (CPU and CUDA) allocate it.
 
-    Mixture-of-experts layers (transformers' default ``grouped_mm`` experts) run it in the weights' dtype: torch's
-    meta function accepts only bf16 (the CUDA fast path), while the CPU kernel and CUDA's fallback also run fp32 and
-    fp16. The output is the meta function's: the groups' results side by side, rows padded to 16 bytes on CUDA (the
-    meta device stands for CUDA here).
+    Mixture-of-experts layers (transformers' default ``grouped_mm`` experts) run it in the weights' dtype. torch's
+    meta function accepts only bf16 (the CUDA fast path) and pads the output's rows to 16 bytes only in a CUDA build,
+    while the CPU kernel and CUDA's fallback also run fp32 and fp16, and every kernel pads: this is what they do.
     """
     torch._check(mat_a.dtype == mat_b.dtype and mat_a.dtype in _GROUPED_MM_DTYPES,
                  lambda: f"grouped_mm: expected both inputs in one of {_GROUPED_MM_DTYPES}, got {mat_a.dtype} and "
                          f"{mat_b.dtype}")
+    _check_grouped_mm_strides("mat_a", mat_a)
+    _check_grouped_mm_strides("mat_b", mat_b)
     a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
     if a_2d and b_2d:
         size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
@@ -279,15 +294,12 @@ def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
     else:
         size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
     dtype = out_dtype or mat_a.dtype
-    if mat_a.device.type != "meta":  # the CPU kernel: a contiguous output
-        return torch.empty(size, dtype=dtype, device=mat_a.device)
     alignment = 16 // dtype.itemsize
     padded = -(-size[-1] // alignment) * alignment
-    stride = [size[1] * padded, padded, 1] if a_2d == b_2d else [padded, 1]
+    stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
     return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
-def needs_own_kernel(func: Any, args: tuple[Any, ...]) -> bool:
-    """Whether ``func(*args)`` is a call whose meta function would refuse what the real kernel runs."""
-    return (func is torch.ops.aten._grouped_mm.default and isinstance(args[0], torch.Tensor)
-            and args[0].dtype != torch.bfloat16)
+def needs_own_kernel(func: Any) -> bool:
+    """Whether ``func`` is an op whose meta function differs from the real kernels (``grouped_mm_output``)."""
+    return func is torch.ops.aten._grouped_mm.default

@@ -72,7 +72,8 @@ class Run:
 
 
 # -- the work of an op ----------------------------------------------------------------------------------------
-_MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_grouped_mm": 0}  # name -> index of the first matrix argument
+# name -> index of the first matrix argument
+_MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_grouped_mm": 0}
 _ATTENTION_OPS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -290,7 +291,7 @@ class LiveTracker(TorchDispatchMode):
         Identical blocks repeat identical calls, and torch's meta functions are mostly Python: replaying what a
         call produced (shape, strides, dtype) makes a 70B model's 80 layers cost little more than one.
         """
-        if needs_own_kernel(func, args):  # e.g. an fp32 grouped_mm (MoE experts), which torch's meta refuses
+        if needs_own_kernel(func):  # grouped_mm (MoE experts): torch's meta function refuses fp32
             return grouped_mm_output(*args, **kwargs)
         if self.replay is None:
             return func(*args, **kwargs)
