@@ -88,11 +88,14 @@ class _ReadsItsWeights(nn.Module):
         return self.proj(x)[..., :kept].sum()
 
 
-def test_a_value_computed_from_the_weights_is_named():
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # fake tensors, meta tensors
+def test_a_value_computed_from_the_weights_is_named(device):
     with pytest.raises(MemtrainError, match=r"'_ReadsItsWeights' reads a tensor value computed from the batch or "
                                             r"the weights") as caught:
-        estimate(_ReadsItsWeights(), torch.randn(4, 16, 16), device="cpu")
-    assert "batch's shape" not in str(caught.value)
+        estimate(_ReadsItsWeights(), torch.randn(4, 16, 16), device=device)
+    assert "batch's shape" not in str(caught.value) and "\n" not in str(caught.value)
+    assert "To resolve this error, make that module's shapes independent of values, or use memtrain.measure" in \
+        str(caught.value)
 
 
 class _Misaligned(nn.Module):

@@ -102,13 +102,16 @@ def forward_failure(module: str, error: BaseException) -> str:
     )
 
     what = describe_exception(error)
-    fix = ("or use memtrain.measure on a device with memory; `memtrain train` runs without the estimate when every "
+    fix = ("use memtrain.measure on a device with memory; `memtrain train` runs without the estimate when every "
            "technique is fixed by flag")
-    if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+    # A value read: fake tensors raise their own exceptions, meta tensors (a CUDA target) "no data!".
+    reads = isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)) or (
+        isinstance(error, NotImplementedError) and "meta tensor" in str(error) and "no data" in str(error))
+    if reads:
         return (f"estimate: {module!r} reads a tensor value computed from the batch or the weights (an .item(), "
                 ".tolist() or value-dependent shape, e.g. a mixture-of-experts router's token counts: "
                 f"{what}), which a trace without data does not have. To resolve this error, make that module's "
-                f"shapes independent of values, {fix}.")
+                f"shapes independent of values, or {fix}.")
     if isinstance(error, (UnsupportedOperatorException, NotImplementedError)):
         return (f"estimate: {module!r} calls an operator that cannot run without data ({what}). To resolve this "
                 f"error, {fix}.")
