@@ -105,8 +105,8 @@ def forward_failure(module: str, error: BaseException) -> str:
     fix = ("use memtrain.measure on a device with memory; `memtrain train` runs without the estimate when every "
            "technique is fixed by flag")
     # A value read: fake tensors raise their own exceptions, meta tensors (a CUDA target) "no data!".
-    reads = isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)) or (
-        isinstance(error, NotImplementedError) and "meta tensor" in str(error) and "no data" in str(error))
+    reads = isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)) or any(
+        said in str(error) for said in ("Cannot copy out of meta tensor", "cannot be called on meta tensors"))
     if reads:
         return (f"estimate: {module!r} reads a tensor value computed from the batch or the weights (an .item(), "
                 ".tolist() or value-dependent shape, e.g. a mixture-of-experts router's token counts: "
