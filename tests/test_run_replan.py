@@ -144,6 +144,8 @@ def test_every_technique_fixed_runs_without_the_estimate():
                for r in run_plan.reasons), run_plan.reasons
     check = check_plan(run_plan, 2, None, 1234, torch.device("cpu"))
     assert check["log"].startswith("plan check off: the estimate cannot trace _RoutedStack"), check
+    with pytest.raises(ConfigError, match="micro_batch_size=3 does not divide the 8 examples"):  # checked before
+        plan_run(_RoutedStack(), replace(config, micro_batch_size=3), _context())
     # A resume continues on its own settings, unchecked too.
     resumed = plan_run(_RoutedStack(), config, _context(), settings=s, keep_optimizer=s)
     assert resumed.settings == s and resumed.plan is None
