@@ -7,6 +7,7 @@ import re
 import pytest
 from helpers import MiB, h100, planner_llama
 
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner import (
     PlanSettings,
@@ -51,3 +52,10 @@ def test_a_fixed_set_up_that_cannot_fit_is_a_clear_error(llama):
     with pytest.raises(ConfigError, match="the set-up asked for"):
         plan(llama, budget=int(0.5 * loose.peak_bytes), seq_len=1024, global_batch_size=4, settings=fixed,
              device_profile=H100)
+
+
+def test_a_fixed_checkpointing_layout_says_it_was_asked_for(llama):
+    chosen = plan(llama, budget=4096 * MiB, seq_len=128, global_batch_size=2, micro_batch_size=2,
+                  device_profile=H100, choices=Choices(checkpointing="all"))
+    line = next(r for r in chosen.reasons if r.startswith("checkpointing"))
+    assert line.endswith("blocks recomputed (as asked)"), line

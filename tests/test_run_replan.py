@@ -101,3 +101,64 @@ def test_a_kept_optimizer_admits_only_itself():
                              replace(kept, optimizer="offload"))
     # The offloaded optimizer with bf16 device weights is placement "offload" too (Choices cannot name the weights).
     check_kept_optimizer(OptimizerChoice(placement="offload"), replace(kept, optimizer="offload-bf16-weights"))
+
+
+# -- a model the estimate cannot trace (issue 21) -----------------------------------------------------------
+class _Routed(nn.Module):
+    """A block whose shapes follow a value computed from its weights, as an MoE router's token counts do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        kept = int((self.proj.weight > 0).sum().item()) % 3 + 1  # a count only the data knows
+        return self.proj(x)[..., :kept].sum(-1, keepdim=True).expand_as(x)
+
+
+class _RoutedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([_Routed(), _Routed()])
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.mean()
+
+
+_EVERY_TECHNIQUE = Choices(checkpointing="all", chunked_loss=False,
+                           optimizer=OptimizerChoice(placement="device", state_precision="fp32", step_in_backward=False))
+
+
+def test_every_technique_fixed_runs_without_the_estimate():
+    config = TrainConfig(budget="1GiB", micro_batch_size=4, choices=_EVERY_TECHNIQUE)
+    run_plan = plan_run(_RoutedStack(), config, _context())
+    assert run_plan.plan is None
+    s = run_plan.settings
+    assert (s.micro_batch_size, s.accumulation, s.blocks, s.chunked_loss, s.optimizer, s.state_precision) == (
+        4, 2, ("recompute", "recompute"), False, "device", "fp32"), s
+    assert any("plan check off, because: the estimate cannot trace _RoutedStack" in r and "reads a tensor value" in r
+               for r in run_plan.reasons), run_plan.reasons
+    check = check_plan(run_plan, 2, None, 1234, torch.device("cpu"))
+    assert check["log"].startswith("plan check off: the estimate cannot trace _RoutedStack"), check
+    with pytest.raises(ConfigError, match="micro_batch_size=3 does not divide the 8 examples"):  # checked before
+        plan_run(_RoutedStack(), replace(config, micro_batch_size=3), _context())
+    # A resume continues on its own settings, unchecked too.
+    resumed = plan_run(_RoutedStack(), config, _context(), settings=s, keep_optimizer=s)
+    assert resumed.settings == s and resumed.plan is None
+
+
+def test_techniques_left_to_the_planner_are_named_with_the_cause():
+    config = TrainConfig(budget="1GiB", choices=Choices(checkpointing="all"))
+    with pytest.raises(MemtrainError) as caught:
+        plan_run(_RoutedStack(), config, _context())
+    message = str(caught.value)
+    assert not isinstance(caught.value, ConfigError)
+    assert message.startswith("the planner cannot estimate _RoutedStack: 'blocks.0' reads a tensor value"), message
+    for fix in ("chunked_loss=False", "optimizer.placement='device'", "optimizer.state_precision='fp32'",
+                "optimizer.step_in_backward=False", "micro_batch_size=8"):
+        assert fix in message, (fix, message)
+    assert "checkpointing=" not in message and "batch's shape" not in message and "\n" not in message, message

@@ -18,7 +18,9 @@ by formula for the optimizer named.
 The parts, from the bottom up:
 
 - ``tracker``: the live tracker (every storage alive, op costs, replay of identical meta calls) and ``Run``;
-- ``fake``: the model as meta or fake tensors, the batch as shapes, how to call the model, Hugging Face configs;
+- ``fake``: the model as meta or fake tensors, the batch as shapes, how to call the model, Hugging Face configs,
+  and the kernels whose meta function refuses what the real one runs (fp32 grouped_mm: MoE experts);
+- ``values``: the real values of tensors computed from constants, for a module that reads one (``.item()``);
 - ``cuda``: the CUDA allocator and kernel rules (512-byte blocks, workspaces, autocast lists, fused attention);
 - ``attribution``: which block runs now, and what each block saves;
 - ``simulated_offload``: activation offload on tensors without data;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memtrain.errors import describe_exception
 from memtrain.estimate.simulated_offload import SimulatedOffload
 from memtrain.estimate.tracker import LiveTracker
 from memtrain.report import format_bytes
@@ -89,3 +90,33 @@ def assumptions_of(*, keep_output: bool, optimizer_note: str, by_category: dict[
             "copy's own latency is not modelled)"
         )
     return assumptions
+
+
+def forward_failure(module: str, error: BaseException) -> str:
+    """Why the forward of ``module`` failed on tensors without data, in one line, with the fix: a value it reads, an
+    operator with no shape-only kernel, or (anything else) a batch that does not fit the model."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    what = describe_exception(error)
+    fix = ("use memtrain.measure on a device with memory; `memtrain train` runs without the estimate when every "
+           "technique is fixed by flag")
+    # A value read: fake tensors raise their own exceptions, meta tensors (a CUDA target) "no data!".
+    reads = isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)) or any(
+        said in str(error) for said in ("Cannot copy out of meta tensor", "cannot be called on meta tensors"))
+    if reads:
+        return (f"estimate: {module!r} reads a tensor value computed from the batch or the weights (an .item(), "
+                ".tolist() or value-dependent shape, e.g. a mixture-of-experts router's token counts: "
+                f"{what}), which a trace without data does not have. To resolve this error, make that module's "
+                f"shapes independent of values, or {fix}.")
+    if isinstance(error, (UnsupportedOperatorException, NotImplementedError)):
+        return (f"estimate: {module!r} calls an operator that cannot run without data ({what}). To resolve this "
+                f"error, {fix}.")
+    return (f"estimate: the forward of {module!r} failed on fake tensors (shapes only, no values): {what}. This "
+            "happens when a module reads tensor values (.item(), .tolist(), data-dependent shapes, numpy) or when "
+            "the batch does not fit the model. To resolve this error, check the batch's shape and dtype against the "
+            "model, or make that module's forward shape-only (e.g. precompute the value it reads); or, on a device "
+            "with memory, use memtrain.measure instead.")

@@ -181,10 +181,11 @@ def batch_spec(batch: Any, micro_batch_size: int | None, seq_len: int | None,
 
 
 def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's config allows; None when it sets no limit (XLNet's -1 among them)."""
     config = getattr(model, "config", None)
     for attr in ("max_position_embeddings", "n_positions", "seq_len"):
         value = getattr(config, attr, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
 
@@ -241,15 +242,18 @@ def hf_sees_real_tensors(packed: bool = False, padded: bool = False) -> Iterator
     key/value heads) where the real run passes ``is_causal=True``; and it reads values that fake tensors do not
     hold, answered here: ``packed``, whether the position ids restart inside a row (several documents a row: a
     block-diagonal mask, as the real run builds; else none); ``padded``, whether an attention mask has zeros (kept
-    as a mask; else left out, as for an all-ones one).
+    as a mask; else left out, as for an all-ones one). Some models look for padding tokens in the batch only to log
+    a warning: skipped (the values are not there; no memory).
     """
     patches = []
     try:
-        from transformers import masking_utils
+        from transformers import PreTrainedModel, masking_utils
         from transformers.utils import import_utils
     except ImportError:
         yield
         return
+    if hasattr(PreTrainedModel, "warn_if_padding_and_no_attention_mask"):
+        patches.append((PreTrainedModel, "warn_if_padding_and_no_attention_mask", lambda self, *args: None))
     if hasattr(import_utils, "is_fake_tensor"):
         patches.append((import_utils, "is_fake_tensor", lambda x: False))
     if hasattr(masking_utils, "find_packed_sequence_indices"):
@@ -266,3 +270,55 @@ def hf_sees_real_tensors(packed: bool = False, padded: bool = False) -> Iterator
     finally:
         for module, name, value in originals:
             setattr(module, name, value)
+
+
+# -- kernels whose meta function differs from the real one ---------------------------------------------------
+_GROUPED_MM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_grouped_mm_strides(name: str, t: torch.Tensor) -> None:
+    """The real kernels' layout rule: one of the last two dimensions contiguous, the other's stride 16-byte aligned."""
+    alignment = 16 // t.element_size()
+    rows, columns = t.stride()[-2:]
+    if columns == 1 and rows >= max(1, t.shape[-1]):
+        aligned = rows % alignment == 0
+    elif rows == 1 and columns >= max(1, t.shape[-2]):
+        aligned = columns % alignment == 0
+    else:
+        aligned = False
+    torch._check(aligned, lambda: f"grouped_mm: {name} of shape {tuple(t.shape)} and strides {t.stride()}: strides "
+                                  "should be multiple of 16 bytes")
+
+
+def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch._grouped_mm``'s output, as the real kernels (CPU and CUDA) allocate it.
+
+    Mixture-of-experts layers (transformers' default ``grouped_mm`` experts) run it in the weights' dtype. torch's
+    meta function accepts only bf16 (the CUDA fast path) and pads the output's rows to 16 bytes only in a CUDA build,
+    while the CPU kernel and CUDA's fallback also run fp32 and fp16, and every kernel pads: this is what they do.
+    """
+    torch._check(mat_a.dtype == mat_b.dtype and mat_a.dtype in _GROUPED_MM_DTYPES,
+                 lambda: f"grouped_mm: expected both inputs in one of {_GROUPED_MM_DTYPES}, got {mat_a.dtype} and "
+                         f"{mat_b.dtype}")
+    _check_grouped_mm_strides("mat_a", mat_a)
+    _check_grouped_mm_strides("mat_b", mat_b)
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if a_2d and b_2d:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a_2d:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b_2d:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    dtype = out_dtype or mat_a.dtype
+    alignment = 16 // dtype.itemsize
+    padded = -(-size[-1] // alignment) * alignment
+    stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
+
+
+def needs_own_kernel(func: Any) -> bool:
+    """Whether ``func`` is an op whose meta function differs from the real kernels (``grouped_mm_output``)."""
+    return func is torch.ops.aten._grouped_mm.default

@@ -30,7 +30,7 @@ from memtrain.estimate.arguments import (
 )
 from memtrain.estimate.attribution import attribute_release
 from memtrain.estimate.cuda import CUDA_BLOCK
-from memtrain.estimate.explain import assumptions_of, explain_peak
+from memtrain.estimate.explain import assumptions_of, explain_peak, forward_failure
 from memtrain.estimate.fake import call_convention, hf_sees_real_tensors
 from memtrain.estimate.optimizer_state import OptimizerFigures, optimizer_figures
 from memtrain.estimate.prepare import NullContext, Watch, fake_inputs, prepare_model, watch_step
@@ -313,14 +313,7 @@ def _forward(watch: Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tenso
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the module and the fix
         module = where.stack[-1] if where.stack else type(meta).__name__
-        raise MemtrainError(
-            f"estimate: the forward of {module!r} failed on fake tensors (shapes only, no values): "
-            f"{describe_exception(e)}. This happens when a module reads "
-            "tensor values (.item(), .tolist(), data-dependent shapes, numpy) or when the batch does not fit "
-            "the model. To resolve this error, check the batch's shape and dtype against the model, or make "
-            "that module's forward shape-only (e.g. precompute the value it reads); or, on a device with "
-            "memory, use memtrain.measure instead."
-        ) from None
+        raise MemtrainError(forward_failure(module, e)) from None
     if rules is not None:
         rules.cache = None  # autocast's cast cache dies when the autocast region ends
     tracker.snapshot()

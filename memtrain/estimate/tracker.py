@@ -9,6 +9,7 @@ than one block).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from memtrain.estimate.fake import grouped_mm_output, needs_own_kernel
+from memtrain.estimate.values import KnownValues
 
 
 # -- allocation sizes -------------------------------------------------------------------------------------------
@@ -68,7 +72,8 @@ class Run:
 
 
 # -- the work of an op ----------------------------------------------------------------------------------------
-_MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}  # name -> index of the first matrix argument
+# name -> index of the first matrix argument
+_MATMUL_OPS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_grouped_mm": 0}
 _ATTENTION_OPS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -160,6 +165,9 @@ def _tensor_bytes(values: Any) -> int:
 
 
 # -- the tracker ----------------------------------------------------------------------------------------------
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
 class LiveTracker(TorchDispatchMode):
     """Counts the bytes of every storage alive, as an allocator would: one allocation per op output that does not
     alias an input, freed when the last tensor using it dies."""
@@ -185,6 +193,18 @@ class LiveTracker(TorchDispatchMode):
         self.runs: list[Run] = []  # forward and backward, in order (see Run)
         self._mutable: dict[Any, bool] = {}  # op -> mutates or aliases (never replayed)
         self.recording = False  # runs are recorded between start_runs() and stop_runs()
+        self._log_levels: list[int] = []  # torch's fake-tensor log level before each entry
+        self.known = KnownValues()  # constants' real values, for a module that reads one (.item())
+
+    def __enter__(self) -> LiveTracker:
+        # torch logs the traceback of a meta kernel that fails; the trace's own error says it in one line.
+        self._log_levels.append(_FAKE_TENSOR_LOG.level)
+        _FAKE_TENSOR_LOG.setLevel(logging.CRITICAL)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _FAKE_TENSOR_LOG.setLevel(self._log_levels.pop())
+        super().__exit__(*exc)
 
     def add(self, t: torch.Tensor, label: tuple[Any, ...]) -> None:
         storage = t.untyped_storage()
@@ -271,6 +291,8 @@ class LiveTracker(TorchDispatchMode):
         Identical blocks repeat identical calls, and torch's meta functions are mostly Python: replaying what a
         call produced (shape, strides, dtype) makes a 70B model's 80 layers cost little more than one.
         """
+        if needs_own_kernel(func):  # grouped_mm (MoE experts): torch's meta function refuses fp32
+            return grouped_mm_output(*args, **kwargs)
         if self.replay is None:
             return func(*args, **kwargs)
         mutable = self._mutable.get(func)
@@ -305,8 +327,12 @@ class LiveTracker(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        known, value = self.known.read(func, args)
+        if known:
+            return value
         run = self.run_here()
         out = self._run(func, args, kwargs or {})
+        self.known.follow(func, args, kwargs or {}, out)
         if run is not None:
             matmul, attention, nbytes = _op_cost(func, args, kwargs or {}, out)
             run.matmul_flops += matmul

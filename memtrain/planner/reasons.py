@@ -120,8 +120,9 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
                  f"{n_offload} with every activation in pinned host memory" if n_offload else ""]
         why = alternative(others & keep_all, "keeping every block's activations")
         fewest = alternative(fewer & ~keep_all, "fewer blocks") if fewer.any() else ""
-        reasons.append(f"checkpointing: {', '.join(p for p in parts if p)}, because: {why}"
-                       + (f"; {fewest}" if fewest else ""))
+        because = "; ".join(r for r in (why, fewest) if r)  # none: the layout was fixed, nothing else was tried
+        reasons.append(f"checkpointing: {', '.join(p for p in parts if p)}"
+                       + (f", because: {because}" if because else " (as asked)"))
     if ctx.chunkable:
         other = alternative(~same["chunked_loss"], "the whole-logits loss" if s.chunked_loss else "the chunked loss")
         reasons.append(("loss 1024 tokens of logits at a time (chunked)" if s.chunked_loss else

@@ -26,6 +26,7 @@ from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
 from memtrain.planner import Plan, PlanSettings, budget_bytes, plan
+from memtrain.planner.settings import Fixed
 from memtrain.report import format_bytes, parse_bytes
 
 OOM_MIN_OVERSHOOT = 0.02  # of the predicted peak: the least a step that ran out of memory is taken to have missed
@@ -44,6 +45,7 @@ class RunPlan:
     budget_bytes: int | None
     reasons: tuple[str, ...]
     correction_bytes: int = 0
+    unchecked: str = ""  # why a plan of a model with blocks is None: the estimate could not run (the plan check is off)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings and the predictions (the compact form of ``TrainResult.plan``)."""
@@ -161,15 +163,58 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
     if keep_optimizer is not None:
         check_kept_optimizer(choices.optimizer, keep_optimizer)
     # The plan translates the choices (Fixed.of_choices); its reasons open with the notes on choices it dropped.
-    chosen = plan(model, budget=budget, seq_len=context.seq_len, global_batch_size=context.global_batch,
-                  device=device.type, precision=context.precision, world_size=world,
-                  fsdp=config.fsdp if world > 1 else False, host_budget=config.host_budget, micro_batch_size=micro,
-                  safety_margin=config.safety_margin, grad_clip=config.grad_clip is not None, choices=choices,
-                  keep_optimizer=keep_optimizer, settings=settings, correction_bytes=correction_bytes,
-                  packed=context.packed)
+    try:
+        chosen = plan(model, budget=budget, seq_len=context.seq_len, global_batch_size=context.global_batch,
+                      device=device.type, precision=context.precision, world_size=world,
+                      fsdp=config.fsdp if world > 1 else False, host_budget=config.host_budget,
+                      micro_batch_size=micro, safety_margin=config.safety_margin,
+                      grad_clip=config.grad_clip is not None, choices=choices, keep_optimizer=keep_optimizer,
+                      settings=settings, correction_bytes=correction_bytes, packed=context.packed)
+    except ConfigError:
+        raise
+    except MemtrainError as e:  # the estimate cannot trace this model: the run goes on as fixed, or says what to fix
+        return without_estimate(model, config, context, micro, len(blocks), str(e), settings=settings)
     # The precision's reason is train's own line (it resolved "auto").
     reasons = (budget_reason, *(r for r in chosen.reasons if not r.startswith("precision ")))
     return RunPlan(chosen.settings, chosen, budget, reasons, correction_bytes)
+
+
+def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext, micro: int | None, n_blocks: int,
+                     cause: str, *, settings: PlanSettings | None = None) -> RunPlan:
+    """The run's settings as the config fixes them, with no plan (nothing predicted, the plan check off), for a
+    model the estimate cannot trace; ``settings``, where given, are the run's own (a resume).
+
+    Raises:
+        MemtrainError: a technique is left to the planner, which needs the estimate: one line naming the cause
+            and the arguments that would fix every technique.
+    """
+    cause = cause.split(". To resolve this error")[0].removeprefix("estimate: ").rstrip(".")
+    unchecked = f"plan check off: the estimate cannot trace {type(model).__name__} (see the start of the run)"
+    why = f"plan check off, because: the estimate cannot trace {type(model).__name__}: {cause}"
+    if settings is not None:
+        return RunPlan(settings, None, None, (f"{why}; the run's settings as saved",), unchecked=unchecked)
+    fixed, _, notes = Fixed.of_choices(config.choices, n_blocks=n_blocks, device=context.device.type)
+    device_optimizer = fixed.optimizer != "offload"  # None: the plan could put it on the device
+    missing = [name for name, value in (
+        ("checkpointing='none' (or another policy)", fixed.blocks), ("chunked_loss=False", fixed.chunked_loss),
+        ("optimizer.placement='device'", fixed.optimizer),
+        ("optimizer.state_precision='fp32'", fixed.state_precision if device_optimizer else "fp32"),
+        ("optimizer.step_in_backward=False", fixed.step_in_backward if device_optimizer else False),
+        (f"micro_batch_size={context.global_batch // context.world} (or a divisor of it)", micro)) if value is None]
+    if missing:
+        raise MemtrainError(f"the planner cannot estimate {type(model).__name__}: {cause}; it needs that estimate "
+                            "to choose the techniques left open. To resolve this error, fix every technique: pass "
+                            f"{', '.join(missing)}; training then runs as given, without the plan check.")
+    per_rank = context.global_batch // context.world
+    assert fixed.blocks is not None and fixed.flavor is not None and micro is not None
+    chosen = PlanSettings(
+        micro_batch_size=micro, accumulation=per_rank // micro, blocks=fixed.blocks, flavor=fixed.flavor,
+        chunked_loss=bool(fixed.chunked_loss), optimizer=fixed.optimizer,
+        distribution="none" if context.world == 1 else "fsdp2" if config.fsdp else "ddp",
+        compile=bool(fixed.compile), precision=context.precision, state_precision=fixed.state_precision or "fp32",
+        step_in_backward=bool(fixed.step_in_backward), offload_fraction=fixed.offload_fraction or 0.0)
+    return RunPlan(chosen, None, None, (*notes, f"{why}; every technique is fixed, so the run goes on as given"),
+                   unchecked=unchecked)
 
 
 def check_kept_optimizer(asked: OptimizerChoice, kept: PlanSettings) -> None:
@@ -218,7 +263,8 @@ def check_plan(run_plan: RunPlan, step: int, peak_bytes: int | None, activation_
     (over the budget: a re-plan), on the CPU the bytes saved for backward (exactly what ``measure`` counts)."""
     p = run_plan.plan
     if p is None:
-        return {"log": "plan check: no plan to check (the model has no repeated blocks)", "what": None,
+        return {"log": run_plan.unchecked or "plan check: no plan to check (the model has no repeated blocks)",
+                "what": None,
                 "predicted_bytes": None, "measured_bytes": None, "relative_error": None, "over_budget": False}
     cuda = device.type == "cuda"
     what, predicted, measured = (("peak", p.peak_bytes, peak_bytes) if cuda else
