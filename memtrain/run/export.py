@@ -137,5 +137,5 @@ def missing_exports(folder: str | Path, command: dict[str, Any], train: dict[str
     if train.get("sample_bytes") and (command.get("hf_model") or not command.get("hf_config")):
         expected.append("sample.txt")
     if command.get("hf_model") or command.get("hf_config"):
-        expected.append("hf")
+        expected.append("hf/")
     return [name for name in expected if not (folder / name).exists()]
