@@ -64,11 +64,13 @@ def _copy(run: Path, tmp_path: Path, *remove: str) -> Path:
 
 
 def _assert_same_exports(got: Path, want: Path) -> None:
-    weights = "adapter_model.safetensors" if (want / "hf" / "adapter_model.safetensors").exists() else "model.safetensors"
+    lora = (want / "hf" / "adapter_model.safetensors").exists()
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
     a, b = safetensors_torch.load_file(got / "hf" / weights), safetensors_torch.load_file(want / "hf" / weights)
     assert a.keys() == b.keys()
     diffs = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
-    assert all(a[k].dtype == b[k].dtype for k in a) and max(diffs.values()) == 0, max(diffs.items(), key=lambda kv: kv[1])
+    worst = max(diffs, key=diffs.get)
+    assert all(a[k].dtype == b[k].dtype for k in a) and diffs[worst] == 0, (worst, diffs[worst])
     names = sorted(p.name for p in (want / "hf").iterdir())
     assert sorted(p.name for p in (got / "hf").iterdir()) == names
     for name in names:

@@ -30,7 +30,7 @@ from memtrain.run.export import (
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """memtrain export RUN_DIR: the run's model rebuilt from its config.json, its weights loaded, the exports written."""
+    """memtrain export RUN_DIR: the run's model rebuilt from its config.json, its weights loaded, exports written."""
     written, source = export_run(args.run_dir, dtype=EXPORT_DTYPES[args.export_dtype])
     log(args, f"memtrain export: wrote {', '.join(written)} in {args.run_dir} from {source}")
     if args.json:
