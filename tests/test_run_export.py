@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import write_docs_jsonl
 
 from memtrain.cli import main
 
@@ -27,13 +28,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory) -> Path:
     """docs.jsonl: 120 paragraphs of the standard library's source."""
-    from memtrain.data import stdlib_corpus
-
-    text = stdlib_corpus(2**19).tobytes().decode("utf-8", "replace")
-    paragraphs = [p for p in text.split("\n\n") if 80 <= len(p) <= 600][:120]
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
-    return path
+    return write_docs_jsonl(tmp_path_factory.mktemp("data") / "docs.jsonl")
 
 
 def _train(hf_model_dir: Path, docs: Path, out: Path, *extra: str) -> Path:

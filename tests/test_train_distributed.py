@@ -272,13 +272,9 @@ FSDP_EXPORT_LOGITS_TOL = 3e-5
 
 @pytest.fixture(scope="module")
 def export_docs(tmp_path_factory) -> Path:
-    from memtrain.data import stdlib_corpus
+    from helpers import write_docs_jsonl
 
-    text = stdlib_corpus(2**19).tobytes().decode("utf-8", "replace")
-    paragraphs = [p for p in text.split("\n\n") if 80 <= len(p) <= 600][:120]
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
-    return path
+    return write_docs_jsonl(tmp_path_factory.mktemp("data") / "docs.jsonl")
 
 
 @pytest.mark.slow
