@@ -296,9 +296,10 @@ def is_hf_model(model: nn.Module) -> bool:
     return callable(getattr(unwrap_model(model), "save_pretrained", None))
 
 
-def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: Any = None) -> Path:
+def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: Any = None,
+            dtype: torch.dtype | Literal["auto"] | None = "auto") -> Path:
     """Writes a Hugging Face folder: the model's ``config.json`` and ``model.safetensors`` (its own parameter
-    names and dtype; sharded as ``save_pretrained`` shards), or for a LoRA model ``adapter_config.json`` and
+    names; sharded as ``save_pretrained`` shards), or for a LoRA model ``adapter_config.json`` and
     ``adapter_model.safetensors`` (the adapters only); plus the tokenizer's files.
 
     ``AutoModelForCausalLM.from_pretrained(directory)`` (``PeftModel.from_pretrained(base, directory)`` for
@@ -306,16 +307,26 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
     instances, not in the state dict, so a patched model saves as the plain one. The folder is assembled under a
     temporary name beside ``directory`` and renamed into place: a crash leaves the old folder or the new one.
 
+    The folder is the model's source folder (its ``config._name_or_path``) changed only by training:
+    ``config.json``'s ``use_cache`` is the source's again (``load_pretrained`` turns it off for training), the
+    weights are in the source checkpoint's dtype, ``adapter_config.json`` names the base model by its absolute
+    path, and the tokenizer files are the source's unless the tokenizer itself changed (the keys a local load
+    adds, ``local_files_only`` and ``is_local``, are left out).
+
     Args:
         model: a ``PreTrainedModel`` or ``PeftModel`` (inside compile/DDP wrappers too).
         directory: the folder to write (replaced if it exists).
         tokenizer: a tokenizer, or a folder to copy its tokenizer files from; None writes none.
+        dtype: the weights' dtype in the folder: ``"auto"`` the source checkpoint's (a bf16 checkpoint trained
+            with fp32 master weights is written in bf16, half the bytes; LoRA adapters stay as trained), None the
+            parameters' own, or a floating torch dtype (adapters too).
 
     Returns:
         The folder written.
 
     Raises:
-        ConfigError: a model Hugging Face cannot save (not a PreTrainedModel/PeftModel, or sharded by FSDP).
+        ConfigError: a model Hugging Face cannot save (not a PreTrainedModel/PeftModel, or sharded by FSDP), or a
+            dtype that is not a floating torch dtype.
     """
     model = unwrap_model(model)
     if not callable(getattr(model, "save_pretrained", None)):
@@ -325,21 +336,121 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         raise ConfigError("save_hf: the model's parameters are sharded (FSDP2 DTensors). To resolve this error, "
                           "gather a full state dict on rank 0 first (torch.distributed.checkpoint."
-                          "state_dict.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))).")
+                          "state_dict.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) "
+                          "and load it into an unsharded copy (memtrain.run.export.unsharded_copy does both).")
+    if dtype not in ("auto", None) and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(f"save_hf: dtype={dtype!r} is not a floating torch dtype. To resolve this error, pass "
+                          "dtype='auto' (the source checkpoint's), None (the parameters' own) or e.g. torch.bfloat16.")
+    source = _source_config(model)
+    if dtype == "auto":
+        dtype = None if is_lora(model) else _config_dtype(source)
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
+        state = None if dtype is None else _cast_state(model.state_dict(), dtype)
+        model.save_pretrained(staging, safe_serialization=True, **({} if state is None else {"state_dict": state}))
+        _restore_source_fields(staging, source, dtype)
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = load_tokenizer(tokenizer, needed_for="the hf/ folder")
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+            _save_tokenizer(tokenizer, staging)
         replace_folder(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+# Keys a local AutoTokenizer.from_pretrained adds to the tokenizer's init kwargs (and so to a saved
+# tokenizer_config.json): how it was loaded, not what it is.
+_TOKENIZER_LOAD_KEYS = ("local_files_only", "is_local")
+# A tokenizer's files besides TOKENIZER_FILES, kept as the source folder had them.
+_TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.txt",
+                          "chat_template.jinja", "chat_template.json", "spiece.model", "sentencepiece.bpe.model")
+
+
+def _source_config(model: nn.Module) -> dict[str, Any]:
+    """The ``config.json`` of the folder ``model`` was loaded from (its ``config._name_or_path``), or ``{}`` when it
+    came from no local folder (a hub name, ``from_config``)."""
+    config = getattr(unwrap_model(model, peft=True), "config", None)
+    folder = Path(str(getattr(config, "_name_or_path", "") or "."))
+    try:
+        value = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The checkpoint dtype a config.json names (``dtype``, or ``torch_dtype`` before transformers 4.56)."""
+    value = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or ""), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
+
+
+def _cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors in ``dtype``; tensors that shared storage (tied weights) still share it, so
+    ``save_pretrained`` writes them once."""
+    cast: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    out = {}
+    for name, value in state.items():
+        if not value.is_floating_point():
+            out[name] = value
+            continue
+        key = (value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size(), tuple(value.shape))
+        out[name] = cast.setdefault(key, value.detach().to(dtype))
+    return out
+
+
+def _restore_source_fields(folder: Path, source: dict[str, Any], dtype: torch.dtype | None) -> None:
+    """The fields of the written folder that training changed but the model did not: config.json's use_cache
+    and dtype (the weights' dtype when they were cast), adapter_config.json's base model as an absolute path."""
+    config_path = folder / "config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        if "use_cache" in source:
+            config["use_cache"] = source["use_cache"]
+        if dtype is not None:
+            name = str(dtype).removeprefix("torch.")
+            for key in ("dtype", "torch_dtype"):
+                if key in config:
+                    config[key] = name
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    adapter_path = folder / "adapter_config.json"
+    if adapter_path.is_file():
+        adapter = json.loads(adapter_path.read_text())
+        base = adapter.get("base_model_name_or_path")
+        if base and Path(base).is_dir():  # a local folder; a hub name stays as it is
+            adapter["base_model_name_or_path"] = str(Path(base).absolute())
+            adapter_path.write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n")
+
+
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, then each file as the tokenizer's source folder has it (byte for byte)
+    where only the keys of a local load differ, and the source's other tokenizer files."""
+    tokenizer.save_pretrained(folder)
+    source = Path(str(getattr(tokenizer, "name_or_path", "") or "."))
+    if not any((source / name).is_file() for name in TOKENIZER_FILES):
+        return
+    for path in folder.iterdir():
+        original = source / path.name
+        if path.suffix != ".json" or not original.is_file():
+            continue
+        try:
+            saved, had = json.loads(path.read_text()), json.loads(original.read_text())
+        except ValueError:
+            continue
+        if isinstance(saved, dict) and isinstance(had, dict):
+            for key in _TOKENIZER_LOAD_KEYS:
+                if key not in had:
+                    saved.pop(key, None)
+            if saved == had:
+                shutil.copyfile(original, path)
+            elif path.name == "tokenizer_config.json":  # the tokenizer changed (e.g. a new pad token)
+                path.write_text(json.dumps(saved, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    for name in (*TOKENIZER_FILES, *_TOKENIZER_EXTRA_FILES):
+        if (source / name).is_file() and not (folder / name).exists():
+            shutil.copyfile(source / name, folder / name)
 
 
 # -- the Hugging Face Trainer ----------------------------------------------------------------------------------------

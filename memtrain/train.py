@@ -35,11 +35,8 @@ from memtrain.choices import default_global_batch
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import DevicePrefetcher, make_loader, map_tensors
 from memtrain.errors import ConfigError, MemtrainError
-from memtrain.files import atomic_write_bytes
-from memtrain.hf import is_hf_model, merge_lora, save_hf
-from memtrain.loss import chunked_loss_kind, language_model_loss
+from memtrain.loss import language_model_loss
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
-from memtrain.models import sample_text
 from memtrain.planner import PlannedRun, PlanSettings, apply_plan, configure_model
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import format_bytes
@@ -61,6 +58,7 @@ from memtrain.run import (
     tied_duplicates,
     write_faults,
 )
+from memtrain.run.export import export_results
 from memtrain.run.plan_check import check_step
 from memtrain.run.replan import (
     RunContext,
@@ -651,11 +649,13 @@ def _finish(s: Session, tally: Tally, config: TrainConfig, context: RunContext, 
     masters = s.optimizer.master_weights() if s.run_plan.settings.optimizer == "offload-bf16-weights" else {}
     if hasattr(s.optimizer, "close"):  # CPUOffloadOptimizer: its gradient hooks and worker thread end with the run
         s.optimizer.close()
-    if writer and not tally.stopped_by:
-        _write_results(out, checkpoints, s.model, masters, metrics, s.run_plan, s.plan_check, s.replans, config,
-                       tokenizer, context)
-    elif out is not None and not tally.stopped_by:
-        model_state_dict(s.model)  # collective under FSDP2: every rank takes part in rank 0's gathering
+    if out is not None and not tally.stopped_by:
+        state = model_state_dict(s.model)  # collective under FSDP2: every rank takes part in rank 0's gathering
+        if writer:
+            _write_results(out, checkpoints, s.model, state, masters, metrics, s.run_plan, s.plan_check, s.replans,
+                           context)
+        export_results(out, s.model, state, tokenizer, seq_len=context.seq_len, sample_bytes=config.sample_bytes,
+                       seed=config.seed, merge=config.merge_lora, writer=writer, checkpoints=checkpoints)
     last = tally.last
     return TrainResult(
         steps=last.step, tokens=tally.tokens, seconds=seconds, final_loss=last.loss, eval_loss=tally.eval_loss,
@@ -682,34 +682,24 @@ def _release_step(s: Session, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _write_results(out: Any, checkpoints: RunCheckpoints | None, model: nn.Module, masters: dict[int, torch.Tensor],
-                   metrics: list[dict[str, Any]], run_plan: RunPlan, plan_check: dict[str, Any] | None,
-                   replans: list[dict[str, Any]], config: TrainConfig, tokenizer: Any, context: RunContext) -> None:
-    """model.safetensors (fp32 masters where the device held bf16 copies), report.json with its plots,
-    sample.txt, and hf/ for a Hugging Face model (the LoRA adapters, or with merge_lora the merged weights)."""
-    state = model_state_dict(model)  # collective under FSDP2
+def _write_results(out: Any, checkpoints: RunCheckpoints | None, model: nn.Module, state: dict[str, torch.Tensor],
+                   masters: dict[int, torch.Tensor], metrics: list[dict[str, Any]], run_plan: RunPlan,
+                   plan_check: dict[str, Any] | None, replans: list[dict[str, Any]], context: RunContext) -> None:
+    """model.safetensors (fp32 masters where the device held bf16 copies), report.json with its plots (sample.txt
+    and hf/ are export_results')."""
     duplicates = tied_duplicates(model)  # tied weights once, under their first name
     names = {id(p): n for n, p in model.named_parameters()}
     for pid, master in masters.items():
         if names.get(pid) in state:
             state[names[pid]] = master
-    state = {k: v for k, v in state.items() if k not in duplicates}
+    weights = {k: v for k, v in state.items() if k not in duplicates}
     with write_faults(out / "model.safetensors", checkpoints):
-        save_weights_file(state, out / "model.safetensors")
+        save_weights_file(weights, out / "model.safetensors")
     with write_faults(out / "report.json", checkpoints):
         report = write_run_report(out, metrics, run_plan, plan_check, replans, model, context.global_batch,
                                   context.seq_len, context.device, context.world)
     if report.get("without_memtrain_error"):
         _log(f"  report.json: no estimate of plain training ({report['without_memtrain_error']})")
-    byte_level = tokenizer is None and getattr(getattr(model, "config", None), "vocab_size", 0) >= 256 \
-        and chunked_loss_kind(model) == "gpt"
-    if config.sample_bytes and context.world == 1 and (tokenizer is not None or byte_level):
-        text = sample_text(model, "def ", config.sample_bytes, context.seq_len, seed=config.seed, tokenizer=tokenizer)
-        with write_faults(out / "sample.txt", checkpoints):
-            atomic_write_bytes(out / "sample.txt", text.encode())
-    if is_hf_model(model):
-        with write_faults(out / "hf", checkpoints):
-            save_hf(merge_lora(model) if config.merge_lora else model, out / "hf", tokenizer=tokenizer)
 
 
 class _Progress:

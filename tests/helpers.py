@@ -137,3 +137,16 @@ def quick_run_config(out: Path, **changes: Any) -> Any:
     fields = {"max_steps": 1, "micro_batch_size": 2, "out_dir": str(out), "progress": False, "sample_bytes": 0,
               "lr": 1e-2, "eval_batches": 1}
     return TrainConfig(**{**fields, **changes})
+
+
+def write_docs_jsonl(path: Path, paragraphs: int = 120) -> Path:
+    """``path``: a .jsonl of the built-in corpus's first ``paragraphs`` paragraphs of 80 to 600 characters, one
+    ``{"text": ...}`` per line (what --data takes with --hf-model)."""
+    import json
+
+    from memtrain.data import stdlib_corpus
+
+    text = stdlib_corpus(2**19).tobytes().decode("utf-8", "replace")
+    kept = [p for p in text.split("\n\n") if 80 <= len(p) <= 600][:paragraphs]
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in kept))
+    return path

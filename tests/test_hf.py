@@ -6,6 +6,7 @@ Every model here is the tiny Llama of tests/conftest.py (``hf_model_dir``), load
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import sys
 
@@ -143,6 +144,59 @@ def test_export_refuses_a_model_hugging_face_cannot_save(tmp_path):
     with pytest.raises(ConfigError, match="has no save_pretrained"):
         save_hf(nn.Linear(2, 2), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_export_is_the_source_folder_changed_only_by_training(hf_model_dir, tmp_path):
+    # What loading for training changes (use_cache off, a tokenizer loaded with local_files_only) is not exported.
+    model = load_pretrained(hf_model_dir)
+    assert model.config.use_cache is False
+    out = save_hf(model, tmp_path / "hf", tokenizer=load_tokenizer(hf_model_dir))
+    source, written = json.loads((hf_model_dir / "config.json").read_text()), json.loads((out / "config.json").read_text())
+    assert source["use_cache"] is True and written["use_cache"] is True
+    assert {k: v for k, v in written.items() if k != "transformers_version"} == \
+        {k: v for k, v in source.items() if k != "transformers_version"}
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # byte for byte: no local_files_only, no is_local
+        assert (out / name).read_bytes() == (hf_model_dir / name).read_bytes(), (out / name).read_text()[:400]
+    # A tokenizer changed in training keeps its change, still without the keys of a local load.
+    tokenizer = load_tokenizer(hf_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    changed = json.loads((save_hf(model, tmp_path / "changed", tokenizer=tokenizer) / "tokenizer_config.json")
+                         .read_text())
+    assert "<tool>" in json.dumps(changed) and not {"local_files_only", "is_local"} & set(changed), changed
+
+
+def test_a_bf16_checkpoint_trained_in_fp32_is_exported_in_bf16_unless_told(hf_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    bf16_dir = tmp_path / "bf16-model"
+    transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    shutil.copy(hf_model_dir / "tokenizer.json", bf16_dir)
+    model = load_pretrained(bf16_dir)  # fp32 master weights
+    assert next(model.parameters()).dtype == torch.float32
+    auto = save_hf(model, tmp_path / "auto")
+    source, written = load_file(bf16_dir / "model.safetensors"), load_file(auto / "model.safetensors")
+    assert written.keys() == source.keys()
+    assert all(torch.equal(written[k], source[k]) for k in source)  # bf16 -> fp32 -> bf16 is exact
+    assert json.loads((auto / "config.json").read_text())["dtype"] == "bfloat16"
+    size = (auto / "model.safetensors").stat().st_size
+    assert size <= (bf16_dir / "model.safetensors").stat().st_size * 1.01, size
+    fp32 = save_hf(model, tmp_path / "fp32", dtype=torch.float32)
+    assert json.loads((fp32 / "config.json").read_text())["dtype"] == "float32"
+    assert {t.dtype for t in load_file(fp32 / "model.safetensors").values()} == {torch.float32}
+    assert transformers.AutoModelForCausalLM.from_pretrained(auto).dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="not a floating torch dtype"):
+        save_hf(model, tmp_path / "bad", dtype=torch.int8)
+
+
+def test_the_adapter_names_its_base_model_by_absolute_path(hf_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(hf_model_dir.parent)
+    lora = apply_lora(load_pretrained(hf_model_dir.name), 2)  # loaded by a relative path, as --hf-model DIR
+    out = save_hf(lora, tmp_path / "adapter")
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(hf_model_dir.absolute()), adapter["base_model_name_or_path"]
+    monkeypatch.chdir(tmp_path)  # loads from anywhere
+    peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        adapter["base_model_name_or_path"]), out)
 
 
 # -- LoRA ------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The ``memtrain`` command: ``memtrain train``, ``memtrain estimate``, ``memtrain plan`` and ``memtrain bench``.
+"""The ``memtrain`` command: ``memtrain train``, ``memtrain estimate``, ``memtrain plan``, ``memtrain bench`` and
+``memtrain export``.
 
 Exit codes: 0 success, 2 bad input (one message naming the fix), 1 an environment fault (one line: a full disk,
 a read-only filesystem, stdout closed early) or an internal failure (with its trace), 130 / 143 a run stopped by
@@ -12,7 +13,7 @@ The parts, from the bottom up:
 - ``workloads``: the model and the data the flags name (GPT presets, --hf-config, --hf-model, --data).
 - ``launch``: torchrun's environment, the distributed group, the --nproc check.
 - ``resume``: the flags a run records and a --resume takes back.
-- ``train``, ``estimate``, ``plan``, ``bench``: one module per command.
+- ``train``, ``estimate``, ``plan``, ``bench``, ``export``: one module per command.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from memtrain.cli.console import (
     stdout_closed,
 )
 from memtrain.cli.estimate import cmd_estimate
+from memtrain.cli.export import cmd_export
 from memtrain.cli.flags import apply_config_file, build_parser, explicit_dests, join_sizes
 from memtrain.cli.plan import cmd_plan
 from memtrain.cli.terms import ARGUMENT_FLAGS, ARGUMENT_SWITCHES, in_flag_terms
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             code = cmd_train(args, parser, explicit_dests(parser, argv, "train") | from_file)
         else:
-            code = {"estimate": cmd_estimate, "plan": cmd_plan, "bench": cmd_bench}[args.command](args)
+            code = {"estimate": cmd_estimate, "plan": cmd_plan, "bench": cmd_bench,
+                    "export": cmd_export}[args.command](args)
     except BrokenPipeError:  # a benchmark printing to a closed stdout
         close_stdout()
         code = EXIT_OK

@@ -142,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_estimate_parser(sub)
     _add_plan_parser(sub)
     _add_bench_parser(sub)
+    _add_export_parser(sub)
     return parser
 
 
@@ -242,6 +243,17 @@ def _add_bench_parser(sub: Any) -> None:
     b.add_argument("name", nargs="?", default="checkpointing", help="benchmark to run (default: checkpointing)")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     b.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+
+
+def _add_export_parser(sub: Any) -> None:
+    x = sub.add_parser("export", help="write a run's hf/ and sample.txt again from its weights (no training)",
+                       epilog=EXIT_CODES_HELP)
+    x.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (memtrain train --out): its model.safetensors, "
+                   "else its newest checkpoint, and the model flags in its config.json")
+    x.add_argument("--export-dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="the weights' dtype in hf/ (default auto: the --hf-model checkpoint's own; LoRA adapters "
+                   "stay as trained)")
+    x.add_argument("--json", action="store_true", help="print what was written as JSON on stdout")
 
 
 def _add_model_flags(parser: argparse.ArgumentParser, *, micro_batch_default: int | None = None,

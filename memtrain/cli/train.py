@@ -16,6 +16,7 @@ import torch
 from memtrain.accumulation import accumulation_steps
 from memtrain.choices import Choices, default_global_batch
 from memtrain.cli.console import EXIT_OK, EXIT_STOPPED, echo, log, third_party_progress
+from memtrain.cli.export import export_finished_run
 from memtrain.cli.launch import distributed_group, nproc_problems
 from memtrain.cli.resume import command_record, resume_flags
 from memtrain.cli.techniques import choices_from_flags
@@ -31,6 +32,8 @@ from memtrain.run import RunFolder
 
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explicit: set[str]) -> int:
     """memtrain train: the checks, the model and the data the flags name, train(), and the summary line."""
+    if args.resume and args.out and not args.overwrite and export_finished_run(args, explicit):
+        return EXIT_OK  # the run had finished training: only its missing exports were written
     # The checks that need no model come first: a bad folder or file fails in a second, not after set-up.
     notes, tokenizer, choices = _check_before_set_up(args, parser, explicit)
     name = Path(args.hf_model).name if args.hf_model else Path(args.hf_config).stem if args.hf_config else args.model

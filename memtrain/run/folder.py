@@ -83,11 +83,13 @@ class RunFolder:
         path: the run folder.
         overwrite: a previous run's results there may be replaced (its files only).
         resume: the run there is continued; it must hold a checkpoint.
+        export: the run there is exported again (``memtrain export``): it must be a memtrain run folder.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False, resume: bool = False):
+    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False, resume: bool = False,
+                 export: bool = False):
         self.path = Path(path)
-        self.overwrite, self.resume = overwrite, resume
+        self.overwrite, self.resume, self.export = overwrite, resume, export
         self.notes: list[str] = []  # what lock() found and did, for the log
         self._fd: int | None = None
         self._created_folder = self._created_lock = self._committed = False
@@ -102,6 +104,10 @@ class RunFolder:
                               "link's target.")
         if out.exists() and not out.is_dir():
             raise ConfigError(f"out_dir={shown!r} is a file. To resolve this error, pass a folder path.")
+        if self.export and not (out / MARKER).is_file():
+            what = f"is not a memtrain run folder (it holds no {MARKER})" if out.exists() else "does not exist"
+            raise ConfigError(f"{shown!r} {what}. To resolve this error, "
+                              "pass the --out folder of a memtrain train run.")
         if not out.exists():
             self._check_creatable()
             if self.resume:
@@ -122,12 +128,20 @@ class RunFolder:
                               f"this one reads {RUN_FORMAT}). To resolve this error, upgrade memtrain, or pass "
                               "another out_dir.")
         existing = [name for name in RUN_FILES if (out / name).exists()]
+        if self.export:
+            return
         if existing and not (self.overwrite or self.resume):
             raise ConfigError(
                 f"out_dir={shown!r} already holds a run's results ({', '.join(existing)}). To resolve this error, "
                 "pass resume=True to continue it, another out_dir, or overwrite=True to replace it."
             )
         if self.resume and not RunCheckpoints(out).paths():
+            if (out / "model.safetensors").is_file():
+                raise ConfigError(
+                    f"resume=True: the run in {shown!r} finished (its model.safetensors is there) and its "
+                    "checkpoints/ is gone, so there is nothing left to train. To resolve this error, keep the run "
+                    f"as it is (memtrain export {shown} writes hf/ and sample.txt again from model.safetensors), "
+                    "or start a new run in another out_dir; overwrite=True would delete its model.safetensors.")
             fix = ("pass overwrite=True to start it again (it stopped before its first checkpoint)" if existing or
                    marker is not None else "drop resume=True to start a new run there, or pass the out_dir of the "
                    "run to continue")
