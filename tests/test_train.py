@@ -525,13 +525,14 @@ def test_auto_trains_a_model_without_blocks_unchekpointed_and_says_why(tmp_path,
 
 # -- the schedule and the step's device waits (items 23, 7) ------------------------------------------------
 def test_the_default_warm_up_lets_a_short_run_reach_its_learning_rate():
-    from memtrain.train import lr_at, warmup_steps_of
+    from memtrain.schedule import default_warmup, lr_at
 
-    for max_steps, warmup in ((10, 1), (5, 0), (500, 50), (10_000, 50)):
+    for max_steps, warmup, finetuning in ((10, 1, False), (5, 0, False), (500, 50, False), (10_000, 50, False),
+                                          (10, 1, True), (500, 15, True), (10_000, 300, True)):
         config = TrainConfig(max_steps=max_steps, lr=1e-3)
-        assert warmup_steps_of(config) == warmup
+        assert default_warmup(config, finetuning)[0] == warmup
+        config = TrainConfig(max_steps=max_steps, lr=1e-3, warmup_steps=warmup)
         assert max(lr_at(s, config) for s in range(max_steps)) == pytest.approx(1e-3), max_steps
-    assert warmup_steps_of(TrainConfig(warmup_steps=7)) == 7
     with pytest.raises(ConfigError, match="warmup_steps=20 is more than max_steps=10"):
         TrainConfig(max_steps=10, warmup_steps=20).validate()
 
@@ -542,7 +543,7 @@ def test_a_resume_keeps_the_runs_automatic_warm_up_when_max_steps_grows(tmp_path
                                                             progress=False, sample_bytes=0, save_every=5))
     train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=20, micro_batch_size=2, out_dir=str(out),
                                                             progress=False, sample_bytes=0, resume=True))
-    from memtrain.train import lr_at
+    from memtrain.schedule import lr_at
 
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     # Step 11 runs on the new schedule (it ends at step 20), with the run's warm-up of 1 step (from max_steps 10)
