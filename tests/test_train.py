@@ -620,3 +620,44 @@ def test_a_checkpoint_of_the_previous_version_resumes_on_its_plan(tmp_path, text
     newest = sorted((out / "checkpoints").iterdir())[-1]
     saved = json.loads((newest / "meta.json").read_text())["state"]["extra"]["plan_request"]
     assert saved["choices"] == choices.to_dict() and "checkpoint_every" not in saved, saved
+
+
+# -- fine-tuning defaults (issue 22) ---------------------------------------------------------------------------
+def test_evaluation_spreads_its_examples_over_the_held_out_set(text_file):
+    """The first held-out examples are one stretch of text (the built-in corpus's: the start of queue.py, whose
+    loss stayed far below the training loss); the evaluated ones are spread evenly over the whole set."""
+    from memtrain.precision import MixedPrecision
+    from memtrain.train import evaluate
+
+    class Recording(torch.utils.data.Dataset):
+        def __init__(self, windows):
+            self.windows, self.seen = windows, []
+
+        def __len__(self):
+            return len(self.windows)
+
+        def __getitem__(self, i):
+            self.seen.append(i)
+            return self.windows[i]
+
+    train_data, _ = _tiny_data(text_file)
+    held = Recording(train_data)
+    n = len(held)
+    evaluate(_tiny_model(), held, TrainConfig(), torch.device("cpu"), MixedPrecision("fp32", "cpu"), 2, 4)
+    assert sorted(held.seen) == [0, n // 4, n // 2, 3 * n // 4], (n, held.seen)
+
+
+def test_a_resume_keeps_the_runs_automatic_lr_when_the_default_changes(tmp_path, text_file, monkeypatch, capsys):
+    import memtrain.schedule
+
+    out = tmp_path / "auto-lr"
+    config = TrainConfig(max_steps=4, micro_batch_size=2, out_dir=str(out), progress=False, sample_bytes=0,
+                         save_every=2, warmup_steps=1, lr_schedule="constant")
+    train(_tiny_model(), _tiny_data(text_file), replace(config, max_steps=2))
+    assert "lr 0.003, because: training from random weights" in capsys.readouterr().err
+    monkeypatch.setattr(memtrain.schedule, "PRETRAINING_LR", 1e-3)  # a later version's default
+    train(_tiny_model(), _tiny_data(text_file), replace(config, resume=True))
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([3e-3] * 4)
+    with pytest.raises(ConfigError, match="lr=0.001 now but lr=0.003"):  # an explicit one is checked
+        train(_tiny_model(), _tiny_data(text_file), replace(config, max_steps=6, resume=True, lr=1e-3))
