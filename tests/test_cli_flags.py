@@ -132,3 +132,18 @@ def test_full_fine_tuning_for_epochs_states_the_rate_and_the_steps(tmp_path, hf_
     assert int(steps.group(1)) == -(-int(steps.group(2)) // 8)
     rows = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == int(steps.group(1))
+
+
+def test_a_resumed_epochs_run_takes_a_new_max_steps(tmp_path, capsys):
+    """--max-steps given to a --resume of an --epochs run is the run's new length (as on any resume), not a
+    conflict with the --epochs the run recorded."""
+    from memtrain.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"def f(x):\n    return x + 1\n\n" * 120)  # 3360 bytes: the first 95% make 49 windows of 64
+    out = tmp_path / "r"
+    assert main(["train", "--model", "gpt-tiny", "--data", str(text), "--epochs", "1", "--global-batch-size", "16",
+                 "--no-progress", "--out", str(out)]) == 0
+    assert "max_steps 4, because: 1 epoch(s) of 49 examples at a global batch of 16" in capsys.readouterr().err
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "6", "--no-progress"]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
