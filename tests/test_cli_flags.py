@@ -147,3 +147,16 @@ def test_a_resumed_epochs_run_takes_a_new_max_steps(tmp_path, capsys):
     assert "max_steps 4, because: 1 epoch(s) of 49 examples at a global batch of 16" in capsys.readouterr().err
     assert main(["train", "--out", str(out), "--resume", "--max-steps", "6", "--no-progress"]) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_a_hf_config_that_names_its_hub_model_still_trains_at_pre_trainings_rate(tmp_path, capsys):
+    """A transformers 4 config.json keeps "_name_or_path": the model built from it has random weights all the same."""
+    pytest.importorskip("transformers")
+    from memtrain.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "vocab_size": 256, "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 64,
+        "bos_token_id": 0, "eos_token_id": 0, "_name_or_path": "openai-community/gpt2"}))
+    assert main(["train", "--hf-config", str(tmp_path / "config.json"), "--seq-len", "32", "--max-steps", "1",
+                 "--global-batch-size", "2", "--no-progress", "--out", str(tmp_path / "r")]) == 0
+    assert "lr 0.003, because: training from random weights" in capsys.readouterr().err

@@ -81,6 +81,9 @@ def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
                         "resolve this error, set vocab_size >= 256 in the config.")
     wanted = hf_seq_len(config, seq_len, "--hf-config", problems=problems)
     ConfigError.raise_if(problems)
+    # Random weights: a config.json saved by transformers 4 names its hub model, which would read as pretrained
+    # weights (memtrain.schedule.pretrained_source) and give fine-tuning's learning rate.
+    config._name_or_path = ""
     import transformers  # an optional extra, seconds to import: only --hf-config pays for it
 
     try:
