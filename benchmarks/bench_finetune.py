@@ -64,7 +64,8 @@ def write_docs(path: Path, count: int) -> None:
 def run_variant(folder: Path, docs: Path, out: Path, extra: list[str], args: argparse.Namespace) -> dict:
     argv = ["train", "--hf-model", str(folder), "--data", str(docs), "--seq-len", str(args.seq_len),
             "--max-steps", str(args.steps), "--micro-batch-size", str(args.batch), "--global-batch-size",
-            str(args.batch), "--eval-every", str(args.steps), "--no-progress", "--out", str(out), *extra]
+            str(args.batch), "--eval-every", str(args.steps), "--no-progress", "--out", str(out),
+            "--lr", "3e-3", *extra]  # the folder's weights are random: pre-training's rate, not fine-tuning's 2e-5
     code = memtrain_main(argv)
     if code != 0:
         return {"error": f"memtrain train exited {code}"}

@@ -15,6 +15,7 @@ from memtrain.planner import budget_bytes
 from memtrain.run.tensorboard import logger_problems
 
 PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
+LrScheduleChoice = Literal["cosine", "linear", "constant"]
 MAX_SEED = 2**63  # seeds are torch.Generator seeds (64 bits), plus one per epoch of the data
 
 
@@ -22,7 +23,8 @@ MAX_SEED = 2**63  # seeds are torch.Generator seeds (64 bits), plus one per epoc
 class TrainConfig:
     """Everything one training run needs besides the model and the data. Memory effects are noted per field."""
 
-    max_steps: int = 500
+    max_steps: int | None = None  # optimizer steps; None: 500, or as many as ``epochs`` make (never both)
+    epochs: int | None = None  # passes over the training data: max_steps = ceil(epochs x examples / global batch)
     # The memory budget: the plan (memtrain.planner) picks every choice left as None / "auto" below so that the
     # predicted peak fits it at the highest predicted tokens/s, and the run checks the plan at step 2.
     budget: int | str | None = None  # device bytes per rank ("24GiB"); None: what the device has free at the start
@@ -31,10 +33,16 @@ class TrainConfig:
     micro_batch_size: int | None = None  # examples per forward (activations grow with it); None: the plan's
     global_batch_size: int | None = None  # examples per optimizer step, all ranks; None: default_global_batch
     # (memtrain.choices): 16 x world size, or micro_batch_size x world size where that is given
-    lr: float = 3e-3
-    warmup_steps: int | None = None  # linear warm-up; None: min(50, max_steps // 10), so short runs reach lr
-    min_lr_ratio: float = 0.1  # the cosine schedule decays to lr * min_lr_ratio
+    # The peak learning rate; None: 2e-5 fine-tuning a pretrained Hugging Face model, 2e-4 for LoRA adapters on
+    # one, 3e-3 training from random weights (memtrain.schedule.default_lr, which cites the recipes).
+    lr: float | None = None
+    # Linear warm-up; None: 3% of max_steps (at least 1) fine-tuning, else min(50, max_steps // 10).
+    warmup_steps: int | None = None
+    lr_schedule: LrScheduleChoice = "cosine"  # after the warm-up: cosine or linear to lr * min_lr_ratio, or constant
+    min_lr_ratio: float = 0.1  # the cosine and linear schedules decay to lr * min_lr_ratio at max_steps
     weight_decay: float = 0.1
+    adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW's moment decays (beta1, beta2)
+    adam_eps: float = 1e-8  # AdamW's denominator term
     grad_clip: float | None = 1.0  # the global gradient norm is clipped to this; None: not clipped
     precision: PrecisionChoice = "auto"  # 16-bit halves most activation bytes
     # The memory techniques (memtrain.choices.Choices): a None in them is the plan's to choose, a value is fixed and
@@ -64,11 +72,11 @@ class TrainConfig:
     def validate(self) -> None:
         """Raises one ConfigError listing every bad field (each named as the argument, e.g. ``out_dir=``)."""
         problems = []
-        for name in ("max_steps", "eval_every", "eval_batches"):
+        for name in ("eval_every", "eval_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass e.g. {name}=1.")
-        for name in ("micro_batch_size", "global_batch_size", "save_every"):
+        for name in ("max_steps", "epochs", "micro_batch_size", "global_batch_size", "save_every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 problems.append(f"{name}={value!r} must be an integer >= 1, or unset. To resolve this error, pass e.g. {name}=4, or "
@@ -76,12 +84,26 @@ class TrainConfig:
         def number(value: object) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-        if not (number(self.lr) and self.lr > 0):
-            problems.append(f"lr={self.lr!r} must be a positive number. To resolve this error, pass e.g. lr=3e-3.")
+        if self.max_steps is not None and self.epochs is not None:
+            problems.append(f"max_steps={self.max_steps} and epochs={self.epochs} both set the run's length. To "
+                            "resolve this error, pass one of them.")
+        if self.lr is not None and not (number(self.lr) and self.lr > 0):
+            problems.append(f"lr={self.lr!r} must be a positive number, or None for the default of the model. To "
+                            "resolve this error, pass e.g. lr=3e-3, or leave it unset.")
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            problems.append(f"lr_schedule={self.lr_schedule!r} is not one of cosine, linear, constant. To resolve "
+                            "this error, pass one of them.")
+        betas = self.adam_betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+            problems.append(f"adam_betas={betas!r} must be two numbers in [0, 1) (beta1, beta2). To resolve this "
+                            "error, pass e.g. adam_betas=(0.9, 0.999).")
+        if not (number(self.adam_eps) and self.adam_eps > 0):
+            problems.append(f"adam_eps={self.adam_eps!r} must be a number > 0. To resolve this error, pass e.g. "
+                            "adam_eps=1e-8.")
         if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or
                                               not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
             problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0, or None for "
-                            "min(50, max_steps // 10). To resolve this error, pass e.g. warmup_steps=10, or leave it "
+                            "the default. To resolve this error, pass e.g. warmup_steps=10, or leave it "
                             "unset.")
         elif (isinstance(self.warmup_steps, int) and isinstance(self.max_steps, int)
               and self.warmup_steps > self.max_steps >= 1):

@@ -248,6 +248,8 @@ def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None
     if is_lora(model):
         raise ConfigError(f"{type(model).__name__} already has LoRA adapters. To resolve this error, apply LoRA "
                           "once (merge_lora(model) first to stack a second set on merged weights).")
+    if config is None:
+        _check_lora_options(model, alpha, dropout, target_modules)
     targets = list(target_modules) if target_modules is not None else lora_targets(model)
     if config is None and not targets:
         raise ConfigError(f"r={r}: {type(model).__name__} has no linear layer to adapt (LoRA adds low-rank "
@@ -265,6 +267,30 @@ def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None
     if getattr(getattr(model, "config", None), "use_cache", None):
         model.config.use_cache = False
     return lora
+
+
+def _check_lora_options(model: nn.Module, alpha: float | None, dropout: float,
+                        target_modules: Sequence[str] | None) -> None:
+    """One ConfigError for every bad LoRA option: alpha > 0, 0 <= dropout < 1, and each target naming a module
+    of ``model`` as PEFT matches it (the full name, or its end after a dot)."""
+    problems = []
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0):
+        problems.append(f"alpha={alpha!r}: LoRA's scaling numerator must be a number > 0. To resolve this error, "
+                        "pass e.g. alpha=16 (the update is scaled by alpha / r).")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        problems.append(f"dropout={dropout!r}: the adapters' input dropout must be in [0, 1). To resolve this "
+                        "error, pass e.g. dropout=0.05.")
+    if target_modules is not None:
+        if isinstance(target_modules, str):
+            target_modules = [target_modules]
+        names = [name for name, _ in model.named_modules() if name]
+        missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing or not target_modules:
+            linear = sorted({name.rsplit(".", 1)[-1] for name in lora_targets(model)})
+            problems.append(f"target_modules={list(target_modules)!r}: {type(model).__name__} has no module named "
+                            f"{', '.join(map(repr, missing)) or 'at all'}; its linear layers are named "
+                            f"{', '.join(linear) or '(none)'}. To resolve this error, pass some of those names.")
+    ConfigError.raise_if(problems)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import math
 import random
 import sys
 import time
@@ -72,6 +71,7 @@ from memtrain.run.replan import (
     replan_record,
 )
 from memtrain.run.report import plan_summary, write_run_report
+from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
 
@@ -120,21 +120,6 @@ class StepBatches(Sampler[list[int]]):
 
 
 # -- pieces of the loop -------------------------------------------------------------------------------------
-def warmup_steps_of(config: TrainConfig) -> int:
-    """``warmup_steps``, or by default ``min(50, max_steps // 10)``: a 10-step run warms up in 1 step and reaches
-    ``lr``, a 500-step run in 50."""
-    return config.warmup_steps if config.warmup_steps is not None else min(50, config.max_steps // 10)
-
-
-def lr_at(step: int, config: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
-    warmup = warmup_steps_of(config)
-    if step < warmup:
-        return config.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, config.max_steps - warmup))
-    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def _distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -144,12 +129,13 @@ def _distributed() -> tuple[int, int]:
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig, device: torch.device,
              precision: MixedPrecision, batch_size: int, examples: int) -> float:
-    """Mean loss per token over the first ``examples`` held-out examples (the same ones whatever micro-batch the
-    run uses now, e.g. after a re-plan changed it)."""
+    """Mean loss per token over ``examples`` held-out examples spread evenly over ``dataset`` (the same ones
+    whatever micro-batch the run uses now, e.g. after a re-plan changed it). Not the first ones: those are one
+    stretch of text (the built-in corpus's first held-out file, queue.py, scores far below the training loss)."""
     was_training = model.training
     model.eval()
-    loader = make_loader(Subset(dataset, range(min(len(dataset), examples))), batch_size=batch_size, num_workers=0,
-                         device=device)
+    chosen = [i * len(dataset) // min(len(dataset), examples) for i in range(min(len(dataset), examples))]
+    loader = make_loader(Subset(dataset, chosen), batch_size=batch_size, num_workers=0, device=device)
     total, count = 0.0, 0
     for batch in loader:
         x, y, positions = _unpack(map_tensors(lambda t: t.to(device), batch))
@@ -368,8 +354,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     out = folder.path if folder is not None else None
     checkpoints = RunCheckpoints(out) if out is not None else None
     writer = rank == 0 and out is not None
-    auto_warmup = config.warmup_steps is None
-    config = replace(config, warmup_steps=warmup_steps_of(config))  # fixed at the start: lr_at reads this config
+    # max_steps (from epochs), lr and warm-up fixed at the start: lr_at reads this config.
+    config, schedule_reasons, auto = resolve_schedule(config, model, len(train_data), global_batch)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model.train()
@@ -382,7 +368,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     run = {"seed": config.seed, "global_batch_size": global_batch, "world_size": world, "seq_len": context.seq_len,
            "data": data_fingerprint(train_data), "model": model_fingerprint(model), "precision": precision_name,
            "lr": config.lr, "warmup_steps": config.warmup_steps, "min_lr_ratio": config.min_lr_ratio,
-           "weight_decay": config.weight_decay, "grad_clip": config.grad_clip, "fsdp": config.fsdp}
+           "weight_decay": config.weight_decay, "grad_clip": config.grad_clip, "fsdp": config.fsdp,
+           "lr_schedule": config.lr_schedule, "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps}
     started_with = _saved_plan(out) if config.resume else None  # a resume keeps the run's optimizer
     run_plan = plan_run(model, config, context, keep_optimizer=started_with)
     first = run_plan.settings
@@ -390,19 +377,17 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     run["optimizer"] = first.optimizer_text
 
     # Apply: the model configured in place, the optimizer and accumulator the plan asks for.
-    def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config.lr)
-
-    planned = apply_plan(model, first, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay,
-                         max_grad_norm=config.grad_clip, scheduler=schedule)
+    planned = apply_plan(model, first, lr=config.lr, betas=tuple(config.adam_betas), eps=config.adam_eps,
+                         weight_decay=config.weight_decay, max_grad_norm=config.grad_clip,
+                         scheduler=lr_scheduler(lambda: config))  # a resume may replace config: read at each step
     session = Session(planned, run_plan, config, context, train_data, rank)
-    reasons = _reasons(run_plan, precision_reason, config, auto_warmup, context)
+    reasons = _reasons(run_plan, precision_reason, schedule_reasons, context, config, val_data)
 
     # Resume: the checkpoint's state, and the plan the run left off with.
     notes = list(folder.notes) if writer else []  # what taking the folder found (stale locks, temporaries)
     start_step = 0
     if config.resume:
-        config, start_step = _resume(session, model, config, context, checkpoints, run, auto_warmup, notes)
+        config, start_step = _resume(session, model, config, context, checkpoints, run, auto, notes)
     reasons += session.load_from(start_step).splitlines()
     for text in [plan_summary(session.run_plan, precision_name)] if config.quiet else reasons:
         _log(f"  {text}", rank)
@@ -437,16 +422,21 @@ def _global_batch(config: TrainConfig, world: int, examples: int) -> int:
     return global_batch
 
 
-def _reasons(run_plan: RunPlan, precision_reason: str, config: TrainConfig, auto_warmup: bool,
-             context: RunContext) -> list[str]:
-    """The lines the run logs at its start: the precision, the plan, the batch and the learning rate."""
+def _eval_examples(config: TrainConfig, context: RunContext) -> int:
+    return config.eval_batches * (config.micro_batch_size or context.global_batch // context.world)
+
+
+def _reasons(run_plan: RunPlan, precision_reason: str, schedule_reasons: list[str], context: RunContext,
+             config: TrainConfig, val_data: Dataset | None) -> list[str]:
+    """The lines the run logs at its start: the precision, the plan, the batch, the learning rate and the
+    evaluation."""
     s = run_plan.settings
     reasons = [precision_reason, *run_plan.reasons,
                f"global batch {context.global_batch} = micro-batch {s.micro_batch_size} x {s.accumulation} "
-               f"accumulation x {context.world} rank(s)",
-               f"learning rate {config.lr:g} after {config.warmup_steps} warm-up steps"
-               + (" (min(50, max_steps // 10))" if auto_warmup else "") + f", cosine to "
-               f"{config.lr * config.min_lr_ratio:g} at step {config.max_steps}"]
+               f"accumulation x {context.world} rank(s)", *schedule_reasons]
+    if val_data is not None:  # spread: a held-out part's first examples are one stretch of text, easier or not
+        reasons.append(f"eval loss every {config.eval_every} steps on {min(len(val_data), _eval_examples(config, context))}"
+                       f" held-out examples spread evenly over all {len(val_data)}, so it compares with the training loss")
     if run_plan.plan is not None:
         p = run_plan.plan
         reasons.insert(1, f"plan: {s.checkpointing} checkpointing, loss {'chunked' if s.chunked_loss else 'whole'}, "
@@ -457,10 +447,11 @@ def _reasons(run_plan: RunPlan, precision_reason: str, config: TrainConfig, auto
 
 
 def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunContext,
-            checkpoints: RunCheckpoints | None, run: dict[str, Any], auto_warmup: bool,
+            checkpoints: RunCheckpoints | None, run: dict[str, Any], auto: dict[str, bool],
             notes: list[str]) -> tuple[TrainConfig, int]:
     """Restores the newest intact checkpoint and the plan the run left off with (``s.follow``); returns the
-    config (with the run's own warm-up) and the step to continue from. What it found is added to ``notes``."""
+    config (with the run's own automatic lr and warm-up) and the step to continue from. What it found is added to
+    ``notes``."""
     def restore(step: int, state: dict[str, Any]) -> None:
         if step >= config.max_steps:
             raise ConfigError(f"resume: the run in {str(checkpoints.root.parent)!r} already reached step {step} "
@@ -468,12 +459,11 @@ def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunConte
                               "continue it.")
         restore_run_state(step, state, model, s.optimizer, s.scheduler, s.precision.scaler, s.acc)
 
-    # An automatic warm-up is the run's own: a longer max_steps on resume must not move it.
-    compared = {k: v for k, v in run.items() if not (auto_warmup and k == "warmup_steps")}
-    start_step, state, skipped = resume_run(checkpoints, compared, restore)
-    if auto_warmup and isinstance(state["run"].get("warmup_steps"), int):
-        config = replace(config, warmup_steps=state["run"]["warmup_steps"])
-        run["warmup_steps"] = config.warmup_steps
+    # An automatic warm-up and lr are the run's own: a longer max_steps (or new defaults) must not move them.
+    start_step, state, skipped = resume_run(checkpoints, {k: v for k, v in run.items() if not auto.get(k)}, restore)
+    kept = {k: state["run"][k] for k in ("lr", "warmup_steps") if auto[k] and isinstance(state["run"].get(k), (int, float))}
+    config = replace(config, **kept)
+    run.update(kept)
     # The optimizer comes back with the rate the old schedule set for this step; a changed max_steps moves it.
     for group, base in zip(s.optimizer.param_groups, s.scheduler.base_lrs, strict=True):
         group["lr"] = base * lr_at(s.scheduler.last_epoch, config) / config.lr
@@ -518,7 +508,7 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
           metrics: list[dict[str, Any]]) -> Tally:
     """One optimizer step per iteration, from ``start_step`` to ``config.max_steps`` (or a signal)."""
     device, world, rank = context.device, context.world, s.rank
-    eval_examples = config.eval_batches * (config.micro_batch_size or context.global_batch // world)
+    eval_examples = _eval_examples(config, context)
     # The step whose measurement is compared with the plan: the session's second (its first may still warm the
     # allocator up); a plan checked before (a resume of a run past it) is not checked again.
     check_at = min(start_step + 2, config.max_steps) if s.plan_check is None else None

@@ -525,13 +525,14 @@ def test_auto_trains_a_model_without_blocks_unchekpointed_and_says_why(tmp_path,
 
 # -- the schedule and the step's device waits (items 23, 7) ------------------------------------------------
 def test_the_default_warm_up_lets_a_short_run_reach_its_learning_rate():
-    from memtrain.train import lr_at, warmup_steps_of
+    from memtrain.schedule import default_warmup, lr_at
 
-    for max_steps, warmup in ((10, 1), (5, 0), (500, 50), (10_000, 50)):
+    for max_steps, warmup, finetuning in ((10, 1, False), (5, 0, False), (500, 50, False), (10_000, 50, False),
+                                          (10, 1, True), (500, 15, True), (10_000, 300, True)):
         config = TrainConfig(max_steps=max_steps, lr=1e-3)
-        assert warmup_steps_of(config) == warmup
+        assert default_warmup(config, finetuning)[0] == warmup
+        config = TrainConfig(max_steps=max_steps, lr=1e-3, warmup_steps=warmup)
         assert max(lr_at(s, config) for s in range(max_steps)) == pytest.approx(1e-3), max_steps
-    assert warmup_steps_of(TrainConfig(warmup_steps=7)) == 7
     with pytest.raises(ConfigError, match="warmup_steps=20 is more than max_steps=10"):
         TrainConfig(max_steps=10, warmup_steps=20).validate()
 
@@ -542,7 +543,7 @@ def test_a_resume_keeps_the_runs_automatic_warm_up_when_max_steps_grows(tmp_path
                                                             progress=False, sample_bytes=0, save_every=5))
     train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=20, micro_batch_size=2, out_dir=str(out),
                                                             progress=False, sample_bytes=0, resume=True))
-    from memtrain.train import lr_at
+    from memtrain.schedule import lr_at
 
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     # Step 11 runs on the new schedule (it ends at step 20), with the run's warm-up of 1 step (from max_steps 10)
@@ -619,3 +620,44 @@ def test_a_checkpoint_of_the_previous_version_resumes_on_its_plan(tmp_path, text
     newest = sorted((out / "checkpoints").iterdir())[-1]
     saved = json.loads((newest / "meta.json").read_text())["state"]["extra"]["plan_request"]
     assert saved["choices"] == choices.to_dict() and "checkpoint_every" not in saved, saved
+
+
+# -- fine-tuning defaults (issue 22) ---------------------------------------------------------------------------
+def test_evaluation_spreads_its_examples_over_the_held_out_set(text_file):
+    """The first held-out examples are one stretch of text (the built-in corpus's: the start of queue.py, whose
+    loss stayed far below the training loss); the evaluated ones are spread evenly over the whole set."""
+    from memtrain.precision import MixedPrecision
+    from memtrain.train import evaluate
+
+    class Recording(torch.utils.data.Dataset):
+        def __init__(self, windows):
+            self.windows, self.seen = windows, []
+
+        def __len__(self):
+            return len(self.windows)
+
+        def __getitem__(self, i):
+            self.seen.append(i)
+            return self.windows[i]
+
+    train_data, _ = _tiny_data(text_file)
+    held = Recording(train_data)
+    n = len(held)
+    evaluate(_tiny_model(), held, TrainConfig(), torch.device("cpu"), MixedPrecision("fp32", "cpu"), 2, 4)
+    assert sorted(held.seen) == [0, n // 4, n // 2, 3 * n // 4], (n, held.seen)
+
+
+def test_a_resume_keeps_the_runs_automatic_lr_when_the_default_changes(tmp_path, text_file, monkeypatch, capsys):
+    import memtrain.schedule
+
+    out = tmp_path / "auto-lr"
+    config = TrainConfig(max_steps=4, micro_batch_size=2, out_dir=str(out), progress=False, sample_bytes=0,
+                         save_every=2, warmup_steps=1, lr_schedule="constant")
+    train(_tiny_model(), _tiny_data(text_file), replace(config, max_steps=2))
+    assert "lr 0.003, because: training from random weights" in capsys.readouterr().err
+    monkeypatch.setattr(memtrain.schedule, "PRETRAINING_LR", 1e-3)  # a later version's default
+    train(_tiny_model(), _tiny_data(text_file), replace(config, resume=True))
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([3e-3] * 4)
+    with pytest.raises(ConfigError, match="lr=0.001 now but lr=0.003"):  # an explicit one is checked
+        train(_tiny_model(), _tiny_data(text_file), replace(config, max_steps=6, resume=True, lr=1e-3))

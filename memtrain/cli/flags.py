@@ -74,6 +74,34 @@ def _grad_clip(text: str) -> float | None:
     return value
 
 
+def _dropout(text: str) -> float:
+    value = _non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be < 1 (a probability of dropping an input)")
+    return value
+
+
+def _betas(text: str) -> tuple[float, float]:
+    """``B1,B2``: AdamW's two decays, each in [0, 1)."""
+    parts = text.split(",")
+    try:
+        betas = tuple(float(part) for part in parts)
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise argparse.ArgumentTypeError(f"{text!r} is not two numbers in [0, 1) separated by a comma, e.g. 0.9,0.999")
+    return betas  # type: ignore[return-value]
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """Comma-separated names, none empty."""
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty name; pass names separated by commas, e.g. "
+                                         "q_proj,v_proj")
+    return names
+
+
 def _checkpointing(text: str) -> str:
     """auto, or a spelling ``Checkpointing.parse`` reads, written back as ``str(Checkpointing)`` (one spelling
     per policy in the run's config.json)."""
@@ -156,8 +184,19 @@ def _add_train_parser(sub: Any) -> None:
                    "blank lines) or .jsonl (a \"text\" field, or \"prompt\"/\"completion\": the loss on the completion) "
                    "tokenised with the folder's tokenizer; for the built-in GPT a text file read as bytes (default: "
                    "the Python standard library)")
+    t.add_argument("--eval-data", metavar="PATH", help="held-out text to evaluate on every --eval-every steps, in "
+                   "the formats of --data (tokenised and packed the same way); default: the last 5%% of --data's "
+                   "documents, or for the built-in corpus every 20th block of 64 KiB")
     t.add_argument("--lora", type=_positive_int, metavar="R", help="train LoRA adapters of rank R on the frozen "
-                   "model (every linear layer but the output head); hf/ then holds the adapters")
+                   "model (every linear layer but the output head, or --lora-targets); hf/ then holds the adapters")
+    t.add_argument("--lora-alpha", type=_positive_float, metavar="A", help="with --lora: the adapters' update is "
+                   "scaled by A / R (default: PEFT's LoraConfig default, 8)")
+    t.add_argument("--lora-dropout", type=_dropout, metavar="P", help="with --lora: dropout on the adapters' input, "
+                   "0 <= P < 1 (default 0)")
+    t.add_argument("--lora-targets", type=_names, metavar="NAMES", help="with --lora: the comma-separated module "
+                   "names to adapt, as PEFT's target_modules matches them (a name or the end of a dotted path, e.g. "
+                   "q_proj,v_proj); a name the model lacks is an error listing those it has (default: every "
+                   "linear layer but the output head)")
     t.add_argument("--merge-lora", action="store_true", help="with --lora: hf/ holds the weights with the adapters "
                    "merged in (a plain from_pretrained folder)")
     t.add_argument("--global-batch-size", type=_positive_int,
@@ -168,11 +207,22 @@ def _add_train_parser(sub: Any) -> None:
     _add_budget_flags(t, default_text="the device's free memory (CUDA) or the free RAM (CPU)")
     t.add_argument("--nproc", type=_positive_int, metavar="N", help="check that torchrun started N processes "
                    "(memtrain train starts none itself: launch torchrun --nproc_per_node N -m memtrain train)")
-    t.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps (default 500)")
-    t.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
+    length = t.add_mutually_exclusive_group()
+    length.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps (default 500)")
+    length.add_argument("--epochs", type=_positive_int, metavar="N", help="instead of --max-steps: N passes over the "
+                        "training data, ceil(N x examples / global batch) optimizer steps (said at the start)")
+    t.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default: 2e-5 fine-tuning "
+                   "--hf-model, 2e-4 with --lora, 3e-3 training from random weights; the reason is logged)")
     t.add_argument("--warmup-steps", type=_non_negative_int, default=None,
-                   help="linear warm-up steps to --lr (default min(50, max-steps // 10): a 10-step run warms up "
-                   "in 1), then cosine decay to a tenth of --lr")
+                   help="linear warm-up steps to --lr (default: 3%% of the steps (at least 1) fine-tuning "
+                   "--hf-model, else min(50, max-steps // 10): a 10-step run warms up in 1)")
+    t.add_argument("--lr-schedule", choices=["cosine", "linear", "constant"], default="cosine",
+                   help="after the warm-up: cosine or linear decay to a tenth of --lr at the last step, or constant "
+                   "at --lr (default cosine)")
+    t.add_argument("--adam-betas", type=_betas, metavar="B1,B2", default=(0.9, 0.95),
+                   help="AdamW's moment decays, each in [0, 1) (default 0.9,0.95)")
+    t.add_argument("--adam-eps", type=_positive_float, metavar="EPS", default=1e-8,
+                   help="AdamW's epsilon (default 1e-8)")
     t.add_argument("--weight-decay", type=_non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
     t.add_argument("--grad-clip", type=_grad_clip, default=1.0,
                    help="clip the global gradient norm to this (default 1.0; 0 or none: no clipping)")

@@ -13,7 +13,8 @@ from memtrain.errors import ConfigError
 # The flag behind each library argument, for translating the library's errors into the command's terms.
 ARGUMENT_FLAGS: dict[str, str] = {
     "out_dir": "--out", "max_steps": "--max-steps", "micro_batch_size": "--micro-batch-size",
-    "global_batch_size": "--global-batch-size", "lr": "--lr", "warmup_steps": "--warmup-steps",
+    "global_batch_size": "--global-batch-size", "lr": "--lr", "warmup_steps": "--warmup-steps", "epochs": "--epochs",
+    "lr_schedule": "--lr-schedule", "adam_betas": "--adam-betas", "adam_eps": "--adam-eps",
     "weight_decay": "--weight-decay", "grad_clip": "--grad-clip", "precision": "--precision",
     "checkpointing": "--checkpointing", "seed": "--seed",
     "eval_every": "--eval-every", "save_every": "--save-every", "seq_len": "--seq-len", "device": "--device",

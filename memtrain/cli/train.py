@@ -23,7 +23,8 @@ from memtrain.cli.techniques import choices_from_flags
 from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of
 from memtrain.cli.workloads import build_language_model, check_data_path, hf_folder_config, hf_seq_len
 from memtrain.config import TrainConfig, TrainResult
-from memtrain.data import builtin_corpus, split_windows, text_file_tokens, tokenized_rows
+from memtrain.data import ByteWindows, builtin_corpus, split_windows, text_file_tokens, tokenized_rows
+from memtrain.data.packed_rows import file_rows
 from memtrain.errors import ConfigError
 from memtrain.hf import load_tokenizer, safetensors_files
 from memtrain.report import format_bytes
@@ -39,8 +40,10 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
     name = Path(args.hf_model).name if args.hf_model else Path(args.hf_config).stem if args.hf_config else args.model
     out = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     config = TrainConfig(
-        max_steps=args.max_steps, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-        lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        max_steps=None if args.epochs else args.max_steps, epochs=args.epochs, micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+        lr_schedule=args.lr_schedule, adam_betas=tuple(args.adam_betas), adam_eps=args.adam_eps,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         precision=args.precision, budget=args.budget, host_budget=args.host_budget, fsdp=args.fsdp,
         merge_lora=args.merge_lora, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
         out_dir=out, overwrite=args.overwrite, resume=args.resume, progress=not args.no_progress, choices=choices,
@@ -61,8 +64,9 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
                 echo(f"  {note}", file=sys.stderr)
             lora = f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable" if args.lora else ""
             log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
-                      f"tokens x {global_batch} per step, {args.max_steps} steps on {source} ({len(data[0])} "
-                      "training rows)")
+                      f"tokens x {global_batch} per step, "
+                      f"{f'{args.epochs} epoch(s)' if args.epochs else f'{args.max_steps} steps'} on {source} "
+                      f"({len(data[0])} training rows)")
         # Looked up now, not at import: tests wrap memtrain.train.train (which memtrain/__init__ shadows).
         from memtrain.train import train
 
@@ -87,9 +91,17 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
         choices = choices_from_flags(args)
     except ConfigError as e:
         problems += e.problems
-    if args.merge_lora and not args.lora:
-        problems.append("--merge-lora without --lora: there are no adapters to merge. To resolve this error, pass "
-                        "--lora R (e.g. --lora 8), or drop --merge-lora.")
+    for dest in ("merge_lora", "lora_alpha", "lora_dropout", "lora_targets"):
+        if getattr(args, dest) not in (None, False) and not args.lora:
+            flag = "--" + dest.replace("_", "-")
+            problems.append(f"{flag} without --lora: there are no adapters to {flag[7:]}. To resolve this error, "
+                            f"pass --lora R (e.g. --lora 8), or drop {flag}.")
+    if args.epochs and "max_steps" in explicit:  # --config or a resume can give both; argparse sees one line
+        if args.resume and "epochs" not in explicit:
+            args.epochs = None  # --max-steps given to a resumed --epochs run: the new length, as for any run
+        else:
+            problems.append(f"--epochs {args.epochs} and --max-steps {args.max_steps} both set the run's length. "
+                            "To resolve this error, pass one of them.")
     if args.nproc is not None:
         problems += nproc_problems(args.nproc)
     ConfigError.raise_if(problems)
@@ -106,6 +118,8 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
             tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
     if args.data:
         check_data_path(args.data, tokenised=tokenizer is not None)
+    if args.eval_data:
+        check_data_path(args.eval_data, tokenised=tokenizer is not None, flag="--eval-data")
     return notes, tokenizer, choices
 
 
@@ -126,7 +140,21 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
     else:
         data = builtin_corpus(seq_len)
         source = "the Python standard library's source (built-in corpus)"
+    if args.eval_data:
+        data = (data[0], _eval_rows(args, tokenizer, seq_len))
+        source += f", evaluated on {args.eval_data}"
     return model, data, seq_len, source
+
+
+def _eval_rows(args: argparse.Namespace, tokenizer: Any, seq_len: int) -> Any:
+    """--eval-data's rows, read as --data's are (tokenised and packed, or byte windows); all of them held out."""
+    with flags_of({"path": "--eval-data"}):
+        rows = file_rows(args.eval_data, tokenizer, seq_len) if tokenizer is not None \
+            else ByteWindows(text_file_tokens(args.eval_data), seq_len)
+    if len(rows) == 0:
+        raise ConfigError(f"--eval-data {args.eval_data!r} makes no example of {seq_len} tokens. To resolve this "
+                          "error, pass a longer file, or a shorter --seq-len.")
+    return rows
 
 
 def _log_result(args: argparse.Namespace, result: TrainResult) -> None:

@@ -33,8 +33,10 @@ def build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
         model = _build_gpt(args)
         seq_len = model.config.seq_len
     if args.lora:
-        with flags_of({"r": "--lora"}):
-            model = apply_lora(model, args.lora)
+        with flags_of({"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
+                       "target_modules": "--lora-targets"}):
+            model = apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
+                               target_modules=args.lora_targets)
     return model, seq_len
 
 
@@ -79,6 +81,9 @@ def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
                         "resolve this error, set vocab_size >= 256 in the config.")
     wanted = hf_seq_len(config, seq_len, "--hf-config", problems=problems)
     ConfigError.raise_if(problems)
+    # Random weights: a config.json saved by transformers 4 names its hub model, which would read as pretrained
+    # weights (memtrain.schedule.pretrained_source) and give fine-tuning's learning rate.
+    config._name_or_path = ""
     import transformers  # an optional extra, seconds to import: only --hf-config pays for it
 
     try:
@@ -103,11 +108,11 @@ def hf_folder_config(path: str) -> Any:
     return hf_config_from_file(folder / "config.json")
 
 
-def check_data_path(path: str, *, tokenised: bool) -> None:
-    """--data must be a readable regular text file: a directory or a FIFO would fail late or block forever.
-    ``tokenised``: a model tokenizer reads it, so .jsonl is read too (bytes otherwise)."""
+def check_data_path(path: str, *, tokenised: bool, flag: str = "--data") -> None:
+    """--data (or ``flag``'s file) must be a readable regular text file: a directory or a FIFO would fail late or
+    block forever. ``tokenised``: a model tokenizer reads it, so .jsonl is read too (bytes otherwise)."""
     p = Path(path)
-    shown = f"--data {path!r}"
+    shown = f"{flag} {path!r}"
     if not p.exists():
         what = "a symbolic link to nothing" if os.path.islink(p) else "no such file"
         raise ConfigError(f"{shown}: {what}. To resolve this error, pass the path of a text file.")

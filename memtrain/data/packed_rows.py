@@ -133,3 +133,11 @@ def tokenized_rows(path: str | os.PathLike[str], tokenizer: Any, seq_len: int, *
     train, val = tokenize_file(path, tokenizer, cache_dir=cache_dir, progress=progress).split(val_fraction)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return PackedRows(train, seq_len, pad_id=pad), PackedRows(val, seq_len, pad_id=pad)
+
+
+def file_rows(path: str | os.PathLike[str], tokenizer: Any, seq_len: int, *,
+              cache_dir: str | os.PathLike[str] | None = None) -> PackedRows:
+    """Every document of a ``.txt``/``.jsonl`` file packed into rows, none held out: a held-out file of its own
+    (``memtrain train --eval-data``), read as ``tokenized_rows`` reads the training file."""
+    documents = tokenize_file(path, tokenizer, cache_dir=cache_dir)
+    return PackedRows(documents, seq_len, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)

@@ -38,7 +38,7 @@ class PlannedRun:
 
 
 def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
-               betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0,
+               betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                max_grad_norm: float | None = 1.0,
                scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> PlannedRun:
     """Configures ``model`` in place as ``plan`` says and builds the optimizer and accumulator it asks for.
@@ -53,7 +53,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     Args:
         model: the model the plan was made for, on its training device.
         plan: from ``plan(...)``.
-        lr, betas, weight_decay: AdamW's hyper-parameters.
+        lr, betas, eps, weight_decay: AdamW's hyper-parameters (every optimizer the plan may build takes them).
         max_grad_norm: clipping in the accumulator's step (None: none).
         scheduler: builds an LR scheduler from the optimizer (e.g. ``lambda o: LambdaLR(o, f)``).
 
@@ -72,7 +72,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         raise ConfigError(f"apply_plan: the plan's distribution is {s.distribution!r}, and this process group has "
                           f"{world} rank(s). To resolve this error, plan with world_size equal to torchrun's "
                           "--nproc_per_node.")
-    hyper = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+    hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     # An offloaded optimizer before DDP (which buckets the weights as they are): it may cast them to bf16. A device
     # optimizer after FSDP2, whose sharded parameters it must hold.
     optimizer = _planned_optimizer(model, s, precision, world, hyper) if s.optimizer != "device" else None
