@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from memtrain.data.corpus import data_file
 from memtrain.data.documents import TokenDocuments, jsonl_records, text_documents
 from memtrain.errors import ConfigError
-from memtrain.files import atomic_write, sha256_file
+from memtrain.files import atomic_write, free_bytes, sha256_file
+from memtrain.report import format_bytes
 
 TOKEN_CACHE_VERSION = 1  # bump when the tokenisation below changes: old caches then miss instead of lying
 _PROGRESS_BYTES = 4 * 2**20  # files above this show a progress bar while tokenising
@@ -110,6 +111,11 @@ def _write_token_cache(cache: Path, docs: TokenDocuments) -> None:
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(cache, write)
-    except OSError as e:  # a read-only data folder: the run goes on, only the next one tokenises again
-        warnings.warn(f"could not cache the tokenised data at {cache} ({e}); pass a writable cache_dir to keep "
-                      "it.", stacklevel=3)
+    except OSError as e:  # a read-only data folder, a full disk: the run goes on, only the next one tokenises again
+        needed = docs.tokens.nbytes + docs.starts.nbytes + docs.lengths.nbytes + (
+            docs.loss_mask.nbytes if docs.loss_mask is not None else 0)
+        free = free_bytes(cache.parent)
+        room = f"; it needs about {format_bytes(needed)}, {format_bytes(free)} free there" if free is not None else ""
+        warnings.warn(f"could not cache the tokenised data at {cache} ({e.strerror or e}{room}); the run goes on, and "
+                      "the next one tokenises again. To keep the cache, free space there or pass a writable "
+                      "cache_dir.", stacklevel=3)

@@ -1,0 +1,148 @@
+"""The faults a new user hit (issue 21): each one is a single line naming the fix (exit 2 for bad input, 1 for
+the machine refusing a write), or the right behaviour, and nothing the user had is lost.
+
+Writes that fail are real where the machine allows it: a file-size limit (``RLIMIT_FSIZE``; Python ignores
+SIGXFSZ, so the write fails with EFBIG) set around the real writer, which then raises safetensors' own
+``SafetensorError`` as a full disk does; elsewhere the writer is patched to raise that real exception type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import warnings
+
+import pytest
+import safetensors.torch
+from helpers import build_llama, build_tokenizer
+from safetensors import SafetensorError
+
+from memtrain.cli import main
+
+TINY = ["--model", "gpt-tiny", "--max-steps", "4", "--micro-batch-size", "4", "--no-progress"]
+NO_SPACE = "Error while serializing: I/O error: No space left on device (os error 28)"  # safetensors' own words
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_bytes(b"def f(x):\n    return x + 1\n\n" * 400)
+    return path
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A tiny pretrained folder (a Llama and its fast tokenizer) and a .jsonl file of 400 short texts."""
+    folder = tmp_path / "model"
+    tokenizer = build_tokenizer(folder, corpus_bytes=2**14)
+    build_llama(folder, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x): return x + {i}"}) + "\n"
+                                                 for i in range(400)))
+    return folder
+
+
+HF_RUN = ["--max-steps", "1", "--seq-len", "32", "--micro-batch-size", "4", "--no-progress"]
+
+
+def run(argv, capsys) -> tuple[int, list[str], str]:
+    """(exit code, the error lines, all of stderr) of ``memtrain argv``."""
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if "error" in line], err
+
+
+def one_line(code: int, lines: list[str], err: str, expected_code: int = 2) -> str:
+    assert code == expected_code and len(lines) == 1, err
+    assert "Traceback" not in err and "To resolve this error" in lines[0], err
+    return lines[0]
+
+
+@contextlib.contextmanager
+def file_size_limit(limit_bytes: int):
+    """A real file-size limit for this process (restored after): writes past it fail with EFBIG."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# -- disk full and file-size limits ---------------------------------------------------------------------------
+def test_file_size_limit_during_a_checkpoint_names_the_bytes_and_the_last_good_checkpoint_resumes_bit_for_bit(
+        tmp_path, text_file, monkeypatch, capsys):
+    real_save = safetensors.torch.save_file
+
+    def limited(tensors, filename, *args, **kwargs):
+        if "step-0000004" in str(filename):  # the second checkpoint meets the machine's limit, for real
+            with file_size_limit(4096):
+                return real_save(tensors, filename, *args, **kwargs)
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", limited)
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--data", str(text_file), "--save-every", "2", "--out"]
+    line = one_line(*run([*argv, str(out)], capsys), expected_code=1)
+    assert "step-0000004" in line and "(File too large)" in line and "it needs about" in line, line
+    assert " free in " in line and "ulimit -f" in line and "continue the run with --resume" in line, line
+    assert f"the last good checkpoint, {out / 'checkpoints' / 'step-0000002'}, is intact" in line, line
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000002"]
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert main([*argv, str(tmp_path / "whole")]) == 0
+    resumed = safetensors.torch.load_file(str(out / "model.safetensors"))
+    whole = safetensors.torch.load_file(str(tmp_path / "whole" / "model.safetensors"))
+    assert resumed.keys() == whole.keys()
+    assert all(resumed[k].equal(whole[k]) for k in whole), "the resumed run must equal the uninterrupted one"
+
+
+def test_disk_full_writing_the_hf_folder_is_one_line_and_the_checkpoint_stays(tmp_path, model_dir, monkeypatch,
+                                                                               capsys):
+    real_save = safetensors.torch.save_file
+
+    def full(tensors, filename, *args, **kwargs):
+        if "checkpoints" not in str(filename):
+            raise SafetensorError(NO_SPACE)
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "run"
+    line = one_line(*run(["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN,
+                          "--out", str(out)], capsys), expected_code=1)
+    assert "could not write" in line and "(No space left on device)" in line and "free space" in line, line
+    assert f"the last good checkpoint, {out / 'checkpoints' / 'step-0000001'}, is intact" in line, line
+
+
+def test_disk_full_appending_metrics_is_one_line(tmp_path, text_file, monkeypatch, capsys):
+    import errno
+
+    from memtrain.run.metrics import MetricsLog
+
+    def full(self, line):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(MetricsLog, "append", full)
+    out = tmp_path / "run"
+    line = one_line(*run(["train", *TINY, "--data", str(text_file), "--out", str(out)], capsys), expected_code=1)
+    assert f"could not write {out / 'metrics.jsonl'} (No space left on device)" in line, line
+    assert "no checkpoint was written before it" in line, line
+
+
+def test_file_size_limit_writing_the_token_cache_warns_and_the_run_goes_on(tmp_path, model_dir, capsys):
+    from memtrain.data import tokenize_file
+    from memtrain.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    with file_size_limit(1024), pytest.warns(UserWarning, match=r"could not cache .*File too large.*it needs about"):
+        docs = tokenize_file(tmp_path / "docs.jsonl", tokenizer)
+    assert len(docs) == 400 and not list(tmp_path.glob(".docs.jsonl.*"))  # no half-written cache left behind
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tokenize_file(tmp_path / "docs.jsonl", tokenizer).tokens.tolist() == docs.tokens.tolist()
