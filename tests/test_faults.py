@@ -13,12 +13,14 @@ import json
 import resource
 import warnings
 
+import numpy as np
 import pytest
 import safetensors.torch
 from helpers import build_llama, build_tokenizer
 from safetensors import SafetensorError
 
 from memtrain.cli import main
+from memtrain.errors import ConfigError
 
 TINY = ["--model", "gpt-tiny", "--max-steps", "4", "--micro-batch-size", "4", "--no-progress"]
 NO_SPACE = "Error while serializing: I/O error: No space left on device (os error 28)"  # safetensors' own words
@@ -47,14 +49,14 @@ HF_RUN = ["--max-steps", "1", "--seq-len", "32", "--micro-batch-size", "4", "--n
 
 
 def run(argv, capsys) -> tuple[int, list[str], str]:
-    """(exit code, the error lines, all of stderr) of ``memtrain argv``."""
+    """(exit code, the error lines, all of stdout and stderr) of ``memtrain argv``."""
     capsys.readouterr()
     try:
         code = main(argv)
     except SystemExit as e:  # argparse's refusals
         code = e.code
-    err = capsys.readouterr().err
-    return code, [line for line in err.splitlines() if "error" in line], err
+    out, err = capsys.readouterr()
+    return code, [line for line in err.splitlines() if "error" in line], out + err
 
 
 def one_line(code: int, lines: list[str], err: str, expected_code: int = 2) -> str:
@@ -146,3 +148,54 @@ def test_file_size_limit_writing_the_token_cache_warns_and_the_run_goes_on(tmp_p
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert tokenize_file(tmp_path / "docs.jsonl", tokenizer).tokens.tolist() == docs.tokens.tolist()
+
+
+# -- data files -----------------------------------------------------------------------------------------------
+def test_a_lone_surrogate_in_a_jsonl_text_is_named_with_its_line(tmp_path, model_dir, capsys):
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "fine"}\n' * 3 + '{"text": "half a pair: \\ud800 here"}\n' + '{"text": "fine"}\n' * 3)
+    line = one_line(*run(["train", "--hf-model", str(model_dir), "--data", str(data), *HF_RUN,
+                          "--out", str(tmp_path / "r")], capsys))
+    assert 'line 4: "text" holds a lone surrogate \\ud800 at character 14' in line, line
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name", ["DOCS.JSONL", ".JSONL", ".jsonl"])
+def test_a_jsonl_extension_is_matched_in_any_case(name, tmp_path, model_dir, text_file, capsys):
+    data = tmp_path / name
+    data.write_text((tmp_path / "docs.jsonl").read_text())
+    line = one_line(*run(["train", *TINY, "--data", str(data), "--out", str(tmp_path / "r")], capsys))
+    assert "is a .jsonl file, which only a model with a tokenizer reads" in line, line  # not trained on raw JSON
+    code, lines, err = run(["train", "--hf-model", str(model_dir), "--data", str(data), *HF_RUN, "--json",
+                            "--out", str(tmp_path / "hf")], capsys)
+    assert code == 0 and not lines, err  # 400 records, not one text document
+
+
+def test_a_corrupted_token_cache_is_rebuilt_with_a_note(tmp_path, model_dir, capsys):
+    argv = ["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    (cache,) = tmp_path.glob(".docs.jsonl.*.tokens.npz")
+    good = cache.read_bytes()
+    cache.write_bytes(good[: len(good) // 2])  # cut short
+    code, lines, err = run([*argv, "--out", str(tmp_path / "b")], capsys)
+    assert code == 0 and not lines and "Traceback" not in err, err
+    assert f"note: the token cache {cache} is damaged" in err and "tokenising docs.jsonl again" in err, err
+    assert cache.read_bytes() == good, "the cache is rewritten whole"
+    a, b = ((tmp_path / r / "metrics.jsonl").read_text() for r in "ab")
+    assert json.loads(a)["loss"] == json.loads(b)["loss"]  # the same tokens
+
+
+def test_prompts_longer_than_seq_len_are_skipped_at_start_up_with_a_count(tmp_path, model_dir, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "long prompt words " * 30, "completion": f"yes {i}"}) + "\n"
+                            for i in range(100)))
+    code, lines, err = run(["train", "--hf-model", str(model_dir), "--data", str(data), "--seq-len", "32",
+                            "--micro-batch-size", "1", "--global-batch-size", "1", "--max-steps", "12",
+                            "--no-progress", "--out", str(tmp_path / "r")], capsys)
+    assert code == 0 and not lines, err  # before: "the window holds 0 items over 1 rank(s)" mid-run
+    assert "pieces of prompts longer than --seq-len 32 skipped: no completion token in them" in err, err
+
+    from memtrain.data import PackedRows, TokenDocuments
+
+    with pytest.raises(ConfigError, match=r"every one of the 4 pieces .* holds only prompt tokens"):
+        PackedRows(TokenDocuments(np.arange(40), [0], [40], np.zeros(40, bool)), seq_len=12)

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from memtrain.cli.console import EXIT_OK, EXIT_STOPPED, echo, log
 from memtrain.cli.launch import distributed_group, nproc_problems
 from memtrain.cli.resume import command_record, resume_flags
 from memtrain.cli.techniques import choices_from_flags
-from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of
+from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of, in_flag_terms
 from memtrain.cli.workloads import build_language_model, check_data_path, hf_folder_config, hf_seq_len
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import builtin_corpus, split_windows, text_file_tokens, tokenized_rows
@@ -110,12 +111,18 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
     if args.hf_model:
         seq_len = hf_seq_len(hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
         # Tokenised (or read from the cache beside the data) before the model loads: a bad line fails fast.
-        with flags_of(DATA_PATH):
+        with flags_of(DATA_PATH), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             data = tokenized_rows(args.data, tokenizer, seq_len)
+        for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
+            echo(f"  note: {in_flag_terms(str(warning.message), 'train')}", file=sys.stderr)
     model, seq_len = build_language_model(args)
     model.to(device)
     if args.hf_model:
-        source = f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed)"
+        skipped = sum(rows.skipped_pieces for rows in data)
+        source = (f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed"
+                  + (f"; {skipped} pieces of prompts longer than --seq-len {seq_len} skipped: no completion token "
+                     "in them" if skipped else "") + ")")
     elif args.data:
         data = split_windows(text_file_tokens(args.data), seq_len)
         source = args.data

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memtrain.cli.terms import HF_MODEL_PATH, flags_of
+from memtrain.data.corpus import is_jsonl
 from memtrain.errors import ConfigError
 from memtrain.estimate import hf_config_from_file, meta_model
 from memtrain.hf import apply_lora, load_pretrained
@@ -116,7 +117,7 @@ def check_data_path(path: str, *, tokenised: bool) -> None:
     if not stat.S_ISREG(p.stat().st_mode):
         raise ConfigError(f"{shown} is not a regular file (a FIFO, socket or device: reading it could block or "
                           "never end). To resolve this error, pass the path of a text file.")
-    if p.suffix.lower() == ".jsonl" and not tokenised:
+    if is_jsonl(p) and not tokenised:
         raise ConfigError(f"{shown} is a .jsonl file, which only a model with a tokenizer reads (the built-in GPT "
                           "and --hf-config models read bytes: they would train on the raw JSON). To resolve this "
                           "error, pass --hf-model DIR (a folder with a tokenizer), or a plain .txt file of the texts.")

@@ -8,13 +8,15 @@ import hashlib
 import json
 import os
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from memtrain.data.corpus import data_file
+from memtrain.data.corpus import data_file, is_jsonl
 from memtrain.data.documents import TokenDocuments, jsonl_records, text_documents
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write, free_bytes, sha256_file
@@ -67,10 +69,12 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
     p = data_file(path, "a .txt or .jsonl file")
     cache = token_cache_path(p, tokenizer, cache_dir=cache_dir)
     if cache.is_file():
-        with np.load(cache, allow_pickle=False) as saved:  # arrays only: nothing is unpickled
-            mask = saved["loss_mask"] if saved["has_mask"] else None
-            return TokenDocuments(saved["tokens"], saved["starts"], saved["lengths"], mask)
-    records = jsonl_records(p) if p.suffix.lower() == ".jsonl" else text_documents(p)
+        try:
+            return _read_token_cache(cache)
+        except _CACHE_DAMAGE as e:  # truncated, overwritten, or not memtrain's: tokenised again and rewritten
+            warnings.warn(f"the token cache {cache} is damaged ({type(e).__name__}: {str(e)[:120]}): tokenising "
+                          f"{p.name} again and rewriting it", stacklevel=2)
+    records = jsonl_records(p) if is_jsonl(p) else text_documents(p)
     with_prompts = any(prompt for prompt, _ in records)
     eos = tokenizer.eos_token_id
     show = progress if progress is not None else p.stat().st_size > _PROGRESS_BYTES
@@ -99,6 +103,16 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
     docs = TokenDocuments(tokens, starts[keep], lengths[keep], loss_mask)
     _write_token_cache(cache, docs)
     return docs
+
+
+# What reading a damaged cache raises: a bad zip or header, a missing array, arrays that disagree (ConfigError).
+_CACHE_DAMAGE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _read_token_cache(cache: Path) -> TokenDocuments:
+    with np.load(cache, allow_pickle=False) as saved:  # arrays only: nothing is unpickled
+        mask = saved["loss_mask"] if saved["has_mask"] else None
+        return TokenDocuments(saved["tokens"], saved["starts"], saved["lengths"], mask)
 
 
 def _write_token_cache(cache: Path, docs: TokenDocuments) -> None:
