@@ -199,3 +199,34 @@ def test_prompts_longer_than_seq_len_are_skipped_at_start_up_with_a_count(tmp_pa
 
     with pytest.raises(ConfigError, match=r"every one of the 4 pieces .* holds only prompt tokens"):
         PackedRows(TokenDocuments(np.arange(40), [0], [40], np.zeros(40, bool)), seq_len=12)
+
+
+# -- pretrained folders and LoRA ------------------------------------------------------------------------------
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_start_up_with_the_sizes(tmp_path, capsys):
+    folder = tmp_path / "model"
+    tokenizer = build_tokenizer(folder, corpus_bytes=2**14)
+    build_llama(folder, vocab_size=len(tokenizer) - 100, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    (tmp_path / "docs.jsonl").write_text('{"text": "def f(): pass"}\n' * 400)
+    line = one_line(*run(["train", "--hf-model", str(folder), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN,
+                          "--out", str(tmp_path / "r")], capsys))
+    assert f"the tokenizer has {len(tokenizer)} tokens but the model's embedding holds {len(tokenizer) - 100}" \
+        in line and "resize_token_embeddings" in line, line  # before: IndexError mid-step
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_truncated_model_safetensors_is_named(tmp_path, model_dir, capsys):
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    line = one_line(*run(["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN,
+                          "--out", str(tmp_path / "r")], capsys))
+    assert f"{weights} is not a whole safetensors file (" in line and "download or copy it again" in line, line
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_lora_rank_above_the_layers_sizes_is_refused(tmp_path, model_dir, capsys):
+    line = one_line(*run(["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN,
+                          "--lora", "100000", "--out", str(tmp_path / "r")], capsys))
+    assert "--lora 100000 is above the rank of the layers it adapts: the smallest, " \
+           "model.layers.0.self_attn.k_proj, is 64 x 32, of rank at most 32" in line and "--lora 32 or less" in line
+    assert not (tmp_path / "r").exists()

@@ -21,7 +21,13 @@ from memtrain.cli.launch import distributed_group, nproc_problems
 from memtrain.cli.resume import command_record, resume_flags
 from memtrain.cli.techniques import choices_from_flags
 from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of, in_flag_terms
-from memtrain.cli.workloads import build_language_model, check_data_path, hf_folder_config, hf_seq_len
+from memtrain.cli.workloads import (
+    build_language_model,
+    check_data_path,
+    check_vocabulary,
+    hf_folder_config,
+    hf_seq_len,
+)
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import builtin_corpus, split_windows, text_file_tokens, tokenized_rows
 from memtrain.errors import ConfigError
@@ -101,6 +107,7 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
                               "file, documents split on blank lines, or a .jsonl file with a \"text\" field).")
         with flags_of(HF_MODEL_PATH):
             tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
+        check_vocabulary(args.hf_model, len(tokenizer))
     if args.data:
         check_data_path(args.data, tokenised=tokenizer is not None)
     return notes, tokenizer, choices
