@@ -230,3 +230,29 @@ def test_a_lora_rank_above_the_layers_sizes_is_refused(tmp_path, model_dir, caps
     assert "--lora 100000 is above the rank of the layers it adapts: the smallest, " \
            "model.layers.0.self_attn.k_proj, is 64 x 32, of rank at most 32" in line and "--lora 32 or less" in line
     assert not (tmp_path / "r").exists()
+
+
+# -- launching ------------------------------------------------------------------------------------------------
+def test_a_rendezvous_without_its_peer_times_out_in_seconds_with_one_line(tmp_path, text_file, monkeypatch, capsys):
+    import socket
+    import time
+
+    with socket.socket() as s:  # a free port: nobody else answers there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "MEMTRAIN_RENDEZVOUS_TIMEOUT": "2"}.items():
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    line = one_line(*run(["train", *TINY, "--data", str(text_file), "--out", str(tmp_path / "r")], capsys))
+    assert time.monotonic() - start < 30  # before: silent until killed
+    assert f"RANK=0 of WORLD_SIZE=2 could not meet its peers at 127.0.0.1:{port} within 2 s" in line, line
+    assert "MEMTRAIN_RENDEZVOUS_TIMEOUT=SECONDS" in line, line
+
+
+def test_a_rank_outside_a_world_of_one_is_refused(tmp_path, text_file, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "3")
+    line = one_line(*run(["train", *TINY, "--data", str(text_file), "--out", str(tmp_path / "r")], capsys))
+    assert "RANK=3 is not in [0, WORLD_SIZE=1)" in line, line
+    assert not (tmp_path / "r").exists()
