@@ -256,3 +256,14 @@ def test_a_rank_outside_a_world_of_one_is_refused(tmp_path, text_file, monkeypat
     line = one_line(*run(["train", *TINY, "--data", str(text_file), "--out", str(tmp_path / "r")], capsys))
     assert "RANK=3 is not in [0, WORLD_SIZE=1)" in line, line
     assert not (tmp_path / "r").exists()
+
+
+# -- messages that mislead ------------------------------------------------------------------------------------
+def test_resume_with_the_seq_len_the_run_used_by_default_continues_and_another_names_the_used_one(
+        tmp_path, text_file, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", *TINY, "--max-steps", "2", "--data", str(text_file), "--out", out]) == 0
+    line = one_line(*run(["train", "--out", out, "--resume", "--seq-len", "32", "--max-steps", "3"], capsys))
+    assert "--seq-len 32 now but 64 in the run being resumed (the model's default, no --seq-len given)" in line, line
+    code, lines, err = run(["train", "--out", out, "--resume", "--seq-len", "64", "--max-steps", "3"], capsys)
+    assert code == 0 and not lines, err  # before: "--seq-len 64 now but None in the run being resumed"
