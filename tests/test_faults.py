@@ -267,3 +267,32 @@ def test_resume_with_the_seq_len_the_run_used_by_default_continues_and_another_n
     assert "--seq-len 32 now but 64 in the run being resumed (the model's default, no --seq-len given)" in line, line
     code, lines, err = run(["train", "--out", out, "--resume", "--seq-len", "64", "--max-steps", "3"], capsys)
     assert code == 0 and not lines, err  # before: "--seq-len 64 now but None in the run being resumed"
+
+
+def test_a_budget_without_a_unit_is_refused_with_the_units_to_add(tmp_path, capsys):
+    code, lines, err = run(["train", *TINY, "--budget", "24", "--out", str(tmp_path / "r")], capsys)
+    line = one_line(code, lines, err)
+    assert "'24' has no unit, so it would be 24 bytes. To resolve this error, pass 24GiB" in line, line
+    (tmp_path / "c.toml").write_text("budget = 24\n")  # a TOML number is no different
+    line = one_line(*run(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r")], capsys))
+    assert "'24' has no unit" in line, line
+    assert not (tmp_path / "r").exists()
+
+
+# -- silent or wrong advice -----------------------------------------------------------------------------------
+def test_a_budget_beyond_the_machine_gets_a_hint(tmp_path, capsys):
+    code, lines, err = run(["train", *TINY, "--max-steps", "1", "--budget", "100000000TiB",
+                            "--out", str(tmp_path / "r")], capsys)
+    assert code == 0 and not lines, err
+    assert "Hint: that is more than the" in err and "this machine has in RAM, so the plan may not fit here: set " \
+           "the budget to " in err, err
+
+
+def test_a_toml_key_with_underscores_is_the_flag_with_dashes(tmp_path, capsys):
+    (tmp_path / "c.toml").write_text("max_steps = 1\nmicro_batch_size = 4\nno_progress = true\n")
+    code, lines, err = run(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r")], capsys)
+    assert code == 0 and not lines, err  # before: "unknown key '--max-steps'"
+    assert len((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()) == 1  # max_steps = 1 applied
+    (tmp_path / "c.toml").write_text('out_dir = "x"\n')  # a library argument, not a flag: named as written
+    line = one_line(*run(["train", "--config", str(tmp_path / "c.toml")], capsys))
+    assert "unknown key 'out_dir'. Did you mean 'out'?" in line, line
