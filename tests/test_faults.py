@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import re
 import resource
 import warnings
 
@@ -296,3 +298,13 @@ def test_a_toml_key_with_underscores_is_the_flag_with_dashes(tmp_path, capsys):
     (tmp_path / "c.toml").write_text('out_dir = "x"\n')  # a library argument, not a flag: named as written
     line = one_line(*run(["train", "--config", str(tmp_path / "c.toml")], capsys))
     assert "unknown key 'out_dir'. Did you mean 'out'?" in line, line
+
+
+def test_plan_below_the_cublas_workspace_names_that_floor_not_a_shorter_sequence(model_dir, capsys):
+    line = one_line(*run(["plan", "--hf-model", str(model_dir), "--seq-len", "8", "--budget", "64MiB"], capsys))
+    assert "shorter sequence" not in line, line
+    assert "cuBLAS's fixed workspaces alone take 64.00 MiB" in line and "try a budget of at least" in line, line
+    floor = re.search(r"a budget of at least ([0-9.]+) MiB", line).group(1)
+    code, lines, err = run(["plan", "--hf-model", str(model_dir), "--seq-len", "8", "--budget",
+                            f"{math.ceil(float(floor))}MiB"], capsys)
+    assert code == 0 and not lines, err  # the budget it names fits
