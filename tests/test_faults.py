@@ -58,7 +58,7 @@ def run(argv, capsys) -> tuple[int, list[str], str]:
     except SystemExit as e:  # argparse's refusals
         code = e.code
     out, err = capsys.readouterr()
-    return code, [line for line in err.splitlines() if "error" in line], out + err
+    return code, [line for line in err.splitlines() if ": error:" in line], out + err
 
 
 def one_line(code: int, lines: list[str], err: str, expected_code: int = 2) -> str:
@@ -308,3 +308,37 @@ def test_plan_below_the_cublas_workspace_names_that_floor_not_a_shorter_sequence
     code, lines, err = run(["plan", "--hf-model", str(model_dir), "--seq-len", "8", "--budget",
                             f"{math.ceil(float(floor))}MiB"], capsys)
     assert code == 0 and not lines, err  # the budget it names fits
+
+
+def test_library_errors_reach_the_command_in_flag_terms_not_as_cache_dir_val_fraction_or_max_grad_norm(
+        tmp_path, model_dir, monkeypatch, capsys):
+    import errno
+
+    from memtrain.cli import in_flag_terms
+
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"text": "def f(): pass"}\n')
+    line = one_line(*run(["train", "--hf-model", str(model_dir), "--data", str(one), *HF_RUN,
+                          "--out", str(tmp_path / "r")], capsys))
+    assert "val_fraction" not in line and "holds out the last 5% of them for validation" in line, line
+
+    def full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("memtrain.data.token_cache.atomic_write", full)
+    code, lines, err = run(["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN,
+                            "--out", str(tmp_path / "s")], capsys)
+    assert code == 0 and not lines, err
+    assert "note: could not cache the tokenised data" in err and "cache_dir" not in err, err
+    assert "or copy the data to a writable folder" in err, err
+
+    from types import SimpleNamespace
+
+    from memtrain.accumulation import GradientAccumulator
+    from memtrain.errors import MemtrainError
+
+    window = SimpleNamespace(skipped_steps=0, optimizer_steps=2, discard_window=lambda: None)
+    with pytest.raises(MemtrainError) as info:  # the accumulator's own message for a nan gradient norm
+        GradientAccumulator._refuse_non_finite(window, float("nan"))
+    assert "max_grad_norm" in str(info.value)
+    assert "set --grad-clip, or check" in in_flag_terms(str(info.value), "train")
