@@ -82,7 +82,8 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
     (one file, several, or a sharded index whose shards are all present).
 
     Raises:
-        ConfigError: a missing folder, no ``config.json``, a pickle-only checkpoint, missing shards, no weights.
+        ConfigError: a missing folder, no ``config.json``, a pickle-only checkpoint, missing shards, no weights,
+            a weights file cut short (its header does not cover it).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -106,6 +107,10 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
         files = [folder / s for s in shards]
     else:
         files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        if file.is_file() and (damage := _safetensors_damage(file)):
+            problems.append(f"{file} is not a whole safetensors file ({damage}): a download or copy cut short? "
+                            "To resolve this error, download or copy it again.")
     if not files:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -119,6 +124,18 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
                             "alone (AutoModelForCausalLM.from_config).")
     ConfigError.raise_if(problems)
     return files
+
+
+def _safetensors_damage(file: Path) -> str | None:
+    """What is wrong with a safetensors file's header (which covers the whole file: a truncated file fails it),
+    or None; only the header is read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt"):
+            return None
+    except (SafetensorError, OSError) as e:
+        return str(e)
 
 
 def load_pretrained(path: str | os.PathLike[str], *, dtype: torch.dtype | Literal["auto"] = torch.float32,

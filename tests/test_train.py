@@ -386,7 +386,7 @@ def test_config_file_and_validation_before_any_write(tmp_path, text_file):
     assert json.loads(done.stdout)["steps"] == 2
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     bad = tmp_path / "bad.toml"
-    bad.write_text('micro_batch_size = 2\nmax-steps = "many"\nlr = -1\n')
+    bad.write_text('micro_batch_sise = 2\nmax-steps = "many"\nlr = -1\n')  # a typo: underscores are dashes
     done = subprocess.run([sys.executable, "-m", "memtrain", "train", "--config", str(bad), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 2

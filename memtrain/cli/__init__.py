@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         from_file = apply_config_file(parser, argv)
-    except ConfigError as e:
-        print(f"memtrain: error: {in_flag_terms(str(e))}", file=sys.stderr)
+    except ConfigError as e:  # already in the file's terms: its keys are flags, not library arguments
+        print(f"memtrain: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     args = parser.parse_args(argv)
     try:

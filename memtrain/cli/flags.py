@@ -143,12 +143,17 @@ UNLIMITED = "unlimited"
 
 
 def _size(text: str) -> int | str:
-    """A byte size (``24GiB``, ``8000MB``, ``4096``) as an int, or ``unlimited``."""
+    """A byte size with its unit (``24GiB``, ``8000MB``, ``4096B``) as an int, or ``unlimited``; a bare number is
+    refused (``--budget 24`` meant 24GiB, not 24 bytes)."""
     if text.strip().lower() in ("unlimited", "none", "inf"):
         return UNLIMITED
     fix = "To resolve this error, pass a positive size such as 24GiB or 8000MB (GiB = 2**30, GB = 10**9), or unlimited"
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"{text!r} is negative. {fix}")
+    if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", text) and float(text) > 0:  # 24 as 24 bytes: never what was meant
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit, so it would be {text.strip()} bytes. To resolve this "
+                                         f"error, pass {text.strip()}GiB (GiB = 2**30) or {text.strip()}GB (10**9), "
+                                         f"or {text.strip()}B if bytes are meant")
     try:
         return parse_bytes(text)
     except ConfigError:
@@ -178,7 +183,7 @@ def _add_train_parser(sub: Any) -> None:
     t = sub.add_parser("train", help="train the built-in GPT on the built-in corpus (or your model and data)",
                        epilog=EXIT_CODES_HELP)
     t.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (keys as the flags, e.g. "
-                   "micro-batch-size = 4); flags given on the command line win")
+                   "micro-batch-size = 4 or micro_batch_size = 4); flags given on the command line win")
     _add_model_flags(t, pretrained_weights=True)
     t.add_argument("--data", metavar="PATH", help="the text to train on: with --hf-model a .txt (documents split on "
                    "blank lines) or .jsonl (a \"text\" field, or \"prompt\"/\"completion\": the loss on the completion) "
@@ -406,13 +411,16 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> set[s
                if isinstance(a, argparse.BooleanOptionalAction) and len(a.option_strings) > 1}
     problems, defaults = [], {}
     for key, value in values.items():
-        action = actions.get(key) or negated.get(key)
+        name = key.replace("_", "-")  # max_steps = 3, as TOML files often spell keys, is max-steps = 3
+        action = actions.get(name) or negated.get(name)
         if action is None:
-            close = difflib.get_close_matches(key.replace("_", "-"), [*actions, *negated], n=1)
+            close = difflib.get_close_matches(name, [*actions, *negated], n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            problems.append(f"--config: unknown key {key!r}.{hint} Keys are the flags of memtrain {argv[0]} "
-                            "without the dashes, e.g. micro-batch-size = 4.")
+            problems.append(f"--config: unknown key {key!r}.{hint} To resolve this error, write the keys as the flags "
+                            f"of memtrain {argv[0]} without the dashes, e.g. micro-batch-size = 4 (or "
+                            "micro_batch_size = 4).")
             continue
+        key = name
         if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):  # noqa: SLF001
             if not isinstance(value, bool):
                 problems.append(f"--config: {key} = {value!r} must be true or false.")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import os
 from collections.abc import Iterator
@@ -11,8 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, MemtrainError
 
 
 def _launch_environment() -> tuple[int, int]:
@@ -35,12 +37,48 @@ def _launch_environment() -> tuple[int, int]:
                               " not: memtrain joins a distributed group only as torchrun starts it. To resolve this "
                               f"error, launch with torchrun --nproc_per_node {world} -m memtrain train ..., or unset "
                               "WORLD_SIZE.")
-        if not 0 <= values["RANK"] < world:
-            raise ConfigError(f"RANK={values['RANK']} is not in [0, WORLD_SIZE={world}). To resolve this error, "
-                              "launch with torchrun, which sets both.")
     elif world < 1:
         raise ConfigError(f"WORLD_SIZE={world} must be >= 1. To resolve this error, unset WORLD_SIZE.")
+    rank = values.get("RANK", 0)
+    if not 0 <= rank < world:  # WORLD_SIZE=1 RANK=3 too: a rank of a group that does not exist
+        raise ConfigError(f"RANK={rank} is not in [0, WORLD_SIZE={world}). To resolve this error, launch with "
+                          "torchrun, which sets both, or unset RANK.")
     return world, values.get("LOCAL_RANK", 0)
+
+
+RENDEZVOUS_TIMEOUT_S = 120.0  # how long rank 0 waits for its peers (and a peer for rank 0) before giving up
+RENDEZVOUS_TIMEOUT_ENV = "MEMTRAIN_RENDEZVOUS_TIMEOUT"  # seconds, overriding RENDEZVOUS_TIMEOUT_S
+
+
+def _rendezvous_timeout() -> float:
+    text = os.environ.get(RENDEZVOUS_TIMEOUT_ENV)
+    if text is None:
+        return RENDEZVOUS_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{RENDEZVOUS_TIMEOUT_ENV}={text!r} must be a number of seconds > 0. To resolve this "
+                          f"error, set it to e.g. 300, or unset it ({RENDEZVOUS_TIMEOUT_S:.0f} s).")
+    return seconds
+
+
+def _join_group(backend: str, world: int) -> None:
+    """init_process_group, with a rendezvous that gives up after ``_rendezvous_timeout()`` seconds, naming who
+    is missing, instead of waiting silently for torch's 30 minutes; the collectives keep torch's timeout."""
+    seconds = _rendezvous_timeout()
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, rank, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=seconds)))
+    except (dist.DistError, RuntimeError, ValueError) as e:
+        raise MemtrainError(
+            f"RANK={os.environ['RANK']} of WORLD_SIZE={world} could not meet its peers at {address} within "
+            f"{seconds:g} s ({' '.join(str(e).split())[:200]}). To resolve this error, start every rank (torchrun "
+            f"--nproc_per_node {world} -m memtrain train ... starts them together), check MASTER_ADDR and "
+            f"MASTER_PORT, or wait longer with {RENDEZVOUS_TIMEOUT_ENV}=SECONDS.") from None
+    store.set_timeout(default_pg_timeout)  # what init_process_group's own rendezvous leaves it at
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world)
 
 
 @contextlib.contextmanager
@@ -57,7 +95,7 @@ def distributed_group() -> Iterator[tuple[int, int, Any]]:
     if opened:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _join_group("nccl" if device.type == "cuda" else "gloo", world)
     try:
         yield (dist.get_rank() if dist.is_initialized() else 0), world, device
         if opened:

@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from memtrain.cli.flags import subparser
+from memtrain.cli.workloads import hf_folder_config, hf_seq_len
 from memtrain.errors import ConfigError
+from memtrain.estimate import hf_config_from_file
+from memtrain.models import GPT_PRESETS
 from memtrain.run import read_run_config
 
 # The options of memtrain train that config.json records (the others say how to run, not what: --json, --out,
@@ -52,8 +55,14 @@ def resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, expl
     problems = []
     for dest in _MODEL_FLAGS:
         if dest in explicit and dest in saved and now[dest] != saved[dest]:
+            used, how = saved[dest], ""
+            if dest == "seq_len" and used is None:  # the run took the model's default: compare with that
+                used, how = _default_seq_len(saved), " (the model's default, no --seq-len given)"
+                if used == now[dest]:
+                    continue
             flag = "--" + dest.replace("_", "-")
-            problems.append(f"--resume: {flag} {now[dest]!r} now but {saved[dest]!r} in the run being resumed: "
+            shown = "not given" if used is None else repr(used)
+            problems.append(f"--resume: {flag} {now[dest]!r} now but {shown} in the run being resumed{how}: "
                             f"another model would not continue it. To resolve this error, drop {flag} (--resume "
                             "reads it from the run's config.json), or start a new run in another --out.")
     ConfigError.raise_if(problems)
@@ -71,3 +80,16 @@ def resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, expl
                if explicit & set(now) else "")]
 
 
+
+
+def _default_seq_len(saved: dict[str, Any]) -> int | None:
+    """The sequence length a run started without --seq-len used: its model's default (None if unknown now)."""
+    try:
+        if saved.get("hf_model"):
+            return hf_seq_len(hf_folder_config(saved["hf_model"]), None, "--hf-model")
+        if saved.get("hf_config"):
+            return hf_seq_len(hf_config_from_file(saved["hf_config"]), None, "--hf-config")
+        preset = GPT_PRESETS.get(saved.get("model"))
+        return preset.seq_len if preset is not None else None
+    except ConfigError:  # the model's files moved or changed: train() compares what it can
+        return None

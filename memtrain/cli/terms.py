@@ -22,6 +22,12 @@ ARGUMENT_FLAGS: dict[str, str] = {
     "state_precision": "--optimizer-state", "offload_fraction": "--offload-optimizer-fraction",
     "optimizer.state_precision": "--optimizer-state", "optimizer.offload_fraction": "--offload-optimizer-fraction",
     "log": "--log",
+    "max_grad_norm": "--grad-clip",
+}
+# The library's advice that names an argument the command has no flag for, in the command's terms.
+LIBRARY_PHRASES: dict[str, str] = {
+    "or another val_fraction": "(memtrain train holds out the last 5% of them for validation)",
+    "or pass a writable cache_dir": "or copy the data to a writable folder (the cache is written beside it)",
 }
 # Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
 ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
@@ -48,6 +54,8 @@ def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str
     ``micro_batch_size`` -> ``--micro-batch-size``, ``optimizer.placement='offload'`` -> ``--offload-optimizer``
     (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``);
     ``extra`` names what an argument means at one call site (``path=`` is --hf-model's folder or --data's file)."""
+    for phrase, words in LIBRARY_PHRASES.items():
+        message = message.replace(phrase, words)
     flags = {**ARGUMENT_FLAGS, **COMMAND_FLAGS.get(command or "", {}), **(extra or {})}
     switches = {**ARGUMENT_SWITCHES, **COMMAND_SWITCHES.get(command or "", {})}
 

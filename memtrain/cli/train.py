@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,14 @@ from memtrain.cli.export import export_finished_run
 from memtrain.cli.launch import distributed_group, nproc_problems
 from memtrain.cli.resume import command_record, resume_flags
 from memtrain.cli.techniques import choices_from_flags
-from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of
-from memtrain.cli.workloads import build_language_model, check_data_path, hf_folder_config, hf_seq_len
+from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of, in_flag_terms
+from memtrain.cli.workloads import (
+    build_language_model,
+    check_data_path,
+    check_vocabulary,
+    hf_folder_config,
+    hf_seq_len,
+)
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import ByteWindows, builtin_corpus, split_windows, text_file_tokens, tokenized_rows
 from memtrain.data.packed_rows import file_rows
@@ -116,6 +123,7 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
                               "file, documents split on blank lines, or a .jsonl file with a \"text\" field).")
         with flags_of(HF_MODEL_PATH):
             tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
+        check_vocabulary(args.hf_model, len(tokenizer))
     if args.data:
         check_data_path(args.data, tokenised=tokenizer is not None)
     if args.eval_data:
@@ -128,12 +136,18 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
     if args.hf_model:
         seq_len = hf_seq_len(hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
         # Tokenised (or read from the cache beside the data) before the model loads: a bad line fails fast.
-        with flags_of(DATA_PATH):
+        with flags_of(DATA_PATH), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             data = tokenized_rows(args.data, tokenizer, seq_len, progress=False if args.no_progress else None)
+        for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
+            echo(f"  note: {in_flag_terms(str(warning.message), 'train')}", file=sys.stderr)
     model, seq_len = build_language_model(args)
     model.to(device)
     if args.hf_model:
-        source = f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed)"
+        skipped = sum(rows.skipped_pieces for rows in data)
+        source = (f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed"
+                  + (f"; {skipped} pieces of prompts longer than --seq-len {seq_len} skipped: no completion token "
+                     "in them" if skipped else "") + ")")
     elif args.data:
         data = split_windows(text_file_tokens(args.data), seq_len)
         source = args.data

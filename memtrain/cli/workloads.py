@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from memtrain.cli.terms import HF_MODEL_PATH, flags_of
+from memtrain.data.corpus import is_jsonl
 from memtrain.errors import ConfigError
 from memtrain.estimate import hf_config_from_file, meta_model
-from memtrain.hf import apply_lora, load_pretrained
+from memtrain.hf import apply_lora, load_pretrained, lora_targets
 from memtrain.models import GPT, GPT_PRESETS
 
 
@@ -33,11 +34,39 @@ def build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
         model = _build_gpt(args)
         seq_len = model.config.seq_len
     if args.lora:
+        check_lora_rank(model, args.lora)
         with flags_of({"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
                        "target_modules": "--lora-targets"}):
             model = apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
                                target_modules=args.lora_targets)
     return model, seq_len
+
+
+def check_lora_rank(model: Any, rank: int) -> None:
+    """--lora R must not exceed the rank a layer it adapts can have, min(in, out): above it the adapters hold more
+    numbers than the weight they update and add no capacity (a typo such as --lora 100000 would run on)."""
+    modules = dict(model.named_modules())
+    sizes = [(min(modules[n].in_features, modules[n].out_features), n) for n in lora_targets(model)]
+    if not sizes:
+        return  # apply_lora names the missing layers
+    smallest, name = min(sizes)
+    if rank > smallest:
+        layer = modules[name]
+        raise ConfigError(f"--lora {rank} is above the rank of the layers it adapts: the smallest, {name}, is "
+                          f"{layer.in_features} x {layer.out_features}, of rank at most {smallest}. To resolve this "
+                          f"error, pass --lora {smallest} or less (8 to 64 is usual).")
+
+
+def check_vocabulary(folder: str, tokens: int) -> None:
+    """The --hf-model tokenizer's ids must index the model's embedding: a larger tokenizer would fail mid-step
+    with an IndexError on its first id past the end."""
+    config = hf_folder_config(folder)
+    rows = getattr(config, "vocab_size", None)
+    if isinstance(rows, int) and tokens > rows:
+        raise ConfigError(f"--hf-model {folder!r}: the tokenizer has {tokens} tokens but the model's embedding "
+                          f"holds {rows} (vocab_size in config.json): ids {rows} and above would index past it. "
+                          "To resolve this error, pass the folder the tokenizer belongs to, or resize the model "
+                          f"once (model.resize_token_embeddings({tokens}); model.save_pretrained(DIR)).")
 
 
 # Encoder model types whose causal-LM class attends both ways unless the config says is_decoder.
@@ -121,7 +150,7 @@ def check_data_path(path: str, *, tokenised: bool, flag: str = "--data") -> None
     if not stat.S_ISREG(p.stat().st_mode):
         raise ConfigError(f"{shown} is not a regular file (a FIFO, socket or device: reading it could block or "
                           "never end). To resolve this error, pass the path of a text file.")
-    if p.suffix.lower() == ".jsonl" and not tokenised:
+    if is_jsonl(p) and not tokenised:
         raise ConfigError(f"{shown} is a .jsonl file, which only a model with a tokenizer reads (the built-in GPT "
                           "and --hf-config models read bytes: they would train on the raw JSON). To resolve this "
                           "error, pass --hf-model DIR (a folder with a tokenizer), or a plain .txt file of the texts.")

@@ -66,6 +66,12 @@ def data_file(path: str | os.PathLike[str], kind: str) -> Path:
     raise ConfigError(f"path={str(path)!r}: {what}. To resolve this error, pass the path of {kind}.")
 
 
+def is_jsonl(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a ``.jsonl`` file, in any case (``docs.JSONL``), a name that is only the extension
+    (``.jsonl``, whose ``Path.suffix`` is empty) included."""
+    return Path(path).name.lower().endswith(".jsonl")
+
+
 def text_file_tokens(path: str | os.PathLike[str]) -> np.ndarray:
     """The bytes of a text file as ``uint8`` tokens."""
     p = data_file(path, "a text file")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from memtrain.data.corpus import data_file, stdlib_corpus, text_file_tokens
+from memtrain.data.corpus import data_file, is_jsonl, stdlib_corpus, text_file_tokens
 from memtrain.errors import ConfigError
 
 # A blank line: a newline, then lines holding only whitespace, then a newline.
@@ -160,7 +160,7 @@ class TokenDocuments(Dataset):
                   min_len: int = 2) -> TokenDocuments:
         """A ``.jsonl`` file (one JSON object with a ``"text"`` string per line) or a text file split on blank lines."""
         p = Path(path)
-        if p.suffix.lower() != ".jsonl":
+        if not is_jsonl(p):
             return cls.from_tokens(text_file_tokens(p), max_len=max_len, min_len=min_len)
         records = jsonl_records(data_file(p, "a .jsonl file"))
         prompted = sum(bool(prompt) for prompt, _ in records)
@@ -202,12 +202,12 @@ def jsonl_records(path: Path) -> list[tuple[str, str]]:
                 problems.append(f"line {number}: " + ", ".join(
                     f'"{k}" is {"missing" if k not in record else type(record[k]).__name__ + ", not a string"}'
                     for k in bad))
-            else:
+            elif not _surrogates(number, record, ("prompt", "completion"), problems):
                 records.append((record["prompt"], record["completion"]))
         elif not isinstance(record.get("text"), str):
             problems.append(f'line {number}: "text" is ' + ("missing" if "text" not in record else
                                                           f"{type(record['text']).__name__}, not a string"))
-        else:
+        elif not _surrogates(number, record, ("text",), problems):
             records.append(("", record["text"]))
     if problems:
         listed = problems[:_MAX_LISTED_PROBLEMS]
@@ -215,11 +215,27 @@ def jsonl_records(path: Path) -> list[tuple[str, str]]:
         raise ConfigError(f"{path}: {len(problems)} bad line(s): " + "; ".join(listed) +
                           (f"; and {more} more" if more else "") + '. To resolve this error, write one JSON '
                           'object per line with a "text" string, or "prompt" and "completion" strings (the loss '
-                          "is then on the completion only).")
+                          "is then on the completion only), in valid Unicode.")
     if not records:
         raise ConfigError(f"{path} holds no records. To resolve this error, write one JSON object per line, "
                           'e.g. {"text": "..."}.')
     return records
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogates(number: int, record: dict, keys: tuple[str, ...], problems: list[str]) -> bool:
+    """Whether a field of line ``number`` holds a lone surrogate (a JSON escape such as ``\\ud800``, half of a
+    UTF-16 pair: not text, and no tokenizer encodes it); each is added to ``problems``."""
+    found = False
+    for key in keys:
+        match = _SURROGATE.search(record[key])
+        if match:
+            problems.append(f'line {number}: "{key}" holds a lone surrogate \\u{ord(match.group()):04x} at '
+                            f"character {match.start() + 1} (half of a UTF-16 pair, not text)")
+            found = True
+    return found
 
 
 def text_documents(path: Path) -> list[tuple[str, str]]:

@@ -37,8 +37,9 @@ class PackedRows(Dataset):
     every document, which Hugging Face models (transformers >= 4.54 without an attention mask) read as packed
     sequences: attention stays inside each document. Without them a document attends to the ones before it in
     its row. A document with more than ``seq_len`` (input, target) pairs is cut into pieces of ``seq_len``
-    pairs, overlapping by one token so no pair is lost; each piece is its own document. Packing is deterministic
-    (ties keep the dataset order); shuffle with the loader.
+    pairs, overlapping by one token so no pair is lost; each piece is its own document; a piece with no target (of
+    a prompt longer than ``seq_len``) would add nothing but a window of zero items, so it is skipped and counted
+    in ``skipped_pieces``. Packing is deterministic (ties keep the dataset order); shuffle with the loader.
 
     Example:
         >>> rows = PackedRows(TokenDocuments.from_texts(["abcd", "xyz", "pq"]), seq_len=4)
@@ -54,6 +55,18 @@ class PackedRows(Dataset):
         pieces = TokenDocuments.from_spans(documents.tokens, documents.starts, documents.starts + documents.lengths,
                                            max_len=seq_len + 1, loss_mask=documents.loss_mask)
         self.piece_starts, pairs = pieces.starts, pieces.lengths - 1
+        self.skipped_pieces = 0  # pieces of prompts longer than seq_len: no target in them, so no loss
+        if documents.loss_mask is not None:
+            targets = np.array([int(documents.loss_mask[s + 1: s + 1 + n].sum())
+                                for s, n in zip(self.piece_starts, pairs, strict=True)], dtype=np.int64)
+            keep = targets > 0
+            self.skipped_pieces = int((~keep).sum())
+            if not keep.any():
+                raise ConfigError(f"every one of the {len(keep)} pieces of at most seq_len={seq_len} tokens holds "
+                                  "only prompt tokens (the prompts are longer than seq_len): there is no completion "
+                                  "token to learn. To resolve this error, pass a longer seq_len (up to the model's "
+                                  "positions), or shorten the prompts.")
+            self.piece_starts, pairs = self.piece_starts[keep], pairs[keep]
         # Best-fit decreasing: each piece, longest first, into the fullest row it fits (bisect over free space).
         order = np.argsort(-pairs, kind="stable")
         free: list[tuple[int, int]] = []  # (free positions, row), sorted
@@ -74,13 +87,7 @@ class PackedRows(Dataset):
         self.row_pieces = np.argsort(row_of, kind="stable")
         self.row_ptr = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=rows))])
         self.piece_pairs = pairs
-        self.real_tokens = int(self._target_count(pieces))
-
-    def _target_count(self, pieces: TokenDocuments) -> int:
-        if pieces.loss_mask is None:
-            return int(self.piece_pairs.sum())
-        return sum(int(pieces.loss_mask[s + 1: s + 1 + n].sum()) for s, n in zip(pieces.starts, self.piece_pairs,
-                                                                                   strict=True))
+        self.real_tokens = int(targets[keep].sum()) if documents.loss_mask is not None else int(pairs.sum())
 
     def __len__(self) -> int:
         return len(self.row_ptr) - 1

@@ -8,16 +8,19 @@ import hashlib
 import json
 import os
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from memtrain.data.corpus import data_file
+from memtrain.data.corpus import data_file, is_jsonl
 from memtrain.data.documents import TokenDocuments, jsonl_records, text_documents
 from memtrain.errors import ConfigError
-from memtrain.files import atomic_write, sha256_file
+from memtrain.files import atomic_write, free_bytes, sha256_file
+from memtrain.report import format_bytes
 
 TOKEN_CACHE_VERSION = 1  # bump when the tokenisation below changes: old caches then miss instead of lying
 _PROGRESS_BYTES = 4 * 2**20  # files above this show a progress bar while tokenising
@@ -66,10 +69,12 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
     p = data_file(path, "a .txt or .jsonl file")
     cache = token_cache_path(p, tokenizer, cache_dir=cache_dir)
     if cache.is_file():
-        with np.load(cache, allow_pickle=False) as saved:  # arrays only: nothing is unpickled
-            mask = saved["loss_mask"] if saved["has_mask"] else None
-            return TokenDocuments(saved["tokens"], saved["starts"], saved["lengths"], mask)
-    records = jsonl_records(p) if p.suffix.lower() == ".jsonl" else text_documents(p)
+        try:
+            return _read_token_cache(cache)
+        except _CACHE_DAMAGE as e:  # truncated, overwritten, or not memtrain's: tokenised again and rewritten
+            warnings.warn(f"the token cache {cache} is damaged ({type(e).__name__}: {str(e)[:120]}): tokenising "
+                          f"{p.name} again and rewriting it", stacklevel=2)
+    records = jsonl_records(p) if is_jsonl(p) else text_documents(p)
     with_prompts = any(prompt for prompt, _ in records)
     eos = tokenizer.eos_token_id
     show = progress if progress is not None else p.stat().st_size > _PROGRESS_BYTES
@@ -100,6 +105,16 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
     return docs
 
 
+# What reading a damaged cache raises: a bad zip or header, a missing array, arrays that disagree (ConfigError).
+_CACHE_DAMAGE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _read_token_cache(cache: Path) -> TokenDocuments:
+    with np.load(cache, allow_pickle=False) as saved:  # arrays only: nothing is unpickled
+        mask = saved["loss_mask"] if saved["has_mask"] else None
+        return TokenDocuments(saved["tokens"], saved["starts"], saved["lengths"], mask)
+
+
 def _write_token_cache(cache: Path, docs: TokenDocuments) -> None:
     def write(tmp: Path) -> None:
         with tmp.open("wb") as f:
@@ -110,6 +125,11 @@ def _write_token_cache(cache: Path, docs: TokenDocuments) -> None:
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(cache, write)
-    except OSError as e:  # a read-only data folder: the run goes on, only the next one tokenises again
-        warnings.warn(f"could not cache the tokenised data at {cache} ({e}); pass a writable cache_dir to keep "
-                      "it.", stacklevel=3)
+    except OSError as e:  # a read-only data folder, a full disk: the run goes on, only the next one tokenises again
+        needed = docs.tokens.nbytes + docs.starts.nbytes + docs.lengths.nbytes + (
+            docs.loss_mask.nbytes if docs.loss_mask is not None else 0)
+        free = free_bytes(cache.parent)
+        room = f"; it needs about {format_bytes(needed)}, {format_bytes(free)} free there" if free is not None else ""
+        warnings.warn(f"could not cache the tokenised data at {cache} ({e.strerror or e}{room}); the run goes on, and "
+                      "the next one tokenises again. To keep the cache, free space there or pass a writable "
+                      "cache_dir.", stacklevel=3)

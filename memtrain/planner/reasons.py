@@ -12,6 +12,7 @@ import torch
 
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
+from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
 from memtrain.planner.cost import (
     CandidateTable,
     Composer,
@@ -253,11 +254,17 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                 hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
                              "gradients and optimizer state sharded over the ranks)")
         activations = peaks[k] - state
+        workspace = CUDA_WORKSPACE_BYTES if ctx.device == "cuda" else 0  # fixed: no sequence length shrinks it
         if weights < usable:
-            if activations > usable - state:  # not a length: the activations are not linear in it (fixed buffers)
+            if state + workspace >= usable:
+                hints.append(f"a budget of at least {format_bytes(math.ceil(peaks[k] / (1 - margin)))}: cuBLAS's "
+                             f"fixed workspaces alone take {format_bytes(workspace)} (two of 32 MiB, whatever the "
+                             f"sequence or batch) beside the model state's {format_bytes(int(state))}")
+            elif activations > usable - state:  # not a length: the activations are not linear in it (fixed buffers)
+                fixed = f", {format_bytes(workspace)} of it cuBLAS's fixed workspaces" if workspace else ""
                 hints.append(f"a shorter sequence (at seq_len {ctx.seq_len} a micro-batch of "
-                             f"{s.micro_batch_size} needs {format_bytes(int(activations))} beside the model state's "
-                             f"{format_bytes(int(state))})")
+                             f"{s.micro_batch_size} needs {format_bytes(int(activations))}{fixed} beside the model "
+                             f"state's {format_bytes(int(state))})")
         else:
             hints.append(f"a larger budget: the weights alone take {format_bytes(int(weights))} on the device")
         if not hints:

@@ -25,7 +25,8 @@ import torch
 from safetensors import SafetensorError
 
 from memtrain.errors import MemtrainError
-from memtrain.files import replace_folder, sha256_file
+from memtrain.files import as_os_error, free_bytes, replace_folder, sha256_file, write_fix
+from memtrain.report import format_bytes
 
 CHECKPOINT_FORMAT = 2  # 2: meta.json and tensors.safetensors both listed in SHA256SUMS
 CHECKPOINT_PREFIX = "step-"
@@ -138,21 +139,26 @@ class RunCheckpoints:
         """
         final = self.root / f"{CHECKPOINT_PREFIX}{step:07d}"
         tmp = None
+        needed = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=self.root))
             tensors: dict[str, torch.Tensor] = {}
             skeleton = flatten_state(state, tensors)
+            meta_text = json.dumps({"format": CHECKPOINT_FORMAT, "step": step, "state": skeleton})
+            needed = sum(t.nbytes for t in tensors.values()) + len(meta_text) + 4096  # + headers and SHA256SUMS
             safetensors.torch.save_file(tensors, str(tmp / "tensors.safetensors"))
-            meta = {"format": CHECKPOINT_FORMAT, "step": step, "state": skeleton}
-            (tmp / "meta.json").write_text(json.dumps(meta))
+            (tmp / "meta.json").write_text(meta_text)
             # The sums list every file: an edit of meta.json (e.g. the scheduler's last_epoch) is damage too.
             (tmp / SUMS).write_text("".join(f"{sha256_file(tmp / name)}  {name}\n" for name in CHECKPOINT_FILES))
             replace_folder(tmp, final)  # the same step saved again (after a resume) is swapped
-        except OSError as e:
+        except (OSError, SafetensorError) as e:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise RunWriteError(write_fault(e, final, self, exclude=final)) from None
+            os_error = as_os_error(e, final)
+            if os_error is None:
+                raise
+            raise RunWriteError(write_fault(os_error, final, self, exclude=final, needed_bytes=needed)) from None
         except BaseException:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -301,21 +307,29 @@ def _signature(path: Path) -> tuple[tuple[int, int], ...] | None:
 
 
 def write_fault(error: OSError, path: Path, checkpoints: RunCheckpoints | None, *,
-                exclude: Path | None = None) -> str:
-    """The message of a failed write: which file, why, and which checkpoint is still intact."""
+                exclude: Path | None = None, needed_bytes: int | None = None) -> str:
+    """The message of a failed write: which file, why, the bytes it needs and the disk has free, and which
+    checkpoint is still intact."""
     where = error.filename or path
     good = [p for p in checkpoints.paths() if p != exclude] if checkpoints is not None else []
     intact = (f"the last good checkpoint, {good[0]}, is intact" if good else
               "no checkpoint was written before it")
-    return (f"could not write {where} ({error.strerror or error}): {intact}. To resolve this error, free space "
-            "on that disk or make the folder writable, then continue the run with resume=True.")
+    free = free_bytes(path)
+    sizes = [f"it needs about {format_bytes(needed_bytes)}" if needed_bytes is not None else "",
+             f"{format_bytes(free)} free in {Path(path).parent}" if free is not None else ""]
+    sizes_text = "; ".join(s for s in sizes if s)
+    return (f"could not write {where} ({error.strerror or error}){f'; {sizes_text}' if sizes_text else ''}: "
+            f"{intact}. To resolve this error, {write_fix(error)}, then continue the run with resume=True.")
 
 
 @contextlib.contextmanager
 def write_faults(path: Path, checkpoints: RunCheckpoints | None) -> Iterator[None]:
-    """Turns an OSError while writing ``path`` into one RunWriteError naming it and the last good checkpoint."""
+    """Turns a failed write of ``path`` (an OSError, or safetensors' SafetensorError wrapping one) into one
+    RunWriteError naming it, the space free and the last good checkpoint."""
     try:
         yield
-    except OSError as e:
-        raise RunWriteError(write_fault(e, path, checkpoints)) from None
-
+    except (OSError, SafetensorError) as e:
+        os_error = as_os_error(e, path)
+        if os_error is None:
+            raise
+        raise RunWriteError(write_fault(os_error, path, checkpoints)) from None

@@ -11,6 +11,7 @@ merely half the micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ def run_budget(config: TrainConfig, model: nn.Module, device: torch.device) -> t
     """
     given = budget_bytes(config.budget)
     if given is not None:
-        return given, f"budget {format_bytes(given)} per rank (budget=)"
+        return given, f"budget {format_bytes(given)} per rank (budget=)" + budget_beyond_device(given, device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         have = free + torch.cuda.memory_allocated(device)
@@ -125,6 +126,22 @@ def run_budget(config: TrainConfig, model: nn.Module, device: torch.device) -> t
     own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return ram + own, (f"budget {format_bytes(ram + own)}: the RAM available at the start with the model already in "
                        "it (budget= sets one)")
+
+
+def budget_beyond_device(budget: int, device: torch.device) -> str:
+    """A Hint when a given budget is more than the device (the machine's RAM on the CPU) holds: the plan then
+    fits the number, not the machine, and the run may run out of memory."""
+    if device.type == "cuda":
+        total, what = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
+    else:
+        try:
+            total, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has in RAM"
+        except (ValueError, OSError, AttributeError):
+            return ""
+    if budget <= total:
+        return ""
+    return (f"; Hint: that is more than the {format_bytes(total)} {what}, so the plan may not fit here: set the "
+            f"budget to {format_bytes(total).replace(' ', '')} or less, or leave it out (the memory free at the start)")
 
 
 def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, correction_bytes: int = 0,
