@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import write_docs_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
