@@ -28,6 +28,7 @@ from memtrain.cli.workloads import (
     check_vocabulary,
     hf_folder_config,
     hf_seq_len,
+    lora_flag_problems,
 )
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import ByteWindows, builtin_corpus, split_windows, text_file_tokens, tokenized_rows
@@ -98,11 +99,7 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
         choices = choices_from_flags(args)
     except ConfigError as e:
         problems += e.problems
-    for dest in ("merge_lora", "lora_alpha", "lora_dropout", "lora_targets"):
-        if getattr(args, dest) not in (None, False) and not args.lora:
-            flag = "--" + dest.replace("_", "-")
-            problems.append(f"{flag} without --lora: there are no adapters to {flag[7:]}. To resolve this error, "
-                            f"pass --lora R (e.g. --lora 8), or drop {flag}.")
+    problems += lora_flag_problems(args)
     if args.epochs and "max_steps" in explicit:  # --config or a resume can give both; argparse sees one line
         if args.resume and "epochs" not in explicit:
             args.epochs = None  # --max-steps given to a resumed --epochs run: the new length, as for any run

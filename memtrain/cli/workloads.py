@@ -33,13 +33,43 @@ def build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
     else:
         model = _build_gpt(args)
         seq_len = model.config.seq_len
-    if args.lora:
-        check_lora_rank(model, args.lora)
-        with flags_of({"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
-                       "target_modules": "--lora-targets"}):
-            model = apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
-                               target_modules=args.lora_targets)
-    return model, seq_len
+    return with_lora(model, args), seq_len
+
+
+def with_lora(model: Any, args: argparse.Namespace) -> Any:
+    """``model`` with --lora's adapters on its frozen weights (``model`` itself without --lora). On a meta-device
+    model the adapters are meta parameters too, trainable beside the frozen base: what estimate and plan trace."""
+    if not args.lora:
+        return model
+    check_lora_rank(model, args.lora)
+    with flags_of({"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
+                   "target_modules": "--lora-targets"}):
+        return apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
+                          target_modules=args.lora_targets)
+
+
+def lora_flag_problems(args: argparse.Namespace) -> list[str]:
+    """One problem per LoRA option given without --lora (nothing to apply it to)."""
+    problems = []
+    for dest in ("merge_lora", "lora_alpha", "lora_dropout", "lora_targets"):
+        if getattr(args, dest, None) not in (None, False) and not args.lora:
+            flag = "--" + dest.replace("_", "-")
+            problems.append(f"{flag} without --lora: there are no adapters to {flag[7:]}. To resolve this error, "
+                            f"pass --lora R (e.g. --lora 8), or drop {flag}.")
+    return problems
+
+
+def lora_text(model: Any, rank: int) -> str:
+    """The adapters in one phrase: their rank and trainable parameters beside the frozen base's."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    share = 100 * trainable / (trainable + frozen)
+    return (f"LoRA rank {rank}: {_count(trainable)} trainable parameters ({share:.2f}%) beside {_count(frozen)} "
+            "frozen ones, which take no gradients and no optimizer state")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
 def check_lora_rank(model: Any, rank: int) -> None:
@@ -159,16 +189,17 @@ def check_data_path(path: str, *, tokenised: bool, flag: str = "--data") -> None
 
 
 def meta_target(args: argparse.Namespace, *, default_seq_len: int = 2048) -> tuple[Any, int, str]:
-    """(the model on the meta device, tokens per example, its name) for estimate and plan: nothing allocated."""
+    """(the model on the meta device, with --lora's adapters, tokens per example, its name) for estimate and plan:
+    nothing allocated."""
     if args.hf_config or args.hf_model:
         config = hf_config_from_file(args.hf_config) if args.hf_config else hf_folder_config(args.hf_model)
         flag = "--hf-config" if args.hf_config else "--hf-model"
         seq_len = hf_seq_len(config, args.seq_len, flag, default=default_seq_len)
         name = Path(args.hf_config).name if args.hf_config else Path(args.hf_model).name
-        return meta_model(config), seq_len, name
+        return with_lora(meta_model(config), args), seq_len, name
     with torch.device("meta"):
         model = _build_gpt(args)
-    return model, model.config.seq_len, args.model
+    return with_lora(model, args), model.config.seq_len, args.model
 
 
 def trains_packed_rows(args: argparse.Namespace) -> bool:
