@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import tiny_llama_config
 
 from memtrain.cli import main
@@ -78,19 +79,24 @@ def test_estimate_and_plan_of_a_hf_model_folder_trace_the_packed_rows_train_feed
     assert json.loads(capsys.readouterr().out)["estimate"]["activation_bytes"] == packed.activation_bytes
 
 
-def test_estimate_with_lora_equals_measure_of_the_adapted_model_on_cpu(tmp_path, capsys):
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_estimate_with_lora_equals_measure_of_the_adapted_model_on_cpu(tmp_path, capsys, precision):
     """--lora R: the meta model gets PEFT's adapters on its frozen base, so estimate counts the base's weights
-    without gradients or optimizer state, the adapters with theirs, and what LoRA saves for backward: the bytes
-    measure finds in one real step of the same adapted model."""
+    without gradients or optimizer state (its linear weights in bf16 under bf16-mixed, as train stores them), the
+    adapters with theirs, and what LoRA saves for backward: the bytes measure finds in one real step of the same
+    adapted model."""
+    import contextlib
+
     import torch
     import transformers
 
     from memtrain import measure
+    from memtrain.cli.workloads import frozen_linear_weights_to
     from memtrain.hf import apply_lora
 
     tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
     argv = ["estimate", "--hf-config", str(tmp_path / "cfg" / "config.json"), "--seq-len", "32",
-            "--micro-batch-size", "2", "--device", "cpu", "--precision", "fp32", "--checkpointing", "none",
+            "--micro-batch-size", "2", "--device", "cpu", "--precision", precision, "--checkpointing", "none",
             "--no-chunked-loss", "--json"]
     assert main([*argv, "--lora", "4"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -98,15 +104,24 @@ def test_estimate_with_lora_equals_measure_of_the_adapted_model_on_cpu(tmp_path,
     full = json.loads(capsys.readouterr().out)
     torch.manual_seed(0)
     model = apply_lora(transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=512)), 4)
+    mixed = precision == "bf16-mixed"
+    if mixed:
+        frozen_linear_weights_to(model, torch.bfloat16)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable)
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
-    measured = measure(lambda: model(input_ids=x, labels=x.clone()), model=model, optimizer=optimizer)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+            return model(input_ids=x, labels=x.clone())
+
+    measured = measure(step, model=model, optimizer=optimizer)
     adapters = 4 * sum(p.numel() for p in trainable)
     for field in ("activation_bytes", "gradient_bytes", "optimizer_state_bytes", "parameter_bytes"):
         assert report[field] == getattr(measured, field), (field, report[field], getattr(measured, field))
     assert report["gradient_bytes"] == adapters, (report["gradient_bytes"], adapters)  # the adapters' only
     assert report["optimizer_state_bytes"] < 0.1 * full["optimizer_state_bytes"], (report, full)
+    assert (report["parameter_bytes"] < 0.8 * full["parameter_bytes"]) == mixed, (report, full)
     assert any("LoRA rank 4" in a and "trainable parameters" in a for a in report["assumptions"]), report
 
 

@@ -138,7 +138,7 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
             data = tokenized_rows(args.data, tokenizer, seq_len, progress=False if args.no_progress else None)
         for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
             echo(f"  note: {in_flag_terms(str(warning.message), 'train')}", file=sys.stderr)
-    model, seq_len = build_language_model(args)
+    model, seq_len = build_language_model(args, device)
     model.to(device)
     if args.hf_model:
         skipped = sum(rows.skipped_pieces for rows in data)
