@@ -179,8 +179,9 @@ def test_bad_input_is_one_message_and_exit_2(argv, fragment, capsys):
 
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-             "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False}
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+             "tie_word_embeddings": False}
 
 
 def test_lora_16_fits_llama3_8b_on_a_24_gib_4090(tmp_path, capsys):
@@ -196,6 +197,7 @@ def test_lora_16_fits_llama3_8b_on_a_24_gib_4090(tmp_path, capsys):
     # 7 adapted projections a layer, r x (in + out) each: 41.94M trainable parameters of 8.07B.
     assert p["reasons"][0].startswith("LoRA rank 16: 41.94M trainable parameters (0.52%) beside 8.03B frozen"), (
         p["reasons"])
+    assert "the frozen linear weights stored in bf16" in p["reasons"][0], p["reasons"]
 
 
 def test_a_lora_train_run_plans_what_memtrain_plan_lora_plans(tmp_path, capsys):
@@ -203,12 +205,15 @@ def test_a_lora_train_run_plans_what_memtrain_plan_lora_plans(tmp_path, capsys):
     memtrain plan --lora plans the same model on the meta device: the same settings and the same predicted peak."""
     tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
     base = ["--hf-config", str(tmp_path / "cfg" / "config.json"), "--seq-len", "32", "--precision", "bf16-mixed",
-            "--checkpointing", "all", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-offload-optimizer", "--no-offload-activations", "--optimizer-state", "fp32",
-              "--no-step-in-backward", "--no-chunked-loss", "--budget", "1GiB"]
+            "--checkpointing", "all", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-offload-optimizer",
+            "--no-offload-activations", "--optimizer-state", "fp32", "--no-step-in-backward", "--no-chunked-loss",
+            "--budget", "1GiB"]
     common = [*base, "--lora", "4"]
     planned = _plan(capsys, *common, "--device", "cpu")
     assert main(["train", *common, "--max-steps", "1", "--out", str(tmp_path / "run"), "--json"]) == 0
-    trained = json.loads(capsys.readouterr().out.splitlines()[-1])["plan"]
+    out, err = capsys.readouterr()
+    trained = json.loads(out.splitlines()[-1])["plan"]
+    assert "LoRA rank 4:" in err and "the frozen linear weights stored in bf16" in err, err  # said, not silent
     assert trained["settings"] == planned["plan"], (trained["settings"], planned["plan"])
     assert trained["peak_bytes"] == planned["peak_bytes"], (trained["peak_bytes"], planned["peak_bytes"])
     full = _plan(capsys, *base, "--device", "cpu")

@@ -26,6 +26,7 @@ from memtrain.cli.workloads import (
     build_language_model,
     check_data_path,
     check_vocabulary,
+    frozen_dtype_text,
     hf_folder_config,
     hf_seq_len,
     lora_flag_problems,
@@ -70,7 +71,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         if rank == 0:
             for note in notes:
                 echo(f"  {note}", file=sys.stderr)
-            lora = f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable" if args.lora else ""
+            lora = (f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable{frozen_dtype_text(model)}"
+                    if args.lora else "")
             log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
                       f"tokens x {global_batch} per step, "
                       f"{f'{args.epochs} epoch(s)' if args.epochs else f'{args.max_steps} steps'} on {source} "

@@ -96,7 +96,16 @@ def lora_text(model: Any, rank: int) -> str:
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     share = 100 * trainable / (trainable + frozen)
     return (f"LoRA rank {rank}: {_count(trainable)} trainable parameters ({share:.2f}%) beside {_count(frozen)} "
-            "frozen ones, which take no gradients and no optimizer state")
+            f"frozen ones, which take no gradients and no optimizer state{frozen_dtype_text(model)}")
+
+
+def frozen_dtype_text(model: Any) -> str:
+    """'; the frozen linear weights in bf16 (...)' where ``with_lora`` stored them so, else ''."""
+    dtypes = {p.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
+              for p in m.parameters(recurse=False) if not p.requires_grad}
+    half = sorted(name.removesuffix("-mixed") for name, dtype in _AUTOCAST_DTYPES.items() if dtype in dtypes)
+    return (f"; the frozen linear weights stored in {' and '.join(half)}, the dtype autocast computes them in (the "
+            "same numbers in half the bytes)") if half else ""
 
 
 def _count(n: int) -> str:
