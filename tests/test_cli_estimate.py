@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import tiny_llama_config
 
 from memtrain.cli import main
@@ -76,3 +77,61 @@ def test_estimate_and_plan_of_a_hf_model_folder_trace_the_packed_rows_train_feed
     assert main(["plan", *argv, "--micro-batch-size", "4", "--global-batch-size", "4", "--budget", "1GiB",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["estimate"]["activation_bytes"] == packed.activation_bytes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_estimate_with_lora_equals_measure_of_the_adapted_model_on_cpu(tmp_path, capsys, precision):
+    """--lora R: the meta model gets PEFT's adapters on its frozen base, so estimate counts the base's weights
+    without gradients or optimizer state (its linear weights in bf16 under bf16-mixed, as train stores them), the
+    adapters with theirs, and what LoRA saves for backward: the bytes measure finds in one real step of the same
+    adapted model."""
+    import contextlib
+
+    import torch
+    import transformers
+
+    from memtrain import measure
+    from memtrain.cli.workloads import frozen_linear_weights_to
+    from memtrain.hf import apply_lora
+
+    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
+    argv = ["estimate", "--hf-config", str(tmp_path / "cfg" / "config.json"), "--seq-len", "32",
+            "--micro-batch-size", "2", "--device", "cpu", "--precision", precision, "--checkpointing", "none",
+            "--no-chunked-loss", "--json"]
+    assert main([*argv, "--lora", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    full = json.loads(capsys.readouterr().out)
+    torch.manual_seed(0)
+    model = apply_lora(transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=512)), 4)
+    mixed = precision == "bf16-mixed"
+    if mixed:
+        frozen_linear_weights_to(model, torch.bfloat16)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable)
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+            return model(input_ids=x, labels=x.clone())
+
+    measured = measure(step, model=model, optimizer=optimizer)
+    adapters = 4 * sum(p.numel() for p in trainable)
+    for field in ("activation_bytes", "gradient_bytes", "optimizer_state_bytes", "parameter_bytes"):
+        assert report[field] == getattr(measured, field), (field, report[field], getattr(measured, field))
+    assert report["gradient_bytes"] == adapters, (report["gradient_bytes"], adapters)  # the adapters' only
+    assert report["optimizer_state_bytes"] < 0.1 * full["optimizer_state_bytes"], (report, full)
+    assert (report["parameter_bytes"] < 0.8 * full["parameter_bytes"]) == mixed, (report, full)
+    assert any("LoRA rank 4" in a and "trainable parameters" in a for a in report["assumptions"]), report
+
+
+def test_lora_in_estimate_is_checked_as_in_train(tmp_path, capsys):
+    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
+    path = str(tmp_path / "cfg" / "config.json")
+    assert main(["estimate", "--hf-config", path, "--lora", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora 100 is above the rank of the layers it adapts" in err and "--lora 32 or less" in err, err
+    assert main(["estimate", "--hf-config", path, "--lora-alpha", "16"]) == 2
+    assert "--lora-alpha without --lora" in capsys.readouterr().err
+    assert main(["estimate", "--hf-config", path, "--lora", "4", "--lora-targets", "nope"]) == 2
+    assert "--lora-targets" in capsys.readouterr().err

@@ -176,3 +176,51 @@ def test_calibrate_without_a_gpu_is_refused(capsys):
 def test_bad_input_is_one_message_and_exit_2(argv, fragment, capsys):
     line = _fails(capsys, *(TINY if "--model" not in argv and "--hf-model" not in argv else []), *argv)
     assert fragment in line, line
+
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+             "tie_word_embeddings": False}
+
+
+def test_lora_16_fits_llama3_8b_on_a_24_gib_4090(tmp_path, capsys):
+    """Issue 20's LoRA target: the frozen base takes no gradients or optimizer state and its linear weights are
+    stored in bf16 (autocast computes with them in bf16 anyway), so an 8B fits 24 GiB; full fine-tuning does not
+    without host RAM for the offloaded state."""
+    path = tmp_path / "llama3-8b.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    p = _plan(capsys, "--hf-config", str(path), "--seq-len", "2048", "--global-batch-size", "16", "--lora", "16",
+              "--budget", "24GiB", "--gpu", "4090")
+    assert p["peak_bytes"] <= p["usable_bytes"] < 24 * 2**30, (p["peak_bytes"], p["usable_bytes"])
+    assert p["plan"]["micro_batch_size"] * p["plan"]["accumulation"] == 16, p["plan"]
+    # 7 adapted projections a layer, r x (in + out) each: 41.94M trainable parameters of 8.07B.
+    assert p["reasons"][0].startswith("LoRA rank 16: 41.94M trainable parameters (0.52%) beside 8.03B frozen"), (
+        p["reasons"])
+    assert "the frozen linear weights stored in bf16" in p["reasons"][0], p["reasons"]
+
+
+def test_a_lora_train_run_plans_what_memtrain_plan_lora_plans(tmp_path, capsys):
+    """memtrain train --lora plans the adapted model it trains (frozen linear weights in bf16 under bf16-mixed);
+    memtrain plan --lora plans the same model on the meta device: the same settings and the same predicted peak."""
+    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
+    base = ["--hf-config", str(tmp_path / "cfg" / "config.json"), "--seq-len", "32", "--precision", "bf16-mixed",
+            "--checkpointing", "all", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-offload-optimizer",
+            "--no-offload-activations", "--optimizer-state", "fp32", "--no-step-in-backward", "--no-chunked-loss",
+            "--budget", "1GiB"]
+    common = [*base, "--lora", "4"]
+    planned = _plan(capsys, *common, "--device", "cpu")
+    assert main(["train", *common, "--max-steps", "1", "--out", str(tmp_path / "run"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    trained = json.loads(out.splitlines()[-1])["plan"]
+    assert "LoRA rank 4:" in err and "the frozen linear weights stored in bf16" in err, err  # said, not silent
+    assert trained["settings"] == planned["plan"], (trained["settings"], planned["plan"])
+    assert trained["peak_bytes"] == planned["peak_bytes"], (trained["peak_bytes"], planned["peak_bytes"])
+    full = _plan(capsys, *base, "--device", "cpu")
+    assert planned["estimate"]["gradient_bytes"] < 0.1 * full["estimate"]["gradient_bytes"], (planned, full)
+
+
+def test_lora_in_plan_is_checked_as_in_train(capsys):
+    line = _fails(capsys, *TINY, "--lora", "100000")
+    assert "--lora 100000 is above the rank of the layers it adapts" in line and "To resolve this error" in line, line
+    assert "--lora-dropout without --lora" in _fails(capsys, *TINY, "--lora-dropout", "0.1")

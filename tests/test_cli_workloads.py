@@ -190,3 +190,41 @@ def test_a_run_stopped_at_step_10_and_resumed_equals_the_uninterrupted_one_bit_f
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), f"{variant}: {name}:{key} differs after the resume"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_frozen_linear_weights_in_the_autocast_dtype_change_no_number(tied):
+    """Under bf16-mixed, --lora stores the frozen linear weights in bf16: autocast casts them so for every matmul,
+    so the loss and the adapters' gradients are bit for bit those of the fp32 base, in half the weight bytes. A
+    head tied to the embedding (read outside a matmul) keeps its dtype."""
+    import copy
+
+    from helpers import tiny_llama_config
+
+    from memtrain.cli.workloads import frozen_linear_weights_to
+    from memtrain.hf import apply_lora
+
+    torch.manual_seed(0)
+    fp32 = apply_lora(transformers.LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied)), 4)
+    for name, p in fp32.named_parameters():  # PEFT starts lora_B at zero: make every gradient count
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    half = copy.deepcopy(fp32)
+    frozen_linear_weights_to(half, torch.bfloat16)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (fp32, half):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x.clone()).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(*losses), losses
+    for (name, a), b in zip(fp32.named_parameters(), half.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), name
+    dtypes = {name: p.dtype for name, p in half.named_parameters()}
+    assert dtypes["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
+    assert dtypes["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"] == torch.float32
+    assert dtypes["base_model.model.model.embed_tokens.weight"] == torch.float32  # read by index, not a matmul
+    head = half.get_output_embeddings().weight
+    assert head.dtype == (torch.float32 if tied else torch.bfloat16), head.dtype
+    assert (head is half.get_input_embeddings().weight) == tied

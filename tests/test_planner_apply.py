@@ -48,3 +48,22 @@ def test_apply_plan_sets_up_exactly_what_the_settings_say():
     plain = apply_plan(model, PlanSettings(4, 1, ("keep",) * 4, "full", False, "device", "none", False, "fp32"))
     assert checkpointed_blocks(model) == [] and chunk_tokens_of(model) is None
     assert type(plain.optimizer) is torch.optim.AdamW
+
+
+def test_offload_bf16_weights_puts_a_lora_models_frozen_base_in_bf16_too():
+    """The plan estimates every device weight in bf16 with offload-bf16-weights (estimate(weights_dtype="bf16")):
+    the frozen base of a LoRA model, which has no fp32 master to keep, is cast too, or the run would hold it in
+    fp32 beside a plan that counted it in bf16."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from helpers import tiny_llama_config
+
+    from memtrain.hf import apply_lora
+
+    model = apply_lora(transformers.LlamaForCausalLM(tiny_llama_config()), 4)
+    settings = PlanSettings(2, 1, ("keep",) * 2, "full", False, "offload-bf16-weights", "none", False, "bf16-mixed")
+    run = apply_plan(model, settings, lr=1e-3)
+    wrong = {n: p.dtype for n, p in model.named_parameters() if p.dtype != torch.bfloat16}
+    run.optimizer.close()
+    assert not wrong, f"device weights not in bf16: {wrong}"

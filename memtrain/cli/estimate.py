@@ -8,7 +8,7 @@ import json
 
 from memtrain.cli.console import EXIT_OK, echo
 from memtrain.cli.techniques import choices_from_flags
-from memtrain.cli.workloads import meta_batch, meta_target, trains_packed_rows
+from memtrain.cli.workloads import lora_flag_problems, lora_text, meta_batch, meta_target, trains_packed_rows
 from memtrain.errors import ConfigError
 from memtrain.estimate import estimate
 from memtrain.loss import supports_chunked_loss
@@ -20,6 +20,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                           "set-up. To resolve this error, run memtrain plan --budget SIZE (it estimates its choice), "
                           "or pass a policy such as all, every:2 or none.")
     setup = choices_from_flags(args)
+    ConfigError.raise_if(lora_flag_problems(args))
     target, seq_len, name = meta_target(args)
     policy = setup.checkpointing
     chunked = setup.chunked_loss
@@ -31,6 +32,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     setup = dataclasses.replace(setup, chunked_loss=chunked)
     report = estimate(target, meta_batch(args, args.micro_batch_size, seq_len), device=args.device,
                       precision=args.precision, setup=setup)
+    if args.lora:
+        report = dataclasses.replace(report, assumptions=(*report.assumptions, lora_text(target, args.lora)))
     if args.json:
         echo(json.dumps(report.to_dict()))
     else:
@@ -40,7 +43,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         optimizer = f"{where}, {o.state_precision or 'fp32'} moments" + (", step in backward" if o.step_in_backward
                                                                           else "")
         rows = " (packed rows)" if trains_packed_rows(args) else ""
-        echo(f"{name}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, checkpointing "
+        lora = f", LoRA rank {args.lora}" if args.lora else ""
+        echo(f"{name}{lora}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, checkpointing "
              f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {args.device}")
         echo(report.summary())
     return EXIT_OK

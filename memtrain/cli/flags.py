@@ -192,16 +192,7 @@ def _add_train_parser(sub: Any) -> None:
     t.add_argument("--eval-data", metavar="PATH", help="held-out text to evaluate on every --eval-every steps, in "
                    "the formats of --data (tokenised and packed the same way); default: the last 5%% of --data's "
                    "documents, or for the built-in corpus every 20th block of 64 KiB")
-    t.add_argument("--lora", type=_positive_int, metavar="R", help="train LoRA adapters of rank R on the frozen "
-                   "model (every linear layer but the output head, or --lora-targets); hf/ then holds the adapters")
-    t.add_argument("--lora-alpha", type=_positive_float, metavar="A", help="with --lora: the adapters' update is "
-                   "scaled by A / R (default: PEFT's LoraConfig default, 8)")
-    t.add_argument("--lora-dropout", type=_dropout, metavar="P", help="with --lora: dropout on the adapters' input, "
-                   "0 <= P < 1 (default 0)")
-    t.add_argument("--lora-targets", type=_names, metavar="NAMES", help="with --lora: the comma-separated module "
-                   "names to adapt, as PEFT's target_modules matches them (a name or the end of a dotted path, e.g. "
-                   "q_proj,v_proj); a name the model lacks is an error listing those it has (default: every "
-                   "linear layer but the output head)")
+    _add_lora_flags(t, adapters="; hf/ then holds the adapters")
     t.add_argument("--merge-lora", action="store_true", help="with --lora: hf/ holds the weights with the adapters "
                    "merged in (a plain from_pretrained folder)")
     t.add_argument("--global-batch-size", type=_positive_int,
@@ -258,6 +249,7 @@ def _add_train_parser(sub: Any) -> None:
 def _add_estimate_parser(sub: Any) -> None:
     e = sub.add_parser("estimate", help="predict the peak memory of a training step, without a GPU")
     _add_model_flags(e, micro_batch_default=16, checkpointing_default="all")
+    _add_lora_flags(e, adapters=": the frozen base weights take no gradients and no optimizer state")
     e.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
                    help="the precision to predict for (default bf16-mixed)")
     e.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -268,6 +260,7 @@ def _add_estimate_parser(sub: Any) -> None:
 def _add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="choose the fastest set-up that fits a memory budget, with its reasons")
     _add_model_flags(p)
+    _add_lora_flags(p, adapters=": the frozen base weights take no gradients and no optimizer state")
     p.add_argument("--global-batch-size", type=_positive_int,
                    help="examples per optimizer step over all ranks (default, as memtrain train: 16 x --nproc, or "
                    "micro-batch x --nproc when --micro-batch-size is given)")
@@ -309,6 +302,20 @@ def _add_export_parser(sub: Any) -> None:
                    help="the weights' dtype in hf/ (default auto: the --hf-model checkpoint's own; LoRA adapters "
                    "stay as trained)")
     x.add_argument("--json", action="store_true", help="print what was written as JSON on stdout")
+
+
+def _add_lora_flags(parser: argparse.ArgumentParser, *, adapters: str) -> None:
+    """--lora R and its options, one definition for train, estimate and plan (``adapters`` ends --lora's help)."""
+    parser.add_argument("--lora", type=_positive_int, metavar="R", help="train LoRA adapters of rank R on the frozen "
+                        f"model (every linear layer but the output head, or --lora-targets){adapters}")
+    parser.add_argument("--lora-alpha", type=_positive_float, metavar="A", help="with --lora: the adapters' update "
+                        "is scaled by A / R (default: PEFT's LoraConfig default, 8)")
+    parser.add_argument("--lora-dropout", type=_dropout, metavar="P", help="with --lora: dropout on the adapters' "
+                        "input, 0 <= P < 1 (default 0)")
+    parser.add_argument("--lora-targets", type=_names, metavar="NAMES", help="with --lora: the comma-separated "
+                        "module names to adapt, as PEFT's target_modules matches them (a name or the end of a dotted "
+                        "path, e.g. q_proj,v_proj); a name the model lacks is an error listing those it has (default: "
+                        "every linear layer but the output head)")
 
 
 def _add_model_flags(parser: argparse.ArgumentParser, *, micro_batch_default: int | None = None,

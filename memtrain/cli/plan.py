@@ -10,7 +10,7 @@ from memtrain.choices import default_global_batch
 from memtrain.cli.console import EXIT_OK, echo
 from memtrain.cli.flags import UNLIMITED
 from memtrain.cli.techniques import choices_from_flags
-from memtrain.cli.workloads import meta_target, trains_packed_rows
+from memtrain.cli.workloads import lora_flag_problems, lora_text, meta_target, trains_packed_rows
 from memtrain.errors import ConfigError
 from memtrain.planner import known_gpu, plan
 
@@ -18,6 +18,7 @@ from memtrain.planner import known_gpu, plan
 def cmd_plan(args: argparse.Namespace) -> int:
     # memtrain plan's --compile fixes nothing: it lets the search weigh compiled set-ups too (plan(compile=)).
     choices = dataclasses.replace(choices_from_flags(args), compile=False)
+    ConfigError.raise_if(lora_flag_problems(args))
     target, seq_len, name = meta_target(args)
     # On the CPU the planner always probes; --calibrate probes a GPU now instead of the table of known ones.
     if args.gpu and (args.calibrate or args.device != "cuda"):
@@ -35,6 +36,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
              fsdp=args.fsdp if args.nproc > 1 else False, compile=args.compile, choices=choices,
              host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
              micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args))
+    if args.lora:
+        p = dataclasses.replace(p, reasons=(lora_text(target, args.lora), *p.reasons))
     if args.json:
         echo(json.dumps(p.to_dict()))
     else:

@@ -26,8 +26,10 @@ from memtrain.cli.workloads import (
     build_language_model,
     check_data_path,
     check_vocabulary,
+    frozen_dtype_text,
     hf_folder_config,
     hf_seq_len,
+    lora_flag_problems,
 )
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import ByteWindows, builtin_corpus, split_windows, text_file_tokens, tokenized_rows
@@ -69,7 +71,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         if rank == 0:
             for note in notes:
                 echo(f"  {note}", file=sys.stderr)
-            lora = f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable" if args.lora else ""
+            lora = (f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable{frozen_dtype_text(model)}"
+                    if args.lora else "")
             log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
                       f"tokens x {global_batch} per step, "
                       f"{f'{args.epochs} epoch(s)' if args.epochs else f'{args.max_steps} steps'} on {source} "
@@ -98,11 +101,7 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
         choices = choices_from_flags(args)
     except ConfigError as e:
         problems += e.problems
-    for dest in ("merge_lora", "lora_alpha", "lora_dropout", "lora_targets"):
-        if getattr(args, dest) not in (None, False) and not args.lora:
-            flag = "--" + dest.replace("_", "-")
-            problems.append(f"{flag} without --lora: there are no adapters to {flag[7:]}. To resolve this error, "
-                            f"pass --lora R (e.g. --lora 8), or drop {flag}.")
+    problems += lora_flag_problems(args)
     if args.epochs and "max_steps" in explicit:  # --config or a resume can give both; argparse sees one line
         if args.resume and "epochs" not in explicit:
             args.epochs = None  # --max-steps given to a resumed --epochs run: the new length, as for any run
@@ -141,7 +140,7 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
             data = tokenized_rows(args.data, tokenizer, seq_len, progress=False if args.no_progress else None)
         for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
             echo(f"  note: {in_flag_terms(str(warning.message), 'train')}", file=sys.stderr)
-    model, seq_len = build_language_model(args)
+    model, seq_len = build_language_model(args, device)
     model.to(device)
     if args.hf_model:
         skipped = sum(rows.skipped_pieces for rows in data)

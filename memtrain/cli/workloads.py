@@ -18,10 +18,12 @@ from memtrain.errors import ConfigError
 from memtrain.estimate import hf_config_from_file, meta_model
 from memtrain.hf import apply_lora, load_pretrained, lora_targets
 from memtrain.models import GPT, GPT_PRESETS
+from memtrain.precision import resolve_precision
 
 
-def build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
-    """The model (LoRA adapters added with --lora) and its sequence length."""
+def build_language_model(args: argparse.Namespace, device: torch.device | None = None) -> tuple[Any, int]:
+    """The model (LoRA adapters added with --lora) and its sequence length; ``device``: where it will train, whose
+    precision (--precision, or auto's choice) decides the dtype of the frozen linear weights (``with_lora``)."""
     if args.hf_model:
         # fp32 weights whatever the checkpoint holds: the master weights of mixed precision (autocast computes in
         # bf16), which the optimizer needs; the plan may still put bf16 copies on the device (offloaded master).
@@ -33,13 +35,81 @@ def build_language_model(args: argparse.Namespace) -> tuple[Any, int]:
     else:
         model = _build_gpt(args)
         seq_len = model.config.seq_len
-    if args.lora:
-        check_lora_rank(model, args.lora)
-        with flags_of({"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
-                       "target_modules": "--lora-targets"}):
-            model = apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
-                               target_modules=args.lora_targets)
-    return model, seq_len
+    precision = resolve_precision(device, args.precision)[0] if device is not None and args.lora else None
+    return with_lora(model, args, precision), seq_len
+
+
+def with_lora(model: Any, args: argparse.Namespace, precision: str | None = None) -> Any:
+    """``model`` with --lora's adapters on its frozen weights (``model`` itself without --lora). On a meta-device
+    model the adapters are meta parameters too, trainable beside the frozen base: what estimate and plan trace.
+
+    Under a mixed ``precision`` the frozen linear weights are stored in its compute dtype: half their bytes, and
+    the same numbers, since autocast casts them to that dtype for every matmul anyway (they take no update, so they
+    need no fp32 master). The other frozen weights (embeddings, norms) keep their dtype: they are used outside
+    matmuls, where the cast would change the numbers."""
+    if not args.lora:
+        return model
+    check_lora_rank(model, args.lora)
+    with flags_of({"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
+                   "target_modules": "--lora-targets"}):
+        lora = apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
+                          target_modules=args.lora_targets)
+    dtype = _AUTOCAST_DTYPES.get(precision or "")
+    if dtype is not None:
+        frozen_linear_weights_to(lora, dtype)
+    return lora
+
+
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def frozen_linear_weights_to(model: Any, dtype: torch.dtype) -> None:
+    """The frozen ``nn.Linear`` weights and biases of ``model`` in ``dtype``, in place; a parameter another kind of
+    module shares (an output head tied to the embedding) is left as it is."""
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    in_linear = {id(p) for m in linear for p in m.parameters(recurse=False)}
+    elsewhere = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
+                 for p in m.parameters(recurse=False)}
+    done: dict[int, torch.nn.Parameter] = {}  # one new parameter per old one: ties between linear layers survive
+    for m in linear:
+        for name, p in m.named_parameters(recurse=False):
+            if not p.requires_grad and p.is_floating_point() and id(p) in in_linear - elsewhere:
+                if id(p) not in done:
+                    done[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+                setattr(m, name, done[id(p)])
+
+
+def lora_flag_problems(args: argparse.Namespace) -> list[str]:
+    """One problem per LoRA option given without --lora (nothing to apply it to)."""
+    problems = []
+    for dest in ("merge_lora", "lora_alpha", "lora_dropout", "lora_targets"):
+        if getattr(args, dest, None) not in (None, False) and not args.lora:
+            flag = "--" + dest.replace("_", "-")
+            problems.append(f"{flag} without --lora: there are no adapters to {flag[7:]}. To resolve this error, "
+                            f"pass --lora R (e.g. --lora 8), or drop {flag}.")
+    return problems
+
+
+def lora_text(model: Any, rank: int) -> str:
+    """The adapters in one phrase: their rank and trainable parameters beside the frozen base's."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    share = 100 * trainable / (trainable + frozen)
+    return (f"LoRA rank {rank}: {_count(trainable)} trainable parameters ({share:.2f}%) beside {_count(frozen)} "
+            f"frozen ones, which take no gradients and no optimizer state{frozen_dtype_text(model)}")
+
+
+def frozen_dtype_text(model: Any) -> str:
+    """'; the frozen linear weights in bf16 (...)' where ``with_lora`` stored them so, else ''."""
+    dtypes = {p.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
+              for p in m.parameters(recurse=False) if not p.requires_grad}
+    half = sorted(name.removesuffix("-mixed") for name, dtype in _AUTOCAST_DTYPES.items() if dtype in dtypes)
+    return (f"; the frozen linear weights stored in {' and '.join(half)}, the dtype autocast computes them in (the "
+            "same numbers in half the bytes)") if half else ""
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
 def check_lora_rank(model: Any, rank: int) -> None:
@@ -159,16 +229,17 @@ def check_data_path(path: str, *, tokenised: bool, flag: str = "--data") -> None
 
 
 def meta_target(args: argparse.Namespace, *, default_seq_len: int = 2048) -> tuple[Any, int, str]:
-    """(the model on the meta device, tokens per example, its name) for estimate and plan: nothing allocated."""
+    """(the model on the meta device, with --lora's adapters, tokens per example, its name) for estimate and plan:
+    nothing allocated."""
     if args.hf_config or args.hf_model:
         config = hf_config_from_file(args.hf_config) if args.hf_config else hf_folder_config(args.hf_model)
         flag = "--hf-config" if args.hf_config else "--hf-model"
         seq_len = hf_seq_len(config, args.seq_len, flag, default=default_seq_len)
         name = Path(args.hf_config).name if args.hf_config else Path(args.hf_model).name
-        return meta_model(config), seq_len, name
+        return with_lora(meta_model(config), args, args.precision), seq_len, name
     with torch.device("meta"):
         model = _build_gpt(args)
-    return model, model.config.seq_len, args.model
+    return with_lora(model, args, args.precision), model.config.seq_len, args.model
 
 
 def trains_packed_rows(args: argparse.Namespace) -> bool:

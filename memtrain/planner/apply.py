@@ -154,5 +154,10 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
     # have copied them to the host. In one process they stream to the host during backward.
     # offload-bf16-weights: the fp32 master takes the weights' full digits, then the device copy becomes bf16.
     bf16 = torch.bfloat16 if s.optimizer == "offload-bf16-weights" else None
+    # NOTE: frozen weights (a LoRA model's base) have no master to keep: bf16 on the device too, as the plan
+    # estimated every weight on the device (estimate(weights_dtype="bf16")).
+    for p in model.parameters() if bf16 is not None else ():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(bf16)
     return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
                                device_dtype=bf16, state_precision=s.state_precision, **hyper)
