@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from helpers import MiB, h100, planner_llama
 
 from memtrain.choices import Choices
@@ -128,3 +129,20 @@ def test_nothing_fits_the_host_says_by_how_much_and_names_a_host_budget_that_fit
     assert named, message
     fits = plan(llama, host_budget=f"{named.group(1)}MiB", **kwargs)
     assert need <= fits.host_bytes + 0.01 * MiB <= int(named.group(1)) * MiB + 0.01 * MiB, (fits.host_bytes, message)
+
+
+def test_the_default_host_budget_is_the_memory_cgroups_room(llama, tmp_path, monkeypatch):
+    """Without host_budget a plan for this machine checks the host RAM available now: within a memory cgroup (a
+    container's limit), its limit less its use."""
+    from memtrain.choices import OptimizerChoice
+
+    (tmp_path / "memory.max").write_text(f"{100 * MiB}\n")
+    (tmp_path / "memory.current").write_text(f"{60 * MiB}\n")
+    import sys
+
+    monkeypatch.setattr(sys.modules["memtrain.measure"], "CGROUP_ROOT", str(tmp_path))  # (memtrain.measure: a function)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a plan for this machine's GPU
+    with pytest.raises(ConfigError) as info:  # the offloaded optimizer's fp32 master alone is 56 MiB
+        plan(llama, budget="8GiB", seq_len=256, global_batch_size=4, device_profile=H100,
+             choices=Choices(optimizer=OptimizerChoice(placement="offload")))
+    assert "over the 40.00 MiB of host RAM available now" in str(info.value), str(info.value)
