@@ -13,7 +13,9 @@ import torch
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
+from memtrain.offload import SLAB_BYTES_DEFAULT
 from memtrain.planner.cost import (
+    LOADER_BATCHES,
     CandidateTable,
     Composer,
     fsdp2_param_dtype,
@@ -201,6 +203,10 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
                    "all-reduce buckets (a second copy while accumulating); FSDP2 shards parameters and optimizer "
                    f"state (gradients too without accumulation), two blocks gathered {gathered}at a time, "
                    f"gradients reduced in fp32; host RAM is one node's ({ranks_per_node(ctx.world)} ranks)")
+    if ctx.device == "cuda":
+        out.append(f"host RAM at its peak: the offloaded optimizer's buffers and state as built, the activation "
+                   f"offloader's pool in whole pinned slabs of {format_bytes(SLAB_BYTES_DEFAULT)}, and an allowance "
+                   f"of {LOADER_BATCHES} pinned batches for the data loader")
     if host_limit is None:
         out.append("host RAM not checked (planned for another machine): pass host_budget to check it")
     out.append("compiled set-ups: memory as eager (compiled graphs keep no more), elementwise traffic halved, a "
