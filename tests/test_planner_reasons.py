@@ -146,3 +146,19 @@ def test_the_default_host_budget_is_the_memory_cgroups_room(llama, tmp_path, mon
         plan(llama, budget="8GiB", seq_len=256, global_batch_size=4, device_profile=H100,
              choices=Choices(optimizer=OptimizerChoice(placement="offload")))
     assert "over the 40.00 MiB of host RAM available now" in str(info.value), str(info.value)
+
+
+def test_nothing_fits_either_budget_names_both_to_raise(llama):
+    from memtrain.choices import OptimizerChoice
+
+    kwargs = dict(seq_len=1024, global_batch_size=4, device_profile=H100,
+                  choices=Choices(optimizer=OptimizerChoice(placement="offload")))
+    with pytest.raises(ConfigError) as info:
+        plan(llama, budget=60 * MiB, host_budget="40MiB", **kwargs)
+    message = str(info.value)
+    assert message.startswith("no set-up fits either budget: the least any set-up needs is"), message
+    assert len(_overs(message)) == 2, message
+    named = re.search(r"try host_budget=(\d+)MiB with budget=(\d+)MiB \(", message)
+    assert named, message
+    fits = plan(llama, budget=f"{named.group(2)}MiB", host_budget=f"{named.group(1)}MiB", **kwargs)
+    assert fits.host_bytes <= int(named.group(1)) * MiB, (fits.host_bytes, message)

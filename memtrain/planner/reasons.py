@@ -246,11 +246,12 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     if host_limit is not None and (on_device or not on_host):
         need = int(results.host[h])
         whose = (f"the set-ups that fit the device (smallest peak {format_bytes(int(peaks[fits_device].min()))} of "
-                 f"{format_bytes(usable)}) need at least" if on_device else "the least host RAM any set-up needs is")
+                 f"{format_bytes(usable)}) need at least" if on_device else "the least any set-up needs is")
         clauses.append(f"{whose} {format_bytes(need)} of host RAM, {format_bytes(need - host_limit)} over the "
                        f"{format_bytes(host_limit)} of {host_of}")
-        fixes.append(f"host_budget={_size_up(need)} ({_setup_text(results.settings(h))}: "
-                     f"{format_bytes(int(peaks[h]))} per rank{'' if on_device else ', over the device budget'})"
+        both = "" if on_device or usable is None else f" with budget={_size_up(math.ceil(peaks[h] / (1 - margin)))}"
+        fixes.append(f"host_budget={_size_up(need)}{both} ({_setup_text(results.settings(h))}: a peak of "
+                     f"{format_bytes(int(peaks[h]))} per rank)"
                      + ("" if host_budget is not None else " on a machine with that much RAM free"))
     if usable is not None and (on_host or not on_device):
         assert budget_bytes is not None
@@ -262,6 +263,8 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
         fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin)
     which = ("both budgets" if on_device and on_host else "the device" if on_host else
              "the host RAM" if on_device else "either budget")
+    if which == "either budget":  # each fix needs the other budget raised too: the smallest peak's host RAM
+        fixes[1:] = [f"host_budget={_size_up(int(results.host[k]))} and {fix}" for fix in fixes[1:]]
     raise ConfigError(f"no set-up fits {which}: {'; '.join(clauses)}. To resolve this error, try "
                       f"{'; or '.join(fixes)}.")
 
