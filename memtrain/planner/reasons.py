@@ -1,5 +1,5 @@
 """What a plan says about itself: a reason for each decision, the runners-up and why each lost, the assumptions,
-and the "nothing fits" error that names the smallest peak found and what would make a plan fit.
+and the "nothing fits" error that says which budget is short, by how much, and what would make a plan fit.
 """
 
 from __future__ import annotations
@@ -220,7 +220,8 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
 def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable,
                         verified: dict[int, tuple[float, Trace]], budget_bytes: int | None, usable: int | None,
                         host_limit: int | None, host_budget: int | None, margin: float, fits_host: np.ndarray) -> None:
-    """The ConfigError when no candidate fits: the smallest peak found, and what would make a plan fit."""
+    """The ConfigError when no candidate fits: which budget is short (the device, the host RAM, both or either),
+    by how much (each figure beside the budget it is over), and the budgets or options that would fit."""
     assert usable is not None or host_limit is not None
     if results.explicit and not results.searched:
         s = results.settings(0)
