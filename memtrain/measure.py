@@ -65,19 +65,71 @@ def cpu_allocation_peak_bytes(step: Callable[[], Any]) -> int:
     return peak
 
 
-def available_host_bytes() -> int | None:
-    """Host memory available to new allocations (Linux ``MemAvailable``; elsewhere free physical pages), or None
-    where the machine does not say."""
+CGROUP_ROOT = "/sys/fs/cgroup"
+_NO_CGROUP_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as the largest page count in bytes (about 2**63)
+
+
+def available_host_bytes(cgroup_root: str | None = None, membership: str = "/proc/self/cgroup") -> int | None:
+    """Host memory available to new allocations: the machine's (Linux ``MemAvailable``; elsewhere free physical
+    pages), or less where this process's memory cgroup sets a limit (a container's ``--memory``, a Slurm job's
+    share): ``cgroup_room_bytes``. None where the machine does not say."""
+    free: int | None = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            free = None
+    room = cgroup_room_bytes(cgroup_root, membership)
+    return free if room is None else room if free is None else min(free, room)
+
+
+def cgroup_room_bytes(cgroup_root: str | None = None, membership: str = "/proc/self/cgroup") -> int | None:
+    """What this process's memory cgroup still lets it allocate: its limit less its usage, the reclaimable page
+    cache (``inactive_file``) not counted as used; the least over its own folder and the hierarchy's root. cgroup
+    v2 (``memory.max``, ``memory.current``) or v1 (``memory/memory.limit_in_bytes``, ``memory.usage_in_bytes``).
+    None where no limit is set (or nothing can be read). ``cgroup_root`` None: ``CGROUP_ROOT``."""
+    root = cgroup_root if cgroup_root is not None else CGROUP_ROOT
+    own: dict[str, str] = {}  # "" (v2) or "memory" (v1) -> this process's cgroup path
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+        with open(membership) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "" or "memory" in controllers.split(","):
+                    own["" if controllers == "" else "memory"] = path.lstrip("/")
+    except (OSError, ValueError):
+        pass
+    rooms = []
+    for sub, limit_file, usage_file, cache_key in (("", "memory.max", "memory.current", "inactive_file"),
+                                                    ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                     "total_inactive_file")):
+        for folder in dict.fromkeys(os.path.normpath(os.path.join(root, sub, *p)) for p in ((own.get(sub, ""),), ())):
+            limit, usage = _read_int(os.path.join(folder, limit_file)), _read_int(os.path.join(folder, usage_file))
+            if limit is None or limit >= _NO_CGROUP_LIMIT or usage is None:
+                continue
+            cache = 0
+            try:
+                with open(os.path.join(folder, "memory.stat")) as f:
+                    cache = next((int(v) for k, v in (line.split() for line in f) if k == cache_key), 0)
+            except (OSError, ValueError):
+                pass
+            rooms.append(max(0, limit - max(0, usage - cache)))
+    return min(rooms, default=None)
+
+
+def _read_int(path: str) -> int | None:
+    """The integer in a one-line file; None where it is missing or not a number ("max": no limit)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
         return None
 
 

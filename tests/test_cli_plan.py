@@ -77,7 +77,7 @@ def test_a_hugging_face_config_fits_each_budget_on_cuda(capsys, llama_folder):
     assert tight["plan"]["checkpointing"] != "none" and roomy["plan"]["checkpointing"] == "none"
     # Nothing fits: the planner's message names the smallest peak it found and what would make it fit.
     line = _fails(capsys, "--hf-model", str(llama_folder), *common, "--budget", "66MiB")
-    assert "no set-up fits: the smallest predicted peak is" in line and "To resolve this error" in line, line
+    assert "no set-up fits the device: the smallest predicted peak is" in line and "To resolve this error" in line, line
     # 66 MiB is under cuBLAS's fixed 64 MiB of workspaces plus the model: no shorter sequence would fit (issue 21).
     assert "cuBLAS's fixed workspaces alone take 64.00 MiB" in line and "shorter sequence" not in line, line
 
@@ -94,7 +94,7 @@ def test_gpu_plans_for_a_known_gpu_of_another_machine(capsys):
 
 def test_nothing_fits_names_the_smallest_peak_and_a_fixed_micro_batch_is_kept(capsys):
     line = _fails(capsys, *TINY, "--device", "cpu", "--budget", "600KiB")
-    assert "no set-up fits: the smallest predicted peak is" in line and "600.00 KiB" in line, line
+    assert "no set-up fits the device: the smallest predicted peak is" in line and "600.00 KiB" in line, line
     # The whole batch in one forward cannot fit 2 MiB, though micro-batches of 8 do (the plan above).
     line = _fails(capsys, *TINY, "--device", "cpu", "--budget", "2MiB", "--micro-batch-size", "16")
     assert "micro-batch 16" in line and "smallest predicted peak" in line, line

@@ -147,3 +147,37 @@ def test_available_host_bytes_is_the_free_ram_or_none_where_the_machine_does_not
     assert available_host_bytes() == os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # free pages
     monkeypatch.setattr(os, "sysconf", lambda name: (_ for _ in ()).throw(ValueError(name)))
     assert available_host_bytes() is None
+
+
+def _cgroup(folder, files: dict[str, str]):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def test_available_host_bytes_is_at_most_the_memory_cgroups_limit_less_its_use(tmp_path):
+    from memtrain.measure import available_host_bytes, cgroup_room_bytes
+
+    GiB = 2**30
+    free = available_host_bytes(str(tmp_path / "none"))  # no cgroup files: the machine's MemAvailable
+    membership = tmp_path / "cgroup"
+    membership.write_text("0::/\n")
+    # cgroup v2: 2 GiB limit, 1.5 GiB used of which 0.5 GiB is reclaimable page cache: 1 GiB of room.
+    v2 = tmp_path / "v2"
+    _cgroup(v2, {"memory.max": f"{2 * GiB}\n", "memory.current": f"{3 * GiB // 2}\n",
+                 "memory.stat": f"anon 1\ninactive_file {GiB // 2}\n"})
+    assert cgroup_room_bytes(str(v2), str(membership)) == GiB
+    # (MemAvailable moves between calls as other processes allocate: the limit is the figure when it is the less.)
+    assert available_host_bytes(str(v2), str(membership)) == GiB or free < 2 * GiB, free
+    (v2 / "memory.max").write_text("max\n")  # no limit
+    assert cgroup_room_bytes(str(v2), str(membership)) is None
+    assert available_host_bytes(str(v2), str(membership)) > GiB or free < 2 * GiB, free
+    # cgroup v1, this process in a nested group (as docker writes it): its own limit, the root's "no limit".
+    membership.write_text("4:memory:/docker/abc\n1:cpu:/\n")
+    v1 = tmp_path / "v1"
+    _cgroup(v1 / "memory", {"memory.limit_in_bytes": "9223372036854771712\n", "memory.usage_in_bytes": "5\n"})
+    _cgroup(v1 / "memory" / "docker" / "abc", {"memory.limit_in_bytes": f"{GiB}\n",
+                                               "memory.usage_in_bytes": f"{GiB // 4}\n",
+                                               "memory.stat": "total_inactive_file 0\n"})
+    assert cgroup_room_bytes(str(v1), str(membership)) == 3 * GiB // 4
+    assert available_host_bytes(str(v1), str(membership)) == 3 * GiB // 4 or free < 2 * GiB, free

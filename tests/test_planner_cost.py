@@ -12,11 +12,13 @@ from helpers import MiB, h100, planner_gpt, planner_llama
 
 from memtrain.estimate import meta_model
 from memtrain.models import GPT, GPTConfig
+from memtrain.offload import SLAB_BYTES_DEFAULT
 from memtrain.planner import (
     PlanSettings,
     plan,
     predictions,
 )
+from memtrain.planner.cost import loader_host_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -188,7 +190,9 @@ def test_host_link_of_offloaded_activations_is_what_the_offloader_moves_at_that_
               checkpointing={"policies": dict.fromkeys(("blocks.0", "blocks.1"), "offload")},
               offload_min_bytes=MIN_BYTES_DEFAULT)
     assert t.offloaded_bytes > 0
-    assert c.host_bytes == t.offloaded_bytes, (c.host_bytes, t.offloaded_bytes)
+    # On the host: the offloader's pool in whole pinned slabs, and the data loader's pinned batches.
+    pool = -(-t.offloaded_bytes // SLAB_BYTES_DEFAULT) * SLAB_BYTES_DEFAULT
+    assert c.host_bytes == pool + loader_host_bytes(_cuda_problem(micro), micro), (c.host_bytes, t.offloaded_bytes)
     link = c.host_link
     assert (link.activations_to_host, link.activations_to_device) == (2 * t.offloaded_bytes,) * 2, link
     assert (link.optimizer_to_host, link.optimizer_to_device) == (0, 0), link
@@ -234,3 +238,33 @@ def test_compiled_offloading_set_ups_time_the_code_around_the_blocks_eager(llama
     p = plan(llama, budget=None, seq_len=512, global_batch_size=2, device_profile=H100,
              settings=settings["offload", True])
     assert any("compile_model" in a and "eager" in a for a in p.assumptions), p.assumptions
+
+
+def _cuda_problem(micro: int):
+    from memtrain.planner.search import problem_of
+
+    return problem_of(_offload_gpt(), 256, micro, "cuda", "fp32", 1, True, True, H100)
+
+
+def test_host_figure_of_offloaded_activations_is_the_pool_the_built_offloader_pins():
+    """The plan's host bytes are what the offloader really holds: its slabs, whole (HostPool pins slab by slab), not
+    the bytes the activations take (before: 2.0 MiB against the 128 MiB slab pinned); beside them the data
+    loader's allowance (pinned batches: CUDA only, so not measured here)."""
+    from offload_stream_model import FakeTransport
+
+    from memtrain.checkpointing import apply_checkpointing
+    from memtrain.offload import MIN_BYTES_DEFAULT, ActivationOffloader
+
+    micro = 4
+    model = _offload_gpt()
+    s = PlanSettings(micro, 1, ("offload", "offload"), "full", False, "device", "none", False, "fp32")
+    (c,) = predictions(model, [s], seq_len=256, global_batch_size=micro, device="cuda", device_profile=H100)
+    off = ActivationOffloader(FakeTransport(lag=1), min_bytes=MIN_BYTES_DEFAULT)  # apply_plan's: the free RAM's half
+    apply_checkpointing(model, policies={"blocks.0": "offload", "blocks.1": "offload"}, offloader=off)
+    x = torch.randint(0, 256, (micro, 256))
+    model(x, x).backward()
+    stats = off.stats()
+    assert 0 < stats.host_peak_used_bytes < stats.host_reserved_bytes, stats
+    loader = loader_host_bytes(_cuda_problem(micro), micro)
+    assert c.host_bytes - loader == stats.host_reserved_bytes, (c.host_bytes, loader, stats)
+    assert loader == 2 * 2 * micro * 256 * 8, loader  # two batches of inputs and labels, powers of two already

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from helpers import MiB, h100, planner_llama
 
 from memtrain.choices import Choices
@@ -59,3 +60,105 @@ def test_a_fixed_checkpointing_layout_says_it_was_asked_for(llama):
                   device_profile=H100, choices=Choices(checkpointing="all"))
     line = next(r for r in chosen.reasons if r.startswith("checkpointing"))
     assert line.endswith("blocks recomputed (as asked)"), line
+
+
+# -- "nothing fits" says which budget is short, by how much, and an option that fits ------------------------------
+_GIB_OVER = re.compile(r"([0-9.]+) (GiB|MiB|KiB) (?:of host RAM|per rank \([^)]*\)), ([0-9.]+) (GiB|MiB|KiB) over the "
+                       r"(?:usable )?([0-9.]+) (GiB|MiB|KiB)")
+_UNIT = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}
+
+
+def _overs(message: str) -> list[tuple[float, float, float]]:
+    """(figure, amount over, budget) in bytes of each "X of host RAM / X per rank (...), D over the B" clause:
+    each figure is over the budget it is set beside, by the difference (to the printed rounding)."""
+    found = [(float(a) * _UNIT[ua], float(d) * _UNIT[ud], float(b) * _UNIT[ub])
+             for a, ua, d, ud, b, ub in _GIB_OVER.findall(message)]
+    for figure, over, budget in found:
+        assert figure > budget and abs(figure - budget - over) <= 0.01 * 2**30, (figure, over, budget, message)
+    return found
+
+
+def test_nothing_fits_both_budgets_states_each_shortfall_and_a_host_budget_that_fits(tmp_path):
+    """The issue's 8B on a 4090 with 64 GiB of RAM: the set-ups that fit the device need more host RAM, those within
+    the host RAM more device memory; the message says both with consistent figures, and the host_budget it names
+    plans. (Before: "the smallest predicted peak is 16.33 GiB per rank (...), but the budget ... leaves 22.80 GiB".)"""
+    from memtrain.planner import known_gpu
+
+    config = planner_llama(layers=32, hidden=4096, intermediate_size=14336, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+    kwargs = dict(seq_len=2048, global_batch_size=16, budget="24GiB", device_profile=known_gpu("4090"))
+    with pytest.raises(ConfigError) as info:
+        plan(config, host_budget="64GiB", **kwargs)
+    message = str(info.value)
+    assert message.startswith("no set-up fits both budgets: the set-ups that fit the device (smallest peak"), message
+    assert "but the budget" not in message, message  # the old wording read as if the peak did not fit
+    host, device = _overs(message)
+    assert host[2] == 64 * 2**30 and abs(device[2] - 0.95 * 24 * 2**30) < 0.01 * 2**30, (host, device)
+    raised = re.search(r"try host_budget=(\d+)GiB \(", message)
+    assert raised, message
+    fits = plan(config, host_budget=f"{raised.group(1)}GiB", **kwargs)
+    assert fits.host_bytes <= int(raised.group(1)) * 2**30 and fits.peak_bytes <= 0.95 * 24 * 2**30, fits.summary()
+
+
+def test_nothing_fits_the_device_says_by_how_much_and_names_a_budget_that_fits(llama):
+    kwargs = dict(seq_len=1024, global_batch_size=4, device_profile=H100, host_budget="1TiB")
+    with pytest.raises(ConfigError) as info:
+        plan(llama, budget=100 * MiB, **kwargs)
+    message = str(info.value)
+    assert message.startswith("no set-up fits the device: the smallest predicted peak is"), message
+    ((peak, _, usable),) = _overs(message)
+    assert abs(usable - int(0.95 * 100 * MiB)) < 0.01 * MiB, message
+    named = re.search(r"budget=(\d+)MiB holds that set-up's peak", message)
+    assert named, message
+    fits = plan(llama, budget=f"{named.group(1)}MiB", **kwargs)
+    assert fits.peak_bytes <= 0.95 * int(named.group(1)) * MiB, (fits.peak_bytes, message)
+
+
+def test_nothing_fits_the_host_says_by_how_much_and_names_a_host_budget_that_fits(llama):
+    from memtrain.choices import OptimizerChoice
+
+    kwargs = dict(budget="8GiB", seq_len=256, global_batch_size=4, device_profile=H100,
+                  choices=Choices(optimizer=OptimizerChoice(placement="offload")))
+    with pytest.raises(ConfigError) as info:  # the offloaded optimizer's fp32 master alone is 56 MiB
+        plan(llama, host_budget="40MiB", **kwargs)
+    message = str(info.value)
+    assert message.startswith("no set-up fits the host RAM: the set-ups that fit the device"), message
+    ((need, _, limit),) = _overs(message)
+    assert limit == 40 * MiB and "per rank (" not in message.split("To resolve")[0], message
+    named = re.search(r"try host_budget=(\d+)MiB \(", message)
+    assert named, message
+    fits = plan(llama, host_budget=f"{named.group(1)}MiB", **kwargs)
+    assert need <= fits.host_bytes + 0.01 * MiB <= int(named.group(1)) * MiB + 0.01 * MiB, (fits.host_bytes, message)
+
+
+def test_the_default_host_budget_is_the_memory_cgroups_room(llama, tmp_path, monkeypatch):
+    """Without host_budget a plan for this machine checks the host RAM available now: within a memory cgroup (a
+    container's limit), its limit less its use."""
+    from memtrain.choices import OptimizerChoice
+
+    (tmp_path / "memory.max").write_text(f"{100 * MiB}\n")
+    (tmp_path / "memory.current").write_text(f"{60 * MiB}\n")
+    import sys
+
+    monkeypatch.setattr(sys.modules["memtrain.measure"], "CGROUP_ROOT", str(tmp_path))  # (memtrain.measure: a function)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a plan for this machine's GPU
+    with pytest.raises(ConfigError) as info:  # the offloaded optimizer's fp32 master alone is 56 MiB
+        plan(llama, budget="8GiB", seq_len=256, global_batch_size=4, device_profile=H100,
+             choices=Choices(optimizer=OptimizerChoice(placement="offload")))
+    assert "over the 40.00 MiB of host RAM available now" in str(info.value), str(info.value)
+
+
+def test_nothing_fits_either_budget_names_both_to_raise(llama):
+    from memtrain.choices import OptimizerChoice
+
+    kwargs = dict(seq_len=1024, global_batch_size=4, device_profile=H100,
+                  choices=Choices(optimizer=OptimizerChoice(placement="offload")))
+    with pytest.raises(ConfigError) as info:
+        plan(llama, budget=60 * MiB, host_budget="40MiB", **kwargs)
+    message = str(info.value)
+    assert message.startswith("no set-up fits either budget: the least any set-up needs is"), message
+    assert len(_overs(message)) == 2, message
+    named = re.search(r"try host_budget=(\d+)MiB with budget=(\d+)MiB \(", message)
+    assert named, message
+    fits = plan(llama, budget=f"{named.group(2)}MiB", host_budget=f"{named.group(1)}MiB", **kwargs)
+    assert fits.host_bytes <= int(named.group(1)) * MiB, (fits.host_bytes, message)

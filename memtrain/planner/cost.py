@@ -13,12 +13,32 @@ import numpy as np
 import torch
 
 from memtrain.estimate import Trace
+from memtrain.offload import SLAB_BYTES_DEFAULT
 from memtrain.optim import offloaded_mask, optimizer_memory
 from memtrain.planner.devices import DeviceProfile
 from memtrain.planner.profiles import Profiles, affine_at, offloader_bytes
 from memtrain.planner.settings import Configuration, HostLink, PlanSettings, Problem, configuration_of
 
 _BUCKET_BYTES = 4 * (1 << 25)  # CPUOffloadOptimizer.bucket_numel fp32 parameters: the last bucket's copy back
+# The data loader's share of host RAM, an allowance: the batch being copied to the device and the next one
+# (DevicePrefetcher), each of int64 token rows (inputs and labels; position ids too when packed) pinned in torch's
+# host cache, which rounds every block up to a power of two. The dataset's own pages (memory-mapped) are the OS's.
+LOADER_BATCHES = 2
+
+
+def host_pool_bytes(offloaded: np.ndarray) -> np.ndarray:
+    """The activation offloader's pinned pool for ``offloaded`` bytes a micro-batch: whole slabs, as ``HostPool``
+    pins them (``SLAB_BYTES_DEFAULT`` each, the size ``apply_plan``'s offloader takes on a machine with 256 MiB or
+    more free)."""
+    return np.ceil(offloaded / SLAB_BYTES_DEFAULT) * SLAB_BYTES_DEFAULT
+
+
+def loader_host_bytes(ctx: Problem, micro_batch_size: int) -> int:
+    """The data loader's pinned batches (``LOADER_BATCHES``) for a CUDA run; none on the CPU (nothing is pinned)."""
+    if ctx.device != "cuda":
+        return 0
+    tensor = micro_batch_size * ctx.seq_len * 8
+    return LOADER_BATCHES * (3 if ctx.packed else 2) * (1 << max(tensor - 1, 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -189,7 +209,8 @@ class Composer:
         peak = peak + _distributed_shift(ctx, prof, cfg)
 
         # -- host bytes (one node: every rank's share)
-        host = (offloaded.sum(axis=1) + memory.host_bytes) * ranks_per_node(ctx.world)
+        host = (host_pool_bytes(offloaded.sum(axis=1)) + memory.host_bytes + loader_host_bytes(ctx, b)) \
+            * ranks_per_node(ctx.world)
 
         # -- time
         fwd, bwd = pick("forward_s"), pick("backward_s")

@@ -1,5 +1,5 @@
 """What a plan says about itself: a reason for each decision, the runners-up and why each lost, the assumptions,
-and the "nothing fits" error that names the smallest peak found and what would make a plan fit.
+and the "nothing fits" error that says which budget is short, by how much, and what would make a plan fit.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ import torch
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
+from memtrain.offload import SLAB_BYTES_DEFAULT
 from memtrain.planner.cost import (
+    LOADER_BATCHES,
     CandidateTable,
     Composer,
     fsdp2_param_dtype,
     gathered_block_bytes,
     ranks_per_node,
 )
-from memtrain.planner.settings import Candidate, PlanSettings, Problem
+from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
 
 
@@ -201,6 +203,10 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
                    "all-reduce buckets (a second copy while accumulating); FSDP2 shards parameters and optimizer "
                    f"state (gradients too without accumulation), two blocks gathered {gathered}at a time, "
                    f"gradients reduced in fp32; host RAM is one node's ({ranks_per_node(ctx.world)} ranks)")
+    if ctx.device == "cuda":
+        out.append(f"host RAM at its peak: the offloaded optimizer's buffers and state as built, the activation "
+                   f"offloader's pool in whole pinned slabs of {format_bytes(SLAB_BYTES_DEFAULT)}, and an allowance "
+                   f"of {LOADER_BATCHES} pinned batches for the data loader")
     if host_limit is None:
         out.append("host RAM not checked (planned for another machine): pass host_budget to check it")
     out.append("compiled set-ups: memory as eager (compiled graphs keep no more), elementwise traffic halved, a "
@@ -214,7 +220,8 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
 def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable,
                         verified: dict[int, tuple[float, Trace]], budget_bytes: int | None, usable: int | None,
                         host_limit: int | None, host_budget: int | None, margin: float, fits_host: np.ndarray) -> None:
-    """The ConfigError when no candidate fits: the smallest peak found, and what would make a plan fit."""
+    """The ConfigError when no candidate fits: which budget is short (the device, the host RAM, both or either),
+    by how much (each figure beside the budget it is over), and the budgets or options that would fit."""
     assert usable is not None or host_limit is not None
     if results.explicit and not results.searched:
         s = results.settings(0)
@@ -229,52 +236,86 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     peaks = results.peak.copy()
     for k, (p, _) in verified.items():
         peaks[k] = p
-    k = int(np.argmin(peaks))
-    s = results.settings(k)
     fits_device = peaks <= usable if usable is not None else np.ones(len(peaks), bool)
-    hints = []
-    if fits_device.any():
-        least = float(results.host[fits_device].min())
-        hints.append(f"more host RAM: the set-ups that fit the device need {format_bytes(int(least))} of host memory "
-                     f"or more, beyond the {format_bytes(host_limit)} "
-                     f"{'of host_budget' if host_budget is not None else 'available now'}")
+    on_device, on_host = bool(fits_device.any()), bool(fits_host.any())
+    # Each figure is stated beside the budget it is over: the least host RAM of the set-ups that fit the device,
+    # and the smallest peak of those that fit the host (of all set-ups when none does).
+    host_of = "host_budget" if host_budget is not None else "host RAM available now"
+    k = int(np.argmin(np.where(fits_host, peaks, np.inf))) if on_host else int(np.argmin(peaks))
+    h = int(np.argmin(np.where(fits_device, results.host, np.inf))) if on_device else int(np.argmin(results.host))
+    clauses, fixes = [], []
+    if host_limit is not None and (on_device or not on_host):
+        need = int(results.host[h])
+        whose = (f"the set-ups that fit the device (smallest peak {format_bytes(int(peaks[fits_device].min()))} of "
+                 f"{format_bytes(usable)}) need at least" if on_device else "the least any set-up needs is")
+        clauses.append(f"{whose} {format_bytes(need)} of host RAM, {format_bytes(need - host_limit)} over the "
+                       f"{format_bytes(host_limit)} of {host_of}")
+        both = "" if on_device or usable is None else f" with budget={_size_up(math.ceil(peaks[h] / (1 - margin)))}"
+        fixes.append(f"host_budget={_size_up(need)}{both} ({_setup_text(results.settings(h))}: a peak of "
+                     f"{format_bytes(int(peaks[h]))} per rank)"
+                     + ("" if host_budget is not None else " on a machine with that much RAM free"))
+    if usable is not None and (on_host or not on_device):
+        assert budget_bytes is not None
+        whose = ("the set-ups within the host RAM need at least" if on_host and not fits_host.all()
+                 else "the smallest predicted peak is")
+        clauses.append(f"{whose} {format_bytes(int(peaks[k]))} per rank ({_setup_text(results.settings(k))}), "
+                       f"{format_bytes(int(peaks[k]) - usable)} over the usable {format_bytes(usable)} (budget "
+                       f"{format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin)")
+        fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin)
+    which = ("both budgets" if on_device and on_host else "the device" if on_host else
+             "the host RAM" if on_device else "either budget")
+    if which == "either budget":  # each fix needs the other budget raised too: the smallest peak's host RAM
+        fixes[1:] = [f"host_budget={_size_up(int(results.host[k]))} and {fix}" for fix in fixes[1:]]
+    raise ConfigError(f"no set-up fits {which}: {'; '.join(clauses)}. To resolve this error, try "
+                      f"{'; or '.join(fixes)}.")
+
+
+def _setup_text(s: PlanSettings) -> str:
+    return (f"micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
+            f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}")
+
+
+def _size_up(n: int) -> str:
+    """A size of at least ``n`` bytes, as a flag takes it: whole GiB, or whole MiB below 1 GiB."""
+    return f"{math.ceil(n / 2**30)}GiB" if n >= 2**30 else f"{math.ceil(n / 2**20)}MiB"
+
+
+def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float, usable: int,
+                  margin: float) -> list[str]:
+    """What would let set-up ``s``, the smallest peak ``peak``, fit the usable device bytes: a budget that holds
+    it, FSDP2 over more ranks, a shorter sequence."""
+    fits = (f"budget={_size_up(math.ceil(peak / (1 - margin)))} holds that set-up's peak with the "
+            f"{100 * margin:.0f}% margin")
+    hints = [f"a larger budget ({fits})"]
+    prof = composer.profile(s.optimizer)
+    shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
+    weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
+    memory = composer.optimizer(prof, configuration_of(s))[0]  # its moments' precision, its gradients' life
+    state = weights + (memory.device_state_bytes + memory.device_gradient_peak_bytes) / shards
+    if ctx.device == "cuda":
+        # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
+        full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
+        room = usable - (peak - state) - 2 * gathered_block_bytes(ctx, prof)
+        if room > 0:  # more ranks cannot shrink a rank's activations
+            ranks = max(math.ceil(full / room), ctx.world + 1)
+            hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
+                         "gradients and optimizer state sharded over the ranks)")
+    activations = peak - state
+    workspace = CUDA_WORKSPACE_BYTES if ctx.device == "cuda" else 0  # fixed: no sequence length shrinks it
+    if weights >= usable:
+        hints[0] = f"a larger budget: the weights alone take {format_bytes(int(weights))} on the device ({fits})"
+    elif state >= usable:
+        hints[0] = (f"a larger budget: the model state alone (weights, gradients, optimizer state) takes "
+                    f"{format_bytes(int(state))} on the device ({fits})")
+    elif state + workspace >= usable:
+        hints[0] = (f"a budget of at least {format_bytes(math.ceil(peak / (1 - margin)))}: cuBLAS's fixed "
+                    f"workspaces alone take {format_bytes(workspace)} (two of 32 MiB, whatever the sequence or batch) "
+                    f"beside the model state's {format_bytes(int(state))}")
+    elif activations > usable - state:  # not a length: the activations are not linear in it (fixed buffers)
+        fixed = f", {format_bytes(workspace)} of it cuBLAS's fixed workspaces" if workspace else ""
+        hints.append(f"a shorter sequence (at seq_len {ctx.seq_len} a micro-batch of {s.micro_batch_size} needs "
+                     f"{format_bytes(int(activations))}{fixed} beside the model state's {format_bytes(int(state))})")
     else:
-        assert usable is not None
-        prof = composer.profile(s.optimizer)
-        shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
-        weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
-        state = weights + (0 if s.optimizer != "device" else
-                           (prof.adamw_state_bytes + prof.trainable_bytes) / shards)
-        if ctx.device == "cuda":
-            # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
-            full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
-            room = usable - (peaks[k] - state) - 2 * gathered_block_bytes(ctx, prof)
-            if room > 0:  # more ranks cannot shrink a rank's activations
-                ranks = max(math.ceil(full / room), ctx.world + 1)
-                hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
-                             "gradients and optimizer state sharded over the ranks)")
-        activations = peaks[k] - state
-        workspace = CUDA_WORKSPACE_BYTES if ctx.device == "cuda" else 0  # fixed: no sequence length shrinks it
-        if weights < usable:
-            if state + workspace >= usable:
-                hints.append(f"a budget of at least {format_bytes(math.ceil(peaks[k] / (1 - margin)))}: cuBLAS's "
-                             f"fixed workspaces alone take {format_bytes(workspace)} (two of 32 MiB, whatever the "
-                             f"sequence or batch) beside the model state's {format_bytes(int(state))}")
-            elif activations > usable - state:  # not a length: the activations are not linear in it (fixed buffers)
-                fixed = f", {format_bytes(workspace)} of it cuBLAS's fixed workspaces" if workspace else ""
-                hints.append(f"a shorter sequence (at seq_len {ctx.seq_len} a micro-batch of "
-                             f"{s.micro_batch_size} needs {format_bytes(int(activations))}{fixed} beside the model "
-                             f"state's {format_bytes(int(state))})")
-        else:
-            hints.append(f"a larger budget: the weights alone take {format_bytes(int(weights))} on the device")
-        if not hints:
-            hints.append(f"a larger budget: a micro-batch of {s.micro_batch_size} alone needs "
-                         f"{format_bytes(int(activations))} beside the model state")
-    raise ConfigError(
-        f"no set-up fits: the smallest predicted peak is {format_bytes(int(peaks[k]))} per rank (micro-batch "
-        f"{s.micro_batch_size}, checkpointing {s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, "
-        f"optimizer {s.optimizer_text}{'' if fits_host[k] else ', more host RAM than there is'})"
-        + (f", but the budget {format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin leaves "
-           f"{format_bytes(usable)}" if usable is not None else "")
-        + f". To resolve this error, try {'; or '.join(hints)}."
-    )
+        hints[0] = (f"a larger budget: a micro-batch of {s.micro_batch_size} alone needs "
+                    f"{format_bytes(int(activations))} beside the model state ({fits})")
+    return hints

@@ -127,8 +127,8 @@ def plan(
         A ``Plan``: ``.settings`` for ``apply_plan``, the predictions, the reasons and the runners-up.
 
     Raises:
-        ConfigError: a bad argument (every problem at once), or nothing fits: the error names the smallest peak
-            found and what would make it fit.
+        ConfigError: a bad argument (every problem at once), or nothing fits: the error says which budget is
+            short (device or host RAM) and by how much, and names a budget or option that would fit.
 
     Example:
         >>> from memtrain.models import GPT, GPT_PRESETS
