@@ -71,3 +71,14 @@ def test_the_fingerprint_takes_bf16_empty_and_zero_d_tensors_and_the_packing_of_
     assert len(rows) == len(other) and data_fingerprint(rows)["of"] == "token stream"
     assert data_fingerprint(rows)["sha256"] != data_fingerprint(other)["sha256"], "the padding is data"
     assert data_fingerprint(rows) == data_fingerprint(PackedRows(docs, seq_len=4))
+
+
+@pytest.mark.parametrize(("schedule", "note"), [
+    (None, "(the cosine schedule now ends there)"), ("linear", "(the linear schedule now ends there)"),
+    ("constant", "(the learning rate stays constant after the warm-up)")])
+def test_a_new_max_steps_names_the_runs_own_schedule(schedule, note):
+    """A resume that changes max_steps says what that does to the schedule the run uses (it said "cosine" for all)."""
+    from memtrain.run.identity import applied_changes
+
+    saved, now = {"max_steps": 2, "lr_schedule": schedule}, {"max_steps": 3, "lr_schedule": schedule}
+    assert applied_changes(saved, now) == [f"resume: max_steps=3 applied (the run had max_steps=2) {note}"]

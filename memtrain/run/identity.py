@@ -156,12 +156,20 @@ def _model_difference(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
     return f"resume: the model differs from the run being resumed: {'; '.join(parts) or 'its parameters differ'}."
 
 
+def _schedule_note(now: Mapping[str, Any]) -> str:
+    """What a new max_steps does to the run's learning-rate schedule (cosine, linear or constant)."""
+    schedule = now.get("lr_schedule") or "cosine"
+    if schedule == "constant":
+        return " (the learning rate stays constant after the warm-up)"
+    return f" (the {schedule} schedule now ends there)"
+
+
 def applied_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """One log line per changed setting a resume applies (RESUME_POLICY "apply")."""
     lines = []
     for key, policy in RESUME_POLICY.items():
         if policy == "apply" and key in saved and key in now and saved[key] != now[key]:
-            note = " (the cosine schedule now ends there)" if key == "max_steps" else ""
+            note = _schedule_note(now) if key == "max_steps" else ""
             lines.append(f"resume: {key}={now[key]!r} applied (the run had {key}={saved[key]!r}){note}")
     return lines
 
