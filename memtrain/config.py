@@ -16,6 +16,7 @@ from memtrain.run.tensorboard import logger_problems
 
 PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
 LrScheduleChoice = Literal["cosine", "linear", "constant"]
+LR_SCHEDULES: tuple[LrScheduleChoice, ...] = ("cosine", "linear", "constant")
 MAX_SEED = 2**63  # seeds are torch.Generator seeds (64 bits), plus one per epoch of the data
 
 
@@ -90,7 +91,7 @@ class TrainConfig:
         if self.lr is not None and not (number(self.lr) and self.lr > 0):
             problems.append(f"lr={self.lr!r} must be a positive number, or None for the default of the model. To "
                             "resolve this error, pass e.g. lr=3e-3, or leave it unset.")
-        if self.lr_schedule not in ("cosine", "linear", "constant"):
+        if self.lr_schedule not in LR_SCHEDULES:
             problems.append(f"lr_schedule={self.lr_schedule!r} is not one of cosine, linear, constant. To resolve "
                             "this error, pass one of them.")
         betas = self.adam_betas

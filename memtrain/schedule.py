@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,9 +17,6 @@ from memtrain.config import TrainConfig
 from memtrain.errors import ConfigError
 from memtrain.hf import is_hf_model, is_lora
 from memtrain.unwrap import unwrap_model
-
-LrSchedule = Literal["cosine", "linear", "constant"]
-SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 
 # The peak learning rates train() picks when TrainConfig.lr is None (memtrain train without --lr).
 PRETRAINING_LR = 3e-3  # a small model trained from random weights (memtrain's GPT presets, --hf-config)
@@ -124,7 +121,7 @@ def lr_at(step: int, config: TrainConfig) -> float:
     warmup, eta_min=lr * min_lr_ratio)``, ``LinearLR(end_factor=min_lr_ratio, total_iters=max_steps - warmup)``
     or ``ConstantLR(factor=1)``): tests/test_schedule.py checks each.
     """
-    warmup = config.warmup_steps if config.warmup_steps is not None else min(50, config.max_steps // 10)
+    warmup = config.warmup_steps if config.warmup_steps is not None else default_warmup(config, False)[0]
     if step < warmup:
         return config.lr * (step + 1) / warmup
     if config.lr_schedule == "constant":

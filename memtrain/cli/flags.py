@@ -13,6 +13,7 @@ from typing import Any
 from memtrain import __version__
 from memtrain.checkpointing import Checkpointing
 from memtrain.cli.console import EXIT_BAD_INPUT, EXIT_CODES_HELP
+from memtrain.config import LR_SCHEDULES
 from memtrain.errors import ConfigError
 from memtrain.report import parse_bytes
 from memtrain.run.tensorboard import LOGGERS
@@ -212,7 +213,7 @@ def _add_train_parser(sub: Any) -> None:
     t.add_argument("--warmup-steps", type=_non_negative_int, default=None,
                    help="linear warm-up steps to --lr (default: 3%% of the steps (at least 1) fine-tuning "
                    "--hf-model, else min(50, max-steps // 10): a 10-step run warms up in 1)")
-    t.add_argument("--lr-schedule", choices=["cosine", "linear", "constant"], default="cosine",
+    t.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
                    help="after the warm-up: cosine or linear decay to a tenth of --lr at the last step, or constant "
                    "at --lr (default cosine)")
     t.add_argument("--adam-betas", type=_betas, metavar="B1,B2", default=(0.9, 0.95),
