@@ -11,6 +11,7 @@ from memtrain.errors import ConfigError
 from memtrain.optim.lean_adamw import LeanAdamW
 from memtrain.optim.memory import offloaded_mask
 from memtrain.optim.moments import adamw_8bit_class, check_precision
+from memtrain.optim.pure_bf16 import check_pure_bf16_moments
 
 # Optimizers whose step needs more than one parameter's gradient (or a closure): they cannot step per parameter.
 _NOT_PER_PARAMETER = (torch.optim.LBFGS,)
@@ -20,7 +21,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                     state_precision: str = "fp32", offload_fraction: float = 0.0, step_in_backward: bool = False,
                     grad_scaler: torch.amp.GradScaler | None = None, world_size: int = 1,
-                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW) -> LeanAdamW:
+                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                    pure_bf16: bool = False) -> LeanAdamW:
     """The optimizer ``apply_plan``/``train`` use: AdamW with the chosen state precision, partial host offload and
     step-in-backward, as one ``torch.optim.Optimizer``.
 
@@ -34,6 +36,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         grad_scaler: the fp16 GradScaler in use (needed with offload_fraction > 0 or step_in_backward).
         world_size: ranks training together; step-in-backward needs 1 (DDP averages gradients after the hooks).
         optimizer_class: only AdamW is built; another class is refused with the reason.
+        pure_bf16: the trainable weights are bf16 and have no fp32 master: ``PureBF16AdamW`` steps them (the update
+            in fp32, rounded back stochastically), on the device and on the host (moments fp32 or bf16).
 
     Raises:
         ConfigError: an unknown precision, int8 without bitsandbytes or on a device it cannot run on (naming the
@@ -87,6 +91,11 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
                         "move the model to one device first.")
     ConfigError.raise_if(problems)
     mask = offloaded_mask([p.numel() for _, p in named], offload_fraction)
+    if pure_bf16:
+        _check_pure_bf16(named, state_precision, grad_scaler)
+        return LeanAdamW(named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         state_precision=state_precision, offload_mask=mask, step_in_backward=step_in_backward,
+                         grad_scaler=grad_scaler, pure_bf16=True)
     on_device = [n for (n, p), h in zip(named, mask, strict=True) if not h and p.dtype != torch.float32]
     if on_device:
         raise ConfigError(
@@ -98,3 +107,21 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         adamw_8bit_class(named[0][1].device.type)  # raises, naming the fallback, before anything is allocated
     return LeanAdamW(named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_precision=state_precision,
                      offload_mask=mask, step_in_backward=step_in_backward, grad_scaler=grad_scaler)
+
+
+def _check_pure_bf16(named: list[tuple[str, nn.Parameter]], state_precision: str,
+                     grad_scaler: torch.amp.GradScaler | None) -> None:
+    """ConfigError for what pure bf16 cannot take: weights that are not bf16, int8 moments, an fp16 scaler."""
+    problems = []
+    try:
+        check_pure_bf16_moments(state_precision)
+    except ConfigError as e:
+        problems.append(str(e))
+    wrong = [n for n, p in named if p.dtype != torch.bfloat16]
+    if wrong:
+        problems.append(f"pure_bf16=True with {len(wrong)} trainable parameters that are not bf16 ({wrong[:3]}). To "
+                        "resolve this error, cast the model first (model.to(torch.bfloat16)).")
+    if grad_scaler is not None and grad_scaler.is_enabled():
+        problems.append("pure_bf16=True with an fp16 GradScaler: pure bf16 trains under bf16-mixed. To resolve "
+                        "this error, pass precision='bf16-mixed'.")
+    ConfigError.raise_if(problems)

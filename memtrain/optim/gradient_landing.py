@@ -89,9 +89,9 @@ class GradientLanding:
         self.link_bytes["device_to_host"] += grad.numel() * grad.element_size()
         with self._side_stream("device_to_host"):
             staged = None
-            if copy and grad.dtype == torch.float32:
+            if copy and grad.dtype == dst.dtype:
                 dst.copy_(grad, non_blocking=True)  # straight into the pinned buffer
-            elif d2h is None and grad.dtype == torch.float32:
+            elif d2h is None and grad.dtype == dst.dtype:
                 dst.add_(grad)  # the "device" is the CPU: adding now costs one pass, staging a copy two
             elif slot.stage is not None and grad.dtype == slot.stage.dtype:
                 # Another dtype (bf16 device weights): into the owned pinned stage, the worker casts or adds it.

@@ -157,24 +157,26 @@ def aligned(numel: int) -> int:
 
 
 def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[str] | None, *,
-            n_grad_buffers: int, device_dtype: torch.dtype | None, pin: bool) -> tuple[dict[int, Slot], list[int]]:
+            n_grad_buffers: int, device_dtype: torch.dtype | None, pin: bool,
+            master_dtype: torch.dtype = torch.float32) -> tuple[dict[int, Slot], list[int]]:
     """The host buffers of ``flat`` and one slot of views into them per parameter (by index in ``flat``), with the
     bucket order; fills each master from its parameter, then casts the device parameter to ``device_dtype``.
+    ``master_dtype`` bf16 (pure bf16): the masters are the bf16 weights themselves and the gradient buffers bf16.
 
     A few large flat buffers, parameters laid out in reverse registration order (roughly the order backward
     produces their gradients) so that a bucket is a contiguous range. Only what crosses PCIe is pinned.
     """
     order = list(reversed(range(len(flat))))
     total = sum(aligned(p.numel()) for p in flat)
-    master_flat = host_buffer(total, torch.float32, pin)
+    master_flat = host_buffer(total, master_dtype, pin)
     # Never read before written: a gradient's first landing copies, later ones add.
-    grad_flats = [host_buffer(total, torch.float32, pin) for _ in range(n_grad_buffers)]
+    grad_flats = [host_buffer(total, master_dtype, pin) for _ in range(n_grad_buffers)]
     def target(p: torch.Tensor) -> torch.dtype:  # the device parameter's dtype once set up
         return device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
 
     cast_numel: dict[torch.dtype, int] = {}
     for p in flat:
-        if target(p) != torch.float32:
+        if target(p) != master_dtype:
             cast_numel[target(p)] = cast_numel.get(target(p), 0) + aligned(p.numel())
     cast_flats = {dt: host_buffer(n, dt, pin) for dt, n in cast_numel.items()}
     # NOTE: one buffer serves as both where a step never overlaps a backward (no delayed update): the gradient
@@ -282,26 +284,29 @@ def group_indices(groups: list[dict[str, Any]]) -> list[list[int]]:
 
 
 def host_buffer_bytes(flat: list[torch.Tensor], *, n_grad_buffers: int,
-                      device_dtype: torch.dtype | None = None) -> int:
+                      device_dtype: torch.dtype | None = None, master_dtype: torch.dtype = torch.float32) -> int:
     """Bytes of CPUOffloadOptimizer's host buffers over ``flat`` (state aside): fp32 masters, the gradient
     buffers, and for parameters whose device dtype is not fp32 a cast buffer in that dtype, which is also the
-    gradient stage (a second one with two gradient buffers: a delayed update)."""
+    gradient stage (a second one with two gradient buffers: a delayed update). Pure bf16 (``master_dtype`` bf16):
+    bf16 masters and gradient buffers, no cast."""
     numel = sum(aligned(p.numel()) for p in flat)
     cast = 0
     for p in flat:
         dtype = device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
-        if dtype != torch.float32:
+        if dtype != master_dtype:
             cast += aligned(p.numel()) * torch.empty((), dtype=dtype).element_size()
-    return 4 * numel * (1 + n_grad_buffers) + cast * (1 + (n_grad_buffers > 1))
+    width = torch.empty((), dtype=master_dtype).element_size()
+    return width * numel * (1 + n_grad_buffers) + cast * (1 + (n_grad_buffers > 1))
 
 
 def check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool,
-                    device_dtype: torch.dtype | None = None) -> None:
+                    device_dtype: torch.dtype | None = None, master_dtype: torch.dtype = torch.float32) -> None:
     """Raises before allocating when the host buffers would not fit in the machine's available RAM."""
     numel = sum(aligned(p.numel()) for p in flat)
     per_param = getattr(optimizer_class, "state_bytes_per_param", None)  # memtrain.optim's lean classes say theirs
     state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
-    need = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype) + state
+    need = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype,
+                             master_dtype=master_dtype) + state
     available = available_host_bytes()
     if available is not None and need > available:
         raise MemtrainError(

@@ -35,6 +35,7 @@ from memtrain.optim.in_backward import Arming, StepInBackward, step_hook
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.optim.partial import HostPart
+from memtrain.optim.pure_bf16 import PureBF16AdamW
 from memtrain.precision import step_with_inf_flag
 
 
@@ -74,7 +75,7 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float, state_precision: str, offload_mask: Sequence[bool],
-                 step_in_backward: bool, grad_scaler: torch.amp.GradScaler | None):
+                 step_in_backward: bool, grad_scaler: torch.amp.GradScaler | None, pure_bf16: bool = False):
         names = [n for n, _ in named_params]
         params = [p for _, p in named_params]
         hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -86,6 +87,9 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
         host_named = [(n, p) for n, p, h in zip(names, params, offload_mask, strict=True) if h]
         device_type = params[0].device.type
         cls, impl = state_class(state_precision, device_type)
+        self.pure_bf16 = pure_bf16
+        if pure_bf16:  # bf16 weights, no master: the update rounded stochastically (memtrain.optim.pure_bf16)
+            cls, impl = PureBF16AdamW, {"state_precision": state_precision}
         self._adding = True
         super().__init__([{"params": params, "param_names": names, **hyper}], hyper)
         self._adding = False
@@ -99,7 +103,7 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
                 self._inner.update({id(p): shared for p in self._device_params})
         self._host = None
         if host_named:
-            host_impl = state_class(state_precision, "cpu")[1]
+            host_impl = state_class(state_precision, "cpu")[1] if not pure_bf16 else {"pure_bf16": True}
             self._host = CPUOffloadOptimizer(host_named, state_precision=state_precision, **hyper, **host_impl)
         # With host gradients the accumulator normalises and clips through us (scale_gradients_, clip_grad_norm_),
         # and GradScaler hands its inf check to step() (as with CPUOffloadOptimizer, which exposes the same

@@ -99,12 +99,17 @@ def _state_bytes(numel: int, dtype: torch.dtype, precision: str) -> int:
 
 def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precision: str = "fp32",
                      offload_fraction: float = 0.0, step_in_backward: bool = False, accumulation_steps: int = 1,
-                     delayed_update: bool = False, device_type: str = "cuda") -> OptimizerMemory:
+                     delayed_update: bool = False, device_type: str = "cuda",
+                     pure_bf16: bool = False) -> OptimizerMemory:
     """The bytes of ``build_optimizer(...)`` over trainable parameters ``(numel, dtype)`` in registration order.
 
     Pure: builds nothing, so it serves ``estimate`` and the planner on configs of any size. Bytes per parameter
     of state: fp32 8, bf16 4, int8 2 + 8/256 (tensors of at least 4,096 elements; smaller ones 8), plus 4 bytes of
     step counter per tensor (fp32 and bf16) and 2 KiB of code books per bitsandbytes optimizer.
+
+    ``pure_bf16`` (``PureBF16AdamW``, weights given as bf16): fp32 moments take 8 bytes per parameter whatever the
+    weights' dtype; the host keeps bf16 weights and bf16 gradient buffers (2 + 2 bytes per parameter), no fp32 master
+    and no cast; the step's scratch holds fp32 copies of the weights and gradients (and of bf16 moments).
 
     Example:
         >>> m = optimizer_memory([(4096 * 4096, torch.float32)], state_precision="int8")
@@ -122,7 +127,8 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
             return 0
         return QMAP_BYTES * sum(any(n >= INT8_MIN_NUMEL for n, _ in g) for g in groups)
 
-    device_state = sum(_state_bytes(n, dt, state_precision) for n, dt in device)
+    moment_dtype = {True: torch.float32}  # pure bf16's fp32 moments are fp32 on bf16 weights
+    device_state = sum(_state_bytes(n, moment_dtype.get(pure_bf16, dt), state_precision) for n, dt in device)
     # One optimizer over the device parameters, or one per parameter with step-in-backward.
     device_state += qmaps([[p] for p in device] if step_in_backward else [device])
     # CPUOffloadOptimizer: fp32 masters (state in fp32 terms), buckets in reverse registration order.
@@ -136,6 +142,8 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
     # update, whose step overlaps the next backward).
     host_bytes = host_state + 4 * aligned_numel * (2 + bool(delayed_update)) + cast * (1 + bool(delayed_update)) \
         if host else 0
+    if host and pure_bf16:  # the bf16 weights themselves and bf16 gradient buffers: nothing to cast
+        host_bytes = host_state + 2 * aligned_numel * (2 + bool(delayed_update))
 
     grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
     device_grads = sum(grad_bytes)
@@ -144,7 +152,16 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         peak = max(grad_bytes, default=0)
     largest = max((n for n, _ in device), default=0)
     temp = 0
-    if state_precision == "bf16":
+    if pure_bf16:
+        # PureBF16AdamW: one pass's fp32 copies of the weights and gradients (and of bf16 moments), as
+        # BF16StateAdamW's scratch, and the same rounding-noise table.
+        chunk = BF16_CHUNK.get(device_type, 1 << 20)
+        padded = [-(-n // 16) * 16 for n, _ in device]
+        scratch = min(max(padded, default=0) if step_in_backward else sum(padded), chunk)
+        width = 4 if state_precision == "bf16" else 2
+        temp = 4 * width * scratch + 2 * 4 * ((1 << max(min(largest, chunk) - 1, 1).bit_length()) + NOISE_OFFSETS) \
+            if device else 0
+    elif state_precision == "bf16":
         # BF16StateAdamW: one pass's fp32 copies of both moments (its parameters cut at multiples of 16 elements,
         # one optimizer per parameter with step-in-backward), and the rounding-noise table it keeps per device
         # (a power of two over the longest piece, plus the offsets it reads at; built through one int32 temporary

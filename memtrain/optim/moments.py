@@ -411,6 +411,8 @@ def entry_for(inner: torch.optim.Optimizer, p: torch.Tensor, moments: tuple[floa
         fused = bool(inner.defaults.get("fused")) or bool(inner.defaults.get("capturable"))
         step_t = torch.tensor(step, dtype=torch.float32, device=p.device if fused else "cpu")
         return {"step": step_t, "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    if hasattr(inner, "entry_for"):  # PureBF16AdamW: its moments' own precision
+        return inner.entry_for(p, moments, salt)
     if isinstance(inner, BF16StateAdamW):
         fused = p.device.type in ("cpu", "cuda")
         step_t = torch.tensor(step, dtype=torch.float32, device=p.device if fused else "cpu")

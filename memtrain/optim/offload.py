@@ -61,6 +61,7 @@ from memtrain.optim.host_buffers import (
 from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
+from memtrain.optim.pure_bf16 import PureBF16AdamW, check_pure_bf16_moments
 
 
 class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, torch.optim.Optimizer):
@@ -133,12 +134,19 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         grad_scaler: torch.amp.GradScaler | None = None,
         device_dtype: torch.dtype | None = None,
         state_precision: StatePrecision = "fp32",
+        pure_bf16: bool = False,
         **optimizer_kwargs: Any,
     ):
-        optimizer_class = _moments_class(optimizer_class, state_precision)  # before anything is allocated
+        self.pure_bf16 = pure_bf16
+        if pure_bf16:
+            optimizer_class = _pure_bf16_class(optimizer_class, state_precision, device_dtype, optimizer_kwargs)
+        else:
+            optimizer_class = _moments_class(optimizer_class, state_precision)  # before anything is allocated
         self.state_precision = state_precision
         groups, names = parse_params(params, optimizer_class)
         flat = [p for g in groups for p in g["params"]]
+        if pure_bf16:
+            _check_bf16_weights(flat, names)
         self.device = flat[0].device
         pin = torch.cuda.is_available()  # pinned memory makes D2H/H2D copies asynchronous; CPU-only: nothing to pin
         _check_gradients_after_sync(offload_gradients)
@@ -148,11 +156,12 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if (optimizer_class in (torch.optim.Adam, torch.optim.AdamW)
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
             optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
+        master_dtype = torch.bfloat16 if pure_bf16 else torch.float32
         check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin,
-                       device_dtype=device_dtype)
+                       device_dtype=device_dtype, master_dtype=master_dtype)
         template = _probe(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
         slots, order = lay_out(flat, groups, names, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
-                               pin=pin)
+                               pin=pin, master_dtype=master_dtype)
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
         self._init_param_groups(template, groups, names)
         self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
@@ -240,7 +249,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             inner_groups = [{**self._hyperparameters(gi), "params": [s.master for s in run if s.group == gi]}
                             for gi in group_of]
             inner = optimizer_class(inner_groups, **optimizer_kwargs)
-            if isinstance(inner, BF16StateAdamW):
+            if isinstance(inner, (BF16StateAdamW, PureBF16AdamW)):
                 # Each parameter's rounding noise salted by its place in param_groups, as the device optimizer
                 # salts it: the buckets (reverse order, one optimizer each) then round as one device AdamW would.
                 inner.salts = {id(s.master): place[id(s)] for s in run}
@@ -493,6 +502,30 @@ def _moments_class(optimizer_class: type[torch.optim.Optimizer], state_precision
             "bitsandbytes' 8-bit). To resolve this error, drop optimizer_class (AdamW), or pass "
             "state_precision='fp32'.")
     return state_class(str(state_precision), "cpu")[0]
+
+
+def _pure_bf16_class(optimizer_class: type[torch.optim.Optimizer], state_precision: object,
+                     device_dtype: torch.dtype | None, optimizer_kwargs: dict[str, Any]) -> type[torch.optim.Optimizer]:
+    """``PureBF16AdamW`` (its moments' precision set in ``optimizer_kwargs``) for ``pure_bf16=True``, after
+    checking what it cannot combine with."""
+    check_pure_bf16_moments(state_precision)
+    if optimizer_class is not torch.optim.AdamW or device_dtype not in (None, torch.bfloat16):
+        raise ConfigError(
+            f"CPUOffloadOptimizer(pure_bf16=True) with optimizer_class="
+            f"{getattr(optimizer_class, '__name__', optimizer_class)} and device_dtype={device_dtype}: pure bf16 "
+            "steps bf16 weights with AdamW (no master to cast from). To resolve this error, drop optimizer_class "
+            "and device_dtype, or pass pure_bf16=False.")
+    optimizer_kwargs["state_precision"] = state_precision
+    return PureBF16AdamW
+
+
+def _check_bf16_weights(flat: list[torch.Tensor], names: list[str] | None) -> None:
+    wrong = [names[i] if names else f"#{i}" for i, p in enumerate(flat) if p.dtype != torch.bfloat16]
+    if wrong:
+        raise ConfigError(
+            f"CPUOffloadOptimizer(pure_bf16=True): {len(wrong)} parameters are not bf16 ({wrong[:3]}): pure bf16 "
+            "keeps no fp32 master, so the weights must be bf16 already. To resolve this error, cast the model first "
+            "(model.to(torch.bfloat16)), or pass pure_bf16=False (an fp32 master on the host).")
 
 
 def _probe(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],

@@ -53,7 +53,7 @@ class OffloadCheckpoint:
                 entry = self.state.get(slot.device)
                 if entry:
                     state[slot.key] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-                    if slot.device.dtype != torch.float32:
+                    if slot.device.dtype != slot.master.dtype:  # pure bf16: the master is the weight
                         state[slot.key]["master_weight"] = slot.master.clone()
         return {"state": state, "param_groups": groups}
 
