@@ -9,7 +9,8 @@ with several processes cannot take), so that a bad combination fails once, at st
 Example:
     >>> Choices(checkpointing="every:2", optimizer=OptimizerChoice(state_precision="bf16")).to_dict()
     {'checkpointing': 'every:2', 'offload_activations': None, 'optimizer': {'placement': None, \
-'state_precision': 'bf16', 'step_in_backward': None, 'offload_fraction': None}, 'chunked_loss': None, 'compile': False}
+'state_precision': 'bf16', 'step_in_backward': None, 'offload_fraction': None}, 'chunked_loss': None, 'compile': False, \
+'pure_bf16': False}
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ class Choices:
         optimizer: AdamW's placement and state (``OptimizerChoice``; a mapping of its fields is taken too).
         chunked_loss: the loss's fp32 logits 1024 tokens at a time, never the whole batch's.
         compile: ``torch.compile`` the step (fused kernels; the first steps compile).
+        pure_bf16: bf16 weights with no fp32 master, each update rounded stochastically (``PureBF16AdamW``): 2 bytes
+            per parameter of weights and 2 of gradient, no master on the device or the host. It changes the
+            numerics, so the plan never picks it: only this choice turns it on (bf16-mixed precision; moments fp32
+            or bf16).
 
     Raises:
         ConfigError: every bad value and contradiction at once, each naming the fix.
@@ -136,6 +141,7 @@ class Choices:
     optimizer: OptimizerChoice = field(default_factory=OptimizerChoice)
     chunked_loss: bool | None = None
     compile: bool = False
+    pure_bf16: bool = False  # True: no fp32 master (6 bytes/param less with an offloaded optimizer, 2 on the device)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -166,6 +172,14 @@ class Choices:
         problems += _switch_problems(self, ("offload_activations", "chunked_loss"))
         if not isinstance(self.compile, bool):
             problems.append(f"compile={self.compile!r} must be True or False. To resolve this error, pass one of them.")
+        if not isinstance(self.pure_bf16, bool):
+            problems.append(f"pure_bf16={self.pure_bf16!r} must be True or False. To resolve this error, pass one of "
+                            "them.")
+        elif self.pure_bf16 and optimizer.state_precision == "int8":
+            problems.append("pure_bf16=True with optimizer.state_precision='int8': bitsandbytes' 8-bit AdamW rounds "
+                            "a bf16 weight's update to nearest, losing updates below half an ulp (pure bf16 needs "
+                            "stochastic rounding). To resolve this error, pass state_precision='bf16' or 'fp32', or "
+                            "drop pure_bf16.")
         if policy is not None and policy.offload_inputs and self.offload_activations is False:
             problems.append(f"checkpointing={str(policy)!r} offloads the recomputed blocks' inputs, but "
                             "offload_activations=False says not to. To resolve this error, drop +offload or "
@@ -198,7 +212,7 @@ class Choices:
         """JSON values (the policy as its spelling) that ``from_dict`` reads back."""
         return {"checkpointing": None if self.checkpointing is None else str(self.checkpointing),
                 "offload_activations": self.offload_activations, "optimizer": dataclasses.asdict(self.optimizer),
-                "chunked_loss": self.chunked_loss, "compile": self.compile}
+                "chunked_loss": self.chunked_loss, "compile": self.compile, "pure_bf16": self.pure_bf16}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Choices:

@@ -361,7 +361,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     model.train()
 
     # Plan: every choice the config leaves open, to fit the budget; each with its reason.
-    precision_name, precision_reason = resolve_precision(device, config.precision)
+    pure_auto = config.choices.pure_bf16 and config.precision == "auto"  # pure bf16 computes in bf16
+    precision_name, precision_reason = resolve_precision(device, "bf16-mixed" if pure_auto else config.precision)
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
                          precision=precision_name, packed=len(train_data[0]) > 2)  # PackedRow: position_ids
     # What defines the run: a resume that differs in any of these is refused, naming each difference.

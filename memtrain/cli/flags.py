@@ -366,6 +366,11 @@ def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> N
     parser.add_argument("--step-in-backward", action=switch, default=None,
                         help=f"each parameter steps as soon as its gradient is final, which is freed at once: the "
                         f"whole model's gradients never coexist ({unset})")
+    parser.add_argument("--pure-bf16", action="store_true", default=False,
+                        help="bf16 weights with no fp32 master, each update rounded stochastically: 2 bytes per "
+                        "parameter of weights and 2 of gradient, no master on the device or in host RAM; moments "
+                        "fp32 or bf16 (--optimizer-state). Changes the numerics: never chosen by the plan (default: "
+                        "off; bf16-mixed precision)")
 
 
 def _add_budget_flags(parser: argparse.ArgumentParser, *, default_text: str) -> None:

@@ -69,7 +69,7 @@ def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[di
         "checkpointing": checkpointing, "optimizer": optimizer,
         "offload_activations": bool(setup.offload_activations), "chunked_loss": bool(setup.chunked_loss),
         "state_precision": choice.state_precision or "fp32", "offload_fraction": choice.offload_fraction or 0.0,
-        "step_in_backward": bool(choice.step_in_backward)}
+        "step_in_backward": bool(choice.step_in_backward), "pure_bf16": bool(setup.pure_bf16)}
     if setup.checkpointing is not None:
         if _same_policy(checkpointing, setup.checkpointing):
             options["checkpointing"] = setup.checkpointing

@@ -64,7 +64,7 @@ def optimizer_bytes(params: Sequence[nn.Parameter], kind: str, round_to: int) ->
 
 def optimizer_figures(trainable: Sequence[nn.Parameter], optimizer: str, *, lean: bool, state_precision: str,
                       offload_fraction: float, step_in_backward: bool, accumulation: int, device_type: str,
-                      round_to: int, idle: Sequence[nn.Parameter] = ()) -> OptimizerFigures:
+                      round_to: int, idle: Sequence[nn.Parameter] = (), pure_bf16: bool = False) -> OptimizerFigures:
     """The bytes of ``optimizer`` over the ``trainable`` parameters: torch's optimizers by formula, memtrain.optim's
     AdamW (``lean``: lean moments, offload, step in backward; or ``"adamw-offload"``) by its own byte model.
     ``idle``: trainable parameters that get no gradient: no state (every optimizer creates it lazily), but the
@@ -78,21 +78,22 @@ def optimizer_figures(trainable: Sequence[nn.Parameter], optimizer: str, *, lean
         fraction = 1.0 if optimizer == "adamw-offload" else offload_fraction
         memory = optimizer_memory([(p.numel(), p.dtype) for p in trainable], state_precision=state_precision,
                                   offload_fraction=fraction, step_in_backward=step_in_backward,
-                                  accumulation_steps=accumulation, device_type=device_type)
+                                  accumulation_steps=accumulation, device_type=device_type, pure_bf16=pure_bf16)
         state_bytes, step_temp_bytes = memory.device_state_bytes, memory.device_step_temp_bytes
         optimizer_host_bytes, all_state_bytes = memory.host_bytes, memory.state_bytes
         if idle:  # NOTE: the idle parameters' buffers as if their share were offloaded alike
             every = optimizer_memory([(p.numel(), p.dtype) for p in (*trainable, *idle)],
                                      state_precision=state_precision, offload_fraction=fraction,
                                      step_in_backward=step_in_backward, accumulation_steps=accumulation,
-                                     device_type=device_type)
+                                     device_type=device_type, pure_bf16=pure_bf16)
             optimizer_host_bytes = memory.host_state_bytes + every.host_bytes - every.host_state_bytes
         on_host = offloaded_mask([p.numel() for p in trainable], fraction)
         leaving = [p for p, h in zip(trainable, on_host, strict=True)
                    if h or (step_in_backward and accumulation == 1)]
         optimizer_note = (f"AdamW from memtrain.optim.build_optimizer: {state_precision} moments, {fraction:.0%} of "
                           f"the parameters' state in host RAM, step in backward {'on' if step_in_backward else 'off'}"
-                          " (bytes from memtrain.optim.optimizer_memory; step temporaries an upper bound)")
+                          " (bytes from memtrain.optim.optimizer_memory; step temporaries an upper bound)"
+                          + ("; pure bf16: bf16 weights and gradients, no fp32 master" if pure_bf16 else ""))
         if fraction:
             optimizer_note += ("; offloaded parameters' fp32 masters, moments and gradient buffers in pinned host "
                                "memory, their device gradients counted in full (streaming frees them earlier, so "

@@ -146,6 +146,7 @@ def estimate(
         ('estimated', True, True)
     """
     options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer)
+    pure_bf16 = options.pop("pure_bf16", False)  # trace's own argument: bf16 weights, no master
     arguments = dict(device=device, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
                      accumulation=accumulation, weights_dtype=weights_dtype)
     if problems:  # every problem at once: the other arguments' too
@@ -154,7 +155,8 @@ def estimate(
         except ConfigError as e:
             problems += e.problems
         raise ConfigError(problems)
-    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay).report
+    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay,
+                   pure_bf16=pure_bf16).report
     if setup is not None and setup.compile:
         report = dataclasses.replace(report, assumptions=(*report.assumptions, COMPILE_NOTE))
     return report
@@ -182,14 +184,18 @@ def trace(
     runs: bool = False,
     offload_min_bytes: int = MIN_BYTES_DEFAULT,
     no_gradient: frozenset[str] = frozenset(),
+    pure_bf16: bool = False,
 ) -> Trace:
     """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
     forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). ``estimate``'s arguments,
     with the set-up as keyword arguments (``offload_activations``, ``state_precision``, ``offload_fraction``,
     ``step_in_backward``, ``chunked_loss``: the fields of ``setup``, None there being False / "fp32" / 0.0 here),
     and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default).
-    Parameters the loss does not reach get no gradient, so no optimizer state: traced again so (``no_gradient``)."""
+    Parameters the loss does not reach get no gradient, so no optimizer state: traced again so (``no_gradient``).
+    ``pure_bf16``: bf16 weights (``weights_dtype`` "bf16" unless given) stepped by ``PureBF16AdamW``, no master."""
     arguments = dict(locals())  # this call's arguments, for the trace again once such parameters are found
+    if pure_bf16 and weights_dtype is None:
+        weights_dtype = "bf16"
     device_type, lean, ckpt, spec = check_arguments(
         model, batch, device=device, precision=precision, checkpointing=checkpointing,
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
@@ -208,10 +214,11 @@ def trace(
     params = list(dict.fromkeys(p for p in meta.parameters()))
     # Not frozen (forward saves for them as in the real step), but without gradient or optimizer state.
     trainable = [p for name, p in meta.named_parameters() if p.requires_grad and name not in no_gradient]
-    optim = optimizer_figures(trainable, optimizer, lean=lean, state_precision=state_precision,
+    optim = optimizer_figures(trainable, optimizer, lean=lean or pure_bf16, state_precision=state_precision,
                               offload_fraction=offload_fraction, step_in_backward=step_in_backward,
                               accumulation=accumulation, device_type=device_type, round_to=round_to,
-                              idle=[p for name, p in meta.named_parameters() if name in no_gradient])
+                              idle=[p for name, p in meta.named_parameters() if name in no_gradient],
+                              pure_bf16=pure_bf16)
     streamed = bool(optim.leaving)
     watch = watch_step(meta, inputs, params, trainable, optim, fake_mode, round_to=round_to, record=runs,
                        replay=on_cuda and replay, on_cuda=on_cuda, autocast_dtype=autocast_dtype,

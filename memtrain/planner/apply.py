@@ -66,6 +66,10 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     device = next(model.parameters()).device
     precision = MixedPrecision(s.precision, device.type)  # type: ignore[arg-type]
     wrapped = configure_model(model, s)
+    if s.pure_bf16:  # no fp32 master anywhere: the weights themselves become bf16 (buffers keep their dtype)
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
     train_model: nn.Module = model
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if (s.distribution == "none") != (world == 1):
@@ -142,13 +146,14 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
                        hyper: dict[str, Any]) -> torch.optim.Optimizer:
     """AdamW as the plan places it, over the parameters that require grad (a LoRA model's adapters)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and not s.offload_fraction:
+    if s.optimizer == "device" and s.state_precision == "fp32" and not (s.step_in_backward or s.offload_fraction
+                                                                         or s.pure_bf16):
         # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
         return torch.optim.AdamW([p for _, p in trainable], fused=True, **hyper)
     if s.optimizer == "device":
         return build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
                                step_in_backward=s.step_in_backward, grad_scaler=precision.scaler,
-                               world_size=world, **hyper)
+                               world_size=world, pure_bf16=s.pure_bf16, **hyper)
 
     # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that would
     # have copied them to the host. In one process they stream to the host during backward.
@@ -160,4 +165,5 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
         if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(bf16)
     return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
-                               device_dtype=bf16, state_precision=s.state_precision, **hyper)
+                               device_dtype=bf16, state_precision=s.state_precision, pure_bf16=s.pure_bf16,
+                               **hyper)

@@ -77,6 +77,12 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
                         "resolve this error, pass chunked_loss=False (or leave it to the plan).")
     if f.optimizer == "offload-bf16-weights" and precision != "bf16-mixed":
         problems.append(f"bf16 device weights need precision bf16-mixed, not {precision}.")
+    if f.pure_bf16 and precision != "bf16-mixed":
+        problems.append(f"pure_bf16=True with precision {precision}: pure bf16 keeps bf16 weights and computes in "
+                        "bf16. To resolve this error, pass precision='bf16-mixed', or drop pure_bf16.")
+    if f.pure_bf16 and f.state_precision == "int8":
+        problems.append("pure_bf16=True with state_precision='int8': bitsandbytes rounds a bf16 weight's update to "
+                        "nearest. To resolve this error, pass state_precision='bf16' or 'fp32'.")
     ConfigError.raise_if(problems)
 
 

@@ -73,11 +73,13 @@ class Composer:
     def optimizer(self, prof: Profiles, cfg: Configuration) -> tuple[Any, np.ndarray, bool]:
         """The optimizer's bytes (``memtrain.optim.optimizer_memory``), which blocks' gradients leave the device
         as they land (streamed to the host, or stepped in backward), and whether the head's and embeddings' do."""
-        key = (id(prof), cfg.state_precision, cfg.host_fraction, cfg.step_in_backward, cfg.accumulation)
+        key = (id(prof), cfg.state_precision, cfg.host_fraction, cfg.step_in_backward, cfg.accumulation,
+               cfg.pure_bf16)
         if key not in self._optimizers:
             memory = optimizer_memory(prof.trainable_params, state_precision=cfg.state_precision,
                                       offload_fraction=cfg.host_fraction, step_in_backward=cfg.step_in_backward,
-                                      accumulation_steps=cfg.accumulation, device_type=self.ctx.device)
+                                      accumulation_steps=cfg.accumulation, device_type=self.ctx.device,
+                                      pure_bf16=cfg.pure_bf16)
             leaving = np.array(offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction), dtype=bool)
             if cfg.step_in_backward and cfg.accumulation == 1:
                 leaving[:] = True
@@ -90,8 +92,9 @@ class Composer:
             self._optimizers[key] = (memory, block_leaves, bool(other.any() and leaving[other].all()))
         return self._optimizers[key]
 
-    def profile(self, optimizer: str) -> Profiles:
-        return self.profiles["bf16" if optimizer == "offload-bf16-weights" else None]
+    def profile(self, optimizer: str, pure_bf16: bool = False) -> Profiles:
+        """The profiles of the device weights' dtype: bf16 with an offloaded fp32 master, or pure bf16."""
+        return self.profiles["bf16" if optimizer == "offload-bf16-weights" or pure_bf16 else None]
 
     def arrays(self, prof: Profiles, kind: str, b: int, compiled: bool) -> _KindArrays:
         key = (id(prof), kind, b, compiled)
@@ -131,7 +134,7 @@ class Composer:
     def picker(self, cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray) -> Callable[[str], np.ndarray]:
         """A (rows, blocks) array of one ``_KindArrays`` field per assignment row: the offloaded kind's where
         ``is_off``, the recomputed kind's where ``is_rec``, the kept kind's elsewhere."""
-        b, prof = cfg.micro_batch_size, self.profile(cfg.optimizer)
+        b, prof = cfg.micro_batch_size, self.profile(cfg.optimizer, cfg.pure_bf16)
         # Blocks compiled one by one run their own code compiled whatever the set-up (see compile_model).
         keep = self.arrays(prof, "keep", b, cfg.compile)
         rec = self.arrays(prof, cfg.flavor, b, cfg.compile) if is_rec.any() else keep
@@ -153,7 +156,7 @@ class Composer:
         cfg = configuration_of(s)
         kinds = np.array(s.blocks)[None, :]
         activations = float(self.offloaded(cfg, self.picker(cfg, kinds == "offload", kinds == "recompute")).sum())
-        gradients, weights = _optimizer_link(self.ctx, self.profile(cfg.optimizer), cfg)
+        gradients, weights = _optimizer_link(self.ctx, self.profile(cfg.optimizer, cfg.pure_bf16), cfg)
         return HostLink(round(activations * cfg.accumulation), round(activations * cfg.accumulation),
                         round(gradients * cfg.accumulation), round(weights))
 
@@ -161,7 +164,7 @@ class Composer:
         """(peak, host, seconds) per row of a (rows, blocks) assignment: offloaded where ``is_off``, recomputed
         where ``is_rec``, kept elsewhere."""
         ctx, b = self.ctx, cfg.micro_batch_size
-        prof = self.profile(cfg.optimizer)
+        prof = self.profile(cfg.optimizer, cfg.pure_bf16)
         pick = self.picker(cfg, is_off, is_rec)
         tail = prof.tails[cfg.chunked_loss]
         # -- model state, one process (distributed ranks differ by _distributed_shift)
@@ -293,6 +296,14 @@ _STEP_OPS = {"fp32": 0.05, "bf16": 2.0, "int8": 2.0}
 # A host step's rate relative to fp32 AdamW's, where the probe did not measure it (memtrain.optim.cpu_step_rate on
 # this machine's 2 cores: bf16 about 3.5x and int8 about 30x slower).
 _CPU_RATE = {"fp32": 1.0, "bf16": 0.3, "int8": 1 / 30}
+# Pure bf16 (PureBF16AdamW): per parameter, the bf16 weight and gradient copied into fp32 (read 4, write 8), the
+# moments too where they are bf16 (4, 8), the fused kernel on the fp32 copies (28), the rounding noise added to
+# the weight and bf16 moments (read 12 + 12, write 12 with bf16 moments; a third without), the mask (24 or 8)
+# and the copies back (12 + 6, or 4 + 2): about 136 bytes with bf16 moments, 76 with fp32 ones (fp32 moments are
+# stepped in place). Its host step's rate relative to fused fp32 AdamW's, measured with memtrain.optim's
+# PureBF16AdamW on this machine's 2 cores (4M parameters): 0.46 with fp32 moments, 0.25 with bf16.
+_PURE_STEP_BYTES = {"fp32": 76.0, "bf16": 136.0}
+_PURE_CPU_RATE = {"fp32": 0.46, "bf16": 0.25}
 
 
 def _optimizer_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, backward_s: np.ndarray) -> np.ndarray:
@@ -306,8 +317,11 @@ def _optimizer_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, backwar
     on_device = numel - on_host
     if ctx.device == "cuda":
         tensors = len(prof.trainable_params) * (1 - cfg.host_fraction)
-        device_part = max(_STEP_BYTES[cfg.state_precision] * on_device / dev.memory_bandwidth,
-                          _STEP_OPS[cfg.state_precision] * tensors * dev.op_overhead_s)
+        step_bytes = (_PURE_STEP_BYTES if cfg.pure_bf16 else _STEP_BYTES)[cfg.state_precision]
+        device_part = max(step_bytes * on_device / dev.memory_bandwidth,
+                          _STEP_OPS["bf16" if cfg.pure_bf16 else cfg.state_precision] * tensors * dev.op_overhead_s)
+    elif cfg.pure_bf16:  # the "device" is the host
+        device_part = on_device / (dev.cpu_adamw * _PURE_CPU_RATE[cfg.state_precision])
     else:  # the "device" is the host: its own AdamW rate
         rate = {"fp32": dev.cpu_adamw, "bf16": dev.cpu_adamw_bf16, "int8": dev.cpu_adamw_int8}[cfg.state_precision]
         device_part = on_device / (rate or dev.cpu_adamw * _CPU_RATE[cfg.state_precision])
@@ -321,7 +335,8 @@ def _optimizer_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, backwar
     host_adds = (cfg.accumulation - 1) * 12 * on_host / dev.host_bandwidth
     norms = 4 * on_host / dev.host_bandwidth if ctx.grad_clip else 0.0
     last_bucket = min(grad_bytes, _BUCKET_BYTES * grad_bytes / (4 * on_host))
-    host_part = d2h + host_adds + norms + on_host / dev.cpu_adamw + last_bucket / dev.host_to_device
+    host_rate = dev.cpu_adamw * (_PURE_CPU_RATE[cfg.state_precision] if cfg.pure_bf16 else 1.0)
+    host_part = d2h + host_adds + norms + on_host / host_rate + last_bucket / dev.host_to_device
     return np.maximum(device_part, host_part)
 
 

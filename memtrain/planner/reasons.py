@@ -139,6 +139,9 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
     in_backward, fraction = results.column("step_in_backward"), results.column("offload_fraction")
     plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
     text = names[s.optimizer]
+    if s.pure_bf16:  # only when asked for: no master anywhere
+        text = text.replace("fp32 master and state", "state").replace("AdamW", "pure bf16 AdamW (bf16 weights, no "
+                                                                      "fp32 master, stochastic rounding; as asked)")
     details = [f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, not 8)"
                if s.state_precision != "fp32" else "",
                ("each parameter stepping in backward, its gradient freed at once"
@@ -147,7 +150,7 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
                f"{100 * s.offload_fraction:.0f}% of the state in host RAM" if s.offload_fraction else ""]
     if any(details):
         text += " with " + ", ".join(d for d in details if d)
-    elif s.optimizer == "device":
+    elif s.optimizer == "device" and not s.pure_bf16:
         text += " (fused, fp32 moments)"
     alternatives = []
     if not plain[chosen]:
@@ -219,9 +222,12 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
 
 def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable,
                         verified: dict[int, tuple[float, Trace]], budget_bytes: int | None, usable: int | None,
-                        host_limit: int | None, host_budget: int | None, margin: float, fits_host: np.ndarray) -> None:
+                        host_limit: int | None, host_budget: int | None, margin: float, fits_host: np.ndarray,
+                        options: list[str] | None = None) -> None:
     """The ConfigError when no candidate fits: which budget is short (the device, the host RAM, both or either),
-    by how much (each figure beside the budget it is over), and the budgets or options that would fit."""
+    by how much (each figure beside the budget it is over), and the budgets or options that would fit
+    (``options``: set-ups the plan does not take on its own that fit both budgets, e.g. pure bf16's, named
+    first)."""
     assert usable is not None or host_limit is not None
     if results.explicit and not results.searched:
         s = results.settings(0)
@@ -266,6 +272,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
              "the host RAM" if on_device else "either budget")
     if which == "either budget":  # each fix needs the other budget raised too: the smallest peak's host RAM
         fixes[1:] = [f"host_budget={_size_up(int(results.host[k]))} and {fix}" for fix in fixes[1:]]
+    fixes = [*(options or []), *fixes]  # within both budgets as they are: first
     raise ConfigError(f"no set-up fits {which}: {'; '.join(clauses)}. To resolve this error, try "
                       f"{'; or '.join(fixes)}.")
 
@@ -287,7 +294,7 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
     fits = (f"budget={_size_up(math.ceil(peak / (1 - margin)))} holds that set-up's peak with the "
             f"{100 * margin:.0f}% margin")
     hints = [f"a larger budget ({fits})"]
-    prof = composer.profile(s.optimizer)
+    prof = composer.profile(s.optimizer, s.pure_bf16)
     shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
     weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
     memory = composer.optimizer(prof, configuration_of(s))[0]  # its moments' precision, its gradients' life

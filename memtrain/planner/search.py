@@ -39,6 +39,7 @@ from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
 from memtrain.optim import INT8_DEVICES
 from memtrain.planner.checks import check_choices, check_fixed, check_plan_arguments, check_settings, divisors
+from memtrain.planner.hint import hint_lines, pure_bf16_candidate, pure_bf16_space
 from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.profiles import Profiles
@@ -157,12 +158,19 @@ def plan(
         _raise_unbuildable(fixed, micro_batch_size, world_size, fsdp)
     results.finish()
     results.peak = results.peak + correction_bytes
+    # Pure bf16 changes the numerics: never chosen unless asked for, only searched for a hint (memtrain.planner.hint).
+    pure = None
+    if settings is None:
+        def pure(limit: int | None, usable: int | None, faster_than: float | None) -> Any:
+            return pure_bf16_candidate(composer, space, fixed, micros, per_rank, compile or choices.compile,
+                                       allowed, limit, usable, faster_than, correction_bytes, search=_search,
+                                       estimate=estimate_of)
     # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
     here = device == "cpu" or torch.cuda.is_available()
     host_limit = host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
     usable = None if budget_bytes is None else int(budget_bytes * (1 - safety_margin))
     chosen = _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin,
-                     started, correction_bytes)
+                     started, correction_bytes, pure)
     return dataclasses.replace(chosen, reasons=(*notes, *chosen.reasons)) if notes else chosen
 
 
@@ -177,8 +185,10 @@ def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable, settin
         _add_given(composer, results, settings)
         space.placements = []  # nothing to search
         return composer
-    profiles: dict[Any, Profiles] = {None: build_profiles(ctx, space.flavors, space.offload_blocks, None)}
-    if "offload-bf16-weights" in space.placements:
+    profiles: dict[Any, Profiles] = {}
+    if not space.pure_bf16:
+        profiles[None] = build_profiles(ctx, space.flavors, space.offload_blocks, None)
+    if "offload-bf16-weights" in space.placements or space.pure_bf16:
         profiles["bf16"] = build_profiles(ctx, space.flavors, space.offload_blocks, "bf16")
     return Composer(ctx, profiles)
 
@@ -218,6 +228,7 @@ class _SearchSpace:
     states: list[str]
     distributions: list[Distribution]
     losses: list[bool]
+    pure_bf16: bool = False  # only pure bf16 set-ups (fixed): bf16 weights, no master
 
 
 def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fixed) -> _SearchSpace:
@@ -258,7 +269,9 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
             placements = [fixed.optimizer]
         if fixed.state_precision is not None:
             states = [fixed.state_precision]
-    return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses)
+    if fixed.pure_bf16:
+        placements, states, distributions = pure_bf16_space(placements, states, distributions)
+    return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses, bool(fixed.pure_bf16))
 
 
 def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fixed: Fixed, micros: Sequence[int],
@@ -279,7 +292,7 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                         continue
                     for flavor in flavors or ["full"]:
                         cfg = Configuration(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision,
-                                            state, in_backward, fraction)
+                                            state, in_backward, fraction, space.pure_bf16)
                         if fixed.blocks is not None:
                             _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
                             continue
@@ -374,9 +387,9 @@ def composer_for(ctx: Problem, given: Sequence[PlanSettings]) -> Composer:
     flavors = sorted({s.flavor for s in given if "recompute" in s.blocks})
     offload = any("offload" in s.blocks for s in given)
     profiles: dict[Any, Profiles] = {}
-    if any(s.optimizer != "offload-bf16-weights" for s in given):
+    if any(s.optimizer != "offload-bf16-weights" and not s.pure_bf16 for s in given):
         profiles[None] = build_profiles(ctx, flavors, offload, None)
-    if any(s.optimizer == "offload-bf16-weights" for s in given):
+    if any(s.optimizer == "offload-bf16-weights" or s.pure_bf16 for s in given):
         profiles["bf16"] = build_profiles(ctx, flavors, offload, "bf16")
     return Composer(ctx, profiles)
 
@@ -431,14 +444,14 @@ def estimate_of(ctx: Problem, prof: Profiles, s: PlanSettings) -> tuple[float, T
               optimizer="adamw" if s.optimizer == "device" else "adamw-offload", accumulation=s.accumulation,
               state_precision=s.state_precision, offload_fraction=s.offload_fraction,
               step_in_backward=s.step_in_backward,
-              weights_dtype="bf16" if s.optimizer == "offload-bf16-weights" else None,
-              runs=gradient_shard(ctx, s) > 0)  # when the sharded gradients' moments matter
+              weights_dtype="bf16" if s.optimizer == "offload-bf16-weights" or s.pure_bf16 else None,
+              runs=gradient_shard(ctx, s) > 0, pure_bf16=s.pure_bf16)  # runs: when sharded gradients matter
     return rank_peak(ctx, prof, s, t), t
 
 
 def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_bytes: int | None, usable: int | None,
             host_limit: int | None, host_budget: int | None, margin: float, started: float,
-            correction_bytes: int = 0) -> Plan:
+            correction_bytes: int = 0, pure: Any = None) -> Plan:
     """The fastest row that fits, confirmed by a full estimate (the next is tried when the estimate disagrees)."""
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
@@ -463,16 +476,17 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
                 break
             continue
         s = results.settings(k)
-        peak, t = estimate_of(ctx, composer.profile(s.optimizer), s)
+        peak, t = estimate_of(ctx, composer.profile(s.optimizer, s.pure_bf16), s)
         verified[k] = peak + correction_bytes, t
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
         if usable is None or verified[k][0] <= usable:
             chosen = k
             break
         deficit[shape] = max(deficit.get(shape, 0.0), verified[k][0] - results.peak[k])
+    hint = pure(host_limit, usable, None if chosen is None else float(results.seconds[chosen])) if pure else None
     if chosen is None:
         raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
-                            fits_host)
+                            fits_host, [hint.fix] if hint is not None else [])
     s = results.settings(chosen)
     peak, t = verified[chosen]
     tokens_per_step = ctx.global_batch * ctx.seq_len
@@ -486,7 +500,8 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
         step_seconds=seconds, tokens_per_s=tokens_per_step / seconds, precision=ctx.precision, device=ctx.device,
         seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
         parameters=int(sum(p.numel() for p in dict.fromkeys(ctx.model.parameters()))),
-        reasons=tuple(plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)),
+        reasons=tuple(plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)
+                      + list(hint_lines(hint, seconds))),
         candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
                                      host_limit)),
         assumptions=tuple(plan_assumptions(ctx, margin, composer, host_limit) + (

@@ -42,6 +42,7 @@ class PlanSettings:
     state_precision: str = "fp32"  # AdamW's moments: fp32 (8 bytes/param), bf16 (4), int8 (about 2)
     step_in_backward: bool = False  # each parameter steps as its gradient is final, which is freed at once
     offload_fraction: float = 0.0  # with optimizer "device": this share of the parameters' state in host RAM
+    pure_bf16: bool = False  # bf16 weights, no fp32 master, updates rounded stochastically (only when asked for)
 
     @property
     def optimizer_text(self) -> str:
@@ -52,6 +53,8 @@ class PlanSettings:
             parts.append(f"{self.state_precision} moments")
         if self.step_in_backward:
             parts.append("step in backward")
+        if self.pure_bf16:
+            parts.append("pure bf16 (no master)")
         return ", ".join(parts)
 
     @property
@@ -109,6 +112,9 @@ class Fixed:
     step_in_backward: bool | None = None
     offload_fraction: float | None = None
     compile: bool | None = None  # torch.compile the step (True), or not (False)
+    # True: only pure bf16 set-ups (bf16 weights, no fp32 master); None: none (the plan computes them for a hint
+    # only: it changes the numerics, so the plan never picks it).
+    pure_bf16: bool | None = None
 
     @classmethod
     def of_choices(cls, choices: Choices, *, n_blocks: int, device: str) -> tuple[Fixed, frozenset[str], list[str]]:
@@ -163,7 +169,8 @@ class Fixed:
                 fraction = 0.0
         fixed = cls(blocks=blocks, flavor=flavor, chunked_loss=choices.chunked_loss, optimizer=opt.fixed_placement,
                     state_precision=opt.state_precision, step_in_backward=opt.step_in_backward,
-                    offload_fraction=fraction, compile=True if choices.compile else None)
+                    offload_fraction=fraction, compile=True if choices.compile else None,
+                    pure_bf16=True if choices.pure_bf16 else None)
         return fixed, frozenset(allowed), notes
 
 
@@ -380,6 +387,7 @@ class Configuration:
     state_precision: str = "fp32"
     step_in_backward: bool = False
     offload_fraction: float = 0.0
+    pure_bf16: bool = False
 
     def settings(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
         return self.with_blocks(_assignment(n_blocks, offload, recompute))
@@ -387,7 +395,7 @@ class Configuration:
     def with_blocks(self, blocks: tuple[BlockKind, ...]) -> PlanSettings:
         return PlanSettings(self.micro_batch_size, self.accumulation, blocks, self.flavor, self.chunked_loss,
                             self.optimizer, self.distribution, self.compile, self.precision, self.state_precision,
-                            self.step_in_backward, self.offload_fraction)
+                            self.step_in_backward, self.offload_fraction, self.pure_bf16)
 
     @property
     def host_fraction(self) -> float:
@@ -408,4 +416,4 @@ TECHNIQUES = ("checkpointing", "selective", "offload-activations", "chunked-loss
 
 def configuration_of(s: PlanSettings) -> Configuration:
     return Configuration(s.micro_batch_size, s.accumulation, s.flavor, s.chunked_loss, s.optimizer, s.distribution,
-                   s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction)
+                   s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction, s.pure_bf16)

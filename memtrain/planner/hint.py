@@ -1,0 +1,99 @@
+"""The planner's pure bf16 candidates: searched when the user fixes ``pure_bf16``, otherwise composed only for one
+``Hint:`` line (or a fix named by the nothing-fits error), since pure bf16 changes the numerics and the plan never
+picks it on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from memtrain.planner.cost import CandidateTable, Composer
+from memtrain.planner.settings import Distribution, Fixed, OptimizerPlacement, PlanSettings
+from memtrain.report import format_bytes
+
+_HINT_TRIES = 3  # full estimates of pure bf16 candidates, fastest first, before giving up on the hint
+
+
+@dataclass(frozen=True)
+class PureBF16Hint:
+    """The fastest pure bf16 set-up that fits both budgets (a full estimate of its peak)."""
+
+    settings: PlanSettings
+    peak_bytes: float
+    host_bytes: float
+    seconds: float
+    tokens_per_s: float
+
+    @property
+    def fix(self) -> str:
+        """E.g. "--pure-bf16, which fits in 19.1 GiB per rank with 45.0 GiB of host RAM at 1,234 tokens/s (...)"."""
+        s = self.settings
+        return (f"--pure-bf16, which fits in {format_bytes(int(self.peak_bytes))} per rank with "
+                f"{format_bytes(int(self.host_bytes))} of host RAM at {self.tokens_per_s:,.0f} tokens/s (micro-batch "
+                f"{s.micro_batch_size} x {s.accumulation}, checkpointing {s.checkpointing}, optimizer "
+                f"{s.optimizer_text}; bf16 weights with no fp32 master and stochastically rounded updates: it changes "
+                "the numerics, so the plan takes it only when asked for)")
+
+
+def pure_bf16_space(placements: Sequence[OptimizerPlacement], states: Sequence[str],
+                    distributions: Sequence[Distribution]) -> tuple[list[OptimizerPlacement], list[str],
+                                                                    list[Distribution]]:
+    """The placements, moment precisions and distributions a pure bf16 set-up can take: AdamW on the device or
+    offloaded (no "offload-bf16-weights": there is no master to keep), fp32 or bf16 moments (bitsandbytes' int8
+    rounds the weight to nearest), one process or DDP (not FSDP2's sharded parameters)."""
+    kept = [p for p in placements if p != "offload-bf16-weights"]
+    if "offload-bf16-weights" in placements and "offload" not in kept:
+        kept.append("offload")
+    return kept, [s for s in states if s != "int8"], [d for d in distributions if d != "fsdp2"]
+
+
+def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Sequence[int], per_rank: int,
+                        compile: bool, allowed: set[str], host_limit: int | None, usable: int | None,
+                        faster_than: float | None, correction_bytes: int, *, search: Callable[..., None],
+                        estimate: Callable[..., tuple[float, Any]]) -> PureBF16Hint | None:
+    """The fastest pure bf16 set-up that fits (and is faster than ``faster_than`` seconds a step, when given), for
+    the hint; None when pure bf16 is fixed already, cannot run here (no bf16 profiles: not bf16-mixed on a GPU) or
+    nothing fits.
+
+    ``search`` and ``estimate`` are ``memtrain.planner.search``'s ``_search`` and ``estimate_of``.
+    """
+    if fixed.pure_bf16 or "bf16" not in composer.profiles:
+        return None
+    placements, states, distributions = pure_bf16_space(space.placements, space.states, space.distributions)
+    if not (placements and states and distributions):
+        return None
+    pure_space = dataclasses.replace(space, placements=placements, states=states, distributions=distributions,
+                                     pure_bf16=True)
+    table = CandidateTable(len(composer.ctx.block_names))
+    search(composer, table, pure_space, fixed, micros, per_rank, compile, allowed)
+    if table.empty:
+        return None
+    table.finish()
+    table.peak = table.peak + correction_bytes
+    fits = np.ones(len(table.peak), bool)
+    if usable is not None:
+        fits &= table.peak <= usable
+    if host_limit is not None:
+        fits &= table.host <= host_limit
+    if faster_than is not None:
+        fits &= table.seconds < faster_than
+    tokens = composer.ctx.global_batch * composer.ctx.seq_len
+    for k in table.order[fits[table.order]][:_HINT_TRIES]:
+        s = table.settings(int(k))
+        peak = estimate(composer.ctx, composer.profile(s.optimizer, True), s)[0] + correction_bytes
+        if usable is None or peak <= usable:
+            seconds = float(table.seconds[k])
+            return PureBF16Hint(s, peak, float(table.host[k]), seconds, tokens / seconds)
+    return None
+
+
+def hint_lines(hint: PureBF16Hint | None, chosen_seconds: float) -> tuple[str, ...]:
+    """The plan's ``Hint:`` line when the pure bf16 set-up is faster than the chosen one."""
+    if hint is None or hint.seconds >= chosen_seconds:
+        return ()
+    return (f"Hint: {hint.fix}, would be {100 * (chosen_seconds / hint.seconds - 1):.1f}% faster than this plan",)
