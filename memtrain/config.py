@@ -142,11 +142,8 @@ class TrainConfig:
         if self.precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed"):
             problems.append(f"precision={self.precision!r} is not one of auto, fp32, bf16-mixed, fp16-mixed. "
                             "To resolve this error, pass one of them.")
-        if isinstance(self.choices, Choices) and self.choices.pure_bf16 is True and self.precision in (
-                "fp32", "fp16-mixed"):
-            problems.append(f"pure_bf16=True with precision={self.precision!r}: pure bf16 keeps bf16 weights and "
-                            "computes in bf16 (no fp32 master, no fp16 loss scaling). To resolve this error, pass "
-                            "precision='bf16-mixed' (or 'auto'), or drop pure_bf16.")
+        if isinstance(self.choices, Choices):
+            problems += self.choices.precision_problems(self.precision)
         if self.overwrite is True and self.resume is True:
             problems.append("overwrite=True and resume=True contradict each other. To resolve this error, pass "
                             "resume=True to continue the run in out_dir, or overwrite=True to start it again.")

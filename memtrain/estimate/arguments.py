@@ -147,6 +147,7 @@ def check_arguments(
     seq_len: int | None,
     accumulation: int,
     weights_dtype: str | None,
+    pure_bf16: bool = False,
 ) -> tuple[str, bool, Checkpointing | dict[str, Any] | None, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
     """``trace``'s arguments checked before anything is built: (device type, whether AdamW is memtrain.optim's
     lean one, the checkpointing asked for, the batch's named shapes).
@@ -182,7 +183,7 @@ def check_arguments(
     if not isinstance(step_in_backward, bool):
         problems.append(f"step_in_backward={step_in_backward!r} must be True or False. To resolve this error, "
                         "pass step_in_backward=True or False.")
-    lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True
+    lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True or pure_bf16 is True
     if lean and optimizer not in ("adamw", "adamw-offload"):
         problems.append(f"state_precision/offload_fraction/step_in_backward are options of AdamW (memtrain.optim), "
                         f"not of optimizer={optimizer!r}. To resolve this error, pass optimizer='adamw'.")

@@ -146,7 +146,6 @@ def estimate(
         ('estimated', True, True)
     """
     options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer)
-    pure_bf16 = options.pop("pure_bf16", False)  # trace's own argument: bf16 weights, no master
     arguments = dict(device=device, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
                      accumulation=accumulation, weights_dtype=weights_dtype)
     if problems:  # every problem at once: the other arguments' too
@@ -155,8 +154,7 @@ def estimate(
         except ConfigError as e:
             problems += e.problems
         raise ConfigError(problems)
-    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay,
-                   pure_bf16=pure_bf16).report
+    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay).report
     if setup is not None and setup.compile:
         report = dataclasses.replace(report, assumptions=(*report.assumptions, COMPILE_NOTE))
     return report
@@ -183,19 +181,15 @@ def trace(
     replay: bool = True,
     runs: bool = False,
     offload_min_bytes: int = MIN_BYTES_DEFAULT,
-    no_gradient: frozenset[str] = frozenset(),
-    pure_bf16: bool = False,
+    no_gradient: frozenset[str] = frozenset(), pure_bf16: bool = False,  # pure: bf16 weights, no master
 ) -> Trace:
     """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
     forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). ``estimate``'s arguments,
     with the set-up as keyword arguments (``offload_activations``, ``state_precision``, ``offload_fraction``,
     ``step_in_backward``, ``chunked_loss``: the fields of ``setup``, None there being False / "fp32" / 0.0 here),
     and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default).
-    Parameters the loss does not reach get no gradient, so no optimizer state: traced again so (``no_gradient``).
-    ``pure_bf16``: bf16 weights (``weights_dtype`` "bf16" unless given) stepped by ``PureBF16AdamW``, no master."""
+    Parameters the loss does not reach get no gradient, so no optimizer state: traced again so (``no_gradient``)."""
     arguments = dict(locals())  # this call's arguments, for the trace again once such parameters are found
-    if pure_bf16 and weights_dtype is None:
-        weights_dtype = "bf16"
     device_type, lean, ckpt, spec = check_arguments(
         model, batch, device=device, precision=precision, checkpointing=checkpointing,
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
@@ -205,8 +199,8 @@ def trace(
     round_to = CUDA_BLOCK if on_cuda else 1
     autocast_dtype = AUTOCAST_DTYPES[precision]
 
-    meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, weights_dtype=weights_dtype,
-                                                         chunked_loss=chunked_loss,
+    meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, chunked_loss=chunked_loss,
+                                                         weights_dtype="bf16" if pure_bf16 else weights_dtype,
                                                          offload_activations=offload_activations)
     fake_mode, inputs = fake_inputs(meta, spec, on_cuda)
     run = call_convention(meta, spec, isinstance(batch, Mapping))
@@ -215,10 +209,9 @@ def trace(
     # Not frozen (forward saves for them as in the real step), but without gradient or optimizer state.
     trainable = [p for name, p in meta.named_parameters() if p.requires_grad and name not in no_gradient]
     optim = optimizer_figures(trainable, optimizer, lean=lean or pure_bf16, state_precision=state_precision,
-                              offload_fraction=offload_fraction, step_in_backward=step_in_backward,
+                              offload_fraction=offload_fraction, step_in_backward=step_in_backward, pure_bf16=pure_bf16,
                               accumulation=accumulation, device_type=device_type, round_to=round_to,
-                              idle=[p for name, p in meta.named_parameters() if name in no_gradient],
-                              pure_bf16=pure_bf16)
+                              idle=[p for name, p in meta.named_parameters() if name in no_gradient])
     streamed = bool(optim.leaving)
     watch = watch_step(meta, inputs, params, trainable, optim, fake_mode, round_to=round_to, record=runs,
                        replay=on_cuda and replay, on_cuda=on_cuda, autocast_dtype=autocast_dtype,

@@ -25,6 +25,7 @@ from memtrain.optim.moments import (
     state_class,
 )
 from memtrain.optim.offload import CPUOffloadOptimizer
+from memtrain.optim.pure_bf16 import PURE_BF16_CHUNK
 
 
 # -- which parameters go to the host ------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
     if pure_bf16:
         # PureBF16AdamW: one pass's fp32 copies of the weights and gradients (and of bf16 moments), as
         # BF16StateAdamW's scratch, and the same rounding-noise table.
-        chunk = BF16_CHUNK.get(device_type, 1 << 20)
+        chunk = PURE_BF16_CHUNK.get(device_type, 1 << 20)
         padded = [-(-n // 16) * 16 for n, _ in device]
         scratch = min(max(padded, default=0) if step_in_backward else sum(padded), chunk)
         width = 4 if state_precision == "bf16" else 2

@@ -38,10 +38,10 @@ INT8_DEVICES = ("cpu", "cuda")
 _WEYL = 0x9E3779B1 - (1 << 32)  # 2**32 / golden ratio, odd, as signed int32
 NOISE_OFFSETS = 1 << 16  # a segment's rounding noise starts at an offset in [0, NOISE_OFFSETS) of the noise table
 _ALIGN = 16  # elements: segments start 64-byte aligned in the scratch and in their tensors (vectorised loads)
-_INDEX: dict[torch.device, torch.Tensor] = {}  # the noise table per device (see _noise_table)
+_INDEX: dict[torch.device, torch.Tensor] = {}  # the noise table per device (see noise_table)
 
 
-def _noise_table(device: torch.device, numel: int) -> torch.Tensor:
+def noise_table(device: torch.device, numel: int) -> torch.Tensor:
     """At least ``numel + NOISE_OFFSETS`` int32 values of rounding noise in [0, 2**16), cached per device: entry k is
     the high 16 bits of k x a Weyl constant, mod 2**32.
 
@@ -172,10 +172,10 @@ class BF16StateAdamW(torch.optim.Optimizer):
         grads = [p.grad.contiguous().view(-1) for p in params]
         # The fp32 moments of one pass: [exp_avg of every segment | exp_avg_sq of every segment], each segment in
         # a slot of a multiple of _ALIGN elements so that every one starts aligned for vectorised loads.
-        scratch = torch.empty(2 * min(sum(_padded(p.numel()) for p in params), chunk), dtype=torch.float32,
+        scratch = torch.empty(2 * min(sum(padded_numel(p.numel()) for p in params), chunk), dtype=torch.float32,
                               device=device)
         for segments in split_passes([p.numel() for p in params], chunk):
-            slots = [_padded(end - start) for _, start, end in segments]
+            slots = [padded_numel(end - start) for _, start, end in segments]
             n = sum(slots)
             ps, gs, m16, v16, seg_steps = [], [], [], [], []
             m32, v32 = [], []
@@ -194,13 +194,13 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 # Counter-based noise: it depends on (seed, parameter, step, segment start) only, not on what ran
                 # before, so a resumed run (draws and salt are in the state) rounds as the straight one.
                 base = (self.seed, state["salt"], state["draws"], start)
-                keys_m.append(_key(*base, 0) % NOISE_OFFSETS)
-                keys_v.append(_key(*base, 1) % NOISE_OFFSETS)
+                keys_m.append(noise_key(*base, 0) % NOISE_OFFSETS)
+                keys_v.append(noise_key(*base, 1) % NOISE_OFFSETS)
             torch._foreach_copy_(m32 + v32, m16 + v16)
             torch._fused_adamw_(ps, gs, m32, v32, [], seg_steps, lr=group["lr"], beta1=beta1, beta2=beta2,
                                 weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
                                 maximize=False, grad_scale=grad_scale, found_inf=found_inf)
-            table = _noise_table(device, max(t.numel() for t in m32))
+            table = noise_table(device, max(t.numel() for t in m32))
             noise = [table[k:k + t.numel()] for k, t in zip(keys_m + keys_v, m32 + v32, strict=True)]
             # Stochastic rounding: adding to the bit pattern carries into the kept bits with probability
             # (dropped bits) / 2**16; the mask drops the rest, so the copy back to bf16 is exact.
@@ -226,7 +226,7 @@ def split_passes(numels: Sequence[int], chunk: int, align: int = _ALIGN) -> list
         while start < numel:
             end = min(numel, start + room)
             segments.append((i, start, end))
-            room -= _padded(end - start, align)
+            room -= padded_numel(end - start, align)
             start = end
             if room == 0:
                 passes.append(segments)
@@ -236,11 +236,11 @@ def split_passes(numels: Sequence[int], chunk: int, align: int = _ALIGN) -> list
     return passes
 
 
-def _padded(numel: int, align: int = _ALIGN) -> int:
+def padded_numel(numel: int, align: int = _ALIGN) -> int:
     return -(-numel // align) * align
 
 
-def _key(*parts: int) -> int:
+def noise_key(*parts: int) -> int:
     """A 31-bit key from integers, stable across processes (Python's hash of ints and tuples of ints is)."""
     return hash(parts) & 0x7FFFFFFF
 

@@ -24,9 +24,12 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError, MemtrainError
-from memtrain.optim.moments import BF16_CHUNK, NOISE_OFFSETS, _key, _noise_table, _padded, split_passes
+from memtrain.optim.moments import NOISE_OFFSETS, noise_key, noise_table, padded_numel, split_passes
 
 PURE_BF16_MOMENTS = ("fp32", "bf16")
+# Elements per pass: the scratch holds 8 (fp32 moments) or 16 (bf16 moments) bytes an element of them, so a pass is
+# a quarter of BF16StateAdamW's on CUDA (64 MiB of scratch at most; an 8B model's step is then about 2,000 passes).
+PURE_BF16_CHUNK = {"cuda": 1 << 22, "cpu": 1 << 18}
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -61,7 +64,7 @@ class PureBF16AdamW(torch.optim.Optimizer):
     top of the update (about 2**-8 relative): training loss follows an fp32-master run closely over short runs
     (tests/test_pure_bf16.py states the tolerance), but it is a change of numerics, so it is an explicit choice.
 
-    One pass takes up to ``BF16_CHUNK`` elements of all the parameters of a group on a device: fp32 copies of the
+    One pass takes up to ``PURE_BF16_CHUNK`` elements of all the parameters of a group on a device: fp32 copies of the
     weights, gradients (and bf16 moments) in one scratch buffer (16 bytes an element, bounded by the chunk), torch's
     fused AdamW kernel on them, the noise added to the bit patterns, the low bits dropped, the results copied back.
 
@@ -176,12 +179,12 @@ class PureBF16AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lean = self.state_precision == "bf16"
         width = 4 if lean else 2  # fp32 copies per element in the scratch: weight, gradient (and both moments)
-        chunk = BF16_CHUNK.get(device.type, 1 << 20)
+        chunk = PURE_BF16_CHUNK.get(device.type, 1 << 20)
         grads = [p.grad.contiguous().view(-1) for p in params]
-        scratch = torch.empty(width * min(sum(_padded(p.numel()) for p in params), chunk), dtype=torch.float32,
+        scratch = torch.empty(width * min(sum(padded_numel(p.numel()) for p in params), chunk), dtype=torch.float32,
                               device=device)
         for segments in split_passes([p.numel() for p in params], chunk):
-            slots = [_padded(end - start) for _, start, end in segments]
+            slots = [padded_numel(end - start) for _, start, end in segments]
             n = sum(slots)
             views: list[list[torch.Tensor]] = [[] for _ in range(width)]  # fp32: p, g (, m, v)
             sources: list[list[torch.Tensor]] = [[] for _ in range(4)]  # the stored p, g, m, v
@@ -198,7 +201,7 @@ class PureBF16AdamW(torch.optim.Optimizer):
                 seg_steps.append(state["step"])
                 base = (self.seed, state["salt"], state["draws"], start)
                 for k in range(3):
-                    keys[k].append(_key(*base, 2 + k) % NOISE_OFFSETS)
+                    keys[k].append(noise_key(*base, 2 + k) % NOISE_OFFSETS)
             m32, v32 = (views[2], views[3]) if lean else (sources[2], sources[3])
             torch._foreach_copy_([t for vs in views for t in vs], [t for ss in sources[:width] for t in ss])
             torch._fused_adamw_(views[0], views[1], m32, v32, [], seg_steps, lr=group["lr"], beta1=beta1,
@@ -206,7 +209,7 @@ class PureBF16AdamW(torch.optim.Optimizer):
                                 maximize=False, grad_scale=None, found_inf=found_inf)
             rounded = views[0] + (views[2] + views[3] if lean else [])
             offsets = keys[0] + (keys[1] + keys[2] if lean else [])
-            table = _noise_table(device, max(t.numel() for t in rounded))
+            table = noise_table(device, max(t.numel() for t in rounded))
             noise = [table[k:k + t.numel()] for k, t in zip(offsets, rounded, strict=True)]
             # Stochastic rounding (as BF16StateAdamW's moments): adding to the bit pattern carries into the kept
             # bits with probability (dropped bits) / 2**16; the mask drops the rest, so the copy back is exact.

@@ -26,6 +26,14 @@ from memtrain.planner.settings import Candidate, PlanSettings, Problem, configur
 from memtrain.report import format_bytes
 
 
+def _optimizer_name(name: str, pure_bf16: bool) -> str:
+    """The optimizer's name in the reasons; pure bf16 (only when asked for) has no master anywhere."""
+    if not pure_bf16:
+        return name
+    return name.replace("fp32 master and state", "state").replace(
+        "AdamW", "pure bf16 AdamW (bf16 weights, no fp32 master, stochastic rounding; as asked)")
+
+
 def _family(s: PlanSettings) -> tuple[Any, ...]:
     kinds = set(s.blocks)
     shape = "none" if kinds == {"keep"} else "all" if kinds == {"recompute"} else "mixed"
@@ -138,10 +146,7 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
     placement, state = results.column("optimizer"), results.column("state_precision")
     in_backward, fraction = results.column("step_in_backward"), results.column("offload_fraction")
     plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
-    text = names[s.optimizer]
-    if s.pure_bf16:  # only when asked for: no master anywhere
-        text = text.replace("fp32 master and state", "state").replace("AdamW", "pure bf16 AdamW (bf16 weights, no "
-                                                                      "fp32 master, stochastic rounding; as asked)")
+    text = _optimizer_name(names[s.optimizer], s.pure_bf16)
     details = [f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, not 8)"
                if s.state_precision != "fp32" else "",
                ("each parameter stepping in backward, its gradient freed at once"
@@ -226,8 +231,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                         options: list[str] | None = None) -> None:
     """The ConfigError when no candidate fits: which budget is short (the device, the host RAM, both or either),
     by how much (each figure beside the budget it is over), and the budgets or options that would fit
-    (``options``: set-ups the plan does not take on its own that fit both budgets, e.g. pure bf16's, named
-    first)."""
+    (``options``: set-ups the plan does not take on its own that fit both budgets, e.g. pure bf16's)."""
     assert usable is not None or host_limit is not None
     if results.explicit and not results.searched:
         s = results.settings(0)
@@ -272,7 +276,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
              "the host RAM" if on_device else "either budget")
     if which == "either budget":  # each fix needs the other budget raised too: the smallest peak's host RAM
         fixes[1:] = [f"host_budget={_size_up(int(results.host[k]))} and {fix}" for fix in fixes[1:]]
-    fixes = [*(options or []), *fixes]  # within both budgets as they are: first
+    fixes += options or []
     raise ConfigError(f"no set-up fits {which}: {'; '.join(clauses)}. To resolve this error, try "
                       f"{'; or '.join(fixes)}.")
 

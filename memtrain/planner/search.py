@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +39,9 @@ from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
 from memtrain.optim import INT8_DEVICES
 from memtrain.planner.checks import check_choices, check_fixed, check_plan_arguments, check_settings, divisors
-from memtrain.planner.hint import hint_lines, pure_bf16_candidate, pure_bf16_space
 from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
 from memtrain.planner.devices import DeviceProfile, device_profile
+from memtrain.planner.hint import hint_lines, pure_bf16_candidate, pure_bf16_space
 from memtrain.planner.profiles import Profiles
 from memtrain.planner.reasons import plan_assumptions, plan_reasons, raise_nothing_fits, runners_up
 from memtrain.planner.settings import (
@@ -153,18 +153,11 @@ def plan(
     results = CandidateTable(len(ctx.block_names))
     composer = _composer(ctx, space, results, settings, per_rank)
     micros = [micro_batch_size] if micro_batch_size is not None else divisors(per_rank)
-    _search(composer, results, space, fixed, micros, per_rank, compile or choices.compile, allowed)
+    pure = _search(composer, results, space, fixed, micros, per_rank, compile or choices.compile, allowed)
     if results.empty:  # the fixed choices rule out every set-up
         _raise_unbuildable(fixed, micro_batch_size, world_size, fsdp)
     results.finish()
     results.peak = results.peak + correction_bytes
-    # Pure bf16 changes the numerics: never chosen unless asked for, only searched for a hint (memtrain.planner.hint).
-    pure = None
-    if settings is None:
-        def pure(limit: int | None, usable: int | None, faster_than: float | None) -> Any:
-            return pure_bf16_candidate(composer, space, fixed, micros, per_rank, compile or choices.compile,
-                                       allowed, limit, usable, faster_than, correction_bytes, search=_search,
-                                       estimate=estimate_of)
     # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
     here = device == "cpu" or torch.cuda.is_available()
     host_limit = host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
@@ -275,9 +268,11 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
 
 
 def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fixed: Fixed, micros: Sequence[int],
-            per_rank: int, compile: bool, allowed: set[str]) -> None:
+            per_rank: int, compile: bool, allowed: set[str]) -> Callable[..., Any]:
     """Composes every candidate of the space into ``results``: for each configuration, every count of offloaded
-    and recomputed blocks (or the fixed layout)."""
+    and recomputed blocks (or the fixed layout). Returns the search of the pure bf16 set-ups for a hint,
+    ``(host limit, usable, faster than, correction) -> PureBF16Hint | None``: pure bf16 changes the numerics, so
+    it is never chosen unless asked for (``memtrain.planner.hint``)."""
     ctx = composer.ctx
     L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
     choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
@@ -302,6 +297,11 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                             recompute = np.arange(lowest, (L - o + 1) if flavors else 1)
                             if len(recompute):
                                 results.add(cfg, o, recompute, *composer.rows(cfg, o, recompute))
+
+    def pure(limit: int | None, usable: int | None, faster_than: float | None, correction_bytes: int) -> Any:
+        return pure_bf16_candidate(composer, space, fixed, micros, per_rank, compile, allowed, limit, usable,
+                                   faster_than, correction_bytes, search=_search, estimate=estimate_of)
+    return pure
 
 
 def _raise_unbuildable(fixed: Fixed, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> None:
@@ -483,7 +483,8 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
             chosen = k
             break
         deficit[shape] = max(deficit.get(shape, 0.0), verified[k][0] - results.peak[k])
-    hint = pure(host_limit, usable, None if chosen is None else float(results.seconds[chosen])) if pure else None
+    faster_than = None if chosen is None else float(results.seconds[chosen])
+    hint = pure(host_limit, usable, faster_than, correction_bytes) if pure is not None else None
     if chosen is None:
         raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
                             fits_host, [hint.fix] if hint is not None else [])
