@@ -179,3 +179,17 @@ def test_what_pure_bf16_cannot_take_is_refused() -> None:
     p.grad = torch.ones(4)
     with pytest.raises(MemtrainError, match="bf16 parameters"):
         PureBF16AdamW([p]).step()
+
+
+def test_the_host_ram_check_counts_pure_bf16s_own_bytes(monkeypatch) -> None:
+    """No fp32 master, bf16 gradient buffers and bf16 moments: 8 bytes a parameter of host RAM (plus alignment),
+    not the 16 of an fp32 master's buffers with fp32 moments; the check refuses only below that."""
+    import memtrain.optim.host_buffers as host_buffers
+
+    model = _gpt()
+    numel = sum(-(-p.numel() // 64) * 64 for p in model.parameters())
+    monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: 8 * numel)
+    CPUOffloadOptimizer(model.named_parameters(), pure_bf16=True, state_precision="bf16", **HYPER).close()
+    monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: 8 * numel - 1)
+    with pytest.raises(MemtrainError, match="host RAM"):
+        CPUOffloadOptimizer(_gpt().named_parameters(), pure_bf16=True, state_precision="bf16", **HYPER)

@@ -145,3 +145,27 @@ def test_the_8b_fits_a_24_gib_4090_with_64_gib_of_host_ram_in_pure_bf16() -> Non
     params = p.parameters
     assert p.host_link.optimizer_to_host == 2 * params * p.settings.accumulation, p.host_link
     assert p.host_link.optimizer_to_device == 2 * params, p.host_link
+
+
+@pytest.mark.slow
+def test_a_pure_bf16_hf_run_exports_its_bf16_weights(hf_model_dir, tmp_path) -> None:
+    """--hf-model with --pure-bf16: no master exists, so hf/ holds the trained bf16 weights themselves (in the
+    source checkpoint's dtype, exactly: bf16 values are exact in fp32), which from_pretrained loads."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 8}) + "\n"
+                            for i in range(64)))
+    out = tmp_path / "run"
+    assert main(["train", "--hf-model", str(hf_model_dir), "--data", str(data), "--seq-len", "32", "--max-steps", "2",
+                 "--global-batch-size", "4", "--no-progress", "--eval-every", "100", "--pure-bf16",
+                 "--out", str(out)]) == 0
+    trained = load_file(out / "model.safetensors")
+    assert {t.dtype for t in trained.values() if t.is_floating_point()} == {torch.bfloat16}
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").state_dict()
+    before = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir).state_dict()
+    name = next(n for n in trained if n.endswith("q_proj.weight"))
+    assert torch.equal(exported[name].bfloat16(), trained[name]) and exported[name].float().equal(
+        trained[name].float()), name
+    assert not torch.equal(exported[name].float(), before[name].float()), "hf/ holds the trained weights"

@@ -20,7 +20,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                           "set-up. To resolve this error, run memtrain plan --budget SIZE (it estimates its choice), "
                           "or pass a policy such as all, every:2 or none.")
     setup = choices_from_flags(args)
-    ConfigError.raise_if(lora_flag_problems(args))
+    ConfigError.raise_if([*lora_flag_problems(args), *setup.precision_problems(args.precision)])
     target, seq_len, name = meta_target(args)
     policy = setup.checkpointing
     chunked = setup.chunked_loss
@@ -41,7 +41,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         where = ("offloaded" if o.placement == "offload" else f"{100 * o.offload_fraction:.0f}% offloaded"
                  if o.offload_fraction else "on the device")
         optimizer = f"{where}, {o.state_precision or 'fp32'} moments" + (", step in backward" if o.step_in_backward
-                                                                          else "")
+                                                                          else "") + (
+            ", pure bf16 (bf16 weights, no master)" if setup.pure_bf16 else "")
         rows = " (packed rows)" if trains_packed_rows(args) else ""
         lora = f", LoRA rank {args.lora}" if args.lora else ""
         echo(f"{name}{lora}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, checkpointing "

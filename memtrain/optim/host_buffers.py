@@ -300,10 +300,13 @@ def host_buffer_bytes(flat: list[torch.Tensor], *, n_grad_buffers: int,
 
 
 def check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool,
-                    device_dtype: torch.dtype | None = None, master_dtype: torch.dtype = torch.float32) -> None:
-    """Raises before allocating when the host buffers would not fit in the machine's available RAM."""
+                    device_dtype: torch.dtype | None = None, master_dtype: torch.dtype = torch.float32,
+                    state_bytes_per_param: float | None = None) -> None:
+    """Raises before allocating when the host buffers would not fit in the machine's available RAM
+    (``state_bytes_per_param``: the state's bytes a parameter where the class cannot say, e.g. PureBF16AdamW's,
+    which depend on its moments' precision)."""
     numel = sum(aligned(p.numel()) for p in flat)
-    per_param = getattr(optimizer_class, "state_bytes_per_param", None)  # memtrain.optim's lean classes say theirs
+    per_param = state_bytes_per_param or getattr(optimizer_class, "state_bytes_per_param", None)  # lean classes'
     state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
     need = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype,
                              master_dtype=master_dtype) + state

@@ -61,7 +61,7 @@ from memtrain.optim.host_buffers import (
 from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
-from memtrain.optim.pure_bf16 import PureBF16AdamW, check_pure_bf16_moments
+from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure_bf16_moments
 
 
 class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, torch.optim.Optimizer):
@@ -158,7 +158,8 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
         master_dtype = torch.bfloat16 if pure_bf16 else torch.float32
         check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin,
-                       device_dtype=device_dtype, master_dtype=master_dtype)
+                       device_dtype=device_dtype, master_dtype=master_dtype,
+                       state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None)
         template = _probe(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
         slots, order = lay_out(flat, groups, names, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
                                pin=pin, master_dtype=master_dtype)

@@ -27,6 +27,7 @@ from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.moments import NOISE_OFFSETS, noise_key, noise_table, padded_numel, split_passes
 
 PURE_BF16_MOMENTS = ("fp32", "bf16")
+PURE_STATE_BYTES = {"fp32": 8, "bf16": 4}  # the moments' bytes a parameter
 # Elements per pass: the scratch holds 8 (fp32 moments) or 16 (bf16 moments) bytes an element of them, so a pass is
 # a quarter of BF16StateAdamW's on CUDA (64 MiB of scratch at most; an 8B model's step is then about 2,000 passes).
 PURE_BF16_CHUNK = {"cuda": 1 << 22, "cpu": 1 << 18}
@@ -94,7 +95,6 @@ class PureBF16AdamW(torch.optim.Optimizer):
         check_pure_bf16_moments(state_precision)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_precision = state_precision
-        self.state_bytes_per_param = 4 if state_precision == "bf16" else 8  # CPUOffloadOptimizer's RAM check
         self.seed = int(seed)
         self._salts = 0
         self.salts: dict[int, int] = {}  # id(parameter) -> its rounding salt, where an owner fixes it
