@@ -106,14 +106,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
         state tensor to its parameter's dtype, which would keep them in fp32 (8 bytes per parameter) unnoticed. A
         state saved by torch's AdamW (fp32 moments) is rounded to nearest and gets fresh rounding counters."""
         super().load_state_dict(state_dict)
-        for p, state in self.state.items():
-            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
-            state["exp_avg"] = state["exp_avg"].to(torch.bfloat16, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.bfloat16, memory_format=torch.contiguous_format)
-            if "salt" not in state:
-                state["draws"], state["salt"] = 0, self._salts
-                self._salts += 1
-        self._salts = max((s["salt"] + 1 for s in self.state.values()), default=self._salts)
+        restore_rounding_state(self, torch.bfloat16)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -123,12 +116,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 loss = closure()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         for group in self.param_groups:
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._check(p)
-                    by_device.setdefault(p.device, []).append(p)
-            for device, params in by_device.items():
+            for device, params in with_gradients_by_device(group, self._check).items():
                 self._step_device(group, params, device, grad_scale, found_inf)
         return loss
 
@@ -138,25 +126,8 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 f"BF16StateAdamW steps fp32 parameters (the master weights), got a {p.dtype} parameter with a "
                 f"{p.grad.dtype} gradient. To resolve this error, keep trainable weights in fp32 (autocast "
                 "computes in bf16), or offload the optimizer (it keeps an fp32 master of bf16 weights).")
-        if not p.is_contiguous():
-            raise MemtrainError(
-                f"BF16StateAdamW steps contiguous parameters (its passes slice them flat), got one of shape "
-                f"{tuple(p.shape)} with strides {p.stride()}. To resolve this error, make the parameter contiguous "
-                "(p.data = p.data.contiguous()) before building the optimizer, or use state_precision='fp32'.")
-        if p.device.type not in torch.utils._foreach_utils._get_fused_kernels_supported_devices():
-            raise MemtrainError(
-                f"BF16StateAdamW runs torch's fused AdamW kernel, which has no {p.device.type!r} implementation. "
-                "To resolve this error, train on a CPU or CUDA device, or use state_precision='fp32'.")
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
-            state["draws"] = 0
-            state["salt"] = self.salts.get(id(p), self._salts)
-            self._salts = max(self._salts, state["salt"]) + 1
-        elif state["step"].device != p.device:  # e.g. loaded from a for-loop AdamW's state (CPU step counters)
-            state["step"] = state["step"].to(p.device, torch.float32)
+        check_sliceable(p, "BF16StateAdamW", ", or use state_precision='fp32'")
+        init_rounding_state(self, p, torch.bfloat16)
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
                      grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
@@ -211,6 +182,59 @@ class BF16StateAdamW(torch.optim.Optimizer):
             state["draws"] += 1
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count (as torch's)
+
+
+def restore_rounding_state(optimizer: Any, moments: torch.dtype) -> None:
+    """After torch's ``load_state_dict`` (which casts state to each parameter's dtype): the moments back in
+    ``moments``, the step counters fp32 on the device, fresh rounding counters for entries saved without them."""
+    for p, state in optimizer.state.items():
+        state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+        state["exp_avg"] = state["exp_avg"].to(moments, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = state["exp_avg_sq"].to(moments, memory_format=torch.contiguous_format)
+        if "salt" not in state:
+            state["draws"], state["salt"] = 0, optimizer._salts
+            optimizer._salts += 1
+    optimizer._salts = max((s["salt"] + 1 for s in optimizer.state.values()), default=optimizer._salts)
+
+
+def with_gradients_by_device(group: dict[str, Any], check: Callable[[torch.Tensor], None]
+                             ) -> dict[torch.device, list[torch.Tensor]]:
+    """A group's parameters that have a gradient, each checked (``check``), by device: one pass per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in group["params"]:
+        if p.grad is not None:
+            check(p)
+            by_device.setdefault(p.device, []).append(p)
+    return by_device
+
+
+def check_sliceable(p: torch.Tensor, owner: str, fix: str = "") -> None:
+    """MemtrainError unless ``owner``'s passes can slice ``p`` flat and run torch's fused AdamW kernel on it."""
+    if not p.is_contiguous():
+        raise MemtrainError(
+            f"{owner} steps contiguous parameters (its passes slice them flat), got one of shape "
+            f"{tuple(p.shape)} with strides {p.stride()}. To resolve this error, make the parameter contiguous "
+            f"(p.data = p.data.contiguous()) before building the optimizer{fix}.")
+    if p.device.type not in torch.utils._foreach_utils._get_fused_kernels_supported_devices():
+        raise MemtrainError(
+            f"{owner} runs torch's fused AdamW kernel, which has no {p.device.type!r} implementation. "
+            f"To resolve this error, train on a CPU or CUDA device{fix}.")
+
+
+def init_rounding_state(optimizer: Any, p: torch.Tensor, moments: torch.dtype) -> None:
+    """``p``'s AdamW state in ``optimizer`` (BF16StateAdamW, PureBF16AdamW) at its first step: the step counter,
+    both moments in ``moments``, and the rounding noise's counters (draws, and a salt: the owner's where it fixed
+    one in ``optimizer.salts``, else the next free one); a loaded state's step counter moved to the device."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, dtype=moments, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=moments, memory_format=torch.contiguous_format)
+        state["draws"] = 0
+        state["salt"] = optimizer.salts.get(id(p), optimizer._salts)
+        optimizer._salts = max(optimizer._salts, state["salt"]) + 1
+    elif state["step"].device != p.device:  # e.g. loaded from a for-loop AdamW's state (CPU step counters)
+        state["step"] = state["step"].to(p.device, torch.float32)
 
 
 def split_passes(numels: Sequence[int], chunk: int, align: int = _ALIGN) -> list[list[tuple[int, int, int]]]:

@@ -24,7 +24,17 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError, MemtrainError
-from memtrain.optim.moments import NOISE_OFFSETS, noise_key, noise_table, padded_numel, split_passes
+from memtrain.optim.moments import (
+    NOISE_OFFSETS,
+    check_sliceable,
+    init_rounding_state,
+    noise_key,
+    noise_table,
+    padded_numel,
+    restore_rounding_state,
+    split_passes,
+    with_gradients_by_device,
+)
 
 PURE_BF16_MOMENTS = ("fp32", "bf16")
 PURE_STATE_BYTES = {"fp32": 8, "bf16": 4}  # the moments' bytes a parameter
@@ -102,15 +112,7 @@ class PureBF16AdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, then the moments back to this optimizer's precision (torch casts them to the parameter's)."""
         super().load_state_dict(state_dict)
-        dtype = torch.bfloat16 if self.state_precision == "bf16" else torch.float32
-        for p, state in self.state.items():
-            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
-            for k in ("exp_avg", "exp_avg_sq"):
-                state[k] = state[k].to(dtype, memory_format=torch.contiguous_format)
-            if "salt" not in state:
-                state["draws"], state["salt"] = 0, self._salts
-                self._salts += 1
-        self._salts = max((s["salt"] + 1 for s in self.state.values()), default=self._salts)
+        restore_rounding_state(self, torch.bfloat16 if self.state_precision == "bf16" else torch.float32)
 
     def entry_for(self, p: torch.Tensor, moments: tuple[float, torch.Tensor, torch.Tensor],
                   salt: int) -> dict[str, Any]:
@@ -133,12 +135,7 @@ class PureBF16AdamW(torch.optim.Optimizer):
             raise MemtrainError("PureBF16AdamW got an fp16 GradScaler's scale: pure bf16 trains under bf16-mixed "
                                 "(no scaler). To resolve this error, pass precision='bf16-mixed'.")
         for group in self.param_groups:
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._check(p)
-                    by_device.setdefault(p.device, []).append(p)
-            for device, params in by_device.items():
+            for device, params in with_gradients_by_device(group, self._check).items():
                 self._step_device(group, params, device, found_inf)
         return loss
 
@@ -148,26 +145,8 @@ class PureBF16AdamW(torch.optim.Optimizer):
                 f"PureBF16AdamW steps bf16 parameters (there is no master copy), got a {p.dtype} parameter. To "
                 "resolve this error, cast the model to bf16 first (model.to(torch.bfloat16)), or use "
                 "torch.optim.AdamW on fp32 weights.")
-        if not p.is_contiguous():
-            raise MemtrainError(
-                f"PureBF16AdamW steps contiguous parameters (its passes slice them flat), got one of shape "
-                f"{tuple(p.shape)} with strides {p.stride()}. To resolve this error, make the parameter contiguous "
-                "(p.data = p.data.contiguous()) before building the optimizer.")
-        if p.device.type not in torch.utils._foreach_utils._get_fused_kernels_supported_devices():
-            raise MemtrainError(
-                f"PureBF16AdamW runs torch's fused AdamW kernel, which has no {p.device.type!r} implementation. "
-                "To resolve this error, train on a CPU or CUDA device.")
-        state = self.state[p]
-        if not state:
-            dtype = torch.bfloat16 if self.state_precision == "bf16" else torch.float32
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
-            state["draws"] = 0
-            state["salt"] = self.salts.get(id(p), self._salts)
-            self._salts = max(self._salts, state["salt"]) + 1
-        elif state["step"].device != p.device:
-            state["step"] = state["step"].to(p.device, torch.float32)
+        check_sliceable(p, "PureBF16AdamW")
+        init_rounding_state(self, p, torch.bfloat16 if self.state_precision == "bf16" else torch.float32)
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
                      found_inf: torch.Tensor | None) -> None:
