@@ -11,6 +11,7 @@
 - ``in_backward``: each parameter steps as its gradient is final (lagged clipping, the inf flag on the device).
 - ``partial``: the host part of a partly offloaded AdamW, normalised and clipped with the device part.
 - ``lean_adamw``: LeanAdamW, one torch optimizer combining the options; ``build``: build_optimizer.
+- ``pure_bf16``: PureBF16AdamW, bf16 weights with no fp32 master, updates rounded stochastically (unbiased).
 """
 
 from memtrain.optim.build import build_optimizer
@@ -33,6 +34,7 @@ from memtrain.optim.moments import (
     precision_of,
 )
 from memtrain.optim.offload import CPUOffloadOptimizer
+from memtrain.optim.pure_bf16 import PureBF16AdamW, stochastic_round_to_bf16
 
 __all__ = [
     "BF16_CHUNK",
@@ -42,6 +44,7 @@ __all__ = [
     "CPUOffloadOptimizer",
     "LeanAdamW",
     "OptimizerMemory",
+    "PureBF16AdamW",
     "StatePrecision",
     "adamw_8bit_class",
     "build_optimizer",
@@ -51,4 +54,5 @@ __all__ = [
     "offloaded_mask",
     "optimizer_memory",
     "precision_of",
+    "stochastic_round_to_bf16",
 ]
