@@ -207,7 +207,8 @@ def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: Pl
     if keep_optimizer is not None:
         k = keep_optimizer
         fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
-                                    step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction)
+                                    step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction,
+                                    pure_bf16=True if k.pure_bf16 else None)  # bf16 weights have no master
     return fixed, allowed, notes
 
 
