@@ -193,6 +193,10 @@ class Choices:
             problems.append("optimizer.placement='offload' and fsdp=True together: FSDP2 shards the optimizer state "
                             "itself and CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
                             "optimizer.placement='offload' and fsdp=True.")
+        if self.pure_bf16 is True and fsdp:
+            problems.append("pure_bf16=True and fsdp=True together: PureBF16AdamW slices whole bf16 parameters, not "
+                            "FSDP2's sharded ones. To resolve this error, drop fsdp=True (DDP or one process), or "
+                            "drop pure_bf16.")
         given = [f"optimizer.{name}={getattr(self.optimizer, name)!r}" for name in ("step_in_backward", "offload_fraction")
                  if getattr(self.optimizer, name)]
         if world_size > 1 and given:
