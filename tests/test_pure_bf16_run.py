@@ -177,3 +177,17 @@ def test_pure_bf16_with_fsdp_is_one_error() -> None:
     with pytest.raises(ConfigError, match="pure_bf16=True and fsdp=True together"):
         plan(planner_gpt(), budget=None, seq_len=64, global_batch_size=8, device="cpu", precision="bf16-mixed",
              world_size=2, fsdp=True, choices=Choices(pure_bf16=True))
+
+
+def test_the_hint_line_says_pure_bf16_with_its_figures_only_when_it_is_faster() -> None:
+    from memtrain.planner.hint import PureBF16Hint, hint_lines
+    from memtrain.planner.settings import PlanSettings
+
+    s = PlanSettings(2, 1, ("recompute",) * 4, "full", True, "offload", "none", True, state_precision="bf16",
+                     pure_bf16=True)
+    hint = PureBF16Hint(s, peak_bytes=19.1 * 2**30, host_bytes=18 * 2**30, seconds=1.0, tokens_per_s=32768.0)
+    (line,) = hint_lines(hint, chosen_seconds=1.25)
+    assert line.startswith("Hint: --pure-bf16 (pure_bf16=True), which fits in 19.10 GiB per rank with 18.00 GiB of "
+                           "host RAM at 32,768 tokens/s"), line
+    assert line.endswith("would be 25.0% faster than this plan"), line
+    assert hint_lines(hint, chosen_seconds=0.9) == () and hint_lines(None, 1.0) == ()
