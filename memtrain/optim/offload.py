@@ -95,6 +95,10 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             master weights stay fp32 and the update is computed in fp32 either way; "bf16" and "int8" need
             ``optimizer_class`` AdamW. Host bytes per parameter (fp32 weights on the device, no delayed update):
             16 with fp32 moments, 12 with bf16, about 10 with int8 (master 4, gradient buffer 4, moments).
+        pure_bf16: True keeps no fp32 master: the (bf16) device weights' host copies are the weights themselves, in
+            bf16, stepped by ``PureBF16AdamW`` (the update in fp32, rounded stochastically), with bf16 gradient
+            buffers and moments of ``state_precision`` "bf16" or "fp32": 8 or 12 bytes per parameter of host RAM
+            instead of 16-20, and bf16 both ways over the link. The parameters must be bf16 already.
         grad_scaler: the fp16 ``torch.amp.GradScaler`` in use, if any: ``step()`` then unscales the host
             gradients and checks them for inf/NaN itself (``scaler.unscale_(optimizer)`` cannot see gradients on
             the host: call ``optimizer.clip_grad_norm_`` instead; ``scaler.step``/``scaler.update`` work as usual).

@@ -115,7 +115,7 @@ def plan(
         choices: the technique choices the search keeps as given (a ``Choices``: a checkpointing layout, the loss,
             the optimizer's placement and state; its None fields are the plan's), translated by
             ``Fixed.of_choices``: a choice that does nothing on ``device`` is dropped with a reason saying so.
-            Not applied with ``settings``.
+            Not applied with ``settings``. ``pure_bf16``: see ``memtrain.planner.hint``.
         correction_bytes: added to every predicted peak: what a measurement showed the prediction missed (a
             re-plan after the device disagreed).
         keep_optimizer: a plan's settings whose optimizer (placement, moments, step in backward, offloaded share)
