@@ -366,6 +366,10 @@ def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> N
     parser.add_argument("--step-in-backward", action=switch, default=None,
                         help=f"each parameter steps as soon as its gradient is final, which is freed at once: the "
                         f"whole model's gradients never coexist ({unset})")
+    parser.add_argument("--offload-weights", action=switch, default=None,
+                        help="parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
+                        "each on the device only while in use, one block ahead; for weights that do not fit the "
+                        f"device. Needs --offload-optimizer, one process, no --compile ({unset})")
 
 
 def _add_budget_flags(parser: argparse.ArgumentParser, *, default_text: str) -> None:

@@ -36,7 +36,7 @@ def choices_from_flags(args: argparse.Namespace) -> Choices:
     try:
         choices = Choices(checkpointing=args.checkpointing, offload_activations=args.offload_activations,
                           optimizer=optimizer, chunked_loss=args.chunked_loss,
-                          compile=bool(getattr(args, "compile", False)))
+                          compile=bool(getattr(args, "compile", False)), offload_weights=args.offload_weights)
     except ConfigError as e:
         problems += e.problems
     ConfigError.raise_if(problems)

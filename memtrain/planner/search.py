@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -204,7 +205,8 @@ def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: Pl
     if keep_optimizer is not None:
         k = keep_optimizer
         fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
-                                    step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction)
+                                    step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction,
+                                    offload_weights=k.offload_weights)
     return fixed, allowed, notes
 
 
@@ -218,6 +220,7 @@ class _SearchSpace:
     states: list[str]
     distributions: list[Distribution]
     losses: list[bool]
+    weights: list[bool]  # parameter offload off, on
 
 
 def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fixed) -> _SearchSpace:
@@ -245,6 +248,13 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
     distributions: list[Distribution] = ["none"] if world_size == 1 else (
         ["fsdp2"] if fsdp else ["ddp"] if fsdp is False else ["ddp", "fsdp2"])
     losses = [False, True] if ctx.chunkable else [False]
+    # Parameter offload streams the weights from the offloaded optimizer's master: only beside it, on CUDA (on a
+    # CPU it saves nothing) unless it is asked for.
+    weights = [False, True] if cuda and {"offload-optimizer", "offload-weights"} <= allowed else [False]
+    if fixed.offload_weights is not None:
+        weights = [fixed.offload_weights]
+        if fixed.offload_weights and fixed.optimizer is None:
+            placements = [p for p in placements if p != "device"] or ["offload"]
     if fixed != Fixed():
         check_fixed(fixed, len(ctx.block_names), cuda, ctx.chunkable, precision)
         if fixed.blocks is not None:
@@ -258,7 +268,7 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
             placements = [fixed.optimizer]
         if fixed.state_precision is not None:
             states = [fixed.state_precision]
-    return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses)
+    return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses, weights)
 
 
 def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fixed: Fixed, micros: Sequence[int],
@@ -277,9 +287,11 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                         # With accumulation the earlier micro-batches' gradients stay: no bytes saved, so the search
                         # skips it; asked for, it steps in the last micro-batch's backward.
                         continue
-                    for flavor in flavors or ["full"]:
+                    for flavor, streamed in itertools.product(flavors or ["full"], space.weights):
+                        if streamed and (placement == "device" or compiled or dist != "none"):
+                            continue  # parameter offload: the offloaded optimizer's master, one process, eager
                         cfg = Configuration(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision,
-                                            state, in_backward, fraction)
+                                            state, in_backward, fraction, streamed)
                         if fixed.blocks is not None:
                             _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
                             continue
