@@ -137,3 +137,31 @@ def test_train_a_hugging_face_llama_and_export_hf(tmp_path, capsys):
     twin = next(k for k in exported if k.endswith("layers.0.mlp.down_proj.weight"))
     assert suffix is not None and torch.equal(exported[twin], final[keys[0]])
     assert not torch.equal(exported[twin], torch.zeros_like(exported[twin]))
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "all"])
+def test_estimate_equals_measure_on_the_cpu(checkpointing):
+    """The estimate of a step with parameter offload: the saved activations ``measure`` counts (the weights' views
+    autograd saves are weights, not activations, though their storage is the streamer's), and the parameters on the
+    device: the other parameters and the blocks the streamer held at most."""
+    from memtrain.checkpointing import apply_checkpointing, find_blocks
+    from memtrain.estimate import estimate
+    from memtrain.measure import measure
+    from memtrain.optim import CPUOffloadOptimizer
+
+    model = tiny_gpt(4, seed=0)
+    x = torch.randint(0, 256, (2, 16))
+    predicted = estimate(model, x, device="cpu", setup=Choices(offload_weights=True, checkpointing=checkpointing))
+    if checkpointing == "all":
+        apply_checkpointing(model)
+    optimizer = CPUOffloadOptimizer(model.named_parameters(), lr=1e-3)
+    blocks = [p for b in model.blocks for p in b.parameters()]
+    streamer = WeightStreamer(model, blocks=find_blocks(model), host_weights=optimizer.stream_weights(blocks))
+    measured = measure(lambda: model(x, x.clone()), model=model, optimizer=optimizer)
+    optimizer.step()
+    assert predicted.activation_bytes == measured.activation_bytes, (predicted.activation_bytes,
+                                                                     measured.activation_bytes)
+    outside = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
+    assert predicted.parameter_bytes == outside + streamer.stats.peak_resident_bytes, (
+        predicted.parameter_bytes, outside, streamer.stats.peak_resident_bytes)
+    assert any(a.startswith("parameter offload: the 4 blocks") for a in predicted.assumptions)

@@ -160,14 +160,15 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
     reasons.append(f"optimizer {text}"
                    + (f", because: {'; '.join(alternatives)}" if alternatives else
                       ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")))
-    streamed = results.column("offload_weights")
-    if s.offload_weights or streamed.any():
-        other = alternative(streamed != s.offload_weights, "the weights on the device" if s.offload_weights else
-                            "parameter offload (the blocks' weights streamed from host RAM)")
-        reasons.append(("parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the "
-                        "device at a time, copied one block ahead in forward and again in backward"
-                        if s.offload_weights else "the weights on the device")
+    streamed = results.column("offload_weights").astype(bool)
+    if s.offload_weights:
+        other = alternative(~streamed, "the weights on the device")
+        reasons.append("parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the "
+                       "device at a time, copied one block ahead in forward and again in backward"
                        + (f", because: {other}" if other else " (as asked)"))
+    elif streamed.any():
+        reasons.append("the weights on the device, because: they fit (parameter offload, the blocks' weights "
+                       "streamed from host RAM, is tried only when no other set-up fits)")
     per_rank = ctx.global_batch // ctx.world
     other = alternative(~same["micro_batch_size"], "a smaller micro-batch" if s.micro_batch_size == per_rank else
                         "another micro-batch")

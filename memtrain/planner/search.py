@@ -454,10 +454,13 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     """The fastest row that fits, confirmed by a full estimate (the next is tried when the estimate disagrees)."""
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
+    streamed = results.column("offload_weights").astype(bool)
+    # Parameter offload is for weights that do not fit the device: tried only when no other set-up fits.
+    considered = ~streamed if (fits & ~streamed).any() else np.ones(len(streamed), bool)
     # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
     # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
     # too, on a quota of their own.
-    band = fits_host & (results.peak <= usable * (1 + _VERIFY_BAND) if usable is not None else True)
+    band = considered & fits_host & (results.peak <= usable * (1 + _VERIFY_BAND) if usable is not None else True)
     verified: dict[int, tuple[float, Trace]] = {}
     chosen, tries, near_misses = None, 0, 0
     # A full estimate above its composed peak says what composition missed for that shape of candidate (the
