@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from memtrain.checkpointing import find_blocks
+from memtrain.choices import Choices
+from memtrain.estimate.arguments import COMPILE_NOTE
 from memtrain.estimate.fake import meta_model
 from memtrain.offload import PREFETCH_DEFAULT
 from memtrain.report import MemoryReport, format_bytes
@@ -46,3 +48,13 @@ def with_streamed_weights(report: MemoryReport, model: Any, weights_dtype: str |
         peak_bytes=None if report.peak_bytes is None else report.peak_bytes + shift,
         phase_bytes=tuple((phase, nbytes + shift) for phase, nbytes in report.phase_bytes),
         host_bytes=report.host_bytes + stage, assumptions=(*report.assumptions, note))
+
+
+def with_setup_notes(report: MemoryReport, setup: Choices | None, model: Any, weights_dtype: str | None) -> MemoryReport:
+    """``estimate``'s report with what its set-up changes after the trace: a compiled step's note, streamed
+    weights."""
+    if setup is not None and setup.compile:
+        report = dataclasses.replace(report, assumptions=(*report.assumptions, COMPILE_NOTE))
+    if setup is not None and setup.offload_weights:
+        report = with_streamed_weights(report, model, weights_dtype)
+    return report
