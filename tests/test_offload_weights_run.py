@@ -165,3 +165,22 @@ def test_estimate_equals_measure_on_the_cpu(checkpointing):
     assert predicted.parameter_bytes == outside + streamer.stats.peak_resident_bytes, (
         predicted.parameter_bytes, outside, streamer.stats.peak_resident_bytes)
     assert any(a.startswith("parameter offload: the 4 blocks") for a in predicted.assumptions)
+
+
+def test_the_gpu_script_runs_its_path_on_the_cpu(tmp_path):
+    """benchmarks/gpu_offload_weights.py --small: plan with parameter offload, apply, train a tiny Llama, write the
+    row (no peak is measurable on a CPU, and none is claimed)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_offload_weights.py"
+    spec = importlib.util.spec_from_file_location("gpu_offload_weights", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_offload_weights"] = module
+    spec.loader.exec_module(module)
+    out = tmp_path / "row.json"
+    assert module.main(["--small", "--steps", "2", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["plan"]["offload_weights"] is True and row["peak_allocated_bytes"] is None and not row["fits"]
+    assert row["losses"][-1] < row["losses"][0], row["losses"]
