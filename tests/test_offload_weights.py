@@ -158,6 +158,10 @@ def test_close_gives_the_parameters_back_on_the_device():
     assert streamer.stats.fills == len(model.blocks)
 
 
+class _Quantised(nn.Parameter):
+    """Stands for a quantised weight's parameter subclass (bitsandbytes' Params4bit)."""
+
+
 def test_bad_input_names_the_fix():
     with pytest.raises(ConfigError, match="prefetch=1"):
         WeightStreamer(_gpt(), blocks=["blocks.0"], prefetch=-1)
@@ -167,6 +171,16 @@ def test_bad_input_names_the_fix():
     tied.blocks[1].mlp.fc.weight = tied.blocks[0].mlp.fc.weight
     with pytest.raises(ConfigError, match="shared by blocks 0 and 1"):
         WeightStreamer(tied, blocks=find_blocks(tied))
+    with pytest.raises(ConfigError, match="has no modules"):
+        WeightStreamer(_gpt(), blocks=["blocks.9"])
+    model = _gpt()
+    WeightStreamer(model, blocks=find_blocks(model))
+    with pytest.raises(ConfigError, match="streamed already"):
+        WeightStreamer(model, blocks=find_blocks(model))
+    odd = _gpt()
+    odd.blocks[0].ln_1.weight = _Quantised(odd.blocks[0].ln_1.weight.detach())
+    with pytest.raises(ConfigError, match="of type _Quantised"):
+        WeightStreamer(odd, blocks=find_blocks(odd))
     model = _gpt()
     with pytest.raises(ConfigError, match="shape and dtype"):
         WeightStreamer(model, blocks=find_blocks(model), host_weights={id(model.blocks[0].ln_1.weight): torch.zeros(3)})

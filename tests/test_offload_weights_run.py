@@ -184,3 +184,14 @@ def test_the_gpu_script_runs_its_path_on_the_cpu(tmp_path):
     row = json.loads(out.read_text())
     assert row["plan"]["offload_weights"] is True and row["peak_allocated_bytes"] is None and not row["fits"]
     assert row["losses"][-1] < row["losses"][0], row["losses"]
+
+
+def test_memtrain_estimate_offload_weights_lowers_the_peak_by_all_but_two_blocks(capsys):
+    figures = {}
+    for flags in ([], ["--offload-weights"]):
+        assert main(["estimate", "--model", "gpt-mini", "--offload-optimizer", *flags, "--json"]) == 0
+        figures[bool(flags)] = json.loads(capsys.readouterr().out)
+    plain, streamed = figures[False], figures[True]
+    dropped = plain["peak_bytes"] - streamed["peak_bytes"]
+    assert dropped == plain["parameter_bytes"] - streamed["parameter_bytes"] > 0, (dropped, plain, streamed)
+    assert any(a.startswith("parameter offload:") for a in streamed["assumptions"])

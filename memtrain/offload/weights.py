@@ -40,6 +40,7 @@ from memtrain.errors import ConfigError, MemtrainError
 from memtrain.offload.transport import CpuTransport, CudaTransport
 
 PREFETCH_DEFAULT = 1  # blocks whose copies run ahead of the one in use: 1 + prefetch blocks on the device at most
+_STREAMED_ATTR = "_memtrain_streamed"  # set on a block module while a streamer holds its weights
 
 
 @dataclass(eq=False)
@@ -120,18 +121,19 @@ class WeightStreamer:
         if not names:
             raise ConfigError(f"WeightStreamer: {type(model).__name__} has no repeated blocks to stream. To resolve "
                               "this error, pass blocks=[...] naming them, or train without parameter offload.")
+        modules = dict(model.named_modules())
+        _check_blocks(model, modules, names)
         self.model = model
         self.prefetch = prefetch
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
         self.transport: CudaTransport | CpuTransport = CudaTransport(self.device) if cuda else CpuTransport()
         self.stats = WeightStats()
-        modules = dict(model.named_modules())
-        _check_unshared(model, [modules[n] for n in names])
         hosts = host_weights or {}
         self.blocks = [_Block(n, modules[n], [self._weight(p, hosts.get(id(p)), cuda)
                                               for p in modules[n].parameters()]) for n in names]
-        self._index = {id(b.module): i for i, b in enumerate(self.blocks)}
+        for block in self.blocks:
+            setattr(block.module, _STREAMED_ATTR, True)
         self._backward = False
         self._handles = [h for i, b in enumerate(self.blocks) for h in self._register(i, b.module)]
 
@@ -247,6 +249,7 @@ class WeightStreamer:
                 for block in self.blocks:
                     block.backward_done = False
                 # Once this backward ends: every block back to the host, and the next forward is a forward.
+                # NOTE: autograd's engine callback, as FSDP uses it: no public API runs code at a backward's end.
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             block = self.blocks[index]
             if block.backward_done:
@@ -287,6 +290,7 @@ class WeightStreamer:
         self._handles = []
         for block in self.blocks:
             self._use(block)
+            delattr(block.module, _STREAMED_ATTR)
         self.blocks = []
 
 
@@ -302,6 +306,25 @@ class _AfterBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.streamer._after_backward(ctx.index)
         return (None, None, *grads)
+
+
+def _check_blocks(model: nn.Module, modules: dict[str, nn.Module], names: list[str]) -> None:
+    """ConfigError for blocks that cannot stream: an unknown name, a block streamed already, a parameter of a
+    subclass (a quantised weight's own storage scheme), a parameter tied to another block or the rest of the model."""
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise ConfigError(f"WeightStreamer: {type(model).__name__} has no modules {unknown[:3]}. To resolve this "
+                          "error, pass the blocks' qualified names (memtrain.checkpointing.find_blocks(model)).")
+    blocks = [modules[n] for n in names]
+    if any(getattr(b, _STREAMED_ATTR, False) for b in blocks):
+        raise ConfigError("WeightStreamer: these blocks are streamed already. To resolve this error, close() the "
+                          "first streamer, or keep using it.")
+    odd = sorted({type(p).__name__ for b in blocks for p in b.parameters() if type(p) is not nn.Parameter})
+    if odd:
+        raise ConfigError(f"WeightStreamer: the blocks hold parameters of type {', '.join(odd)} (e.g. quantised "
+                          "weights), whose storage parameter offload cannot move. To resolve this error, train "
+                          "without parameter offload (or without quantised base weights).")
+    _check_unshared(model, blocks)
 
 
 def _check_unshared(model: nn.Module, blocks: list[nn.Module]) -> None:
