@@ -184,3 +184,31 @@ def test_bad_input_names_the_fix():
     model = _gpt()
     with pytest.raises(ConfigError, match="shape and dtype"):
         WeightStreamer(model, blocks=find_blocks(model), host_weights={id(model.blocks[0].ln_1.weight): torch.zeros(3)})
+
+
+def test_a_step_interrupted_in_backward_leaves_nothing_on_the_device_after_the_next():
+    """An out-of-memory error in backward (train's retry path) leaves blocks resident and a backward half done: the
+    next step's forward sends them back, and its backward brings each block in again, with plain gradients."""
+    model = _gpt()
+    x = _tokens(model)
+    expected = _grads(copy.deepcopy(model), x, micro_batches=1)
+    streamer = WeightStreamer(model, blocks=find_blocks(model))
+
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("out of memory (simulated)")
+
+    def arm(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(fail)
+
+    handle = model.blocks[1].register_forward_hook(arm)
+    loss = _loss(model, x)
+    handle.remove()
+    with pytest.raises(RuntimeError, match="simulated"):
+        loss.backward()
+    assert streamer.stats.resident_blocks > 0  # what the interrupted backward left
+    model.zero_grad(set_to_none=True)
+    streamer.stats.reset_peaks()
+    got = _grads(model, x, micro_batches=1)
+    assert streamer.stats.resident_blocks == 0 and streamer.stats.peak_resident_blocks <= 2, streamer.stats
+    worst = max((got[n] - expected[n]).abs().max().item() for n in expected)
+    assert worst <= 1e-6, f"max abs gradient difference {worst:.3g}"

@@ -134,7 +134,7 @@ class WeightStreamer:
                                               for p in modules[n].parameters()]) for n in names]
         for block in self.blocks:
             setattr(block.module, _STREAMED_ATTR, True)
-        self._backward = False
+        self._task: int | None = None  # the backward (autograd graph task) whose blocks were last brought back
         self._handles = [h for i, b in enumerate(self.blocks) for h in self._register(i, b.module)]
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -214,9 +214,15 @@ class WeightStreamer:
     def _pre_forward(self, index: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             block = self.blocks[index]
-            self._use(block)
-            if self._backward:  # a forward inside backward (a hand-made recompute): the weights stay for it
+            if _in_backward():  # a forward inside backward (a hand-made recompute): the weights stay for it
+                self._use(block)
                 return None
+            if index == 0:
+                # A new forward: what an interrupted step left on the device (an out-of-memory error in
+                # backward) goes back first.
+                for other in self.blocks[1:]:
+                    self._release(other)
+            self._use(block)
             self._prefetch(index, +1)
             if not torch.is_grad_enabled():
                 return None
@@ -233,7 +239,7 @@ class WeightStreamer:
 
     def _post_forward(self, index: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if self._backward:
+            if _in_backward():
                 return
             self._release(self.blocks[index])
             if torch.is_grad_enabled():
@@ -244,8 +250,9 @@ class WeightStreamer:
 
     def _pre_backward_hook(self, index: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            if not self._backward:
-                self._backward = True
+            task = torch._C._current_graph_task_id()
+            if task != self._task:  # this backward's first block (an interrupted one's flags are stale)
+                self._task = task
                 for block in self.blocks:
                     block.backward_done = False
                 # Once this backward ends: every block back to the host, and the next forward is a forward.
@@ -266,7 +273,7 @@ class WeightStreamer:
         self._release(block)
 
     def _end_backward(self) -> None:
-        self._backward = False
+        self._task = None
         self.release_all()
 
     # -- saving and closing ---------------------------------------------------------------------------------
@@ -282,7 +289,7 @@ class WeightStreamer:
 
     def close(self) -> None:
         """Removes the hooks and gives every parameter its device tensor back (all blocks' bytes on the device)."""
-        if self._backward:
+        if _in_backward():
             raise MemtrainError("WeightStreamer.close() during backward. To resolve this error, close it after the "
                                 "step.")
         for handle in self._handles:
@@ -292,6 +299,12 @@ class WeightStreamer:
             self._use(block)
             delattr(block.module, _STREAMED_ATTR)
         self.blocks = []
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpoint's recompute runs forwards there)."""
+    # NOTE: torch.utils.checkpoint asks the same private function.
+    return torch._C._current_graph_task_id() != -1
 
 
 class _AfterBackward(torch.autograd.Function):
