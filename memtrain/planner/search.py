@@ -455,18 +455,20 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
     streamed = results.column("offload_weights").astype(bool)
-    # Parameter offload is for weights that do not fit the device: tried only when no other set-up fits.
-    considered = ~streamed if (fits & ~streamed).any() else np.ones(len(streamed), bool)
     # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
     # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
     # too, on a quota of their own.
-    band = considered & fits_host & (results.peak <= usable * (1 + _VERIFY_BAND) if usable is not None else True)
+    band = fits_host & (results.peak <= usable * (1 + _VERIFY_BAND) if usable is not None else True)
     verified: dict[int, tuple[float, Trace]] = {}
     chosen, tries, near_misses = None, 0, 0
     # A full estimate above its composed peak says what composition missed for that shape of candidate (the
     # same configuration, with or without offloaded blocks): later ones of that shape carry the deficit.
     deficit: dict[tuple[int, bool], float] = {}
-    for k in results.order[band[results.order]]:
+    order = results.order[band[results.order]]
+    if (fits & ~streamed).any():
+        # Parameter offload is for weights that do not fit the device: tried after every other set-up.
+        order = np.concatenate([order[~streamed[order]], order[streamed[order]]])
+    for k in order:
         k = int(k)
         shape = (int(results.config[k]), bool(results.offload[k]))
         composed = results.peak[k] + deficit.get(shape, 0.0)
