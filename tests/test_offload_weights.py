@@ -212,3 +212,23 @@ def test_a_step_interrupted_in_backward_leaves_nothing_on_the_device_after_the_n
     assert streamer.stats.resident_blocks == 0 and streamer.stats.peak_resident_blocks <= 2, streamer.stats
     worst = max((got[n] - expected[n]).abs().max().item() for n in expected)
     assert worst <= 1e-6, f"max abs gradient difference {worst:.3g}"
+
+
+def test_a_model_of_blocks_only_streams_every_weight():
+    """Every parameter in a block: the optimizer's step copies nothing back to the device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+    plain = copy.deepcopy(model)
+    reference = torch.optim.AdamW(plain.parameters(), fused=True, **HYPER)
+    optimizer = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
+    WeightStreamer(model, blocks=find_blocks(model), host_weights=optimizer.stream_weights(list(model.parameters())))
+    x = torch.randn(4, 8, requires_grad=True)  # the first block's input takes a gradient: its release is tested
+    for m, opt in ((plain, reference), (model, optimizer)):
+        for _ in range(3):
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert optimizer.link_bytes["host_to_device"] == 0
+    worst = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), plain.state_dict().values(),
+                                                          strict=True))
+    assert worst <= 1e-6, worst

@@ -437,6 +437,8 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
     def _copy_to_device(self, slots: list[Slot]) -> None:
         """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
         slots = [s for s in slots if id(s) not in self._streamed]  # parameter offload reads them from the host
+        if not slots:
+            return
         self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
         with torch.no_grad(), self._side_stream("host_to_device"):
             # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
