@@ -10,7 +10,8 @@ Example:
     >>> Choices(checkpointing="every:2", optimizer=OptimizerChoice(state_precision="bf16")).to_dict()
     {'checkpointing': 'every:2', 'offload_activations': None, 'optimizer': {'placement': None, \
 'state_precision': 'bf16', 'step_in_backward': None, 'offload_fraction': None}, 'chunked_loss': None, 'compile': False, \
-'pure_bf16': False}
+'pure_bf16': False, \
+'offload_weights': None}
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ class Choices:
             per parameter of weights and 2 of gradient, no master on the device or the host. It changes the
             numerics, so the plan never picks it: only this choice turns it on (bf16-mixed precision; moments fp32
             or bf16).
+        offload_weights: parameter offload: the blocks' weights live in host memory (the offloaded optimizer's
+            master or its bf16 cast) and reach the device one block ahead of use, in forward and again in backward;
+            the device holds the other parameters and two blocks' weights (True reduces memory: the weights that do
+            not fit the device). Needs the offloaded optimizer; one process, eager.
 
     Raises:
         ConfigError: every bad value and contradiction at once, each naming the fix.
@@ -142,6 +147,7 @@ class Choices:
     chunked_loss: bool | None = None
     compile: bool = False
     pure_bf16: bool = False  # True: no fp32 master (6 bytes/param less with an offloaded optimizer, 2 on the device)
+    offload_weights: bool | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -170,6 +176,8 @@ class Choices:
             optimizer = OptimizerChoice()
         object.__setattr__(self, "optimizer", optimizer)
         problems += _switch_problems(self, ("offload_activations", "chunked_loss"))
+        problems += _switch_problems(self, ("offload_weights",))
+        problems += self._offload_weights_problems(optimizer)
         if not isinstance(self.compile, bool):
             problems.append(f"compile={self.compile!r} must be True or False. To resolve this error, pass one of them.")
         if not isinstance(self.pure_bf16, bool):
@@ -186,9 +194,33 @@ class Choices:
                             "offload_activations=False.")
         ConfigError.raise_if(problems)
 
+    def _offload_weights_problems(self, optimizer: OptimizerChoice) -> list[str]:
+        """Parameter offload's contradictions: its host weights are the offloaded optimizer's, and its hooks run
+        eagerly."""
+        if self.offload_weights is not True:
+            return []
+        problems = []
+        if optimizer.fixed_placement == "device":
+            given = [f"optimizer.{name}={getattr(optimizer, name)!r}" for name in
+                     ("placement", "step_in_backward", "offload_fraction") if getattr(optimizer, name) is not None]
+            problems.append(f"offload_weights=True with {' and '.join(given)} (the optimizer on the device): the "
+                            "blocks' weights live in host memory as the offloaded optimizer's master, which a device "
+                            f"optimizer has not. To resolve this error, drop {' and '.join(given)}, or drop "
+                            "offload_weights=True.")
+        if self.compile is True:
+            problems.append("offload_weights=True with compile=True: parameter offload moves each block's weights "
+                            "in module hooks, which torch.compile would break the graph at. To resolve this error, "
+                            "drop compile=True or offload_weights=True.")
+        return problems
+
     def check_run(self, *, world_size: int = 1, fsdp: bool = False) -> None:
         """Raises one ConfigError for the choices a run of ``world_size`` processes cannot take."""
         problems = []
+        if self.offload_weights and (fsdp or world_size > 1):
+            problems.append(f"offload_weights=True with {'fsdp=True' if fsdp else f'{world_size} processes'}: "
+                            "parameter offload streams whole blocks to one device (FSDP2 shards and gathers them "
+                            "itself, and DDP averages gradients after they left for the host). To resolve this "
+                            "error, run one process without fsdp=True, or drop offload_weights=True.")
         if self.optimizer.placement == "offload" and fsdp:
             problems.append("optimizer.placement='offload' and fsdp=True together: FSDP2 shards the optimizer state "
                             "itself and CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
@@ -224,7 +256,8 @@ class Choices:
         """JSON values (the policy as its spelling) that ``from_dict`` reads back."""
         return {"checkpointing": None if self.checkpointing is None else str(self.checkpointing),
                 "offload_activations": self.offload_activations, "optimizer": dataclasses.asdict(self.optimizer),
-                "chunked_loss": self.chunked_loss, "compile": self.compile, "pure_bf16": self.pure_bf16}
+                "chunked_loss": self.chunked_loss, "compile": self.compile, "pure_bf16": self.pure_bf16,
+                "offload_weights": self.offload_weights}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Choices:

@@ -211,7 +211,9 @@ class MemoryMeter:
 
     # -- counting ---------------------------------------------------------------------------------------
     def _is_model_state(self, t: torch.Tensor) -> bool:
-        if isinstance(t, nn.Parameter):
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            # A view of a parameter (``W.t()`` of a linear) is the weights, wherever they live: parameter offload
+            # gives them device storage of their own while a block is in use.
             return True
         if self.model is not None:
             return storage_key(t)[0] in self._state_keys

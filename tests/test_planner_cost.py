@@ -205,7 +205,7 @@ def test_host_link_of_an_offloaded_optimizer_is_its_gradients_each_micro_batch_a
     (c,) = predictions(model, [s], seq_len=32, global_batch_size=3, device="cuda", device_profile=H100)
     assert c.host_link.to_dict() == {"activations_to_host": 0, "activations_to_device": 0,
                                      "optimizer_to_host": 3 * 4 * numel, "optimizer_to_device": 4 * numel,
-                                     "to_host": 12 * numel, "to_device": 4 * numel, "total": 16 * numel}
+                                     "weights_to_device": 0, "to_host": 12 * numel, "to_device": 4 * numel, "total": 16 * numel}
 
 
 def test_compiled_offloading_set_ups_time_the_code_around_the_blocks_eager(llama):

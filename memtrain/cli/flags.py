@@ -371,6 +371,10 @@ def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> N
                         "parameter of weights and 2 of gradient, no master on the device or in host RAM; moments "
                         "fp32 or bf16 (--optimizer-state). Changes the numerics: never chosen by the plan (default: "
                         "off; bf16-mixed precision)")
+    parser.add_argument("--offload-weights", action=switch, default=None,
+                        help="parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
+                        "each on the device only while in use, one block ahead; for weights that do not fit the "
+                        f"device. Needs --offload-optimizer, one process, no --compile ({unset})")
 
 
 def _add_budget_flags(parser: argparse.ArgumentParser, *, default_text: str) -> None:

@@ -37,7 +37,7 @@ def choices_from_flags(args: argparse.Namespace) -> Choices:
         choices = Choices(checkpointing=args.checkpointing, offload_activations=args.offload_activations,
                           optimizer=optimizer, chunked_loss=args.chunked_loss,
                           compile=bool(getattr(args, "compile", False)),
-                          pure_bf16=bool(getattr(args, "pure_bf16", False)))
+                          pure_bf16=bool(getattr(args, "pure_bf16", False)), offload_weights=args.offload_weights)
     except ConfigError as e:
         problems += e.problems
     ConfigError.raise_if(problems)

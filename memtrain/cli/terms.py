@@ -39,6 +39,7 @@ ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
     "merge_lora": ("--merge-lora", None), "quiet": ("--quiet", None),
     "optimizer.step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
     "pure_bf16": ("--pure-bf16", None),
+    "offload_weights": ("--offload-weights", "--no-offload-weights"),
 }
 # Arguments whose value has a flag of its own (``Choices``'s optimizer placement is --[no-]offload-optimizer).
 ARGUMENT_VALUES: dict[str, str] = {

@@ -78,9 +78,11 @@ def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[di
                             "are two different policies for one step. To resolve this error, pass one of them.")
     lean = choice.state_precision not in (None, "fp32") or bool(choice.offload_fraction) or bool(
         choice.step_in_backward)  # memtrain.optim's AdamW rather than torch's
-    if choice.placement == "offload" and optimizer == "adamw":
+    # Parameter offload streams the weights from the offloaded optimizer's master: it implies that optimizer.
+    offloaded = choice.placement == "offload" or (choice.placement is None and bool(setup.offload_weights))
+    if offloaded and optimizer == "adamw":
         options["optimizer"] = "adamw-offload"
-    elif choice.placement == "offload" and optimizer != "adamw-offload":
+    elif offloaded and optimizer != "adamw-offload":
         problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded optimizer "
                         "is AdamW (CPUOffloadOptimizer). To resolve this error, pass optimizer='adamw', or drop "
                         "placement='offload'.")

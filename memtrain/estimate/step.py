@@ -8,7 +8,6 @@ it is kept exactly.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,6 @@ from memtrain.choices import Choices
 from memtrain.errors import ConfigError, MemtrainError, describe_exception
 from memtrain.estimate.arguments import (
     AUTOCAST_DTYPES,
-    COMPILE_NOTE,
     OptimizerKind,
     Precision,
     batch_values,
@@ -34,6 +32,7 @@ from memtrain.estimate.explain import assumptions_of, explain_peak, forward_fail
 from memtrain.estimate.fake import call_convention, hf_sees_real_tensors
 from memtrain.estimate.optimizer_state import OptimizerFigures, optimizer_figures
 from memtrain.estimate.prepare import NullContext, Watch, fake_inputs, prepare_model, watch_step
+from memtrain.estimate.streamed_weights import with_setup_notes
 from memtrain.estimate.tracker import LiveTracker, Run
 from memtrain.measure import as_loss
 from memtrain.offload import MIN_BYTES_DEFAULT
@@ -114,6 +113,7 @@ def estimate(
               size when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the
               whole batch's fp32 logits; applied to a copy of the model.
             - ``compile``: the prediction is still the eager step's, and the report's assumptions say so.
+            - ``offload_weights``: the blocks' weights streamed from host RAM (implies the offloaded optimizer).
         micro_batch_size, seq_len, accumulation: the batch's first and second dimensions; micro-batches a step.
         weights_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the parameters' dtype on the device (e.g. bf16 weights
             whose fp32 master lives with ``"adamw-offload"``); None keeps the model's.
@@ -155,9 +155,7 @@ def estimate(
             problems += e.problems
         raise ConfigError(problems)
     report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay).report
-    if setup is not None and setup.compile:
-        report = dataclasses.replace(report, assumptions=(*report.assumptions, COMPILE_NOTE))
-    return report
+    return with_setup_notes(report, setup, model, weights_dtype)
 
 
 def trace(

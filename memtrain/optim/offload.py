@@ -216,6 +216,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self._streams: dict[str, Any] = {d: torch.cuda.Stream(self.device) if cuda else None for d in DIRECTIONS}
         # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
         self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
+        self._streamed: set[int] = set()  # id(slot) of the parameters whose weights parameter offload streams
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
         self._landings: list[Future[None]] = []
         # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
@@ -414,8 +415,44 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             if copy_back:
                 self._copy_to_device(bucket.slots)
 
+    def stream_weights(self, params: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Hands ``params``' host weights to parameter offload (``memtrain.offload.weights.WeightStreamer``):
+        ``id(parameter)`` -> the host tensor holding its weights in the device dtype after every step (the fp32
+        master, or its cast), which the streamer copies to the device each time its block is used. The step copies
+        nothing back for them, and a cast gets a gradient stage of its own (2 bytes a bf16 parameter of host RAM):
+        the shared one would be written by gradients landing while backward still reads the cast.
+
+        Raises:
+            ConfigError: a parameter this optimizer does not hold, or ``delayed_update`` (its step would write the
+                host weights while the next forward reads them).
+        """
+        if self.delayed_update:
+            raise ConfigError("CPUOffloadOptimizer(delayed_update=True) with parameter offload: the delayed step "
+                              "writes the host weights while the next forward copies them to the device. To resolve "
+                              "this error, pass delayed_update=False.")
+        params = list(params)
+        by_id = {id(s.device): s for s in self._slots}
+        missing = [tuple(p.shape) for p in params if id(p) not in by_id]
+        if missing:
+            raise ConfigError(f"CPUOffloadOptimizer.stream_weights: {len(missing)} parameter(s) (shapes "
+                              f"{missing[:3]}) are not this optimizer's. To resolve this error, pass parameters it "
+                              "was built with.")
+        hosts = {}
+        for p in params:
+            slot = by_id[id(p)]
+            if slot.cast is not None:
+                slot.cast.copy_(slot.device.detach())  # written by steps only: until the first, the device's
+                if slot.stage is not None and slot.stage.data_ptr() == slot.cast.data_ptr():
+                    slot.stage = torch.empty_like(slot.cast, pin_memory=self.device.type == "cuda")
+            self._streamed.add(id(slot))
+            hosts[id(p)] = slot.master if slot.cast is None else slot.cast
+        return hosts
+
     def _copy_to_device(self, slots: list[Slot]) -> None:
         """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
+        slots = [s for s in slots if id(s) not in self._streamed]  # parameter offload reads them from the host
+        if not slots:
+            return
         self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
         with torch.no_grad(), self._side_stream("host_to_device"):
             # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.

@@ -16,6 +16,7 @@ from memtrain.accumulation import GradientAccumulator
 from memtrain.checkpointing import apply_checkpointing, compile_model, find_blocks, remove_checkpointing
 from memtrain.errors import ConfigError
 from memtrain.loss import apply_chunked_loss, remove_chunked_loss
+from memtrain.offload import WeightStreamer
 from memtrain.optim import CPUOffloadOptimizer, build_optimizer
 from memtrain.planner.cost import fsdp2_param_dtype
 from memtrain.planner.settings import Plan, PlanSettings
@@ -35,6 +36,7 @@ class PlannedRun:
     accumulator: Any  # GradientAccumulator
     precision: Any  # MixedPrecision
     blocks: list[str] = field(default_factory=list)
+    weights: WeightStreamer | None = None  # parameter offload: the blocks' weights streamed from the host
 
 
 def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
@@ -45,7 +47,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
 
     In order: checkpointing (per-block policies, selective, offloaded inputs), the chunked loss, an offloaded
     optimizer (``CPUOffloadOptimizer``, which takes the fp32 master and then makes the device weights bf16 where
-    the plan says), DDP (each gradient a view into its all-reduce bucket) or FSDP2 (blocks gathered in
+    the plan says), parameter offload (``WeightStreamer``, from that optimizer's host weights), DDP (each gradient a view into its all-reduce bucket) or FSDP2 (blocks gathered in
     ``fsdp2_param_dtype``, gradients reduced in fp32), ``torch.compile``, a device optimizer
     (``torch.optim.AdamW(fused=True)`` or ``memtrain.optim.build_optimizer``'s lean variants), the
     ``GradientAccumulator``.
@@ -80,6 +82,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     # An offloaded optimizer before DDP (which buckets the weights as they are): it may cast them to bf16. A device
     # optimizer after FSDP2, whose sharded parameters it must hold.
     optimizer = _planned_optimizer(model, s, precision, world, hyper) if s.optimizer != "device" else None
+    weights = stream_weights(model, names, optimizer) if s.offload_weights else None
     if s.distribution == "fsdp2":
         # Imported here: only an FSDP2 run needs torch.distributed's FSDP (not every torch build has it).
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -105,7 +108,22 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                                       scheduler=scheduler(optimizer) if scheduler is not None else None,
                                       max_grad_norm=max_grad_norm)
     return PlannedRun(settings=s, model=model, train_model=train_model, optimizer=optimizer, accumulator=accumulator,
-                      precision=precision, blocks=wrapped)
+                      precision=precision, blocks=wrapped, weights=weights)
+
+
+def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any) -> WeightStreamer:
+    """Parameter offload for ``apply_plan``: the blocks' weights stream from ``optimizer``'s host master (or its bf16
+    cast), which its steps update in place.
+
+    Raises:
+        ConfigError: ``optimizer`` is not a ``CPUOffloadOptimizer`` (a plan of another placement).
+    """
+    if not isinstance(optimizer, CPUOffloadOptimizer):
+        raise ConfigError("apply_plan: offload_weights=True needs the offloaded optimizer, whose host master the "
+                          "blocks' weights stream from. To resolve this error, plan with optimizer 'offload'.")
+    modules = dict(model.named_modules())
+    params = [p for name in blocks for p in modules[name].parameters() if p.requires_grad]
+    return WeightStreamer(model, blocks=blocks, host_weights=optimizer.stream_weights(params))
 
 
 def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:

@@ -138,6 +138,10 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
     if (s.step_in_backward or s.offload_fraction) and world > 1:
         problems.append("step_in_backward and offload_fraction act on gradients before DDP averages them: one "
                         "process only.")
+    if s.offload_weights and (s.optimizer == "device" or world > 1 or s.compile):
+        problems.append("offload_weights=True streams the blocks' weights from the offloaded optimizer's host "
+                        "master, in one process, eagerly. To resolve this error, pass optimizer 'offload' (or "
+                        "'offload-bf16-weights'), one process and compile=False, or offload_weights=False.")
     ConfigError.raise_if(problems)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from memtrain.estimate import Trace
-from memtrain.offload import SLAB_BYTES_DEFAULT
+from memtrain.offload import PREFETCH_DEFAULT, SLAB_BYTES_DEFAULT
 from memtrain.optim import offloaded_mask, optimizer_memory
 from memtrain.planner.devices import DeviceProfile
 from memtrain.planner.profiles import Profiles, affine_at, offloader_bytes
@@ -24,6 +24,7 @@ _BUCKET_BYTES = 4 * (1 << 25)  # CPUOffloadOptimizer.bucket_numel fp32 parameter
 # (DevicePrefetcher), each of int64 token rows (inputs and labels; position ids too when packed) pinned in torch's
 # host cache, which rounds every block up to a power of two. The dataset's own pages (memory-mapped) are the OS's.
 LOADER_BATCHES = 2
+WEIGHTS_IN_FLIGHT = 1 + PREFETCH_DEFAULT  # parameter offload: the block in use and the one copying ahead of it
 
 
 def host_pool_bytes(offloaded: np.ndarray) -> np.ndarray:
@@ -156,9 +157,12 @@ class Composer:
         cfg = configuration_of(s)
         kinds = np.array(s.blocks)[None, :]
         activations = float(self.offloaded(cfg, self.picker(cfg, kinds == "offload", kinds == "recompute")).sum())
-        gradients, weights = _optimizer_link(self.ctx, self.profile(cfg.optimizer, cfg.pure_bf16), cfg)
+        prof = self.profile(cfg.optimizer, cfg.pure_bf16)
+        gradients, weights = _optimizer_link(self.ctx, prof, cfg)
+        streamed = streamed_weight_bytes(prof, cfg)
         return HostLink(round(activations * cfg.accumulation), round(activations * cfg.accumulation),
-                        round(gradients * cfg.accumulation), round(weights))
+                        round(gradients * cfg.accumulation), round(weights - streamed),
+                        round(2 * streamed * cfg.accumulation))
 
     def assigned(self, cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray) -> tuple[np.ndarray, ...]:
         """(peak, host, seconds) per row of a (rows, blocks) assignment: offloaded where ``is_off``, recomputed
@@ -209,11 +213,11 @@ class Composer:
         after = end_blocks + affine_at(getattr(tail, "post_net" + suffix), b)
         peak = np.maximum(peak, after + (0 if cfg.step_in_backward else memory.device_step_temp_bytes)
                           - sharded * float(prof.trainable_bytes))
-        peak = peak + _distributed_shift(ctx, prof, cfg)
+        peak = peak + _distributed_shift(ctx, prof, cfg) + weights_shift(prof, cfg)
 
         # -- host bytes (one node: every rank's share)
-        host = (host_pool_bytes(offloaded.sum(axis=1)) + memory.host_bytes + loader_host_bytes(ctx, b)) \
-            * ranks_per_node(ctx.world)
+        host = (host_pool_bytes(offloaded.sum(axis=1)) + memory.host_bytes + loader_host_bytes(ctx, b)
+                + _weights_host_bytes(prof, cfg)) * ranks_per_node(ctx.world)
 
         # -- time
         fwd, bwd = pick("forward_s"), pick("backward_s")
@@ -229,6 +233,15 @@ class Composer:
         micro = fwd.sum(axis=1) + bwd.sum(axis=1) + head
         if ctx.device == "cuda" and offloaded.any():
             micro = micro + _offload_stall(fwd, bwd, offloaded, dev)
+        if cfg.offload_weights:
+            micro = micro + _weights_stall(ctx, prof, fwd, bwd)
+            if ctx.device == "cuda":
+                # The stalls above are modelled one stream of copies at a time; together they share the link, so
+                # a micro-batch lasts at least as long as its bytes take over it, each direction.
+                streamed = 2 * streamed_weight_bytes(prof, cfg)
+                grads = _optimizer_link(ctx, prof, cfg)[0]
+                micro = np.maximum(micro, np.maximum((offloaded.sum(axis=1) + streamed) / dev.host_to_device,
+                                                     (offloaded.sum(axis=1) + grads) / dev.device_to_host))
         backward = bwd.sum(axis=1)
         seconds = (micro * cfg.accumulation + _optimizer_seconds(ctx, prof, cfg, backward)
                    + _communication_seconds(ctx, prof, cfg, backward + fwd.sum(axis=1)))
@@ -241,6 +254,42 @@ class Composer:
             seconds = seconds + (tensors * _IN_BACKWARD_OPS * dev.op_overhead_s
                                  + 4.0 * prof.trainable_numel / dev.memory_bandwidth)
         return peak, host, seconds
+
+
+def streamed_weight_bytes(prof: Profiles, cfg: Configuration | PlanSettings) -> float:
+    """Bytes of the blocks' weights (the device dtype) that parameter offload keeps in host RAM; 0 without it."""
+    return float(np.sum(prof.block_parameter_bytes)) if cfg.offload_weights else 0.0
+
+
+def weights_shift(prof: Profiles, cfg: Configuration | PlanSettings) -> float:
+    """What parameter offload changes at every moment of the step, on the device: the blocks' weights are gone but
+    for ``WEIGHTS_IN_FLIGHT`` of the largest (the block in use and the next one copying; their gradients are the
+    offloaded optimizer's, streamed to the host as they land, which the trace already counts)."""
+    if not cfg.offload_weights:
+        return 0.0
+    return WEIGHTS_IN_FLIGHT * float(np.max(prof.block_parameter_bytes)) - streamed_weight_bytes(prof, cfg)
+
+
+def _weights_host_bytes(prof: Profiles, cfg: Configuration) -> float:
+    """Host RAM parameter offload adds: nothing where the weights stream from the fp32 master itself; beside a bf16
+    cast, a gradient stage of their own (``CPUOffloadOptimizer.stream_weights``), 2 bytes a block parameter."""
+    return streamed_weight_bytes(prof, cfg) if cfg.optimizer == "offload-bf16-weights" else 0.0
+
+
+def _weights_stall(ctx: Problem, prof: Profiles, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """Seconds a micro-batch waits for block weights under parameter offload, per row (``WeightStreamer``, one block
+    ahead). On CUDA the copies run on a side stream: block i+1's during block i's forward, block i-1's during block
+    i's backward, so only the first block's copy (forward) and the last one's (backward: its copy starts at its own
+    pre-backward hook) and a copy that outlasts the compute beside it are waited for. On a CPU the "copies" are
+    memcpys on the compute thread, all waited for."""
+    dev = ctx.device_profile
+    blocks = np.asarray(prof.block_parameter_bytes, dtype=float)
+    if ctx.device != "cuda":
+        return np.full(fwd.shape[0], 2 * 2 * blocks.sum() / dev.memory_bandwidth)  # read and write, twice a pass
+    copy = blocks / dev.host_to_device
+    forward = copy[0] + np.maximum(0.0, copy[None, 1:] - fwd[:, :-1]).sum(axis=1)
+    backward = copy[-1] + np.maximum(0.0, copy[None, :-1] - bwd[:, 1:]).sum(axis=1)
+    return forward + backward
 
 
 def _compiled_per_block(cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray) -> np.ndarray:
@@ -434,7 +483,7 @@ def rank_peak(ctx: Problem, prof: Profiles, s: PlanSettings, t: Trace) -> float:
     landed before it, the step's after all of them; then the shift every moment has."""
     sharded = gradient_shard(ctx, s)
     if not sharded or not t.runs:
-        return t.report.peak_bytes + _distributed_shift(ctx, prof, s)
+        return t.report.peak_bytes + _distributed_shift(ctx, prof, s) + weights_shift(prof, s)
     landed, peak = 0, 0.0
     for run in t.runs:
         peak = max(peak, run.peak_bytes - sharded * landed)
@@ -443,7 +492,7 @@ def rank_peak(ctx: Problem, prof: Profiles, s: PlanSettings, t: Trace) -> float:
     peak = max(peak, step - sharded * landed)
     if t.report.peak_bytes > max(max(r.peak_bytes for r in t.runs), step):  # a moment outside the runs: as is
         peak = max(peak, t.report.peak_bytes)
-    return peak + _distributed_shift(ctx, prof, s)
+    return peak + _distributed_shift(ctx, prof, s) + weights_shift(prof, s)
 
 
 class CandidateTable:

@@ -168,6 +168,7 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
     reasons.append(f"optimizer {text}"
                    + (f", because: {'; '.join(alternatives)}" if alternatives else
                       ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")))
+    reasons += _weights_reasons(s, results.column("offload_weights").astype(bool), alternative)
     per_rank = ctx.global_batch // ctx.world
     other = alternative(~same["micro_batch_size"], "a smaller micro-batch" if s.micro_batch_size == per_rank else
                         "another micro-batch")
@@ -187,6 +188,20 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
     reasons.append(f"predicted peak {format_bytes(int(peak))} per rank (a full estimate of this set-up) within "
                    f"{budget_text}")
     return reasons
+
+
+def _weights_reasons(s: PlanSettings, streamed: np.ndarray, alternative: Any) -> list[str]:
+    """The line on parameter offload (``streamed``: which rows stream the weights): why it was chosen, or why not
+    where it was searched."""
+    if s.offload_weights:
+        other = alternative(~streamed, "the weights on the device")
+        return ["parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the device at a "
+                "time, copied one block ahead in forward and again in backward"
+                + (f", because: {other}" if other else " (as asked)")]
+    if streamed.any():
+        return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed from "
+                "host RAM, is tried only when no other set-up fits)"]
+    return []
 
 
 def _flops(rate: float) -> str:

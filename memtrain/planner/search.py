@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -208,7 +209,8 @@ def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: Pl
         k = keep_optimizer
         fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
                                     step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction,
-                                    pure_bf16=True if k.pure_bf16 else None)  # bf16 weights have no master
+                                    pure_bf16=True if k.pure_bf16 else None,  # bf16 weights have no master
+                                    offload_weights=k.offload_weights)
     return fixed, allowed, notes
 
 
@@ -222,6 +224,7 @@ class _SearchSpace:
     states: list[str]
     distributions: list[Distribution]
     losses: list[bool]
+    weights: list[bool]  # parameter offload off, on
     pure_bf16: bool = False  # only pure bf16 set-ups (fixed): bf16 weights, no master
 
 
@@ -250,6 +253,13 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
     distributions: list[Distribution] = ["none"] if world_size == 1 else (
         ["fsdp2"] if fsdp else ["ddp"] if fsdp is False else ["ddp", "fsdp2"])
     losses = [False, True] if ctx.chunkable else [False]
+    # Parameter offload streams the weights from the offloaded optimizer's master: only beside it, on CUDA (on a
+    # CPU it saves nothing) unless it is asked for.
+    weights = [False, True] if cuda and {"offload-optimizer", "offload-weights"} <= allowed else [False]
+    if fixed.offload_weights is not None:
+        weights = [fixed.offload_weights]
+        if fixed.offload_weights and fixed.optimizer is None:
+            placements = [p for p in placements if p != "device"] or ["offload"]
     if fixed != Fixed():
         check_fixed(fixed, len(ctx.block_names), cuda, ctx.chunkable, precision)
         if fixed.blocks is not None:
@@ -265,7 +275,9 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
             states = [fixed.state_precision]
     if fixed.pure_bf16:
         placements, states, distributions = pure_bf16_space(placements, states, distributions)
-    return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses, bool(fixed.pure_bf16))
+        weights = [False]  # parameter offload streams the fp32 master or its bf16 cast: pure bf16 has neither
+    return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses, weights,
+                        bool(fixed.pure_bf16))
 
 
 def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fixed: Fixed, micros: Sequence[int],
@@ -286,9 +298,11 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                         # With accumulation the earlier micro-batches' gradients stay: no bytes saved, so the search
                         # skips it; asked for, it steps in the last micro-batch's backward.
                         continue
-                    for flavor in flavors or ["full"]:
+                    for flavor, streamed in itertools.product(flavors or ["full"], space.weights):
+                        if streamed and (placement == "device" or compiled or dist != "none"):
+                            continue  # parameter offload: the offloaded optimizer's master, one process, eager
                         cfg = Configuration(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision,
-                                            state, in_backward, fraction, space.pure_bf16)
+                                            state, in_backward, fraction, space.pure_bf16, streamed)
                         if fixed.blocks is not None:
                             _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
                             continue
@@ -456,6 +470,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     """The fastest row that fits, confirmed by a full estimate (the next is tried when the estimate disagrees)."""
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
+    streamed = results.column("offload_weights").astype(bool)
     # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
     # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
     # too, on a quota of their own.
@@ -465,7 +480,11 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     # A full estimate above its composed peak says what composition missed for that shape of candidate (the
     # same configuration, with or without offloaded blocks): later ones of that shape carry the deficit.
     deficit: dict[tuple[int, bool], float] = {}
-    for k in results.order[band[results.order]]:
+    order = results.order[band[results.order]]
+    if (fits & ~streamed).any():
+        # Parameter offload is for weights that do not fit the device: tried after every other set-up.
+        order = np.concatenate([order[~streamed[order]], order[streamed[order]]])
+    for k in order:
         k = int(k)
         shape = (int(results.config[k]), bool(results.offload[k]))
         composed = results.peak[k] + deficit.get(shape, 0.0)

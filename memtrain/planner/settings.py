@@ -43,6 +43,8 @@ class PlanSettings:
     step_in_backward: bool = False  # each parameter steps as its gradient is final, which is freed at once
     offload_fraction: float = 0.0  # with optimizer "device": this share of the parameters' state in host RAM
     pure_bf16: bool = False  # bf16 weights, no fp32 master, updates rounded stochastically (only when asked for)
+    # Parameter offload: the blocks' weights in host RAM (the offloaded optimizer's), streamed one block ahead
+    offload_weights: bool = False
 
     @property
     def optimizer_text(self) -> str:
@@ -55,6 +57,8 @@ class PlanSettings:
             parts.append("step in backward")
         if self.pure_bf16:
             parts.append("pure bf16 (no master)")
+        if self.offload_weights:
+            parts.append("weights streamed")
         return ", ".join(parts)
 
     @property
@@ -115,6 +119,7 @@ class Fixed:
     # True: only pure bf16 set-ups (bf16 weights, no fp32 master); None: none (the plan computes them for a hint
     # only: it changes the numerics, so the plan never picks it).
     pure_bf16: bool | None = None
+    offload_weights: bool | None = None  # parameter offload (True), or not (False)
 
     @classmethod
     def of_choices(cls, choices: Choices, *, n_blocks: int, device: str) -> tuple[Fixed, frozenset[str], list[str]]:
@@ -127,6 +132,7 @@ class Fixed:
         offloaded); False: the plan never offloads activations. On a CPU, activation offload is off, with a note.
         An optimizer placed on the device (or given lean moments, an in-backward step or an offloaded share) is
         never offloaded; placed on the device, it keeps fp32 weights and no share of its state on the host.
+        ``offload_weights`` fixes parameter offload on or off (None: the plan's, on CUDA only).
 
         Returns:
             (the fixed choices, the ``TECHNIQUES`` the search may use, notes for choices that do nothing on
@@ -170,7 +176,7 @@ class Fixed:
         fixed = cls(blocks=blocks, flavor=flavor, chunked_loss=choices.chunked_loss, optimizer=opt.fixed_placement,
                     state_precision=opt.state_precision, step_in_backward=opt.step_in_backward,
                     offload_fraction=fraction, compile=True if choices.compile else None,
-                    pure_bf16=True if choices.pure_bf16 else None)
+                    pure_bf16=True if choices.pure_bf16 else None, offload_weights=choices.offload_weights)
         return fixed, frozenset(allowed), notes
 
 
@@ -196,6 +202,7 @@ class HostLink:
     activations_to_device: int
     optimizer_to_host: int
     optimizer_to_device: int
+    weights_to_device: int = 0  # parameter offload: every block's weights in each micro-batch's forward and backward
 
     @property
     def to_host(self) -> int:
@@ -203,7 +210,7 @@ class HostLink:
 
     @property
     def to_device(self) -> int:
-        return self.activations_to_device + self.optimizer_to_device
+        return self.activations_to_device + self.optimizer_to_device + self.weights_to_device
 
     @property
     def total(self) -> int:
@@ -218,13 +225,15 @@ class HostLink:
         if self.optimizer_to_host or self.optimizer_to_device:
             parts.append(f"optimizer {format_bytes(self.optimizer_to_host)} gradients out, "
                          f"{format_bytes(self.optimizer_to_device)} weights back")
+        if self.weights_to_device:
+            parts.append(f"block weights {format_bytes(self.weights_to_device)} streamed in")
         return (f"{format_bytes(self.to_host)} to host, {format_bytes(self.to_device)} to device"
                 + (f" ({'; '.join(parts)})" if parts else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return {"activations_to_host": self.activations_to_host, "activations_to_device": self.activations_to_device,
                 "optimizer_to_host": self.optimizer_to_host, "optimizer_to_device": self.optimizer_to_device,
-                "to_host": self.to_host, "to_device": self.to_device, "total": self.total}
+                "weights_to_device": self.weights_to_device, "to_host": self.to_host, "to_device": self.to_device, "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -388,6 +397,7 @@ class Configuration:
     step_in_backward: bool = False
     offload_fraction: float = 0.0
     pure_bf16: bool = False
+    offload_weights: bool = False
 
     def settings(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
         return self.with_blocks(_assignment(n_blocks, offload, recompute))
@@ -395,7 +405,7 @@ class Configuration:
     def with_blocks(self, blocks: tuple[BlockKind, ...]) -> PlanSettings:
         return PlanSettings(self.micro_batch_size, self.accumulation, blocks, self.flavor, self.chunked_loss,
                             self.optimizer, self.distribution, self.compile, self.precision, self.state_precision,
-                            self.step_in_backward, self.offload_fraction, self.pure_bf16)
+                            self.step_in_backward, self.offload_fraction, self.pure_bf16, self.offload_weights)
 
     @property
     def host_fraction(self) -> float:
@@ -411,9 +421,10 @@ def _assignment(n_blocks: int, offload: int, recompute: int) -> tuple[BlockKind,
 
 
 TECHNIQUES = ("checkpointing", "selective", "offload-activations", "chunked-loss", "offload-optimizer",
-              "bf16-weights", "optimizer-state", "step-in-backward")
+              "bf16-weights", "optimizer-state", "step-in-backward", "offload-weights")
 
 
 def configuration_of(s: PlanSettings) -> Configuration:
     return Configuration(s.micro_batch_size, s.accumulation, s.flavor, s.chunked_loss, s.optimizer, s.distribution,
-                   s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction, s.pure_bf16)
+                   s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction, s.pure_bf16,
+                   s.offload_weights)

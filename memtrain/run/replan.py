@@ -229,7 +229,8 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
         chunked_loss=bool(fixed.chunked_loss), optimizer=fixed.optimizer,
         distribution="none" if context.world == 1 else "fsdp2" if config.fsdp else "ddp",
         compile=bool(fixed.compile), precision=context.precision, state_precision=fixed.state_precision or "fp32",
-        step_in_backward=bool(fixed.step_in_backward), offload_fraction=fixed.offload_fraction or 0.0)
+        step_in_backward=bool(fixed.step_in_backward), offload_fraction=fixed.offload_fraction or 0.0,
+        pure_bf16=bool(fixed.pure_bf16), offload_weights=bool(fixed.offload_weights))
     return RunPlan(chosen, None, None, (*notes, f"{why}; every technique is fixed, so the run goes on as given"),
                    unchecked=unchecked)
 
@@ -266,7 +267,7 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
         distribution="none" if world == 1 else "fsdp2" if config.fsdp else "ddp", compile=choices.compile,
         precision=precision, state_precision=choices.optimizer.state_precision or "fp32",
         step_in_backward=bool(choices.optimizer.step_in_backward),
-        offload_fraction=choices.optimizer.offload_fraction or 0.0)
+        offload_fraction=choices.optimizer.offload_fraction or 0.0, pure_bf16=choices.pure_bf16)
     reason = (f"checkpointing off, because: auto found no repeated blocks in {type(model).__name__} (no "
               "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules), so nothing is "
               "planned per block; to checkpoint it, call apply_checkpointing(model, blocks=...) before train()")

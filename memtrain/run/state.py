@@ -27,7 +27,9 @@ def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLi
     seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
     for name, value in state_dict.items():
         value = value.detach().cpu()
-        key = (value.untyped_storage().data_ptr(), tuple(value.shape), value.dtype)
+        # The tensor's own address, not its storage's: parameter offload's weights are views into one flat host
+        # master, and views of equal shape there are different weights.
+        key = (value.data_ptr(), tuple(value.shape), value.dtype)
         if key in seen:
             continue
         seen.add(key)
