@@ -211,6 +211,10 @@ class Choices:
             problems.append("offload_weights=True with compile=True: parameter offload moves each block's weights "
                             "in module hooks, which torch.compile would break the graph at. To resolve this error, "
                             "drop compile=True or offload_weights=True.")
+        if self.pure_bf16 is True:
+            problems.append("offload_weights=True with pure_bf16=True: parameter offload streams the offloaded "
+                            "optimizer's fp32 master (or its bf16 cast), and pure bf16 keeps no master; the two are "
+                            "not built together yet. To resolve this error, drop one of them.")
         return problems
 
     def check_run(self, *, world_size: int = 1, fsdp: bool = False) -> None:

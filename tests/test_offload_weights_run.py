@@ -195,3 +195,20 @@ def test_memtrain_estimate_offload_weights_lowers_the_peak_by_all_but_two_blocks
     dropped = plain["peak_bytes"] - streamed["peak_bytes"]
     assert dropped == plain["parameter_bytes"] - streamed["parameter_bytes"] > 0, (dropped, plain, streamed)
     assert any(a.startswith("parameter offload:") for a in streamed["assumptions"])
+
+
+def test_offload_weights_with_pure_bf16_is_one_error_naming_both():
+    with pytest.raises(ConfigError, match="offload_weights=True with pure_bf16=True.*drop one of them"):
+        Choices(offload_weights=True, pure_bf16=True)
+
+
+def test_offload_weights_on_a_model_without_blocks_is_refused_naming_the_flag():
+    from torch import nn
+
+    from memtrain.config import TrainConfig
+    from memtrain.run.replan import _unplanned
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    config = TrainConfig(choices=Choices(offload_weights=True))
+    with pytest.raises(ConfigError, match="no repeated blocks.*drop offload_weights=True"):
+        _unplanned(model, config, 4, 1, "fp32", None)

@@ -268,3 +268,19 @@ def test_host_figure_of_offloaded_activations_is_the_pool_the_built_offloader_pi
     loader = loader_host_bytes(_cuda_problem(micro), micro)
     assert c.host_bytes - loader == stats.host_reserved_bytes, (c.host_bytes, loader, stats)
     assert loader == 2 * 2 * micro * 256 * 8, loader  # two batches of inputs and labels, powers of two already
+
+
+@pytest.mark.parametrize("state", ["bf16", "int8"])
+def test_the_host_step_of_an_offloaded_optimizer_runs_at_its_moments_rate(state):
+    # The host's AdamW with lean moments is slower than fused fp32 AdamW (memtrain.optim.cpu_step_rate: bf16 about
+    # 3x, bitsandbytes' int8 about 16-30x on a CPU): the offloaded step's time takes the rate of its moments.
+    from memtrain.planner.cost import _CPU_RATE
+
+    model = planner_gpt(2)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    profile = dataclasses.replace(H100, cpu_adamw=1e6, cpu_adamw_bf16=None, cpu_adamw_int8=None)  # the host dominates
+    fp32, lean = (PlanSettings(1, 1, ("keep", "keep"), "full", False, "offload", "none", False, "fp32",
+                               state_precision=s) for s in ("fp32", state))
+    c32, cl = predictions(model, [fp32, lean], seq_len=32, global_batch_size=1, device="cuda", device_profile=profile)
+    slower = numel / (1e6 * _CPU_RATE[state]) - numel / 1e6
+    assert cl.step_seconds - c32.step_seconds == pytest.approx(slower, rel=0.05), (c32.step_seconds, cl.step_seconds)

@@ -355,6 +355,15 @@ _PURE_STEP_BYTES = {"fp32": 76.0, "bf16": 136.0}
 _PURE_CPU_RATE = {"fp32": 0.46, "bf16": 0.25}
 
 
+def host_step_rate(dev: DeviceProfile, cfg: Configuration) -> float:
+    """Parameters per second of the host's AdamW step with ``cfg``'s moments: the probe's measured rate where it
+    has one, else fused fp32 AdamW's rate scaled by the measured ratio (``_CPU_RATE``, ``_PURE_CPU_RATE``)."""
+    if cfg.pure_bf16:
+        return dev.cpu_adamw * _PURE_CPU_RATE[cfg.state_precision]
+    measured = {"fp32": dev.cpu_adamw, "bf16": dev.cpu_adamw_bf16, "int8": dev.cpu_adamw_int8}[cfg.state_precision]
+    return measured or dev.cpu_adamw * _CPU_RATE[cfg.state_precision]
+
+
 def _optimizer_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, backward_s: np.ndarray) -> np.ndarray:
     """The step after the last backward: the device's part (memory-bound) and the host's (the offloaded share),
     which run side by side."""
@@ -369,11 +378,8 @@ def _optimizer_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, backwar
         step_bytes = (_PURE_STEP_BYTES if cfg.pure_bf16 else _STEP_BYTES)[cfg.state_precision]
         device_part = max(step_bytes * on_device / dev.memory_bandwidth,
                           _STEP_OPS["bf16" if cfg.pure_bf16 else cfg.state_precision] * tensors * dev.op_overhead_s)
-    elif cfg.pure_bf16:  # the "device" is the host
-        device_part = on_device / (dev.cpu_adamw * _PURE_CPU_RATE[cfg.state_precision])
     else:  # the "device" is the host: its own AdamW rate
-        rate = {"fp32": dev.cpu_adamw, "bf16": dev.cpu_adamw_bf16, "int8": dev.cpu_adamw_int8}[cfg.state_precision]
-        device_part = on_device / (rate or dev.cpu_adamw * _CPU_RATE[cfg.state_precision])
+        device_part = on_device / host_step_rate(dev, cfg)
     device_part = device_part + 0 * backward_s
     if on_host == 0:
         return device_part
@@ -384,8 +390,7 @@ def _optimizer_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, backwar
     host_adds = (cfg.accumulation - 1) * 12 * on_host / dev.host_bandwidth
     norms = 4 * on_host / dev.host_bandwidth if ctx.grad_clip else 0.0
     last_bucket = min(grad_bytes, _BUCKET_BYTES * grad_bytes / (4 * on_host))
-    host_rate = dev.cpu_adamw * (_PURE_CPU_RATE[cfg.state_precision] if cfg.pure_bf16 else 1.0)
-    host_part = d2h + host_adds + norms + on_host / host_rate + last_bucket / dev.host_to_device
+    host_part = d2h + host_adds + norms + on_host / host_step_rate(dev, cfg) + last_bucket / dev.host_to_device
     return np.maximum(device_part, host_part)
 
 

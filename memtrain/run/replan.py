@@ -257,6 +257,10 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
     per_rank = global_batch // world
     micro = micro or per_rank
     choices = config.choices
+    if choices.offload_weights:
+        raise ConfigError(f"offload_weights=True, but auto found no repeated blocks in {type(model).__name__} to "
+                          "stream one at a time (no nn.ModuleList/nn.Sequential of one module type, no Hugging Face "
+                          "_no_split_modules). To resolve this error, drop offload_weights=True.")
     chunked = bool(choices.chunked_loss)
     if chunked and not supports_chunked_loss(model):
         raise ConfigError(f"chunked_loss=True, but memtrain cannot chunk the loss of {type(model).__name__} (see "
