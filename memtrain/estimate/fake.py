@@ -19,6 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.errors import ConfigError, describe_exception
+from memtrain.quantize import meta_stand_ins, quant_state_memo
 
 
 # -- a Hugging Face config file -----------------------------------------------------------------------------
@@ -89,7 +90,8 @@ def meta_model(model: Any) -> nn.Module:
         if id(t) not in memo:
             meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
+    memo.update(quant_state_memo(model))  # 4-bit weights' scales are not copied: stand-ins replace those layers
+    return meta_stand_ins(copy.deepcopy(model, memo))
 
 
 def to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> None:
