@@ -46,10 +46,12 @@ def bitsandbytes() -> Any:
 
 
 def quantized_layers(model: nn.Module) -> list[str]:
-    """The names of the linear layers ``quantize_base`` quantises: every ``nn.Linear`` but the output head."""
-    from memtrain.hf import lora_targets  # the same layers as LoRA's default targets
+    """The names of the linear layers ``quantize_base`` quantises: every ``nn.Linear`` but the output head (also
+    LoRA's default targets, ``hf.lora_targets``)."""
+    from memtrain.loss import output_embeddings
 
-    return lora_targets(model)
+    head = output_embeddings(model)
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head]
 
 
 def quantize_base(model: nn.Module, quant_type: str = "nf4", *, compute_dtype: torch.dtype = torch.float32,
@@ -129,6 +131,17 @@ def is_quantized(model: nn.Module) -> bool:
 def _is_4bit(module: nn.Module) -> bool:
     return isinstance(module, Linear4bitStandIn) or getattr(getattr(module, "weight", None), "quant_state",
                                                             None) is not None
+
+
+def weight_count(model: nn.Module) -> int:
+    """The model's parameters counted as weights: a 4-bit layer's stand for in x out weights, whatever its packed
+    codes and scales number (the count a plan or a log shows, not the elements stored)."""
+    count = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and _is_4bit(m):
+            stored = sum(p.numel() for p in m.parameters(recurse=False) if p is not m.bias)
+            count += m.in_features * m.out_features - stored
+    return count
 
 
 def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:

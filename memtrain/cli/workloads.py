@@ -19,7 +19,7 @@ from memtrain.estimate import hf_config_from_file, meta_model
 from memtrain.hf import apply_lora, load_pretrained, lora_targets
 from memtrain.models import GPT, GPT_PRESETS
 from memtrain.precision import resolve_precision
-from memtrain.quantize import is_quantized, mark_lora_clones, quantize_base, quantized_bytes
+from memtrain.quantize import is_quantized, mark_lora_clones, quantize_base, quantized_bytes, weight_count
 from memtrain.report import format_bytes
 
 
@@ -132,7 +132,7 @@ def quantize_flag_problems(args: argparse.Namespace) -> list[str]:
 def lora_text(model: Any, rank: int) -> str:
     """The adapters in one phrase: their rank and trainable parameters beside the frozen base's."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad) + quantized_weights(model)[1]
+    frozen = weight_count(model) - trainable
     share = 100 * trainable / (trainable + frozen)
     return (f"LoRA rank {rank}: {_count(trainable)} trainable parameters ({share:.2f}%) beside {_count(frozen)} "
             f"frozen ones, which take no gradients and no optimizer state{quantized_text(model)}"
@@ -141,7 +141,8 @@ def lora_text(model: Any, rank: int) -> str:
 
 def quantized_text(model: Any) -> str:
     """'; 6.98B of them in 4-bit NF4 (...)' for a QLoRA model, else ''."""
-    weights, _ = quantized_weights(model)
+    weights = sum(m.in_features * m.out_features for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and is_quantized(m))
     if not weights:
         return ""
     stored = sum(quantized_bytes(m.in_features * m.out_features) for m in model.modules()
@@ -150,22 +151,14 @@ def quantized_text(model: Any) -> str:
             "scales, dequantised to the compute dtype for each matmul)")
 
 
-def quantized_weights(model: Any) -> tuple[int, int]:
-    """(the weights the 4-bit layers stand for, that minus the elements they store): their parameters hold packed
-    codes and scales, not one element per weight."""
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and is_quantized(m)]
-    weights = sum(m.in_features * m.out_features for m in layers)
-    stored = sum(p.numel() for m in layers for p in m.parameters(recurse=False) if p is not m.bias)
-    return weights, weights - stored
-
-
 def frozen_dtype_text(model: Any) -> str:
     """'; the frozen linear weights in bf16 (...)' where ``with_lora`` stored them so, else ''."""
     dtypes = {p.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False) if not p.requires_grad}
     half = sorted(name.removesuffix("-mixed") for name, dtype in _AUTOCAST_DTYPES.items() if dtype in dtypes)
-    return (f"; the frozen linear weights stored in {' and '.join(half)}, the dtype autocast computes them in (the "
-            "same numbers in half the bytes)") if half else ""
+    which = "the other frozen linear weights (the output head)" if is_quantized(model) else "the frozen linear weights"
+    return (f"; {which} stored in {' and '.join(half)}, the dtype autocast computes them in (the same numbers in half "
+            "the bytes)") if half else ""
 
 
 def _count(n: int) -> str:
