@@ -123,9 +123,10 @@ def quantize_flag_problems(args: argparse.Namespace) -> list[str]:
                         "the adapters, which load onto the unquantised base (PeftModel.from_pretrained(base, "
                         "'RUN/hf')) and merge there (.merge_and_unload()).")
     if getattr(args, "fsdp", False):
-        problems.append(f"--fsdp with {flag}: FSDP2 shards each weight into a DTensor, which drops the quantisation "
-                        "state bitsandbytes keeps on its 4-bit weights. To resolve this error, drop --fsdp (the 4-bit "
-                        "base is small: DDP holds a copy per rank), or drop --quantize-base.")
+        problems.append(f"--fsdp with {flag}: memtrain's FSDP2 export rebuilds an unsharded copy of the model whose "
+                        "layers are not quantised, and the gathered packed 4-bit weights do not load into it (the run "
+                        "would fail after its last step). To resolve this error, drop --fsdp (the 4-bit base is "
+                        "small: DDP, which works, holds a copy per rank), or drop --quantize-base.")
     return problems
 
 
