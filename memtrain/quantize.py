@@ -207,6 +207,12 @@ class Linear4bitStandIn(nn.Linear):
         return out.clone() if self.clones_output else out
 
 
+def is_quant_state(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s parameter ``name`` is a stand-in's quantisation state (absmax, code book): bitsandbytes
+    keeps those in fp32 outside the parameters, so no cast of the weights (bf16 device copies) reaches them."""
+    return isinstance(module, Linear4bitStandIn) and name in ("absmax", "code")
+
+
 def mark_lora_clones(model: nn.Module) -> None:
     """Sets ``clones_output`` on the stand-ins that LoRA adapts (PEFT's 4-bit LoRA layer clones their output)."""
     for module in model.modules():

@@ -277,3 +277,16 @@ def test_quantize_base_stores_what_transformers_4bit_loader_stores(hf_model_dir)
         assert torch.equal(a, b) and torch.equal(a.quant_state.absmax, b.quant_state.absmax), name
         assert a.quant_state.nested is b.quant_state.nested is False, name
         assert mine[name].compute_dtype == layer.compute_dtype == torch.bfloat16, name
+
+
+def test_bf16_device_weights_leave_the_4bit_scales_in_fp32():
+    """offload-bf16-weights casts the device's floating-point parameters to bf16 (planner/apply, and the estimate's
+    convert_weights); a real 4-bit layer's absmax is no parameter and stays fp32, so the stand-in's stays fp32 too."""
+    from memtrain.estimate.fake import convert_weights
+    from memtrain.quantize import Linear4bitStandIn
+
+    model = torch.nn.Sequential(Linear4bitStandIn(128, 64, None, torch.bfloat16), torch.nn.Linear(64, 8,
+                                                                                                   device="meta"))
+    convert_weights(model, torch.bfloat16)
+    assert model[0].absmax.dtype == model[0].code.dtype == torch.float32
+    assert model[0].weight.dtype == torch.uint8 and model[1].weight.dtype == torch.bfloat16

@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.errors import ConfigError, describe_exception
-from memtrain.quantize import meta_stand_ins, quant_state_memo
+from memtrain.quantize import is_quant_state, meta_stand_ins, quant_state_memo
 
 
 # -- a Hugging Face config file -----------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def convert_weights(model: nn.Module, dtype: torch.dtype) -> None:
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
+            if p is None or not p.is_floating_point() or p.dtype == dtype or is_quant_state(module, name):
                 continue
             if id(p) not in done:
                 done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
