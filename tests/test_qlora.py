@@ -290,3 +290,32 @@ def test_bf16_device_weights_leave_the_4bit_scales_in_fp32():
     convert_weights(model, torch.bfloat16)
     assert model[0].absmax.dtype == model[0].code.dtype == torch.float32
     assert model[0].weight.dtype == torch.uint8 and model[1].weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_estimate_of_the_real_4bit_model_with_checkpointing_equals_measure(hf_model_dir, precision):
+    """estimate(model) of the real bitsandbytes model (meta_model turns its 4-bit layers into stand-ins) with every
+    block checkpointed and a chunked loss: the saved activations and parameter bytes measure finds."""
+    from memtrain import MemoryMeter, estimate
+    from memtrain.checkpointing import apply_checkpointing
+    from memtrain.choices import Choices
+    from memtrain.hf import apply_lora, load_pretrained
+    from memtrain.loss import apply_chunked_loss
+    from memtrain.quantize import quantize_base
+
+    mixed = precision == "bf16-mixed"
+    base = quantize_base(load_pretrained(hf_model_dir), "nf4", compute_dtype=torch.bfloat16 if mixed else torch.float32)
+    lora = apply_lora(base, 4)
+    apply_checkpointing(lora)
+    apply_chunked_loss(lora)
+    x = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    with MemoryMeter(lora) as meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+            loss = lora(input_ids=x, labels=x).loss
+    loss.backward()
+    measured = meter.report()
+    predicted = estimate(lora, x, device="cpu", precision=precision, checkpointing="all",
+                         setup=Choices(chunked_loss=True))
+    assert predicted.activation_bytes == measured.activation_bytes, (predicted.activation_bytes,
+                                                                     measured.activation_bytes)
+    assert predicted.parameter_bytes == measured.parameter_bytes, (predicted.parameter_bytes, measured.parameter_bytes)
