@@ -84,7 +84,7 @@ def test_qlora_trains_a_local_llama_and_its_adapters_load_onto_the_unquantised_b
 def test_a_qlora_run_resumes_with_its_4bit_base(hf_model_dir, text_file, tmp_path, capsys):
     """--resume needs no other flag: config.json records --quantize-base, so the run rebuilds the 4-bit base and its
     checkpoint (the packed weights and their scales beside the adapters) loads into it; the resumed steps equal an
-    uninterrupted run's."""
+    uninterrupted run's; --quantize-base on the resume of a run without it is refused."""
     common = ["--hf-model", str(hf_model_dir), "--data", str(text_file), "--lora", "4", "--quantize-base", "nf4",
               "--seq-len", "32", "--global-batch-size", "2", "--lr", "1e-2", "--lr-schedule", "constant",
               "--warmup-steps", "0", "--no-progress", "--checkpointing", "none", "--micro-batch-size", "2",
@@ -99,6 +99,11 @@ def test_a_qlora_run_resumes_with_its_4bit_base(hf_model_dir, text_file, tmp_pat
     assert code == 0, err
     assert "resumed from step 2" in err, err
     assert _steps(part) == pytest.approx(_steps(whole), abs=1e-6), (_steps(part), _steps(whole))
+    plain = tmp_path / "plain"  # a LoRA run on the unquantised base: --quantize-base on its resume is another model
+    unquantised = [a for a in common if a not in ("--quantize-base", "nf4")]
+    assert _train(capsys, *unquantised, "--max-steps", "1", "--out", str(plain))[0] == 0
+    line = _fails(capsys, "train", "--out", str(plain), "--resume", "--quantize-base", "nf4", "--no-progress")
+    assert "--quantize-base 'nf4' now but not given in the run being resumed" in line, line
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
