@@ -5,6 +5,9 @@ Fine-tuning a pretrained model is the common case on a GPU that is too small. Th
 - ``load_pretrained(DIR)`` / ``load_tokenizer(DIR)``: a local folder (``config.json``, ``*.safetensors``, a fast
   tokenizer), never the network, never a pickle (``.bin`` checkpoints are refused: unpickling runs code).
 - ``apply_lora(model, r)``: PEFT LoRA adapters of rank ``r`` on a frozen base; ``merge_lora(model)`` folds them in.
+- QLoRA: ``memtrain.quantize.quantize_base(model, "nf4", compute_dtype=torch.bfloat16)`` before ``apply_lora``
+  stores the frozen linear weights in 4-bit NF4 (bitsandbytes); ``save_hf`` then writes the adapters, which load onto
+  the unquantised base.
 - ``save_hf(model, DIR, tokenizer=...)``: a folder that ``AutoModelForCausalLM.from_pretrained`` (or, for a LoRA
   model, ``PeftModel.from_pretrained``) loads to the same logits, written atomically.
 - ``prepare_model`` and ``MemtrainTrainer``: memtrain's checkpointing, chunked loss, activation offload and
@@ -226,10 +229,9 @@ def is_lora(model: nn.Module) -> bool:
 def lora_targets(model: nn.Module) -> list[str]:
     """The default LoRA targets: every ``nn.Linear`` of the model but its output head (attention and MLP
     projections; the head stays frozen, as in PEFT's ``"all-linear"``)."""
-    from memtrain.loss import output_embeddings
+    from memtrain.quantize import quantized_layers  # the layers a 4-bit base quantises: the same ones
 
-    head = output_embeddings(model)
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head]
+    return quantized_layers(model)
 
 
 def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None, dropout: float = 0.0,

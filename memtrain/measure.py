@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memtrain.errors import MemtrainError
+from memtrain.quantize import quant_state_tensors
 from memtrain.report import MemoryReport
 
 # Meters that are counting right now. Selective checkpointing keeps some op outputs outside autograd's
@@ -288,7 +289,9 @@ class MemoryMeter:
         """The breakdown of what was measured, as a frozen ``MemoryReport``."""
         parameter_bytes = 0
         if self.model is not None:
-            parameter_bytes = sum(_tensor_storage_keys(self.model.parameters()).values())
+            # A 4-bit weight's bytes include its quantisation state (absmax, code book), which is no parameter.
+            state = [*self.model.parameters(), *quant_state_tensors(self.model)]
+            parameter_bytes = sum(_tensor_storage_keys(state).values())
         gradient_bytes = self._gradient_bytes if self._gradient_bytes is not None else self._current_gradient_bytes()
         peak_bytes = peak_phase = None
         phase_bytes: tuple[tuple[str, int], ...] = ()

@@ -45,6 +45,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             ", pure bf16 (bf16 weights, no master)" if setup.pure_bf16 else "")
         rows = " (packed rows)" if trains_packed_rows(args) else ""
         lora = f", LoRA rank {args.lora}" if args.lora else ""
+        lora += f" on a 4-bit {args.quantize_base.upper()} base" if args.quantize_base else ""
         echo(f"{name}{lora}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, checkpointing "
              f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {args.device}")
         echo(report.summary())

@@ -317,6 +317,10 @@ def _add_lora_flags(parser: argparse.ArgumentParser, *, adapters: str) -> None:
                         "module names to adapt, as PEFT's target_modules matches them (a name or the end of a dotted "
                         "path, e.g. q_proj,v_proj); a name the model lacks is an error listing those it has (default: "
                         "every linear layer but the output head)")
+    parser.add_argument("--quantize-base", choices=["nf4"], help="with --lora (QLoRA): store the frozen linear "
+                        "weights (all but the output head) in 4-bit NF4 through bitsandbytes, about 0.56 bytes a "
+                        "weight (blocks of 64 with an fp32 scale each), dequantised to the compute dtype for each "
+                        "matmul; Hugging Face models only; needs pip install 'memtrain[qlora]'")
 
 
 def _add_model_flags(parser: argparse.ArgumentParser, *, micro_batch_default: int | None = None,

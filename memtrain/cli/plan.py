@@ -20,6 +20,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     choices = dataclasses.replace(choices_from_flags(args), compile=False)
     ConfigError.raise_if(lora_flag_problems(args))
     target, seq_len, name = meta_target(args)
+    # A 4-bit base cannot be sharded (quantize_flag_problems): with --nproc N only DDP is planned for QLoRA.
     # On the CPU the planner always probes; --calibrate probes a GPU now instead of the table of known ones.
     if args.gpu and (args.calibrate or args.device != "cuda"):
         other = "--calibrate" if args.calibrate else "--device cpu"
@@ -33,7 +34,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p = plan(target, budget=None if args.budget == UNLIMITED else args.budget, seq_len=seq_len,
              global_batch_size=args.global_batch_size or default_global_batch(args.nproc, args.micro_batch_size),
              device=args.device, precision=args.precision, world_size=args.nproc,
-             fsdp=args.fsdp if args.nproc > 1 else False, compile=args.compile, choices=choices,
+             fsdp=(False if args.quantize_base and args.fsdp is None else args.fsdp) if args.nproc > 1 else False, compile=args.compile, choices=choices,
              host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
              micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args))
     if args.lora:

@@ -17,7 +17,8 @@ from memtrain.run import read_run_config
 # The options of memtrain train that config.json records (the others say how to run, not what: --json, --out,
 # --resume, --overwrite, --config); and those that define the model and the data, which a resume must keep.
 _NOT_RECORDED = frozenset({"help", "config", "out", "resume", "overwrite", "json", "command"})
-_MODEL_FLAGS = ("model", "hf_model", "lora", "lora_alpha", "lora_dropout", "lora_targets", "seq_len")  # refused
+_MODEL_FLAGS = ("model", "hf_model", "lora", "lora_alpha", "lora_dropout", "lora_targets", "seq_len",
+                "quantize_base")  # refused
 # here when changed; a new --data or --hf-config path is let through: train() compares the contents (a SHA-256 of the token stream, the parameters' names and
 # shapes), so a moved file still resumes and a changed one is refused
 _PATH_FLAGS = ("data", "eval_data", "hf_config", "hf_model")  # recorded absolute: a resume may run from another folder

@@ -30,6 +30,7 @@ from memtrain.cli.workloads import (
     hf_folder_config,
     hf_seq_len,
     lora_flag_problems,
+    quantized_text,
 )
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import ByteWindows, builtin_corpus, split_windows, text_file_tokens, tokenized_rows
@@ -71,7 +72,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         if rank == 0:
             for note in notes:
                 echo(f"  {note}", file=sys.stderr)
-            lora = (f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable{frozen_dtype_text(model)}"
+            lora = (f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable{quantized_text(model)}"
+                    f"{frozen_dtype_text(model)}"
                     if args.lora else "")
             log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
                       f"tokens x {global_batch} per step, "

@@ -19,6 +19,8 @@ from memtrain.estimate import hf_config_from_file, meta_model
 from memtrain.hf import apply_lora, load_pretrained, lora_targets
 from memtrain.models import GPT, GPT_PRESETS
 from memtrain.precision import resolve_precision
+from memtrain.quantize import is_quantized, mark_lora_clones, quantize_base, quantized_bytes, weight_count
+from memtrain.report import format_bytes
 
 
 def build_language_model(args: argparse.Namespace, device: torch.device | None = None) -> tuple[Any, int]:
@@ -36,24 +38,34 @@ def build_language_model(args: argparse.Namespace, device: torch.device | None =
         model = _build_gpt(args)
         seq_len = model.config.seq_len
     precision = resolve_precision(device, args.precision)[0] if device is not None and args.lora else None
-    return with_lora(model, args, precision), seq_len
+    return with_lora(model, args, precision, device=device), seq_len
 
 
-def with_lora(model: Any, args: argparse.Namespace, precision: str | None = None) -> Any:
+def with_lora(model: Any, args: argparse.Namespace, precision: str | None = None, *,
+              device: torch.device | None = None) -> Any:
     """``model`` with --lora's adapters on its frozen weights (``model`` itself without --lora). On a meta-device
     model the adapters are meta parameters too, trainable beside the frozen base: what estimate and plan trace.
 
     Under a mixed ``precision`` the frozen linear weights are stored in its compute dtype: half their bytes, and
     the same numbers, since autocast casts them to that dtype for every matmul anyway (they take no update, so they
     need no fp32 master). The other frozen weights (embeddings, norms) keep their dtype: they are used outside
-    matmuls, where the cast would change the numbers."""
+    matmuls, where the cast would change the numbers.
+
+    With --quantize-base nf4 (QLoRA) the adapted linear layers are first quantised to 4 bits (on ``device``; stand-ins
+    on the meta device), computing in the autocast dtype (fp32 without autocast): ``memtrain.quantize``."""
     if not args.lora:
         return model
     check_lora_rank(model, args.lora)
+    quantize = getattr(args, "quantize_base", None)
+    if quantize:
+        quantize_base(model, quantize, compute_dtype=_AUTOCAST_DTYPES.get(precision or "", torch.float32),
+                      device=device)
     with flags_of({"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
                    "target_modules": "--lora-targets"}):
         lora = apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
                           target_modules=args.lora_targets)
+    if quantize:
+        mark_lora_clones(lora)
     dtype = _AUTOCAST_DTYPES.get(precision or "")
     if dtype is not None:
         frozen_linear_weights_to(lora, dtype)
@@ -66,7 +78,7 @@ _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 def frozen_linear_weights_to(model: Any, dtype: torch.dtype) -> None:
     """The frozen ``nn.Linear`` weights and biases of ``model`` in ``dtype``, in place; a parameter another kind of
     module shares (an output head tied to the embedding) is left as it is."""
-    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not is_quantized(m)]  # 4-bit: as is
     in_linear = {id(p) for m in linear for p in m.parameters(recurse=False)}
     elsewhere = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
                  for p in m.parameters(recurse=False)}
@@ -87,16 +99,57 @@ def lora_flag_problems(args: argparse.Namespace) -> list[str]:
             flag = "--" + dest.replace("_", "-")
             problems.append(f"{flag} without --lora: there are no adapters to {flag[7:]}. To resolve this error, "
                             f"pass --lora R (e.g. --lora 8), or drop {flag}.")
+    return problems + quantize_flag_problems(args)
+
+
+def quantize_flag_problems(args: argparse.Namespace) -> list[str]:
+    """One problem per option --quantize-base cannot take: no --lora (a 4-bit base takes no updates), the built-in
+    GPT, --merge-lora, and FSDP2 sharding."""
+    if not getattr(args, "quantize_base", None):
+        return []
+    flag = f"--quantize-base {args.quantize_base}"
+    problems = []
+    if not args.lora:
+        problems.append(f"{flag} without --lora: 4-bit base weights take no updates, so nothing would train. To "
+                        f"resolve this error, pass --lora R (e.g. --lora 16) to train adapters on them (QLoRA), or "
+                        f"drop {flag}.")
+    if not (args.hf_model or args.hf_config):
+        problems.append(f"{flag} with the built-in GPT (--model {args.model}): QLoRA fine-tunes a pretrained Hugging "
+                        "Face model, and memtrain quantises only those. To resolve this error, pass --hf-model DIR "
+                        f"(or --hf-config PATH to plan), or drop {flag}.")
+    if getattr(args, "merge_lora", False):
+        problems.append(f"--merge-lora with {flag}: merging the adapters into 4-bit weights would round the update "
+                        "away (and re-quantise the base). To resolve this error, drop --merge-lora: hf/ then holds "
+                        "the adapters, which load onto the unquantised base (PeftModel.from_pretrained(base, "
+                        "'RUN/hf')) and merge there (.merge_and_unload()).")
+    if getattr(args, "fsdp", False):
+        problems.append(f"--fsdp with {flag}: memtrain's FSDP2 export rebuilds an unsharded copy of the model whose "
+                        "layers are not quantised, and the gathered packed 4-bit weights do not load into it (the run "
+                        "would fail after its last step). To resolve this error, drop --fsdp (the 4-bit base is "
+                        "small: DDP, which works, holds a copy per rank), or drop --quantize-base.")
     return problems
 
 
 def lora_text(model: Any, rank: int) -> str:
     """The adapters in one phrase: their rank and trainable parameters beside the frozen base's."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    frozen = weight_count(model) - trainable
     share = 100 * trainable / (trainable + frozen)
     return (f"LoRA rank {rank}: {_count(trainable)} trainable parameters ({share:.2f}%) beside {_count(frozen)} "
-            f"frozen ones, which take no gradients and no optimizer state{frozen_dtype_text(model)}")
+            f"frozen ones, which take no gradients and no optimizer state{quantized_text(model)}"
+            f"{frozen_dtype_text(model)}")
+
+
+def quantized_text(model: Any) -> str:
+    """'; 6.98B of them in 4-bit NF4 (...)' for a QLoRA model, else ''."""
+    weights = sum(m.in_features * m.out_features for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and is_quantized(m))
+    if not weights:
+        return ""
+    stored = sum(quantized_bytes(m.in_features * m.out_features) for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and is_quantized(m))
+    return (f"; {_count(weights)} of them in 4-bit NF4 (--quantize-base: {format_bytes(stored)} with their fp32 "
+            "scales, dequantised to the compute dtype for each matmul)")
 
 
 def frozen_dtype_text(model: Any) -> str:
@@ -104,8 +157,9 @@ def frozen_dtype_text(model: Any) -> str:
     dtypes = {p.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False) if not p.requires_grad}
     half = sorted(name.removesuffix("-mixed") for name, dtype in _AUTOCAST_DTYPES.items() if dtype in dtypes)
-    return (f"; the frozen linear weights stored in {' and '.join(half)}, the dtype autocast computes them in (the "
-            "same numbers in half the bytes)") if half else ""
+    which = "the other frozen linear weights (the output head)" if is_quantized(model) else "the frozen linear weights"
+    return (f"; {which} stored in {' and '.join(half)}, the dtype autocast computes them in (the same numbers in half "
+            "the bytes)") if half else ""
 
 
 def _count(n: int) -> str:

@@ -19,6 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.errors import ConfigError, describe_exception
+from memtrain.quantize import is_quant_state, meta_stand_ins, quant_state_memo
 
 
 # -- a Hugging Face config file -----------------------------------------------------------------------------
@@ -89,7 +90,8 @@ def meta_model(model: Any) -> nn.Module:
         if id(t) not in memo:
             meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
+    memo.update(quant_state_memo(model))  # 4-bit weights' scales are not copied: stand-ins replace those layers
+    return meta_stand_ins(copy.deepcopy(model, memo))
 
 
 def to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> None:
@@ -214,7 +216,7 @@ def convert_weights(model: nn.Module, dtype: torch.dtype) -> None:
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
+            if p is None or not p.is_floating_point() or p.dtype == dtype or is_quant_state(module, name):
                 continue
             if id(p) not in done:
                 done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)

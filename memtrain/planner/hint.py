@@ -72,7 +72,7 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
     if not (placements and states and distributions):
         return None
     pure_space = dataclasses.replace(space, placements=placements, states=states, distributions=distributions,
-                                     pure_bf16=True)
+                                     weights=[False], pure_bf16=True)  # parameter offload streams a master
     table = CandidateTable(len(composer.ctx.block_names))
     # NOTE: no partial offloads for the hint (a quarter of the candidates to compose): the whole optimizer on the
     # device or on the host.

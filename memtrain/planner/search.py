@@ -59,6 +59,7 @@ from memtrain.planner.settings import (
     configuration_of,
 )
 from memtrain.planner.tracing import build_profiles, step_batch
+from memtrain.quantize import weight_count
 from memtrain.report import format_bytes
 
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
@@ -520,7 +521,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
         peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
         step_seconds=seconds, tokens_per_s=tokens_per_step / seconds, precision=ctx.precision, device=ctx.device,
         seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
-        parameters=int(sum(p.numel() for p in dict.fromkeys(ctx.model.parameters()))),
+        parameters=weight_count(ctx.model),  # a 4-bit layer's weights as weights, not its packed bytes
         reasons=tuple(plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)
                       + list(hint_lines(hint, seconds))),
         candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,

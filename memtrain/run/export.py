@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,7 +38,8 @@ _STEP_NAME = re.compile(r"step-(\d+)")
 def export_results(out: Path, model: nn.Module, state: dict[str, torch.Tensor] | None, tokenizer: Any, *,
                    seq_len: int, sample_bytes: int, seed: int, merge: bool, writer: bool,
                    checkpoints: RunCheckpoints | None = None,
-                   dtype: torch.dtype | Literal["auto"] = "auto") -> list[str]:
+                   dtype: torch.dtype | Literal["auto"] = "auto",
+                   sample_context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[str]:
     """Writes ``out/sample.txt`` (``sample_bytes`` tokens after ``"def "``, for a model with a tokenizer or a
     byte-level GPT) and ``out/hf/`` (``save_hf``; with ``merge`` the LoRA adapters folded in). Every rank calls it;
     ``writer`` (rank 0) writes. Returns the names written.
@@ -45,6 +48,8 @@ def export_results(out: Path, model: nn.Module, state: dict[str, torch.Tensor] |
         state: the model's full state dict (rank 0 under FSDP2, where the model is sharded); None for a plain model.
         checkpoints: the run's checkpoints, named by a write fault's message.
         dtype: the weights' dtype in ``hf/`` (``save_hf``'s ``dtype``).
+        sample_context: what the sampling runs in: the run's autocast, which a model whose frozen linear weights
+            are stored in bf16 (LoRA under bf16-mixed) needs to multiply them with fp32 activations.
     """
     sharded = is_fsdp2(model)
     byte_level = (tokenizer is None and getattr(getattr(model, "config", None), "vocab_size", 0) >= 256
@@ -52,7 +57,8 @@ def export_results(out: Path, model: nn.Module, state: dict[str, torch.Tensor] |
     written = []
     if sample_bytes and (tokenizer is not None or byte_level) and (writer or sharded):
         # Under FSDP2 every rank samples (each forward is collective); the same seed draws the same tokens.
-        text = sample_text(model, "def ", sample_bytes, seq_len, seed=seed, tokenizer=tokenizer)
+        with sample_context():
+            text = sample_text(model, "def ", sample_bytes, seq_len, seed=seed, tokenizer=tokenizer)
         if writer:
             with write_faults(out / "sample.txt", checkpoints):
                 atomic_write_bytes(out / "sample.txt", text.encode())
