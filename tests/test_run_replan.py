@@ -93,14 +93,28 @@ def test_the_world_size_rule_is_checked_where_the_world_is_known():
 
 def test_a_kept_optimizer_admits_only_itself():
     kept = plan_run(nn.Linear(8, 8), TrainConfig(), _context()).settings
-    check_kept_optimizer(OptimizerChoice(), kept)
-    check_kept_optimizer(OptimizerChoice(placement="device", state_precision="fp32"), kept)
+    check_kept_optimizer(Choices(), kept)
+    check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="device", state_precision="fp32")), kept)
     with pytest.raises(ConfigError, match=r"optimizer.placement='device', optimizer.state_precision='bf16': the "
                                           r"run's optimizer is"):
-        check_kept_optimizer(OptimizerChoice(placement="device", state_precision="bf16"),
+        check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="device", state_precision="bf16")),
                              replace(kept, optimizer="offload"))
     # The offloaded optimizer with bf16 device weights is placement "offload" too (Choices cannot name the weights).
-    check_kept_optimizer(OptimizerChoice(placement="offload"), replace(kept, optimizer="offload-bf16-weights"))
+    check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload")),
+                         replace(kept, optimizer="offload-bf16-weights"))
+
+
+def test_a_resume_that_asks_for_another_weight_layout_is_refused_not_ignored():
+    # The plan keeps the run's pure bf16 and streamed weights (the optimizer's state exists already): asking for
+    # another on a resume was silently ignored.
+    kept = replace(plan_run(nn.Linear(8, 8), TrainConfig(), _context()).settings, optimizer="offload")
+    with pytest.raises(ConfigError, match=r"pure_bf16=True: the run's optimizer is offload.*drop pure_bf16="):
+        check_kept_optimizer(Choices(pure_bf16=True), kept)
+    with pytest.raises(ConfigError, match=r"offload_weights=True: .*drop offload_weights="):
+        check_kept_optimizer(Choices(offload_weights=True), kept)
+    with pytest.raises(ConfigError, match=r"offload_weights=False"):
+        check_kept_optimizer(Choices(offload_weights=False), replace(kept, offload_weights=True))
+    check_kept_optimizer(Choices(), replace(kept, offload_weights=True, pure_bf16=True))  # unset: the run's own
 
 
 # -- a model the estimate cannot trace (issue 21) -----------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memtrain.checkpointing import find_blocks
-from memtrain.choices import OLD_CHOICE_FIELDS, Choices, OptimizerChoice, choices_of_old_fields
+from memtrain.choices import OLD_CHOICE_FIELDS, Choices, choices_of_old_fields
 from memtrain.config import TrainConfig
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import supports_chunked_loss
@@ -178,7 +178,7 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
     else:
         budget_reason = f"budget {format_bytes(budget)} per rank (as at the run's start)"
     if keep_optimizer is not None:
-        check_kept_optimizer(choices.optimizer, keep_optimizer)
+        check_kept_optimizer(choices, keep_optimizer)
     # The plan translates the choices (Fixed.of_choices); its reasons open with the notes on choices it dropped.
     try:
         chosen = plan(model, budget=budget, seq_len=context.seq_len, global_batch_size=context.global_batch,
@@ -235,14 +235,19 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
                    unchecked=unchecked)
 
 
-def check_kept_optimizer(asked: OptimizerChoice, kept: PlanSettings) -> None:
-    """ConfigError where ``asked`` fixes another optimizer than the one a run keeps (a resume, a re-plan: its state
-    exists already), naming each field that differs."""
+def check_kept_optimizer(choices: Choices, kept: PlanSettings) -> None:
+    """ConfigError where ``choices`` fix another optimizer than the one a run keeps (a resume, a re-plan: its state
+    exists already), or another weight layout (pure bf16 weights have no master; streamed weights are the
+    optimizer's), naming each field that differs."""
+    asked = choices.optimizer
     differ = [f"optimizer.{name}={value!r}" for name, value, have in (
         ("placement", asked.placement, "device" if kept.optimizer == "device" else "offload"),  # bf16 weights too
         ("state_precision", asked.state_precision, kept.state_precision),
         ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
         ("offload_fraction", asked.offload_fraction, kept.offload_fraction)) if value is not None and value != have]
+    differ += [f"{name}={value!r}" for name, value, have in (
+        ("pure_bf16", choices.pure_bf16 or None, kept.pure_bf16),  # False: unset (the run's own)
+        ("offload_weights", choices.offload_weights, kept.offload_weights)) if value is not None and value != have]
     if differ:
         raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {kept.optimizer_text}, and its state exists "
                           "already (a resume or a re-plan keeps it). To resolve this error, drop "
