@@ -647,7 +647,7 @@ def _finish(s: Session, tally: Tally, config: TrainConfig, context: RunContext, 
                            context)
         export_results(out, s.model, state, tokenizer, seq_len=context.seq_len, sample_bytes=config.sample_bytes,
                        seed=config.seed, merge=config.merge_lora, writer=writer, checkpoints=checkpoints,
-                       sample_context=s.precision.autocast)
+                       masters=masters, sample_context=s.precision.autocast)
     last = tally.last
     return TrainResult(
         steps=last.step, tokens=tally.tokens, seconds=seconds, final_loss=last.loss, eval_loss=tally.eval_loss,

@@ -137,3 +137,25 @@ def test_export_bad_input_is_one_line_each(tmp_path, capsys):
     assert main(["export", str(tmp_path / "python")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "started from Python" in err and "save_hf" in err, err
+
+
+def test_hf_holds_the_fp32_masters_where_the_device_held_bf16_copies(tmp_path):
+    """The offloaded optimizer with bf16 device weights (the plan's offload-bf16-weights, an 8B's full fine-tuning
+    on a 24 GB card) keeps the fp32 masters on the host: hf/ holds them, as model.safetensors does, not their bf16
+    roundings (which lose a fine-tuning's small updates); the model keeps its bf16 weights."""
+    from helpers import tiny_llama_config
+
+    from memtrain.run.export import export_results
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    masters = {id(p): p.detach().float() + 1e-4 for p in model.parameters()}  # finer than bf16's steps near 1e-2
+    model.to(torch.bfloat16)
+    export_results(tmp_path, model, None, None, seq_len=16, sample_bytes=0, seed=0, merge=False, writer=True,
+                   dtype=torch.float32, masters=masters)
+    saved = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[i] for i in masters} <= set(saved), sorted(saved)[:4]
+    for pid, master in masters.items():
+        assert torch.equal(saved[names[pid]], master), names[pid]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

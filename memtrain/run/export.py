@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +39,8 @@ def export_results(out: Path, model: nn.Module, state: dict[str, torch.Tensor] |
                    seq_len: int, sample_bytes: int, seed: int, merge: bool, writer: bool,
                    checkpoints: RunCheckpoints | None = None,
                    dtype: torch.dtype | Literal["auto"] = "auto",
-                   sample_context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[str]:
+                   sample_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                   masters: dict[int, torch.Tensor] | None = None) -> list[str]:
     """Writes ``out/sample.txt`` (``sample_bytes`` tokens after ``"def "``, for a model with a tokenizer or a
     byte-level GPT) and ``out/hf/`` (``save_hf``; with ``merge`` the LoRA adapters folded in). Every rank calls it;
     ``writer`` (rank 0) writes. Returns the names written.
@@ -50,6 +51,8 @@ def export_results(out: Path, model: nn.Module, state: dict[str, torch.Tensor] |
         dtype: the weights' dtype in ``hf/`` (``save_hf``'s ``dtype``).
         sample_context: what the sampling runs in: the run's autocast, which a model whose frozen linear weights
             are stored in bf16 (LoRA under bf16-mixed) needs to multiply them with fp32 activations.
+        masters: ``id(parameter)`` -> its fp32 master, where the device held bf16 copies (the offloaded optimizer's
+            ``master_weights()``): ``hf/`` holds the masters, as ``model.safetensors`` does, not their bf16 roundings.
     """
     sharded = is_fsdp2(model)
     byte_level = (tokenizer is None and getattr(getattr(model, "config", None), "vocab_size", 0) >= 256
@@ -69,10 +72,26 @@ def export_results(out: Path, model: nn.Module, state: dict[str, torch.Tensor] |
                 raise MemtrainError("export_results: a sharded model needs its full state dict (state=). To resolve "
                                     "this error, pass model_state_dict(model), gathered on every rank.")
             model = unsharded_copy(model, state)
-        with write_faults(out / "hf", checkpoints):
+        with write_faults(out / "hf", checkpoints), holding(model, masters or {}):
             save_hf(merge_lora(model) if merge else model, out / "hf", tokenizer=tokenizer, dtype=dtype)
         written.append("hf/")
     return written
+
+
+@contextmanager
+def holding(model: nn.Module, weights: dict[int, torch.Tensor]) -> Iterator[None]:
+    """``model``'s parameters hold ``weights`` (``id(parameter)`` -> a tensor of its shape, e.g. its fp32 master on
+    the host) inside the block, their own data again after it: no copy of the model is made."""
+    own = {}
+    try:
+        for p in model.parameters():
+            if id(p) in weights and id(p) not in own:
+                own[id(p)] = (p, p.data)
+                p.data = weights[id(p)]
+        yield
+    finally:
+        for p, data in own.values():
+            p.data = data
 
 
 def unsharded_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
