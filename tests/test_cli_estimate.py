@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from helpers import tiny_llama_config
 
 from memtrain.cli import main
@@ -135,3 +136,26 @@ def test_lora_in_estimate_is_checked_as_in_train(tmp_path, capsys):
     assert "--lora-alpha without --lora" in capsys.readouterr().err
     assert main(["estimate", "--hf-config", path, "--lora", "4", "--lora-targets", "nope"]) == 2
     assert "--lora-targets" in capsys.readouterr().err
+
+
+def test_a_config_naming_bf16_weights_is_estimated_with_the_fp32_weights_the_run_trains(tmp_path, capsys):
+    """A hub config.json often says torch_dtype bfloat16: the model was built from it with bf16 weights, so the
+    estimate counted no fp32 master (half the weights' and the moments' bytes) and train trained bf16 weights with
+    plain AdamW, silently. Pure bf16 is --pure-bf16's, an explicit choice."""
+    from memtrain.cli.workloads import _build_hf_model
+
+    config = tiny_llama_config(vocab_size=512)
+    config.save_pretrained(tmp_path / "fp32")
+    config.torch_dtype = torch.bfloat16
+    config.save_pretrained(tmp_path / "bf16")
+    assert "bfloat16" in (tmp_path / "bf16" / "config.json").read_text()
+    reports = []
+    for name in ("fp32", "bf16"):
+        assert main(["estimate", "--hf-config", str(tmp_path / name / "config.json"), "--seq-len", "32",
+                     "--micro-batch-size", "2", "--json"]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert [r["parameter_bytes"] for r in reports] == [4 * sum(p.numel() for p in _build_hf_model(
+        str(tmp_path / "fp32" / "config.json"), 32)[0].parameters())] * 2, reports
+    assert reports[0]["peak_bytes"] == reports[1]["peak_bytes"]
+    model, _ = _build_hf_model(str(tmp_path / "bf16" / "config.json"), 32)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

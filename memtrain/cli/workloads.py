@@ -240,7 +240,8 @@ def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
     import transformers  # an optional extra, seconds to import: only --hf-config pays for it
 
     try:
-        return transformers.AutoModelForCausalLM.from_config(config), wanted
+        # fp32 weights whatever the config's torch_dtype (memtrain.estimate.fake.meta_model says why).
+        return transformers.AutoModelForCausalLM.from_config(config).float(), wanted
     except Exception as e:  # noqa: BLE001 - transformers refuses configs with exceptions of many types
         cause = " ".join(str(e).split()) or type(e).__name__
         raise ConfigError(f"--hf-config {path!r}: transformers cannot build a causal language model from this "

@@ -72,7 +72,9 @@ def meta_model(model: Any) -> nn.Module:
 
         try:
             with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(copy.deepcopy(model))
+                # fp32 weights whatever the config's torch_dtype says (a hub config often says bfloat16): the
+                # run trains fp32 weights under mixed precision; bf16 weights are --pure-bf16, an explicit choice.
+                return AutoModelForCausalLM.from_config(copy.deepcopy(model)).float()
         except Exception as e:  # noqa: BLE001 - re-raised with the fix
             raise ConfigError(
                 f"estimate: could not build a causal LM from {type(model).__name__} ({type(e).__name__}: {e}). "
