@@ -159,3 +159,9 @@ def test_a_config_naming_bf16_weights_is_estimated_with_the_fp32_weights_the_run
     assert reports[0]["peak_bytes"] == reports[1]["peak_bytes"]
     model, _ = _build_hf_model(str(tmp_path / "bf16" / "config.json"), 32)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_the_estimate_header_names_streamed_weights_and_their_offloaded_optimizer(capsys):
+    assert main(["estimate", "--model", "gpt-tiny", "--micro-batch-size", "2", "--offload-weights"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "AdamW offloaded" in header and "the blocks' weights streamed from host RAM" in header, header

@@ -192,3 +192,17 @@ def test_the_hint_line_says_pure_bf16_with_its_figures_only_when_it_is_faster() 
     assert line.endswith("would be 25.0% faster than this plan"), line
     assert hint_lines(hint, chosen_seconds=0.9) == () and hint_lines(None, 1.0) == ()
     assert hint_lines(hint, chosen_seconds=1.04) == ()  # 4% faster: not worth a change of numerics
+
+
+def test_pure_bf16_given_on_the_resume_of_a_run_without_it_is_refused_naming_the_flag(tmp_path, capsys) -> None:
+    """The error named --precision, which the user never passed (--pure-bf16 resolves auto precision to
+    bf16-mixed), and following its advice met the next refusal."""
+    from memtrain.cli import main
+
+    run = tmp_path / "run"
+    common = ["--no-progress", "--quiet", "--out", str(run)]
+    assert main(["train", "--model", "gpt-tiny", "--max-steps", "2", "--seq-len", "32", *common]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "--max-steps", "3", "--pure-bf16", *common]) == 2
+    err = capsys.readouterr().err
+    assert "drop --pure-bf16" in err and "--precision" not in err, err

@@ -325,3 +325,14 @@ def test_estimate_of_the_real_4bit_model_with_checkpointing_equals_measure(hf_mo
     assert predicted.activation_bytes == measured.activation_bytes, (predicted.activation_bytes,
                                                                      measured.activation_bytes)
     assert predicted.parameter_bytes == measured.parameter_bytes, (predicted.parameter_bytes, measured.parameter_bytes)
+
+
+def test_quantize_base_with_offload_weights_is_refused_by_plan_and_estimate_as_train_would(tmp_path, capsys):
+    """Parameter offload streams the weights the optimizer trains; the 4-bit base is frozen and its packed weights
+    cannot be streamed: plan and estimate accepted the pair that train then refused with WeightStreamer's class
+    names, after loading the model."""
+    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
+    cfg = ["--hf-config", str(tmp_path / "cfg" / "config.json"), "--lora", "8", "--quantize-base", "nf4"]
+    for command in ("estimate", "plan"):
+        line = _fails(capsys, command, *cfg, "--offload-weights")
+        assert "--offload-weights with --quantize-base nf4" in line and "drop --offload-weights" in line, line

@@ -159,3 +159,16 @@ def test_hf_holds_the_fp32_masters_where_the_device_held_bf16_copies(tmp_path):
     for pid, master in masters.items():
         assert torch.equal(saved[names[pid]], master), names[pid]
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_memtrain_export_of_a_built_in_gpt_run_writes_its_sample(tmp_path, capsys):
+    """The byte-level sample was written only where the GPT's loss was chunked at that moment: never by `memtrain
+    export` or a resume completing an interrupted export (the rebuilt model's loss is not chunked)."""
+    run = tmp_path / "gpt"
+    assert main(["train", "--model", "gpt-tiny", "--max-steps", "2", "--seq-len", "32", "--out", str(run),
+                 "--no-progress", "--quiet"]) == 0
+    written = (run / "sample.txt").read_text()
+    (run / "sample.txt").unlink()
+    capsys.readouterr()
+    assert main(["export", str(run)]) == 0, capsys.readouterr().err
+    assert (run / "sample.txt").read_text() == written  # the same seed draws the same text

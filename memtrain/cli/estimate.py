@@ -38,11 +38,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         echo(json.dumps(report.to_dict()))
     else:
         o = setup.optimizer
-        where = ("offloaded" if o.placement == "offload" else f"{100 * o.offload_fraction:.0f}% offloaded"
-                 if o.offload_fraction else "on the device")
+        where = ("offloaded" if o.placement == "offload" or setup.offload_weights else
+                 f"{100 * o.offload_fraction:.0f}% offloaded" if o.offload_fraction else "on the device")
         optimizer = f"{where}, {o.state_precision or 'fp32'} moments" + (", step in backward" if o.step_in_backward
                                                                           else "") + (
-            ", pure bf16 (bf16 weights, no master)" if setup.pure_bf16 else "")
+            ", pure bf16 (bf16 weights, no master)" if setup.pure_bf16 else "") + (
+            ", the blocks' weights streamed from host RAM" if setup.offload_weights else "")
         rows = " (packed rows)" if trains_packed_rows(args) else ""
         lora = f", LoRA rank {args.lora}" if args.lora else ""
         lora += f" on a 4-bit {args.quantize_base.upper()} base" if args.quantize_base else ""

@@ -127,6 +127,10 @@ def quantize_flag_problems(args: argparse.Namespace) -> list[str]:
                         "layers are not quantised, and the gathered packed 4-bit weights do not load into it (the run "
                         "would fail after its last step). To resolve this error, drop --fsdp (the 4-bit base is "
                         "small: DDP, which works, holds a copy per rank), or drop --quantize-base.")
+    if getattr(args, "offload_weights", None):
+        problems.append(f"--offload-weights with {flag}: parameter offload streams the weights the optimizer "
+                        "trains from its host master, and the frozen 4-bit base (a quarter of the bf16 bytes) stays on "
+                        "the device. To resolve this error, drop --offload-weights, or drop --quantize-base.")
     return problems
 
 

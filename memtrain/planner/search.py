@@ -255,8 +255,10 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
         ["fsdp2"] if fsdp else ["ddp"] if fsdp is False else ["ddp", "fsdp2"])
     losses = [False, True] if ctx.chunkable else [False]
     # Parameter offload streams the weights from the offloaded optimizer's master: only beside it, on CUDA (on a
-    # CPU it saves nothing) unless it is asked for.
-    weights = [False, True] if cuda and {"offload-optimizer", "offload-weights"} <= allowed else [False]
+    # CPU it saves nothing), and where the blocks' weights all train (a frozen base, LoRA's or a 4-bit one, stays
+    # on the device: streaming the adapters alone saves next to nothing), unless it is asked for.
+    weights = [False, True] if (cuda and {"offload-optimizer", "offload-weights"} <= allowed
+                                and _blocks_all_train(ctx)) else [False]
     if fixed.offload_weights is not None:
         weights = [fixed.offload_weights]
         if fixed.offload_weights and fixed.optimizer is None:
@@ -279,6 +281,11 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
         weights = [False]  # parameter offload streams the fp32 master or its bf16 cast: pure bf16 has neither
     return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses, weights,
                         bool(fixed.pure_bf16))
+
+
+def _blocks_all_train(ctx: Problem) -> bool:
+    modules = dict(ctx.model.named_modules())
+    return all(p.requires_grad for name in ctx.block_names for p in modules[name].parameters())
 
 
 def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fixed: Fixed, micros: Sequence[int],

@@ -23,8 +23,7 @@ from torch import nn
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.files import atomic_write_bytes
 from memtrain.hf import is_hf_model, is_lora, merge_lora, save_hf
-from memtrain.loss import chunked_loss_kind
-from memtrain.models import sample_text
+from memtrain.models import GPT, sample_text
 from memtrain.run.checkpoints import RunCheckpoints, write_faults
 from memtrain.run.state import tied_duplicates
 from memtrain.unwrap import is_fsdp2, unwrap_model
@@ -56,7 +55,7 @@ def export_results(out: Path, model: nn.Module, state: dict[str, torch.Tensor] |
     """
     sharded = is_fsdp2(model)
     byte_level = (tokenizer is None and getattr(getattr(model, "config", None), "vocab_size", 0) >= 256
-                  and chunked_loss_kind(model) == "gpt")
+                  and isinstance(unwrap_model(model, peft=True), GPT))  # the built-in GPT, its loss chunked or not
     written = []
     if sample_bytes and (tokenizer is not None or byte_level) and (writer or sharded):
         # Under FSDP2 every rank samples (each forward is collective); the same seed draws the same tokens.

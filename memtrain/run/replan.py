@@ -249,10 +249,10 @@ def check_kept_optimizer(choices: Choices, kept: PlanSettings) -> None:
         ("pure_bf16", choices.pure_bf16 or None, kept.pure_bf16),  # False: unset (the run's own)
         ("offload_weights", choices.offload_weights, kept.offload_weights)) if value is not None and value != have]
     if differ:
+        drop = [d if d.startswith(("pure_bf16", "offload_weights")) else d.split("=")[0] + "=" for d in differ]
         raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {kept.optimizer_text}, and its state exists "
-                          "already (a resume or a re-plan keeps it). To resolve this error, drop "
-                          f"{' and '.join(d.split('=')[0] + '=' for d in differ)} or start a new run "
-                          "(overwrite=True).")
+                          f"already (a resume or a re-plan keeps it). To resolve this error, drop {' and '.join(drop)} "
+                          "or start a new run (overwrite=True).")
 
 
 def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: int, precision: str,
