@@ -203,7 +203,8 @@ class Choices:
         if optimizer.fixed_placement == "device":
             given = [f"optimizer.{name}={getattr(optimizer, name)!r}" for name in
                      ("placement", "step_in_backward", "offload_fraction") if getattr(optimizer, name) is not None]
-            problems.append(f"offload_weights=True with {' and '.join(given)} (the optimizer on the device): the "
+            problems.append(f"offload_weights=True with {' and '.join(given)} (AdamW on the device, however much of "
+                            "its state a partial offload puts in host RAM): the "
                             "blocks' weights live in host memory as the offloaded optimizer's master, which a device "
                             f"optimizer has not. To resolve this error, drop {' and '.join(given)}, or drop "
                             "offload_weights=True.")

@@ -212,3 +212,12 @@ def test_offload_weights_on_a_model_without_blocks_is_refused_naming_the_flag():
     config = TrainConfig(choices=Choices(offload_weights=True))
     with pytest.raises(ConfigError, match="no repeated blocks.*drop offload_weights=True"):
         _unplanned(model, config, 4, 1, "fp32", None)
+
+
+def test_the_plan_says_streamed_weights_are_why_the_optimizer_is_offloaded():
+    """--offload-weights alone fixes the offloaded optimizer (the weights stream from its master): the reason said
+    "on a CPU an offload only copies within RAM", as if the plan had chosen it."""
+    p = plan(tiny_gpt(), budget=None, seq_len=16, global_batch_size=2, device="cpu",
+             choices=Choices(offload_weights=True))
+    why = next(r for r in p.reasons if r.startswith("optimizer "))
+    assert why.endswith("because: parameter offload streams the blocks' weights from its master in host RAM"), why

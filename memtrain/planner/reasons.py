@@ -165,6 +165,8 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
     if plain[chosen] and (~plain & (placement == "device")).any():
         alternatives.append(alternative(~plain & (placement == "device"), "a leaner device optimizer"))
     alternatives = [a for a in alternatives if a]
+    if s.offload_weights and not alternatives:  # the only placement that streamed weights leave
+        alternatives = ["parameter offload streams the blocks' weights from its master in host RAM"]
     reasons.append(f"optimizer {text}"
                    + (f", because: {'; '.join(alternatives)}" if alternatives else
                       ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")))
