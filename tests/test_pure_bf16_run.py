@@ -206,3 +206,11 @@ def test_pure_bf16_given_on_the_resume_of_a_run_without_it_is_refused_naming_the
     assert main(["train", "--resume", "--max-steps", "3", "--pure-bf16", *common]) == 2
     err = capsys.readouterr().err
     assert "drop --pure-bf16" in err and "--precision" not in err, err
+
+
+def test_nothing_fits_in_pure_bf16_suggests_no_fsdp2_which_refuses_it(capsys) -> None:
+    from memtrain.cli import main
+
+    assert main(["plan", "--model", "gpt-small", "--seq-len", "64", "--budget", "200MiB", "--pure-bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "no set-up fits" in err and "--fsdp" not in err, err

@@ -320,7 +320,7 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
     weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
     memory = composer.optimizer(prof, configuration_of(s))[0]  # its moments' precision, its gradients' life
     state = weights + (memory.device_state_bytes + memory.device_gradient_peak_bytes) / shards
-    if ctx.device == "cuda":
+    if ctx.device == "cuda" and not s.pure_bf16:  # pure bf16 (only where asked for) does not run under FSDP2
         # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
         full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
         room = usable - (peak - state) - 2 * gathered_block_bytes(ctx, prof)
