@@ -164,9 +164,8 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
                      if o != s.optimizer and o != "device" and (placement == o).any()]
     if plain[chosen] and (~plain & (placement == "device")).any():
         alternatives.append(alternative(~plain & (placement == "device"), "a leaner device optimizer"))
-    alternatives = [a for a in alternatives if a]
-    if s.offload_weights and not alternatives:  # the only placement that streamed weights leave
-        alternatives = ["parameter offload streams the blocks' weights from its master in host RAM"]
+    alternatives = [a for a in alternatives if a] or (  # streamed weights leave only the offloaded optimizer
+        ["parameter offload streams the blocks' weights from its master in host RAM"] if s.offload_weights else [])
     reasons.append(f"optimizer {text}"
                    + (f", because: {'; '.join(alternatives)}" if alternatives else
                       ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")))
