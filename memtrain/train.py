@@ -370,8 +370,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
            "data": data_fingerprint(train_data), "model": model_fingerprint(model), "precision": precision_name,
            "lr": config.lr, "warmup_steps": config.warmup_steps, "min_lr_ratio": config.min_lr_ratio,
            "weight_decay": config.weight_decay, "grad_clip": config.grad_clip, "fsdp": config.fsdp,
-           "lr_schedule": config.lr_schedule, "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps,
-           "pure_bf16": config.choices.pure_bf16}
+           "lr_schedule": config.lr_schedule, "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps}
     started_with = _saved_plan(out) if config.resume else None  # a resume keeps the run's optimizer
     run_plan = plan_run(model, config, context, keep_optimizer=started_with)
     first = run_plan.settings

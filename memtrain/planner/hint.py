@@ -63,9 +63,9 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
                         compile: bool, allowed: set[str], host_limit: int | None, usable: int | None,
                         faster_than: float | None, correction_bytes: int, *, search: Callable[..., None],
                         estimate: Callable[..., tuple[float, Any]]) -> PureBF16Hint | None:
-    """The fastest pure bf16 set-up that fits (and is faster than ``faster_than`` seconds a step, when given), for
-    the hint; None when pure bf16 is fixed already, cannot run here (no bf16 profiles: not bf16-mixed on a GPU) or
-    nothing fits.
+    """The fastest pure bf16 set-up that fits (and is ``HINT_MIN_GAIN`` faster than ``faster_than`` seconds a step,
+    when given), for the hint; None when pure bf16 is fixed already, cannot run here (no bf16 profiles: not
+    bf16-mixed on a GPU) or nothing fits.
 
     ``search`` and ``estimate`` are ``memtrain.planner.search``'s ``_search`` and ``estimate_of``.
     """

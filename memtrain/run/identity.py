@@ -105,7 +105,7 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
 # not what, is computed (or extends the schedule), and is applied with a logged line.
 RESUME_POLICY: dict[str, str] = {
     **dict.fromkeys(("seed", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "precision",
-                     "offload_optimizer", "fsdp", "pure_bf16"), "refuse"),
+                     "offload_optimizer", "fsdp"), "refuse"),
     **dict.fromkeys(("max_steps", "save_every", "eval_every", "eval_batches", "progress", "sample_bytes",
                      "micro_batch_size", "checkpointing", "offload_activations", "chunked_loss",
                      "compile"), "apply"),
