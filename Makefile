@@ -6,8 +6,10 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# The versions the suite was last proven on (see its header); `make lock` rewrites it on purpose.
+LOCK   ?= constraints.txt
 
-.PHONY: train test install install-dev lint bench clean
+.PHONY: train test install install-dev lint bench clean lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +20,12 @@ $(VENV)/.torch: | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH)"
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e .
+$(VENV)/.installed: pyproject.toml $(LOCK) $(VENV)/.torch
+	$(PIP) install --quiet -c $(LOCK) -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e ".[dev]"
+$(VENV)/.installed-dev: pyproject.toml $(LOCK) $(VENV)/.torch
+	$(PIP) install --quiet -c $(LOCK) -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -41,6 +43,12 @@ lint: install-dev
 
 bench: install
 	$(VENV)/bin/memtrain bench
+
+# After `make test` passed with newer releases (e.g. `make test LOCK=/dev/null` on a fresh .venv): record them.
+lock: install-dev
+	{ sed -n '/^#/p' $(LOCK); $(PIP) freeze --exclude-editable | grep -viE \
+	  '^(torch|memtrain|filelock|fsspec|jinja2|networkx|setuptools|sympy|typing.extensions|mpmath|markupsafe)(==| @)'; \
+	} > $(LOCK).new && mv $(LOCK).new $(LOCK)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -71,6 +71,21 @@ def _running_stats_frozen(norms: Sequence[nn.Module]) -> Iterator[None]:
             buf.data.copy_(value)
 
 
+def let_compiled_checkpoints_run_side_effects_once() -> None:
+    """Lets torch.compile trace a checkpointed block whose forward changes Python state (dynamo's
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint``), so that the block stays in the graph.
+
+    Without it dynamo breaks the graph at such a block and runs the whole forward eagerly: every attention layer
+    of transformers >= 5.25 sets and resets the ``kernels`` package's context variable in its forward. Eager
+    checkpointing replays a side effect in the recompute; a compiled one then applies it once, in forward, as
+    memtrain already does for BatchNorm's running statistics. A set-and-reset such as that context variable's
+    leaves the same state either way. Torch builds without the setting (before 2.9) keep their behaviour.
+    """
+    config = torch._dynamo.config
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
 def checkpointed_call(
     fn: Callable[..., Any], spec: CheckpointSpec, checkpoint_kwargs: dict[str, Any], norms: Sequence[nn.Module],
     *args: Any, **kwargs: Any

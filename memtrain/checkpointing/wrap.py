@@ -15,6 +15,7 @@ from memtrain.checkpointing.forward import (
     CheckpointedForward,
     CheckpointSpec,
     checkpointed_call,
+    let_compiled_checkpoints_run_side_effects_once,
     running_stat_modules,
 )
 from memtrain.checkpointing.selective import OpKind, SelectivePolicy, resolve_selective
@@ -143,6 +144,8 @@ def apply_checkpointing(
     chosen = [name for name in names if choices[name] != "keep"]
     for name in chosen:
         _wrap(modules[name], offloaded if choices[name] == "offload" else recompute)
+    if chosen:
+        let_compiled_checkpoints_run_side_effects_once()
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", None):
         # A KV cache would be appended to twice (forward and recompute); it is useless in training anyway.
@@ -221,6 +224,7 @@ def checkpoint_sequential(
     ConfigError.raise_if(problems)
     spec = CheckpointSpec(selective=policy)
     checkpoint_kwargs = spec.checkpoint_kwargs
+    let_compiled_checkpoints_run_side_effects_once()
     bounds = [round(i * len(modules) / segments) for i in range(segments + 1)]
     x = input
     for i, (start, stop) in enumerate(zip(bounds, bounds[1:], strict=False)):

@@ -1,4 +1,4 @@
-"""A time limit for every GPU test: a lease of the device machine is minutes long, and one hung test (a deadlocked
+"""A time limit for every GPU test (the tests under ``tests/gpu`` only): a lease of the device machine is minutes long, and one hung test (a deadlocked
 stream wait, a compile that never ends) must not eat it. pytest-timeout is not installed there, so the limit is
 here: ``MEMTRAIN_GPU_TEST_TIMEOUT`` seconds per test (default 120; ``@pytest.mark.time_limit(s)`` for one test).
 
@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -31,8 +32,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "time_limit(seconds): this test's limit instead of MEMTRAIN_GPU_TEST_TIMEOUT")
 
 
+HERE = Path(__file__).resolve().parent
+
+
+def is_gpu_test(item: pytest.Item) -> bool:
+    """Whether ``item`` lives under ``tests/gpu``. pytest calls a conftest's hooks for every test of the session,
+    not only for those below it: the limit must not reach the CPU suite, where a slow machine would meet it."""
+    return HERE in Path(item.path).resolve().parents
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name in LAST)  # stable: the order within each group is kept
+    # stable: the order within each group is kept; only GPU tests move
+    items.sort(key=lambda item: is_gpu_test(item) and item.path.name in LAST)
 
 
 def limit_for(item: pytest.Item) -> float:
@@ -45,7 +56,7 @@ def limit_for(item: pytest.Item) -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Set-up, call and teardown of one test under its limit (fixtures that build models count too)."""
-    limit = limit_for(item)
+    limit = limit_for(item) if is_gpu_test(item) else 0.0
     if limit <= 0 or not hasattr(signal, "setitimer"):
         yield
         return
