@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -53,6 +54,7 @@ from torch import nn
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError, describe_exception
 from memtrain.files import replace_folder
+from memtrain.hf_config import checked_config, weights_mismatch_problem
 from memtrain.unwrap import unwrap_model
 
 # Checkpoint formats that are pickles: loading one runs whatever code it holds.
@@ -157,22 +159,33 @@ def load_pretrained(path: str | os.PathLike[str], *, dtype: torch.dtype | Litera
     Raises:
         ConfigError: see ``safetensors_files``; a checkpoint that leaves some of the model's weights unset.
     """
-    safetensors_files(path)
+    files = safetensors_files(path)
     transformers = _transformers()
     if dtype != "auto" and not isinstance(dtype, torch.dtype):
         raise ConfigError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or 'auto'. To resolve "
                           "this error, pass dtype=torch.float32 (the default) or dtype='auto'.")
+    config_file = Path(path) / "config.json"
+    config = checked_config(config_file, lambda: _pretrained_config(transformers, path), where=str(config_file))
     # transformers 4.56 renamed torch_dtype to dtype.
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     dtype_key = "dtype" if version >= (4, 56) else "torch_dtype"
+    report: list[logging.LogRecord] = []
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, use_safetensors=True, trust_remote_code=False,
-            attn_implementation=attn_implementation, output_loading_info=True, **{dtype_key: dtype})
-    except (OSError, ValueError, KeyError) as e:
+        # Mismatched sizes are loaded as random weights and listed, so that the error below names the tensor and
+        # both shapes (transformers' own error only points at its report).
+        with _load_report_kept(report):
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path), local_files_only=True, use_safetensors=True, trust_remote_code=False,
+                attn_implementation=attn_implementation, output_loading_info=True, ignore_mismatched_sizes=True,
+                **{dtype_key: dtype})
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        _emit(report)  # its details (e.g. a weight conversion that failed) are the cause
         raise ConfigError(f"transformers could not load {path}: {describe_exception(e)}. "
                           "To resolve this error, check that config.json names a causal LM architecture that "
                           f"transformers {transformers.__version__} knows and that the weights match it.") from None
+    mismatched = list(info.get("mismatched_keys") or ())
+    if mismatched:
+        raise ConfigError(weights_mismatch_problem(config_file, config, mismatched, files))
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise ConfigError(f"{path}: the checkpoint leaves {len(missing)} of the model's weights unset "
@@ -184,6 +197,41 @@ def load_pretrained(path: str | os.PathLike[str], *, dtype: torch.dtype | Litera
                       f"({', '.join(keys[:5])}).", stacklevel=2)
     model.config.use_cache = False
     return model.train()
+
+
+def _pretrained_config(transformers: Any, path: str | os.PathLike[str]) -> Any:
+    """The folder's config.json read by transformers (no network, no remote code)."""
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"transformers could not read {Path(path) / 'config.json'}: {describe_exception(e)}. "
+                          "To resolve this error, fix the field it names (or write the file again with "
+                          "save_pretrained).") from None
+
+
+@contextlib.contextmanager
+def _load_report_kept(kept: list[logging.LogRecord]) -> Any:
+    """transformers' "LOAD REPORT" table (missing, unexpected, mismatched weights) kept in ``kept`` instead of
+    logged: ``load_pretrained`` says each of those in its own words, and logs the table (``_emit``) only where
+    transformers' error needs it."""
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def keep(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in str(record.msg):
+            kept.append(record)
+            return False
+        return True
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def _emit(records: list[logging.LogRecord]) -> None:
+    for record in records:
+        logging.getLogger(record.name).handle(record)
 
 
 def load_tokenizer(path: str | os.PathLike[str], *, needed_for: str = "tokenising the data") -> Any:

@@ -99,7 +99,8 @@ def test_refuses_a_folder_holding_another_run(tmp_path, text_file, capsys):
 def test_bad_input_exits_2_with_one_message(argv, fragment, tmp_path, text_file, capsys):
     if "BADFIELD" in argv or "ENCODER" in argv:
         (tmp_path / "bad.json").write_text('{"model_type": "llama", "vocab_size": "abc"}')
-        (tmp_path / "enc.json").write_text('{"model_type": "bert", "vocab_size": 512}')
+        (tmp_path / "enc.json").write_text('{"model_type": "bert", "vocab_size": 512, "hidden_size": 32, '
+                                           '"num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}')
         argv = [str(tmp_path / "bad.json") if a == "BADFIELD" else str(tmp_path / "enc.json") if a == "ENCODER"
                 else a for a in argv]
     if "SMALLVOCAB" in argv:
@@ -154,7 +155,9 @@ def _fault_case(case: str, tmp_path, text_file, monkeypatch) -> list[str]:
                   "hf-config negative hidden size": {"model_type": "llama", "vocab_size": 512, "hidden_size": -4,
                                                      "num_hidden_layers": 1, "num_attention_heads": 2,
                                                      "intermediate_size": 8},
-                  "hf-config bad field keeps its cause": {"model_type": "llama", "vocab_size": "abc"}}[case]
+                  "hf-config bad field keeps its cause": {"model_type": "llama", "vocab_size": "abc", "hidden_size": 8,
+                                                          "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                          "intermediate_size": 8}}[case]
         (tmp_path / "config.json").write_text(json.dumps(fields))
         return ["train", "--hf-config", str(tmp_path / "config.json"), "--data", str(text_file), *run]
     if case == "WORLD_SIZE without RANK":
@@ -225,7 +228,7 @@ FAULTS = {  # case: the words of the one line that names the fix
     "out a dangling symlink": "is a symbolic link to",
     "out a symlink loop": "is a symbolic link to",
     "hf-config t5": "cannot build a causal language model from this t5 config",
-    "hf-config negative hidden size": "negative dimension -4",
+    "hf-config negative hidden size": "sets hidden_size=-4: a size must be at least 1",
     "hf-config bad field keeps its cause": "expected int, got str",
     "WORLD_SIZE without RANK": "WORLD_SIZE=2 is set but RANK",
     "data a directory": "is a directory",

@@ -17,6 +17,7 @@ from memtrain.data.corpus import is_jsonl
 from memtrain.errors import ConfigError
 from memtrain.estimate import hf_config_from_file, meta_model
 from memtrain.hf import apply_lora, load_pretrained, lora_targets
+from memtrain.hf_config import checked_config
 from memtrain.models import GPT, GPT_PRESETS
 from memtrain.precision import resolve_precision
 from memtrain.quantize import is_quantized, mark_lora_clones, quantize_base, quantized_bytes, weight_count
@@ -230,7 +231,7 @@ def hf_seq_len(config: Any, seq_len: int | None, flag: str, *, default: int = 25
 
 
 def _build_hf_model(path: str, seq_len: int | None) -> tuple[Any, int]:
-    config = hf_config_from_file(path)  # plain JSON: nothing executed; every bad field is a ConfigError
+    config = hf_config_file(path)  # plain JSON: nothing executed; every bad field is a ConfigError
     problems: list[str] = []
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 256:
@@ -263,7 +264,14 @@ def hf_folder_config(path: str) -> Any:
     if not (folder / "config.json").is_file():
         raise ConfigError(f"--hf-model {path!r} holds no config.json, so the architecture is unknown. To resolve "
                           "this error, pass the folder save_pretrained wrote (config.json beside the weights).")
-    return hf_config_from_file(folder / "config.json")
+    return hf_config_file(folder / "config.json", where=f"--hf-model {path!r}: config.json")
+
+
+def hf_config_file(path: str | os.PathLike[str], *, where: str | None = None) -> Any:
+    """The ``PretrainedConfig`` of a config.json (``--hf-config PATH``, or ``where`` names it), checked before any
+    model is built from it: sizes left to transformers' defaults and values that cannot make a model are one
+    ConfigError (``memtrain.hf_config``)."""
+    return checked_config(path, lambda: hf_config_from_file(path), where=where or f"--hf-config {str(path)!r}")
 
 
 def check_data_path(path: str, *, tokenised: bool, flag: str = "--data") -> None:
@@ -291,7 +299,7 @@ def meta_target(args: argparse.Namespace, *, default_seq_len: int = 2048) -> tup
     """(the model on the meta device, with --lora's adapters, tokens per example, its name) for estimate and plan:
     nothing allocated."""
     if args.hf_config or args.hf_model:
-        config = hf_config_from_file(args.hf_config) if args.hf_config else hf_folder_config(args.hf_model)
+        config = hf_config_file(args.hf_config) if args.hf_config else hf_folder_config(args.hf_model)
         flag = "--hf-config" if args.hf_config else "--hf-model"
         seq_len = hf_seq_len(config, args.seq_len, flag, default=default_seq_len)
         name = Path(args.hf_config).name if args.hf_config else Path(args.hf_model).name

@@ -1,0 +1,165 @@
+"""The faults a new user hit around Hugging Face models (issue 33): a config.json with sizes left to transformers'
+defaults or values that cannot make a model, a config.json that does not match its weights, MemtrainTrainer given
+what it cannot train, a tokenizer with no token between documents, LoRA on random weights. Each is one line naming
+the fix (exit 2 at the CLI), a note, or the right behaviour; none is a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from memtrain.cli import main
+from memtrain.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+# A Mixtral of test size: every key its size depends on written.
+TINY_MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+                "num_local_experts": 2, "num_experts_per_tok": 1}
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}
+
+
+def run(argv, capsys) -> tuple[int, list[str], str]:
+    """(exit code, the error lines, all of stdout and stderr) of ``memtrain argv``."""
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, [line for line in err.splitlines() if ": error:" in line], out + err
+
+
+def refused(argv, capsys) -> str:
+    """The whole error of a command that must exit 2 with one error and no traceback."""
+    code, lines, text = run(argv, capsys)
+    assert code == 2 and len(lines) == 1, text
+    assert "Traceback" not in text and "internal error" not in text and "To resolve this error" in text, text
+    return text
+
+
+@pytest.fixture
+def no_model_built(monkeypatch):
+    """Fails the test if a model is built from a config (the checks must come first)."""
+    def build(*args, **kwargs):
+        raise AssertionError("a model was built from a config that the checks should have refused")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", build)
+
+
+def write_config(tmp_path, fields, name="config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(fields))
+    return str(path)
+
+
+# -- 1. config validation before any model is built -----------------------------------------------------------
+@pytest.mark.parametrize("command", ["train", "estimate", "plan"])
+def test_an_moe_config_routing_to_more_experts_than_it_has_is_one_line(command, tmp_path, capsys, no_model_built):
+    path = write_config(tmp_path, {**TINY_MIXTRAL, "num_experts_per_tok": 4})
+    extra = {"train": ["--max-steps", "1", "--no-progress", "--out", str(tmp_path / "run")],
+             "estimate": [], "plan": ["--budget", "1GiB"]}[command]
+    text = refused([command, "--hf-config", path, "--seq-len", "32", *extra], capsys)
+    assert f"--hf-config {path!r} sets num_experts_per_tok=4, more than its num_local_experts=2" in text, text
+    assert "set num_experts_per_tok to at most 2" in text
+    assert "fake tensors" not in text and "fix every technique" not in text, text
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_moe_config_without_its_sizes_names_each_key_it_leaves_to_a_default(tmp_path, capsys, no_model_built):
+    fields = {k: v for k, v in TINY_MIXTRAL.items() if k not in ("hidden_size", "num_local_experts")}
+    path = write_config(tmp_path, fields)
+    text = refused(["estimate", "--hf-config", path, "--seq-len", "32"], capsys)
+    assert f"--hf-config {path!r} does not set hidden_size, num_local_experts" in text, text
+    assert "MixtralConfig's defaults (hidden_size 4096, num_local_experts 8)" in text, text
+
+
+def test_every_problem_of_a_config_is_listed_in_one_error(tmp_path, no_model_built):
+    from memtrain.cli.workloads import hf_config_file
+
+    fields = {**TINY_MIXTRAL, "num_key_value_heads": 3, "num_experts_per_tok": 3, "intermediate_size": 0}
+    del fields["vocab_size"]
+    with pytest.raises(ConfigError) as e:
+        hf_config_file(write_config(tmp_path, fields))
+    problems = e.value.problems
+    assert len(problems) == 4, problems
+    assert "does not set vocab_size" in problems[0]
+    assert "sets intermediate_size=0: a size must be at least 1" in problems[1]
+    assert "sets num_key_value_heads=3, which does not divide num_attention_heads=4" in problems[2]
+    assert "sets num_experts_per_tok=3, more than its num_local_experts=2" in problems[3]
+    assert all(str(tmp_path / "config.json") in p for p in problems)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({**TINY_LLAMA, "num_key_value_heads": 3}, "sets num_key_value_heads=3, which does not divide "
+                                               "num_attention_heads=4"),
+    ({"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 1, "n_head": 3, "n_positions": 64},
+     "sets n_embd=64 and n_head=3: the heads do not divide the hidden size"),
+    ({k: v for k, v in TINY_MIXTRAL.items() if k != "num_key_value_heads"},
+     "leaves num_key_value_heads at MixtralConfig's default, 8, which does not divide num_attention_heads=4"),
+    ({k: v for k, v in TINY_LLAMA.items() if k != "num_hidden_layers"}, "does not set num_hidden_layers"),
+    ({**TINY_LLAMA, "num_hidden_layers": -1}, "sets num_hidden_layers=-1: a size must be at least 1"),
+])
+def test_a_dense_config_that_cannot_make_its_model_is_one_line(fields, fragment, tmp_path, capsys, no_model_built):
+    path = write_config(tmp_path, fields)
+    text = refused(["train", "--hf-config", path, "--seq-len", "32", "--max-steps", "1", "--no-progress",
+                    "--out", str(tmp_path / "run")], capsys)
+    assert fragment in text, text
+
+
+def test_a_config_saved_by_transformers_passes_the_checks(tmp_path):
+    from memtrain.cli.workloads import hf_config_file
+
+    for config in (transformers.MixtralConfig(**TINY_MIXTRAL), transformers.GPT2Config(n_embd=64, n_head=4),
+                   transformers.Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)):
+        config.save_pretrained(tmp_path / config.model_type)
+        assert hf_config_file(tmp_path / config.model_type / "config.json").model_type == config.model_type
+
+
+def test_a_pretrained_folder_with_a_bad_config_is_refused_before_loading(hf_model_dir, tmp_path, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(hf_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    text = refused(["estimate", "--hf-model", str(folder), "--seq-len", "32"], capsys)
+    assert f"--hf-model {str(folder)!r}: config.json sets num_key_value_heads=3" in text, text
+    from memtrain.hf import load_pretrained
+
+    with pytest.raises(ConfigError, match="config.json sets num_key_value_heads=3, which does not divide"):
+        load_pretrained(folder)
+
+
+# -- 2. a config.json that does not match the weights ---------------------------------------------------------
+@pytest.fixture
+def narrowed_folder(hf_model_dir, tmp_path):
+    """The tiny Llama's folder with hidden_size 32 in config.json; its weights are 64 wide."""
+    folder = tmp_path / "model"
+    shutil.copytree(hf_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    return folder
+
+
+def test_a_config_whose_hidden_size_does_not_match_the_weights_is_one_line(narrowed_folder, tmp_path, capsys):
+    data = tmp_path / "docs.txt"
+    data.write_text("".join(f"def g{i}(y):\n    return y + {i}\n\n" for i in range(300)))
+    text = refused(["train", "--hf-model", str(narrowed_folder), "--data", str(data), "--seq-len", "32",
+                    "--max-steps", "1", "--no-progress", "--out", str(tmp_path / "run")], capsys)
+    config = narrowed_folder / "config.json"
+    assert f"{config} does not match the weights: lm_head.weight is [512, 64] in model.safetensors but [512, 32]" \
+        in text, text
+    assert f"hidden_size is 32 in config.json where the weights have 64. To resolve this error, set hidden_size " \
+           f"to 64 in {config}" in text, text
+    assert "LOAD REPORT" not in text  # transformers' table: the line above says it
+
+
+def test_load_pretrained_names_the_mismatched_tensor(narrowed_folder):
+    from memtrain.hf import load_pretrained
+
+    with pytest.raises(ConfigError, match=r"model.embed_tokens.weight is \[512, 64\]|lm_head.weight is \[512, 64\]"):
+        load_pretrained(narrowed_folder)
