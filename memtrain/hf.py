@@ -562,7 +562,7 @@ def trainer_choices(choices: Choices) -> Choices:
         chunked_loss=HF_DEFAULT_CHOICES.chunked_loss if choices.chunked_loss is None else choices.chunked_loss)
 
 
-def _trainer_problems(choices: Any) -> list[str]:
+def trainer_problems(choices: Any) -> list[str]:
     """What ``prepare_model`` / ``MemtrainTrainer`` cannot do of ``choices``, in words naming the fix."""
     if not isinstance(choices, Choices):
         return [f"memory={choices!r} must be a memtrain.choices.Choices. To resolve this error, pass e.g. "
@@ -585,7 +585,32 @@ def _trainer_problems(choices: Any) -> list[str]:
     if choices.compile:
         problems.append("compile=True: the Trainer compiles the model itself. To resolve this error, drop "
                         "compile and pass TrainingArguments(torch_compile=True).")
+    if choices.pure_bf16:
+        problems.append("pure_bf16=True: MemtrainTrainer trains the model's own weights with the Trainer's AdamW "
+                        "(or CPUOffloadOptimizer, with an fp32 master); it builds no bf16-only weights with "
+                        "stochastic rounding (PureBF16AdamW). To resolve this error, drop pure_bf16 (bf16=True in the "
+                        "TrainingArguments is bf16 autocast over fp32 weights), or train with `memtrain train "
+                        "--pure-bf16`.")
+    if choices.offload_weights:
+        problems.append("offload_weights=True: the Trainer moves the whole model to the device, and MemtrainTrainer "
+                        "does not stream the blocks' weights from host memory. To resolve this error, drop "
+                        "offload_weights (optimizer=OptimizerChoice(placement='offload') still keeps the optimizer "
+                        "state and master weights in host memory), or train with `memtrain train --offload-weights`.")
     return problems
+
+
+def _trainer_model_problems(model: Any) -> list[str]:
+    """What MemtrainTrainer cannot train of ``model``: weights on the meta device (shapes with no values)."""
+    if not isinstance(model, nn.Module):
+        return []  # the Trainer names a missing or wrong model itself
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if not meta:
+        return []
+    return [f"MemtrainTrainer: {len(meta)} of the model's weights are on the meta device (e.g. {meta[0]}): they "
+            "have shapes but no values, so there is nothing to train (a model built under torch.device('meta') is "
+            "for memtrain.estimate and memtrain.plan). To resolve this error, load the weights "
+            "(memtrain.hf.load_pretrained(DIR)), or build the model on a real device "
+            "(AutoModelForCausalLM.from_config(config) outside torch.device('meta'))."]
 
 
 @dataclass(frozen=True)
@@ -607,12 +632,12 @@ def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, ch
     Raises:
         ConfigError: ``choices`` not a ``Choices``, or holding what the Trainer helper cannot do
             (``optimizer.state_precision`` without placement "offload", ``step_in_backward``, ``offload_fraction``,
-            ``compile``); a model whose
+            ``compile``, ``pure_bf16``, ``offload_weights``); a model whose
             loss ``memtrain.loss`` cannot chunk, with ``chunked_loss=True``. Every problem at once.
     """
     from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
 
-    ConfigError.raise_if(_trainer_problems(choices))
+    ConfigError.raise_if(trainer_problems(choices))
     choices = trainer_choices(choices)
     inner = unwrap_model(model)
     config = getattr(inner, "config", None)
@@ -656,8 +681,8 @@ def _build_trainer_class() -> type:
         there), applied
         by ``prepare_model`` (checkpointing policy, chunked loss of ``chunk_tokens``) and here (optimizer placement,
         activation offload). What the Trainer cannot do (``optimizer.state_precision`` on the device: lean moments
-        need placement "offload"; ``step_in_backward``, ``offload_fraction``, ``compile``) is one ConfigError
-        naming the fix.
+        need placement "offload"; ``step_in_backward``, ``offload_fraction``, ``compile``, ``pure_bf16``,
+        ``offload_weights``), and a model on the meta device, is one ConfigError naming the fix.
 
         Differences from the plain Trainer, each needed for correctness:
 
@@ -679,7 +704,7 @@ def _build_trainer_class() -> type:
 
         def __init__(self, model: nn.Module, args: Any = None, *, memory: Choices = HF_DEFAULT_CHOICES,
                      chunk_tokens: int = 1024, **trainer_kwargs: Any):
-            ConfigError.raise_if(_trainer_problems(memory))
+            ConfigError.raise_if(trainer_problems(memory) + _trainer_model_problems(model))
             memory = trainer_choices(memory)
             policy = memory.checkpointing
             if policy is not None and policy.mode != "none" and getattr(args, "gradient_checkpointing", False):
@@ -752,5 +777,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [  # noqa: F822 - MemtrainTrainer is built by __getattr__
     "HF_DEFAULT_CHOICES", "MemtrainTrainer", "Prepared", "trainer_choices", "apply_lora", "is_lora", "load_pretrained", "load_tokenizer",
-    "lora_targets", "merge_lora", "prepare_model", "safetensors_files", "save_hf",
+    "lora_targets", "merge_lora", "prepare_model", "safetensors_files", "save_hf", "trainer_problems",
 ]

@@ -163,3 +163,43 @@ def test_load_pretrained_names_the_mismatched_tensor(narrowed_folder):
 
     with pytest.raises(ConfigError, match=r"model.embed_tokens.weight is \[512, 64\]|lm_head.weight is \[512, 64\]"):
         load_pretrained(narrowed_folder)
+
+
+# -- 3. MemtrainTrainer ---------------------------------------------------------------------------------------
+def test_the_trainer_refuses_a_meta_device_model_in_one_error(tmp_path):
+    from helpers import tiny_llama_config
+
+    from memtrain.hf import MemtrainTrainer
+
+    torch = pytest.importorskip("torch")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(tiny_llama_config())
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ConfigError, match=r"MemtrainTrainer: \d+ of the model's weights are on the meta device "
+                                          r"\(e.g. model.embed_tokens.weight\).*load_pretrained\(DIR\)") as e:
+        MemtrainTrainer(model, args)
+    assert len(e.value.problems) == 1
+
+
+def test_every_choices_field_is_honoured_or_refused_by_the_trainer():
+    """A field of Choices that the Trainer helper neither applies nor refuses would be ignored in silence."""
+    import dataclasses
+
+    from memtrain.choices import Choices, OptimizerChoice
+    from memtrain.hf import trainer_problems
+
+    # What MemtrainTrainer applies (prepare_model, create_optimizer, training_step), as tests/test_hf.py checks.
+    honoured = {"checkpointing", "offload_activations", "chunked_loss", "optimizer.placement",
+                "optimizer.state_precision"}
+    on = {"compile": True, "pure_bf16": True, "offload_weights": True, "optimizer.step_in_backward": True,
+          "optimizer.offload_fraction": 0.5}
+    fields = {f.name for f in dataclasses.fields(Choices) if f.name != "optimizer"}
+    fields |= {f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerChoice)}
+    assert fields == honoured | set(on), f"a new field needs a decision here: {sorted(fields - honoured - set(on))}"
+    for name, value in on.items():
+        if name.startswith("optimizer."):
+            choices = Choices(optimizer=OptimizerChoice(**{name.split(".")[1]: value}))
+        else:
+            choices = Choices(**{name: value})
+        problems = trainer_problems(choices)
+        assert len(problems) == 1 and name.split(".")[-1] in problems[0], (name, problems)

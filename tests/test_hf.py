@@ -337,6 +337,9 @@ REFUSED = {
     "step_in_backward": (Choices(optimizer=OptimizerChoice(step_in_backward=True)), "drop step_in_backward"),
     "offload_fraction": (Choices(optimizer=OptimizerChoice(offload_fraction=0.5)), "placement='offload'"),
     "compile": (Choices(compile=True), r"TrainingArguments\(torch_compile=True\)"),
+    # issue 33: these two were ignored in silence
+    "pure_bf16": (Choices(pure_bf16=True), "drop pure_bf16.*memtrain train --pure-bf16"),
+    "offload_weights": (Choices(offload_weights=True), "drop offload_weights.*memtrain train --offload-weights"),
 }
 
 
