@@ -203,3 +203,61 @@ def test_every_choices_field_is_honoured_or_refused_by_the_trainer():
             choices = Choices(**{name: value})
         problems = trainer_problems(choices)
         assert len(problems) == 1 and name.split(".")[-1] in problems[0], (name, problems)
+
+
+# -- 4. notes: a tokenizer with no separator, LoRA on random weights --------------------------------------------
+def tokenizer_without_special_tokens(folder):
+    """A fast byte-level BPE with no eos, bos or pad token, saved into ``folder`` over the one there."""
+    tokenizers = pytest.importorskip("tokenizers")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["def f(x): return x + 1"] * 50, trainer=trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def test_a_tokenizer_without_eos_or_bos_gets_a_note_at_start_up(hf_model_dir, tmp_path, capsys):
+    from memtrain.data.documents import separator_note
+    from memtrain.hf import load_tokenizer
+
+    assert separator_note(load_tokenizer(hf_model_dir)) is None  # its eos ends every document
+    folder = tmp_path / "model"
+    shutil.copytree(hf_model_dir, folder)
+    tokenizer = tokenizer_without_special_tokens(folder)
+    assert tokenizer.eos_token_id is None and tokenizer.bos_token_id is None and tokenizer.pad_token_id is None
+    data = tmp_path / "docs.txt"
+    data.write_text("".join(f"def g{i}(y):\n    return y + {i}\n\n" for i in range(300)))
+    code, _, text = run(["train", "--hf-model", str(folder), "--data", str(data), "--seq-len", "32", "--max-steps",
+                         "1", "--micro-batch-size", "4", "--no-progress", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, text
+    notes = [line for line in text.splitlines() if "note: the tokenizer in" in line]
+    assert len(notes) == 1 and f"{folder} has no end-of-text token (eos_token) and adds no bos_token" in notes[0], text
+    assert "tokenizer.eos_token = " in notes[0]
+
+
+@pytest.mark.parametrize("base", ["hf-config", "model"])
+def test_lora_on_random_weights_gets_a_hint(base, tmp_path, capsys):
+    pytest.importorskip("peft")
+    model = ["--hf-config", write_config(tmp_path, TINY_LLAMA)] if base == "hf-config" else ["--model", "gpt-tiny"]
+    code, _, text = run(["train", *model, "--lora", "4", "--seq-len", "32", "--max-steps", "1", "--micro-batch-size",
+                         "4", "--no-progress", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, text
+    hints = [line.strip() for line in text.splitlines() if "Hint: --lora 4 on" in line]
+    assert len(hints) == 1, text
+    assert "whose weights are random" in hints[0] and "pass --hf-model DIR" in hints[0], hints
+
+
+def test_lora_on_pretrained_weights_gets_no_hint(hf_model_dir):
+    import argparse
+
+    from memtrain.cli.workloads import start_up_notes
+    from memtrain.hf import load_tokenizer
+
+    args = argparse.Namespace(hf_model=str(hf_model_dir), hf_config=None, model="gpt-tiny", lora=4)
+    assert start_up_notes(args, load_tokenizer(hf_model_dir)) == []

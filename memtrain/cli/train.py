@@ -31,6 +31,7 @@ from memtrain.cli.workloads import (
     hf_seq_len,
     lora_flag_problems,
     quantized_text,
+    start_up_notes,
 )
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import ByteWindows, builtin_corpus, split_windows, text_file_tokens, tokenized_rows
@@ -129,7 +130,7 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
         check_data_path(args.data, tokenised=tokenizer is not None)
     if args.eval_data:
         check_data_path(args.eval_data, tokenised=tokenizer is not None, flag="--eval-data")
-    return notes, tokenizer, choices
+    return notes + start_up_notes(args, tokenizer), tokenizer, choices
 
 
 def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> tuple[Any, Any, int, str]:

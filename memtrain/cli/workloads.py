@@ -14,6 +14,7 @@ import torch
 
 from memtrain.cli.terms import HF_MODEL_PATH, flags_of
 from memtrain.data.corpus import is_jsonl
+from memtrain.data.documents import separator_note
 from memtrain.errors import ConfigError
 from memtrain.estimate import hf_config_from_file, meta_model
 from memtrain.hf import apply_lora, load_pretrained, lora_targets
@@ -90,6 +91,21 @@ def frozen_linear_weights_to(model: Any, dtype: torch.dtype) -> None:
                 if id(p) not in done:
                     done[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
                 setattr(m, name, done[id(p)])
+
+
+def start_up_notes(args: argparse.Namespace, tokenizer: Any) -> list[str]:
+    """The start-up lines for set-ups that run but train less than they seem to: --data packed with no token
+    between documents (a tokenizer without eos/bos), --lora on random weights (--hf-config, the built-in GPT)."""
+    notes = []
+    note = separator_note(tokenizer) if tokenizer is not None else None
+    if note:
+        notes.append(f"note: {note}")
+    if args.lora and not args.hf_model:
+        base = f"--hf-config {args.hf_config!r}" if args.hf_config else f"--model {args.model}"
+        notes.append(f"Hint: --lora {args.lora} on {base}, whose weights are random: LoRA adapts a pretrained model "
+                     "through small updates, and adapters on a random base learn little (the base stays random). To "
+                     "fine-tune, pass --hf-model DIR (a pretrained folder); to train from scratch, drop --lora.")
+    return notes
 
 
 def lora_flag_problems(args: argparse.Namespace) -> list[str]:

@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -249,3 +249,24 @@ def text_documents(path: Path) -> list[tuple[str, str]]:
         raise ConfigError(f"{path} holds no text. To resolve this error, pass a file with documents "
                           "separated by blank lines.")
     return [("", d) for d in docs]
+
+
+def separator_note(tokenizer: Any) -> str | None:
+    """What a tokenizer leaves between packed documents, when it is nothing: ``tokenize_file`` ends each document
+    with the EOS token and the tokenizer may begin each with a BOS; with neither, the documents of a packed row run
+    into each other with no token marking where one ends (attention still stays inside each, since the positions
+    restart), so the model never learns to end a text. None when there is a separator."""
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        return None
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None:
+        try:
+            if bos in tokenizer("a", add_special_tokens=True)["input_ids"]:
+                return None
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot encode "a" gets the note rather than a failure
+            pass
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return (f"the tokenizer in {name} has no end-of-text token (eos_token) and adds no bos_token, so the packed "
+            "documents have no token between them: the model never learns where a text ends (attention still stays "
+            "inside each document). To add a separator, name one of its tokens the eos_token and save it "
+            "(tokenizer.eos_token = '<|endoftext|>'; tokenizer.save_pretrained(DIR)).")
