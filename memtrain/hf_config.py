@@ -50,12 +50,13 @@ def checked_config(path: str | os.PathLike[str], build: Callable[[], Config], *,
         return build()  # build() names what is wrong with the file
     if not isinstance(fields, dict):
         return build()
-    missing = missing_sizes_problem(fields, where=where)
     try:
         config = build()
     except ConfigError as e:
         # The values transformers refused are in its message; the sizes it would have filled in are not.
+        missing = missing_sizes_problem(fields, where=where)
         raise ConfigError([*([missing] if missing else []), *e.problems]) from None
+    missing = missing_sizes_problem(fields, where=where, config=config)
     ConfigError.raise_if([*([missing] if missing else []), *config_problems(fields, config, where=where)])
     return config
 
@@ -115,9 +116,11 @@ def _expert_keys(config_class: type, defaults: Mapping[str, Any], fields: Mappin
     return experts, top_k
 
 
-def missing_sizes_problem(fields: Mapping[str, Any], *, where: str) -> str | None:
+def missing_sizes_problem(fields: Mapping[str, Any], *, where: str, config: Any = None) -> str | None:
     """One problem naming the size keys (and for a mixture of experts the expert count and top-k) that the file
-    leaves out while its class has a default for them, or None."""
+    leaves out while its class has a default for them, or None. ``config``: the file as transformers read it,
+    whose value of a key differing from the default shows the file set it under a spelling not listed here (an
+    old alias its ``__init__`` still reads, as Falcon's n_embed)."""
     config_class = _config_class(fields)
     if config_class is None:
         return None
@@ -129,7 +132,8 @@ def missing_sizes_problem(fields: Mapping[str, Any], *, where: str) -> str | Non
     # A default of None is derived from the other sizes (gpt2's n_inner is 4 x n_embd): no size is invented.
     missing = [(stored, defaults[stored]) for stored, written in keys
                if stored is not None and written is None and (defaults[stored] is not None or moe and
-                                                             (stored, written) in moe)]
+                                                             (stored, written) in moe)
+               and (config is None or _value(config, stored) in (None, defaults[stored]))]
     if not missing:
         return None
     shown = ", ".join(f"{name} {value}" if value is not None else f"{name} (none: the model would fail)"

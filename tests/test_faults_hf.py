@@ -119,6 +119,10 @@ def test_a_config_saved_by_transformers_passes_the_checks(tmp_path):
                    transformers.Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)):
         config.save_pretrained(tmp_path / config.model_type)
         assert hf_config_file(tmp_path / config.model_type / "config.json").model_type == config.model_type
+    # An old spelling transformers still reads (Falcon's n_embed) sets the size: nothing is left to a default.
+    old_falcon = {"model_type": "falcon", "n_embed": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "vocab_size": 256}
+    assert hf_config_file(write_config(tmp_path, old_falcon, "falcon.json")).hidden_size == 64
 
 
 def test_a_pretrained_folder_with_a_bad_config_is_refused_before_loading(hf_model_dir, tmp_path, capsys):
