@@ -199,7 +199,14 @@ def _current_accelerator() -> tuple[Any, torch.device] | None:
     if not torch.accelerator.is_available():
         return None
     kind = torch.accelerator.current_accelerator().type
-    return torch.get_device_module(kind), torch.device(kind, torch.accelerator.current_device_index())
+    return torch.get_device_module(kind), torch.device(kind, _current_device_index())
+
+
+def _current_device_index() -> int:
+    # torch 2.6 names it current_device_idx; 2.7 renamed it.
+    accelerator = torch.accelerator
+    return (accelerator.current_device_index if hasattr(accelerator, "current_device_index")
+            else accelerator.current_device_idx)()
 
 
 def _every_rank(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -215,7 +222,7 @@ def _one_rank_of_format_1(rng: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint written before the generators were saved per rank: rank 0's CPU and Python generators and every
     CUDA device's as rank 0's process saw them (its current device's is the one it drew from)."""
     cuda = list(rng.get("cuda") or [])
-    index = torch.accelerator.current_device_index() if _current_accelerator() is not None else 0
+    index = _current_device_index() if _current_accelerator() is not None else 0
     return {"torch": rng["torch"], "python": rng["python"], "device_type": "cuda" if cuda else None,
             "device": cuda[index] if index < len(cuda) else None}
 
