@@ -586,8 +586,9 @@ class GradientAccumulator:
 
     def _finish_stepped_window(self, stats: torch.Tensor) -> StepResult:
         """The boundary of a step-in-backward window: the parameters stepped in the last backward (normalised,
-        clipped by the last window's norm, unscaled); ``optimizer.step()`` finishes (leftovers, host part, inf
-        flag), then the scaler and scheduler. One read with clipping or a scaler, none otherwise."""
+        clipped by the last window's norm, unscaled), and the backward's end stepped the leftovers and the host
+        part; ``optimizer.step()`` reports the norm and the inf flag, then the scaler and scheduler follow. One read
+        with clipping or a scaler, none otherwise."""
         self.optimizer.step()  # GradScaler.step is not used: the inf flag lives in the optimizer (window_found_inf)
         norm = self.optimizer.last_grad_norm
         found = self.optimizer.window_found_inf

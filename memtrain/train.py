@@ -135,7 +135,9 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig, device: to
     was_training = model.training
     model.eval()
     chosen = [i * len(dataset) // min(len(dataset), examples) for i in range(min(len(dataset), examples))]
-    loader = make_loader(Subset(dataset, chosen), batch_size=batch_size, num_workers=0, device=device)
+    # seed=: the loader's iterator draws from its own generator; the global one is the training's dropout's.
+    loader = make_loader(Subset(dataset, chosen), batch_size=batch_size, num_workers=0, device=device,
+                         seed=config.seed)
     total, count = 0.0, 0
     for batch in loader:
         x, y, positions = _unpack(map_tensors(lambda t: t.to(device), batch))
@@ -221,7 +223,11 @@ class Session:
         sampler = StepBatches(len(self._train_data), c.global_batch, self.micro, seed=self._config.seed,
                               start=step, rank=self.rank, world=c.world)
         # NOTE: no workers: a window is a numpy slice, so loading costs microseconds and a worker adds only IPC.
-        loader = make_loader(self._train_data, batch_sampler=sampler, device=c.device, num_workers=0)
+        # seed=: a new iterator draws its workers' base seed from the loader's own generator, not the global one
+        # whose next draws are this step's dropout masks (a resume makes a new iterator where a straight run
+        # does not).
+        loader = make_loader(self._train_data, batch_sampler=sampler, device=c.device, num_workers=0,
+                             seed=self._config.seed)
         self.batches = iter(DevicePrefetcher(loader, c.device))
         return loader.memtrain_settings.summary()
 

@@ -108,6 +108,60 @@ def test_step_in_backward_plain_loop_and_explicit_boundary() -> None:
     assert opt.last_grad_norm.item() > 1e-3  # the norm before clipping
 
 
+def _same_state(a, b) -> bool:
+    """Two state dicts hold the same keys and values (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("offload_fraction", [0.0, 0.5], ids=["device", "half-offloaded"])
+def test_step_after_a_backward_that_stepped_changes_nothing(offload_fraction) -> None:
+    """torchtune's optimizer-in-backward contract: the backward steps (the host part and the lagged clipping norm
+    included, once its last gradient has landed), so optimizer.step() after it leaves state_dict() and the
+    parameters as they were; in a plain loop and through GradientAccumulator's windows."""
+    model = make_model()
+    opt = build_optimizer(model.named_parameters(), **HYPER, step_in_backward=True, offload_fraction=offload_fraction)
+    norms = []
+    for x, y in batches(3):
+        opt.prepare_backward(max_norm=0.5)
+        ((model(x) - y) ** 2).sum().backward()
+        state, params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+        norms.append(state["lagged_grad_norm"])
+        opt.step()
+        assert _same_state(opt.state_dict(), state), "step() changed the state dict after the backward stepped"
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True)), "step() moved weights"
+        opt.zero_grad()
+    assert len(set(norms)) == 3 and norms[0] > 0, f"each backward records its window's norm: {norms}"
+
+    acc = GradientAccumulator(model, opt, steps=2, max_grad_norm=0.5)
+    for i, (x, y) in enumerate(batches(4, seed=2)):
+        with acc.micro_batch(is_last=i % 2 == 1):
+            acc.backward(((model(x) - y) ** 2).sum(), reduction="sum", items=x.shape[0])
+        if i % 2 == 1:
+            state = copy.deepcopy(opt.state_dict())
+            acc.step()
+            assert _same_state(opt.state_dict(), state), "the window's step() changed the state dict"
+
+
+def test_a_second_backward_before_step_is_refused_naming_the_fix() -> None:
+    """Each backward that steps ends a window: a second one before step() (or reentrant checkpointing, one
+    backward per block) would step parameters of a window already closed."""
+    model = make_model()
+    opt = build_optimizer(model.named_parameters(), **HYPER, step_in_backward=True)
+    x, y = batches(1)[0]
+    ((model(x) - y) ** 2).sum().backward()
+    with pytest.raises(MemtrainError, match=r"landed after its window had ended.*call optimizer.step\(\) after each"):
+        ((model(x) - y) ** 2).sum().backward()
+    opt.zero_grad()  # the window dropped (as after an out-of-memory error): the next backward starts a new one
+    ((model(x) - y) ** 2).sum().backward()
+    opt.step()
+
+
 def test_step_in_backward_refuses_what_cannot_step_per_parameter() -> None:
     with pytest.raises(ConfigError, match="LBFGS.*cannot step alone"):
         build_optimizer(make_model().named_parameters(), lr=1e-3, step_in_backward=True,

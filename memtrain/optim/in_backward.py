@@ -3,10 +3,16 @@
 The whole model's gradients never coexist (4 bytes per parameter less at the backward's peak). One backward pass
 per micro-batch: clipping uses the previous window's norm (lagged clipping), and an fp16 overflow stops the
 parameters not yet stepped (see ``LeanAdamW``'s docstring in ``memtrain.optim.lean_adamw``).
+
+The window ends with its backward: once the last gradient has landed, autograd's final callback steps what no hook
+stepped (parameters used only in earlier micro-batches, the host part) and records the window's norm, the one that
+clips the next window. ``step()`` after that changes no state (torchtune's optimizer-in-backward contract): it is the
+boundary that reports the norm and the inf flag.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -29,6 +35,8 @@ class Arming:
     grad_factor: float | torch.Tensor = 1.0
     max_norm: float | None = None  # clip the global norm to this
     scaler: torch.amp.GradScaler | None = None
+    finish_queued: bool = False  # a hook of this backward queued the window's end (autograd's final callback)
+    finished: bool = False  # the window ended: everything stepped, its norm recorded; step() is next
 
 
 class StepInBackward:
@@ -42,6 +50,7 @@ class StepInBackward:
         window_found_inf: torch.Tensor | None
         _host: Any
         _inner: dict[int, torch.optim.Optimizer]
+        _names: dict[int, str]
         _device_params: list[torch.Tensor]
         _arming: Arming
         _synced: bool
@@ -181,12 +190,10 @@ class StepInBackward:
         used only in earlier micro-batches of the window). They step at step(), like the rest."""
         return [p for p in self._device_params if p.grad is not None]
 
-    def _step_after_backward(self) -> None:
-        if not self._backward_ran:
-            raise MemtrainError(
-                "step() on a step-in-backward optimizer with no backward since the last step(): the parameters step "
-                "inside backward, so there is nothing to step. To resolve this error, call loss.backward() (or "
-                "GradientAccumulator's micro-batches) before step().")
+    def _finish_window(self) -> None:
+        """The window's end, once its last gradient has landed (autograd's final callback of the backward; step()
+        where none ran): the leftovers and the host part step, and the window's norm is recorded, the one that
+        clips the next window. Everything that changes state happens here, so that step() changes none."""
         arming = self._arming
         for p in self._leftovers():
             self._step_param(p)
@@ -212,11 +219,32 @@ class StepInBackward:
         self._lagged_norm = torch.where(finite, total, self._lagged_norm.to(total.device, non_blocking=True))
         if arming.scaler is not None:
             self._found_inf = found if found is not None else torch.zeros((), device=total.device)
+        arming.finished = True
+
+    def _step_after_backward(self) -> None:
+        """step() of a step-in-backward optimizer: the boundary. The window ended with its backward (or ends
+        here, where no final callback ran); the next backward starts a new one."""
+        if not self._backward_ran:
+            raise MemtrainError(
+                "step() on a step-in-backward optimizer with no backward since the last step(): the parameters step "
+                "inside backward, so there is nothing to step. To resolve this error, call loss.backward() (or "
+                "GradientAccumulator's micro-batches) before step().")
+        if not self._arming.finished:
+            self._finish_window()
         self._backward_ran = False
         self._synced = False
         self._norms.clear()
         self._on_device.clear()
         self._arming = Arming(scaler=self.grad_scaler)  # the default: every backward steps (plain loops)
+
+    def _check_window_open(self, param: torch.Tensor) -> None:
+        if self._arming.finished:
+            raise MemtrainError(
+                f"the gradient of {self._names[id(param)]!r} landed after its window had ended and before step(): "
+                "a second backward without optimizer.step() between them, or reentrant checkpointing (one backward "
+                "per block, each ending a window). To resolve this error, call optimizer.step() after each backward "
+                "that steps (GradientAccumulator does) and checkpoint non-reentrantly (memtrain.apply_checkpointing, "
+                "or torch.utils.checkpoint.checkpoint(..., use_reentrant=False)).")
 
 
 def step_hook(owner: weakref.ref[StepInBackward]) -> Callable[[torch.Tensor], None]:
@@ -224,7 +252,21 @@ def step_hook(owner: weakref.ref[StepInBackward]) -> Callable[[torch.Tensor], No
         self = owner()
         if self is None:
             return
-        if self._arming.last and param.grad is not None:
+        arming = self._arming
+        if arming.last and param.grad is not None:
+            self._check_window_open(param)
             with torch.no_grad():
                 self._step_param(param)
+            if not arming.finish_queued:
+                arming.finish_queued = True
+                # NOTE: autograd runs the queued callbacks when this backward ends, every gradient landed: no public
+                # API says "the backward is over" (FSDP and DDP queue theirs the same way).
+                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_end_of_backward, owner))
     return hook
+
+
+def _end_of_backward(owner: weakref.ref[StepInBackward]) -> None:
+    self = owner()
+    if self is not None:
+        with torch.no_grad():
+            self._finish_window()

@@ -48,9 +48,9 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
     With ``step_in_backward``, backward is where parameters step: the default arming steps every backward (a loop
     of ``loss.backward(); opt.step(); opt.zero_grad()`` works, with no clipping); ``GradientAccumulator`` arms each
     micro-batch itself (``prepare_backward``) and runs the last one through ``backward(loss)``. ``step()`` stays
-    the explicit boundary: it checks that a backward stepped since the last one, steps the host part and
-    reports ``last_grad_norm`` (a device tensor: reading it is the caller's host sync); it raises when no backward
-    ran.
+    the explicit boundary: it checks that a backward stepped since the last one and reports ``last_grad_norm`` (a
+    device tensor: reading it is the caller's host sync); it raises when no backward ran. The backward's end did
+    the rest (the host part's step, the lagged norm), so ``step()`` changes no state.
 
     Step-in-backward runs one backward pass per micro-batch, with clipping and with the fp16 scaler:
 

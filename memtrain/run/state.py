@@ -41,8 +41,9 @@ def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, mo
                    optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, accumulator: Any,
                    run: dict[str, Any], extra: dict[str, Any], config: Mapping[str, Any] | None = None) -> None:
     """Everything a bit-identical resume needs: weights, optimizer (offloaded state included), scheduler, fp16
-    scaler, accumulator counters, the data position (the step) and every RNG. Collective under FSDP2: every rank
-    calls it, rank 0 (the one with ``checkpoints``) writes."""
+    scaler, accumulator counters, the data position (the step) and each rank's random generators (``rng_state``:
+    the next dropout masks). Collective under torch.distributed: every rank calls it, rank 0 (the one with
+    ``checkpoints``) writes."""
     state = {
         "step": step,
         "micro_batch_size": micro,
@@ -54,11 +55,9 @@ def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, mo
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "accumulator": accumulator.state_dict(),
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
-            "python": random.getstate(),
-        },
+        # Every rank's own generators (collective): under torchrun each rank draws its own dropout masks on its
+        # own device, so a resume gives each rank back what it had, not rank 0's.
+        "rng": {"ranks": _every_rank(rng_state())},
     }
     if checkpoints is not None:
         checkpoints.save(step, state)
@@ -147,10 +146,85 @@ def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimi
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     accumulator.load_state_dict(state["accumulator"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    random.setstate(_as_tuples(state["rng"]["python"]))
+    restore_rng(state["rng"])
+
+
+# -- random generators: what the next dropout masks are drawn from ------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """This process's random generators: the CPU's, Python's and the one of the accelerator device it computes on
+    (the current device: under torchrun each rank's own; other devices' generators are no rank's).
+
+    Returns:
+        ``{"torch": ..., "python": ..., "device_type": "cuda" or None, "device": the device generator's state or
+        None}``, which ``restore_rng`` takes back (inside ``{"ranks": [...]}``, one per rank).
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "device_type": None,
+                             "device": None}
+    accelerator = _current_accelerator()
+    if accelerator is not None:
+        module, device = accelerator
+        state.update(device_type=device.type, device=module.get_rng_state(device))
+    return state
+
+
+def restore_rng(rng: Mapping[str, Any]) -> None:
+    """Sets this rank's random generators to what ``save_run_state`` saved for it: the CPU's, Python's and, where
+    it saved one, the current accelerator device's (whatever its index: a resume on a machine with fewer devices,
+    or under another ``CUDA_VISIBLE_DEVICES``, sets the device the rank computes on now).
+
+    A state saved on an accelerator this machine does not have is not set: nothing here draws from it (the run
+    computes on another device, whose draws differ anyway).
+
+    Raises:
+        ConfigError: the checkpoint holds the generators of fewer ranks than this one's index (a resume under
+            another world size; the run's identity refuses it first).
+    """
+    ranks = rng["ranks"] if "ranks" in rng else [_one_rank_of_format_1(rng)]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank >= len(ranks):
+        raise ConfigError(f"resume: the checkpoint holds the random generators of {len(ranks)} rank(s), and this is "
+                          f"rank {rank}: the run was started with another number of processes. To resolve this "
+                          f"error, resume with torchrun --nproc_per_node {len(ranks)} (or without torchrun for 1).")
+    mine = ranks[rank]
+    torch.set_rng_state(mine["torch"])
+    random.setstate(_as_tuples(mine["python"]))
+    accelerator = _current_accelerator()
+    if mine["device"] is not None and accelerator is not None and accelerator[1].type == mine["device_type"]:
+        module, device = accelerator
+        module.set_rng_state(mine["device"], device)
+
+
+def _current_accelerator() -> tuple[Any, torch.device] | None:
+    """(the device module, e.g. ``torch.cuda``; the current device) where this machine has an accelerator."""
+    if not torch.accelerator.is_available():
+        return None
+    kind = torch.accelerator.current_accelerator().type
+    return torch.get_device_module(kind), torch.device(kind, _current_device_index())
+
+
+def _current_device_index() -> int:
+    # torch 2.6 names it current_device_idx; 2.7 renamed it.
+    accelerator = torch.accelerator
+    return (accelerator.current_device_index if hasattr(accelerator, "current_device_index")
+            else accelerator.current_device_idx)()
+
+
+def _every_rank(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``state``, in rank order (collective under torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def _one_rank_of_format_1(rng: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before the generators were saved per rank: rank 0's CPU and Python generators and every
+    CUDA device's as rank 0's process saw them (its current device's is the one it drew from)."""
+    cuda = list(rng.get("cuda") or [])
+    index = _current_device_index() if _current_accelerator() is not None else 0
+    return {"torch": rng["torch"], "python": rng["python"], "device_type": "cuda" if cuda else None,
+            "device": cuda[index] if index < len(cuda) else None}
 
 
 def _as_tuples(value: Any) -> Any:
