@@ -342,3 +342,19 @@ def test_library_errors_reach_the_command_in_flag_terms_not_as_cache_dir_val_fra
         GradientAccumulator._refuse_non_finite(window, float("nan"))
     assert "max_grad_norm" in str(info.value)
     assert "set --grad-clip, or check" in in_flag_terms(str(info.value), "train")
+
+
+# -- issue 33: runs, the run folder, export and the Python API ------------------------------------------------
+def test_lora_on_the_output_head_only_plans_and_trains_the_head_adapter(tmp_path, text_file, model_dir, capsys):
+    """No block gets a gradient (every block frozen below the only adapter): the planner's traces have no block
+    backward, which was a StopIteration in planner/profiles.py; the head's adapter now trains, planned or fixed."""
+    out = tmp_path / "gpt"
+    code, _, err = run(["train", *TINY, "--data", str(text_file), "--lora", "4", "--lora-targets", "head",
+                        "--out", str(out)], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    code, _, err = run(["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN,
+                        "--lora", "4", "--lora-targets", "lm_head", "--checkpointing", "none", "--no-chunked-loss",
+                        "--out", str(tmp_path / "hf")], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    adapters = safetensors.torch.load_file(str(tmp_path / "hf" / "hf" / "adapter_model.safetensors"))
+    assert adapters and all("lm_head" in k for k in adapters), sorted(adapters)
