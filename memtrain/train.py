@@ -43,6 +43,7 @@ from memtrain.run import (
     MetricsLog,
     RunCheckpoints,
     RunFolder,
+    RunWriteError,
     StopSignals,
     agree_on_stop,
     applied_changes,
@@ -323,7 +324,7 @@ def _take_folder(folder: RunFolder | None, rank: int, world: int, device: torch.
     if rank == 0:
         try:
             folder.lock()
-        except ConfigError as e:
+        except (ConfigError, RunWriteError) as e:  # a bad folder, or a disk with no room for the lock
             error = e
     if world > 1:
         box = [str(error) if error is not None else None]

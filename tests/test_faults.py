@@ -358,3 +358,43 @@ def test_lora_on_the_output_head_only_plans_and_trains_the_head_adapter(tmp_path
     assert code == 0 and "Traceback" not in err, err
     adapters = safetensors.torch.load_file(str(tmp_path / "hf" / "hf" / "adapter_model.safetensors"))
     assert adapters and all("lm_head" in k for k in adapters), sorted(adapters)
+
+
+@pytest.mark.parametrize("command", ["new run", "resume", "export"])
+@pytest.mark.parametrize("fault", ["ENOSPC", "short write", "ulimit -f 0"])
+def test_a_disk_full_when_the_run_folder_is_taken_is_exit_1_naming_the_lock_file_and_the_bytes(
+        command, fault, tmp_path, text_file, monkeypatch, capsys):
+    """The lock is the first thing a run, a resume or an export writes: a disk with no room for its record was
+    an OSError traceback from os.pwrite (or, where the disk took part of it, a lock naming no holder)."""
+    import errno
+    import os
+
+    out = tmp_path / "run"
+    if command != "new run":
+        assert main(["train", *TINY, "--data", str(text_file), "--save-every", "2", "--out", str(out)]) == 0
+    real_pwrite = os.pwrite
+
+    def full(fd, data, offset):  # the disk fills up as the lock records its holder
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".memtrain-lock"):
+            if fault == "ENOSPC":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_pwrite(fd, data[:5], offset)  # a full disk takes what fits and says how much
+        return real_pwrite(fd, data, offset)
+
+    if fault != "ulimit -f 0":
+        monkeypatch.setattr(os, "pwrite", full)
+    argv = {"new run": ["train", *TINY, "--data", str(text_file), "--out", str(out)],
+            "resume": ["train", "--out", str(out), "--resume", "--max-steps", "6", "--no-progress"],
+            "export": ["export", str(out)]}[command]
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
+    with file_size_limit(0) if fault == "ulimit -f 0" else contextlib.nullcontext():  # the machine's own limit
+        code, lines, err = run(argv, capsys)
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+    line = lines[0]
+    why = "File too large" if fault == "ulimit -f 0" else "No space left on device"
+    assert f"could not write {out / '.memtrain-lock'} ({why})" in line, line
+    assert re.search(r"it needs \d+ B, [\d.]+ [KMG]?i?B free on its disk", line), line
+    assert ("ulimit -f unlimited" if fault == "ulimit -f 0" else "free space on that disk") in line, line
+    assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before  # nothing left behind
+    if command != "new run":
+        assert (out / ".memtrain-lock").read_bytes() == b""  # no part of a record
