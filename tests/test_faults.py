@@ -13,6 +13,7 @@ import json
 import math
 import re
 import resource
+import shutil
 import warnings
 
 import numpy as np
@@ -398,3 +399,51 @@ def test_a_disk_full_when_the_run_folder_is_taken_is_exit_1_naming_the_lock_file
     assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before  # nothing left behind
     if command != "new run":
         assert (out / ".memtrain-lock").read_bytes() == b""  # no part of a record
+
+
+def _cut_in_half(path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_truncated_model_safetensors_beside_a_good_checkpoint_exports_from_the_checkpoint_saying_so(
+        tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--data", str(text_file), "--save-every", "2", "--out", str(out)]) == 0
+    sample = (out / "sample.txt").read_text()
+    _cut_in_half(out / "model.safetensors")  # before: SafetensorError from export and from --resume
+    for argv in (["export", str(out)], ["train", "--out", str(out), "--resume", "--no-progress"]):
+        (out / "sample.txt").unlink()
+        code, lines, err = run(argv, capsys)
+        assert code == 0 and not lines and "Traceback" not in err, err
+        said = [line for line in err.splitlines() + [""] if "not a whole safetensors file" in line]
+        assert len(said) == 1 and f"{out / 'model.safetensors'} is not a whole safetensors file (" in said[0], err
+        assert "the checkpoint of step 4 instead" in said[0] and "left as it is" in said[0], said
+        assert (out / "sample.txt").read_text() == sample  # the checkpoint holds the same weights
+    # More steps resume from the checkpoint, never from model.safetensors, and write it whole again.
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "6", "--no-progress"]) == 0
+    assert len(safetensors.torch.load_file(str(out / "model.safetensors"))) > 0
+    _cut_in_half(out / "model.safetensors")
+    for step in (out / "checkpoints").iterdir():
+        _cut_in_half(step / "tensors.safetensors")
+    line = one_line(*run(["export", str(out)], capsys))
+    assert f"{out / 'model.safetensors'} is not a whole safetensors file (" in line, line
+
+
+def test_export_dtype_for_the_built_in_gpt_is_refused_with_the_reason(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--data", str(text_file), "--out", str(out)]) == 0
+    line = one_line(*run(["export", str(out), "--export-dtype", "bf16"], capsys))  # before: exit 0, ignored
+    assert "--export-dtype bf16" in line and "no hf/" in line and "drop --export-dtype" in line, line
+    assert main(["export", str(out), "--export-dtype", "auto"]) == 0
+
+
+def test_no_progress_holds_for_the_export_of_a_finished_run_after_resume(tmp_path, model_dir, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN, "--out", str(out)]
+    assert main(argv) == 0
+    shutil.rmtree(out / "hf")
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    stdout, err = capsys.readouterr()
+    assert "hf/ from model.safetensors" in stdout and (out / "hf" / "config.json").is_file(), stdout + err
+    assert "it/s]" not in err and "%|" not in err, err  # before: transformers' "Loading weights" bar
