@@ -447,3 +447,25 @@ def test_no_progress_holds_for_the_export_of_a_finished_run_after_resume(tmp_pat
     stdout, err = capsys.readouterr()
     assert "hf/ from model.safetensors" in stdout and (out / "hf" / "config.json").is_file(), stdout + err
     assert "it/s]" not in err and "%|" not in err, err  # before: transformers' "Loading weights" bar
+
+
+# -- the Python API's boundary --------------------------------------------------------------------------------
+def test_train_given_a_model_name_or_a_dict_config_names_the_fix(tmp_path):
+    """Before: AttributeError ('str' object has no attribute 'parameters', 'dict' object has no attribute
+    'validate'). A dict is refused, not converted: TrainConfig is the one spelling of the settings, and building it
+    checks the dict's keys, which train() should not guess at."""
+    from helpers import tiny_gpt
+
+    from memtrain import TrainConfig, train
+    from memtrain.data import ByteWindows
+
+    data = ByteWindows(np.frombuffer(b"def f(x):\n    return x\n" * 50, dtype=np.uint8), 16)
+    with pytest.raises(ConfigError, match=r"model='gpt-tiny' is a str, not a torch nn\.Module.*To resolve this "
+                                          r"error, build the model first.*memtrain\.hf\.load_pretrained"):
+        train("gpt-tiny", data, TrainConfig(max_steps=1))
+    with pytest.raises(ConfigError, match=r"config is a dict, not a TrainConfig.*To resolve this error, pass "
+                                          r"TrainConfig\(\*\*that_dict\)"):
+        train(tiny_gpt(seed=0), data, {"max_steps": 1, "lr": 1e-3})
+    with pytest.raises(ConfigError, match=r"config is a NoneType, not a TrainConfig"):
+        train(tiny_gpt(seed=0), data, None)
+    assert not list(tmp_path.iterdir())
