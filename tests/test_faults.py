@@ -469,3 +469,26 @@ def test_train_given_a_model_name_or_a_dict_config_names_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"config is a NoneType, not a TrainConfig"):
         train(tiny_gpt(seed=0), data, None)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_estimate_refuses_pure_bf16_at_a_precision_the_cli_refuses(precision, capsys):
+    """Before: bf16 figures for a set-up that memtrain estimate, train and plan refuse. The same rule
+    (Choices.precision_problems) answers both, and it offers no precision='auto', which estimate has not."""
+    import torch
+
+    from memtrain import estimate
+    from memtrain.choices import Choices
+    from memtrain.models import GPT, GPT_PRESETS
+
+    with torch.device("meta"):
+        model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(ConfigError) as caught:
+        estimate(model, (4, 64), device="cpu", precision=precision, setup=Choices(pure_bf16=True))
+    assert list(caught.value.problems) == [p.replace(" (or 'auto')", "") for p in
+                                     Choices(pure_bf16=True).precision_problems(precision)], caught.value.problems
+    assert "auto" not in str(caught.value)
+    line = one_line(*run(["estimate", "--model", "gpt-tiny", "--device", "cpu", "--precision", precision,
+                          "--pure-bf16"], capsys))
+    assert f"--pure-bf16 with --precision '{precision}'" in line and "auto" not in line, line
+    assert estimate(model, (4, 64), device="cpu", precision="bf16-mixed", setup=Choices(pure_bf16=True)).peak_bytes
