@@ -242,12 +242,14 @@ class Choices:
                             f"error, drop {'them' if len(given) > 1 else 'it'}, or run one process.")
         ConfigError.raise_if(problems)
 
-    def precision_problems(self, precision: str) -> list[str]:
-        """What these choices cannot take of a run's ``precision``: pure bf16 computes in bf16 (no fp16 scaler)."""
+    def precision_problems(self, precision: str, *, auto: bool = True) -> list[str]:
+        """What these choices cannot take of a run's ``precision``: pure bf16 computes in bf16 (no fp16 scaler).
+        ``auto``: the caller takes precision='auto' (a run does; an estimate of one set-up does not)."""
         if self.pure_bf16 is True and precision in ("fp32", "fp16-mixed"):
+            either = " (or 'auto')" if auto else ""
             return [f"pure_bf16=True with precision={precision!r}: pure bf16 keeps bf16 weights and computes in bf16 "
-                    "(no fp32 master, no fp16 loss scaling). To resolve this error, pass precision='bf16-mixed' (or "
-                    "'auto'), or drop pure_bf16."]
+                    "(no fp32 master, no fp16 loss scaling). To resolve this error, pass precision='bf16-mixed'"
+                    f"{either}, or drop pure_bf16."]
         return []
 
     @property

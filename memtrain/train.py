@@ -43,6 +43,7 @@ from memtrain.run import (
     MetricsLog,
     RunCheckpoints,
     RunFolder,
+    RunWriteError,
     StopSignals,
     agree_on_stop,
     applied_changes,
@@ -299,6 +300,17 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
             names it and the last good checkpoint, which is intact.
         MemtrainError: out of memory and no plan fits with the shortfall folded in.
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model={model!r:.80} is a {type(model).__name__}, not a torch nn.Module: train() takes the "
+                          "model itself, not its name. To resolve this error, build the model first, e.g. "
+                          "memtrain.hf.load_pretrained(DIR) for a Hugging Face folder or memtrain.models.GPT("
+                          "memtrain.models.GPT_PRESETS['gpt-tiny']) (memtrain train takes names: --hf-model, "
+                          "--model).")
+    # A dict is refused, not converted: TrainConfig is the settings' one spelling, and building it checks the keys.
+    if not isinstance(config, TrainConfig):
+        raise ConfigError(f"config is a {type(config).__name__}, not a TrainConfig. To resolve this error, pass "
+                          + ("TrainConfig(**that_dict), which checks its keys" if isinstance(config, Mapping) else
+                             "memtrain.TrainConfig(max_steps=..., ...)") + ".")
     config.validate()
     if next(iter(model.parameters()), None) is None:
         raise ConfigError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train. To "
@@ -329,7 +341,7 @@ def _take_folder(folder: RunFolder | None, rank: int, world: int, device: torch.
     if rank == 0:
         try:
             folder.lock()
-        except ConfigError as e:
+        except (ConfigError, RunWriteError) as e:  # a bad folder, or a disk with no room for the lock
             error = e
     if world > 1:
         box = [str(error) if error is not None else None]

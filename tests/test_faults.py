@@ -13,6 +13,7 @@ import json
 import math
 import re
 import resource
+import shutil
 import warnings
 
 import numpy as np
@@ -342,3 +343,152 @@ def test_library_errors_reach_the_command_in_flag_terms_not_as_cache_dir_val_fra
         GradientAccumulator._refuse_non_finite(window, float("nan"))
     assert "max_grad_norm" in str(info.value)
     assert "set --grad-clip, or check" in in_flag_terms(str(info.value), "train")
+
+
+# -- issue 33: runs, the run folder, export and the Python API ------------------------------------------------
+def test_lora_on_the_output_head_only_plans_and_trains_the_head_adapter(tmp_path, text_file, model_dir, capsys):
+    """No block gets a gradient (every block frozen below the only adapter): the planner's traces have no block
+    backward, which was a StopIteration in planner/profiles.py; the head's adapter now trains, planned or fixed."""
+    out = tmp_path / "gpt"
+    code, _, err = run(["train", *TINY, "--data", str(text_file), "--lora", "4", "--lora-targets", "head",
+                        "--out", str(out)], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    code, _, err = run(["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN,
+                        "--lora", "4", "--lora-targets", "lm_head", "--checkpointing", "none", "--no-chunked-loss",
+                        "--out", str(tmp_path / "hf")], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    adapters = safetensors.torch.load_file(str(tmp_path / "hf" / "hf" / "adapter_model.safetensors"))
+    assert adapters and all("lm_head" in k for k in adapters), sorted(adapters)
+
+
+@pytest.mark.parametrize("command", ["new run", "resume", "export"])
+@pytest.mark.parametrize("fault", ["ENOSPC", "short write", "ulimit -f 0"])
+def test_a_disk_full_when_the_run_folder_is_taken_is_exit_1_naming_the_lock_file_and_the_bytes(
+        command, fault, tmp_path, text_file, monkeypatch, capsys):
+    """The lock is the first thing a run, a resume or an export writes: a disk with no room for its record was
+    an OSError traceback from os.pwrite (or, where the disk took part of it, a lock naming no holder)."""
+    import errno
+    import os
+
+    out = tmp_path / "run"
+    if command != "new run":
+        assert main(["train", *TINY, "--data", str(text_file), "--save-every", "2", "--out", str(out)]) == 0
+    real_pwrite = os.pwrite
+
+    def full(fd, data, offset):  # the disk fills up as the lock records its holder
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".memtrain-lock"):
+            if fault == "ENOSPC":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_pwrite(fd, data[:5], offset)  # a full disk takes what fits and says how much
+        return real_pwrite(fd, data, offset)
+
+    if fault != "ulimit -f 0":
+        monkeypatch.setattr(os, "pwrite", full)
+    argv = {"new run": ["train", *TINY, "--data", str(text_file), "--out", str(out)],
+            "resume": ["train", "--out", str(out), "--resume", "--max-steps", "6", "--no-progress"],
+            "export": ["export", str(out)]}[command]
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
+    with file_size_limit(0) if fault == "ulimit -f 0" else contextlib.nullcontext():  # the machine's own limit
+        code, lines, err = run(argv, capsys)
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+    line = lines[0]
+    why = "File too large" if fault == "ulimit -f 0" else "No space left on device"
+    assert f"could not write {out / '.memtrain-lock'} ({why})" in line, line
+    assert re.search(r"it needs \d+ B, [\d.]+ [KMG]?i?B free on its disk", line), line
+    assert ("ulimit -f unlimited" if fault == "ulimit -f 0" else "free space on that disk") in line, line
+    assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before  # nothing left behind
+    if command != "new run":
+        assert (out / ".memtrain-lock").read_bytes() == b""  # no part of a record
+
+
+def _cut_in_half(path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_truncated_model_safetensors_beside_a_good_checkpoint_exports_from_the_checkpoint_saying_so(
+        tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--data", str(text_file), "--save-every", "2", "--out", str(out)]) == 0
+    sample = (out / "sample.txt").read_text()
+    _cut_in_half(out / "model.safetensors")  # before: SafetensorError from export and from --resume
+    for argv in (["export", str(out)], ["train", "--out", str(out), "--resume", "--no-progress"]):
+        (out / "sample.txt").unlink()
+        code, lines, err = run(argv, capsys)
+        assert code == 0 and not lines and "Traceback" not in err, err
+        said = [line for line in err.splitlines() + [""] if "not a whole safetensors file" in line]
+        assert len(said) == 1 and f"{out / 'model.safetensors'} is not a whole safetensors file (" in said[0], err
+        assert "the checkpoint of step 4 instead" in said[0] and "left as it is" in said[0], said
+        assert (out / "sample.txt").read_text() == sample  # the checkpoint holds the same weights
+    # More steps resume from the checkpoint, never from model.safetensors, and write it whole again.
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "6", "--no-progress"]) == 0
+    assert len(safetensors.torch.load_file(str(out / "model.safetensors"))) > 0
+    _cut_in_half(out / "model.safetensors")
+    for step in (out / "checkpoints").iterdir():
+        _cut_in_half(step / "tensors.safetensors")
+    line = one_line(*run(["export", str(out)], capsys))
+    assert f"{out / 'model.safetensors'} is not a whole safetensors file (" in line, line
+
+
+def test_export_dtype_for_the_built_in_gpt_is_refused_with_the_reason(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--data", str(text_file), "--out", str(out)]) == 0
+    line = one_line(*run(["export", str(out), "--export-dtype", "bf16"], capsys))  # before: exit 0, ignored
+    assert "--export-dtype bf16" in line and "no hf/" in line and "drop --export-dtype" in line, line
+    assert main(["export", str(out), "--export-dtype", "auto"]) == 0
+
+
+def test_no_progress_holds_for_the_export_of_a_finished_run_after_resume(tmp_path, model_dir, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "docs.jsonl"), *HF_RUN, "--out", str(out)]
+    assert main(argv) == 0
+    shutil.rmtree(out / "hf")
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    stdout, err = capsys.readouterr()
+    assert "hf/ from model.safetensors" in stdout and (out / "hf" / "config.json").is_file(), stdout + err
+    assert "it/s]" not in err and "%|" not in err, err  # before: transformers' "Loading weights" bar
+
+
+# -- the Python API's boundary --------------------------------------------------------------------------------
+def test_train_given_a_model_name_or_a_dict_config_names_the_fix(tmp_path):
+    """Before: AttributeError ('str' object has no attribute 'parameters', 'dict' object has no attribute
+    'validate'). A dict is refused, not converted: TrainConfig is the one spelling of the settings, and building it
+    checks the dict's keys, which train() should not guess at."""
+    from helpers import tiny_gpt
+
+    from memtrain import TrainConfig, train
+    from memtrain.data import ByteWindows
+
+    data = ByteWindows(np.frombuffer(b"def f(x):\n    return x\n" * 50, dtype=np.uint8), 16)
+    with pytest.raises(ConfigError, match=r"model='gpt-tiny' is a str, not a torch nn\.Module.*To resolve this "
+                                          r"error, build the model first.*memtrain\.hf\.load_pretrained"):
+        train("gpt-tiny", data, TrainConfig(max_steps=1))
+    with pytest.raises(ConfigError, match=r"config is a dict, not a TrainConfig.*To resolve this error, pass "
+                                          r"TrainConfig\(\*\*that_dict\)"):
+        train(tiny_gpt(seed=0), data, {"max_steps": 1, "lr": 1e-3})
+    with pytest.raises(ConfigError, match=r"config is a NoneType, not a TrainConfig"):
+        train(tiny_gpt(seed=0), data, None)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_estimate_refuses_pure_bf16_at_a_precision_the_cli_refuses(precision, capsys):
+    """Before: bf16 figures for a set-up that memtrain estimate, train and plan refuse. The same rule
+    (Choices.precision_problems) answers both, and it offers no precision='auto', which estimate has not."""
+    import torch
+
+    from memtrain import estimate
+    from memtrain.choices import Choices
+    from memtrain.models import GPT, GPT_PRESETS
+
+    with torch.device("meta"):
+        model = GPT(GPT_PRESETS["gpt-tiny"])
+    with pytest.raises(ConfigError) as caught:
+        estimate(model, (4, 64), device="cpu", precision=precision, setup=Choices(pure_bf16=True))
+    assert list(caught.value.problems) == [p.replace(" (or 'auto')", "") for p in
+                                     Choices(pure_bf16=True).precision_problems(precision)], caught.value.problems
+    assert "auto" not in str(caught.value)
+    line = one_line(*run(["estimate", "--model", "gpt-tiny", "--device", "cpu", "--precision", precision,
+                          "--pure-bf16"], capsys))
+    assert f"--pure-bf16 with --precision '{precision}'" in line and "auto" not in line, line
+    assert estimate(model, (4, 64), device="cpu", precision="bf16-mixed", setup=Choices(pure_bf16=True)).peak_bytes

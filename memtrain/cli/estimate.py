@@ -20,7 +20,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                           "set-up. To resolve this error, run memtrain plan --budget SIZE (it estimates its choice), "
                           "or pass a policy such as all, every:2 or none.")
     setup = choices_from_flags(args)
-    ConfigError.raise_if([*lora_flag_problems(args), *setup.precision_problems(args.precision)])
+    ConfigError.raise_if([*lora_flag_problems(args), *setup.precision_problems(args.precision, auto=False)])
     target, seq_len, name = meta_target(args)
     policy = setup.checkpointing
     chunked = setup.chunked_loss

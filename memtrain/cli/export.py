@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from memtrain.cli.console import EXIT_OK, echo, log
+from memtrain.cli.console import EXIT_OK, echo, log, third_party_progress
 from memtrain.cli.flags import build_parser, subparser
 from memtrain.cli.terms import HF_MODEL_PATH, flags_of
 from memtrain.cli.workloads import build_language_model
@@ -56,13 +56,18 @@ def export_run(run_dir: str | os.PathLike[str], *,
                               "so its model flags are not recorded. To resolve this error, load model.safetensors "
                               "into the model in Python and call memtrain.hf.save_hf(model, DIR, tokenizer=...).")
         args = _train_args(command)
-        state, source = run_weights(folder)
+        if dtype != "auto" and not (args.hf_model or args.hf_config):
+            raise ConfigError(f"--export-dtype {_dtype_name(dtype)}: the run's model is memtrain's GPT "
+                              f"(--model {args.model}), which has no hf/ folder whose weights it would set; its "
+                              "weights are model.safetensors, as trained, and sample.txt holds text. To resolve "
+                              "this error, drop --export-dtype (it applies to --hf-model and --hf-config runs).")
+        state, source, damage = run_weights(folder)
         model, seq_len = build_language_model(args)
         tokenizer = None
         if args.hf_model:
             with flags_of(HF_MODEL_PATH):
                 tokenizer = load_tokenizer(args.hf_model, needed_for="the run's hf/ folder and sample.txt")
-        load_weights(model, state, f"{folder / source if source == 'model.safetensors' else source} of {folder}")
+        load_weights(model, state, str(folder / source) if source == "model.safetensors" else f"{source} of {folder}")
         written = export_results(folder, model, None, tokenizer, seq_len=seq_len,
                                  sample_bytes=int(train.get("sample_bytes") or 0), seed=int(train.get("seed") or 0),
                                  merge=bool(train.get("merge_lora")), writer=True, dtype=dtype)
@@ -70,7 +75,13 @@ def export_run(run_dir: str | os.PathLike[str], *,
         raise ConfigError(f"{str(folder)!r}: the run's model has nothing to export (no Hugging Face model for hf/, "
                           "no tokenizer or byte-level vocabulary for sample.txt, or sample_bytes=0). To resolve "
                           "this error, use its model.safetensors, which is the run's result.")
+    if damage is not None:  # said with what was written, in its one line
+        source = f"{source} instead, because {damage} (that file is left as it is)"
     return written, source
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in EXPORT_DTYPES.items() if value == dtype)
 
 
 def export_finished_run(args: argparse.Namespace, explicit: set[str]) -> bool:
@@ -94,7 +105,8 @@ def export_finished_run(args: argparse.Namespace, explicit: set[str]) -> bool:
     if reached < max_steps or not missing:
         return False
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun one rank writes; the others have nothing to do
-        written, source = export_run(folder)
+        with third_party_progress(enabled=not args.no_progress):  # transformers' loading and writing bars
+            written, source = export_run(folder)
         log(args, f"--resume: the run in {folder} finished training at step {reached} without writing "
                   f"{' and '.join(missing)}: wrote {', '.join(written)} from {source}; no step trained")
     return True

@@ -52,10 +52,11 @@ def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> Checkpoint
         return None
 
 
-def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any,
+                  precision: Any) -> tuple[dict[str, Any], list[str]]:
     """``estimate``'s one set-up as ``trace``'s keyword arguments (a None in ``setup`` means off, fp32, no offload),
-    with every contradiction between ``setup`` and the ``checkpointing=`` / ``optimizer=`` arguments, in words
-    naming the fix. Where there is a problem the option keeps its default, so the other arguments are still
+    with every contradiction between ``setup`` and the ``checkpointing=`` / ``optimizer=`` / ``precision=``
+    arguments, in words naming the fix. Where there is a problem the option keeps its default, so the other arguments are still
     checked."""
     problems: list[str] = []
     if setup is None:
@@ -64,6 +65,7 @@ def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[di
         problems.append(f"setup={setup!r} is not a memtrain.choices.Choices. To resolve this error, pass e.g. "
                         "setup=Choices(offload_activations=True), or Choices.from_dict(...) of a mapping.")
         setup = Choices()
+    problems += setup.precision_problems(precision, auto=False)  # the rule a run applies: one answer everywhere
     choice = setup.optimizer
     options: dict[str, Any] = {
         "checkpointing": checkpointing, "optimizer": optimizer,

@@ -130,7 +130,8 @@ def estimate(
 
     Raises:
         ConfigError: an unknown device, precision, optimizer or checkpointing policy; a ``setup`` that is not a
-            ``Choices`` or contradicts ``checkpointing=`` / ``optimizer=``; a batch that is missing, does not fit
+            ``Choices`` or contradicts ``checkpointing=`` / ``optimizer=`` / ``precision=`` (pure bf16 needs
+            "bf16-mixed", as a run does); a batch that is missing, does not fit
             the model, or is too large to trace in bounded time. Every problem at once.
         MemtrainError: the model's forward cannot run on fake tensors (the message names the module).
 
@@ -145,7 +146,7 @@ def estimate(
         >>> report.source, report.peak_bytes > report.parameter_bytes, lean.peak_bytes < report.peak_bytes
         ('estimated', True, True)
     """
-    options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer)
+    options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer, precision=precision)
     arguments = dict(device=device, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
                      accumulation=accumulation, weights_dtype=weights_dtype)
     if problems:  # every problem at once: the other arguments' too

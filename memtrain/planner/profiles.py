@@ -70,10 +70,25 @@ class _Segments:
     post_bwd: list[Run]
 
 
+def _without_gradient(bwd: list[Run], blocks: Sequence[str]) -> list[Run]:
+    """``bwd`` with an empty backward run for each block that ran none: a block whose weights are all frozen,
+    below every trainable one (LoRA on the output head only), gets no gradient, so autograd never enters it. Its
+    backward then costs nothing and keeps nothing; it sits where it would have run, after the blocks above it."""
+    ran = {r.label for r in bwd}
+    missing = [name for name in reversed(blocks) if name not in ran]  # backward visits the last block first
+    if not missing:
+        return bwd
+    at = max((i + 1 for i, r in enumerate(bwd) if r.label in blocks), default=len(bwd))
+    alive = bwd[at - 1].end_bytes if at else 0
+    empty = [Run(phase="backward", label=name, start_bytes=alive, peak_bytes=alive, end_bytes=alive,
+                 curve=[alive], serials=[bwd[at - 1].peak_serial if at else 0]) for name in missing]
+    return [*bwd[:at], *empty, *bwd[at:]]
+
+
 def _segments(t: Trace) -> _Segments:
     names = {name: i for i, name in enumerate(t.blocks)}
     fwd = [r for r in t.runs if r.phase == "forward"]
-    bwd = [r for r in t.runs if r.phase == "backward"]
+    bwd = _without_gradient([r for r in t.runs if r.phase == "backward"], t.blocks)
     block_fwd: list[list[Run]] = [[] for _ in t.blocks]
     block_bwd: list[list[Run]] = [[] for _ in t.blocks]
     first = next(i for i, r in enumerate(fwd) if r.label in names)

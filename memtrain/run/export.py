@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from memtrain.errors import ConfigError, MemtrainError
@@ -127,24 +128,37 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
                           "the model and LoRA flags the run was trained with (its config.json records them).")
 
 
-def run_weights(folder: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+def run_weights(folder: str | Path) -> tuple[dict[str, torch.Tensor], str, str | None]:
     """The trained weights of a run folder: its ``model.safetensors`` (a finished run), else the model of its
-    newest intact checkpoint; with where they came from.
+    newest intact checkpoint; with where they came from, and why ``model.safetensors`` was passed over when it is
+    there but damaged (a copy cut short; the file is left as it is, it may hold steps after the checkpoint).
 
     Raises:
-        ConfigError: neither is there.
+        ConfigError: neither is there, or ``model.safetensors`` is damaged and no checkpoint is intact.
     """
     folder = Path(folder)
     path = folder / "model.safetensors"
+    damage = None
     if path.is_file():
-        return safetensors.torch.load_file(str(path)), "model.safetensors"
-    latest = RunCheckpoints(folder).load_latest()  # raises when every checkpoint is damaged
+        try:
+            return safetensors.torch.load_file(str(path)), "model.safetensors", None
+        except SafetensorError as e:
+            damage = f"{path} is not a whole safetensors file ({e})"
+    try:
+        latest = RunCheckpoints(folder).load_latest()  # raises when every checkpoint is damaged
+    except MemtrainError:
+        if damage is None:
+            raise
+        latest = None
     if latest is None:
+        if damage is not None:
+            raise ConfigError(f"{damage}, and the run has no intact checkpoint to export from instead. To resolve "
+                              f"this error, copy {path.name} again from where it came from, or train the run again.")
         raise ConfigError(f"{str(folder)!r} holds no model.safetensors and no checkpoint: the run wrote no weights "
                           "yet. To resolve this error, resume it (memtrain train --out DIR --resume) or pass "
                           "another run folder.")
     step, state, _ = latest
-    return state["model"], f"the checkpoint of step {step}"
+    return state["model"], f"the checkpoint of step {step}", damage
 
 
 def newest_checkpoint_step(folder: str | Path) -> int | None:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from memtrain.errors import ConfigError
-from memtrain.files import atomic_write_bytes
-from memtrain.run.checkpoints import RunCheckpoints
+from memtrain.files import atomic_write_bytes, free_bytes, write_fix
+from memtrain.report import format_bytes
+from memtrain.run.checkpoints import RunCheckpoints, RunWriteError
 
 try:  # POSIX; elsewhere the lock is a pid file only
     import fcntl
@@ -51,6 +52,15 @@ def _is_temporary(name: str) -> bool:
 def _holder() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+
+
+def _record() -> bytes:
+    """What the lock file holds: this process as the folder's holder."""
+    return json.dumps(_holder()).encode()
+
+
+# What a write refuses for want of room: a full disk, a full quota, a file-size limit (``ulimit -f``).
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _alive(holder: Mapping[str, Any]) -> bool:
@@ -198,21 +208,27 @@ class RunFolder:
             ConfigError: another live run holds the folder (its pid, host and start time are named), or a check fails.
         """
         self.check()
+        lock_path = self.path / LOCK
         try:
             self._created_folder = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
-            lock_path = self.path / LOCK
             self._created_lock = not lock_path.exists()
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             self._undo()
+            if e.errno in _NO_ROOM:
+                raise self._no_room(e, lock_path) from None
             raise ConfigError(f"out_dir={str(self.path)!r} cannot be written ({e.strerror}). To resolve this error, "
                               "pass an out_dir you can write to.") from None
         try:
             self._take(fd, lock_path)
-        except BaseException:
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # no part of a record left for the next run to puzzle over
             os.close(fd)
             self._undo()
+            if isinstance(e, OSError) and e.errno in _NO_ROOM:
+                raise self._no_room(e, lock_path) from None
             raise
         self._fd = fd
         try:
@@ -254,8 +270,20 @@ class RunFolder:
         else:
             self._take_pid_file(previous, lock_path)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+        record = _record()
+        # A full disk may take part of the record and say so in the count: a lock naming no holder is no lock.
+        if os.pwrite(fd, record, 0) != len(record):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         os.fsync(fd)
+
+    def _no_room(self, error: OSError, lock_path: Path) -> RunWriteError:
+        """The one line of a disk (or quota, or file-size limit) with no room for the lock: the run folder is
+        taken before anything else is written, so nothing of the run changed."""
+        free = free_bytes(self.path)
+        room = f"; it needs {len(_record())} B, {format_bytes(free)} free on its disk" if free is not None else ""
+        return RunWriteError(f"could not write {lock_path} ({error.strerror or error}){room}: the lock that takes "
+                             f"the run folder, written before anything else, so nothing of the run changed. To "
+                             f"resolve this error, {write_fix(error)}, then run the command again.")
 
     def _take_pid_file(self, previous: dict[str, Any], lock_path: Path) -> None:
         # NOTE: without flock two runs starting in the same instant can both take the folder; the pid file still
