@@ -17,7 +17,7 @@ import itertools
 import random
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -43,8 +43,8 @@ from memtrain.run import (
     MetricsLog,
     RunCheckpoints,
     RunFolder,
+    StopNow,
     StopSignals,
-    agree_on_stop,
     applied_changes,
     data_fingerprint,
     model_fingerprint,
@@ -516,11 +516,19 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
     progress = _Progress(config.max_steps, start_step, enabled=config.progress and rank == 0)
     tally = Tally()
     closing_log = contextlib.closing(metrics_log) if metrics_log is not None else contextlib.nullcontext()
-    with contextlib.closing(progress), closing_log, OptimizerStepWatch() as watch, StopSignals() as signals:
+    signals = StopSignals(distributed=world > 1, out_dir=config.out_dir, last_saved=start_step if config.resume else None)
+    with contextlib.closing(progress), closing_log, OptimizerStepWatch() as watch, signals:
+        signals.watch_backward(s.model)  # a stop is seen in backward too, at each parameter's gradient
         for step in range(start_step, config.max_steps):
             # -- one optimizer step (out of memory: again on a new plan, same examples, same random draws) ---
             lr = s.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves it on after the step
-            figures = _step_retrying_out_of_memory(s, step, watch, config, context)
+            predicted = tally.last.seconds if tally.last else s.run_plan.plan and s.run_plan.plan.step_seconds
+            try:  # a second signal (or the first in a step predicted long) abandons the step within seconds
+                with signals.step(step + 1, predicted, device):
+                    figures = _step_retrying_out_of_memory(s, step, watch, config, context, signals.check)
+            except StopNow as stop:
+                _stop_mid_step(s, step, stop, watch.began, config, run, checkpoints, metrics_log, signals, tally)
+                break
             tally.tokens += figures.tokens * world
             tally.step_seconds += figures.seconds
             figures.tokens_per_s = figures.tokens * world / figures.seconds  # all ranks' tokens in the step's time
@@ -544,10 +552,11 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
                     metrics_log.append(row)
 
             # -- save: every save_every steps, at the end, and on a signal -----------------------------------
-            tally.stopped_by = agree_on_stop(signals.received, device)  # every rank stops after the same step
+            tally.stopped_by = signals.agree(device)  # every rank stops after the same step
             due = config.save_every is not None and (step + 1) % config.save_every == 0
             if checkpoints is not None and (due or tally.stopped_by or step + 1 == config.max_steps):
                 _save(s, step, config, run, checkpoints, metrics_log)
+                signals.last_saved = step + 1
             memory = (f"peak {format_bytes(figures.peak_bytes)}" if figures.peak_bytes is not None
                       else f"saved {format_bytes(figures.activation_bytes)}")
             # The throughput shown is the mean over this session's training steps, as the final summary's.
@@ -562,8 +571,25 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
     return tally
 
 
+def _stop_mid_step(s: Session, step: int, stop: StopNow, began: bool, config: TrainConfig, run: dict[str, Any],
+                   checkpoints: RunCheckpoints | None, metrics_log: MetricsLog | None, signals: StopSignals,
+                   tally: Tally) -> None:
+    """Step ``step`` (from 0) abandoned by a signal: its partial gradients dropped, its random draws undone, the
+    last completed step saved unless it is on disk already or this step had updated some parameters."""
+    signals.stopping()
+    tally.stopped_by = stop.signal_name
+    _release_step(s, next(s.model.parameters()).device)
+    signals.restore_draws()  # the checkpoint holds the draws an uninterrupted run makes from here
+    if checkpoints is not None and not began and step > 0 and signals.last_saved != step:
+        _save(s, step - 1, config, run, checkpoints, metrics_log)
+        signals.last_saved = step
+    _log(signals.abandoned(stop, step + 1, began), s.rank)
+    # No step finished in this session: the result reports the step it started from.
+    tally.last = tally.last or StepFigures(step, float("nan"), float("nan"), False, 0, 0.0, None, 0, 0, 0, 0, None)
+
+
 def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatch, config: TrainConfig,
-                                 context: RunContext) -> StepFigures:
+                                 context: RunContext, check_stop: Callable[[], None]) -> StepFigures:
     """One optimizer step; after an out-of-memory error, the step again on a new plan (at most
     ``MAX_REPLANS_PER_STEP`` times) from the same examples with the same random draws (dropout masks)."""
     device = context.device
@@ -571,7 +597,7 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
     for attempt in itertools.count():
         watch.began = False
         try:
-            return _one_step(s, step, device)
+            return _one_step(s, step, device, check_stop)
         except torch.OutOfMemoryError as e:
             error = str(e)  # the message only: the traceback would pin the step's tensors
         measured_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -719,7 +745,7 @@ class _Progress:
             self.bar.close()
 
 
-def _one_step(s: Session, step: int, device: torch.device) -> StepFigures:
+def _one_step(s: Session, step: int, device: torch.device, check_stop: Callable[[], None]) -> StepFigures:
     """One optimizer step: ``s.accumulation`` micro-batches, then the accumulator's boundary. The first
     micro-batch's saved bytes are counted (not while activations are offloaded: saved-tensor hooks do not stack,
     so the meter stays out; on CUDA the allocator peak is the figure then).
@@ -735,6 +761,7 @@ def _one_step(s: Session, step: int, device: torch.device) -> StepFigures:
     # synchronize=False: the meter must not stall the queue twice per step; it counts saved bytes on the host.
     meter = MemoryMeter(s.model, s.optimizer, synchronize=False)
     for i in range(s.accumulation):
+        check_stop()  # a stop asked for now abandons the step here, between micro-batches
         # Already on the device: DevicePrefetcher copied it during the previous compute.
         x, y, positions = _unpack(next(s.batches))
         with s.acc.micro_batch(is_last=i == s.accumulation - 1):
