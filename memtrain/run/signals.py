@@ -158,9 +158,13 @@ class StopSignals:
         """The line for a step abandoned by ``stop``: what is on disk and how to continue."""
         saved = ("it had begun updating parameters (an optimizer step had started), so nothing new was saved; "
                  if began else "")
-        saved += (f"the last checkpoint is step {self.last_saved}" if self.last_saved is not None else
-                  "no checkpoint was written (no step had finished)")
-        return f"{stop}: stopped during step {step}, which is discarded; {saved}; continue with: {self.resume_text}"
+        return f"{stop}: stopped during step {step}, which is discarded; {saved}{self._how_to_continue()}"
+
+    def _how_to_continue(self) -> str:
+        if self.last_saved is None:
+            return ("no checkpoint was written (no step had finished), so nothing can be resumed: start the run again "
+                    "with --overwrite (overwrite=True)")
+        return f"the last checkpoint is step {self.last_saved}; continue with: {self.resume_text}"
 
     def check(self) -> None:
         """Raises ``StopNow`` when the step in progress is to be abandoned (any thread: backward's hooks run on
@@ -228,12 +232,10 @@ class StopSignals:
     def _exit(self, name: str, why: str) -> None:
         """Ends the process now with the signal's exit code, after one line saying what is on disk."""
         step = f"step {self._step}" if self._step is not None else "the run"
-        saved = (f"the last checkpoint is step {self.last_saved}" if self.last_saved is not None
-                 else "no checkpoint was written")
         rank = f"rank {dist.get_rank()}: " if dist.is_available() and dist.is_initialized() else ""
         with contextlib.suppress(Exception):
-            sys.stderr.write(f"memtrain: {rank}{name} {why}: {step} stopped at once, nothing of it saved; {saved}; "
-                             f"continue with: {self.resume_text}\n")
+            sys.stderr.write(f"memtrain: {rank}{name} {why}: {step} stopped at once, nothing of it saved; "
+                             f"{self._how_to_continue()}\n")
             sys.stderr.flush()
         os._exit(exit_code(name))
 
