@@ -12,6 +12,9 @@ of DDP's gradients.
 
 ``torchrun --nproc_per_node 2 -m memtrain train --hf-model DIR --fsdp`` (with and without --lora, and under DDP)
 writes hf/ and sample.txt as one process does: hf/ loads to the one-process run's logits.
+
+The README's torchrun commands run as written: memtrain's flags after ``--``, so that torchrun's parser does not read
+``--nproc`` or ``--log`` as abbreviations of its own (it stopped at "ambiguous option" before).
 """
 
 from __future__ import annotations
@@ -317,3 +320,56 @@ def test_a_two_rank_run_writes_the_hf_folder_and_sample_of_the_one_process_run(h
     diff = (got - want).abs().max().item()
     assert moved.max().item() > 100 * FSDP_EXPORT_LOGITS_TOL  # training moved the logits: the check can fail
     assert diff <= FSDP_EXPORT_LOGITS_TOL, f"{wrapper or 'DDP'}: hf/ logits differ from one process's by {diff:.2e}"
+
+
+# -- the README's torchrun commands, as written ------------------------------------------------------------------
+def _readme_torchrun_lines() -> list[str]:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    return [line.split("  #")[0].strip() for line in readme.splitlines() if line.startswith("torchrun ")]
+
+
+def test_every_readme_torchrun_command_reaches_memtrain_with_all_its_flags():
+    """torchrun's own parser leaves memtrain's arguments whole (no "ambiguous option", no flag taken as its own),
+    including the two flags it confuses with its own: --nproc (--nproc-per-node) and --log (--log-dir)."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    lines = _readme_torchrun_lines()
+    assert len(lines) == 2 and all(" --nproc " in line or " --log " in line for line in lines), lines
+    for line in lines:
+        argv = shlex.split(line.replace("[--fsdp]", "--fsdp"))[1:]
+        parsed = get_args_parser().parse_args(argv)  # exits 2 on "ambiguous option"
+        assert parsed.module and parsed.training_script == "memtrain", line
+        assert parsed.training_script_args == argv[argv.index("--") + 1:], (line, parsed.training_script_args)
+
+
+@pytest.mark.slow
+def test_the_readme_torchrun_commands_run_as_written(hf_model_dir, export_docs, tmp_path):
+    """Each README torchrun line, its names mapped to tiny files and 2 steps (the flags added go after its own)."""
+    import shlex
+    import subprocess
+    import sys
+
+    pytest.importorskip("tensorboard")
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    names = {"my-llama": str(hf_model_dir), "docs.jsonl": str(export_docs)}
+    for i, line in enumerate(_readme_torchrun_lines()):
+        argv = [names.get(a, a) for a in shlex.split(line.replace(" [--fsdp]", ""))]
+        if "--max-steps" in argv:
+            argv[argv.index("--max-steps") + 1] = "2"
+        if "--out" in argv:
+            argv[argv.index("--out") + 1] = str(tmp_path / f"run{i}")
+        else:
+            argv += ["--out", str(tmp_path / f"run{i}")]
+        small = ["--seq-len", "32", "--global-batch-size", "4", "--max-steps", "2", "--no-progress"]
+        if "--hf-model" not in argv:
+            small += ["--model", "gpt-tiny"]
+        # --standalone: torchrun picks a free port, so parallel test runs do not meet on one.
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:], *small]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
+        assert len((tmp_path / f"run{i}" / "metrics.jsonl").read_text().splitlines()) == 2, line
+        if "--log" in argv:
+            assert any((tmp_path / f"run{i}" / "tensorboard").iterdir()), line
