@@ -90,6 +90,73 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_one_chec
 
 
 
+def _abandoning_worker(rank: int, init_file: str, folder: str) -> None:
+    """Rank 1 receives SIGTERM twice inside its step 2's backward (which would sleep ten minutes); rank 0 waits for
+    it in the step's gradient all-reduce."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=600))  # longer than the test's bound: a hang would show
+    import importlib
+    import time
+
+    import numpy as np
+
+    from memtrain import TrainConfig, train
+    from memtrain.data import split_windows
+    from memtrain.models import GPT, GPTConfig
+
+    train_module = importlib.import_module("memtrain.train")
+    real_loss = train_module.language_model_loss
+    forwards = {"n": 0}
+
+    class SignalledBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, loss):
+            return loss.view_as(loss)
+
+        @staticmethod
+        def backward(ctx, grad):
+            os.kill(os.getpid(), signal.SIGTERM)  # the first asks every rank to stop after the step
+            os.kill(os.getpid(), signal.SIGTERM)  # the second ends this rank now
+            time.sleep(600)
+            return grad
+
+    def loss(model, x, y, position_ids=None):
+        forwards["n"] += 1
+        out = real_loss(model, x, y, position_ids)
+        return SignalledBackward.apply(out) if rank == SIGNALLED_RANK and forwards["n"] == 2 else out
+
+    train_module.language_model_loss = loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=32, n_layer=2, n_head=2, n_embd=32))
+    data = split_windows(np.frombuffer(TEXT, dtype=np.uint8).copy(), 32)
+    config = TrainConfig(max_steps=50, micro_batch_size=2, global_batch_size=4, out_dir=os.path.join(folder, "run"),
+                         progress=False, sample_bytes=0, save_every=1, eval_every=1000)
+    train(model, data, config)
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_the_rank_at_once_and_its_peer_does_not_wait_for_it():
+    """The second signal ends the signalled rank with SIGTERM's code (it cannot save alone: its peer waits inside
+    the step); the peer's all-reduce fails as the connection closes, so it ends too, long before the group's
+    time-out. The checkpoint of step 1 stays the last."""
+    import time
+
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.spawn(_abandoning_worker, args=(os.path.join(folder, "init"), folder), nprocs=WORLD,
+                           join=False)
+        deadline = time.monotonic() + 120
+        while any(p.exitcode is None for p in context.processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = [p.exitcode for p in context.processes]
+        for p in context.processes:
+            if p.exitcode is None:
+                p.kill()
+        assert codes[SIGNALLED_RANK] == 143, codes
+        assert codes[1 - SIGNALLED_RANK] not in (None, 0), codes  # ended (not waiting for its peer), not a success
+        checkpoints = sorted(p.name for p in Path(folder, "run", "checkpoints").iterdir())
+        assert checkpoints == ["step-0000001"], checkpoints
+
+
 # -- apply_plan's DDP and FSDP2 ---------------------------------------------------------------------------------
 SEQ, MICRO, ACCUMULATION, STEPS = 16, 2, 2, 2
 # FSDP2 under bf16-mixed (blocks gathered in bf16, so the residual stream is bf16 too) against DDP (fp32 weights

@@ -162,8 +162,8 @@ class StopSignals:
 
     def _how_to_continue(self) -> str:
         if self.last_saved is None:
-            return ("no checkpoint was written (no step had finished), so nothing can be resumed: start the run again "
-                    "with --overwrite (overwrite=True)")
+            return ("no checkpoint was written yet, so nothing can be resumed: start the run again with --overwrite "
+                    "(overwrite=True)")
         return f"the last checkpoint is step {self.last_saved}; continue with: {self.resume_text}"
 
     def check(self) -> None:
