@@ -79,10 +79,11 @@ def _flags(text_file: Path, out: Path, *extra: str) -> list[str]:
             "--out", str(out), *extra]
 
 
-def _slow_run(tmp_path: Path, text_file: Path, out: Path, mode: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _slow_run(tmp_path: Path, text_file: Path, out: Path, mode: str, *extra: str,
+              slow_step: int = SLOW_STEP) -> tuple[subprocess.Popen, Path]:
     runner, mark = tmp_path / "runner.py", tmp_path / "in-slow-backward"
     runner.write_text(RUNNER)
-    first_of_slow_step = (SLOW_STEP - 1) * (GLOBAL // MICRO) + 1
+    first_of_slow_step = (slow_step - 1) * (GLOBAL // MICRO) + 1
     proc = subprocess.Popen([sys.executable, str(runner), str(first_of_slow_step), mode, str(mark),
                              *_flags(text_file, out, *extra)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -94,21 +95,20 @@ def _slow_run(tmp_path: Path, text_file: Path, out: Path, mode: str, *extra: str
     return proc, mark
 
 
-def _stop_twice(proc: subprocess.Popen) -> tuple[str, float]:
+def _stop_twice(proc: subprocess.Popen) -> tuple[str, str]:
     """SIGTERM, then (the first only asks for a stop after the step, which sleeps ten minutes) a second one;
-    returns stderr and the seconds from the second signal to the end."""
+    returns stdout and stderr."""
     proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     assert proc.poll() is None, "a first signal waits for a step predicted to be short"
     proc.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
     try:
-        _, err = proc.communicate(timeout=STOP_BOUND_S)
+        out, err = proc.communicate(timeout=STOP_BOUND_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
         pytest.fail(f"the run did not stop within {STOP_BOUND_S} s of a second SIGTERM")
-    return err, time.monotonic() - sent
+    return out, err
 
 
 def _steps(out: Path) -> list[int]:
@@ -124,7 +124,7 @@ def test_a_second_sigterm_abandons_a_slow_step_saves_the_last_one_and_resume_is_
     out = tmp_path / "stopped"
     # --save-every 100: no checkpoint before the stop, so the one resumed from is the stop's own.
     proc, _ = _slow_run(tmp_path, text_file, out, "sleep-in-backward", "--save-every", "100")
-    err, _ = _stop_twice(proc)
+    _, err = _stop_twice(proc)
     assert proc.returncode == 143, err  # SIGTERM's code, as `memtrain train --help` documents
     assert (f"SIGTERM received again: stopped during step {SLOW_STEP}, which is discarded; the last checkpoint is "
             f"step {SLOW_STEP - 1}; continue with: memtrain train --out {out} --resume") in err, err
@@ -152,7 +152,7 @@ def test_a_second_sigterm_abandons_a_slow_step_saves_the_last_one_and_resume_is_
 def test_a_second_sigterm_inside_one_long_operation_ends_the_process_and_resume_continues(tmp_path, text_file):
     out = tmp_path / "stuck"
     proc, _ = _slow_run(tmp_path, text_file, out, "one-long-operation", "--save-every", "1")
-    err, _ = _stop_twice(proc)
+    _, err = _stop_twice(proc)
     assert proc.returncode == 143, err
     assert (f"SIGTERM received, and the step in progress did not reach a point where it can stop within 5 s (it is "
             f"inside one long operation): step {SLOW_STEP} stopped at once, nothing of it saved; the last checkpoint "
@@ -163,6 +163,18 @@ def test_a_second_sigterm_inside_one_long_operation_ends_the_process_and_resume_
     assert resumed.returncode == 0, resumed.stderr  # the lock the ended process left is found stale
     assert f"resumed from step {SLOW_STEP - 1}" in resumed.stderr
     assert _steps(out) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_a_run_stopped_inside_its_first_step_says_there_is_nothing_to_resume(tmp_path, text_file):
+    out = tmp_path / "first"
+    proc, _ = _slow_run(tmp_path, text_file, out, "sleep-in-backward", slow_step=1)
+    said, err = _stop_twice(proc)
+    assert proc.returncode == 143, err
+    assert ("SIGTERM received again: stopped during step 1, which is discarded; no checkpoint was written yet, so "
+            "nothing can be resumed: start the run again with --overwrite") in err, err
+    assert "stopped by SIGTERM before its first step finished: nothing to resume" in said, said
+    assert not (out / "checkpoints").exists() or not _checkpoints(out)
 
 
 def _signalled_step(signals: StopSignals, predicted_seconds: float) -> str:

@@ -77,6 +77,7 @@ class StopSignals:
         self._urgent: str | None = None  # why the step in progress must be abandoned (set by either thread)
         self._seen = 0  # signals the watchdog has seen (it sees them while the training thread is inside C)
         self._stopping = threading.Event()  # the loop has taken up the stop: the watchdog stands down
+        self._handled_at_stop = 0  # signals the handler had run for then: the watchdog may see them only later
         self._previous: dict[int, Any] = {}
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._previous_fd = -1
@@ -105,7 +106,7 @@ class StopSignals:
         self._hooks.clear()
         if self._sockets is not None:
             signal.set_wakeup_fd(self._previous_fd)
-            self._stopping.set()
+            self.stopping()  # the watchdog must not act on a signal the handler has run for already
             for end in self._sockets:
                 with contextlib.suppress(OSError):
                     end.shutdown(socket.SHUT_RDWR)  # the watchdog's recv returns: it ends
@@ -174,7 +175,9 @@ class StopSignals:
             raise StopNow(self.received or "SIGTERM", why)
 
     def stopping(self) -> None:
-        """The loop has taken up the stop (it saves and returns): the watchdog stands down."""
+        """The loop has taken up the stop (it saves and returns): the watchdog stands down, unless a further
+        signal comes (the handler has run for every signal so far: this runs in the training thread)."""
+        self._handled_at_stop = self.count
         self._stopping.set()
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -211,7 +214,7 @@ class StopSignals:
                     continue
                 self._seen += 1
                 name = signal.Signals(number).name
-                if self._seen > 1 and self._stopping.is_set() and self._step is None:
+                if self._stopping.is_set() and self._step is None and self._seen > self._handled_at_stop:
                     self._exit(name, "received again while the run was saving and stopping")
                 if self._seen > 1 and self.distributed:
                     self._exit(name, "received again on this rank")
