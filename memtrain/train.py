@@ -516,15 +516,13 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
     progress = _Progress(config.max_steps, start_step, enabled=config.progress and rank == 0)
     tally = Tally()
     closing_log = contextlib.closing(metrics_log) if metrics_log is not None else contextlib.nullcontext()
-    signals = StopSignals(distributed=world > 1, out_dir=config.out_dir, last_saved=start_step if config.resume else None)
+    signals = StopSignals(distributed=world > 1, checkpoints=checkpoints, model=s.model, plan=s.run_plan.plan)
     with contextlib.closing(progress), closing_log, OptimizerStepWatch() as watch, signals:
-        signals.watch_backward(s.model)  # a stop is seen in backward too, at each parameter's gradient
         for step in range(start_step, config.max_steps):
             # -- one optimizer step (out of memory: again on a new plan, same examples, same random draws) ---
             lr = s.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves it on after the step
-            predicted = tally.last.seconds if tally.last else s.run_plan.plan and s.run_plan.plan.step_seconds
             try:  # a second signal (or the first in a step predicted long) abandons the step within seconds
-                with signals.step(step + 1, predicted, device):
+                with signals.step(step + 1, device):
                     figures = _step_retrying_out_of_memory(s, step, watch, config, context, signals.check)
             except StopNow as stop:
                 _stop_mid_step(s, step, stop, watch.began, config, run, checkpoints, metrics_log, signals, tally)
@@ -556,7 +554,6 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
             due = config.save_every is not None and (step + 1) % config.save_every == 0
             if checkpoints is not None and (due or tally.stopped_by or step + 1 == config.max_steps):
                 _save(s, step, config, run, checkpoints, metrics_log)
-                signals.last_saved = step + 1
             memory = (f"peak {format_bytes(figures.peak_bytes)}" if figures.peak_bytes is not None
                       else f"saved {format_bytes(figures.activation_bytes)}")
             # The throughput shown is the mean over this session's training steps, as the final summary's.
@@ -574,17 +571,15 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
 def _stop_mid_step(s: Session, step: int, stop: StopNow, began: bool, config: TrainConfig, run: dict[str, Any],
                    checkpoints: RunCheckpoints | None, metrics_log: MetricsLog | None, signals: StopSignals,
                    tally: Tally) -> None:
-    """Step ``step`` (from 0) abandoned by a signal: its partial gradients dropped, its random draws undone, the
-    last completed step saved unless it is on disk already or this step had updated some parameters."""
+    """Step ``step`` (from 0) abandoned by a signal: its gradients and draws undone, the last finished step saved
+    (unless on disk already, or this step updated parameters); the result's step is the last finished one."""
     signals.stopping()
     tally.stopped_by = stop.signal_name
     _release_step(s, next(s.model.parameters()).device)
     signals.restore_draws()  # the checkpoint holds the draws an uninterrupted run makes from here
     if checkpoints is not None and not began and step > 0 and signals.last_saved != step:
         _save(s, step - 1, config, run, checkpoints, metrics_log)
-        signals.last_saved = step
     _log(signals.abandoned(stop, step + 1, began), s.rank)
-    # No step finished in this session: the result reports the step it started from.
     tally.last = tally.last or StepFigures(step, float("nan"), float("nan"), False, 0, 0.0, None, 0, 0, 0, 0, None)
 
 

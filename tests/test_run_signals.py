@@ -177,10 +177,10 @@ def test_a_run_stopped_inside_its_first_step_says_there_is_nothing_to_resume(tmp
     assert not (out / "checkpoints").exists() or not _checkpoints(out)
 
 
-def _signalled_step(signals: StopSignals, predicted_seconds: float) -> str:
+def _signalled_step(signals: StopSignals) -> str:
     """A step during which this process receives SIGTERM; "abandoned" or "finished"."""
     try:
-        with signals.step(1, predicted_seconds, torch.device("cpu")):
+        with signals.step(1, torch.device("cpu")):
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):  # Python runs here: the handler runs between two of these
                 signals.check()
@@ -193,12 +193,13 @@ def _signalled_step(signals: StopSignals, predicted_seconds: float) -> str:
 
 def test_the_first_signal_abandons_a_step_predicted_long_and_waits_for_a_short_one():
     before = signal.getsignal(signal.SIGTERM)
-    with StopSignals() as signals:
-        assert _signalled_step(signals, STOP_WAIT_S / 10) == "finished"
+    with StopSignals(predicted_seconds=STOP_WAIT_S / 10) as signals:
+        assert _signalled_step(signals) == "finished"
         assert signals.received == "SIGTERM" and signals.count == 1
-    with StopSignals() as signals:
-        assert _signalled_step(signals, STOP_WAIT_S * 10) == "abandoned"
+    with StopSignals(predicted_seconds=STOP_WAIT_S * 10) as signals:
+        assert _signalled_step(signals) == "abandoned"
         assert signals.received == "SIGTERM"
-    with StopSignals(distributed=True) as signals:  # every rank must stop after the same step: never abandoned
-        assert _signalled_step(signals, STOP_WAIT_S * 10) == "finished"
+    # Every rank must stop after the same step: never abandoned on the first signal.
+    with StopSignals(distributed=True, predicted_seconds=STOP_WAIT_S * 10) as signals:
+        assert _signalled_step(signals) == "finished"
     assert signal.getsignal(signal.SIGTERM) is before  # the handler it replaced is back

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memtrain.run.checkpoints import CHECKPOINT_PREFIX, RunCheckpoints
+
 # A first signal waits for the step in progress only when that step is predicted to end within this many seconds;
 # a longer step is abandoned at once (the last completed step is saved), so that a stop takes seconds, not minutes.
 STOP_WAIT_S = 20.0
@@ -57,19 +59,25 @@ class StopSignals:
     Args:
         distributed: several ranks train together: a first signal never abandons a step (every rank must stop
             after the same one) and a second ends this rank's process.
-        out_dir: the run folder (None: none), for the line that says how to continue.
-        last_saved: the newest step with a checkpoint on disk (a resumed run's), kept up to date by the loop.
+        checkpoints: the run's checkpoints (None: no run folder), for what is on disk and how to continue.
+        model: its trainable parameters get a check in backward (``watch_backward``).
+        plan: the run's plan (None: none), whose ``step_seconds`` predicts the first step; each later step is
+            predicted to take as long as the one before.
+        predicted_seconds: the first step's predicted time, without a plan.
 
-    The loop marks each step (``step``) with its predicted seconds, calls ``check`` between micro-batches, and
-    agrees on a stop after each step (``agree``); once it stops, only a further signal ends the process at once.
+    The loop marks each step (``step``), calls ``check`` between micro-batches, and agrees on a stop after each
+    step (``agree``); once it stops, only a further signal ends the process at once.
     """
 
-    def __init__(self, *, distributed: bool = False, out_dir: Any = None, last_saved: int | None = None) -> None:
+    def __init__(self, *, distributed: bool = False, checkpoints: RunCheckpoints | None = None,
+                 model: torch.nn.Module | None = None, plan: Any = None, predicted_seconds: float | None = None) -> None:
         self.received: str | None = None  # the first signal's name
         self.count = 0  # signals the handler has run for
-        self.last_saved = last_saved
         self.distributed = distributed
-        self.resume_text = f"memtrain train --out {out_dir} --resume" if out_dir else "resume=True"
+        self.predicted_seconds = plan.step_seconds if plan is not None else predicted_seconds
+        self._checkpoints, self._model = checkpoints, model
+        out = checkpoints.root.parent if checkpoints is not None else None
+        self.resume_text = f"memtrain train --out {out} --resume" if out is not None else "resume=True"
         self._step: int | None = None  # the step in progress (counted from 1), while its micro-batches run
         self._draws: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the RNG at the step's start
         self._device = torch.device("cpu")
@@ -98,6 +106,8 @@ class StopSignals:
             return self
         self._sockets = reader, writer
         threading.Thread(target=self._watch, args=(reader,), name="memtrain-stop-watchdog", daemon=True).start()
+        if self._model is not None:
+            self.watch_backward(self._model)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -123,19 +133,28 @@ class StopSignals:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda _: self.check()))
 
+    @property
+    def last_saved(self) -> int | None:
+        """The newest step with a checkpoint on disk (None: none, or no run folder)."""
+        paths = self._checkpoints.paths() if self._checkpoints is not None else []
+        return int(paths[0].name.removeprefix(CHECKPOINT_PREFIX)) if paths else None
+
     @contextlib.contextmanager
-    def step(self, number: int, predicted_seconds: float | None, device: torch.device) -> Iterator[None]:
+    def step(self, number: int, device: torch.device) -> Iterator[None]:
         """Marks step ``number`` (counted from 1) as in progress: a stop may abandon it while inside. Keeps the
-        random generators' state at its start (``restore_draws``)."""
-        self._long = predicted_seconds is not None and predicted_seconds > STOP_WAIT_S and not self.distributed
+        random generators' state at its start (``restore_draws``) and its time (the next step's prediction)."""
+        predicted = self.predicted_seconds
+        self._long = predicted is not None and predicted > STOP_WAIT_S and not self.distributed
         self._draws = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         self._device = device
         self._step = number
+        began = time.monotonic()
         try:
             if self.received is not None and self._long:  # a stop was asked for before this long step began
                 self._urgent = self._urgent or f"received before a step predicted to take over {STOP_WAIT_S:.0f} s"
             self.check()
             yield
+            self.predicted_seconds = time.monotonic() - began
         finally:
             self._step = None
 
