@@ -17,7 +17,7 @@ import itertools
 import random
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.data import Dataset, Sampler, Subset
+from torch.utils.data import Dataset, Subset
 from tqdm import tqdm
 
 from memtrain.accumulation import GradientAccumulator, accumulation_steps
 from memtrain.checkpointing import checkpoint_spec, compile_model
 from memtrain.choices import default_global_batch
 from memtrain.config import TrainConfig, TrainResult
-from memtrain.data import DevicePrefetcher, make_loader, map_tensors
+from memtrain.data import DevicePrefetcher, StepBatches, make_loader, map_tensors
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import language_model_loss
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
@@ -44,8 +44,8 @@ from memtrain.run import (
     RunCheckpoints,
     RunFolder,
     RunWriteError,
+    StopNow,
     StopSignals,
-    agree_on_stop,
     applied_changes,
     data_fingerprint,
     model_fingerprint,
@@ -80,44 +80,6 @@ MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one 
 def _log(message: str, rank: int = 0) -> None:
     if rank == 0:
         tqdm.write(message, file=sys.stderr)
-
-
-# -- which examples each step uses ---------------------------------------------------------------------------
-class StepBatches(Sampler[list[int]]):
-    """Micro-batches of example indices, from optimizer step ``start`` on; depends only on (seed, step).
-
-    Step ``s`` uses examples ``[s*G, (s+1)*G)`` of an endless stream of per-epoch shuffles (G: the global batch);
-    rank ``r`` takes its slice, cut into micro-batches. Resuming at step ``s`` or retrying a step with a smaller
-    micro-batch therefore sees exactly the examples an uninterrupted run sees.
-    """
-
-    def __init__(self, num_examples: int, global_batch: int, micro_batch: int, *, seed: int, start: int = 0,
-                 rank: int = 0, world: int = 1):
-        self.n, self.global_batch, self.micro_batch = num_examples, global_batch, micro_batch
-        self.seed, self.start, self.rank, self.world = seed, start, rank, world
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))}
-        return self._perms[epoch]
-
-    def step_indices(self, step: int) -> list[int]:
-        first = step * self.global_batch
-        out = [int(self._perm(i // self.n)[i % self.n]) for i in range(first, first + self.global_batch)]
-        share = self.global_batch // self.world
-        return out[self.rank * share:(self.rank + 1) * share]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        step = self.start
-        while True:
-            mine = self.step_indices(step)
-            for i in range(0, len(mine), self.micro_batch):
-                yield mine[i:i + self.micro_batch]
-            step += 1
-
-    def __len__(self) -> int:  # endless; DataLoader only asks for len() when someone calls len(loader)
-        return sys.maxsize
 
 
 # -- pieces of the loop -------------------------------------------------------------------------------------
@@ -534,11 +496,17 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
     progress = _Progress(config.max_steps, start_step, enabled=config.progress and rank == 0)
     tally = Tally()
     closing_log = contextlib.closing(metrics_log) if metrics_log is not None else contextlib.nullcontext()
-    with contextlib.closing(progress), closing_log, OptimizerStepWatch() as watch, StopSignals() as signals:
+    signals = StopSignals(distributed=world > 1, checkpoints=checkpoints, model=s.model, plan=s.run_plan.plan)
+    with contextlib.closing(progress), closing_log, OptimizerStepWatch() as watch, signals:
         for step in range(start_step, config.max_steps):
             # -- one optimizer step (out of memory: again on a new plan, same examples, same random draws) ---
             lr = s.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves it on after the step
-            figures = _step_retrying_out_of_memory(s, step, watch, config, context)
+            try:  # a second signal (or the first in a step predicted long) abandons the step within seconds
+                with signals.step(step + 1, device):
+                    figures = _step_retrying_out_of_memory(s, step, watch, config, context, signals.check)
+            except StopNow as stop:
+                _stop_mid_step(s, step, stop, watch.began, config, run, checkpoints, metrics_log, signals, tally)
+                break
             tally.tokens += figures.tokens * world
             tally.step_seconds += figures.seconds
             figures.tokens_per_s = figures.tokens * world / figures.seconds  # all ranks' tokens in the step's time
@@ -562,7 +530,7 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
                     metrics_log.append(row)
 
             # -- save: every save_every steps, at the end, and on a signal -----------------------------------
-            tally.stopped_by = agree_on_stop(signals.received, device)  # every rank stops after the same step
+            tally.stopped_by = signals.agree(device)  # every rank stops after the same step
             due = config.save_every is not None and (step + 1) % config.save_every == 0
             if checkpoints is not None and (due or tally.stopped_by or step + 1 == config.max_steps):
                 _save(s, step, config, run, checkpoints, metrics_log)
@@ -580,8 +548,23 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
     return tally
 
 
+def _stop_mid_step(s: Session, step: int, stop: StopNow, began: bool, config: TrainConfig, run: dict[str, Any],
+                   checkpoints: RunCheckpoints | None, metrics_log: MetricsLog | None, signals: StopSignals,
+                   tally: Tally) -> None:
+    """Step ``step`` (from 0) abandoned by a signal: its gradients and draws undone, the last finished step saved
+    (unless on disk already, or this step updated parameters); the result's step is the last finished one."""
+    signals.stopping()
+    tally.stopped_by = stop.signal_name
+    _release_step(s, next(s.model.parameters()).device)
+    signals.restore_draws()  # the checkpoint holds the draws an uninterrupted run makes from here
+    if checkpoints is not None and not began and step > 0 and signals.last_saved != step:
+        _save(s, step - 1, config, run, checkpoints, metrics_log)
+    _log(signals.abandoned(stop, step + 1, began), s.rank)
+    tally.last = tally.last or StepFigures(step, float("nan"), float("nan"), False, 0, 0.0, None, 0, 0, 0, 0, None)
+
+
 def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatch, config: TrainConfig,
-                                 context: RunContext) -> StepFigures:
+                                 context: RunContext, check_stop: Callable[[], None]) -> StepFigures:
     """One optimizer step; after an out-of-memory error, the step again on a new plan (at most
     ``MAX_REPLANS_PER_STEP`` times) from the same examples with the same random draws (dropout masks)."""
     device = context.device
@@ -589,7 +572,7 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
     for attempt in itertools.count():
         watch.began = False
         try:
-            return _one_step(s, step, device)
+            return _one_step(s, step, device, check_stop)
         except torch.OutOfMemoryError as e:
             error = str(e)  # the message only: the traceback would pin the step's tensors
         measured_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -737,7 +720,7 @@ class _Progress:
             self.bar.close()
 
 
-def _one_step(s: Session, step: int, device: torch.device) -> StepFigures:
+def _one_step(s: Session, step: int, device: torch.device, check_stop: Callable[[], None]) -> StepFigures:
     """One optimizer step: ``s.accumulation`` micro-batches, then the accumulator's boundary. The first
     micro-batch's saved bytes are counted (not while activations are offloaded: saved-tensor hooks do not stack,
     so the meter stays out; on CUDA the allocator peak is the figure then).
@@ -753,6 +736,7 @@ def _one_step(s: Session, step: int, device: torch.device) -> StepFigures:
     # synchronize=False: the meter must not stall the queue twice per step; it counts saved bytes on the host.
     meter = MemoryMeter(s.model, s.optimizer, synchronize=False)
     for i in range(s.accumulation):
+        check_stop()  # a stop asked for now abandons the step here, between micro-batches
         # Already on the device: DevicePrefetcher copied it during the previous compute.
         x, y, positions = _unpack(next(s.batches))
         with s.acc.micro_batch(is_last=i == s.accumulation - 1):

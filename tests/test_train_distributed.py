@@ -12,6 +12,9 @@ of DDP's gradients.
 
 ``torchrun --nproc_per_node 2 -m memtrain train --hf-model DIR --fsdp`` (with and without --lora, and under DDP)
 writes hf/ and sample.txt as one process does: hf/ loads to the one-process run's logits.
+
+The README's torchrun commands run as written: memtrain's flags after ``--``, so that torchrun's parser does not read
+``--nproc`` or ``--log`` as abbreviations of its own (it stopped at "ambiguous option" before).
 """
 
 from __future__ import annotations
@@ -85,6 +88,73 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_one_chec
         steps = [json.loads(line)["step"] for line in Path(folder, "run", "metrics.jsonl").read_text().splitlines()]
         assert steps == list(range(1, SIGNALLED_AT_STEP + 1)), steps
 
+
+
+def _abandoning_worker(rank: int, init_file: str, folder: str) -> None:
+    """Rank 1 receives SIGTERM twice inside its step 2's backward (which would sleep ten minutes); rank 0 waits for
+    it in the step's gradient all-reduce."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=600))  # longer than the test's bound: a hang would show
+    import importlib
+    import time
+
+    import numpy as np
+
+    from memtrain import TrainConfig, train
+    from memtrain.data import split_windows
+    from memtrain.models import GPT, GPTConfig
+
+    train_module = importlib.import_module("memtrain.train")
+    real_loss = train_module.language_model_loss
+    forwards = {"n": 0}
+
+    class SignalledBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, loss):
+            return loss.view_as(loss)
+
+        @staticmethod
+        def backward(ctx, grad):
+            os.kill(os.getpid(), signal.SIGTERM)  # the first asks every rank to stop after the step
+            os.kill(os.getpid(), signal.SIGTERM)  # the second ends this rank now
+            time.sleep(600)
+            return grad
+
+    def loss(model, x, y, position_ids=None):
+        forwards["n"] += 1
+        out = real_loss(model, x, y, position_ids)
+        return SignalledBackward.apply(out) if rank == SIGNALLED_RANK and forwards["n"] == 2 else out
+
+    train_module.language_model_loss = loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=32, n_layer=2, n_head=2, n_embd=32))
+    data = split_windows(np.frombuffer(TEXT, dtype=np.uint8).copy(), 32)
+    config = TrainConfig(max_steps=50, micro_batch_size=2, global_batch_size=4, out_dir=os.path.join(folder, "run"),
+                         progress=False, sample_bytes=0, save_every=1, eval_every=1000)
+    train(model, data, config)
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_the_rank_at_once_and_its_peer_does_not_wait_for_it():
+    """The second signal ends the signalled rank with SIGTERM's code (it cannot save alone: its peer waits inside
+    the step); the peer's all-reduce fails as the connection closes, so it ends too, long before the group's
+    time-out. The checkpoint of step 1 stays the last."""
+    import time
+
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.spawn(_abandoning_worker, args=(os.path.join(folder, "init"), folder), nprocs=WORLD,
+                           join=False)
+        deadline = time.monotonic() + 120
+        while any(p.exitcode is None for p in context.processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = [p.exitcode for p in context.processes]
+        for p in context.processes:
+            if p.exitcode is None:
+                p.kill()
+        assert codes[SIGNALLED_RANK] == 143, codes
+        assert codes[1 - SIGNALLED_RANK] not in (None, 0), codes  # ended (not waiting for its peer), not a success
+        checkpoints = sorted(p.name for p in Path(folder, "run", "checkpoints").iterdir())
+        assert checkpoints == ["step-0000001"], checkpoints
 
 
 # -- apply_plan's DDP and FSDP2 ---------------------------------------------------------------------------------
@@ -317,3 +387,56 @@ def test_a_two_rank_run_writes_the_hf_folder_and_sample_of_the_one_process_run(h
     diff = (got - want).abs().max().item()
     assert moved.max().item() > 100 * FSDP_EXPORT_LOGITS_TOL  # training moved the logits: the check can fail
     assert diff <= FSDP_EXPORT_LOGITS_TOL, f"{wrapper or 'DDP'}: hf/ logits differ from one process's by {diff:.2e}"
+
+
+# -- the README's torchrun commands, as written ------------------------------------------------------------------
+def _readme_torchrun_lines() -> list[str]:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    return [line.split("  #")[0].strip() for line in readme.splitlines() if line.startswith("torchrun ")]
+
+
+def test_every_readme_torchrun_command_reaches_memtrain_with_all_its_flags():
+    """torchrun's own parser leaves memtrain's arguments whole (no "ambiguous option", no flag taken as its own),
+    including the two flags it confuses with its own: --nproc (--nproc-per-node) and --log (--log-dir)."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    lines = _readme_torchrun_lines()
+    assert len(lines) == 2 and all(" --nproc " in line or " --log " in line for line in lines), lines
+    for line in lines:
+        argv = shlex.split(line.replace("[--fsdp]", "--fsdp"))[1:]
+        parsed = get_args_parser().parse_args(argv)  # exits 2 on "ambiguous option"
+        assert parsed.module and parsed.training_script == "memtrain", line
+        assert parsed.training_script_args == argv[argv.index("--") + 1:], (line, parsed.training_script_args)
+
+
+@pytest.mark.slow
+def test_the_readme_torchrun_commands_run_as_written(hf_model_dir, export_docs, tmp_path):
+    """Each README torchrun line, its names mapped to tiny files and 2 steps (the flags added go after its own)."""
+    import shlex
+    import subprocess
+    import sys
+
+    pytest.importorskip("tensorboard")
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    names = {"my-llama": str(hf_model_dir), "docs.jsonl": str(export_docs)}
+    for i, line in enumerate(_readme_torchrun_lines()):
+        argv = [names.get(a, a) for a in shlex.split(line.replace(" [--fsdp]", ""))]
+        if "--max-steps" in argv:
+            argv[argv.index("--max-steps") + 1] = "2"
+        if "--out" in argv:
+            argv[argv.index("--out") + 1] = str(tmp_path / f"run{i}")
+        else:
+            argv += ["--out", str(tmp_path / f"run{i}")]
+        small = ["--seq-len", "32", "--global-batch-size", "4", "--max-steps", "2", "--no-progress"]
+        if "--hf-model" not in argv:
+            small += ["--model", "gpt-tiny"]
+        # --standalone: torchrun picks a free port, so parallel test runs do not meet on one.
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:], *small]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
+        assert len((tmp_path / f"run{i}" / "metrics.jsonl").read_text().splitlines()) == 2, line
+        if "--log" in argv:
+            assert any((tmp_path / f"run{i}" / "tensorboard").iterdir()), line

@@ -1,5 +1,10 @@
 """How the process was launched: torchrun's environment (checked), the distributed group it asks for, and the
---nproc check (memtrain train starts no processes itself)."""
+--nproc check (memtrain train starts no processes itself).
+
+Under torchrun memtrain's arguments follow ``--`` (``torchrun --nproc_per_node 2 -m memtrain -- train --nproc 2``):
+torchrun's parser reads every flag before it as a possible abbreviation of its own (``--nproc`` of
+``--nproc-per-node``, ``--log`` of ``--log-dir``) and stops at "ambiguous option"; it passes what follows ``--`` on.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ def _launch_environment() -> tuple[int, int]:
         if missing:
             raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
                               " not: memtrain joins a distributed group only as torchrun starts it. To resolve this "
-                              f"error, launch with torchrun --nproc_per_node {world} -m memtrain train ..., or unset "
+                              f"error, launch with torchrun --nproc_per_node {world} -m memtrain -- train ..., or unset "
                               "WORLD_SIZE.")
     elif world < 1:
         raise ConfigError(f"WORLD_SIZE={world} must be >= 1. To resolve this error, unset WORLD_SIZE.")
@@ -75,7 +80,7 @@ def _join_group(backend: str, world: int) -> None:
         raise MemtrainError(
             f"RANK={os.environ['RANK']} of WORLD_SIZE={world} could not meet its peers at {address} within "
             f"{seconds:g} s ({' '.join(str(e).split())[:200]}). To resolve this error, start every rank (torchrun "
-            f"--nproc_per_node {world} -m memtrain train ... starts them together), check MASTER_ADDR and "
+            f"--nproc_per_node {world} -m memtrain -- train ... starts them together), check MASTER_ADDR and "
             f"MASTER_PORT, or wait longer with {RENDEZVOUS_TIMEOUT_ENV}=SECONDS.") from None
     store.set_timeout(default_pg_timeout)  # what init_process_group's own rendezvous leaves it at
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world)
@@ -114,7 +119,8 @@ def nproc_problems(nproc: int) -> list[str]:
     if "WORLD_SIZE" not in os.environ:
         return [f"--nproc {nproc}: this is one process, not started by torchrun (memtrain train starts no "
                 "processes itself). To resolve this error, launch torchrun --nproc_per_node "
-                f"{nproc} -m memtrain train ..., or drop --nproc."]
+                f"{nproc} -m memtrain -- train --nproc {nproc} ... (memtrain's flags after --: torchrun would read "
+                "--nproc as an abbreviation of its own --nproc-per-node), or drop --nproc."]
     return [f"--nproc {nproc}, but torchrun started WORLD_SIZE={world} processes. To resolve this error, pass "
             f"--nproc {world} (or drop it), or launch torchrun --nproc_per_node {nproc}."]
 

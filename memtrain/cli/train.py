@@ -175,7 +175,10 @@ def _eval_rows(args: argparse.Namespace, tokenizer: Any, seq_len: int) -> Any:
 
 def _log_result(args: argparse.Namespace, result: TrainResult) -> None:
     """The run's last line: how it stopped, or its loss, speed and memory; with --json the result on stdout."""
-    if result.stopped_by:
+    if result.stopped_by and not result.steps:  # stopped inside its first step: no checkpoint to continue from
+        log(args, f"stopped by {result.stopped_by} before its first step finished: nothing to resume; start it again "
+                  "with the same command and --overwrite")
+    elif result.stopped_by:
         log(args, f"stopped by {result.stopped_by} after step {result.steps}; checkpoint in {result.out_dir}; "
                   f"continue with: memtrain train --out {result.out_dir} --resume")
     else:

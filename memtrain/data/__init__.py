@@ -10,6 +10,7 @@ Read in this order:
     buckets      LengthBucketSampler: batches of similar lengths, the costliest first, dealt out to the ranks
     loader       make_loader: worker, pinning and prefetch settings checked against the machine, with reasons
     prefetch     DevicePrefetcher: the host->device copy of the next batch hidden behind compute
+    step_batches StepBatches: the examples of each optimizer step, from (seed, step) alone (exact resume)
 """
 
 from memtrain.data.buckets import LengthBucketSampler
@@ -26,6 +27,7 @@ from memtrain.data.documents import Document, TokenDocuments, stdlib_documents
 from memtrain.data.loader import LoaderSettings, Machine, make_loader, resolve_loader_settings
 from memtrain.data.packed_rows import PackedRow, PackedRows, hf_collate, tokenized_rows
 from memtrain.data.prefetch import DevicePrefetcher, map_tensors
+from memtrain.data.step_batches import StepBatches
 from memtrain.data.token_cache import token_cache_path, tokenize_file
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "PackedRow",
     "PackedRows",
     "PadCollate",
+    "StepBatches",
     "TokenBatch",
     "TokenDocuments",
     "builtin_corpus",

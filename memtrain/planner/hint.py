@@ -1,6 +1,7 @@
-"""The planner's pure bf16 candidates: searched when the user fixes ``pure_bf16``, otherwise composed only for one
-``Hint:`` line (or a fix named by the nothing-fits error), since pure bf16 changes the numerics and the plan never
-picks it on its own.
+"""The plan's ``Hint:`` lines: the pure bf16 candidates (searched when the user fixes ``pure_bf16``, otherwise
+composed only for one hint, or a fix named by the nothing-fits error, since pure bf16 changes the numerics and the
+plan never picks it on its own), and sizes that work but are rarely meant (``size_hints``): the built-in GPT's
+position table grown past the rest of the model, a step predicted to take many minutes.
 """
 
 from __future__ import annotations
@@ -12,14 +13,21 @@ from typing import Any
 
 import numpy as np
 
+from memtrain.models import GPT
 from memtrain.planner.cost import CandidateTable, Composer
-from memtrain.planner.settings import Distribution, Fixed, OptimizerPlacement, PlanSettings
+from memtrain.planner.settings import Distribution, Fixed, OptimizerPlacement, PlanSettings, Problem
 from memtrain.report import format_bytes
 
 _HINT_TRIES = 3  # full estimates of pure bf16 candidates, fastest first, before giving up on the hint
 # A faster pure bf16 set-up is worth a hint only when it is this much faster: a change of numerics for less is not
 # worth suggesting, and it is within the cost model's error (LoRA's few trainable weights gain about 0.2%).
 HINT_MIN_GAIN = 0.05
+# A step predicted to take this long gets a hint: minutes a step is rarely meant (a sequence far longer than the
+# model was sized for, a large model on a CPU), and the user sees nothing move for that long.
+SLOW_STEP_HINT_S = 300.0
+# The built-in GPT learns one position vector per token of --seq-len: past this share of the model's parameters the
+# sequence length, not the model, sets its size.
+POSITION_TABLE_HINT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -107,3 +115,34 @@ def hint_lines(hint: PureBF16Hint | None, chosen_seconds: float) -> tuple[str, .
     if hint is None or hint.seconds * (1 + HINT_MIN_GAIN) > chosen_seconds:
         return ()
     return (f"Hint: {hint.text('--pure-bf16 (pure_bf16=True)')}, would be {100 * (chosen_seconds / hint.seconds - 1):.1f}% faster than this plan",)
+
+
+def size_hints(ctx: Problem, step_seconds: float) -> tuple[str, ...]:
+    """``Hint:`` lines for sizes that work but are rarely meant: the built-in GPT's learned position table holding
+    more than ``POSITION_TABLE_HINT_SHARE`` of its parameters (it grows with ``seq_len``: a Hugging Face model
+    refuses a ``seq_len`` past its ``max_position_embeddings`` instead), and a step predicted to take more than
+    ``SLOW_STEP_HINT_S`` seconds."""
+    lines = []
+    gpt = next((m for m in ctx.model.modules() if isinstance(m, GPT)), None)
+    if gpt is not None:
+        table = gpt.wpe.weight.numel()
+        total = sum(p.numel() for p in gpt.parameters())
+        if table > POSITION_TABLE_HINT_SHARE * total:
+            width = gpt.wpe.embedding_dim
+            at_most = max(1, (total - table) // width)  # the seq_len whose table is as large as the rest
+            lines.append(
+                f"Hint: --seq-len {ctx.seq_len} (seq_len) gives the built-in GPT a learned position table of "
+                f"{ctx.seq_len:,} x {width} = {table / 1e6:.2f}M parameters, {table / total:.0%} of its "
+                f"{total / 1e6:.2f}M (the table grows with the sequence length; the rest of the model does not), and "
+                "attention's time and memory grow with the square of the sequence. To train on long sequences, pass "
+                f"a larger --model; to keep this one, a --seq-len of {at_most:,} or less keeps the table at most half "
+                "of the model")
+    if step_seconds > SLOW_STEP_HINT_S:
+        tokens = ctx.global_batch * ctx.seq_len
+        where = "the CPU" if ctx.device == "cpu" else f"the {ctx.device} device"
+        lines.append(
+            f"Hint: the plan predicts {step_seconds / 60:,.1f} minutes a step on {where} ({tokens:,} tokens a step at "
+            f"{tokens / step_seconds:,.0f} tokens/s): nothing moves on the progress bar for that long. To make a step "
+            "shorter, pass a shorter --seq-len (attention's time grows with its square), a smaller "
+            f"--global-batch-size or a smaller model{', or train on a GPU' if ctx.device == 'cpu' else ''}")
+    return tuple(lines)

@@ -42,7 +42,7 @@ from memtrain.optim import INT8_DEVICES
 from memtrain.planner.checks import check_choices, check_fixed, check_plan_arguments, check_settings, divisors
 from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
 from memtrain.planner.devices import DeviceProfile, device_profile
-from memtrain.planner.hint import hint_lines, pure_bf16_candidate, pure_bf16_space
+from memtrain.planner.hint import hint_lines, pure_bf16_candidate, pure_bf16_space, size_hints
 from memtrain.planner.profiles import Profiles
 from memtrain.planner.reasons import plan_assumptions, plan_reasons, raise_nothing_fits, runners_up
 from memtrain.planner.settings import (
@@ -530,7 +530,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
         seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
         parameters=weight_count(ctx.model),  # a 4-bit layer's weights as weights, not its packed bytes
         reasons=tuple(plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)
-                      + list(hint_lines(hint, seconds))),
+                      + list(hint_lines(hint, seconds)) + list(size_hints(ctx, seconds))),
         candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
                                      host_limit)),
         assumptions=tuple(plan_assumptions(ctx, margin, composer, host_limit) + (

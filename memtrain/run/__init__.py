@@ -6,7 +6,8 @@
 - ``state``: everything a bit-identical resume needs, saved and restored; the model's weights file.
 - ``metrics``: the append-only metrics log.
 - ``tensorboard``: TensorBoard event files of the same lines (``log=("tensorboard",)``), an optional extra.
-- ``signals``: stopping after the current step on SIGTERM / SIGINT, agreed on by every rank.
+- ``signals``: stopping on SIGTERM / SIGINT: after the current step (agreed on by every rank), or within seconds
+  inside a long step.
 - ``replan``: the run's plan from its choices, its check against the device at step 2, the re-plan when they differ.
 - ``plan_check``: the step-2 check's verdict on every device (the CPU's peak from the measured saved bytes): re-plan
   or warn when the step is over the budget.
@@ -23,7 +24,7 @@ from memtrain.run.identity import (
     model_fingerprint,
 )
 from memtrain.run.metrics import MetricsLog
-from memtrain.run.signals import StopSignals, agree_on_stop
+from memtrain.run.signals import StopNow, StopSignals, agree_on_stop
 from memtrain.run.state import (
     model_state_dict,
     restore_run_state,
@@ -45,6 +46,7 @@ __all__ = [
     "RunCheckpoints",
     "RunFolder",
     "RunWriteError",
+    "StopNow",
     "StopSignals",
     "agree_on_stop",
     "applied_changes",
