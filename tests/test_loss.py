@@ -212,7 +212,9 @@ def test_estimate_predicts_a_chunked_loss(kind):
     apply_checkpointing(model)
     apply_chunked_loss(model)
     with MemoryMeter(model) as meter:
-        out = model(input_ids, input_ids.clone()) if kind == "gpt" else model(input_ids, labels=input_ids.clone())
+        # The GPT's loss summed, as memtrain's loop computes it and the estimate traces it.
+        out = model(input_ids, input_ids.clone(), reduction="sum") if kind == "gpt" else \
+            model(input_ids, labels=input_ids.clone())
     getattr(out, "loss", out).backward()
     from memtrain import estimate
 

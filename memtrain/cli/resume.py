@@ -22,6 +22,21 @@ _MODEL_FLAGS = ("model", "hf_model", "lora", "lora_alpha", "lora_dropout", "lora
 # here when changed; a new --data or --hf-config path is let through: train() compares the contents (a SHA-256 of the token stream, the parameters' names and
 # shapes), so a moved file still resumes and a changed one is refused
 _PATH_FLAGS = ("data", "eval_data", "hf_config", "hf_model")  # recorded absolute: a resume may run from another folder
+# The share of --data (or of the built-in corpus) held out for evaluation, recorded in config.json under this key:
+# none with --eval-data (a held-out file of its own, so all of --data trains), else the last 5%. A resume reads it
+# back so that it trains on the rows the run it continues trained on, whatever --eval-data says now; runs recorded
+# before the key held out 5% even with --eval-data.
+HELD_OUT_KEY = "held_out_of_data"
+HELD_OUT_WITHOUT_EVAL_DATA = 0.05
+
+
+def held_out_fraction(args: argparse.Namespace) -> float:
+    """The share of the training data held out for evaluation: the run's recorded one on a resume, else none
+    with --eval-data and 5% without."""
+    recorded = getattr(args, HELD_OUT_KEY, None)
+    if recorded is not None and (recorded or args.eval_data):  # nothing held out needs a file to evaluate on
+        return float(recorded)
+    return 0.0 if args.eval_data else HELD_OUT_WITHOUT_EVAL_DATA
 
 
 def command_record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -34,6 +49,7 @@ def command_record(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         if action.dest in _PATH_FLAGS and value:
             value = str(Path(value).absolute())
         record[action.dest] = list(value) if isinstance(value, tuple) else value
+    record[HELD_OUT_KEY] = held_out_fraction(args)
     return record
 
 
@@ -76,6 +92,8 @@ def resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, expl
     for dest, value in saved.items():
         if dest not in explicit and dest in now:
             setattr(args, dest, tuple(value) if isinstance(value, list) else value)
+    if HELD_OUT_KEY not in saved:  # recorded before --eval-data let all of --data train: 5% was held out
+        setattr(args, HELD_OUT_KEY, HELD_OUT_WITHOUT_EVAL_DATA)
     return [f"--resume: the flags of the run in {args.out} (config.json)"
             + (f", with {', '.join('--' + d.replace('_', '-') for d in sorted(explicit & set(now)))} given now"
                if explicit & set(now) else "")]

@@ -19,7 +19,7 @@ from memtrain.choices import Choices, default_global_batch
 from memtrain.cli.console import EXIT_OK, EXIT_STOPPED, echo, log, third_party_progress
 from memtrain.cli.export import export_finished_run
 from memtrain.cli.launch import distributed_group, nproc_problems
-from memtrain.cli.resume import command_record, resume_flags
+from memtrain.cli.resume import command_record, held_out_fraction, resume_flags
 from memtrain.cli.techniques import choices_from_flags
 from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of, in_flag_terms
 from memtrain.cli.workloads import (
@@ -34,7 +34,7 @@ from memtrain.cli.workloads import (
     start_up_notes,
 )
 from memtrain.config import TrainConfig, TrainResult
-from memtrain.data import ByteWindows, builtin_corpus, split_windows, text_file_tokens, tokenized_rows
+from memtrain.data import ByteWindows, split_windows, stdlib_corpus, text_file_tokens, tokenized_rows
 from memtrain.data.packed_rows import file_rows
 from memtrain.errors import ConfigError
 from memtrain.hf import load_tokenizer, safetensors_files
@@ -79,7 +79,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
             log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
                       f"tokens x {global_batch} per step, "
                       f"{f'{args.epochs} epoch(s)' if args.epochs else f'{args.max_steps} steps'} on {source} "
-                      f"({len(data[0])} training rows)")
+                      f"({len(data[0])} training rows, {len(data[1])} eval rows)")
         # Looked up now, not at import: tests wrap memtrain.train.train (which memtrain/__init__ shadows).
         from memtrain.train import train
 
@@ -134,32 +134,45 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
 
 
 def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> tuple[Any, Any, int, str]:
-    """(the model on ``device``, the data's rows, tokens per example, where the data comes from)."""
+    """(the model on ``device``, the (training, evaluation) rows, tokens per example, where the data comes from).
+
+    With --eval-data all of --data (or of the built-in corpus) trains and the file's rows evaluate; without it
+    the last 5% is held out. A resume keeps the split of the run it continues (``held_out_fraction``)."""
+    held_out = held_out_fraction(args)
     if args.hf_model:
         seq_len = hf_seq_len(hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
+        progress = False if args.no_progress else None
         # Tokenised (or read from the cache beside the data) before the model loads: a bad line fails fast.
         with flags_of(DATA_PATH), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            data = tokenized_rows(args.data, tokenizer, seq_len, progress=False if args.no_progress else None)
+            data = (tokenized_rows(args.data, tokenizer, seq_len, val_fraction=held_out, progress=progress)
+                    if held_out else (file_rows(args.data, tokenizer, seq_len, progress=progress), None))
         for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
             echo(f"  note: {in_flag_terms(str(warning.message), 'train')}", file=sys.stderr)
     model, seq_len = build_language_model(args, device)
     model.to(device)
     if args.hf_model:
-        skipped = sum(rows.skipped_pieces for rows in data)
+        skipped = sum(rows.skipped_pieces for rows in data if rows is not None)
         source = (f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed"
                   + (f"; {skipped} pieces of prompts longer than --seq-len {seq_len} skipped: no completion token "
                      "in them" if skipped else "") + ")")
-    elif args.data:
-        data = split_windows(text_file_tokens(args.data), seq_len)
-        source = args.data
     else:
-        data = builtin_corpus(seq_len)
-        source = "the Python standard library's source (built-in corpus)"
+        tokens = text_file_tokens(args.data) if args.data else stdlib_corpus()
+        data = split_windows(tokens, seq_len, val_fraction=held_out) if held_out else (
+            _all_rows(ByteWindows(tokens, seq_len), "--data" if args.data else "the built-in corpus", seq_len), None)
+        source = args.data or "the Python standard library's source (built-in corpus)"
     if args.eval_data:
         data = (data[0], _eval_rows(args, tokenizer, seq_len))
         source += f", evaluated on {args.eval_data}"
     return model, data, seq_len, source
+
+
+def _all_rows(rows: ByteWindows, what: str, seq_len: int) -> ByteWindows:
+    """``rows`` (every window of the training text, none held out), refused when there is none."""
+    if len(rows) == 0:
+        raise ConfigError(f"{what} makes no example of {seq_len + 1} tokens (an example and its next token). To "
+                          "resolve this error, pass a longer file, or a shorter --seq-len.")
+    return rows
 
 
 def _eval_rows(args: argparse.Namespace, tokenizer: Any, seq_len: int) -> Any:

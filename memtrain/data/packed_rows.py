@@ -143,8 +143,9 @@ def tokenized_rows(path: str | os.PathLike[str], tokenizer: Any, seq_len: int, *
 
 
 def file_rows(path: str | os.PathLike[str], tokenizer: Any, seq_len: int, *,
-              cache_dir: str | os.PathLike[str] | None = None) -> PackedRows:
+              cache_dir: str | os.PathLike[str] | None = None, progress: bool | None = None) -> PackedRows:
     """Every document of a ``.txt``/``.jsonl`` file packed into rows, none held out: a held-out file of its own
-    (``memtrain train --eval-data``), read as ``tokenized_rows`` reads the training file."""
-    documents = tokenize_file(path, tokenizer, cache_dir=cache_dir)
+    (``memtrain train --eval-data``), or the training file when that one evaluates; read as ``tokenized_rows``
+    reads the training file."""
+    documents = tokenize_file(path, tokenizer, cache_dir=cache_dir, progress=progress)
     return PackedRows(documents, seq_len, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.errors import ConfigError, describe_exception
 from memtrain.quantize import is_quant_state, meta_stand_ins, quant_state_memo
+from memtrain.unwrap import unwrap_model
 
 
 # -- a Hugging Face config file -----------------------------------------------------------------------------
@@ -197,9 +198,10 @@ def max_positions(model: nn.Module) -> int | None:
 def call_convention(model: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                      explicit_dict: bool) -> Callable[[dict[str, torch.Tensor]], Any]:
     """How to run a training forward: HF ``model(input_ids=, labels=)``, memtrain ``GPT(idx, targets)``, or
-    ``model(x)``."""
+    ``model(x)``; read from the innermost model's forward (a PEFT model's, torch.compile's and DDP's take
+    ``*args, **kwargs`` and pass them on: a LoRA GPT still takes its targets, and computes its loss)."""
     try:
-        params = inspect.signature(model.forward).parameters
+        params = inspect.signature(unwrap_model(model, peft=True).forward).parameters
     except (TypeError, ValueError):
         params = {}
     if explicit_dict:
@@ -208,7 +210,10 @@ def call_convention(model: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], 
     if "labels" in params and "input_ids" in params:
         return lambda t: model(input_ids=t["input_ids"], labels=t["input_ids"].clone())
     if "targets" in params:
-        return lambda t: model(t["input_ids"], t["input_ids"].clone())
+        # Summed, as memtrain's loop computes it (language_model_loss): the mean's division by the token count
+        # would save that count for backward (8 bytes the run does not hold) with the chunked loss.
+        sum_loss = {"reduction": "sum"} if "reduction" in params else {}
+        return lambda t: model(t["input_ids"], t["input_ids"].clone(), **sum_loss)
     return lambda t: model(t["input_ids"])
 
 

@@ -102,7 +102,7 @@ class Composer:
         if key not in self._cache:
             kp = prof.kinds[kind]
             tokens = b * self.ctx.seq_len
-            dev = self.ctx.device_profile
+            dev = self.ctx.device_profile.for_precision(self.ctx.precision)
 
             def value(name: str) -> np.ndarray:
                 field_ = getattr(kp, name)
@@ -221,7 +221,7 @@ class Composer:
 
         # -- time
         fwd, bwd = pick("forward_s"), pick("backward_s")
-        dev = ctx.device_profile
+        dev = ctx.device_profile.for_precision(ctx.precision)  # a CPU's matmuls at its 16-bit rate under autocast
         tokens = b * ctx.seq_len
         # compile_model compiles block by block where an offloader's hooks must stay outside the compiled regions:
         # the embeddings, the last norm, the head and the loss then run eagerly.

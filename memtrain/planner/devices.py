@@ -34,7 +34,7 @@ class DeviceProfile:
     """
 
     name: str
-    matmul_flops: float  # FLOP/s of large matmuls in the compute dtype
+    matmul_flops: float  # FLOP/s of large matmuls in the compute dtype (a CPU probe: fp32; see matmul_flops_bf16)
     half_efficiency_tokens: float  # tokens per matmul (its M) at which half of matmul_flops is reached
     attention_flops: float  # FLOP/s of the fused attention kernels
     memory_bandwidth: float  # bytes/s read + written by elementwise work
@@ -49,9 +49,26 @@ class DeviceProfile:
     asynchronous: bool = True  # kernels run while the host dispatches the next ones (a GPU; not a CPU)
     cpu_adamw_bf16: float | None = None  # parameters/s of the host's step with bf16 moments (None: not measured)
     cpu_adamw_int8: float | None = None  # ... with bitsandbytes' 8-bit moments
+    # FLOP/s of the same matmuls in bf16 and fp16, where matmul_flops is fp32's (a CPU probe): a CPU without AMX
+    # runs them slower than fp32 (converted to fp32 inside), one with AMX faster. None: matmul_flops is already the
+    # 16-bit rate (a GPU's table or probe, bf16) or was not measured.
+    matmul_flops_bf16: float | None = None
+    matmul_flops_fp16: float | None = None
+    # Bytes/s of elementwise work in bf16 and fp16 on a CPU: about fp32's time per element (its kernels compute in
+    # fp32), so about half fp32's bytes/s, where a GPU's halves the time with the bytes. None: as memory_bandwidth.
+    memory_bandwidth_bf16: float | None = None
+    memory_bandwidth_fp16: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def for_precision(self, precision: str) -> DeviceProfile:
+        """The figures of a step computed under ``precision``: its matmuls at the rate measured in its 16-bit
+        dtype where the profile has one (a CPU's), else as they are."""
+        rates = {"bf16-mixed": (self.matmul_flops_bf16, self.memory_bandwidth_bf16),
+                 "fp16-mixed": (self.matmul_flops_fp16, self.memory_bandwidth_fp16)}.get(precision, (None, None))
+        return dataclasses.replace(self, matmul_flops=rates[0] or self.matmul_flops,
+                                   memory_bandwidth=rates[1] or self.memory_bandwidth) if any(rates) else self
 
 
 # Known GPUs: bf16 dense tensor-core FLOP/s from the vendor's datasheet, HBM bandwidth, pinned host-link bandwidth
@@ -147,7 +164,8 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
     if cache and not refresh and path.is_file():
         try:
             cached = json.loads(path.read_text()).get(key)
-            if cached:
+            # A CPU's figures cached before its 16-bit matmuls were measured would rate them as fp32's: probed again.
+            if cached and (device.type != "cpu" or cached.get("matmul_flops_bf16")):
                 return DeviceProfile(**{**cached, "source": f"{cached.get('source', 'probe')}, cached in {path}"})
         except (OSError, ValueError, TypeError):
             pass  # an unreadable cache is measured again and rewritten
@@ -167,20 +185,11 @@ def probe(device: torch.device, name: str) -> DeviceProfile:
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     dtype = torch.bfloat16 if cuda else torch.float32
-    dim = 4096 if cuda else 1024
-    weight = torch.randn(dim, dim, device=device, dtype=dtype)
-    rates = []
-    for m in ((512, 2048, 8192, 32768) if cuda else (128, 512, 2048, 8192)):
-        x = torch.randn(m, dim, device=device, dtype=dtype)
-        seconds = _timed(lambda x=x: x @ weight, sync, repeats=5)
-        rates.append((m, 2.0 * m * dim * dim / seconds))
-    # rate(m) = peak * m / (m + half) is 1/rate = 1/peak + (half/peak) / m: a straight line in 1/m, fitted by least
-    # squares over the sizes (robust to one noisy size, unlike the largest rate alone).
-    slope, intercept = np.polyfit([1.0 / m for m, _ in rates], [1.0 / r for _, r in rates], 1)
-    if intercept > 0 and slope >= 0:
-        peak, half = float(1.0 / intercept), float(slope / intercept)
-    else:  # no size effect measurable: the best rate at any size
-        peak, half = max(r for _, r in rates), 0.0
+    peak, half = _matmul_rate(device, dtype, sync)
+    # A CPU's 16-bit matmuls, measured beside its fp32 ones: autocast runs them in bf16 (fp16), at a rate that is
+    # the CPU's own (AMX: faster than fp32; AVX-512 without it: slower, converted to fp32 inside).
+    half_rates = {} if cuda else {d: _half_matmul_rate(d) for d in (torch.bfloat16, torch.float16)}
+    half_bandwidth = {}
     b, h, t, d = (4, 16, 2048, 128) if cuda else (1, 4, 512, 64)
     q = torch.randn(b, h, t, d, device=device, dtype=dtype)
     seconds = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), sync)
@@ -188,6 +197,9 @@ def probe(device: torch.device, name: str) -> DeviceProfile:
     big = torch.empty((1 << 28) if cuda else (1 << 24), device=device, dtype=torch.float32)
     seconds = _timed(lambda: big.add_(1.0), sync)
     bandwidth = 2 * big.numel() * 4 / seconds
+    for half_dtype in half_rates:  # the same elementwise kernel in 16 bits, beside fp32's
+        small = big[: big.numel() // 2].view(half_dtype)  # the same element count in the same memory
+        half_bandwidth[half_dtype] = 2 * small.numel() * 2 / _timed(lambda small=small: small.add_(1.0), sync)
     # Per-op cost as a training step pays it: small ops recorded by autograd, forward and backward.
     tiny = torch.zeros(8, device=device, requires_grad=True)
 
@@ -232,7 +244,38 @@ def probe(device: torch.device, name: str) -> DeviceProfile:
                          cpu_adamw=cpu_adamw, host_bandwidth=host_bandwidth,
                          interconnect=table.interconnect if table is not None else (20e9 if cuda else 5e9),
                          memory_bytes=memory, source=_probe_source(), asynchronous=cuda, cpu_adamw_bf16=lean["bf16"],
-                         cpu_adamw_int8=lean["int8"])
+                         cpu_adamw_int8=lean["int8"], matmul_flops_bf16=half_rates.get(torch.bfloat16),
+                         matmul_flops_fp16=half_rates.get(torch.float16),
+                         memory_bandwidth_bf16=half_bandwidth.get(torch.bfloat16),
+                         memory_bandwidth_fp16=half_bandwidth.get(torch.float16))
+
+
+def _half_matmul_rate(dtype: torch.dtype) -> float | None:
+    """A CPU's peak FLOP/s of 16-bit matmuls (None where this torch has no such CPU kernel). Sizes up to 2048 tokens:
+    a CPU without 16-bit units runs them a few times slower than fp32, and the probe stays a few seconds."""
+    try:
+        return _matmul_rate(torch.device("cpu"), dtype, lambda: None, sizes=(128, 512, 2048))[0]
+    except RuntimeError:
+        return None
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, sync: Callable[[], None],
+                 sizes: tuple[int, ...] | None = None) -> tuple[float, float]:
+    """(peak FLOP/s, tokens at which half of it is reached) of (m, dim) x (dim, dim) matmuls in ``dtype``."""
+    cuda = device.type == "cuda"
+    dim = 4096 if cuda else 1024
+    weight = torch.randn(dim, dim, device=device, dtype=dtype)
+    rates = []
+    for m in sizes or ((512, 2048, 8192, 32768) if cuda else (128, 512, 2048, 8192)):
+        x = torch.randn(m, dim, device=device, dtype=dtype)
+        seconds = _timed(lambda x=x: x @ weight, sync, repeats=5)
+        rates.append((m, 2.0 * m * dim * dim / seconds))
+    # rate(m) = peak * m / (m + half) is 1/rate = 1/peak + (half/peak) / m: a straight line in 1/m, fitted by least
+    # squares over the sizes (robust to one noisy size, unlike the largest rate alone).
+    slope, intercept = np.polyfit([1.0 / m for m, _ in rates], [1.0 / r for _, r in rates], 1)
+    if intercept > 0 and slope >= 0:
+        return float(1.0 / intercept), float(slope / intercept)
+    return max(r for _, r in rates), 0.0  # no size effect measurable: the best rate at any size
 
 
 def _probe_source() -> str:
