@@ -204,6 +204,23 @@ def test_prompts_longer_than_seq_len_are_skipped_at_start_up_with_a_count(tmp_pa
         PackedRows(TokenDocuments(np.arange(40), [0], [40], np.zeros(40, bool)), seq_len=12)
 
 
+def test_a_one_line_text_file_is_refused_before_it_is_tokenised_and_names_eval_data(tmp_path, model_dir, capsys):
+    """Issue 33: a 50 MB one-line .txt tokenised for 124 s and left a 122 MB cache, then "use more documents"."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    data = folder / "one_line.txt"
+    data.write_text("def f(x): return x + 1; " * 2000 + "\n")
+    line = one_line(*run(["train", "--hf-model", str(model_dir), "--data", str(data), *HF_RUN,
+                          "--out", str(tmp_path / "r")], capsys))
+    assert "1 documents make 0 training and 1 validation documents" in line and "--eval-data FILE" in line, line
+    assert sorted(p.name for p in folder.iterdir()) == ["one_line.txt"]  # not tokenised: no token cache beside it
+    assert not (tmp_path / "r").exists()
+    # With a held-out file of its own, the one long document trains.
+    code, lines, err = run(["train", "--hf-model", str(model_dir), "--data", str(data), "--eval-data", str(data),
+                            *HF_RUN, "--out", str(tmp_path / "r")], capsys)
+    assert code == 0 and not lines, err
+
+
 # -- pretrained folders and LoRA ------------------------------------------------------------------------------
 def test_a_tokenizer_larger_than_the_embedding_is_refused_at_start_up_with_the_sizes(tmp_path, capsys):
     folder = tmp_path / "model"

@@ -26,7 +26,8 @@ ARGUMENT_FLAGS: dict[str, str] = {
 }
 # The library's advice that names an argument the command has no flag for, in the command's terms.
 LIBRARY_PHRASES: dict[str, str] = {
-    "or another val_fraction": "(memtrain train holds out the last 5% of them for validation)",
+    "or another val_fraction": ("(memtrain train holds out the last 5% of them for validation), or pass "
+                                "--eval-data FILE, with which every document of --data trains"),
     "or pass a writable cache_dir": "or copy the data to a writable folder (the cache is written beside it)",
 }
 # Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.

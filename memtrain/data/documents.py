@@ -101,13 +101,7 @@ class TokenDocuments(Dataset):
 
     def split(self, val_fraction: float = 0.05) -> tuple[TokenDocuments, TokenDocuments]:
         """(training, validation): the last ``val_fraction`` of the documents held out; the tokens are shared."""
-        if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive). To resolve this "
-                          "error, pass e.g. val_fraction=0.05.")
-        cut = int(len(self) * (1.0 - val_fraction))
-        if cut == 0 or cut == len(self):
-            raise ConfigError(f"{len(self)} documents make {cut} training and {len(self) - cut} validation "
-                              "documents. To resolve this error, use more documents or another val_fraction.")
+        cut = held_out_cut(len(self), val_fraction)
         return (TokenDocuments(self.tokens, self.starts[:cut], self.lengths[:cut], self.loss_mask),
                 TokenDocuments(self.tokens, self.starts[cut:], self.lengths[cut:], self.loss_mask))
 
@@ -170,6 +164,25 @@ class TokenDocuments(Dataset):
                               "completion only. To resolve this error, tokenise it with tokenize_file(path, "
                               'tokenizer) (a loss mask on the prompt), or write {"text": ...} records.')
         return cls.from_texts([text for _, text in records], max_len=max_len, min_len=min_len)
+
+
+def held_out_cut(documents: int, val_fraction: float) -> int:
+    """How many of ``documents`` train when the last ``val_fraction`` of them are held out (``split``'s rule),
+    checked: both parts must hold a document. ``tokenize_file`` asks it before tokenising, so a file that cannot be
+    split (one long line) is refused at once, not after minutes of tokenising.
+
+    Raises:
+        ConfigError: a fraction outside (0, 1), or too few documents for both parts.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive). To resolve this "
+                          "error, pass e.g. val_fraction=0.05.")
+    cut = int(documents * (1.0 - val_fraction))
+    if cut == 0 or cut == documents:
+        raise ConfigError(f"{documents} documents make {cut} training and {documents - cut} validation "
+                          "documents. To resolve this error, use more documents (a .txt file's documents are "
+                          "separated by blank lines, a .jsonl file's are its lines) or another val_fraction.")
+    return cut
 
 
 def stdlib_documents(max_len: int, *, max_bytes: int = 8 * 2**20) -> TokenDocuments:

@@ -137,7 +137,8 @@ def tokenized_rows(path: str | os.PathLike[str], tokenizer: Any, seq_len: int, *
     """(training, validation) packed rows of a ``.txt``/``.jsonl`` file: ``tokenize_file`` (``progress``: its
     bar; None: for files over 4 MiB) then ``PackedRows``, the last ``val_fraction`` of the documents held out
     (before packing, so no document is in both)."""
-    train, val = tokenize_file(path, tokenizer, cache_dir=cache_dir, progress=progress).split(val_fraction)
+    documents = tokenize_file(path, tokenizer, cache_dir=cache_dir, progress=progress, hold_out=val_fraction)
+    train, val = documents.split(val_fraction)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return PackedRows(train, seq_len, pad_id=pad), PackedRows(val, seq_len, pad_id=pad)
 

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memtrain.data.corpus import data_file, is_jsonl
-from memtrain.data.documents import TokenDocuments, jsonl_records, text_documents
+from memtrain.data.documents import TokenDocuments, held_out_cut, jsonl_records, text_documents
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write, free_bytes, sha256_file
 from memtrain.report import format_bytes
@@ -47,7 +47,8 @@ def token_cache_path(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir:
 
 
 def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: str | os.PathLike[str] | None = None,
-                  batch_size: int = 1000, progress: bool | None = None) -> TokenDocuments:
+                  batch_size: int = 1000, progress: bool | None = None,
+                  hold_out: float | None = None) -> TokenDocuments:
     """Tokenises a ``.txt`` or ``.jsonl`` file with a fast tokenizer, once: later calls read the cache.
 
     ``.jsonl``: one object per line, ``{"text": ...}`` or ``{"prompt": ..., "completion": ...}``; other files are
@@ -62,9 +63,13 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
         ``TokenDocuments`` with int32 tokens and, for files with prompts, a ``loss_mask`` (items are then
         ``Document``s).
 
+    Args:
+        hold_out: the share of the documents the caller will hold out (``TokenDocuments.split``): checked against
+            the file's document count before tokenising, which takes minutes for a large file.
+
     Raises:
         ConfigError: a missing or non-UTF-8 file, no documents, or bad ``.jsonl`` lines (all listed, with
-            their line numbers), a tokenizer that is not fast.
+            their line numbers), a tokenizer that is not fast, too few documents to hold ``hold_out`` of them out.
     """
     p = data_file(path, "a .txt or .jsonl file")
     cache = token_cache_path(p, tokenizer, cache_dir=cache_dir)
@@ -75,6 +80,8 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
             warnings.warn(f"the token cache {cache} is damaged ({type(e).__name__}: {str(e)[:120]}): tokenising "
                           f"{p.name} again and rewriting it", stacklevel=2)
     records = jsonl_records(p) if is_jsonl(p) else text_documents(p)
+    if hold_out is not None:
+        held_out_cut(len(records), hold_out)
     with_prompts = any(prompt for prompt, _ in records)
     eos = tokenizer.eos_token_id
     show = progress if progress is not None else p.stat().st_size > _PROGRESS_BYTES
