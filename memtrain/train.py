@@ -364,7 +364,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     pure_auto = config.choices.pure_bf16 and config.precision == "auto"  # pure bf16 computes in bf16
     precision_name, precision_reason = resolve_precision(device, "bf16-mixed" if pure_auto else config.precision)
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
-                         precision=precision_name, packed=len(train_data[0]) > 2)  # PackedRow: position_ids
+                         precision=precision_name, packed=len(train_data[0]) > 2,  # PackedRow: position_ids
+                         precision_reason=precision_reason)
     # What defines the run: a resume that differs in any of these is refused, naming each difference.
     run = {"seed": config.seed, "global_batch_size": global_batch, "world_size": world, "seq_len": context.seq_len,
            "data": data_fingerprint(train_data), "model": model_fingerprint(model), "precision": precision_name,

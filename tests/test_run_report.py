@@ -3,6 +3,7 @@ from the matplotlib objects it is drawn with; the one plan line of a quiet run."
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -65,10 +66,15 @@ def test_memory_figure_without_an_allocator_peak_or_a_budget_says_so():
     assert "no allocator peak" in steps_ax.get_title()
 
 
-def test_a_run_writes_the_new_memory_png(tmp_path):
+def test_a_run_writes_the_new_memory_png_and_the_plan_says_why_its_precision(tmp_path):
     out = tmp_path / "run"
     train(tiny_gpt(seq_len=32, seed=0), code_windows(), quick_run_config(out, max_steps=2))
     assert (out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # precision "auto": the plan's reason is the automatic choice's, not "(requested)".
+    reasons = json.loads((out / "report.json").read_text())["plan"]["reasons"]
+    precision = [r for r in reasons if r.startswith("precision ")]
+    assert precision and precision[0].startswith("precision fp32, because: CPU"), reasons
+    assert not any("requested" in r for r in reasons), reasons
 
 
 def test_plan_summary_is_one_line_with_the_choices():

@@ -141,6 +141,7 @@ def _loggers(text: str) -> tuple[str, ...]:
 
 
 UNLIMITED = "unlimited"
+PLAN_PRECISION = "bf16-mixed"  # memtrain plan's precision without --precision (a plan is mostly for a GPU)
 
 
 def _size(text: str) -> int | str:
@@ -265,8 +266,8 @@ def _add_plan_parser(sub: Any) -> None:
     p.add_argument("--global-batch-size", type=_positive_int,
                    help="examples per optimizer step over all ranks (default, as memtrain train: 16 x --nproc, or "
                    "micro-batch x --nproc when --micro-batch-size is given)")
-    p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
-                   help="compute precision (default bf16-mixed)")
+    p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help=f"compute precision (default {PLAN_PRECISION}: a GPU's autocast)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="the device planned for (default cuda; a CPU plan is probed on this machine)")
     _add_budget_flags(p, default_text="unlimited")

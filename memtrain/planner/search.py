@@ -75,6 +75,7 @@ def plan(
     global_batch_size: int,
     device: str = "cuda",
     precision: str = "bf16-mixed",
+    precision_reason: str | None = None,
     world_size: int = 1,
     fsdp: bool | None = False,
     host_budget: int | str | None = None,
@@ -104,6 +105,7 @@ def plan(
             copy within RAM).
         precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (compute; weights stay fp32 unless the plan
             puts bf16 weights on the device with an offloaded fp32 master).
+        precision_reason: why ``precision`` (``resolve_precision``'s: "fp32, because: ..."); None: requested.
         world_size: ranks; the global batch is split over them.
         fsdp: True plans FSDP2, False DDP, None both (the reasons say which fits faster). Ignored for one rank.
         host_budget: host RAM the plan may use (one node, all ranks); None: the RAM available now.
@@ -145,10 +147,9 @@ def plan(
         world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
         safety_margin=safety_margin, techniques=techniques)
     choices = check_choices(choices, world_size=world_size, fsdp=fsdp)
-    if settings is not None:
-        precision = settings.precision
-    ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device, precision, world_size,
-                     "chunked-loss" in allowed, grad_clip, device_profile, packed)
+    ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device,
+                     settings.precision if settings is not None else precision, world_size,
+                     "chunked-loss" in allowed, grad_clip, device_profile, packed, precision_reason)
     _check_a_block_fits(ctx, budget_bytes)
     fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
     space = _search_space(ctx, allowed, fsdp, fixed)
@@ -160,13 +161,17 @@ def plan(
         _raise_unbuildable(fixed, micro_batch_size, world_size, fsdp)
     results.finish()
     results.peak = results.peak + correction_bytes
-    # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
-    here = device == "cpu" or torch.cuda.is_available()
-    host_limit = host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
+    host_limit = _host_limit(device, host_budget_bytes)
     usable = None if budget_bytes is None else int(budget_bytes * (1 - safety_margin))
     chosen = _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin,
                      started, correction_bytes, pure)
     return dataclasses.replace(chosen, reasons=(*notes, *chosen.reasons)) if notes else chosen
+
+
+def _host_limit(device: str, host_budget_bytes: int | None) -> int | None:
+    """The host RAM to check against: the budget given, or this machine's when the plan is for this machine."""
+    here = device == "cpu" or torch.cuda.is_available()
+    return host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
 
 
 def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable, settings: PlanSettings | None,
@@ -392,7 +397,7 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
 
 def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, device: str, precision: str,
              world_size: int, chunk_allowed: bool, grad_clip: bool, device_profile_: DeviceProfile | None,
-             packed: bool = False) -> Problem:
+             packed: bool = False, precision_reason: str | None = None) -> Problem:
     meta = meta_model(model_or_hf_config)
     blocks = tuple(find_blocks(meta))
     if not blocks:
@@ -402,7 +407,8 @@ def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, de
     dev = device_profile_ if device_profile_ is not None else device_profile(device)
     return Problem(model=meta, seq_len=seq_len, global_batch=global_batch_size, world=world_size, device=device,
                     precision=precision, device_profile=dev, block_names=blocks,
-                    chunkable=chunk_allowed and supports_chunked_loss(meta), grad_clip=grad_clip, packed=packed)
+                    chunkable=chunk_allowed and supports_chunked_loss(meta), grad_clip=grad_clip, packed=packed,
+                    precision_reason=precision_reason)
 
 
 def composer_for(ctx: Problem, given: Sequence[PlanSettings]) -> Composer:
