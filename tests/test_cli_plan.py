@@ -259,3 +259,17 @@ def test_the_nothing_fits_advice_suggests_no_sequence_length_already_set(capsys,
 def test_an_unknown_gpu_is_refused_in_flag_terms(capsys):
     message = _fails(capsys, *TINY, "--budget", "8GiB", "--gpu", "no-such-gpu")
     assert "--gpu" in message and "device_profile" not in message, message
+
+
+def test_a_plan_shows_its_progress_on_stderr_unless_json_or_no_progress(capsys):
+    # A large model plans for minutes: a line per traced step and per full estimate says it is working.
+    argv = ["plan", *TINY, "--budget", "100MiB", "--gpu", "H100"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("plan: ")]
+    assert sum("tracing a step" in line for line in lines) >= 1, captured.err
+    assert sum("a full estimate" in line for line in lines) >= 1, captured.err
+    assert "plan: " not in captured.out, captured.out  # stdout holds the plan alone
+    for quiet in (["--json"], ["--no-progress"]):
+        assert main([*argv, *quiet]) == 0
+        assert "plan: " not in capsys.readouterr().err, quiet

@@ -324,6 +324,8 @@ def _add_plan_parser(sub: Any) -> None:
     g["budget"].add_argument("--gpu", metavar="NAME", help="plan for this GPU from the table of known ones (H200, "
                              "H100, A100, L4, 4090), e.g. for another machine (default: this machine's GPU, else an "
                              "H100)")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr (a line per slow stage "
+                   "of the search: each traced step, each full estimate; --json prints none either)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON: plan (the chosen settings), "
                    "peak_bytes, step_seconds, tokens_per_s, candidates")
 

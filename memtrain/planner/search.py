@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ from memtrain.report import format_bytes
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
 _NEAR_MISSES = 3  # at most this many of them
+# A line per slow stage (each traced kind of step, each full estimate): a large model plans for minutes, and a
+# command shows it is working (memtrain plan prints these on stderr). Silent unless a handler is attached.
+PROGRESS = logging.getLogger("memtrain.planner.progress")
 
 
 def plan(
@@ -174,6 +178,11 @@ def _host_limit(device: str, host_budget_bytes: int | None) -> int | None:
     return host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
 
 
+def _setup_line(s: PlanSettings) -> str:
+    return (f"micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, optimizer {s.optimizer_text}"
+            + (", compiled" if s.compile else ""))
+
+
 def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable, settings: PlanSettings | None,
               per_rank: int) -> Composer:
     """The composer for ``plan``: of the space's kinds; or, with ``settings``, of theirs, added to ``results`` (and
@@ -186,10 +195,12 @@ def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable, settin
         space.placements = []  # nothing to search
         return composer
     profiles: dict[Any, Profiles] = {}
-    if not space.pure_bf16:
-        profiles[None] = build_profiles(ctx, space.flavors, space.offload_blocks, None)
-    if "offload-bf16-weights" in space.placements or space.pure_bf16:
-        profiles["bf16"] = build_profiles(ctx, space.flavors, space.offload_blocks, "bf16")
+    weights = ([None] if not space.pure_bf16 else []) + (
+        ["bf16"] if "offload-bf16-weights" in space.placements or space.pure_bf16 else [])
+    for i, dtype in enumerate(weights, 1):
+        PROGRESS.info(f"plan: tracing a step of each kind of block at micro-batches 1 and 2 ({dtype or 'fp32'} "
+                      f"weights on the device, {i} of {len(weights)})")
+        profiles[dtype] = build_profiles(ctx, space.flavors, space.offload_blocks, dtype)
     return Composer(ctx, profiles)
 
 
@@ -303,6 +314,8 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
     L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
     choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
                                  fixed)
+    PROGRESS.info(f"plan: composing the candidates of {len(choices)} optimizer set-ups x {len(micros)} micro-batch "
+                  f"sizes x every count of recomputed and offloaded blocks{' in pure bf16' if space.pure_bf16 else ''}")
     for placement, state, in_backward, fraction, dist in choices:
         for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
             for chunked in space.losses:
@@ -510,6 +523,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
                 break
             continue
         s = results.settings(k)
+        PROGRESS.info(f"plan: a full estimate of the fastest candidate left ({_setup_line(s)})")
         peak, t = estimate_of(ctx, composer.profile(s.optimizer, s.pure_bf16), s)
         verified[k] = peak + correction_bytes, t
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
