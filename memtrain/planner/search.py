@@ -314,9 +314,11 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
     L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
     choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
                                  fixed)
-    PROGRESS.info(f"plan: composing the candidates of {len(choices)} optimizer set-ups x {len(micros)} micro-batch "
-                  f"sizes x every count of recomputed and offloaded blocks{' in pure bf16' if space.pure_bf16 else ''}")
-    for placement, state, in_backward, fraction, dist in choices:
+    for i, (placement, state, in_backward, fraction, dist) in enumerate(choices, 1):
+        PROGRESS.info(f"plan: composing candidates{' in pure bf16' if space.pure_bf16 else ''}, optimizer set-up {i} "
+                      f"of {len(choices)} ({placement}{f', {fraction:.0%} of it offloaded' if fraction else ''}, {state} moments"
+                      f"{', step in backward' if in_backward else ''}"
+                      f"{', one process' if dist == 'none' else f', {dist}'}) x {len(micros)} micro-batch sizes")
         for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
             for chunked in space.losses:
                 for b in micros:
