@@ -71,7 +71,7 @@ from memtrain.run.replan import (
     replan_record,
 )
 from memtrain.run.report import plan_summary, write_run_report
-from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule
+from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule, resumed_reasons
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
 
@@ -390,6 +390,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     start_step = 0
     if config.resume:
         config, start_step = _resume(session, model, config, context, checkpoints, run, auto, notes)
+        reasons = resumed_reasons(reasons, config, start_step)  # the schedule as it continues, not as it began
     reasons += session.load_from(start_step).splitlines()
     for text in [plan_summary(session.run_plan, precision_name)] if config.quiet else reasons:
         _log(f"  {text}", rank)
