@@ -158,9 +158,13 @@ def memory_bars(ax: Any, breakdowns: dict[str, dict[str, int]]) -> None:
     for i, (label, breakdown) in enumerate(breakdowns.items()):
         values = [(breakdown.get(key) or 0) / 2**20 for key, _ in CATEGORIES]  # None: not measured
         bars = ax.bar([c + i * width for c in range(len(CATEGORIES))], values, width, label=label)
-        ax.bar_label(bars, labels=[format_bytes(breakdown.get(key)) for key, _ in CATEGORIES], fontsize=7)
+        # Upright labels: side by side, horizontal ones wider than their bar run into each other.
+        ax.bar_label(bars, labels=[format_bytes(breakdown.get(key)) for key, _ in CATEGORIES], fontsize=7,
+                     rotation=90, padding=2)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # room above the tallest bar for its upright label
+    # Two-word categories on two lines: one line each, neighbours overlap ("optimizer stateactivations").
     ax.set_xticks([c + width * (len(breakdowns) - 1) / 2 for c in range(len(CATEGORIES))],
-                  [name for _, name in CATEGORIES])
+                  [name.replace(" ", "\n") for _, name in CATEGORIES])
     ax.set_ylabel("MiB")
     ax.set_title("memory of one training step")
-    ax.legend()
+    ax.legend(loc="upper left", fontsize=8)

@@ -103,13 +103,25 @@ def resolve_schedule(config: TrainConfig, model: nn.Module, examples: int, globa
     return config, reasons, auto
 
 
-def schedule_text(config: TrainConfig) -> str:
-    """The schedule in words, e.g. ``learning rate 0.003 after 50 warm-up steps, cosine to 0.0003 at step 500``."""
+def schedule_text(config: TrainConfig, *, resumed_at: int | None = None) -> str:
+    """The schedule in words, e.g. ``learning rate 0.003 after 50 warm-up steps, cosine to 0.0003 at step 500``;
+    ``resumed_at``: from the step a resume continues at, with the rate it continues with there."""
     start = f"learning rate {config.lr:g} after {config.warmup_steps} warm-up steps"
+    if resumed_at is not None:
+        done = resumed_at >= (config.warmup_steps or 0)
+        start = (f"learning rate {lr_at(resumed_at, config):.3g} at step {resumed_at}, where the run resumes (peak "
+                 f"{config.lr:g}; its {config.warmup_steps} warm-up steps {'done' if done else 'continue'})")
     if config.lr_schedule == "constant":
         return f"{start}, then constant to step {config.max_steps} (--lr-schedule constant)"
     return (f"{start}, {config.lr_schedule} to {config.lr * config.min_lr_ratio:g} at step {config.max_steps} "
             f"(--lr-schedule {config.lr_schedule})")
+
+
+def resumed_reasons(reasons: list[str], config: TrainConfig, step: int) -> list[str]:
+    """A resumed run's start-up lines with the schedule's as the run continues: the run's own warm-up and rate
+    (not the ones its new length would pick), from ``step``, at the rate the schedule gives there."""
+    return [schedule_text(config, resumed_at=step) + " (the run's own warm-up and peak)"
+            if line.startswith("learning rate ") else line for line in reasons]
 
 
 def lr_at(step: int, config: TrainConfig) -> float:

@@ -72,7 +72,7 @@ from memtrain.run.replan import (
     replan_record,
 )
 from memtrain.run.report import plan_summary, write_run_report
-from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule
+from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule, resumed_reasons
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
 
@@ -344,7 +344,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     pure_auto = config.choices.pure_bf16 and config.precision == "auto"  # pure bf16 computes in bf16
     precision_name, precision_reason = resolve_precision(device, "bf16-mixed" if pure_auto else config.precision)
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
-                         precision=precision_name, packed=len(train_data[0]) > 2)  # PackedRow: position_ids
+                         precision=precision_name, packed=len(train_data[0]) > 2,  # PackedRow: position_ids
+                         precision_reason=precision_reason)
     # What defines the run: a resume that differs in any of these is refused, naming each difference.
     run = {"seed": config.seed, "global_batch_size": global_batch, "world_size": world, "seq_len": context.seq_len,
            "data": data_fingerprint(train_data), "model": model_fingerprint(model), "precision": precision_name,
@@ -369,6 +370,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     start_step = 0
     if config.resume:
         config, start_step = _resume(session, model, config, context, checkpoints, run, auto, notes)
+        reasons = resumed_reasons(reasons, config, start_step)  # the schedule as it continues, not as it began
     reasons += session.load_from(start_step).splitlines()
     for text in [plan_summary(session.run_plan, precision_name)] if config.quiet else reasons:
         _log(f"  {text}", rank)

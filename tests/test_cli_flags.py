@@ -160,3 +160,44 @@ def test_a_hf_config_that_names_its_hub_model_still_trains_at_pre_trainings_rate
     assert main(["train", "--hf-config", str(tmp_path / "config.json"), "--seq-len", "32", "--max-steps", "1",
                  "--global-batch-size", "2", "--no-progress", "--out", str(tmp_path / "r")]) == 0
     assert "lr 0.003, because: training from random weights" in capsys.readouterr().err
+
+
+def test_train_help_groups_its_flags_by_purpose():
+    from memtrain.cli.flags import TRAIN_GROUPS, subparser
+
+    train = subparser(build_parser(), "train")
+    groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in train._action_groups}  # noqa: SLF001
+    assert set(TRAIN_GROUPS.values()) <= set(groups), sorted(groups)
+    assert sorted(groups["options"]) == ["--config", "-h"], groups["options"]  # nothing left ungrouped
+    assert all(groups[title] for title in TRAIN_GROUPS.values()), groups  # no empty section
+    assert "--lr" in groups["optimizer and learning-rate schedule"] and "--resume" in groups[
+        "run length, run folder and resume"], groups
+    text = train.format_help()
+    assert all(f"\n{title}:\n" in text for title in TRAIN_GROUPS.values()), text
+
+
+def test_seq_len_has_one_default_in_train_plan_and_estimate(tmp_path, capsys):
+    from helpers import planner_llama
+
+    from memtrain.cli import main
+    from memtrain.cli.workloads import hf_seq_len
+
+    config = planner_llama()  # 2048 positions: neither default is capped
+    config.save_pretrained(tmp_path / "llama")
+    train_default = hf_seq_len(config, None, "--hf-config")  # what memtrain train trains on
+    flags = ["--hf-config", str(tmp_path / "llama" / "config.json"), "--device", "cpu", "--json"]
+    assert main(["plan", *flags]) == 0
+    planned = json.loads(capsys.readouterr().out)["seq_len"]
+    assert main(["estimate", *flags]) == 0
+    estimated = capsys.readouterr().out
+    assert planned == train_default, (planned, train_default)
+    assert main(["estimate", *flags, "--seq-len", str(train_default)]) == 0
+    assert capsys.readouterr().out == estimated  # the default is that length
+    helps = {c: subparser_help(c) for c in ("train", "plan", "estimate")}
+    assert all(f"{train_default} for Hugging Face models" in h for h in helps.values()), helps
+
+
+def subparser_help(command: str) -> str:
+    from memtrain.cli.flags import subparser
+
+    return " ".join(subparser(build_parser(), command).format_help().split())

@@ -8,9 +8,10 @@ are kept. CUDA plans use the table of known GPUs (an H100 is assumed where torch
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-from helpers import tiny_llama_config
+from helpers import planner_llama, tiny_llama_config
 
 from memtrain.cli import main
 
@@ -79,7 +80,7 @@ def test_a_hugging_face_config_fits_each_budget_on_cuda(capsys, llama_folder):
     line = _fails(capsys, "--hf-model", str(llama_folder), *common, "--budget", "66MiB")
     assert "no set-up fits the device: the smallest predicted peak is" in line and "To resolve this error" in line, line
     # 66 MiB is under cuBLAS's fixed 64 MiB of workspaces plus the model: no shorter sequence would fit (issue 21).
-    assert "cuBLAS's fixed workspaces alone take 64.00 MiB" in line and "shorter sequence" not in line, line
+    assert "cuBLAS's fixed workspaces alone take 64.00 MiB" in line and "--seq-len" not in line, line
 
 
 def test_gpu_plans_for_a_known_gpu_of_another_machine(capsys):
@@ -224,3 +225,51 @@ def test_lora_in_plan_is_checked_as_in_train(capsys):
     line = _fails(capsys, *TINY, "--lora", "100000")
     assert "--lora 100000 is above the rank of the layers it adapts" in line and "To resolve this error" in line, line
     assert "--lora-dropout without --lora" in _fails(capsys, *TINY, "--lora-dropout", "0.1")
+
+
+def _reasons(capsys, *argv: str) -> list[str]:
+    return _plan(capsys, *argv)["reasons"]
+
+
+def test_the_precision_is_requested_only_when_the_flag_is_given(capsys):
+    common = [*TINY, "--device", "cpu", "--budget", "8MiB"]
+    default = [r for r in _reasons(capsys, *common) if r.startswith("precision ")]
+    assert default == [default[0]] and "requested" not in default[0] and "default" in default[0], default
+    given = [r for r in _reasons(capsys, *common, "--precision", "fp32") if r.startswith("precision ")]
+    assert given == ["precision fp32 (requested)"], given
+
+
+def test_the_budget_that_nothing_fits_advice_names_is_one_that_fits(capsys):
+    # On CUDA, gpt-tiny's smallest peak is cuBLAS's 64 MiB of workspaces and a little more: 60 MiB cannot hold it.
+    message = _fails(capsys, *TINY, "--budget", "60MiB")
+    flag = re.search(r"--budget (\d+MiB)", message)
+    least = re.search(r"a budget of at least ([0-9.]+) MiB", message)  # rounded up, not to the nearest
+    assert flag and least, message
+    for budget in (flag.group(1), f"{least.group(1)}MiB"):  # each, passed back as --budget, fits
+        assert _plan(capsys, *TINY, "--budget", budget)["peak_bytes"] > 0, (budget, message)
+
+
+def test_the_nothing_fits_advice_suggests_no_sequence_length_already_set(capsys, tmp_path):
+    planner_llama().save_pretrained(tmp_path / "llama")  # one sequence's activations are what is over
+    message = _fails(capsys, "--hf-config", str(tmp_path / "llama" / "config.json"), "--budget", "100MiB",
+                     "--seq-len", "1024", "--global-batch-size", "4", "--gpu", "H100")
+    assert "--seq-len below 1024" in message and "--seq-len 1024" not in message, message
+
+
+def test_an_unknown_gpu_is_refused_in_flag_terms(capsys):
+    message = _fails(capsys, *TINY, "--budget", "8GiB", "--gpu", "no-such-gpu")
+    assert "--gpu" in message and "device_profile" not in message, message
+
+
+def test_a_plan_shows_its_progress_on_stderr_unless_json_or_no_progress(capsys):
+    # A large model plans for minutes: a line per traced step and per full estimate says it is working.
+    argv = ["plan", *TINY, "--budget", "100MiB", "--gpu", "H100"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("plan: ")]
+    assert sum("tracing a step" in line for line in lines) >= 1, captured.err
+    assert sum("a full estimate" in line for line in lines) >= 1, captured.err
+    assert "plan: " not in captured.out, captured.out  # stdout holds the plan alone
+    for quiet in (["--json"], ["--no-progress"]):
+        assert main([*argv, *quiet]) == 0
+        assert "plan: " not in capsys.readouterr().err, quiet

@@ -28,7 +28,7 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(llama):
     message = str(info.value)
     assert "smallest predicted peak" in message and "To resolve this error" in message, message
     # (Above the 64 MiB of cuBLAS workspaces, which no sequence length shrinks.) One sequence's activations are what is over (the optimizer is offloaded): more ranks would not help.
-    assert "a shorter sequence (at seq_len 1024 a micro-batch of 1 needs" in message and "FSDP2" not in message, message
+    assert "seq_len below 1024 (at 1024 tokens a micro-batch of 1 needs" in message and "FSDP2" not in message, message
 
 
 def test_nothing_fits_over_fsdp2_ranks_names_a_rank_count_that_fits():

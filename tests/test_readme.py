@@ -36,3 +36,17 @@ def test_the_resume_table_says_what_resume_does():
         flag = flag.split()[0]
         row = rows["refused" if policy == "refuse" else "applied"]
         assert f"`{flag}`" in row, (key, policy, flag)
+
+
+def test_the_readme_says_to_activate_the_venv_before_its_first_bare_command():
+    text = README.read_text()
+    first_bare = min(text.index(f"\n{command} ") for command in ("memtrain", "python", "torchrun")
+                     if f"\n{command} " in text)
+    assert ". .venv/bin/activate" in text[:first_bare], "a newcomer's `memtrain` is `command not found`"
+
+
+def test_the_trainer_snippet_says_bf16_is_gpu_only():
+    snippet = re.search(r"```py\n(.*?)```", README.read_text(), flags=re.S).group(1)
+    lines = snippet.splitlines()
+    above = lines[next(i for i, line in enumerate(lines) if line.startswith("args =")) - 1]  # the comment over it
+    assert "GPU" in above and "bf16=False" in above, snippet

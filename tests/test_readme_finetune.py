@@ -77,3 +77,22 @@ def test_the_readme_trainer_snippet_runs_on_a_tiny_local_folder(files, tmp_path,
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md fine-tuning snippet", "exec"), {"__name__": "__readme__"})
     assert (tmp_path / "out" / "hf" / "adapter_config.json").is_file()
+
+
+def test_the_readme_makes_a_tiny_model_folder_offline_with_one_command(tmp_path):
+    """The command the README gives for a model folder runs offline, and memtrain loads what it writes."""
+    pytest.importorskip("tokenizers")
+    command = re.search(r"`(python examples/make_tiny_llama\.py [\w-]+)`", SECTION)
+    assert command, "the README shows no command that makes a model folder"
+    argv = shlex.split(command.group(1))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / argv[1]), *argv[2:]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from memtrain.hf import load_pretrained, load_tokenizer
+
+    folder = tmp_path / argv[2]
+    model, tokenizer = load_pretrained(str(folder)), load_tokenizer(str(folder))
+    assert model.config.num_hidden_layers == 2 and tokenizer.eos_token is not None
+    assert model.config.vocab_size == len(tokenizer)

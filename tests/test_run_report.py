@@ -3,6 +3,7 @@ from the matplotlib objects it is drawn with; the one plan line of a quiet run."
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -52,9 +53,29 @@ def test_memory_figure_draws_the_budget_the_predicted_and_measured_peak_and_each
     assert list(lines["re-plan at step 3"].get_xdata()) == [3, 3]
     assert steps_ax.get_yscale() == "log" and steps_ax.get_xlabel() == "optimizer step"
     bars_ax = fig.axes[0]
-    assert [t.get_text() for t in bars_ax.get_xticklabels()] == ["parameters", "gradients", "optimizer state",
-                                                                  "activations"]
+    assert [t.get_text().replace("\n", " ") for t in bars_ax.get_xticklabels()] == [
+        "parameters", "gradients", "optimizer state", "activations"]
     assert [p.get_height() for p in bars_ax.patches] == [25, 25, 50, 33]
+
+
+def test_memory_png_labels_do_not_overlap():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    # Two breakdowns of nearly equal bytes, as a CPU run's are: their labels side by side.
+    same = {key: value + MIB // 5 for key, value in BARS["with memtrain (measured)"].items()}
+    fig = memory_figure({"without memtrain (estimated)": same, **BARS}, _metrics([280 * MIB, 310 * MIB]),
+                        _run_plan(), [{"step": 2}])
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    bars_ax, steps_ax = fig.axes
+    texts = [t for t in [*bars_ax.texts, *bars_ax.get_xticklabels()] if t.get_text()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    overlapping = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
+    assert len(texts) == 12 and not overlapping, overlapping  # 8 bar labels, 4 categories
+    legend = steps_ax.get_legend().get_window_extent(renderer)
+    assert not legend.overlaps(steps_ax.get_window_extent(renderer)), "the legend covers the lines"
+    assert not legend.overlaps(bars_ax.get_window_extent(renderer))
 
 
 def test_memory_figure_without_an_allocator_peak_or_a_budget_says_so():
@@ -65,10 +86,15 @@ def test_memory_figure_without_an_allocator_peak_or_a_budget_says_so():
     assert "no allocator peak" in steps_ax.get_title()
 
 
-def test_a_run_writes_the_new_memory_png(tmp_path):
+def test_a_run_writes_the_new_memory_png_and_the_plan_says_why_its_precision(tmp_path):
     out = tmp_path / "run"
     train(tiny_gpt(seq_len=32, seed=0), code_windows(), quick_run_config(out, max_steps=2))
     assert (out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # precision "auto": the plan's reason is the automatic choice's, not "(requested)".
+    reasons = json.loads((out / "report.json").read_text())["plan"]["reasons"]
+    precision = [r for r in reasons if r.startswith("precision ")]
+    assert precision and precision[0].startswith("precision fp32, because: CPU"), reasons
+    assert not any("requested" in r for r in reasons), reasons
 
 
 def test_plan_summary_is_one_line_with_the_choices():

@@ -140,3 +140,19 @@ def test_betas_and_eps_reach_every_optimizer_apply_plan_builds():
 def test_bad_schedule_and_optimizer_settings_are_refused_naming_the_field(bad, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         TrainConfig(**bad).validate()
+
+
+def test_a_resumed_run_logs_the_schedule_it_continues_on(tmp_path, capsys):
+    from helpers import code_windows, quick_run_config
+
+    from memtrain import train
+
+    out = tmp_path / "run"
+    train(tiny_gpt(seq_len=32, seed=0), code_windows(), quick_run_config(out, max_steps=10))  # warm-up: 1 step
+    capsys.readouterr()
+    # Ten times longer: a new run would warm up over 10 steps; the resumed one keeps its own 1, at step 10.
+    train(tiny_gpt(seq_len=32, seed=0), code_windows(), quick_run_config(out, max_steps=100, resume=True))
+    lines = [line.strip() for line in capsys.readouterr().err.splitlines() if line.strip().startswith("learning rate")]
+    expected = lr_at(10, TrainConfig(lr=1e-2, warmup_steps=1, max_steps=100))  # quick_run_config's lr
+    assert lines == [f"learning rate {expected:.3g} at step 10, where the run resumes (peak 0.01; its 1 warm-up steps "
+                     "done), cosine to 0.001 at step 100 (--lr-schedule cosine) (the run's own warm-up and peak)"], lines

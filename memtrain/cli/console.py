@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -93,3 +94,25 @@ def third_party_progress(*, enabled: bool) -> Iterator[None]:
     finally:
         for undo in restore:
             undo()
+
+
+@contextlib.contextmanager
+def progress_lines(logger: str, *, enabled: bool) -> Iterator[None]:
+    """The library logger's progress lines (``memtrain.planner.progress``: a plan's slow stages) on stderr inside,
+    one a line; nothing with ``enabled=False`` (--json, --no-progress)."""
+    if not enabled:
+        yield
+        return
+    log_ = logging.getLogger(logger)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = log_.level, log_.propagate
+    log_.addHandler(handler)
+    log_.setLevel(logging.INFO)
+    log_.propagate = False  # once, here: not again through a root handler an application set up
+    try:
+        yield
+    finally:
+        log_.removeHandler(handler)
+        log_.setLevel(level)
+        log_.propagate = propagate

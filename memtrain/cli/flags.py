@@ -13,6 +13,7 @@ from typing import Any
 from memtrain import __version__
 from memtrain.checkpointing import Checkpointing
 from memtrain.cli.console import EXIT_BAD_INPUT, EXIT_CODES_HELP
+from memtrain.cli.workloads import HF_SEQ_LEN
 from memtrain.config import LR_SCHEDULES
 from memtrain.errors import ConfigError
 from memtrain.report import parse_bytes
@@ -141,6 +142,7 @@ def _loggers(text: str) -> tuple[str, ...]:
 
 
 UNLIMITED = "unlimited"
+PLAN_PRECISION = "bf16-mixed"  # memtrain plan's precision without --precision (a plan is mostly for a GPU)
 
 
 def _size(text: str) -> int | str:
@@ -180,109 +182,150 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# train --help's sections, by purpose (argparse argument groups): a flag is found by what it is for.
+TRAIN_GROUPS = {
+    "model": "model (default: the built-in GPT, gpt-mini)",
+    "data": "data (default: the Python standard library's source, as bytes)",
+    "batch": "batch and sequence",
+    "techniques": "memory techniques (unset: the plan decides)",
+    "optimizer": "optimizer and learning-rate schedule",
+    "precision": "precision",
+    "budget": "budget and plan",
+    "run": "run length, run folder and resume",
+    "logging": "logging and output",
+    "distributed": "distributed (under torchrun)",
+}
+# memtrain plan's and estimate's sections: the same names for the flags they share with train.
+PLAN_GROUPS = {key: TRAIN_GROUPS[key] for key in ("model", "batch", "techniques", "precision", "budget")}
+
+
+def _groups(parser: argparse.ArgumentParser, titles: dict[str, str]) -> dict[str, Any]:
+    return {key: parser.add_argument_group(title) for key, title in titles.items()}
+
+
 def _add_train_parser(sub: Any) -> None:
     t = sub.add_parser("train", help="train the built-in GPT on the built-in corpus (or your model and data)",
                        epilog=EXIT_CODES_HELP)
     t.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (keys as the flags, e.g. "
                    "micro-batch-size = 4 or micro_batch_size = 4); flags given on the command line win")
-    _add_model_flags(t, pretrained_weights=True)
-    t.add_argument("--data", metavar="PATH", help="the text to train on: with --hf-model a .txt (documents split on "
-                   "blank lines) or .jsonl (a \"text\" field, or \"prompt\"/\"completion\": the loss on the completion) "
-                   "tokenised with the folder's tokenizer; for the built-in GPT a text file read as bytes (default: "
-                   "the Python standard library)")
-    t.add_argument("--eval-data", metavar="PATH", help="held-out text to evaluate on every --eval-every steps, in "
-                   "the formats of --data (tokenised and packed the same way); default: the last 5%% of --data's "
-                   "documents, or for the built-in corpus every 20th block of 64 KiB")
-    _add_lora_flags(t, adapters="; hf/ then holds the adapters")
-    t.add_argument("--merge-lora", action="store_true", help="with --lora: hf/ holds the weights with the adapters "
-                   "merged in (a plain from_pretrained folder)")
-    t.add_argument("--global-batch-size", type=_positive_int,
-                   help="examples per optimizer step over all ranks (default: 16 x world size, or micro-batch x "
-                   "world size when --micro-batch-size is given); the accumulation steps follow")
-    t.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed", "fp16-mixed"], default="auto",
-                   help="auto picks bf16-mixed where the GPU supports it, fp32 on a CPU (default auto)")
-    _add_budget_flags(t, default_text="the device's free memory (CUDA) or the free RAM (CPU)")
-    t.add_argument("--nproc", type=_positive_int, metavar="N", help="check that torchrun started N processes "
-                   "(memtrain train starts none itself: launch torchrun --nproc_per_node N -m memtrain train)")
-    length = t.add_mutually_exclusive_group()
+    g = _groups(t, TRAIN_GROUPS)
+    _add_model_flags(g, pretrained_weights=True)
+    g["data"].add_argument("--data", metavar="PATH", help="the text to train on: with --hf-model a .txt (documents "
+                           "split on blank lines) or .jsonl (a \"text\" field, or \"prompt\"/\"completion\": the "
+                           "loss on the completion) tokenised with the folder's tokenizer; for the built-in GPT a text "
+                           "file read as bytes (default: the Python standard library)")
+    g["data"].add_argument("--eval-data", metavar="PATH", help="held-out text to evaluate on every --eval-every "
+                           "steps, in the formats of --data (tokenised and packed the same way); default: the last "
+                           "5%% of --data's documents, or for the built-in corpus every 20th block of 64 KiB")
+    _add_lora_flags(g["model"], adapters="; hf/ then holds the adapters")
+    g["model"].add_argument("--merge-lora", action="store_true", help="with --lora: hf/ holds the weights with the "
+                            "adapters merged in (a plain from_pretrained folder)")
+    g["batch"].add_argument("--global-batch-size", type=_positive_int,
+                            help="examples per optimizer step over all ranks (default: 16 x world size, or micro-batch "
+                            "x world size when --micro-batch-size is given); the accumulation steps follow")
+    g["precision"].add_argument("--precision", choices=["auto", "fp32", "bf16-mixed", "fp16-mixed"], default="auto",
+                                help="auto picks bf16-mixed where the GPU supports it, fp32 on a CPU (default auto)")
+    _add_budget_flags(g["budget"], default_text="the device's free memory (CUDA) or the free RAM (CPU)")
+    g["distributed"].add_argument("--nproc", type=_positive_int, metavar="N", help="check that torchrun started N "
+                                  "processes (memtrain train starts none itself: launch torchrun --nproc_per_node N "
+                                  "-m memtrain train)")
+    length = g["run"].add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps (default 500)")
     length.add_argument("--epochs", type=_positive_int, metavar="N", help="instead of --max-steps: N passes over the "
                         "training data, ceil(N x examples / global batch) optimizer steps (said at the start)")
-    t.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default: 2e-5 fine-tuning "
-                   "--hf-model, 2e-4 with --lora, 3e-3 training from random weights; the reason is logged)")
-    t.add_argument("--warmup-steps", type=_non_negative_int, default=None,
-                   help="linear warm-up steps to --lr (default: 3%% of the steps (at least 1) fine-tuning "
-                   "--hf-model, else min(50, max-steps // 10): a 10-step run warms up in 1)")
-    t.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
-                   help="after the warm-up: cosine or linear decay to a tenth of --lr at the last step, or constant "
-                   "at --lr (default cosine)")
-    t.add_argument("--adam-betas", type=_betas, metavar="B1,B2", default=(0.9, 0.95),
-                   help="AdamW's moment decays, each in [0, 1) (default 0.9,0.95)")
-    t.add_argument("--adam-eps", type=_positive_float, metavar="EPS", default=1e-8,
-                   help="AdamW's epsilon (default 1e-8)")
-    t.add_argument("--weight-decay", type=_non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
-    t.add_argument("--grad-clip", type=_grad_clip, default=1.0,
-                   help="clip the global gradient norm to this (default 1.0; 0 or none: no clipping)")
-    t.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the weights, the data order and "
-                   "dropout (0 <= seed < 2**63; default 0)")
-    t.add_argument("--out", metavar="DIR", help="run folder (default runs/<model>-<time>)")
-    t.add_argument("--save-every", type=_positive_int, default=100, help="optimizer steps between resumable "
-                   "checkpoints, also written at the end and on SIGTERM/SIGINT (default 100)")
-    t.add_argument("--eval-every", type=_positive_int, default=100,
-                   help="optimizer steps between evaluations on the held-out windows (default 100; also at the end)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact "
-                   "checkpoint, with the flags it started with (flags given now are checked against them)")
-    t.add_argument("--overwrite", action="store_true", help="replace another run's results in --out (memtrain's "
-                   "files only: it never deletes what it did not write)")
-    t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 instead of DDP")
-    t.add_argument("--compile", action="store_true",
-                   help="torch.compile the training step (after checkpointing and the DDP/FSDP2 wrapper)")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
-                   "(in a log), transformers' and huggingface_hub's bars (\"Loading weights\") included")
-    t.add_argument("--log", type=_loggers, default=(), metavar="LOGGER[,LOGGER]", help="where the run logs beside "
-                   "metrics.jsonl: tensorboard (event files in <run>/tensorboard/: loss, eval loss, lr, tokens/s, "
-                   "memory, the plan as text; pip install 'memtrain[tensorboard]'); none (default): metrics.jsonl only")
-    t.add_argument("--quiet", action="store_true", help="print the plan in one line at the start instead of each "
-                   "automatic choice with its reason (report.json and --json keep the reasons)")
-    t.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    _add_optimizer_flags(g["optimizer"])
+    g["run"].add_argument("--seed", type=_non_negative_int, default=0, help="seed of the weights, the data order and "
+                          "dropout (0 <= seed < 2**63; default 0)")
+    g["run"].add_argument("--out", metavar="DIR", help="run folder (default runs/<model>-<time>)")
+    g["run"].add_argument("--save-every", type=_positive_int, default=100, help="optimizer steps between resumable "
+                          "checkpoints, also written at the end and on SIGTERM/SIGINT (default 100)")
+    g["data"].add_argument("--eval-every", type=_positive_int, default=100, help="optimizer steps between "
+                           "evaluations on the held-out windows (default 100; also at the end)")
+    g["run"].add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact "
+                          "checkpoint, with the flags it started with (flags given now are checked against them)")
+    g["run"].add_argument("--overwrite", action="store_true", help="replace another run's results in --out "
+                          "(memtrain's files only: it never deletes what it did not write)")
+    g["distributed"].add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
+    g["techniques"].add_argument("--compile", action="store_true", help="torch.compile the training step (after "
+                                 "checkpointing and the DDP/FSDP2 wrapper)")
+    _add_logging_flags(g["logging"])
+
+
+def _add_optimizer_flags(group: Any) -> None:
+    """train's optimizer and learning-rate flags (the optimizer's memory, --optimizer-state, is a technique)."""
+    group.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default: 2e-5 "
+                       "fine-tuning --hf-model, 2e-4 with --lora, 3e-3 training from random weights; the reason is "
+                       "logged)")
+    group.add_argument("--warmup-steps", type=_non_negative_int, default=None,
+                       help="linear warm-up steps to --lr (default: 3%% of the steps (at least 1) fine-tuning "
+                       "--hf-model, else min(50, max-steps // 10): a 10-step run warms up in 1)")
+    group.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+                       help="after the warm-up: cosine or linear decay to a tenth of --lr at the last step, or "
+                       "constant at --lr (default cosine)")
+    group.add_argument("--adam-betas", type=_betas, metavar="B1,B2", default=(0.9, 0.95),
+                       help="AdamW's moment decays, each in [0, 1) (default 0.9,0.95)")
+    group.add_argument("--adam-eps", type=_positive_float, metavar="EPS", default=1e-8,
+                       help="AdamW's epsilon (default 1e-8)")
+    group.add_argument("--weight-decay", type=_non_negative_float, default=0.1, help="AdamW weight decay (default "
+                       "0.1)")
+    group.add_argument("--grad-clip", type=_grad_clip, default=1.0,
+                       help="clip the global gradient norm to this (default 1.0; 0 or none: no clipping)")
+
+
+def _add_logging_flags(group: Any) -> None:
+    group.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
+                       "(in a log), transformers' and huggingface_hub's bars (\"Loading weights\") included")
+    group.add_argument("--log", type=_loggers, default=(), metavar="LOGGER[,LOGGER]", help="where the run logs beside "
+                       "metrics.jsonl: tensorboard (event files in <run>/tensorboard/: loss, eval loss, lr, tokens/s, "
+                       "memory, the plan as text; pip install 'memtrain[tensorboard]'); none (default): metrics.jsonl "
+                       "only")
+    group.add_argument("--quiet", action="store_true", help="print the plan in one line at the start instead of each "
+                       "automatic choice with its reason (report.json and --json keep the reasons)")
+    group.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 
 def _add_estimate_parser(sub: Any) -> None:
     e = sub.add_parser("estimate", help="predict the peak memory of a training step, without a GPU")
-    _add_model_flags(e, micro_batch_default=16, checkpointing_default="all")
-    _add_lora_flags(e, adapters=": the frozen base weights take no gradients and no optimizer state")
-    e.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
-                   help="the precision to predict for (default bf16-mixed)")
-    e.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="the device whose peak is predicted (default cuda)")
+    g = _groups(e, {k: v for k, v in PLAN_GROUPS.items() if k != "budget"})
+    g["techniques"].title = "memory techniques (unset: off)"
+    _add_model_flags(g, micro_batch_default=16, checkpointing_default="all")
+    _add_lora_flags(g["model"], adapters=": the frozen base weights take no gradients and no optimizer state")
+    g["precision"].add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
+                                help="the precision to predict for (default bf16-mixed)")
+    g["precision"].add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                                help="the device whose peak is predicted (default cuda)")
     e.add_argument("--json", action="store_true", help="print the report as JSON (peak_bytes: the predicted peak)")
 
 
 def _add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="choose the fastest set-up that fits a memory budget, with its reasons")
-    _add_model_flags(p)
-    _add_lora_flags(p, adapters=": the frozen base weights take no gradients and no optimizer state")
-    p.add_argument("--global-batch-size", type=_positive_int,
-                   help="examples per optimizer step over all ranks (default, as memtrain train: 16 x --nproc, or "
-                   "micro-batch x --nproc when --micro-batch-size is given)")
-    p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"], default="bf16-mixed",
-                   help="compute precision (default bf16-mixed)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="the device planned for (default cuda; a CPU plan is probed on this machine)")
-    _add_budget_flags(p, default_text="unlimited")
-    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
-                   help="ranks to plan for (the peak is per rank; default 1)")
-    dist = p.add_mutually_exclusive_group()
+    g = _groups(p, {**PLAN_GROUPS, "distributed": "distributed (ranks to plan for)"})
+    _add_model_flags(g)
+    _add_lora_flags(g["model"], adapters=": the frozen base weights take no gradients and no optimizer state")
+    g["batch"].add_argument("--global-batch-size", type=_positive_int,
+                            help="examples per optimizer step over all ranks (default, as memtrain train: 16 x "
+                            "--nproc, or micro-batch x --nproc when --micro-batch-size is given)")
+    g["precision"].add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                                help=f"compute precision (default {PLAN_PRECISION}: a GPU's autocast)")
+    g["budget"].add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                             help="the device planned for (default cuda; a CPU plan is probed on this machine)")
+    _add_budget_flags(g["budget"], default_text="unlimited")
+    g["distributed"].add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                                  help="ranks to plan for (the peak is per rank; default 1)")
+    dist = g["distributed"].add_mutually_exclusive_group()
     dist.add_argument("--fsdp", action="store_const", const=True, dest="fsdp",
                       help="with --nproc > 1: plan FSDP2 only (default: DDP and FSDP2 compared)")
     dist.add_argument("--ddp", action="store_const", const=False, dest="fsdp",
                       help="with --nproc > 1: plan DDP only")
-    p.add_argument("--compile", action="store_true", help="also consider torch.compile'd set-ups")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine's device first (a few seconds "
-                   "of matmuls, copies and a CPU AdamW step; cached) instead of the table of known GPUs; a CPU "
-                   "plan always probes")
-    p.add_argument("--gpu", metavar="NAME", help="plan for this GPU from the table of known ones (H200, H100, A100, "
-                   "L4, 4090), e.g. for another machine (default: this machine's GPU, else an H100)")
+    g["techniques"].add_argument("--compile", action="store_true", help="also consider torch.compile'd set-ups")
+    g["budget"].add_argument("--calibrate", action="store_true", help="measure this machine's device first (a few "
+                             "seconds of matmuls, copies and a CPU AdamW step; cached) instead of the table of known "
+                             "GPUs; a CPU plan always probes")
+    g["budget"].add_argument("--gpu", metavar="NAME", help="plan for this GPU from the table of known ones (H200, "
+                             "H100, A100, L4, 4090), e.g. for another machine (default: this machine's GPU, else an "
+                             "H100)")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr (a line per slow stage "
+                   "of the search: each traced step, each full estimate; --json prints none either)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON: plan (the chosen settings), "
                    "peak_bytes, step_seconds, tokens_per_s, candidates")
 
@@ -305,7 +348,7 @@ def _add_export_parser(sub: Any) -> None:
     x.add_argument("--json", action="store_true", help="print what was written as JSON on stdout")
 
 
-def _add_lora_flags(parser: argparse.ArgumentParser, *, adapters: str) -> None:
+def _add_lora_flags(parser: Any, *, adapters: str) -> None:
     """--lora R and its options, one definition for train, estimate and plan (``adapters`` ends --lora's help)."""
     parser.add_argument("--lora", type=_positive_int, metavar="R", help="train LoRA adapters of rank R on the frozen "
                         f"model (every linear layer but the output head, or --lora-targets){adapters}")
@@ -323,10 +366,10 @@ def _add_lora_flags(parser: argparse.ArgumentParser, *, adapters: str) -> None:
                         "matmul; Hugging Face models only; needs pip install 'memtrain[qlora]'")
 
 
-def _add_model_flags(parser: argparse.ArgumentParser, *, micro_batch_default: int | None = None,
+def _add_model_flags(groups: dict[str, Any], *, micro_batch_default: int | None = None,
                      checkpointing_default: str = "auto", pretrained_weights: bool = False) -> None:
-    """The model / batch / technique flags shared by train, estimate and plan."""
-    models = parser.add_mutually_exclusive_group()
+    """The model / batch / technique flags shared by train, estimate and plan, each in its group of ``groups``."""
+    models = groups["model"].add_mutually_exclusive_group()
     models.add_argument("--model", default="gpt-mini", help="GPT preset: gpt-tiny, gpt-mini (default), gpt-small")
     models.add_argument("--hf-config", metavar="PATH",
                         help="a Hugging Face config.json: that model, randomly initialised")
@@ -334,22 +377,23 @@ def _add_model_flags(parser: argparse.ArgumentParser, *, micro_batch_default: in
         "a local pretrained Hugging Face folder: config.json, *.safetensors weights (loaded in fp32: master "
         "weights for mixed precision) and a tokenizer, never the network" if pretrained_weights else
         "a local Hugging Face model folder: only its config.json is read (nothing is loaded)"))
-    parser.add_argument("--seq-len", type=_positive_int, help="tokens per example (default: the preset's; 256 for "
-                        "Hugging Face models, at most their positions)" if pretrained_weights else
-                        "tokens per example (default: the preset's; for Hugging Face models 2048, at most their "
-                        "positions)")
-    parser.add_argument("--micro-batch-size", type=_positive_int, default=micro_batch_default, help=(
+    batch = groups["batch"]
+    # One default for train, plan and estimate: a plan predicts the run that memtrain train would start.
+    batch.add_argument("--seq-len", type=_positive_int, help=f"tokens per example (default: the preset's; "
+                       f"{HF_SEQ_LEN} for Hugging Face models, at most their positions; the same in train, plan and "
+                       "estimate)")
+    batch.add_argument("--micro-batch-size", type=_positive_int, default=micro_batch_default, help=(
         f"examples per forward (default {micro_batch_default})" if micro_batch_default else
         "examples per forward (default: the plan picks it; given, it is fixed)"))
-    parser.add_argument("--checkpointing", type=_checkpointing, default=checkpointing_default, help=(
+    groups["techniques"].add_argument("--checkpointing", type=_checkpointing, default=checkpointing_default, help=(
         "none | all | every:K | selective | blocks(RKO..) (per block: recompute, keep, offload), each with an "
         "optional +offload (the recomputed blocks' inputs in host memory)"
         + (" | auto: the planner chooses (default)" if checkpointing_default == "auto"
            else f" (default {checkpointing_default})")))
-    _add_technique_flags(parser, planned=checkpointing_default == "auto")
+    _add_technique_flags(groups["techniques"], planned=checkpointing_default == "auto")
 
 
-def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> None:
+def _add_technique_flags(parser: Any, *, planned: bool) -> None:
     """The memory techniques a user may fix; unset, the planner decides (train, plan) or they are off (estimate)."""
     unset = "default: the plan decides" if planned else "default: off"
     switch = argparse.BooleanOptionalAction
@@ -381,7 +425,7 @@ def _add_technique_flags(parser: argparse.ArgumentParser, *, planned: bool) -> N
                         f"device. Needs --offload-optimizer, one process, no --compile ({unset})")
 
 
-def _add_budget_flags(parser: argparse.ArgumentParser, *, default_text: str) -> None:
+def _add_budget_flags(parser: Any, *, default_text: str) -> None:
     parser.add_argument("--budget", type=_size, metavar="SIZE", help="device bytes per rank the run may use, e.g. "
                         f"24GiB or 8000MB (GiB = 2**30, GB = 10**9; default {default_text})")
     parser.add_argument("--host-budget", type=_size, metavar="SIZE", help="host RAM the run may use (offloaded "

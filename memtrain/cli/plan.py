@@ -7,17 +7,23 @@ import dataclasses
 import json
 
 from memtrain.choices import default_global_batch
-from memtrain.cli.console import EXIT_OK, echo
-from memtrain.cli.flags import UNLIMITED
+from memtrain.cli.console import EXIT_OK, echo, progress_lines
+from memtrain.cli.flags import PLAN_PRECISION, UNLIMITED
 from memtrain.cli.techniques import choices_from_flags
 from memtrain.cli.workloads import lora_flag_problems, lora_text, meta_target, trains_packed_rows
 from memtrain.errors import ConfigError
 from memtrain.planner import known_gpu, plan
+from memtrain.planner.search import PROGRESS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     # memtrain plan's --compile fixes nothing: it lets the search weigh compiled set-ups too (plan(compile=)).
     choices = dataclasses.replace(choices_from_flags(args), compile=False)
+    precision_reason = None  # --precision given: the plan says "(requested)"
+    if args.precision is None:
+        args.precision = PLAN_PRECISION
+        precision_reason = (f"{PLAN_PRECISION}, because: memtrain plan's default (a GPU's bf16 autocast; memtrain "
+                            "train picks fp32 on a CPU); pass --precision fp32 or fp16-mixed to plan another")
     ConfigError.raise_if(lora_flag_problems(args))
     target, seq_len, name = meta_target(args)
     # A 4-bit base cannot be sharded (quantize_flag_problems): with --nproc N only DDP is planned for QLoRA.
@@ -31,12 +37,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from memtrain.planner import calibrate
 
     profile = calibrate(args.device, refresh=True) if args.calibrate else known_gpu(args.gpu) if args.gpu else None
-    p = plan(target, budget=None if args.budget == UNLIMITED else args.budget, seq_len=seq_len,
-             global_batch_size=args.global_batch_size or default_global_batch(args.nproc, args.micro_batch_size),
-             device=args.device, precision=args.precision, world_size=args.nproc,
-             fsdp=(False if args.quantize_base and args.fsdp is None else args.fsdp) if args.nproc > 1 else False, compile=args.compile, choices=choices,
-             host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
-             micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args))
+    with progress_lines(PROGRESS.name, enabled=not (args.json or args.no_progress)):  # a large model: minutes
+        p = plan(target, budget=None if args.budget == UNLIMITED else args.budget, seq_len=seq_len,
+                 global_batch_size=args.global_batch_size or default_global_batch(args.nproc, args.micro_batch_size),
+                 device=args.device, precision=args.precision, precision_reason=precision_reason,
+                 world_size=args.nproc, compile=args.compile, choices=choices,
+                 fsdp=(False if args.quantize_base and args.fsdp is None else args.fsdp) if args.nproc > 1 else False,
+                 host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
+                 micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args))
     if args.lora:
         p = dataclasses.replace(p, reasons=(lora_text(target, args.lora), *p.reasons))
     if args.json:

@@ -29,6 +29,8 @@ LIBRARY_PHRASES: dict[str, str] = {
     "or another val_fraction": ("(memtrain train holds out the last 5% of them for validation), or pass "
                                 "--eval-data FILE, with which every document of --data trains"),
     "or pass a writable cache_dir": "or copy the data to a writable folder (the cache is written beside it)",
+    "or pass device_profile=.": "or pass --gpu with one of the names it knows",
+    "(device_profile=None)": "(memtrain plan --gpu NAME)",
 }
 # Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
 ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {

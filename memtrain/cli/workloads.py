@@ -227,7 +227,11 @@ def _build_gpt(args: argparse.Namespace) -> Any:
     return GPT.from_preset(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
 
 
-def hf_seq_len(config: Any, seq_len: int | None, flag: str, *, default: int = 256,
+# --seq-len's default for Hugging Face models, in train, plan and estimate alike (a plan predicts the run).
+HF_SEQ_LEN = 256
+
+
+def hf_seq_len(config: Any, seq_len: int | None, flag: str, *, default: int = HF_SEQ_LEN,
                problems: list[str] | None = None) -> int:
     """--seq-len, or ``default`` capped at the model's positions; a causal LM only (not an encoder)."""
     own = problems is None
@@ -311,13 +315,13 @@ def check_data_path(path: str, *, tokenised: bool, flag: str = "--data") -> None
         raise ConfigError(f"{shown} is not readable. To resolve this error, pass a text file you can read.")
 
 
-def meta_target(args: argparse.Namespace, *, default_seq_len: int = 2048) -> tuple[Any, int, str]:
+def meta_target(args: argparse.Namespace) -> tuple[Any, int, str]:
     """(the model on the meta device, with --lora's adapters, tokens per example, its name) for estimate and plan:
     nothing allocated."""
     if args.hf_config or args.hf_model:
         config = hf_config_file(args.hf_config) if args.hf_config else hf_folder_config(args.hf_model)
         flag = "--hf-config" if args.hf_config else "--hf-model"
-        seq_len = hf_seq_len(config, args.seq_len, flag, default=default_seq_len)
+        seq_len = hf_seq_len(config, args.seq_len, flag)
         name = Path(args.hf_config).name if args.hf_config else Path(args.hf_model).name
         return with_lora(meta_model(config), args, args.precision), seq_len, name
     with torch.device("meta"):

@@ -116,7 +116,7 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
     same = {name: results.column(name) == getattr(s, name) for name in
             ("micro_batch_size", "chunked_loss", "optimizer", "distribution", "compile", "flavor")}
     keep_all = (results.offload == 0) & (results.recompute == 0)
-    reasons = [f"precision {ctx.precision} (requested)"]
+    reasons = [f"precision {ctx.precision_reason or f'{ctx.precision} (requested)'}"]
     n_recompute, n_offload = s.blocks.count("recompute"), s.blocks.count("offload")
     others = same["micro_batch_size"] & same["chunked_loss"] & same["optimizer"] & same["distribution"] & \
         same["compile"]
@@ -307,6 +307,13 @@ def _size_up(n: int) -> str:
     return f"{math.ceil(n / 2**30)}GiB" if n >= 2**30 else f"{math.ceil(n / 2**20)}MiB"
 
 
+def _bytes_up(n: int) -> str:
+    """``format_bytes`` rounded up, not to the nearest: the figure passed back as a budget holds ``n`` bytes
+    (125.20 MiB for 125.204 would not)."""
+    unit, size = next(((u, z) for u, z in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if n >= z), ("B", 1))
+    return f"{n} B" if size == 1 else f"{math.ceil(n * 100 / size) / 100:.2f} {unit}"
+
+
 def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float, usable: int,
                   margin: float) -> list[str]:
     """What would let set-up ``s``, the smallest peak ``peak``, fit the usable device bytes: a budget that holds
@@ -335,13 +342,16 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
         hints[0] = (f"a larger budget: the model state alone (weights, gradients, optimizer state) takes "
                     f"{format_bytes(int(state))} on the device ({fits})")
     elif state + workspace >= usable:
-        hints[0] = (f"a budget of at least {format_bytes(math.ceil(peak / (1 - margin)))}: cuBLAS's fixed "
+        least = math.ceil(peak / (1 - margin))
+        hints[0] = (f"a budget of at least {_bytes_up(least)} (budget={_size_up(least)}): cuBLAS's fixed "
                     f"workspaces alone take {format_bytes(workspace)} (two of 32 MiB, whatever the sequence or batch) "
                     f"beside the model state's {format_bytes(int(state))}")
-    elif activations > usable - state:  # not a length: the activations are not linear in it (fixed buffers)
+    elif activations > usable - state and ctx.seq_len > 1:  # not a length: the activations are not linear in it (fixed buffers)
         fixed = f", {format_bytes(workspace)} of it cuBLAS's fixed workspaces" if workspace else ""
-        hints.append(f"a shorter sequence (at seq_len {ctx.seq_len} a micro-batch of {s.micro_batch_size} needs "
-                     f"{format_bytes(int(activations))}{fixed} beside the model state's {format_bytes(int(state))})")
+        # Worded as a change ("below"): "at seq_len 1024" reads as --seq-len 1024 in the command's terms.
+        hints.append(f"seq_len below {ctx.seq_len} (at {ctx.seq_len} tokens a micro-batch of {s.micro_batch_size} "
+                     f"needs {format_bytes(int(activations))}{fixed} beside the model state's "
+                     f"{format_bytes(int(state))})")
     else:
         hints[0] = (f"a larger budget: a micro-batch of {s.micro_batch_size} alone needs "
                     f"{format_bytes(int(activations))} beside the model state ({fits})")

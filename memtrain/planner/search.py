@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ from memtrain.report import format_bytes
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
 _NEAR_MISSES = 3  # at most this many of them
+# A line per slow stage (each traced kind of step, each full estimate): a large model plans for minutes, and a
+# command shows it is working (memtrain plan prints these on stderr). Silent unless a handler is attached.
+PROGRESS = logging.getLogger("memtrain.planner.progress")
 
 
 def plan(
@@ -75,6 +79,7 @@ def plan(
     global_batch_size: int,
     device: str = "cuda",
     precision: str = "bf16-mixed",
+    precision_reason: str | None = None,
     world_size: int = 1,
     fsdp: bool | None = False,
     host_budget: int | str | None = None,
@@ -104,6 +109,7 @@ def plan(
             copy within RAM).
         precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (compute; weights stay fp32 unless the plan
             puts bf16 weights on the device with an offloaded fp32 master).
+        precision_reason: why ``precision`` (``resolve_precision``'s: "fp32, because: ..."); None: requested.
         world_size: ranks; the global batch is split over them.
         fsdp: True plans FSDP2, False DDP, None both (the reasons say which fits faster). Ignored for one rank.
         host_budget: host RAM the plan may use (one node, all ranks); None: the RAM available now.
@@ -145,10 +151,9 @@ def plan(
         world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
         safety_margin=safety_margin, techniques=techniques)
     choices = check_choices(choices, world_size=world_size, fsdp=fsdp)
-    if settings is not None:
-        precision = settings.precision
-    ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device, precision, world_size,
-                     "chunked-loss" in allowed, grad_clip, device_profile, packed)
+    ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device,
+                     settings.precision if settings is not None else precision, world_size,
+                     "chunked-loss" in allowed, grad_clip, device_profile, packed, precision_reason)
     _check_a_block_fits(ctx, budget_bytes)
     fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
     space = _search_space(ctx, allowed, fsdp, fixed)
@@ -160,13 +165,22 @@ def plan(
         _raise_unbuildable(fixed, micro_batch_size, world_size, fsdp)
     results.finish()
     results.peak = results.peak + correction_bytes
-    # The host RAM to check against: the budget given, or this machine's when the plan is for this machine.
-    here = device == "cpu" or torch.cuda.is_available()
-    host_limit = host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
+    host_limit = _host_limit(device, host_budget_bytes)
     usable = None if budget_bytes is None else int(budget_bytes * (1 - safety_margin))
     chosen = _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin,
                      started, correction_bytes, pure)
     return dataclasses.replace(chosen, reasons=(*notes, *chosen.reasons)) if notes else chosen
+
+
+def _host_limit(device: str, host_budget_bytes: int | None) -> int | None:
+    """The host RAM to check against: the budget given, or this machine's when the plan is for this machine."""
+    here = device == "cpu" or torch.cuda.is_available()
+    return host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
+
+
+def _setup_line(s: PlanSettings) -> str:
+    return (f"micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, optimizer {s.optimizer_text}"
+            + (", compiled" if s.compile else ""))
 
 
 def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable, settings: PlanSettings | None,
@@ -181,10 +195,12 @@ def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable, settin
         space.placements = []  # nothing to search
         return composer
     profiles: dict[Any, Profiles] = {}
-    if not space.pure_bf16:
-        profiles[None] = build_profiles(ctx, space.flavors, space.offload_blocks, None)
-    if "offload-bf16-weights" in space.placements or space.pure_bf16:
-        profiles["bf16"] = build_profiles(ctx, space.flavors, space.offload_blocks, "bf16")
+    weights = ([None] if not space.pure_bf16 else []) + (
+        ["bf16"] if "offload-bf16-weights" in space.placements or space.pure_bf16 else [])
+    for i, dtype in enumerate(weights, 1):
+        PROGRESS.info(f"plan: tracing a step of each kind of block at micro-batches 1 and 2 ({dtype or 'fp32'} "
+                      f"weights on the device, {i} of {len(weights)})")
+        profiles[dtype] = build_profiles(ctx, space.flavors, space.offload_blocks, dtype)
     return Composer(ctx, profiles)
 
 
@@ -298,7 +314,11 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
     L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
     choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
                                  fixed)
-    for placement, state, in_backward, fraction, dist in choices:
+    for i, (placement, state, in_backward, fraction, dist) in enumerate(choices, 1):
+        PROGRESS.info(f"plan: composing candidates{' in pure bf16' if space.pure_bf16 else ''}, optimizer set-up {i} "
+                      f"of {len(choices)} ({placement}{f', {fraction:.0%} of it offloaded' if fraction else ''}, {state} moments"
+                      f"{', step in backward' if in_backward else ''}"
+                      f"{', one process' if dist == 'none' else f', {dist}'}) x {len(micros)} micro-batch sizes")
         for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
             for chunked in space.losses:
                 for b in micros:
@@ -392,7 +412,7 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
 
 def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, device: str, precision: str,
              world_size: int, chunk_allowed: bool, grad_clip: bool, device_profile_: DeviceProfile | None,
-             packed: bool = False) -> Problem:
+             packed: bool = False, precision_reason: str | None = None) -> Problem:
     meta = meta_model(model_or_hf_config)
     blocks = tuple(find_blocks(meta))
     if not blocks:
@@ -402,7 +422,8 @@ def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, de
     dev = device_profile_ if device_profile_ is not None else device_profile(device)
     return Problem(model=meta, seq_len=seq_len, global_batch=global_batch_size, world=world_size, device=device,
                     precision=precision, device_profile=dev, block_names=blocks,
-                    chunkable=chunk_allowed and supports_chunked_loss(meta), grad_clip=grad_clip, packed=packed)
+                    chunkable=chunk_allowed and supports_chunked_loss(meta), grad_clip=grad_clip, packed=packed,
+                    precision_reason=precision_reason)
 
 
 def composer_for(ctx: Problem, given: Sequence[PlanSettings]) -> Composer:
@@ -504,6 +525,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
                 break
             continue
         s = results.settings(k)
+        PROGRESS.info(f"plan: a full estimate of the fastest candidate left ({_setup_line(s)})")
         peak, t = estimate_of(ctx, composer.profile(s.optimizer, s.pure_bf16), s)
         verified[k] = peak + correction_bytes, t
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)

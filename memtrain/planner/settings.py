@@ -378,6 +378,7 @@ class Problem:
     chunkable: bool
     grad_clip: bool
     packed: bool = False  # batches of packed rows: the trace passes their labels and position_ids, as the loop does
+    precision_reason: str | None = None  # why ``precision`` ("fp32, because: ..."); None: it was requested
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class RunContext:
     world: int  # ranks (1 without torchrun)
     precision: str  # resolved: "fp32", "bf16-mixed" or "fp16-mixed"
     packed: bool = False  # packed rows (position_ids restart at each document): the plan traces such batches
+    precision_reason: str | None = None  # resolve_precision's ("fp32, because: ..."), for the plan's reasons
 
 
 def plan_request(config: TrainConfig) -> dict[str, Any]:
@@ -182,7 +183,8 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
     # The plan translates the choices (Fixed.of_choices); its reasons open with the notes on choices it dropped.
     try:
         chosen = plan(model, budget=budget, seq_len=context.seq_len, global_batch_size=context.global_batch,
-                      device=device.type, precision=context.precision, world_size=world,
+                      device=device.type, precision=context.precision, precision_reason=context.precision_reason,
+                      world_size=world,
                       fsdp=config.fsdp if world > 1 else False, host_budget=config.host_budget,
                       micro_batch_size=micro, safety_margin=config.safety_margin,
                       grad_clip=config.grad_clip is not None, choices=choices, keep_optimizer=keep_optimizer,

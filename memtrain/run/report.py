@@ -69,7 +69,8 @@ def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]]
     from matplotlib.figure import Figure  # no pyplot: no global figure registry, no GUI backend
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(13, 4.5))
+    # Constrained layout: the tick labels, the titles and the legend beside the plot each get their own room.
+    fig = Figure(figsize=(14, 5), layout="constrained")
     bars_ax, steps_ax = fig.subplots(1, 2, width_ratios=(1, 1.3))
     memory_bars(bars_ax, bars)
     steps = [m["step"] for m in metrics]
@@ -96,7 +97,7 @@ def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]]
     steps_ax.set_ylabel("MiB (log scale)")
     steps_ax.set_title("memory per step" + ("" if peaks else " (no allocator peak on this device)"))
     steps_ax.grid(alpha=0.3, which="both")
-    steps_ax.legend(fontsize=7)
+    steps_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines, never over them
     return fig
 
 
