@@ -228,7 +228,8 @@ def _add_train_parser(sub: Any) -> None:
     _add_budget_flags(g["budget"], default_text="the device's free memory (CUDA) or the free RAM (CPU)")
     g["distributed"].add_argument("--nproc", type=_positive_int, metavar="N", help="check that torchrun started N "
                                   "processes (memtrain train starts none itself: launch torchrun --nproc_per_node N "
-                                  "-m memtrain train)")
+                                  "-m memtrain -- train --nproc N; the -- keeps torchrun from reading --nproc as "
+                                  "its own)")
     length = g["run"].add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps (default 500)")
     length.add_argument("--epochs", type=_positive_int, metavar="N", help="instead of --max-steps: N passes over the "
