@@ -94,8 +94,8 @@ class MixedPrecision:
         return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
 
 
-def resolve_precision(device: torch.device | str, requested: Precision | Literal["auto"] = "auto"
-                      ) -> tuple[Precision, str]:
+def resolve_precision(device: torch.device | str, requested: Precision | Literal["auto"] = "auto", *,
+                      because: str = "requested") -> tuple[Precision, str]:
     """Picks the precision for ``device`` and says why, nanochat-style ("bf16-mixed, because: ...").
 
     "auto" picks bf16-mixed on CUDA devices with native bf16 (SM 8.0+, or ROCm with bf16), fp16-mixed on older
@@ -105,6 +105,8 @@ def resolve_precision(device: torch.device | str, requested: Precision | Literal
     Args:
         device: the device the model trains on.
         requested: "auto" or an explicit precision.
+        because: why an explicit ``requested`` was asked for, for the reason ("requested": the user asked; a
+            caller that implies a precision says what implies it).
 
     Returns:
         (precision, reason), the reason ready to print.
@@ -124,7 +126,7 @@ def resolve_precision(device: torch.device | str, requested: Precision | Literal
             hint = f" (Hint: {_cuda_name(device)} has no native bf16, it is emulated and slow; fp16-mixed is faster)"
         if device_type == "cpu" and requested != "fp32":
             hint = " (Hint: 16-bit autocast on a CPU saves activation memory but is usually slower than fp32)"
-        return requested, f"{requested}, because: requested{hint}"
+        return requested, f"{requested}, because: {because}{hint}"
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device={str(device)!r} is CUDA but torch sees no CUDA device. To resolve this "

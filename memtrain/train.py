@@ -342,7 +342,9 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
 
     # Plan: every choice the config leaves open, to fit the budget; each with its reason.
     pure_auto = config.choices.pure_bf16 and config.precision == "auto"  # pure bf16 computes in bf16
-    precision_name, precision_reason = resolve_precision(device, "bf16-mixed" if pure_auto else config.precision)
+    precision_name, precision_reason = resolve_precision(
+        device, "bf16-mixed" if pure_auto else config.precision,
+        because="pure bf16 (bf16 weights, no fp32 master) computes in bf16" if pure_auto else "requested")
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
                          precision=precision_name, packed=len(train_data[0]) > 2,  # PackedRow: position_ids
                          precision_reason=precision_reason)

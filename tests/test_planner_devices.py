@@ -85,3 +85,7 @@ def test_a_plan_on_the_cpu_times_its_matmuls_at_the_16_bit_rate(precision):
         seconds[name] = plan(model, budget=None, seq_len=128, global_batch_size=8, device="cpu", precision=precision,
                              micro_batch_size=8, device_profile=profile, techniques=()).step_seconds
     assert seconds["8x slower"] > 2 * seconds["as fast"], seconds
+    # The plan's device-figures line states the rate its step was timed at.
+    shown = plan(model, budget=None, seq_len=128, global_batch_size=8, device="cpu", precision=precision,
+                 micro_batch_size=8, device_profile=profile, techniques=()).assumptions[0]
+    assert "matmuls 6.2 GFLOP/s" in shown, shown

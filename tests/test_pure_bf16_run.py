@@ -110,6 +110,9 @@ def test_a_pure_bf16_run_checks_its_plan_saves_bf16_weights_and_resumes_bit_iden
 
     straight = _run(tmp_path / "straight", "--max-steps", "4")
     assert straight["plan"]["plan"]["pure_bf16"] is True, straight["plan"]
+    # Precision "auto" with pure bf16: bf16-mixed because of the weights, not "requested" (nobody asked for it).
+    assert any(r.startswith("precision bf16-mixed, because: pure bf16") for r in straight["plan"]["reasons"]), \
+        straight["plan"]["reasons"]
     check = straight["measurement"]
     assert check["predicted_bytes"] == check["measured_bytes"], check  # the plan check at step 2 agrees
     weights = load_file(tmp_path / "straight" / "model.safetensors")

@@ -210,7 +210,7 @@ def _flops(rate: float) -> str:
 
 
 def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit: int | None) -> list[str]:
-    dev = ctx.device_profile
+    dev = ctx.device_profile.for_precision(ctx.precision)  # the rates the step is timed at (a CPU's 16-bit ones)
     out = [
         f"device figures: {dev.source}: matmuls {_flops(dev.matmul_flops)} (half of it at "
         f"{dev.half_efficiency_tokens:.0f} tokens), attention {_flops(dev.attention_flops)}, memory "
