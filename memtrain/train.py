@@ -164,6 +164,7 @@ class Session:
         self.replans: list[dict[str, Any]] = []  # report.json's "replans"
         self.batches: Iterator[Any] = iter(())
         self._config, self._context, self._train_data, self.rank = config, context, train_data, rank
+        self.device = context.device  # whose random generator a checkpoint saves
 
     def follow(self, new: RunPlan) -> None:
         """Switches the model to a re-plan (or a resumed run's plan): the optimizer and its state stay."""
@@ -442,7 +443,8 @@ def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunConte
             raise ConfigError(f"resume: the run in {str(checkpoints.root.parent)!r} already reached step {step} "
                               f"of max_steps={config.max_steps}. To resolve this error, pass a larger max_steps to "
                               "continue it.")
-        restore_run_state(step, state, model, s.optimizer, s.scheduler, s.precision.scaler, s.acc)
+        restore_run_state(step, state, model, s.optimizer, s.scheduler, s.precision.scaler, s.acc,
+                          device=context.device)
 
     # An automatic warm-up and lr are the run's own: a longer max_steps (or new defaults) must not move them.
     start_step, state, skipped = resume_run(checkpoints, {k: v for k, v in run.items() if not auto.get(k)}, restore)
@@ -633,7 +635,7 @@ def _save(s: Session, step: int, config: TrainConfig, run: dict[str, Any], check
              "plan_request": plan_request(config), "correction_bytes": s.run_plan.correction_bytes,
              "replans": s.replans}
     save_run_state(checkpoints if s.rank == 0 else None, step + 1, s.micro, s.model, s.optimizer, s.scheduler,
-                   s.precision.scaler, s.acc, run, extra, config=config.to_dict())
+                   s.precision.scaler, s.acc, run, extra, config=config.to_dict(), device=s.device)
 
 
 def _finish(s: Session, tally: Tally, config: TrainConfig, context: RunContext, out: Any,

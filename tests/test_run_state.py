@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from memtrain import MemtrainError
 from memtrain.run import RunCheckpoints, restore_run_state, resume_run, save_run_state
-from memtrain.run.state import restore_rng
+from memtrain.run.state import restore_rng, rng_state
 
 
 def _two_checkpoints(root: Path) -> RunCheckpoints:
@@ -95,6 +95,9 @@ class _FakeAccelerator:
     def get_rng_state_all(self):
         return [self.get_rng_state(i) for i in range(self.count)]
 
+    def current_device(self):
+        return self.current
+
     def _index(self, device):
         index = device if isinstance(device, int) else device.index
         if not 0 <= index < self.count:
@@ -134,6 +137,32 @@ def test_a_checkpoint_of_the_old_format_restores_on_a_machine_with_fewer_devices
            "cuda": [torch.tensor([7 + i], dtype=torch.uint8) for i in range(4)]}
     restore_rng(old)
     assert one.states[0].tolist() == [7]
+
+
+def test_the_generator_saved_and_restored_is_the_one_of_the_device_the_run_computes_on(monkeypatch):
+    """A Python train() on cuda:2 whose current device was left at 0: cuda:2's generator, not the current one's."""
+    four = _FakeAccelerator(4, current=0)
+    four.states[2] = torch.tensor([42], dtype=torch.uint8)
+    _use(monkeypatch, four)
+    saved = rng_state(torch.device("cuda", 2))
+    assert saved["device"].tolist() == [42]
+    four.states[2] = torch.tensor([0], dtype=torch.uint8)
+    restore_rng({"ranks": [saved]}, torch.device("cuda", 2))
+    assert four.states[2].tolist() == [42] and four.states[0].tolist() == [0]
+    assert rng_state(torch.device("cpu"))["device"] is None  # a CPU run has no device generator to save
+
+
+def test_a_checkpoint_of_the_old_format_gives_every_rank_its_state_under_torchrun(monkeypatch):
+    """Before per-rank generators a checkpoint held one state, which every rank restored: rank 1 must not be told
+    that the run had another number of processes."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    torch.manual_seed(5)
+    old = {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": []}
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    restore_rng(old)
+    assert torch.equal(torch.rand(3), expected)
 
 
 WORLD = 2

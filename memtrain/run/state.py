@@ -39,11 +39,12 @@ def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLi
 
 def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, model: nn.Module,
                    optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, accumulator: Any,
-                   run: dict[str, Any], extra: dict[str, Any], config: Mapping[str, Any] | None = None) -> None:
+                   run: dict[str, Any], extra: dict[str, Any], config: Mapping[str, Any] | None = None,
+                   device: torch.device | None = None) -> None:
     """Everything a bit-identical resume needs: weights, optimizer (offloaded state included), scheduler, fp16
     scaler, accumulator counters, the data position (the step) and each rank's random generators (``rng_state``:
     the next dropout masks). Collective under torch.distributed: every rank calls it, rank 0 (the one with
-    ``checkpoints``) writes."""
+    ``checkpoints``) writes. ``device``: the one the run computes on (None: the current accelerator device)."""
     state = {
         "step": step,
         "micro_batch_size": micro,
@@ -57,7 +58,7 @@ def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, mo
         "accumulator": accumulator.state_dict(),
         # Every rank's own generators (collective): under torchrun each rank draws its own dropout masks on its
         # own device, so a resume gives each rank back what it had, not rank 0's.
-        "rng": {"ranks": _every_rank(rng_state())},
+        "rng": {"ranks": _every_rank(rng_state(device))},
     }
     if checkpoints is not None:
         checkpoints.save(step, state)
@@ -125,9 +126,9 @@ def resume_run(checkpoints: RunCheckpoints, run: dict[str, Any], restore: Callab
 
 
 def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-                      scheduler: Any, scaler: Any, accumulator: Any) -> None:
+                      scheduler: Any, scaler: Any, accumulator: Any, device: torch.device | None = None) -> None:
     """Loads a checkpoint's state into the run's objects (raises what the objects raise on a state that does not
-    fit them)."""
+    fit them); ``device``: the one the run computes on, whose generator it restores (None: the current one)."""
     if is_fsdp2(model):
         # Imported here: only FSDP2 runs need it, and it takes about 0.6 s to import.
         from torch.distributed.checkpoint.state_dict import (
@@ -146,13 +147,13 @@ def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimi
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     accumulator.load_state_dict(state["accumulator"])
-    restore_rng(state["rng"])
+    restore_rng(state["rng"], device)
 
 
 # -- random generators: what the next dropout masks are drawn from ------------------------------------------------
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """This process's random generators: the CPU's, Python's and the one of the accelerator device it computes on
-    (the current device: under torchrun each rank's own; other devices' generators are no rank's).
+    (``device``; None: the current device; under torchrun each rank's own; other devices' generators are no rank's).
 
     Returns:
         ``{"torch": ..., "python": ..., "device_type": "cuda" or None, "device": the device generator's state or
@@ -160,17 +161,18 @@ def rng_state() -> dict[str, Any]:
     """
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "device_type": None,
                              "device": None}
-    accelerator = _current_accelerator()
+    accelerator = _accelerator(device)
     if accelerator is not None:
-        module, device = accelerator
-        state.update(device_type=device.type, device=module.get_rng_state(device))
+        module, on = accelerator
+        state.update(device_type=on.type, device=module.get_rng_state(on))
     return state
 
 
-def restore_rng(rng: Mapping[str, Any]) -> None:
+def restore_rng(rng: Mapping[str, Any], device: torch.device | None = None) -> None:
     """Sets this rank's random generators to what ``save_run_state`` saved for it: the CPU's, Python's and, where
-    it saved one, the current accelerator device's (whatever its index: a resume on a machine with fewer devices,
-    or under another ``CUDA_VISIBLE_DEVICES``, sets the device the rank computes on now).
+    it saved one, the generator of the accelerator device it computes on now (``device``; None: the current one),
+    whatever its index: a resume on a machine with fewer devices, or under another ``CUDA_VISIBLE_DEVICES``.
+    A checkpoint written before the generators were saved per rank gives every rank its one state (as it did).
 
     A state saved on an accelerator this machine does not have is not set: nothing here draws from it (the run
     computes on another device, whose draws differ anyway).
@@ -179,8 +181,8 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
         ConfigError: the checkpoint holds the generators of fewer ranks than this one's index (a resume under
             another world size; the run's identity refuses it first).
     """
-    ranks = rng["ranks"] if "ranks" in rng else [_one_rank_of_format_1(rng)]
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    ranks = rng["ranks"] if "ranks" in rng else [_one_rank_of_format_1(rng, device)] * (rank + 1)
     if rank >= len(ranks):
         raise ConfigError(f"resume: the checkpoint holds the random generators of {len(ranks)} rank(s), and this is "
                           f"rank {rank}: the run was started with another number of processes. To resolve this "
@@ -188,14 +190,21 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     mine = ranks[rank]
     torch.set_rng_state(mine["torch"])
     random.setstate(_as_tuples(mine["python"]))
-    accelerator = _current_accelerator()
+    accelerator = _accelerator(device)
     if mine["device"] is not None and accelerator is not None and accelerator[1].type == mine["device_type"]:
-        module, device = accelerator
-        module.set_rng_state(mine["device"], device)
+        module, on = accelerator
+        module.set_rng_state(mine["device"], on)
 
 
-def _current_accelerator() -> tuple[Any, torch.device] | None:
-    """(the device module, e.g. ``torch.cuda``; the current device) where this machine has an accelerator."""
+def _accelerator(device: torch.device | None) -> tuple[Any, torch.device] | None:
+    """(the device module, e.g. ``torch.cuda``; the device) for an accelerator ``device`` (with an index), the
+    current accelerator device for None; None for a CPU device or a machine without an accelerator."""
+    if device is not None:
+        if device.type in ("cpu", "meta"):
+            return None
+        module = torch.get_device_module(device.type)
+        return module, torch.device(device.type, device.index if device.index is not None else
+                                    module.current_device())
     if not torch.accelerator.is_available():
         return None
     kind = torch.accelerator.current_accelerator().type
@@ -218,11 +227,12 @@ def _every_rank(state: dict[str, Any]) -> list[dict[str, Any]]:
     return states
 
 
-def _one_rank_of_format_1(rng: Mapping[str, Any]) -> dict[str, Any]:
+def _one_rank_of_format_1(rng: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
     """A checkpoint written before the generators were saved per rank: rank 0's CPU and Python generators and every
     CUDA device's as rank 0's process saw them (its current device's is the one it drew from)."""
     cuda = list(rng.get("cuda") or [])
-    index = _current_device_index() if _current_accelerator() is not None else 0
+    accelerator = _accelerator(device)
+    index = accelerator[1].index if accelerator is not None else 0
     return {"torch": rng["torch"], "python": rng["python"], "device_type": "cuda" if cuda else None,
             "device": cuda[index] if index < len(cuda) else None}
 
