@@ -150,3 +150,16 @@ def write_docs_jsonl(path: Path, paragraphs: int = 120) -> Path:
     kept = [p for p in text.split("\n\n") if 80 <= len(p) <= 600][:paragraphs]
     path.write_text("".join(json.dumps({"text": p}) + "\n" for p in kept))
     return path
+
+
+def run_cli(argv: list[str], capsys: Any) -> tuple[int, list[str], str]:
+    """(exit code, the error lines, all of stdout and stderr) of ``memtrain argv``, run in this process."""
+    from memtrain.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, [line for line in err.splitlines() if ": error:" in line], out + err

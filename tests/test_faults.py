@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 import pytest
 import safetensors.torch
-from helpers import build_llama, build_tokenizer
+from helpers import build_llama, build_tokenizer, run_cli
 from safetensors import SafetensorError
 
 from memtrain.cli import main
@@ -51,15 +51,7 @@ def model_dir(tmp_path):
 HF_RUN = ["--max-steps", "1", "--seq-len", "32", "--micro-batch-size", "4", "--no-progress"]
 
 
-def run(argv, capsys) -> tuple[int, list[str], str]:
-    """(exit code, the error lines, all of stdout and stderr) of ``memtrain argv``."""
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's refusals
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, [line for line in err.splitlines() if ": error:" in line], out + err
+run = run_cli
 
 
 def one_line(code: int, lines: list[str], err: str, expected_code: int = 2) -> str:

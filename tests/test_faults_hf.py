@@ -10,8 +10,8 @@ import json
 import shutil
 
 import pytest
+from helpers import run_cli
 
-from memtrain.cli import main
 from memtrain.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -24,15 +24,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}
 
 
-def run(argv, capsys) -> tuple[int, list[str], str]:
-    """(exit code, the error lines, all of stdout and stderr) of ``memtrain argv``."""
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's refusals
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, [line for line in err.splitlines() if ": error:" in line], out + err
+run = run_cli
 
 
 def refused(argv, capsys) -> str:

@@ -77,7 +77,7 @@ class StopSignals:
         self.predicted_seconds = plan.step_seconds if plan is not None else predicted_seconds
         self._checkpoints, self._model = checkpoints, model
         out = checkpoints.root.parent if checkpoints is not None else None
-        self.resume_text = f"memtrain train --out {out} --resume" if out is not None else "resume=True"
+        self.resume_text = f"memtrain train --out {out} --resume (resume=True in Python)"
         self._step: int | None = None  # the step in progress (counted from 1), while its micro-batches run
         self._draws: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the RNG at the step's start
         self._device = torch.device("cpu")
@@ -181,9 +181,11 @@ class StopSignals:
         return f"{stop}: stopped during step {step}, which is discarded; {saved}{self._how_to_continue()}"
 
     def _how_to_continue(self) -> str:
+        if self._checkpoints is None:
+            return "the run has no folder (no out_dir), so nothing was saved"
         if self.last_saved is None:
             return ("no checkpoint was written yet, so nothing can be resumed: start the run again with --overwrite "
-                    "(overwrite=True)")
+                    "(overwrite=True in Python)")
         return f"the last checkpoint is step {self.last_saved}; continue with: {self.resume_text}"
 
     def check(self) -> None:
