@@ -209,3 +209,19 @@ def test_the_first_signal_abandons_a_step_predicted_long_and_waits_for_a_short_o
     with StopSignals(distributed=True, predicted_seconds=STOP_WAIT_S * 10) as signals:
         assert _signalled_step(signals) == "finished"
     assert signal.getsignal(signal.SIGTERM) is before  # the handler it replaced is back
+
+
+def test_a_slow_first_step_does_not_make_the_next_short_step_long(monkeypatch):
+    """The session's first step warms up (compiles, allocates): after one of 30 s, a step the plan predicts at 1 s
+    is still waited for on a first signal (it was abandoned: the next step's prediction was the first's time)."""
+    import memtrain.run.signals as signals_module
+
+    clock = iter([0.0, STOP_WAIT_S * 1.5, 100.0, 100.5])
+    monkeypatch.setattr(signals_module.time, "monotonic", lambda: next(clock))
+    with StopSignals(predicted_seconds=1.0) as signals:
+        with signals.step(1, torch.device("cpu")):
+            pass
+        assert signals.predicted_seconds == 1.0
+        with signals.step(2, torch.device("cpu")):
+            pass
+        assert signals.predicted_seconds == 0.5  # later steps: the last step's time

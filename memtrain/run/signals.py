@@ -82,6 +82,7 @@ class StopSignals:
         self._draws: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the RNG at the step's start
         self._device = torch.device("cpu")
         self._long = False  # the step in progress is predicted to take more than STOP_WAIT_S
+        self._timed = 0  # steps this session timed (the next step's prediction is the last one's time)
         self._urgent: str | None = None  # why the step in progress must be abandoned (set by either thread)
         self._seen = 0  # signals the watchdog has seen (it sees them while the training thread is inside C)
         self._stopping = threading.Event()  # the loop has taken up the stop: the watchdog stands down
@@ -154,7 +155,10 @@ class StopSignals:
                 self._urgent = self._urgent or f"received before a step predicted to take over {STOP_WAIT_S:.0f} s"
             self.check()
             yield
-            self.predicted_seconds = time.monotonic() - began
+            took, self._timed = time.monotonic() - began, self._timed + 1
+            # The session's first step also warms up (compiles, allocates): it predicts no more than the plan did.
+            first = self._timed == 1 and self.predicted_seconds is not None
+            self.predicted_seconds = min(took, self.predicted_seconds) if first else took
         finally:
             self._step = None
 
