@@ -71,10 +71,6 @@ def meta_model(model: Any) -> nn.Module:
     if PretrainedConfig and isinstance(model, PretrainedConfig):
         from transformers import AutoModelForCausalLM
 
-        from memtrain.hf_config import config_problems
-
-        # The checks memtrain train makes of a config.json, before a model that cannot work is traced.
-        ConfigError.raise_if(config_problems(model.to_dict(), model, where=f"the {type(model).__name__}"))
         try:
             with torch.device("meta"):
                 # fp32 weights whatever the config's torch_dtype says (a hub config often says bfloat16): the
