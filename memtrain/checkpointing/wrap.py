@@ -92,11 +92,8 @@ def apply_checkpointing(
 
     Returns:
         The qualified names of the modules wrapped. Calling again replaces the previous wrapping with the new
-        settings: a block is never wrapped twice.
-
-    Under torch.compile, a checkpointed block's Python side effects run once, in forward (as its BatchNorm
-    statistics do): this sets dynamo's process-wide ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (torch >=
-    2.9), without which transformers >= 5.25's attention layers break the graph and the model runs eagerly.
+        settings: a block is never wrapped twice. Sets dynamo's process-wide side-effect setting for compiled
+        checkpoints (``let_compiled_checkpoints_run_side_effects_once``).
 
     Raises:
         ConfigError: blocks that match nothing, ``every < 1``, an unknown policy, a model without parameters, or
