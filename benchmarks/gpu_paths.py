@@ -67,6 +67,7 @@ from gpu_plan import (  # noqa: E402
     meta_llama,
     run_child,
     run_settings,
+    weights_dtype,
     write_doc,
 )
 
@@ -177,9 +178,9 @@ def case_delayed(small: bool) -> dict[str, Any]:
 
 
 def train_delayed(settings: Any, shape: Any, seq_len: int, device: torch.device, *, steps: int) -> dict[str, Any]:
-    """The 1.1B (fp32 as built, bf16 on the device once the optimizer holds the fp32 master) under
-    ``CPUOffloadOptimizer(delayed_update=True)``, ``steps`` steps of ``settings.accumulation`` micro-batches on one
-    repeated batch; returns the losses, seconds a step (the first, which allocates, left out) and the peaks."""
+    """The 1.1B, bf16 on the device, under ``CPUOffloadOptimizer(delayed_update=True)`` (the fp32 master in host
+    RAM): ``steps`` steps of ``settings.accumulation`` micro-batches on one repeated batch. Returns the losses,
+    seconds a step (the first, which allocates, left out), the set-up's allocated peak and the whole run's peaks."""
     from memtrain.accumulation import GradientAccumulator
     from memtrain.loss import language_model_loss
     from memtrain.optim import CPUOffloadOptimizer
@@ -188,11 +189,14 @@ def train_delayed(settings: Any, shape: Any, seq_len: int, device: torch.device,
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_llama(shape, seq_len, device)
+    # Built in bf16, as gpu_plan.run_settings builds an offload-bf16-weights plan's model: fp32 first would peak at
+    # twice the weights the set-up keeps (the master is then taken from bf16 weights: the same maths after).
+    model = build_llama(shape, seq_len, device, weights_dtype(settings))
     configure_model(model, settings)  # every block recomputed, the loss chunked
     opt = CPUOffloadOptimizer(model.named_parameters(), delayed_update=True, device_dtype=torch.bfloat16, lr=1e-4,
                               betas=(0.9, 0.95), weight_decay=0.0)
     acc = GradientAccumulator(model, opt, steps=settings.accumulation, max_grad_norm=1.0)
+    setup_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     precision = MixedPrecision("bf16-mixed", device.type)
     g = torch.Generator().manual_seed(1)
     batch = settings.micro_batch_size * settings.accumulation
@@ -214,7 +218,7 @@ def train_delayed(settings: Any, shape: Any, seq_len: int, device: torch.device,
     opt.synchronize()  # the last delayed update lands before the peaks are read
     opt.close()
     step_s = statistics.median(seconds[1:]) if len(seconds) > 1 else None
-    return {"losses": losses, "seconds": seconds, "median_s": step_s,
+    return {"losses": losses, "seconds": seconds, "median_s": step_s, "setup_peak_allocated_bytes": setup_peak,
             "tokens_per_s": batch * seq_len / step_s if step_s else None,
             "run_peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "run_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None}
@@ -229,6 +233,8 @@ def _run_into(row: dict[str, Any], run: Callable[[], dict[str, Any]], device: to
         row.update(peak_allocated_bytes=got.get("run_peak_allocated_bytes"),
                    peak_reserved_bytes=got.get("run_peak_reserved_bytes"), step_s=got.get("median_s"),
                    tokens_per_s=got.get("tokens_per_s"), losses=got.get("losses"))
+        if "setup_peak_allocated_bytes" in got:
+            row["setup_peak_allocated_bytes"] = got["setup_peak_allocated_bytes"]
     except Exception as e:  # noqa: BLE001 - recorded in the row, which is the result
         row["error"] = _error(e)
     after = alloc_retries(device)
@@ -421,14 +427,8 @@ def run_case_here(case: str, small: bool) -> dict[str, Any]:
     return row
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.case:
-        write_doc(args.out, run_case_here(args.case, args.small))
-        return 0
-    doc: dict[str, Any] = {"title": "gpu_paths", **environment(_device(args.small), touch_cuda=False),
-                           "small": args.small, "rows": []}
-    signal.signal(signal.SIGTERM, _kill_children)  # gpu_check.sh's timeout ends the case's process too
+def run_cases(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """Each case in a fresh process (or skipped, with why), its row appended to ``doc`` and written at once."""
     clock = Deadline(args.deadline)
     for case in args.cases:
         why = skip_reason(case)
@@ -444,6 +444,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = got or {"case": case, "status": "error", "error": error or "no result"}
         doc["rows"].append(row)
         write_doc(args.out, doc)  # after every case: a run cut short keeps what it measured
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.case:
+        write_doc(args.out, run_case_here(args.case, args.small))
+        return 0
+    doc: dict[str, Any] = {"title": "gpu_paths", **environment(_device(args.small), touch_cuda=False),
+                           "small": args.small, "rows": []}
+    previous = signal.signal(signal.SIGTERM, _kill_children)  # gpu_check.sh's timeout ends the case's process too
+    try:
+        run_cases(args, doc)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"\n== gpu_paths on {doc['device']} ==")
     print(format_table(doc["rows"]))
     print("allocated, reserved: the allocator's peaks over the whole case, set-up included; retries: "
