@@ -115,7 +115,7 @@ if [ "$stage" = quick ]; then
     # Issue 28: the paths no step above runs, each case in a fresh process, one JSON (qlora skipped, with a line
     # saying so, without bitsandbytes: see the header).
     step 145 paths gpu_paths.json "$py" benchmarks/gpu_paths.py \
-        --cases param-offload,pure-bf16,delayed-bf16-accumulation,memtrain-train,qlora --deadline 135 \
+        --cases param-offload,memtrain-train,pure-bf16,delayed-bf16-accumulation,qlora --deadline 135 \
         --out "$out/gpu_paths.json"
 fi
 if runs tests; then
