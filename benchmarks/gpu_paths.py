@@ -173,10 +173,9 @@ def case_delayed(small: bool) -> dict[str, Any]:
     settings = PlanSettings(micro, windows, ("recompute",) * shape.layers, "full", True, "offload-bf16-weights",
                             "none", False, "bf16-mixed")
     row: dict[str, Any] = {"plan": {**settings.to_dict(), "delayed_update": True}}
-    if device.type == "cuda":  # the planner refuses an offloaded optimizer on a CPU (it would copy within RAM)
-        predicted = plan(meta_llama(shape, seq_len), budget=None, seq_len=seq_len, global_batch_size=batch,
-                         device="cuda", settings=settings).peak_bytes
-        row.update(predicted_peak_bytes=predicted, limit_bytes=int(predicted * (1 + DELAYED_TOLERANCE)))
+    predicted = plan(meta_llama(shape, seq_len), budget=None, seq_len=seq_len, global_batch_size=batch,
+                     device=device.type, settings=settings).peak_bytes
+    row.update(predicted_peak_bytes=predicted, limit_bytes=int(predicted * (1 + DELAYED_TOLERANCE)))
     before = alloc_retries(device)
     _run_into(row, lambda: train_delayed(settings, shape, seq_len, device, steps=4), device, before)
     return finish(row, {**peak_checks(row, row.get("limit_bytes"), reserved=False),
