@@ -1,6 +1,6 @@
 """Activation offload on the CPU: the pack / unpack / prefetch logic through a model of two CUDA streams.
 
-``FakeTransport`` runs ``CudaTransport``'s own synchronisation logic over a model of the compute stream and the
+``FakeTransport`` runs ``Transport``'s own synchronisation logic over a model of the compute stream and the
 side stream (see its docstring): a missing wait, ``wait_stream`` or ``record_stream``, or a source freed before
 its copy ran, shows up as NaN gradients or as an error; it logs the copies in order so that what moves, when and
 in which order can be checked.
@@ -16,10 +16,17 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memtrain.device import Accelerator
 from memtrain.models import GPT
-from memtrain.offload import ActivationOffloader, CudaTransport
+from memtrain.offload import ActivationOffloader, Transport
 
 POISON = 255  # a byte that makes NaN of every float dtype
+
+
+class _WithStreams(Accelerator):
+    """The plain CPU, saying it has streams: FakeTransport overrides every stream operation the transport uses."""
+
+    has_streams = True
 
 
 class FakeEvent:
@@ -39,8 +46,8 @@ class DeviceBlock:
         self.recorded = False  # record_stream(compute stream) was called on it
 
 
-class FakeTransport(CudaTransport):
-    """``CudaTransport``'s logic over a model of two CUDA streams on the CPU.
+class FakeTransport(Transport):
+    """``Transport``'s logic over a model of two CUDA streams on the CPU (its stream operations overridden below).
 
     - The compute stream is the CPU itself (its kernels are done at once) with a clock: it ticks at every call
       into the transport, since the offloader's caller computed in between; a tensor handed to ``copy_to_host``
@@ -71,7 +78,7 @@ class FakeTransport(CudaTransport):
         self._ops: list = []  # side-stream copies issued since the last event
         self._transfer: tuple[str, int, int] = ("", -1, 0)  # (direction, tag, compute tick its source was written)
         self._block: DeviceBlock | None = None
-        super().__init__(torch.device("cpu"))
+        super().__init__(_WithStreams())
 
     def __reduce__(self):  # a model holding this transport pickles as a fresh one
         return type(self), (self.lag, self.refuse_pinning_after)
@@ -109,7 +116,7 @@ class FakeTransport(CudaTransport):
         self.clock += 1
         super().hand_over(tensor)
 
-    # -- the stream operations CudaTransport is built from
+    # -- the stream operations Transport is built from
     def _new_stream(self):
         return "side"
 

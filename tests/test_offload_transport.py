@@ -1,4 +1,4 @@
-"""CudaTransport's synchronisation, checked on the CPU through the model of two CUDA streams (a missing wait
+"""Transport's synchronisation, checked on the CPU through the model of two CUDA streams (a missing wait
 shows as NaN gradients or an error), and the CPU-only no-op that says so once."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 import memtrain.offload.transport as transport_mod
 from memtrain.errors import ConfigError
 from memtrain.models import GPT, GPTConfig
-from memtrain.offload import ActivationOffloader, CudaTransport, offload_activations
+from memtrain.offload import ActivationOffloader, Transport, offload_activations
 
 
 def test_a_missing_wait_corrupts_gradients():
@@ -102,7 +102,7 @@ def test_a_cuda_transport_loads_as_none_without_cuda(monkeypatch):
     import pickle
 
     monkeypatch.setattr(transport_mod, "_NOOP_WARNED", False)
-    transport = object.__new__(CudaTransport)  # what a GPU run pickles: its device (the stream is not saved)
-    transport.device = torch.device("cuda", 0)
+    transport = object.__new__(Transport)  # what a GPU run pickles: its device (the stream is not saved)
+    transport.device, transport.acc = torch.device("cuda", 0), FakeTransport().acc
     with pytest.warns(UserWarning, match="saved on cuda:0, which this machine does not have"):
         assert pickle.loads(pickle.dumps(transport)) is None

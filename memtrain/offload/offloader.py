@@ -22,10 +22,10 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
   it. Host blocks are only ever touched by copies on that one stream, so stream order alone makes their reuse
   safe.
 
-The device-specific operations sit behind a small ``Transport`` (``CudaTransport``; ``CpuTransport`` runs the
-same logic on the CPU with plain copies, for tests and dry runs), so the pack / unpack / prefetch logic is
-tested on a CPU-only machine; ``CudaTransport``'s own synchronisation is tested there too, over a model of two
-streams that fails on each missing wait (tests/offload_stream_model.py).
+The device-specific operations sit behind a small ``Transport`` over the device seam (``CpuTransport`` runs the
+same logic on the plain CPU with plain copies, for tests and dry runs). Its synchronisation is tested on a CPU-only
+machine twice: whole, on the simulated accelerator (tests/test_offload_simulated.py), and step by step over a model
+of two streams that fails on each missing wait (tests/offload_stream_model.py).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memtrain.device import accelerator, default_device
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
 from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, HostPool
 from memtrain.offload.saved import Handle, OffloadStats, Record, derived_from_leaf, find_output_head
-from memtrain.offload.transport import CudaTransport, Transport, warn_noop
+from memtrain.offload.transport import Transport, device_exists, warn_noop
 from memtrain.report import format_bytes
 
 MIN_BYTES_DEFAULT = 2**20  # below this a copy costs more in launch overhead than it frees
@@ -151,7 +152,7 @@ class ActivationOffloader:
 
     def __repr__(self) -> str:
         if not self.enabled:
-            return "ActivationOffloader(disabled: no CUDA device)"
+            return "ActivationOffloader(disabled: no accelerator)"
         return (f"ActivationOffloader(device={self.device}, min_bytes={self.min_bytes}, prefetch_depth="
                 f"{self.prefetch_depth}, host_budget={format_bytes(self.pool.capacity_bytes)})")
 
@@ -163,7 +164,7 @@ class ActivationOffloader:
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.save(model) / pickle: a lock, a stream, pinned slabs and this step's records cannot (and need not)
-        # be saved. The settings are; the transport pickles as a fresh one (or None where CUDA is missing).
+        # be saved. The settings are; the transport pickles as a fresh one (or None where its device is missing).
         tracked = [m for m in (ref() for ref in self._tracked) if m is not None]
         return {"transport": self.transport, "tracked": tracked, **self._settings}
 
@@ -534,14 +535,15 @@ def offload_activations(
             with one warning; so do they when pinning more host memory fails mid-run.
         prefetch_depth: copies in flight each way: saved tensors fetched ahead of backward, and copies to the
             host outstanding before the compute stream waits for the oldest.
-        device: the CUDA device whose tensors move (default: the model's device, else the current CUDA device).
+        device: the device whose tensors move (default: the model's device, else ``memtrain.device.default_device()``);
+            any device the seam gives streams (CUDA, ROCm, XPU, the simulated accelerator).
 
     Returns:
-        An ``ActivationOffloader`` (a reusable, re-entrant context manager with ``.stats()``). Without CUDA it is
+        An ``ActivationOffloader`` (a reusable, re-entrant context manager with ``.stats()``). Without an accelerator it is
         a transparent no-op, and says so once per process.
 
     Raises:
-        ConfigError: a bad argument, or ``device`` naming a CUDA device that is not available.
+        ConfigError: a bad argument, or ``device`` naming a device that is not available.
         MemtrainError: ``host_budget_bytes`` larger than the host memory available.
 
     Example:
@@ -553,26 +555,23 @@ def offload_activations(
     """
     if device is None and isinstance(model, nn.Module):
         device = next((p.device for p in model.parameters()), None)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(device)
+        device = default_device() if device is None else torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"device={device!r} is not a device. To resolve this error, pass e.g. device='cuda:0', "
                           "or None for the model's device.") from None
+    if not device_exists(device):
+        raise ConfigError(f"offload_activations(device={str(device)!r}): {device.type.upper()} is not available on "
+                          "this machine. To resolve this error, pass device=None (a no-op without an accelerator).")
+    acc = accelerator(device)
     transport: Transport | None = None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"offload_activations(device={str(device)!r}): CUDA is not available on this machine. "
-                              "To resolve this error, pass device=None (a no-op without CUDA).")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        transport = CudaTransport(device)
+    if acc.has_streams:
+        transport = Transport(acc)
     elif device.type == "cpu":
-        warn_noop("no CUDA device")
+        warn_noop("no accelerator")
     else:
-        raise ConfigError(f"offload_activations(device={str(device)!r}): only CUDA devices are supported. To "
-                          "resolve this error, train on CUDA, or drop activation offload.")
+        raise ConfigError(f"offload_activations(device={str(device)!r}): only devices with streams (CUDA, ROCm, "
+                          "XPU) are supported. To resolve this error, train on one, or drop activation offload.")
     return ActivationOffloader(transport, model=model, head=head, include_logits=include_logits,
                                min_bytes=min_bytes, host_budget_bytes=host_budget_bytes,
                                prefetch_depth=prefetch_depth)
