@@ -17,10 +17,12 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
   used them, recorded then), ``prefetch_depth`` tensors ahead of use; a callback at the end of backward drops
   whatever is still restored, so the optimizer step runs without it;
 - safety: every copy is on one side stream. The side stream waits for the compute stream before reading a
-  tensor; the device tensor is kept until its copy is done (or the compute stream waits on the copy's event);
-  the compute stream waits on an event before using a restored tensor, which is then ``record_stream``-ed to
-  it. Host blocks are only ever touched by copies on that one stream, so stream order alone makes their reuse
-  safe.
+  tensor; the device tensor is kept until its copy is done (or the compute stream waits on the copy's event).
+  A restored tensor is allocated on the compute stream (FSDP2's pattern: the allocator reuses it in that stream's
+  order, no ``record_stream``, so reserved memory does not grow while the host runs ahead); the side stream waits
+  for an event recorded there before copying into it, and the compute stream waits for the copy's event before
+  using it, or before freeing it unused. Host blocks are only ever touched by copies on that one stream, so
+  stream order alone makes their reuse safe.
 
 The device-specific operations sit behind a small ``Transport`` over the device seam (``CpuTransport`` runs the
 same logic on the plain CPU with plain copies, for tests and dry runs). Its synchronisation is tested on a CPU-only
@@ -384,7 +386,7 @@ class ActivationOffloader:
         with self._lock:
             self._drain()
             for record in (*self._epoch, *self._finished, *self._inflight):
-                record.data = None
+                self._drop_data(record)
                 record.done = False  # another backward of this graph (retain_graph) wants it prefetched again
                 if record.src is not None:
                     self._release_src(record)
@@ -403,7 +405,7 @@ class ActivationOffloader:
         while len(self._finished) > self.prefetch_depth:
             old = self._finished.popleft()
             if old not in self._finished:
-                old.data = None
+                self._drop_data(old)
                 if old.src is not None:
                     self._release_src(old)
 
@@ -415,9 +417,20 @@ class ActivationOffloader:
         if record.data is None:
             self._fetch(record)
             self._counts["fetched_on_demand"] += 1
-        self.transport.wait(record.h2d_event)
-        self.transport.hand_over(record.data)
+        self._wait_data(record)
         return record.data
+
+    def _wait_data(self, record: Record) -> None:
+        # The compute stream (not the host) waits for the copy once; the event is dropped after.
+        self.transport.wait(record.h2d_event)
+        record.h2d_event = None
+
+    def _drop_data(self, record: Record) -> None:
+        """Frees the restored device bytes. Allocated on the compute stream, they are reused in its order at once:
+        a prefetch never used may still be copying into them, so the compute stream waits for it first."""
+        if record.data is not None:
+            self._wait_data(record)
+        record.data = None
 
     def _fetch(self, record: Record) -> None:
         record.data, record.h2d_event = self.transport.copy_to_device(
@@ -465,7 +478,7 @@ class ActivationOffloader:
             if record.handles == 0 and not record.released:
                 record.released = True
                 self._epoch_live -= record.epoch == self._epoch_id
-                record.data = None
+                self._drop_data(record)
                 if record.src is not None:
                     self._release_src(record)
                 self.pool.free(record.extent)

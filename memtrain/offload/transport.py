@@ -20,12 +20,13 @@ class Transport:
     """Pinned host slabs and one side stream for every copy, both directions (plain copies without streams).
 
     ``copy_to_host`` and ``copy_to_device`` are asynchronous; the event they return is done when the copy is.
-    ``wait`` makes the *current* (compute) stream wait for an event without blocking the host.
+    ``wait`` makes the *current* (compute) stream wait for an event without blocking the host; the compute stream
+    must wait for a ``copy_to_device`` before it reads the tensor or frees it.
     ``allocate_host`` raises ``RuntimeError`` when the host memory cannot be had.
 
     The synchronisation lives in the public methods; each stream operation they use is a one-line method at the
     bottom, so that a model of two streams (tests/offload_stream_model.py) runs this very logic and fails when a
-    wait, ``wait_stream`` or ``record_stream`` goes missing; the simulated accelerator runs it whole.
+    wait or ``wait_stream`` goes missing; the simulated accelerator runs it whole.
     """
 
     def __init__(self, acc: Accelerator):
@@ -41,17 +42,22 @@ class Transport:
         return self._pinned(nbytes)  # a RuntimeError when it cannot: HostPool keeps the tensors on the device
 
     def copy_to_host(self, src: torch.Tensor, segments: Segments, tag: int) -> Any:
+        pieces = [(host, src[offset:offset + host.numel()]) for offset, host in segments]
         if self.stream is not None:
             # The kernels writing src are queued on the compute stream: the copy must start after them.
             self._wait_stream(self.stream, self._current())
-        for offset, host in segments:
-            self._copy(host, src[offset:offset + host.numel()], self.stream)
+        for host, piece in pieces:
+            self._copy(host, piece, self.stream)
         return self._record_event(self.stream) if self.stream is not None else None
 
     def copy_to_device(self, segments: Segments, nbytes: int, tag: int) -> tuple[torch.Tensor, Any]:
-        # Allocated on the side stream, the destination is free there at once: the copy need not wait for the
-        # compute stream (which may be far behind the host), so a prefetch really starts early.
-        dst = self._empty(nbytes, self.stream)
+        # Allocated on the compute stream (FSDP2's pattern): once freed, the allocator reuses the memory in that
+        # stream's order, with no record_stream (a side-stream allocation used by compute stays reserved until
+        # compute passes its free, and reserved memory grows while the host runs ahead). The memory may be what
+        # compute's earlier kernels still read: the side stream copies once compute reached this point.
+        dst = self._empty(nbytes)
+        if self.stream is not None:
+            self._wait_event(self.stream, self._record_event(self._current()))
         for offset, host in segments:
             self._copy(dst[offset:offset + host.numel()], host, self.stream)
         return dst, self._record_event(self.stream) if self.stream is not None else None
@@ -62,12 +68,6 @@ class Transport:
 
     def query(self, event: Any) -> bool:
         return event is None or self._query(event)
-
-    def hand_over(self, tensor: torch.Tensor) -> None:
-        # Allocated on the side stream, used on the compute stream: without this, the allocator could hand the
-        # memory to the next prefetch while backward still reads it.
-        if self.stream is not None:
-            self._record_stream(tensor, self._current())
 
     # -- the stream operations (one each) -------------------------------------------------------------------
     def _new_stream(self) -> Any:
@@ -80,8 +80,8 @@ class Transport:
         # The pool's slabs are a power of two (offload_activations): the host allocator's rounding costs nothing.
         return self.acc.pinned_empty(nbytes, torch.uint8)
 
-    def _empty(self, nbytes: int, stream: Any) -> torch.Tensor:
-        return self.acc.empty(nbytes, torch.uint8, stream=stream)
+    def _empty(self, nbytes: int) -> torch.Tensor:
+        return self.acc.empty(nbytes, torch.uint8)  # on the current (compute) stream
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         self.acc.copy_(dst, src, stream=stream)
@@ -97,9 +97,6 @@ class Transport:
 
     def _query(self, event: Any) -> bool:
         return self.acc.query(event)
-
-    def _record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        self.acc.record_stream(tensor, stream)
 
 
 class CpuTransport(Transport):
