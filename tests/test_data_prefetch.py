@@ -14,6 +14,7 @@ from memtrain.data.documents import TokenDocuments
 from memtrain.data.loader import Machine, make_loader, resolve_loader_settings
 from memtrain.data.prefetch import DevicePrefetcher, map_tensors
 from memtrain.device import simulate
+from memtrain.device.ledger import BLOCK, round_up
 from memtrain.errors import ConfigError
 
 TWO_CPUS = Machine(cpus=2, accelerator=None)
@@ -88,17 +89,25 @@ def _tensors(batch) -> list[torch.Tensor]:
 
 
 def check_prefetcher_on_the_simulated_device(lag: int | None) -> None:
-    """Each batch is equal to the loader's when handed out (an unfinished copy reads NaN or all bits set)."""
+    """Each batch is equal to the loader's when handed out (an unfinished copy reads NaN or all bits set), and the
+    device holds at most three batches: the caller's last one, the one handed out, the next one copying."""
     batches = nested_batches()
-    with simulate("16MiB", lag=lag):
+    batch_bytes = max(sum(round_up(t.numel() * t.element_size(), BLOCK) for t in _tensors(b)) for b in batches)
+    with simulate("16MiB", lag=lag) as acc:
         prefetcher = DevicePrefetcher(batches, "cpu")
         assert prefetcher.stream is not None, "the simulated device has streams: the side-stream path must run"
-        for i, (host, moved) in enumerate(zip(batches, prefetcher, strict=True)):
+        handed_out = iter(prefetcher)
+        for i, host in enumerate(batches):
+            moved = next(handed_out)  # the caller holds one batch at a time (zip would keep the one before)
             pairs = list(zip(_tensors(host), _tensors(moved), strict=True))
             assert all(a is not b for a, b in pairs), "a batch was handed out without its copy"
             differ = [j for j, (a, b) in enumerate(pairs) if not torch.equal(a, b)]
             assert not differ, f"lag {lag}: batch {i} handed out before its copy landed (tensors {differ} differ)"
             assert moved["step"] == i and moved["pair"].b[1] == "tag"
+            del pairs
+        assert next(handed_out, None) is None, "more batches than the loader's"
+        peak = acc.max_memory_reserved()
+        assert peak <= 3 * batch_bytes, f"lag {lag}: {peak} bytes reserved for batches of {batch_bytes} bytes"
 
 
 @pytest.mark.parametrize("lag", LAGS, ids=[f"lag{lag}" for lag in LAGS])

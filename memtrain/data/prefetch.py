@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -42,10 +41,11 @@ class DevicePrefetcher:
 
     Where the device has streams (``memtrain.device``: a GPU, the simulated accelerator), batch n+1 is copied on a
     side stream while the caller computes on batch n; the copy is asynchronous only from pinned memory
-    (``make_loader`` pins when batches go to an accelerator). The compute stream waits for an event recorded after
-    the batch's copies before the batch is handed out, and each batch's memory is marked as used on the compute
-    stream (``record_stream``) so the allocator does not hand it to a later copy while compute still reads it. On
-    the CPU it is a plain pass-through; on other devices it copies synchronously. The batches and their order
+    (``make_loader`` pins when batches go to an accelerator). A batch's device memory is allocated on the compute
+    stream (FSDP2's pattern: once the caller drops the batch, the allocator reuses it in compute-stream order, with
+    no ``record_stream``, so reserved memory does not grow while the host runs ahead); the side stream copies once
+    the compute stream reached that point, and the compute stream waits for an event recorded after the copies
+    before the batch is handed out. On the CPU it is a plain pass-through; on other devices it copies synchronously. The batches and their order
     are the loader's. Tensors nested in tuples, named tuples, lists, mappings and dataclasses are moved; other
     values pass through.
 
@@ -84,9 +84,17 @@ class DevicePrefetcher:
         except StopIteration:
             return False, None, None
         acc = self.acc
-        # to_device copies asynchronously only from pinned memory: from pageable memory it copies synchronously.
-        batch = map_tensors(lambda t: acc.to_device(t, stream=self.stream), host)
+        # The batch's memory may be what compute's earlier kernels still read: the copies start once compute
+        # reached this point (nothing is queued on compute between here and the allocations below).
+        acc.wait_event(acc.record_event(), stream=self.stream)
+        batch = map_tensors(self._copy_to_device, host)
         return True, batch, acc.record_event(self.stream)
+
+    def _copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        moved = self.acc.empty(tuple(t.shape), t.dtype)  # on the compute stream
+        # Asynchronous only from pinned memory: from pageable memory the copy is synchronous.
+        self.acc.copy_(moved, t, stream=self.stream)
+        return moved
 
     def _stream_batches(self) -> Iterator[Any]:
         acc = self.acc
@@ -95,15 +103,8 @@ class DevicePrefetcher:
         while ready:
             acc.wait_event(copied)  # compute must not read the batch before its copy has landed
             batch = upcoming
-            # Allocated on the side stream, used on the compute stream: without this the allocator could reuse
-            # the memory for the next copy as soon as the caller drops the batch, while kernels still read it.
-            map_tensors(functools.partial(_used_on, acc, acc.current_stream()), batch)
             ready, upcoming, copied = self._copy_next(batches)  # queued now, so it runs during this batch's compute
             yield batch
-
-
-def _used_on(acc: Accelerator, stream: Any, t: torch.Tensor) -> None:
-    acc.record_stream(t, stream)
 
 
 def _streams_of(device: torch.device) -> Accelerator | None:
