@@ -18,6 +18,7 @@ from offload_stream_model import (
 from torch import nn
 
 import memtrain.offload.transport as transport_mod
+from memtrain.device import RealAccelerator
 from memtrain.errors import ConfigError
 from memtrain.models import GPT, GPTConfig
 from memtrain.offload import ActivationOffloader, Transport, offload_activations
@@ -114,6 +115,7 @@ def test_a_cuda_transport_loads_as_none_without_cuda(monkeypatch):
 
     monkeypatch.setattr(transport_mod, "_NOOP_WARNED", False)
     transport = object.__new__(Transport)  # what a GPU run pickles: its device (the stream is not saved)
-    transport.device, transport.acc = torch.device("cuda", 0), FakeTransport().acc
+    transport.acc = RealAccelerator(torch.device("cuda", 0))
+    transport.device = transport.acc.device
     with pytest.warns(UserWarning, match="saved on cuda:0, which this machine does not have"):
         assert pickle.loads(pickle.dumps(transport)) is None
