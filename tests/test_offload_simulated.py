@@ -192,7 +192,7 @@ def _pinned_per_parameter(params, given, acc):
         if id(p) not in hosts:
             hosts[id(p)] = acc.pinned_empty(tuple(p.shape), p.dtype)
             hosts[id(p)].copy_(p.detach())
-    return hosts
+    return hosts, torch.empty(0, dtype=torch.uint8)
 
 
 FAULTS = {

@@ -94,7 +94,7 @@ def test_the_blocks_really_leave_the_device_between_uses():
     _loss(model, _tokens(model)).backward()
     assert max(seen) == 2 and len(seen) == 4, seen
     # At rest each parameter reads its view of the streamer's one host slab.
-    assert all(p.untyped_storage().nbytes() == streamer.host_slab_bytes and p.data_ptr() == hosts[id(p)]
+    assert all(p.untyped_storage().nbytes() == streamer.host_slab.numel() and p.data_ptr() == hosts[id(p)]
                for block in model.blocks for p in block.parameters()), "a parameter at rest must read its host copy"
 
 

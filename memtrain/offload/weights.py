@@ -9,10 +9,9 @@ How it works (the FSDP2 pattern, on one rank and without sharding):
 
 - each block parameter keeps its ``nn.Parameter`` object. At rest its ``.data`` is the host copy (pinned where the
   device has streams: the offloaded optimizer's fp32 master or its bf16 cast, or a view of the streamer's own
-  exact-size slab); in use it is a device
-  tensor of its own whose storage is resized to zero when the block is released, so that the views autograd
-  saved of it (``W.t()`` of a linear) free their memory too and see the weights again when the storage is
-  refilled for backward;
+  exact-size slab); in use it is a device tensor of its own whose storage is resized to zero when the block is
+  released, so that the views autograd saved of it (``W.t()`` of a linear) free their memory too and see the
+  weights again when the storage is refilled for backward;
 - a forward pre-hook makes the block resident (waiting for its copy) and starts the copies of the next
   ``prefetch`` blocks; a forward post-hook releases it;
 - a hook on the block's outputs fires when their gradient is ready, just before the block's backward (and the
@@ -142,9 +141,9 @@ class WeightStreamer:
         self.stream = self.acc.new_stream() if self.acc.has_streams else None  # the copies' side stream
         self.stats = WeightStats()
         params = {n: list(modules[n].parameters()) for n in names}
-        own = _host_copies([p for n in names for p in params[n]], host_weights or {}, self.acc)
-        self.host_slab_bytes = sum(t.numel() * t.element_size() for t in own.values())
-        self.blocks = [_Block(n, modules[n], [self._weight(p, own[id(p)]) for p in params[n]]) for n in names]
+        # host_slab: the streamer's own host copies (of the parameters not in host_weights), one view each.
+        hosts, self.host_slab = _host_copies([p for n in names for p in params[n]], host_weights or {}, self.acc)
+        self.blocks = [_Block(n, modules[n], [self._weight(p, hosts[id(p)]) for p in params[n]]) for n in names]
         for block in self.blocks:
             setattr(block.module, _STREAMED_ATTR, True)
         self._task: int | None = None  # the backward (autograd graph task) whose blocks were last brought back
@@ -327,9 +326,10 @@ class WeightStreamer:
 
 
 def _host_copies(params: list[nn.Parameter], given: dict[int, torch.Tensor],
-                 acc: Accelerator) -> dict[int, torch.Tensor]:
-    """The host tensor of each parameter: the one ``given``, else a view of one slab holding every other parameter's
-    weights. One exact-size pinned buffer: a pinned allocation per parameter is rounded up to a power of two each."""
+                 acc: Accelerator) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """The host tensor of each parameter (the one ``given``, else a view of one slab holding every other
+    parameter's weights) and that slab (bytes). One exact-size pinned buffer: a pinned allocation per parameter
+    would be rounded up to a power of two each."""
     for p in params:
         host = given.get(id(p))
         if host is not None and (host.shape != p.shape or host.dtype != p.dtype or host.device.type != "cpu"):
@@ -349,7 +349,7 @@ def _host_copies(params: list[nn.Parameter], given: dict[int, torch.Tensor],
         host.copy_(p.detach())
         hosts[id(p)] = host
         at += n
-    return hosts
+    return hosts, slab
 
 
 def _in_backward() -> bool:
