@@ -125,8 +125,8 @@ def test_streamer_equals_plain_training_within_its_blocks_in_flight(lag, checkpo
 
 def check_fills_done(lag: int | None) -> None:
     """A forward interrupted in block 0 (an out-of-memory error) leaves block 1's copies queued, waited by nobody:
-    the optimizer's CPU step then overwrites the host weights they read. With ``fills_done()`` before the step, the
-    device holds the weights the fill was issued for."""
+    the optimizer's CPU step then overwrites the host weights they read. Waiting for the event ``fills_done()``
+    returns before the step, the device holds the weights the fill was issued for."""
     with simulate(CAPACITY, lag=lag) as acc:
         model = _model(checkpointing=False)
         acc.place(model)
@@ -141,7 +141,7 @@ def check_fills_done(lag: int | None) -> None:
         weights = streamer.blocks[1].weights
         with acc.host():
             before = [w.host.clone() for w in weights]
-        streamer.fills_done()
+        acc.synchronize_event(streamer.fills_done())  # what the optimizer's step does first
         with torch.no_grad():
             for w in weights:
                 w.host.add_(1.0)  # the CPU step, in place in the host weights the next forward streams
@@ -169,7 +169,7 @@ def _fill_on_the_side_stream(self: WeightStreamer, block) -> None:
         for w in block.weights:
             acc.resize_storage(w.device, w.nbytes)
     acc.foreach_copy_([w.device for w in block.weights], [w.host for w in block.weights], stream=self.stream)
-    block.event = block.fill_event = acc.record_event(self.stream)
+    block.event = self._last_fill = acc.record_event(self.stream)
     for w in block.weights:
         w.param.data = w.device
     block.resident = True
@@ -205,7 +205,7 @@ FAULTS = {
 
 
 def test_a_cpu_step_without_fills_done_is_caught(monkeypatch):
-    monkeypatch.setattr(WeightStreamer, "fills_done", lambda self: None)
+    monkeypatch.setattr(WeightStreamer, "fills_done", lambda self: None)  # "no fill in flight": nothing waited
     caught = set()
     for lag in LAGS:
         try:

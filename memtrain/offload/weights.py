@@ -20,7 +20,8 @@ How it works (the FSDP2 pattern, on one rank and without sharding):
   backward and releases it (an end-of-backward callback releases anything left);
 - gradients are autograd's, on the device; ``CPUOffloadOptimizer`` streams them to the host as they are
   accumulated and steps the host master, which is the copy the next forward reads (``stream_weights``); before
-  its CPU step overwrites those host weights it calls ``fills_done()``, which waits for every copy reading them.
+  its CPU step overwrites those host weights it waits for the event ``fills_done()`` returns: every copy reading
+  them is done.
 
 Streams (FSDP2's pattern, ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``): a block's device storage
 is allocated on the compute stream, so the caching allocator reuses it in compute-stream order and no
@@ -72,7 +73,6 @@ class _Block:
     weights: list[_Weight]
     resident: bool = False
     event: Any = None  # the copy's event, until the compute stream waited for it
-    fill_event: Any = None  # the last copy's event, kept: fills_done() waits for it before the host weights change
     backward_done: bool = False  # released by its post-backward in this backward
 
     @property
@@ -147,6 +147,7 @@ class WeightStreamer:
         for block in self.blocks:
             setattr(block.module, _STREAMED_ATTR, True)
         self._task: int | None = None  # the backward (autograd graph task) whose blocks were last brought back
+        self._last_fill: Any = None  # the event after the last fill's copies (fills_done)
         self._handles = [h for i, b in enumerate(self.blocks) for h in self._register(i, b.module)]
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ class WeightStreamer:
             # stream reached this point (a device-side wait; the host goes on).
             acc.wait_event(acc.record_event(), stream=self.stream)
             acc.foreach_copy_(dsts, srcs, stream=self.stream)
-            block.event = block.fill_event = acc.record_event(self.stream)
+            block.event = self._last_fill = acc.record_event(self.stream)
         for w in block.weights:
             # The parameter's TensorImpl keeps its version counter: the copy above bumped the device tensor's, not
             # the one autograd checks for the views it saved of the parameter.
@@ -215,14 +216,16 @@ class WeightStreamer:
         self.stats.resident_bytes -= block.nbytes
         self.stats.resident_blocks -= 1
 
-    def fills_done(self) -> None:
-        """Waits (on the host) for every block's last host -> device copy: call it before overwriting the host
-        weights, e.g. the offloaded optimizer's CPU step. Cheap at step time: backward has used every block, so
-        the copies are done; without it, a step could race a copy still reading the weights it overwrites."""
-        for block in self.blocks:
-            if block.fill_event is not None:
-                self.acc.synchronize_event(block.fill_event)
-                block.fill_event = None
+    def fills_done(self) -> Any:
+        """The event after every host -> device copy issued so far (they run in order on one side stream), or None
+        where none can be in flight (no fill yet, or no streams).
+
+        Whoever overwrites the host weights waits for it first (``acc.synchronize_event``): the offloaded
+        optimizer's CPU step (``CPUOffloadOptimizer.stream_weights(..., fills_done=streamer.fills_done)``). Cheap
+        at step time, where backward has used every block, so the copies are done; without it the step would race a
+        copy still reading the weights it overwrites (a forward interrupted after a prefetch).
+        """
+        return self._last_fill
 
     def _prefetch(self, index: int, direction: int) -> None:
         for j in range(index + direction, index + direction * (self.prefetch + 1), direction):
