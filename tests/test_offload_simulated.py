@@ -83,9 +83,15 @@ class Streamed:
 def _streamed(lag: int | None, checkpointing: bool, prefetch: int) -> Streamed:
     with simulate(CAPACITY, lag=lag) as acc:
         model = _model(checkpointing)
-        acc.place(model)
+        # apply_plan's placement: everything but the streamed blocks' weights, which never are whole on the device.
+        streamed = {id(p) for b in model.blocks for p in b.parameters()}
+        for t in (*model.parameters(), *model.buffers()):
+            if id(t) not in streamed:
+                acc.place(t)
         x = acc.place(_tokens())
         streamer = WeightStreamer(model, blocks=find_blocks(model), prefetch=prefetch)
+        unseen = [w.nbytes for b in streamer.blocks for w in b.weights if not acc.ledger.is_device(w.device)]
+        assert not unseen, f"{len(unseen)} device tensors ({sum(unseen)} bytes) are not device memory on the ledger"
         gc.collect()
         acc.reset_peak_memory_stats()
         grads = _grads(model, x, acc)

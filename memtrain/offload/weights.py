@@ -103,10 +103,12 @@ class WeightStreamer:
     of the block weights per micro-batch (forward and backward), overlapped with compute on a side stream.
 
     Args:
-        model: the model, on its training device.
+        model: the model, on its training device; the blocks' weights may be on the device or in host memory (never
+            placed: ``apply_plan`` leaves them there, so they are never whole on the device).
         blocks: the qualified names of the blocks to stream, in forward order (e.g.
             ``memtrain.checkpointing.find_blocks(model)``).
         prefetch: blocks copied ahead of the one in use (>= 0; 0 copies each block when it is reached).
+        device: the training device (default: where the model's first parameter is).
         host_weights: ``id(parameter)`` -> the host tensor holding its weights in the device dtype (e.g.
             ``CPUOffloadOptimizer.stream_weights``: its fp32 master or bf16 cast, so that an optimizer step is what
             the next forward reads); parameters not in it get a host copy of their own: views of one exact-size
@@ -124,7 +126,7 @@ class WeightStreamer:
     """
 
     def __init__(self, model: nn.Module, *, blocks: Sequence[str], prefetch: int = PREFETCH_DEFAULT,
-                 host_weights: dict[int, torch.Tensor] | None = None):
+                 device: torch.device | str | None = None, host_weights: dict[int, torch.Tensor] | None = None):
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ConfigError(f"WeightStreamer(prefetch={prefetch!r}): the blocks copied ahead of use must be an "
                               "integer >= 0. To resolve this error, pass e.g. prefetch=1.")
@@ -136,8 +138,8 @@ class WeightStreamer:
         _check_blocks(model, modules, names)
         self.model = model
         self.prefetch = prefetch
-        self.device = next(model.parameters()).device
-        self.acc: Accelerator = accelerator(self.device)
+        self.acc: Accelerator = accelerator(device if device is not None else next(model.parameters()).device)
+        self.device = self.acc.device
         self.stream = self.acc.new_stream() if self.acc.has_streams else None  # the copies' side stream
         self.stats = WeightStats()
         params = {n: list(modules[n].parameters()) for n in names}
@@ -152,7 +154,9 @@ class WeightStreamer:
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def _weight(self, p: nn.Parameter, host: torch.Tensor) -> _Weight:
-        device = torch.empty_like(p.data, device=self.device)
+        # Through the seam, whether the weights are on the device now or were never placed (apply_plan leaves them
+        # on the host): a simulated device's ledger then counts the block whenever it is filled.
+        device = self.acc.empty(tuple(p.shape), p.dtype)
         self.acc.resize_storage(device, 0)  # no device bytes until the block is used
         p.data = host  # NOTE: the device copy of the weights is gone; the parameter now reads the host copy
         return _Weight(p, device, host)
