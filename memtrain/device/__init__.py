@@ -93,8 +93,10 @@ def simulate(capacity: int | str, *, lag: int | None = 1, host_capacity: int | s
         try:
             yield sim
         finally:
-            sim.synchronize()
-            _ACTIVE = None
+            try:
+                sim.synchronize()
+            finally:
+                _ACTIVE = None
 
 
 def _bytes(size: int | str) -> int:
