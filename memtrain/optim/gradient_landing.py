@@ -33,6 +33,7 @@ class GradientLanding:
         _buckets: list[Bucket]
         _streams: dict[str, Any]
         _worker: Any
+        _landing_worker: Any
         _landings: list[Future[None]]
         _pending: list[list[Landing]]
         _unlanded: list[set[int]]
@@ -44,7 +45,8 @@ class GradientLanding:
         _h2d_done: torch.cuda.Event | None
 
         def _step_bucket(self, bucket: Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
-                         multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None) -> None: ...
+                         multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
+                         landed: Future[None] | None = None) -> None: ...
 
         def _sync_hyperparameters(self) -> None: ...
 
@@ -130,7 +132,7 @@ class GradientLanding:
             event = torch.cuda.Event()
             event.record(self._streams["device_to_host"])  # after every copy of this bucket: in stream order
         # Always a task, even with nothing to add: only the worker writes the slots' norms (in task order).
-        task = self._worker.submit(finish_landings, landings, event)
+        task = self._landing_worker.submit(finish_landings, landings, event)
         self._landings.append(task)
         for landing in landings:
             if landing.staged is not None and landing.staged is landing.slot.stage:
@@ -159,9 +161,10 @@ class GradientLanding:
         waiting = self._waiting[slot.bucket]
         waiting.discard(id(slot))
         if not waiting:
-            # The worker queue is FIFO: this runs after the bucket's landings (handed over first), on complete
-            # gradients.
+            # The step runs on complete gradients: after the bucket's landings, handed over first to the landing
+            # worker, whose queue is FIFO (its last task covers every earlier one).
             self._flush_bucket(slot.bucket)
+            landed = self._landings[-1] if self._landings else None
             bucket = self._buckets[slot.bucket]
             for s in bucket.slots:
                 s.master.grad = s.grads[self._buffer]
@@ -171,7 +174,8 @@ class GradientLanding:
                 # read them (this layer's input gradient, issued before its weight's gradient landed): the
                 # host-to-device stream waits for everything queued on the compute stream so far.
                 h2d.wait_stream(torch.cuda.current_stream(self.device))
-            self._early[slot.bucket] = self._worker.submit(self._step_bucket, bucket, self._h2d_done, True)
+            self._early[slot.bucket] = self._worker.submit(self._step_bucket, bucket, self._h2d_done, True,
+                                                           landed=landed)
 
     def step_in_next_backward(self) -> None:
         """Arms the next backward to run the CPU step of each bucket as soon as its last gradient lands.

@@ -70,14 +70,15 @@ class Bucket:
     group_of: list[int]  # inner group i mirrors param_groups[group_of[i]]
 
 
-def release(hooks: list[Any], worker: ThreadPoolExecutor, params: list[torch.Tensor]) -> None:
+def release(hooks: list[Any], workers: tuple[ThreadPoolExecutor, ...], params: list[torch.Tensor]) -> None:
     for handle in hooks:
         handle.remove()
     for p in params:
         entry = _OWNERS.get(id(p))
         if entry is not None and entry[0]() is p:
             del _OWNERS[id(p)]
-    worker.shutdown(wait=False)
+    for worker in workers:
+        worker.shutdown(wait=False)
 
 
 # Each parameter's optimizer, weakly both ways (keyed by id: tensors compare by value, not identity). A second live

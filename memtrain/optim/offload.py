@@ -177,7 +177,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             claim(slot.device, self)
         # An optimizer that is dropped without close() must not keep taking gradients: the hooks hold it weakly,
         # and this removes them (and stops the worker) once it is collected.
-        self._finalizer = weakref.finalize(self, release, list(self._hooks), self._worker,
+        self._finalizer = weakref.finalize(self, release, list(self._hooks), (self._worker, self._landing_worker),
                                            [s.device for s in self._slots])
 
     @property
@@ -218,6 +218,10 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
         self._streamed: set[int] = set()  # id(slot) of the parameters whose weights parameter offload streams
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
+        # The host side of the landings runs on a thread of its own: a delayed step (seconds of CPU work) on the
+        # step's thread must not hold the next backward's landings, which a second micro-batch waits for before
+        # reusing a gradient stage. Tasks that need the landings done wait for them explicitly.
+        self._landing_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim-landing")
         self._landings: list[Future[None]] = []
         # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
         # bucket's landings go to the worker in one task once all its slots landed (or at clip/step time).
@@ -391,7 +395,10 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 inner_group.update(self._hyperparameters(gi))
 
     def _step_bucket(self, bucket: Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
-                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None) -> None:
+                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
+                     landed: Future[None] | None = None) -> None:
+        if landed is not None:
+            landed.result()  # step_in_next_backward: the bucket's landings (on the landing worker) are complete
         if found is not None and found.item():
             return  # an inf/nan gradient (fp16 overflow): skipped, weights and state untouched, nothing to copy
         if h2d_done is not None:
