@@ -753,9 +753,9 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
     staged_in = []
     finish = gradient_landing.finish_landings
 
-    def spy(landings, event):
+    def spy(landings, event, acc):
         staged_in.extend(landing.staged.untyped_storage().data_ptr() for landing in landings if landing.staged is not None)
-        return finish(landings, event)
+        return finish(landings, event, acc)
 
     monkeypatch.setattr(gradient_landing, "finish_landings", spy)
     for x, y in batches(2):  # two micro-batches: the second landing adds to the first

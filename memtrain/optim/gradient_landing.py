@@ -10,11 +10,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memtrain.device import Accelerator
 from memtrain.errors import MemtrainError
 from memtrain.optim.host_buffers import Bucket, Landing, Slot
 
@@ -42,18 +42,20 @@ class GradientLanding:
         _norms_on_first_landing: bool
         _waiting: list[set[int]] | None
         _early: dict[int, Future[None]]
-        _h2d_done: torch.cuda.Event | None
+        _h2d_done: Any
+        _acc: Accelerator
 
-        def _step_bucket(self, bucket: Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
+        def _step_bucket(self, bucket: Bucket, h2d_done: Any, copy_back: bool,
                          multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
-                         landed: Future[None] | None = None) -> None: ...
+                         landed: Future[None] | None = None, fills: Any = None) -> None: ...
+
+        def _fills(self) -> Any: ...
 
         def _sync_hyperparameters(self) -> None: ...
 
     def _side_stream(self, direction: str) -> Any:
         """The context a copy over the link is issued in: ``direction``'s own side stream (none on the CPU)."""
-        stream = self._streams[direction]
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+        return self._acc.use_stream(self._streams[direction])
 
     def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
         owner = weakref.ref(self)
@@ -84,29 +86,28 @@ class GradientLanding:
             # the last one): hand over what is pending first, so that a bucket never holds two backwards' copies.
             self._flush_bucket(slot.bucket)
         d2h = self._streams["device_to_host"]
+        acc = self._acc
         if d2h is not None:
-            # The gradient was produced on the stream current here (autograd's for this leaf): copy it only once
-            # it is complete. Read before entering the side stream's context, which changes the current stream.
-            d2h.wait_stream(torch.cuda.current_stream(self.device))
+            self._after_producer(d2h)
         self.link_bytes["device_to_host"] += grad.numel() * grad.element_size()
         with self._side_stream("device_to_host"):
             staged = None
             if copy and grad.dtype == dst.dtype:
-                dst.copy_(grad, non_blocking=True)  # straight into the pinned buffer
+                acc.copy_(dst, grad, stream=d2h)  # straight into the pinned buffer
             elif d2h is None and grad.dtype == dst.dtype:
                 dst.add_(grad)  # the "device" is the CPU: adding now costs one pass, staging a copy two
             elif slot.stage is not None and grad.dtype == slot.stage.dtype:
                 # Another dtype (bf16 device weights): into the owned pinned stage, the worker casts or adds it.
                 if slot.reader is not None:
                     slot.reader.result()  # the last landing's task must have read the stage (long done, in practice)
-                slot.stage.copy_(grad, non_blocking=True)
+                acc.copy_(slot.stage, grad, stream=d2h)
                 staged = slot.stage
             else:
                 # NOTE: an fp32 sum on CUDA (a later micro-batch of the window) is staged through torch's pinned
                 # cache: an owned buffer would cost 4 more bytes per parameter of host RAM for every run.
-                staged = grad.to("cpu", non_blocking=True, copy=True)
+                staged = acc.to_host(grad, stream=d2h)
             if d2h is not None:
-                grad.record_stream(d2h)  # the allocator must not reuse it before the copy is done
+                acc.record_stream(grad, d2h)  # the allocator must not reuse it before the copy is done
         want_norm = self._norms_in_backward or (self._norms_on_first_landing and copy)
         slot.has_grad, slot.zeroed = True, False
         slot.landings += 1
@@ -120,6 +121,11 @@ class GradientLanding:
         if self._waiting is not None:
             self._maybe_step_bucket(slot)
 
+    def _after_producer(self, d2h: Any) -> None:
+        """Orders the device->host stream after the gradient's producer: autograd's stream for this leaf, the one
+        current here (read before entering the side stream's context, which changes the current stream)."""
+        self._acc.wait_stream(d2h, self._acc.current_stream())
+
     def _flush_bucket(self, index: int) -> None:
         """Hands the bucket's pending landings to the worker: one event (the side stream's copies so far) and one
         task that waits for it, adds or casts each staged gradient and takes the norms asked for."""
@@ -129,10 +135,10 @@ class GradientLanding:
             return
         event = None
         if self._streams["device_to_host"] is not None:
-            event = torch.cuda.Event()
-            event.record(self._streams["device_to_host"])  # after every copy of this bucket: in stream order
+            # After every copy of this bucket: in stream order.
+            event = self._acc.record_event(self._streams["device_to_host"])
         # Always a task, even with nothing to add: only the worker writes the slots' norms (in task order).
-        task = self._landing_worker.submit(finish_landings, landings, event)
+        task = self._landing_worker.submit(finish_landings, landings, event, self._acc)
         self._landings.append(task)
         for landing in landings:
             if landing.staged is not None and landing.staged is landing.slot.stage:
@@ -173,9 +179,9 @@ class GradientLanding:
                 # The copy back of these weights must not overtake the backward kernels already queued that still
                 # read them (this layer's input gradient, issued before its weight's gradient landed): the
                 # host-to-device stream waits for everything queued on the compute stream so far.
-                h2d.wait_stream(torch.cuda.current_stream(self.device))
+                self._acc.wait_stream(h2d, self._acc.current_stream())
             self._early[slot.bucket] = self._worker.submit(self._step_bucket, bucket, self._h2d_done, True,
-                                                           landed=landed)
+                                                           landed=landed, fills=self._fills())
 
     def step_in_next_backward(self) -> None:
         """Arms the next backward to run the CPU step of each bucket as soon as its last gradient lands.
@@ -203,11 +209,10 @@ class GradientLanding:
         self._waiting = [{id(s) for s in b.slots} for b in self._buckets]
 
 
-def finish_landings(landings: list[Landing], event: torch.cuda.Event | None) -> None:
+def finish_landings(landings: list[Landing], event: Any, acc: Accelerator) -> None:
     """Worker side of one bucket's gradient copies: wait for the transfers, add (or cast) each staged gradient,
     then take the norms asked for (of the sum, after a parameter's last landing in the list)."""
-    if event is not None:
-        event.synchronize()
+    acc.synchronize_event(event)  # the copies into the host buffers (and stages) are complete
     last: dict[int, Landing] = {}
     with torch.no_grad():
         for landing in landings:

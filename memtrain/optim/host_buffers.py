@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from memtrain.device import Accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
 from memtrain.report import format_bytes
@@ -101,40 +102,7 @@ def claim(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
     _OWNERS[key] = (weakref.ref(p, forget), weakref.ref(optimizer))
 
 
-_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 DIRECTIONS = ("device_to_host", "host_to_device")
-
-
-def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A flat host tensor, page-locked when ``pin`` (so copies to and from the GPU are asynchronous DMA).
-
-    Registers an ordinary allocation with cudaHostRegister: torch's pinned allocator rounds each request up to a
-    power of two (a 4.4 GB buffer would pin 8 GB). The registration lives as long as the tensor's memory.
-    """
-    buffer = torch.empty(numel, dtype=dtype)
-    if not pin or numel == 0:
-        return buffer
-    cudart = torch.cuda.cudart()
-    register = getattr(cudart, "cudaHostRegister", None)
-    if register is None:
-        return buffer.pin_memory()
-    # On a throwaway thread: a refused registration leaves the CUDA runtime's per-thread "last error" set, which
-    # the next kernel launch's error check on that thread would report as its own failure. A new thread starts on
-    # device 0: it is set to this process's device first (no context on GPU 0 for every rank), and the memory is
-    # registered as portable (page-locked for every device's context, as torch's own host registration does).
-    device = torch.cuda.current_device()
-
-    def register_here() -> int:
-        torch.cuda.set_device(device)
-        return int(register(buffer.data_ptr(), numel * buffer.element_size(), _CUDA_HOST_REGISTER_PORTABLE))
-
-    with ThreadPoolExecutor(max_workers=1) as once:
-        status = once.submit(register_here).result()
-    if status != 0:
-        # NOTE: registration refused (e.g. a locked-memory limit): the allocator's way, rounded up.
-        return buffer.pin_memory()
-    weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, buffer.data_ptr())
-    return buffer
 
 
 def bucket_runs(numels: list[int], bucket_numel: int) -> list[list[int]]:
@@ -158,7 +126,7 @@ def aligned(numel: int) -> int:
 
 
 def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[str] | None, *,
-            n_grad_buffers: int, device_dtype: torch.dtype | None, pin: bool,
+            n_grad_buffers: int, device_dtype: torch.dtype | None, acc: Accelerator,
             master_dtype: torch.dtype = torch.float32) -> tuple[dict[int, Slot], list[int]]:
     """The host buffers of ``flat`` and one slot of views into them per parameter (by index in ``flat``), with the
     bucket order; fills each master from its parameter, then casts the device parameter to ``device_dtype``.
@@ -169,9 +137,15 @@ def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[
     """
     order = list(reversed(range(len(flat))))
     total = sum(aligned(p.numel()) for p in flat)
-    master_flat = host_buffer(total, master_dtype, pin)
+
+    def host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        # Pinned at its exact size where the device has streams (registered: torch's host allocator would round
+        # each request up to a power of two); plain memory on the CPU, where nothing crosses a link.
+        return acc.host_buffer(numel, dtype) if acc.has_streams else torch.empty(numel, dtype=dtype)
+
+    master_flat = host_buffer(total, master_dtype)
     # Never read before written: a gradient's first landing copies, later ones add.
-    grad_flats = [host_buffer(total, master_dtype, pin) for _ in range(n_grad_buffers)]
+    grad_flats = [host_buffer(total, master_dtype) for _ in range(n_grad_buffers)]
     def target(p: torch.Tensor) -> torch.dtype:  # the device parameter's dtype once set up
         return device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
 
@@ -179,13 +153,13 @@ def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[
     for p in flat:
         if target(p) != master_dtype:
             cast_numel[target(p)] = cast_numel.get(target(p), 0) + aligned(p.numel())
-    cast_flats = {dt: host_buffer(n, dt, pin) for dt, n in cast_numel.items()}
+    cast_flats = {dt: host_buffer(n, dt) for dt, n in cast_numel.items()}
     # NOTE: one buffer serves as both where a step never overlaps a backward (no delayed update): the gradient
     # stage is read (cast into the fp32 buffer) before the step, the cast written after it and copied to the
     # device before the next forward, whose backward alone writes the stage again (the compute stream waits for
     # those copies, the gradient copies for the compute stream). Saves 2 bytes per bf16 parameter of host RAM.
     stage_flats = cast_flats if n_grad_buffers == 1 else {
-        dt: host_buffer(n, dt, pin) for dt, n in cast_numel.items()}  # same layout as the casts
+        dt: host_buffer(n, dt) for dt, n in cast_numel.items()}  # same layout as the casts
     group_index = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     slots: dict[int, Slot] = {}
     offset, cast_offset = 0, dict.fromkeys(cast_flats, 0)
@@ -213,6 +187,31 @@ def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[
         slots[i] = slot
         offset += aligned(n)
     return slots, order
+
+
+def own_stages(slots: list[Slot], acc: Accelerator) -> int:
+    """Gives each of ``slots`` a gradient stage of its own (they shared their cast buffer) as views of one host
+    slab per dtype, pinned at its exact size where the device has streams; returns the bytes pinned. Checks the
+    host RAM first."""
+    by_dtype: dict[torch.dtype, list[Slot]] = {}
+    for slot in slots:
+        by_dtype.setdefault(slot.cast.dtype, []).append(slot)
+    sizes = {dt: sum(aligned(s.cast.numel()) for s in group) for dt, group in by_dtype.items()}
+    need = sum(n * torch.empty((), dtype=dt).element_size() for dt, n in sizes.items())
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise MemtrainError(
+            f"CPUOffloadOptimizer.stream_weights needs {format_bytes(need)} of host RAM for the gradient stages of "
+            f"{len(slots)} streamed parameters, but only {format_bytes(available)} is available. To resolve this "
+            "error, free host memory or stream fewer blocks.")
+    for dt, group in by_dtype.items():
+        slab = acc.host_buffer(sizes[dt], dt) if acc.has_streams else torch.empty(sizes[dt], dtype=dt)
+        offset = 0
+        for slot in group:
+            n = slot.cast.numel()
+            slot.stage = slab[offset:offset + n].view(slot.cast.shape)
+            offset += aligned(n)
+    return need if acc.has_streams else 0
 
 
 # -- validation ---------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.gradient_landing import GradientLanding
 from memtrain.optim.host_buffers import (
@@ -54,7 +55,9 @@ from memtrain.optim.host_buffers import (
     check_host_ram,
     claim,
     group_indices,
+    host_buffer_bytes,
     lay_out,
+    own_stages,
     parse_params,
     release,
 )
@@ -152,7 +155,10 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if pure_bf16:
             _check_bf16_weights(flat, names)
         self.device = flat[0].device
-        pin = torch.cuda.is_available()  # pinned memory makes D2H/H2D copies asynchronous; CPU-only: nothing to pin
+        # Every stream, event, copy and pinned buffer goes through the device's seam; a device without streams (the
+        # plain CPU) runs the same code with none, and nothing to pin.
+        self._acc = accelerator(self.device)
+        pin = self._acc.has_streams  # pinned memory makes D2H/H2D copies asynchronous
         _check_gradients_after_sync(offload_gradients)
         self.offload_gradients = offload_gradients
         self.delayed_update = delayed_update
@@ -166,7 +172,11 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                        state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None)
         template = _probe(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
         slots, order = lay_out(flat, groups, names, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
-                               pin=pin, master_dtype=master_dtype)
+                               acc=self._acc, master_dtype=master_dtype)
+        # Page-locked host bytes (exact: registered slabs, never torch's power-of-two host allocator), what
+        # check_host_ram counted for the buffers; stream_weights adds its stages.
+        self.pinned_bytes = host_buffer_bytes(flat, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
+                                              master_dtype=master_dtype) if pin else 0
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
         self._init_param_groups(template, groups, names)
         self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
@@ -209,11 +219,11 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
 
     def _init_step_state(self) -> None:
         """The streams, the worker thread and the bookkeeping of landings and steps, all empty."""
-        cuda = self.device.type == "cuda"
+        acc = self._acc
         # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
         # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
         # PCIe directions overlap.
-        self._streams: dict[str, Any] = {d: torch.cuda.Stream(self.device) if cuda else None for d in DIRECTIONS}
+        self._streams: dict[str, Any] = {d: acc.new_stream() if acc.has_streams else None for d in DIRECTIONS}
         # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
         self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
         self._streamed: set[int] = set()  # id(slot) of the parameters whose weights parameter offload streams
@@ -222,13 +232,15 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         # step's thread must not hold the next backward's landings, which a second micro-batch waits for before
         # reusing a gradient stage. Tasks that need the landings done wait for them explicitly.
         self._landing_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim-landing")
+        # Parameter offload's fills of the host weights the step overwrites (stream_weights): an event after them.
+        self._fills_done: Callable[[], Any] | None = None
         self._landings: list[Future[None]] = []
         # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
         # bucket's landings go to the worker in one task once all its slots landed (or at clip/step time).
         self._pending: list[list[Landing]] = [[] for _ in self._buckets]
         self._unlanded: list[set[int]] = [{id(s) for s in b.slots} for b in self._buckets]
         self._update: list[Future[None]] | None = None  # the CPU step in flight (delayed_update)
-        self._h2d_done: torch.cuda.Event | None = None
+        self._h2d_done: Any = None  # the event after the last copies back
         self._buffer = 0  # which host gradient buffer the next backward writes
         self._gathered = False  # this step's gradients are on the host, attached, unscaled
         self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
@@ -370,10 +382,11 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self._sync_hyperparameters()
         if self._streams["host_to_device"] is not None:
             # The copies back overwrite weights that this step's backward read on the compute stream.
-            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
-        h2d_done = self._h2d_done
+            self._acc.wait_stream(self._streams["host_to_device"], self._acc.current_stream())
+        h2d_done, fills = self._h2d_done, self._fills()
         futures = list(early.values())  # stepped during backward (step_in_next_backward)
-        futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found)
+        futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found,
+                                        fills=fills)
                     for i, b in enumerate(self._buckets) if i not in early]
         if self.delayed_update:
             self._update = futures
@@ -389,20 +402,26 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
         return loss
 
+    def _fills(self) -> Any:
+        """The event after parameter offload's fills issued so far (stream_weights), or None."""
+        return self._fills_done() if self._fills_done is not None else None
+
     def _sync_hyperparameters(self) -> None:
         for bucket in self._buckets:
             for inner_group, gi in zip(bucket.inner.param_groups, bucket.group_of, strict=True):
                 inner_group.update(self._hyperparameters(gi))
 
-    def _step_bucket(self, bucket: Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
+    def _step_bucket(self, bucket: Bucket, h2d_done: Any, copy_back: bool,
                      multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
-                     landed: Future[None] | None = None) -> None:
+                     landed: Future[None] | None = None, fills: Any = None) -> None:
         if landed is not None:
             landed.result()  # step_in_next_backward: the bucket's landings (on the landing worker) are complete
         if found is not None and found.item():
             return  # an inf/nan gradient (fp16 overflow): skipped, weights and state untouched, nothing to copy
-        if h2d_done is not None:
-            h2d_done.synchronize()  # the previous copies back read the masters (and casts) we are about to overwrite
+        # The previous copies back, and parameter offload's fills, read the masters (and casts) we are about to
+        # overwrite.
+        self._acc.synchronize_event(h2d_done)
+        self._acc.synchronize_event(fills)
         with torch.no_grad():
             if isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
                 grads = [s.master.grad for s in bucket.slots if s.master.grad is not None]
@@ -422,16 +441,26 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             if copy_back:
                 self._copy_to_device(bucket.slots)
 
-    def stream_weights(self, params: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    def stream_weights(self, params: Iterable[torch.Tensor], *,
+                       fills_done: Callable[[], Any] | None = None) -> dict[int, torch.Tensor]:
         """Hands ``params``' host weights to parameter offload (``memtrain.offload.weights.WeightStreamer``):
         ``id(parameter)`` -> the host tensor holding its weights in the device dtype after every step (the fp32
         master, or its cast), which the streamer copies to the device each time its block is used. The step copies
-        nothing back for them, and a cast gets a gradient stage of its own (2 bytes a bf16 parameter of host RAM):
-        the shared one would be written by gradients landing while backward still reads the cast.
+        nothing back for them, and a cast gets a gradient stage of its own (2 bytes a bf16 parameter of host RAM,
+        one pinned slab for all of them): the shared one would be written by gradients landing while backward
+        still reads the cast.
+
+        Args:
+            params: the streamed parameters.
+            fills_done: called on the loop's thread when a step starts (``step()``, or a bucket stepping in
+                backward): returns an event of the device seam recorded after every fill of these weights the
+                streamer has issued so far (None: none in flight). The step waits for it on the worker
+                (``synchronize_event``) before it overwrites host weights that a fill may still be reading.
 
         Raises:
             ConfigError: a parameter this optimizer does not hold, or ``delayed_update`` (its step would write the
                 host weights while the next forward reads them).
+            MemtrainError: not enough free host RAM for the stages.
         """
         if self.delayed_update:
             raise ConfigError("CPUOffloadOptimizer(delayed_update=True) with parameter offload: the delayed step "
@@ -444,15 +473,18 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             raise ConfigError(f"CPUOffloadOptimizer.stream_weights: {len(missing)} parameter(s) (shapes "
                               f"{missing[:3]}) are not this optimizer's. To resolve this error, pass parameters it "
                               "was built with.")
+        slots = [by_id[id(p)] for p in params]
+        shared = [s for s in slots if s.cast is not None and s.stage is not None
+                  and s.stage.data_ptr() == s.cast.data_ptr()]
+        self.pinned_bytes += own_stages(shared, self._acc)
         hosts = {}
-        for p in params:
-            slot = by_id[id(p)]
+        for p, slot in zip(params, slots, strict=True):
             if slot.cast is not None:
                 slot.cast.copy_(slot.device.detach())  # written by steps only: until the first, the device's
-                if slot.stage is not None and slot.stage.data_ptr() == slot.cast.data_ptr():
-                    slot.stage = torch.empty_like(slot.cast, pin_memory=self.device.type == "cuda")
             self._streamed.add(id(slot))
             hosts[id(p)] = slot.master if slot.cast is None else slot.cast
+        if fills_done is not None:
+            self._fills_done = fills_done
         return hosts
 
     def _copy_to_device(self, slots: list[Slot]) -> None:
@@ -463,16 +495,15 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
         with torch.no_grad(), self._side_stream("host_to_device"):
             # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
-            torch._foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
-                                 non_blocking=True)
+            self._acc.foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
+                                    stream=self._streams["host_to_device"])
 
     def _after_copies(self) -> None:
         h2d = self._streams["host_to_device"]
         if h2d is not None:
-            self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record(h2d)
-            # The next forward reads the new weights: order it after the copies (the GPU waits, not the host).
-            torch.cuda.current_stream(self.device).wait_stream(h2d)
+            self._h2d_done = self._acc.record_event(h2d)
+            # The next forward reads the new weights: order it after the copies (the device waits, not the host).
+            self._acc.wait_event(self._h2d_done, self._acc.current_stream())
 
     def _finish_update(self) -> None:
         if self._update is None:
@@ -483,7 +514,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if self._streams["host_to_device"] is not None:
             # The next backward read the old weights on the compute stream: the copies back wait for it (not for
             # the gradient copies, on the other side stream).
-            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
+            self._acc.wait_stream(self._streams["host_to_device"], self._acc.current_stream())
         self._copy_to_device(self._slots)
         self._after_copies()
 
