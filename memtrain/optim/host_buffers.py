@@ -8,8 +8,9 @@ optimizer owns each parameter.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,18 @@ def release(hooks: list[Any], workers: tuple[ThreadPoolExecutor, ...], params: l
             del _OWNERS[id(p)]
     for worker in workers:
         worker.shutdown(wait=False)
+
+
+def host_work(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs an optimizer method inside its device seam's ``host()`` region: the scalars and flags the loop's thread
+    makes there (norms, multipliers, inf flags) are host memory, not device memory, under the simulated ledger."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._acc.host():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 # Each parameter's optimizer, weakly both ways (keyed by id: tensors compare by value, not identity). A second live

@@ -56,6 +56,7 @@ from memtrain.optim.host_buffers import (
     claim,
     group_indices,
     host_buffer_bytes,
+    host_work,
     lay_out,
     own_stages,
     parse_params,
@@ -344,6 +345,12 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._start_step()
+        return loss
+
+    @host_work
+    def _start_step(self) -> None:
+        """step() after its closure: gathers the gradients, then starts (delayed_update) or runs the CPU step."""
         # GradScaler.step() sets grad_scale (gradients still scaled) or only found_inf (after scaler.unscale_).
         scaler_found_inf = None
         if self.grad_scaler is None and getattr(self, "found_inf", None) is not None:
@@ -400,7 +407,6 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             self._after_copies()
         self._gathered = False
         self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
-        return loss
 
     def _fills(self) -> Any:
         """The event after parameter offload's fills issued so far (stream_weights), or None."""
@@ -418,11 +424,11 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             landed.result()  # step_in_next_backward: the bucket's landings (on the landing worker) are complete
         if found is not None and found.item():
             return  # an inf/nan gradient (fp16 overflow): skipped, weights and state untouched, nothing to copy
-        # The previous copies back, and parameter offload's fills, read the masters (and casts) we are about to
-        # overwrite.
-        self._acc.synchronize_event(h2d_done)
-        self._acc.synchronize_event(fills)
         with torch.no_grad():
+            # The previous copies back, and parameter offload's fills, read the masters (and casts) we are about
+            # to overwrite.
+            self._acc.synchronize_event(h2d_done)
+            self._acc.synchronize_event(fills)
             if isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
                 grads = [s.master.grad for s in bucket.slots if s.master.grad is not None]
                 if grads:
@@ -505,6 +511,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             # The next forward reads the new weights: order it after the copies (the device waits, not the host).
             self._acc.wait_event(self._h2d_done, self._acc.current_stream())
 
+    @torch.no_grad()
     def _finish_update(self) -> None:
         if self._update is None:
             return
