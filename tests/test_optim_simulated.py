@@ -9,7 +9,6 @@ Then each missing wait the simulator must catch is put back (patched) and the sa
 
 from __future__ import annotations
 
-import copy
 import io
 from collections.abc import Callable
 from contextlib import nullcontext
