@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_optim_offload import HYPER, batches, loss_fn, make_mlp
+from test_optim_offload import HYPER, batches, loss_fn, make_mlp, small_buckets  # noqa: F401 (autouse: 3 buckets)
 
 import memtrain.optim.gradient_landing as gradient_landing
 from memtrain.device import simulate

@@ -16,7 +16,7 @@ import torch
 
 from memtrain.device import Accelerator
 from memtrain.errors import MemtrainError
-from memtrain.optim.host_buffers import Bucket, Landing, Slot
+from memtrain.optim.host_buffers import Bucket, Landing, Slot, SumStage
 
 
 class GradientLanding:
@@ -44,6 +44,7 @@ class GradientLanding:
         _early: dict[int, Future[None]]
         _h2d_done: Any
         _acc: Accelerator
+        _sum_stage: SumStage | None
 
         def _step_bucket(self, bucket: Bucket, h2d_done: Any, copy_back: bool,
                          multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
@@ -102,10 +103,13 @@ class GradientLanding:
                     slot.reader.result()  # the last landing's task must have read the stage (long done, in practice)
                 acc.copy_(slot.stage, grad, stream=d2h)
                 staged = slot.stage
+            elif self._sum_stage is not None:
+                # A later micro-batch of the window (same dtype): into the sum stage, the worker adds it. Two
+                # buckets' worth of pinned memory, not a buffer per parameter (4 more bytes each of host RAM).
+                staged = self._sum_stage_view(slot)
+                acc.copy_(staged, grad, stream=d2h)
             else:
-                # NOTE: an fp32 sum on CUDA (a later micro-batch of the window) is staged through torch's pinned
-                # cache: an owned buffer would cost 4 more bytes per parameter of host RAM for every run.
-                staged = acc.to_host(grad, stream=d2h)
+                staged = acc.to_host(grad, stream=d2h)  # no streams: a plain copy
             if d2h is not None:
                 acc.record_stream(grad, d2h)  # the allocator must not reuse it before the copy is done
         want_norm = self._norms_in_backward or (self._norms_on_first_landing and copy)
@@ -113,13 +117,29 @@ class GradientLanding:
         slot.landings += 1
         if free:
             slot.device.grad = None
-        self._pending[slot.bucket].append(Landing(slot, dst, staged, copy, want_norm))
+        self._pending[slot.bucket].append(Landing(slot, dst, staged, copy, want_norm,
+                                                  in_sum_stage=staged is not None and staged is not slot.stage))
         unlanded = self._unlanded[slot.bucket]
         unlanded.discard(id(slot))
         if not unlanded:
             self._flush_bucket(slot.bucket)
         if self._waiting is not None:
             self._maybe_step_bucket(slot)
+
+    def _sum_stage_view(self, slot: Slot) -> torch.Tensor:
+        """``slot``'s place in the sum stage half of its bucket, once no landing task reads that half any more."""
+        stage, half = self._sum_stage, slot.bucket % 2
+        owner = stage.owner[half]
+        if owner is not None and owner != slot.bucket and self._pending[owner]:
+            self._flush_bucket(owner)  # bucket b - 2's landings still staged there: hand them over first
+        if stage.reader[half] is not None:
+            # The landing task that read this half last (bucket b - 2's add, or this bucket's in the previous
+            # micro-batch): on the landing worker, behind nothing but other landings.
+            stage.reader[half].result()
+            stage.reader[half] = None
+        stage.owner[half] = slot.bucket
+        n = slot.master.numel()
+        return stage.halves[half][slot.bucket_offset:slot.bucket_offset + n].view(slot.master.shape)
 
     def _after_producer(self, d2h: Any) -> None:
         """Orders the device->host stream after the gradient's producer: autograd's stream for this leaf, the one
@@ -143,6 +163,8 @@ class GradientLanding:
         for landing in landings:
             if landing.staged is not None and landing.staged is landing.slot.stage:
                 landing.slot.reader = task
+            if landing.in_sum_stage:
+                self._sum_stage.reader[index % 2] = task
 
     def _flush_landings(self) -> None:
         for index in range(len(self._buckets)):

@@ -51,16 +51,18 @@ from memtrain.optim.host_buffers import (
     Bucket,
     Landing,
     Slot,
+    SumStage,
+    aligned,
     bucket_runs,
     check_host_ram,
     claim,
     group_indices,
-    host_buffer_bytes,
     host_work,
     lay_out,
     own_stages,
     parse_params,
     release,
+    sum_stage_numel,
 )
 from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
@@ -168,16 +170,24 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
             optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
         master_dtype = torch.bfloat16 if pure_bf16 else torch.float32
-        check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin,
-                       device_dtype=device_dtype, master_dtype=master_dtype,
-                       state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None)
+        # A later micro-batch's gradient lands in the sum stage before it is added (where copies are asynchronous).
+        sum_numel = sum_stage_numel([p.numel() for p in reversed(flat)], self.bucket_numel) \
+            if pin and offload_gradients else 0
+        sum_bytes = 2 * sum_numel * torch.empty((), dtype=master_dtype).element_size()
+        buffer_bytes = check_host_ram(
+            flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin, device_dtype=device_dtype,
+            master_dtype=master_dtype, state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None,
+            sum_stage_bytes=sum_bytes)
+        # The bytes pinned: the buffers check_host_ram counted, registered at their exact size (stream_weights adds
+        # its stages).
+        self.pinned_bytes = buffer_bytes if pin else 0
         template = _probe(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
         slots, order = lay_out(flat, groups, names, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
                                acc=self._acc, master_dtype=master_dtype)
-        # Page-locked host bytes (exact: registered slabs, never torch's power-of-two host allocator), what
-        # check_host_ram counted for the buffers; stream_weights adds its stages.
-        self.pinned_bytes = host_buffer_bytes(flat, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
-                                              master_dtype=master_dtype) if pin else 0
+        self._sum_stage = None
+        if sum_numel:
+            halves = self._acc.host_buffer(2 * sum_numel, master_dtype).split(sum_numel)
+            self._sum_stage = SumStage((halves[0], halves[1]), [None, None], [None, None])
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
         self._init_param_groups(template, groups, names)
         self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
@@ -266,8 +276,10 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         buckets = []
         place = {id(s): i for i, s in enumerate(self._slots)}
         for index, run in enumerate(runs):
+            offset = 0
             for slot in run:
-                slot.bucket = index
+                slot.bucket, slot.bucket_offset = index, offset
+                offset += aligned(slot.master.numel())
             group_of = sorted({s.group for s in run})
             inner_groups = [{**self._hyperparameters(gi), "params": [s.master for s in run if s.group == gi]}
                             for gi in group_of]
