@@ -7,20 +7,30 @@ thread of their own, so that a second micro-batch's landing never queues behind 
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 
+import pytest
 import torch
 from test_optim_offload import HYPER, batches, loss_fn, make_mlp
 
+from memtrain.device import simulate
 from memtrain.optim import CPUOffloadOptimizer
 
 
-def test_a_landing_never_waits_for_the_delayed_step(monkeypatch) -> None:
+@pytest.mark.parametrize("simulated", [False, True], ids=["cpu", "simulated-lag-none"])
+def test_a_landing_never_waits_for_the_delayed_step(simulated: bool, monkeypatch) -> None:
     """bf16 device weights, delayed update, two micro-batches: the second micro-batch's gradients land in the
     stages the first one's landings read, which the old code ran on the step's single worker thread, queued behind
     the delayed step (measured: backward of micro-batch 2 took the whole 1.0 s emulated step). The emulated step here
     holds until the test releases it after the window's second backward: on the old code that backward waits for the
-    step, and the step only goes on after its 3 s timeout (``released`` stays False)."""
-    model = make_mlp().to(torch.bfloat16)
+    step, and the step only goes on after its 3 s timeout (``released`` stays False). On the plain CPU and on the
+    simulated device (side streams and events, the landings waiting for their copies)."""
+    with simulate("64MiB", lag=None) if simulated else nullcontext() as acc:
+        model = make_mlp().to(torch.bfloat16)
+        _delayed_window(acc.place(model) if simulated else model, monkeypatch)
+
+
+def _delayed_window(model, monkeypatch) -> None:
     opt = CPUOffloadOptimizer(model.named_parameters(), delayed_update=True, **HYPER)
     gate, released = threading.Event(), []
     for bucket in opt._buckets:
