@@ -41,22 +41,23 @@ def _per_parameter_pinned(params: list[torch.Tensor], widths: list[int]) -> int:
 
 
 def test_fp32_weights_pin_exactly_the_checked_buffers_and_stage_sums_in_them(monkeypatch) -> None:
-    """fp32 weights, two micro-batches: the masters, the gradient buffer and the sum stage the second micro-batch
-    lands in are registered slabs: the host ledger's pinned peak is check_host_ram's figure to the byte (no
-    power-of-two rounding), and no gradient goes through torch's pinned cache (``to_host``), as the old code's
-    second micro-batch did, unseen by the check."""
+    """fp32 weights, two micro-batches: the masters and the gradient buffer, then the sum stage the second
+    micro-batch lands in, are registered slabs: the host ledger's pinned peak is the figure the optimizer checked
+    (check_host_ram's buffers, then the stage's), to the byte (no power-of-two rounding), and no gradient goes
+    through torch's pinned cache (``to_host``), as the old code's second micro-batch did, unseen by the check."""
     with simulate("64MiB", lag=None) as acc:
         staged_in_cache = []
         monkeypatch.setattr(acc, "to_host", lambda *a, **k: staged_in_cache.append(1))
         model = acc.place(odd_model())
         params = list(model.parameters())
         opt = CPUOffloadOptimizer(model.parameters(), **HYPER)
-        want = host_buffer_bytes(params, n_grad_buffers=1) + 2 * 4 * sum_stage_numel(
-            [p.numel() for p in reversed(params)], CPUOffloadOptimizer.bucket_numel)
-        assert opt.pinned_bytes == want, (opt.pinned_bytes, want)
+        buffers = host_buffer_bytes(params, n_grad_buffers=1)
+        assert opt.pinned_bytes == buffers, (opt.pinned_bytes, buffers)
         _train(model, opt, acc, torch.float32)
+        want = buffers + 2 * 4 * sum_stage_numel([p.numel() for p in params], CPUOffloadOptimizer.bucket_numel)
         peak = acc.host_pinned_bytes()[1]
-        assert peak == want, f"pinned peak {peak} bytes, the host-RAM check counted {want}"
+        assert opt.pinned_bytes == want and peak == want, (
+            f"pinned peak {peak} bytes, the optimizer counted {opt.pinned_bytes}, the byte model {want}")
         assert staged_in_cache == [], f"{len(staged_in_cache)} gradients staged through torch's pinned cache"
         assert want < _per_parameter_pinned(params, [4, 4, 4]), "the model must show the rounding it avoids"
         opt.close()

@@ -16,7 +16,7 @@ import torch
 
 from memtrain.device import Accelerator
 from memtrain.errors import MemtrainError
-from memtrain.optim.host_buffers import Bucket, Landing, Slot, SumStage
+from memtrain.optim.host_buffers import Bucket, Landing, Slot, SumStage, own_sum_stage
 
 
 class GradientLanding:
@@ -45,6 +45,8 @@ class GradientLanding:
         _h2d_done: Any
         _acc: Accelerator
         _sum_stage: SumStage | None
+        _sum_numel: int
+        pinned_bytes: int
 
         def _step_bucket(self, bucket: Bucket, h2d_done: Any, copy_back: bool,
                          multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
@@ -92,7 +94,7 @@ class GradientLanding:
             self._after_producer(d2h)
         self.link_bytes["device_to_host"] += grad.numel() * grad.element_size()
         with self._side_stream("device_to_host"):
-            staged = None
+            staged, half = None, None
             if copy and grad.dtype == dst.dtype:
                 acc.copy_(dst, grad, stream=d2h)  # straight into the pinned buffer
             elif d2h is None and grad.dtype == dst.dtype:
@@ -103,10 +105,10 @@ class GradientLanding:
                     slot.reader.result()  # the last landing's task must have read the stage (long done, in practice)
                 acc.copy_(slot.stage, grad, stream=d2h)
                 staged = slot.stage
-            elif self._sum_stage is not None:
+            elif self._sum_numel:
                 # A later micro-batch of the window (same dtype): into the sum stage, the worker adds it. Two
-                # buckets' worth of pinned memory, not a buffer per parameter (4 more bytes each of host RAM).
-                staged = self._sum_stage_view(slot)
+                # halves of pinned memory, not a buffer per parameter (4 more bytes each of host RAM).
+                staged, half = self._sum_stage_view(slot)
                 acc.copy_(staged, grad, stream=d2h)
             else:
                 staged = acc.to_host(grad, stream=d2h)  # no streams: a plain copy
@@ -117,8 +119,7 @@ class GradientLanding:
         slot.landings += 1
         if free:
             slot.device.grad = None
-        self._pending[slot.bucket].append(Landing(slot, dst, staged, copy, want_norm,
-                                                  in_sum_stage=staged is not None and staged is not slot.stage))
+        self._pending[slot.bucket].append(Landing(slot, dst, staged, copy, want_norm, sum_half=half))
         unlanded = self._unlanded[slot.bucket]
         unlanded.discard(id(slot))
         if not unlanded:
@@ -126,20 +127,30 @@ class GradientLanding:
         if self._waiting is not None:
             self._maybe_step_bucket(slot)
 
-    def _sum_stage_view(self, slot: Slot) -> torch.Tensor:
-        """``slot``'s place in the sum stage half of its bucket, once no landing task reads that half any more."""
-        stage, half = self._sum_stage, slot.bucket % 2
-        owner = stage.owner[half]
-        if owner is not None and owner != slot.bucket and self._pending[owner]:
-            self._flush_bucket(owner)  # bucket b - 2's landings still staged there: hand them over first
-        if stage.reader[half] is not None:
-            # The landing task that read this half last (bucket b - 2's add, or this bucket's in the previous
-            # micro-batch): on the landing worker, behind nothing but other landings.
-            stage.reader[half].result()
-            stage.reader[half] = None
-        stage.owner[half] = slot.bucket
+    def _sum_stage_view(self, slot: Slot) -> tuple[torch.Tensor, int]:
+        """``slot``'s place in the sum stage (allocated by the first call) and its half. A full half hands over to
+        the other, once every landing staged there was handed to the landing worker and read."""
+        if self._sum_stage is None:
+            self._sum_stage, nbytes = own_sum_stage(self._sum_numel, slot.master.dtype, self._acc)
+            self.pinned_bytes += nbytes
+        stage = self._sum_stage
+        place = stage.take(slot.master.numel())
+        if place is None:
+            stage.current, stage.used = 1 - stage.current, 0
+            half = stage.current
+            for bucket in sorted(stage.owners[half]):
+                if self._pending[bucket]:
+                    self._flush_bucket(bucket)  # gradients still staged there: hand them over first
+            stage.owners[half].clear()
+            if stage.reader[half] is not None:
+                # The last landing task reading this half: on the landing worker, behind nothing but landings.
+                stage.reader[half].result()
+                stage.reader[half] = None
+            place = stage.take(slot.master.numel())
+        half, offset = place
+        stage.owners[half].add(slot.bucket)
         n = slot.master.numel()
-        return stage.halves[half][slot.bucket_offset:slot.bucket_offset + n].view(slot.master.shape)
+        return stage.halves[half][offset:offset + n].view(slot.master.shape), half
 
     def _after_producer(self, d2h: Any) -> None:
         """Orders the device->host stream after the gradient's producer: autograd's stream for this leaf, the one
@@ -163,8 +174,8 @@ class GradientLanding:
         for landing in landings:
             if landing.staged is not None and landing.staged is landing.slot.stage:
                 landing.slot.reader = task
-            if landing.in_sum_stage:
-                self._sum_stage.reader[index % 2] = task
+            if landing.sum_half is not None:
+                self._sum_stage.reader[landing.sum_half] = task
 
     def _flush_landings(self) -> None:
         for index in range(len(self._buckets)):

@@ -12,7 +12,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,7 +50,6 @@ class Slot:
     norm: torch.Tensor | None = None
     landings: int = 0  # backwards that landed a gradient in this window
     bucket: int = -1
-    bucket_offset: int = 0  # elements from its bucket's start (aligned layout): its place in a sum stage half
 
 
 @dataclass(eq=False)
@@ -62,24 +61,55 @@ class Landing:
     staged: torch.Tensor | None  # the copied gradient, when it must be added or cast into dst
     copy: bool  # staged replaces dst (first landing of the window) instead of adding to it
     want_norm: bool
-    in_sum_stage: bool = False  # staged is a view of the sum stage
+    sum_half: int | None = None  # staged is a view of this half of the sum stage
 
 
 @dataclass(eq=False)
 class SumStage:
     """Where a later micro-batch's gradient lands (in the host buffers' dtype) before the landing worker adds it:
-    two pinned halves, each the size of the largest bucket, alternating by bucket, so that bucket b's copies land
-    while bucket b - 1's add runs. Replaces torch's pinned cache (each copy a power-of-two block, kept for the
-    process's life, invisible to the host-RAM check): ``2 * largest bucket`` elements, counted."""
+    two pinned halves filled in turn, each at least the largest parameter and about a quarter of the parameters
+    (at most a bucket), so that one half takes copies while the landing worker adds the other's. Replaces torch's
+    pinned cache (each copy a power-of-two block, kept for the process's life, invisible to the host-RAM check).
+
+    A half is reused only once every landing staged in it was handed to the landing worker and read.
+    """
 
     halves: tuple[torch.Tensor, torch.Tensor]
-    owner: list[int | None]  # the bucket whose landings occupy each half
-    reader: list[Future[None] | None]  # the last landing task reading each half
+    current: int = 0  # the half being filled
+    used: int = 0  # its elements taken
+    owners: tuple[set[int], set[int]] = field(default_factory=lambda: (set(), set()))  # buckets staged in each
+    reader: list[Future[None] | None] = field(default_factory=lambda: [None, None])  # last task reading each
+
+    def take(self, n: int) -> tuple[int, int] | None:
+        """(half, offset) of ``n`` more elements in the current half, or None when it is full."""
+        if self.used + aligned(n) > self.halves[0].numel():
+            return None
+        place = (self.current, self.used)
+        self.used += aligned(n)
+        return place
 
 
 def sum_stage_numel(numels: list[int], bucket_numel: int) -> int:
-    """Elements of one sum stage half: the largest bucket of ``numels`` (in bucket order), aligned as laid out."""
-    return max((sum(aligned(numels[i]) for i in run) for run in bucket_runs(numels, bucket_numel)), default=0)
+    """Elements of one sum stage half over parameters of ``numels``: the largest parameter, or a quarter of them
+    all if more (at most ``bucket_numel``); aligned as laid out. Pure, for byte models."""
+    if not numels:
+        return 0
+    quarter = aligned(sum(aligned(n) for n in numels) // 4)
+    return max(max(aligned(n) for n in numels), min(quarter, aligned(bucket_numel)))
+
+
+def own_sum_stage(numel: int, dtype: torch.dtype, acc: Accelerator) -> tuple[SumStage, int]:
+    """The sum stage (two halves of ``numel`` elements, one pinned slab at its exact size) and its bytes, after
+    checking the host RAM."""
+    need = 2 * numel * torch.empty((), dtype=dtype).element_size()
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise MemtrainError(
+            f"CPUOffloadOptimizer needs {format_bytes(need)} of host RAM for the stage a later micro-batch's "
+            f"gradients land in, but only {format_bytes(available)} is available. To resolve this error, free host "
+            "memory, or train with one micro-batch per step.")
+    halves = acc.host_buffer(2 * numel, dtype).split(numel)
+    return SumStage((halves[0], halves[1])), need
 
 
 @dataclass(eq=False)
@@ -333,7 +363,7 @@ def host_buffer_bytes(flat: list[torch.Tensor], *, n_grad_buffers: int,
 
 def check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool,
                     device_dtype: torch.dtype | None = None, master_dtype: torch.dtype = torch.float32,
-                    state_bytes_per_param: float | None = None, sum_stage_bytes: int = 0) -> int:
+                    state_bytes_per_param: float | None = None) -> int:
     """Raises before allocating when the host buffers would not fit in the machine's available RAM
     (``state_bytes_per_param``: the state's bytes a parameter where the class cannot say, e.g. PureBF16AdamW's,
     which depend on its moments' precision). Returns the buffers' bytes (state aside): what is pinned when
@@ -342,14 +372,14 @@ def check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_bu
     per_param = state_bytes_per_param or getattr(optimizer_class, "state_bytes_per_param", None)  # lean classes'
     state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
     buffers = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype,
-                                master_dtype=master_dtype) + sum_stage_bytes
+                                master_dtype=master_dtype)
     need = buffers + state
     available = available_host_bytes()
     if available is not None and need > available:
         raise MemtrainError(
             f"CPUOffloadOptimizer needs {format_bytes(need)} of host RAM ({numel:,} parameters: fp32 master weights "
             f"and {n_grad_buffers} gradient buffer(s){', pinned' if pin else ''} (and cast and gradient stage buffers "
-            f"for non-fp32 device weights, a sum stage of two buckets), plus about {format_bytes(state)} "
+            f"for non-fp32 device weights), plus about {format_bytes(state)} "
             f"of {optimizer_class.__name__} state), but only {format_bytes(available)} is available. To resolve "
             "this error, free host memory, train fewer parameters, or keep the optimizer on the device.")
     return buffers

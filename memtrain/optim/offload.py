@@ -52,7 +52,6 @@ from memtrain.optim.host_buffers import (
     Landing,
     Slot,
     SumStage,
-    aligned,
     bucket_runs,
     check_host_ram,
     claim,
@@ -170,24 +169,20 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
             optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
         master_dtype = torch.bfloat16 if pure_bf16 else torch.float32
-        # A later micro-batch's gradient lands in the sum stage before it is added (where copies are asynchronous).
-        sum_numel = sum_stage_numel([p.numel() for p in reversed(flat)], self.bucket_numel) \
-            if pin and offload_gradients else 0
-        sum_bytes = 2 * sum_numel * torch.empty((), dtype=master_dtype).element_size()
         buffer_bytes = check_host_ram(
             flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin, device_dtype=device_dtype,
-            master_dtype=master_dtype, state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None,
-            sum_stage_bytes=sum_bytes)
-        # The bytes pinned: the buffers check_host_ram counted, registered at their exact size (stream_weights adds
-        # its stages).
+            master_dtype=master_dtype, state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None)
+        # The bytes pinned: the buffers check_host_ram counted, registered at their exact size (a sum stage at the
+        # first later micro-batch, and stream_weights' stages, add theirs).
         self.pinned_bytes = buffer_bytes if pin else 0
+        # Where a later micro-batch's gradient lands before it is added (where copies are asynchronous): allocated
+        # by the first one, so that a run without accumulation pins none.
+        self._sum_numel = sum_stage_numel([p.numel() for p in flat], self.bucket_numel) \
+            if pin and offload_gradients else 0
+        self._sum_stage: SumStage | None = None
         template = _probe(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
         slots, order = lay_out(flat, groups, names, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
                                acc=self._acc, master_dtype=master_dtype)
-        self._sum_stage = None
-        if sum_numel:
-            halves = self._acc.host_buffer(2 * sum_numel, master_dtype).split(sum_numel)
-            self._sum_stage = SumStage((halves[0], halves[1]), [None, None], [None, None])
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
         self._init_param_groups(template, groups, names)
         self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
@@ -276,10 +271,8 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         buckets = []
         place = {id(s): i for i, s in enumerate(self._slots)}
         for index, run in enumerate(runs):
-            offset = 0
             for slot in run:
-                slot.bucket, slot.bucket_offset = index, offset
-                offset += aligned(slot.master.numel())
+                slot.bucket = index
             group_of = sorted({s.group for s in run})
             inner_groups = [{**self._hyperparameters(gi), "params": [s.master for s in run if s.group == gi]}
                             for gi in group_of]
