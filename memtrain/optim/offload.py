@@ -9,9 +9,10 @@ fp32 master (4 bytes per parameter), a gradient buffer (4) and AdamW's moments: 
 How a step flows:
 
 - backward: a post-accumulate-grad hook copies each gradient device -> host on a side stream as soon as autograd
-  has produced it and frees the device gradient. A second micro-batch's gradient is added into the host buffer,
-  so gradient accumulation needs no change to the loop. The host side of the landings (waiting for the copies,
-  adding, casting) is handed to the worker thread once per bucket: one event and one task per bucket.
+  has produced it and frees the device gradient. A second micro-batch's gradient lands in a pinned sum stage (two
+  halves filled in turn) and is added into the host buffer, so gradient accumulation needs no change to the loop.
+  The host side of the landings (waiting for the copies, adding, casting) is handed to a landing thread once per
+  bucket: one event and one task per bucket, never queued behind a CPU step (on the step's own thread).
 - ``scale_gradients_(factor)`` and ``clip_grad_norm_(max_norm)`` (optional) make no pass over the host gradients:
   the factor, the fp16 inverse scale and the clip coefficient become one multiplier that the CPU step applies to
   each bucket just before stepping it, on the worker; the global norm (as ``torch.nn.utils.clip_grad_norm_``
@@ -29,7 +30,10 @@ How a step flows:
 - ``delayed_update=True``: ``step()`` returns at once and the CPU step runs during the next forward and backward
   (see the class docstring for the exact semantics).
 
-On a CPU-only machine the "device" is the CPU: the same code runs with no streams and no pinned memory.
+Every stream, event, copy and pinned buffer goes through the device seam (``memtrain.device.accelerator``): on the
+plain CPU the same code runs with no streams and no pinned memory; on the simulated accelerator the side streams
+run behind and poison what is read before it is waited (tests/test_optim_simulated.py). Pinned memory is a few
+slabs registered at their exact size (``pinned_bytes``, what the host-RAM check counted).
 """
 
 from __future__ import annotations
