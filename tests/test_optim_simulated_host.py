@@ -105,7 +105,8 @@ def test_the_step_waits_for_the_streamers_last_fill_before_overwriting_host_weig
         model = acc.place(odd_model())
         opt = CPUOffloadOptimizer(model.parameters(), device_dtype=torch.bfloat16, **HYPER)
         side, pending = acc.new_stream(), []
-        hosts = opt.stream_weights(list(model.parameters()), fills_done=(lambda: pending[-1]) if waits else None)
+        hosts = opt.stream_weights(list(model.parameters()))
+        opt.wait_for_fills((lambda: pending[-1]) if waits else None)  # as apply_plan, once the streamer exists
         x, y = torch.randn(4, 67), torch.randn(4, 37)
         with acc.compute():
             nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16()).float().backward()

@@ -499,8 +499,13 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             self._streamed.add(id(slot))
             hosts[id(p)] = slot.master if slot.cast is None else slot.cast
         if fills_done is not None:
-            self._fills_done = fills_done
+            self.wait_for_fills(fills_done)
         return hosts
+
+    def wait_for_fills(self, fills_done: Callable[[], Any] | None) -> None:
+        """Sets ``stream_weights``' ``fills_done`` once the streamer exists (it is built from the host weights
+        ``stream_weights`` returns): ``optimizer.wait_for_fills(streamer.fills_done)``. None: no wait."""
+        self._fills_done = fills_done
 
     def _copy_to_device(self, slots: list[Slot]) -> None:
         """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
