@@ -127,3 +127,50 @@ def test_the_step_waits_for_the_streamers_last_fill_before_overwriting_host_weig
         else:
             assert read_new, "without the wait the fills must read the overwritten weights (the fault is unseen)"
         opt.close()
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["wait-for-fills", "fault-no-wait"])
+def test_with_the_weight_streamer_a_step_after_an_interrupted_forward_waits_for_its_prefetch(waits: bool) -> None:
+    """The real WeightStreamer wired as apply_plan should (``optimizer.wait_for_fills(streamer.fills_done)``): a
+    forward interrupted in block 0 (an out-of-memory error) leaves block 1's prefetch queued; the CPU step then
+    overwrites block 1's host masters. It waits for the fill first, so block 1's device copy holds the weights the
+    fill was issued for; without the wait (unbounded lag) it holds the step's."""
+    from memtrain.checkpointing import find_blocks
+    from memtrain.offload.weights import WeightStreamer
+    from tests.helpers import tiny_gpt
+
+    with simulate("64MiB", lag=None) as acc:
+        model = acc.place(tiny_gpt(3, seq_len=8, seed=0))
+        opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
+        blocks = find_blocks(model)
+        modules = dict(model.named_modules())
+        streamed = [p for name in blocks for p in modules[name].parameters()]
+        streamer = WeightStreamer(model, blocks=blocks, prefetch=1, host_weights=opt.stream_weights(streamed))
+        if waits:
+            opt.wait_for_fills(streamer.fills_done)
+        x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+        with acc.compute():
+            model(x, x).backward()
+
+        def fail(*_: object) -> None:
+            raise RuntimeError("out of memory (simulated)")
+
+        handle = model.blocks[0].attn.register_forward_pre_hook(fail)  # inside block 0: block 1 is prefetched
+        with pytest.raises(RuntimeError, match="simulated"), acc.compute():
+            model(x, x)
+        handle.remove()
+        weights = streamer.blocks[1].weights
+        with acc.host():
+            before = [w.host.clone() for w in weights]
+        with acc.compute():
+            opt.step()
+        with torch.no_grad():
+            acc.synchronize()
+        assert any(not torch.equal(w.host, b) for w, b in zip(weights, before, strict=True)), "the step moved nothing"
+        differ = [i for i, (w, b) in enumerate(zip(weights, before, strict=True)) if not torch.equal(w.device, b)]
+        if waits:
+            assert not differ, f"block 1's weights {differ} on the device are the step's, not the fill's"
+        else:
+            assert differ, "without the wait the fill must read the stepped weights (the fault is unseen)"
+        streamer.close()
+        opt.close()
