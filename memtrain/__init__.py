@@ -12,6 +12,7 @@ from memtrain.accumulation import GradientAccumulator
 from memtrain.checkpointing import Checkpointing, apply_checkpointing, remove_checkpointing
 from memtrain.choices import Choices
 from memtrain.config import TrainConfig, TrainResult
+from memtrain.device import active_simulation as _start_a_simulation_the_environment_asks_for
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.estimate import estimate
 from memtrain.measure import MemoryMeter, measure
@@ -23,6 +24,9 @@ from memtrain.report import MemoryReport
 from memtrain.train import train
 
 __version__ = "0.1.0"
+
+# MEMTRAIN_SIMULATED_DEVICE: the simulated device starts on the importing (main) thread, whose ops its ledger sees.
+_start_a_simulation_the_environment_asks_for()
 
 # Public here before the surface became the contract's: still served, from the part that holds them.
 _MOVED = {"StepResult": "memtrain.accumulation", "accumulation_steps": "memtrain.accumulation",

@@ -219,3 +219,43 @@ def test_a_queued_copy_into_a_parameter_runs_and_a_failed_block_still_ends_the_s
     with pytest.raises(ValueError), simulate("1MiB"):
         raise ValueError
     assert active_simulation() is None
+
+
+@pytest.mark.parametrize("lag", LAGS)
+def test_a_copy_back_over_weights_compute_read_after_the_last_wait_is_a_race(lag):
+    from memtrain.device.simulated import SimulatedRaceError
+
+    with simulate("1MiB", lag=lag) as acc:
+        side = acc.new_stream()
+        weight = acc.place(torch.ones(4))
+        acc.wait_stream(side, acc.current_stream())
+        acc.copy_(weight, torch.zeros(4), stream=side)  # nothing read it since the wait: fine
+        acc.wait_stream(acc.current_stream(), side)
+        _ = weight * 2  # backward reads the weights ...
+        if lag == 0:  # ... and compute is never behind the host: no harm
+            acc.copy_(weight, torch.full((4,), 2.0), stream=side)
+            return
+        with pytest.raises(SimulatedRaceError, match="wait for the compute stream"):
+            acc.copy_(weight, torch.full((4,), 2.0), stream=side)  # ... the copy back did not wait for them
+
+
+def test_releasing_a_block_with_a_copy_into_it_queued_is_a_race_not_a_crash():
+    from memtrain.device.simulated import SimulatedRaceError
+
+    with simulate("1MiB", lag=None) as acc:
+        side = acc.new_stream()
+        block = acc.empty((256,), torch.float32)
+        acc.wait_event(acc.record_event(), side)
+        acc.copy_(block, torch.ones(256), stream=side)
+        with pytest.raises(SimulatedRaceError, match="still queued"):
+            acc.resize_storage(block, 0)
+        acc.synchronize()
+
+
+def test_to_device_on_a_side_stream_allocates_on_compute_and_needs_its_event():
+    with simulate("1MiB", lag=None) as acc:
+        side = acc.new_stream()
+        moved = acc.to_device(torch.arange(3.0), stream=side)
+        assert torch.isnan(moved).all()
+        acc.wait_event(acc.record_event(side))
+        assert moved.tolist() == [0.0, 1.0, 2.0] and acc.memory_allocated() == BLOCK

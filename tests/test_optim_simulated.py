@@ -21,6 +21,7 @@ from test_optim_offload import HYPER, batches, loss_fn, make_mlp, small_buckets 
 
 import memtrain.optim.gradient_landing as gradient_landing
 from memtrain.device import simulate
+from memtrain.device.simulated import SimulatedRaceError
 from memtrain.optim import CPUOffloadOptimizer, build_optimizer
 
 LAGS = (0, 1, 3, None)
@@ -191,19 +192,36 @@ def _no_producer_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CPUOffloadOptimizer, "_after_producer", lambda self, d2h: None)
 
 
+def _copies_back_without_waiting_for_readers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host-to-device stream no longer waits for the compute stream before the copies back: they may
+    overwrite weights that queued backward kernels still read (a write-after-read race)."""
+    init = CPUOffloadOptimizer._init_step_state
+
+    def init_step_state(self: CPUOffloadOptimizer) -> None:
+        init(self)
+        h2d, real = self._streams["host_to_device"], self._acc.wait_stream
+        if h2d is not None:
+            self._acc.wait_stream = lambda stream, other: None if stream is h2d else real(stream, other)
+
+    monkeypatch.setattr(CPUOffloadOptimizer, "_init_step_state", init_step_state)
+
+
 FAULTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "no-event-sync-before-reading-landed-gradients": _no_landing_sync,
     "no-compute-wait-after-the-copies-back": _no_compute_wait_after_copies,
     "device-to-host-copy-without-waiting-for-the-producer": _no_producer_wait,
+    "copies-back-without-waiting-for-the-readers": _copies_back_without_waiting_for_readers,
 }
 
 
 # The lags at which each fault shows in the fp32 eager case (lag 0 runs every copy at once: nothing to catch; at lag
 # 1 the one copy back left queued is the MLP's unused parameter's, which no forward reads, and the hook copies a
-# gradient more than one compute op after autograd wrote it).
+# gradient more than one compute op after autograd wrote it; the copies back of an eager step follow the last
+# read of the weights by more than 3 compute ops, so only an unbounded lag leaves those reads unfinished).
 CAUGHT_AT = {"no-event-sync-before-reading-landed-gradients": (1, 3, None),
              "no-compute-wait-after-the-copies-back": (3, None),
-             "device-to-host-copy-without-waiting-for-the-producer": (3, None)}
+             "device-to-host-copy-without-waiting-for-the-producer": (3, None),
+             "copies-back-without-waiting-for-the-readers": (None,)}
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -213,5 +231,8 @@ def test_each_missing_wait_fails_the_parity_check(fault: str, monkeypatch: pytes
     FAULTS[fault](monkeypatch)
     for name, lags in (("fp32-eager", CAUGHT_AT[fault]), ("bf16-window2-clip", (None,))):
         for lag in lags:
-            diff, nan = parity(name, lag)
+            try:
+                diff, nan = parity(name, lag)
+            except SimulatedRaceError:
+                continue  # the simulator saw the race itself
             assert nan or diff > 0, f"{fault} went unseen in {name} at lag {lag}: max abs difference {diff:.3e}"

@@ -54,8 +54,11 @@ def default_device() -> torch.device:
     """Where a run trains: the current accelerator device, else the CPU (also under simulation)."""
     if active_simulation() is not None or not torch.accelerator.is_available():
         return torch.device("cpu")
-    kind = torch.accelerator.current_accelerator().type
-    return torch.device(kind, torch.get_device_module(kind).current_device())
+    accelerator_ = torch.accelerator
+    # torch 2.6 names it current_device_idx; 2.7 renamed it.
+    index = (accelerator_.current_device_index if hasattr(accelerator_, "current_device_index")
+             else accelerator_.current_device_idx)()
+    return torch.device(accelerator_.current_accelerator().type, index)
 
 
 def accelerator(device: torch.device | str | None = None) -> Accelerator:
@@ -68,6 +71,8 @@ def accelerator(device: torch.device | str | None = None) -> Accelerator:
     if device.type == "meta":
         return _CPU
     module = torch.get_device_module(device.type)
+    if not hasattr(module, "Stream"):  # e.g. Apple's MPS: one queue, no streams to overlap copies on
+        return Accelerator(device)
     if not module.is_available() or (device.index or 0) >= module.device_count():
         raise ConfigError(f"device {device} does not exist on this machine (torch sees {module.device_count()} "
                           f"{device.type} device(s)). To resolve this error, pick one it has, or run on the CPU.")
@@ -119,6 +124,10 @@ def _start_from_env() -> None:
         capacity = _bytes(text)
     except ConfigError as error:
         raise ConfigError(f"{ENV}={text!r}: {error}") from None
+    if threading.current_thread() is not threading.main_thread():
+        raise ConfigError(f"{ENV} is set, but the simulated device was first asked for on thread "
+                          f"{threading.current_thread().name}: its ledger counts the ops of the thread that starts "
+                          "it. To resolve this error, import memtrain on the main thread first.")
     sim = SimulatedAccelerator(capacity, lag=lag)
     sim.mode.__enter__()  # NOTE: never left: the process runs on the simulated device to its end
     _ACTIVE = sim

@@ -23,6 +23,7 @@ class Accelerator:
 
     def __init__(self, device: torch.device | None = None):
         self.device = device if device is not None else torch.device("cpu")
+        self.kind = self.device.type  # "cpu", or a stream-less accelerator's type (e.g. "mps")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"

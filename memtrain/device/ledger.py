@@ -33,6 +33,18 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length() if n > 0 else 0
 
 
+_VIEWS: dict[Any, bool] = {}
+
+
+def _is_view(func: Any) -> bool:
+    view = _VIEWS.get(func)
+    if view is None:
+        schema = func._schema
+        view = _VIEWS[func] = bool(schema.returns) and not schema.is_mutable and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    return view
+
+
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -48,6 +60,7 @@ class DeviceLedger:
         self._refs: dict[int, weakref.ref] = {}
         self.uses: dict[int, list[Any]] = {}  # storage key -> the streams recorded as using it
         self.written: dict[int, int] = {}  # storage key -> compute clock of its last write (race checks)
+        self.read: dict[int, int] = {}  # storage key -> compute clock of its last read by compute
         self.held: list[tuple[int, list[tuple[Any, int]]]] = []  # freed blocks waiting for recorded uses
         self.allocated = self.peak_allocated = 0
         self.peak_reserved = 0
@@ -97,6 +110,7 @@ class DeviceLedger:
             nbytes = self.live.pop(key, 0)
             self._refs.pop(key, None)
             self.written.pop(key, None)
+            self.read.pop(key, None)
             self._release(key, nbytes)
             self.uses.pop(key, None)
 
@@ -130,8 +144,9 @@ class DeviceLedger:
             mib = 2**20
             raise torch.OutOfMemoryError(
                 f"simulated device out of memory: tried to allocate {nbytes / mib:.2f} MiB with "
-                f"{self.allocated / mib:.2f} MiB allocated of {self.capacity / mib:.2f} MiB "
-                "(MEMTRAIN_SIMULATED_DEVICE)")
+                f"{self.allocated / mib:.2f} MiB allocated of {self.capacity / mib:.2f} MiB. To resolve this error, "
+                "plan for that capacity (memtrain train --budget) or simulate a larger device "
+                "(MEMTRAIN_SIMULATED_DEVICE).")
 
     def reset_peaks(self) -> None:
         with self.lock:
@@ -158,8 +173,10 @@ class HostLedger:
         nbytes = next_power_of_two(nbytes) if rounded else nbytes
         with self.lock:
             if self.capacity is not None and self.current + nbytes > self.capacity:
+                # A RuntimeError, as a refused pinning is in torch.
                 raise RuntimeError(f"simulated pinned host memory exhausted: {nbytes} more bytes over "
-                                   f"{self.current} of {self.capacity}")
+                                   f"{self.current} of {self.capacity}. To resolve this error, pin less or pass a "
+                                   "larger host_capacity to simulate().")
             self.current += nbytes
             self.peak = max(self.peak, self.current)
         weakref.finalize(t.untyped_storage(), self._free, nbytes)
@@ -170,8 +187,9 @@ class HostLedger:
 
 
 class LedgerMode(TorchDispatchMode):
-    """Sees every op of the thread that entered the simulation: ticks the compute clock, counts device outputs,
-    remembers when each device storage was last written (for the side streams' race check)."""
+    """Sees every op of the thread that entered the simulation; one on device data (or a factory inside
+    ``compute()``) runs on the compute stream: it ticks the compute clock, its outputs are device memory, and it
+    stamps what it read and wrote (for the side streams' race checks)."""
 
     def __init__(self, sim: Any):
         super().__init__()
@@ -187,16 +205,20 @@ class LedgerMode(TorchDispatchMode):
         if any(t.device.type != "cpu" for t in inputs):  # fake or meta tensors (the estimator's): not ours
             return out
         ledger = self.sim.ledger
-        self.clock += 1
-        if func is _ITEM:
-            self.sim.host_waited_compute()
-            return out
         if self.host_depth:
             return out
-        on_device = any(ledger.is_device(t) for t in inputs) if inputs else self.compute_depth > 0
-        if not on_device:
+        on_device = [t for t in inputs if ledger.is_device(t)]
+        if not (on_device or (not inputs and self.compute_depth > 0)):
+            return out  # host work: not on the compute stream
+        if _is_view(func):
+            return out  # metadata: no kernel reads or writes anything
+        self.clock += 1
+        if func is _ITEM:  # the host reads a device value: it waits for everything queued on compute
+            self.sim.host_waited_compute()
             return out
         schema = func._schema
+        for t in on_device:  # what compute read, for the side streams' write-after-read check
+            ledger.read[_key(t)] = self.clock
         for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
             aliased = i < len(schema.returns) and schema.returns[i].alias_info is not None
             for u in (t if isinstance(t, (tuple, list)) else (t,)):

@@ -1,10 +1,12 @@
-"""A real accelerator (CUDA, ROCm through torch.cuda, XPU, ...), on torch's device-generic API: ``torch.Stream`` and
-``torch.Event`` for streams and events, ``torch.get_device_module(kind)`` for the allocator and the generator (the
-calls torch.accelerator has only since 2.8 or 2.9). Page-locked memory: torch's host allocator for small buffers,
-``cudaHostRegister`` of an ordinary allocation for large ones (exact size: the allocator rounds to a power of two)."""
+"""A real accelerator with streams (CUDA, ROCm through torch.cuda, XPU), through its device module
+(``torch.get_device_module(kind)``: ``Stream``, ``Event``, ``stream``, the allocator's statistics, the generator),
+which every torch from 2.6 has; ``torch.accelerator`` gains the same calls only from 2.8-2.9. Page-locked memory:
+torch's host allocator for small buffers, ``cudaHostRegister`` of an ordinary allocation for large ones (exact
+size: the allocator rounds each request up to a power of two)."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +53,11 @@ class RealAccelerator(Accelerator):
             yield
 
     def record_event(self, stream: Any = None) -> Any:
-        return (stream if stream is not None else self.current_stream()).record_event()
+        # blocking: a host wait (synchronize_event, on the optimizer's worker) sleeps instead of spinning a core
+        # the CPU step needs.
+        event = self.module.Event(blocking=True) if self.kind == "cuda" else self.module.Event()
+        event.record(stream if stream is not None else self.current_stream())
+        return event
 
     def wait_event(self, event: Any, stream: Any = None) -> None:
         if event is not None:
@@ -100,8 +106,13 @@ class RealAccelerator(Accelerator):
         return obj.to(self.device)
 
     def to_device(self, tensor: torch.Tensor, *, stream: Any = None) -> torch.Tensor:
-        with self.use_stream(stream):
-            return tensor.to(self.device, non_blocking=tensor.is_pinned())
+        # Allocated on the compute stream, copied on ``stream`` once compute reached this point (FSDP2's rule: a
+        # block allocated on a side stream and used on compute would need record_stream, which holds it).
+        dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        if stream is not None:
+            self.wait_event(self.record_event(), stream)
+        self.copy_(dst, tensor, stream=stream)
+        return dst
 
     def to_host(self, tensor: torch.Tensor, *, stream: Any = None) -> torch.Tensor:
         # Into torch's pinned cache when asynchronous: the caller waits an event recorded after it before reading.
@@ -159,7 +170,17 @@ def _register(buffer: torch.Tensor, acc: RealAccelerator) -> torch.Tensor:
     with ThreadPoolExecutor(max_workers=1) as once:
         status = once.submit(register_here).result()
     if status != 0:
-        # NOTE: registration refused (e.g. a locked-memory limit): the allocator's way, rounded up.
-        return buffer.pin_memory()
-    weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, buffer.data_ptr())
+        pinned = buffer.pin_memory()
+        warnings.warn(f"cudaHostRegister refused {nbytes} bytes (error {status}; a locked-memory limit, see ulimit -l):"
+                      f" pinned through torch's allocator instead, {pinned.untyped_storage().nbytes()} bytes rounded "
+                      "up to a power of two. To pin the exact size, raise the limit (ulimit -l unlimited).",
+                      stacklevel=4)
+        return pinned
+    weakref.finalize(buffer.untyped_storage(), _unregister, cudart, buffer.data_ptr(), acc.device)
     return buffer
+
+
+def _unregister(cudart: Any, pointer: int, device: torch.device) -> None:
+    # A copy still queued may read or write the buffer: it must finish before the memory stops being page-locked.
+    torch.cuda.synchronize(device)
+    cudart.cudaHostUnregister(pointer)

@@ -11,11 +11,14 @@ What it models:
   device storage written after the side stream's last wait on compute reads it unfinished (poisoned), and a freed
   block with a use recorded on compute stays reserved until compute passed it;
 - a device source freed before its copy ran (no ``record_stream`` on the copying stream) poisons the destination;
+- a side-stream copy into device memory the compute stream read after that stream's last wait on compute
+  (write-after-read), and a block released while a copy into it is queued, raise ``SimulatedRaceError``;
 - device memory with a capacity and pinned host memory (``memtrain.device.ledger``).
 
 What it cannot see: kernel numerics (the CPU's kernels compute), ops other than copies issued on a side stream
-(they run at once), reads by the compute stream of memory a side stream writes later (write-after-read), NCCL,
-fragmentation of the caching allocator, and any timing.
+(they run at once), the caching allocator's per-stream pools (a block freed is reusable by any stream at once) and
+its fragmentation, a copy to the host made without the seam (``x.to("cpu")`` of device data on the loop's thread
+counts as device memory: use ``acc.to_host``), NCCL, and any timing.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ from torch.utils._mode_utils import no_dispatch
 
 from memtrain.device.base import Accelerator, Placeable
 from memtrain.device.ledger import DeviceLedger, HostLedger, LedgerMode
+from memtrain.errors import ConfigError, MemtrainError
+
+
+class SimulatedRaceError(MemtrainError):
+    """An ordering a GPU would get wrong: a side-stream copy overwriting device memory the compute stream may still
+    read, or a block released while a copy into it is queued."""
 
 
 def poison_(t: torch.Tensor) -> None:
@@ -66,6 +75,9 @@ class _Copy:
     after: list[tuple[Any, int]] = field(default_factory=list)
 
     def run(self) -> None:
+        if self.dst.numel() and self.dst.untyped_storage().nbytes() == 0:
+            raise SimulatedRaceError("a queued copy's destination was released before the copy ran. To resolve this "
+                                     "error, wait for the copy's event (acc.wait_event) before releasing it.")
         src = self.src
         if src is None and self.source is not None and not self.racy:
             storage = self.source()
@@ -156,8 +168,10 @@ class SimulatedAccelerator(Accelerator):
 
     def __init__(self, capacity: int, *, lag: int | None = 1, host_capacity: int | None = None):
         super().__init__(torch.device("cpu"))
+        self.kind = "simulated"
         if lag is not None and lag < 0:
-            raise ValueError(f"lag must be >= 0 or None, got {lag}")
+            raise ConfigError(f"SimulatedAccelerator(lag={lag}): a stream runs 0 or more ops behind. To resolve this "
+                              "error, pass lag=0, 1, 3 or None (unbounded).")
         self.capacity = capacity
         self.lag = lag
         self.lock = threading.RLock()
@@ -247,12 +261,18 @@ class SimulatedAccelerator(Accelerator):
 
     def _copy_op(self, dst: torch.Tensor, src: torch.Tensor, stream: SideStream) -> _Copy:
         ledger = self.ledger
+        behind = max(stream.waited_clock, self.compute_stream.done())
+        if ledger.is_device(dst) and ledger.read.get(dst.untyped_storage()._cdata, 0) > behind:
+            raise SimulatedRaceError(
+                f"a copy on {stream.name} overwrites device memory ({tuple(dst.shape)} {dst.dtype}) that the compute "
+                "stream read after that stream last waited for it: on a GPU the copy can land before the kernels "
+                "reading it ran. To resolve this error, make the side stream wait for the compute stream "
+                "(acc.wait_stream(side, acc.current_stream())) before the copy.")
         view = (src.storage_offset(), tuple(src.shape), tuple(src.stride()), src.dtype)
         key = src.untyped_storage()._cdata
         if not ledger.is_device(src):
             return _Copy(dst, src, None, view, key, racy=False)
-        written = ledger.written.get(key, 0)
-        racy = written > max(stream.waited_clock, self.compute_stream.done())
+        racy = ledger.written.get(key, 0) > behind
         return _Copy(dst, None, weakref.ref(src.untyped_storage()), view, key, racy)
 
     def foreach_copy_(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, stream: Any = None) -> None:
@@ -292,11 +312,22 @@ class SimulatedAccelerator(Accelerator):
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
         storage = tensor.untyped_storage()
         old = storage.nbytes()
+        if nbytes < old:
+            self._check_no_pending_write(storage._cdata)
         storage.resize_(nbytes)
         self.ledger.resized(tensor, old)
         if nbytes > old and self.ledger.is_device(tensor):
             with no_dispatch():
                 poison_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)))
+
+    def _check_no_pending_write(self, key: int) -> None:
+        with self.lock:
+            for stream in list(self._streams):
+                if any(op.dst.untyped_storage()._cdata == key for op in stream.queue):
+                    raise SimulatedRaceError(
+                        f"device memory released while a copy into it is still queued on {stream.name}: on a GPU "
+                        "the copy would write memory the allocator already handed out again. To resolve this error, "
+                        "wait for the copy's event (acc.wait_event) before releasing it.")
 
     def place(self, obj: Placeable) -> Placeable:
         if isinstance(obj, nn.Module):
@@ -308,6 +339,8 @@ class SimulatedAccelerator(Accelerator):
 
     def to_device(self, tensor: torch.Tensor, *, stream: Any = None) -> torch.Tensor:
         dst = self.empty(tuple(tensor.shape), tensor.dtype)
+        if stream is not None:
+            self.wait_event(self.record_event(), stream)  # allocated on compute (RealAccelerator.to_device's rule)
         self.copy_(dst, tensor, stream=stream)
         return dst
 
