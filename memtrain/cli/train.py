@@ -83,7 +83,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
         # Looked up now, not at import: tests wrap memtrain.train.train (which memtrain/__init__ shadows).
         from memtrain.train import train
 
-        result = train(model, data, config, command=command_record(args, parser), tokenizer=tokenizer)
+        result = train(model, data, config, command=command_record(args, parser), tokenizer=tokenizer, device=device)
         if rank == 0:
             _log_result(args, result)
         return EXIT_STOPPED[result.stopped_by] if result.stopped_by else EXIT_OK  # every rank stopped alike
@@ -134,7 +134,8 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
 
 
 def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> tuple[Any, Any, int, str]:
-    """(the model on ``device``, the (training, evaluation) rows, tokens per example, where the data comes from).
+    """(the model, built or loaded on the CPU for ``device``, the (training, evaluation) rows, tokens per example,
+    where the data comes from). ``train`` places the model as its plan says: the device never holds more of it.
 
     With --eval-data all of --data (or of the built-in corpus) trains and the file's rows evaluate; without it
     the last 5% is held out. A resume keeps the split of the run it continues (``held_out_fraction``)."""
@@ -149,8 +150,9 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
                     if held_out else (file_rows(args.data, tokenizer, seq_len, progress=progress), None))
         for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
             echo(f"  note: {in_flag_terms(str(warning.message), 'train')}", file=sys.stderr)
+    # NOTE: not model.to(device): the whole fp32 model would sit on the device before any plan, and a model the
+    # plan fits only with bf16 device weights or streamed blocks would run out of memory there.
     model, seq_len = build_language_model(args, device)
-    model.to(device)
     if args.hf_model:
         skipped = sum(rows.skipped_pieces for rows in data if rows is not None)
         source = (f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed"

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memtrain.device import accelerator, active_simulation
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write_bytes
 from memtrain.measure import available_host_bytes
@@ -291,11 +292,33 @@ def _probe_source() -> str:
     return f"probe (load {load:.1f} on {cores} cores{busy})"
 
 
+def planning_device(device: torch.device | str) -> str:
+    """The planner's name for the device a run trains on: ``"cuda"`` for one with streams and an allocator (CUDA,
+    ROCm, XPU, the simulated device of ``MEMTRAIN_SIMULATED_DEVICE``), ``"cpu"`` for the plain CPU."""
+    return "cuda" if accelerator(torch.device(device)).has_streams else "cpu"
+
+
+def simulated_profile() -> DeviceProfile | None:
+    """Under ``MEMTRAIN_SIMULATED_DEVICE`` (or ``memtrain.device.simulate``), the device plans are made for: this
+    CPU's probed rates (its kernels compute the simulated device's work) with the simulated capacity; else None."""
+    simulation = active_simulation()
+    if simulation is None:
+        return None
+    cpu = calibrate("cpu")
+    return dataclasses.replace(cpu, name=f"simulated device on {cpu.name}", memory_bytes=simulation.total_memory,
+                               source=f"simulated device ({simulation.total_memory} bytes; MEMTRAIN_SIMULATED_DEVICE)"
+                                      f" with this CPU's rates: {cpu.source}")
+
+
 def device_profile(device: str | torch.device, *, calibrated: bool = False) -> DeviceProfile:
     """The figures a plan for ``device`` uses: a probe on the CPU (always) or with ``calibrated``, else the table
     of known GPUs for the CUDA device present (or, with no GPU here, an H100's: say which with
-    ``device_profile=known_gpu(...)``)."""
+    ``device_profile=known_gpu(...)``). Under a simulated device a plan for ``"cuda"`` is a plan for it
+    (``simulated_profile``)."""
     device = torch.device(device)
+    simulated = simulated_profile() if device.type == "cuda" else None
+    if simulated is not None:
+        return simulated
     if device.type == "cpu" or calibrated:
         return calibrate(device)
     if torch.cuda.is_available():

@@ -42,6 +42,7 @@ from memtrain.measure import available_host_bytes
 from memtrain.optim import INT8_DEVICES
 from memtrain.planner.checks import check_choices, check_fixed, check_plan_arguments, check_settings, divisors
 from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
+from memtrain.device import accelerator
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.hint import hint_lines, pure_bf16_candidate, pure_bf16_space, size_hints
 from memtrain.planner.profiles import Profiles
@@ -174,7 +175,7 @@ def plan(
 
 def _host_limit(device: str, host_budget_bytes: int | None) -> int | None:
     """The host RAM to check against: the budget given, or this machine's when the plan is for this machine."""
-    here = device == "cpu" or torch.cuda.is_available()
+    here = device == "cpu" or accelerator().has_streams  # an accelerator here (a simulated one: this host)
     return host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
 
 
