@@ -755,8 +755,10 @@ def _one_step(s: Session, step: int, device: torch.device, check_stop: Callable[
     with acc.compute():
         for i in range(s.accumulation):
             check_stop()  # a stop asked for now abandons the step here, between micro-batches
-            # Already on the device: DevicePrefetcher copied it during the previous compute.
-            x, y, positions = _unpack(next(s.batches))
+            # Already on the device: DevicePrefetcher copied it during the previous compute. The loader's own work
+            # (sampling, collating) is host memory.
+            with acc.host():
+                x, y, positions = _unpack(next(s.batches))
             with s.acc.micro_batch(is_last=i == s.accumulation - 1):
                 # The meter counts what autograd saves in the first micro-batch: the figure checkpointing cuts.
                 with meter if i == 0 and measuring else contextlib.nullcontext(), s.precision.autocast():

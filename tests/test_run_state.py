@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import memtrain.device
 from memtrain import MemtrainError
 from memtrain.run import RunCheckpoints, restore_run_state, resume_run, save_run_state
 from memtrain.run.state import restore_rng, rng_state
@@ -106,6 +107,7 @@ class _FakeAccelerator:
 
 
 def _use(monkeypatch, fake: _FakeAccelerator) -> None:
+    monkeypatch.setattr(memtrain.device, "_REAL", {})  # the seam keeps one accelerator per device: a new machine
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: fake.current)

@@ -134,7 +134,7 @@ def place_model(model: nn.Module, acc: Accelerator, *, leave: list[nn.Parameter]
     left = {id(p) for p in leave}
     placed: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for name, p in module._parameters.items():
+        for p in module._parameters.values():
             if p is not None and id(p) not in left and id(p) not in placed:
                 p.data = placed[id(p)] = acc.place(p.data)
         for name, b in module._buffers.items():

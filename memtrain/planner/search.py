@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from memtrain.checkpointing import find_blocks
 from memtrain.choices import Choices
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace, meta_model, trace
 from memtrain.loss import supports_chunked_loss
@@ -42,7 +42,6 @@ from memtrain.measure import available_host_bytes
 from memtrain.optim import INT8_DEVICES
 from memtrain.planner.checks import check_choices, check_fixed, check_plan_arguments, check_settings, divisors
 from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
-from memtrain.device import accelerator
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.hint import hint_lines, pure_bf16_candidate, pure_bf16_space, size_hints
 from memtrain.planner.profiles import Profiles
