@@ -36,6 +36,7 @@ from memtrain.cli.workloads import (
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import ByteWindows, split_windows, stdlib_corpus, text_file_tokens, tokenized_rows
 from memtrain.data.packed_rows import file_rows
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.hf import load_tokenizer, safetensors_files
 from memtrain.report import format_bytes
@@ -76,7 +77,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
             lora = (f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable{quantized_text(model)}"
                     f"{frozen_dtype_text(model)}"
                     if args.lora else "")
-            log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
+            log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {_where(device)}, {seq_len} "
                       f"tokens x {global_batch} per step, "
                       f"{f'{args.epochs} epoch(s)' if args.epochs else f'{args.max_steps} steps'} on {source} "
                       f"({len(data[0])} training rows, {len(data[1])} eval rows)")
@@ -167,6 +168,14 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
         data = (data[0], _eval_rows(args, tokenizer, seq_len))
         source += f", evaluated on {args.eval_data}"
     return model, data, seq_len, source
+
+
+def _where(device: torch.device) -> str:
+    """The training device for the start-up line: a simulated one says what it is."""
+    acc = accelerator(device)
+    if acc.kind != "simulated":
+        return str(device)
+    return f"a simulated device of {format_bytes(acc.total_memory)} (MEMTRAIN_SIMULATED_DEVICE; the CPU computes)"
 
 
 def _all_rows(rows: ByteWindows, what: str, seq_len: int) -> ByteWindows:
