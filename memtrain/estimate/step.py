@@ -195,10 +195,8 @@ def trace(
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
         offload_fraction=offload_fraction, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
         micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation, weights_dtype=weights_dtype)
-    # A simulated device (MEMTRAIN_SIMULATED_DEVICE) has CUDA's allocator and placements but computes with the
-    # CPU's kernels (autocast lists, attention) and has no cuBLAS workspaces: its step is traced so.
-    round_to = CUDA_BLOCK if device_type == "cuda" else 1
-    on_cuda = device_type == "cuda" and active_simulation() is None
+    on_cuda = device_type == "cuda" and active_simulation() is None  # simulated: the CPU's kernels, no cuBLAS
+    round_to = CUDA_BLOCK if device_type == "cuda" else 1  # a simulated device's allocator is CUDA's
     autocast_dtype = AUTOCAST_DTYPES[precision]
 
     meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, chunked_loss=chunked_loss,
