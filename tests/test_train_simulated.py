@@ -104,6 +104,59 @@ def test_the_whole_model_placed_before_the_plan_fails_the_check(llama_config, tm
         check_fits_as_planned(code, out, log)
 
 
+# -- apply_plan's placement, part by part ------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer, streamed, pure", [
+    ("offload-bf16-weights", False, False),  # bf16 weights on the device, the fp32 master from the host weights
+    ("offload", True, False),  # the blocks' weights streamed: never on the device at rest
+    ("offload", False, True),  # pure bf16: cast on the host, placed once
+    ("device", False, False),  # fp32 weights and AdamW on the device: placed once
+])
+def test_apply_plan_places_no_more_than_the_plan_holds(optimizer, streamed, pure):
+    """A model built on the host, applied on the simulated device: the device's peak during apply_plan is what
+    stays there (no transient fp32 copy of weights the plan keeps in bf16, no streamed block), and the offloaded
+    optimizer's fp32 masters hold the host weights' full digits."""
+    from memtrain.planner import PlanSettings, apply_plan
+    from memtrain.planner.apply import streamed_params
+
+    model = tiny_gpt(4, seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    settings = PlanSettings(micro_batch_size=2, accumulation=1, blocks=("recompute",) * 4, flavor="full",
+                            chunked_loss=False, optimizer=optimizer, distribution="none", compile=False,
+                            precision="bf16-mixed", pure_bf16=pure, offload_weights=streamed)
+    with simulate("8MiB") as acc:
+        run = apply_plan(model, settings, lr=1e-3)
+        left = {id(p) for p in streamed_params(model, list(run.blocks))} if streamed else set()
+        state = [p for p in model.parameters() if id(p) not in left] + list(model.buffers())
+        held = sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in {t.untyped_storage()._cdata: t
+                                                                            for t in state}.values())
+        assert acc.memory_allocated() == held and acc.max_memory_allocated() == held, (
+            acc.memory_allocated(), acc.max_memory_allocated(), held)
+        dtypes = {p.dtype for p in state if isinstance(p, torch.nn.Parameter)}
+        assert dtypes == ({torch.bfloat16} if optimizer == "offload-bf16-weights" or pure else {torch.float32})
+        if optimizer != "device" and not pure:
+            masters = {s.key: s.master for s in run.optimizer._slots}
+            assert all(torch.equal(masters[n], before[n]) for n in masters), "a master lost the host weights' digits"
+        if hasattr(run.optimizer, "close"):
+            run.optimizer.close()
+
+
+def test_a_model_placed_whole_before_apply_plan_peaks_over_what_the_plan_holds():
+    """Fault injection for the check above: the fp32 model placed whole first (what ``model.to(device)`` did)
+    holds its fp32 weights on the device until the offloaded optimizer casts them: the peak is over the plan's."""
+    from memtrain.planner import PlanSettings, apply_plan
+
+    model = tiny_gpt(4, seed=0)
+    settings = PlanSettings(micro_batch_size=2, accumulation=1, blocks=("recompute",) * 4, flavor="full",
+                            chunked_loss=False, optimizer="offload-bf16-weights", distribution="none",
+                            compile=False, precision="bf16-mixed")
+    with simulate("8MiB") as acc:
+        acc.place(model)
+        run = apply_plan(model, settings, lr=1e-3)
+        fp32 = sum(p.numel() * 4 for p in model.parameters())
+        assert acc.max_memory_allocated() >= fp32 > acc.memory_allocated(), (acc.max_memory_allocated(), fp32)
+        run.optimizer.close()
+
+
 # -- resume on the simulated device ------------------------------------------------------------------------------
 def _gpt_run(out: Path, *, max_steps: int, resume: bool = False, stop_after: int | None = None) -> None:
     """The built-in GPT with dropout on the simulated device, its optimizer offloaded (masters and state in host
