@@ -4,7 +4,11 @@
 the loss, the optimizer's moments); ``gpu_plan.run_settings`` builds the model on the device in the plan's weight
 dtype, applies the plan (``apply_plan``: ``CPUOffloadOptimizer``, then ``WeightStreamer`` from its host master)
 and trains a warm-up step and ``--steps`` timed steps on random tokens. The row sets the allocator's measured peaks
-(over the timed steps, and over the whole run) beside the plan's predicted peak and tokens/s.
+(over the timed steps, and over the whole run) beside the plan's predicted peak and tokens/s, and judges the fit
+(``fits``) by three checks over the whole run (set-up and warm-up included): ``max_memory_allocated`` and
+``max_memory_reserved`` within the budget (the allocator's cache counts: it is device memory no one else can use),
+and ``torch.cuda.memory_stats()["num_alloc_retries"]`` 0 (a retry means cudaMalloc failed and the allocator freed its
+cache to try again: the budget held only by thrashing). Each check is printed; a failed one makes the exit status 1.
 
 Run on a GPU: ``python benchmarks/gpu_offload_weights.py --out gpu_offload_weights.json`` (the 1.1B: about 22 GB of
 host RAM for the fp32 master, gradients, moments and the bf16 copies). Run anywhere: ``--small`` (a tiny Llama on
@@ -30,7 +34,32 @@ from gpu_plan import SHAPES, _error, environment, meta_llama, run_settings  # no
 
 from memtrain.choices import Choices  # noqa: E402
 from memtrain.planner import plan  # noqa: E402
-from memtrain.report import format_bytes  # noqa: E402
+from memtrain.report import format_bytes, parse_bytes  # noqa: E402
+
+
+def alloc_retries(device: torch.device) -> int | None:
+    """cudaMalloc retries so far in this process (after a failed cudaMalloc the allocator frees its cache and tries
+    again); None off CUDA."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else None
+
+
+def budget_checks(row: dict[str, Any], budget_bytes: int | None) -> dict[str, bool | None]:
+    """Whether the whole run fits ``budget_bytes``: its allocated and reserved peaks, and no allocation retried
+    (None: not measurable here, e.g. on a CPU, or no budget)."""
+    allocated, reserved = row.get("run_peak_allocated_bytes"), row.get("run_peak_reserved_bytes")
+    retries = row.get("alloc_retries")
+    return {
+        "allocated <= budget": None if allocated is None or budget_bytes is None else allocated <= budget_bytes,
+        "reserved <= budget": None if reserved is None or budget_bytes is None else reserved <= budget_bytes,
+        "num_alloc_retries == 0": None if retries is None else retries == 0,
+    }
+
+
+def verdict(checks: dict[str, bool | None]) -> bool | None:
+    """False if a check failed, True if every one held, None if one could not be measured and none failed."""
+    if any(v is False for v in checks.values()):
+        return False
+    return None if any(v is None for v in checks.values()) else True
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -60,28 +89,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return row
     row.update(plan=p.settings.to_dict(), predicted_peak_bytes=p.peak_bytes, predicted_host_bytes=p.host_bytes,
                predicted_tokens_per_s=p.tokens_per_s, predicted_host_link=p.host_link.to_dict())
+    retries = alloc_retries(device)
     try:
         row.update(run_settings(p.settings, shape, seq_len=seq_len, device=device, warmup=1, repeats=args.steps,
                                 lr=1e-4))
     except Exception as e:  # noqa: BLE001 - an out-of-memory error is a result too
         row["error"] = _error(e)
-    row["fits"] = (row.get("peak_allocated_bytes") is not None and budget is not None
-                   and row["peak_allocated_bytes"] <= p.usable_bytes)
+    after = alloc_retries(device)
+    row["alloc_retries"] = None if after is None or retries is None else after - retries
+    row["budget_bytes"] = parse_bytes(budget) if budget is not None else None
+    row["checks"] = budget_checks(row, row["budget_bytes"])
+    row["fits"] = verdict(row["checks"]) if not row.get("error") else False
     return row
+
+
+def _bytes(value: int | None) -> str:
+    return format_bytes(value) if value is not None else "not measurable here"
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     row = run(args)
-    measured = row.get("peak_allocated_bytes")
     print(f"{row['shape']} with parameter offload, budget {row['budget']}: predicted peak "
-          f"{format_bytes(row.get('predicted_peak_bytes') or 0)}, measured "
-          f"{format_bytes(measured) if measured is not None else 'not measurable here'}; predicted "
-          f"{row.get('predicted_tokens_per_s') or 0:,.0f} tokens/s, measured {row.get('tokens_per_s') or 0:,.0f}"
+          f"{format_bytes(row.get('predicted_peak_bytes') or 0)}; measured over the whole run: allocated "
+          f"{_bytes(row.get('run_peak_allocated_bytes'))}, reserved {_bytes(row.get('run_peak_reserved_bytes'))}, "
+          f"num_alloc_retries {_or_dash(row.get('alloc_retries'))}; predicted {row.get('predicted_tokens_per_s') or 0:,.0f}"
+          f" tokens/s, measured {row.get('tokens_per_s') or 0:,.0f}"
           + (f"; error: {row['error']}" if row.get("error") else ""))
+    for check, held in row.get("checks", {}).items():
+        print(f"  {check}: {({None: 'not measured', True: 'yes', False: 'NO'})[held]}")
     if args.out is not None:
         args.out.write_text(json.dumps(row, indent=1))
-    return 1 if row.get("error") else 0
+    return 1 if row.get("error") or row.get("fits") is False else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ autocast), one plan per budget (8, 16, 24 and 40 GiB, and 24 GiB with ``compile=
 1. ``plan(...)`` on a meta-device copy of the model, with the device profile of ``calibrate("cuda")`` when
    ``--calibrate`` is given, else the table of known GPUs; its summary is printed.
 2. A fresh model, built on the device in the plan's weight dtype (fp32; bf16 where the plan keeps bf16 weights on
-   the device with the fp32 master on the host), then ``apply_plan(model, plan, lr=...)``.
+   the device, with the fp32 master on the host or in pure bf16), then ``apply_plan(model, plan, lr=...)``.
 3. ``--warmup`` (2) untimed and ``--repeats`` (5) timed steps. A step is the plan's micro-batches through
    ``run.accumulator`` with ``memtrain.train.language_model_loss`` (summed next-token cross-entropy), then
    ``acc.step()``; the device is synchronised before and after each step.
@@ -223,7 +223,9 @@ def fp32_moments_only() -> list[str]:
 
 
 def weights_dtype(settings: PlanSettings) -> torch.dtype:
-    return torch.bfloat16 if settings.optimizer == "offload-bf16-weights" else torch.float32
+    """The dtype the plan keeps the weights in on the device: bf16 with an offloaded fp32 master or in pure bf16
+    (building them in fp32 first would put a peak the plan never has into the run's)."""
+    return torch.bfloat16 if settings.optimizer == "offload-bf16-weights" or settings.pure_bf16 else torch.float32
 
 
 def no_technique(shape: LlamaShape, batch: int) -> PlanSettings:

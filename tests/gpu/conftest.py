@@ -2,7 +2,9 @@
 stream wait, a compile that never ends) must not eat it. pytest-timeout is not installed there, so the limit is
 here: ``MEMTRAIN_GPU_TEST_TIMEOUT`` seconds per test (default 120; ``@pytest.mark.time_limit(s)`` for one test).
 
-The files in ``LAST`` run after the others. A test past its limit gets ``GPUTestTimeout`` raised in it (SIGALRM: it fails, and the next test runs). A test
+Tests marked ``slow`` (the estimate sweep's half-billion-parameter models, inductor compiles) are left out of
+``benchmarks/gpu_check.sh quick`` (``-m "not slow"``) and run in its ``tests`` stage. The files in ``LAST`` run
+after the others. A test past its limit gets ``GPUTestTimeout`` raised in it (SIGALRM: it fails, and the next test runs). A test
 stuck inside one C call (a CUDA synchronisation) cannot take a Python exception; 30 s later faulthandler prints
 every thread's stack and ends the process, so the log says where it hung.
 """

@@ -120,6 +120,7 @@ def test_selective_checkpointing_with_attention_dropout_recomputes_the_same_mask
         assert torch.equal(a, b), f"max abs diff {(a - b).abs().max().item():.3e}"
 
 
+@pytest.mark.slow  # inductor compiles every block, forward and backward: gpu_check.sh's `tests` stage, not quick
 @pytest.mark.parametrize("set_up", ["all+offload", "blocks(ORKO)"])
 def test_offloaded_activations_compile_per_block_with_inductor(set_up):
     """compile_model: every block compiled (inductor), the offloader outside; no graph break, gradients close to
