@@ -129,8 +129,10 @@ def test_apply_plan_places_no_more_than_the_plan_holds(optimizer, streamed, pure
         state = [p for p in model.parameters() if id(p) not in left] + list(model.buffers())
         held = sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in {t.untyped_storage()._cdata: t
                                                                             for t in state}.values())
-        assert acc.memory_allocated() == held and acc.max_memory_allocated() == held, (
-            acc.memory_allocated(), acc.max_memory_allocated(), held)
+        # The streamer may make each block weight's device tensor before emptying it: one weight at a time, at most.
+        largest = max((p.numel() * p.element_size() for p in model.parameters() if id(p) in left), default=0)
+        assert acc.memory_allocated() == held and held <= acc.max_memory_allocated() <= held + largest, (
+            acc.memory_allocated(), acc.max_memory_allocated(), held, largest)
         dtypes = {p.dtype for p in state if isinstance(p, torch.nn.Parameter)}
         assert dtypes == ({torch.bfloat16} if optimizer == "offload-bf16-weights" or pure else {torch.float32})
         if optimizer != "device" and not pure:
