@@ -123,9 +123,6 @@ class CountingTransport:
     def query(self, event: Any) -> bool:
         return self._inner.query(event)
 
-    def hand_over(self, tensor: torch.Tensor) -> None:
-        self._inner.hand_over(tensor)
-
 
 @contextlib.contextmanager
 def cpu_offload(transports: list[CountingTransport] | None = None, min_bytes: int | None = None) -> Iterator[None]:

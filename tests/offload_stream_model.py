@@ -1,8 +1,8 @@
 """Activation offload on the CPU: the pack / unpack / prefetch logic through a model of two CUDA streams.
 
-``FakeTransport`` runs ``CudaTransport``'s own synchronisation logic over a model of the compute stream and the
-side stream (see its docstring): a missing wait, ``wait_stream`` or ``record_stream``, or a source freed before
-its copy ran, shows up as NaN gradients or as an error; it logs the copies in order so that what moves, when and
+``FakeTransport`` runs ``Transport``'s own synchronisation logic over a model of the compute stream and the
+side stream (see its docstring): a missing wait or ``wait_stream``, a restored block freed unwaited, or a source
+freed before its copy ran, shows up as NaN gradients or as an error; it logs the copies in order so that what moves, when and
 in which order can be checked.
 
 The stream model and the small models the offload tests share."""
@@ -16,10 +16,17 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memtrain.device import Accelerator
 from memtrain.models import GPT
-from memtrain.offload import ActivationOffloader, CudaTransport
+from memtrain.offload import ActivationOffloader, Transport
 
 POISON = 255  # a byte that makes NaN of every float dtype
+
+
+class _WithStreams(Accelerator):
+    """The plain CPU, saying it has streams: FakeTransport overrides every stream operation the transport uses."""
+
+    has_streams = True
 
 
 class FakeEvent:
@@ -29,18 +36,17 @@ class FakeEvent:
 
 
 class DeviceBlock:
-    """Device memory allocated on the side stream, as the caching allocator sees it."""
+    """Device memory a copy to the device fills, allocated on the compute stream, as the caching allocator sees it."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.ref = StorageWeakRef(tensor.untyped_storage())
         self.cdata = tensor.untyped_storage()._cdata
         self.nbytes = tensor.numel()
         self.read_by_compute = False  # the compute stream waited for its copy: it reads the block
-        self.recorded = False  # record_stream(compute stream) was called on it
 
 
-class FakeTransport(CudaTransport):
-    """``CudaTransport``'s logic over a model of two CUDA streams on the CPU.
+class FakeTransport(Transport):
+    """``Transport``'s logic over a model of two CUDA streams on the CPU (its stream operations overridden below).
 
     - The compute stream is the CPU itself (its kernels are done at once) with a clock: it ticks at every call
       into the transport, since the offloader's caller computed in between; a tensor handed to ``copy_to_host``
@@ -50,9 +56,9 @@ class FakeTransport(CudaTransport):
       the source died first, or when the side stream had not waited for the compute stream (``wait_stream``)
       since the source was written. A copy to the device fills its destination only when it runs (NaN before),
       so a missing wait on its event reads NaN.
-    - Device memory allocated on the side stream and read by the compute stream must be ``record_stream``-ed to
-      the compute stream before it is freed: otherwise the next allocation on the side stream may reuse it while
-      the compute stream still reads it. The next allocation raises then.
+    - Device memory for a copy to the device is allocated on the compute stream, which reuses it as soon as it
+      is freed: the compute stream must have waited for the copy's event before the memory is freed (used or
+      not), else the copy could still be writing memory compute reuses. The next allocation raises then.
     - ``refuse_pinning_after``: that many host slabs are pinned, then pinning fails (host memory exhausted).
     """
 
@@ -71,7 +77,7 @@ class FakeTransport(CudaTransport):
         self._ops: list = []  # side-stream copies issued since the last event
         self._transfer: tuple[str, int, int] = ("", -1, 0)  # (direction, tag, compute tick its source was written)
         self._block: DeviceBlock | None = None
-        super().__init__(torch.device("cpu"))
+        super().__init__(_WithStreams())
 
     def __reduce__(self):  # a model holding this transport pickles as a fresh one
         return type(self), (self.lag, self.refuse_pinning_after)
@@ -98,18 +104,15 @@ class FakeTransport(CudaTransport):
     def wait(self, event) -> None:
         # The compute stream waits: the side stream must have reached the event.
         self.clock += 1
-        self.log.append(("wait", event.kind, event.tag))
+        if event is not None:  # None: waited already
+            self.log.append(("wait", event.kind, event.tag))
         super().wait(event)
 
     def query(self, event) -> bool:
         self.clock += 1
         return super().query(event)
 
-    def hand_over(self, tensor) -> None:
-        self.clock += 1
-        super().hand_over(tensor)
-
-    # -- the stream operations CudaTransport is built from
+    # -- the stream operations Transport is built from
     def _new_stream(self):
         return "side"
 
@@ -123,8 +126,7 @@ class FakeTransport(CudaTransport):
         self.log.append(("slab", nbytes))
         return torch.zeros(nbytes, dtype=torch.uint8)
 
-    def _empty(self, nbytes: int, stream) -> torch.Tensor:
-        assert stream == "side", stream
+    def _empty(self, nbytes: int) -> torch.Tensor:
         self._check_frees()
         dst = torch.full((nbytes,), POISON, dtype=torch.uint8)
         self._block = DeviceBlock(dst)
@@ -158,6 +160,10 @@ class FakeTransport(CudaTransport):
         self.side_synced = self.clock
 
     def _record_event(self, stream):
+        if stream == "compute":  # for the side stream to wait on: it then runs after what compute did so far
+            event = FakeEvent("compute", self.clock)
+            event.done = True
+            return event
         assert stream == "side", stream
         direction, tag, _ = self._transfer
         event = FakeEvent(direction, tag)
@@ -168,6 +174,10 @@ class FakeTransport(CudaTransport):
         return event
 
     def _wait_event(self, stream, event) -> None:
+        if stream == "side":
+            assert event.kind == "compute", event.kind
+            self.side_synced = max(self.side_synced, event.tag)
+            return
         assert stream == "compute", stream
         while not event.done:
             self._advance(len(self.queue) - 1)
@@ -176,13 +186,6 @@ class FakeTransport(CudaTransport):
 
     def _query(self, event) -> bool:
         return event.done
-
-    def _record_stream(self, tensor, stream) -> None:
-        assert stream == "compute", stream
-        key = tensor.untyped_storage()._cdata
-        for block in self.blocks:
-            if block.cdata == key and not block.ref.expired():
-                block.recorded = True
 
     # -- the model's bookkeeping
     def _advance(self, keep: int) -> None:
@@ -195,10 +198,10 @@ class FakeTransport(CudaTransport):
     def _check_frees(self) -> None:
         for block in [b for b in self.blocks if b.ref.expired()]:
             self.blocks.remove(block)
-            if block.read_by_compute and not block.recorded:
+            if not block.read_by_compute:
                 raise AssertionError(
-                    f"a restored block of {block.nbytes} bytes was freed while the compute stream may still read it, "
-                    "without record_stream: the side stream's next allocation could overwrite it")
+                    f"a restored block of {block.nbytes} bytes was freed before the compute stream waited for its "
+                    "copy: compute could reuse the memory while the side stream still writes it")
 
     def live_device_bytes(self) -> int:
         """Bytes of device memory the offload still holds: restored blocks, and the sources of copies to the host

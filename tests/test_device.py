@@ -186,3 +186,36 @@ def test_the_environment_variable_puts_every_command_on_the_simulated_device():
     bad = _in_a_process({"MEMTRAIN_SIMULATED_DEVICE": "lots"},
                         "from memtrain.device import accelerator; accelerator()")
     assert bad.returncode != 0 and "MEMTRAIN_SIMULATED_DEVICE='lots'" in bad.stderr
+
+
+def test_a_view_of_device_data_taken_after_the_wait_is_not_a_write():
+    with simulate("1MiB", lag=None) as acc:
+        side = acc.new_stream()
+        y = acc.place(torch.ones(8)) * 2
+        acc.wait_stream(side, acc.current_stream())
+        half = y[:4]  # a view: no new data, nothing for the side stream to wait for
+        out = acc.to_host(half, stream=side)
+        acc.synchronize()
+        assert out.tolist() == [2.0] * 4
+
+
+def test_a_device_the_machine_lacks_is_refused_in_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="does not exist on this machine"):
+        accelerator("cuda")
+
+
+def test_a_queued_copy_into_a_parameter_runs_and_a_failed_block_still_ends_the_simulation():
+    with simulate("1MiB", lag=None) as acc:
+        side = acc.new_stream()
+        weight = acc.place(torch.nn.Parameter(torch.zeros(4)))
+        acc.copy_(weight, torch.ones(4), stream=side)
+        acc.synchronize()  # with grad enabled: the queued copy writes a leaf that requires grad
+        assert weight.tolist() == [1.0] * 4
+        assert acc.host_pinned_bytes()[0] == 0
+        acc.to_host(weight, stream=side)  # asynchronous: from torch's pinned cache, rounded up
+        assert acc.host_pinned_bytes()[1] == 16
+    with pytest.raises(ValueError), simulate("1MiB"):
+        raise ValueError
+    assert active_simulation() is None

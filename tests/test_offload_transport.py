@@ -1,4 +1,4 @@
-"""CudaTransport's synchronisation, checked on the CPU through the model of two CUDA streams (a missing wait
+"""Transport's synchronisation, checked on the CPU through the model of two CUDA streams (a missing wait
 shows as NaN gradients or an error), and the CPU-only no-op that says so once."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from offload_stream_model import (
 from torch import nn
 
 import memtrain.offload.transport as transport_mod
+from memtrain.device import RealAccelerator
 from memtrain.errors import ConfigError
 from memtrain.models import GPT, GPTConfig
-from memtrain.offload import ActivationOffloader, CudaTransport, offload_activations
+from memtrain.offload import ActivationOffloader, Transport, offload_activations
 
 
 def test_a_missing_wait_corrupts_gradients():
@@ -52,7 +53,16 @@ def test_sources_outlive_their_copies_to_the_host():
     assert transport.tags("h2d"), "nothing came back from the host: the test would prove nothing"
 
 
-@pytest.mark.parametrize("missing", ["release wait", "wait_stream", "record_stream"])
+class DeadBranch(Chain):
+    """A chain with a branch kept alive but out of the loss: backward never unpacks its saved tensors, so their
+    prefetched copies are freed unused."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.dead = torch.tanh(self.layers[0](x) * 2)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("missing", ["release wait", "wait_stream", "drop wait"])
 def test_the_stream_model_catches_a_missing_synchronisation(monkeypatch, missing):
     """The tests above can fail: without each synchronisation, gradients go wrong or the model of the caching
     allocator sees memory reused under the compute stream."""
@@ -60,17 +70,19 @@ def test_the_stream_model_catches_a_missing_synchronisation(monkeypatch, missing
         monkeypatch.setattr(ActivationOffloader, "_release_src", lambda self, record: setattr(record, "src", None))
     elif missing == "wait_stream":
         monkeypatch.setattr(FakeTransport, "_wait_stream", lambda self, stream, other: None)
-    else:
-        monkeypatch.setattr(FakeTransport, "_record_stream", lambda self, tensor, stream: None)
+    else:  # a prefetched tensor freed unused, without the compute stream waiting for its copy
+        monkeypatch.setattr(ActivationOffloader, "_drop_data", lambda self, record: setattr(record, "data", None))
     torch.manual_seed(0)
-    model = Chain()
+    model = DeadBranch()
     x = torch.randn(16, 8)
     expected = chain_step(model, x)
     transport = FakeTransport(lag=8)
+    off = offloader(transport, prefetch_depth=1)
     try:
-        got = chain_step(model, x, offloader(transport, prefetch_depth=1))
+        for _ in range(2):  # the second step's allocations meet the first's freed blocks
+            got = chain_step(model, x, off)
     except AssertionError as e:
-        assert "record_stream" in str(e), e
+        assert "before the compute stream waited" in str(e), e
         return
     assert any(not torch.equal(got[n], expected[n]) for n in expected), f"{missing}: gradients matched"
     assert transport.hazards, f"{missing}: no hazard seen"
@@ -102,7 +114,8 @@ def test_a_cuda_transport_loads_as_none_without_cuda(monkeypatch):
     import pickle
 
     monkeypatch.setattr(transport_mod, "_NOOP_WARNED", False)
-    transport = object.__new__(CudaTransport)  # what a GPU run pickles: its device (the stream is not saved)
-    transport.device = torch.device("cuda", 0)
+    transport = object.__new__(Transport)  # what a GPU run pickles: its device (the stream is not saved)
+    transport.acc = RealAccelerator(torch.device("cuda", 0))
+    transport.device = transport.acc.device
     with pytest.warns(UserWarning, match="saved on cuda:0, which this machine does not have"):
         assert pickle.loads(pickle.dumps(transport)) is None

@@ -280,3 +280,24 @@ def test_planner_keeps_an_asked_for_step_in_backward_with_accumulation() -> None
              precision="fp32", choices=Choices(optimizer=OptimizerChoice(placement="device", step_in_backward=True,
                                                                          offload_fraction=0.5)))
     assert "world_size" not in str(info.value) and "cannot accumulate" not in str(info.value), str(info.value)
+
+
+def test_the_host_parts_window_norm_is_one_pass_on_the_loops_thread() -> None:
+    """Step in backward with half the parameters offloaded: the window's norm takes the host gradients' norms in
+    one foreach pass (the old code ran a norm and a copy per host parameter on the loop's thread, after
+    backward), and the window still clips as torch would (test_step_in_backward_equals_the_ordinary_step)."""
+    from helpers import Touches
+
+    model = make_model()
+    opt = build_optimizer(model.named_parameters(), **HYPER, step_in_backward=True, offload_fraction=0.5)
+    host = opt._host._slots
+    assert len(host) >= 3, "the host part must hold several parameters for the count to mean anything"
+    storages = {s.grads[0].untyped_storage().data_ptr() for s in host}
+    for x, y in batches(2):
+        opt.prepare_backward(max_norm=0.5, grad_factor=1 / x.shape[0])
+        with Touches(storages) as touches:
+            ((model(x) - y) ** 2).sum().backward()  # the window ends in backward's final callback
+        norms = [op for op in touches.ops if "norm" in op]
+        assert len(norms) == 1, f"{len(norms)} norm ops over {len(host)} host gradients on the loop's thread: {norms}"
+        opt.step()
+        opt.zero_grad()

@@ -641,17 +641,17 @@ def test_norms_are_taken_in_the_windows_last_backward_only(monkeypatch) -> None:
 def test_gradients_land_with_one_worker_task_per_bucket() -> None:
     model = make_mlp()
     opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
-    opt._worker = _CountingWorker(opt._worker)
+    opt._landing_worker = _CountingWorker(opt._landing_worker)
     n_buckets = len(opt._buckets)
     assert n_buckets == 3 and len(opt._slots) == 9, "the fixture's bucket size must give several buckets"
     data = batches(3)
     for m, (x, y) in enumerate(data):
-        before = len(opt._worker.names)
+        before = len(opt._landing_worker.names)
         if m == 2:
             opt.next_backward_is_last()
         loss_fn(model, x, y).backward()
         opt._flush_landings()  # hands over a bucket whose parameter got no gradient (step() does it too)
-        tasks = [n for n in opt._worker.names[before:] if "landing" in n]
+        tasks = [n for n in opt._landing_worker.names[before:] if "landing" in n]
         assert len(tasks) <= n_buckets, f"micro-batch {m}: {len(tasks)} landing tasks for {n_buckets} buckets"
     opt.step()
     opt.close()
@@ -753,9 +753,9 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
     staged_in = []
     finish = gradient_landing.finish_landings
 
-    def spy(landings, event):
+    def spy(landings, event, acc):
         staged_in.extend(landing.staged.untyped_storage().data_ptr() for landing in landings if landing.staged is not None)
-        return finish(landings, event)
+        return finish(landings, event, acc)
 
     monkeypatch.setattr(gradient_landing, "finish_landings", spy)
     for x, y in batches(2):  # two micro-batches: the second landing adds to the first

@@ -1,4 +1,5 @@
-"""Device prefetch: the host->device copy of batch n+1 runs on a side stream during the compute of batch n."""
+"""Device prefetch: the host->device copy of batch n+1 runs on a side stream during the compute of batch n (through
+the device seam, ``memtrain.device``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from memtrain.data.loader import parse_device
+from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError
 
 
@@ -33,19 +35,17 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     return batch
 
 
-def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
-    map_tensors(lambda t: t.record_stream(stream), batch)
-
-
 class DevicePrefetcher:
     """Iterates ``loader`` with every batch already on ``device``: hides the copy behind compute, at the price of
     one more batch resident on the device.
 
-    On CUDA, batch n+1 is copied on a side stream while the caller computes on batch n; the copy is asynchronous
-    only from pinned memory (``make_loader`` pins when batches go to an accelerator). The compute stream waits
-    for the copy before using a batch (``wait_stream``), and each batch's memory is marked as used on the compute
-    stream (``record_stream``) so the allocator does not hand it to a later copy while compute still reads it. On
-    the CPU it is a plain pass-through; on other devices it copies synchronously. The batches and their order
+    Where the device has streams (``memtrain.device``: a GPU, the simulated accelerator), batch n+1 is copied on a
+    side stream while the caller computes on batch n; the copy is asynchronous only from pinned memory
+    (``make_loader`` pins when batches go to an accelerator). A batch's device memory is allocated on the compute
+    stream (FSDP2's pattern: once the caller drops the batch, the allocator reuses it in compute-stream order, with
+    no ``record_stream``, so reserved memory does not grow while the host runs ahead); the side stream copies once
+    the compute stream reached that point, and the compute stream waits for an event recorded after the copies
+    before the batch is handed out. On the CPU it is a plain pass-through; on other devices it copies synchronously. The batches and their order
     are the loader's. Tensors nested in tuples, named tuples, lists, mappings and dataclasses are moved; other
     values pass through.
 
@@ -61,40 +61,55 @@ class DevicePrefetcher:
         problems: list[str] = []
         self.device = parse_device(device, problems)
         ConfigError.raise_if(problems)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.acc = _streams_of(self.device)
+        if self.acc is not None:
+            self.device = self.acc.device  # "cuda" -> "cuda:<current>"
+        self.stream = self.acc.new_stream() if self.acc is not None else None
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        if self.device.type == "cpu":
+        if self.stream is not None:
+            yield from self._stream_batches()
+        elif self.device.type == "cpu":
             yield from self.loader
-        elif self.stream is None:
+        else:
             for batch in self.loader:
                 yield map_tensors(lambda t: t.to(self.device), batch)
-        else:
-            yield from self._cuda_batches()
 
-    def _copy_next(self, batches: Iterator[Any]) -> tuple[bool, Any]:
+    def _copy_next(self, batches: Iterator[Any]) -> tuple[bool, Any, Any]:
         try:
             host = next(batches)
         except StopIteration:
-            return False, None
-        with torch.cuda.stream(self.stream):
-            # non_blocking only from pinned memory: from pageable memory it would copy synchronously anyway.
-            return True, map_tensors(lambda t: t.to(self.device, non_blocking=t.is_pinned()), host)
+            return False, None, None
+        acc = self.acc
+        # The batch's memory may be what compute's earlier kernels still read: the copies start once compute
+        # reached this point (nothing is queued on compute between here and the allocations below).
+        acc.wait_event(acc.record_event(), stream=self.stream)
+        batch = map_tensors(self._copy_to_device, host)
+        return True, batch, acc.record_event(self.stream)
 
-    def _cuda_batches(self) -> Iterator[Any]:
+    def _copy_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        moved = self.acc.empty(tuple(t.shape), t.dtype)  # on the compute stream
+        # Asynchronous only from pinned memory: from pageable memory the copy is synchronous.
+        self.acc.copy_(moved, t, stream=self.stream)
+        return moved
+
+    def _stream_batches(self) -> Iterator[Any]:
+        acc = self.acc
         batches = iter(self.loader)
-        ready, upcoming = self._copy_next(batches)
+        ready, upcoming, copied = self._copy_next(batches)
         while ready:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self.stream)  # compute must not read the batch before its copy has landed
+            acc.wait_event(copied)  # compute must not read the batch before its copy has landed
             batch = upcoming
-            # Allocated on the side stream, used on the compute stream: without this the allocator could reuse
-            # the memory for the next copy as soon as the caller drops the batch, while kernels still read it.
-            _record_stream(batch, compute)
-            ready, upcoming = self._copy_next(batches)  # queued now, so it runs during this batch's compute
+            ready, upcoming, copied = self._copy_next(batches)  # queued now, so it runs during this batch's compute
             yield batch
+
+
+def _streams_of(device: torch.device) -> Accelerator | None:
+    """The seam of ``device`` where it has streams (a GPU; the CPU under simulation), else None."""
+    if device.type == "meta":
+        return None
+    acc = accelerator(device)
+    return acc if acc.has_streams else None

@@ -67,9 +67,12 @@ def accelerator(device: torch.device | str | None = None) -> Accelerator:
         return sim if sim is not None else _CPU
     if device.type == "meta":
         return _CPU
+    module = torch.get_device_module(device.type)
+    if not module.is_available() or (device.index or 0) >= module.device_count():
+        raise ConfigError(f"device {device} does not exist on this machine (torch sees {module.device_count()} "
+                          f"{device.type} device(s)). To resolve this error, pick one it has, or run on the CPU.")
     with _LOCK:
-        key = torch.device(device.type, device.index if device.index is not None
-                           else torch.get_device_module(device.type).current_device())
+        key = torch.device(device.type, device.index if device.index is not None else module.current_device())
         if key not in _REAL:
             _REAL[key] = RealAccelerator(key)
         return _REAL[key]
@@ -90,8 +93,10 @@ def simulate(capacity: int | str, *, lag: int | None = 1, host_capacity: int | s
         try:
             yield sim
         finally:
-            sim.synchronize()
-            _ACTIVE = None
+            try:
+                sim.synchronize()
+            finally:
+                _ACTIVE = None
 
 
 def _bytes(size: int | str) -> int:

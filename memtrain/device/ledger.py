@@ -200,9 +200,8 @@ class LedgerMode(TorchDispatchMode):
         for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
             aliased = i < len(schema.returns) and schema.returns[i].alias_info is not None
             for u in (t if isinstance(t, (tuple, list)) else (t,)):
-                if isinstance(u, torch.Tensor) and u.device.type == "cpu":
-                    if not aliased:
-                        ledger.add(u)
+                if isinstance(u, torch.Tensor) and u.device.type == "cpu" and not aliased:  # a view writes nothing
+                    ledger.add(u)
                     ledger.written[_key(u)] = self.clock
         for arg, value in zip(schema.arguments, args, strict=False):
             if arg.alias_info is not None and arg.alias_info.is_write:

@@ -38,7 +38,7 @@ from memtrain.device.ledger import DeviceLedger, HostLedger, LedgerMode
 
 def poison_(t: torch.Tensor) -> None:
     """Fills ``t`` with what an unfinished copy leaves: NaN, or all bits set for integers (True for bool)."""
-    with no_dispatch():
+    with no_dispatch(), torch.no_grad():  # the destination may be a parameter
         if t.dtype == torch.bool:
             t.fill_(True)
         elif t.is_floating_point() or t.is_complex():
@@ -76,7 +76,7 @@ class _Copy:
         if src is None or self.racy:
             poison_(self.dst)
             return
-        with no_dispatch():
+        with no_dispatch(), torch.no_grad():  # the destination may be a parameter
             self.dst.copy_(src)
 
 
@@ -314,6 +314,8 @@ class SimulatedAccelerator(Accelerator):
     def to_host(self, tensor: torch.Tensor, *, stream: Any = None) -> torch.Tensor:
         with no_dispatch():
             dst = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+        if stream is not None:  # asynchronous: torch takes it from its pinned cache, rounded up
+            self.host_ledger.add(dst, rounded=True)
         self.copy_(dst, tensor, stream=stream)
         return dst
 

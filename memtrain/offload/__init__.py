@@ -1,6 +1,7 @@
 """Activation offload: the tensors autograd saves for backward wait in host memory instead of on the device.
 
-- ``transport``: the device-specific half (``CudaTransport``: pinned slabs, one side stream; ``CpuTransport``);
+- ``transport``: the device-specific half over the device seam (``Transport``: pinned slabs, one side stream;
+  ``CpuTransport``: plain copies);
 - ``host_pool``: ``HostPool``, fixed-size pinned slabs under a host-RAM budget, reused every step;
 - ``saved``: what autograd holds for an offloaded tensor, the counters, and which saved tensors stay on the device;
 - ``offloader``: ``ActivationOffloader`` (the saved-tensor hooks, prefetch, the pool) and ``offload_activations``;
@@ -11,7 +12,7 @@
 from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, HostPool
 from memtrain.offload.offloader import MIN_BYTES_DEFAULT, ActivationOffloader, offload_activations
 from memtrain.offload.saved import OffloadStats, derived_from_leaf, find_output_head
-from memtrain.offload.transport import CpuTransport, CudaTransport, Segments, Transport
+from memtrain.offload.transport import CpuTransport, Segments, Transport
 from memtrain.offload.weights import PREFETCH_DEFAULT, WeightStats, WeightStreamer
 
 __all__ = [
@@ -19,7 +20,6 @@ __all__ = [
     "SLAB_BYTES_DEFAULT",
     "ActivationOffloader",
     "CpuTransport",
-    "CudaTransport",
     "HostPool",
     "OffloadStats",
     "PREFETCH_DEFAULT",

@@ -17,15 +17,17 @@ How it works (``ActivationOffloader``, built on ``torch.autograd.graph.saved_ten
   used them, recorded then), ``prefetch_depth`` tensors ahead of use; a callback at the end of backward drops
   whatever is still restored, so the optimizer step runs without it;
 - safety: every copy is on one side stream. The side stream waits for the compute stream before reading a
-  tensor; the device tensor is kept until its copy is done (or the compute stream waits on the copy's event);
-  the compute stream waits on an event before using a restored tensor, which is then ``record_stream``-ed to
-  it. Host blocks are only ever touched by copies on that one stream, so stream order alone makes their reuse
-  safe.
+  tensor; the device tensor is kept until its copy is done (or the compute stream waits on the copy's event).
+  A restored tensor is allocated on the compute stream (FSDP2's pattern: the allocator reuses it in that stream's
+  order, no ``record_stream``, so reserved memory does not grow while the host runs ahead); the side stream waits
+  for an event recorded there before copying into it, and the compute stream waits for the copy's event before
+  using it, or before freeing it unused. Host blocks are only ever touched by copies on that one stream, so
+  stream order alone makes their reuse safe.
 
-The device-specific operations sit behind a small ``Transport`` (``CudaTransport``; ``CpuTransport`` runs the
-same logic on the CPU with plain copies, for tests and dry runs), so the pack / unpack / prefetch logic is
-tested on a CPU-only machine; ``CudaTransport``'s own synchronisation is tested there too, over a model of two
-streams that fails on each missing wait (tests/offload_stream_model.py).
+The device-specific operations sit behind a small ``Transport`` over the device seam (``CpuTransport`` runs the
+same logic on the plain CPU with plain copies, for tests and dry runs). Its synchronisation is tested on a CPU-only
+machine twice: whole, on the simulated accelerator (tests/test_offload_simulated.py), and step by step over a model
+of two streams that fails on each missing wait (tests/offload_stream_model.py).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memtrain.device import accelerator, default_device
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
 from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, HostPool
 from memtrain.offload.saved import Handle, OffloadStats, Record, derived_from_leaf, find_output_head
-from memtrain.offload.transport import CudaTransport, Transport, warn_noop
+from memtrain.offload.transport import Transport, device_exists, warn_noop
 from memtrain.report import format_bytes
 
 MIN_BYTES_DEFAULT = 2**20  # below this a copy costs more in launch overhead than it frees
@@ -151,7 +154,7 @@ class ActivationOffloader:
 
     def __repr__(self) -> str:
         if not self.enabled:
-            return "ActivationOffloader(disabled: no CUDA device)"
+            return "ActivationOffloader(disabled: no accelerator)"
         return (f"ActivationOffloader(device={self.device}, min_bytes={self.min_bytes}, prefetch_depth="
                 f"{self.prefetch_depth}, host_budget={format_bytes(self.pool.capacity_bytes)})")
 
@@ -163,7 +166,7 @@ class ActivationOffloader:
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.save(model) / pickle: a lock, a stream, pinned slabs and this step's records cannot (and need not)
-        # be saved. The settings are; the transport pickles as a fresh one (or None where CUDA is missing).
+        # be saved. The settings are; the transport pickles as a fresh one (or None where its device is missing).
         tracked = [m for m in (ref() for ref in self._tracked) if m is not None]
         return {"transport": self.transport, "tracked": tracked, **self._settings}
 
@@ -383,7 +386,7 @@ class ActivationOffloader:
         with self._lock:
             self._drain()
             for record in (*self._epoch, *self._finished, *self._inflight):
-                record.data = None
+                self._drop_data(record)
                 record.done = False  # another backward of this graph (retain_graph) wants it prefetched again
                 if record.src is not None:
                     self._release_src(record)
@@ -402,7 +405,7 @@ class ActivationOffloader:
         while len(self._finished) > self.prefetch_depth:
             old = self._finished.popleft()
             if old not in self._finished:
-                old.data = None
+                self._drop_data(old)
                 if old.src is not None:
                     self._release_src(old)
 
@@ -414,9 +417,20 @@ class ActivationOffloader:
         if record.data is None:
             self._fetch(record)
             self._counts["fetched_on_demand"] += 1
-        self.transport.wait(record.h2d_event)
-        self.transport.hand_over(record.data)
+        self._wait_data(record)
         return record.data
+
+    def _wait_data(self, record: Record) -> None:
+        # The compute stream (not the host) waits for the copy once; the event is dropped after.
+        self.transport.wait(record.h2d_event)
+        record.h2d_event = None
+
+    def _drop_data(self, record: Record) -> None:
+        """Frees the restored device bytes. Allocated on the compute stream, they are reused in its order at once:
+        a prefetch never used may still be copying into them, so the compute stream waits for it first."""
+        if record.data is not None:
+            self._wait_data(record)
+        record.data = None
 
     def _fetch(self, record: Record) -> None:
         record.data, record.h2d_event = self.transport.copy_to_device(
@@ -464,7 +478,7 @@ class ActivationOffloader:
             if record.handles == 0 and not record.released:
                 record.released = True
                 self._epoch_live -= record.epoch == self._epoch_id
-                record.data = None
+                self._drop_data(record)
                 if record.src is not None:
                     self._release_src(record)
                 self.pool.free(record.extent)
@@ -534,14 +548,15 @@ def offload_activations(
             with one warning; so do they when pinning more host memory fails mid-run.
         prefetch_depth: copies in flight each way: saved tensors fetched ahead of backward, and copies to the
             host outstanding before the compute stream waits for the oldest.
-        device: the CUDA device whose tensors move (default: the model's device, else the current CUDA device).
+        device: the device whose tensors move (default: the model's device, else ``memtrain.device.default_device()``);
+            any device the seam gives streams (CUDA, ROCm, XPU, the simulated accelerator).
 
     Returns:
-        An ``ActivationOffloader`` (a reusable, re-entrant context manager with ``.stats()``). Without CUDA it is
+        An ``ActivationOffloader`` (a reusable, re-entrant context manager with ``.stats()``). Without an accelerator it is
         a transparent no-op, and says so once per process.
 
     Raises:
-        ConfigError: a bad argument, or ``device`` naming a CUDA device that is not available.
+        ConfigError: a bad argument, or ``device`` naming a device that is not available.
         MemtrainError: ``host_budget_bytes`` larger than the host memory available.
 
     Example:
@@ -553,26 +568,23 @@ def offload_activations(
     """
     if device is None and isinstance(model, nn.Module):
         device = next((p.device for p in model.parameters()), None)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(device)
+        device = default_device() if device is None else torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"device={device!r} is not a device. To resolve this error, pass e.g. device='cuda:0', "
                           "or None for the model's device.") from None
+    if not device_exists(device):
+        raise ConfigError(f"offload_activations(device={str(device)!r}): {device.type.upper()} is not available on "
+                          "this machine. To resolve this error, pass device=None (a no-op without an accelerator).")
+    acc = accelerator(device)
     transport: Transport | None = None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"offload_activations(device={str(device)!r}): CUDA is not available on this machine. "
-                              "To resolve this error, pass device=None (a no-op without CUDA).")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        transport = CudaTransport(device)
+    if acc.has_streams:
+        transport = Transport(acc)
     elif device.type == "cpu":
-        warn_noop("no CUDA device")
+        warn_noop("no accelerator")
     else:
-        raise ConfigError(f"offload_activations(device={str(device)!r}): only CUDA devices are supported. To "
-                          "resolve this error, train on CUDA, or drop activation offload.")
+        raise ConfigError(f"offload_activations(device={str(device)!r}): only devices with streams (CUDA, ROCm, "
+                          "XPU) are supported. To resolve this error, train on one, or drop activation offload.")
     return ActivationOffloader(transport, model=model, head=head, include_logits=include_logits,
                                min_bytes=min_bytes, host_budget_bytes=host_budget_bytes,
                                prefetch_depth=prefetch_depth)

@@ -25,7 +25,7 @@ class Record:
         self.src: torch.Tensor | None = None  # the device storage, held until its copy to the host is done
         self.d2h_event: Any = None
         self.data: torch.Tensor | None = None  # the restored device bytes (prefetched or fetched)
-        self.h2d_event: Any = None
+        self.h2d_event: Any = None  # the copy's event, until the compute stream waited for it
         self.handles = 0  # live Handles: the saved tensors (views, duplicates) backed by this record
         self.unpacked = 0  # live handles unpacked in the current backward pass
         self.passes = 0  # backward passes that used every handle (more than one with retain_graph)

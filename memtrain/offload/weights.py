@@ -7,11 +7,11 @@ backward brought), overlapped with compute on a side stream.
 
 How it works (the FSDP2 pattern, on one rank and without sharding):
 
-- each block parameter keeps its ``nn.Parameter`` object. At rest its ``.data`` is the host copy (pinned on CUDA:
-  the offloaded optimizer's fp32 master or its bf16 cast, or the streamer's own copy); in use it is a device
-  tensor of its own whose storage is resized to zero when the block is released, so that the views autograd
-  saved of it (``W.t()`` of a linear) free their memory too and see the weights again when the storage is
-  refilled for backward;
+- each block parameter keeps its ``nn.Parameter`` object. At rest its ``.data`` is the host copy (pinned where the
+  device has streams: the offloaded optimizer's fp32 master or its bf16 cast, or a view of the streamer's own
+  exact-size slab); in use it is a device tensor of its own whose storage is resized to zero when the block is
+  released, so that the views autograd saved of it (``W.t()`` of a linear) free their memory too and see the
+  weights again when the storage is refilled for backward;
 - a forward pre-hook makes the block resident (waiting for its copy) and starts the copies of the next
   ``prefetch`` blocks; a forward post-hook releases it;
 - a hook on the block's outputs fires when their gradient is ready, just before the block's backward (and the
@@ -19,16 +19,26 @@ How it works (the FSDP2 pattern, on one rank and without sharding):
   ``prefetch`` blocks start copying; an identity autograd function on the block's inputs runs after the block's
   backward and releases it (an end-of-backward callback releases anything left);
 - gradients are autograd's, on the device; ``CPUOffloadOptimizer`` streams them to the host as they are
-  accumulated and steps the host master, which is the copy the next forward reads (``stream_weights``).
+  accumulated and steps the host master, which is the copy the next forward reads (``stream_weights``); before
+  its CPU step overwrites those host weights it waits for the event ``fills_done()`` returns: every copy reading
+  them is done.
+
+Streams (FSDP2's pattern, ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``): a block's device storage
+is allocated on the compute stream, so the caching allocator reuses it in compute-stream order and no
+``record_stream`` is needed (a side-stream allocation freed after ``record_stream(compute)`` cannot be reused until
+the compute stream passes the free, and reserved memory grows toward every block); the side stream waits for an
+event recorded on the compute stream at that point (the memory may be what compute's earlier kernels still read),
+copies, and records the event the compute stream waits for before the block is used.
 
 On a CPU-only machine the "device" is the CPU: the same code runs with plain copies and no stream, and the
-counters (resident bytes, blocks in flight, bytes over the link) are what a test asserts.
+counters (resident bytes, blocks in flight, bytes over the link) are what a test asserts; on the simulated
+accelerator (``memtrain.device.simulate``) it runs with its streams, events and memory ledger.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +46,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError, MemtrainError
-from memtrain.offload.transport import CpuTransport, CudaTransport
 
 PREFETCH_DEFAULT = 1  # blocks whose copies run ahead of the one in use: 1 + prefetch blocks on the device at most
 _STREAMED_ATTR = "_memtrain_streamed"  # set on a block module while a streamer holds its weights
@@ -93,13 +103,16 @@ class WeightStreamer:
     of the block weights per micro-batch (forward and backward), overlapped with compute on a side stream.
 
     Args:
-        model: the model, on its training device.
+        model: the model, on its training device; the blocks' weights may be on the device or in host memory (never
+            placed: ``apply_plan`` leaves them there, so they are never whole on the device).
         blocks: the qualified names of the blocks to stream, in forward order (e.g.
             ``memtrain.checkpointing.find_blocks(model)``).
         prefetch: blocks copied ahead of the one in use (>= 0; 0 copies each block when it is reached).
+        device: the training device (default: where the model's first parameter is).
         host_weights: ``id(parameter)`` -> the host tensor holding its weights in the device dtype (e.g.
             ``CPUOffloadOptimizer.stream_weights``: its fp32 master or bf16 cast, so that an optimizer step is what
-            the next forward reads); parameters not in it get a host copy of their own (pinned on CUDA).
+            the next forward reads); parameters not in it get a host copy of their own: views of one exact-size
+            slab, pinned where the device has streams (``Accelerator.host_buffer``).
 
     Raises:
         ConfigError: no blocks, a negative prefetch, a block parameter shared with another block or with the rest of
@@ -113,7 +126,7 @@ class WeightStreamer:
     """
 
     def __init__(self, model: nn.Module, *, blocks: Sequence[str], prefetch: int = PREFETCH_DEFAULT,
-                 host_weights: dict[int, torch.Tensor] | None = None):
+                 device: torch.device | str | None = None, host_weights: dict[int, torch.Tensor] | None = None):
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ConfigError(f"WeightStreamer(prefetch={prefetch!r}): the blocks copied ahead of use must be an "
                               "integer >= 0. To resolve this error, pass e.g. prefetch=1.")
@@ -125,29 +138,26 @@ class WeightStreamer:
         _check_blocks(model, modules, names)
         self.model = model
         self.prefetch = prefetch
-        self.device = next(model.parameters()).device
-        cuda = self.device.type == "cuda"
-        self.transport: CudaTransport | CpuTransport = CudaTransport(self.device) if cuda else CpuTransport()
+        self.acc: Accelerator = accelerator(device if device is not None else next(model.parameters()).device)
+        self.device = self.acc.device
+        self.stream = self.acc.new_stream() if self.acc.has_streams else None  # the copies' side stream
         self.stats = WeightStats()
-        hosts = host_weights or {}
-        self.blocks = [_Block(n, modules[n], [self._weight(p, hosts.get(id(p)), cuda)
-                                              for p in modules[n].parameters()]) for n in names]
+        params = {n: list(modules[n].parameters()) for n in names}
+        # host_slab: the streamer's own host copies (of the parameters not in host_weights), one view each.
+        hosts, self.host_slab = _host_copies([p for n in names for p in params[n]], host_weights or {}, self.acc)
+        self.blocks = [_Block(n, modules[n], [self._weight(p, hosts[id(p)]) for p in params[n]]) for n in names]
         for block in self.blocks:
             setattr(block.module, _STREAMED_ATTR, True)
         self._task: int | None = None  # the backward (autograd graph task) whose blocks were last brought back
+        self._last_fill: Any = None  # the event after the last fill's copies (fills_done)
         self._handles = [h for i, b in enumerate(self.blocks) for h in self._register(i, b.module)]
 
     # -- set-up ---------------------------------------------------------------------------------------------
-    def _weight(self, p: nn.Parameter, host: torch.Tensor | None, pin: bool) -> _Weight:
-        if host is None:
-            host = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
-            host.copy_(p.detach())
-        elif host.shape != p.shape or host.dtype != p.dtype or host.device.type != "cpu":
-            raise ConfigError(f"WeightStreamer: the host copy of a parameter of shape {tuple(p.shape)} is "
-                              f"{tuple(host.shape)} {host.dtype} on {host.device}, not the parameter's {p.dtype} on "
-                              "the host. To resolve this error, pass host tensors in the parameter's shape and dtype.")
-        device = torch.empty_like(p.data, device=self.device)
-        device.untyped_storage().resize_(0)  # no device bytes until the block is used
+    def _weight(self, p: nn.Parameter, host: torch.Tensor) -> _Weight:
+        # Through the seam, whether the weights are on the device now or were never placed (apply_plan leaves them
+        # on the host): a simulated device's ledger then counts the block whenever it is filled.
+        device = self.acc.empty(tuple(p.shape), p.dtype)
+        self.acc.resize_storage(device, 0)  # no device bytes until the block is used
         p.data = host  # NOTE: the device copy of the weights is gone; the parameter now reads the host copy
         return _Weight(p, device, host)
 
@@ -157,17 +167,23 @@ class WeightStreamer:
 
     # -- residency ------------------------------------------------------------------------------------------
     def _fill(self, block: _Block) -> None:
-        """Starts the host -> device copies of ``block`` (on the side stream on CUDA)."""
+        """Starts the host -> device copies of ``block`` (on the side stream where the device has streams)."""
         if block.resident:
             return
-        stream = getattr(self.transport, "stream", None)
-        # Allocated on the side stream, the storage is free there at once (CudaTransport.copy_to_device's rule),
-        # so the prefetch need not wait for the compute stream; hand_over records the compute stream's use.
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for w in block.weights:
-                w.device.untyped_storage().resize_(w.nbytes)
-                w.device.copy_(w.host, non_blocking=True)
-            block.event = stream.record_event() if stream is not None else None
+        acc = self.acc
+        # Allocated on the compute stream (the caller's): the allocator then reuses the memory in compute-stream
+        # order, and no record_stream is needed when the block is released.
+        for w in block.weights:
+            acc.resize_storage(w.device, w.nbytes)
+        dsts, srcs = [w.device for w in block.weights], [w.host for w in block.weights]
+        if self.stream is None:
+            acc.foreach_copy_(dsts, srcs)
+        else:
+            # The memory may be what compute's earlier kernels still read: the side stream starts once the compute
+            # stream reached this point (a device-side wait; the host goes on).
+            acc.wait_event(acc.record_event(), stream=self.stream)
+            acc.foreach_copy_(dsts, srcs, stream=self.stream)
+            block.event = self._last_fill = acc.record_event(self.stream)
         for w in block.weights:
             # The parameter's TensorImpl keeps its version counter: the copy above bumped the device tensor's, not
             # the one autograd checks for the views it saved of the parameter.
@@ -183,22 +199,37 @@ class WeightStreamer:
     def _use(self, block: _Block) -> None:
         """Makes ``block`` resident and orders the compute stream after its copies (no host wait)."""
         self._fill(block)
+        self._wait_fill(block)
+
+    def _wait_fill(self, block: _Block) -> None:
         if block.event is not None:
-            self.transport.wait(block.event)
-            for w in block.weights:
-                self.transport.hand_over(w.device)
+            self.acc.wait_event(block.event)
             block.event = None
 
     def _release(self, block: _Block) -> None:
         if not block.resident:
             return
+        # A prefetched block released unused (an interrupted step): the compute stream, which reuses the memory
+        # once it is freed, first waits for the copy still writing it.
+        self._wait_fill(block)
         for w in block.weights:
             w.param.data = w.host
             # Every view autograd saved of the weights shares this storage: resizing frees their bytes as well.
-            w.device.untyped_storage().resize_(0)
-        block.resident, block.event = False, None
+            self.acc.resize_storage(w.device, 0)
+        block.resident = False
         self.stats.resident_bytes -= block.nbytes
         self.stats.resident_blocks -= 1
+
+    def fills_done(self) -> Any:
+        """The event after every host -> device copy issued so far (they run in order on one side stream), or None
+        where none can be in flight (no fill yet, or no streams).
+
+        Whoever overwrites the host weights waits for it first (``acc.synchronize_event``): the offloaded
+        optimizer's CPU step (``CPUOffloadOptimizer.stream_weights(..., fills_done=streamer.fills_done)``). Cheap
+        at step time, where backward has used every block, so the copies are done; without it the step would race a
+        copy still reading the weights it overwrites (a forward interrupted after a prefetch).
+        """
+        return self._last_fill
 
     def _prefetch(self, index: int, direction: int) -> None:
         for j in range(index + direction, index + direction * (self.prefetch + 1), direction):
@@ -299,6 +330,33 @@ class WeightStreamer:
             self._use(block)
             delattr(block.module, _STREAMED_ATTR)
         self.blocks = []
+
+
+def _host_copies(params: list[nn.Parameter], given: dict[int, torch.Tensor],
+                 acc: Accelerator) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """The host tensor of each parameter (the one ``given``, else a view of one slab holding every other
+    parameter's weights) and that slab (bytes). One exact-size pinned buffer: a pinned allocation per parameter
+    would be rounded up to a power of two each."""
+    for p in params:
+        host = given.get(id(p))
+        if host is not None and (host.shape != p.shape or host.dtype != p.dtype or host.device.type != "cpu"):
+            raise ConfigError(f"WeightStreamer: the host copy of a parameter of shape {tuple(p.shape)} is "
+                              f"{tuple(host.shape)} {host.dtype} on {host.device}, not the parameter's {p.dtype} on "
+                              "the host. To resolve this error, pass host tensors in the parameter's shape and dtype.")
+    own = [p for p in params if id(p) not in given]
+    # Widest elements first: every view then starts at a multiple of its element size, with no padding.
+    own.sort(key=lambda p: -p.element_size())
+    total = sum(p.numel() * p.element_size() for p in own)
+    slab = acc.host_buffer(total, torch.uint8) if acc.has_streams else torch.empty(total, dtype=torch.uint8)
+    hosts = dict(given)
+    at = 0
+    for p in own:
+        n = p.numel() * p.element_size()
+        host = slab[at:at + n].view(p.dtype).view(p.shape)
+        host.copy_(p.detach())
+        hosts[id(p)] = host
+        at += n
+    return hosts, slab
 
 
 def _in_backward() -> bool:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memtrain.device import Accelerator
 from memtrain.errors import MemtrainError
-from memtrain.optim.host_buffers import Bucket, Landing, Slot
+from memtrain.optim.host_buffers import Bucket, Landing, Slot, SumStage, own_sum_stage
 
 
 class GradientLanding:
@@ -33,6 +33,7 @@ class GradientLanding:
         _buckets: list[Bucket]
         _streams: dict[str, Any]
         _worker: Any
+        _landing_worker: Any
         _landings: list[Future[None]]
         _pending: list[list[Landing]]
         _unlanded: list[set[int]]
@@ -41,17 +42,23 @@ class GradientLanding:
         _norms_on_first_landing: bool
         _waiting: list[set[int]] | None
         _early: dict[int, Future[None]]
-        _h2d_done: torch.cuda.Event | None
+        _h2d_done: Any
+        _acc: Accelerator
+        _sum_stage: SumStage | None
+        _sum_numel: int
+        pinned_bytes: int
 
-        def _step_bucket(self, bucket: Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
-                         multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None) -> None: ...
+        def _step_bucket(self, bucket: Bucket, h2d_done: Any, copy_back: bool,
+                         multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
+                         landed: Future[None] | None = None, fills: Any = None) -> None: ...
+
+        def _fills(self) -> Any: ...
 
         def _sync_hyperparameters(self) -> None: ...
 
     def _side_stream(self, direction: str) -> Any:
         """The context a copy over the link is issued in: ``direction``'s own side stream (none on the CPU)."""
-        stream = self._streams[direction]
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+        return self._acc.use_stream(self._streams[direction])
 
     def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
         owner = weakref.ref(self)
@@ -82,41 +89,73 @@ class GradientLanding:
             # the last one): hand over what is pending first, so that a bucket never holds two backwards' copies.
             self._flush_bucket(slot.bucket)
         d2h = self._streams["device_to_host"]
+        acc = self._acc
         if d2h is not None:
-            # The gradient was produced on the stream current here (autograd's for this leaf): copy it only once
-            # it is complete. Read before entering the side stream's context, which changes the current stream.
-            d2h.wait_stream(torch.cuda.current_stream(self.device))
+            self._after_producer(d2h)
         self.link_bytes["device_to_host"] += grad.numel() * grad.element_size()
         with self._side_stream("device_to_host"):
-            staged = None
+            staged, half = None, None
             if copy and grad.dtype == dst.dtype:
-                dst.copy_(grad, non_blocking=True)  # straight into the pinned buffer
+                acc.copy_(dst, grad, stream=d2h)  # straight into the pinned buffer
             elif d2h is None and grad.dtype == dst.dtype:
                 dst.add_(grad)  # the "device" is the CPU: adding now costs one pass, staging a copy two
             elif slot.stage is not None and grad.dtype == slot.stage.dtype:
                 # Another dtype (bf16 device weights): into the owned pinned stage, the worker casts or adds it.
                 if slot.reader is not None:
                     slot.reader.result()  # the last landing's task must have read the stage (long done, in practice)
-                slot.stage.copy_(grad, non_blocking=True)
+                acc.copy_(slot.stage, grad, stream=d2h)
                 staged = slot.stage
+            elif self._sum_numel:
+                # A later micro-batch of the window (same dtype): into the sum stage, the worker adds it. Two
+                # halves of pinned memory, not a buffer per parameter (4 more bytes each of host RAM).
+                staged, half = self._sum_stage_view(slot)
+                acc.copy_(staged, grad, stream=d2h)
             else:
-                # NOTE: an fp32 sum on CUDA (a later micro-batch of the window) is staged through torch's pinned
-                # cache: an owned buffer would cost 4 more bytes per parameter of host RAM for every run.
-                staged = grad.to("cpu", non_blocking=True, copy=True)
+                staged = acc.to_host(grad, stream=d2h)  # no streams: a plain copy
             if d2h is not None:
-                grad.record_stream(d2h)  # the allocator must not reuse it before the copy is done
+                acc.record_stream(grad, d2h)  # the allocator must not reuse it before the copy is done
         want_norm = self._norms_in_backward or (self._norms_on_first_landing and copy)
         slot.has_grad, slot.zeroed = True, False
         slot.landings += 1
         if free:
             slot.device.grad = None
-        self._pending[slot.bucket].append(Landing(slot, dst, staged, copy, want_norm))
+        self._pending[slot.bucket].append(Landing(slot, dst, staged, copy, want_norm, sum_half=half))
         unlanded = self._unlanded[slot.bucket]
         unlanded.discard(id(slot))
         if not unlanded:
             self._flush_bucket(slot.bucket)
         if self._waiting is not None:
             self._maybe_step_bucket(slot)
+
+    def _sum_stage_view(self, slot: Slot) -> tuple[torch.Tensor, int]:
+        """``slot``'s place in the sum stage (allocated by the first call) and its half. A full half hands over to
+        the other, once every landing staged there was handed to the landing worker and read."""
+        if self._sum_stage is None:
+            self._sum_stage, nbytes = own_sum_stage(self._sum_numel, slot.master.dtype, self._acc)
+            self.pinned_bytes += nbytes
+        stage = self._sum_stage
+        place = stage.take(slot.master.numel())
+        if place is None:
+            stage.current, stage.used = 1 - stage.current, 0
+            half = stage.current
+            for bucket in sorted(stage.owners[half]):
+                if self._pending[bucket]:
+                    self._flush_bucket(bucket)  # gradients still staged there: hand them over first
+            stage.owners[half].clear()
+            if stage.reader[half] is not None:
+                # The last landing task reading this half: on the landing worker, behind nothing but landings.
+                stage.reader[half].result()
+                stage.reader[half] = None
+            place = stage.take(slot.master.numel())
+        half, offset = place
+        stage.owners[half].add(slot.bucket)
+        n = slot.master.numel()
+        return stage.halves[half][offset:offset + n].view(slot.master.shape), half
+
+    def _after_producer(self, d2h: Any) -> None:
+        """Orders the device->host stream after the gradient's producer: autograd's stream for this leaf, the one
+        current here (read before entering the side stream's context, which changes the current stream)."""
+        self._acc.wait_stream(d2h, self._acc.current_stream())
 
     def _flush_bucket(self, index: int) -> None:
         """Hands the bucket's pending landings to the worker: one event (the side stream's copies so far) and one
@@ -127,14 +166,16 @@ class GradientLanding:
             return
         event = None
         if self._streams["device_to_host"] is not None:
-            event = torch.cuda.Event()
-            event.record(self._streams["device_to_host"])  # after every copy of this bucket: in stream order
+            # After every copy of this bucket: in stream order.
+            event = self._acc.record_event(self._streams["device_to_host"])
         # Always a task, even with nothing to add: only the worker writes the slots' norms (in task order).
-        task = self._worker.submit(finish_landings, landings, event)
+        task = self._landing_worker.submit(finish_landings, landings, event, self._acc)
         self._landings.append(task)
         for landing in landings:
             if landing.staged is not None and landing.staged is landing.slot.stage:
                 landing.slot.reader = task
+            if landing.sum_half is not None:
+                self._sum_stage.reader[landing.sum_half] = task
 
     def _flush_landings(self) -> None:
         for index in range(len(self._buckets)):
@@ -159,9 +200,10 @@ class GradientLanding:
         waiting = self._waiting[slot.bucket]
         waiting.discard(id(slot))
         if not waiting:
-            # The worker queue is FIFO: this runs after the bucket's landings (handed over first), on complete
-            # gradients.
+            # The step runs on complete gradients: after the bucket's landings, handed over first to the landing
+            # worker, whose queue is FIFO (its last task covers every earlier one).
             self._flush_bucket(slot.bucket)
+            landed = self._landings[-1] if self._landings else None
             bucket = self._buckets[slot.bucket]
             for s in bucket.slots:
                 s.master.grad = s.grads[self._buffer]
@@ -170,8 +212,9 @@ class GradientLanding:
                 # The copy back of these weights must not overtake the backward kernels already queued that still
                 # read them (this layer's input gradient, issued before its weight's gradient landed): the
                 # host-to-device stream waits for everything queued on the compute stream so far.
-                h2d.wait_stream(torch.cuda.current_stream(self.device))
-            self._early[slot.bucket] = self._worker.submit(self._step_bucket, bucket, self._h2d_done, True)
+                self._acc.wait_stream(h2d, self._acc.current_stream())
+            self._early[slot.bucket] = self._worker.submit(self._step_bucket, bucket, self._h2d_done, True,
+                                                           landed=landed, fills=self._fills())
 
     def step_in_next_backward(self) -> None:
         """Arms the next backward to run the CPU step of each bucket as soon as its last gradient lands.
@@ -199,11 +242,10 @@ class GradientLanding:
         self._waiting = [{id(s) for s in b.slots} for b in self._buckets]
 
 
-def finish_landings(landings: list[Landing], event: torch.cuda.Event | None) -> None:
+def finish_landings(landings: list[Landing], event: Any, acc: Accelerator) -> None:
     """Worker side of one bucket's gradient copies: wait for the transfers, add (or cast) each staged gradient,
     then take the norms asked for (of the sum, after a parameter's last landing in the list)."""
-    if event is not None:
-        event.synchronize()
+    acc.synchronize_event(event)  # the copies into the host buffers (and stages) are complete
     last: dict[int, Landing] = {}
     with torch.no_grad():
         for landing in landings:

@@ -8,14 +8,16 @@ optimizer owns each parameter.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from memtrain.device import Accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
 from memtrain.report import format_bytes
@@ -59,6 +61,55 @@ class Landing:
     staged: torch.Tensor | None  # the copied gradient, when it must be added or cast into dst
     copy: bool  # staged replaces dst (first landing of the window) instead of adding to it
     want_norm: bool
+    sum_half: int | None = None  # staged is a view of this half of the sum stage
+
+
+@dataclass(eq=False)
+class SumStage:
+    """Where a later micro-batch's gradient lands (in the host buffers' dtype) before the landing worker adds it:
+    two pinned halves filled in turn, each at least the largest parameter and about a quarter of the parameters
+    (at most a bucket), so that one half takes copies while the landing worker adds the other's. Replaces torch's
+    pinned cache (each copy a power-of-two block, kept for the process's life, invisible to the host-RAM check).
+
+    A half is reused only once every landing staged in it was handed to the landing worker and read.
+    """
+
+    halves: tuple[torch.Tensor, torch.Tensor]
+    current: int = 0  # the half being filled
+    used: int = 0  # its elements taken
+    owners: tuple[set[int], set[int]] = field(default_factory=lambda: (set(), set()))  # buckets staged in each
+    reader: list[Future[None] | None] = field(default_factory=lambda: [None, None])  # last task reading each
+
+    def take(self, n: int) -> tuple[int, int] | None:
+        """(half, offset) of ``n`` more elements in the current half, or None when it is full."""
+        if self.used + aligned(n) > self.halves[0].numel():
+            return None
+        place = (self.current, self.used)
+        self.used += aligned(n)
+        return place
+
+
+def sum_stage_numel(numels: list[int], bucket_numel: int) -> int:
+    """Elements of one sum stage half over parameters of ``numels``: the largest parameter, or a quarter of them
+    all if more (at most ``bucket_numel``); aligned as laid out. Pure, for byte models."""
+    if not numels:
+        return 0
+    quarter = aligned(sum(aligned(n) for n in numels) // 4)
+    return max(max(aligned(n) for n in numels), min(quarter, aligned(bucket_numel)))
+
+
+def own_sum_stage(numel: int, dtype: torch.dtype, acc: Accelerator) -> tuple[SumStage, int]:
+    """The sum stage (two halves of ``numel`` elements, one pinned slab at its exact size) and its bytes, after
+    checking the host RAM."""
+    need = 2 * numel * torch.empty((), dtype=dtype).element_size()
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise MemtrainError(
+            f"CPUOffloadOptimizer needs {format_bytes(need)} of host RAM for the stage a later micro-batch's "
+            f"gradients land in, but only {format_bytes(available)} is available. To resolve this error, free host "
+            "memory, or train with one micro-batch per step.")
+    halves = acc.host_buffer(2 * numel, dtype).split(numel)
+    return SumStage((halves[0], halves[1])), need
 
 
 @dataclass(eq=False)
@@ -70,14 +121,27 @@ class Bucket:
     group_of: list[int]  # inner group i mirrors param_groups[group_of[i]]
 
 
-def release(hooks: list[Any], worker: ThreadPoolExecutor, params: list[torch.Tensor]) -> None:
+def release(hooks: list[Any], workers: tuple[ThreadPoolExecutor, ...], params: list[torch.Tensor]) -> None:
     for handle in hooks:
         handle.remove()
     for p in params:
         entry = _OWNERS.get(id(p))
         if entry is not None and entry[0]() is p:
             del _OWNERS[id(p)]
-    worker.shutdown(wait=False)
+    for worker in workers:
+        worker.shutdown(wait=False)
+
+
+def host_work(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs an optimizer method inside its device seam's ``host()`` region: the scalars and flags the loop's thread
+    makes there (norms, multipliers, inf flags) are host memory, not device memory, under the simulated ledger."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._acc.host():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 # Each parameter's optimizer, weakly both ways (keyed by id: tensors compare by value, not identity). A second live
@@ -100,40 +164,7 @@ def claim(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
     _OWNERS[key] = (weakref.ref(p, forget), weakref.ref(optimizer))
 
 
-_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 DIRECTIONS = ("device_to_host", "host_to_device")
-
-
-def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A flat host tensor, page-locked when ``pin`` (so copies to and from the GPU are asynchronous DMA).
-
-    Registers an ordinary allocation with cudaHostRegister: torch's pinned allocator rounds each request up to a
-    power of two (a 4.4 GB buffer would pin 8 GB). The registration lives as long as the tensor's memory.
-    """
-    buffer = torch.empty(numel, dtype=dtype)
-    if not pin or numel == 0:
-        return buffer
-    cudart = torch.cuda.cudart()
-    register = getattr(cudart, "cudaHostRegister", None)
-    if register is None:
-        return buffer.pin_memory()
-    # On a throwaway thread: a refused registration leaves the CUDA runtime's per-thread "last error" set, which
-    # the next kernel launch's error check on that thread would report as its own failure. A new thread starts on
-    # device 0: it is set to this process's device first (no context on GPU 0 for every rank), and the memory is
-    # registered as portable (page-locked for every device's context, as torch's own host registration does).
-    device = torch.cuda.current_device()
-
-    def register_here() -> int:
-        torch.cuda.set_device(device)
-        return int(register(buffer.data_ptr(), numel * buffer.element_size(), _CUDA_HOST_REGISTER_PORTABLE))
-
-    with ThreadPoolExecutor(max_workers=1) as once:
-        status = once.submit(register_here).result()
-    if status != 0:
-        # NOTE: registration refused (e.g. a locked-memory limit): the allocator's way, rounded up.
-        return buffer.pin_memory()
-    weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, buffer.data_ptr())
-    return buffer
 
 
 def bucket_runs(numels: list[int], bucket_numel: int) -> list[list[int]]:
@@ -157,7 +188,7 @@ def aligned(numel: int) -> int:
 
 
 def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[str] | None, *,
-            n_grad_buffers: int, device_dtype: torch.dtype | None, pin: bool,
+            n_grad_buffers: int, device_dtype: torch.dtype | None, acc: Accelerator,
             master_dtype: torch.dtype = torch.float32) -> tuple[dict[int, Slot], list[int]]:
     """The host buffers of ``flat`` and one slot of views into them per parameter (by index in ``flat``), with the
     bucket order; fills each master from its parameter, then casts the device parameter to ``device_dtype``.
@@ -168,9 +199,15 @@ def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[
     """
     order = list(reversed(range(len(flat))))
     total = sum(aligned(p.numel()) for p in flat)
-    master_flat = host_buffer(total, master_dtype, pin)
+
+    def host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        # Pinned at its exact size where the device has streams (registered: torch's host allocator would round
+        # each request up to a power of two); plain memory on the CPU, where nothing crosses a link.
+        return acc.host_buffer(numel, dtype) if acc.has_streams else torch.empty(numel, dtype=dtype)
+
+    master_flat = host_buffer(total, master_dtype)
     # Never read before written: a gradient's first landing copies, later ones add.
-    grad_flats = [host_buffer(total, master_dtype, pin) for _ in range(n_grad_buffers)]
+    grad_flats = [host_buffer(total, master_dtype) for _ in range(n_grad_buffers)]
     def target(p: torch.Tensor) -> torch.dtype:  # the device parameter's dtype once set up
         return device_dtype if device_dtype is not None and p.is_floating_point() else p.dtype
 
@@ -178,13 +215,13 @@ def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[
     for p in flat:
         if target(p) != master_dtype:
             cast_numel[target(p)] = cast_numel.get(target(p), 0) + aligned(p.numel())
-    cast_flats = {dt: host_buffer(n, dt, pin) for dt, n in cast_numel.items()}
+    cast_flats = {dt: host_buffer(n, dt) for dt, n in cast_numel.items()}
     # NOTE: one buffer serves as both where a step never overlaps a backward (no delayed update): the gradient
     # stage is read (cast into the fp32 buffer) before the step, the cast written after it and copied to the
     # device before the next forward, whose backward alone writes the stage again (the compute stream waits for
     # those copies, the gradient copies for the compute stream). Saves 2 bytes per bf16 parameter of host RAM.
     stage_flats = cast_flats if n_grad_buffers == 1 else {
-        dt: host_buffer(n, dt, pin) for dt, n in cast_numel.items()}  # same layout as the casts
+        dt: host_buffer(n, dt) for dt, n in cast_numel.items()}  # same layout as the casts
     group_index = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     slots: dict[int, Slot] = {}
     offset, cast_offset = 0, dict.fromkeys(cast_flats, 0)
@@ -212,6 +249,31 @@ def lay_out(flat: list[torch.Tensor], groups: list[dict[str, Any]], names: list[
         slots[i] = slot
         offset += aligned(n)
     return slots, order
+
+
+def own_stages(slots: list[Slot], acc: Accelerator) -> int:
+    """Gives each of ``slots`` a gradient stage of its own (they shared their cast buffer) as views of one host
+    slab per dtype, pinned at its exact size where the device has streams; returns the bytes pinned. Checks the
+    host RAM first."""
+    by_dtype: dict[torch.dtype, list[Slot]] = {}
+    for slot in slots:
+        by_dtype.setdefault(slot.cast.dtype, []).append(slot)
+    sizes = {dt: sum(aligned(s.cast.numel()) for s in group) for dt, group in by_dtype.items()}
+    need = sum(n * torch.empty((), dtype=dt).element_size() for dt, n in sizes.items())
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise MemtrainError(
+            f"CPUOffloadOptimizer.stream_weights needs {format_bytes(need)} of host RAM for the gradient stages of "
+            f"{len(slots)} streamed parameters, but only {format_bytes(available)} is available. To resolve this "
+            "error, free host memory or stream fewer blocks.")
+    for dt, group in by_dtype.items():
+        slab = acc.host_buffer(sizes[dt], dt) if acc.has_streams else torch.empty(sizes[dt], dtype=dt)
+        offset = 0
+        for slot in group:
+            n = slot.cast.numel()
+            slot.stage = slab[offset:offset + n].view(slot.cast.shape)
+            offset += aligned(n)
+    return need if acc.has_streams else 0
 
 
 # -- validation ---------------------------------------------------------------------------------------------
@@ -301,15 +363,17 @@ def host_buffer_bytes(flat: list[torch.Tensor], *, n_grad_buffers: int,
 
 def check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_buffers: int, pin: bool,
                     device_dtype: torch.dtype | None = None, master_dtype: torch.dtype = torch.float32,
-                    state_bytes_per_param: float | None = None) -> None:
+                    state_bytes_per_param: float | None = None) -> int:
     """Raises before allocating when the host buffers would not fit in the machine's available RAM
     (``state_bytes_per_param``: the state's bytes a parameter where the class cannot say, e.g. PureBF16AdamW's,
-    which depend on its moments' precision)."""
+    which depend on its moments' precision). Returns the buffers' bytes (state aside): what is pinned when
+    ``pin``, to the byte (registered slabs, no power-of-two rounding)."""
     numel = sum(aligned(p.numel()) for p in flat)
     per_param = state_bytes_per_param or getattr(optimizer_class, "state_bytes_per_param", None)  # lean classes'
     state = int(STATE_BYTES_PER_PARAM.get(optimizer_class, per_param or 8) * numel)
-    need = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype,
-                             master_dtype=master_dtype) + state
+    buffers = host_buffer_bytes(flat, n_grad_buffers=n_grad_buffers, device_dtype=device_dtype,
+                                master_dtype=master_dtype)
+    need = buffers + state
     available = available_host_bytes()
     if available is not None and need > available:
         raise MemtrainError(
@@ -318,4 +382,5 @@ def check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_bu
             f"for non-fp32 device weights), plus about {format_bytes(state)} "
             f"of {optimizer_class.__name__} state), but only {format_bytes(available)} is available. To resolve "
             "this error, free host memory, train fewer parameters, or keep the optimizer on the device.")
+    return buffers
 

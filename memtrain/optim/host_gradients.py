@@ -8,12 +8,12 @@ landed (``memtrain.optim.gradient_landing``). ``gradients()`` is the one call th
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memtrain.errors import MemtrainError
-from memtrain.optim.host_buffers import Slot
+from memtrain.optim.host_buffers import Slot, host_work
 
 
 class HostGradients:
@@ -21,6 +21,7 @@ class HostGradients:
     ``CPUOffloadOptimizer.__init__``)."""
 
     if TYPE_CHECKING:
+        _acc: Any
         _slots: list[Slot]
         _gathered: bool
         _waiting: list[set[int]] | None
@@ -31,6 +32,7 @@ class HostGradients:
 
         def _gather(self) -> None: ...
 
+    @host_work
     def gradients(self) -> list[torch.Tensor]:
         """This step's host gradients (landed, unscaled, normalised by ``scale_gradients_``), in param_groups
         order, for in-place edits.
@@ -50,6 +52,7 @@ class HostGradients:
         return grads
 
     @torch.no_grad()
+    @host_work
     def scale_gradients_(self, factor: float | torch.Tensor) -> None:
         """Multiplies this step's host gradients by ``factor`` (e.g. one over the items in the window), lazily.
 
@@ -112,6 +115,7 @@ class HostGradients:
         return total, multiplier, found
 
     @torch.no_grad()
+    @host_work
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` would on the device.
 

@@ -121,25 +121,27 @@ class StepInBackward:
         as torch's clip_grad_norm_ stacks them (another order can move the last bit), on the device; and the
         window's inf flag (None when nothing was checked)."""
         arming = self._arming
-        host: dict[int, Any] = {}
         host_found = None
+        target = next(iter(self._norms.values())).device if self._norms else torch.device("cpu")
+        host_norms: dict[int, torch.Tensor] = {}
         if self._host is not None:
             self._host._gather()
-            host = {id(s.device): s for s in self._host._slots}
-            grads = [s.master.grad for s in self._host._slots if s.master.grad is not None]
+            landed = [s for s in self._host._slots if s.master.grad is not None]
+            grads = [s.master.grad for s in landed]
             if grads and arming.scaler is not None:
                 host_found = torch.zeros((), dtype=torch.float32)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, host_found,
                                                                  self._inv_scale(arming.scaler, grads[0].device))
             if grads:
                 self._multiply_by_factor(grads)
-        target = next(iter(self._norms.values())).device if self._norms else torch.device("cpu")
+                # One foreach pass and one copy for all the host norms: a norm and a copy per parameter cost
+                # several microseconds each on the loop's thread.
+                stacked = torch.stack(torch._foreach_norm(grads, 2.0)).to(target, non_blocking=True)
+                host_norms = {id(s.device): n for s, n in zip(landed, stacked.unbind(), strict=True)}
         norms = []
         for p in self.param_groups[0]["params"]:
-            if id(p) in host:
-                g = host[id(p)].master.grad
-                if g is not None:
-                    norms.append(torch._foreach_norm([g], 2.0)[0].to(target, non_blocking=True))
+            if id(p) in host_norms:
+                norms.append(host_norms[id(p)])
             elif id(p) in self._norms:
                 norms.append(self._norms[id(p)].to(target, non_blocking=True))
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros((), device=target)

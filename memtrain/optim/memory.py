@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from memtrain.errors import ConfigError
-from memtrain.optim.host_buffers import aligned, bucket_runs
+from memtrain.optim.host_buffers import aligned, bucket_runs, sum_stage_numel
 from memtrain.optim.moments import (
     BF16_CHUNK,
     INT8_BLOCK,
@@ -69,7 +69,7 @@ class OptimizerMemory:
             copies and rounding noise; step-in-backward's one pass adds none).
         host_state_bytes: optimizer state in host RAM (offloaded parameters).
         host_bytes: everything in host RAM: fp32 masters, gradient buffers, cast and gradient stage buffers
-            (non-fp32 device weights) and state.
+            (non-fp32 device weights), the sum stage (with accumulation, on a device with streams) and state.
         offloaded_params: parameters (tensors) whose state is on the host.
     """
 
@@ -145,6 +145,11 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         if host else 0
     if host and pure_bf16:  # the bf16 weights themselves and bf16 gradient buffers: nothing to cast
         host_bytes = host_state + 2 * aligned_numel * (2 + bool(delayed_update))
+    if host and device_type != "cpu" and accumulation_steps > 1:
+        # The sum stage a later micro-batch's gradient lands in before it is added (two halves, pinned by the
+        # first such micro-batch).
+        host_bytes += 2 * sum_stage_numel([n for n, _ in host], CPUOffloadOptimizer.bucket_numel) \
+            * (2 if pure_bf16 else 4)
 
     grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
     device_grads = sum(grad_bytes)

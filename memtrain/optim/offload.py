@@ -9,9 +9,10 @@ fp32 master (4 bytes per parameter), a gradient buffer (4) and AdamW's moments: 
 How a step flows:
 
 - backward: a post-accumulate-grad hook copies each gradient device -> host on a side stream as soon as autograd
-  has produced it and frees the device gradient. A second micro-batch's gradient is added into the host buffer,
-  so gradient accumulation needs no change to the loop. The host side of the landings (waiting for the copies,
-  adding, casting) is handed to the worker thread once per bucket: one event and one task per bucket.
+  has produced it and frees the device gradient. A second micro-batch's gradient lands in a pinned sum stage (two
+  halves filled in turn) and is added into the host buffer, so gradient accumulation needs no change to the loop.
+  The host side of the landings (waiting for the copies, adding, casting) is handed to a landing thread once per
+  bucket: one event and one task per bucket, never queued behind a CPU step (on the step's own thread).
 - ``scale_gradients_(factor)`` and ``clip_grad_norm_(max_norm)`` (optional) make no pass over the host gradients:
   the factor, the fp16 inverse scale and the clip coefficient become one multiplier that the CPU step applies to
   each bucket just before stepping it, on the worker; the global norm (as ``torch.nn.utils.clip_grad_norm_``
@@ -29,7 +30,10 @@ How a step flows:
 - ``delayed_update=True``: ``step()`` returns at once and the CPU step runs during the next forward and backward
   (see the class docstring for the exact semantics).
 
-On a CPU-only machine the "device" is the CPU: the same code runs with no streams and no pinned memory.
+Every stream, event, copy and pinned buffer goes through the device seam (``memtrain.device.accelerator``): on the
+plain CPU the same code runs with no streams and no pinned memory; on the simulated accelerator the side streams
+run behind and poison what is read before it is waited (tests/test_optim_simulated.py). Pinned memory is a few
+slabs registered at their exact size (``pinned_bytes``, what the host-RAM check counted).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.gradient_landing import GradientLanding
 from memtrain.optim.host_buffers import (
@@ -50,13 +55,17 @@ from memtrain.optim.host_buffers import (
     Bucket,
     Landing,
     Slot,
+    SumStage,
     bucket_runs,
     check_host_ram,
     claim,
     group_indices,
+    host_work,
     lay_out,
+    own_stages,
     parse_params,
     release,
+    sum_stage_numel,
 )
 from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
@@ -152,7 +161,10 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if pure_bf16:
             _check_bf16_weights(flat, names)
         self.device = flat[0].device
-        pin = torch.cuda.is_available()  # pinned memory makes D2H/H2D copies asynchronous; CPU-only: nothing to pin
+        # Every stream, event, copy and pinned buffer goes through the device's seam; a device without streams (the
+        # plain CPU) runs the same code with none, and nothing to pin.
+        self._acc = accelerator(self.device)
+        pin = self._acc.has_streams  # pinned memory makes D2H/H2D copies asynchronous
         _check_gradients_after_sync(offload_gradients)
         self.offload_gradients = offload_gradients
         self.delayed_update = delayed_update
@@ -161,12 +173,20 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
             optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
         master_dtype = torch.bfloat16 if pure_bf16 else torch.float32
-        check_host_ram(flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin,
-                       device_dtype=device_dtype, master_dtype=master_dtype,
-                       state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None)
+        buffer_bytes = check_host_ram(
+            flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin, device_dtype=device_dtype,
+            master_dtype=master_dtype, state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None)
+        # The bytes pinned: the buffers check_host_ram counted, registered at their exact size (a sum stage at the
+        # first later micro-batch, and stream_weights' stages, add theirs).
+        self.pinned_bytes = buffer_bytes if pin else 0
+        # Where a later micro-batch's gradient lands before it is added (where copies are asynchronous): allocated
+        # by the first one, so that a run without accumulation pins none.
+        self._sum_numel = sum_stage_numel([p.numel() for p in flat], self.bucket_numel) \
+            if pin and offload_gradients else 0
+        self._sum_stage: SumStage | None = None
         template = _probe(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
         slots, order = lay_out(flat, groups, names, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
-                               pin=pin, master_dtype=master_dtype)
+                               acc=self._acc, master_dtype=master_dtype)
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
         self._init_param_groups(template, groups, names)
         self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
@@ -177,7 +197,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             claim(slot.device, self)
         # An optimizer that is dropped without close() must not keep taking gradients: the hooks hold it weakly,
         # and this removes them (and stops the worker) once it is collected.
-        self._finalizer = weakref.finalize(self, release, list(self._hooks), self._worker,
+        self._finalizer = weakref.finalize(self, release, list(self._hooks), (self._worker, self._landing_worker),
                                            [s.device for s in self._slots])
 
     @property
@@ -209,22 +229,28 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
 
     def _init_step_state(self) -> None:
         """The streams, the worker thread and the bookkeeping of landings and steps, all empty."""
-        cuda = self.device.type == "cuda"
+        acc = self._acc
         # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
         # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
         # PCIe directions overlap.
-        self._streams: dict[str, Any] = {d: torch.cuda.Stream(self.device) if cuda else None for d in DIRECTIONS}
+        self._streams: dict[str, Any] = {d: acc.new_stream() if acc.has_streams else None for d in DIRECTIONS}
         # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
         self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
         self._streamed: set[int] = set()  # id(slot) of the parameters whose weights parameter offload streams
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
+        # The host side of the landings runs on a thread of its own: a delayed step (seconds of CPU work) on the
+        # step's thread must not hold the next backward's landings, which a second micro-batch waits for before
+        # reusing a gradient stage. Tasks that need the landings done wait for them explicitly.
+        self._landing_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim-landing")
+        # Parameter offload's fills of the host weights the step overwrites (stream_weights): an event after them.
+        self._fills_done: Callable[[], Any] | None = None
         self._landings: list[Future[None]] = []
         # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
         # bucket's landings go to the worker in one task once all its slots landed (or at clip/step time).
         self._pending: list[list[Landing]] = [[] for _ in self._buckets]
         self._unlanded: list[set[int]] = [{id(s) for s in b.slots} for b in self._buckets]
         self._update: list[Future[None]] | None = None  # the CPU step in flight (delayed_update)
-        self._h2d_done: torch.cuda.Event | None = None
+        self._h2d_done: Any = None  # the event after the last copies back
         self._buffer = 0  # which host gradient buffer the next backward writes
         self._gathered = False  # this step's gradients are on the host, attached, unscaled
         self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
@@ -328,6 +354,12 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._start_step()
+        return loss
+
+    @host_work
+    def _start_step(self) -> None:
+        """step() after its closure: gathers the gradients, then starts (delayed_update) or runs the CPU step."""
         # GradScaler.step() sets grad_scale (gradients still scaled) or only found_inf (after scaler.unscale_).
         scaler_found_inf = None
         if self.grad_scaler is None and getattr(self, "found_inf", None) is not None:
@@ -366,10 +398,11 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self._sync_hyperparameters()
         if self._streams["host_to_device"] is not None:
             # The copies back overwrite weights that this step's backward read on the compute stream.
-            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
-        h2d_done = self._h2d_done
+            self._acc.wait_stream(self._streams["host_to_device"], self._acc.current_stream())
+        h2d_done, fills = self._h2d_done, self._fills()
         futures = list(early.values())  # stepped during backward (step_in_next_backward)
-        futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found)
+        futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found,
+                                        fills=fills)
                     for i, b in enumerate(self._buckets) if i not in early]
         if self.delayed_update:
             self._update = futures
@@ -383,20 +416,28 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             self._after_copies()
         self._gathered = False
         self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
-        return loss
+
+    def _fills(self) -> Any:
+        """The event after parameter offload's fills issued so far (stream_weights), or None."""
+        return self._fills_done() if self._fills_done is not None else None
 
     def _sync_hyperparameters(self) -> None:
         for bucket in self._buckets:
             for inner_group, gi in zip(bucket.inner.param_groups, bucket.group_of, strict=True):
                 inner_group.update(self._hyperparameters(gi))
 
-    def _step_bucket(self, bucket: Bucket, h2d_done: torch.cuda.Event | None, copy_back: bool,
-                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None) -> None:
+    def _step_bucket(self, bucket: Bucket, h2d_done: Any, copy_back: bool,
+                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
+                     landed: Future[None] | None = None, fills: Any = None) -> None:
+        if landed is not None:
+            landed.result()  # step_in_next_backward: the bucket's landings (on the landing worker) are complete
         if found is not None and found.item():
             return  # an inf/nan gradient (fp16 overflow): skipped, weights and state untouched, nothing to copy
-        if h2d_done is not None:
-            h2d_done.synchronize()  # the previous copies back read the masters (and casts) we are about to overwrite
         with torch.no_grad():
+            # The previous copies back, and parameter offload's fills, read the masters (and casts) we are about
+            # to overwrite.
+            self._acc.synchronize_event(h2d_done)
+            self._acc.synchronize_event(fills)
             if isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
                 grads = [s.master.grad for s in bucket.slots if s.master.grad is not None]
                 if grads:
@@ -415,16 +456,26 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             if copy_back:
                 self._copy_to_device(bucket.slots)
 
-    def stream_weights(self, params: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    def stream_weights(self, params: Iterable[torch.Tensor], *,
+                       fills_done: Callable[[], Any] | None = None) -> dict[int, torch.Tensor]:
         """Hands ``params``' host weights to parameter offload (``memtrain.offload.weights.WeightStreamer``):
         ``id(parameter)`` -> the host tensor holding its weights in the device dtype after every step (the fp32
         master, or its cast), which the streamer copies to the device each time its block is used. The step copies
-        nothing back for them, and a cast gets a gradient stage of its own (2 bytes a bf16 parameter of host RAM):
-        the shared one would be written by gradients landing while backward still reads the cast.
+        nothing back for them, and a cast gets a gradient stage of its own (2 bytes a bf16 parameter of host RAM,
+        one pinned slab for all of them): the shared one would be written by gradients landing while backward
+        still reads the cast.
+
+        Args:
+            params: the streamed parameters.
+            fills_done: called on the loop's thread when a step starts (``step()``, or a bucket stepping in
+                backward): returns an event of the device seam recorded after every fill of these weights the
+                streamer has issued so far (None: none in flight). The step waits for it on the worker
+                (``synchronize_event``) before it overwrites host weights that a fill may still be reading.
 
         Raises:
             ConfigError: a parameter this optimizer does not hold, or ``delayed_update`` (its step would write the
                 host weights while the next forward reads them).
+            MemtrainError: not enough free host RAM for the stages.
         """
         if self.delayed_update:
             raise ConfigError("CPUOffloadOptimizer(delayed_update=True) with parameter offload: the delayed step "
@@ -437,16 +488,24 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             raise ConfigError(f"CPUOffloadOptimizer.stream_weights: {len(missing)} parameter(s) (shapes "
                               f"{missing[:3]}) are not this optimizer's. To resolve this error, pass parameters it "
                               "was built with.")
+        slots = [by_id[id(p)] for p in params]
+        shared = [s for s in slots if s.cast is not None and s.stage is not None
+                  and s.stage.data_ptr() == s.cast.data_ptr()]
+        self.pinned_bytes += own_stages(shared, self._acc)
         hosts = {}
-        for p in params:
-            slot = by_id[id(p)]
+        for p, slot in zip(params, slots, strict=True):
             if slot.cast is not None:
                 slot.cast.copy_(slot.device.detach())  # written by steps only: until the first, the device's
-                if slot.stage is not None and slot.stage.data_ptr() == slot.cast.data_ptr():
-                    slot.stage = torch.empty_like(slot.cast, pin_memory=self.device.type == "cuda")
             self._streamed.add(id(slot))
             hosts[id(p)] = slot.master if slot.cast is None else slot.cast
+        if fills_done is not None:
+            self.wait_for_fills(fills_done)
         return hosts
+
+    def wait_for_fills(self, fills_done: Callable[[], Any] | None) -> None:
+        """Sets ``stream_weights``' ``fills_done`` once the streamer exists (it is built from the host weights
+        ``stream_weights`` returns): ``optimizer.wait_for_fills(streamer.fills_done)``. None: no wait."""
+        self._fills_done = fills_done
 
     def _copy_to_device(self, slots: list[Slot]) -> None:
         """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
@@ -456,17 +515,17 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
         with torch.no_grad(), self._side_stream("host_to_device"):
             # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
-            torch._foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
-                                 non_blocking=True)
+            self._acc.foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
+                                    stream=self._streams["host_to_device"])
 
     def _after_copies(self) -> None:
         h2d = self._streams["host_to_device"]
         if h2d is not None:
-            self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record(h2d)
-            # The next forward reads the new weights: order it after the copies (the GPU waits, not the host).
-            torch.cuda.current_stream(self.device).wait_stream(h2d)
+            self._h2d_done = self._acc.record_event(h2d)
+            # The next forward reads the new weights: order it after the copies (the device waits, not the host).
+            self._acc.wait_event(self._h2d_done, self._acc.current_stream())
 
+    @torch.no_grad()
     def _finish_update(self) -> None:
         if self._update is None:
             return
@@ -476,7 +535,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if self._streams["host_to_device"] is not None:
             # The next backward read the old weights on the compute stream: the copies back wait for it (not for
             # the gradient copies, on the other side stream).
-            self._streams["host_to_device"].wait_stream(torch.cuda.current_stream(self.device))
+            self._acc.wait_stream(self._streams["host_to_device"], self._acc.current_stream())
         self._copy_to_device(self._slots)
         self._after_copies()
 

@@ -55,7 +55,8 @@ class HostPart:
             if self._host is not None:
                 # No pass over the host gradients: the inverse scale joins the host step's multiplier, and their
                 # inf check is their norm's.
-                self._host._inv_scale = inv.to("cpu", copy=True)
+                with self._host._acc.host():  # a host value (the device seam's ledger must not count it)
+                    self._host._inv_scale = inv.to("cpu", copy=True)
         self._gathered = True
 
     def _all_grads(self) -> list[torch.Tensor]:
