@@ -98,7 +98,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     streamed = streamed_params(model, names) if s.offload_weights else []
     if s.distribution != "fsdp2":
         place_model(model, acc, leave=streamed)
-    weights = stream_weights(model, names, optimizer) if s.offload_weights else None
+    weights = stream_weights(model, names, optimizer, device) if s.offload_weights else None
     if s.distribution == "fsdp2":
         # Imported here: only an FSDP2 run needs torch.distributed's FSDP (not every torch build has it).
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -150,9 +150,11 @@ def streamed_params(model: nn.Module, blocks: list[str]) -> list[nn.Parameter]:
     return list({id(p): p for name in blocks for p in modules[name].parameters()}.values())
 
 
-def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any) -> WeightStreamer:
+def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any,
+                   device: torch.device | None = None) -> WeightStreamer:
     """Parameter offload for ``apply_plan``: the blocks' weights stream from ``optimizer``'s host master (or its bf16
-    cast), which its steps update in place.
+    cast) to ``device`` (None: where the model's first parameter is), and its steps, which update them in place,
+    wait for the streamer's fills issued before them (``wait_for_fills``).
 
     Raises:
         ConfigError: ``optimizer`` is not a ``CPUOffloadOptimizer`` (a plan of another placement).
@@ -162,7 +164,9 @@ def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any) -> Weigh
                           "blocks' weights stream from. To resolve this error, plan with optimizer 'offload'.")
     modules = dict(model.named_modules())
     params = [p for name in blocks for p in modules[name].parameters() if p.requires_grad]
-    return WeightStreamer(model, blocks=blocks, host_weights=optimizer.stream_weights(params))
+    streamer = WeightStreamer(model, blocks=blocks, device=device, host_weights=optimizer.stream_weights(params))
+    optimizer.wait_for_fills(streamer.fills_done)
+    return streamer
 
 
 def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:
