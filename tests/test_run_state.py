@@ -99,6 +99,12 @@ class _FakeAccelerator:
     def current_device(self):
         return self.current
 
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return self.count
+
     def _index(self, device):
         index = device if isinstance(device, int) else device.index
         if not 0 <= index < self.count:
