@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.precision import step_with_inf_flag
 from memtrain.unwrap import is_fsdp2, unwrap_model
@@ -478,7 +479,7 @@ class GradientAccumulator:
             return self._end_window(skipped, loss=loss_sum / divisor, grad_norm=grad_norm, items=round(items_f))
         # NOTE: on CUDA this copy is the step's one wait for the device; the read below (host values only) is what
         # count_host_syncs counts for it.
-        items_t, micro_t, loss_t = stats.to("cpu").unbind()
+        items_t, micro_t, loss_t = accelerator(stats.device).to_host(stats).unbind()
         divisor_t = items_t if self._reduction == "sum" else micro_t
         optimizer.scale_gradients_(self._factor(divisor_t))  # lazy: folded into the host step
         norm = optimizer.clip_grad_norm_(self.max_grad_norm or math.inf)  # from the norms taken as grads landed
@@ -501,7 +502,7 @@ class GradientAccumulator:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # first: normalising and clipping act on true gradients
             found_per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
-            found = sum(f.to(stats.device, non_blocking=True) for f in found_per_device.values())
+            found = sum(_moved(f, stats.device) for f in found_per_device.values())
         grads = [p.grad for p in params if p.grad is not None]
         divisor = stats[0] if self._reduction == "sum" else stats[1]
         if self._reduction == "mean" and _world_size() == 1:
@@ -658,7 +659,7 @@ def _valid_items(items: object) -> bool:
 def _collective_device() -> torch.device:
     # gloo reduces CPU tensors, NCCL reduces CUDA tensors.
     if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return accelerator().device  # this rank's current device
     return torch.device("cpu")
 
 
@@ -672,7 +673,18 @@ def _grad_norm(params: list[torch.Tensor], max_norm: float | None, device: torch
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
         norm = norm.full_tensor()
-    return norm.to(device, torch.float64, non_blocking=True)
+    return _moved(norm, device, torch.float64)
+
+
+def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` (cast to ``dtype``) on ``device``, across devices through the device seam: a copy to the host is read
+    only after it completed (a non-blocking ``.to("cpu")`` read by the host before the device finished is not)."""
+    t = t.to(dtype) if dtype is not None else t
+    if t.device == device:
+        return t
+    if device.type == "cpu":
+        return accelerator(t.device).to_host(t)
+    return accelerator(device).to_device(t)
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memtrain.device import Accelerator, RealAccelerator, SimulatedAccelerator, accelerator
 from memtrain.errors import MemtrainError
 from memtrain.quantize import quant_state_tensors
 from memtrain.report import MemoryReport
@@ -199,16 +201,24 @@ class MemoryMeter:
         self.synchronize = synchronize
         self._state_keys: dict[int, int] = {}
         self._saved: dict[int, int] = {}
-        self._phases: list[tuple[str, int, int]] = []  # (phase, allocated, running max) on CUDA
+        self._phases: list[tuple[str, int, int]] = []  # (phase, allocated, running max) on an accelerator
         self._gradient_bytes: int | None = None
         self._hooks: contextlib.AbstractContextManager | None = None
-        self._cuda = False
+        self._acc: Accelerator | None = None  # the device seam whose allocator counts (None: no allocator peak)
         self._device = "cpu"
 
     @staticmethod
     def _devices(tensors: list[torch.Tensor]) -> set[torch.device]:
         """The devices of the model's state (one place, so that a CPU test can stand a CUDA model in for it)."""
         return {t.device for t in tensors}
+
+    @staticmethod
+    def _tracking(devices: set[torch.device], tensors: list[torch.Tensor]) -> Accelerator | None:
+        """The seam of the first of ``devices`` whose allocator counts (an accelerator, a simulated one too); none
+        for tensors without data (the estimator's fake and meta tensors)."""
+        if any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
+            return None
+        return next((acc for acc in map(accelerator, sorted(devices, key=str)) if acc.tracks_memory), None)
 
     # -- counting ---------------------------------------------------------------------------------------
     def _is_model_state(self, t: torch.Tensor) -> bool:
@@ -242,13 +252,15 @@ class MemoryMeter:
             self._state_keys = _tensor_storage_keys(state)
             devices = self._devices(state)
             self._device = str(next(iter(devices))) if len(devices) == 1 else ", ".join(sorted(map(str, devices)))
-            self._cuda = any(d.type == "cuda" for d in devices)
-        elif torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._cuda, self._device = True, "cuda"
-        if self._cuda:
+            self._acc = self._tracking(devices, state)
+        else:
+            acc = accelerator()
+            self._acc = acc if acc.tracks_memory else None
+            self._device = str(acc.device)
+        if self._acc is not None:
             if self.synchronize:
-                torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+                self._acc.synchronize()
+            self._acc.reset_peak_memory_stats()
         self._saved.clear()
         self._phases.clear()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -261,17 +273,17 @@ class MemoryMeter:
         assert self._hooks is not None
         self._hooks.__exit__(*exc)
         self._hooks = None
-        if self._cuda:
+        if self._acc is not None:
             self.mark("end")
 
     def mark(self, phase: str) -> None:
         """Records a phase boundary ("forward", "backward", "step"). Gradients are counted at "backward"."""
         if phase == "backward":
             self._gradient_bytes = self._current_gradient_bytes()
-        if self._cuda:
+        if self._acc is not None:
             if self.synchronize:
-                torch.cuda.synchronize()
-            self._phases.append((phase, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+                self._acc.synchronize()
+            self._phases.append((phase, self._acc.memory_allocated(), self._acc.max_memory_allocated()))
 
     # -- results ----------------------------------------------------------------------------------------
     @property
@@ -423,7 +435,8 @@ def compile_counts(step: Callable[[], Any]) -> CompileCounts:
 # -- host syncs ---------------------------------------------------------------------------------------------
 _SYNC_CALLS = ((torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "tolist"), (torch.Tensor, "__bool__"),
                (torch.Tensor, "__float__"), (torch.Tensor, "__int__"), (torch.Tensor, "nonzero"), (torch, "nonzero"),
-               (torch.cuda, "synchronize"))
+               (torch.cuda, "synchronize"), (RealAccelerator, "synchronize"), (SimulatedAccelerator, "synchronize"),
+               (RealAccelerator, "synchronize_event"), (SimulatedAccelerator, "synchronize_event"))
 _MISSING = object()
 
 
@@ -444,7 +457,7 @@ class HostSyncs:
 def count_host_syncs() -> Iterator[HostSyncs]:
     """Counts, on this thread, the calls that synchronise the host with the device: ``Tensor.item``, ``.cpu``,
     ``.tolist``, ``bool(tensor)``, ``float(tensor)``, ``int(tensor)``, ``nonzero`` (its output size is
-    data-dependent) and ``torch.cuda.synchronize``.
+    data-dependent), ``torch.cuda.synchronize`` and the device seam's ``synchronize`` and ``synchronize_event``.
 
     Every tensor counts, whatever its device: on a CPU-only machine the "device" is the CPU, so the count is what
     a GPU run of the same code path would pay at most (a read of a host tensor counts too). Other threads (the

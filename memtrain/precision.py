@@ -16,6 +16,7 @@ from typing import Literal, get_args
 
 import torch
 
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
@@ -98,8 +99,9 @@ def resolve_precision(device: torch.device | str, requested: Precision | Literal
                       because: str = "requested") -> tuple[Precision, str]:
     """Picks the precision for ``device`` and says why, nanochat-style ("bf16-mixed, because: ...").
 
-    "auto" picks bf16-mixed on CUDA devices with native bf16 (SM 8.0+, or ROCm with bf16), fp16-mixed on older
-    CUDA devices (fp16 tensor cores, with loss scaling), fp32 on a CPU and on other devices. An explicit request
+    "auto" picks bf16-mixed on CUDA devices with native bf16 (SM 8.0+, or ROCm with bf16) and on a simulated device
+    (``MEMTRAIN_SIMULATED_DEVICE``: it stands for such a GPU), fp16-mixed on older CUDA devices (fp16 tensor cores,
+    with loss scaling), fp32 on a CPU and on other devices. An explicit request
     is checked and returned unchanged: it is never replaced by another precision.
 
     Args:
@@ -119,12 +121,13 @@ def resolve_precision(device: torch.device | str, requested: Precision | Literal
         'fp32'
     """
     device_type = _device_type(device)
+    simulated = device_type == "cpu" and accelerator(device).kind == "simulated"
     if requested != "auto":
         MixedPrecision(requested, device_type)  # raises on an unknown mode or a device without autocast
         hint = ""
         if device_type == "cuda" and requested == "bf16-mixed" and not _cuda_native_bf16(device):
             hint = f" (Hint: {_cuda_name(device)} has no native bf16, it is emulated and slow; fp16-mixed is faster)"
-        if device_type == "cpu" and requested != "fp32":
+        if device_type == "cpu" and requested != "fp32" and not simulated:
             hint = " (Hint: 16-bit autocast on a CPU saves activation memory but is usually slower than fp32)"
         return requested, f"{requested}, because: {because}{hint}"
     if device_type == "cuda":
@@ -135,6 +138,9 @@ def resolve_precision(device: torch.device | str, requested: Precision | Literal
             return "bf16-mixed", f"bf16-mixed, because: {_cuda_name(device)} supports bf16"
         return "fp16-mixed", (f"fp16-mixed, because: {_cuda_name(device)} has no native bf16 (needs SM 8.0+), "
                               "fp16 has tensor cores (loss scaling on)")
+    if simulated:
+        return "bf16-mixed", ("bf16-mixed, because: the simulated device (MEMTRAIN_SIMULATED_DEVICE) stands for a GPU "
+                              "with bf16 (the CPU's autocast computes it)")
     if device_type == "cpu":
         # NOTE: CPU autocast runs bf16 and fp16 too (the tests use it), but without AMX its kernels are usually
         # slower than fp32 and it rounds the matmuls; on a CPU, RAM is rarely the limit this library serves.

@@ -33,6 +33,7 @@ from memtrain.checkpointing import checkpoint_spec, compile_model
 from memtrain.choices import default_global_batch
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import DevicePrefetcher, StepBatches, make_loader, map_tensors
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import language_model_loss
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
@@ -97,14 +98,15 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig, device: to
     stretch of text (the built-in corpus's first held-out file, queue.py, scores far below the training loss)."""
     was_training = model.training
     model.eval()
+    acc = accelerator(device)
     chosen = [i * len(dataset) // min(len(dataset), examples) for i in range(min(len(dataset), examples))]
     # seed=: the loader's iterator draws from its own generator; the global one is the training's dropout's.
     loader = make_loader(Subset(dataset, chosen), batch_size=batch_size, num_workers=0, device=device,
                          seed=config.seed)
     total, count = 0.0, 0
     for batch in loader:
-        x, y, positions = _unpack(map_tensors(lambda t: t.to(device), batch))
-        with precision.autocast():
+        x, y, positions = _unpack(map_tensors(acc.to_device, batch))
+        with acc.compute(), precision.autocast():  # the device's work, as a training step's
             total += language_model_loss(model, x, y, positions).item()
         count += int((y != -100).sum())
     model.train(was_training)
@@ -134,7 +136,7 @@ class StepFigures:
     gradient_bytes: int
     optimizer_state_bytes: int
     model_state_bytes: int
-    peak_bytes: int | None  # the CUDA allocator's peak over the step (None elsewhere)
+    peak_bytes: int | None  # the accelerator allocator's peak over the step (a simulated one's too; None on the CPU)
     tokens_per_s: float = 0.0  # all ranks' tokens over the step's time
     lr: float = 0.0  # the learning rate the step used
     eval_loss: float | None = None  # on the steps that evaluate (the line has no eval_loss on the others)
@@ -227,7 +229,8 @@ class Tally:
 
 # -- the loop -----------------------------------------------------------------------------------------------
 def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: TrainConfig, *,
-          command: Mapping[str, Any] | None = None, tokenizer: Any = None) -> TrainResult:
+          command: Mapping[str, Any] | None = None, tokenizer: Any = None,
+          device: torch.device | str | None = None) -> TrainResult:
     """Trains a language model: plan -> apply -> loop.
 
     The plan (``memtrain.planner``) fits the budget (``config.budget``; unset: what the device has free) at the
@@ -238,7 +241,8 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
 
     Args:
         model: returns logits for token ids (memtrain's GPT, a Hugging Face causal LM, a PEFT LoRA model: only
-            the parameters that require grad train), on its training device.
+            the parameters that require grad train), on the CPU (with ``device``: the plan places it there part
+            by part, never whole first) or on its training device.
         data: training examples, windows ``(x, y)`` or ``memtrain.data.PackedRows``, or a ``(train,
             validation)`` pair.
         config: the run's settings. Under ``torchrun`` (torch.distributed initialised) the global batch is split
@@ -247,6 +251,9 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
         command: the flags of the command that started the run (``memtrain train`` passes its own), kept in the
             run folder's ``config.json`` so that a resume needs no other flag.
         tokenizer: the model's tokenizer, saved into ``hf/`` and used for the text sample.
+        device: where to train (None: where the model is). A model on the CPU trained on an accelerator is placed
+            by ``apply_plan`` as the plan says (streamed block weights stay in host memory, an offloaded
+            optimizer's masters come from the host weights), so the device never holds more than the plan does.
 
     Returns:
         A ``TrainResult``. With ``config.out_dir`` the run folder (marked ``.memtrain-run``, locked while the run
@@ -282,7 +289,7 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
         raise ConfigError(f"no parameter of the model ({type(model).__name__}) requires grad: there is nothing to "
                           "train. To resolve this error, unfreeze some (e.g. apply_lora(model, r=8) adds adapters).")
     rank, world = _distributed()
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     folder = None
     if config.out_dir:
         folder = RunFolder(config.out_dir, overwrite=config.overwrite, resume=config.resume)
@@ -364,7 +371,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     # Apply: the model configured in place, the optimizer and accumulator the plan asks for.
     planned = apply_plan(model, first, lr=config.lr, betas=tuple(config.adam_betas), eps=config.adam_eps,
                          weight_decay=config.weight_decay, max_grad_norm=config.grad_clip,
-                         scheduler=lr_scheduler(lambda: config))  # a resume may replace config: read at each step
+                         scheduler=lr_scheduler(lambda: config),  # a resume may replace config: read at each step
+                         device=device)
     session = Session(planned, run_plan, config, context, train_data, rank)
     reasons = _reasons(run_plan, precision_reason, schedule_reasons, context, config, val_data)
 
@@ -573,15 +581,15 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
                                  context: RunContext, check_stop: Callable[[], None]) -> StepFigures:
     """One optimizer step; after an out-of-memory error, the step again on a new plan (at most
     ``MAX_REPLANS_PER_STEP`` times) from the same examples with the same random draws (dropout masks)."""
-    device = context.device
-    rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    device, acc = context.device, accelerator(context.device)
+    rng = torch.get_rng_state(), (acc.get_rng_state() if acc.has_streams else None)
     for attempt in itertools.count():
         watch.began = False
         try:
             return _one_step(s, step, device, check_stop)
         except torch.OutOfMemoryError as e:
             error = str(e)  # the message only: the traceback would pin the step's tensors
-        measured_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        measured_peak = acc.max_memory_allocated() if acc.has_streams else None
         if watch.began:
             raise MemtrainError(
                 f"out of memory at step {step + 1} after some parameters had already been updated "
@@ -603,7 +611,7 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
         s.follow(new)
         torch.set_rng_state(rng[0])  # the retry draws the same dropout masks
         if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], device)
+            acc.set_rng_state(rng[1])
         s.load_from(step)
     raise AssertionError("unreachable")  # the loop above returns or raises
 
@@ -677,8 +685,9 @@ def _release_step(s: Session, device: torch.device) -> None:
         # between the two would make the retry's unscale_() raise. No public reset exists.
         s.precision.scaler._per_optimizer_states.clear()
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    acc = accelerator(device)
+    if acc.has_streams:
+        acc.empty_cache()
 
 
 def _write_results(out: Any, checkpoints: RunCheckpoints | None, model: nn.Module, state: dict[str, torch.Tensor],
@@ -729,33 +738,38 @@ class _Progress:
 def _one_step(s: Session, step: int, device: torch.device, check_stop: Callable[[], None]) -> StepFigures:
     """One optimizer step: ``s.accumulation`` micro-batches, then the accumulator's boundary. The first
     micro-batch's saved bytes are counted (not while activations are offloaded: saved-tensor hooks do not stack,
-    so the meter stays out; on CUDA the allocator peak is the figure then).
+    so the meter stays out; on an accelerator the allocator peak is the figure then).
 
-    On CUDA the step waits for the device once, at its end (its time must include the optimizer's kernels); the
-    peak is read from the allocator's counters, which need no wait.
+    On an accelerator the step waits for the device once, at its end (its time must include the optimizer's
+    kernels); the peak is read from the allocator's counters, which need no wait. The step runs inside
+    ``acc.compute()``: what a simulated device counts as its work (a no-op on a real one).
     """
+    acc = accelerator(device)
     measuring = not _offloads_blocks(s.model)
     t0 = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if acc.has_streams:
+        acc.reset_peak_memory_stats()
     tokens = 0
     # synchronize=False: the meter must not stall the queue twice per step; it counts saved bytes on the host.
     meter = MemoryMeter(s.model, s.optimizer, synchronize=False)
-    for i in range(s.accumulation):
-        check_stop()  # a stop asked for now abandons the step here, between micro-batches
-        # Already on the device: DevicePrefetcher copied it during the previous compute.
-        x, y, positions = _unpack(next(s.batches))
-        with s.acc.micro_batch(is_last=i == s.accumulation - 1):
-            # The meter counts what autograd saves in the first micro-batch: the figure checkpointing cuts.
-            with meter if i == 0 and measuring else contextlib.nullcontext(), s.precision.autocast():
-                loss = language_model_loss(s.train_model, x, y, positions)
-            items = (y != -100).sum()
-            s.acc.backward(loss, reduction="sum", items=items)  # token-count-correct over the window and ranks
-        tokens += y.numel()
-    report = meter.report()
-    result = s.acc.step()  # unscale -> clip -> optimizer step -> scheduler -> zero_grad, once
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the step's one wait: its time includes the optimizer's kernels
+    with acc.compute():
+        for i in range(s.accumulation):
+            check_stop()  # a stop asked for now abandons the step here, between micro-batches
+            # Already on the device: DevicePrefetcher copied it during the previous compute. The loader's own work
+            # (sampling, collating) is host memory.
+            with acc.host():
+                x, y, positions = _unpack(next(s.batches))
+            with s.acc.micro_batch(is_last=i == s.accumulation - 1):
+                # The meter counts what autograd saves in the first micro-batch: the figure checkpointing cuts.
+                with meter if i == 0 and measuring else contextlib.nullcontext(), s.precision.autocast():
+                    loss = language_model_loss(s.train_model, x, y, positions)
+                items = (y != -100).sum()
+                s.acc.backward(loss, reduction="sum", items=items)  # token-count-correct over the window and ranks
+            tokens += y.numel()
+        report = meter.report()
+        result = s.acc.step()  # unscale -> clip -> optimizer step -> scheduler -> zero_grad, once
+    if acc.has_streams:
+        acc.synchronize()  # the step's one wait: its time includes the optimizer's kernels
     seconds = time.perf_counter() - t0
     state_bytes = optimizer_state_bytes(s.optimizer)
     return StepFigures(
@@ -770,7 +784,7 @@ def _one_step(s: Session, step: int, device: torch.device, check_stop: Callable[
         gradient_bytes=report.gradient_bytes,
         optimizer_state_bytes=state_bytes,
         model_state_bytes=report.parameter_bytes + report.gradient_bytes + state_bytes,
-        peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        peak_bytes=acc.max_memory_allocated() if acc.has_streams else None,
     )
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from memtrain import MemoryMeter, MemoryReport, MemtrainError, measure
+from memtrain.device import SimulatedAccelerator, simulate
 from memtrain.errors import ConfigError
 from memtrain.report import format_bytes, parse_bytes
 
@@ -103,31 +104,30 @@ def test_format_bytes():
     assert format_bytes(None) == "-"
 
 
-def _count_cuda_calls(monkeypatch) -> list[str]:
-    """Fakes a CUDA allocator on the CPU and records every call the meter makes into it."""
+def _count_device_calls(monkeypatch) -> list[str]:
+    """Records every call the meter makes into the simulated device's allocator (its peak fixed at 4096 bytes)."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: calls.append("reset"))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 1000)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 4096)
+    monkeypatch.setattr(SimulatedAccelerator, "synchronize", lambda self: calls.append("synchronize"))
+    monkeypatch.setattr(SimulatedAccelerator, "reset_peak_memory_stats", lambda self: calls.append("reset"))
+    monkeypatch.setattr(SimulatedAccelerator, "memory_allocated", lambda self: 1000)
+    monkeypatch.setattr(SimulatedAccelerator, "max_memory_allocated", lambda self: 4096)
     return calls
 
 
 def test_a_meter_that_must_not_stall_the_queue_reads_the_peak_without_synchronising(monkeypatch):
-    calls = _count_cuda_calls(monkeypatch)
+    calls = _count_device_calls(monkeypatch)
     x = torch.randn(4, 8, requires_grad=True)
-    with MemoryMeter(synchronize=False) as meter:
-        y = x * 2  # saves nothing (a constant factor); y is saved by the product below
-        (y * y).sum().backward()
-        meter.mark("backward")
-    report = meter.report()
-    assert "synchronize" not in calls and calls.count("reset") == 1, calls
-    assert report.peak_bytes == 4096 and report.activation_bytes == 4 * 8 * 4
-    calls.clear()
-    measure(lambda: (x * x).sum())  # measure() keeps its waits: each phase's bytes follow its own kernels
-    assert calls.count("synchronize") == 4, calls  # at entry, and at the forward, backward and end marks
+    with simulate("1MiB"):
+        with MemoryMeter(synchronize=False) as meter:
+            y = x * 2  # saves nothing (a constant factor); y is saved by the product below
+            (y * y).sum().backward()
+            meter.mark("backward")
+        report = meter.report()
+        assert "synchronize" not in calls and calls.count("reset") == 1, calls
+        assert report.peak_bytes == 4096 and report.activation_bytes == 4 * 8 * 4
+        calls.clear()
+        measure(lambda: (x * x).sum())  # measure() keeps its waits: each phase's bytes follow its own kernels
+        assert calls.count("synchronize") == 4, calls  # at entry, and at the forward, backward and end marks
 
 
 def test_available_host_bytes_is_the_free_ram_or_none_where_the_machine_does_not_say(monkeypatch):

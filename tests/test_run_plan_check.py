@@ -117,11 +117,13 @@ def test_cpu_step_over_the_budget_on_the_last_step_warns(unpacked_planner, hf_mo
 
 @pytest.mark.parametrize("peak, can_replan", [(900, True), (1100, True), (1100, False)])
 def test_cuda_peak_against_the_budget(peak, can_replan):
-    """On CUDA the figure is the allocator's peak: over the budget, a re-plan where the run can, else a warning."""
+    """On an accelerator (here the simulated one) the figure is the allocator's peak: over the budget, a re-plan
+    where the run can, else a warning."""
     from types import SimpleNamespace
 
     import torch
 
+    from memtrain.device import simulate
     from memtrain.planner import PlanSettings
     from memtrain.run.plan_check import check_step
     from memtrain.run.replan import RunPlan
@@ -129,7 +131,8 @@ def test_cuda_peak_against_the_budget(peak, can_replan):
     settings = PlanSettings(micro_batch_size=1, accumulation=1, blocks=("keep",), flavor="full", chunked_loss=False,
                             optimizer="device", distribution="none", compile=False)
     run_plan = RunPlan(settings, SimpleNamespace(peak_bytes=950, activation_bytes=100), 1000, ())
-    check = check_step(run_plan, 2, peak, None, torch.device("cuda"), can_replan=can_replan)
+    with simulate("1MiB"):
+        check = check_step(run_plan, 2, peak, None, torch.device("cpu"), can_replan=can_replan)
     assert check["peak_bytes"] == peak and check["over_budget"] == (peak > 1000), check
     assert check["replanning"] == (peak > 1000 and can_replan), check
     assert check["log"].endswith("re-planning") == check["replanning"], check["log"]

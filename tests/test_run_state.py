@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import memtrain.device
 from memtrain import MemtrainError
 from memtrain.run import RunCheckpoints, restore_run_state, resume_run, save_run_state
 from memtrain.run.state import restore_rng, rng_state
@@ -98,6 +99,12 @@ class _FakeAccelerator:
     def current_device(self):
         return self.current
 
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return self.count
+
     def _index(self, device):
         index = device if isinstance(device, int) else device.index
         if not 0 <= index < self.count:
@@ -106,6 +113,7 @@ class _FakeAccelerator:
 
 
 def _use(monkeypatch, fake: _FakeAccelerator) -> None:
+    monkeypatch.setattr(memtrain.device, "_REAL", {})  # the seam keeps one accelerator per device: a new machine
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: fake.current)

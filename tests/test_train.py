@@ -555,24 +555,27 @@ def test_a_resume_keeps_the_runs_automatic_warm_up_when_max_steps_grows(tmp_path
 
 
 def test_the_training_step_does_not_stall_the_device_queue_to_measure(tmp_path, text_file, monkeypatch):
-    """The per-step meter used to synchronise twice per step; on CUDA the step's only wait is its own, at its
-    end. Modelled on the CPU: the meter believes the model is on CUDA and every CUDA call is counted."""
-    from memtrain.measure import MemoryMeter
+    """The per-step meter used to synchronise twice per step; on an accelerator the step's only wait is its own, at
+    its end. On the simulated device, every wait and peak reset is counted by who asks for it."""
+    import sys
+
+    from memtrain.device import SimulatedAccelerator, simulate
 
     calls = []
-    model = _tiny_model()
-    trained = {id(p) for p in model.parameters()}
 
-    def as_if_on_cuda(tensors):  # only the trained model's meters: the estimate check's traces fake tensors
-        return {torch.device("cuda", 0) if id(t) in trained else t.device for t in tensors}
+    def counted(name):
+        def call(self, *args, **kwargs):
+            calls.append((name, Path(sys._getframe(1).f_code.co_filename).name))
+        return call
 
-    monkeypatch.setattr(MemoryMeter, "_devices", staticmethod(as_if_on_cuda))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: calls.append("reset"))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 123)
-    train(model, _tiny_data(text_file), TrainConfig(max_steps=3, micro_batch_size=2, progress=False))
-    assert calls.count("reset") == 3 and "synchronize" not in calls, calls
+    monkeypatch.setattr(SimulatedAccelerator, "synchronize", counted("synchronize"))
+    monkeypatch.setattr(SimulatedAccelerator, "reset_peak_memory_stats", counted("reset"))
+    with simulate("64MiB"):
+        train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=3, micro_batch_size=2, progress=False))
+    # The step's own wait at its end and its peak reset, the meter's reset (it reads the peak without waiting).
+    assert calls.count(("synchronize", "train.py")) == 3, calls
+    assert not [c for c in calls if c[1] == "measure.py" and c[0] == "synchronize"], calls
+    assert calls.count(("reset", "measure.py")) == 3 and calls.count(("reset", "train.py")) == 3, calls
 
 
 def _rewrite_checkpoint(folder: Path, change) -> None:

@@ -9,9 +9,11 @@ import json
 from memtrain.cli.console import EXIT_OK, echo
 from memtrain.cli.techniques import choices_from_flags
 from memtrain.cli.workloads import lora_flag_problems, lora_text, meta_batch, meta_target, trains_packed_rows
+from memtrain.device import active_simulation
 from memtrain.errors import ConfigError
 from memtrain.estimate import estimate
 from memtrain.loss import supports_chunked_loss
+from memtrain.report import format_bytes
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -48,8 +50,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         lora = f", LoRA rank {args.lora}" if args.lora else ""
         lora += f" on a 4-bit {args.quantize_base.upper()} base" if args.quantize_base else ""
         echo(f"{name}{lora}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, checkpointing "
-             f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {args.device}")
+             f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {_device_text(args.device)}")
         echo(report.summary())
     return EXIT_OK
 
 
+def _device_text(device: str) -> str:
+    """The device estimated for; a CUDA estimate under MEMTRAIN_SIMULATED_DEVICE is the simulated device's."""
+    simulation = active_simulation() if device == "cuda" else None
+    if simulation is None:
+        return device
+    return (f"the simulated device of {format_bytes(simulation.total_memory)} (MEMTRAIN_SIMULATED_DEVICE: the CPU's "
+            "kernels, CUDA's allocator)")

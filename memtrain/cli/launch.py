@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 
 
@@ -95,12 +96,14 @@ def distributed_group() -> Iterator[tuple[int, int, Any]]:
     left to interpreter shutdown can abort the process).
     """
     world, local_rank = _launch_environment()
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    acc = accelerator()  # the machine's accelerator; the CPU (simulated under MEMTRAIN_SIMULATED_DEVICE) without
+    real = acc.kind not in ("cpu", "simulated")
+    device = torch.device(acc.device.type, local_rank) if real else acc.device
     opened = world > 1 and not dist.is_initialized()
     if opened:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        _join_group("nccl" if device.type == "cuda" else "gloo", world)
+        if real:
+            torch.accelerator.set_device_index(local_rank)
+        _join_group("nccl" if acc.kind == "cuda" else "gloo", world)
     try:
         yield (dist.get_rank() if dist.is_initialized() else 0), world, device
         if opened:

@@ -36,6 +36,7 @@ from memtrain.cli.workloads import (
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import ByteWindows, split_windows, stdlib_corpus, text_file_tokens, tokenized_rows
 from memtrain.data.packed_rows import file_rows
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.hf import load_tokenizer, safetensors_files
 from memtrain.report import format_bytes
@@ -76,14 +77,14 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
             lora = (f", LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable{quantized_text(model)}"
                     f"{frozen_dtype_text(model)}"
                     if args.lora else "")
-            log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {device}, {seq_len} "
+            log(args, f"memtrain train: {name} ({n_params / 1e6:.2f}M parameters{lora}) on {_where(device)}, {seq_len} "
                       f"tokens x {global_batch} per step, "
                       f"{f'{args.epochs} epoch(s)' if args.epochs else f'{args.max_steps} steps'} on {source} "
                       f"({len(data[0])} training rows, {len(data[1])} eval rows)")
         # Looked up now, not at import: tests wrap memtrain.train.train (which memtrain/__init__ shadows).
         from memtrain.train import train
 
-        result = train(model, data, config, command=command_record(args, parser), tokenizer=tokenizer)
+        result = train(model, data, config, command=command_record(args, parser), tokenizer=tokenizer, device=device)
         if rank == 0:
             _log_result(args, result)
         return EXIT_STOPPED[result.stopped_by] if result.stopped_by else EXIT_OK  # every rank stopped alike
@@ -134,7 +135,8 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
 
 
 def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> tuple[Any, Any, int, str]:
-    """(the model on ``device``, the (training, evaluation) rows, tokens per example, where the data comes from).
+    """(the model, built or loaded on the CPU for ``device``, the (training, evaluation) rows, tokens per example,
+    where the data comes from). ``train`` places the model as its plan says: the device never holds more of it.
 
     With --eval-data all of --data (or of the built-in corpus) trains and the file's rows evaluate; without it
     the last 5% is held out. A resume keeps the split of the run it continues (``held_out_fraction``)."""
@@ -149,8 +151,9 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
                     if held_out else (file_rows(args.data, tokenizer, seq_len, progress=progress), None))
         for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
             echo(f"  note: {in_flag_terms(str(warning.message), 'train')}", file=sys.stderr)
+    # NOTE: not model.to(device): the whole fp32 model would sit on the device before any plan, and a model the
+    # plan fits only with bf16 device weights or streamed blocks would run out of memory there.
     model, seq_len = build_language_model(args, device)
-    model.to(device)
     if args.hf_model:
         skipped = sum(rows.skipped_pieces for rows in data if rows is not None)
         source = (f"{args.data} (tokenised with {args.hf_model}'s tokenizer, packed"
@@ -165,6 +168,14 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
         data = (data[0], _eval_rows(args, tokenizer, seq_len))
         source += f", evaluated on {args.eval_data}"
     return model, data, seq_len, source
+
+
+def _where(device: torch.device) -> str:
+    """The training device for the start-up line: a simulated one says what it is."""
+    acc = accelerator(device)
+    if acc.kind != "simulated":
+        return str(device)
+    return f"a simulated device of {format_bytes(acc.total_memory)} (MEMTRAIN_SIMULATED_DEVICE; the CPU computes)"
 
 
 def _all_rows(rows: ByteWindows, what: str, seq_len: int) -> ByteWindows:

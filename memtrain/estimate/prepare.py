@@ -110,6 +110,7 @@ def _start_tracker(meta: nn.Module, inputs: Mapping[str, torch.Tensor], where: W
     """A tracker holding what is alive before forward: parameters, buffers, inputs, the optimizer state and (CUDA)
     the cuBLAS workspaces. Returns it and the workspaces' bytes."""
     tracker = LiveTracker(round_to, where)
+    tracker.cuda_workspaces = on_cuda  # CUDA's kernels' (an embedding backward's), not a simulated device's
     tracker.recording = record
     if replay:
         tracker.replay = {}

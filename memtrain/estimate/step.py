@@ -17,6 +17,7 @@ from torch import nn
 
 from memtrain.checkpointing import find_blocks
 from memtrain.choices import Choices
+from memtrain.device import active_simulation
 from memtrain.errors import ConfigError, MemtrainError, describe_exception
 from memtrain.estimate.arguments import (
     AUTOCAST_DTYPES,
@@ -194,8 +195,8 @@ def trace(
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
         offload_fraction=offload_fraction, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
         micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation, weights_dtype=weights_dtype)
-    on_cuda = device_type == "cuda"
-    round_to = CUDA_BLOCK if on_cuda else 1
+    on_cuda = device_type == "cuda" and active_simulation() is None  # simulated: the CPU's kernels, no cuBLAS
+    round_to = CUDA_BLOCK if device_type == "cuda" else 1  # a simulated device's allocator is CUDA's
     autocast_dtype = AUTOCAST_DTYPES[precision]
 
     meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, chunked_loss=chunked_loss,

@@ -14,7 +14,7 @@
 from memtrain.planner.apply import PlannedRun, apply_plan, configure_model
 from memtrain.planner.checks import budget_bytes
 from memtrain.planner.cost import fsdp2_param_dtype
-from memtrain.planner.devices import DeviceProfile, calibrate, device_profile, known_gpu
+from memtrain.planner.devices import DeviceProfile, calibrate, device_profile, known_gpu, planning_device
 from memtrain.planner.search import plan, predictions
 from memtrain.planner.settings import (
     TECHNIQUES,
@@ -27,4 +27,4 @@ from memtrain.planner.settings import (
 
 __all__ = ["TECHNIQUES", "Candidate", "DeviceProfile", "Fixed", "HostLink", "Plan", "PlanSettings", "PlannedRun",
            "apply_plan", "budget_bytes", "calibrate", "configure_model", "device_profile", "fsdp2_param_dtype",
-           "known_gpu", "plan", "predictions"]
+           "known_gpu", "plan", "planning_device", "predictions"]

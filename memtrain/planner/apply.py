@@ -1,6 +1,6 @@
 """``apply_plan``: configures a model in place as a plan says (checkpointing, the chunked loss, the optimizer's
-placement, DDP/FSDP2, ``torch.compile``) and builds its optimizer and accumulator. The only part of the planner
-that imports the techniques.
+placement, DDP/FSDP2, ``torch.compile``), places it on the device part by part as the plan does, and builds its
+optimizer and accumulator. The only part of the planner that imports the techniques.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from memtrain.accumulation import GradientAccumulator
 from memtrain.checkpointing import apply_checkpointing, compile_model, find_blocks, remove_checkpointing
+from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError
 from memtrain.loss import apply_chunked_loss, remove_chunked_loss
 from memtrain.offload import WeightStreamer
@@ -42,22 +43,31 @@ class PlannedRun:
 def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                max_grad_norm: float | None = 1.0,
-               scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> PlannedRun:
-    """Configures ``model`` in place as ``plan`` says and builds the optimizer and accumulator it asks for.
+               scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+               device: torch.device | str | None = None) -> PlannedRun:
+    """Configures ``model`` in place as ``plan`` says, places it on ``device`` as the plan does and builds the
+    optimizer and accumulator it asks for.
 
-    In order: checkpointing (per-block policies, selective, offloaded inputs), the chunked loss, an offloaded
-    optimizer (``CPUOffloadOptimizer``, which takes the fp32 master and then makes the device weights bf16 where
-    the plan says), parameter offload (``WeightStreamer``, from that optimizer's host weights), DDP (each gradient a view into its all-reduce bucket) or FSDP2 (blocks gathered in
-    ``fsdp2_param_dtype``, gradients reduced in fp32), ``torch.compile``, a device optimizer
-    (``torch.optim.AdamW(fused=True)`` or ``memtrain.optim.build_optimizer``'s lean variants), the
-    ``GradientAccumulator``.
+    In order: checkpointing (per-block policies, selective, offloaded inputs), the chunked loss, pure bf16's cast,
+    an offloaded optimizer (``CPUOffloadOptimizer``, which takes the fp32 master from the weights where they are
+    and then makes the device weights bf16 where the plan says), the placement (``place_model``: every parameter
+    and buffer once, in its device dtype, but the streamed blocks' weights), parameter offload (``WeightStreamer``,
+    from that optimizer's host weights), DDP (each gradient a view into its all-reduce bucket) or FSDP2 (blocks
+    gathered in ``fsdp2_param_dtype``, gradients reduced in fp32; ``fully_shard`` places each block as it shards
+    it), ``torch.compile``, a device optimizer (``torch.optim.AdamW(fused=True)`` or
+    ``memtrain.optim.build_optimizer``'s lean variants), the ``GradientAccumulator``.
+
+    Build (or load) the model on the CPU and pass ``device``: the device then never holds more of it than the plan
+    does (a model moved to the device first holds all of its fp32 weights there before any plan applies).
 
     Args:
-        model: the model the plan was made for, on its training device.
+        model: the model the plan was made for, on the CPU (or already on ``device``).
         plan: from ``plan(...)``.
         lr, betas, eps, weight_decay: AdamW's hyper-parameters (every optimizer the plan may build takes them).
         max_grad_norm: clipping in the accumulator's step (None: none).
         scheduler: builds an LR scheduler from the optimizer (e.g. ``lambda o: LambdaLR(o, f)``).
+        device: where the model trains (None: where its first parameter is). Under a simulated device
+            (``MEMTRAIN_SIMULATED_DEVICE``) the CPU is that device, and every placement is counted against it.
 
     Raises:
         ConfigError: the model does not match the plan (other blocks), or the plan needs torch.distributed
@@ -65,13 +75,14 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     """
     s = plan.settings if isinstance(plan, Plan) else plan
     names = _check_blocks(model, s, plan.block_names if isinstance(plan, Plan) else None)
-    device = next(model.parameters()).device
+    acc = accelerator(torch.device(device) if device is not None else next(model.parameters()).device)
+    device = acc.device
     precision = MixedPrecision(s.precision, device.type)  # type: ignore[arg-type]
     wrapped = configure_model(model, s)
     if s.pure_bf16:  # no fp32 master anywhere: the weights themselves become bf16 (buffers keep their dtype)
         for p in model.parameters():
             if p.is_floating_point():
-                p.data = p.data.to(torch.bfloat16)
+                p.data = p.data.to(torch.bfloat16)  # before the placement: the device never holds them in fp32
     train_model: nn.Module = model
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if (s.distribution == "none") != (world == 1):
@@ -82,7 +93,12 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     # An offloaded optimizer before DDP (which buckets the weights as they are): it may cast them to bf16. A device
     # optimizer after FSDP2, whose sharded parameters it must hold.
     optimizer = _planned_optimizer(model, s, precision, world, hyper) if s.optimizer != "device" else None
-    weights = stream_weights(model, names, optimizer) if s.offload_weights else None
+    # Placed after the offloaded optimizer took its masters from the host weights (and cast the device ones), before
+    # DDP (which broadcasts the device weights); FSDP2 places each block as it shards it.
+    streamed = streamed_params(model, names) if s.offload_weights else []
+    if s.distribution != "fsdp2":
+        place_model(model, acc, leave=streamed)
+    weights = stream_weights(model, names, optimizer, device) if s.offload_weights else None
     if s.distribution == "fsdp2":
         # Imported here: only an FSDP2 run needs torch.distributed's FSDP (not every torch build has it).
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -96,7 +112,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
             fully_shard(modules[name], mp_policy=policy)
         fully_shard(model, mp_policy=policy)
     elif s.distribution == "ddp":
-        ids = [device.index] if device.type == "cuda" else None
+        ids = [device.index] if acc.kind not in ("cpu", "simulated") else None
         # Each p.grad is a view into DDP's all-reduce bucket: one copy of the gradients, not two.
         train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     if s.compile:
@@ -111,9 +127,34 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                       precision=precision, blocks=wrapped, weights=weights)
 
 
-def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any) -> WeightStreamer:
+def place_model(model: nn.Module, acc: Accelerator, *, leave: list[nn.Parameter] = ()) -> None:
+    """Places every parameter and buffer of ``model`` on ``acc``'s device once (``acc.place``), in the dtype it has
+    now, but those in ``leave`` (streamed block weights: they stay in host memory). A tensor already there stays.
+    Tied parameters are placed once and stay tied."""
+    left = {id(p) for p in leave}
+    placed: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and id(p) not in left and id(p) not in placed:
+                p.data = placed[id(p)] = acc.place(p.data)
+        for name, b in module._buffers.items():
+            if b is not None:
+                if id(b) not in placed:
+                    placed[id(b)] = acc.place(b)
+                module._buffers[name] = placed[id(b)]
+
+
+def streamed_params(model: nn.Module, blocks: list[str]) -> list[nn.Parameter]:
+    """The parameters of the blocks parameter offload streams: in host memory at rest, never whole on the device."""
+    modules = dict(model.named_modules())
+    return list({id(p): p for name in blocks for p in modules[name].parameters()}.values())
+
+
+def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any,
+                   device: torch.device | None = None) -> WeightStreamer:
     """Parameter offload for ``apply_plan``: the blocks' weights stream from ``optimizer``'s host master (or its bf16
-    cast), which its steps update in place.
+    cast) to ``device`` (None: where the model's first parameter is), and its steps, which update them in place,
+    wait for the streamer's fills issued before them (``wait_for_fills``).
 
     Raises:
         ConfigError: ``optimizer`` is not a ``CPUOffloadOptimizer`` (a plan of another placement).
@@ -123,7 +164,9 @@ def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any) -> Weigh
                           "blocks' weights stream from. To resolve this error, plan with optimizer 'offload'.")
     modules = dict(model.named_modules())
     params = [p for name in blocks for p in modules[name].parameters() if p.requires_grad]
-    return WeightStreamer(model, blocks=blocks, host_weights=optimizer.stream_weights(params))
+    streamer = WeightStreamer(model, blocks=blocks, device=device, host_weights=optimizer.stream_weights(params))
+    optimizer.wait_for_fills(streamer.fills_done)
+    return streamer
 
 
 def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:

@@ -328,7 +328,7 @@ def _offload_stall(fwd: np.ndarray, bwd: np.ndarray, offloaded: np.ndarray, dev:
 
 def ranks_per_node(world: int) -> int:
     """Ranks sharing one host's RAM: this machine's GPUs, or an 8-GPU node."""
-    local = torch.cuda.device_count() if torch.cuda.is_available() else 8
+    local = torch.accelerator.device_count() if torch.accelerator.is_available() else 8
     return max(1, min(world, local))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memtrain.device import Accelerator, accelerator, active_simulation
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write_bytes
 from memtrain.measure import available_host_bytes
@@ -151,10 +152,20 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
     elementwise kernel (memory bandwidth), a thousand tiny ops (per-op overhead), pinned copies each way, and a
     fused AdamW step on the CPU. The cache is ``$XDG_CACHE_HOME/memtrain/calibration.json`` (``~/.cache``).
 
+    Under a simulated device (``MEMTRAIN_SIMULATED_DEVICE``) a CUDA device is that device: this CPU's rates with the
+    simulated capacity.
+
     Raises:
         ConfigError: a CUDA device asked for where torch sees none.
     """
     device = torch.device(device)
+    simulation = active_simulation() if device.type == "cuda" else None
+    if simulation is not None:
+        cpu = calibrate("cpu", cache=cache, refresh=refresh)
+        return dataclasses.replace(
+            cpu, name=f"simulated device on {cpu.name}", memory_bytes=simulation.total_memory,
+            source=f"simulated device ({simulation.total_memory} bytes; MEMTRAIN_SIMULATED_DEVICE) with this CPU's "
+                   f"rates: {cpu.source}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("calibrate(device='cuda'), but torch sees no CUDA device. To resolve this error, run it on "
                           "the GPU machine, or plan with the table of known GPUs (device_profile=None).")
@@ -182,8 +193,10 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
 
 
 def probe(device: torch.device, name: str) -> DeviceProfile:
-    cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    # The CPU's probe measures the CPU itself, simulated device or not: its own sizes, fp32, copies within RAM.
+    acc = accelerator(device) if device.type != "cpu" else Accelerator()
+    cuda = acc.has_streams
+    sync = acc.synchronize
     dtype = torch.bfloat16 if cuda else torch.float32
     peak, half = _matmul_rate(device, dtype, sync)
     # A CPU's 16-bit matmuls, measured beside its fp32 ones: autocast runs them in bf16 (fp16), at a rate that is
@@ -210,11 +223,11 @@ def probe(device: torch.device, name: str) -> DeviceProfile:
         y.sum().backward()
 
     overhead = _timed(chain, sync) / 401  # 200 multiplies, their 200 backward ops, the sum's
-    host = torch.empty((1 << 26) if cuda else (1 << 24), dtype=torch.uint8, pin_memory=cuda)
+    host = acc.pinned_empty((1 << 26) if cuda else (1 << 24), torch.uint8)
     if cuda:
         dev = torch.empty_like(host, device=device)
-        h2d = host.numel() / _timed(lambda: dev.copy_(host, non_blocking=True), sync)
-        d2h = host.numel() / _timed(lambda: host.copy_(dev, non_blocking=True), sync)
+        h2d = host.numel() / _timed(lambda: acc.copy_(dev, host), sync)
+        d2h = host.numel() / _timed(lambda: acc.copy_(host, dev), sync)
     else:  # the "device" is the host: an offload is a copy within RAM
         other = torch.empty_like(host)
         h2d = d2h = host.numel() / _timed(lambda: other.copy_(host), sync)
@@ -238,7 +251,7 @@ def probe(device: torch.device, name: str) -> DeviceProfile:
             table = known_gpu(name)
         except ConfigError:
             table = None
-    memory = torch.cuda.get_device_properties(device).total_memory if cuda else available_host_bytes()
+    memory = acc.total_memory if cuda else available_host_bytes()
     return DeviceProfile(name=name, matmul_flops=peak, half_efficiency_tokens=half, attention_flops=attention,
                          memory_bandwidth=bandwidth, op_overhead_s=overhead, host_to_device=h2d, device_to_host=d2h,
                          cpu_adamw=cpu_adamw, host_bandwidth=host_bandwidth,
@@ -291,12 +304,19 @@ def _probe_source() -> str:
     return f"probe (load {load:.1f} on {cores} cores{busy})"
 
 
+def planning_device(device: torch.device | str) -> str:
+    """The planner's name for the device a run trains on: ``"cuda"`` for one with streams and an allocator (CUDA,
+    ROCm, XPU, the simulated device of ``MEMTRAIN_SIMULATED_DEVICE``), ``"cpu"`` for the plain CPU."""
+    return "cuda" if accelerator(torch.device(device)).has_streams else "cpu"
+
+
 def device_profile(device: str | torch.device, *, calibrated: bool = False) -> DeviceProfile:
     """The figures a plan for ``device`` uses: a probe on the CPU (always) or with ``calibrated``, else the table
     of known GPUs for the CUDA device present (or, with no GPU here, an H100's: say which with
-    ``device_profile=known_gpu(...)``)."""
+    ``device_profile=known_gpu(...)``). Under a simulated device a plan for ``"cuda"`` is a plan for it
+    (``calibrate``: this CPU's rates, the simulated capacity)."""
     device = torch.device(device)
-    if device.type == "cpu" or calibrated:
+    if device.type == "cpu" or calibrated or (device.type == "cuda" and active_simulation() is not None):
         return calibrate(device)
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memtrain.device import active_simulation
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
@@ -335,7 +336,8 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
             hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
                          "gradients and optimizer state sharded over the ranks)")
     activations = peak - state
-    workspace = CUDA_WORKSPACE_BYTES if ctx.device == "cuda" else 0  # fixed: no sequence length shrinks it
+    # Fixed: no sequence length shrinks it (a simulated device computes with the CPU's kernels: none).
+    workspace = CUDA_WORKSPACE_BYTES if ctx.device == "cuda" and active_simulation() is None else 0
     if weights >= usable:
         hints[0] = f"a larger budget: the weights alone take {format_bytes(int(weights))} on the device ({fits})"
     elif state >= usable:

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from memtrain.checkpointing import find_blocks
 from memtrain.choices import Choices
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace, meta_model, trace
 from memtrain.loss import supports_chunked_loss
@@ -174,7 +174,7 @@ def plan(
 
 def _host_limit(device: str, host_budget_bytes: int | None) -> int | None:
     """The host RAM to check against: the budget given, or this machine's when the plan is for this machine."""
-    here = device == "cpu" or torch.cuda.is_available()
+    here = device == "cpu" or accelerator().has_streams  # an accelerator here (a simulated one: this host)
     return host_budget_bytes if host_budget_bytes is not None else (available_host_bytes() if here else None)
 
 

@@ -1,7 +1,7 @@
 """The plan against the device at step 2, on every device: over the budget, the run re-plans (or, where it cannot,
 says so in a warning).
 
-On CUDA the figure is the allocator's peak over the step. The CPU has no allocator peak to read, so the figure there
+On an accelerator (a simulated one too) the figure is the allocator's peak over the step. The CPU has no allocator peak to read, so the figure there
 is the plan's predicted peak with the saved-for-backward bytes corrected to the measured ones (what ``measure``
 counts, exactly the bytes a wrong estimate misses): a step that saves 10 MiB more than predicted peaks about 10 MiB
 higher.
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from memtrain.device import accelerator
 from memtrain.report import format_bytes
 from memtrain.run.replan import RunPlan, check_plan
 
@@ -24,7 +25,7 @@ def check_step(run_plan: RunPlan, step: int, peak_bytes: int | None, activation_
     with the step's peak against the budget on the CPU too.
 
     Args:
-        peak_bytes: the CUDA allocator's peak over the step (None elsewhere).
+        peak_bytes: the accelerator allocator's peak over the step (None on the CPU).
         activation_bytes: the bytes saved for backward in the step's first micro-batch (None: not measured).
         can_replan: the run can re-plan now (one rank, steps left); otherwise a peak over the budget is a warning.
 
@@ -40,7 +41,7 @@ def check_step(run_plan: RunPlan, step: int, peak_bytes: int | None, activation_
     p, budget, measured = run_plan.plan, run_plan.budget_bytes, check["measured_bytes"]
     if p is None or measured is None:
         return check
-    if device.type == "cuda":
+    if accelerator(device).has_streams:
         peak, what = measured, "measured peak"
     else:  # the estimate's own peak (any correction taken out again), with the saved bytes it missed put back
         peak = p.peak_bytes - run_plan.correction_bytes + measured - check["predicted_bytes"]

@@ -23,10 +23,11 @@ from torch import nn
 from memtrain.checkpointing import find_blocks
 from memtrain.choices import OLD_CHOICE_FIELDS, Choices, choices_of_old_fields
 from memtrain.config import TrainConfig
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
-from memtrain.planner import Plan, PlanSettings, budget_bytes, plan
+from memtrain.planner import Plan, PlanSettings, budget_bytes, plan, planning_device
 from memtrain.planner.settings import Fixed
 from memtrain.report import format_bytes, parse_bytes
 
@@ -109,17 +110,18 @@ def flat_settings(values: Mapping[str, Any]) -> dict[str, Any]:
 def run_budget(config: TrainConfig, model: nn.Module, device: torch.device) -> tuple[int, str]:
     """The device bytes per rank the plan must fit, and where the figure comes from.
 
-    Unset, it is what the device can give this run: on CUDA its free memory at the start plus what this process
-    already holds there (the model's weights); on the CPU the RAM available plus the model's own bytes.
+    Unset, it is what the device can give this run: on an accelerator (a simulated one too) its free memory at
+    the start plus what this process already holds there; on the CPU the RAM available plus the model's own bytes.
     """
     given = budget_bytes(config.budget)
     if given is not None:
         return given, f"budget {format_bytes(given)} per rank (budget=)" + budget_beyond_device(given, device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        have = free + torch.cuda.memory_allocated(device)
-        return have, (f"budget {format_bytes(have)}: the device's free memory at the start with the model already "
-                      "on it (budget= sets one)")
+    acc = accelerator(device)
+    if acc.has_streams:
+        free, _ = acc.mem_get_info()
+        have = free + acc.memory_allocated()
+        return have, (f"budget {format_bytes(have)}: the device's free memory at the start with what this process "
+                      "holds there (budget= sets one)")
     ram = available_host_bytes()
     if ram is None:
         raise ConfigError("the machine does not say how much RAM is free, so no budget can be inferred. To resolve "
@@ -132,8 +134,9 @@ def run_budget(config: TrainConfig, model: nn.Module, device: torch.device) -> t
 def budget_beyond_device(budget: int, device: torch.device) -> str:
     """A Hint when a given budget is more than the device (the machine's RAM on the CPU) holds: the plan then
     fits the number, not the machine, and the run may run out of memory."""
-    if device.type == "cuda":
-        total, what = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
+    acc = accelerator(device)
+    if acc.has_streams:
+        total, what = acc.total_memory, f"{device} has" if acc.kind != "simulated" else "the simulated device has"
     else:
         try:
             total, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has in RAM"
@@ -183,7 +186,8 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
     # The plan translates the choices (Fixed.of_choices); its reasons open with the notes on choices it dropped.
     try:
         chosen = plan(model, budget=budget, seq_len=context.seq_len, global_batch_size=context.global_batch,
-                      device=device.type, precision=context.precision, precision_reason=context.precision_reason,
+                      device=planning_device(device), precision=context.precision,
+                      precision_reason=context.precision_reason,
                       world_size=world,
                       fsdp=config.fsdp if world > 1 else False, host_budget=config.host_budget,
                       micro_batch_size=micro, safety_margin=config.safety_margin,
@@ -212,7 +216,7 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
     why = f"plan check off, because: the estimate cannot trace {type(model).__name__}: {cause}"
     if settings is not None:
         return RunPlan(settings, None, None, (f"{why}; the run's settings as saved",), unchecked=unchecked)
-    fixed, _, notes = Fixed.of_choices(config.choices, n_blocks=n_blocks, device=context.device.type)
+    fixed, _, notes = Fixed.of_choices(config.choices, n_blocks=n_blocks, device=planning_device(context.device))
     device_optimizer = fixed.optimizer != "offload"  # None: the plan could put it on the device
     missing = [name for name, value in (
         ("checkpointing='none' (or another policy)", fixed.blocks), ("chunked_loss=False", fixed.chunked_loss),
@@ -288,14 +292,15 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
 # -- the check at step 2 and the re-plans -------------------------------------------------------------------
 def check_plan(run_plan: RunPlan, step: int, peak_bytes: int | None, activation_bytes: int | None,
                device: torch.device) -> dict[str, Any]:
-    """What the plan predicted beside what step ``step`` (counted from 1) measured: on CUDA the allocator's peak
-    (over the budget: a re-plan), on the CPU the bytes saved for backward (exactly what ``measure`` counts)."""
+    """What the plan predicted beside what step ``step`` (counted from 1) measured: on an accelerator (a simulated
+    one too) the allocator's peak (over the budget: a re-plan), on the CPU the bytes saved for backward (exactly
+    what ``measure`` counts)."""
     p = run_plan.plan
     if p is None:
         return {"log": run_plan.unchecked or "plan check: no plan to check (the model has no repeated blocks)",
                 "what": None,
                 "predicted_bytes": None, "measured_bytes": None, "relative_error": None, "over_budget": False}
-    cuda = device.type == "cuda"
+    cuda = accelerator(device).has_streams
     what, predicted, measured = (("peak", p.peak_bytes, peak_bytes) if cuda else
                                  ("saved activations", p.activation_bytes, activation_bytes))
     error = predicted / measured - 1 if measured else None

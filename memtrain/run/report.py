@@ -15,6 +15,7 @@ from torch import nn
 
 from memtrain.estimate import estimate
 from memtrain.files import atomic_write_bytes
+from memtrain.planner import planning_device
 from memtrain.report import CATEGORIES, format_bytes, memory_bars, plot_loss, save_figure
 from memtrain.run.replan import RunPlan
 
@@ -39,7 +40,7 @@ def write_run_report(out: Path, metrics: list[dict[str, Any]], run_plan: RunPlan
         report["without_memtrain_error"] = "not estimated under torchrun (the estimate is for one process)"
     else:
         try:
-            plain = estimate(model, (global_batch, seq_len), device=device.type, precision="fp32",
+            plain = estimate(model, (global_batch, seq_len), device=planning_device(device), precision="fp32",
                              checkpointing="none", optimizer="adamw")
             report["without_memtrain"] = {key: getattr(plain, key) for key, _ in CATEGORIES}
             report["without_memtrain_assumes"] = ("fp32, no checkpointing, the whole global batch in one forward, "

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memtrain.device import accelerator
 from memtrain.run.checkpoints import CHECKPOINT_PREFIX, RunCheckpoints
 
 # A first signal waits for the step in progress only when that step is predicted to end within this many seconds;
@@ -146,7 +147,8 @@ class StopSignals:
         random generators' state at its start (``restore_draws``) and its time (the next step's prediction)."""
         predicted = self.predicted_seconds
         self._long = predicted is not None and predicted > STOP_WAIT_S and not self.distributed
-        self._draws = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        acc = accelerator(device)
+        self._draws = torch.get_rng_state(), (acc.get_rng_state() if acc.has_streams else None)
         self._device = device
         self._step = number
         began = time.monotonic()
@@ -168,7 +170,7 @@ class StopSignals:
         if self._draws is not None:
             torch.set_rng_state(self._draws[0])
             if self._draws[1] is not None:
-                torch.cuda.set_rng_state(self._draws[1], self._device)
+                accelerator(self._device).set_rng_state(self._draws[1])
 
     def agree(self, device: torch.device) -> str | None:
         """After a step: the signal any rank received (``agree_on_stop``); when there is one, the loop saves and

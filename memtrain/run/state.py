@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write
 from memtrain.run.checkpoints import CHECKPOINT_DAMAGE, RunCheckpoints
@@ -153,18 +154,19 @@ def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimi
 # -- random generators: what the next dropout masks are drawn from ------------------------------------------------
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """This process's random generators: the CPU's, Python's and the one of the accelerator device it computes on
-    (``device``; None: the current device; under torchrun each rank's own; other devices' generators are no rank's).
+    (``device``; None: the current device; under torchrun each rank's own; other devices' generators are no rank's),
+    read through the device seam (a simulated device's too).
 
     Returns:
-        ``{"torch": ..., "python": ..., "device_type": "cuda" or None, "device": the device generator's state or
-        None}``, which ``restore_rng`` takes back (inside ``{"ranks": [...]}``, one per rank).
+        ``{"torch": ..., "python": ..., "device_type": the accelerator's kind ("cuda", "simulated", ...) or None,
+        "device": the device generator's state or None}``, which ``restore_rng`` takes back (inside
+        ``{"ranks": [...]}``, one per rank).
     """
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "device_type": None,
                              "device": None}
-    accelerator = _accelerator(device)
-    if accelerator is not None:
-        module, on = accelerator
-        state.update(device_type=on.type, device=module.get_rng_state(on))
+    acc = accelerator(device)
+    if acc.has_streams:
+        state.update(device_type=acc.kind, device=acc.get_rng_state())
     return state
 
 
@@ -190,32 +192,9 @@ def restore_rng(rng: Mapping[str, Any], device: torch.device | None = None) -> N
     mine = ranks[rank]
     torch.set_rng_state(mine["torch"])
     random.setstate(_as_tuples(mine["python"]))
-    accelerator = _accelerator(device)
-    if mine["device"] is not None and accelerator is not None and accelerator[1].type == mine["device_type"]:
-        module, on = accelerator
-        module.set_rng_state(mine["device"], on)
-
-
-def _accelerator(device: torch.device | None) -> tuple[Any, torch.device] | None:
-    """(the device module, e.g. ``torch.cuda``; the device) for an accelerator ``device`` (with an index), the
-    current accelerator device for None; None for a CPU device or a machine without an accelerator."""
-    if device is not None:
-        if device.type in ("cpu", "meta"):
-            return None
-        module = torch.get_device_module(device.type)
-        return module, torch.device(device.type, device.index if device.index is not None else
-                                    module.current_device())
-    if not torch.accelerator.is_available():
-        return None
-    kind = torch.accelerator.current_accelerator().type
-    return torch.get_device_module(kind), torch.device(kind, _current_device_index())
-
-
-def _current_device_index() -> int:
-    # torch 2.6 names it current_device_idx; 2.7 renamed it.
-    accelerator = torch.accelerator
-    return (accelerator.current_device_index if hasattr(accelerator, "current_device_index")
-            else accelerator.current_device_idx)()
+    acc = accelerator(device)
+    if mine["device"] is not None and acc.has_streams and acc.kind == mine["device_type"]:
+        acc.set_rng_state(mine["device"])
 
 
 def _every_rank(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -231,8 +210,8 @@ def _one_rank_of_format_1(rng: Mapping[str, Any], device: torch.device | None) -
     """A checkpoint written before the generators were saved per rank: rank 0's CPU and Python generators and every
     CUDA device's as rank 0's process saw them (its current device's is the one it drew from)."""
     cuda = list(rng.get("cuda") or [])
-    accelerator = _accelerator(device)
-    index = accelerator[1].index if accelerator is not None else 0
+    acc = accelerator(device)
+    index = (acc.device.index or 0) if acc.kind == "cuda" else 0
     return {"torch": rng["torch"], "python": rng["python"], "device_type": "cuda" if cuda else None,
             "device": cuda[index] if index < len(cuda) else None}
 
