@@ -236,3 +236,17 @@ def test_each_missing_wait_fails_the_parity_check(fault: str, monkeypatch: pytes
             except SimulatedRaceError:
                 continue  # the simulator saw the race itself
             assert nan or diff > 0, f"{fault} went unseen in {name} at lag {lag}: max abs difference {diff:.3e}"
+
+
+def test_an_optimizer_built_from_host_weights_takes_the_device_it_will_train_on(monkeypatch) -> None:
+    """apply_plan builds the offloaded optimizer before it places the model: the seam (streams, pinned buffers) must
+    be the training device's, not the CPU's where the weights still are."""
+    import memtrain.optim.offload as offload_module
+
+    asked = []
+    with simulate("64MiB") as acc:
+        monkeypatch.setattr(offload_module, "accelerator", lambda device: (asked.append(device), acc)[1])
+        opt = CPUOffloadOptimizer(make_mlp().parameters(), device="cuda:3", lr=1e-3)
+        assert asked == [torch.device("cuda", 3)] and opt.device == torch.device("cuda", 3)
+        assert opt._streams["device_to_host"] is not None
+        opt.close()

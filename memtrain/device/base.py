@@ -3,6 +3,7 @@ override. Code asks ``acc.has_streams``, never ``device.type == "cuda"``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -30,9 +31,8 @@ class Accelerator:
 
     @property
     def total_memory(self) -> int:
-        from memtrain.measure import available_host_bytes  # lazy: measure imports this package
-
-        return available_host_bytes() or 0
+        """The machine's physical memory (memtrain.measure.available_host_bytes says what a cgroup leaves)."""
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     # -- streams and events ---------------------------------------------------------------------------------
     def new_stream(self) -> Any:

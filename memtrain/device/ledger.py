@@ -143,7 +143,7 @@ class DeviceLedger:
             self.ooms += 1
             mib = 2**20
             raise torch.OutOfMemoryError(
-                f"simulated device out of memory: tried to allocate {nbytes / mib:.2f} MiB with "
+                f"simulated device out of memory. Tried to allocate {nbytes / mib:.2f} MiB with "
                 f"{self.allocated / mib:.2f} MiB allocated of {self.capacity / mib:.2f} MiB. To resolve this error, "
                 "plan for that capacity (memtrain train --budget) or simulate a larger device "
                 "(MEMTRAIN_SIMULATED_DEVICE).")

@@ -111,6 +111,9 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         grad_scaler: the fp16 ``torch.amp.GradScaler`` in use, if any: ``step()`` then unscales the host
             gradients and checks them for inf/NaN itself (``scaler.unscale_(optimizer)`` cannot see gradients on
             the host: call ``optimizer.clip_grad_norm_`` instead; ``scaler.step``/``scaler.update`` work as usual).
+        device: where the parameters train (None: where the first one is). Give it when the optimizer is built
+            from host weights before the model is placed (``apply_plan`` does: the device then never holds the
+            fp32 weights): the streams, pinned buffers and copies are that device's.
         **optimizer_kwargs: hyper-parameters of ``optimizer_class`` (lr, betas, weight_decay, ...).
 
     Raises:
@@ -148,6 +151,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         device_dtype: torch.dtype | None = None,
         state_precision: StatePrecision = "fp32",
         pure_bf16: bool = False,
+        device: torch.device | str | None = None,
         **optimizer_kwargs: Any,
     ):
         self.pure_bf16 = pure_bf16
@@ -160,7 +164,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         flat = [p for g in groups for p in g["params"]]
         if pure_bf16:
             _check_bf16_weights(flat, names)
-        self.device = flat[0].device
+        self.device = torch.device(device) if device is not None else flat[0].device
         # Every stream, event, copy and pinned buffer goes through the device's seam; a device without streams (the
         # plain CPU) runs the same code with none, and nothing to pin.
         self._acc = accelerator(self.device)

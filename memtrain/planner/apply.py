@@ -92,7 +92,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     # An offloaded optimizer before DDP (which buckets the weights as they are): it may cast them to bf16. A device
     # optimizer after FSDP2, whose sharded parameters it must hold.
-    optimizer = _planned_optimizer(model, s, precision, world, hyper) if s.optimizer != "device" else None
+    optimizer = _planned_optimizer(model, s, precision, world, hyper, device) if s.optimizer != "device" else None
     # Placed after the offloaded optimizer took its masters from the host weights (and cast the device ones), before
     # DDP (which broadcasts the device weights); FSDP2 places each block as it shards it.
     streamed = streamed_params(model, names) if s.offload_weights else []
@@ -119,7 +119,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         # Per block where blocks offload their activations (saved-tensor hooks cannot be traced), else whole.
         train_model = compile_model(train_model)
     if optimizer is None:
-        optimizer = _planned_optimizer(model, s, precision, world, hyper)
+        optimizer = _planned_optimizer(model, s, precision, world, hyper, device)
     accumulator = GradientAccumulator(train_model, optimizer, steps=s.accumulation, scaler=precision.scaler,
                                       scheduler=scheduler(optimizer) if scheduler is not None else None,
                                       max_grad_norm=max_grad_norm)
@@ -204,7 +204,7 @@ def _check_blocks(model: nn.Module, s: PlanSettings, planned: tuple[str, ...] | 
 
 
 def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world: int,
-                       hyper: dict[str, Any]) -> torch.optim.Optimizer:
+                       hyper: dict[str, Any], device: torch.device) -> torch.optim.Optimizer:
     """AdamW as the plan places it, over the parameters that require grad (a LoRA model's adapters)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if s.optimizer == "device" and s.state_precision == "fp32" and not (s.step_in_backward or s.offload_fraction
@@ -227,4 +227,4 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
             p.data = p.data.to(bf16)
     return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
                                device_dtype=bf16, state_precision=s.state_precision, pure_bf16=s.pure_bf16,
-                               **hyper)
+                               device=device, **hyper)
