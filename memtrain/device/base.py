@@ -36,46 +36,56 @@ class Accelerator:
 
     # -- streams and events ---------------------------------------------------------------------------------
     def new_stream(self) -> Any:
+        """A side stream: work on it overlaps the compute stream's (None where there are no streams)."""
         return None
 
     def current_stream(self) -> Any:
+        """The stream the calling thread's ops are issued on (the compute stream unless use_stream)."""
         return None
 
     @contextmanager
     def use_stream(self, stream: Any) -> Iterator[None]:
+        """Issues the block's copies (``copy_`` with no stream) and allocations on ``stream``."""
         yield
 
     def record_event(self, stream: Any = None) -> Any:
+        """An event after everything issued on ``stream`` so far (default: the current stream)."""
         return None
 
     def wait_event(self, event: Any, stream: Any = None) -> None:
-        pass
+        """``stream`` (default: the current one) runs nothing issued later until ``event``: the host goes on."""
 
     def wait_stream(self, stream: Any, other: Any) -> None:
-        pass
+        """``stream`` runs nothing issued later until everything issued on ``other`` so far."""
 
     def synchronize_event(self, event: Any) -> None:
-        pass
+        """The host waits for ``event`` (e.g. the optimizer's worker, before reading landed gradients)."""
 
     def query(self, event: Any) -> bool:
+        """Whether ``event`` completed, without waiting."""
         return True
 
     def synchronize(self) -> None:
-        pass
+        """The host waits for every stream of the device."""
 
     # -- copies and allocation ------------------------------------------------------------------------------
     def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Any = None) -> None:
+        """An asynchronous copy on ``stream`` (default: the current one): ``dst`` is only readable once an event
+        recorded after it is waited, and ``src`` must stay alive (or be recorded on ``stream``) until then."""
         dst.copy_(src)
 
     def foreach_copy_(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, stream: Any = None) -> None:
+        """``copy_`` of each pair, in one launch where the device has one."""
         if dsts:
             torch._foreach_copy_(list(dsts), list(srcs))
 
     def empty(self, shape: Sequence[int] | int, dtype: torch.dtype, *, stream: Any = None) -> torch.Tensor:
+        """Uninitialised device memory, allocated in ``stream``'s order (default: the current stream)."""
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        pass
+        """Tells the allocator that ``stream`` uses ``tensor``: its block is not reused before ``stream`` passed
+        the point where the tensor is freed. It holds the block: prefer allocating on the stream that frees it."""
 
     def pinned_empty(self, shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory the device copies to and from asynchronously (page-locked where that exists)."""
@@ -86,6 +96,7 @@ class Accelerator:
         return torch.empty(numel, dtype=dtype)
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Resizes ``tensor``'s storage to ``nbytes`` (0 frees its memory; every view sees it come back)."""
         tensor.untyped_storage().resize_(nbytes)
 
     def place(self, obj: Placeable) -> Placeable:
@@ -93,9 +104,11 @@ class Accelerator:
         return obj.to(self.device)
 
     def to_device(self, tensor: torch.Tensor, *, stream: Any = None) -> torch.Tensor:
+        """A copy of a host tensor on the device (on ``stream``: readable once an event after it is waited)."""
         return tensor.to(self.device)
 
     def to_host(self, tensor: torch.Tensor, *, stream: Any = None) -> torch.Tensor:
+        """A copy of ``tensor`` in host memory (on ``stream``: readable once an event after it is waited)."""
         return tensor.to("cpu", copy=True)
 
     # -- regions (the simulated ledger's; nothing elsewhere) ------------------------------------------------
@@ -111,26 +124,31 @@ class Accelerator:
 
     # -- memory statistics ----------------------------------------------------------------------------------
     def memory_allocated(self) -> int:
+        """Device bytes held by live tensors now (0 where memtrain cannot tell)."""
         return 0
 
     def max_memory_allocated(self) -> int:
+        """The most device bytes held by tensors since the last ``reset_peak_memory_stats``."""
         return 0
 
     def max_memory_reserved(self) -> int:
+        """The most device bytes the allocator held (tensors and its cache) since the last reset."""
         return 0
 
     def memory_stats(self) -> dict[str, int]:
+        """The allocator's counters (``num_alloc_retries``, ``num_ooms``, ...); empty where there is none."""
         return {}
 
     def reset_peak_memory_stats(self) -> None:
-        pass
+        """Starts the peaks again from what is held now."""
 
     def mem_get_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device."""
         total = self.total_memory
         return total, total
 
     def empty_cache(self) -> None:
-        pass
+        """Returns the allocator's cached free blocks to the device."""
 
     def host_pinned_bytes(self) -> tuple[int, int]:
         """(pinned host bytes now, at most) as far as memtrain can tell (the simulator's host ledger)."""
