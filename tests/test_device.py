@@ -259,3 +259,16 @@ def test_to_device_on_a_side_stream_allocates_on_compute_and_needs_its_event():
         assert torch.isnan(moved).all()
         acc.wait_event(acc.record_event(side))
         assert moved.tolist() == [0.0, 1.0, 2.0] and acc.memory_allocated() == BLOCK
+
+
+def test_a_tensor_freed_after_record_stream_is_no_longer_allocated_but_stays_reserved():
+    with simulate("1MiB", lag=None) as acc:
+        side = acc.new_stream()
+        grad = acc.place(torch.full((256,), 3.0))  # 1 KiB
+        acc.wait_stream(side, acc.current_stream())
+        host = acc.to_host(grad, stream=side)
+        acc.record_stream(grad, side)
+        del grad  # the optimizer's hook frees the device gradient once its copy is queued
+        assert acc.memory_allocated() == 0 and acc.memory_stats()["reserved_bytes.all.current"] == 1024
+        acc.synchronize()
+        assert host.tolist() == [3.0] * 256 and acc.memory_stats()["reserved_bytes.all.current"] == 0

@@ -67,12 +67,16 @@ class SimEvent:
 @dataclass(eq=False)
 class _Copy:
     dst: torch.Tensor
-    src: torch.Tensor | None  # held: host memory, or a device source kept by record_stream
+    src: torch.Tensor | None  # held: host memory
     source: weakref.ref | None  # a device source's storage, not held (the allocator could reuse it)
     view: tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]  # its offset, size, stride, dtype
     key: int
     racy: bool  # reads device data the compute stream had not finished when the copy was queued
     after: list[tuple[Any, int]] = field(default_factory=list)
+    # A device source recorded on the copying stream: its block is not reused before the copy, so once its tensors
+    # are gone the copy still reads what they held (a snapshot, not counted as device memory: the freed block is
+    # counted as reserved, as the allocator holds it).
+    kept: torch.Tensor | None = None
 
     def run(self) -> None:
         if self.dst.numel() and self.dst.untyped_storage().nbytes() == 0:
@@ -85,6 +89,8 @@ class _Copy:
                 offset, size, stride, dtype = self.view
                 with no_dispatch():
                     src = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+            else:
+                src = self.kept
         if src is None or self.racy:
             poison_(self.dst)
             return
@@ -292,10 +298,11 @@ class SimulatedAccelerator(Accelerator):
             if isinstance(stream, SideStream):
                 key = tensor.untyped_storage()._cdata
                 for op in stream.queue:  # the block is kept for the stream: its queued reads stay valid
-                    if op.key == key and op.src is None and op.source is not None and op.source() is not None:
+                    storage = op.source() if op.key == key and op.source is not None else None
+                    if storage is not None:
                         offset, size, stride, dtype = op.view
                         with no_dispatch():
-                            op.src = torch.empty(0, dtype=dtype).set_(op.source(), offset, size, stride)
+                            op.kept = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride).clone()
 
     def pinned_empty(self, shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
         with no_dispatch():
