@@ -582,14 +582,14 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
     """One optimizer step; after an out-of-memory error, the step again on a new plan (at most
     ``MAX_REPLANS_PER_STEP`` times) from the same examples with the same random draws (dropout masks)."""
     device, acc = context.device, accelerator(context.device)
-    rng = torch.get_rng_state(), (acc.get_rng_state() if acc.has_streams else None)
+    rng = torch.get_rng_state(), acc.get_rng_state()
     for attempt in itertools.count():
         watch.began = False
         try:
             return _one_step(s, step, device, check_stop)
         except torch.OutOfMemoryError as e:
             error = str(e)  # the message only: the traceback would pin the step's tensors
-        measured_peak = acc.max_memory_allocated() if acc.has_streams else None
+        measured_peak = acc.max_memory_allocated() if acc.tracks_memory else None
         if watch.began:
             raise MemtrainError(
                 f"out of memory at step {step + 1} after some parameters had already been updated "
@@ -747,7 +747,7 @@ def _one_step(s: Session, step: int, device: torch.device, check_stop: Callable[
     acc = accelerator(device)
     measuring = not _offloads_blocks(s.model)
     t0 = time.perf_counter()
-    if acc.has_streams:
+    if acc.tracks_memory:
         acc.reset_peak_memory_stats()
     tokens = 0
     # synchronize=False: the meter must not stall the queue twice per step; it counts saved bytes on the host.
@@ -784,7 +784,7 @@ def _one_step(s: Session, step: int, device: torch.device, check_stop: Callable[
         gradient_bytes=report.gradient_bytes,
         optimizer_state_bytes=state_bytes,
         model_state_bytes=report.parameter_bytes + report.gradient_bytes + state_bytes,
-        peak_bytes=acc.max_memory_allocated() if acc.has_streams else None,
+        peak_bytes=acc.max_memory_allocated() if acc.tracks_memory else None,
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from helpers import MiB, h100, planner_llama
 
 from memtrain.choices import Choices
@@ -141,7 +140,12 @@ def test_the_default_host_budget_is_the_memory_cgroups_room(llama, tmp_path, mon
     import sys
 
     monkeypatch.setattr(sys.modules["memtrain.measure"], "CGROUP_ROOT", str(tmp_path))  # (memtrain.measure: a function)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a plan for this machine's GPU
+    import memtrain.planner.search as search
+    from memtrain.device import Accelerator
+
+    gpu = Accelerator()
+    gpu.has_streams = True
+    monkeypatch.setattr(search, "accelerator", lambda: gpu)  # a plan for this machine's GPU
     with pytest.raises(ConfigError) as info:  # the offloaded optimizer's fp32 master alone is 56 MiB
         plan(llama, budget="8GiB", seq_len=256, global_batch_size=4, device_profile=H100,
              choices=Choices(optimizer=OptimizerChoice(placement="offload")))

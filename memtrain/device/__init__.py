@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from memtrain.device.base import Accelerator
-from memtrain.device.real import RealAccelerator
+from memtrain.device.real import RealAccelerator, StreamlessAccelerator
 from memtrain.device.simulated import SimulatedAccelerator
 from memtrain.errors import ConfigError
 
@@ -72,7 +72,7 @@ def accelerator(device: torch.device | str | None = None) -> Accelerator:
         return _CPU
     module = torch.get_device_module(device.type)
     if not hasattr(module, "Stream"):  # e.g. Apple's MPS: one queue, no streams to overlap copies on
-        return Accelerator(device)
+        return StreamlessAccelerator(device)
     if not module.is_available() or (device.index or 0) >= module.device_count():
         raise ConfigError(f"device {device} does not exist on this machine (torch sees {module.device_count()} "
                           f"{device.type} device(s)). To resolve this error, pick one it has, or run on the CPU.")

@@ -184,3 +184,45 @@ def _unregister(cudart: Any, pointer: int, device: torch.device) -> None:
     # A copy still queued may read or write the buffer: it must finish before the memory stops being page-locked.
     torch.cuda.synchronize(device)
     cudart.cudaHostUnregister(pointer)
+
+
+class StreamlessAccelerator(RealAccelerator):
+    """An accelerator whose torch module has no streams (Apple's MPS: one queue): copies are ordered with compute
+    and synchronous for the host, pinned memory means nothing, and the device generator is its module's."""
+
+    has_streams = False
+    tracks_memory = False  # torch.mps names its statistics otherwise; memtrain reports no allocator peak there
+
+    def __init__(self, device: torch.device):
+        module = torch.get_device_module(device.type)
+        current = getattr(module, "current_device", None)
+        Accelerator.__init__(self, torch.device(device.type, device.index if device.index is not None
+                                                else current() if current is not None else 0))
+        self.module = module
+
+    @property
+    def total_memory(self) -> int:
+        return Accelerator().total_memory  # unified memory: the machine's
+
+    new_stream = Accelerator.new_stream
+    current_stream = Accelerator.current_stream
+    use_stream = Accelerator.use_stream
+    record_event = Accelerator.record_event
+    wait_event = Accelerator.wait_event
+    wait_stream = Accelerator.wait_stream
+    synchronize_event = Accelerator.synchronize_event
+    query = Accelerator.query
+    copy_ = Accelerator.copy_
+    foreach_copy_ = Accelerator.foreach_copy_
+    empty = Accelerator.empty
+    record_stream = Accelerator.record_stream
+    pinned_empty = Accelerator.pinned_empty
+    host_buffer = Accelerator.host_buffer
+    to_device = Accelerator.to_device
+    to_host = Accelerator.to_host
+    memory_allocated = Accelerator.memory_allocated
+    max_memory_allocated = Accelerator.max_memory_allocated
+    max_memory_reserved = Accelerator.max_memory_reserved
+    memory_stats = Accelerator.memory_stats
+    reset_peak_memory_stats = Accelerator.reset_peak_memory_stats
+    mem_get_info = Accelerator.mem_get_info

@@ -148,7 +148,7 @@ class StopSignals:
         predicted = self.predicted_seconds
         self._long = predicted is not None and predicted > STOP_WAIT_S and not self.distributed
         acc = accelerator(device)
-        self._draws = torch.get_rng_state(), (acc.get_rng_state() if acc.has_streams else None)
+        self._draws = torch.get_rng_state(), acc.get_rng_state()
         self._device = device
         self._step = number
         began = time.monotonic()

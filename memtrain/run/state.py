@@ -165,8 +165,9 @@ def rng_state(device: torch.device | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "device_type": None,
                              "device": None}
     acc = accelerator(device)
-    if acc.has_streams:
-        state.update(device_type=acc.kind, device=acc.get_rng_state())
+    generator = acc.get_rng_state()  # None where the device draws from the CPU's (the CPU, the simulated device)
+    if generator is not None:
+        state.update(device_type=acc.kind, device=generator)
     return state
 
 
@@ -193,7 +194,7 @@ def restore_rng(rng: Mapping[str, Any], device: torch.device | None = None) -> N
     torch.set_rng_state(mine["torch"])
     random.setstate(_as_tuples(mine["python"]))
     acc = accelerator(device)
-    if mine["device"] is not None and acc.has_streams and acc.kind == mine["device_type"]:
+    if mine["device"] is not None and acc.kind == mine["device_type"]:
         acc.set_rng_state(mine["device"])
 
 
