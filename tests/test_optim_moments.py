@@ -20,7 +20,7 @@ import memtrain.optim as optim
 import memtrain.optim.moments as moments
 from memtrain.errors import MemtrainError
 from memtrain.measure import KernelOps, cpu_allocation_peak_bytes
-from memtrain.optim import BF16StateAdamW, CPUOffloadOptimizer, build_optimizer
+from memtrain.optim import BF16StateAdamW, CPUOffloadOptimizer, build_optimizer, host_kernels
 from memtrain.optim.moments import split_passes
 
 
@@ -122,12 +122,14 @@ def test_the_count_sees_torchs_reference_steps() -> None:
 
 
 def test_bf16_step_ops_do_not_grow_with_the_parameter_tensors() -> None:
-    """BF16StateAdamW steps all tensors of a pass together: one step-counter add per step and five multi-tensor
-    ops per pass (copy in, fused AdamW, noise, mask, copy out), so 20 and 40 tensors cost the same and the
-    figure per tensor is within 3x fused fp32 AdamW's (6 ops to its 2: the kernel cannot read bf16 moments)."""
+    """BF16StateAdamW's multi-tensor path (the GPU's) steps all tensors of a pass together: one step-counter add per
+    step and five multi-tensor ops per pass (copy in, fused AdamW, noise, mask, copy out), so 20 and 40 tensors cost
+    the same and the figure per tensor is within 3x fused fp32 AdamW's (6 ops to its 2: the kernel cannot read bf16
+    moments)."""
     fused = aten_ops_per_param(fused_adamw, mlp(), _inputs())
-    ops = aten_ops_per_param(state_precision("bf16"), mlp(), _inputs())
-    more = aten_ops_per_param(state_precision("bf16"), mlp(layers=20), _inputs())
+    with host_kernels.multi_tensor_path():
+        ops = aten_ops_per_param(state_precision("bf16"), mlp(), _inputs())
+        more = aten_ops_per_param(state_precision("bf16"), mlp(layers=20), _inputs())
     assert sum(more.kernels.values()) == sum(ops.kernels.values()) == 6, (ops.kernels, more.kernels)
     assert ops.per_tensor <= 3 * fused.per_tensor, f"bf16 {ops.per_tensor:.2f} vs fused {fused.per_tensor:.2f}"
 
@@ -153,6 +155,7 @@ def test_bf16_passes_are_bounded_by_bf16_chunk(monkeypatch) -> None:
     moments of one pass) and no more (the noise table is made once), and runs 1 + 5 ops per pass: 20 tensors of 41,600 elements in 41 passes
     of 1,024 (weights split across passes, biases packed together)."""
     monkeypatch.setitem(moments.BF16_CHUNK, "cpu", 1024)
+    monkeypatch.setattr(host_kernels, "_off", True)  # the multi-tensor path (a GPU's) on the CPU
     model = mlp()
     total = sum(p.numel() for p in model.parameters())
     ops = aten_ops_per_param(state_precision("bf16"), model, _inputs())
@@ -352,7 +355,7 @@ def test_bf16_loads_torch_adamws_state() -> None:
     assert {float(s["step"]) for s in opt.state.values()} == {2.0}
 
 
-def test_optimizer_memory_bounds_the_bf16_steps_transient_bytes_over_many_small_tensors():
+def test_optimizer_memory_bounds_the_bf16_steps_transient_bytes_over_many_small_tensors(monkeypatch):
     """optimizer_memory's device_step_temp_bytes is an upper bound of what a BF16StateAdamW step allocates: one
     pass holds fp32 copies of every tensor's moments (not of the largest tensor's only, as per-tensor chunks did)
     and the first step builds the rounding-noise table."""
@@ -361,6 +364,7 @@ def test_optimizer_memory_bounds_the_bf16_steps_transient_bytes_over_many_small_
     g = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(1000, generator=g)) for _ in range(40)]
     opt = optim.BF16StateAdamW(params, lr=1e-3)
+    monkeypatch.setattr(host_kernels, "_off", True)  # the multi-tensor path (a GPU's) on the CPU
     for p in params:
         p.grad = torch.randn(p.shape, generator=g)
     predicted = optim.optimizer_memory([(p.numel(), p.dtype) for p in params], state_precision="bf16",

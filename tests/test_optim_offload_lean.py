@@ -178,11 +178,15 @@ def test_estimate_counts_the_host_bytes_the_offloaded_optimizer_holds(precision)
 
 
 def test_int8_cpu_steps_large_tensors_in_block_aligned_pieces_bit_identically(monkeypatch) -> None:
-    """bitsandbytes' CPU update dequantises whatever it is given to fp32: a large tensor steps a piece of at most
-    INT8_CPU_CHUNK elements at a time (bounded transient host RAM), with the whole tensor's results bit for bit."""
+    """Without the fused host kernels (memtrain.optim.host_kernels), bitsandbytes' CPU update dequantises whatever it
+    is given to fp32: a large tensor steps a piece of at most INT8_CPU_CHUNK elements at a time (bounded transient
+    host RAM), with the whole tensor's results bit for bit."""
     import bitsandbytes
 
     import memtrain.optim.moments as moments
+    from memtrain.optim import host_kernels
+
+    monkeypatch.setattr(host_kernels, "_off", True)
 
     calls: list[int] = []
     real = bitsandbytes.functional.optimizer_update_8bit_blockwise

@@ -199,6 +199,11 @@ class SimulatedAccelerator(Accelerator):
         self.compute_stream.synced = self.mode.clock
 
     # -- streams and events ---------------------------------------------------------------------------------
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in this device's memory (its ledger counts it), not in host RAM: both are CPU
+        tensors here, and a host-only fast path (memtrain.optim.host_kernels) must not take the device's."""
+        return self.ledger.is_device(tensor)
+
     def new_stream(self) -> SideStream:
         stream = SideStream(self, f"side{len(self._streams)}")
         self._streams.add(stream)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from memtrain.errors import ConfigError
+from memtrain.optim import host_kernels
 from memtrain.optim.host_buffers import aligned, bucket_runs, sum_stage_numel
 from memtrain.optim.moments import (
     BF16_CHUNK,
@@ -25,7 +26,7 @@ from memtrain.optim.moments import (
     state_class,
 )
 from memtrain.optim.offload import CPUOffloadOptimizer
-from memtrain.optim.pure_bf16 import PURE_BF16_CHUNK
+from memtrain.optim.pure_bf16 import PURE_BF16_CHUNK, PureBF16AdamW, check_pure_bf16_moments
 
 
 # -- which parameters go to the host ------------------------------------------------------------------------
@@ -158,7 +159,12 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         peak = max(grad_bytes, default=0)
     largest = max((n for n, _ in device), default=0)
     temp = 0
-    if pure_bf16:
+    if device_type == "cpu" and device and host_kernels.expected():
+        # The fused host kernels step in place (memtrain.optim.host_kernels): no scratch, no noise table. int8's
+        # small tensors keep fp32 moments and bitsandbytes' 32-bit step, a few fp32 temporaries of their size.
+        small = max((n for n, _ in device if n < INT8_MIN_NUMEL), default=0)
+        temp = 4 * 4 * small if state_precision == "int8" and not pure_bf16 else 0
+    elif pure_bf16:
         # PureBF16AdamW: one pass's fp32 copies of the weights and gradients (and of bf16 moments), as
         # BF16StateAdamW's scratch, and the same rounding-noise table.
         chunk = PURE_BF16_CHUNK.get(device_type, 1 << 20)
@@ -186,23 +192,30 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         offloaded_params=len(host))
 
 
-def host_step_probe(state_precision: str, n_params: int) -> torch.optim.Optimizer:
-    """A host AdamW with moments in ``state_precision`` over ``n_params`` parameters in 4 tensors, their gradients
-    set (seeded): what ``cpu_step_rate`` and benchmarks/bench_optim_state.py time."""
+def host_step_probe(state_precision: str, n_params: int, *, pure_bf16: bool = False) -> torch.optim.Optimizer:
+    """A host AdamW with moments in ``state_precision`` over ``n_params`` parameters in 4 tensors (bf16 weights and
+    no master with ``pure_bf16``), their gradients set (seeded): what ``cpu_step_rate`` and
+    benchmarks/bench_optim_state.py time."""
     check_precision(state_precision)
     cls, kwargs = state_class(state_precision, "cpu")
+    dtype = torch.float32
+    if pure_bf16:
+        check_pure_bf16_moments(state_precision)
+        cls, kwargs, dtype = PureBF16AdamW, {"state_precision": state_precision}, torch.bfloat16
     g = torch.Generator().manual_seed(0)
-    params = [torch.randn(n_params // 4, generator=g) for _ in range(4)]
+    params = [torch.randn(n_params // 4, generator=g).to(dtype) for _ in range(4)]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(dtype)
     return cls(params, lr=1e-4, **kwargs)
 
 
-def cpu_step_rate(state_precision: str = "fp32", n_params: int = 1 << 22, repeats: int = 3) -> float:
+def cpu_step_rate(state_precision: str = "fp32", n_params: int = 1 << 22, repeats: int = 3, *,
+                  pure_bf16: bool = False) -> float:
     """Parameters per second of one host AdamW step with moments in ``state_precision`` (the planner's rate of
-    CPUOffloadOptimizer's CPU step), measured here on ``n_params`` parameters in 4 tensors: median of
-    ``repeats`` steps after one warm-up (which creates the state)."""
-    opt = host_step_probe(state_precision, n_params)
+    CPUOffloadOptimizer's CPU step: the fused host kernels of ``memtrain.optim.host_kernels`` where they are built),
+    measured here on ``n_params`` parameters in 4 tensors: median of ``repeats`` steps after one warm-up (which
+    creates the state)."""
+    opt = host_step_probe(state_precision, n_params, pure_bf16=pure_bf16)
     params = opt.param_groups[0]["params"]
     opt.step()
     times = []
@@ -211,4 +224,3 @@ def cpu_step_rate(state_precision: str = "fp32", n_params: int = 1 << 22, repeat
         opt.step()
         times.append(time.perf_counter() - t0)
     return sum(p.numel() for p in params) / sorted(times)[len(times) // 2]
-

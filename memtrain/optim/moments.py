@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.optim import host_kernels
 
 StatePrecision = Literal["fp32", "bf16", "int8"]
 STATE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")
@@ -67,9 +68,11 @@ class BF16StateAdamW(torch.optim.Optimizer):
     are rounded back to bf16 stochastically; against fused fp32 AdamW that is four more multi-tensor kernels per
     pass (copy in, add the rounding noise, drop the low bits, copy out) and about 3.3x its bytes moved (92 bytes
     per parameter instead of 28: 12 copying in, 28 in the kernel, 24 adding the noise, 16 masking, 12 copying
-    out). Parameters must be fp32: they are the master weights.
+    out). Parameters must be fp32: they are the master weights. On host tensors (an offloaded optimizer's CPU step,
+    training on the CPU) each tensor steps in one fused C++ pass instead (``memtrain.optim.host_kernels``): 20 bytes
+    per parameter, no scratch, the same noise keys.
 
-    One step is one pass over all the parameters of a group on a device (multi-tensor ops, no per-parameter
+    On a device, one step is one pass over all the parameters of a group on a device (multi-tensor ops, no per-parameter
     loop), or several when they hold more than ``BF16_CHUNK`` elements: a pass takes up to that many elements,
     splitting a parameter where the budget ends, so the fp32 copies (8 bytes an element) stay bounded.
 
@@ -138,6 +141,32 @@ class BF16StateAdamW(torch.optim.Optimizer):
             grad_scale = grad_scale.to(device, non_blocking=True)
         if found_inf is not None:
             found_inf = found_inf.to(device, non_blocking=True)
+        if all(host_kernels.runs_fused(p) for p in params):
+            self._step_fused(group, params, grad_scale, found_inf)
+        else:
+            self._step_passes(group, params, device, grad_scale, found_inf)
+        for state in states:
+            state["draws"] += 1
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count (as torch's)
+
+    def _step_fused(self, group: dict[str, Any], params: list[torch.Tensor], grad_scale: torch.Tensor | None,
+                    found_inf: torch.Tensor | None) -> None:
+        """Host tensors: one fused pass a tensor (memtrain.optim.host_kernels), the moments rounded with the noise
+        of the keys the multi-tensor path gives a tensor's first segment."""
+        step = host_kernels.kernels().adamw_lean_
+        grad_scale, found_inf = host_kernels.as_flag(grad_scale), host_kernels.as_flag(found_inf)
+        for p in params:
+            state = self.state[p]
+            base = (self.seed, state["salt"], state["draws"], 0)
+            step(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], state["step"],
+                 *host_kernels.hyperparameters(group), grad_scale, found_inf, 0,
+                 noise_key(*base, 0) % NOISE_OFFSETS, noise_key(*base, 1) % NOISE_OFFSETS)
+
+    def _step_passes(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
+                     grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """Device tensors (or no built kernel): passes of multi-tensor ops over up to ``BF16_CHUNK`` elements."""
+        states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         chunk = BF16_CHUNK.get(device.type, 1 << 20)
         grads = [p.grad.contiguous().view(-1) for p in params]
@@ -178,10 +207,6 @@ class BF16StateAdamW(torch.optim.Optimizer):
             torch._foreach_add_([t.view(torch.int32) for t in m32 + v32], noise)
             scratch[:2 * n].view(torch.int32).bitwise_and_(-65536)
             torch._foreach_copy_(m16 + v16, m32 + v32)
-        for state in states:
-            state["draws"] += 1
-        if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count (as torch's)
 
 
 def restore_rounding_state(optimizer: Any, moments: torch.dtype) -> None:
@@ -320,6 +345,10 @@ def adamw_8bit_class(device_type: str = "cpu") -> type[torch.optim.Optimizer]:
             """bitsandbytes' step of one parameter; on the CPU, 8-bit moments step INT8_CPU_CHUNK elements at a
             time (bit-identical: the pieces start on block boundaries)."""
             state = self.state[p]
+            if state["state1"].dtype == torch.uint8 and host_kernels.runs_fused(p):
+                state["step"] += 1
+                host_kernels.step_int8(p, state, self.get_config(gindex, pindex, group))
+                return
             if p.device.type != "cpu" or state["state1"].dtype != torch.uint8 or p.numel() <= INT8_CPU_CHUNK:
                 super().update_step(group, p, gindex, pindex)
                 return

@@ -4,7 +4,9 @@ Trade-off: the device keeps only the weights (and, briefly, each gradient), savi
 AdamW with fp32 weights (8 of state + 4 of gradient), at the cost of a CPU optimizer step and two PCIe transfers
 per step, which run on a worker thread and a side stream so that they hide behind GPU work. The host holds the
 fp32 master (4 bytes per parameter), a gradient buffer (4) and AdamW's moments: fp32 (8), or with
-``state_precision`` bf16 (4) or block-wise int8 (about 2.03), for a slower CPU step (``memory.cpu_step_rate``).
+``state_precision`` bf16 (4) or block-wise int8 (about 2.03). The CPU step is one fused pass over each tensor's
+memory (``memtrain.optim.host_kernels``; ``memory.cpu_step_rate`` measures it, ``memtrain bench host_step`` compares
+it with torch's fused fp32 AdamW).
 
 How a step flows:
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.optim import host_kernels
 from memtrain.optim.moments import (
     NOISE_OFFSETS,
     check_sliceable,
@@ -75,7 +76,9 @@ class PureBF16AdamW(torch.optim.Optimizer):
     top of the update (about 2**-8 relative): training loss follows an fp32-master run closely over short runs
     (tests/test_pure_bf16.py states the tolerance), but it is a change of numerics, so it is an explicit choice.
 
-    One pass takes up to ``PURE_BF16_CHUNK`` elements of all the parameters of a group on a device: fp32 copies of the
+    On host tensors each tensor steps in one fused C++ pass (``memtrain.optim.host_kernels``: 14 bytes a parameter
+    with bf16 moments, no scratch, the same noise keys). On a device, one pass takes up to ``PURE_BF16_CHUNK``
+    elements of all the parameters of a group: fp32 copies of the
     weights, gradients (and bf16 moments) in one scratch buffer (16 bytes an element, bounded by the chunk), torch's
     fused AdamW kernel on them, the noise added to the bit patterns, the low bits dropped, the results copied back.
 
@@ -155,6 +158,31 @@ class PureBF16AdamW(torch.optim.Optimizer):
         torch._foreach_add_(steps, 1)
         if found_inf is not None:
             found_inf = found_inf.to(device, non_blocking=True)
+        if all(host_kernels.runs_fused(p) for p in params):
+            self._step_fused(group, params, found_inf)
+        else:
+            self._step_passes(group, params, device, found_inf)
+        for state in states:
+            state["draws"] += 1
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count (as torch's)
+
+    def _step_fused(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+        """Host tensors: one fused pass a tensor (memtrain.optim.host_kernels), the weight and bf16 moments rounded
+        with the noise of the keys the multi-tensor path gives a tensor's first segment."""
+        step = host_kernels.kernels().adamw_lean_
+        found_inf = host_kernels.as_flag(found_inf)
+        for p in params:
+            state = self.state[p]
+            base = (self.seed, state["salt"], state["draws"], 0)
+            keys = [noise_key(*base, 2 + k) % NOISE_OFFSETS for k in range(3)]
+            step(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], state["step"],
+                 *host_kernels.hyperparameters(group), None, found_inf, *keys)
+
+    def _step_passes(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
+                     found_inf: torch.Tensor | None) -> None:
+        """Device tensors (or no built kernel): passes of multi-tensor ops over up to ``PURE_BF16_CHUNK`` elements."""
+        states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         lean = self.state_precision == "bf16"
         width = 4 if lean else 2  # fp32 copies per element in the scratch: weight, gradient (and both moments)
@@ -199,10 +227,6 @@ class PureBF16AdamW(torch.optim.Optimizer):
                 scratch[2 * n:4 * n].view(torch.int32).bitwise_and_(-65536)
             targets = sources[0] + (sources[2] + sources[3] if lean else [])
             torch._foreach_copy_(targets, rounded)
-        for state in states:
-            state["draws"] += 1
-        if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count (as torch's)
 
 
 def check_pure_bf16_moments(state_precision: object) -> None:
