@@ -36,7 +36,7 @@ _SOURCE = Path(__file__).resolve().parent / "csrc" / "host_adamw.cpp"
 # Compiler flags per torch's CPU capability: the kernel is built for this machine's vector width (and named after
 # it, so that a home folder shared by different machines keeps one build per width).
 _ARCH_FLAGS = {
-    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=256"],
+    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"],
     "AVX2": ["-mavx2", "-mfma"],
 }
 _lock = threading.Lock()
@@ -110,7 +110,7 @@ def _load() -> Any:
             _module = _build()
         except Exception as e:  # noqa: BLE001 - any build failure: say why once, keep the multi-tensor path
             lines = str(e).strip().splitlines() or [type(e).__name__]
-            first = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()[:200]
+            first = next((line for line in lines if "error:" in line), lines[-1]).strip()[:200]  # the compiler's
             _reason = (f"the fused host AdamW kernels could not be built ({type(e).__name__}: {first}); the host "
                        "step runs torch's multi-tensor ops, several times slower. To resolve this, install g++ and "
                        "ninja (pip install ninja), or set MEMTRAIN_HOST_KERNELS=0 to silence this")

@@ -17,6 +17,7 @@
 #endif
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -42,45 +43,78 @@ inline float load(const uint16_t* x, int32_t j) { return bits_to_float(static_ca
 
 inline void store(float* x, int32_t j, float value, uint32_t) { x[j] = value; }
 // Stochastic rounding to bf16: the noise in [0, 2**16) carries into the kept bits with probability (dropped bits) /
-// 2**16. Non-finite values take no noise (max-finite + noise must not reach inf's pattern by rounding an inf or a NaN
-// further); a NaN keeps its quiet bit, an inf stays an inf.
+// 2**16. inf and NaN stay so with no test: their low 16 bits are zero here (values computed from bf16 inputs, or the
+// default NaN), so the noise never carries into their exponent (NOTE: the largest finite values may round to inf).
 inline void store(uint16_t* x, int32_t j, float value, uint32_t noise) {
-  uint32_t b = float_to_bits(value);
-  bool finite = (b & 0x7F800000u) != 0x7F800000u;
-  x[j] = static_cast<uint16_t>((b + (finite ? noise : 0u)) >> 16);
+  x[j] = static_cast<uint16_t>((float_to_bits(value) + noise) >> 16);
 }
 
 // Element j's noise for a tensor whose key is k: the high 16 bits of (k + j) x kWeyl, written as j x kWeyl (once an
 // element) plus k x kWeyl (once a tensor): the same value mod 2**32.
 inline uint32_t noise(uint32_t key_weyl, uint32_t j_weyl) { return (key_weyl + j_weyl) >> 16; }
 
+// One thread's piece of a tensor (fewer than 2**31 elements: 32-bit indices keep the noise's integer arithmetic in
+// 32-bit lanes); wp, wm, wv are the piece's first element's noise keys times kWeyl.
 template <typename TP, typename TG, typename TM>
-void lean_step(TP* __restrict__ p, const TG* __restrict__ g, TM* __restrict__ m, TM* __restrict__ v, int64_t n,
-               const Hyper h, const uint32_t kp, const uint32_t km, const uint32_t kv) {
+inline __attribute__((always_inline)) void lean_piece(TP* __restrict__ p, const TG* __restrict__ g,
+                                                      TM* __restrict__ m, TM* __restrict__ v, const int32_t len,
+                                                      const Hyper& h, const uint32_t wp, const uint32_t wm,
+                                                      const uint32_t wv) {
+  const float lr_wd = h.lr_wd, beta2 = h.beta2, one_beta1 = h.one_beta1, one_beta2 = h.one_beta2;
+  const float step_size = h.step_size, eps = h.eps, inv_bc2 = 1.0f / h.bc2_sqrt, inv_scale = h.inv_scale;
+  for (int32_t j = 0; j < len; ++j) {
+    const uint32_t jw = static_cast<uint32_t>(j) * kWeyl;
+    const float grad = load(g, j) * inv_scale;
+    float mj = load(m, j), vj = load(v, j);
+    mj = mj + one_beta1 * (grad - mj);
+    vj = beta2 * vj + one_beta2 * grad * grad;
+    const float denom = std::sqrt(vj) * inv_bc2 + eps;
+    const float pj = load(p, j) * lr_wd - step_size * mj / denom;
+    store(p, j, pj, noise(wp, jw));
+    store(m, j, mj, noise(wm, jw));
+    store(v, j, vj, noise(wv, jw));
+  }
+}
+
+// bf16 weights (pure bf16) step faster in 256-bit vectors, fp32 ones in 512-bit ones, where the machine has both
+// (measured with benchmarks/bench_host_step.py): the narrow variant is compiled for 256-bit vectors.
+#if defined(__x86_64__) && defined(__AVX512F__)
+#pragma GCC push_options
+#pragma GCC target("prefer-vector-width=256")
+#endif
+// (Plain functions: GCC applies a target pragma to the functions defined under it, not to template instances.)
+#define MEMTRAIN_NARROW_PIECE(TG, TM)                                                                           \
+  __attribute__((noinline)) void lean_piece_narrow(uint16_t* p, const TG* g, TM* m, TM* v, int32_t len,     \
+                                                   const Hyper& h, uint32_t wp, uint32_t wm, uint32_t wv) { \
+    lean_piece(p, g, m, v, len, h, wp, wm, wv);                                                                \
+  }
+MEMTRAIN_NARROW_PIECE(float, float)
+MEMTRAIN_NARROW_PIECE(float, uint16_t)
+MEMTRAIN_NARROW_PIECE(uint16_t, float)
+MEMTRAIN_NARROW_PIECE(uint16_t, uint16_t)
+#undef MEMTRAIN_NARROW_PIECE
+#if defined(__x86_64__) && defined(__AVX512F__)
+#pragma GCC pop_options
+#endif
+
+template <typename TP, typename TG, typename TM>
+void lean_piece_wide(TP* p, const TG* g, TM* m, TM* v, int32_t len, const Hyper& h, uint32_t wp, uint32_t wm,
+                     uint32_t wv) {
+  lean_piece(p, g, m, v, len, h, wp, wm, wv);
+}
+
+template <typename TP, typename TG, typename TM>
+void lean_step(TP* p, const TG* g, TM* m, TM* v, int64_t n, const Hyper h, const uint32_t kp, const uint32_t km,
+               const uint32_t kv) {
   at::parallel_for(0, n, kGrain, [=](int64_t begin, int64_t end) {
-    const float lr_wd = h.lr_wd, beta2 = h.beta2, one_beta1 = h.one_beta1, one_beta2 = h.one_beta2;
-    const float step_size = h.step_size, eps = h.eps;
-    const float inv_bc2 = 1.0f / h.bc2_sqrt, inv_scale = h.inv_scale;
-    // 32-bit indices within a piece keep the noise's integer arithmetic in 32-bit lanes.
     for (int64_t start = begin; start < end; start += kGrain) {
-      const int32_t len = static_cast<int32_t>(std::min(kGrain, end - start));
-      const uint32_t base = static_cast<uint32_t>(start);
+      const auto len = static_cast<int32_t>(std::min(kGrain, end - start));
+      const auto base = static_cast<uint32_t>(start);
       const uint32_t wp = (kp + base) * kWeyl, wm = (km + base) * kWeyl, wv = (kv + base) * kWeyl;
-      TP* pp = p + start;
-      const TG* gp = g + start;
-      TM* mp = m + start;
-      TM* vp = v + start;
-      for (int32_t j = 0; j < len; ++j) {
-        const uint32_t jw = static_cast<uint32_t>(j) * kWeyl;
-        float grad = load(gp, j) * inv_scale;
-        float mj = load(mp, j), vj = load(vp, j);
-        mj = mj + one_beta1 * (grad - mj);
-        vj = beta2 * vj + one_beta2 * grad * grad;
-        float denom = std::sqrt(vj) * inv_bc2 + eps;
-        float pj = load(pp, j) * lr_wd - step_size * mj / denom;
-        store(pp, j, pj, noise(wp, jw));
-        store(mp, j, mj, noise(wm, jw));
-        store(vp, j, vj, noise(wv, jw));
+      if constexpr (std::is_same_v<TP, uint16_t>) {
+        lean_piece_narrow(p + start, g + start, m + start, v + start, len, h, wp, wm, wv);
+      } else {
+        lean_piece_wide(p + start, g + start, m + start, v + start, len, h, wp, wm, wv);
       }
     }
   });
@@ -159,7 +193,30 @@ inline void int8_block(float* __restrict__ p, const float* __restrict__ g, uint8
   const float s1 = *a1, s2 = *a2, beta1 = h.beta1, beta2 = h.beta2, one_beta1 = h.one_beta1, one_beta2 = h.one_beta2;
   const float lr_wd = h.lr_wd, step_size = h.step_size;
   const float inv_bc2 = 1.0f / h.bc2_sqrt, eps = h.eps, inv_scale = h.inv_scale;
-  for (int32_t j = 0; j < len; ++j) {
+  int32_t i = 0;
+#ifdef __AVX512F__
+  // The decode's gathers by byte codes, 16 at a time (the compiler loads them one by one).
+  const __m512 b1v = _mm512_set1_ps(beta1), b2v = _mm512_set1_ps(beta2), o1v = _mm512_set1_ps(one_beta1),
+               o2v = _mm512_set1_ps(one_beta2), s1v = _mm512_set1_ps(s1), s2v = _mm512_set1_ps(s2),
+               wdv = _mm512_set1_ps(lr_wd), stv = _mm512_set1_ps(step_size), bcv = _mm512_set1_ps(inv_bc2),
+               epv = _mm512_set1_ps(eps), scv = _mm512_set1_ps(inv_scale);
+  for (; i + 16 <= len; i += 16) {
+    const __m512 grad = _mm512_mul_ps(_mm512_loadu_ps(g + i), scv);
+    const __m512i k1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1 + i)));
+    const __m512i k2 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c2 + i)));
+    const __m512 mj = _mm512_add_ps(_mm512_mul_ps(b1v, _mm512_mul_ps(_mm512_i32gather_ps(k1, q1, 4), s1v)),
+                                    _mm512_mul_ps(o1v, grad));
+    const __m512 vj = _mm512_add_ps(_mm512_mul_ps(b2v, _mm512_mul_ps(_mm512_i32gather_ps(k2, q2, 4), s2v)),
+                                    _mm512_mul_ps(_mm512_mul_ps(o2v, grad), grad));
+    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), bcv), epv);
+    const __m512 pj = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), wdv),
+                                    _mm512_div_ps(_mm512_mul_ps(stv, mj), denom));
+    _mm512_storeu_ps(p + i, pj);
+    _mm512_storeu_ps(m + i, mj);
+    _mm512_storeu_ps(v + i, vj);
+  }
+#endif
+  for (int32_t j = i; j < len; ++j) {
     const float grad = g[j] * inv_scale;
     const float mj = beta1 * (q1[c1[j]] * s1) + one_beta1 * grad;
     const float vj = beta2 * (q2[c2[j]] * s2) + one_beta2 * grad * grad;
@@ -183,12 +240,12 @@ inline void int8_block(float* __restrict__ p, const float* __restrict__ g, uint8
   int32_t j = 0;
 #ifdef __AVX512F__
   // The compiler does not vectorise this loop (a gather indexed by a gather): 16 elements at a time by hand.
-  const __m512 lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f), s1v = _mm512_set1_ps(i1),
-               s2v = _mm512_set1_ps(i2);
+  const __m512 lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f), i1v = _mm512_set1_ps(i1),
+               i2v = _mm512_set1_ps(i2);
   const __m512i one = _mm512_set1_epi32(1);
   for (; j + 16 <= len; j += 16) {
-    const __m512 x1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(m + j), s1v), lo), hi);
-    const __m512 x2 = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), s2v), hi);
+    const __m512 x1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(m + j), i1v), lo), hi);
+    const __m512 x2 = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), i2v), hi);
     __m512i k1 = _mm512_i32gather_epi32(_mm512_srli_epi32(_mm512_castps_si512(x1), 16), t1, 4);
     __m512i k2 = _mm512_i32gather_epi32(_mm512_srli_epi32(_mm512_castps_si512(x2), 16), t2, 4);
     k1 = _mm512_mask_add_epi32(k1, _mm512_cmp_ps_mask(x1, _mm512_i32gather_ps(k1, b1, 4), _CMP_GT_OQ), k1, one);
