@@ -238,3 +238,36 @@ def test_memtrain_host_kernels_0_turns_them_off_with_its_reason() -> None:
                           "print(h.kernel_status(), h.runs_fused(__import__('torch').zeros(4)), h.expected())"],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert "False" in out and "MEMTRAIN_HOST_KERNELS=0" in out and out.strip().endswith("False False")
+
+
+def test_a_kernel_releases_the_gil_while_it_runs() -> None:
+    """An offloaded optimizer steps on its worker thread: the training loop's thread must run meanwhile (the kernel
+    releases the GIL, as torch's ops do). Deterministic, with no timing: under a switch interval of 100 s no thread
+    is made to yield, so the main thread runs while the worker is in the kernel only if the kernel released the GIL;
+    then it turns its loop 1,000 times before the worker can take the GIL back and say it is done. Holding the GIL,
+    the worker finishes first and the loop never turns."""
+    import threading
+
+    ts = [torch.zeros(1 << 24, dtype=torch.bfloat16) for _ in range(4)]
+    step = torch.tensor(1.0)
+    kernel = host_kernels.kernels().adamw_lean_
+    inside, done = threading.Event(), threading.Event()
+
+    def work():
+        inside.set()
+        kernel(*ts, step, 1e-3, 0.9, 0.999, 1e-8, 0.0, None, None, 0, 1, 2)
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()
+        inside.wait()
+        turns = 0
+        while turns < 1000 and not done.is_set():
+            turns += 1
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert turns == 1000, turns

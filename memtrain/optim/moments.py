@@ -345,7 +345,7 @@ def adamw_8bit_class(device_type: str = "cpu") -> type[torch.optim.Optimizer]:
             """bitsandbytes' step of one parameter; on the CPU, 8-bit moments step INT8_CPU_CHUNK elements at a
             time (bit-identical: the pieces start on block boundaries)."""
             state = self.state[p]
-            if state["state1"].dtype == torch.uint8 and host_kernels.runs_fused(p):
+            if state["state1"].dtype == torch.uint8 and p.is_contiguous() and host_kernels.runs_fused(p):
                 state["step"] += 1
                 host_kernels.step_int8(p, state, self.get_config(gindex, pindex, group))
                 return

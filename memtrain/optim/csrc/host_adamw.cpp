@@ -302,7 +302,11 @@ void adamw_int8_(torch::Tensor p, torch::Tensor g, torch::Tensor codes1, torch::
   });
 }
 
+// The GIL is released while a kernel runs: an offloaded optimizer steps on its worker thread while the training
+// loop's thread goes on (backward's hooks, the next micro-batch), as torch's own ops allow.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("adamw_lean_", &adamw_lean_, "fused host AdamW step, fp32/bf16 storage, stochastic rounding");
-  module.def("adamw_int8_", &adamw_int8_, "fused host AdamW step, bitsandbytes' block-wise 8-bit state");
+  module.def("adamw_lean_", &adamw_lean_, "fused host AdamW step, fp32/bf16 storage, stochastic rounding",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("adamw_int8_", &adamw_int8_, "fused host AdamW step, bitsandbytes' block-wise 8-bit state",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
 }
