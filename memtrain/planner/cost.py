@@ -359,7 +359,8 @@ def host_step_rate(dev: DeviceProfile, cfg: Configuration) -> float:
     """Parameters per second of the host's AdamW step with ``cfg``'s moments: the probe's measured rate where it
     has one, else fused fp32 AdamW's rate scaled by the measured ratio (``_CPU_RATE``, ``_PURE_CPU_RATE``)."""
     if cfg.pure_bf16:
-        return dev.cpu_adamw * _PURE_CPU_RATE[cfg.state_precision]
+        measured_pure = dev.cpu_adamw_pure if cfg.state_precision == "bf16" else None
+        return measured_pure or dev.cpu_adamw * _PURE_CPU_RATE[cfg.state_precision]
     measured = {"fp32": dev.cpu_adamw, "bf16": dev.cpu_adamw_bf16, "int8": dev.cpu_adamw_int8}[cfg.state_precision]
     return measured or dev.cpu_adamw * _CPU_RATE[cfg.state_precision]
 

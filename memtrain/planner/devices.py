@@ -50,6 +50,7 @@ class DeviceProfile:
     asynchronous: bool = True  # kernels run while the host dispatches the next ones (a GPU; not a CPU)
     cpu_adamw_bf16: float | None = None  # parameters/s of the host's step with bf16 moments (None: not measured)
     cpu_adamw_int8: float | None = None  # ... with bitsandbytes' 8-bit moments
+    cpu_adamw_pure: float | None = None  # ... of pure bf16 (bf16 weights, no master, bf16 moments)
     # FLOP/s of the same matmuls in bf16 and fp16, where matmul_flops is fp32's (a CPU probe): a CPU without AMX
     # runs them slower than fp32 (converted to fp32 inside), one with AMX faster. None: matmul_flops is already the
     # 16-bit rate (a GPU's table or probe, bf16) or was not measured.
@@ -175,8 +176,9 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
     if cache and not refresh and path.is_file():
         try:
             cached = json.loads(path.read_text()).get(key)
-            # A CPU's figures cached before its 16-bit matmuls were measured would rate them as fp32's: probed again.
-            if cached and (device.type != "cpu" or cached.get("matmul_flops_bf16")):
+            # A CPU's figures cached before its 16-bit matmuls were measured would rate them as fp32's, and host
+            # steps cached before the fused host kernels (no pure bf16 rate) several times too slow: probed again.
+            if cached and (device.type != "cpu" or cached.get("matmul_flops_bf16")) and "cpu_adamw_pure" in cached:
                 return DeviceProfile(**{**cached, "source": f"{cached.get('source', 'probe')}, cached in {path}"})
         except (OSError, ValueError, TypeError):
             pass  # an unreadable cache is measured again and rewritten
@@ -243,6 +245,7 @@ def probe(device: torch.device, name: str) -> DeviceProfile:
             lean[precision] = cpu_step_rate(precision, n_params=1 << 20)
         except ConfigError:
             lean[precision] = None  # int8 without bitsandbytes: not a candidate anyway
+    lean["pure"] = cpu_step_rate("bf16", n_params=1 << 20, pure_bf16=True)
     host_copy = torch.empty(n)
     host_bandwidth = 2 * n * 4 / _timed(lambda: host_copy.copy_(p.grad), lambda: None)
     table = None
@@ -257,7 +260,8 @@ def probe(device: torch.device, name: str) -> DeviceProfile:
                          cpu_adamw=cpu_adamw, host_bandwidth=host_bandwidth,
                          interconnect=table.interconnect if table is not None else (20e9 if cuda else 5e9),
                          memory_bytes=memory, source=_probe_source(), asynchronous=cuda, cpu_adamw_bf16=lean["bf16"],
-                         cpu_adamw_int8=lean["int8"], matmul_flops_bf16=half_rates.get(torch.bfloat16),
+                         cpu_adamw_int8=lean["int8"], cpu_adamw_pure=lean["pure"],
+                         matmul_flops_bf16=half_rates.get(torch.bfloat16),
                          matmul_flops_fp16=half_rates.get(torch.float16),
                          memory_bandwidth_bf16=half_bandwidth.get(torch.bfloat16),
                          memory_bandwidth_fp16=half_bandwidth.get(torch.float16))
