@@ -126,11 +126,13 @@ class Composer:
             )
         return self._cache[key]
 
-    def rows(self, cfg: Configuration, offload: int, recompute: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(peak, host, seconds) per row, row k recomputing ``recompute[k]`` blocks after ``offload`` offloaded."""
+    def rows(self, cfg: Configuration, offload: int | np.ndarray, recompute: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(peak, host, seconds) per row, row k offloading the first ``offload`` (or ``offload[k]``) blocks and
+        recomputing the ``recompute[k]`` after them: every layout of one configuration in one pass over the blocks
+        (each row's figures are its own, whichever rows come with it)."""
         i = np.arange(len(self.ctx.block_names))[None, :]
-        return self.assigned(cfg, np.broadcast_to(i < offload, (len(recompute), i.shape[1])),
-                             (i >= offload) & (i < offload + recompute[:, None]))
+        first = np.broadcast_to(np.asarray(offload), recompute.shape)[:, None]
+        return self.assigned(cfg, i < first, (i >= first) & (i < first + recompute[:, None]))
 
     def picker(self, cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray) -> Callable[[str], np.ndarray]:
         """A (rows, blocks) array of one ``_KindArrays`` field per assignment row: the offloaded kind's where
@@ -510,13 +512,14 @@ class CandidateTable:
         self.explicit: dict[int, PlanSettings] = {}  # rows with their own block layout
         self.searched = False  # some rows came from a search (around a fixed layout), not one given set-up
 
-    def add(self, cfg: Configuration, offload: int, recompute: np.ndarray, peak: np.ndarray, host: np.ndarray,
-            seconds: np.ndarray) -> None:
+    def add(self, cfg: Configuration, offload: int | np.ndarray, recompute: np.ndarray, peak: np.ndarray,
+            host: np.ndarray, seconds: np.ndarray) -> None:
+        """Rows of ``cfg``, row k offloading ``offload`` (or ``offload[k]``) blocks and recomputing ``recompute[k]``."""
         if not self.configs or self.configs[-1] is not cfg:
             self.configs.append(cfg)
         index = len(self.configs) - 1
-        self._parts.append((np.full(len(recompute), index), np.full(len(recompute), offload), recompute, peak, host,
-                            seconds))
+        offload = np.broadcast_to(np.asarray(offload, dtype=np.int64), recompute.shape)
+        self._parts.append((np.full(len(recompute), index), offload, recompute, peak, host, seconds))
 
     def add_settings(self, cfg: Configuration, settings: PlanSettings, peak: np.ndarray, host: np.ndarray,
                      seconds: np.ndarray) -> None:

@@ -334,17 +334,25 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                         if fixed.blocks is not None:
                             _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
                             continue
-                        for o in (range(L + 1) if space.offload_blocks else [0]):
-                            # Without recomputed blocks every flavor is the same set-up: the first has it.
-                            lowest = 0 if flavor == (flavors or ["full"])[0] else 1
-                            recompute = np.arange(lowest, (L - o + 1) if flavors else 1)
-                            if len(recompute):
-                                results.add(cfg, o, recompute, *composer.rows(cfg, o, recompute))
+                        offload, recompute = _layouts(L, space.offload_blocks, bool(flavors),
+                                                      flavor == (flavors or ["full"])[0])
+                        if len(recompute):
+                            results.add(cfg, offload, recompute, *composer.rows(cfg, offload, recompute))
 
     def pure(limit: int | None, usable: int | None, faster_than: float | None, correction_bytes: int) -> Any:
         return pure_bf16_candidate(composer, space, fixed, micros, per_rank, compile, allowed, limit, usable,
                                    faster_than, correction_bytes, search=_search, estimate=estimate_of)
     return pure
+
+
+def _layouts(n_blocks: int, offload_blocks: bool, recomputes: bool, first_flavor: bool) -> tuple[np.ndarray, ...]:
+    """(offloaded, recomputed) block counts of every layout the search composes for one configuration, ordered by
+    offloaded count, then recomputed count. Without recomputed blocks every flavor is the same set-up: only the
+    first flavor has those rows."""
+    pairs = [(o, r) for o in (range(n_blocks + 1) if offload_blocks else [0])
+             for r in range(0 if first_flavor else 1, (n_blocks - o + 1) if recomputes else 1)]
+    offload, recompute = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+    return offload, recompute
 
 
 def _raise_unbuildable(fixed: Fixed, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> None:
