@@ -314,11 +314,8 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
     L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
     choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
                                  fixed)
-    for i, (placement, state, in_backward, fraction, dist) in enumerate(choices, 1):
-        PROGRESS.info(f"plan: composing candidates{' in pure bf16' if space.pure_bf16 else ''}, optimizer set-up {i} "
-                      f"of {len(choices)} ({placement}{f', {fraction:.0%} of it offloaded' if fraction else ''}, {state} moments"
-                      f"{', step in backward' if in_backward else ''}"
-                      f"{', one process' if dist == 'none' else f', {dist}'}) x {len(micros)} micro-batch sizes")
+    jobs: list[tuple[Configuration, np.ndarray, np.ndarray]] = []  # composed together, added in this order
+    for placement, state, in_backward, fraction, dist in choices:
         for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
             for chunked in space.losses:
                 for b in micros:
@@ -337,7 +334,13 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                         offload, recompute = _layouts(L, space.offload_blocks, bool(flavors),
                                                       flavor == (flavors or ["full"])[0])
                         if len(recompute):
-                            results.add(cfg, offload, recompute, *composer.rows(cfg, offload, recompute))
+                            jobs.append((cfg, offload, recompute))
+    if jobs:
+        PROGRESS.info(f"plan: composing {sum(len(r) for _, _, r in jobs):,} candidates"
+                      f"{' in pure bf16' if space.pure_bf16 else ''} ({len(jobs)} set-ups of {len(choices)} optimizer "
+                      f"set-ups x {len(micros)} micro-batch sizes)")
+    for (cfg, offload, recompute), figures in zip(jobs, composer.compose(jobs), strict=True):
+        results.add(cfg, offload, recompute, *figures)
 
     def pure(limit: int | None, usable: int | None, faster_than: float | None, correction_bytes: int) -> Any:
         return pure_bf16_candidate(composer, space, fixed, micros, per_rank, compile, allowed, limit, usable,
