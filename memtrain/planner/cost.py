@@ -87,8 +87,9 @@ class Composer:
             blocks = prof.trainable_blocks
             n = len(self.ctx.block_names)
             # A block's gradients leave when all of its parameters' do (a block split by a partial offload stays).
-            block_leaves = np.array([bool(leaving[blocks == i].all()) if (blocks == i).any() else False
-                                     for i in range(n)])
+            in_block = blocks >= 0
+            counts = np.bincount(blocks[in_block], minlength=n)
+            block_leaves = (counts > 0) & (np.bincount(blocks[in_block & leaving], minlength=n) == counts)
             other = blocks < 0
             self._optimizers[key] = (memory, block_leaves, bool(other.any() and leaving[other].all()))
         return self._optimizers[key]
@@ -471,8 +472,11 @@ def _optimizer_link(ctx: Problem, prof: Profiles, cfg: Configuration) -> tuple[f
     step runs on the host (``memtrain.optim.offloaded_mask``, whole tensors): both in the device weights' dtype."""
     if cfg.host_fraction == 0:
         return 0.0, 0.0
-    mask = offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction)
-    device_bytes = float(sum(n * d.itemsize for (n, d), m in zip(prof.trainable_params, mask, strict=True) if m))
+    key = ("offloaded parameter bytes", cfg.host_fraction)
+    if key not in prof.memo:
+        mask = offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction)
+        prof.memo[key] = float(sum(n * d.itemsize for (n, d), m in zip(prof.trainable_params, mask, strict=True) if m))
+    device_bytes = prof.memo[key]
     if cfg.distribution == "fsdp2":
         device_bytes /= ctx.world  # each rank's shard
     return device_bytes, device_bytes
@@ -615,7 +619,7 @@ class CandidateTable:
 
     def column(self, name: str) -> np.ndarray:
         """A field of each row's configuration, e.g. "optimizer"."""
-        values = np.array([getattr(c, name) for c in self.configs], dtype=object)
+        values = np.array([getattr(c, name) for c in self.configs])  # typed (str, bool, ...): fast comparisons
         return values[self.config]
 
     def first(self, mask: np.ndarray) -> int | None:

@@ -22,6 +22,7 @@ weights), DDP or FSDP2, eager or compiled. It runs in three steps:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import logging
@@ -348,6 +349,7 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
     return pure
 
 
+@functools.lru_cache(maxsize=64)
 def _layouts(n_blocks: int, offload_blocks: bool, recomputes: bool, first_flavor: bool) -> tuple[np.ndarray, ...]:
     """(offloaded, recomputed) block counts of every layout the search composes for one configuration, ordered by
     offloaded count, then recomputed count. Without recomputed blocks every flavor is the same set-up: only the
@@ -355,6 +357,7 @@ def _layouts(n_blocks: int, offload_blocks: bool, recomputes: bool, first_flavor
     pairs = [(o, r) for o in (range(n_blocks + 1) if offload_blocks else [0])
              for r in range(0 if first_flavor else 1, (n_blocks - o + 1) if recomputes else 1)]
     offload, recompute = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+    offload.flags.writeable = recompute.flags.writeable = False  # shared by every configuration (cached)
     return offload, recompute
 
 
