@@ -35,6 +35,8 @@ PLANS = {
                        "--budget 24GiB --gpu H200",
     "1.1b-h200-8gib": "--hf-config examples/tinyllama-1.1b.json --seq-len 2048 --global-batch-size 16 "
                       "--budget 8GiB --gpu H200 --host-budget 64GiB",
+    "1.1b-h200-2-ranks": "--hf-config examples/tinyllama-1.1b.json --seq-len 2048 --global-batch-size 16 "
+                         "--budget 12GiB --gpu H200 --host-budget 128GiB --nproc 2",  # DDP and FSDP2
     "8b-full": f"{_8B} --budget 24GiB --host-budget 96GiB",
     "8b-pure-bf16": f"{_8B} --budget 24GiB --host-budget 64GiB --pure-bf16 --compile",
     "8b-lora": f"{_8B} --budget 24GiB --host-budget 64GiB --lora 16",
@@ -45,10 +47,10 @@ PLANS = {
            "--host-budget 1TiB",
 }
 # The plans the CI suite runs, a few seconds each: between them every part of the cost model (offloaded blocks and
-# their stall, the optimizer on the host, parameter offload: the 70B streams its weights) and the largest table (the
-# 70B's 2.3 million candidates). The rest (LoRA's, QLoRA's, pure bf16's, the 13B's: tests/test_readme_24gb.py runs
-# them too, to the README's rounding) run with MEMTRAIN_PLAN_IDENTITY_ALL=1, about 40 s more.
-FAST = ("1.1b-h200-24gib", "1.1b-h200-8gib", "8b-full", "70b")
+# their stall, the optimizer on the host, DDP and FSDP2, parameter offload: the 70B streams its weights) and the
+# largest table (the 70B's 2.3 million candidates). The rest (LoRA's, QLoRA's, pure bf16's, the 13B's:
+# tests/test_readme_24gb.py runs them too, to the README's rounding) run with MEMTRAIN_PLAN_IDENTITY_ALL=1.
+FAST = ("1.1b-h200-24gib", "1.1b-h200-8gib", "1.1b-h200-2-ranks", "8b-full", "70b")
 ALL = bool(os.environ.get("MEMTRAIN_PLAN_IDENTITY_ALL"))
 
 
