@@ -48,7 +48,7 @@ PLANS = {
 }
 # The plans the CI suite runs, a few seconds each: between them every part of the cost model (offloaded blocks and
 # their stall, the optimizer on the host, DDP and FSDP2, parameter offload: the 70B streams its weights) and the
-# largest table (the 70B's 2.3 million candidates). The rest (LoRA's, QLoRA's, pure bf16's, the 13B's:
+# largest table (the 70B's 1.8 million candidates). The rest (LoRA's, QLoRA's, pure bf16's, the 13B's:
 # tests/test_readme_24gb.py runs them too, to the README's rounding) run with MEMTRAIN_PLAN_IDENTITY_ALL=1.
 FAST = ("1.1b-h200-24gib", "1.1b-h200-8gib", "1.1b-h200-2-ranks", "8b-full", "70b")
 ALL = bool(os.environ.get("MEMTRAIN_PLAN_IDENTITY_ALL"))

@@ -11,7 +11,9 @@ weights), DDP or FSDP2, eager or compiled. It runs in three steps:
 2. Compose. Every candidate's peak is rebuilt from those per-block figures (forward, the head and loss, backward
    block by block, the optimizer step), its host bytes from the offloaded bytes and the optimizer state, and its
    step time from a cost model whose device figures come from a calibration probe or a table of known GPUs.
-   Thousands of candidates cost milliseconds each.
+   Every layout of one set-up is composed at once (numpy over the rows), and the set-ups that differ only in the
+   optimizer share their blocks' figures (``cost.Layout``): the 70B's 1.8 million candidates compose in under 2 s
+   of CPU.
 3. Choose. The fastest candidate whose peak fits the budget less a safety margin, and whose host bytes fit the
    host, is confirmed by a full ``estimate`` of exactly that set-up; should the estimate disagree, the next one
    is tried.
