@@ -13,6 +13,7 @@ Run: ``memtrain bench plan_speed`` (about 20 s on 2 cores), ``--against main``, 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -30,10 +31,8 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 _CHILD = "--child" in sys.argv  # run for another revision: its memtrain (on PYTHONPATH) is the one timed
-if not _CHILD:
-    for _path in (_ROOT, _HERE):  # the repo root (memtrain) and benchmarks/ (runner), when run directly
-        if str(_path) not in sys.path:
-            sys.path.insert(0, str(_path))
+if not _CHILD and str(_ROOT) not in sys.path:  # the repo root (memtrain), when run directly
+    sys.path.insert(0, str(_ROOT))
 
 _EXAMPLES = _ROOT / "examples"
 PLANS = {
@@ -126,14 +125,15 @@ def table(here: dict[str, Any], other: dict[str, Any] | None, names: list[str]) 
 
 
 def main() -> None:
-    from runner import common_args
-
     from memtrain.files import atomic_write_bytes
 
-    parser = common_args(__doc__.splitlines()[0])
+    # runner.common_args's --device and --warmup do not apply: the plans name their GPUs, and each is timed cold.
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", default=",".join(DEFAULT_PLANS), help=f"comma-separated, of {', '.join(PLANS)}")
     parser.add_argument("--against", metavar="REV", help="also time the plans of this git revision (e.g. main)")
-    parser.set_defaults(repeats=1)
+    parser.add_argument("--repeats", type=int, default=1, help="times each plan runs (the median is shown)")
+    parser.add_argument("--json", action="store_true", help="also print the JSON results on stdout")
+    parser.add_argument("--out", help="JSON file to write (default bench-results/plan-speed.json)")
     args = parser.parse_args()
     names = [n for n in args.plans.split(",") if n]
     unknown = [n for n in names if n not in PLANS]
