@@ -10,7 +10,7 @@ import inspect
 import json
 import numbers
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +62,9 @@ def hf_config_from_file(path: str | os.PathLike[str]) -> Any:
 
 
 # -- the model, as fake tensors -----------------------------------------------------------------------------
-def meta_model(model: Any) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers live on the meta device (no data copied)."""
+def meta_model(model: Any, leave_out: Iterable[nn.Module] = ()) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device (no data copied); the submodules in
+    ``leave_out`` are not copied (None in their place: the caller drops them, e.g. a deep model's interior blocks)."""
     try:
         from transformers import PretrainedConfig
     except ImportError:  # transformers is optional
@@ -94,6 +95,7 @@ def meta_model(model: Any) -> nn.Module:
             meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     memo.update(quant_state_memo(model))  # 4-bit weights' scales are not copied: stand-ins replace those layers
+    memo.update({id(m): None for m in leave_out})
     return meta_stand_ins(copy.deepcopy(model, memo))
 
 

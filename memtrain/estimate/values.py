@@ -59,9 +59,10 @@ class KnownValues:
         """Computes ``func``'s real result when every tensor it reads is known (a factory of constants reads none),
         and keeps it beside ``out``; a tensor written in place from something unknown becomes unknown."""
         tensors = _tensors(args, kwargs)
-        known = [value(t) for t in tensors]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if (any(v is None for v in known) or not outs or torch.Tag.nondeterministic_seeded in func.tags
+        # Most ops read a tensor of the batch or the weights: unknown, and decided before anything else is looked at.
+        unknown = any(value(t) is None for t in tensors)
+        outs = [] if unknown else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if (unknown or not outs or torch.Tag.nondeterministic_seeded in func.tags
                 or func.overloadpacket.__name__.startswith("empty") or func is _READ
                 or any(t.numel() > MAX_KNOWN_ELEMENTS for t in (*tensors, *outs))):
             if func._schema.is_mutable:

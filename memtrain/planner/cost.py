@@ -5,7 +5,7 @@ composed candidate as columns.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +87,9 @@ class Composer:
             blocks = prof.trainable_blocks
             n = len(self.ctx.block_names)
             # A block's gradients leave when all of its parameters' do (a block split by a partial offload stays).
-            block_leaves = np.array([bool(leaving[blocks == i].all()) if (blocks == i).any() else False
-                                     for i in range(n)])
+            in_block = blocks >= 0
+            counts = np.bincount(blocks[in_block], minlength=n)
+            block_leaves = (counts > 0) & (np.bincount(blocks[in_block & leaving], minlength=n) == counts)
             other = blocks < 0
             self._optimizers[key] = (memory, block_leaves, bool(other.any() and leaving[other].all()))
         return self._optimizers[key]
@@ -126,11 +127,13 @@ class Composer:
             )
         return self._cache[key]
 
-    def rows(self, cfg: Configuration, offload: int, recompute: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(peak, host, seconds) per row, row k recomputing ``recompute[k]`` blocks after ``offload`` offloaded."""
+    def rows(self, cfg: Configuration, offload: int | np.ndarray, recompute: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(peak, host, seconds) per row, row k offloading the first ``offload`` (or ``offload[k]``) blocks and
+        recomputing the ``recompute[k]`` after them: every layout of one configuration in one pass over the blocks
+        (each row's figures are its own, whichever rows come with it)."""
         i = np.arange(len(self.ctx.block_names))[None, :]
-        return self.assigned(cfg, np.broadcast_to(i < offload, (len(recompute), i.shape[1])),
-                             (i >= offload) & (i < offload + recompute[:, None]))
+        first = np.broadcast_to(np.asarray(offload), recompute.shape)[:, None]
+        return self.assigned(cfg, i < first, (i >= first) & (i < first + recompute[:, None]))
 
     def picker(self, cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray) -> Callable[[str], np.ndarray]:
         """A (rows, blocks) array of one ``_KindArrays`` field per assignment row: the offloaded kind's where
@@ -164,42 +167,71 @@ class Composer:
                         round(gradients * cfg.accumulation), round(weights - streamed),
                         round(2 * streamed * cfg.accumulation))
 
-    def assigned(self, cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray) -> tuple[np.ndarray, ...]:
+    def compose(self, jobs: Sequence[tuple[Configuration, np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, ...]]:
+        """``rows`` of each job (a configuration, its layouts' offloaded and recomputed counts), layout by layout:
+        the configurations of one weights dtype, micro-batch, recompute flavor and compile (most differ only in
+        the optimizer) share a ``Layout``, so its blocks' figures are picked and summed once."""
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for k, (cfg, offload, recompute) in enumerate(jobs):
+            key = (id(self.profile(cfg.optimizer, cfg.pure_bf16)), cfg.micro_batch_size, cfg.compile, cfg.flavor,
+                   offload.tobytes(), recompute.tobytes())
+            groups.setdefault(key, []).append(k)
+        out: list[tuple[np.ndarray, ...]] = [()] * len(jobs)
+        i = np.arange(len(self.ctx.block_names))[None, :]
+        for members in groups.values():  # one layout's arrays alive at a time: the 70B's are megabytes each
+            cfg, offload, recompute = jobs[members[0]]
+            is_off = i < offload[:, None]
+            is_rec = (i >= offload[:, None]) & (i < offload[:, None] + recompute[:, None])
+            layout = Layout(self.picker(cfg, is_off, is_rec), is_off, is_rec)
+            for k in members:
+                out[k] = self.assigned(jobs[k][0], is_off, is_rec, layout)
+        return out
+
+    def assigned(self, cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray,
+                 layout: Layout | None = None) -> tuple[np.ndarray, ...]:
         """(peak, host, seconds) per row of a (rows, blocks) assignment: offloaded where ``is_off``, recomputed
-        where ``is_rec``, kept elsewhere."""
+        where ``is_rec``, kept elsewhere (``layout``: its figures, shared with other configurations)."""
         ctx, b = self.ctx, cfg.micro_batch_size
         prof = self.profile(cfg.optimizer, cfg.pure_bf16)
-        pick = self.picker(cfg, is_off, is_rec)
+        layout = layout if layout is not None else Layout(self.picker(cfg, is_off, is_rec), is_off, is_rec)
+        memory = self.optimizer(prof, cfg)[0]
+        peak = self._peak(cfg, prof, layout)
+        # -- host bytes (one node: every rank's share)
+        offloaded = layout.memo("offloaded over the link", lambda: self.offloaded(cfg, layout))
+        moved = layout.memo(("total", "offloaded over the link"), lambda: offloaded.sum(axis=1))
+        host = (host_pool_bytes(moved) + memory.host_bytes + loader_host_bytes(ctx, b)
+                + _weights_host_bytes(prof, cfg)) * ranks_per_node(ctx.world)
+        return peak, host, self._seconds(cfg, prof, layout, offloaded, moved)
+
+    def _peak(self, cfg: Configuration, prof: Profiles, layout: Layout) -> np.ndarray:
+        """The device's peak per row: forward block by block, the head and loss, backward from the last block to
+        the first, then the step; one process (distributed ranks differ by ``_distributed_shift``)."""
+        ctx, b = self.ctx, cfg.micro_batch_size
         tail = prof.tails[cfg.chunked_loss]
-        # -- model state, one process (distributed ranks differ by _distributed_shift)
         memory, block_leaves, other_leaves = self.optimizer(prof, cfg)
         # A gradient that leaves the device as it lands (to the host, or stepped in backward), or is added into an
         # earlier micro-batch's and freed, does not stay: the "_streamed" figures.
         transient = block_leaves | (cfg.accumulation > 1)
         suffix = "_streamed" if (other_leaves or cfg.accumulation > 1) else ""
-        saved, fexcess, released = pick("saved"), pick("forward_excess"), pick("released")
-        bexcess = np.where(transient, pick("backward_excess_streamed"), pick("backward_excess"))
-        bnet = np.where(transient, pick("backward_net_streamed"), pick("backward_net"))
-        offloaded = self.offloaded(cfg, pick)
+        saved, fexcess = layout("saved"), layout("forward_excess")
+        bexcess, bnet, later = layout.backward(transient)
         fixed = (float(prof.fixed_bytes) + affine_at(prof.input_bytes, b) - prof.input_bytes[0] - prof.adamw_state_bytes
                  + memory.device_state_bytes)
         if cfg.accumulation > 1:
             fixed += memory.device_gradient_bytes  # the earlier micro-batches' gradients, alive from the start
 
-        # -- forward, block by block; the head and loss; backward from the last block to the first
         start = fixed + affine_at(tail.pre, b)
-        starts = start + np.cumsum(saved, axis=1) - saved
-        peak = np.max(starts + fexcess, axis=1)
-        tail_start = start + saved.sum(axis=1)
+        cumulative = layout.memo("cumulative saved", lambda: np.cumsum(saved, axis=1))
+        peak = layout.memo(("forward peak", start), lambda: np.max(start + cumulative - saved + fexcess, axis=1))
+        tail_start = start + layout.total("saved")
         # Whether the first block sends its input to the host (see TailProfile.tail_fwd_net_offloaded).
-        first_out = is_off[:, 0] | (is_rec[:, 0] & (cfg.flavor == "offload-inputs"))
+        first_out = layout.is_off[:, 0] | (layout.is_rec[:, 0] & (cfg.flavor == "offload-inputs"))
         tail_excess = np.where(first_out, tail.tail_fwd_excess_offloaded.at(b), tail.tail_fwd_excess.at(b))
         tail_net = np.where(first_out, affine_at(tail.tail_fwd_net_offloaded, b), affine_at(tail.tail_fwd_net, b))
         peak = np.maximum(peak, tail_start + tail_excess)
-        backward_start = tail_start + tail_net - affine_at(tail.released_other, b) - released.sum(axis=1)
+        backward_start = tail_start + tail_net - affine_at(tail.released_other, b) - layout.total("released")
         peak = np.maximum(peak, backward_start + getattr(tail, "tail_bwd_excess" + suffix).at(b))
         first_block = backward_start + affine_at(getattr(tail, "tail_bwd_net" + suffix), b)
-        later = np.cumsum(bnet[:, ::-1], axis=1)[:, ::-1] - bnet  # what the blocks after each one left
         # Stepping in backward, the step's temporaries come during backward (an upper bound: at its peak).
         in_backward = memory.device_step_temp_bytes if cfg.step_in_backward else 0
         # FSDP2 frees the share of each gradient that other ranks own as it lands: at block i's backward the
@@ -207,20 +239,24 @@ class Composer:
         sharded = gradient_shard(ctx, cfg)
         grads = np.asarray(prof.block_parameter_bytes, dtype=float)
         landed = sharded * (np.cumsum(grads[::-1])[::-1] - grads)
-        peak = np.maximum(peak, np.max(first_block[:, None] + later + bexcess - landed[None, :], axis=1) + in_backward)
-        end_blocks = first_block + bnet.sum(axis=1)
+        blocks_peak = layout.memo(("backward peak", transient.tobytes(), first_block.tobytes(), landed.tobytes()),
+                                  lambda: np.max(first_block[:, None] + later + bexcess - landed[None, :], axis=1))
+        peak = np.maximum(peak, blocks_peak + in_backward)
+        end_blocks = first_block + layout.memo(("total", "backward net", transient.tobytes()),
+                                               lambda: bnet.sum(axis=1))
         peak = np.maximum(peak, end_blocks + getattr(tail, "post_excess" + suffix).at(b) - sharded * grads.sum())
         after = end_blocks + affine_at(getattr(tail, "post_net" + suffix), b)
         peak = np.maximum(peak, after + (0 if cfg.step_in_backward else memory.device_step_temp_bytes)
                           - sharded * float(prof.trainable_bytes))
-        peak = peak + _distributed_shift(ctx, prof, cfg) + weights_shift(prof, cfg)
+        return peak + _distributed_shift(ctx, prof, cfg) + weights_shift(prof, cfg)
 
-        # -- host bytes (one node: every rank's share)
-        host = (host_pool_bytes(offloaded.sum(axis=1)) + memory.host_bytes + loader_host_bytes(ctx, b)
-                + _weights_host_bytes(prof, cfg)) * ranks_per_node(ctx.world)
-
-        # -- time
-        fwd, bwd = pick("forward_s"), pick("backward_s")
+    def _seconds(self, cfg: Configuration, prof: Profiles, layout: Layout, offloaded: np.ndarray,
+                 moved: np.ndarray) -> np.ndarray:
+        """A step's seconds per row: the micro-batches (the blocks, the head, the waits for the host link), the
+        optimizer step and the communication."""
+        ctx, b = self.ctx, cfg.micro_batch_size
+        tail = prof.tails[cfg.chunked_loss]
+        fwd, bwd = layout("forward_s"), layout("backward_s")
         dev = ctx.device_profile.for_precision(ctx.precision)  # a CPU's matmuls at its 16-bit rate under autocast
         tokens = b * ctx.seq_len
         # compile_model compiles block by block where an offloader's hooks must stay outside the compiled regions:
@@ -229,22 +265,23 @@ class Composer:
             return sum(w.seconds(b, tokens, dev, compiled)
                        for w in (tail.pre_work, tail.tail_fwd_work, tail.tail_bwd_work, tail.post_work))
 
-        head = np.where(_compiled_per_block(cfg, is_off, is_rec), rest(False), rest(cfg.compile))
-        micro = fwd.sum(axis=1) + bwd.sum(axis=1) + head
-        if ctx.device == "cuda" and offloaded.any():
-            micro = micro + _offload_stall(fwd, bwd, offloaded, dev)
+        per_block = layout.memo("compiled per block", lambda: _compiled_per_block(cfg, layout.is_off, layout.is_rec))
+        head = np.where(per_block, rest(False), rest(cfg.compile))
+        micro = layout.total("forward_s") + layout.total("backward_s") + head
+        if ctx.device == "cuda" and layout.memo("moves", lambda: bool(offloaded.any())):
+            micro = micro + layout.memo("offload stall", lambda: _offload_stall(fwd, bwd, offloaded, dev))
         if cfg.offload_weights:
-            micro = micro + _weights_stall(ctx, prof, fwd, bwd)
+            micro = micro + layout.memo("weights stall", lambda: _weights_stall(ctx, prof, fwd, bwd))
             if ctx.device == "cuda":
                 # The stalls above are modelled one stream of copies at a time; together they share the link, so
                 # a micro-batch lasts at least as long as its bytes take over it, each direction.
                 streamed = 2 * streamed_weight_bytes(prof, cfg)
                 grads = _optimizer_link(ctx, prof, cfg)[0]
-                micro = np.maximum(micro, np.maximum((offloaded.sum(axis=1) + streamed) / dev.host_to_device,
-                                                     (offloaded.sum(axis=1) + grads) / dev.device_to_host))
-        backward = bwd.sum(axis=1)
+                micro = np.maximum(micro, np.maximum((moved + streamed) / dev.host_to_device,
+                                                     (moved + grads) / dev.device_to_host))
+        backward = layout.total("backward_s")
         seconds = (micro * cfg.accumulation + _optimizer_seconds(ctx, prof, cfg, backward)
-                   + _communication_seconds(ctx, prof, cfg, backward + fwd.sum(axis=1)))
+                   + _communication_seconds(ctx, prof, cfg, backward + layout.total("forward_s")))
         if cfg.step_in_backward:
             # One backward pass (clipping by the previous window's norm, the fp16 inf check on the device), its
             # steps in _optimizer_seconds like the ordinary step's; on top, per tensor: its gradient's norm read in
@@ -253,7 +290,43 @@ class Composer:
             tensors = len(prof.trainable_params)
             seconds = seconds + (tensors * _IN_BACKWARD_OPS * dev.op_overhead_s
                                  + 4.0 * prof.trainable_numel / dev.memory_bandwidth)
-        return peak, host, seconds
+        return seconds
+
+
+class Layout:
+    """Rows of block layouts (offloaded where ``is_off``, recomputed where ``is_rec``, kept elsewhere) at one
+    weights dtype, micro-batch, recompute flavor and compile: their blocks' figures, (rows, blocks) arrays, and what
+    is computed from them alone, each computed once for every configuration that shares the layout (``memo``).
+    Each row's figures are computed as they would be alone, so sharing changes no figure."""
+
+    def __init__(self, pick: Callable[[str], np.ndarray], is_off: np.ndarray, is_rec: np.ndarray):
+        self.is_off, self.is_rec = is_off, is_rec
+        self._pick = pick
+        self._memo: dict[Any, Any] = {}
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed the first time ``key`` is asked for."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def __call__(self, name: str) -> np.ndarray:
+        """One ``_KindArrays`` field per block of each row, (rows, blocks)."""
+        return self.memo(name, lambda: self._pick(name))
+
+    def total(self, name: str) -> np.ndarray:
+        """A field summed over the blocks, per row."""
+        return self.memo(("total", name), lambda: self(name).sum(axis=1))
+
+    def backward(self, transient: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(backward peak above its start, backward net, what the blocks after each one left), (rows, blocks),
+        with the "_streamed" figures for the blocks whose gradients do not stay (``transient``)."""
+        def make() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            bexcess = np.where(transient, self("backward_excess_streamed"), self("backward_excess"))
+            bnet = np.where(transient, self("backward_net_streamed"), self("backward_net"))
+            return bexcess, bnet, np.cumsum(bnet[:, ::-1], axis=1)[:, ::-1] - bnet
+
+        return self.memo(("backward", transient.tobytes()), make)
 
 
 def streamed_weight_bytes(prof: Profiles, cfg: Configuration | PlanSettings) -> float:
@@ -400,8 +473,11 @@ def _optimizer_link(ctx: Problem, prof: Profiles, cfg: Configuration) -> tuple[f
     step runs on the host (``memtrain.optim.offloaded_mask``, whole tensors): both in the device weights' dtype."""
     if cfg.host_fraction == 0:
         return 0.0, 0.0
-    mask = offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction)
-    device_bytes = float(sum(n * d.itemsize for (n, d), m in zip(prof.trainable_params, mask, strict=True) if m))
+    key = ("offloaded parameter bytes", cfg.host_fraction)
+    if key not in prof.memo:
+        mask = offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction)
+        prof.memo[key] = float(sum(n * d.itemsize for (n, d), m in zip(prof.trainable_params, mask, strict=True) if m))
+    device_bytes = prof.memo[key]
     if cfg.distribution == "fsdp2":
         device_bytes /= ctx.world  # each rank's shard
     return device_bytes, device_bytes
@@ -511,13 +587,14 @@ class CandidateTable:
         self.explicit: dict[int, PlanSettings] = {}  # rows with their own block layout
         self.searched = False  # some rows came from a search (around a fixed layout), not one given set-up
 
-    def add(self, cfg: Configuration, offload: int, recompute: np.ndarray, peak: np.ndarray, host: np.ndarray,
-            seconds: np.ndarray) -> None:
+    def add(self, cfg: Configuration, offload: int | np.ndarray, recompute: np.ndarray, peak: np.ndarray,
+            host: np.ndarray, seconds: np.ndarray) -> None:
+        """Rows of ``cfg``, row k offloading ``offload`` (or ``offload[k]``) blocks and recomputing ``recompute[k]``."""
         if not self.configs or self.configs[-1] is not cfg:
             self.configs.append(cfg)
         index = len(self.configs) - 1
-        self._parts.append((np.full(len(recompute), index), np.full(len(recompute), offload), recompute, peak, host,
-                            seconds))
+        offload = np.broadcast_to(np.asarray(offload, dtype=np.int64), recompute.shape)
+        self._parts.append((np.full(len(recompute), index), offload, recompute, peak, host, seconds))
 
     def add_settings(self, cfg: Configuration, settings: PlanSettings, peak: np.ndarray, host: np.ndarray,
                      seconds: np.ndarray) -> None:
@@ -543,7 +620,7 @@ class CandidateTable:
 
     def column(self, name: str) -> np.ndarray:
         """A field of each row's configuration, e.g. "optimizer"."""
-        values = np.array([getattr(c, name) for c in self.configs], dtype=object)
+        values = np.array([getattr(c, name) for c in self.configs])  # typed (str, bool, ...): fast comparisons
         return values[self.config]
 
     def first(self, mask: np.ndarray) -> int | None:

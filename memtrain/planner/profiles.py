@@ -294,6 +294,8 @@ class Profiles:
     traces: int
     trainable_params: list[tuple[int, torch.dtype]] = field(default_factory=list)  # registration order
     trainable_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # -1: no block
+    # Figures derived from these alone, computed once (the cost model's, e.g. the offloaded parameters' bytes)
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 def affine_at(pair: Sequence[float] | np.ndarray, b: int) -> Any:

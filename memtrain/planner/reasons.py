@@ -35,13 +35,6 @@ def _optimizer_name(name: str, pure_bf16: bool) -> str:
         "AdamW", "pure bf16 AdamW (bf16 weights, no fp32 master, stochastic rounding; as asked)")
 
 
-def _family(s: PlanSettings) -> tuple[Any, ...]:
-    kinds = set(s.blocks)
-    shape = "none" if kinds == {"keep"} else "all" if kinds == {"recompute"} else "mixed"
-    return shape, s.flavor if "recompute" in kinds else "-", "offload" in kinds, s.chunked_loss, s.optimizer_text, \
-        s.micro_batch_size, s.distribution, s.compile
-
-
 def _slower(ratio: float) -> str:
     """A step-time ratio in words: "3.2% slower", or "as fast (within 0.1%)"."""
     return f"{100 * (ratio - 1):.1f}% slower" if ratio >= 1.001 else "as fast (within 0.1%)"
@@ -56,38 +49,53 @@ def _why_lost(results: CandidateTable, k: int, chosen: int, peak: float, fits: n
     return _slower(results.seconds[k] / results.seconds[chosen])
 
 
+def _family_codes(results: CandidateTable) -> np.ndarray:
+    """Each row's family as an integer (rows of one family share one): the checkpointing's shape (none, all
+    recomputed, mixed), the recompute flavor where a block recomputes, whether a block offloads, the loss, the
+    optimizer, the micro-batch, the distribution and compile. From the table's columns: the 70B's table has
+    millions of rows, too many to build each one's settings."""
+    n, ids = results.n_blocks, {}
+    first = [c.settings(n, 0, 0) for c in results.configs]  # the family's fields but the blocks' are the config's
+    rest = [(s.chunked_loss, s.optimizer_text, s.micro_batch_size, s.distribution, s.compile) for s in first]
+    flavored = np.array([ids.setdefault((s.flavor, *r), len(ids)) for s, r in zip(first, rest, strict=True)])
+    plain = np.array([ids.setdefault(("-", *r), len(ids)) for r in rest])
+    recomputes = results.recompute > 0
+    config = np.where(recomputes, flavored[results.config], plain[results.config])
+    shape = np.where((results.offload == 0) & ~recomputes, 0, np.where(results.recompute == n, 1, 2))
+    return (config * 3 + shape) * 2 + (results.offload > 0)
+
+
+def _first_of_each(rows: np.ndarray, codes: np.ndarray, seen: set[int], limit: int) -> list[int]:
+    """The first ``limit`` of ``rows`` (in order) of a family not ``seen`` and not met earlier in ``rows``."""
+    row_codes = codes[rows]
+    _, first = np.unique(row_codes, return_index=True)
+    return [int(rows[i]) for i in np.sort(first) if int(row_codes[i]) not in seen][:limit]
+
+
 def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen: int,
                 verified: dict[int, tuple[float, Trace]], fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
                 host_limit: int | None) -> list[Candidate]:
     """Up to three faster candidates that do not fit and five slower ones that do, one of each family (the shape
-    of the checkpointing, the loss, the optimizer, the micro-batch, ...), each with why it lost."""
+    of the checkpointing, the loss, the optimizer, the micro-batch, ...): of each family the fastest, each with why
+    it lost."""
     tokens_per_step = ctx.global_batch * ctx.seq_len
-    seen = {_family(results.settings(chosen))}
-    faster: list[Candidate] = []
-    slower: list[Candidate] = []
-    for k in results.order:
-        k = int(k)
-        if k == chosen:
-            continue
+    codes = _family_codes(results)
+    order = results.order[results.order != chosen]
+    # The table is ranked fastest first: the faster rows come before every other one. A slower one that does not fit
+    # says nothing.
+    faster = results.seconds[order] < results.seconds[chosen]
+    slower = order[~faster & fits[order] & fits_host[order]]
+    picked = _first_of_each(order[faster], codes, {int(codes[chosen])}, 3)
+    picked += _first_of_each(slower, codes, {int(codes[chosen]), *(int(codes[k]) for k in picked)}, 5)
+    out = []
+    for k in picked:
         s = results.settings(k)
-        family = _family(s)
-        if family in seen:
-            continue
-        is_faster = results.seconds[k] < results.seconds[chosen]
-        if not is_faster and not (fits[k] and fits_host[k]):
-            continue  # slower and does not fit: nothing to learn from it
-        group = faster if is_faster else slower
-        if len(group) >= (3 if is_faster else 5):
-            if len(slower) >= 5:
-                break
-            continue
-        seen.add(family)
         peak = verified[k][0] if k in verified else float(results.peak[k])
-        group.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
-                               tokens_per_step / float(results.seconds[k]), k in verified,
-                               _why_lost(results, k, chosen, peak, fits, fits_host, usable, host_limit),
-                               composer.host_link(s)))
-    return faster + slower
+        out.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
+                             tokens_per_step / float(results.seconds[k]), k in verified,
+                             _why_lost(results, k, chosen, peak, fits, fits_host, usable, host_limit),
+                             composer.host_link(s)))
+    return out
 
 
 def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float, fits: np.ndarray, fits_host: np.ndarray,

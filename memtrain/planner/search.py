@@ -11,7 +11,9 @@ weights), DDP or FSDP2, eager or compiled. It runs in three steps:
 2. Compose. Every candidate's peak is rebuilt from those per-block figures (forward, the head and loss, backward
    block by block, the optimizer step), its host bytes from the offloaded bytes and the optimizer state, and its
    step time from a cost model whose device figures come from a calibration probe or a table of known GPUs.
-   Thousands of candidates cost milliseconds each.
+   Every layout of one set-up is composed at once (numpy over the rows), and the set-ups that differ only in the
+   optimizer share their blocks' figures (``cost.Layout``): the 70B's 1.8 million candidates compose in under 2 s
+   of CPU.
 3. Choose. The fastest candidate whose peak fits the budget less a safety margin, and whose host bytes fit the
    host, is confirmed by a full ``estimate`` of exactly that set-up; should the estimate disagree, the next one
    is tried.
@@ -22,6 +24,7 @@ weights), DDP or FSDP2, eager or compiled. It runs in three steps:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import logging
@@ -314,11 +317,8 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
     L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
     choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
                                  fixed)
-    for i, (placement, state, in_backward, fraction, dist) in enumerate(choices, 1):
-        PROGRESS.info(f"plan: composing candidates{' in pure bf16' if space.pure_bf16 else ''}, optimizer set-up {i} "
-                      f"of {len(choices)} ({placement}{f', {fraction:.0%} of it offloaded' if fraction else ''}, {state} moments"
-                      f"{', step in backward' if in_backward else ''}"
-                      f"{', one process' if dist == 'none' else f', {dist}'}) x {len(micros)} micro-batch sizes")
+    jobs: list[tuple[Configuration, np.ndarray, np.ndarray]] = []  # composed together, added in this order
+    for placement, state, in_backward, fraction, dist in choices:
         for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
             for chunked in space.losses:
                 for b in micros:
@@ -334,17 +334,33 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                         if fixed.blocks is not None:
                             _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
                             continue
-                        for o in (range(L + 1) if space.offload_blocks else [0]):
-                            # Without recomputed blocks every flavor is the same set-up: the first has it.
-                            lowest = 0 if flavor == (flavors or ["full"])[0] else 1
-                            recompute = np.arange(lowest, (L - o + 1) if flavors else 1)
-                            if len(recompute):
-                                results.add(cfg, o, recompute, *composer.rows(cfg, o, recompute))
+                        offload, recompute = _layouts(L, space.offload_blocks, bool(flavors),
+                                                      flavor == (flavors or ["full"])[0])
+                        if len(recompute):
+                            jobs.append((cfg, offload, recompute))
+    if jobs:
+        PROGRESS.info(f"plan: composing {sum(len(r) for _, _, r in jobs):,} candidates"
+                      f"{' in pure bf16' if space.pure_bf16 else ''} ({len(jobs)} set-ups of {len(choices)} optimizer "
+                      f"set-ups x {len(micros)} micro-batch sizes)")
+    for (cfg, offload, recompute), figures in zip(jobs, composer.compose(jobs), strict=True):
+        results.add(cfg, offload, recompute, *figures)
 
     def pure(limit: int | None, usable: int | None, faster_than: float | None, correction_bytes: int) -> Any:
         return pure_bf16_candidate(composer, space, fixed, micros, per_rank, compile, allowed, limit, usable,
                                    faster_than, correction_bytes, search=_search, estimate=estimate_of)
     return pure
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts(n_blocks: int, offload_blocks: bool, recomputes: bool, first_flavor: bool) -> tuple[np.ndarray, ...]:
+    """(offloaded, recomputed) block counts of every layout the search composes for one configuration, ordered by
+    offloaded count, then recomputed count. Without recomputed blocks every flavor is the same set-up: only the
+    first flavor has those rows."""
+    pairs = [(o, r) for o in (range(n_blocks + 1) if offload_blocks else [0])
+             for r in range(0 if first_flavor else 1, (n_blocks - o + 1) if recomputes else 1)]
+    offload, recompute = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+    offload.flags.writeable = recompute.flags.writeable = False  # shared by every configuration (cached)
+    return offload, recompute
 
 
 def _raise_unbuildable(fixed: Fixed, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> None:

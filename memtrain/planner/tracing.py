@@ -61,7 +61,7 @@ def truncated_copy(model: nn.Module, blocks: Sequence[str]) -> tuple[nn.Module, 
     if len({signature(m) for m in container}) != 1:
         return None
 
-    copy = meta_model(model)
+    copy = meta_model(model, leave_out=list(container)[_LEAD:-1])  # the interior blocks: not copied, dropped
     parent_name = next(iter({name.rpartition(".")[0] for name in blocks}))
     holder_name, _, attr = parent_name.rpartition(".")
     holder = dict(copy.named_modules())[holder_name]
