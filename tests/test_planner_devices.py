@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from memtrain.errors import ConfigError
 from memtrain.planner import (
@@ -89,3 +90,13 @@ def test_a_plan_on_the_cpu_times_its_matmuls_at_the_16_bit_rate(precision):
     shown = plan(model, budget=None, seq_len=128, global_batch_size=8, device="cpu", precision=precision,
                  micro_batch_size=8, device_profile=profile, techniques=()).assumptions[0]
     assert "matmuls 6.2 GFLOP/s" in shown, shown
+
+
+def test_a_probe_leaves_the_global_generator_as_it_found_it(monkeypatch, tmp_path) -> None:
+    """calibrate()'s probe draws random tensors; a run that probes (a fresh machine) must draw the same dropout masks
+    and data order as one that reads the cache, or a killed run's resume is not the straight run (it was not)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    calibrate("cpu", cache=False, refresh=True)
+    assert torch.equal(torch.get_rng_state(), before)

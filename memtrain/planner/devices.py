@@ -182,7 +182,11 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
                 return DeviceProfile(**{**cached, "source": f"{cached.get('source', 'probe')}, cached in {path}"})
         except (OSError, ValueError, TypeError):
             pass  # an unreadable cache is measured again and rewritten
-    profile = probe(device, name)
+    # The probe draws random tensors: with the generators forked, a run that probes (a fresh machine) draws the same
+    # dropout masks and data order as one that reads the cache (its resume after a kill).
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device.index or 0],
+                               device_type=device.type if device.type != "cpu" else "cuda"):
+        profile = probe(device, name)
     if cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
