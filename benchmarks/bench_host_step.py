@@ -3,7 +3,7 @@ multi-tensor path it replaced, and the machine's copy bandwidth, side by side in
 
 An offloaded optimizer's CPU step is memory-bound: per parameter it moves 28 bytes with fp32 moments (torch's fused
 AdamW: p, g, m, v read, p, m, v written), 20 with bf16 moments, 16 with bitsandbytes' int8 layout, 14 for pure bf16
-with bf16 moments. Each case steps ``--params`` parameters in 4 tensors on ``--threads`` threads; repetitions are
+with bf16 moments (22 with fp32 moments). Each case steps ``--params`` parameters in 4 tensors on ``--threads`` threads; repetitions are
 interleaved so that the machine's drift hits every case alike. The summary prints parameters per second, the ratio to
 torch's fused fp32 AdamW (issue 29's targets on 2 threads: bf16 moments >= 1.0x, pure bf16 >= 1.2x, int8 >= 0.8x)
 and the bytes per second each case moves by that count.
@@ -30,7 +30,7 @@ from memtrain.optim import BF16StateAdamW, PureBF16AdamW, host_kernels  # noqa: 
 from memtrain.optim.moments import adamw_8bit_class  # noqa: E402
 
 # Bytes a step moves per parameter (read and written), by case: what "GB/s" in the summary divides by.
-BYTES = {"fp32": 28, "bf16": 20, "int8": 16, "pure": 14}
+BYTES = {"fp32": 28, "bf16": 20, "int8": 16, "pure": 14, "pure-fp32": 22}
 
 
 def parse_count(text: str) -> int:
@@ -84,6 +84,9 @@ def cases(n: int) -> list[Case]:
              _stepper(lambda ps: PureBF16AdamW(ps, lr=1e-4), n, torch.bfloat16, fused=True), notes="pure"),
         Case("pure bf16, bf16 moments, multi-tensor ops (before)",
              _stepper(lambda ps: PureBF16AdamW(ps, lr=1e-4), n, torch.bfloat16, fused=False), notes="pure"),
+        Case("pure bf16, fp32 moments, fused kernel",
+             _stepper(lambda ps: PureBF16AdamW(ps, lr=1e-4, state_precision="fp32"), n, torch.bfloat16, fused=True),
+             notes="pure-fp32"),
     ]
     try:
         int8 = adamw_8bit_class("cpu")

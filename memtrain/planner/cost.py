@@ -415,17 +415,20 @@ _STEP_BYTES = {"fp32": 28.0, "bf16": 92.0, "int8": 20.0}
 # prints them): the 1.1B Llama's 201 tensors take 66 passes, 331 ops, about 1.6 a tensor; bitsandbytes steps per
 # tensor.
 _STEP_OPS = {"fp32": 0.05, "bf16": 2.0, "int8": 2.0}
-# A host step's rate relative to fp32 AdamW's, where the probe did not measure it (memtrain.optim.cpu_step_rate on
-# this machine's 2 cores: bf16 about 3.5x and int8 about 30x slower).
-_CPU_RATE = {"fp32": 1.0, "bf16": 0.3, "int8": 1 / 30}
-# Pure bf16 (PureBF16AdamW): per parameter, the bf16 weight and gradient copied into fp32 (read 4, write 8), the
-# moments too where they are bf16 (4, 8), the fused kernel on the fp32 copies (28), the rounding noise added to
-# the weight and bf16 moments (read 12 + 12, write 12 with bf16 moments; a third without), the mask (24 or 8)
-# and the copies back (12 + 6, or 4 + 2): about 136 bytes with bf16 moments, 76 with fp32 ones (fp32 moments are
-# stepped in place). Its host step's rate relative to fused fp32 AdamW's, measured with memtrain.optim's
-# PureBF16AdamW on this machine's 2 cores (4M parameters): 0.46 with fp32 moments, 0.25 with bf16.
+# How much faster (a fraction of the step) lean moments must be than fp32 ones to be chosen for speed alone.
+LEAN_MARGIN = 0.05
+# A host step's rate relative to torch's fused fp32 AdamW's, where the probe did not measure it (a --gpu plan's host):
+# the fused host kernels (memtrain.optim.host_kernels) side by side with it on 2 threads, 96M parameters (beyond the
+# L3 cache, as a model's host step is): `memtrain bench host_step -- --params 96M` printed bf16 moments 1.22x and
+# 1.23x, bitsandbytes' 8-bit layout 0.79x and 0.81x, pure bf16 1.43x and 1.45x with bf16 moments, 1.14x with fp32.
+_CPU_RATE = {"fp32": 1.0, "bf16": 1.22, "int8": 0.8}
+_PURE_CPU_RATE = {"fp32": 1.14, "bf16": 1.44}
+# Pure bf16 (PureBF16AdamW) on a device (its multi-tensor path): per parameter, the bf16 weight and gradient copied
+# into fp32 (read 4, write 8), the moments too where they are bf16 (4, 8), the fused kernel on the fp32 copies (28),
+# the rounding noise added to the weight and bf16 moments (read 12 + 12, write 12 with bf16 moments; a third
+# without), the mask (24 or 8) and the copies back (12 + 6, or 4 + 2): about 136 bytes with bf16 moments, 76 with
+# fp32 ones (fp32 moments are stepped in place).
 _PURE_STEP_BYTES = {"fp32": 76.0, "bf16": 136.0}
-_PURE_CPU_RATE = {"fp32": 0.46, "bf16": 0.25}
 
 
 def host_step_rate(dev: DeviceProfile, cfg: Configuration) -> float:
@@ -611,7 +614,11 @@ class CandidateTable:
     def finish(self) -> None:
         cols = [np.concatenate(c) for c in zip(*self._parts, strict=True)]
         self.config, self.offload, self.recompute, self.peak, self.host, self.seconds = cols
-        self.order = np.lexsort((self.peak, self.seconds))
+        # Lean moments change the numerics (moments rounded or quantised): on speed alone they must beat fp32
+        # moments by LEAN_MARGIN, more than a probe's noise, or plans would flip between runs on one machine (the
+        # fused host kernels step bf16 moments about as fast as fp32 ones).
+        lean = self.column("state_precision") != "fp32"
+        self.order = np.lexsort((self.peak, np.where(lean, self.seconds * (1 + LEAN_MARGIN), self.seconds)))
 
     def settings(self, k: int) -> PlanSettings:
         if k in self.explicit:
