@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +272,15 @@ def test_a_kernel_releases_the_gil_while_it_runs() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert turns == 1000, turns
+
+
+def test_the_host_step_benchmark_prints_every_case_beside_torchs(tmp_path) -> None:
+    """benchmarks/bench_host_step.py (memtrain bench host_step), as a smoke run: every case ran (no error column),
+    each with its ratio to torch's fused fp32 AdamW."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_host_step.py"), "--params", "64K",
+                           "--repeats", "1", "--out", str(tmp_path / "out.json")], capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = done.stdout.split("GB/s moved", 1)[1].strip().splitlines()
+    assert len(summary) == 9 and all("x " in line and "failed" not in line for line in summary), done.stdout
