@@ -17,6 +17,7 @@ one. ``benchmarks/bench_host_step.py`` (``memtrain bench host_step``) times them
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -128,7 +129,9 @@ def _build() -> Any:
     path = os.environ.get("PATH", "")
     if bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
-    return cpp_extension.load(name=f"memtrain_host_adamw_{capability.lower()}", sources=[str(_SOURCE)],
+    # Named after the source's digest: two checkouts (or versions) of memtrain never rebuild each other's kernel.
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+    return cpp_extension.load(name=f"memtrain_host_adamw_{capability.lower()}_{digest}", sources=[str(_SOURCE)],
                               extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
