@@ -130,8 +130,11 @@ def test_int8_code_tables_give_the_nearest_code() -> None:
         x = torch.rand(200_000, generator=g) ** 6
         x = torch.cat([x * torch.randn(x.shape, generator=g).sign() if signed else x,
                        torch.tensor([0.0, 1.0, -1.0 if signed else 0.5]), (code[1:] + code[:-1]) / 2])
-        k = table[(x.view(torch.int32) >> 16) & 0xFFFF].long()
-        k = k + (x > bounds[k]).long()
+        entry = table[(x.view(torch.int32) >> 16) & 0xFFFF]
+        k = entry & 0xFFFFFFFF
+        above = (entry >> 32).to(torch.int32).view(torch.float32)  # the midpoint above code k, as the kernel reads it
+        assert torch.equal(above, bounds[k])
+        k = k + (x > above).long()
         assert torch.equal(k, torch.bucketize(x, bounds[:-1]))
 
 

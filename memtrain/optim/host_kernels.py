@@ -150,11 +150,11 @@ def step_int8(p: torch.Tensor, state: dict[str, Any], config: dict[str, Any]) ->
     """A host tensor's 8-bit AdamW step in one fused pass: bitsandbytes' arithmetic and state layout (``state``, its
     step count already advanced; ``config`` from its ``get_config``), each block decoded, stepped and encoded to the
     nearest code once."""
-    bounds1, table1 = code_tables(state["qmap1"])
-    bounds2, table2 = code_tables(state["qmap2"])
+    _, table1 = code_tables(state["qmap1"])
+    _, table2 = code_tables(state["qmap2"])
     beta1, beta2 = config["betas"][:2]
     kernels().adamw_int8_(p.data, p.grad.contiguous(), state["state1"], state["state2"], state["absmax1"],
-                          state["absmax2"], state["qmap1"], state["qmap2"], bounds1, bounds2, table1, table2,
+                          state["absmax2"], state["qmap1"], state["qmap2"], table1, table2,
                           float(config["lr"]), float(beta1), float(beta2), float(config["eps"]),
                           float(config["weight_decay"]), float(state["step"]))
 
@@ -166,9 +166,10 @@ _CODE_TABLES: dict[int, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = 
 
 
 def code_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(256 midpoints, the last +inf; 65,536-entry int32 table) of a sorted 256-entry code book, for the kernel's
+    """(256 midpoints, the last +inf; a 65,536-entry int64 table) of a sorted 256-entry code book, for the kernel's
     nearest-code encoding: the table maps a value's top 16 bits to the lowest code any value with those bits can be
-    nearest to; one comparison with the following midpoint then decides. Cached per code book.
+    nearest to (low 32 bits) and the midpoint above it (its fp32 bits, high 32 bits); one comparison with that
+    midpoint then decides. Cached per code book.
 
     Raises:
         ValueError: a code book with two midpoints inside one 16-bit interval of [-1, 1] (bitsandbytes' dynamic
@@ -188,6 +189,8 @@ def code_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if bool(((last - first > 1) & inside).any()):
         raise ValueError("a code book with midpoints closer than a bf16 interval: the fused 8-bit step needs "
                          "bitsandbytes' dynamic maps")
-    table = first.where(inside, torch.zeros_like(first)).to(torch.int32).contiguous()
+    code_of = first.where(inside, torch.zeros_like(first))
+    above = bounds.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # each midpoint's bits, as an unsigned 32-bit value
+    table = (code_of | (above[code_of] << 32)).contiguous()
     _CODE_TABLES[id(qmap)] = (qmap, qmap._version, bounds, table)
     return bounds, table

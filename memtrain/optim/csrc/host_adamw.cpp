@@ -187,8 +187,8 @@ namespace {
 // books, an integer max over the bit patterns of |x|, which order as the values do).
 inline void int8_block(float* __restrict__ p, const float* __restrict__ g, uint8_t* __restrict__ c1,
                        uint8_t* __restrict__ c2, float* __restrict__ a1, float* __restrict__ a2,
-                       const float* __restrict__ q1, const float* __restrict__ q2, const float* __restrict__ b1,
-                       const float* __restrict__ b2, const int32_t* __restrict__ t1, const int32_t* __restrict__ t2,
+                       const float* __restrict__ q1, const float* __restrict__ q2, const int64_t* __restrict__ t1,
+                       const int64_t* __restrict__ t2,
                        const Hyper& h, const int32_t len, float* __restrict__ m, float* __restrict__ v) {
   const float s1 = *a1, s2 = *a2, beta1 = h.beta1, beta2 = h.beta2, one_beta1 = h.one_beta1, one_beta2 = h.one_beta2;
   const float lr_wd = h.lr_wd, step_size = h.step_size;
@@ -235,44 +235,52 @@ inline void int8_block(float* __restrict__ p, const float* __restrict__ g, uint8
   *a2 = n2;
   const float i1 = n1 > 0.0f ? 1.0f / n1 : 0.0f, i2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
   // The nearest code: a table indexed by x's top 16 bits gives the lowest code any value with those bits can be
-  // nearest to, one comparison with the next midpoint (+inf after the last code) decides; the Python side checks
-  // that no 16-bit interval of [-1, 1] holds two midpoints.
+  // nearest to (low 32 bits) and the midpoint above that code (high 32 bits, +inf after the last code); one comparison
+  // decides. The Python side checks that no 16-bit interval of [-1, 1] holds two midpoints.
   int32_t j = 0;
 #ifdef __AVX512F__
-  // The compiler does not vectorise this loop (a gather indexed by a gather): 16 elements at a time by hand.
+  // The compiler does not vectorise this loop (a gather indexed by computed keys): 16 elements at a time by hand, each
+  // table entry (code and midpoint) one 64-bit load.
   const __m512 lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f), i1v = _mm512_set1_ps(i1),
                i2v = _mm512_set1_ps(i2);
   const __m512i one = _mm512_set1_epi32(1);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, one);
+  const auto encode16 = [&](const __m512 x, const int64_t* table) {
+    const __m512i key = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+    const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(key), table, 8);
+    const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(key, 1), table, 8);
+    const __m512i code = _mm512_permutex2var_epi32(e0, even, e1);
+    const __m512 bound = _mm512_castsi512_ps(_mm512_permutex2var_epi32(e0, odd, e1));
+    return _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(x, bound, _CMP_GT_OQ), code, one));
+  };
   for (; j + 16 <= len; j += 16) {
     const __m512 x1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(m + j), i1v), lo), hi);
     const __m512 x2 = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), i2v), hi);
-    __m512i k1 = _mm512_i32gather_epi32(_mm512_srli_epi32(_mm512_castps_si512(x1), 16), t1, 4);
-    __m512i k2 = _mm512_i32gather_epi32(_mm512_srli_epi32(_mm512_castps_si512(x2), 16), t2, 4);
-    k1 = _mm512_mask_add_epi32(k1, _mm512_cmp_ps_mask(x1, _mm512_i32gather_ps(k1, b1, 4), _CMP_GT_OQ), k1, one);
-    k2 = _mm512_mask_add_epi32(k2, _mm512_cmp_ps_mask(x2, _mm512_i32gather_ps(k2, b2, 4), _CMP_GT_OQ), k2, one);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(c1 + j), _mm512_cvtepi32_epi8(k1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(c2 + j), _mm512_cvtepi32_epi8(k2));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c1 + j), encode16(x1, t1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c2 + j), encode16(x2, t2));
   }
 #endif
   for (; j < len; ++j) {
     float x1 = m[j] * i1, x2 = v[j] * i2;  // in [-1, 1] and [0, 1] but for rounding: clamped
     x1 = x1 < -1.0f ? -1.0f : (x1 > 1.0f ? 1.0f : x1);
     x2 = x2 > 1.0f ? 1.0f : x2;
-    const int32_t k1 = t1[static_cast<int32_t>(float_to_bits(x1) >> 16)];
-    const int32_t k2 = t2[static_cast<int32_t>(float_to_bits(x2) >> 16)];
-    c1[j] = static_cast<uint8_t>(k1 + (x1 > b1[k1]));
-    c2[j] = static_cast<uint8_t>(k2 + (x2 > b2[k2]));
+    const int64_t e1 = t1[static_cast<int32_t>(float_to_bits(x1) >> 16)];
+    const int64_t e2 = t2[static_cast<int32_t>(float_to_bits(x2) >> 16)];
+    const auto k1 = static_cast<uint32_t>(e1), k2 = static_cast<uint32_t>(e2);
+    c1[j] = static_cast<uint8_t>(k1 + (x1 > bits_to_float(static_cast<uint32_t>(static_cast<uint64_t>(e1) >> 32))));
+    c2[j] = static_cast<uint8_t>(k2 + (x2 > bits_to_float(static_cast<uint32_t>(static_cast<uint64_t>(e2) >> 32))));
   }
 }
 
 }  // namespace
 
 // One bitsandbytes-layout 8-bit AdamW step of one fp32 tensor, in place: codes1/codes2 (uint8), absmax1/absmax2
-// (fp32, one per 256 elements), the sorted code books qmap1/qmap2, their 256 midpoints bounds1/bounds2 (the last
-// +inf) and 65,536-entry int32 tables table1/table2 (see int8_block).
+// (fp32, one per 256 elements), the sorted code books qmap1/qmap2 and their 65,536-entry int64 tables table1/table2
+// (see int8_block).
 void adamw_int8_(torch::Tensor p, torch::Tensor g, torch::Tensor codes1, torch::Tensor codes2, torch::Tensor absmax1,
-                 torch::Tensor absmax2, torch::Tensor qmap1, torch::Tensor qmap2, torch::Tensor bounds1,
-                 torch::Tensor bounds2, torch::Tensor table1, torch::Tensor table2, double lr, double beta1,
+                 torch::Tensor absmax2, torch::Tensor qmap1, torch::Tensor qmap2, torch::Tensor table1,
+                 torch::Tensor table2, double lr, double beta1,
                  double beta2, double eps, double weight_decay, double step) {
   TORCH_CHECK(p.scalar_type() == at::kFloat && g.scalar_type() == at::kFloat && p.is_contiguous() &&
               g.is_contiguous() && codes1.is_contiguous() && codes2.is_contiguous(),
@@ -280,8 +288,8 @@ void adamw_int8_(torch::Tensor p, torch::Tensor g, torch::Tensor codes1, torch::
   const int64_t n = p.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(absmax1.numel() >= blocks && absmax2.numel() >= blocks && codes1.numel() == n && codes2.numel() == n &&
-              bounds1.numel() == 256 && bounds2.numel() == 256 && table1.numel() == 65536 &&
-              table2.numel() == 65536 && table1.scalar_type() == at::kInt && table2.scalar_type() == at::kInt,
+              table1.numel() == 65536 && table2.numel() == 65536 && table1.scalar_type() == at::kLong &&
+              table2.scalar_type() == at::kLong,
               "memtrain host AdamW (int8): state or tables of the wrong size");
   const Hyper h = hyper(lr, beta1, beta2, eps, weight_decay, step, 1.0);
   float* pp = ptr<float>(p);
@@ -289,15 +297,14 @@ void adamw_int8_(torch::Tensor p, torch::Tensor g, torch::Tensor codes1, torch::
   uint8_t *c1 = ptr<uint8_t>(codes1), *c2 = ptr<uint8_t>(codes2);
   float *a1 = ptr<float>(absmax1), *a2 = ptr<float>(absmax2);
   const float *q1 = ptr<const float>(qmap1), *q2 = ptr<const float>(qmap2);
-  const float *b1 = ptr<const float>(bounds1), *b2 = ptr<const float>(bounds2);
-  const int32_t *t1 = ptr<const int32_t>(table1), *t2 = ptr<const int32_t>(table2);
+  const int64_t *t1 = ptr<const int64_t>(table1), *t2 = ptr<const int64_t>(table2);
   at::parallel_for(0, blocks, kGrain / kBlock, [=](int64_t begin, int64_t end) {
     alignas(64) float m[kBlock];
     alignas(64) float v[kBlock];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t start = b * kBlock;
       const auto len = static_cast<int32_t>(std::min(kBlock, n - start));
-      int8_block(pp + start, gp + start, c1 + start, c2 + start, a1 + b, a2 + b, q1, q2, b1, b2, t1, t2, h, len, m, v);
+      int8_block(pp + start, gp + start, c1 + start, c2 + start, a1 + b, a2 + b, q1, q2, t1, t2, h, len, m, v);
     }
   });
 }
