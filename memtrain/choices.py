@@ -9,7 +9,8 @@ with several processes cannot take), so that a bad combination fails once, at st
 Example:
     >>> Choices(checkpointing="every:2", optimizer=OptimizerChoice(state_precision="bf16")).to_dict()
     {'checkpointing': 'every:2', 'offload_activations': None, 'optimizer': {'placement': None, \
-'state_precision': 'bf16', 'step_in_backward': None, 'offload_fraction': None}, 'chunked_loss': None, 'compile': False, \
+'state_precision': 'bf16', 'step_in_backward': None, 'offload_fraction': None, 'name': None, 'kwargs': None}, \
+'chunked_loss': None, 'compile': False, \
 'pure_bf16': False, \
 'offload_weights': None}
 """
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 from memtrain.checkpointing import Checkpointing
 from memtrain.errors import ConfigError
+from memtrain.optim.named import NamedOptimizer, own_state_problems
 
 Placement = Literal["device", "offload"]
 StatePrecision = Literal["fp32", "bf16", "int8"]
@@ -50,7 +52,7 @@ def _switch_problems(owner: Any, names: tuple[str, ...], prefix: str = "") -> li
 
 @dataclass(frozen=True)
 class OptimizerChoice:
-    """AdamW's placement and state; None leaves a field to the plan.
+    """The optimizer, its placement and state; None leaves a field to the plan (the optimizer itself never is).
 
     placement: "device" (state on the device; with ``offload_fraction`` a share of it in host RAM) or "offload"
         (``CPUOffloadOptimizer``: fp32 master weights and AdamW state in host RAM, 12 fewer device bytes a
@@ -59,15 +61,38 @@ class OptimizerChoice:
         bytes a parameter), "bf16" (4), "int8" (about 2). The master weights stay fp32 either way.
     step_in_backward: each parameter steps as its gradient is final, which is freed at once (no gradient buffers).
     offload_fraction: this share of a device optimizer's state in host RAM, in [0, 1].
+    name: the optimizer: None or "adamw" (memtrain's AdamW, with the state precisions above), or any other
+        ``torch.optim.Optimizer`` by short name ("adafactor", "lion", ...), dotted path ("torch.optim.Adafactor") or
+        class. It gets the run's lr and weight decay where it takes them and ``kwargs``; it keeps its own state
+        (no lean moments, no pure bf16), measured by a probe step; the placements wrap it alike. Changing it
+        changes the numerics, so the plan never does.
+    kwargs: the named class's own hyper-parameters (e.g. ``{"beta2_decay": -0.8}``).
     """
 
     placement: Placement | None = None
     state_precision: StatePrecision | None = None
     step_in_backward: bool | None = None
     offload_fraction: float | None = None
+    name: Any = None
+    kwargs: Any = None
 
     def __post_init__(self) -> None:
-        ConfigError.raise_if(self.problems())
+        problems = self.problems()
+        if not problems and self.kwargs is not None:  # a hashable value, as the rest of the choices
+            object.__setattr__(self, "kwargs", self.named.kwargs)
+        ConfigError.raise_if(problems)
+
+    @property
+    def named(self) -> NamedOptimizer:
+        """The optimizer these choices name (memtrain's AdamW by default)."""
+        return NamedOptimizer.of(self.name, None if self.kwargs is None else dict(self.kwargs))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON values: the optimizer as its dotted path (None: memtrain's AdamW) and its kwargs as a mapping."""
+        named = self.named
+        return {"placement": self.placement, "state_precision": self.state_precision,
+                "step_in_backward": self.step_in_backward, "offload_fraction": self.offload_fraction,
+                "name": None if named.is_adamw else named.path, "kwargs": dict(named.kwargs) or None}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> OptimizerChoice:
@@ -87,8 +112,15 @@ class OptimizerChoice:
         if self.offload_fraction is not None and not _is_fraction(self.offload_fraction):
             problems.append(f"optimizer.offload_fraction={self.offload_fraction!r} must be a fraction in [0, 1], or "
                             "None (the plan decides). To resolve this error, pass e.g. offload_fraction=0.5.")
+        if self.kwargs is not None and not isinstance(self.kwargs, (Mapping, tuple)):
+            problems.append(f"optimizer.kwargs={self.kwargs!r} is not a mapping of argument names to values. To "
+                            "resolve this error, pass e.g. kwargs={'beta2_decay': -0.8}.")
         if problems:
             return problems
+        try:
+            problems += own_state_problems(self.named, self.state_precision, False, "optimizer.")
+        except ConfigError as e:
+            return [p if p.startswith("optimizer") else f"optimizer.name={self.name!r}: {p}" for p in e.problems]
         if self.placement == "offload":
             if self.offload_fraction is not None:
                 problems.append(f"optimizer.placement='offload' with offload_fraction={self.offload_fraction}: the "
@@ -183,6 +215,8 @@ class Choices:
         if not isinstance(self.pure_bf16, bool):
             problems.append(f"pure_bf16={self.pure_bf16!r} must be True or False. To resolve this error, pass one of "
                             "them.")
+        elif self.pure_bf16 and not optimizer.named.is_adamw:
+            problems += own_state_problems(optimizer.named, None, True)
         elif self.pure_bf16 and optimizer.state_precision == "int8":
             problems.append("pure_bf16=True with optimizer.state_precision='int8': bitsandbytes' 8-bit AdamW rounds "
                             "a bf16 weight's update to nearest, losing updates below half an ulp (pure bf16 needs "
@@ -262,7 +296,7 @@ class Choices:
     def to_dict(self) -> dict[str, Any]:
         """JSON values (the policy as its spelling) that ``from_dict`` reads back."""
         return {"checkpointing": None if self.checkpointing is None else str(self.checkpointing),
-                "offload_activations": self.offload_activations, "optimizer": dataclasses.asdict(self.optimizer),
+                "offload_activations": self.offload_activations, "optimizer": self.optimizer.to_dict(),
                 "chunked_loss": self.chunked_loss, "compile": self.compile, "pure_bf16": self.pure_bf16,
                 "offload_weights": self.offload_weights}
 

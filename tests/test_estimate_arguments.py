@@ -15,7 +15,7 @@ from memtrain.models import GPT, GPT_PRESETS
 def test_bad_arguments_are_all_reported_at_once():
     model = GPT(GPT_PRESETS["gpt-tiny"])
     with pytest.raises(ConfigError) as info:
-        estimate(model, (2, 16), device="tpu", precision="bf16", optimizer="lion", checkpointing="sometimes")
+        estimate(model, (2, 16), device="tpu", precision="bf16", optimizer="lionn", checkpointing="sometimes")
     problems = info.value.problems
     assert len(problems) == 4, problems
     assert all("To resolve this error" in p for p in problems)

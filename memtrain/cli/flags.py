@@ -4,6 +4,7 @@ file, and which options the command line gave itself (a resume keeps the others)
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import re
 import sys
@@ -16,6 +17,7 @@ from memtrain.cli.console import EXIT_BAD_INPUT, EXIT_CODES_HELP
 from memtrain.cli.workloads import HF_SEQ_LEN
 from memtrain.config import LR_SCHEDULES
 from memtrain.errors import ConfigError
+from memtrain.optim.named import ALIASES
 from memtrain.report import parse_bytes
 from memtrain.run.tensorboard import LOGGERS
 
@@ -116,6 +118,18 @@ def _checkpointing(text: str) -> str:
                      "blocks(RKO...) (one letter per block: recompute, keep, offload), each with an optional +offload")
         raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy ({e}); the spellings are "
                                          f"{spellings}") from None
+
+
+def _optimizer_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``: one keyword argument of the --optimizer class, the value a Python literal (else a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE, e.g. beta2_decay=-0.8")
+    try:
+        parsed = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        parsed = value.strip()
+    return key.strip(), parsed
 
 
 def _fraction(text: str) -> float:
@@ -409,6 +423,15 @@ def _add_technique_flags(parser: Any, *, planned: bool) -> None:
     parser.add_argument("--chunked-loss", action=switch, default=None,
                         help="the loss's fp32 logits 1024 tokens at a time, never whole (default: "
                         + ("the plan decides)" if planned else "on with checkpointing where the model allows it)"))
+    parser.add_argument("--optimizer", metavar="NAME", default=None,
+                        help="the optimizer: adamw (memtrain's: --optimizer-state, --pure-bf16, the fused host step; "
+                        f"default), a short name ({', '.join(sorted(ALIASES))}) or any torch.optim.Optimizer class "
+                        "by dotted path (e.g. torch.optim.Adafactor). It gets --lr and --weight-decay; its state is "
+                        "its own, measured by a probe step; --offload-optimizer, --offload-optimizer-fraction and "
+                        "--step-in-backward wrap it alike. Never chosen by the plan")
+    parser.add_argument("--optimizer-arg", type=_optimizer_arg, action="append", metavar="KEY=VALUE", default=None,
+                        help="a keyword argument of the --optimizer class (repeatable; the value a Python literal, "
+                        "e.g. --optimizer-arg beta2_decay=-0.8)")
     parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "int8"], default=None,
                         help=f"AdamW's moments, on the device or (--offload-optimizer) in host RAM: fp32 (8 bytes "
                         f"per parameter), bf16 (4) or int8 (about 2; needs bitsandbytes) ({unset.replace('off', 'fp32')})")

@@ -29,8 +29,10 @@ def choices_from_flags(args: argparse.Namespace) -> Choices:
                         "To resolve this error, drop one of them.")
     optimizer = OptimizerChoice()
     try:
+        kwargs = dict(getattr(args, "optimizer_arg", None) or ()) or None
         optimizer = OptimizerChoice(placement=_PLACEMENT[args.offload_optimizer], state_precision=args.optimizer_state,
-                                    step_in_backward=args.step_in_backward, offload_fraction=fraction)
+                                    step_in_backward=args.step_in_backward, offload_fraction=fraction,
+                                    name=getattr(args, "optimizer", None), kwargs=kwargs)
     except ConfigError as e:  # the other fields are still checked: every problem at once
         problems += e.problems
     try:

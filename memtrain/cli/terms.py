@@ -21,7 +21,7 @@ ARGUMENT_FLAGS: dict[str, str] = {
     "world_size": "torchrun --nproc_per_node", "budget": "--budget", "host_budget": "--host-budget",
     "state_precision": "--optimizer-state", "offload_fraction": "--offload-optimizer-fraction",
     "optimizer.state_precision": "--optimizer-state", "optimizer.offload_fraction": "--offload-optimizer-fraction",
-    "log": "--log",
+    "log": "--log", "optimizer.name": "--optimizer", "optimizer.kwargs": "--optimizer-arg",
     "max_grad_norm": "--grad-clip",
 }
 # The library's advice that names an argument the command has no flag for, in the command's terms.

@@ -15,11 +15,15 @@ from memtrain.checkpointing import Checkpointing, apply_checkpointing
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.estimate.fake import batch_spec, max_positions
+from memtrain.estimate.optimizer_state import as_optimizer
 from memtrain.estimate.tracker import numel
 from memtrain.loss import HF_MODEL_TYPES, chunk_tokens_of, supports_chunked_loss
+from memtrain.optim.named import NamedOptimizer, own_state_problems
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
-OptimizerKind = Literal["adamw", "sgd", "sgd-momentum", "adafactor", "adamw-offload"]
+# memtrain's AdamW on the device or offloaded, estimate's names for torch's optimizers (as_optimizer), or any other
+# optimizer by short name, dotted path or class (memtrain.optim.named).
+OptimizerKind = Literal["adamw", "sgd", "sgd-momentum", "adafactor", "adamw-offload"] | str | type
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -82,7 +86,14 @@ def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any,
         choice.step_in_backward)  # memtrain.optim's AdamW rather than torch's
     # Parameter offload streams the weights from the offloaded optimizer's master: it implies that optimizer.
     offloaded = choice.placement == "offload" or (choice.placement is None and bool(setup.offload_weights))
-    if offloaded and optimizer == "adamw":
+    if not choice.named.is_adamw:  # a named class, wrapped as memtrain's AdamW is (offloaded: all of its state)
+        if optimizer != "adamw":
+            problems.append(f"setup.optimizer.name={choice.named.path!r} with optimizer={optimizer!r}: two "
+                            "optimizers for one step. To resolve this error, pass one of them.")
+        options["optimizer"] = choice.named
+        if offloaded:
+            options["offload_fraction"] = 1.0
+    elif offloaded and optimizer == "adamw":
         options["optimizer"] = "adamw-offload"
     elif offloaded and optimizer != "adamw-offload":
         problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded optimizer "
@@ -178,7 +189,11 @@ def check_arguments(
         problems.append(f"weights_dtype={weights_dtype!r} is not known. To resolve this error, pass one of "
                         f"{[k for k in WEIGHT_DTYPES if k]} or None (the model's own).")
     _check_choice("precision", precision, get_args(Precision), problems)
-    _check_choice("optimizer", optimizer, get_args(OptimizerKind), problems)
+    try:
+        named = as_optimizer(optimizer)
+    except ConfigError as e:
+        named = "adamw"
+        problems += [f"optimizer={optimizer!r}: {p}" for p in e.problems]
     _check_choice("state_precision", state_precision, ("fp32", "bf16", "int8"), problems)
     if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not (
             0.0 <= offload_fraction <= 1.0):
@@ -188,9 +203,9 @@ def check_arguments(
         problems.append(f"step_in_backward={step_in_backward!r} must be True or False. To resolve this error, "
                         "pass step_in_backward=True or False.")
     lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True or pure_bf16 is True
-    if lean and optimizer not in ("adamw", "adamw-offload"):
-        problems.append(f"state_precision/offload_fraction/step_in_backward are options of AdamW (memtrain.optim), "
-                        f"not of optimizer={optimizer!r}. To resolve this error, pass optimizer='adamw'.")
+    if isinstance(named, NamedOptimizer):  # the wrappers take any class; lean moments and pure bf16 are AdamW's
+        problems += own_state_problems(named, state_precision, pure_bf16)
+        lean = False
     ckpt = _checkpointing_kwargs(checkpointing, problems)
     spec = batch_spec(batch, micro_batch_size, seq_len, problems)
     _check_layers(model, problems)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from memtrain.errors import ConfigError
 from memtrain.optim.lean_adamw import LeanAdamW
 from memtrain.optim.memory import offloaded_mask
 from memtrain.optim.moments import adamw_8bit_class, check_precision
+from memtrain.optim.named import NamedOptimizer, own_state_problems
 from memtrain.optim.pure_bf16 import check_pure_bf16_moments
 
 # Optimizers whose step needs more than one parameter's gradient (or a closure): they cannot step per parameter.
@@ -21,10 +23,10 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                     state_precision: str = "fp32", offload_fraction: float = 0.0, step_in_backward: bool = False,
                     grad_scaler: torch.amp.GradScaler | None = None, world_size: int = 1,
-                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                    pure_bf16: bool = False) -> LeanAdamW:
-    """The optimizer ``apply_plan``/``train`` use: AdamW with the chosen state precision, partial host offload and
-    step-in-backward, as one ``torch.optim.Optimizer``.
+                    optimizer_class: type[torch.optim.Optimizer] | str | NamedOptimizer = torch.optim.AdamW,
+                    optimizer_kwargs: Mapping[str, Any] | None = None, pure_bf16: bool = False) -> LeanAdamW:
+    """The optimizer ``apply_plan``/``train`` use: AdamW with the chosen state precision (or any other class),
+    partial host offload and step-in-backward, as one ``torch.optim.Optimizer``.
 
     Args:
         named_parameters: ``model.named_parameters()``; parameters that do not require grad (frozen, e.g. under
@@ -35,7 +37,11 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         step_in_backward: step each device parameter in backward as its gradient is final, freeing it at once.
         grad_scaler: the fp16 GradScaler in use (needed with offload_fraction > 0 or step_in_backward).
         world_size: ranks training together; step-in-backward needs 1 (DDP averages gradients after the hooks).
-        optimizer_class: only AdamW is built; another class is refused with the reason.
+        optimizer_class: AdamW (memtrain's, with a state precision and pure bf16), or any other
+            ``torch.optim.Optimizer`` class, short name or dotted path (``NamedOptimizer.of``): it gets ``lr`` and
+            ``weight_decay`` where it takes them, and ``optimizer_kwargs``; its state is its own (state_precision
+            "fp32"), and the wrappers (step in backward, the offloaded share) take it alike.
+        optimizer_kwargs: the class's own hyper-parameters (e.g. ``{"beta2_decay": -0.8}`` for Adafactor).
         pure_bf16: the trainable weights are bf16 and have no fp32 master: ``PureBF16AdamW`` steps them (the update
             in fp32, rounded back stochastically), on the device and on the host (moments fp32 or bf16).
 
@@ -54,26 +60,24 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
     """
     problems = []
     check_precision(state_precision)
-    if step_in_backward and (optimizer_class in _NOT_PER_PARAMETER
-                             or not (isinstance(optimizer_class, type)
-                                     and issubclass(optimizer_class, torch.optim.Optimizer))):
+    as_class = optimizer_class is torch.optim.AdamW and not optimizer_kwargs
+    named = NamedOptimizer() if as_class else NamedOptimizer.of(optimizer_class, optimizer_kwargs)
+    cls = named.resolve()
+    if step_in_backward and cls in _NOT_PER_PARAMETER:
         raise ConfigError(
-            f"step_in_backward=True with {getattr(optimizer_class, '__name__', optimizer_class)!r}: its step needs "
-            "every parameter's gradient (or a closure re-evaluating the loss), so a parameter cannot step alone as "
-            "its gradient is final. To resolve this error, use AdamW (build_optimizer's default) or pass "
-            "step_in_backward=False.")
-    if optimizer_class is not torch.optim.AdamW:
-        raise ConfigError(f"build_optimizer builds AdamW (with a choice of state precision), not "
-                          f"{getattr(optimizer_class, '__name__', optimizer_class)}. To resolve this error, drop "
-                          "optimizer_class, or build that optimizer yourself (CPUOffloadOptimizer takes any class).")
+            f"step_in_backward=True with {cls.__name__}: its step needs every parameter's gradient (or a closure "
+            "re-evaluating the loss), so a parameter cannot step alone as its gradient is final. To resolve this "
+            "error, use AdamW (build_optimizer's default) or pass step_in_backward=False.")
+    ConfigError.raise_if(own_state_problems(named, state_precision, pure_bf16))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = max(world_size, torch.distributed.get_world_size())  # the ranks running now count too
-    named = [(n, p) for n, p in named_parameters if p.requires_grad]
-    if not named:
+    params = [(n, p) for n, p in named_parameters if p.requires_grad]
+    if not params:
         raise ConfigError("build_optimizer got no parameter that requires grad. To resolve this error, pass "
                           "model.named_parameters() of a model with trainable parameters.")
-    if step_in_backward and grad_scaler is not None and grad_scaler.is_enabled() and state_precision != "fp32":
-        problems.append(f"step_in_backward=True with an fp16 GradScaler and state_precision={state_precision!r}: "
+    if step_in_backward and grad_scaler is not None and grad_scaler.is_enabled() and (
+            state_precision != "fp32" or not named.is_adamw):
+        problems.append(f"step_in_backward=True with an fp16 GradScaler and {named.text} ({state_precision} state): "
                         "an overflow must stop the parameters still to step on a flag read on the device, which "
                         "only fused AdamW (fp32 moments) takes. To resolve this error, pass state_precision='fp32', "
                         "bf16-mixed precision (no scaler) or step_in_backward=False.")
@@ -85,28 +89,30 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         problems.append(f"offload_fraction={offload_fraction} with world_size={world_size}: offloaded gradients "
                         "leave the device before DDP averages them. To resolve this error, pass offload_fraction=0 "
                         "(or use CPUOffloadOptimizer(offload_gradients=False) directly).")
-    devices = sorted({str(p.device) for _, p in named})
+    devices = sorted({str(p.device) for _, p in params})
     if len(devices) > 1:
         problems.append(f"the parameters live on several devices ({', '.join(devices)}). To resolve this error, "
                         "move the model to one device first.")
     ConfigError.raise_if(problems)
-    mask = offloaded_mask([p.numel() for _, p in named], offload_fraction)
+    mask = offloaded_mask([p.numel() for _, p in params], offload_fraction)
     if pure_bf16:
-        _check_pure_bf16(named, state_precision, grad_scaler)
-        return LeanAdamW(named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        _check_pure_bf16(params, state_precision, grad_scaler)
+        return LeanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          state_precision=state_precision, offload_mask=mask, step_in_backward=step_in_backward,
                          grad_scaler=grad_scaler, pure_bf16=True)
-    on_device = [n for (n, p), h in zip(named, mask, strict=True) if not h and p.dtype != torch.float32]
+    on_device = [n for (n, p), h in zip(params, mask, strict=True) if not h and p.dtype != torch.float32]
     if on_device:
         raise ConfigError(
-            f"{len(on_device)} trainable parameters are not fp32 ({on_device[:3]}...) and would keep their AdamW "
-            "state on the device without an fp32 master: updates smaller than their dtype's resolution would be "
+            f"{len(on_device)} trainable parameters are not fp32 ({on_device[:3]}...) and would keep their "
+            f"{cls.__name__} state on the device without an fp32 master: updates smaller than their dtype's resolution would be "
             "lost. To resolve this error, keep trainable weights in fp32 (autocast computes in bf16), or pass "
             "offload_fraction=1.0 (the host keeps an fp32 master of bf16 weights).")
     if state_precision == "int8":
-        adamw_8bit_class(named[0][1].device.type)  # raises, naming the fallback, before anything is allocated
-    return LeanAdamW(named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_precision=state_precision,
-                     offload_mask=mask, step_in_backward=step_in_backward, grad_scaler=grad_scaler)
+        adamw_8bit_class(params[0][1].device.type)  # raises, naming the fallback, before anything is allocated
+    if not named.is_adamw and (any(mask) or params[0][1].device.type == "cpu"):
+        named.state_sizes((1,), torch.float32)  # a class that cannot step on the host: one clear error, now
+    return LeanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_precision=state_precision,
+                     offload_mask=mask, step_in_backward=step_in_backward, grad_scaler=grad_scaler, named=named)
 
 
 def _check_pure_bf16(named: list[tuple[str, nn.Parameter]], state_precision: str,

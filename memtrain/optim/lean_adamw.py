@@ -33,6 +33,7 @@ from torch import nn
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.in_backward import Arming, StepInBackward, step_hook
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
+from memtrain.optim.named import NamedOptimizer
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.optim.partial import HostPart
 from memtrain.optim.pure_bf16 import PureBF16AdamW
@@ -68,17 +69,21 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
       as skipped. Inner optimizers without that flag (bf16 and int8 moments) are refused with an fp16 scaler.
     """
 
-    _OPTIONS = ("lr", "betas", "eps", "weight_decay")
     # No inf check to read before the step (CPUOffloadOptimizer says True): under an fp16 scaler,
     # GradientAccumulator steps it through scaler.step(optimizer) and reads the skip from the scale.
     found_inf_before_step = False
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float, state_precision: str, offload_mask: Sequence[bool],
-                 step_in_backward: bool, grad_scaler: torch.amp.GradScaler | None, pure_bf16: bool = False):
+                 step_in_backward: bool, grad_scaler: torch.amp.GradScaler | None, pure_bf16: bool = False,
+                 named: NamedOptimizer | None = None):
         names = [n for n, _ in named_params]
         params = [p for _, p in named_params]
+        self.named = named if named is not None else NamedOptimizer()
         hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        if not self.named.is_adamw:  # another class: lr and weight decay where it takes them, then its own kwargs
+            hyper = self.named.hyperparameters(lr=lr, weight_decay=weight_decay)
+        self._options = tuple(hyper)
         self.state_precision = state_precision
         self.steps_in_backward = step_in_backward
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
@@ -87,6 +92,8 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
         host_named = [(n, p) for n, p, h in zip(names, params, offload_mask, strict=True) if h]
         device_type = params[0].device.type
         cls, impl = state_class(state_precision, device_type)
+        if not self.named.is_adamw:
+            cls, impl = self.named.resolve(), {}
         self.pure_bf16 = pure_bf16
         if pure_bf16:  # bf16 weights, no master: the update rounded stochastically (memtrain.optim.pure_bf16)
             cls, impl = PureBF16AdamW, {"state_precision": state_precision}
@@ -104,6 +111,8 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
         self._host = None
         if host_named:
             host_impl = state_class(state_precision, "cpu")[1] if not pure_bf16 else {"pure_bf16": True}
+            if not self.named.is_adamw:
+                host_impl = {"optimizer_class": cls}
             self._host = CPUOffloadOptimizer(host_named, state_precision=state_precision, **hyper, **host_impl)
         # With host gradients the accumulator normalises and clips through us (scale_gradients_, clip_grad_norm_),
         # and GradScaler hands its inf check to step() (as with CPUOffloadOptimizer, which exposes the same
@@ -155,7 +164,7 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
 
     def _sync_hyperparameters(self) -> None:
         group = self.param_groups[0]
-        values = {k: group[k] for k in self._OPTIONS}
+        values = {k: group[k] for k in self._options}
         for inner in {id(o): o for o in self._inner.values()}.values():
             for g in inner.param_groups:
                 g.update(values)
@@ -229,6 +238,8 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(group["param_names"])
         out = {"state": state, "param_groups": [group], "state_precision": self.state_precision}
+        if not self.named.is_adamw:
+            out["optimizer"] = self.named.path
         if self.steps_in_backward:
             out["lagged_grad_norm"] = float(self._lagged_norm)  # clips the next window: a resumed run clips alike
         return out
@@ -242,6 +253,9 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
         Raises:
             ConfigError: unknown names, shape mismatches, or entries that are not AdamW state.
         """
+        if not self.named.is_adamw:
+            self._load_own_state(state_dict)
+            return
         saved_groups = state_dict["param_groups"]
         saved_names = [n for g in saved_groups for n in g.get("param_names", g["params"])]
         keys = [k for g in saved_groups for k in g["params"]]
@@ -304,6 +318,43 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
                     bucket.inner.state[slot.master] = entry_for(bucket.inner, slot.master, converted[name],
                                                                  salt=len(self._device_params) + i)
             host._link_state()
+        self._link_state()
+
+    def _load_own_state(self, state_dict: dict[str, Any]) -> None:
+        """Another class's state, saved by this class: each entry loaded as it is (by parameter name), onto the
+        device part's parameters and into the host part.
+
+        Raises:
+            ConfigError: a state saved for another optimizer, or names this optimizer does not have.
+        """
+        saved = state_dict.get("optimizer", "adamw")
+        if saved != self.named.path:
+            raise ConfigError(f"the state_dict is {saved!r}'s state, this optimizer {self.named.path!r}'s. To resolve "
+                              "this error, build the optimizer the state was saved with.")
+        group = state_dict["param_groups"][0]
+        by_key = dict(zip(group["params"], group.get("param_names", group["params"]), strict=True))
+        entries = {by_key.get(k, k): v for k, v in state_dict["state"].items()}
+        device = {self._names[id(p)]: p for p in self._device_params}
+        host = {slot.key for slot in self._host._slots} if self._host is not None else set()
+        unknown = sorted(set(entries) - set(device) - host)
+        if unknown:
+            raise ConfigError(f"state entries {unknown[:5]} name no parameter of this optimizer. To resolve this "
+                              "error, load a state_dict saved for the same model (named parameters).")
+        self.param_groups[0].update({k: v for k, v in group.items() if k not in ("params", "param_names")})
+        self._sync_hyperparameters()
+        self._lagged_norm = torch.tensor(float(state_dict.get("lagged_grad_norm", 0.0)))
+        for name, p in device.items():
+            inner = self._inner[id(p)]
+            inner.state.pop(p, None)
+            if name in entries:
+                inner.state[p] = {k: v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                                  for k, v in entries[name].items()}
+        if self._host is not None:
+            names = [slot.key for slot in self._host._slots]
+            self._host.load_state_dict({
+                "state": {n: entries[n] for n in names if n in entries},
+                "param_groups": [{**{k: v for k, v in self._host.param_groups[0].items() if k != "params"},
+                                  "params": names, "param_names": names}]})
         self._link_state()
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from memtrain.optim.moments import (
     check_precision,
     state_class,
 )
+from memtrain.optim.named import NamedOptimizer, own_state_problems
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.optim.pure_bf16 import PURE_BF16_CHUNK, PureBF16AdamW, check_pure_bf16_moments
 
@@ -101,8 +102,9 @@ def _state_bytes(numel: int, dtype: torch.dtype, precision: str) -> int:
 
 def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precision: str = "fp32",
                      offload_fraction: float = 0.0, step_in_backward: bool = False, accumulation_steps: int = 1,
-                     delayed_update: bool = False, device_type: str = "cuda",
-                     pure_bf16: bool = False) -> OptimizerMemory:
+                     delayed_update: bool = False, device_type: str = "cuda", pure_bf16: bool = False,
+                     named: NamedOptimizer | None = None, shapes: Sequence[tuple[int, ...]] | None = None,
+                     round_to: int = 1) -> OptimizerMemory:
     """The bytes of ``build_optimizer(...)`` over trainable parameters ``(numel, dtype)`` in registration order.
 
     Pure: builds nothing, so it serves ``estimate`` and the planner on configs of any size. Bytes per parameter
@@ -113,16 +115,46 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
     weights' dtype; the host keeps bf16 weights and bf16 gradient buffers (2 + 2 bytes per parameter), no fp32 master
     and no cast; the step's scratch holds fp32 copies of the weights and gradients (and of bf16 moments).
 
+    ``named``: another optimizer class (``NamedOptimizer``; ``state_precision`` "fp32": its own state), whose state
+    is measured by probe steps over each parameter's shape (``shapes``, in the order of ``params``; each state
+    tensor rounded up to ``round_to``) and whose step scratch by one probe step; the host buffers are the same.
+
     Example:
         >>> m = optimizer_memory([(4096 * 4096, torch.float32)], state_precision="int8")
         >>> round(m.device_state_bytes / (4096 * 4096), 3)
         2.031
     """
     check_precision(state_precision)
+    foreign = named is not None and not named.is_adamw
+    if foreign:
+        ConfigError.raise_if(own_state_problems(named, state_precision, pure_bf16))
+    shapes = list(shapes) if shapes is not None else [(int(n),) for n, _ in params]
     numels = [int(n) for n, _ in params]
     on_host = offloaded_mask(numels, offload_fraction)
     device = [(n, dt) for (n, dt), h in zip(params, on_host, strict=True) if not h]
     host = [(n, dt) for (n, dt), h in zip(params, on_host, strict=True) if h]
+    if foreign:
+        device_state = sum(named.state_bytes(s, dt, round_to)
+                           for (_, dt), s, h in zip(params, shapes, on_host, strict=True) if not h)
+        host_state = sum(named.state_bytes(s, torch.float32) for s, h in zip(shapes, on_host, strict=True) if h)
+    else:
+        device_state, host_state = _adamw_state(device, host, state_precision, step_in_backward, pure_bf16)
+    grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
+    peak = max(grad_bytes, default=0) if step_in_backward and accumulation_steps == 1 else sum(grad_bytes)
+    if foreign:
+        temp = _named_step_temp(named, device, step_in_backward, device_type)
+    else:
+        temp = _adamw_step_temp(device, state_precision, step_in_backward, device_type, pure_bf16)
+    return OptimizerMemory(
+        device_state_bytes=device_state, device_gradient_bytes=sum(grad_bytes), device_gradient_peak_bytes=peak,
+        device_step_temp_bytes=temp, host_state_bytes=host_state,
+        host_bytes=_host_bytes(host, host_state, accumulation_steps, delayed_update, device_type, pure_bf16),
+        offloaded_params=len(host))
+
+
+def _adamw_state(device: list[tuple[int, torch.dtype]], host: list[tuple[int, torch.dtype]], state_precision: str,
+                 step_in_backward: bool, pure_bf16: bool) -> tuple[int, int]:
+    """memtrain's AdamW's state bytes on the device and on the host (its moments by formula)."""
 
     def qmaps(groups: list[list[tuple[int, torch.dtype]]]) -> int:
         if state_precision != "int8":
@@ -138,42 +170,61 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
     host_rev = list(reversed(host))
     host_state += qmaps([[host_rev[i] for i in run]
                          for run in bucket_runs([n for n, _ in host_rev], CPUOffloadOptimizer.bucket_numel)])
+    return device_state, host_state
+
+
+def _host_bytes(host: list[tuple[int, torch.dtype]], host_state: int, accumulation_steps: int,
+                delayed_update: bool, device_type: str, pure_bf16: bool) -> int:
+    """CPUOffloadOptimizer's host RAM: its state, fp32 masters, gradient buffers, cast and sum stages."""
+    if not host:
+        return 0
     aligned_numel = sum(aligned(n) for n, _ in host)
     cast = sum(aligned(n) * torch.empty((), dtype=dt).element_size() for n, dt in host if dt != torch.float32)
     # Non-fp32 device weights: a cast buffer in their dtype, also the gradient stage (a second one for a delayed
     # update, whose step overlaps the next backward).
-    host_bytes = host_state + 4 * aligned_numel * (2 + bool(delayed_update)) + cast * (1 + bool(delayed_update)) \
-        if host else 0
-    if host and pure_bf16:  # the bf16 weights themselves and bf16 gradient buffers: nothing to cast
+    host_bytes = host_state + 4 * aligned_numel * (2 + bool(delayed_update)) + cast * (1 + bool(delayed_update))
+    if pure_bf16:  # the bf16 weights themselves and bf16 gradient buffers: nothing to cast
         host_bytes = host_state + 2 * aligned_numel * (2 + bool(delayed_update))
-    if host and device_type != "cpu" and accumulation_steps > 1:
+    if device_type != "cpu" and accumulation_steps > 1:
         # The sum stage a later micro-batch's gradient lands in before it is added (two halves, pinned by the
         # first such micro-batch).
         host_bytes += 2 * sum_stage_numel([n for n, _ in host], CPUOffloadOptimizer.bucket_numel) \
             * (2 if pure_bf16 else 4)
+    return host_bytes
 
-    grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
-    device_grads = sum(grad_bytes)
-    peak = device_grads
-    if step_in_backward and accumulation_steps == 1:
-        peak = max(grad_bytes, default=0)
+
+def _named_step_temp(named: NamedOptimizer, device: list[tuple[int, torch.dtype]], step_in_backward: bool,
+                     device_type: str) -> int:
+    """A named class's step scratch on the device: the probe's bytes per element over what one step takes at once
+    (every device parameter with the multi-tensor implementation, torch's default on CUDA; else the largest;
+    with step-in-backward one parameter at a time)."""
+    if not device:
+        return 0
+    foreach = device_type != "cpu" and named.takes_foreach() and not step_in_backward
+    per_element = max(named.step_scratch(dt, foreach=foreach) for dt in {dt for _, dt in device})
+    at_once = sum(n for n, _ in device) if foreach else max(n for n, _ in device)
+    return int(per_element * at_once)
+
+
+def _adamw_step_temp(device: list[tuple[int, torch.dtype]], state_precision: str, step_in_backward: bool,
+                     device_type: str, pure_bf16: bool) -> int:
+    """memtrain's AdamW's step scratch on the device (an upper bound)."""
     largest = max((n for n, _ in device), default=0)
-    temp = 0
     if device_type == "cpu" and device and host_kernels.expected():
         # The fused host kernels step in place (memtrain.optim.host_kernels): no scratch, no noise table. int8's
         # small tensors keep fp32 moments and bitsandbytes' 32-bit step, a few fp32 temporaries of their size.
         small = max((n for n, _ in device if n < INT8_MIN_NUMEL), default=0)
-        temp = 4 * 4 * small if state_precision == "int8" and not pure_bf16 else 0
-    elif pure_bf16:
+        return 4 * 4 * small if state_precision == "int8" and not pure_bf16 else 0
+    if pure_bf16:
         # PureBF16AdamW: one pass's fp32 copies of the weights and gradients (and of bf16 moments), as
         # BF16StateAdamW's scratch, and the same rounding-noise table.
         chunk = PURE_BF16_CHUNK.get(device_type, 1 << 20)
         padded = [-(-n // 16) * 16 for n, _ in device]
         scratch = min(max(padded, default=0) if step_in_backward else sum(padded), chunk)
         width = 4 if state_precision == "bf16" else 2
-        temp = 4 * width * scratch + 2 * 4 * ((1 << max(min(largest, chunk) - 1, 1).bit_length()) + NOISE_OFFSETS) \
+        return 4 * width * scratch + 2 * 4 * ((1 << max(min(largest, chunk) - 1, 1).bit_length()) + NOISE_OFFSETS) \
             if device else 0
-    elif state_precision == "bf16":
+    if state_precision == "bf16":
         # BF16StateAdamW: one pass's fp32 copies of both moments (its parameters cut at multiples of 16 elements,
         # one optimizer per parameter with step-in-backward), and the rounding-noise table it keeps per device
         # (a power of two over the longest piece, plus the offsets it reads at; built through one int32 temporary
@@ -181,15 +232,12 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
         chunk = BF16_CHUNK.get(device_type, 1 << 20)
         padded = [-(-n // 16) * 16 for n, _ in device]
         scratch = min(max(padded, default=0) if step_in_backward else sum(padded), chunk)
-        temp = 8 * scratch + 2 * 4 * ((1 << max(min(largest, chunk) - 1, 1).bit_length()) + NOISE_OFFSETS)
-    elif state_precision == "int8" and device_type == "cpu":
+        return 8 * scratch + 2 * 4 * ((1 << max(min(largest, chunk) - 1, 1).bit_length()) + NOISE_OFFSETS)
+    if state_precision == "int8" and device_type == "cpu":
         # bitsandbytes' CPU path dequantises what it steps to fp32 (moments, gradient, weights), a piece of at most
         # INT8_CPU_CHUNK elements at a time (AdamW8bit.update_step).
-        temp = min(largest, INT8_CPU_CHUNK) * 4 * 4
-    return OptimizerMemory(
-        device_state_bytes=device_state, device_gradient_bytes=device_grads, device_gradient_peak_bytes=peak,
-        device_step_temp_bytes=temp, host_state_bytes=host_state, host_bytes=host_bytes,
-        offloaded_params=len(host))
+        return min(largest, INT8_CPU_CHUNK) * 4 * 4
+    return 0
 
 
 def host_step_probe(state_precision: str, n_params: int, *, pure_bf16: bool = False) -> torch.optim.Optimizer:

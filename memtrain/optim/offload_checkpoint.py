@@ -74,10 +74,15 @@ class OffloadCheckpoint:
                               f"{sizes}. To resolve this error, build the optimizer over the same parameters.")
         by_key = self._match_keys(saved_groups)
         problems = []
+        # AdamW's (and SGD's) state is parameter-shaped; another class's may not be (Adafactor's row and column
+        # vectors): it is loaded as saved.
+        shaped = type(self._buckets[0].inner) in STATE_BYTES_PER_PARAM or self.state_precision != "fp32"
         for key, entry in state_dict["state"].items():
             slot = by_key.get(key)
             if slot is None:
                 problems.append(f"state entry {key!r} belongs to no parameter of the state_dict's param_groups.")
+                continue
+            if not shaped:
                 continue
             # 8-bit entries also hold their code books and block scales, which are not parameter-shaped.
             shapes = {k: tuple(v.shape) for k, v in entry.items() if isinstance(v, torch.Tensor) and v.ndim > 0

@@ -205,16 +205,22 @@ def _check_blocks(model: nn.Module, s: PlanSettings, planned: tuple[str, ...] | 
 
 def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world: int,
                        hyper: dict[str, Any], device: torch.device) -> torch.optim.Optimizer:
-    """AdamW as the plan places it, over the parameters that require grad (a LoRA model's adapters)."""
+    """The optimizer as the plan places it (AdamW, or the run's named class), over the parameters that require grad
+    (a LoRA model's adapters)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = s.optimizer_class
     if s.optimizer == "device" and s.state_precision == "fp32" and not (s.step_in_backward or s.offload_fraction
                                                                          or s.pure_bf16):
+        if not named.is_adamw:  # the run's own class, as it comes
+            cls = named.resolve()
+            return cls([p for _, p in trainable], **named.hyperparameters(lr=hyper["lr"],
+                                                                           weight_decay=hyper["weight_decay"]))
         # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
         return torch.optim.AdamW([p for _, p in trainable], fused=True, **hyper)
     if s.optimizer == "device":
         return build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
                                step_in_backward=s.step_in_backward, grad_scaler=precision.scaler,
-                               world_size=world, pure_bf16=s.pure_bf16, **hyper)
+                               world_size=world, pure_bf16=s.pure_bf16, optimizer_class=named, **hyper)
 
     # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that would
     # have copied them to the host. In one process they stream to the host during backward.
@@ -225,6 +231,10 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
     for p in model.parameters() if bf16 is not None else ():
         if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(bf16)
+    if not named.is_adamw:  # the run's own class on the host: lr and weight decay where it takes them, its kwargs
+        named.state_sizes((1,), torch.float32)  # a class that cannot step on the host: one clear error, now
+        hyper = {"optimizer_class": named.resolve(),
+                 **named.hyperparameters(lr=hyper["lr"], weight_decay=hyper["weight_decay"])}
     return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
                                device_dtype=bf16, state_precision=s.state_precision, pure_bf16=s.pure_bf16,
                                device=device, **hyper)

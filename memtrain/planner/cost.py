@@ -15,6 +15,7 @@ import torch
 from memtrain.estimate import Trace
 from memtrain.offload import PREFETCH_DEFAULT, SLAB_BYTES_DEFAULT
 from memtrain.optim import offloaded_mask, optimizer_memory
+from memtrain.optim.named import NamedOptimizer
 from memtrain.planner.devices import DeviceProfile
 from memtrain.planner.profiles import Profiles, affine_at, offloader_bytes
 from memtrain.planner.settings import Configuration, HostLink, PlanSettings, Problem, configuration_of
@@ -75,12 +76,13 @@ class Composer:
         """The optimizer's bytes (``memtrain.optim.optimizer_memory``), which blocks' gradients leave the device
         as they land (streamed to the host, or stepped in backward), and whether the head's and embeddings' do."""
         key = (id(prof), cfg.state_precision, cfg.host_fraction, cfg.step_in_backward, cfg.accumulation,
-               cfg.pure_bf16)
+               cfg.pure_bf16, cfg.optimizer_class)
         if key not in self._optimizers:
             memory = optimizer_memory(prof.trainable_params, state_precision=cfg.state_precision,
                                       offload_fraction=cfg.host_fraction, step_in_backward=cfg.step_in_backward,
                                       accumulation_steps=cfg.accumulation, device_type=self.ctx.device,
-                                      pure_bf16=cfg.pure_bf16)
+                                      pure_bf16=cfg.pure_bf16, named=cfg.optimizer_class,
+                                      shapes=prof.trainable_shapes, round_to=512 if self.ctx.device == "cuda" else 1)
             leaving = np.array(offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction), dtype=bool)
             if cfg.step_in_backward and cfg.accumulation == 1:
                 leaving[:] = True
@@ -432,9 +434,36 @@ _PURE_CPU_RATE = {"fp32": 1.14, "bf16": 1.44}
 _PURE_STEP_BYTES = {"fp32": 76.0, "bf16": 136.0}
 
 
+# A named class on the device (an assumption: no kernel of its own is measured there): it reads the weight and the
+# gradient, writes the weight, and reads and writes its state once; multi-tensor kernels, a few launches a tensor.
+_NAMED_STEP_OPS = 0.2
+
+
+def _named_step_bytes(prof: Profiles, named: NamedOptimizer) -> float:
+    """Bytes a named class's device step moves per parameter: weight and gradient read, weight written (fp32), and
+    its measured state read and written."""
+    key = ("named step bytes", named)
+    if key not in prof.memo:
+        state = sum(named.state_bytes(shape, dt) for shape, (_, dt) in zip(prof.trainable_shapes,
+                                                                          prof.trainable_params, strict=True))
+        prof.memo[key] = 12.0 + 2 * state / max(prof.trainable_numel, 1)
+    return prof.memo[key]
+
+
+def named_state_bytes(prof: Profiles, named: NamedOptimizer, round_to: int) -> float:
+    """A named class's device state over every trainable parameter (the probe's, rounded as the allocator does)."""
+    key = ("named state bytes", named, round_to)
+    if key not in prof.memo:
+        prof.memo[key] = float(sum(named.state_bytes(shape, dt, round_to) for shape, (_, dt) in zip(
+            prof.trainable_shapes, prof.trainable_params, strict=True)))
+    return prof.memo[key]
+
+
 def host_step_rate(dev: DeviceProfile, cfg: Configuration) -> float:
     """Parameters per second of the host's AdamW step with ``cfg``'s moments: the probe's measured rate where it
     has one, else fused fp32 AdamW's rate scaled by the measured ratio (``_CPU_RATE``, ``_PURE_CPU_RATE``)."""
+    if not cfg.optimizer_class.is_adamw:  # another class: fused AdamW's rate over its measured time ratio
+        return dev.cpu_adamw / cfg.optimizer_class.step_time_ratio()
     if cfg.pure_bf16:
         measured_pure = dev.cpu_adamw_pure if cfg.state_precision == "bf16" else None
         return measured_pure or dev.cpu_adamw * _PURE_CPU_RATE[cfg.state_precision]
@@ -454,8 +483,10 @@ def _optimizer_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, backwar
     if ctx.device == "cuda":
         tensors = len(prof.trainable_params) * (1 - cfg.host_fraction)
         step_bytes = (_PURE_STEP_BYTES if cfg.pure_bf16 else _STEP_BYTES)[cfg.state_precision]
-        device_part = max(step_bytes * on_device / dev.memory_bandwidth,
-                          _STEP_OPS["bf16" if cfg.pure_bf16 else cfg.state_precision] * tensors * dev.op_overhead_s)
+        ops = _STEP_OPS["bf16" if cfg.pure_bf16 else cfg.state_precision]
+        if not cfg.optimizer_class.is_adamw:
+            step_bytes, ops = _named_step_bytes(prof, cfg.optimizer_class), _NAMED_STEP_OPS
+        device_part = max(step_bytes * on_device / dev.memory_bandwidth, ops * tensors * dev.op_overhead_s)
     else:  # the "device" is the host: its own AdamW rate
         device_part = on_device / host_step_rate(dev, cfg)
     device_part = device_part + 0 * backward_s
@@ -548,7 +579,9 @@ def _distributed_shift(ctx: Problem, prof: Profiles, cfg: Configuration | PlanSe
         # a device optimizer's trace counts those already; an offloaded one's streams them, but not under DDP.
         return grads * (2 if cfg.optimizer != "device" and cfg.accumulation > 1 else 1)
     # FSDP2: parameters and state sharded, the block computed and the next one (prefetched) gathered whole.
-    shift = -(prof.parameter_bytes + prof.adamw_state_bytes) * (1 - 1 / n)
+    state = prof.adamw_state_bytes if cfg.optimizer_class.is_adamw else named_state_bytes(
+        prof, cfg.optimizer_class, 512 if ctx.device == "cuda" else 1)
+    shift = -(prof.parameter_bytes + state) * (1 - 1 / n)
     return shift + 2 * gathered_block_bytes(ctx, prof)
 
 

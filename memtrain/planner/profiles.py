@@ -293,6 +293,7 @@ class Profiles:
     adamw_state_bytes: int
     traces: int
     trainable_params: list[tuple[int, torch.dtype]] = field(default_factory=list)  # registration order
+    trainable_shapes: list[tuple[int, ...]] = field(default_factory=list)  # the same parameters' shapes
     trainable_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # -1: no block
     # Figures derived from these alone, computed once (the cost model's, e.g. the offloaded parameters' bytes)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

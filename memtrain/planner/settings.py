@@ -13,6 +13,7 @@ from typing import Any, Literal
 from memtrain.checkpointing import Checkpointing, SelectivePolicy
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
+from memtrain.optim.named import NamedOptimizer
 from memtrain.planner.devices import DeviceProfile
 from memtrain.report import MemoryReport, format_bytes
 
@@ -45,12 +46,16 @@ class PlanSettings:
     pure_bf16: bool = False  # bf16 weights, no fp32 master, updates rounded stochastically (only when asked for)
     # Parameter offload: the blocks' weights in host RAM (the offloaded optimizer's), streamed one block ahead
     offload_weights: bool = False
+    # The optimizer's class: memtrain's AdamW, or one the run names (never the plan's choice)
+    optimizer_class: NamedOptimizer = NamedOptimizer()
 
     @property
     def optimizer_text(self) -> str:
         """The optimizer in words, e.g. "device, int8 moments, step in backward"."""
         parts = [self.optimizer if not (self.optimizer == "device" and self.offload_fraction) else
                  f"{100 * self.offload_fraction:.0f}% offloaded"]
+        if not self.optimizer_class.is_adamw:
+            parts.insert(0, self.optimizer_class.text)
         if self.state_precision != "fp32":
             parts.append(f"{self.state_precision} moments")
         if self.step_in_backward:
@@ -83,9 +88,12 @@ class PlanSettings:
         return dict(zip(names, self.blocks, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["blocks"] = list(self.blocks)
         out["checkpointing"] = self.checkpointing
+        named = out.pop("optimizer_class")
+        if not named.is_adamw:  # memtrain's AdamW is every plan's but a named class's: written only otherwise
+            out["optimizer_class"] = named.to_dict()
         return out
 
     @classmethod
@@ -96,8 +104,9 @@ class PlanSettings:
             ConfigError: a dictionary that is not one (a missing or unknown field).
         """
         names = {f.name for f in dataclasses.fields(cls)}
+        convert = {"blocks": tuple, "optimizer_class": NamedOptimizer.from_dict}
         try:
-            return cls(**{k: (tuple(v) if k == "blocks" else v) for k, v in d.items() if k in names})
+            return cls(**{k: convert.get(k, lambda v: v)(v) for k, v in d.items() if k in names})
         except TypeError as e:
             raise ConfigError(f"{d!r} is not a plan's settings ({e}). To resolve this error, pass what "
                               "PlanSettings.to_dict() wrote.") from None
@@ -120,6 +129,7 @@ class Fixed:
     # only: it changes the numerics, so the plan never picks it).
     pure_bf16: bool | None = None
     offload_weights: bool | None = None  # parameter offload (True), or not (False)
+    optimizer_class: NamedOptimizer = NamedOptimizer()  # the run's optimizer: never the search's to choose
 
     @classmethod
     def of_choices(cls, choices: Choices, *, n_blocks: int, device: str) -> tuple[Fixed, frozenset[str], list[str]]:
@@ -173,10 +183,15 @@ class Fixed:
             allowed -= {"offload-optimizer", "bf16-weights"}
             if fraction is None:
                 fraction = 0.0
+        named, state_precision = opt.named, opt.state_precision
+        if not named.is_adamw:  # another class keeps its own state: no lean moments to search
+            allowed.discard("optimizer-state")
+            state_precision = "fp32"
         fixed = cls(blocks=blocks, flavor=flavor, chunked_loss=choices.chunked_loss, optimizer=opt.fixed_placement,
-                    state_precision=opt.state_precision, step_in_backward=opt.step_in_backward,
+                    state_precision=state_precision, step_in_backward=opt.step_in_backward,
                     offload_fraction=fraction, compile=True if choices.compile else None,
-                    pure_bf16=True if choices.pure_bf16 else None, offload_weights=choices.offload_weights)
+                    pure_bf16=True if choices.pure_bf16 else None, offload_weights=choices.offload_weights,
+                    optimizer_class=named)
         return fixed, frozenset(allowed), notes
 
 
@@ -399,14 +414,16 @@ class Configuration:
     offload_fraction: float = 0.0
     pure_bf16: bool = False
     offload_weights: bool = False
+    # Out of the repr (the search's tables are compared by it): memtrain's AdamW for every configuration of a plan
+    # but a named class's.
+    optimizer_class: NamedOptimizer = dataclasses.field(default=NamedOptimizer(), repr=False)
 
     def settings(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
         return self.with_blocks(_assignment(n_blocks, offload, recompute))
 
     def with_blocks(self, blocks: tuple[BlockKind, ...]) -> PlanSettings:
-        return PlanSettings(self.micro_batch_size, self.accumulation, blocks, self.flavor, self.chunked_loss,
-                            self.optimizer, self.distribution, self.compile, self.precision, self.state_precision,
-                            self.step_in_backward, self.offload_fraction, self.pure_bf16, self.offload_weights)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return PlanSettings(blocks=blocks, **fields)
 
     @property
     def host_fraction(self) -> float:
@@ -426,6 +443,4 @@ TECHNIQUES = ("checkpointing", "selective", "offload-activations", "chunked-loss
 
 
 def configuration_of(s: PlanSettings) -> Configuration:
-    return Configuration(s.micro_batch_size, s.accumulation, s.flavor, s.chunked_loss, s.optimizer, s.distribution,
-                   s.compile, s.precision, s.state_precision, s.step_in_backward, s.offload_fraction, s.pure_bf16,
-                   s.offload_weights)
+    return Configuration(**{f.name: getattr(s, f.name) for f in dataclasses.fields(Configuration)})

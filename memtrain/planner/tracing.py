@@ -116,6 +116,7 @@ def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cu
                                 for n, p in modules[name].named_parameters(prefix=name)
                                 if p.requires_grad and n not in no_gradient) for name in blocks], dtype=np.float64),
         "params": [(t.numel(), t.dtype) for t in trainable],
+        "shapes": [tuple(t.shape) for t in trainable],
         "param_blocks": np.array([block_of.get(id(p), -1) for name, p in named.items()
                                   if p.requires_grad and name not in no_gradient], dtype=np.int64),
     }
@@ -188,6 +189,7 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
         adamw_state_bytes=full["state"],
         traces=2 * len(kinds),
         trainable_params=full["params"],
+        trainable_shapes=full["shapes"],
         trainable_blocks=full["param_blocks"],
     )
 
