@@ -42,6 +42,7 @@ from torch import nn
 
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.optim.contract import OptimizerTraits
 from memtrain.precision import step_with_inf_flag
 from memtrain.unwrap import is_fsdp2, unwrap_model
 
@@ -218,9 +219,11 @@ class GradientAccumulator:
         self.scheduler = scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._sync = _sync_kind(model)
-        # memtrain.optim.LeanAdamW(step_in_backward=True): parameters step inside the last micro-batch's backward,
-        # so the window's normalisation, clipping and inf check are handed to it before that backward.
-        self._steps_in_backward = bool(getattr(optimizer, "steps_in_backward", False))
+        # What the optimizer declares of the contract (memtrain.optim.contract), read once. Stepping in backward
+        # (LeanAdamW(step_in_backward=True)), parameters step inside the last micro-batch's backward, so the
+        # window's normalisation, clipping and inf check are handed to it before that backward.
+        self._traits = OptimizerTraits.of(optimizer)
+        self._steps_in_backward = self._traits.steps_in_backward
         # Counters over the whole run.
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -399,7 +402,7 @@ class GradientAccumulator:
                 self.optimizer.prepare_backward(last=False)
                 scaled.backward()
         else:
-            if self._is_last and callable(getattr(self.optimizer, "next_backward_is_last", None)):
+            if self._is_last and self._traits.announces_last_backward:
                 # CPUOffloadOptimizer: this backward's landings take the norms the clip at the boundary reads.
                 self.optimizer.next_backward_is_last()
             scaled.backward()
@@ -457,7 +460,7 @@ class GradientAccumulator:
             dist.all_reduce(stats)
         if self._steps_in_backward:
             return self._finish_stepped_window(stats)
-        if _host_gradients(self.optimizer):
+        if self._traits.manages_gradients:
             return self._step_host_gradients(stats)
         return self._step_device_gradients(stats)
 
@@ -466,7 +469,7 @@ class GradientAccumulator:
         grad_scaler). CPUOffloadOptimizer folds the factor and the clip coefficient into its host step (no pass, no
         read of its own); the window's numbers cross to the host once, as the host step needs the factor."""
         optimizer = self.optimizer
-        if self.scaler is not None and not getattr(optimizer, "found_inf_before_step", False):
+        if self.scaler is not None and not self._traits.found_inf_before_step:
             # LeanAdamW with a host part under the fp16 scaler: its own passes and reads (the scaler's inf check).
             items_f, micro_f, loss_sum = stats.tolist()
             divisor = self._check_items(items_f, micro_f)
@@ -515,10 +518,10 @@ class GradientAccumulator:
         norm = _grad_norm([p for p in params if p.grad is not None], self.max_grad_norm, stats.device)
         items, micro_f, loss_sum = stats.unbind()
         loss = loss_sum / (items if self._reduction == "sum" else micro_f)
-        if self.scaler is None and self.max_grad_norm is None and _takes_skip_flag(self.optimizer):
+        if self.scaler is None and self.max_grad_norm is None and self._traits.takes_skip_flag:
             # Nothing to read back: a non-finite gradient or an empty window skips the step on the device.
             flag = (~norm.isfinite() | ((items <= 0) & (self._reduction == "sum"))).float()
-            _step_with_flag(self.optimizer, flag)
+            _step_with_flag(self.optimizer, flag, self._traits)
             return self._end_window(False, on_device=torch.stack([loss, norm, flag.double(), items]))
         # The one read: the window's numbers together.
         values = [items, micro_f, loss_sum, norm] + ([found.double()] if found is not None else [])
@@ -529,7 +532,7 @@ class GradientAccumulator:
         if self.scaler is not None:
             skipped = read[4] > 0
             if not skipped:
-                _step_with_flag(self.optimizer, None)
+                _step_with_flag(self.optimizer, None, self._traits)
             self.scaler.update()  # reads the inf check unscale_ recorded, on the device
         elif not math.isfinite(grad_norm):
             self._refuse_non_finite(grad_norm)
@@ -610,14 +613,15 @@ class GradientAccumulator:
         skipped = found_f > 0 and self.scaler is not None
         if not skipped and not math.isfinite(grad_norm):
             self.skipped_steps += 1
-            guarded = getattr(self.optimizer, "state_precision", "fp32") == "fp32"
+            guarded = self._traits.guards_non_finite
             self.discard_window()
             raise MemtrainError(
                 f"the gradient norm is {grad_norm} at optimizer step {self.optimizer_steps + 1} and no fp16 scaler "
                 "owns overflows: with step-in-backward the parameters whose gradients came before the first "
                 "non-finite one stepped during backward and no later one did"
                 + (" (the weights hold no nan); " if guarded else
-                   "; with bf16 or int8 moments the parameter with the non-finite gradient may hold nan: resume "
+                   "; with bf16 or int8 moments (or another optimizer class) the parameter with the non-finite "
+                   "gradient may hold nan: resume "
                    "from the last checkpoint; ")
                 + "the window's other gradients were dropped. To resolve this error, lower the learning rate, "
                 "or check the data of this window for inf/nan.")
@@ -642,12 +646,6 @@ def _fsdp2_sync(model: Any, sync: bool) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def _host_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """True for an optimizer whose gradients live (partly) in host memory, not in ``p.grad``, as it says with
-    ``manages_gradients``: CPUOffloadOptimizer with offload_gradients, memtrain.optim.LeanAdamW with a host part."""
-    return bool(getattr(optimizer, "manages_gradients", False))
 
 
 def _valid_items(items: object) -> bool:
@@ -694,15 +692,7 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     return out
 
 
-def _takes_skip_flag(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` skips on a device flag (``found_inf``, as GradScaler hands it): torch's fused
-    Adam/AdamW, and memtrain's AdamW whose every part is fused (``takes_skip_flag``)."""
-    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        return bool(optimizer.defaults.get("fused"))
-    return bool(getattr(optimizer, "takes_skip_flag", False))
-
-
-def _step_with_flag(optimizer: torch.optim.Optimizer, flag: torch.Tensor | None) -> None:
+def _step_with_flag(optimizer: torch.optim.Optimizer, flag: torch.Tensor | None, traits: OptimizerTraits) -> None:
     """``optimizer.step()``, skipped on the device where ``flag`` is 1 (weights, moments and step count left as
     they were), with the gradients already unscaled."""
-    step_with_inf_flag(optimizer, flag if flag is not None and _takes_skip_flag(optimizer) else None)
+    step_with_inf_flag(optimizer, flag if flag is not None and traits.takes_skip_flag else None)

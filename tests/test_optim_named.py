@@ -235,3 +235,49 @@ def test_estimate_names_torch_optimizers_through_the_same_probe() -> None:
     assert by_name.optimizer_state_bytes == by_path.optimizer_state_bytes > 0
     with pytest.raises(ConfigError, match="optimizer='no.such.Thing'"):
         estimate(model, torch.randn(8, 16), device="cpu", optimizer="no.such.Thing")
+
+
+# -- the accumulator's contract -----------------------------------------------------------------------------
+def test_each_optimizer_declares_its_traits() -> None:
+    from memtrain.optim.contract import OptimizerTraits
+
+    model = make_mlp()
+    assert OptimizerTraits.of(torch.optim.SGD(model.parameters(), lr=LR)) == OptimizerTraits()
+    assert OptimizerTraits.of(torch.optim.AdamW(model.parameters(), lr=LR, fused=True)).takes_skip_flag
+    host = CPUOffloadOptimizer(model.named_parameters(), lr=LR)
+    traits = OptimizerTraits.of(host)
+    assert traits.manages_gradients and traits.found_inf_before_step and not traits.steps_in_backward
+    host.close()
+    for name, guards in (("adamw", True), ("adafactor", False)):
+        opt = build_optimizer(make_mlp().named_parameters(), lr=LR, optimizer_class=name, step_in_backward=True)
+        traits = OptimizerTraits.of(opt)
+        assert traits.steps_in_backward and not traits.manages_gradients
+        assert traits.guards_non_finite is guards, name  # only fused AdamW stops the later parameters on inf
+        opt.close()
+
+
+@pytest.mark.parametrize("wrapper", ["device", "partial", "host"])
+def test_a_named_class_under_the_accumulator_equals_its_plain_loop(wrapper: str) -> None:
+    """Two micro-batches a window, sum-reduced and clipped: the accumulator's factor and clip reach a named class
+    as they reach AdamW (through the host step where gradients live on the host). Within 1e-6: the host folds
+    the factor and the clip into one multiplier."""
+    from memtrain.accumulation import GradientAccumulator
+
+    data = batches(6)
+
+    def run(opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+        acc = GradientAccumulator(model, opt, steps=2, max_grad_norm=0.5)
+        for m, (x, y) in enumerate(data):
+            with acc.micro_batch(is_last=m % 2 == 1):
+                acc.backward(((model(x) - y) ** 2).sum(), reduction="sum", items=x.shape[0])
+            if m % 2 == 1:
+                acc.step()
+
+    ref = make_mlp()
+    run(_plain(NamedOptimizer.of("adafactor"), ref), ref)
+    ours = make_mlp()
+    opt = build_optimizer(ours.named_parameters(), lr=LR, weight_decay=WD, optimizer_class="adafactor",
+                          **WRAPPERS[wrapper])
+    run(opt, ours)
+    assert _diff(ref, ours) < 1e-6, _diff(ref, ours)
+    opt.close()

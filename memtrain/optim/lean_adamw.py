@@ -122,6 +122,9 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
         self.takes_skip_flag = self._host is None and not step_in_backward and all(
             getattr(o, "_step_supports_amp_scaling", False) for o in self._inner.values())
         self._step_supports_amp_scaling = self._host is not None or step_in_backward
+        # Stepping in backward, a non-finite gradient stops the parameters still to step only where every device
+        # part takes the inf flag (fused AdamW); bf16 or int8 moments and other classes step on.
+        self.guards_non_finite = all(getattr(o, "_step_supports_amp_scaling", False) for o in self._inner.values())
         self.last_grad_norm: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None
         self._device_found: torch.Tensor | None = None  # fp16: the device gradients' inf check (host part)
