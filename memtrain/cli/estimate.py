@@ -42,7 +42,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         o = setup.optimizer
         where = ("offloaded" if o.placement == "offload" or setup.offload_weights else
                  f"{100 * o.offload_fraction:.0f}% offloaded" if o.offload_fraction else "on the device")
-        optimizer = f"{where}, {o.state_precision or 'fp32'} moments" + (", step in backward" if o.step_in_backward
+        state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
+        optimizer = f"{where}, {state}" + (", step in backward" if o.step_in_backward
                                                                           else "") + (
             ", pure bf16 (bf16 weights, no master)" if setup.pure_bf16 else "") + (
             ", the blocks' weights streamed from host RAM" if setup.offload_weights else "")
@@ -50,7 +51,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         lora = f", LoRA rank {args.lora}" if args.lora else ""
         lora += f" on a 4-bit {args.quantize_base.upper()} base" if args.quantize_base else ""
         echo(f"{name}{lora}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, checkpointing "
-             f"{policy}{' with a chunked loss' if chunked else ''}, AdamW {optimizer}, on {_device_text(args.device)}")
+             f"{policy}{' with a chunked loss' if chunked else ''}, {o.named.text} {optimizer}, on {_device_text(args.device)}")
         echo(report.summary())
     return EXIT_OK
 

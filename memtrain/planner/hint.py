@@ -72,12 +72,13 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
                         faster_than: float | None, correction_bytes: int, *, search: Callable[..., None],
                         estimate: Callable[..., tuple[float, Any]]) -> PureBF16Hint | None:
     """The fastest pure bf16 set-up that fits (and is ``HINT_MIN_GAIN`` faster than ``faster_than`` seconds a step,
-    when given), for the hint; None when pure bf16 is fixed already, cannot run here (no bf16 profiles: not
+    when given), for the hint; None when pure bf16 is fixed already, the run names another optimizer than AdamW
+    (pure bf16 is AdamW's), cannot run here (no bf16 profiles: not
     bf16-mixed on a GPU) or nothing fits.
 
     ``search`` and ``estimate`` are ``memtrain.planner.search``'s ``_search`` and ``estimate_of``.
     """
-    if fixed.pure_bf16 or "bf16" not in composer.profiles:
+    if fixed.pure_bf16 or "bf16" not in composer.profiles or not fixed.optimizer_class.is_adamw:
         return None
     placements, states, distributions = pure_bf16_space(space.placements, space.states, space.distributions)
     if not (placements and states and distributions):
