@@ -140,17 +140,26 @@ def estimate(
         >>> lean.peak_bytes < report.peak_bytes
         True
     """
-    options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer, precision=precision)
     arguments = dict(device=device, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
                      accumulation=accumulation, weights_dtype=weights_dtype)
-    if problems:  # every problem at once: the other arguments' too
+    options = _setup_keywords(setup, model, batch, arguments, checkpointing=checkpointing, optimizer=optimizer)
+    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay).report
+    return with_setup_notes(report, setup, model, weights_dtype)
+
+
+def _setup_keywords(setup: Choices | None, model: Any, batch: Any, arguments: dict[str, Any], *,
+                    checkpointing: Any, optimizer: OptimizerKind) -> dict[str, Any]:
+    """``trace``'s set-up keywords from ``setup`` (beside ``checkpointing=`` and ``optimizer=``); a ConfigError
+    naming ``setup``'s problems with the other arguments' (every problem at once)."""
+    options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer,
+                                      precision=arguments["precision"])
+    if problems:
         try:
             check_arguments(model, batch, **arguments, **options)
         except ConfigError as e:
             problems += e.problems
         raise ConfigError(problems)
-    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay).report
-    return with_setup_notes(report, setup, model, weights_dtype)
+    return options
 
 
 def trace(
