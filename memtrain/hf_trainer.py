@@ -15,6 +15,7 @@ from torch import nn
 
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
+from memtrain.optim import CPUOffloadOptimizer
 from memtrain.unwrap import unwrap_model
 
 # What MemtrainTrainer does when not told: every decoder layer recomputed in backward, the loss's fp32 logits
@@ -156,8 +157,6 @@ def _refuse_fp16_with_offload(args: Any, offloaded: bool) -> None:
 def _clip_through_the_optimizer(trainer: Any) -> None:
     """Routes ``trainer``'s clipping (and its logged gradient norm) to ``CPUOffloadOptimizer.clip_grad_norm_``
     when its optimizer is one: its gradients are on the host, where the accelerator's clip would find none."""
-    from memtrain.optim import CPUOffloadOptimizer
-
     clip = trainer.accelerator.clip_grad_norm_
 
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
@@ -173,8 +172,6 @@ def _clip_through_the_optimizer(trainer: Any) -> None:
 def _offloaded_adamw(trainer: Any, model: nn.Module) -> torch.optim.Optimizer:
     """``CPUOffloadOptimizer`` over AdamW with ``trainer``'s hyperparameters and its two groups (weight decay on
     the parameters the Trainer decays, none on the others)."""
-    from memtrain.optim import CPUOffloadOptimizer
-
     decay = set(trainer.get_decay_parameter_names(model))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": trainer.args.weight_decay},
@@ -188,8 +185,6 @@ def _offloaded_adamw(trainer: Any, model: nn.Module) -> torch.optim.Optimizer:
 def build_trainer_class(transformers: Any) -> type:
     """``MemtrainTrainer``, a subclass of ``transformers.Trainer`` (``transformers``: the module), built on first
     use by ``memtrain.hf`` so that importing memtrain needs no transformers."""
-    from memtrain.optim import CPUOffloadOptimizer
-
     class _ZeroHostGradients(transformers.TrainerCallback):
         # The Trainer ends a step with model.zero_grad(), which clears only device gradients: the host buffers
         # CPUOffloadOptimizer accumulates into would carry this step's sum into the next.
