@@ -1,5 +1,6 @@
 """The package's shape, measured from its source: no import circles, no module over 800 lines, no function over 100
-lines, no private name imported from another module, and a public surface of at most 22 names.
+lines (nor over 90 but those allowed, each with its reason), no private name imported from another module, and a
+public surface of at most 22 names.
 
 ``python tests/test_layout.py`` prints the measures (the closing notes' before/after figures).
 """
@@ -14,6 +15,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "memtrain"
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 100
+# A function this long is near the cap: split it by concept (functions that read top to bottom) rather than trim it
+# to fit. Lines are counted from ``def`` to the last line: the signature and the docstring are part of the reading.
+NEAR_FUNCTION_LINES = 90
+# The functions allowed over NEAR_FUNCTION_LINES, each with its reason; the aim is none.
+NEAR_LIMIT_ALLOWED = {
+    "memtrain.optim.memory.optimizer_memory": "the lead splits it with the optimizer registry (issue 30, item 2)",
+    "memtrain.config.TrainConfig.validate": "split by concept on the cleanup branch (issue 30, item 4)",
+}
 MAX_PUBLIC_NAMES = 22
 
 
@@ -110,21 +119,31 @@ def module_lines() -> dict[str, int]:
     return {name: len(path.read_text().splitlines()) for name, path in modules().items()}
 
 
-def long_functions() -> dict[str, int]:
-    """Functions and methods (nested ones inside their outer function) longer than the limit, by qualified name."""
+def function_lines() -> dict[str, int]:
+    """Every function and method (nested ones inside their outer function), by qualified name: its lines, from
+    ``def`` to its last line."""
     out = {}
     for name, path in modules().items():
         def visit(node: ast.AST, prefix: str) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    lines = child.end_lineno - child.lineno + 1
-                    if lines > MAX_FUNCTION_LINES:
-                        out[f"{prefix}.{child.name}"] = lines
+                    out[f"{prefix}.{child.name}"] = child.end_lineno - child.lineno + 1
                 elif isinstance(child, ast.ClassDef):
                     visit(child, f"{prefix}.{child.name}")
 
         visit(ast.parse(path.read_text()), name)
     return out
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """The functions longer than ``limit`` lines, by qualified name."""
+    return {name: n for name, n in function_lines().items() if n > limit}
+
+
+def near_limit_functions() -> dict[str, int]:
+    """The functions of NEAR_FUNCTION_LINES to MAX_FUNCTION_LINES lines, longest first."""
+    near = {name: n for name, n in function_lines().items() if NEAR_FUNCTION_LINES <= n <= MAX_FUNCTION_LINES}
+    return dict(sorted(near.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def private_imports() -> list[str]:
@@ -168,6 +187,15 @@ def test_no_function_over_the_limit():
     assert long_functions() == {}, f"functions over {MAX_FUNCTION_LINES} lines"
 
 
+def test_no_function_near_the_limit_but_those_allowed():
+    near = {name: n for name, n in long_functions(NEAR_FUNCTION_LINES).items() if name not in NEAR_LIMIT_ALLOWED}
+    assert near == {}, (f"functions over {NEAR_FUNCTION_LINES} lines: {near}. Split each by concept, or allow it in "
+                        "NEAR_LIMIT_ALLOWED with a one-line reason")
+    # An allowance names a function that exists, with one line of reason (a typo would allow nothing).
+    assert set(NEAR_LIMIT_ALLOWED) <= set(function_lines()), set(NEAR_LIMIT_ALLOWED) - set(function_lines())
+    assert all(reason and "\n" not in reason for reason in NEAR_LIMIT_ALLOWED.values())
+
+
 def test_no_private_names_across_modules():
     assert private_imports() == []
 
@@ -209,6 +237,14 @@ def _report() -> None:
     long = long_functions()
     print(f"functions over {MAX_FUNCTION_LINES} lines: {len(long)}"
           + (f" (the longest {max(long.values())}: {max(long, key=long.get)})" if long else ""))
+    near = near_limit_functions()
+    print(f"functions at {NEAR_FUNCTION_LINES}-{MAX_FUNCTION_LINES} lines: {len(near)}"
+          + "".join(f"\n  {name} {n}" + (" (allowed)" if name in NEAR_LIMIT_ALLOWED else "")
+                    for name, n in near.items()))
+    stale = sorted(set(NEAR_LIMIT_ALLOWED) - set(long_functions(NEAR_FUNCTION_LINES)))
+    if stale:
+        print(f"allowed over {NEAR_FUNCTION_LINES} lines but no longer over: {', '.join(stale)} (drop them from "
+              "NEAR_LIMIT_ALLOWED)")
     found = circles()
     print(f"import circles: {len(found)}" + "".join(f"\n  {', '.join(c)}" for c in found))
     print(f"private names imported across modules: {len(private_imports())}")

@@ -72,6 +72,11 @@ def apply_checkpointing(
     bytes: ``pytest tests/test_checkpointing_wrap.py -k 10x``); ``every=2`` about halves the saved bytes; ``selective`` keeps matmul and
     attention outputs, saving less memory than full checkpointing but recomputing only cheap ops.
 
+    Under torch.compile, a checkpointed block's Python side effects run once, in forward (as its BatchNorm
+    statistics do): this sets dynamo's process-wide ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (torch >=
+    2.9, ``let_compiled_checkpoints_run_side_effects_once``), without which transformers >= 5.25's attention
+    layers break the graph and the model runs eagerly.
+
     Args:
         model: any ``nn.Module``, Hugging Face ``PreTrainedModel`` included (its ``use_cache`` is switched off;
             ``remove_checkpointing`` switches it back).
@@ -92,8 +97,7 @@ def apply_checkpointing(
 
     Returns:
         The qualified names of the modules wrapped. Calling again replaces the previous wrapping with the new
-        settings: a block is never wrapped twice. Sets dynamo's process-wide side-effect setting for compiled
-        checkpoints (``let_compiled_checkpoints_run_side_effects_once``).
+        settings: a block is never wrapped twice.
 
     Raises:
         ConfigError: blocks that match nothing, ``every < 1``, an unknown policy, a model without parameters, or
@@ -109,14 +113,44 @@ def apply_checkpointing(
     """
     problems: list[str] = []
     _check_model(model, problems)
+    every = _checked_every(every, problems)
+    policy = resolve_selective(selective, problems)
+    names = select_blocks(model, blocks, problems) if has_parameters(model) else []
+    choices = _block_choices(names, every, policies or {}, problems)
+    if offloader is not None and not isinstance(offloader, ActivationOffloader):
+        problems.append(f"offloader={type(offloader).__name__}: it must be an ActivationOffloader. To resolve "
+                        "this error, pass offload_activations(...) or leave it None.")
+    ConfigError.raise_if(problems)
+    offloader = _shared_offloader(model, offloader, offload or "offload" in choices.values())
+
+    # Re-wrapping with new settings starts from a clean model, so "every" means the same on every call.
+    remove_checkpointing(model)
+    recompute = CheckpointSpec(selective=policy, offloader=offloader if offload else None)
+    offloaded = CheckpointSpec(policy="offload", offloader=offloader)
+    chosen = _wrap_blocks(model, choices, recompute=recompute, offloaded=offloaded)
+    _switch_off_kv_cache(model)
+    compiled = getattr(model, COMPILE_ATTR, None)
+    if compiled is not None:
+        compile_blocks(model, compiled)  # compile_model compiled the earlier wrapping per block: so this one
+    return chosen
+
+
+def _checked_every(every: int, problems: list[str]) -> int:
+    """``every`` if it is an integer >= 1; else 1, with the problem."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         problems.append(f"every={every!r}: it must be an integer >= 1. To resolve this error, pass every=1 "
                         "(every block) or every=2 (one block in two).")
-        every = 1
-    policy = resolve_selective(selective, problems)
-    names = select_blocks(model, blocks, problems) if has_parameters(model) else []
-    choices = {name: ("recompute" if i % every == 0 else "keep") for i, name in enumerate(names)}
-    for name, choice in (policies or {}).items():
+        return 1
+    return every
+
+
+def _block_choices(names: list[str], every: int, policies: Mapping[str, BlockPolicy],
+                   problems: list[str]) -> dict[str, BlockPolicy]:
+    """Each selected block's policy, in the blocks' order: one in ``every`` recomputed, the rest kept, then
+    ``policies`` over them (an unknown policy or block is a problem)."""
+    choices: dict[str, BlockPolicy] = {name: ("recompute" if i % every == 0 else "keep")
+                                       for i, name in enumerate(names)}
+    for name, choice in policies.items():
         if choice not in get_args(BlockPolicy):
             problems.append(f"policies[{name!r}]={choice!r}: unknown policy. To resolve this error, use one of "
                             f"{list(get_args(BlockPolicy))}.")
@@ -125,37 +159,43 @@ def apply_checkpointing(
                             "To resolve this error, use the names apply_checkpointing(model) returns.")
         else:
             choices[name] = choice
-    if offloader is not None and not isinstance(offloader, ActivationOffloader):
-        problems.append(f"offloader={type(offloader).__name__}: it must be an ActivationOffloader. To resolve "
-                        "this error, pass offload_activations(...) or leave it None.")
-    ConfigError.raise_if(problems)
-    if offloader is None and (offload or "offload" in choices.values()):
+    return choices
+
+
+def _shared_offloader(model: nn.Module, offloader: ActivationOffloader | None,
+                      needed: bool) -> ActivationOffloader | None:
+    """The offloader every offloading block shares (``offloader``, or one built when ``needed``), told the model's
+    weights."""
+    if offloader is None and needed:
         # One offloader for the whole model: one pinned pool, one recorded backward order.
         offloader = offload_activations(device=next(model.parameters()).device)
     if offloader is not None:
         # Entered per block, it is not given the model: it must still know the weights (frozen ones and their
         # autocast copies too), which stay on the device.
         offloader.track_state(model)
+    return offloader
 
-    # Re-wrapping with new settings starts from a clean model, so "every" means the same on every call.
-    remove_checkpointing(model)
+
+def _wrap_blocks(model: nn.Module, choices: Mapping[str, BlockPolicy], *, recompute: CheckpointSpec,
+                 offloaded: CheckpointSpec) -> list[str]:
+    """Wraps each block whose policy is not "keep" (an "offload" one with ``offloaded``, the others with
+    ``recompute``); returns their names."""
     modules = dict(model.named_modules())
-    recompute = CheckpointSpec(selective=policy, offloader=offloader if offload else None)
-    offloaded = CheckpointSpec(policy="offload", offloader=offloader)
-    chosen = [name for name in names if choices[name] != "keep"]
+    chosen = [name for name, choice in choices.items() if choice != "keep"]
     for name in chosen:
         _wrap(modules[name], offloaded if choices[name] == "offload" else recompute)
     if chosen:
         let_compiled_checkpoints_run_side_effects_once()
+    return chosen
+
+
+def _switch_off_kv_cache(model: nn.Module) -> None:
+    """A KV cache would be appended to twice (forward and recompute); it is useless in training anyway.
+    ``remove_checkpointing`` switches it back on."""
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", None):
-        # A KV cache would be appended to twice (forward and recompute); it is useless in training anyway.
         setattr(model, _USE_CACHE_ATTR, True)
         config.use_cache = False
-    compiled = getattr(model, COMPILE_ATTR, None)
-    if compiled is not None:
-        compile_blocks(model, compiled)  # compile_model compiled the earlier wrapping per block: so this one
-    return chosen
 
 
 def _wrap(module: nn.Module, spec: CheckpointSpec) -> None:

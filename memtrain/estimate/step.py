@@ -9,7 +9,7 @@ it is kept exactly.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -100,22 +100,13 @@ def estimate(
             (``CPUOffloadOptimizer``: state on the host, gradients streamed there as they are produced);
             ``setup.optimizer.placement="offload"`` makes ``"adamw"`` ``"adamw-offload"``.
         setup: the one set-up the step runs with (``memtrain.choices.Choices``; a None in it means off, fp32
-            moments, no offload: there is no planner here):
-            - ``offload_activations``: activations in pinned host memory, as ``memtrain train
-              --offload-activations`` does: with checkpointing, the recomputed blocks' saved inputs; without,
-              every saved tensor of 1 MiB or more outside the head. Blocks with an ``"offload"`` policy (or a
-              "+offload" policy) offload whatever they save either way. Simulated exactly (what leaves the
-              device, what comes back and when, two records prefetched ahead).
-            - ``optimizer`` (``OptimizerChoice``): AdamW as ``memtrain.optim.build_optimizer`` builds it: moments
-              in ``state_precision`` "fp32", "bf16" or "int8"; ``offload_fraction`` of the parameters' state in
-              host RAM (their gradients streamed there); ``step_in_backward``: each parameter stepping in
-              backward, its gradient freed at once.
-            - ``chunked_loss``: the loss computed with ``memtrain.loss.apply_chunked_loss`` (the model's own chunk
-              size when its loss is chunked already, else 1024 tokens of logits at a time) instead of on the
-              whole batch's fp32 logits; applied to a copy of the model.
-            - ``compile``: the prediction is still the eager step's, and the report's assumptions say so.
-            - ``offload_weights``: the blocks' weights streamed from host RAM (implies the offloaded optimizer).
-        micro_batch_size, seq_len, accumulation: the batch's first and second dimensions; micro-batches a step.
+            moments, no offload: there is no planner here). Its ``offload_activations``, ``chunked_loss``,
+            ``pure_bf16`` and ``optimizer``'s ``state_precision``, ``offload_fraction`` and ``step_in_backward`` are
+            ``trace``'s keywords of those names (what each does to the step is said there); ``compile``: the
+            prediction is still the eager step's, and the report's assumptions say so; ``offload_weights``: the
+            blocks' weights streamed from host RAM (implies the offloaded optimizer).
+        micro_batch_size, seq_len: override the batch's first and second dimensions.
+        accumulation: micro-batches per optimizer step.
         weights_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the parameters' dtype on the device (e.g. bf16 weights
             whose fp32 master lives with ``"adamw-offload"``); None keeps the model's.
         keep_output: the loop holds the forward's output (its logits) until the step ends, as ``out = model(...);
@@ -132,8 +123,8 @@ def estimate(
     Raises:
         ConfigError: an unknown device, precision, optimizer or checkpointing policy; a ``setup`` that is not a
             ``Choices`` or contradicts ``checkpointing=`` / ``optimizer=`` / ``precision=`` (pure bf16 needs
-            "bf16-mixed", as a run does); a batch that is missing, does not fit
-            the model, or is too large to trace in bounded time. Every problem at once.
+            "bf16-mixed", as a run does); a batch that is missing, does not fit the model, or is too large to trace
+            in bounded time. Every problem at once.
         MemtrainError: the model's forward cannot run on fake tensors (the message names the module).
 
     Example:
@@ -142,22 +133,33 @@ def estimate(
         >>> with torch.device("meta"):
         ...     model = GPT(GPT_PRESETS["gpt-tiny"])
         >>> report = estimate(model, (8, 64), device="cpu")
-        >>> lean = estimate(model, (8, 64), device="cpu", setup=Choices(checkpointing="all", chunked_loss=True,
-        ...                 optimizer=OptimizerChoice(state_precision="bf16")))
-        >>> report.source, report.peak_bytes > report.parameter_bytes, lean.peak_bytes < report.peak_bytes
-        ('estimated', True, True)
+        >>> report.source, report.peak_bytes > report.parameter_bytes
+        ('estimated', True)
+        >>> lean = estimate(model, (8, 64), device="cpu", setup=Choices(
+        ...     checkpointing="all", chunked_loss=True, optimizer=OptimizerChoice(state_precision="bf16")))
+        >>> lean.peak_bytes < report.peak_bytes
+        True
     """
-    options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer, precision=precision)
     arguments = dict(device=device, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
                      accumulation=accumulation, weights_dtype=weights_dtype)
-    if problems:  # every problem at once: the other arguments' too
+    options = _setup_keywords(setup, model, batch, arguments, checkpointing=checkpointing, optimizer=optimizer)
+    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay).report
+    return with_setup_notes(report, setup, model, weights_dtype)
+
+
+def _setup_keywords(setup: Choices | None, model: Any, batch: Any, arguments: dict[str, Any], *,
+                    checkpointing: Any, optimizer: OptimizerKind) -> dict[str, Any]:
+    """``trace``'s set-up keywords from ``setup`` (beside ``checkpointing=`` and ``optimizer=``); a ConfigError
+    naming ``setup``'s problems with the other arguments' (every problem at once)."""
+    options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer,
+                                      precision=arguments["precision"])
+    if problems:
         try:
             check_arguments(model, batch, **arguments, **options)
         except ConfigError as e:
             problems += e.problems
         raise ConfigError(problems)
-    report = trace(model, batch, **arguments, **options, keep_output=keep_output, replay=replay).report
-    return with_setup_notes(report, setup, model, weights_dtype)
+    return options
 
 
 def trace(
@@ -184,26 +186,88 @@ def trace(
     no_gradient: frozenset[str] = frozenset(), pure_bf16: bool = False,  # pure: bf16 weights, no master
 ) -> Trace:
     """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
-    forward and backward (``runs=True`` records them; ``Trace.runs`` is empty otherwise). ``estimate``'s arguments,
-    with the set-up as keyword arguments (``offload_activations``, ``state_precision``, ``offload_fraction``,
-    ``step_in_backward``, ``chunked_loss``: the fields of ``setup``, None there being False / "fp32" / 0.0 here),
-    and ``offload_min_bytes``, the smallest storage the simulated offloader moves (the real one's by default).
-    Parameters the loss does not reach get no gradient, so no optimizer state: traced again so (``no_gradient``)."""
+    forward and backward.
+
+    Args:
+        model, batch, device, precision, checkpointing, optimizer, micro_batch_size, seq_len, accumulation,
+            weights_dtype, keep_output, replay: as ``estimate`` takes them.
+        offload_activations: activations in pinned host memory, as ``memtrain train --offload-activations`` does:
+            with checkpointing, the recomputed blocks' saved inputs; without, every saved tensor of
+            ``offload_min_bytes`` (1 MiB) or more outside the head. Blocks with an ``"offload"`` policy (or a
+            "+offload" policy) offload whatever they save either way. Simulated exactly (what leaves the device,
+            what comes back and when, two records prefetched ahead).
+        state_precision, offload_fraction, step_in_backward: AdamW as ``memtrain.optim.build_optimizer`` builds
+            it: moments in ``state_precision`` "fp32", "bf16" or "int8"; ``offload_fraction`` of the parameters'
+            state in host RAM (their gradients streamed there); ``step_in_backward``: each parameter stepping in
+            backward, its gradient freed at once.
+        chunked_loss: the loss computed with ``memtrain.loss.apply_chunked_loss`` (the model's own chunk size when
+            its loss is chunked already, else 1024 tokens of logits at a time) instead of on the whole batch's fp32
+            logits; applied to a copy of the model.
+        pure_bf16: bf16 weights with no fp32 master anywhere (pure bf16 AdamW).
+        runs: record the runs (``Trace.runs``; empty otherwise).
+        offload_min_bytes: the smallest storage the simulated offloader moves (the real one's by default).
+        no_gradient: trainable parameters given no gradient, so no optimizer state: those the loss does not reach
+            (a first trace finds them, then traces the step again so).
+
+    These keywords are the fields of ``estimate``'s ``setup`` (a None there is False / "fp32" / 0.0 here).
+    """
     arguments = dict(locals())  # this call's arguments, for the trace again once such parameters are found
     device_type, lean, ckpt, spec = check_arguments(
         model, batch, device=device, precision=precision, checkpointing=checkpointing,
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
         offload_fraction=offload_fraction, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
         micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation, weights_dtype=weights_dtype)
+    step = _set_up(model, spec, ckpt, isinstance(batch, Mapping), device_type=device_type, precision=precision,
+                   lean=lean, optimizer=optimizer, state_precision=state_precision, offload_fraction=offload_fraction,
+                   step_in_backward=step_in_backward, chunked_loss=chunked_loss, accumulation=accumulation,
+                   weights_dtype=weights_dtype, offload_activations=offload_activations, replay=replay, runs=runs,
+                   offload_min_bytes=offload_min_bytes, no_gradient=no_gradient, pure_bf16=pure_bf16)
+    ran = _run_step(step, batch, keep_output, no_gradient)
+    if ran.unreached:  # as the optimizers do, no state for them: the step again (outside this one's modes) without it
+        return trace(**{**arguments, "no_gradient": no_gradient | ran.unreached})
+    report = _report_of(step, ran, device_type=device_type, keep_output=keep_output, accumulation=accumulation,
+                        weights_dtype=weights_dtype, chunked_loss=chunked_loss, no_gradient=no_gradient)
+    return _trace_of(report, step, ran, no_gradient)
+
+
+# -- set-up -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Step:
+    """A step set up to be traced: the model's meta copy, its fake inputs, the optimizer's figures and what watches
+    the step (``prepare.watch_step``)."""
+
+    meta: nn.Module
+    checkpointing: Any  # the checkpointing applied to ``meta`` (``prepare_model``'s), for the assumptions
+    chunk_tokens: int | None  # the chunked loss's tokens of logits at a time
+    fake_mode: Any
+    inputs: dict[str, torch.Tensor]
+    run: Callable[[dict[str, torch.Tensor]], Any]  # the model called on the inputs as the batch says
+    params: list[nn.Parameter]
+    trainable: list[nn.Parameter]  # with a gradient and optimizer state
+    optim: OptimizerFigures
+    watch: Watch
+    on_cuda: bool  # CUDA's kernels and cuBLAS workspaces (not a simulated device, which runs the CPU's)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """The activations the simulated offloader holds in host memory (they cross the host link twice a step)."""
+        return self.watch.offload.host_bytes if self.watch.offload is not None else 0
+
+
+def _set_up(model: Any, spec: Any, ckpt: Any, named_inputs: bool, *, device_type: str, precision: Precision,
+            lean: bool, optimizer: OptimizerKind, state_precision: str, offload_fraction: float,
+            step_in_backward: bool, chunked_loss: bool, accumulation: int, weights_dtype: str | None,
+            offload_activations: bool, replay: bool, runs: bool, offload_min_bytes: int,
+            no_gradient: frozenset[str], pure_bf16: bool) -> _Step:
+    """The model's meta copy with the set-up applied (``prepare_model``), its fake inputs, the optimizer's state
+    figures and the watchers of the step (allocations, runs, the simulated offloader)."""
     on_cuda = device_type == "cuda" and active_simulation() is None  # simulated: the CPU's kernels, no cuBLAS
     round_to = CUDA_BLOCK if device_type == "cuda" else 1  # a simulated device's allocator is CUDA's
-    autocast_dtype = AUTOCAST_DTYPES[precision]
-
     meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, chunked_loss=chunked_loss,
                                                          weights_dtype="bf16" if pure_bf16 else weights_dtype,
                                                          offload_activations=offload_activations)
     fake_mode, inputs = fake_inputs(meta, spec, on_cuda)
-    run = call_convention(meta, spec, isinstance(batch, Mapping))
+    run = call_convention(meta, spec, named_inputs)
 
     params = list(dict.fromkeys(p for p in meta.parameters()))
     # Not frozen (forward saves for them as in the real step), but without gradient or optimizer state.
@@ -212,89 +276,46 @@ def trace(
                               offload_fraction=offload_fraction, step_in_backward=step_in_backward, pure_bf16=pure_bf16,
                               accumulation=accumulation, device_type=device_type, round_to=round_to,
                               idle=[p for name, p in meta.named_parameters() if name in no_gradient])
-    streamed = bool(optim.leaving)
     watch = watch_step(meta, inputs, params, trainable, optim, fake_mode, round_to=round_to, record=runs,
-                       replay=on_cuda and replay, on_cuda=on_cuda, autocast_dtype=autocast_dtype,
+                       replay=on_cuda and replay, on_cuda=on_cuda, autocast_dtype=AUTOCAST_DTYPES[precision],
                        accumulation=accumulation, chunked_loss=chunked_loss, offloads=offloads,
                        offload_activations=offload_activations, offload_min_bytes=offload_min_bytes)
-    where, tracker, meter, rules, offload = watch.where, watch.tracker, watch.meter, watch.rules, watch.offload
-    with hf_sees_real_tensors(*batch_values(batch)), fake_mode, tracker, where, meter, (rules or NullContext()):
-        out, loss, forward_end_bytes = _forward(watch, meta, run, inputs, keep_output)
+    return _Step(meta, kwargs, chunk_tokens, fake_mode, inputs, run, params, trainable, optim, watch, on_cuda)
+
+
+# -- the step ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Ran:
+    """What running the step showed beyond its watchers' records."""
+
+    unreached: frozenset[str]  # trainable parameters the loss does not reach (the step stopped after forward)
+    forward_end_bytes: int = 0
+    grad_names: dict[int, str] = field(default_factory=dict)  # the gradients alive in the step, by allocation serial
+    peak_live: Any = None  # the tracker's peak: what was alive, in which phase, where
+    peak_phase: str = ""
+    peak_where: Any = None
+
+
+def _run_step(step: _Step, batch: Any, keep_output: bool, no_gradient: frozenset[str]) -> _Ran:
+    """Forward, backward and the optimizer step, in the fake mode and under the watchers; backward and the step
+    only when the loss reaches every trainable parameter (else the step is traced again without them)."""
+    watch, meta, tracker = step.watch, step.meta, step.watch.tracker
+    with (hf_sees_real_tensors(*batch_values(batch)), step.fake_mode, tracker, watch.where, watch.meter,
+          (watch.rules or NullContext())):
+        out, loss, forward_end_bytes = _forward(watch, meta, step.run, step.inputs, keep_output)
         unreached = _unreached(meta, loss) - no_gradient
         if not unreached:
             _backward(watch, meta, loss)
-            grad_names = _optimizer_step(watch, meta, optim.step_temp_bytes)
-            peak_live, (peak_phase_name, peak_where) = tracker.peak_live, tracker.peak_at
+            grad_names = _optimizer_step(watch, meta, step.optim.step_temp_bytes)
+            peak_live, (peak_phase, peak_where) = tracker.peak_live, tracker.peak_at
         del out, loss
     for handle in watch.hooks:
         handle.remove()
-    if unreached:  # as the optimizers do, no state for them: the step again (outside this one's modes) without it
-        return trace(**{**arguments, "no_gradient": no_gradient | unreached})
-    if watch.landed is not None:
-        _book_gradients(tracker, watch.landed)
-    measured = meter.report()
-
-    peak_phase, by_category = explain_peak(tracker, peak_live, peak_phase_name, peak_where, grad_names,
-                                           state_bytes=optim.state_bytes, step_temp_bytes=optim.step_temp_bytes,
-                                           workspace=watch.workspace)
-    offloaded_bytes = offload.host_bytes if offload is not None else 0
-    host_bytes = optim.host_bytes + offloaded_bytes
-    assumptions = assumptions_of(keep_output=keep_output, optimizer_note=optim.note, by_category=by_category,
-                                 accumulation=accumulation, streamed=streamed, weights_dtype=weights_dtype,
-                                 on_cuda=on_cuda, checkpointing=kwargs, chunked_loss=chunked_loss,
-                                 chunk_tokens=chunk_tokens, offload=offload, offloaded_bytes=offloaded_bytes)
-    assumptions += _no_gradient_note(no_gradient)
-    report = MemoryReport(
-        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
-        gradient_bytes=measured.gradient_bytes,
-        optimizer_state_bytes=optim.all_state_bytes,
-        activation_bytes=measured.activation_bytes,
-        activation_tensors=measured.activation_tensors,
-        device=device_type,
-        source="estimated",
-        peak_bytes=tracker.peak,
-        peak_phase=peak_phase,
-        phase_bytes=tuple(watch.phase_bytes),
-        host_bytes=host_bytes,
-        assumptions=tuple(assumptions),
-    )
-    return _trace_of(report, meta, trainable, tracker, optim, fixed_bytes=watch.fixed_bytes, host_bytes=host_bytes,
-                     offloaded_bytes=offloaded_bytes, forward_end_bytes=forward_end_bytes, no_gradient=no_gradient)
+    if unreached:
+        return _Ran(unreached)
+    return _Ran(unreached, forward_end_bytes, grad_names, peak_live, peak_phase, peak_where)
 
 
-def _no_gradient_note(no_gradient: frozenset[str]) -> list[str]:
-    if not no_gradient:
-        return []
-    names = sorted(no_gradient)
-    return [f"{len(names)} trainable parameter(s) the loss does not reach, so no gradient nor optimizer state "
-            f"(optimizers create it lazily): {', '.join(names[:4])}"
-            + (f" and {len(names) - 4} more (Trace.no_gradient)" if len(names) > 4 else "")]
-
-
-def _unreached(meta: nn.Module, loss: torch.Tensor) -> frozenset[str]:
-    """The trainable parameters of ``meta`` that ``loss`` does not reach: they get no gradient."""
-    reached = parameters_reached(loss)
-    return frozenset(name for name, p in meta.named_parameters() if p.requires_grad and id(p) not in reached)
-
-
-def parameters_reached(loss: torch.Tensor) -> set[int]:
-    """The ids of the leaf tensors (parameters) ``loss``'s autograd graph accumulates a gradient into."""
-    reached: set[int] = set()
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if isinstance(variable, torch.Tensor):
-            reached.add(id(variable))
-        stack.extend(child for child, _ in node.next_functions)
-    return reached
-
-
-# -- the step -------------------------------------------------------------------------------------------------
 def _forward(watch: Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tensor]], Any],
              inputs: dict[str, torch.Tensor], keep_output: bool) -> tuple[Any, torch.Tensor, int]:
     """Forward (inside autocast: CUDA's emulated, or the CPU's own). Returns (the output if kept, else None; the
@@ -323,6 +344,29 @@ def _forward(watch: Watch, meta: nn.Module, run: Callable[[dict[str, torch.Tenso
     watch.phase_bytes.append(("forward", tracker.current))
     meter.mark("forward")
     return out, loss, forward_end_bytes
+
+
+def _unreached(meta: nn.Module, loss: torch.Tensor) -> frozenset[str]:
+    """The trainable parameters of ``meta`` that ``loss`` does not reach: they get no gradient."""
+    reached = parameters_reached(loss)
+    return frozenset(name for name, p in meta.named_parameters() if p.requires_grad and id(p) not in reached)
+
+
+def parameters_reached(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) ``loss``'s autograd graph accumulates a gradient into."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if isinstance(variable, torch.Tensor):
+            reached.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return reached
 
 
 def _backward(watch: Watch, meta: nn.Module, loss: torch.Tensor) -> None:
@@ -364,7 +408,7 @@ def _optimizer_step(watch: Watch, meta: nn.Module, step_temp_bytes: int) -> dict
     return grad_names
 
 
-# -- release and attribution ----------------------------------------------------------------------------------
+# -- what the step showed ---------------------------------------------------------------------------------------
 def _book_gradients(tracker: LiveTracker, landed: dict[int, tuple[int, int, int]]) -> None:
     """Books each gradient to the run it came into being in (and to its peak when alive there)."""
     for allocated, (nbytes, index, serial) in landed.items():
@@ -375,25 +419,63 @@ def _book_gradients(tracker: LiveTracker, landed: dict[int, tuple[int, int, int]
             run.gradient_bytes_at_peak += nbytes
 
 
-def _trace_of(report: MemoryReport, meta: nn.Module, trainable: list[nn.Parameter], tracker: LiveTracker,
-              optim: OptimizerFigures, *, fixed_bytes: int, host_bytes: int, offloaded_bytes: int,
-              forward_end_bytes: int, no_gradient: frozenset[str]) -> Trace:
+def _report_of(step: _Step, ran: _Ran, *, device_type: str, keep_output: bool, accumulation: int,
+               weights_dtype: str | None, chunked_loss: bool, no_gradient: frozenset[str]) -> MemoryReport:
+    """The step's ``MemoryReport``: the bytes by category, the peak explained, and the assumptions."""
+    watch, tracker, optim, offload = step.watch, step.watch.tracker, step.optim, step.watch.offload
+    if watch.landed is not None:
+        _book_gradients(tracker, watch.landed)
+    measured = watch.meter.report()
+    peak_phase, by_category = explain_peak(tracker, ran.peak_live, ran.peak_phase, ran.peak_where, ran.grad_names,
+                                           state_bytes=optim.state_bytes, step_temp_bytes=optim.step_temp_bytes,
+                                           workspace=watch.workspace)
+    offloaded_bytes = step.offloaded_bytes
+    assumptions = assumptions_of(keep_output=keep_output, optimizer_note=optim.note, by_category=by_category,
+                                 accumulation=accumulation, streamed=bool(optim.leaving), weights_dtype=weights_dtype,
+                                 on_cuda=step.on_cuda, checkpointing=step.checkpointing, chunked_loss=chunked_loss,
+                                 chunk_tokens=step.chunk_tokens, offload=offload, offloaded_bytes=offloaded_bytes)
+    assumptions += _no_gradient_note(no_gradient)
+    return MemoryReport(
+        parameter_bytes=sum(p.numel() * p.element_size() for p in step.params),
+        gradient_bytes=measured.gradient_bytes,
+        optimizer_state_bytes=optim.all_state_bytes,
+        activation_bytes=measured.activation_bytes,
+        activation_tensors=measured.activation_tensors,
+        device=device_type,
+        source="estimated",
+        peak_bytes=tracker.peak,
+        peak_phase=peak_phase,
+        phase_bytes=tuple(watch.phase_bytes),
+        host_bytes=optim.host_bytes + offloaded_bytes,
+        assumptions=tuple(assumptions),
+    )
+
+
+def _no_gradient_note(no_gradient: frozenset[str]) -> list[str]:
+    if not no_gradient:
+        return []
+    names = sorted(no_gradient)
+    return [f"{len(names)} trainable parameter(s) the loss does not reach, so no gradient nor optimizer state "
+            f"(optimizers create it lazily): {', '.join(names[:4])}"
+            + (f" and {len(names) - 4} more (Trace.no_gradient)" if len(names) > 4 else "")]
+
+
+def _trace_of(report: MemoryReport, step: _Step, ran: _Ran, no_gradient: frozenset[str]) -> Trace:
     """The ``Trace`` of a step: its report, its runs (the phase-boundary markers left out) and its blocks."""
-    state_bytes, step_temp_bytes = optim.state_bytes, optim.step_temp_bytes
-    modules = dict(meta.named_modules())
-    block_names = tuple(find_blocks(meta))
+    modules = dict(step.meta.named_modules())
+    block_names = tuple(find_blocks(step.meta))
     return Trace(
         report=report,
-        runs=tuple(r for r in tracker.runs if r.phase != "-"),
+        runs=tuple(r for r in step.watch.tracker.runs if r.phase != "-"),
         blocks=block_names,
         block_parameter_bytes=tuple(sum(p.numel() * p.element_size() for n, p in modules[name].named_parameters(
             prefix=name) if p.requires_grad and n not in no_gradient) for name in block_names),
-        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
-        state_bytes=state_bytes,
-        step_temp_bytes=step_temp_bytes,
-        fixed_bytes=fixed_bytes,
-        host_bytes=host_bytes,
-        offloaded_bytes=offloaded_bytes,
-        forward_end_bytes=forward_end_bytes,
+        trainable_bytes=sum(p.numel() * p.element_size() for p in step.trainable),
+        state_bytes=step.optim.state_bytes,
+        step_temp_bytes=step.optim.step_temp_bytes,
+        fixed_bytes=step.watch.fixed_bytes,
+        host_bytes=report.host_bytes,
+        offloaded_bytes=step.offloaded_bytes,
+        forward_end_bytes=ran.forward_end_bytes,
         no_gradient=tuple(sorted(no_gradient)),
     )

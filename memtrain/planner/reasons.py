@@ -5,7 +5,7 @@ and the "nothing fits" error that says which budget is short, by how much, and w
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -117,100 +117,130 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
         return [f"precision {ctx.precision}, checkpointing {s.checkpointing}, loss "
                 f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}, micro-batch "
                 f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
-                f"predicted peak {format_bytes(int(peak))} per rank (a full estimate of this set-up) within "
-                f"{budget_text}"]
-    seconds = results.seconds[chosen]
-
-    def alternative(mask: np.ndarray, what: str, lean: bool = False) -> str:
-        best_fit = results.first(mask & fits)
-        if best_fit is not None:
-            return f"{what} would be {_compared(results.seconds[best_fit] / seconds, lean)}"
-        smallest = int(np.flatnonzero(mask)[np.argmin(results.peak[mask])]) if mask.any() else None
-        if smallest is None:
-            return ""
-        if not fits_host[smallest] and (usable is None or results.peak[smallest] <= usable):
-            return f"{what} would need {format_bytes(int(results.host[smallest]))} of host RAM"
-        return f"{what} would peak at {format_bytes(int(results.peak[smallest]))} at least, over {budget_text}"
-
+                _peak_reason(peak, budget_text)]
+    alternative = _Alternatives(results, chosen, fits, fits_host, usable, budget_text)
+    # Which rows share the chosen row's value of each decision: an alternative differs in one, the rest kept.
     same = {name: results.column(name) == getattr(s, name) for name in
             ("micro_batch_size", "chunked_loss", "optimizer", "distribution", "compile", "flavor")}
-    keep_all = (results.offload == 0) & (results.recompute == 0)
-    reasons = [f"precision {ctx.precision_reason or f'{ctx.precision} (requested)'}"]
+    return [f"precision {ctx.precision_reason or f'{ctx.precision} (requested)'}",
+            _checkpointing_reason(s, results, same, alternative, budget_text),
+            _loss_reason(ctx, s, same, alternative),
+            _optimizer_reason(ctx, s, results, chosen, alternative),
+            *_weights_reasons(s, results.column("offload_weights").astype(bool), alternative),
+            _micro_batch_reason(ctx, s, same, alternative),
+            *_distribution_reasons(ctx, s, same, alternative),
+            *_compile_reasons(s, same, alternative),
+            _peak_reason(peak, budget_text)]
+
+
+@dataclass(frozen=True)
+class _Alternatives:
+    """What the best alternative to one decision costs, in words: the fastest row of ``mask`` that fits, timed
+    against the chosen one; or, where none of them fits, what the smallest of them needs (host RAM, or its peak
+    over the budget). Empty when no row of ``mask`` was composed."""
+
+    results: CandidateTable
+    chosen: int
+    fits: np.ndarray
+    fits_host: np.ndarray
+    usable: int | None
+    budget_text: str
+
+    def __call__(self, mask: np.ndarray, what: str, lean: bool = False) -> str:
+        results = self.results
+        best_fit = results.first(mask & self.fits)
+        if best_fit is not None:
+            return f"{what} would be {_compared(results.seconds[best_fit] / results.seconds[self.chosen], lean)}"
+        if not mask.any():
+            return ""
+        smallest = int(np.flatnonzero(mask)[np.argmin(results.peak[mask])])
+        if not self.fits_host[smallest] and (self.usable is None or results.peak[smallest] <= self.usable):
+            return f"{what} would need {format_bytes(int(results.host[smallest]))} of host RAM"
+        return f"{what} would peak at {format_bytes(int(results.peak[smallest]))} at least, over {self.budget_text}"
+
+
+def _checkpointing_reason(s: PlanSettings, results: CandidateTable, same: dict[str, np.ndarray],
+                          alternative: _Alternatives, budget_text: str) -> str:
+    """Which blocks recompute or offload, against keeping every activation and against fewer such blocks."""
     n_recompute, n_offload = s.blocks.count("recompute"), s.blocks.count("offload")
+    if n_recompute == n_offload == 0:
+        return (f"checkpointing none, because: keeping every activation fits {budget_text} and recomputing "
+                "or offloading a block only costs time")
     others = same["micro_batch_size"] & same["chunked_loss"] & same["optimizer"] & same["distribution"] & \
         same["compile"]
-    if n_recompute == n_offload == 0:
-        reasons.append(f"checkpointing none, because: keeping every activation fits {budget_text} and recomputing "
-                       "or offloading a block only costs time")
-    else:
-        fewer = others & same["flavor"] & (results.offload + results.recompute < n_recompute + n_offload)
-        what = {"full": "recomputed", "selective": "recomputed selectively (matmul and attention outputs kept)",
-                "offload-inputs": "recomputed, their inputs in pinned host memory"}[s.flavor]
-        parts = [f"{n_recompute} of {len(s.blocks)} blocks {what}" if n_recompute else "",
-                 f"{n_offload} with every activation in pinned host memory" if n_offload else ""]
-        why = alternative(others & keep_all, "keeping every block's activations")
-        fewest = alternative(fewer & ~keep_all, "fewer blocks") if fewer.any() else ""
-        because = "; ".join(r for r in (why, fewest) if r)  # none: the layout was fixed, nothing else was tried
-        reasons.append(f"checkpointing: {', '.join(p for p in parts if p)}"
-                       + (f", because: {because}" if because else " (as asked)"))
-    if ctx.chunkable:
-        other = alternative(~same["chunked_loss"], "the whole-logits loss" if s.chunked_loss else "the chunked loss")
-        reasons.append(("loss 1024 tokens of logits at a time (chunked)" if s.chunked_loss else
-                        "loss on the whole logits") + (f", because: {other}" if other else ""))
-    else:
-        reasons.append("loss on the whole logits: memtrain does not chunk this model's loss")
-    names = {"device": "AdamW on the device",
-             "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
-             "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
+    keep_all = (results.offload == 0) & (results.recompute == 0)
+    fewer = others & same["flavor"] & (results.offload + results.recompute < n_recompute + n_offload)
+    what = {"full": "recomputed", "selective": "recomputed selectively (matmul and attention outputs kept)",
+            "offload-inputs": "recomputed, their inputs in pinned host memory"}[s.flavor]
+    parts = [f"{n_recompute} of {len(s.blocks)} blocks {what}" if n_recompute else "",
+             f"{n_offload} with every activation in pinned host memory" if n_offload else ""]
+    why = alternative(others & keep_all, "keeping every block's activations")
+    fewest = alternative(fewer & ~keep_all, "fewer blocks") if fewer.any() else ""
+    because = "; ".join(r for r in (why, fewest) if r)  # none: the layout was fixed, nothing else was tried
+    return (f"checkpointing: {', '.join(p for p in parts if p)}"
+            + (f", because: {because}" if because else " (as asked)"))
+
+
+def _loss_reason(ctx: Problem, s: PlanSettings, same: dict[str, np.ndarray], alternative: _Alternatives) -> str:
+    """The loss whole or chunked, against the other."""
+    if not ctx.chunkable:
+        return "loss on the whole logits: memtrain does not chunk this model's loss"
+    other = alternative(~same["chunked_loss"], "the whole-logits loss" if s.chunked_loss else "the chunked loss")
+    return (("loss 1024 tokens of logits at a time (chunked)" if s.chunked_loss else "loss on the whole logits")
+            + (f", because: {other}" if other else ""))
+
+
+# The optimizer placements in the reasons; an alternative is named by the text before its parenthesis.
+_PLACEMENTS = {"device": "AdamW on the device",
+               "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
+               "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
+
+
+def _optimizer_reason(ctx: Problem, s: PlanSettings, results: CandidateTable, chosen: int,
+                      alternative: _Alternatives) -> str:
+    """The optimizer (placement, moments, when it steps), against fused fp32 AdamW on the device, the other
+    placements, and a leaner device optimizer."""
     placement, state = results.column("optimizer"), results.column("state_precision")
     in_backward, fraction = results.column("step_in_backward"), results.column("offload_fraction")
     plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
-    text = _optimizer_name(names[s.optimizer], s.pure_bf16)
-    details = [f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, not 8)"
-               if s.state_precision != "fp32" else "",
-               ("each parameter stepping in backward, its gradient freed at once"
-                + (" (one backward pass: clipped by the previous step's norm, the first step unclipped)"
-                   if ctx.grad_clip else "")) if s.step_in_backward else "",
-               f"{100 * s.offload_fraction:.0f}% of the state in host RAM" if s.offload_fraction else ""]
-    if any(details):
-        text += " with " + ", ".join(d for d in details if d)
-    elif s.optimizer == "device" and not s.pure_bf16:
-        text += " (fused, fp32 moments)"
     alternatives = []
     if not plain[chosen]:
         alternatives.append(alternative(plain, "fused fp32 AdamW on the device"))
-    alternatives += [alternative(placement == o, names[o].split(" (")[0]) for o in names
+    alternatives += [alternative(placement == o, _PLACEMENTS[o].split(" (")[0]) for o in _PLACEMENTS
                      if o != s.optimizer and o != "device" and (placement == o).any()]
     if plain[chosen] and (~plain & (placement == "device")).any():
         alternatives.append(alternative(~plain & (placement == "device"), "a leaner device optimizer", lean=True))
-    alternatives = [a for a in alternatives if a] or (  # streamed weights leave only the offloaded optimizer
-        ["parameter offload streams the blocks' weights from its master in host RAM"] if s.offload_weights else [])
-    reasons.append(f"optimizer {text}"
-                   + (f", because: {'; '.join(alternatives)}" if alternatives else
-                      ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")))
-    reasons += _weights_reasons(s, results.column("offload_weights").astype(bool), alternative)
-    per_rank = ctx.global_batch // ctx.world
-    other = alternative(~same["micro_batch_size"], "a smaller micro-batch" if s.micro_batch_size == per_rank else
-                        "another micro-batch")
-    reasons.append(f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {per_rank} examples per "
-                   f"rank per step" + (f", because: {other}" if other else ""))
-    if ctx.world > 1:
-        other = alternative(~same["distribution"], "FSDP2" if s.distribution == "ddp" else "DDP")
-        reasons.append(f"{'DDP' if s.distribution == 'ddp' else 'FSDP2'} over {ctx.world} ranks"
-                       + (f", because: {other}" if other else " (as asked)"))
-    if s.compile or (~same["compile"]).any():
-        other = alternative(~same["compile"], "eager" if s.compile else "torch.compile")
-        per_block = s.compile and ("offload" in s.blocks or (s.flavor == "offload-inputs" and "recompute" in s.blocks))
-        reasons.append(("torch.compile" if s.compile else "eager")
-                       + (" block by block (the blocks offload activations: the offloader stays outside the compiled "
-                          "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
-                       + (f", because: {other}" if other else ""))
-    reasons.append(f"predicted peak {format_bytes(int(peak))} per rank (a full estimate of this set-up) within "
-                   f"{budget_text}")
-    return reasons
+    alternatives = [a for a in alternatives if a]
+    if s.offload_weights and not alternatives:  # the only placement that streamed weights leave
+        alternatives = ["parameter offload streams the blocks' weights from its master in host RAM"]
+    text = f"optimizer {_optimizer_text(ctx, s)}"
+    if alternatives:
+        return f"{text}, because: {'; '.join(alternatives)}"
+    return text + ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")
 
 
-def _weights_reasons(s: PlanSettings, streamed: np.ndarray, alternative: Any) -> list[str]:
+def _optimizer_text(ctx: Problem, s: PlanSettings) -> str:
+    """The chosen optimizer in words: its placement, then its moments, its step in backward and its offloaded
+    share where they are not the plain ones."""
+    text = _optimizer_name(_PLACEMENTS[s.optimizer], s.pure_bf16)
+    details = []
+    if s.state_precision != "fp32":
+        details.append(f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, "
+                       "not 8)")
+    if s.step_in_backward:
+        details.append("each parameter stepping in backward, its gradient freed at once"
+                       + (" (one backward pass: clipped by the previous step's norm, the first step unclipped)"
+                          if ctx.grad_clip else ""))
+    if s.offload_fraction:
+        details.append(f"{100 * s.offload_fraction:.0f}% of the state in host RAM")
+    if details:
+        return f"{text} with {', '.join(details)}"
+    if s.optimizer == "device" and not s.pure_bf16:
+        return f"{text} (fused, fp32 moments)"
+    return text
+
+
+def _weights_reasons(s: PlanSettings, streamed: np.ndarray, alternative: _Alternatives) -> list[str]:
     """The line on parameter offload (``streamed``: which rows stream the weights): why it was chosen, or why not
     where it was searched."""
     if s.offload_weights:
@@ -222,6 +252,42 @@ def _weights_reasons(s: PlanSettings, streamed: np.ndarray, alternative: Any) ->
         return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed from "
                 "host RAM, is tried only when no other set-up fits)"]
     return []
+
+
+def _micro_batch_reason(ctx: Problem, s: PlanSettings, same: dict[str, np.ndarray],
+                        alternative: _Alternatives) -> str:
+    """The micro-batch and accumulation, against a smaller micro-batch (or another one)."""
+    per_rank = ctx.global_batch // ctx.world
+    other = alternative(~same["micro_batch_size"], "a smaller micro-batch" if s.micro_batch_size == per_rank else
+                        "another micro-batch")
+    return (f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {per_rank} examples per rank per "
+            "step" + (f", because: {other}" if other else ""))
+
+
+def _distribution_reasons(ctx: Problem, s: PlanSettings, same: dict[str, np.ndarray],
+                          alternative: _Alternatives) -> list[str]:
+    """DDP or FSDP2 against the other, over several ranks; nothing for one."""
+    if ctx.world <= 1:
+        return []
+    other = alternative(~same["distribution"], "FSDP2" if s.distribution == "ddp" else "DDP")
+    return [f"{'DDP' if s.distribution == 'ddp' else 'FSDP2'} over {ctx.world} ranks"
+            + (f", because: {other}" if other else " (as asked)")]
+
+
+def _compile_reasons(s: PlanSettings, same: dict[str, np.ndarray], alternative: _Alternatives) -> list[str]:
+    """torch.compile or eager against the other, where compiled set-ups were searched or chosen."""
+    if not s.compile and same["compile"].all():
+        return []
+    other = alternative(~same["compile"], "eager" if s.compile else "torch.compile")
+    per_block = s.compile and ("offload" in s.blocks or (s.flavor == "offload-inputs" and "recompute" in s.blocks))
+    return [("torch.compile" if s.compile else "eager")
+            + (" block by block (the blocks offload activations: the offloader stays outside the compiled "
+               "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
+            + (f", because: {other}" if other else "")]
+
+
+def _peak_reason(peak: float, budget_text: str) -> str:
+    return f"predicted peak {format_bytes(int(peak))} per rank (a full estimate of this set-up) within {budget_text}"
 
 
 def _flops(rate: float) -> str:

@@ -159,20 +159,27 @@ def plan(
                      "chunked-loss" in allowed, grad_clip, device_profile, packed, precision_reason)
     _check_a_block_fits(ctx, budget_bytes)
     fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
+    composer, results, pure = _candidates(ctx, fixed, allowed, settings, per_rank, fsdp, micro_batch_size,
+                                          compile or choices.compile, correction_bytes)
+    return _choose(ctx, composer, results, budget_bytes, host_budget_bytes, safety_margin, started,
+                   correction_bytes, pure, notes)
+
+
+def _candidates(ctx: Problem, fixed: Fixed, allowed: set[str], settings: PlanSettings | None, per_rank: int,
+                fsdp: bool | None, micro_batch_size: int | None, compile: bool,
+                correction_bytes: int) -> tuple[Composer, CandidateTable, Callable[..., Any]]:
+    """Every candidate of the search space (or ``settings`` alone) composed into one ranked table, each peak with
+    ``correction_bytes`` added; with the composer and the pure bf16 hint's search (``_search``)."""
     space = _search_space(ctx, allowed, fsdp, fixed)
     results = CandidateTable(len(ctx.block_names))
     composer = _composer(ctx, space, results, settings, per_rank)
     micros = [micro_batch_size] if micro_batch_size is not None else divisors(per_rank)
-    pure = _search(composer, results, space, fixed, micros, per_rank, compile or choices.compile, allowed)
+    pure = _search(composer, results, space, fixed, micros, per_rank, compile, allowed)
     if results.empty:  # the fixed choices rule out every set-up
-        _raise_unbuildable(fixed, micro_batch_size, world_size, fsdp)
+        _raise_unbuildable(fixed, micro_batch_size, ctx.world, fsdp)
     results.finish()
     results.peak = results.peak + correction_bytes
-    host_limit = _host_limit(device, host_budget_bytes)
-    usable = None if budget_bytes is None else int(budget_bytes * (1 - safety_margin))
-    chosen = _choose(ctx, composer, results, budget_bytes, usable, host_limit, host_budget_bytes, safety_margin,
-                     started, correction_bytes, pure)
-    return dataclasses.replace(chosen, reasons=(*notes, *chosen.reasons)) if notes else chosen
+    return composer, results, pure
 
 
 def _host_limit(device: str, host_budget_bytes: int | None) -> int | None:
@@ -509,12 +516,51 @@ def estimate_of(ctx: Problem, prof: Profiles, s: PlanSettings) -> tuple[float, T
     return rank_peak(ctx, prof, s, t), t
 
 
-def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_bytes: int | None, usable: int | None,
-            host_limit: int | None, host_budget: int | None, margin: float, started: float,
-            correction_bytes: int = 0, pure: Any = None) -> Plan:
-    """The fastest row that fits, confirmed by a full estimate (the next is tried when the estimate disagrees)."""
+def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_bytes: int | None,
+            host_budget: int | None, margin: float, started: float, correction_bytes: int = 0,
+            pure: Any = None, notes: Sequence[str] = ()) -> Plan:
+    """The fastest row that fits the budget less ``margin`` and the host RAM, confirmed by a full estimate (the
+    next is tried when the estimate disagrees), as a ``Plan`` with its reasons (``notes`` first), runners-up and
+    assumptions."""
+    host_limit = _host_limit(ctx.device, host_budget)
+    usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
+    chosen, verified = _verified_fastest(ctx, composer, results, fits, fits_host, usable, correction_bytes)
+    faster_than = None if chosen is None else float(results.seconds[chosen])
+    hint = pure(host_limit, usable, faster_than, correction_bytes) if pure is not None else None
+    if chosen is None:
+        raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
+                            fits_host, [hint.fix] if hint is not None else [])
+    s = results.settings(chosen)
+    peak, t = verified[chosen]
+    tokens_per_step = ctx.global_batch * ctx.seq_len
+    seconds = float(results.seconds[chosen])
+    fits_verified = fits.copy()
+    for k, (p, _) in verified.items():
+        fits_verified[k] = usable is None or p <= usable
+    return Plan(
+        settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
+        peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
+        step_seconds=seconds, tokens_per_s=tokens_per_step / seconds, precision=ctx.precision, device=ctx.device,
+        seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
+        parameters=weight_count(ctx.model),  # a 4-bit layer's weights as weights, not its packed bytes
+        reasons=(*notes, *plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit),
+                 *hint_lines(hint, seconds), *size_hints(ctx, seconds)),
+        candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
+                                     host_limit)),
+        assumptions=tuple(plan_assumptions(ctx, margin, composer, host_limit) + (
+            [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
+             "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
+        plan_seconds=time.perf_counter() - started, host_link=composer.host_link(s),
+    )
+
+
+def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable, fits: np.ndarray,
+                      fits_host: np.ndarray, usable: int | None,
+                      correction_bytes: int) -> tuple[int | None, dict[int, tuple[float, Trace]]]:
+    """The fastest row whose full estimate fits ``usable`` (None: none did, within the tries), and every row
+    estimated in full (its peak with ``correction_bytes``, its trace), fastest first."""
     streamed = results.column("offload_weights").astype(bool)
     # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
     # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
@@ -549,30 +595,4 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
             chosen = k
             break
         deficit[shape] = max(deficit.get(shape, 0.0), verified[k][0] - results.peak[k])
-    faster_than = None if chosen is None else float(results.seconds[chosen])
-    hint = pure(host_limit, usable, faster_than, correction_bytes) if pure is not None else None
-    if chosen is None:
-        raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
-                            fits_host, [hint.fix] if hint is not None else [])
-    s = results.settings(chosen)
-    peak, t = verified[chosen]
-    tokens_per_step = ctx.global_batch * ctx.seq_len
-    seconds = float(results.seconds[chosen])
-    fits_verified = fits.copy()
-    for k, (p, _) in verified.items():
-        fits_verified[k] = usable is None or p <= usable
-    return Plan(
-        settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
-        peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
-        step_seconds=seconds, tokens_per_s=tokens_per_step / seconds, precision=ctx.precision, device=ctx.device,
-        seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
-        parameters=weight_count(ctx.model),  # a 4-bit layer's weights as weights, not its packed bytes
-        reasons=tuple(plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit)
-                      + list(hint_lines(hint, seconds)) + list(size_hints(ctx, seconds))),
-        candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
-                                     host_limit)),
-        assumptions=tuple(plan_assumptions(ctx, margin, composer, host_limit) + (
-            [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
-             "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
-        plan_seconds=time.perf_counter() - started, host_link=composer.host_link(s),
-    )
+    return chosen, verified

@@ -1,0 +1,250 @@
+"""The Hugging Face Trainer with memtrain's memory techniques: ``prepare_model`` applies the checkpointing policy
+and the chunked loss to the model, ``MemtrainTrainer`` (built by ``build_trainer_class``) the optimizer placement and
+activation offload to the step. Both are imported from ``memtrain.hf``, whose docstring shows the recipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.choices import Choices
+from memtrain.errors import ConfigError
+from memtrain.optim import CPUOffloadOptimizer
+from memtrain.unwrap import unwrap_model
+
+# What MemtrainTrainer does when not told: every decoder layer recomputed in backward, the loss's fp32 logits
+# chunk_tokens at a time (the rest off: the Trainer's own AdamW on the device, activations on the device).
+HF_DEFAULT_CHOICES = Choices(checkpointing="all", chunked_loss=True)
+
+
+def trainer_choices(choices: Choices) -> Choices:
+    """``choices`` with what it leaves open (None) taken from ``HF_DEFAULT_CHOICES``: there is no planner here, so
+    an open checkpointing policy is "all" and an open chunked loss is on; ``checkpointing="none"`` and
+    ``chunked_loss=False`` turn them off."""
+    return dataclasses.replace(
+        choices,
+        checkpointing=HF_DEFAULT_CHOICES.checkpointing if choices.checkpointing is None else choices.checkpointing,
+        chunked_loss=HF_DEFAULT_CHOICES.chunked_loss if choices.chunked_loss is None else choices.chunked_loss)
+
+
+def trainer_problems(choices: Any) -> list[str]:
+    """What ``prepare_model`` / ``MemtrainTrainer`` cannot do of ``choices``, in words naming the fix."""
+    if not isinstance(choices, Choices):
+        return [f"memory={choices!r} must be a memtrain.choices.Choices. To resolve this error, pass e.g. "
+                "memory=Choices(checkpointing='all', chunked_loss=True), or Choices.from_dict(...) of a mapping."]
+    problems = []
+    optimizer = choices.optimizer
+    if optimizer.state_precision is not None and optimizer.placement != "offload":
+        problems.append(f"optimizer.state_precision={optimizer.state_precision!r}: the Trainer's AdamW keeps its "
+                        "moments in its own dtype; MemtrainTrainer builds memtrain.optim's lean moments only on the "
+                        "host. To resolve this error, add placement='offload' (CPUOffloadOptimizer), drop "
+                        "state_precision (or train with `memtrain train`, which does).")
+    if optimizer.step_in_backward:
+        problems.append("optimizer.step_in_backward=True: the Trainer steps after backward and clips through the "
+                        "accelerator; MemtrainTrainer cannot step each parameter inside backward. To resolve this "
+                        "error, drop step_in_backward (or train with `memtrain train`).")
+    if optimizer.offload_fraction:
+        problems.append(f"optimizer.offload_fraction={optimizer.offload_fraction}: MemtrainTrainer offloads all of "
+                        "the optimizer state or none. To resolve this error, pass "
+                        "OptimizerChoice(placement='offload') (all of it) or drop offload_fraction.")
+    if choices.compile:
+        problems.append("compile=True: the Trainer compiles the model itself. To resolve this error, drop "
+                        "compile and pass TrainingArguments(torch_compile=True).")
+    if choices.pure_bf16:
+        problems.append("pure_bf16=True: MemtrainTrainer trains the model's own weights with the Trainer's AdamW "
+                        "(or CPUOffloadOptimizer, with an fp32 master); it builds no bf16-only weights with "
+                        "stochastic rounding (PureBF16AdamW). To resolve this error, drop pure_bf16 (bf16=True in the "
+                        "TrainingArguments is bf16 autocast over fp32 weights), or train with `memtrain train "
+                        "--pure-bf16`.")
+    if choices.offload_weights:
+        problems.append("offload_weights=True: the Trainer moves the whole model to the device, and MemtrainTrainer "
+                        "does not stream the blocks' weights from host memory. To resolve this error, drop "
+                        "offload_weights (optimizer=OptimizerChoice(placement='offload') still keeps the optimizer "
+                        "state and master weights in host memory), or train with `memtrain train --offload-weights`.")
+    return problems
+
+
+def _trainer_model_problems(model: Any) -> list[str]:
+    """What MemtrainTrainer cannot train of ``model``: weights on the meta device (shapes with no values)."""
+    if not isinstance(model, nn.Module):
+        return []  # the Trainer names a missing or wrong model itself
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if not meta:
+        return []
+    return [f"MemtrainTrainer: {len(meta)} of the model's weights are on the meta device (e.g. {meta[0]}): they "
+            "have shapes but no values, so there is nothing to train (a model built under torch.device('meta') is "
+            "for memtrain.estimate and memtrain.plan). To resolve this error, load the weights "
+            "(memtrain.hf.load_pretrained(DIR)), or build the model on a real device "
+            "(AutoModelForCausalLM.from_config(config) outside torch.device('meta'))."]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare_model`` applied, with a reason per technique."""
+
+    checkpointed: tuple[str, ...]
+    chunk_tokens: int | None
+    reasons: tuple[str, ...]
+
+
+def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, chunk_tokens: int = 1024) -> Prepared:
+    """Applies ``choices``' checkpointing policy and chunked loss (``chunk_tokens`` tokens of logits at a time) to a
+    Hugging Face causal LM (a LoRA one too), in place, and turns its KV cache off (a cache holds every layer's keys
+    and values: for generation, not training). What ``choices`` leaves open is ``HF_DEFAULT_CHOICES``'s
+    (``trainer_choices``): every layer checkpointed, the loss chunked. The optimizer placement and
+    ``offload_activations`` are ``MemtrainTrainer``'s to apply (they act on the training step, not the model).
+
+    Raises:
+        ConfigError: ``choices`` not a ``Choices``, or holding what the Trainer helper cannot do
+            (``optimizer.state_precision`` without placement "offload", ``step_in_backward``, ``offload_fraction``,
+            ``compile``, ``pure_bf16``, ``offload_weights``); a model whose
+            loss ``memtrain.loss`` cannot chunk, with ``chunked_loss=True``. Every problem at once.
+    """
+    from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
+
+    ConfigError.raise_if(trainer_problems(choices))
+    choices = trainer_choices(choices)
+    inner = unwrap_model(model)
+    config = getattr(inner, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+    reasons = []
+    blocks: list[str] = []
+    if choices.checkpointing is not None:
+        blocks = choices.checkpointing.apply(inner)
+        reasons.append(f"checkpointing {str(choices.checkpointing)!r}: {len(blocks)} blocks checkpointed "
+                       "(recomputed in backward as the policy says)")
+    if choices.chunked_loss:
+        apply_chunked_loss(inner, chunk_tokens=chunk_tokens)
+        kind, why = chunked_loss_implementation(output_head(inner))
+        reasons.append(f"loss: {chunk_tokens} tokens of logits at a time with {kind}'s kernel, because: {why}")
+    return Prepared(tuple(blocks), chunk_tokens_of(inner), tuple(reasons))
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside accelerate's ``AcceleratedOptimizer`` wrappers."""
+    while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _refuse_double_checkpointing(memory: Choices, args: Any) -> None:
+    """ConfigError where the TrainingArguments checkpoint the layers that ``memory``'s policy checkpoints too."""
+    policy = memory.checkpointing
+    if policy is not None and policy.mode != "none" and getattr(args, "gradient_checkpointing", False):
+        raise ConfigError("MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and "
+                          f"Choices(checkpointing={str(policy)!r}) would checkpoint every layer twice "
+                          "that the policy checkpoints (each recompute recomputed again). To resolve this "
+                          "error, drop gradient_checkpointing from the TrainingArguments (memtrain's "
+                          "checkpointing replaces it).")
+
+
+def _refuse_fp16_with_offload(args: Any, offloaded: bool) -> None:
+    """ConfigError for fp16 (a GradScaler) with the optimizer ``offloaded``: its gradients are on the host."""
+    if offloaded and (args.fp16 or getattr(args, "half_precision_backend", None) == "apex"):
+        raise ConfigError("MemtrainTrainer: fp16=True with CPUOffloadOptimizer: the Trainer's GradScaler "
+                          "would unscale gradients that are already on the host. To resolve this error, "
+                          "pass bf16=True (no scaler needed), or keep the optimizer on the device (drop "
+                          "optimizer.placement='offload').")
+
+
+def _clip_through_the_optimizer(trainer: Any) -> None:
+    """Routes ``trainer``'s clipping (and its logged gradient norm) to ``CPUOffloadOptimizer.clip_grad_norm_``
+    when its optimizer is one: its gradients are on the host, where the accelerator's clip would find none."""
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        # NOTE: every Trainer version clips (and takes the logged norm) through this one call.
+        inner = _inner_optimizer(trainer.optimizer)
+        if isinstance(inner, CPUOffloadOptimizer):
+            return inner.clip_grad_norm_(max_norm, norm_type)
+        return clip(parameters, max_norm, norm_type=norm_type)
+
+    trainer.accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _offloaded_adamw(trainer: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """``CPUOffloadOptimizer`` over AdamW with ``trainer``'s hyperparameters and its two groups (weight decay on
+    the parameters the Trainer decays, none on the others)."""
+    decay = set(trainer.get_decay_parameter_names(model))
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": trainer.args.weight_decay},
+              {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+    return CPUOffloadOptimizer(
+        [g for g in groups if g["params"]], torch.optim.AdamW, lr=trainer.args.learning_rate,
+        state_precision=trainer.memory.optimizer.state_precision or "fp32",
+        betas=(trainer.args.adam_beta1, trainer.args.adam_beta2), eps=trainer.args.adam_epsilon)
+
+
+def build_trainer_class(transformers: Any) -> type:
+    """``MemtrainTrainer``, a subclass of ``transformers.Trainer`` (``transformers``: the module), built on first
+    use by ``memtrain.hf`` so that importing memtrain needs no transformers."""
+    class _ZeroHostGradients(transformers.TrainerCallback):
+        # The Trainer ends a step with model.zero_grad(), which clears only device gradients: the host buffers
+        # CPUOffloadOptimizer accumulates into would carry this step's sum into the next.
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            inner = _inner_optimizer(optimizer)
+            if isinstance(inner, CPUOffloadOptimizer):
+                inner.zero_grad(set_to_none=True)
+
+    class MemtrainTrainer(transformers.Trainer):
+        """``transformers.Trainer`` with memtrain's memory savings: ``memory``, a ``memtrain.choices.Choices`` (by
+        default ``HF_DEFAULT_CHOICES``: every layer checkpointed, the loss chunked; what it leaves open is taken from
+        there), applied by ``prepare_model`` (checkpointing policy, chunked loss of ``chunk_tokens``) and here
+        (optimizer placement, activation offload). What the Trainer cannot do (``optimizer.state_precision`` on the device: lean moments
+        need placement "offload"; ``step_in_backward``, ``offload_fraction``, ``compile``, ``pure_bf16``,
+        ``offload_weights``), and a model on the meta device, is one ConfigError naming the fix.
+
+        Differences from the plain Trainer, each needed for correctness:
+
+        - With ``CPUOffloadOptimizer`` (``memory.optimizer.placement="offload"``, or one passed in ``optimizers=``)
+          gradients leave the device as backward produces them, so the Trainer's
+          ``accelerator.clip_grad_norm_(model.parameters(), ...)`` would find none: clipping and the logged
+          gradient norm go through ``CPUOffloadOptimizer.clip_grad_norm_`` instead; its host gradients are reset
+          after each optimizer step; fp16 (a GradScaler on host gradients) is refused: use ``bf16=True``.
+        - ``memory.offload_activations`` wraps each training step's forward and backward in
+          ``memtrain.offload_activations(model=...)``.
+
+        Example:
+            >>> trainer = MemtrainTrainer(model=model, args=TrainingArguments("out", max_steps=10),  # doctest: +SKIP
+            ...                           train_dataset=rows, data_collator=hf_collate,
+            ...                           memory=Choices(checkpointing="all", chunked_loss=True,
+            ...                                          optimizer=OptimizerChoice(placement="offload")))
+            >>> trainer.train()  # doctest: +SKIP
+        """
+
+        def __init__(self, model: nn.Module, args: Any = None, *, memory: Choices = HF_DEFAULT_CHOICES,
+                     chunk_tokens: int = 1024, **trainer_kwargs: Any):
+            ConfigError.raise_if(trainer_problems(memory) + _trainer_model_problems(model))
+            memory = trainer_choices(memory)
+            _refuse_double_checkpointing(memory, args)
+            self.memory = memory
+            self.prepared = prepare_model(model, memory, chunk_tokens=chunk_tokens)
+            super().__init__(model=model, args=args, **trainer_kwargs)
+            _refuse_fp16_with_offload(self.args, memory.optimizer.placement == "offload"
+                                      or isinstance(_inner_optimizer(self.optimizer), CPUOffloadOptimizer))
+            self._offloader = None
+            if memory.offload_activations:
+                from memtrain.offload import offload_activations
+
+                self._offloader = offload_activations(model=unwrap_model(model))
+            self.add_callback(_ZeroHostGradients())
+            _clip_through_the_optimizer(self)
+
+        def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+            if self.optimizer is not None or self.memory.optimizer.placement != "offload":
+                return super().create_optimizer(*([] if model is None else [model]))
+            self.optimizer = _offloaded_adamw(self, self.model if model is None else model)
+            return self.optimizer
+
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            with self._offloader if self._offloader is not None else contextlib.nullcontext():
+                return super().training_step(*args, **kwargs)
+
+    return MemtrainTrainer
