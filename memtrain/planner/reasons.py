@@ -15,6 +15,7 @@ from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
 from memtrain.offload import SLAB_BYTES_DEFAULT
+from memtrain.optim.named import NamedOptimizer
 from memtrain.planner.cost import (
     LEAN_MARGIN,
     LOADER_BATCHES,
@@ -28,8 +29,11 @@ from memtrain.planner.settings import Candidate, PlanSettings, Problem, configur
 from memtrain.report import format_bytes
 
 
-def _optimizer_name(name: str, pure_bf16: bool) -> str:
-    """The optimizer's name in the reasons; pure bf16 (only when asked for) has no master anywhere."""
+def _optimizer_name(name: str, pure_bf16: bool, named: NamedOptimizer | None = None) -> str:
+    """The optimizer's name in the reasons: AdamW's, or the class the run names; pure bf16 (only when asked for)
+    has no master anywhere."""
+    if named is not None and not named.is_adamw:
+        return name.replace("AdamW", named.path.rpartition(".")[2])
     if not pure_bf16:
         return name
     return name.replace("fp32 master and state", "state").replace(
@@ -205,8 +209,11 @@ def _optimizer_reason(ctx: Problem, s: PlanSettings, results: CandidateTable, ch
     plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
     alternatives = []
     if not plain[chosen]:
-        alternatives.append(alternative(plain, "fused fp32 AdamW on the device"))
-    alternatives += [alternative(placement == o, _PLACEMENTS[o].split(" (")[0]) for o in _PLACEMENTS
+        alternatives.append(alternative(plain, _optimizer_name("fused fp32 AdamW on the device", False,
+                                                               s.optimizer_class).replace("fused fp32 ", "")
+                                        if not s.optimizer_class.is_adamw else "fused fp32 AdamW on the device"))
+    alternatives += [alternative(placement == o, _optimizer_name(_PLACEMENTS[o].split(" (")[0], False,
+                                                                 s.optimizer_class)) for o in _PLACEMENTS
                      if o != s.optimizer and o != "device" and (placement == o).any()]
     if plain[chosen] and (~plain & (placement == "device")).any():
         alternatives.append(alternative(~plain & (placement == "device"), "a leaner device optimizer", lean=True))
@@ -222,7 +229,7 @@ def _optimizer_reason(ctx: Problem, s: PlanSettings, results: CandidateTable, ch
 def _optimizer_text(ctx: Problem, s: PlanSettings) -> str:
     """The chosen optimizer in words: its placement, then its moments, its step in backward and its offloaded
     share where they are not the plain ones."""
-    text = _optimizer_name(_PLACEMENTS[s.optimizer], s.pure_bf16)
+    text = _optimizer_name(_PLACEMENTS[s.optimizer], s.pure_bf16, s.optimizer_class)
     details = []
     if s.state_precision != "fp32":
         details.append(f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, "
@@ -235,6 +242,8 @@ def _optimizer_text(ctx: Problem, s: PlanSettings) -> str:
         details.append(f"{100 * s.offload_fraction:.0f}% of the state in host RAM")
     if details:
         return f"{text} with {', '.join(details)}"
+    if not s.optimizer_class.is_adamw:
+        return f"{text} ({s.optimizer_class.text}, as asked: its own state)"
     if s.optimizer == "device" and not s.pure_bf16:
         return f"{text} (fused, fp32 moments)"
     return text

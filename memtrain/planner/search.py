@@ -336,8 +336,12 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                     for flavor, streamed in itertools.product(flavors or ["full"], space.weights):
                         if streamed and (placement == "device" or compiled or dist != "none"):
                             continue  # parameter offload: the offloaded optimizer's master, one process, eager
-                        cfg = Configuration(b, per_rank // b, flavor, chunked, placement, dist, compiled, precision,
-                                            state, in_backward, fraction, space.pure_bf16, streamed)
+                        cfg = Configuration(micro_batch_size=b, accumulation=per_rank // b, flavor=flavor,
+                                            chunked_loss=chunked, optimizer=placement, distribution=dist,
+                                            compile=compiled, precision=precision, state_precision=state,
+                                            step_in_backward=in_backward, offload_fraction=fraction,
+                                            pure_bf16=space.pure_bf16, offload_weights=streamed,
+                                            optimizer_class=fixed.optimizer_class)
                         if fixed.blocks is not None:
                             _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
                             continue
@@ -506,10 +510,13 @@ def estimate_of(ctx: Problem, prof: Profiles, s: PlanSettings) -> tuple[float, T
         checkpointing["selective"] = ("matmul", "attention")
     if s.flavor == "offload-inputs" and "recompute" in s.blocks:
         checkpointing["offload"] = True
+    optimizer: Any = "adamw" if s.optimizer == "device" else "adamw-offload"
+    offload_fraction = s.offload_fraction
+    if not s.optimizer_class.is_adamw:  # a named class: the same wrappers, its own state
+        optimizer, offload_fraction = s.optimizer_class, s.offload_fraction if s.optimizer == "device" else 1.0
     t = trace(ctx.model, step_batch(ctx, s.micro_batch_size), device=ctx.device, precision=ctx.precision,
-              checkpointing=checkpointing, chunked_loss=s.chunked_loss,
-              optimizer="adamw" if s.optimizer == "device" else "adamw-offload", accumulation=s.accumulation,
-              state_precision=s.state_precision, offload_fraction=s.offload_fraction,
+              checkpointing=checkpointing, chunked_loss=s.chunked_loss, optimizer=optimizer,
+              accumulation=s.accumulation, state_precision=s.state_precision, offload_fraction=offload_fraction,
               step_in_backward=s.step_in_backward,
               weights_dtype="bf16" if s.optimizer == "offload-bf16-weights" or s.pure_bf16 else None,
               runs=gradient_shard(ctx, s) > 0, pure_bf16=s.pure_bf16)  # runs: when sharded gradients matter
