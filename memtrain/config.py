@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from memtrain.choices import OLD_CHOICE_FIELDS, Choices, choices_of_old_fields
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner import budget_bytes
 from memtrain.run.tensorboard import logger_problems
@@ -69,6 +69,19 @@ class TrainConfig:
     # memtrain[tensorboard] extra); quiet=True prints the plan in one line instead of each choice with its reason.
     log: tuple[str, ...] = ()
     quiet: bool = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainConfig:
+        # An unknown keyword is a ConfigError naming the fields and the one that holds the techniques (as
+        # ``Choices.from_dict``'s), not a TypeError: a technique's own setting goes in ``choices=``.
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"TrainConfig: unknown {'field' if len(unknown) == 1 else 'fields'} {', '.join(unknown)}"
+                              ". To resolve this error, use the fields TrainConfig has ("
+                              f"{', '.join(f.name for f in fields(cls))}); the memory techniques (checkpointing, "
+                              "offloads, the optimizer's placement and state, chunked loss, compile) are one field: "
+                              "pass choices=Choices(...) (memtrain.Choices), e.g. "
+                              "choices=Choices(checkpointing='every:2').")
+        return super().__new__(cls)
 
     def validate(self) -> None:
         """Raises one ConfigError listing every bad field (each named as the argument, e.g. ``out_dir=``)."""
@@ -175,30 +188,6 @@ class TrainConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["choices"] = self.choices.to_dict()
         return out
-
-
-def _refuse_old_fields(init: Any) -> Any:
-    """``TrainConfig(checkpointing=...)`` and the other technique fields of the previous version: one ConfigError
-    spelling the ``choices=`` that means the same, instead of a TypeError about an unexpected keyword."""
-
-    def __init__(self: TrainConfig, *args: Any, **kwargs: Any) -> None:
-        moved = {name: kwargs.pop(name) for name in OLD_CHOICE_FIELDS if name in kwargs}
-        if moved:
-            given = ", ".join(f"{name}={value!r}" for name, value in moved.items())
-            try:
-                values = {k: v for k, v in choices_of_old_fields(moved).to_dict().items() if v not in (None, False)}
-                optimizer = {k: v for k, v in values.pop("optimizer").items() if v is not None}
-                same = f"choices=Choices.from_dict({({**values, 'optimizer': optimizer} if optimizer else values)!r})"
-            except ConfigError:
-                same = "choices=Choices(...)"
-            raise ConfigError(f"TrainConfig({given}): the technique choices moved into one field, choices "
-                              f"(memtrain.Choices). To resolve this error, pass {same}.")
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-TrainConfig.__init__ = _refuse_old_fields(TrainConfig.__init__)  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)
