@@ -4,10 +4,6 @@ The public surface is DESIGN.md's contract and the few types it takes; everythin
 (``memtrain.data``, ``memtrain.loss``, ``memtrain.run`` ...). README.md's "Layout" says what each part holds.
 """
 
-import importlib
-import warnings
-from typing import Any
-
 from memtrain.accumulation import GradientAccumulator
 from memtrain.checkpointing import Checkpointing, apply_checkpointing, remove_checkpointing
 from memtrain.choices import Choices
@@ -27,21 +23,6 @@ __version__ = "0.1.0"
 
 # MEMTRAIN_SIMULATED_DEVICE: the simulated device starts on the importing (main) thread, whose ops its ledger sees.
 _start_a_simulation_the_environment_asks_for()
-
-# Public here before the surface became the contract's: still served, from the part that holds them.
-_MOVED = {"StepResult": "memtrain.accumulation", "accumulation_steps": "memtrain.accumulation",
-          "SelectivePolicy": "memtrain.checkpointing", "checkpoint_sequential": "memtrain.checkpointing",
-          "DevicePrefetcher": "memtrain.data", "make_loader": "memtrain.data", "format_bytes": "memtrain.report",
-          "parse_bytes": "memtrain.report"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module 'memtrain' has no attribute {name!r}")
-    warnings.warn(f"memtrain.{name} moved to {module}.{name}. To resolve this warning, import it from {module}.",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(module), name)
 
 __all__ = [
     "CPUOffloadOptimizer",
