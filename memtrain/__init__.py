@@ -1,7 +1,8 @@
 """memtrain: make a PyTorch model fit a memory budget at the least possible slowdown.
 
-The public surface is DESIGN.md's contract and the few types it takes; everything else is imported from its part
-(``memtrain.data``, ``memtrain.loss``, ``memtrain.run`` ...). README.md's "Layout" says what each part holds.
+The public surface is the contract's names and the few types they take (docs/design.md, "Public surface");
+everything else is imported from its part (``memtrain.data``, ``memtrain.loss``, ``memtrain.run`` ...).
+README.md's "Layout" says what each part holds.
 """
 
 from memtrain.accumulation import GradientAccumulator
