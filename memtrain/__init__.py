@@ -1,12 +1,9 @@
 """memtrain: make a PyTorch model fit a memory budget at the least possible slowdown.
 
-The public surface is DESIGN.md's contract and the few types it takes; everything else is imported from its part
-(``memtrain.data``, ``memtrain.loss``, ``memtrain.run`` ...). README.md's "Layout" says what each part holds.
+The public surface is the contract's names and the few types they take (docs/design.md, "Public surface");
+everything else is imported from its part (``memtrain.data``, ``memtrain.loss``, ``memtrain.run`` ...).
+README.md's "Layout" says what each part holds.
 """
-
-import importlib
-import warnings
-from typing import Any
 
 from memtrain.accumulation import GradientAccumulator
 from memtrain.checkpointing import Checkpointing, apply_checkpointing, remove_checkpointing
@@ -27,21 +24,6 @@ __version__ = "0.1.0"
 
 # MEMTRAIN_SIMULATED_DEVICE: the simulated device starts on the importing (main) thread, whose ops its ledger sees.
 _start_a_simulation_the_environment_asks_for()
-
-# Public here before the surface became the contract's: still served, from the part that holds them.
-_MOVED = {"StepResult": "memtrain.accumulation", "accumulation_steps": "memtrain.accumulation",
-          "SelectivePolicy": "memtrain.checkpointing", "checkpoint_sequential": "memtrain.checkpointing",
-          "DevicePrefetcher": "memtrain.data", "make_loader": "memtrain.data", "format_bytes": "memtrain.report",
-          "parse_bytes": "memtrain.report"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module 'memtrain' has no attribute {name!r}")
-    warnings.warn(f"memtrain.{name} moved to {module}.{name}. To resolve this warning, import it from {module}.",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(module), name)
 
 __all__ = [
     "CPUOffloadOptimizer",

@@ -320,27 +320,3 @@ def _known_fields(cls: type, values: Mapping[str, Any], what: str) -> dict[str, 
         raise ConfigError(f"{what}: unknown {'field' if len(unknown) == 1 else 'fields'} {', '.join(unknown)}. To "
                           f"resolve this error, use {', '.join(names)}.")
     return dict(values)
-
-
-# -- the previous version's spelling: flat fields of TrainConfig (kept in old checkpoints) -------------------------
-OLD_CHOICE_FIELDS = ("checkpointing", "checkpoint_every", "offload_activations", "offload_optimizer", "chunked_loss",
-                     "state_precision", "step_in_backward", "offload_fraction", "compile")
-
-
-def choices_of_old_fields(values: Mapping[str, Any]) -> Choices:
-    """The ``Choices`` that the previous version's flat fields name (``OLD_CHOICE_FIELDS``: its "auto"
-    checkpointing is None, "every" with ``checkpoint_every`` is "every:K", ``offload_optimizer`` the placement).
-
-    Raises:
-        ConfigError: values that are not choices.
-    """
-    policy = values.get("checkpointing", "auto")
-    if policy == "every":
-        policy = f"every:{values.get('checkpoint_every', 2)}"
-    offload = values.get("offload_optimizer")
-    optimizer = OptimizerChoice(placement=None if offload is None else "offload" if offload else "device",
-                                state_precision=values.get("state_precision"),
-                                step_in_backward=values.get("step_in_backward"),
-                                offload_fraction=values.get("offload_fraction"))
-    return Choices(checkpointing=policy, offload_activations=values.get("offload_activations"), optimizer=optimizer,
-                   chunked_loss=values.get("chunked_loss"), compile=bool(values.get("compile", False)))

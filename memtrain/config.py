@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from memtrain.choices import OLD_CHOICE_FIELDS, Choices, choices_of_old_fields
+from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner import budget_bytes
 from memtrain.run.tensorboard import logger_problems
@@ -70,39 +70,63 @@ class TrainConfig:
     log: tuple[str, ...] = ()
     quiet: bool = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainConfig:
+        # An unknown keyword is a ConfigError naming the fields and the one that holds the techniques (as
+        # ``Choices.from_dict``'s), not a TypeError: a technique's own setting goes in ``choices=``.
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"TrainConfig: unknown {'field' if len(unknown) == 1 else 'fields'} {', '.join(unknown)}"
+                              ". To resolve this error, use the fields TrainConfig has ("
+                              f"{', '.join(f.name for f in fields(cls))}); the memory techniques (checkpointing, "
+                              "offloads, the optimizer's placement and state, chunked loss, compile) are one field: "
+                              "pass choices=Choices(...) (memtrain.Choices), e.g. "
+                              "choices=Choices(checkpointing='every:2').")
+        return super().__new__(cls)
+
     def validate(self) -> None:
         """Raises one ConfigError listing every bad field (each named as the argument, e.g. ``out_dir=``)."""
+        ConfigError.raise_if([*self._length_problems(), *self._optimization_problems(), *self._memory_problems(),
+                              *self._output_problems()])
+
+    def _length_problems(self) -> list[str]:
+        """The run's length and batches: steps or epochs, the batch sizes, how often it evaluates and saves."""
         problems = []
         for name in ("eval_every", "eval_batches"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_int(value, 1):
                 problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass e.g. {name}=1.")
         for name in ("max_steps", "epochs", "micro_batch_size", "global_batch_size", "save_every"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and not _is_int(value, 1):
                 problems.append(f"{name}={value!r} must be an integer >= 1, or unset. To resolve this error, pass e.g. {name}=4, or "
                                 "leave it unset.")
-        def number(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
         if self.max_steps is not None and self.epochs is not None:
             problems.append(f"max_steps={self.max_steps} and epochs={self.epochs} both set the run's length. To "
                             "resolve this error, pass one of them.")
-        if self.lr is not None and not (number(self.lr) and self.lr > 0):
+        if self.micro_batch_size is not None and isinstance(self.global_batch_size, int) \
+                and isinstance(self.micro_batch_size, int) and self.micro_batch_size > self.global_batch_size >= 1:
+            problems.append(f"micro_batch_size={self.micro_batch_size} is more than global_batch_size="
+                            f"{self.global_batch_size}. To resolve this error, pass a micro_batch_size that divides "
+                            "it, or leave micro_batch_size unset for the plan to choose.")
+        return problems
+
+    def _optimization_problems(self) -> list[str]:
+        """What is computed: the learning rate and its schedule, AdamW's hyper-parameters, clipping, the seed."""
+        problems = []
+        if self.lr is not None and not (_number(self.lr) and self.lr > 0):
             problems.append(f"lr={self.lr!r} must be a positive number, or None for the default of the model. To "
                             "resolve this error, pass e.g. lr=3e-3, or leave it unset.")
         if self.lr_schedule not in LR_SCHEDULES:
             problems.append(f"lr_schedule={self.lr_schedule!r} is not one of cosine, linear, constant. To resolve "
                             "this error, pass one of them.")
         betas = self.adam_betas
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
             problems.append(f"adam_betas={betas!r} must be two numbers in [0, 1) (beta1, beta2). To resolve this "
                             "error, pass e.g. adam_betas=(0.9, 0.999).")
-        if not (number(self.adam_eps) and self.adam_eps > 0):
+        if not (_number(self.adam_eps) and self.adam_eps > 0):
             problems.append(f"adam_eps={self.adam_eps!r} must be a number > 0. To resolve this error, pass e.g. "
                             "adam_eps=1e-8.")
-        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or
-                                              not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+        if self.warmup_steps is not None and not _is_int(self.warmup_steps, 0):
             problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0, or None for "
                             "the default. To resolve this error, pass e.g. warmup_steps=10, or leave it "
                             "unset.")
@@ -111,39 +135,55 @@ class TrainConfig:
             problems.append(f"warmup_steps={self.warmup_steps} is more than max_steps={self.max_steps}: the learning "
                             f"rate would never reach lr. To resolve this error, pass warmup_steps={self.max_steps // 10}"
                             " or fewer, or leave it unset.")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+        if not _is_int(self.seed, 0) or self.seed >= MAX_SEED:
             problems.append(f"seed={self.seed!r} must be an integer in [0, 2**63). To resolve this error, pass e.g. "
                             "seed=0.")
-        if not (number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
+        if not (_number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
             problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be a number in [0, 1]. To resolve this error, pass e.g. "
                             "min_lr_ratio=0.1.")
-        if not (number(self.weight_decay) and self.weight_decay >= 0):
+        if not (_number(self.weight_decay) and self.weight_decay >= 0):
             problems.append(f"weight_decay={self.weight_decay!r} must be a number >= 0. To resolve this error, pass e.g. "
                             "weight_decay=0.1.")
-        if self.grad_clip is not None and not (number(self.grad_clip) and self.grad_clip > 0):
+        if self.grad_clip is not None and not (_number(self.grad_clip) and self.grad_clip > 0):
             problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping. To resolve this error, "
                             "pass e.g. grad_clip=1.0.")
-        for name in ("fsdp", "overwrite", "resume", "progress", "merge_lora"):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, pass one of them.")
+        return problems
+
+    def _memory_problems(self) -> list[str]:
+        """What the plan fits: the budgets and their margin, the precision, the technique choices, FSDP."""
+        problems = []
         for name in ("budget", "host_budget"):
             try:
                 budget_bytes(getattr(self, name), name)
             except ConfigError as e:
                 problems += e.problems
-        if not (number(self.safety_margin) and 0 <= self.safety_margin < 0.9):
+        if not (_number(self.safety_margin) and 0 <= self.safety_margin < 0.9):
             problems.append(f"safety_margin={self.safety_margin!r} must be a fraction in [0, 0.9). To resolve this error, "
                             "pass e.g. safety_margin=0.05.")
-        if self.micro_batch_size is not None and isinstance(self.global_batch_size, int) \
-                and isinstance(self.micro_batch_size, int) and self.micro_batch_size > self.global_batch_size >= 1:
-            problems.append(f"micro_batch_size={self.micro_batch_size} is more than global_batch_size="
-                            f"{self.global_batch_size}. To resolve this error, pass a micro_batch_size that divides "
-                            "it, or leave micro_batch_size unset for the plan to choose.")
         if self.precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed"):
             problems.append(f"precision={self.precision!r} is not one of auto, fp32, bf16-mixed, fp16-mixed. "
                             "To resolve this error, pass one of them.")
-        if isinstance(self.choices, Choices):
-            problems += self.choices.precision_problems(self.precision)
+        if not isinstance(self.fsdp, bool):
+            problems.append(f"fsdp={self.fsdp!r} must be True or False. To resolve this error, pass one of them.")
+        if not isinstance(self.choices, Choices):
+            problems.append(f"choices={self.choices!r} is not a Choices. To resolve this error, pass e.g. "
+                            "choices=Choices(checkpointing='all'), or choices=Choices.from_dict({...}) for a mapping "
+                            "(memtrain.choices).")
+            return problems
+        problems += self.choices.precision_problems(self.precision)
+        if isinstance(self.fsdp, bool):
+            try:
+                self.choices.check_run(fsdp=self.fsdp)
+            except ConfigError as e:
+                problems += e.problems
+        return problems
+
+    def _output_problems(self) -> list[str]:
+        """What the run writes and shows: the run folder (overwrite, resume, merged weights), the sample, logs."""
+        problems = []
+        for name in ("overwrite", "resume", "progress", "merge_lora", "quiet"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, pass one of them.")
         if self.overwrite is True and self.resume is True:
             problems.append("overwrite=True and resume=True contradict each other. To resolve this error, pass "
                             "resume=True to continue the run in out_dir, or overwrite=True to start it again.")
@@ -153,22 +193,10 @@ class TrainConfig:
         if self.merge_lora is True and not self.out_dir:
             problems.append("merge_lora=True writes the merged weights into the run folder's hf/. To resolve this "
                             "error, pass out_dir='DIR'.")
-        if isinstance(self.sample_bytes, bool) or not isinstance(self.sample_bytes, int) or self.sample_bytes < 0:
+        if not _is_int(self.sample_bytes, 0):
             problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0. To resolve this error, pass "
                             "e.g. sample_bytes=240, or 0 for no sample.")
-        problems += logger_problems(self.log)
-        if not isinstance(self.quiet, bool):
-            problems.append(f"quiet={self.quiet!r} must be True or False. To resolve this error, pass one of them.")
-        if not isinstance(self.choices, Choices):
-            problems.append(f"choices={self.choices!r} is not a Choices. To resolve this error, pass e.g. "
-                            "choices=Choices(checkpointing='all'), or choices=Choices.from_dict({...}) for a mapping "
-                            "(memtrain.choices).")
-        elif isinstance(self.fsdp, bool):
-            try:
-                self.choices.check_run(fsdp=self.fsdp)
-            except ConfigError as e:
-                problems += e.problems
-        ConfigError.raise_if(problems)
+        return problems + logger_problems(self.log)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON values (``choices`` as ``Choices.to_dict``): a run folder's config.json."""
@@ -177,28 +205,14 @@ class TrainConfig:
         return out
 
 
-def _refuse_old_fields(init: Any) -> Any:
-    """``TrainConfig(checkpointing=...)`` and the other technique fields of the previous version: one ConfigError
-    spelling the ``choices=`` that means the same, instead of a TypeError about an unexpected keyword."""
-
-    def __init__(self: TrainConfig, *args: Any, **kwargs: Any) -> None:
-        moved = {name: kwargs.pop(name) for name in OLD_CHOICE_FIELDS if name in kwargs}
-        if moved:
-            given = ", ".join(f"{name}={value!r}" for name, value in moved.items())
-            try:
-                values = {k: v for k, v in choices_of_old_fields(moved).to_dict().items() if v not in (None, False)}
-                optimizer = {k: v for k, v in values.pop("optimizer").items() if v is not None}
-                same = f"choices=Choices.from_dict({({**values, 'optimizer': optimizer} if optimizer else values)!r})"
-            except ConfigError:
-                same = "choices=Choices(...)"
-            raise ConfigError(f"TrainConfig({given}): the technique choices moved into one field, choices "
-                              f"(memtrain.Choices). To resolve this error, pass {same}.")
-        init(self, *args, **kwargs)
-
-    return __init__
+def _number(value: object) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-TrainConfig.__init__ = _refuse_old_fields(TrainConfig.__init__)  # type: ignore[method-assign]
+def _is_int(value: object, minimum: int) -> bool:
+    """An int (not a bool) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 @dataclass(frozen=True)

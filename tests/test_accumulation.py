@@ -515,7 +515,7 @@ SYNC_CASES = {
 @pytest.mark.parametrize("clip, fp16", [(None, False), (1.0, False), (None, True), (1.0, True)],
                          ids=["plain", "clip", "fp16", "clip+fp16"])
 def test_at_most_one_host_sync_per_optimizer_step(case, clip, fp16):
-    """The contract (DESIGN, "GPU-speed contract"): at most one host sync per optimizer step on the accumulator's
+    """The GPU-speed contract (docs/design.md): at most one host sync per optimizer step on the accumulator's
     path with clipping or an fp16 scaler, none without, counted by memtrain.measure.count_host_syncs during the
     last backward and acc.step(). Where nothing may be read back, a non-finite window is skipped on the device.
     Exceptions, each one read: bf16 moments (BF16StateAdamW takes no device skip flag) and the offloaded optimizer

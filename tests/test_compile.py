@@ -1,5 +1,5 @@
-"""memtrain with torch.compile: a compiled model keeps every technique's results (DESIGN.md: "memtrain must
-compose with it").
+"""memtrain with torch.compile: a compiled model keeps every technique's results (docs/design.md, "H200
+anchors": "memtrain must compose with it").
 
 The compiled graphs come from AOTAutograd with the ``aot_eager`` backend: the same forward/backward split,
 saved tensors and hooks as inductor, without code generation, so each test takes seconds on a CPU. Checkpointing

@@ -1,4 +1,4 @@
-"""The GPU-speed contract (DESIGN.md, issue 18), asserted on the CPU for every set-up the planner can choose.
+"""The GPU-speed contract (docs/design.md, issue 18), asserted on the CPU for every set-up the planner can choose.
 
 The counts come from ``benchmarks/bench_contract.py`` (which prints them: ``python benchmarks/bench_contract.py``):
 

@@ -29,7 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SAVED = ROOT / "tests" / "data" / "plan_identity.json"
 _8B = "--hf-config examples/llama3-8b.json --seq-len 2048 --global-batch-size 16 --gpu 4090"
-# name -> the command (the README's "Fit an 8B on a 24 GB GPU" rows and the 1.1B Llama of DESIGN.md's targets)
+# name -> the command (the README's "Fit an 8B on a 24 GB GPU" rows and the 1.1B Llama of docs/design.md's targets)
 PLANS = {
     "1.1b-h200-24gib": "--hf-config examples/tinyllama-1.1b.json --seq-len 2048 --global-batch-size 16 "
                        "--budget 24GiB --gpu H200",

@@ -42,8 +42,8 @@ def test_data_of_the_same_length_and_other_contents_fingerprint_differently(kind
     a, b = _datasets_of_each_kind()[kind]
     assert len(a) == len(b)
     fa, fb = data_fingerprint(a), data_fingerprint(b)
-    assert fa["examples"] == fb["examples"]
-    assert fa["sha256"] != fb["sha256"], f"{kind}: two datasets with other contents fingerprint alike: {fa}"
+    assert fa.examples == fb.examples
+    assert fa.sha256 != fb.sha256, f"{kind}: two datasets with other contents fingerprint alike: {fa}"
     again = _datasets_of_each_kind()[kind][0]  # equal contents, other objects
     assert data_fingerprint(again) == fa, f"{kind}: equal contents must fingerprint alike"
 
@@ -54,8 +54,8 @@ def test_every_example_of_a_list_counts_not_a_sample():
     a = [torch.tensor([i]) for i in range(1000)]
     b = list(a)
     b[1] = torch.tensor([-1])  # not among 256 evenly spaced samples of 1000
-    assert data_fingerprint(a)["sha256"] != data_fingerprint(b)["sha256"]
-    assert data_fingerprint(a)["of"] == "every example"
+    assert data_fingerprint(a).sha256 != data_fingerprint(b).sha256
+    assert data_fingerprint(a).of == "every example"
 
 
 def test_the_fingerprint_takes_bf16_empty_and_zero_d_tensors_and_the_packing_of_rows():
@@ -63,13 +63,13 @@ def test_the_fingerprint_takes_bf16_empty_and_zero_d_tensors_and_the_packing_of_
     from memtrain.run import data_fingerprint
 
     items = [torch.ones(3, dtype=torch.bfloat16), torch.zeros(2, 0), torch.tensor(3.0), np.zeros(()), None, 1.5]
-    assert data_fingerprint(items)["sha256"] != data_fingerprint(items[:-1] + [2.5])["sha256"]
+    assert data_fingerprint(items).sha256 != data_fingerprint(items[:-1] + [2.5]).sha256
     docs = TokenDocuments.from_texts(["abcd", "xyz", "pq"])
     masked = TokenDocuments(docs.tokens, docs.starts, docs.lengths, loss_mask=np.arange(len(docs.tokens)) % 2 == 0)
-    assert data_fingerprint(docs)["sha256"] != data_fingerprint(masked)["sha256"], "the loss mask is data"
+    assert data_fingerprint(docs).sha256 != data_fingerprint(masked).sha256, "the loss mask is data"
     rows, other = PackedRows(docs, seq_len=4), PackedRows(docs, seq_len=4, pad_id=7)
-    assert len(rows) == len(other) and data_fingerprint(rows)["of"] == "token stream"
-    assert data_fingerprint(rows)["sha256"] != data_fingerprint(other)["sha256"], "the padding is data"
+    assert len(rows) == len(other) and data_fingerprint(rows).of == "token stream"
+    assert data_fingerprint(rows).sha256 != data_fingerprint(other).sha256, "the padding is data"
     assert data_fingerprint(rows) == data_fingerprint(PackedRows(docs, seq_len=4))
 
 

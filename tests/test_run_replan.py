@@ -52,36 +52,20 @@ def test_out_of_memory_on_one_of_several_ranks_is_an_error():
 
 
 # -- the plan request a checkpoint keeps (issue 19: choices in one field) ----------------------------------
-def _old_request(**changes) -> dict:
-    """A plan request as the version before ``TrainConfig(choices=)`` saved it: the techniques as flat fields."""
-    return {"budget": None, "host_budget": None, "safety_margin": 0.05, "micro_batch_size": 2,
-            "checkpointing": "every", "checkpoint_every": 2, "offload_activations": None, "offload_optimizer": False,
-            "chunked_loss": None, "state_precision": "fp32", "step_in_backward": None, "offload_fraction": None,
-            "compile": False, **changes}
-
-
-def test_a_plan_request_of_the_previous_version_reads_as_the_same_choices():
+def test_a_saved_plan_request_reads_back_as_written():
     config = TrainConfig(micro_batch_size=2, choices=Choices(
         checkpointing="every:2", optimizer=OptimizerChoice(placement="device", state_precision="fp32")))
     assert set(plan_request(config)) == {*PLAN_FIELDS} and read_plan_request(plan_request(config)) == plan_request(config)
-    assert read_plan_request(_old_request()) == plan_request(config)
-    assert read_plan_request(_old_request(checkpoint_every=3)) != plan_request(config)
-    assert read_plan_request(_old_request(offload_optimizer=True, state_precision=None)) != plan_request(config)
-    auto = read_plan_request(_old_request(checkpointing="auto", offload_optimizer=None, state_precision=None))
-    assert auto == plan_request(TrainConfig(micro_batch_size=2)), auto
-    assert read_plan_request(_old_request(state_precision="fp8")) is None  # not choices: a new plan, no error
+    assert read_plan_request(plan_request(config)) != plan_request(TrainConfig(micro_batch_size=2))
     assert read_plan_request(None) is None
 
 
-def test_a_saved_config_of_either_version_shows_its_choices_by_name():
-    old = {"max_steps": 2, "checkpointing": "none", "checkpoint_every": 2, "compile": False, "chunked_loss": None}
-    new = TrainConfig(max_steps=2, choices=Choices(checkpointing="none")).to_dict()
-    assert flat_settings(old)["checkpointing"] == flat_settings(new)["checkpointing"] == "none"
-    assert flat_settings(old)["compile"] is False and "checkpoint_every" not in flat_settings(old)
-    assert flat_settings(old)["max_steps"] == 2
-    # A policy left to the plan reads as the flag's own word, as the previous version logged it.
+def test_a_saved_config_shows_its_choices_by_name():
+    saved = TrainConfig(max_steps=2, choices=Choices(checkpointing="none")).to_dict()
+    assert flat_settings(saved)["checkpointing"] == "none" and flat_settings(saved)["compile"] is False
+    assert flat_settings(saved)["max_steps"] == 2 and "choices" not in flat_settings(saved)
+    # A policy left to the plan reads as the flag's own word.
     assert flat_settings(TrainConfig().to_dict())["checkpointing"] == "auto"
-    assert flat_settings({**old, "checkpointing": "auto"})["checkpointing"] == "auto"
 
 
 def test_the_world_size_rule_is_checked_where_the_world_is_known():

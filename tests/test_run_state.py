@@ -3,6 +3,8 @@ generators come back per rank, the device's for the device the rank computes on.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 from datetime import timedelta
 from pathlib import Path
@@ -13,15 +15,42 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import memtrain.device
-from memtrain import MemtrainError
+from memtrain import ConfigError, MemtrainError
 from memtrain.run import RunCheckpoints, restore_run_state, resume_run, save_run_state
-from memtrain.run.state import restore_rng, rng_state
+from memtrain.run.identity import RunIdentity
+from memtrain.run.state import CheckpointExtra, restore_rng, rng_state
+
+# A checkpoint's "run" and "extra" exactly as train() wrote them before they were types (memtrain at 2a0098d: a
+# tiny GPT, 2 steps; the model's shapes cut to three): a run folder of then must resume now.
+RUN_JSON = (
+    '{"seed": 0, "global_batch_size": 4, "world_size": 1, "seq_len": 32, "data": {"examples": 59, "sha256": '
+    '"239dc1009cde947b81fcfd6671ed5e37c7d56c8218a43a18cf0e3a3548baa409", "of": "token stream"}, "model": {"class": '
+    '"GPT", "shapes": {"wte.weight": [256, 32], "wpe.weight": [32, 32], "blocks.0.ln_1.weight": [32]}}, "precision": '
+    '"fp32", "lr": 0.003, "warmup_steps": 0, "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0, "fsdp": '
+    'false, "lr_schedule": "cosine", "adam_betas": [0.9, 0.95], "adam_eps": 1e-08, "offload_optimizer": false, '
+    '"optimizer": "device"}')
+_SETTINGS_JSON = (
+    '{"micro_batch_size": 4, "accumulation": 1, "blocks": ["keep", "keep"], "flavor": "full", "chunked_loss": true, '
+    '"optimizer": "device", "distribution": "none", "compile": false, "precision": "fp32", "state_precision": "fp32", '
+    '"step_in_backward": false, "offload_fraction": 0.0, "pure_bf16": false, "offload_weights": false, '
+    '"checkpointing": "none"}')
+EXTRA_JSON = (
+    '{"plan_check": {"log": "plan check at step 2: predicted saved activations 536.25 KiB, measured 536.25 KiB '
+    '(+0.0%)", "what": "saved activations", "predicted_bytes": 549120, "measured_bytes": 549120, "relative_error": '
+    '0.0, "over_budget": false, "step": 2, "replanning": false, "peak_bytes": 1079544}, "plan_settings": '
+    + _SETTINGS_JSON + ', "plan_request": {"budget": null, "host_budget": null, "safety_margin": 0.05, '
+    '"micro_batch_size": null, "choices": {"checkpointing": null, "offload_activations": null, "optimizer": '
+    '{"placement": null, "state_precision": null, "step_in_backward": null, "offload_fraction": null}, '
+    '"chunked_loss": null, "compile": false, "pure_bf16": false, "offload_weights": null}}, "correction_bytes": 0, '
+    '"replans": [{"step": 3, "why": "out of memory", "settings": ' + _SETTINGS_JSON + ', "correction_bytes": 1024, '
+    '"estimated_peak_before": 2000000, "estimated_peak_after": 1000000}]}')
 
 
 def _two_checkpoints(root: Path) -> RunCheckpoints:
     checkpoints = RunCheckpoints(root, keep=3)
-    checkpoints.save(1, {"w": torch.ones(3), "scheduler": {"last_epoch": 1}})
-    checkpoints.save(2, {"w": torch.full((3,), 2.0), "scheduler": {"last_epoch": 2}})
+    run = json.loads(RUN_JSON)
+    checkpoints.save(1, {"w": torch.ones(3), "scheduler": {"last_epoch": 1}, "run": run})
+    checkpoints.save(2, {"w": torch.full((3,), 2.0), "scheduler": {"last_epoch": 2}, "run": run})
     return checkpoints
 
 
@@ -34,10 +63,50 @@ def test_a_checkpoint_whose_state_does_not_load_is_skipped(tmp_path):
         if step == 2:
             raise KeyError("optimizer")
 
-    step, _, skipped = resume_run(checkpoints, {}, restore)
+    run = RunIdentity.from_dict(json.loads(RUN_JSON))
+    step, _, skipped = resume_run(checkpoints, run, restore)
     assert step == 1 and tried == [2, 1] and "its state does not load (KeyError" in skipped[0]
     with pytest.raises(MemtrainError, match="no checkpoint in .* can be resumed"):
-        resume_run(checkpoints, {}, lambda step, state: (_ for _ in ()).throw(ValueError("nope")))
+        resume_run(checkpoints, run, lambda step, state: (_ for _ in ()).throw(ValueError("nope")))
+
+
+# -- the run's identity and the loop's bookkeeping: types in memory, the same JSON on disk ----------------------
+def test_the_json_of_a_checkpoint_reads_as_types_and_writes_back_byte_for_byte():
+    run, extra = RunIdentity.from_dict(json.loads(RUN_JSON)), CheckpointExtra.from_dict(json.loads(EXTRA_JSON))
+    assert json.dumps(run.to_dict()) == RUN_JSON, run.to_dict()
+    assert json.dumps(extra.to_dict()) == EXTRA_JSON, extra.to_dict()
+    assert run.data.examples == 59 and run.model.shapes["wte.weight"] == (256, 32) and run.adam_betas == (0.9, 0.95)
+    assert extra.plan_settings.micro_batch_size == 4 and extra.replans[0]["why"] == "out of memory"
+    with pytest.raises(TypeError, match="seed"):
+        RunIdentity.from_dict({**json.loads(RUN_JSON), "seeds": 1})  # an unknown field is no identity
+
+
+def test_a_checkpoint_written_before_the_types_resumes_and_refuses_another_run(tmp_path):
+    """The run identity a checkpoint of then holds is compared with this run's typed one: equal, it resumes
+    (automatic lr and warm-up, None here, are not compared); another seed or other data is refused, named."""
+    checkpoints = _two_checkpoints(tmp_path)
+    now = RunIdentity.from_dict(json.loads(RUN_JSON))
+    restored = []
+    step, state, skipped = resume_run(checkpoints, dataclasses.replace(now, lr=None, warmup_steps=None),
+                                      lambda step, state: restored.append(step))
+    assert (step, restored, skipped) == (2, [2], []) and state["run"] == json.loads(RUN_JSON)
+    data = dataclasses.replace(now.data, sha256="0" * 64)
+    with pytest.raises(ConfigError) as info:
+        resume_run(checkpoints, dataclasses.replace(now, seed=1, data=data, lr=1e-3), lambda step, state: None)
+    assert [p.split(":")[1].strip()[:10] for p in info.value.problems] == ["seed=1 now", "the traini", "lr=0.001 n"]
+    assert "pass seed=0" in info.value.problems[0] and "SHA-256 of the token stream 000000000000 now" in str(info.value)
+
+
+def test_save_run_state_writes_the_types_as_the_json_of_then(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for root, run, extra in ((tmp_path / "typed", RunIdentity.from_dict(json.loads(RUN_JSON)),
+                              CheckpointExtra.from_dict(json.loads(EXTRA_JSON))),
+                             (tmp_path / "json", json.loads(RUN_JSON), json.loads(EXTRA_JSON))):
+        save_run_state(RunCheckpoints(root), 1, 2, model, optimizer, scheduler, None, _Counters(), run, extra)
+        meta = json.loads((root / "checkpoints" / "step-0000001" / "meta.json").read_text())
+        assert json.dumps(meta["state"]["run"]) == RUN_JSON and json.dumps(meta["state"]["extra"]) == EXTRA_JSON
 
 
 # -- the random generators: each rank's own, the device it computes on --------------------------------------------
@@ -57,7 +126,8 @@ def _save_and_read(root: Path | None, read_from: Path) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     save_run_state(RunCheckpoints(root) if root is not None else None, 1, 2, model, optimizer, scheduler, None,
-                   _Counters(), {}, {})
+                   _Counters(), RunIdentity.from_dict(json.loads(RUN_JSON)),
+                   CheckpointExtra.from_dict(json.loads(EXTRA_JSON)))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     step, state, _ = RunCheckpoints(read_from).load_latest()

@@ -74,10 +74,11 @@ class DeviceProfile:
 
 
 # Known GPUs: bf16 dense tensor-core FLOP/s from the vendor's datasheet, HBM bandwidth, pinned host-link bandwidth
-# (PCIe 5: 55 GB/s measured on an H200, DESIGN.md; PCIe 4: 25 GB/s), NVLink bus bandwidth for all-reduce (PCIe-only
-# cards: about 20 GB/s). The fractions of them that eager PyTorch reaches (matmuls 60%, attention 45%, elementwise
-# 70%) are fitted to DESIGN.md's H200 anchors for the 1.1B Llama (no savings 45.4k tokens/s, Hugging Face
-# checkpointing 36.5k, torch.compile 56.5k): `python benchmarks/bench_plan.py --anchors` prints the predictions.
+# (PCIe 5: 55 GB/s measured on an H200, docs/design.md "Host ceilings"; PCIe 4: 25 GB/s), NVLink bus
+# bandwidth for all-reduce (PCIe-only cards: about 20 GB/s). The fractions of them that eager PyTorch reaches
+# (matmuls 60%, attention 45%, elementwise 70%) are fitted to docs/design.md's H200 anchors for the 1.1B Llama
+# (no savings 45.4k tokens/s, Hugging Face checkpointing 36.5k, torch.compile 56.5k):
+# `python benchmarks/bench_plan.py --anchors` prints the predictions.
 _KNOWN_GPUS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H200", {"peak": 989e12, "hbm": 4.8e12, "link": 55e9, "nvlink": 370e9, "memory": 141e9}),
     ("H100", {"peak": 989e12, "hbm": 3.35e12, "link": 55e9, "nvlink": 370e9, "memory": 80e9}),
@@ -91,7 +92,7 @@ def known_gpu(name: str, *, memory_bytes: int | None = None, host: DeviceProfile
     """The table's figures for a GPU whose name contains H200, H100, A100, L4 or 4090.
 
     Host figures (the CPU AdamW rate, host memory bandwidth) come from ``host`` (a CPU probe) when given, else
-    from DESIGN.md's H200 host (4.2 G params/s on 16 threads).
+    from the H200 host of docs/design.md's "Host ceilings" (4.2 G params/s on 16 threads).
 
     Raises:
         ConfigError: a GPU the table does not know (run ``memtrain plan --calibrate`` on it instead).

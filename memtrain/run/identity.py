@@ -1,10 +1,12 @@
-"""What defines a run: fingerprints of its data and model, and which changed settings a resume refuses or applies."""
+"""What defines a run (``RunIdentity``, with the fingerprints of its data and model), and which changed settings a
+resume refuses or applies."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,40 @@ from torch import nn
 FINGERPRINT_MAX_EXAMPLES = 65536
 
 
-def data_fingerprint(dataset: Any) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class DataFingerprint:
+    """The training data as a resume checks it: its size and a SHA-256 of its contents."""
+
+    examples: int
+    sha256: str  # hex digest
+    of: str  # what was hashed: "token stream", "every example" or "<N> sampled examples"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form a checkpoint's ``run`` holds under "data"."""
+        return {"examples": self.examples, "sha256": self.sha256, "of": self.of}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> DataFingerprint:
+        return cls(examples=values["examples"], sha256=values["sha256"], of=values["of"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFingerprint:
+    """The model as a resume checks it: what a checkpoint's weights must fit."""
+
+    class_name: str  # the model's class (JSON "class")
+    shapes: dict[str, tuple[int, ...]]  # every parameter's name and shape, in the model's order
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form a checkpoint's ``run`` holds under "model"."""
+        return {"class": self.class_name, "shapes": {name: list(shape) for name, shape in self.shapes.items()}}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ModelFingerprint:
+        return cls(class_name=values["class"], shapes={name: tuple(shape) for name, shape in values["shapes"].items()})
+
+
+def data_fingerprint(dataset: Any) -> DataFingerprint:
     """The number of examples and a SHA-256 of the data's contents, for a resume to refuse other data.
 
     What is hashed: the whole token stream where the dataset exposes one (numpy ``tokens``, plus ``starts``,
@@ -48,7 +83,7 @@ def data_fingerprint(dataset: Any) -> dict[str, Any]:
             of = f"{len(indices)} sampled examples"
         for i in indices:
             _hash_item(digest, dataset[i])
-    return {"examples": len(dataset), "sha256": digest.hexdigest(), "of": of}
+    return DataFingerprint(examples=len(dataset), sha256=digest.hexdigest(), of=of)
 
 
 def _token_stream(dataset: Any) -> bool:
@@ -94,10 +129,56 @@ def _hash_item(digest: Any, item: Any) -> None:
         _hash_item(digest, repr(item))
 
 
-def model_fingerprint(model: nn.Module) -> dict[str, Any]:
+def model_fingerprint(model: nn.Module) -> ModelFingerprint:
     """The model's class and every parameter's name and shape (what a checkpoint must fit)."""
-    return {"class": type(model).__name__,
-            "shapes": {name: list(p.shape) for name, p in model.named_parameters()}}
+    return ModelFingerprint(class_name=type(model).__name__,
+                            shapes={name: tuple(p.shape) for name, p in model.named_parameters()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunIdentity:
+    """What defines a run: a resume that differs in any of these is refused (``compare_runs`` names each
+    difference), since the continued run would not be the run that was started. A checkpoint holds it as JSON
+    (``to_dict``: its "run")."""
+
+    seed: int
+    global_batch_size: int  # examples per optimizer step, all ranks
+    world_size: int
+    seq_len: int  # tokens per example
+    data: DataFingerprint
+    model: ModelFingerprint
+    precision: str  # resolved: "fp32", "bf16-mixed" or "fp16-mixed"
+    # The peak learning rate and warm-up as resolved at the start; None in the identity a resume checks: chosen
+    # automatically, they are the run's own (the resume takes the run's) and not compared.
+    lr: float | None = None
+    warmup_steps: int | None = None
+    min_lr_ratio: float
+    weight_decay: float
+    grad_clip: float | None  # None: not clipped
+    fsdp: bool
+    lr_schedule: str
+    adam_betas: tuple[float, float]
+    adam_eps: float
+    offload_optimizer: bool  # the optimizer's state lives in host RAM
+    optimizer: str  # the optimizer in words (PlanSettings.optimizer_text): its state's layout
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (a checkpoint's "run"), keys in field order, ``adam_betas`` a list."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**out, "data": self.data.to_dict(), "model": self.model.to_dict(), "adam_betas": list(self.adam_betas)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> RunIdentity:
+        """The identity ``to_dict`` wrote (``lr`` and ``warmup_steps`` may be left out: automatic); "data" and
+        "model" may already be fingerprints.
+
+        Raises:
+            KeyError, TypeError: a mapping that is not one (a missing or unknown field).
+        """
+        fingerprints = {"data": DataFingerprint, "model": ModelFingerprint}
+        typed = {name: value if name not in fingerprints or isinstance(value, fingerprints[name])
+                 else fingerprints[name].from_dict(value) for name, value in values.items()}
+        return cls(**{**typed, "adam_betas": tuple(values["adam_betas"])})
 
 
 # How a resume treats a changed TrainConfig field. "refuse": the continued run would not be the run that was
@@ -112,46 +193,49 @@ RESUME_POLICY: dict[str, str] = {
 }
 
 
-def compare_runs(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def compare_runs(saved: RunIdentity, now: RunIdentity) -> list[str]:
     """One message per run-defining difference between a checkpoint's run and this one (empty: the same run)."""
     problems = []
     fix = ("To resolve this error, resume with the original {what}, or start a new run in another out_dir.")
-    for key in now:
-        if key not in saved or saved[key] == now[key]:
+    saved_values, now_values = saved.to_dict(), now.to_dict()  # the values as the messages show them
+    for key in (f.name for f in dataclasses.fields(RunIdentity)):
+        if getattr(saved, key) == getattr(now, key) or (key in ("lr", "warmup_steps") and getattr(now, key) is None):
             continue
         if key == "data":
-            problems.append(_data_difference(saved[key], now[key]) + " " + fix.format(what="data"))
+            problems.append(_data_difference(saved.data, now.data) + " " + fix.format(what="data"))
         elif key == "model":
-            problems.append(_model_difference(saved[key], now[key]) + " " + fix.format(what="model"))
+            problems.append(_model_difference(saved.model, now.model) + " " + fix.format(what="model"))
         else:
-            problems.append(f"resume: {key}={now[key]!r} now but {key}={saved[key]!r} in the run being resumed. To "
-                            f"resolve this error, pass {key}={saved[key]!r} (or leave it out: `memtrain train --resume` "
+            was, new = saved_values[key], now_values[key]
+            problems.append(f"resume: {key}={new!r} now but {key}={was!r} in the run being resumed. To "
+                            f"resolve this error, pass {key}={was!r} (or leave it out: `memtrain train --resume` "
                             "reads the run's config), or start a new run in another out_dir.")
     return problems
 
 
-def _data_difference(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    if saved.get("examples") != now.get("examples"):
-        return (f"resume: the training data differ from the run being resumed: {now.get('examples')} examples now, "
-                f"{saved.get('examples')} then (another file, or the same file changed).")
-    return (f"resume: the training data differ from the run being resumed: the same {now.get('examples')} examples, "
-            f"but other contents (SHA-256 of the {now.get('of')} {str(now.get('sha256'))[:12]} now, "
-            f"{str(saved.get('sha256'))[:12]} then): the file changed, or another file of the same size.")
+def _data_difference(saved: DataFingerprint, now: DataFingerprint) -> str:
+    if saved.examples != now.examples:
+        return (f"resume: the training data differ from the run being resumed: {now.examples} examples now, "
+                f"{saved.examples} then (another file, or the same file changed).")
+    return (f"resume: the training data differ from the run being resumed: the same {now.examples} examples, "
+            f"but other contents (SHA-256 of the {now.of} {now.sha256[:12]} now, {saved.sha256[:12]} then): the "
+            "file changed, or another file of the same size.")
 
 
-def _model_difference(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    if saved.get("class") != now.get("class"):
-        return f"resume: the model is a {now.get('class')} now but was a {saved.get('class')} in the run being resumed."
-    old, new = saved.get("shapes", {}), now.get("shapes", {})
+def _model_difference(saved: ModelFingerprint, now: ModelFingerprint) -> str:
+    if saved.class_name != now.class_name:
+        return (f"resume: the model is a {now.class_name} now but was a {saved.class_name} in the run being "
+                "resumed.")
+    old, new = saved.shapes, now.shapes
     parts = []
     for label, names in (("only in this model", [n for n in new if n not in old]),
                          ("only in the run being resumed", [n for n in old if n not in new])):
         if names:
             parts.append(f"{len(names)} parameter(s) {label} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-    reshaped = [n for n in new if n in old and list(new[n]) != list(old[n])]
+    reshaped = [n for n in new if n in old and new[n] != old[n]]
     if reshaped:
         parts.append(f"{len(reshaped)} of another shape ("
-                     + ", ".join(f"{n}: {new[n]} now, {old[n]} then" for n in reshaped[:3])
+                     + ", ".join(f"{n}: {list(new[n])} now, {list(old[n])} then" for n in reshaped[:3])
                      + (", ..." if len(reshaped) > 3 else "") + ")")
     return f"resume: the model differs from the run being resumed: {'; '.join(parts) or 'its parameters differ'}."
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memtrain.checkpointing import find_blocks
-from memtrain.choices import OLD_CHOICE_FIELDS, Choices, choices_of_old_fields
+from memtrain.choices import Choices
 from memtrain.config import TrainConfig
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
@@ -35,7 +35,7 @@ OOM_MIN_OVERSHOOT = 0.02  # of the predicted peak: the least a step that ran out
 # The TrainConfig fields that shape the plan: a resume that changes none of them continues on the plan the run
 # had (re-planned ones included); one that changes any plans again.
 PLAN_FIELDS = ("budget", "host_budget", "safety_margin", "micro_batch_size", "choices")
-# The flat TrainConfig fields of the version before ``choices``: a checkpoint it wrote names its request in these.
+
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -81,26 +81,17 @@ def plan_request(config: TrainConfig) -> dict[str, Any]:
 
 
 def read_plan_request(saved: Any) -> dict[str, Any] | None:
-    """A checkpoint's plan request in this version's form (``plan_request``): one written by the version before
-    ``choices`` (flat technique fields) is converted once here; None where it is missing or unreadable."""
-    if not isinstance(saved, Mapping):
-        return None
-    if "choices" in saved or not any(name in saved for name in OLD_CHOICE_FIELDS):
-        return dict(saved)
-    try:
-        choices = choices_of_old_fields(saved)
-    except ConfigError:
-        return None
-    return {**{name: saved.get(name) for name in PLAN_FIELDS if name != "choices"}, "choices": choices.to_dict()}
+    """A checkpoint's plan request (``plan_request``'s form); None where it is missing or not a mapping."""
+    return dict(saved) if isinstance(saved, Mapping) else None
 
 
 def flat_settings(values: Mapping[str, Any]) -> dict[str, Any]:
-    """A saved config (``TrainConfig.to_dict``, or the previous version's flat fields) with its choices' run-level
-    fields at the top (checkpointing, offload_activations, chunked_loss, compile), as a resume's log compares them."""
-    out = {k: v for k, v in values.items() if k not in ("choices", *OLD_CHOICE_FIELDS)}
+    """A saved config (``TrainConfig.to_dict``) with its choices' run-level fields at the top (checkpointing,
+    offload_activations, chunked_loss, compile), as a resume's log compares them."""
+    out = {k: v for k, v in values.items() if k != "choices"}
     saved = values.get("choices")
     try:
-        choices = Choices.from_dict(saved) if isinstance(saved, Mapping) else choices_of_old_fields(values)
+        choices = Choices.from_dict(saved if isinstance(saved, Mapping) else {})
     except ConfigError:
         return out
     top = {**choices.to_dict(), "checkpointing": str(choices.checkpointing or "auto")}  # None: the plan's, "auto"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import safetensors.torch
@@ -16,8 +17,9 @@ from torch import nn
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write
+from memtrain.planner.settings import PlanSettings
 from memtrain.run.checkpoints import CHECKPOINT_DAMAGE, RunCheckpoints
-from memtrain.run.identity import compare_runs
+from memtrain.run.identity import RunIdentity, compare_runs
 from memtrain.unwrap import is_fsdp2
 
 
@@ -38,20 +40,51 @@ def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLi
     atomic_write(path, lambda tmp: safetensors.torch.save_file(tensors, str(tmp)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointExtra:
+    """The loop's own bookkeeping in a checkpoint, handed back on resume: the plan the run follows and how it came
+    to it. A checkpoint holds it as JSON (``to_dict``: its "extra")."""
+
+    plan_settings: PlanSettings  # the plan in force (re-planned ones included): a resume continues on it
+    plan_request: dict[str, Any]  # replan.plan_request(config): the fields that shaped it, as JSON values
+    correction_bytes: int = 0  # the shortfall folded into every predicted peak so far
+    plan_check: dict[str, Any] | None = None  # the step-2 check's verdict (plan_check.check_step); None: not yet
+    replans: tuple[dict[str, Any], ...] = ()  # report.json's "replans" (replan.replan_record), oldest first
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (a checkpoint's "extra"), keys in the order the loop has always written them."""
+        return {"plan_check": self.plan_check, "plan_settings": self.plan_settings.to_dict(),
+                "plan_request": self.plan_request, "correction_bytes": self.correction_bytes,
+                "replans": list(self.replans)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> CheckpointExtra:
+        """The bookkeeping ``to_dict`` wrote.
+
+        Raises:
+            ConfigError: settings that are not a plan's. KeyError, TypeError: a missing or unknown field.
+        """
+        return cls(**{**values, "plan_settings": PlanSettings.from_dict(values["plan_settings"]),
+                      "replans": tuple(values.get("replans", ()))})
+
+
 def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, model: nn.Module,
                    optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, accumulator: Any,
-                   run: dict[str, Any], extra: dict[str, Any], config: Mapping[str, Any] | None = None,
-                   device: torch.device | None = None) -> None:
+                   run: RunIdentity | Mapping[str, Any], extra: CheckpointExtra | Mapping[str, Any],
+                   config: Mapping[str, Any] | None = None, device: torch.device | None = None) -> None:
     """Everything a bit-identical resume needs: weights, optimizer (offloaded state included), scheduler, fp16
     scaler, accumulator counters, the data position (the step) and each rank's random generators (``rng_state``:
     the next dropout masks). Collective under torch.distributed: every rank calls it, rank 0 (the one with
-    ``checkpoints``) writes. ``device``: the one the run computes on (None: the current accelerator device)."""
+    ``checkpoints``) writes. ``device``: the one the run computes on (None: the current accelerator device).
+    ``run`` and ``extra`` may be given in their JSON form (``to_dict``'s), as ``train`` still builds them."""
+    run = run if isinstance(run, RunIdentity) else RunIdentity.from_dict(run)
+    extra = extra if isinstance(extra, CheckpointExtra) else CheckpointExtra.from_dict(extra)
     state = {
         "step": step,
         "micro_batch_size": micro,
-        "run": run,  # what defines the run (seed, batch, data, model): a resume must match it to be the same run
+        "run": run.to_dict(),  # what defines the run: a resume must match it to be the same run
         "config": dict(config or {}),  # the settings a resume may change (RESUME_POLICY "apply"), for its log
-        "extra": extra,  # the loop's own bookkeeping (JSON-like), handed back on resume
+        "extra": extra.to_dict(),  # the loop's own bookkeeping, handed back on resume
         "model": model_state_dict(model),
         "optimizer": _optimizer_state(model, optimizer),
         "scheduler": scheduler.state_dict(),
@@ -97,24 +130,32 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return optimizer.state_dict()
 
 
-def resume_run(checkpoints: RunCheckpoints, run: dict[str, Any], restore: Callable[[int, dict[str, Any]], None]
-               ) -> tuple[int, dict[str, Any], list[str]]:
-    """Restores the newest checkpoint that is intact and fits, checked against this run's defining settings
-    ``run`` first (one ConfigError listing every difference: another seed, batch, data or model would not
-    continue the same run). A checkpoint that cannot be read or restored is damaged: the previous one is tried.
+def resume_run(checkpoints: RunCheckpoints, run: RunIdentity | Mapping[str, Any],
+               restore: Callable[[int, dict[str, Any]], None]) -> tuple[int, dict[str, Any], list[str]]:
+    """Restores the newest checkpoint that is intact and fits, checked against this run's identity ``run`` first
+    (one ConfigError listing every difference: another seed, batch, data or model would not continue the same
+    run). A checkpoint that cannot be read or restored is damaged: the previous one is tried.
 
     Args:
+        run: this run's identity (or its JSON form, as ``train`` still builds it); ``lr`` and ``warmup_steps``
+            None (left out) where they are chosen automatically: the run's own are kept, not compared.
         restore: loads a checkpoint's (step, state) into the run's objects; whatever it raises marks it damaged.
 
     Returns:
         (step, state, the damaged checkpoints skipped, each with what is wrong with it).
     """
+    now = run if isinstance(run, RunIdentity) else RunIdentity.from_dict(run)
     skipped: list[str] = []
     for path, step, state in checkpoints.readable():
         if step is None:
             skipped.append(f"{path.name}: {state}")
             continue
-        ConfigError.raise_if(compare_runs(state.get("run", {}), run))
+        try:
+            saved = RunIdentity.from_dict(state["run"])
+        except CHECKPOINT_DAMAGE as e:
+            skipped.append(f"{path.name}: its run identity does not read ({type(e).__name__}: {str(e)[:200]})")
+            continue
+        ConfigError.raise_if(compare_runs(saved, now))
         try:
             restore(step, state)
         except ConfigError:  # raised on purpose (e.g. the run already reached max_steps): not damage

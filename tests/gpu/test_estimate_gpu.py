@@ -77,7 +77,7 @@ def measured_peak(config, precision: str, checkpointing: str, batch=BATCH, keep_
         torch.cuda.empty_cache()
 
 
-# benchmarks/gpu_check.sh quick runs the two cases of DESIGN.md's workload (the 1.1B shape, bf16-mixed, with and
+# benchmarks/gpu_check.sh quick runs the two cases of docs/design.md's workload (the 1.1B shape, bf16-mixed, with and
 # without checkpointing); the rest are marked slow (each builds and steps a half-billion-parameter model) and run in
 # its `tests` stage.
 QUICK = {("llama-1.1b-8l", "bf16-mixed", "none"), ("llama-1.1b-8l", "bf16-mixed", "all")}
