@@ -120,7 +120,8 @@ class OptimizerChoice:
         try:
             problems += own_state_problems(self.named, self.state_precision, False, "optimizer.")
         except ConfigError as e:
-            return [p if p.startswith("optimizer") else f"optimizer.name={self.name!r}: {p}" for p in e.problems]
+            return [f"optimizer.name={p.removeprefix('optimizer=')}" if p.startswith("optimizer=") else p
+                    for p in e.problems]
         if self.placement == "offload":
             if self.offload_fraction is not None:
                 problems.append(f"optimizer.placement='offload' with offload_fraction={self.offload_fraction}: the "

@@ -45,6 +45,11 @@ def trainer_problems(choices: Any) -> list[str]:
                         "moments in its own dtype; MemtrainTrainer builds memtrain.optim's lean moments only on the "
                         "host. To resolve this error, add placement='offload' (CPUOffloadOptimizer), drop "
                         "state_precision (or train with `memtrain train`, which does).")
+    if not optimizer.named.is_adamw and optimizer.placement != "offload":
+        problems.append(f"optimizer.name={optimizer.named.path!r} on the device: the Trainer builds its own optimizer "
+                        "there. To resolve this error, name it in the TrainingArguments (optim=...) or pass "
+                        "Trainer(optimizers=...), or add placement='offload' (CPUOffloadOptimizer steps the class on "
+                        "the host).")
     if optimizer.step_in_backward:
         problems.append("optimizer.step_in_backward=True: the Trainer steps after backward and clips through the "
                         "accelerator; MemtrainTrainer cannot step each parameter inside backward. To resolve this "
@@ -170,12 +175,16 @@ def _clip_through_the_optimizer(trainer: Any) -> None:
 
 
 def _offloaded_adamw(trainer: Any, model: nn.Module) -> torch.optim.Optimizer:
-    """``CPUOffloadOptimizer`` over AdamW with ``trainer``'s hyperparameters and its two groups (weight decay on
+    """``CPUOffloadOptimizer`` over AdamW (or the class ``memory`` names) with ``trainer``'s hyperparameters and its two groups (weight decay on
     the parameters the Trainer decays, none on the others)."""
     decay = set(trainer.get_decay_parameter_names(model))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": trainer.args.weight_decay},
               {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+    named = trainer.memory.optimizer.named
+    if not named.is_adamw:  # the run's class: the Trainer's learning rate, the groups' weight decay, its own kwargs
+        hyper = named.hyperparameters(lr=trainer.args.learning_rate, weight_decay=trainer.args.weight_decay)
+        return CPUOffloadOptimizer([g for g in groups if g["params"]], named.resolve(), **hyper)
     return CPUOffloadOptimizer(
         [g for g in groups if g["params"]], torch.optim.AdamW, lr=trainer.args.learning_rate,
         state_precision=trainer.memory.optimizer.state_precision or "fp32",

@@ -20,7 +20,6 @@ MAX_FUNCTION_LINES = 100
 NEAR_FUNCTION_LINES = 90
 # The functions allowed over NEAR_FUNCTION_LINES, each with its reason; the aim is none.
 NEAR_LIMIT_ALLOWED = {
-    "memtrain.config.TrainConfig.validate": "split by concept on the cleanup branch (issue 30, item 4)",
 }
 MAX_PUBLIC_NAMES = 22
 
@@ -213,19 +212,6 @@ def test_public_surface():
     # The types the API takes are public too.
     for name in ("Checkpointing", "Choices", "MixedPrecision", "resolve_precision"):
         assert name in names, name
-
-
-def test_names_that_left_the_surface_still_import_with_a_warning():
-    import warnings
-
-    import memtrain
-    from memtrain.data import make_loader
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert memtrain.make_loader is make_loader
-    assert "import it from memtrain.data" in str(caught[0].message) and caught[0].category is DeprecationWarning
-    assert not hasattr(memtrain, "no_such_name")
 
 
 def _report() -> None:

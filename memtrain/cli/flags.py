@@ -132,6 +132,21 @@ def _optimizer_arg(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+class _Pairs(argparse.Action):
+    """A repeatable KEY=VALUE flag, gathered into a tuple of pairs (a fresh one: never the default's)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, (*(current if isinstance(current, tuple) else ()), values))
+
+
+def _config_pairs(value: Any) -> tuple[tuple[str, Any], ...]:
+    """A config file's --optimizer-arg: a table (beta2_decay = -0.8, ...), a "KEY=VALUE" string, or a list of them."""
+    if isinstance(value, dict):
+        return tuple(value.items())
+    return tuple(_optimizer_arg(str(v)) for v in (value if isinstance(value, list) else [value]))
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -429,9 +444,10 @@ def _add_technique_flags(parser: Any, *, planned: bool) -> None:
                         "by dotted path (e.g. torch.optim.Adafactor). It gets --lr and --weight-decay; its state is "
                         "its own, measured by a probe step; --offload-optimizer, --offload-optimizer-fraction and "
                         "--step-in-backward wrap it alike. Never chosen by the plan")
-    parser.add_argument("--optimizer-arg", type=_optimizer_arg, action="append", metavar="KEY=VALUE", default=None,
+    parser.add_argument("--optimizer-arg", type=_optimizer_arg, action=_Pairs, metavar="KEY=VALUE", default=None,
                         help="a keyword argument of the --optimizer class (repeatable; the value a Python literal, "
-                        "e.g. --optimizer-arg beta2_decay=-0.8)")
+                        "e.g. --optimizer-arg beta2_decay=-0.8; in a --config file a table: optimizer-arg = "
+                        "{ beta2_decay = -0.8 })")
     parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "int8"], default=None,
                         help=f"AdamW's moments, on the device or (--offload-optimizer) in host RAM: fp32 (8 bytes "
                         f"per parameter), bf16 (4) or int8 (about 2; needs bitsandbytes) ({unset.replace('off', 'fp32')})")
@@ -515,6 +531,12 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> set[s
                 problems.append(f"--config: {key} = {value!r} must be true or false.")
                 continue
             defaults[action.dest] = value if key not in negated else not value
+            continue
+        if isinstance(action, _Pairs):  # a table of the class's arguments
+            try:
+                defaults[action.dest] = _config_pairs(value)
+            except argparse.ArgumentTypeError as e:
+                problems.append(f"--config: {key} = {value!r}: {e}.")
             continue
         if isinstance(value, (dict, list)):
             problems.append(f"--config: {key} = {value!r} must be a single value.")

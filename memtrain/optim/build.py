@@ -58,7 +58,6 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         >>> opt.state[model.weight]["exp_avg"].dtype
         torch.bfloat16
     """
-    problems = []
     check_precision(state_precision)
     as_class = optimizer_class is torch.optim.AdamW and not optimizer_kwargs
     named = NamedOptimizer() if as_class else NamedOptimizer.of(optimizer_class, optimizer_kwargs)
@@ -75,20 +74,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
     if not params:
         raise ConfigError("build_optimizer got no parameter that requires grad. To resolve this error, pass "
                           "model.named_parameters() of a model with trainable parameters.")
-    if step_in_backward and grad_scaler is not None and grad_scaler.is_enabled() and (
-            state_precision != "fp32" or not named.is_adamw):
-        problems.append(f"step_in_backward=True with an fp16 GradScaler and {named.text} ({state_precision} state): "
-                        "an overflow must stop the parameters still to step on a flag read on the device, which "
-                        "only fused AdamW (fp32 moments) takes. To resolve this error, pass state_precision='fp32', "
-                        "bf16-mixed precision (no scaler) or step_in_backward=False.")
-    if step_in_backward and world_size > 1:
-        problems.append(f"step_in_backward=True with world_size={world_size}: DDP averages gradients after the "
-                        "hooks that would step on them, so each rank would step on its own gradient. To resolve "
-                        "this error, pass step_in_backward=False under DDP.")
-    if offload_fraction and world_size > 1:
-        problems.append(f"offload_fraction={offload_fraction} with world_size={world_size}: offloaded gradients "
-                        "leave the device before DDP averages them. To resolve this error, pass offload_fraction=0 "
-                        "(or use CPUOffloadOptimizer(offload_gradients=False) directly).")
+    problems = _wrapper_problems(named, state_precision, step_in_backward, offload_fraction, grad_scaler,
+                                 world_size)
     devices = sorted({str(p.device) for _, p in params})
     if len(devices) > 1:
         problems.append(f"the parameters live on several devices ({', '.join(devices)}). To resolve this error, "
@@ -104,8 +91,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
     if on_device:
         raise ConfigError(
             f"{len(on_device)} trainable parameters are not fp32 ({on_device[:3]}...) and would keep their "
-            f"{cls.__name__} state on the device without an fp32 master: updates smaller than their dtype's resolution would be "
-            "lost. To resolve this error, keep trainable weights in fp32 (autocast computes in bf16), or pass "
+            f"{cls.__name__} state on the device without an fp32 master: updates smaller than their dtype's "
+            "resolution would be lost. To resolve this error, keep trainable weights in fp32 (autocast computes in bf16), or pass "
             "offload_fraction=1.0 (the host keeps an fp32 master of bf16 weights).")
     if state_precision == "int8":
         adamw_8bit_class(params[0][1].device.type)  # raises, naming the fallback, before anything is allocated
@@ -113,6 +100,28 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         named.state_sizes((1,), torch.float32)  # a class that cannot step on the host: one clear error, now
     return LeanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_precision=state_precision,
                      offload_mask=mask, step_in_backward=step_in_backward, grad_scaler=grad_scaler, named=named)
+
+
+def _wrapper_problems(named: NamedOptimizer, state_precision: str, step_in_backward: bool, offload_fraction: float,
+                      grad_scaler: torch.amp.GradScaler | None, world_size: int) -> list[str]:
+    """What the wrappers cannot take: an fp16 overflow stepping in backward (only fused AdamW stops on the device
+    flag), and gradients acted on before DDP averages them."""
+    problems = []
+    if step_in_backward and grad_scaler is not None and grad_scaler.is_enabled() and (
+            state_precision != "fp32" or not named.is_adamw):
+        problems.append(f"step_in_backward=True with an fp16 GradScaler and {named.text} ({state_precision} state): "
+                        "an overflow must stop the parameters still to step on a flag read on the device, which "
+                        "only fused AdamW (fp32 moments) takes. To resolve this error, pass state_precision='fp32', "
+                        "bf16-mixed precision (no scaler) or step_in_backward=False.")
+    if step_in_backward and world_size > 1:
+        problems.append(f"step_in_backward=True with world_size={world_size}: DDP averages gradients after the "
+                        "hooks that would step on them, so each rank would step on its own gradient. To resolve "
+                        "this error, pass step_in_backward=False under DDP.")
+    if offload_fraction and world_size > 1:
+        problems.append(f"offload_fraction={offload_fraction} with world_size={world_size}: offloaded gradients "
+                        "leave the device before DDP averages them. To resolve this error, pass offload_fraction=0 "
+                        "(or use CPUOffloadOptimizer(offload_gradients=False) directly).")
+    return problems
 
 
 def _check_pure_bf16(named: list[tuple[str, nn.Parameter]], state_precision: str,

@@ -94,7 +94,10 @@ class NamedOptimizer:
             raise ConfigError(f"optimizer={value!r} names no optimizer. To resolve this error, pass 'adamw', a short "
                               f"name ({', '.join(sorted(ALIASES))}), a dotted path such as 'torch.optim.Adafactor', "
                               "or a torch.optim.Optimizer class.")
-        named.resolve()
+        try:
+            named.resolve()
+        except ConfigError as e:
+            raise ConfigError(f"optimizer={value!r}: {e.problems[0]}") from None
         return named
 
     @classmethod
@@ -203,19 +206,19 @@ def _import(path: str) -> type[torch.optim.Optimizer]:
     fix = (f"pass 'adamw', a short name ({', '.join(sorted(ALIASES))}) or the dotted path of a "
            "torch.optim.Optimizer class")
     if not module_name:
-        raise ConfigError(f"optimizer {path!r} is neither memtrain's 'adamw', a short name nor a dotted path. To "
-                          f"resolve this error, {fix}.")
+        raise ConfigError(f"{path!r} is neither memtrain's 'adamw', a short name nor a dotted path. To resolve this "
+                          f"error, {fix}.")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         top = module_name.split(".")[0]
         install = EXTRAS.get(top, f"pip install {top}")
-        raise ConfigError(f"optimizer {path!r}: module {module_name!r} cannot be imported ({e}). To resolve this "
-                          f"error, install it ({install}) or {fix}.") from None
+        raise ConfigError(f"module {module_name!r} cannot be imported ({e}). To resolve this error, install it "
+                          f"({install}) or {fix}.") from None
     cls = getattr(module, name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"optimizer {path!r}: {module_name} has no torch.optim.Optimizer class {name!r}. To "
-                          f"resolve this error, {fix}.")
+        raise ConfigError(f"{module_name} has no torch.optim.Optimizer class {name!r}. To resolve this error, "
+                          f"{fix}.")
     return cls
 
 

@@ -237,7 +237,7 @@ def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: Pl
         fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
                                     step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction,
                                     pure_bf16=True if k.pure_bf16 else None,  # bf16 weights have no master
-                                    offload_weights=k.offload_weights)
+                                    offload_weights=k.offload_weights, optimizer_class=k.optimizer_class)
     return fixed, allowed, notes
 
 

@@ -227,7 +227,8 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
         distribution="none" if context.world == 1 else "fsdp2" if config.fsdp else "ddp",
         compile=bool(fixed.compile), precision=context.precision, state_precision=fixed.state_precision or "fp32",
         step_in_backward=bool(fixed.step_in_backward), offload_fraction=fixed.offload_fraction or 0.0,
-        pure_bf16=bool(fixed.pure_bf16), offload_weights=bool(fixed.offload_weights))
+        pure_bf16=bool(fixed.pure_bf16), offload_weights=bool(fixed.offload_weights),
+        optimizer_class=fixed.optimizer_class)
     return RunPlan(chosen, None, None, (*notes, f"{why}; every technique is fixed, so the run goes on as given"),
                    unchecked=unchecked)
 
@@ -245,6 +246,8 @@ def check_kept_optimizer(choices: Choices, kept: PlanSettings) -> None:
     differ += [f"{name}={value!r}" for name, value, have in (
         ("pure_bf16", choices.pure_bf16 or None, kept.pure_bf16),  # False: unset (the run's own)
         ("offload_weights", choices.offload_weights, kept.offload_weights)) if value is not None and value != have]
+    if asked.named != kept.optimizer_class:  # another class cannot take the state the run's class left
+        differ.insert(0, f"optimizer.name={asked.named.path!r}")
     if differ:
         drop = [d if d.startswith(("pure_bf16", "offload_weights")) else d.split("=")[0] + "=" for d in differ]
         raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {kept.optimizer_text}, and its state exists "
@@ -273,7 +276,8 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
         distribution="none" if world == 1 else "fsdp2" if config.fsdp else "ddp", compile=choices.compile,
         precision=precision, state_precision=choices.optimizer.state_precision or "fp32",
         step_in_backward=bool(choices.optimizer.step_in_backward),
-        offload_fraction=choices.optimizer.offload_fraction or 0.0, pure_bf16=choices.pure_bf16)
+        offload_fraction=choices.optimizer.offload_fraction or 0.0, pure_bf16=choices.pure_bf16,
+        optimizer_class=choices.optimizer.named)
     reason = (f"checkpointing off, because: auto found no repeated blocks in {type(model).__name__} (no "
               "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules), so nothing is "
               "planned per block; to checkpoint it, call apply_checkpointing(model, blocks=...) before train()")
