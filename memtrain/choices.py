@@ -2,9 +2,10 @@
 
 ``Choices`` is what ``TrainConfig(choices=)``, ``plan(choices=)``, ``estimate(setup=)`` and the Hugging Face helper
 take, and what the CLI builds from its flags (a config file the same). A field left ``None`` is the plan's to
-choose; a value is fixed, and the plan fits the rest around it. Every rule about which choices go together lives
-here, in ``Choices.__post_init__`` (choices that contradict each other) and ``Choices.check_run`` (choices a run
-with several processes cannot take), so that a bad combination fails once, at start-up, naming every problem.
+choose; a value is fixed, and the plan fits the rest around it. Every rule about which choices go together is
+checked here, in ``Choices.__post_init__`` (choices that contradict each other) and ``Choices.check_run`` (choices a
+run with several processes cannot take), so that a bad combination fails once, at start-up, naming every problem;
+each rule between two techniques is written once, in ``memtrain.rules``.
 
 Example:
     >>> Choices(checkpointing="every:2", optimizer=OptimizerChoice(state_precision="bf16")).to_dict()
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from memtrain import rules
 from memtrain.checkpointing import Checkpointing
 from memtrain.errors import ConfigError
 from memtrain.optim.named import NamedOptimizer, own_state_problems
@@ -124,17 +126,14 @@ class OptimizerChoice:
                     for p in e.problems]
         if self.placement == "offload":
             if self.offload_fraction is not None:
-                problems.append(f"optimizer.placement='offload' with offload_fraction={self.offload_fraction}: the "
-                                "first puts all of the optimizer state in host RAM, the second a share of a device "
-                                "optimizer's. To resolve this error, pass one of them.")
+                problems.append(rules.OFFLOAD_WITH_FRACTION.message(
+                    f"optimizer.placement='offload' with offload_fraction={self.offload_fraction}"))
             if self.step_in_backward:
-                problems.append("optimizer.placement='offload' with step_in_backward=True: the offloaded optimizer "
-                                "already takes each gradient off the device as it is produced and steps on the host; "
-                                "step_in_backward is for the device optimizer. To resolve this error, pass one of "
-                                "them.")
-        if self.step_in_backward and self.offload_fraction:
-            problems.append("optimizer.step_in_backward=True with offload_fraction: a partial offload steps after "
-                            "backward. To resolve this error, pass one of them.")
+                problems.append(rules.OFFLOAD_WITH_IN_BACKWARD.message(
+                    "optimizer.placement='offload' with step_in_backward=True"))
+        if rules.in_backward_with_fraction(self.step_in_backward, self.offload_fraction):
+            problems.append(rules.IN_BACKWARD_WITH_FRACTION.message(
+                "optimizer.step_in_backward=True with offload_fraction"))
         return problems
 
     @property
@@ -218,15 +217,10 @@ class Choices:
                             "them.")
         elif self.pure_bf16 and not optimizer.named.is_adamw:
             problems += own_state_problems(optimizer.named, None, True)
-        elif self.pure_bf16 and optimizer.state_precision == "int8":
-            problems.append("pure_bf16=True with optimizer.state_precision='int8': bitsandbytes' 8-bit AdamW rounds "
-                            "a bf16 weight's update to nearest, losing updates below half an ulp (pure bf16 needs "
-                            "stochastic rounding). To resolve this error, pass state_precision='bf16' or 'fp32', or "
-                            "drop pure_bf16.")
+        elif rules.pure_bf16_int8(self.pure_bf16, optimizer.state_precision):
+            problems.append(rules.PURE_BF16_INT8.message("pure_bf16=True with optimizer.state_precision='int8'"))
         if policy is not None and policy.offload_inputs and self.offload_activations is False:
-            problems.append(f"checkpointing={str(policy)!r} offloads the recomputed blocks' inputs, but "
-                            "offload_activations=False says not to. To resolve this error, drop +offload or "
-                            "offload_activations=False.")
+            problems.append(rules.CHECKPOINT_OFFLOAD_INPUTS.message(f"checkpointing={str(policy)!r}"))
         ConfigError.raise_if(problems)
 
     def _offload_weights_problems(self, optimizer: OptimizerChoice) -> list[str]:
@@ -238,53 +232,43 @@ class Choices:
         if optimizer.fixed_placement == "device":
             given = [f"optimizer.{name}={getattr(optimizer, name)!r}" for name in
                      ("placement", "step_in_backward", "offload_fraction") if getattr(optimizer, name) is not None]
-            problems.append(f"offload_weights=True with {' and '.join(given)} (AdamW on the device, however much of "
-                            "its state a partial offload puts in host RAM): the "
-                            "blocks' weights live in host memory as the offloaded optimizer's master, which a device "
-                            f"optimizer has not. To resolve this error, drop {' and '.join(given)}, or drop "
-                            "offload_weights=True.")
+            problems.append(rules.OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER.message(
+                f"offload_weights=True with {' and '.join(given)} (AdamW on the device, however much of its state a "
+                "partial offload puts in host RAM)", fix=f"drop {' and '.join(given)}, or drop offload_weights=True"))
         if self.compile is True:
-            problems.append("offload_weights=True with compile=True: parameter offload moves each block's weights "
-                            "in module hooks, which torch.compile would break the graph at. To resolve this error, "
-                            "drop compile=True or offload_weights=True.")
+            problems.append(rules.OFFLOAD_WEIGHTS_COMPILE.message("offload_weights=True with compile=True"))
         if self.pure_bf16 is True:
-            problems.append("offload_weights=True with pure_bf16=True: parameter offload streams the offloaded "
-                            "optimizer's fp32 master (or its bf16 cast), and pure bf16 keeps no master; the two are "
-                            "not built together yet. To resolve this error, drop one of them.")
+            problems.append(rules.OFFLOAD_WEIGHTS_PURE_BF16.message("offload_weights=True with pure_bf16=True"))
         return problems
 
     def check_run(self, *, world_size: int = 1, fsdp: bool = False) -> None:
         """Raises one ConfigError for the choices a run of ``world_size`` processes cannot take."""
         problems = []
         if self.offload_weights and (fsdp or world_size > 1):
-            problems.append(f"offload_weights=True with {'fsdp=True' if fsdp else f'{world_size} processes'}: "
-                            "parameter offload streams whole blocks to one device (FSDP2 shards and gathers them "
-                            "itself, and DDP averages gradients after they left for the host). To resolve this "
-                            "error, run one process without fsdp=True, or drop offload_weights=True.")
-        if self.optimizer.placement == "offload" and fsdp:
-            problems.append("optimizer.placement='offload' and fsdp=True together: FSDP2 shards the optimizer state "
-                            "itself and CPUOffloadOptimizer needs whole parameters. To resolve this error, drop one of "
-                            "optimizer.placement='offload' and fsdp=True.")
+            problems.append(rules.OFFLOAD_WEIGHTS_ONE_PROCESS.message(
+                f"offload_weights=True with {'fsdp=True' if fsdp else f'{world_size} processes'}"))
+        if rules.offload_optimizer_fsdp(self.optimizer.placement == "offload", fsdp):
+            problems.append(rules.OFFLOAD_OPTIMIZER_FSDP.message(
+                "optimizer.placement='offload' and fsdp=True together",
+                fix="drop one of optimizer.placement='offload' and fsdp=True"))
         if self.pure_bf16 is True and fsdp:
-            problems.append("pure_bf16=True and fsdp=True together: PureBF16AdamW slices whole bf16 parameters, not "
-                            "FSDP2's sharded ones. To resolve this error, drop fsdp=True (DDP or one process), or "
-                            "drop pure_bf16.")
-        given = [f"optimizer.{name}={getattr(self.optimizer, name)!r}" for name in ("step_in_backward", "offload_fraction")
-                 if getattr(self.optimizer, name)]
-        if world_size > 1 and given:
-            problems.append(f"{' and '.join(given)}: {'they act' if len(given) > 1 else 'it acts'} on gradients "
-                            f"before DDP averages them, and this run has {world_size} processes. To resolve this "
-                            f"error, drop {'them' if len(given) > 1 else 'it'}, or run one process.")
+            problems.append(rules.PURE_BF16_FSDP.message("pure_bf16=True and fsdp=True together"))
+        if rules.gradients_before_ddp(self.optimizer.step_in_backward, self.optimizer.offload_fraction,
+                                      world_size > 1):
+            given = [f"optimizer.{name}={getattr(self.optimizer, name)!r}"
+                     for name in ("step_in_backward", "offload_fraction") if getattr(self.optimizer, name)]
+            problems.append(rules.GRADIENTS_BEFORE_DDP.message(
+                f"{' and '.join(given)}, and this run has {world_size} processes",
+                fix=f"drop {'them' if len(given) > 1 else 'it'}, or run one process"))
         ConfigError.raise_if(problems)
 
     def precision_problems(self, precision: str, *, auto: bool = True) -> list[str]:
         """What these choices cannot take of a run's ``precision``: pure bf16 computes in bf16 (no fp16 scaler).
         ``auto``: the caller takes precision='auto' (a run does; an estimate of one set-up does not)."""
-        if self.pure_bf16 is True and precision in ("fp32", "fp16-mixed"):
+        if self.pure_bf16 is True and rules.pure_bf16_precision(self.pure_bf16, precision):
             either = " (or 'auto')" if auto else ""
-            return [f"pure_bf16=True with precision={precision!r}: pure bf16 keeps bf16 weights and computes in bf16 "
-                    "(no fp32 master, no fp16 loss scaling). To resolve this error, pass precision='bf16-mixed'"
-                    f"{either}, or drop pure_bf16."]
+            return [rules.PURE_BF16_PRECISION.message(f"pure_bf16=True with precision={precision!r}",
+                                                      fix=f"pass precision='bf16-mixed'{either}, or drop pure_bf16")]
         return []
 
     @property

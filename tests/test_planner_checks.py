@@ -26,7 +26,7 @@ CPU = fixed_cpu_profile()
     ({}, dict(placement="device", step_in_backward=True, offload_fraction=0.5),
      "a partial offload steps after backward"),
     ({"world_size": 2}, dict(placement="device", step_in_backward=True),
-     "optimizer.step_in_backward=True: it acts on gradients before DDP"),
+     "optimizer.step_in_backward=True, and this run has 2 processes: DDP averages gradients"),
     ({"world_size": 2, "fsdp": True}, dict(placement="device", state_precision="int8"), "no set-up can be built"),
     ({"world_size": 2, "fsdp": True}, dict(placement="offload"), "placement='offload' and fsdp=True together"),
 ])

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain import rules
 from memtrain.errors import ConfigError
 from memtrain.optim.lean_adamw import LeanAdamW
 from memtrain.optim.memory import offloaded_mask
@@ -63,10 +64,7 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
     named = NamedOptimizer() if as_class else NamedOptimizer.of(optimizer_class, optimizer_kwargs)
     cls = named.resolve()
     if step_in_backward and cls in _NOT_PER_PARAMETER:
-        raise ConfigError(
-            f"step_in_backward=True with {cls.__name__}: its step needs every parameter's gradient (or a closure "
-            "re-evaluating the loss), so a parameter cannot step alone as its gradient is final. To resolve this "
-            "error, use AdamW (build_optimizer's default) or pass step_in_backward=False.")
+        raise ConfigError(rules.IN_BACKWARD_PER_PARAMETER.message(f"step_in_backward=True with {cls.__name__}"))
     ConfigError.raise_if(own_state_problems(named, state_precision, pure_bf16))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = max(world_size, torch.distributed.get_world_size())  # the ranks running now count too
@@ -109,18 +107,16 @@ def _wrapper_problems(named: NamedOptimizer, state_precision: str, step_in_backw
     problems = []
     if step_in_backward and grad_scaler is not None and grad_scaler.is_enabled() and (
             state_precision != "fp32" or not named.is_adamw):
-        problems.append(f"step_in_backward=True with an fp16 GradScaler and {named.text} ({state_precision} state): "
-                        "an overflow must stop the parameters still to step on a flag read on the device, which "
-                        "only fused AdamW (fp32 moments) takes. To resolve this error, pass state_precision='fp32', "
-                        "bf16-mixed precision (no scaler) or step_in_backward=False.")
-    if step_in_backward and world_size > 1:
-        problems.append(f"step_in_backward=True with world_size={world_size}: DDP averages gradients after the "
-                        "hooks that would step on them, so each rank would step on its own gradient. To resolve "
-                        "this error, pass step_in_backward=False under DDP.")
-    if offload_fraction and world_size > 1:
-        problems.append(f"offload_fraction={offload_fraction} with world_size={world_size}: offloaded gradients "
-                        "leave the device before DDP averages them. To resolve this error, pass offload_fraction=0 "
-                        "(or use CPUOffloadOptimizer(offload_gradients=False) directly).")
+        problems.append(rules.IN_BACKWARD_FP16_SCALER.message(
+            f"step_in_backward=True with an fp16 GradScaler and {named.text} ({state_precision} state)"))
+    if rules.gradients_before_ddp(step_in_backward, offload_fraction, world_size > 1):
+        given = [text for on, text in ((step_in_backward, "step_in_backward=True"),
+                                       (offload_fraction, f"offload_fraction={offload_fraction}")) if on]
+        fixes = [text for on, text in ((step_in_backward, "step_in_backward=False"),
+                                       (offload_fraction, "offload_fraction=0")) if on]
+        problems.append(rules.GRADIENTS_BEFORE_DDP.message(
+            f"{' and '.join(given)} with world_size={world_size}", fix=f"pass {' and '.join(fixes)} under DDP (or "
+            "use CPUOffloadOptimizer(offload_gradients=False) directly)"))
     return problems
 
 
@@ -131,12 +127,12 @@ def _check_pure_bf16(named: list[tuple[str, nn.Parameter]], state_precision: str
     try:
         check_pure_bf16_moments(state_precision)
     except ConfigError as e:
-        problems.append(str(e))
+        problems += e.problems
     wrong = [n for n, p in named if p.dtype != torch.bfloat16]
     if wrong:
         problems.append(f"pure_bf16=True with {len(wrong)} trainable parameters that are not bf16 ({wrong[:3]}). To "
                         "resolve this error, cast the model first (model.to(torch.bfloat16)).")
     if grad_scaler is not None and grad_scaler.is_enabled():
-        problems.append("pure_bf16=True with an fp16 GradScaler: pure bf16 trains under bf16-mixed. To resolve "
-                        "this error, pass precision='bf16-mixed'.")
+        problems.append(rules.PURE_BF16_PRECISION.message("pure_bf16=True with an fp16 GradScaler (fp16-mixed)",
+                                                          fix="pass precision='bf16-mixed'"))
     ConfigError.raise_if(problems)

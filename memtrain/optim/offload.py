@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memtrain import rules
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.gradient_landing import GradientLanding
@@ -589,11 +590,9 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
 def _check_gradients_after_sync(offload_gradients: bool) -> None:
     if offload_gradients and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # The tensor hook runs before DDP's reducer: the host would get this rank's unsynchronised gradient.
-        raise ConfigError(
-            f"CPUOffloadOptimizer(offload_gradients=True) with {dist.get_world_size()} ranks: gradients would "
-            "leave the device before DDP averages them, and the ranks' weights would drift apart. To resolve "
-            "this error, pass offload_gradients=False (they are copied at the step, after synchronisation)."
-        )
+        raise ConfigError(rules.GRADIENTS_BEFORE_DDP.message(
+            f"CPUOffloadOptimizer(offload_gradients=True) with {dist.get_world_size()} ranks",
+            fix="pass offload_gradients=False (they are copied at the step, after synchronisation)"))
 
 
 def _moments_class(optimizer_class: type[torch.optim.Optimizer], state_precision: object) -> type[torch.optim.Optimizer]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from memtrain import rules
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim import host_kernels
 from memtrain.optim.moments import (
@@ -233,8 +234,8 @@ def check_pure_bf16_moments(state_precision: object) -> None:
     """ConfigError for moments pure bf16 cannot keep: int8 (bitsandbytes rounds the bf16 weight to nearest)."""
     if state_precision in PURE_BF16_MOMENTS:
         return
-    why = (" bitsandbytes' 8-bit AdamW rounds a bf16 weight's update to nearest, which loses updates below half an "
-           "ulp (pure bf16 needs stochastic rounding)." if state_precision == "int8" else "")
-    raise ConfigError(f"pure bf16 with state_precision={state_precision!r}:{why} To resolve this error, pass "
-                      "state_precision='bf16' (4 bytes per parameter) or 'fp32' (8) with pure bf16, or drop "
-                      "pure_bf16 (an fp32 master with int8 moments).")
+    fix = ("pass state_precision='bf16' (4 bytes per parameter) or 'fp32' (8) with pure bf16, or drop pure_bf16 (an "
+           "fp32 master with int8 moments)")
+    if rules.pure_bf16_int8(True, state_precision):
+        raise ConfigError(rules.PURE_BF16_INT8.message("pure_bf16=True with state_precision='int8'", fix=fix))
+    raise ConfigError(f"pure bf16 with state_precision={state_precision!r}: To resolve this error, {fix}.")

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from memtrain import rules
 from memtrain.checkpointing import find_blocks
 from memtrain.choices import Choices
 from memtrain.device import accelerator
@@ -421,7 +422,7 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
             if placement != "device":
                 # CPUOffloadOptimizer: fp32 master and moments of each precision on the host; FSDP2 shards the
                 # state itself and needs none.
-                if dist != "fsdp2":
+                if not rules.offload_optimizer_fsdp(True, dist == "fsdp2"):
                     out += [(placement, state, False, 0.0, dist) for state in states]  # host_fraction is 1
                 continue
             for state in states:
@@ -429,10 +430,10 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
                     continue  # torch's AdamW on FSDP2's sharded parameters
                 for sib in in_backward:
                     for fraction in fractions:
-                        if dist != "none" and (sib or fraction):
-                            continue  # both would act on gradients before DDP averages them
-                        if fraction and (sib or state != "fp32"):
-                            continue  # a partial offload keeps fp32 moments and steps after backward
+                        if rules.gradients_before_ddp(sib, fraction, dist != "none"):
+                            continue
+                        if rules.in_backward_with_fraction(sib, fraction) or (fraction and state != "fp32"):
+                            continue  # the search's partial offloads keep fp32 moments
                         out.append((placement, state, sib, fraction, dist))
     return out
 

@@ -1,0 +1,134 @@
+"""Each rule between two techniques exists once (``memtrain.rules``): the list, each rule firing where it should
+(``Choices``, ``build_optimizer``, the planner's checks), and its reason written nowhere else under memtrain/."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from memtrain import rules
+from memtrain.choices import Choices, OptimizerChoice
+from memtrain.errors import ConfigError
+from memtrain.optim import build_optimizer
+from memtrain.planner.checks import check_fixed
+from memtrain.planner.settings import Fixed
+
+PACKAGE = Path(rules.__file__).parent
+HYPER = dict(lr=1e-3)
+
+
+def test_the_rules_are_listed_once_each():
+    assert [r.name for r in rules.RULES] == [
+        "pure-bf16-int8", "pure-bf16-precision", "pure-bf16-fsdp",
+        "gradients-before-ddp", "offload-optimizer-fsdp", "offload-with-fraction", "offload-with-step-in-backward",
+        "step-in-backward-with-fraction", "step-in-backward-fp16-scaler", "step-in-backward-per-parameter",
+        "bf16-device-weights-precision",
+        "offload-weights-device-optimizer", "offload-weights-compile", "offload-weights-pure-bf16",
+        "offload-weights-one-process",
+        "checkpoint-offload-inputs",
+    ]
+    module_rules = [v for v in vars(rules).values() if isinstance(v, rules.Rule)]
+    assert sorted(r.name for r in module_rules) == sorted(r.name for r in rules.RULES), "a Rule missing from RULES"
+    for rule in rules.RULES:
+        assert rule.why.endswith(".") and rule.fix and not rule.fix.endswith("."), rule
+        message = rule.message("a=1 with b=2")
+        assert message.startswith("a=1 with b=2: ") and "To resolve this error, " in message, message
+
+
+def _refusal(call) -> str:
+    with pytest.raises(ConfigError) as info:
+        call()
+    return str(info.value)
+
+
+# Each rule a typed set of choices can break, and the choices that break it.
+CHOICES = {
+    "pure-bf16-int8": lambda: Choices(pure_bf16=True, optimizer=OptimizerChoice(state_precision="int8")),
+    "pure-bf16-precision": lambda: ConfigError.raise_if(Choices(pure_bf16=True).precision_problems("fp16-mixed")),
+    "pure-bf16-fsdp": lambda: Choices(pure_bf16=True).check_run(world_size=2, fsdp=True),
+    "gradients-before-ddp": lambda: Choices(optimizer=OptimizerChoice(step_in_backward=True)).check_run(world_size=2),
+    "offload-optimizer-fsdp": lambda: Choices(optimizer=OptimizerChoice(placement="offload")).check_run(
+        world_size=2, fsdp=True),
+    "offload-with-fraction": lambda: OptimizerChoice(placement="offload", offload_fraction=0.5),
+    "offload-with-step-in-backward": lambda: OptimizerChoice(placement="offload", step_in_backward=True),
+    "step-in-backward-with-fraction": lambda: OptimizerChoice(step_in_backward=True, offload_fraction=0.5),
+    "offload-weights-device-optimizer": lambda: Choices(offload_weights=True,
+                                                        optimizer=OptimizerChoice(placement="device")),
+    "offload-weights-compile": lambda: Choices(offload_weights=True, compile=True),
+    "offload-weights-pure-bf16": lambda: Choices(offload_weights=True, pure_bf16=True),
+    "offload-weights-one-process": lambda: Choices(offload_weights=True).check_run(world_size=2),
+    "checkpoint-offload-inputs": lambda: Choices(checkpointing="all+offload", offload_activations=False),
+}
+
+
+def _params(dtype: torch.dtype = torch.float32):
+    return torch.nn.Linear(8, 4).to(dtype).named_parameters()
+
+
+def _fp16_scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu")
+
+
+# Each rule the optimizer's builder checks, and the arguments that break it.
+BUILD = {
+    "pure-bf16-int8": lambda: build_optimizer(_params(torch.bfloat16), **HYPER, pure_bf16=True,
+                                              state_precision="int8"),
+    "pure-bf16-precision": lambda: build_optimizer(_params(torch.bfloat16), **HYPER, pure_bf16=True,
+                                                   grad_scaler=_fp16_scaler()),
+    "gradients-before-ddp": lambda: build_optimizer(_params(), **HYPER, step_in_backward=True, world_size=2),
+    "step-in-backward-fp16-scaler": lambda: build_optimizer(_params(), **HYPER, step_in_backward=True,
+                                                            state_precision="bf16", grad_scaler=_fp16_scaler()),
+    "step-in-backward-per-parameter": lambda: build_optimizer(_params(), **HYPER, step_in_backward=True,
+                                                              optimizer_class=torch.optim.LBFGS),
+}
+
+# The planner's checks of fixed choices.
+PLANNER = {
+    "bf16-device-weights-precision": lambda: check_fixed(Fixed(optimizer="offload-bf16-weights"), 2, True, True,
+                                                         "fp32"),
+    "pure-bf16-int8": lambda: check_fixed(Fixed(pure_bf16=True, state_precision="int8"), 2, True, True,
+                                          "bf16-mixed"),
+    "pure-bf16-precision": lambda: check_fixed(Fixed(pure_bf16=True), 2, True, True, "fp16-mixed"),
+}
+
+
+@pytest.mark.parametrize("site,name", [(site, name) for site, table in
+                                       (("choices", CHOICES), ("build", BUILD), ("planner", PLANNER))
+                                       for name in table])
+def test_each_rule_fires_with_its_reason(site, name):
+    rule = next(r for r in rules.RULES if r.name == name)
+    call = {"choices": CHOICES, "build": BUILD, "planner": PLANNER}[site][name]
+    message = _refusal(call)
+    assert rule.why in message and "To resolve this error, " in message, (name, message)
+
+
+def test_every_rule_is_proven_somewhere():
+    assert {r.name for r in rules.RULES} == set(CHOICES) | set(BUILD) | set(PLANNER)
+
+
+def test_a_partial_offload_under_ddp_is_the_same_rule_in_build_optimizer():
+    message = _refusal(lambda: build_optimizer(_params(), **HYPER, offload_fraction=0.5, world_size=2))
+    assert rules.GRADIENTS_BEFORE_DDP.why in message and "offload_fraction=0" in message, message
+
+
+def test_the_searchs_pruning_obeys_the_rules():
+    assert rules.gradients_before_ddp(True, 0.0, True) and rules.gradients_before_ddp(False, 0.5, True)
+    assert not rules.gradients_before_ddp(True, 0.5, False) and not rules.gradients_before_ddp(False, 0.0, True)
+    assert rules.in_backward_with_fraction(True, 0.25) and not rules.in_backward_with_fraction(True, 0.0)
+    assert rules.offload_optimizer_fsdp(True, True) and not rules.offload_optimizer_fsdp(True, False)
+
+
+def _joined(text: str) -> str:
+    """Source with adjacent string literals joined (``"a "\\n  "b"`` -> ``"a b"``), so a wrapped sentence is found."""
+    return re.sub(r"\"\s*\n\s*f?\"", "", text)
+
+
+@pytest.mark.parametrize("rule", rules.RULES, ids=lambda r: r.name)
+def test_each_rules_reason_is_written_only_in_rules_py(rule):
+    sentence = rule.why[:60]  # distinctive: the opening words of the reason
+    homes = sorted(str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
+                   if sentence in _joined(path.read_text()))
+    assert homes == ["memtrain/rules.py"], (rule.name, sentence, homes)
