@@ -64,8 +64,10 @@ SECTIONS = ("graph_breaks", "syncs", "ops", "link_bytes")
 def settings(blocks: tuple[str, ...], flavor: str = "full", *, chunked_loss: bool = False, optimizer: str = "device",
              compile: bool = False, precision: str = "fp32", state_precision: str = "fp32",
              step_in_backward: bool = False, micro_batch_size: int = 2, accumulation: int = 1) -> PlanSettings:
-    return PlanSettings(micro_batch_size, accumulation, blocks, flavor, chunked_loss, optimizer, "none",  # type: ignore[arg-type]
-                        compile, precision, state_precision, step_in_backward)
+    return PlanSettings(micro_batch_size=micro_batch_size, accumulation=accumulation, blocks=blocks, flavor=flavor,
+                        chunked_loss=chunked_loss, optimizer=optimizer, distribution="none",
+                        # type: ignore[arg-type]
+                        compile=compile, precision=precision, state_precision=state_precision, step_in_backward=step_in_backward)
 
 
 def tiny_gpt(n_layer: int = 2, n_embd: int = 32, seq_len: int = 16, vocab_size: int = 64) -> GPT:

@@ -43,14 +43,20 @@ def grid(shape: Shape, device: str, precision: str) -> list[PlanSettings]:
     for micro in [m for m in (shape.batch, shape.batch // 2, shape.batch // 4) if m >= 1 and shape.batch % m == 0]:
         for name, blocks in kinds.items():
             for chunked in (False, True):
-                out.append(PlanSettings(micro, shape.batch // micro, blocks, "full", chunked, "device", "none", False,
-                                        precision))
+                out.append(PlanSettings(micro_batch_size=micro, accumulation=shape.batch // micro, blocks=blocks,
+                                        flavor="full", chunked_loss=chunked, optimizer="device",
+                                        distribution="none", compile=False,
+                                        precision=precision))
             if name == "all":
-                out.append(PlanSettings(micro, shape.batch // micro, blocks, "selective", False, "device", "none",
-                                        False, precision))
+                out.append(PlanSettings(micro_batch_size=micro, accumulation=shape.batch // micro, blocks=blocks,
+                                        flavor="selective", chunked_loss=False, optimizer="device",
+                                        distribution="none",
+                                        compile=False, precision=precision))
         if device == "cuda":
-            out.append(PlanSettings(micro, shape.batch // micro, kinds["all"], "full", True, "offload", "none", False,
-                                    precision))
+            out.append(PlanSettings(micro_batch_size=micro, accumulation=shape.batch // micro, blocks=kinds["all"],
+                                    flavor="full", chunked_loss=True, optimizer="offload", distribution="none",
+                                    compile=False,
+                                    precision=precision))
     return out
 
 
@@ -147,12 +153,20 @@ def anchors() -> None:
     model = build_model(shape, "meta")
     n = shape.layers
     rows = [
-        ("no memory savings", PlanSettings(4, 1, ("keep",) * n, "full", False, "device", "none", False), 35.9, 45.4),
-        ("Hugging Face checkpointing", PlanSettings(4, 1, ("recompute",) * n, "full", False, "device", "none",
-                                                    False), 18.3, 36.5),
-        ("checkpointing + optimizer offload", PlanSettings(4, 1, ("recompute",) * n, "full", False, "offload",
-                                                           "none", False), 10.1, 15.8),
-        ("torch.compile, default", PlanSettings(4, 1, ("keep",) * n, "full", False, "device", "none", True), 30.4,
+        ("no memory savings", PlanSettings(micro_batch_size=4, accumulation=1, blocks=("keep",) * n, flavor="full",
+                                           chunked_loss=False, optimizer="device", distribution="none",
+                                           compile=False), 35.9, 45.4),
+        ("Hugging Face checkpointing", PlanSettings(micro_batch_size=4, accumulation=1, blocks=("recompute",) * n,
+                                                    flavor="full", chunked_loss=False, optimizer="device",
+                                                    distribution="none",
+                                                    compile=False), 18.3, 36.5),
+        ("checkpointing + optimizer offload", PlanSettings(micro_batch_size=4, accumulation=1,
+                                                           blocks=("recompute",) * n, flavor="full",
+                                                           chunked_loss=False, optimizer="offload",
+                                                           distribution="none", compile=False), 10.1, 15.8),
+        ("torch.compile, default", PlanSettings(micro_batch_size=4, accumulation=1, blocks=("keep",) * n,
+                                                flavor="full", chunked_loss=False, optimizer="device",
+                                                distribution="none", compile=True), 30.4,
          56.5),
     ]
     got = predictions(model, [s for _, s, _, _ in rows], seq_len=shape.seq_len, global_batch_size=shape.batch,

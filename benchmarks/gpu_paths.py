@@ -170,8 +170,9 @@ def case_delayed(small: bool) -> dict[str, Any]:
     shape, seq_len, batch = _workload(small)
     shape = shape if small else DELAYED_SHAPE
     micro, windows = batch // 2, 2
-    settings = PlanSettings(micro, windows, ("recompute",) * shape.layers, "full", True, "offload-bf16-weights",
-                            "none", False, "bf16-mixed")
+    settings = PlanSettings(micro_batch_size=micro, accumulation=windows, blocks=("recompute",) * shape.layers,
+                            flavor="full", chunked_loss=True, optimizer="offload-bf16-weights",
+                            distribution="none", compile=False, precision="bf16-mixed")
     row: dict[str, Any] = {"plan": {**settings.to_dict(), "delayed_update": True}}
     predicted = plan(meta_llama(shape, seq_len), budget=None, seq_len=seq_len, global_batch_size=batch,
                      device=device.type, settings=settings).peak_bytes

@@ -230,7 +230,9 @@ def weights_dtype(settings: PlanSettings) -> torch.dtype:
 
 def no_technique(shape: LlamaShape, batch: int) -> PlanSettings:
     """Every block kept, the loss whole, fused AdamW on the device, one micro-batch: nothing saves memory."""
-    return PlanSettings(batch, 1, ("keep",) * shape.layers, "full", False, "device", "none", False, "bf16-mixed")
+    return PlanSettings(micro_batch_size=batch, accumulation=1, blocks=("keep",) * shape.layers, flavor="full",
+                        chunked_loss=False, optimizer="device", distribution="none", compile=False,
+                        precision="bf16-mixed")
 
 
 # -- the device ------------------------------------------------------------------------------------------------

@@ -237,5 +237,5 @@ class TrainResult:
     # Seconds inside training steps (forward, backward, optimizer) in this session: tokens / step_seconds is the
     # throughput the progress bar shows; ``seconds`` adds evaluation, checkpoints and the run folder's files.
     step_seconds: float = 0.0
-    plan: dict[str, Any] | None = None  # the plan at the end: its settings and predictions (RunPlan.to_dict())
+    plan: dict[str, Any] | None = None  # the plan at the end: its settings and predictions (PlanInForce.to_dict())
     replans: int = 0  # plans made again because the device disagreed (a peak over the budget, out of memory)

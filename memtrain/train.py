@@ -1,7 +1,7 @@
 """train(): plan -> apply -> loop, built from memtrain's public pieces.
 
 Read it top to bottom: ``train`` checks the config and takes the run folder; ``_train`` makes the plan
-(``memtrain.run.replan.plan_run``: the config's fixed choices kept, the rest chosen by ``memtrain.planner`` to fit
+(``memtrain.run.replan.plan_for_run``: the config's fixed choices kept, the rest chosen by ``memtrain.planner`` to fit
 the budget, each with its reason), applies it (``apply_plan``), resumes and commits the folder; ``_loop`` runs one
 optimizer step per iteration (checked against the plan at step 2, re-planned when the device disagrees) and
 ``_finish`` writes the run folder's results. What a re-plan changes lives in one ``Session``.
@@ -37,7 +37,7 @@ from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import language_model_loss
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
-from memtrain.planner import PlannedRun, PlanSettings, apply_plan, configure_model
+from memtrain.planner import AppliedPlan, PlanSettings, apply_plan, configure_model
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import format_bytes
 from memtrain.run import (
@@ -62,12 +62,12 @@ from memtrain.run import (
 from memtrain.run.export import export_results
 from memtrain.run.plan_check import check_step
 from memtrain.run.replan import (
+    PlanInForce,
     RunContext,
-    RunPlan,
     flat_settings,
     plan_after_out_of_memory,
+    plan_for_run,
     plan_request,
-    plan_run,
     read_plan_request,
     replan,
     replan_record,
@@ -155,22 +155,22 @@ class Session:
     checkpointed blocks, the micro-batch, the accumulation, the accumulator, the batches), with the plan check
     and the re-plans so far. The model, the optimizer and its state stay through every change of plan."""
 
-    def __init__(self, planned: PlannedRun, run_plan: RunPlan, config: TrainConfig, context: RunContext,
+    def __init__(self, planned: AppliedPlan, in_force: PlanInForce, config: TrainConfig, context: RunContext,
                  train_data: Dataset, rank: int):
         self.model, self.train_model, self.optimizer = planned.model, planned.train_model, planned.optimizer
         self.acc, self.precision, self.blocks = planned.accumulator, planned.precision, planned.blocks
         self.scheduler = self.acc.scheduler
-        self.run_plan = run_plan
-        self.micro, self.accumulation = run_plan.settings.micro_batch_size, run_plan.settings.accumulation
+        self.in_force = in_force
+        self.micro, self.accumulation = in_force.settings.micro_batch_size, in_force.settings.accumulation
         self.plan_check: dict[str, Any] | None = None  # the plan against the device at its second step
         self.replans: list[dict[str, Any]] = []  # report.json's "replans"
         self.batches: Iterator[Any] = iter(())
         self._config, self._context, self._train_data, self.rank = config, context, train_data, rank
         self.device = context.device  # whose random generator a checkpoint saves
 
-    def follow(self, new: RunPlan) -> None:
+    def follow(self, new: PlanInForce) -> None:
         """Switches the model to a re-plan (or a resumed run's plan): the optimizer and its state stay."""
-        self.run_plan = new
+        self.in_force = new
         if new.settings.blocks:
             self.blocks = configure_model(self.model, new.settings)
             if new.settings.compile:  # blocks that now offload cannot stay in a whole-model graph
@@ -363,8 +363,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
            "weight_decay": config.weight_decay, "grad_clip": config.grad_clip, "fsdp": config.fsdp,
            "lr_schedule": config.lr_schedule, "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps}
     started_with = _saved_plan(out) if config.resume else None  # a resume keeps the run's optimizer
-    run_plan = plan_run(model, config, context, keep_optimizer=started_with)
-    first = run_plan.settings
+    in_force = plan_for_run(model, config, context, keep_optimizer=started_with)
+    first = in_force.settings
     run["offload_optimizer"] = first.optimizer != "device"
     run["optimizer"] = first.optimizer_text
 
@@ -373,8 +373,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
                          weight_decay=config.weight_decay, max_grad_norm=config.grad_clip,
                          scheduler=lr_scheduler(lambda: config),  # a resume may replace config: read at each step
                          device=device)
-    session = Session(planned, run_plan, config, context, train_data, rank)
-    reasons = _reasons(run_plan, precision_reason, schedule_reasons, context, config, val_data)
+    session = Session(planned, in_force, config, context, train_data, rank)
+    reasons = _reasons(in_force, precision_reason, schedule_reasons, context, config, val_data)
 
     # Resume: the checkpoint's state, and the plan the run left off with.
     notes = list(folder.notes) if writer else []  # what taking the folder found (stale locks, temporaries)
@@ -383,7 +383,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
         config, start_step = _resume(session, model, config, context, checkpoints, run, auto, notes)
         reasons = resumed_reasons(reasons, config, start_step)  # the schedule as it continues, not as it began
     reasons += session.load_from(start_step).splitlines()
-    for text in [plan_summary(session.run_plan, precision_name)] if config.quiet else reasons:
+    for text in [plan_summary(session.in_force, precision_name)] if config.quiet else reasons:
         _log(f"  {text}", rank)
     metrics: list[dict[str, Any]] = []
     metrics_log = MetricsLog(out / "metrics.jsonl", log=config.log) if writer else None
@@ -420,19 +420,19 @@ def _eval_examples(config: TrainConfig, context: RunContext) -> int:
     return config.eval_batches * (config.micro_batch_size or context.global_batch // context.world)
 
 
-def _reasons(run_plan: RunPlan, precision_reason: str, schedule_reasons: list[str], context: RunContext,
+def _reasons(in_force: PlanInForce, precision_reason: str, schedule_reasons: list[str], context: RunContext,
              config: TrainConfig, val_data: Dataset | None) -> list[str]:
     """The lines the run logs at its start: the precision, the plan, the batch, the learning rate and the
     evaluation."""
-    s = run_plan.settings
-    reasons = [precision_reason, *run_plan.reasons,
+    s = in_force.settings
+    reasons = [precision_reason, *in_force.reasons,
                f"global batch {context.global_batch} = micro-batch {s.micro_batch_size} x {s.accumulation} "
                f"accumulation x {context.world} rank(s)", *schedule_reasons]
     if val_data is not None:  # spread: a held-out part's first examples are one stretch of text, easier or not
         reasons.append(f"eval loss every {config.eval_every} steps on {min(len(val_data), _eval_examples(config, context))}"
                        f" held-out examples spread evenly over all {len(val_data)}, so it compares with the training loss")
-    if run_plan.plan is not None:
-        p = run_plan.plan
+    if in_force.plan is not None:
+        p = in_force.plan
         reasons.insert(1, f"plan: {s.checkpointing} checkpointing, loss {'chunked' if s.chunked_loss else 'whole'}, "
                           f"optimizer {s.optimizer_text}{', compiled' if s.compile else ''}; predicted peak "
                           f"{format_bytes(p.peak_bytes)} per rank, {p.tokens_per_s:,.0f} tokens/s "
@@ -470,9 +470,9 @@ def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunConte
     if read_plan_request(extra.get("plan_request")) == plan_request(config) and isinstance(left_at, dict):
         # The memory settings are the run's: continue on the plan it left off with (re-planned ones too).
         left = PlanSettings.from_dict(left_at)
-        if left != s.run_plan.settings:
+        if left != s.in_force.settings:
             try:
-                s.follow(plan_run(model, config, context, settings=left, keep_optimizer=left,
+                s.follow(plan_for_run(model, config, context, settings=left, keep_optimizer=left,
                                   correction_bytes=int(extra.get("correction_bytes", 0))))
             except ConfigError as e:
                 notes.append(f"resume: the run's last plan does not fit now ({e}); the new plan applies")
@@ -510,7 +510,7 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
     progress = _Progress(config.max_steps, start_step, enabled=config.progress and rank == 0)
     tally = Tally()
     closing_log = contextlib.closing(metrics_log) if metrics_log is not None else contextlib.nullcontext()
-    signals = StopSignals(distributed=world > 1, checkpoints=checkpoints, model=s.model, plan=s.run_plan.plan)
+    signals = StopSignals(distributed=world > 1, checkpoints=checkpoints, model=s.model, plan=s.in_force.plan)
     with contextlib.closing(progress), closing_log, OptimizerStepWatch() as watch, signals:
         for step in range(start_step, config.max_steps):
             # -- one optimizer step (out of memory: again on a new plan, same examples, same random draws) ---
@@ -593,21 +593,21 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
         if watch.began:
             raise MemtrainError(
                 f"out of memory at step {step + 1} after some parameters had already been updated "
-                f"(optimizer {s.run_plan.settings.optimizer_text}: stepping in backward, or inside the "
+                f"(optimizer {s.in_force.settings.optimizer_text}: stepping in backward, or inside the "
                 "optimizer step): a retry would apply this step twice to them; checkpoints already written are "
                 "intact. To resolve this error, resume from the last (resume=True) with a smaller budget= "
                 "or optimizer.step_in_backward=False.")
         _release_step(s, device)
         if attempt == MAX_REPLANS_PER_STEP:
             raise MemtrainError(f"out of memory at step {step + 1} after {attempt} re-plans (the last: "
-                                f"micro-batch {s.micro}, checkpointing {s.run_plan.settings.checkpointing}). "
+                                f"micro-batch {s.micro}, checkpointing {s.in_force.settings.checkpointing}). "
                                 "To resolve this error, pass a smaller budget= (the plan then leaves "
                                 "more room), optimizer.placement='offload', or a shorter seq_len.")
-        new = plan_after_out_of_memory(s.run_plan, error, s.model, config, context, step, measured_peak)
+        new = plan_after_out_of_memory(s.in_force, error, s.model, config, context, step, measured_peak)
         _log(f"out of memory at step {step + 1} with micro-batch {s.micro}: " + "; ".join(new.reasons[:2])
              + f"; now micro-batch {new.settings.micro_batch_size} x {new.settings.accumulation}, "
              f"checkpointing {new.settings.checkpointing} (global batch unchanged)", s.rank)
-        s.replans.append(replan_record(step, "out of memory", s.run_plan, new))
+        s.replans.append(replan_record(step, "out of memory", s.in_force, new))
         s.follow(new)
         torch.set_rng_state(rng[0])  # the retry draws the same dropout masks
         if rng[1] is not None:
@@ -619,16 +619,16 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
 def _check_plan(s: Session, step: int, figures: StepFigures, config: TrainConfig, context: RunContext) -> None:
     """The plan against the device (``check_step``); a peak over the budget re-plans (one rank, steps
     left)."""
-    s.plan_check = check_step(s.run_plan, figures.step, figures.peak_bytes, figures.activation_bytes, context.device,
+    s.plan_check = check_step(s.in_force, figures.step, figures.peak_bytes, figures.activation_bytes, context.device,
                               can_replan=context.world == 1 and step + 1 < config.max_steps)
     _log(f"  {s.plan_check['log']}")
     if s.plan_check["replanning"]:
         _release_step(s, context.device)
-        new = replan(s.run_plan, s.model, config, context, why=f"a peak over the budget at step {step + 1}",
+        new = replan(s.in_force, s.model, config, context, why=f"a peak over the budget at step {step + 1}",
                      shortfall_bytes=s.plan_check["measured_bytes"] - s.plan_check["predicted_bytes"])
         for reason in new.reasons[:2]:
             _log(f"  {reason}")
-        s.replans.append(replan_record(step, "peak over the budget", s.run_plan, new))
+        s.replans.append(replan_record(step, "peak over the budget", s.in_force, new))
         s.follow(new)
         s.load_from(step + 1)
 
@@ -639,8 +639,8 @@ def _save(s: Session, step: int, config: TrainConfig, run: dict[str, Any], check
     if metrics_log is not None:
         with write_faults(metrics_log.path, checkpoints):
             metrics_log.sync()  # no checkpoint is ever ahead of the durable metrics
-    extra = {"plan_check": s.plan_check, "plan_settings": s.run_plan.settings.to_dict(),
-             "plan_request": plan_request(config), "correction_bytes": s.run_plan.correction_bytes,
+    extra = {"plan_check": s.plan_check, "plan_settings": s.in_force.settings.to_dict(),
+             "plan_request": plan_request(config), "correction_bytes": s.in_force.correction_bytes,
              "replans": s.replans}
     save_run_state(checkpoints if s.rank == 0 else None, step + 1, s.micro, s.model, s.optimizer, s.scheduler,
                    s.precision.scaler, s.acc, run, extra, config=config.to_dict(), device=s.device)
@@ -652,13 +652,13 @@ def _finish(s: Session, tally: Tally, config: TrainConfig, context: RunContext, 
     """Closes the optimizer, writes the run folder's results (not after a signal: the checkpoint is the
     result then) and returns the ``TrainResult``."""
     seconds = time.perf_counter() - tally.start  # the whole session: evaluation, checkpoints and files included
-    masters = s.optimizer.master_weights() if s.run_plan.settings.optimizer == "offload-bf16-weights" else {}
+    masters = s.optimizer.master_weights() if s.in_force.settings.optimizer == "offload-bf16-weights" else {}
     if hasattr(s.optimizer, "close"):  # CPUOffloadOptimizer: its gradient hooks and worker thread end with the run
         s.optimizer.close()
     if out is not None and not tally.stopped_by:
         state = model_state_dict(s.model)  # collective under FSDP2: every rank takes part in rank 0's gathering
         if writer:
-            _write_results(out, checkpoints, s.model, state, masters, metrics, s.run_plan, s.plan_check, s.replans,
+            _write_results(out, checkpoints, s.model, state, masters, metrics, s.in_force, s.plan_check, s.replans,
                            context)
         export_results(out, s.model, state, tokenizer, seq_len=context.seq_len, sample_bytes=config.sample_bytes,
                        seed=config.seed, merge=config.merge_lora, writer=writer, checkpoints=checkpoints,
@@ -670,7 +670,7 @@ def _finish(s: Session, tally: Tally, config: TrainConfig, context: RunContext, 
         accumulation=s.accumulation, activation_bytes=last.activation_bytes,
         model_state_bytes=last.model_state_bytes, peak_bytes=last.peak_bytes, skipped_steps=s.acc.skipped_steps,
         resumed_from=resumed_from, stopped_by=tally.stopped_by, out_dir=str(out) if out is not None else None,
-        reasons=tuple(reasons), step_seconds=tally.step_seconds, plan=s.run_plan.to_dict(), replans=len(s.replans),
+        reasons=tuple(reasons), step_seconds=tally.step_seconds, plan=s.in_force.to_dict(), replans=len(s.replans),
     )
 
 
@@ -691,7 +691,7 @@ def _release_step(s: Session, device: torch.device) -> None:
 
 
 def _write_results(out: Any, checkpoints: RunCheckpoints | None, model: nn.Module, state: dict[str, torch.Tensor],
-                   masters: dict[int, torch.Tensor], metrics: list[dict[str, Any]], run_plan: RunPlan,
+                   masters: dict[int, torch.Tensor], metrics: list[dict[str, Any]], in_force: PlanInForce,
                    plan_check: dict[str, Any] | None, replans: list[dict[str, Any]], context: RunContext) -> None:
     """model.safetensors (fp32 masters where the device held bf16 copies), report.json with its plots (sample.txt
     and hf/ are export_results')."""
@@ -704,7 +704,7 @@ def _write_results(out: Any, checkpoints: RunCheckpoints | None, model: nn.Modul
     with write_faults(out / "model.safetensors", checkpoints):
         save_weights_file(weights, out / "model.safetensors")
     with write_faults(out / "report.json", checkpoints):
-        report = write_run_report(out, metrics, run_plan, plan_check, replans, model, context.global_batch,
+        report = write_run_report(out, metrics, in_force, plan_check, replans, model, context.global_batch,
                                   context.seq_len, context.device, context.world)
     if report.get("without_memtrain_error"):
         _log(f"  report.json: no estimate of plain training ({report['without_memtrain_error']})")

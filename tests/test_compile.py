@@ -215,8 +215,10 @@ def test_apply_plan_compiles_a_plan_with_offloaded_activations(monkeypatch):
     monkeypatch.setattr(memtrain.checkpointing.wrap, "offload_activations", lambda **_: _cpu_offloader())
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     model = _gpt3()
-    settings = PlanSettings(4, 1, ("offload", "recompute", "keep"), "offload-inputs", False, "device", "none", True,
-                            "fp32")
+    settings = PlanSettings(micro_batch_size=4, accumulation=1, blocks=("offload", "recompute", "keep"),
+                            flavor="offload-inputs", chunked_loss=False, optimizer="device", distribution="none",
+                            compile=True,
+                            precision="fp32")
     run = apply_plan(model, settings)
     x = _batch(0)
     counts = compile_counts(lambda: run.train_model(x, x).backward())

@@ -63,7 +63,7 @@ def test_choices_that_are_not_a_choices_are_one_error_naming_it(value):
 
 def test_the_world_size_rule_waits_for_the_world_but_fsdp_is_checked_at_once():
     in_backward = TrainConfig(choices=Choices(optimizer=OptimizerChoice(step_in_backward=True)))
-    in_backward.validate()  # one process is fine; train / plan_run check it against the ranks
+    in_backward.validate()  # one process is fine; train / plan_for_run check it against the ranks
     with pytest.raises(ConfigError, match="this run has 2 processes"):
         in_backward.choices.check_run(world_size=2, fsdp=in_backward.fsdp)
 

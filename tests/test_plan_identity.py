@@ -76,7 +76,7 @@ def table_digest(table: Any) -> str:
     return digest.hexdigest()
 
 
-def run_plan(command: str) -> dict[str, Any]:
+def in_force(command: str) -> dict[str, Any]:
     """``memtrain plan COMMAND --json`` in this process (from the checkout: the commands name examples/), with
     ``tables``: the digest of each table of candidates the plan composed (the search's, the pure bf16 hint's)."""
     from memtrain.cli import main
@@ -108,7 +108,7 @@ def _saved() -> dict[str, Any]:
 def _check(name: str) -> None:
     expected = _saved()[name]
     assert expected["command"] == PLANS[name], (expected["command"], PLANS[name])
-    got = trimmed(run_plan(PLANS[name]))
+    got = trimmed(in_force(PLANS[name]))
     for key in expected["plan"]:
         assert got[key] == expected["plan"][key], f"{name}: {key}: expected {expected['plan'][key]!r}, got {got[key]!r}"
     assert got == expected["plan"]
@@ -137,6 +137,6 @@ if __name__ == "__main__":  # PYTHONPATH=. python tests/test_plan_identity.py --
     saved = _saved() if SAVED.exists() else {}
     for name in names:
         print(f"planning {name}: memtrain plan {PLANS[name]}", file=sys.stderr)
-        saved[name] = {"command": PLANS[name], "plan": trimmed(run_plan(PLANS[name]))}
+        saved[name] = {"command": PLANS[name], "plan": trimmed(in_force(PLANS[name]))}
         SAVED.parent.mkdir(exist_ok=True)
         SAVED.write_text(json.dumps(saved, indent=1, sort_keys=True) + "\n")

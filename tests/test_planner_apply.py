@@ -19,7 +19,9 @@ def test_apply_plan_builds_the_lean_optimizer_the_settings_say():
     from memtrain.optim import LeanAdamW
 
     model = planner_gpt(layers=4)
-    settings = PlanSettings(8, 1, ("keep",) * 4, "full", False, "device", "none", False, "fp32",
+    settings = PlanSettings(micro_batch_size=8, accumulation=1, blocks=("keep",) * 4, flavor="full",
+                            chunked_loss=False, optimizer="device", distribution="none", compile=False,
+                            precision="fp32",
                             state_precision="bf16", step_in_backward=True)
     run = apply_plan(model, settings, lr=1e-3, max_grad_norm=None)
     assert isinstance(run.optimizer, LeanAdamW) and run.optimizer.steps_in_backward
@@ -35,8 +37,10 @@ def test_apply_plan_builds_the_lean_optimizer_the_settings_say():
 def test_apply_plan_sets_up_exactly_what_the_settings_say():
     model = planner_gpt(layers=4)
     names = [f"blocks.{i}" for i in range(4)]
-    settings = PlanSettings(2, 2, ("offload", "recompute", "recompute", "keep"), "selective", True, "offload",
-                            "none", False, "fp32")
+    settings = PlanSettings(micro_batch_size=2, accumulation=2,
+                            blocks=("offload", "recompute", "recompute", "keep"), flavor="selective",
+                            chunked_loss=True, optimizer="offload",
+                            distribution="none", compile=False, precision="fp32")
     run = apply_plan(model, settings, lr=1e-3)
     assert checkpointed_blocks(model) == names[:3]
     specs = [checkpoint_spec(model.get_submodule(n)) for n in names[:3]]
@@ -45,7 +49,9 @@ def test_apply_plan_sets_up_exactly_what_the_settings_say():
     assert chunk_tokens_of(model) == 1024
     assert isinstance(run.optimizer, CPUOffloadOptimizer) and run.accumulator.steps == 2
     run.optimizer.close()
-    plain = apply_plan(model, PlanSettings(4, 1, ("keep",) * 4, "full", False, "device", "none", False, "fp32"))
+    plain = apply_plan(model, PlanSettings(micro_batch_size=4, accumulation=1, blocks=("keep",) * 4, flavor="full",
+                                           chunked_loss=False, optimizer="device", distribution="none",
+                                           compile=False, precision="fp32"))
     assert checkpointed_blocks(model) == [] and chunk_tokens_of(model) is None
     assert type(plain.optimizer) is torch.optim.AdamW
 
@@ -62,7 +68,9 @@ def test_offload_bf16_weights_puts_a_lora_models_frozen_base_in_bf16_too():
     from memtrain.hf import apply_lora
 
     model = apply_lora(transformers.LlamaForCausalLM(tiny_llama_config()), 4)
-    settings = PlanSettings(2, 1, ("keep",) * 2, "full", False, "offload-bf16-weights", "none", False, "bf16-mixed")
+    settings = PlanSettings(micro_batch_size=2, accumulation=1, blocks=("keep",) * 2, flavor="full",
+                            chunked_loss=False, optimizer="offload-bf16-weights", distribution="none",
+                            compile=False, precision="bf16-mixed")
     run = apply_plan(model, settings, lr=1e-3)
     wrong = {n: p.dtype for n, p in model.named_parameters() if p.dtype != torch.bfloat16}
     run.optimizer.close()

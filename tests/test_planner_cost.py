@@ -101,7 +101,8 @@ def test_composed_peaks_with_accumulation_and_the_chunked_loss_match_the_full_es
     ctx = problem_of(config, 2048, 4, "cuda", "bf16-mixed", 1, True, True, H100)
     composer = Composer(ctx, {None: build_profiles(ctx, ["full"], True, None)})
     for placement in ("offload", "device"):
-        cfg = Configuration(micro_batch_size=1, accumulation=4, flavor="full", chunked_loss=True, optimizer=placement,
+        cfg = Configuration(micro_batch_size=1, accumulation=4, flavor="full", chunked_loss=True,
+                            optimizer=placement,
                             distribution="none", compile=False, precision="bf16-mixed", state_precision="fp32",
                             step_in_backward=False, offload_fraction=0.0)
         composed = composer.rows(cfg, 0, np.array([0]))[0][0]
@@ -131,7 +132,9 @@ def test_fsdp2_gathers_blocks_in_bf16_under_bf16_mixed(precision, gathered_bytes
     blocks = [f"model.layers.{i}" for i in range(4)]
     world = 4
     # Accumulation keeps FSDP2's gradients unsharded: the whole difference is the shift of every moment.
-    settings = PlanSettings(1, 2, ("recompute",) * 4, "full", False, "device", "fsdp2", False, precision)
+    settings = PlanSettings(micro_batch_size=1, accumulation=2, blocks=("recompute",) * 4, flavor="full",
+                            chunked_loss=False, optimizer="device", distribution="fsdp2", compile=False,
+                            precision=precision)
     ranks, one = _per_rank_and_one_process(config, settings, world)
     state = state_bytes(model, blocks, None, cuda=True)
     block_numel = max(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
@@ -146,7 +149,9 @@ def test_fsdp2_all_gathers_in_bf16_and_reduce_scatters_in_fp32():
     config = planner_llama(layers=4, hidden=256, vocab_size=1024)
     numel = sum(p.numel() for p in meta_model(config).parameters())
     world, acc = 4, 1
-    settings = PlanSettings(1, acc, ("keep",) * 4, "full", False, "device", "fsdp2", False, "bf16-mixed")
+    settings = PlanSettings(micro_batch_size=1, accumulation=acc, blocks=("keep",) * 4, flavor="full",
+                            chunked_loss=False, optimizer="device", distribution="fsdp2", compile=False,
+                            precision="bf16-mixed")
     seconds = {}
     for link in (1e6, 2e6):  # bytes/s: so slow that no compute hides the collectives
         profile = dataclasses.replace(H100, interconnect=link)
@@ -168,7 +173,9 @@ def test_ddp_gradients_are_its_buckets():
     # All blocks recomputed, 64 tokens: the step (every gradient alive) is the one-process peak.
     for optimizer, acc, expected in (("device", 1, 0), ("device", 2, grads), ("offload", 1, grads),
                                      ("offload", 2, 2 * grads)):
-        settings = PlanSettings(1, acc, ("recompute",) * 4, "full", False, optimizer, "ddp", False, "bf16-mixed")
+        settings = PlanSettings(micro_batch_size=1, accumulation=acc, blocks=("recompute",) * 4, flavor="full",
+                                chunked_loss=False, optimizer=optimizer, distribution="ddp", compile=False,
+                                precision="bf16-mixed")
         ranks, one = _per_rank_and_one_process(config, settings, 2)
         extra = ranks.peak_bytes - one.peak_bytes
         if expected:
@@ -183,7 +190,8 @@ def test_host_link_of_offloaded_activations_is_what_the_offloader_moves_at_that_
     from memtrain.offload import MIN_BYTES_DEFAULT
 
     model = _offload_gpt()
-    s = PlanSettings(micro, 2, ("offload", "offload"), "full", False, "device", "none", False, "fp32")
+    s = PlanSettings(micro_batch_size=micro, accumulation=2, blocks=("offload", "offload"), flavor="full",
+                     chunked_loss=False, optimizer="device", distribution="none", compile=False, precision="fp32")
     (c,) = predictions(model, [s], seq_len=256, global_batch_size=2 * micro, device="cuda", device_profile=H100)
     # The full estimate's simulated offloader, with the real one's threshold, at the candidate's micro-batch.
     t = trace(model, (micro, 256), device="cuda", precision="fp32",
@@ -201,7 +209,8 @@ def test_host_link_of_offloaded_activations_is_what_the_offloader_moves_at_that_
 def test_host_link_of_an_offloaded_optimizer_is_its_gradients_each_micro_batch_and_the_weights_once():
     model = planner_gpt(2)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    s = PlanSettings(1, 3, ("keep", "keep"), "full", False, "offload", "none", False, "fp32")
+    s = PlanSettings(micro_batch_size=1, accumulation=3, blocks=("keep", "keep"), flavor="full",
+                     chunked_loss=False, optimizer="offload", distribution="none", compile=False, precision="fp32")
     (c,) = predictions(model, [s], seq_len=32, global_batch_size=3, device="cuda", device_profile=H100)
     assert c.host_link.to_dict() == {"activations_to_host": 0, "activations_to_device": 0,
                                      "optimizer_to_host": 3 * 4 * numel, "optimizer_to_device": 4 * numel,
@@ -215,8 +224,10 @@ def test_compiled_offloading_set_ups_time_the_code_around_the_blocks_eager(llama
     from memtrain.planner.search import composer_for, problem_of
 
     fast_link = dataclasses.replace(H100, host_to_device=1e30, device_to_host=1e30)
-    settings = {(kind, compiled): PlanSettings(2, 1, (kind,) * 4, "full", False, "device", "none", compiled,
-                                               "bf16-mixed")
+    settings = {(kind, compiled): PlanSettings(micro_batch_size=2, accumulation=1, blocks=(kind,) * 4,
+                                               flavor="full", chunked_loss=False, optimizer="device",
+                                               distribution="none", compile=compiled,
+                                               precision="bf16-mixed")
                 for kind in ("keep", "offload") for compiled in (False, True)}
     seconds = {k: c.step_seconds for k, c in zip(settings, predictions(
         llama, list(settings.values()), seq_len=512, global_batch_size=2, device_profile=fast_link), strict=True)}
@@ -257,7 +268,8 @@ def test_host_figure_of_offloaded_activations_is_the_pool_the_built_offloader_pi
 
     micro = 4
     model = _offload_gpt()
-    s = PlanSettings(micro, 1, ("offload", "offload"), "full", False, "device", "none", False, "fp32")
+    s = PlanSettings(micro_batch_size=micro, accumulation=1, blocks=("offload", "offload"), flavor="full",
+                     chunked_loss=False, optimizer="device", distribution="none", compile=False, precision="fp32")
     (c,) = predictions(model, [s], seq_len=256, global_batch_size=micro, device="cuda", device_profile=H100)
     off = ActivationOffloader(FakeTransport(lag=1), min_bytes=MIN_BYTES_DEFAULT)  # apply_plan's: the free RAM's half
     apply_checkpointing(model, policies={"blocks.0": "offload", "blocks.1": "offload"}, offloader=off)
@@ -279,7 +291,9 @@ def test_the_host_step_of_an_offloaded_optimizer_runs_at_its_moments_rate(state)
     model = planner_gpt(2)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     profile = dataclasses.replace(H100, cpu_adamw=1e6, cpu_adamw_bf16=None, cpu_adamw_int8=None)  # the host dominates
-    fp32, lean = (PlanSettings(1, 1, ("keep", "keep"), "full", False, "offload", "none", False, "fp32",
+    fp32, lean = (PlanSettings(micro_batch_size=1, accumulation=1, blocks=("keep", "keep"), flavor="full",
+                               chunked_loss=False, optimizer="offload", distribution="none", compile=False,
+                               precision="fp32",
                                state_precision=s) for s in ("fp32", state))
     c32, cl = predictions(model, [fp32, lean], seq_len=32, global_batch_size=1, device="cuda", device_profile=profile)
     slower = numel / (1e6 * _CPU_RATE[state]) - numel / 1e6

@@ -46,7 +46,9 @@ def test_nothing_fits_over_fsdp2_ranks_names_a_rank_count_that_fits():
 
 
 def test_a_fixed_set_up_that_cannot_fit_is_a_clear_error(llama):
-    fixed = PlanSettings(4, 1, ("keep",) * 4, "full", False, "device", "none", False, "bf16-mixed")
+    fixed = PlanSettings(micro_batch_size=4, accumulation=1, blocks=("keep",) * 4, flavor="full",
+                         chunked_loss=False, optimizer="device", distribution="none", compile=False,
+                         precision="bf16-mixed")
     loose = plan(llama, budget=None, seq_len=1024, global_batch_size=4, settings=fixed, device_profile=H100)
     assert loose.settings == fixed and "as asked" in loose.reasons[0]
     with pytest.raises(ConfigError, match="the set-up asked for"):

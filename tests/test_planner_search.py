@@ -114,8 +114,12 @@ def test_fsdp2_shards_the_state_and_the_plan_says_which_is_faster():
 
 
 def test_predictions_of_given_set_ups_rank_recompute_as_slower(llama):
-    keep = PlanSettings(4, 1, ("keep",) * 4, "full", False, "device", "none", False, "bf16-mixed")
-    recompute = PlanSettings(4, 1, ("recompute",) * 4, "full", False, "device", "none", False, "bf16-mixed")
+    keep = PlanSettings(micro_batch_size=4, accumulation=1, blocks=("keep",) * 4, flavor="full",
+                        chunked_loss=False, optimizer="device", distribution="none", compile=False,
+                        precision="bf16-mixed")
+    recompute = PlanSettings(micro_batch_size=4, accumulation=1, blocks=("recompute",) * 4, flavor="full",
+                             chunked_loss=False, optimizer="device", distribution="none", compile=False,
+                             precision="bf16-mixed")
     a, b = predictions(llama, [keep, recompute], seq_len=1024, global_batch_size=4, device_profile=H100)
     assert b.step_seconds > a.step_seconds and b.peak_bytes < a.peak_bytes, (a, b)
 

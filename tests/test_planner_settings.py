@@ -46,7 +46,8 @@ def test_summary_and_json(llama):
 
 def test_a_plan_reports_its_host_link_bytes():
     model = _offload_gpt()
-    s = PlanSettings(4, 1, ("offload", "keep"), "full", False, "offload", "none", False, "fp32")
+    s = PlanSettings(micro_batch_size=4, accumulation=1, blocks=("offload", "keep"), flavor="full",
+                     chunked_loss=False, optimizer="offload", distribution="none", compile=False, precision="fp32")
     p = plan(model, budget=None, seq_len=256, global_batch_size=4, device_profile=H100, settings=s,
              host_budget="64GiB")
     (c,) = predictions(model, [s], seq_len=256, global_batch_size=4, device="cuda", device_profile=H100)

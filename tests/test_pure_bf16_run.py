@@ -186,7 +186,9 @@ def test_the_hint_line_says_pure_bf16_with_its_figures_only_when_it_is_faster() 
     from memtrain.planner.hint import PureBF16Hint, hint_lines
     from memtrain.planner.settings import PlanSettings
 
-    s = PlanSettings(2, 1, ("recompute",) * 4, "full", True, "offload", "none", True, state_precision="bf16",
+    s = PlanSettings(micro_batch_size=2, accumulation=1, blocks=("recompute",) * 4, flavor="full",
+                     chunked_loss=True, optimizer="offload", distribution="none", compile=True,
+                     state_precision="bf16",
                      pure_bf16=True)
     hint = PureBF16Hint(s, peak_bytes=19.1 * 2**30, host_bytes=18 * 2**30, seconds=1.0, tokens_per_s=32768.0)
     (line,) = hint_lines(hint, chosen_seconds=1.25)

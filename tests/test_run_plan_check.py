@@ -126,13 +126,13 @@ def test_cuda_peak_against_the_budget(peak, can_replan):
     from memtrain.device import simulate
     from memtrain.planner import PlanSettings
     from memtrain.run.plan_check import check_step
-    from memtrain.run.replan import RunPlan
+    from memtrain.run.replan import PlanInForce
 
     settings = PlanSettings(micro_batch_size=1, accumulation=1, blocks=("keep",), flavor="full", chunked_loss=False,
                             optimizer="device", distribution="none", compile=False)
-    run_plan = RunPlan(settings, SimpleNamespace(peak_bytes=950, activation_bytes=100), 1000, ())
+    in_force = PlanInForce(settings, SimpleNamespace(peak_bytes=950, activation_bytes=100), 1000, ())
     with simulate("1MiB"):
-        check = check_step(run_plan, 2, peak, None, torch.device("cpu"), can_replan=can_replan)
+        check = check_step(in_force, 2, peak, None, torch.device("cpu"), can_replan=can_replan)
     assert check["peak_bytes"] == peak and check["over_budget"] == (peak > 1000), check
     assert check["replanning"] == (peak > 1000 and can_replan), check
     assert check["log"].endswith("re-planning") == check["replanning"], check["log"]

@@ -18,8 +18,8 @@ from memtrain.run.replan import (
     check_plan,
     flat_settings,
     plan_after_out_of_memory,
+    plan_for_run,
     plan_request,
-    plan_run,
     read_plan_request,
     replan_record,
 )
@@ -31,13 +31,13 @@ def _context(world: int = 1) -> RunContext:
 
 def test_a_model_without_blocks_halves_its_micro_batch_after_out_of_memory():
     model, config = nn.Linear(8, 8), TrainConfig()
-    run_plan = plan_run(model, config, _context())
-    assert run_plan.plan is None and run_plan.settings.micro_batch_size == 8 and run_plan.settings.accumulation == 1
-    new = plan_after_out_of_memory(run_plan, "CUDA out of memory (injected)", model, config, _context(), step=0,
+    in_force = plan_for_run(model, config, _context())
+    assert in_force.plan is None and in_force.settings.micro_batch_size == 8 and in_force.settings.accumulation == 1
+    new = plan_after_out_of_memory(in_force, "CUDA out of memory (injected)", model, config, _context(), step=0,
                                    measured_peak=None)
     assert new.settings.micro_batch_size == 4 and new.settings.accumulation == 2
     assert "micro-batch halved to 4" in new.reasons
-    record = replan_record(0, "out of memory", run_plan, new)
+    record = replan_record(0, "out of memory", in_force, new)
     assert record["step"] == 1 and record["estimated_peak_before"] is None
     check = check_plan(new, 2, None, 100, torch.device("cpu"))
     assert check["over_budget"] is False and check["what"] is None
@@ -45,9 +45,9 @@ def test_a_model_without_blocks_halves_its_micro_batch_after_out_of_memory():
 
 def test_out_of_memory_on_one_of_several_ranks_is_an_error():
     model, config = nn.Linear(8, 8), TrainConfig()
-    run_plan = plan_run(model, config, _context(world=2))
+    in_force = plan_for_run(model, config, _context(world=2))
     with pytest.raises(MemtrainError, match="on one of several ranks"):
-        plan_after_out_of_memory(run_plan, "CUDA out of memory", model, config, _context(world=2), step=0,
+        plan_after_out_of_memory(in_force, "CUDA out of memory", model, config, _context(world=2), step=0,
                                  measured_peak=None)
 
 
@@ -70,13 +70,13 @@ def test_a_saved_config_shows_its_choices_by_name():
 
 def test_the_world_size_rule_is_checked_where_the_world_is_known():
     config = TrainConfig(choices=Choices(optimizer=OptimizerChoice(step_in_backward=True)))
-    plan_run(nn.Linear(8, 8), config, _context())
+    plan_for_run(nn.Linear(8, 8), config, _context())
     with pytest.raises(ConfigError, match="this run has 2 processes"):
-        plan_run(nn.Linear(8, 8), config, _context(world=2))
+        plan_for_run(nn.Linear(8, 8), config, _context(world=2))
 
 
 def test_a_kept_optimizer_admits_only_itself():
-    kept = plan_run(nn.Linear(8, 8), TrainConfig(), _context()).settings
+    kept = plan_for_run(nn.Linear(8, 8), TrainConfig(), _context()).settings
     check_kept_optimizer(Choices(), kept)
     check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="device", state_precision="fp32")), kept)
     with pytest.raises(ConfigError, match=r"optimizer.placement='device', optimizer.state_precision='bf16': the "
@@ -91,7 +91,7 @@ def test_a_kept_optimizer_admits_only_itself():
 def test_a_resume_that_asks_for_another_weight_layout_is_refused_not_ignored():
     # The plan keeps the run's pure bf16 and streamed weights (the optimizer's state exists already): asking for
     # another on a resume was silently ignored.
-    kept = replace(plan_run(nn.Linear(8, 8), TrainConfig(), _context()).settings, optimizer="offload")
+    kept = replace(plan_for_run(nn.Linear(8, 8), TrainConfig(), _context()).settings, optimizer="offload")
     with pytest.raises(ConfigError, match=r"pure_bf16=True: the run's optimizer is offload.*drop pure_bf16="):
         check_kept_optimizer(Choices(pure_bf16=True), kept)
     with pytest.raises(ConfigError, match=r"offload_weights=True: .*drop offload_weights="):
@@ -133,26 +133,26 @@ _EVERY_TECHNIQUE = Choices(checkpointing="all", chunked_loss=False,
 
 def test_every_technique_fixed_runs_without_the_estimate():
     config = TrainConfig(budget="1GiB", micro_batch_size=4, choices=_EVERY_TECHNIQUE)
-    run_plan = plan_run(_RoutedStack(), config, _context())
-    assert run_plan.plan is None
-    s = run_plan.settings
+    in_force = plan_for_run(_RoutedStack(), config, _context())
+    assert in_force.plan is None
+    s = in_force.settings
     assert (s.micro_batch_size, s.accumulation, s.blocks, s.chunked_loss, s.optimizer, s.state_precision) == (
         4, 2, ("recompute", "recompute"), False, "device", "fp32"), s
     assert any("plan check off, because: the estimate cannot trace _RoutedStack" in r and "reads a tensor value" in r
-               for r in run_plan.reasons), run_plan.reasons
-    check = check_plan(run_plan, 2, None, 1234, torch.device("cpu"))
+               for r in in_force.reasons), in_force.reasons
+    check = check_plan(in_force, 2, None, 1234, torch.device("cpu"))
     assert check["log"].startswith("plan check off: the estimate cannot trace _RoutedStack"), check
     with pytest.raises(ConfigError, match="micro_batch_size=3 does not divide the 8 examples"):  # checked before
-        plan_run(_RoutedStack(), replace(config, micro_batch_size=3), _context())
+        plan_for_run(_RoutedStack(), replace(config, micro_batch_size=3), _context())
     # A resume continues on its own settings, unchecked too.
-    resumed = plan_run(_RoutedStack(), config, _context(), settings=s, keep_optimizer=s)
+    resumed = plan_for_run(_RoutedStack(), config, _context(), settings=s, keep_optimizer=s)
     assert resumed.settings == s and resumed.plan is None
 
 
 def test_techniques_left_to_the_planner_are_named_with_the_cause():
     config = TrainConfig(budget="1GiB", choices=Choices(checkpointing="all"))
     with pytest.raises(MemtrainError) as caught:
-        plan_run(_RoutedStack(), config, _context())
+        plan_for_run(_RoutedStack(), config, _context())
     message = str(caught.value)
     assert not isinstance(caught.value, ConfigError)
     assert message.startswith("the planner cannot estimate _RoutedStack: 'blocks.0' reads a tensor value"), message

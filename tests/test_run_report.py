@@ -11,7 +11,7 @@ from helpers import code_windows, quick_run_config, tiny_gpt
 
 from memtrain import train
 from memtrain.planner import PlanSettings
-from memtrain.run.replan import RunPlan
+from memtrain.run.replan import PlanInForce
 from memtrain.run.report import memory_figure, plan_summary
 
 MIB = 2**20
@@ -19,10 +19,10 @@ BARS = {"with memtrain (measured)": {"parameter_bytes": 25 * MIB, "gradient_byte
                                      "optimizer_state_bytes": 50 * MIB, "activation_bytes": 33 * MIB}}
 
 
-def _run_plan(*, budget: int | None = 1024 * MIB, peak: int = 300 * MIB, saved: int = 40 * MIB) -> RunPlan:
+def _run_plan(*, budget: int | None = 1024 * MIB, peak: int = 300 * MIB, saved: int = 40 * MIB) -> PlanInForce:
     settings = PlanSettings(micro_batch_size=4, accumulation=2, blocks=("recompute", "keep"), flavor="full",
                             chunked_loss=True, optimizer="device", distribution="none", compile=False)
-    return RunPlan(settings=settings, plan=SimpleNamespace(peak_bytes=peak, activation_bytes=saved),
+    return PlanInForce(settings=settings, plan=SimpleNamespace(peak_bytes=peak, activation_bytes=saved),
                    budget_bytes=budget, reasons=())
 
 

@@ -177,8 +177,9 @@ def _settings(distribution: str, precision: str, micro: int = MICRO, accumulatio
               optimizer: str = "device"):
     from memtrain.planner import PlanSettings
 
-    return PlanSettings(micro, accumulation, ("keep", "keep"), "full", True, optimizer, distribution, False,
-                        precision)
+    return PlanSettings(micro_batch_size=micro, accumulation=accumulation, blocks=("keep", "keep"), flavor="full",
+                        chunked_loss=True, optimizer=optimizer, distribution=distribution, compile=False,
+                        precision=precision)
 
 
 def _plan_batch(step: int, rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:

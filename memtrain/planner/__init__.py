@@ -11,7 +11,7 @@
 - ``apply``: ``apply_plan`` and ``configure_model``, the only part that imports the techniques.
 """
 
-from memtrain.planner.apply import PlannedRun, apply_plan, configure_model
+from memtrain.planner.apply import AppliedPlan, apply_plan, configure_model
 from memtrain.planner.checks import budget_bytes
 from memtrain.planner.cost import fsdp2_param_dtype
 from memtrain.planner.devices import DeviceProfile, calibrate, device_profile, known_gpu, planning_device
@@ -25,6 +25,6 @@ from memtrain.planner.settings import (
     PlanSettings,
 )
 
-__all__ = ["TECHNIQUES", "Candidate", "DeviceProfile", "Fixed", "HostLink", "Plan", "PlanSettings", "PlannedRun",
+__all__ = ["TECHNIQUES", "Candidate", "DeviceProfile", "Fixed", "HostLink", "Plan", "PlanSettings", "AppliedPlan",
            "apply_plan", "budget_bytes", "calibrate", "configure_model", "device_profile", "fsdp2_param_dtype",
            "known_gpu", "plan", "planning_device", "predictions"]

@@ -26,7 +26,7 @@ from memtrain.precision import MixedPrecision
 
 # -- apply_plan ---------------------------------------------------------------------------------------------
 @dataclass
-class PlannedRun:
+class AppliedPlan:
     """What ``apply_plan`` set up: the model (configured in place), the module the loop calls (wrapped for
     DDP/FSDP2 and compiled as planned), the optimizer, the accumulator and the precision."""
 
@@ -44,7 +44,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                max_grad_norm: float | None = 1.0,
                scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-               device: torch.device | str | None = None) -> PlannedRun:
+               device: torch.device | str | None = None) -> AppliedPlan:
     """Configures ``model`` in place as ``plan`` says, places it on ``device`` as the plan does and builds the
     optimizer and accumulator it asks for.
 
@@ -123,7 +123,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     accumulator = GradientAccumulator(train_model, optimizer, steps=s.accumulation, scaler=precision.scaler,
                                       scheduler=scheduler(optimizer) if scheduler is not None else None,
                                       max_grad_norm=max_grad_norm)
-    return PlannedRun(settings=s, model=model, train_model=train_model, optimizer=optimizer, accumulator=accumulator,
+    return AppliedPlan(settings=s, model=model, train_model=train_model, optimizer=optimizer, accumulator=accumulator,
                       precision=precision, blocks=wrapped, weights=weights)
 
 

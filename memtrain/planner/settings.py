@@ -27,7 +27,7 @@ DEFAULT_SAFETY_MARGIN = 0.05  # of the budget, left for the allocator's fragment
 
 
 # -- the plan -----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanSettings:
     """Every choice of one candidate: what ``apply_plan`` sets up."""
 
@@ -112,7 +112,7 @@ class PlanSettings:
                               "PlanSettings.to_dict() wrote.") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Fixed:
     """Choices a plan keeps as given, in the search's terms (``of_choices`` makes them from a run's ``Choices``);
     None leaves that choice to the search."""
@@ -378,7 +378,7 @@ class Plan:
 
 
 # -- the planning problem, and a candidate but for its blocks -----------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Problem:
     """The fixed inputs of one planning problem."""
 
@@ -396,7 +396,7 @@ class Problem:
     precision_reason: str | None = None  # why ``precision`` ("fp32, because: ..."); None: it was requested
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Configuration:
     """A candidate but for its block assignment (offloaded, recomputed and kept counts)."""
 

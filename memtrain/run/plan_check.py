@@ -16,10 +16,10 @@ import torch
 
 from memtrain.device import accelerator
 from memtrain.report import format_bytes
-from memtrain.run.replan import RunPlan, check_plan
+from memtrain.run.replan import PlanInForce, check_plan
 
 
-def check_step(run_plan: RunPlan, step: int, peak_bytes: int | None, activation_bytes: int | None,
+def check_step(in_force: PlanInForce, step: int, peak_bytes: int | None, activation_bytes: int | None,
                device: torch.device, *, can_replan: bool) -> dict[str, Any]:
     """``check_plan``'s comparison of what the plan predicted with what step ``step`` (counted from 1) measured,
     with the step's peak against the budget on the CPU too.
@@ -36,15 +36,15 @@ def check_step(run_plan: RunPlan, step: int, peak_bytes: int | None, activation_
         None where there is nothing to compare).
     """
     # Without a budget check_plan only compares: the verdict and its words are this function's.
-    check = check_plan(dataclasses.replace(run_plan, budget_bytes=None), step, peak_bytes, activation_bytes, device)
+    check = check_plan(dataclasses.replace(in_force, budget_bytes=None), step, peak_bytes, activation_bytes, device)
     check.update(over_budget=False, replanning=False, peak_bytes=None)
-    p, budget, measured = run_plan.plan, run_plan.budget_bytes, check["measured_bytes"]
+    p, budget, measured = in_force.plan, in_force.budget_bytes, check["measured_bytes"]
     if p is None or measured is None:
         return check
     if accelerator(device).has_streams:
         peak, what = measured, "measured peak"
     else:  # the estimate's own peak (any correction taken out again), with the saved bytes it missed put back
-        peak = p.peak_bytes - run_plan.correction_bytes + measured - check["predicted_bytes"]
+        peak = p.peak_bytes - in_force.correction_bytes + measured - check["predicted_bytes"]
         what = "peak with the measured saved bytes"
     check["peak_bytes"] = peak
     if budget is None or peak <= budget:

@@ -38,7 +38,7 @@ PLAN_FIELDS = ("budget", "host_budget", "safety_margin", "micro_batch_size", "ch
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class PlanInForce:
     """The plan a run follows now: the planner's ``Plan`` (None for a model without repeated blocks: nothing is
     planned per block), its settings, the budget in effect and the correction folded into it so far."""
 
@@ -62,7 +62,7 @@ class RunPlan:
 @dataclass(frozen=True)
 class RunContext:
     """What the run is, as every plan of it sees it: fixed at the start (``train`` builds it once) and passed to
-    ``plan_run`` and ``replan`` alike."""
+    ``plan_for_run`` and ``replan`` alike."""
 
     seq_len: int  # tokens per example
     global_batch: int  # examples per optimizer step, all ranks
@@ -139,9 +139,9 @@ def budget_beyond_device(budget: int, device: torch.device) -> str:
             f"budget to {format_bytes(total).replace(' ', '')} or less, or leave it out (the memory free at the start)")
 
 
-def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, correction_bytes: int = 0,
+def plan_for_run(model: nn.Module, config: TrainConfig, context: RunContext, *, correction_bytes: int = 0,
              keep_optimizer: PlanSettings | None = None, micro_batch_size: int | None = None, free_micro: bool = False,
-             settings: PlanSettings | None = None, budget: int | None = None) -> RunPlan:
+             settings: PlanSettings | None = None, budget: int | None = None) -> PlanInForce:
     """The plan for ``model`` under ``config``: its fixed choices kept, the rest chosen to fit the budget.
 
     Args:
@@ -165,7 +165,7 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
     blocks = find_blocks(model)
     if not blocks and choices.checkpointing is None:
         if settings is not None:  # a resume continues on the settings it left off with (a halved micro-batch)
-            return RunPlan(settings, None, None, ("no plan (the model has no repeated blocks): the run's settings "
+            return PlanInForce(settings, None, None, ("no plan (the model has no repeated blocks): the run's settings "
                                                   "as saved",), correction_bytes)
         return _unplanned(model, config, context.global_batch, world, context.precision, micro)
     if budget is None:
@@ -190,11 +190,11 @@ def plan_run(model: nn.Module, config: TrainConfig, context: RunContext, *, corr
         return without_estimate(model, config, context, micro, len(blocks), str(e), settings=settings)
     # The precision's reason is train's own line (it resolved "auto").
     reasons = (budget_reason, *(r for r in chosen.reasons if not r.startswith("precision ")))
-    return RunPlan(chosen.settings, chosen, budget, reasons, correction_bytes)
+    return PlanInForce(chosen.settings, chosen, budget, reasons, correction_bytes)
 
 
 def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext, micro: int | None, n_blocks: int,
-                     cause: str, *, settings: PlanSettings | None = None) -> RunPlan:
+                     cause: str, *, settings: PlanSettings | None = None) -> PlanInForce:
     """The run's settings as the config fixes them, with no plan (nothing predicted, the plan check off), for a
     model the estimate cannot trace; ``settings``, where given, are the run's own (a resume).
 
@@ -206,7 +206,7 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
     unchecked = f"plan check off: the estimate cannot trace {type(model).__name__} (see the start of the run)"
     why = f"plan check off, because: the estimate cannot trace {type(model).__name__}: {cause}"
     if settings is not None:
-        return RunPlan(settings, None, None, (f"{why}; the run's settings as saved",), unchecked=unchecked)
+        return PlanInForce(settings, None, None, (f"{why}; the run's settings as saved",), unchecked=unchecked)
     fixed, _, notes = Fixed.of_choices(config.choices, n_blocks=n_blocks, device=planning_device(context.device))
     device_optimizer = fixed.optimizer != "offload"  # None: the plan could put it on the device
     missing = [name for name, value in (
@@ -229,7 +229,7 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
         step_in_backward=bool(fixed.step_in_backward), offload_fraction=fixed.offload_fraction or 0.0,
         pure_bf16=bool(fixed.pure_bf16), offload_weights=bool(fixed.offload_weights),
         optimizer_class=fixed.optimizer_class)
-    return RunPlan(chosen, None, None, (*notes, f"{why}; every technique is fixed, so the run goes on as given"),
+    return PlanInForce(chosen, None, None, (*notes, f"{why}; every technique is fixed, so the run goes on as given"),
                    unchecked=unchecked)
 
 
@@ -256,7 +256,7 @@ def check_kept_optimizer(choices: Choices, kept: PlanSettings) -> None:
 
 
 def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: int, precision: str,
-               micro: int | None) -> RunPlan:
+               micro: int | None) -> PlanInForce:
     """A model without repeated blocks: nothing to checkpoint or offload per block, so no plan; the loss and the
     optimizer as given (plain where unset), the whole per-rank batch in one micro-batch unless fixed."""
     per_rank = global_batch // world
@@ -281,30 +281,30 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
     reason = (f"checkpointing off, because: auto found no repeated blocks in {type(model).__name__} (no "
               "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules), so nothing is "
               "planned per block; to checkpoint it, call apply_checkpointing(model, blocks=...) before train()")
-    return RunPlan(settings, None, None, (reason, f"optimizer {settings.optimizer_text} (as given)"))
+    return PlanInForce(settings, None, None, (reason, f"optimizer {settings.optimizer_text} (as given)"))
 
 
 # -- the check at step 2 and the re-plans -------------------------------------------------------------------
-def check_plan(run_plan: RunPlan, step: int, peak_bytes: int | None, activation_bytes: int | None,
+def check_plan(in_force: PlanInForce, step: int, peak_bytes: int | None, activation_bytes: int | None,
                device: torch.device) -> dict[str, Any]:
     """What the plan predicted beside what step ``step`` (counted from 1) measured: on an accelerator (a simulated
     one too) the allocator's peak (over the budget: a re-plan), on the CPU the bytes saved for backward (exactly
     what ``measure`` counts)."""
-    p = run_plan.plan
+    p = in_force.plan
     if p is None:
-        return {"log": run_plan.unchecked or "plan check: no plan to check (the model has no repeated blocks)",
+        return {"log": in_force.unchecked or "plan check: no plan to check (the model has no repeated blocks)",
                 "what": None,
                 "predicted_bytes": None, "measured_bytes": None, "relative_error": None, "over_budget": False}
     cuda = accelerator(device).has_streams
     what, predicted, measured = (("peak", p.peak_bytes, peak_bytes) if cuda else
                                  ("saved activations", p.activation_bytes, activation_bytes))
     error = predicted / measured - 1 if measured else None
-    over = bool(cuda and measured is not None and run_plan.budget_bytes is not None
-                and measured > run_plan.budget_bytes)
+    over = bool(cuda and measured is not None and in_force.budget_bytes is not None
+                and measured > in_force.budget_bytes)
     text = f"{error:+.1%}" if error is not None else "not measured"
     return {
         "log": f"plan check at step {step}: predicted {what} {format_bytes(predicted)}, measured "
-               f"{format_bytes(measured)} ({text})" + (f": over the budget {format_bytes(run_plan.budget_bytes)}, "
+               f"{format_bytes(measured)} ({text})" + (f": over the budget {format_bytes(in_force.budget_bytes)}, "
                                                        "re-planning" if over else ""),
         "what": what, "predicted_bytes": predicted, "measured_bytes": measured, "relative_error": error,
         "over_budget": over, "step": step,
@@ -317,8 +317,8 @@ def failed_allocation_bytes(message: str) -> int:
     return parse_bytes(match[1] + match[2]) if match else 0
 
 
-def replan(run_plan: RunPlan, model: nn.Module, config: TrainConfig, context: RunContext, *, shortfall_bytes: int,
-           why: str) -> RunPlan:
+def replan(in_force: PlanInForce, model: nn.Module, config: TrainConfig, context: RunContext, *, shortfall_bytes: int,
+           why: str) -> PlanInForce:
     """The next plan with ``shortfall_bytes`` more folded into every predicted peak, the optimizer kept.
 
     Where the config fixes the micro-batch and nothing fits with it, the plan chooses the micro-batch too (the
@@ -327,19 +327,19 @@ def replan(run_plan: RunPlan, model: nn.Module, config: TrainConfig, context: Ru
     Raises:
         MemtrainError: nothing fits even so (the message carries the planner's: the smallest peak, what fits).
     """
-    correction = run_plan.correction_bytes + max(1, int(shortfall_bytes))
+    correction = in_force.correction_bytes + max(1, int(shortfall_bytes))
     notes = [f"re-planned after {why}: {format_bytes(correction)} the estimate missed, folded into every predicted "
              "peak"]
     try:
         try:
-            new = plan_run(model, config, context, correction_bytes=correction, keep_optimizer=run_plan.settings,
-                           micro_batch_size=run_plan.settings.micro_batch_size if config.micro_batch_size else None,
-                           budget=run_plan.budget_bytes)
+            new = plan_for_run(model, config, context, correction_bytes=correction, keep_optimizer=in_force.settings,
+                           micro_batch_size=in_force.settings.micro_batch_size if config.micro_batch_size else None,
+                           budget=in_force.budget_bytes)
         except ConfigError:
             if config.micro_batch_size is None:
                 raise
-            new = plan_run(model, config, context, correction_bytes=correction, keep_optimizer=run_plan.settings,
-                           free_micro=True, budget=run_plan.budget_bytes)
+            new = plan_for_run(model, config, context, correction_bytes=correction, keep_optimizer=in_force.settings,
+                           free_micro=True, budget=in_force.budget_bytes)
             notes.append(f"micro_batch_size={config.micro_batch_size} does not fit with the correction: the plan "
                          f"chose {new.settings.micro_batch_size}")
     except ConfigError as e:
@@ -348,12 +348,12 @@ def replan(run_plan: RunPlan, model: nn.Module, config: TrainConfig, context: Ru
     return dataclasses.replace(new, reasons=(*notes, *new.reasons))
 
 
-def shortfall_after_oom(run_plan: RunPlan, error: str, measured_peak: int | None = None) -> int:
+def shortfall_after_oom(in_force: PlanInForce, error: str, measured_peak: int | None = None) -> int:
     """What the estimate missed at least, after a step ran out of memory: the allocator's peak in the failed
     step plus the allocation that failed, over the predicted peak (``measured_peak``, CUDA); where it is not known,
     the real peak passed the usable budget (the device gave out) by that allocation. Where the error does not say
     how much it asked for, ``OOM_MIN_OVERSHOOT`` of the predicted peak."""
-    p = run_plan.plan
+    p = in_force.plan
     assert p is not None and p.usable_bytes is not None
     failed = failed_allocation_bytes(error) or int(OOM_MIN_OVERSHOOT * p.peak_bytes)
     if measured_peak is not None:
@@ -361,33 +361,33 @@ def shortfall_after_oom(run_plan: RunPlan, error: str, measured_peak: int | None
     return p.usable_bytes - p.peak_bytes + failed
 
 
-def plan_after_out_of_memory(run_plan: RunPlan, error: str, model: nn.Module, config: TrainConfig,
-                             context: RunContext, step: int, measured_peak: int | None) -> RunPlan:
+def plan_after_out_of_memory(in_force: PlanInForce, error: str, model: nn.Module, config: TrainConfig,
+                             context: RunContext, step: int, measured_peak: int | None) -> PlanInForce:
     """The plan after step ``step`` (counted from 0) ran out of memory: with the shortfall folded in, or (a model
     without blocks, so no plan) half the micro-batch."""
-    micro = run_plan.settings.micro_batch_size
+    micro = in_force.settings.micro_batch_size
     if context.world > 1:
         raise MemtrainError(f"out of memory at step {step + 1} with a micro-batch of {micro} on one of several "
                             "ranks (the others cannot re-plan in step). To resolve this error, pass a smaller budget "
                             "(budget=) so that the plan leaves more room, or a smaller micro_batch_size.")
-    if run_plan.plan is None:
+    if in_force.plan is None:
         per_rank = context.global_batch  # one rank
         if micro == 1:
             raise MemtrainError(f"out of memory at step {step + 1} with a micro-batch of 1. To resolve this error, "
                                 "pass optimizer.placement='offload', a shorter "
                                 "seq_len, or a smaller model.")
         smaller = next(m for m in range(micro // 2, 0, -1) if per_rank % m == 0)
-        s = dataclasses.replace(run_plan.settings, micro_batch_size=smaller, accumulation=per_rank // smaller)
-        return dataclasses.replace(run_plan, settings=s, reasons=(
+        s = dataclasses.replace(in_force.settings, micro_batch_size=smaller, accumulation=per_rank // smaller)
+        return dataclasses.replace(in_force, settings=s, reasons=(
             "no plan to correct (the model has no repeated blocks)", f"micro-batch halved to {smaller}"))
-    return replan(run_plan, model, config, context, why=f"out of memory at step {step + 1}",
-                  shortfall_bytes=shortfall_after_oom(run_plan, error, measured_peak))
+    return replan(in_force, model, config, context, why=f"out of memory at step {step + 1}",
+                  shortfall_bytes=shortfall_after_oom(in_force, error, measured_peak))
 
 
-def replan_record(step: int, why: str, old: RunPlan, new: RunPlan) -> dict[str, Any]:
+def replan_record(step: int, why: str, old: PlanInForce, new: PlanInForce) -> dict[str, Any]:
     """One entry of report.json's "replans": the step, why, the new settings, the correction, and both plans'
     peaks as the estimate alone predicts them (the correction left out)."""
-    def raw(r: RunPlan) -> int | None:
+    def raw(r: PlanInForce) -> int | None:
         return r.plan.peak_bytes - r.correction_bytes if r.plan is not None else None
 
     return {"step": step + 1, "why": why, "settings": new.settings.to_dict(), "correction_bytes": new.correction_bytes,

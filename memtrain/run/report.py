@@ -17,10 +17,10 @@ from memtrain.estimate import estimate
 from memtrain.files import atomic_write_bytes
 from memtrain.planner import planning_device
 from memtrain.report import CATEGORIES, format_bytes, memory_bars, plot_loss, save_figure
-from memtrain.run.replan import RunPlan
+from memtrain.run.replan import PlanInForce
 
 
-def write_run_report(out: Path, metrics: list[dict[str, Any]], run_plan: RunPlan, check: dict[str, Any] | None,
+def write_run_report(out: Path, metrics: list[dict[str, Any]], in_force: PlanInForce, check: dict[str, Any] | None,
                      replans: list[dict[str, Any]], model: nn.Module, global_batch: int, seq_len: int,
                      device: torch.device, world: int) -> dict[str, Any]:
     """report.json, loss.png and memory.png: the plan, its prediction and the measurement at step 2, the re-plans,
@@ -29,8 +29,8 @@ def write_run_report(out: Path, metrics: list[dict[str, Any]], run_plan: RunPlan
     measured = metrics[-1]
     with_memtrain = {key: measured[key] for key, _ in CATEGORIES}
     report: dict[str, Any] = {
-        "plan": run_plan.plan.to_dict() if run_plan.plan is not None else {"settings": run_plan.settings.to_dict()},
-        "prediction": run_plan.to_dict(),
+        "plan": in_force.plan.to_dict() if in_force.plan is not None else {"settings": in_force.settings.to_dict()},
+        "prediction": in_force.to_dict(),
         "measurement": check,
         "replans": replans,
         "with_memtrain": with_memtrain,
@@ -52,7 +52,7 @@ def write_run_report(out: Path, metrics: list[dict[str, Any]], run_plan: RunPlan
     bars = {"with memtrain (measured)": with_memtrain}
     if report["without_memtrain"]:
         bars = {"without memtrain (estimated)": report["without_memtrain"], **bars}
-    save_figure(memory_figure(bars, metrics, run_plan, replans), str(out / "memory.png"))
+    save_figure(memory_figure(bars, metrics, in_force, replans), str(out / "memory.png"))
     return report
 
 
@@ -61,7 +61,7 @@ TIMELINE = (("peak_bytes", "allocator peak", "tab:purple"), ("activation_bytes",
             ("model_state_bytes", "model state", "tab:green"))
 
 
-def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]], run_plan: RunPlan,
+def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]], in_force: PlanInForce,
                   replans: list[dict[str, Any]]) -> Any:
     """memory.png's figure (a ``matplotlib.figure.Figure``): on the left each category's bytes, ``bars`` side by
     side; on the right the memory of each optimizer step (the allocator's peak, CUDA only; the bytes saved for
@@ -81,8 +81,8 @@ def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]]
             steps_ax.plot(steps, [v / 2**20 if v is not None else math.nan for v in values], ".-", color=color,
                           label=label)
     peaks = [m["peak_bytes"] for m in metrics if m.get("peak_bytes") is not None]
-    p = run_plan.plan
-    levels = (("budget", run_plan.budget_bytes, "-", "red"),
+    p = in_force.plan
+    levels = (("budget", in_force.budget_bytes, "-", "red"),
               ("predicted peak", p.peak_bytes if p else None, "--", "tab:purple"),
               ("measured peak", max(peaks) if peaks else None, ":", "tab:purple"),
               ("predicted saved activations", p.activation_bytes if p else None, "--", "tab:blue"))
@@ -102,10 +102,10 @@ def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]]
     return fig
 
 
-def plan_summary(run_plan: RunPlan, precision: str) -> str:
+def plan_summary(in_force: PlanInForce, precision: str) -> str:
     """The plan in one line, for a ``quiet`` run (instead of each choice with its reason)."""
-    s, p = run_plan.settings, run_plan.plan
-    budget = f" of the budget {format_bytes(run_plan.budget_bytes)}" if run_plan.budget_bytes is not None else ""
+    s, p = in_force.settings, in_force.plan
+    budget = f" of the budget {format_bytes(in_force.budget_bytes)}" if in_force.budget_bytes is not None else ""
     predicted = f"; predicted peak {format_bytes(p.peak_bytes)} per rank{budget}" if p is not None else ""
     return (f"plan: {precision}; checkpointing {s.checkpointing}; loss {'chunked' if s.chunked_loss else 'whole'}; "
             f"optimizer {s.optimizer_text}{', compiled' if s.compile else ''}; micro-batch {s.micro_batch_size} x "
