@@ -109,6 +109,12 @@ OFFLOAD_WEIGHTS_ONE_PROCESS = Rule(
     "gradients after they left for the host).",
     "run one process without fsdp=True, or drop offload_weights=True")
 
+# -- the optimizer's class --------------------------------------------------------------------------------------
+NAMED_OWN_STATE = Rule(
+    "named-optimizer-own-state",
+    "lean moments and pure bf16 are memtrain's AdamW's; another optimizer class keeps its own state.",
+    "drop them, or use the 'adamw' optimizer")
+
 # -- activation checkpointing and offload ------------------------------------------------------------------------
 CHECKPOINT_OFFLOAD_INPUTS = Rule(
     "checkpoint-offload-inputs",
@@ -120,7 +126,7 @@ RULES: tuple[Rule, ...] = (
     GRADIENTS_BEFORE_DDP, OFFLOAD_OPTIMIZER_FSDP, OFFLOAD_WITH_FRACTION, OFFLOAD_WITH_IN_BACKWARD,
     IN_BACKWARD_WITH_FRACTION, IN_BACKWARD_FP16_SCALER, IN_BACKWARD_PER_PARAMETER, BF16_WEIGHTS_PRECISION,
     OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER, OFFLOAD_WEIGHTS_COMPILE, OFFLOAD_WEIGHTS_PURE_BF16, OFFLOAD_WEIGHTS_ONE_PROCESS,
-    CHECKPOINT_OFFLOAD_INPUTS,
+    NAMED_OWN_STATE, CHECKPOINT_OFFLOAD_INPUTS,
 )
 
 

@@ -95,7 +95,7 @@ def test_a_missing_package_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_lean_moments_and_pure_bf16_are_adamws_alone() -> None:
-    with pytest.raises(ConfigError, match="state_precision='bf16'.*another class keeps its own state"):
+    with pytest.raises(ConfigError, match="state_precision='bf16'.*another optimizer class keeps its own state"):
         OptimizerChoice(name="lion", state_precision="bf16")
     with pytest.raises(ConfigError, match="pure_bf16=True"):
         Choices(optimizer=OptimizerChoice(name="adafactor"), pure_bf16=True)

@@ -28,7 +28,7 @@ def test_the_rules_are_listed_once_each():
         "bf16-device-weights-precision",
         "offload-weights-device-optimizer", "offload-weights-compile", "offload-weights-pure-bf16",
         "offload-weights-one-process",
-        "checkpoint-offload-inputs",
+        "named-optimizer-own-state", "checkpoint-offload-inputs",
     ]
     module_rules = [v for v in vars(rules).values() if isinstance(v, rules.Rule)]
     assert sorted(r.name for r in module_rules) == sorted(r.name for r in rules.RULES), "a Rule missing from RULES"
@@ -61,6 +61,7 @@ CHOICES = {
     "offload-weights-pure-bf16": lambda: Choices(offload_weights=True, pure_bf16=True),
     "offload-weights-one-process": lambda: Choices(offload_weights=True).check_run(world_size=2),
     "checkpoint-offload-inputs": lambda: Choices(checkpointing="all+offload", offload_activations=False),
+    "named-optimizer-own-state": lambda: OptimizerChoice(name="adafactor", state_precision="bf16"),
 }
 
 
@@ -83,6 +84,8 @@ BUILD = {
                                                             state_precision="bf16", grad_scaler=_fp16_scaler()),
     "step-in-backward-per-parameter": lambda: build_optimizer(_params(), **HYPER, step_in_backward=True,
                                                               optimizer_class=torch.optim.LBFGS),
+    "named-optimizer-own-state": lambda: build_optimizer(_params(), **HYPER, optimizer_class="lion",
+                                                         state_precision="int8"),
 }
 
 # The planner's checks of fixed choices.

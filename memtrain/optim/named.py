@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError
+from memtrain.rules import NAMED_OWN_STATE
 
 ADAMW = "adamw"  # memtrain's AdamW (build_optimizer): state precision, pure bf16, the fused host kernels
 # Short names the CLI and config files take for well-known classes (any dotted path works too).
@@ -178,8 +179,8 @@ def own_state_problems(named: NamedOptimizer, state_precision: str | None, pure_
     asked = " and ".join(text for text in (
         f"{prefix}state_precision={state_precision!r}" if state_precision not in (None, "fp32") else "",
         "pure_bf16=True" if pure_bf16 else "") if text)
-    return [f"optimizer {named.text} with {asked}: lean moments and pure bf16 are memtrain's AdamW's, another class "
-            f"keeps its own state. To resolve this error, drop {asked}, or use the 'adamw' optimizer."]
+    return [NAMED_OWN_STATE.message(f"optimizer {named.text} with {asked}",
+                                    f"drop {asked}, or use the 'adamw' optimizer")]
 
 
 def _public_path(cls: type) -> str:

@@ -74,6 +74,7 @@ from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
 from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure_bf16_moments
+from memtrain.rules import NAMED_OWN_STATE
 
 
 class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, torch.optim.Optimizer):
@@ -602,11 +603,10 @@ def _moments_class(optimizer_class: type[torch.optim.Optimizer], state_precision
     if state_precision == "fp32":
         return optimizer_class
     if optimizer_class is not torch.optim.AdamW:
-        raise ConfigError(
+        raise ConfigError(NAMED_OWN_STATE.message(
             f"CPUOffloadOptimizer(optimizer_class={getattr(optimizer_class, '__name__', optimizer_class)}, "
-            f"state_precision={state_precision!r}): the lean moments are AdamW's (bf16 with stochastic rounding, or "
-            "bitsandbytes' 8-bit). To resolve this error, drop optimizer_class (AdamW), or pass "
-            "state_precision='fp32'.")
+            f"state_precision={state_precision!r})",
+            "drop optimizer_class (AdamW), or pass state_precision='fp32'"))
     return state_class(str(state_precision), "cpu")[0]
 
 
