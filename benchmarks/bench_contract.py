@@ -255,9 +255,9 @@ class SyncCount:
 
 SYNC_SETUPS: dict[str, dict[str, Any]] = {
     "device fused AdamW": dict(),
-    "LeanAdamW fp32 (partial host offload)": dict(state_precision="fp32", offload_fraction=0.5),
-    "LeanAdamW bf16": dict(state_precision="bf16"),
-    "LeanAdamW int8": dict(state_precision="int8"),
+    "ComposedOptimizer fp32 (partial host offload)": dict(state_precision="fp32", offload_fraction=0.5),
+    "ComposedOptimizer bf16": dict(state_precision="bf16"),
+    "ComposedOptimizer int8": dict(state_precision="int8"),
     "step in backward": dict(step_in_backward=True),
     "CPUOffloadOptimizer": dict(optimizer="offload"),
     "CPUOffloadOptimizer, bf16 weights": dict(optimizer="offload-bf16-weights"),
@@ -295,7 +295,7 @@ def _sync_run(name: str, setup: dict[str, Any], clip: bool, accumulation: int = 
 # window's item count on the host; bitsandbytes' 8-bit step takes no device skip flag (a non-finite window is
 # refused by one read instead).
 READS_ONCE = ("CPUOffloadOptimizer", "int8")
-# NOTE: a known shortfall, not the contract: LeanAdamW with a host part reads the window's numbers, then its
+# NOTE: a known shortfall, not the contract: ComposedOptimizer with a host part reads the window's numbers, then its
 # device norms (a second blocking copy, after the first drained the device's queue: a round trip, not a stall).
 # One read would need the device norms copied with the window's numbers. Bounded at what it does.
 READS_TWICE = ("partial host offload",)
@@ -348,7 +348,7 @@ def _optimizer_for(kind: str, named: list[tuple[str, torch.nn.Parameter]]) -> to
     return build_optimizer(named, state_precision=kind.split()[-1], **hyper)  # type: ignore[arg-type]
 
 
-OPS_OPTIMIZERS = ("torch fused AdamW", "LeanAdamW fp32", "LeanAdamW bf16", "LeanAdamW int8")
+OPS_OPTIMIZERS = ("torch fused AdamW", "ComposedOptimizer fp32", "ComposedOptimizer bf16", "ComposedOptimizer int8")
 
 
 def optimizer_ops() -> list[OpsCount]:

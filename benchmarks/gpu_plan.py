@@ -333,7 +333,7 @@ def run_settings(settings: PlanSettings, shape: LlamaShape, *, seq_len: int, dev
         "run_peak_allocated_bytes": _max(setup_peaks["allocated"], warm_peaks["allocated"], peaks["allocated"]),
         "run_peak_reserved_bytes": _max(setup_peaks["reserved"], warm_peaks["reserved"], peaks["reserved"]),
     }
-    close = getattr(run.optimizer, "close", None)  # CPUOffloadOptimizer's and LeanAdamW's worker and hooks
+    close = getattr(run.optimizer, "close", None)  # CPUOffloadOptimizer's and ComposedOptimizer's worker and hooks
     if callable(close):
         close()
     return out

@@ -220,7 +220,7 @@ class GradientAccumulator:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._sync = _sync_kind(model)
         # What the optimizer declares of the contract (memtrain.optim.contract), read once. Stepping in backward
-        # (LeanAdamW(step_in_backward=True)), parameters step inside the last micro-batch's backward, so the
+        # (ComposedOptimizer(step_in_backward=True)), parameters step inside the last micro-batch's backward, so the
         # window's normalisation, clipping and inf check are handed to it before that backward.
         self._traits = OptimizerTraits.of(optimizer)
         self._steps_in_backward = self._traits.steps_in_backward
@@ -470,7 +470,7 @@ class GradientAccumulator:
         read of its own); the window's numbers cross to the host once, as the host step needs the factor."""
         optimizer = self.optimizer
         if self.scaler is not None and not self._traits.found_inf_before_step:
-            # LeanAdamW with a host part under the fp16 scaler: its own passes and reads (the scaler's inf check).
+            # ComposedOptimizer with a host part under the fp16 scaler: its own passes and reads (the scaler's inf check).
             items_f, micro_f, loss_sum = stats.tolist()
             divisor = self._check_items(items_f, micro_f)
             optimizer.scale_gradients_(self._factor(divisor))
@@ -486,7 +486,7 @@ class GradientAccumulator:
         divisor_t = items_t if self._reduction == "sum" else micro_t
         optimizer.scale_gradients_(self._factor(divisor_t))  # lazy: folded into the host step
         norm = optimizer.clip_grad_norm_(self.max_grad_norm or math.inf)  # from the norms taken as grads landed
-        # LeanAdamW with a host part (no scaler here): its device norms joined the host's, read with the rest.
+        # ComposedOptimizer with a host part (no scaler here): its device norms joined the host's, read with the rest.
         found = getattr(optimizer, "found_inf_flag", None)
         values = [items_t, micro_t, loss_t, norm.double()] + ([found.double()] if found is not None else [])
         items_f, micro_f, loss_sum, grad_norm, *found_f = torch.stack(values).tolist()

@@ -153,7 +153,7 @@ def private_imports() -> list[str]:
 # What changes a model or steps it: only ``memtrain.planner.apply`` may take these, so the search stays pure.
 TECHNIQUES = frozenset({"apply_checkpointing", "remove_checkpointing", "checkpoint_sequential", "compile_model",
                         "offload_activations", "ActivationOffloader", "build_optimizer", "CPUOffloadOptimizer",
-                        "LeanAdamW", "BF16StateAdamW", "GradientAccumulator", "apply_chunked_loss",
+                        "ComposedOptimizer", "BF16StateAdamW", "GradientAccumulator", "apply_chunked_loss",
                         "remove_chunked_loss", "MixedPrecision"})
 
 

@@ -22,7 +22,7 @@ def test_partial_offload_with_fp16_scaler_matches_torch() -> None:
 
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scaler"])
 def test_a_partial_offload_normalises_unscales_and_clips_without_a_pass_over_host_gradients(fp16) -> None:
-    """LeanAdamW's host part through GradientAccumulator (3 micro-batches, clipping active): between the last
+    """ComposedOptimizer's host part through GradientAccumulator (3 micro-batches, clipping active): between the last
     backward and the host step no aten op reads or writes a host gradient buffer (the old code multiplied them
     by 1/items, unscaled them and multiplied them by the clip coefficient, a pass each)."""
     from helpers import Touches

@@ -38,7 +38,7 @@ class Case:
     in_backward: bool = False  # step_in_next_backward() on the window's last micro-batch
     device_dtype: torch.dtype | None = None
     options: dict[str, Any] = field(default_factory=dict)  # more CPUOffloadOptimizer arguments
-    partial: bool = False  # build_optimizer(offload_fraction=0.5): LeanAdamW's host part
+    partial: bool = False  # build_optimizer(offload_fraction=0.5): ComposedOptimizer's host part
     pure_bf16: bool = False
     fp16_overflow_at: int | None = None  # an fp16 GradScaler, and an inf gradient at this step (skipped)
     resume_at: int | None = None  # state_dict round trip (model and optimizer) before this step

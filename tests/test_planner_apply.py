@@ -16,7 +16,7 @@ from memtrain.planner import (
 
 # -- apply_plan ---------------------------------------------------------------------------------------------
 def test_apply_plan_builds_the_lean_optimizer_the_settings_say():
-    from memtrain.optim import LeanAdamW
+    from memtrain.optim import ComposedOptimizer
 
     model = planner_gpt(layers=4)
     settings = PlanSettings(micro_batch_size=8, accumulation=1, blocks=("keep",) * 4, flavor="full",
@@ -24,7 +24,7 @@ def test_apply_plan_builds_the_lean_optimizer_the_settings_say():
                             precision="fp32",
                             state_precision="bf16", step_in_backward=True)
     run = apply_plan(model, settings, lr=1e-3, max_grad_norm=None)
-    assert isinstance(run.optimizer, LeanAdamW) and run.optimizer.steps_in_backward
+    assert isinstance(run.optimizer, ComposedOptimizer) and run.optimizer.steps_in_backward
     x = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
     with run.accumulator.micro_batch(is_last=True):
         run.accumulator.backward(model(x, x, reduction="sum"), reduction="sum", items=x.numel())

@@ -113,9 +113,9 @@ def test_betas_and_eps_reach_every_optimizer_apply_plan_builds():
                         optimizer="device", distribution="none", compile=False, precision="fp32")
     set_ups = {
         "fused AdamW": base,
-        "LeanAdamW (bf16 moments)": replace(base, state_precision="bf16"),
-        "LeanAdamW (step in backward)": replace(base, step_in_backward=True),
-        "LeanAdamW (partly offloaded)": replace(base, offload_fraction=0.5),
+        "ComposedOptimizer (bf16 moments)": replace(base, state_precision="bf16"),
+        "ComposedOptimizer (step in backward)": replace(base, step_in_backward=True),
+        "ComposedOptimizer (partly offloaded)": replace(base, offload_fraction=0.5),
         "CPUOffloadOptimizer": replace(base, optimizer="offload"),
         "CPUOffloadOptimizer (bf16 weights)": replace(base, optimizer="offload-bf16-weights", precision="bf16-mixed"),
     }

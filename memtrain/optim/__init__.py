@@ -10,12 +10,12 @@
 - ``memory``: the byte model (optimizer_memory), which parameters go to the host, the host step's rate.
 - ``in_backward``: each parameter steps as its gradient is final (lagged clipping, the inf flag on the device).
 - ``partial``: the host part of a partly offloaded AdamW, normalised and clipped with the device part.
-- ``lean_adamw``: LeanAdamW, one torch optimizer combining the options; ``build``: build_optimizer.
+- ``composed``: ComposedOptimizer, one torch optimizer combining the options; ``build``: build_optimizer.
 - ``pure_bf16``: PureBF16AdamW, bf16 weights with no fp32 master, updates rounded stochastically (unbiased).
 """
 
 from memtrain.optim.build import build_optimizer
-from memtrain.optim.lean_adamw import LeanAdamW
+from memtrain.optim.composed import ComposedOptimizer
 from memtrain.optim.memory import (
     OptimizerMemory,
     cpu_step_rate,
@@ -42,7 +42,7 @@ __all__ = [
     "STATE_PRECISIONS",
     "BF16StateAdamW",
     "CPUOffloadOptimizer",
-    "LeanAdamW",
+    "ComposedOptimizer",
     "OptimizerMemory",
     "PureBF16AdamW",
     "StatePrecision",

@@ -10,7 +10,7 @@ from torch import nn
 
 from memtrain import rules
 from memtrain.errors import ConfigError
-from memtrain.optim.lean_adamw import LeanAdamW
+from memtrain.optim.composed import ComposedOptimizer
 from memtrain.optim.memory import offloaded_mask
 from memtrain.optim.moments import adamw_8bit_class, check_precision
 from memtrain.optim.named import NamedOptimizer, own_state_problems
@@ -25,7 +25,7 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
                     state_precision: str = "fp32", offload_fraction: float = 0.0, step_in_backward: bool = False,
                     grad_scaler: torch.amp.GradScaler | None = None, world_size: int = 1,
                     optimizer_class: type[torch.optim.Optimizer] | str | NamedOptimizer = torch.optim.AdamW,
-                    optimizer_kwargs: Mapping[str, Any] | None = None, pure_bf16: bool = False) -> LeanAdamW:
+                    optimizer_kwargs: Mapping[str, Any] | None = None, pure_bf16: bool = False) -> ComposedOptimizer:
     """The optimizer ``apply_plan``/``train`` use: AdamW with the chosen state precision (or any other class),
     partial host offload and step-in-backward, as one ``torch.optim.Optimizer``.
 
@@ -82,7 +82,7 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
     mask = offloaded_mask([p.numel() for _, p in params], offload_fraction)
     if pure_bf16:
         _check_pure_bf16(params, state_precision, grad_scaler)
-        return LeanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        return ComposedOptimizer(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          state_precision=state_precision, offload_mask=mask, step_in_backward=step_in_backward,
                          grad_scaler=grad_scaler, pure_bf16=True)
     on_device = [n for (n, p), h in zip(params, mask, strict=True) if not h and p.dtype != torch.float32]
@@ -96,7 +96,7 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         adamw_8bit_class(params[0][1].device.type)  # raises, naming the fallback, before anything is allocated
     if not named.is_adamw and (any(mask) or params[0][1].device.type == "cpu"):
         named.state_sizes((1,), torch.float32)  # a class that cannot step on the host: one clear error, now
-    return LeanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_precision=state_precision,
+    return ComposedOptimizer(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_precision=state_precision,
                      offload_mask=mask, step_in_backward=step_in_backward, grad_scaler=grad_scaler, named=named)
 
 

@@ -3,7 +3,7 @@
 A plain torch optimizer (any class, memtrain's fused AdamW, a named one) keeps its gradients in ``p.grad`` and steps
 after backward: the accumulator normalises, clips and unscales them itself. memtrain's wrappers change that, and say
 so through ``HostGradientOptimizer`` and ``InBackwardOptimizer``: ``CPUOffloadOptimizer`` keeps the gradients in host memory (the accumulator hands
-it the factor and the clip, folded into the host step), ``LeanAdamW`` with ``step_in_backward`` steps inside the
+it the factor and the clip, folded into the host step), ``ComposedOptimizer`` with ``step_in_backward`` steps inside the
 window's last backward (the factor and the clip are handed over before it). ``OptimizerTraits.of`` reads what an
 optimizer declares, with a plain optimizer's answer for whatever it does not.
 """
@@ -18,7 +18,7 @@ import torch
 
 @runtime_checkable
 class HostGradientOptimizer(Protocol):
-    """An optimizer whose gradients live (partly) in host memory (``CPUOffloadOptimizer``, ``LeanAdamW`` with a
+    """An optimizer whose gradients live (partly) in host memory (``CPUOffloadOptimizer``, ``ComposedOptimizer`` with a
     host part): the accumulator normalises and clips through it, and announces the window's last backward."""
 
     # This step's gradients are (partly) not in ``p.grad``: ``scale_gradients_`` and ``clip_grad_norm_`` reach them.
@@ -35,7 +35,7 @@ class HostGradientOptimizer(Protocol):
 
 @runtime_checkable
 class InBackwardOptimizer(Protocol):
-    """An optimizer whose parameters may step inside the window's last backward (``LeanAdamW``)."""
+    """An optimizer whose parameters may step inside the window's last backward (``ComposedOptimizer``)."""
 
     steps_in_backward: bool
     # Stepping in backward, a non-finite gradient stops the parameters still to step (fused AdamW's device flag).

@@ -2,7 +2,7 @@
 
 The whole model's gradients never coexist (4 bytes per parameter less at the backward's peak). One backward pass
 per micro-batch: clipping uses the previous window's norm (lagged clipping), and an fp16 overflow stops the
-parameters not yet stepped (see ``LeanAdamW``'s docstring in ``memtrain.optim.lean_adamw``).
+parameters not yet stepped (see ``ComposedOptimizer``'s docstring in ``memtrain.optim.composed``).
 
 The window ends with its backward: once the last gradient has landed, autograd's final callback steps what no hook
 stepped (parameters used only in earlier micro-batches, the host part) and records the window's norm, the one that
@@ -40,7 +40,7 @@ class Arming:
 
 
 class StepInBackward:
-    """LeanAdamW's step-in-backward methods (a mixin: the attributes it reads are set up by ``LeanAdamW.__init__``)."""
+    """ComposedOptimizer's step-in-backward methods (a mixin: the attributes it reads are set up by ``ComposedOptimizer.__init__``)."""
 
     if TYPE_CHECKING:
         param_groups: list[dict[str, Any]]

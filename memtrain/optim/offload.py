@@ -211,13 +211,13 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
     @property
     def manages_gradients(self) -> bool:
         """Whether this step's gradients live in host memory, not in ``p.grad`` (``offload_gradients``): the
-        accumulator then normalises and clips through ``scale_gradients_`` and ``clip_grad_norm_``. LeanAdamW
+        accumulator then normalises and clips through ``scale_gradients_`` and ``clip_grad_norm_``. ComposedOptimizer
         exposes the same attribute."""
         return self.offload_gradients
 
     # With a grad_scaler attached, step() takes the inf check from the host gradients' norm, readable before the
     # step as found_inf_flag (once clip_grad_norm_ gathered them), skips on it and writes it back for
-    # scaler.update(): GradientAccumulator calls step() itself, not scaler.step(optimizer). LeanAdamW says False.
+    # scaler.update(): GradientAccumulator calls step() itself, not scaler.step(optimizer). ComposedOptimizer says False.
     found_inf_before_step = True
 
     def _init_param_groups(self, template: torch.optim.Optimizer, groups: list[dict[str, Any]],

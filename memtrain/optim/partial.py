@@ -1,4 +1,4 @@
-"""Partial host offload: LeanAdamW's host part, a CPUOffloadOptimizer over the last parameters in registration
+"""Partial host offload: ComposedOptimizer's host part, a CPUOffloadOptimizer over the last parameters in registration
 order (their gradients land first in backward), normalised, clipped and unscaled together with the device part.
 
 Without step-in-backward the host gradients are the accumulator's path: ``scale_gradients_`` and
@@ -15,8 +15,8 @@ from memtrain.errors import MemtrainError
 
 
 class HostPart:
-    """LeanAdamW's methods for gradients split between the device and the host part (a mixin: the attributes it
-    reads are set up by ``LeanAdamW.__init__``)."""
+    """ComposedOptimizer's methods for gradients split between the device and the host part (a mixin: the attributes it
+    reads are set up by ``ComposedOptimizer.__init__``)."""
 
     if TYPE_CHECKING:
         param_groups: list[dict[str, Any]]

@@ -121,7 +121,7 @@ class PureBF16AdamW(torch.optim.Optimizer):
     def entry_for(self, p: torch.Tensor, moments: tuple[float, torch.Tensor, torch.Tensor],
                   salt: int) -> dict[str, Any]:
         """A state entry for ``p`` holding ``moments`` (step, fp32 moments) in this optimizer's precision, with
-        fresh rounding counters: ``LeanAdamW.load_state_dict`` converting a state saved in another precision."""
+        fresh rounding counters: ``ComposedOptimizer.load_state_dict`` converting a state saved in another precision."""
         step, m, v = moments
         dtype = torch.bfloat16 if self.state_precision == "bf16" else torch.float32
         return {"step": torch.tensor(step, dtype=torch.float32, device=p.device),

@@ -87,7 +87,7 @@ def test_bf16_weights_and_device_bytes_saved() -> None:
         assert torch.equal(p.cpu(), sd["state"][name]["master_weight"].to(torch.bfloat16))
 
 
-# -- memtrain.optim.LeanAdamW on a GPU ------------------------------------------------------------------------
+# -- memtrain.optim.ComposedOptimizer on a GPU ------------------------------------------------------------------------
 def _train_lean(options: dict | None, *, steps: int = 6, max_norm: float | None = 0.5) -> nn.Module:
     """make_model() on CUDA through GradientAccumulator (2 micro-batches); options=None: fused torch AdamW."""
     from memtrain.accumulation import GradientAccumulator

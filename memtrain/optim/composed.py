@@ -1,4 +1,5 @@
-"""LeanAdamW: AdamW with a state precision, step-in-backward and partial host offload, as one torch optimizer.
+"""ComposedOptimizer: an optimizer class (memtrain's AdamW with a state precision, or any named class) with
+step-in-backward and partial host offload, as one torch optimizer.
 
 AdamW holds 16 bytes per fp32 parameter on the device (weights, gradient, two moments). Each option here trades
 a little time or precision for some of them, and ``build_optimizer`` (``memtrain.optim.build``) combines them into
@@ -11,7 +12,7 @@ one ``torch.optim.Optimizer`` that LR schedulers, ``GradientAccumulator``, clipp
 - ``step_in_backward``: each parameter steps as soon as its gradient is final and the gradient is freed at once,
   so the whole model's gradients never coexist (4 bytes/param less at the backward's peak). One backward pass:
   clipping uses the previous window's norm (lagged clipping), an fp16 overflow stops the parameters not yet
-  stepped (see ``LeanAdamW``): ``memtrain.optim.in_backward``.
+  stepped (see ``ComposedOptimizer``): ``memtrain.optim.in_backward``.
 - ``offload_fraction``: that share of the parameters (the last ones in registration order, whose gradients land
   first in backward) keep their fp32 master and state in host RAM through ``CPUOffloadOptimizer``:
   ``memtrain.optim.partial``.
@@ -40,8 +41,9 @@ from memtrain.optim.pure_bf16 import PureBF16AdamW
 from memtrain.precision import step_with_inf_flag
 
 
-class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
-    """AdamW over named parameters with a state precision, optional step-in-backward and partial host offload.
+class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
+    """An optimizer class (AdamW with a state precision, or a named one) over named parameters, with optional
+    step-in-backward and partial host offload.
 
     Trade-off: see the module docstring; each option is off (fp32 state on the device, an ordinary step) unless
     asked for. Build it with ``build_optimizer``.
@@ -151,7 +153,7 @@ class LeanAdamW(StepInBackward, HostPart, torch.optim.Optimizer):
     # -- bookkeeping --------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_adding", False):
-            raise MemtrainError("LeanAdamW.add_param_group: the inner optimizers are built once. To resolve this "
+            raise MemtrainError("ComposedOptimizer.add_param_group: the inner optimizers are built once. To resolve this "
                                 "error, pass every parameter to build_optimizer.")
         super().add_param_group(param_group)
 

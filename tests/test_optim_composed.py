@@ -1,4 +1,4 @@
-"""memtrain.optim.lean_adamw: LeanAdamW's parity with torch AdamW (accumulation, clipping, LR schedules), its
+"""memtrain.optim.composed: ComposedOptimizer's parity with torch AdamW (accumulation, clipping, LR schedules), its
 state precisions training alike, and its state_dict (bit-identical resume, conversion between precisions).
 
 The training builders (make_model, batches, train, ...) live in tests/optim_training.py.
