@@ -60,6 +60,7 @@ from memtrain.run import (
     write_faults,
 )
 from memtrain.run.export import export_results
+from memtrain.run.identity import RunIdentity
 from memtrain.run.plan_check import check_step
 from memtrain.run.replan import (
     PlanInForce,
@@ -73,6 +74,7 @@ from memtrain.run.replan import (
     replan_record,
 )
 from memtrain.run.report import plan_summary, write_run_report
+from memtrain.run.state import CheckpointExtra, PlanCheck
 from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule, resumed_reasons
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
@@ -162,7 +164,7 @@ class Session:
         self.scheduler = self.acc.scheduler
         self.in_force = in_force
         self.micro, self.accumulation = in_force.settings.micro_batch_size, in_force.settings.accumulation
-        self.plan_check: dict[str, Any] | None = None  # the plan against the device at its second step
+        self.plan_check: PlanCheck | None = None  # the plan against the device at its second step
         self.replans: list[dict[str, Any]] = []  # report.json's "replans"
         self.batches: Iterator[Any] = iter(())
         self._config, self._context, self._train_data, self.rank = config, context, train_data, rank
@@ -356,17 +358,17 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
                          precision=precision_name, packed=len(train_data[0]) > 2,  # PackedRow: position_ids
                          precision_reason=precision_reason)
-    # What defines the run: a resume that differs in any of these is refused, naming each difference.
-    run = {"seed": config.seed, "global_batch_size": global_batch, "world_size": world, "seq_len": context.seq_len,
-           "data": data_fingerprint(train_data), "model": model_fingerprint(model), "precision": precision_name,
-           "lr": config.lr, "warmup_steps": config.warmup_steps, "min_lr_ratio": config.min_lr_ratio,
-           "weight_decay": config.weight_decay, "grad_clip": config.grad_clip, "fsdp": config.fsdp,
-           "lr_schedule": config.lr_schedule, "adam_betas": list(config.adam_betas), "adam_eps": config.adam_eps}
     started_with = _saved_plan(out) if config.resume else None  # a resume keeps the run's optimizer
+    fingerprints = data_fingerprint(train_data), model_fingerprint(model)  # before the plan configures the model
     in_force = plan_for_run(model, config, context, keep_optimizer=started_with)
     first = in_force.settings
-    run["offload_optimizer"] = first.optimizer != "device"
-    run["optimizer"] = first.optimizer_text
+    # What defines the run: a resume that differs in any of these is refused, naming each difference.
+    run = RunIdentity(seed=config.seed, global_batch_size=global_batch, world_size=world, seq_len=context.seq_len,
+                      data=fingerprints[0], model=fingerprints[1], precision=precision_name, lr=config.lr,
+                      warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio,
+                      weight_decay=config.weight_decay, grad_clip=config.grad_clip, fsdp=config.fsdp,
+                      lr_schedule=config.lr_schedule, adam_betas=tuple(config.adam_betas), adam_eps=config.adam_eps,
+                      offload_optimizer=first.optimizer != "device", optimizer=first.optimizer_text)
 
     # Apply: the model configured in place, the optimizer and accumulator the plan asks for.
     planned = apply_plan(model, first, lr=config.lr, betas=tuple(config.adam_betas), eps=config.adam_eps,
@@ -380,7 +382,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     notes = list(folder.notes) if writer else []  # what taking the folder found (stale locks, temporaries)
     start_step = 0
     if config.resume:
-        config, start_step = _resume(session, model, config, context, checkpoints, run, auto, notes)
+        config, start_step, run = _resume(session, model, config, context, checkpoints, run, auto, notes)
         reasons = resumed_reasons(reasons, config, start_step)  # the schedule as it continues, not as it began
     reasons += session.load_from(start_step).splitlines()
     for text in [plan_summary(session.in_force, precision_name)] if config.quiet else reasons:
@@ -441,11 +443,11 @@ def _reasons(in_force: PlanInForce, precision_reason: str, schedule_reasons: lis
 
 
 def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunContext,
-            checkpoints: RunCheckpoints | None, run: dict[str, Any], auto: dict[str, bool],
-            notes: list[str]) -> tuple[TrainConfig, int]:
+            checkpoints: RunCheckpoints | None, run: RunIdentity, auto: dict[str, bool],
+            notes: list[str]) -> tuple[TrainConfig, int, RunIdentity]:
     """Restores the newest intact checkpoint and the plan the run left off with (``s.follow``); returns the
-    config (with the run's own automatic lr and warm-up) and the step to continue from. What it found is added to
-    ``notes``."""
+    config and the run's identity (with the run's own automatic lr and warm-up) and the step to continue from.
+    What it found is added to ``notes``."""
     def restore(step: int, state: dict[str, Any]) -> None:
         if step >= config.max_steps:
             raise ConfigError(f"resume: the run in {str(checkpoints.root.parent)!r} already reached step {step} "
@@ -455,33 +457,31 @@ def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunConte
                           device=context.device)
 
     # An automatic warm-up and lr are the run's own: a longer max_steps (or new defaults) must not move them.
-    start_step, state, skipped = resume_run(checkpoints, {k: v for k, v in run.items() if not auto.get(k)}, restore)
+    start_step, state, skipped = resume_run(checkpoints, replace(run, **{k: None for k in auto if auto[k]}), restore)
     kept = {k: state["run"][k] for k in ("lr", "warmup_steps") if auto[k] and isinstance(state["run"].get(k), (int, float))}
-    config = replace(config, **kept)
-    run.update(kept)
+    config, run = replace(config, **kept), replace(run, **kept)
     # The optimizer comes back with the rate the old schedule set for this step; a changed max_steps moves it.
     for group, base in zip(s.optimizer.param_groups, s.scheduler.base_lrs, strict=True):
         group["lr"] = base * lr_at(s.scheduler.last_epoch, config) / config.lr
     notes += [f"skipped a damaged checkpoint: {problem}; using the previous one" for problem in skipped]
     notes += applied_changes(flat_settings(state.get("config", {})), flat_settings(config.to_dict()))
-    extra = state["extra"]
-    s.plan_check, s.replans = extra.get("plan_check"), list(extra.get("replans", []))
-    left_at = extra.get("plan_settings")
-    if read_plan_request(extra.get("plan_request")) == plan_request(config) and isinstance(left_at, dict):
+    extra = CheckpointExtra.from_dict(state["extra"])
+    s.plan_check, s.replans = extra.plan_check, list(extra.replans)
+    left = extra.plan_settings
+    if read_plan_request(extra.plan_request) == plan_request(config):
         # The memory settings are the run's: continue on the plan it left off with (re-planned ones too).
-        left = PlanSettings.from_dict(left_at)
         if left != s.in_force.settings:
             try:
                 s.follow(plan_for_run(model, config, context, settings=left, keep_optimizer=left,
-                                  correction_bytes=int(extra.get("correction_bytes", 0))))
+                                      correction_bytes=extra.correction_bytes))
             except ConfigError as e:
                 notes.append(f"resume: the run's last plan does not fit now ({e}); the new plan applies")
                 s.plan_check = None  # a plan this session adopts: checked at its second step
-    elif isinstance(left_at, dict):
+    else:
         notes.append("resume: the memory settings changed, so the run continues on a new plan")
         s.plan_check = None
     notes.append(f"resumed from step {start_step} (micro-batch {s.micro})")
-    return config, start_step
+    return config, start_step, run
 
 
 def _commit_folder(folder: RunFolder, config: TrainConfig, command: Mapping[str, Any] | None,
@@ -498,7 +498,7 @@ def _commit_folder(folder: RunFolder, config: TrainConfig, command: Mapping[str,
     return metrics
 
 
-def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, Any], start_step: int,
+def _loop(s: Session, config: TrainConfig, context: RunContext, run: RunIdentity, start_step: int,
           val_data: Dataset | None, checkpoints: RunCheckpoints | None, metrics_log: MetricsLog | None,
           metrics: list[dict[str, Any]]) -> Tally:
     """One optimizer step per iteration, from ``start_step`` to ``config.max_steps`` (or a signal)."""
@@ -562,7 +562,7 @@ def _loop(s: Session, config: TrainConfig, context: RunContext, run: dict[str, A
     return tally
 
 
-def _stop_mid_step(s: Session, step: int, stop: StopNow, began: bool, config: TrainConfig, run: dict[str, Any],
+def _stop_mid_step(s: Session, step: int, stop: StopNow, began: bool, config: TrainConfig, run: RunIdentity,
                    checkpoints: RunCheckpoints | None, metrics_log: MetricsLog | None, signals: StopSignals,
                    tally: Tally) -> None:
     """Step ``step`` (from 0) abandoned by a signal: its gradients and draws undone, the last finished step saved
@@ -621,11 +621,11 @@ def _check_plan(s: Session, step: int, figures: StepFigures, config: TrainConfig
     left)."""
     s.plan_check = check_step(s.in_force, figures.step, figures.peak_bytes, figures.activation_bytes, context.device,
                               can_replan=context.world == 1 and step + 1 < config.max_steps)
-    _log(f"  {s.plan_check['log']}")
-    if s.plan_check["replanning"]:
+    _log(f"  {s.plan_check.log}")
+    if s.plan_check.replanning:
         _release_step(s, context.device)
         new = replan(s.in_force, s.model, config, context, why=f"a peak over the budget at step {step + 1}",
-                     shortfall_bytes=s.plan_check["measured_bytes"] - s.plan_check["predicted_bytes"])
+                     shortfall_bytes=s.plan_check.measured_bytes - s.plan_check.predicted_bytes)
         for reason in new.reasons[:2]:
             _log(f"  {reason}")
         s.replans.append(replan_record(step, "peak over the budget", s.in_force, new))
@@ -633,15 +633,15 @@ def _check_plan(s: Session, step: int, figures: StepFigures, config: TrainConfig
         s.load_from(step + 1)
 
 
-def _save(s: Session, step: int, config: TrainConfig, run: dict[str, Any], checkpoints: RunCheckpoints,
+def _save(s: Session, step: int, config: TrainConfig, run: RunIdentity, checkpoints: RunCheckpoints,
           metrics_log: MetricsLog | None) -> None:
     """A run checkpoint after step ``step`` (counted from 0), metrics.jsonl made durable first."""
     if metrics_log is not None:
         with write_faults(metrics_log.path, checkpoints):
             metrics_log.sync()  # no checkpoint is ever ahead of the durable metrics
-    extra = {"plan_check": s.plan_check, "plan_settings": s.in_force.settings.to_dict(),
-             "plan_request": plan_request(config), "correction_bytes": s.in_force.correction_bytes,
-             "replans": s.replans}
+    extra = CheckpointExtra(plan_check=s.plan_check, plan_settings=s.in_force.settings,
+                            plan_request=plan_request(config), correction_bytes=s.in_force.correction_bytes,
+                            replans=tuple(s.replans))
     save_run_state(checkpoints if s.rank == 0 else None, step + 1, s.micro, s.model, s.optimizer, s.scheduler,
                    s.precision.scaler, s.acc, run, extra, config=config.to_dict(), device=s.device)
 
@@ -692,7 +692,7 @@ def _release_step(s: Session, device: torch.device) -> None:
 
 def _write_results(out: Any, checkpoints: RunCheckpoints | None, model: nn.Module, state: dict[str, torch.Tensor],
                    masters: dict[int, torch.Tensor], metrics: list[dict[str, Any]], in_force: PlanInForce,
-                   plan_check: dict[str, Any] | None, replans: list[dict[str, Any]], context: RunContext) -> None:
+                   plan_check: PlanCheck | None, replans: list[dict[str, Any]], context: RunContext) -> None:
     """model.safetensors (fp32 masters where the device held bf16 copies), report.json with its plots (sample.txt
     and hf/ are export_results')."""
     duplicates = tied_duplicates(model)  # tied weights once, under their first name

@@ -133,10 +133,10 @@ def test_cuda_peak_against_the_budget(peak, can_replan):
     in_force = PlanInForce(settings, SimpleNamespace(peak_bytes=950, activation_bytes=100), 1000, ())
     with simulate("1MiB"):
         check = check_step(in_force, 2, peak, None, torch.device("cpu"), can_replan=can_replan)
-    assert check["peak_bytes"] == peak and check["over_budget"] == (peak > 1000), check
-    assert check["replanning"] == (peak > 1000 and can_replan), check
-    assert check["log"].endswith("re-planning") == check["replanning"], check["log"]
-    assert ("Warning:" in check["log"]) == (peak > 1000 and not can_replan), check["log"]
+    assert check.peak_bytes == peak and check.over_budget == (peak > 1000), check
+    assert check.replanning == (peak > 1000 and can_replan), check
+    assert check.log.endswith("re-planning") == check.replanning, check.log
+    assert ("Warning:" in check.log) == (peak > 1000 and not can_replan), check.log
 
 
 def test_lora_gpt_run_predicts_its_saved_bytes(tmp_path):

@@ -40,7 +40,8 @@ def test_a_model_without_blocks_halves_its_micro_batch_after_out_of_memory():
     record = replan_record(0, "out of memory", in_force, new)
     assert record["step"] == 1 and record["estimated_peak_before"] is None
     check = check_plan(new, 2, None, 100, torch.device("cpu"))
-    assert check["over_budget"] is False and check["what"] is None
+    assert check.over_budget is False and check.what is None
+    assert "step" not in check.to_dict()  # the JSON of a run without a plan, as it always was
 
 
 def test_out_of_memory_on_one_of_several_ranks_is_an_error():
@@ -141,7 +142,7 @@ def test_every_technique_fixed_runs_without_the_estimate():
     assert any("plan check off, because: the estimate cannot trace _RoutedStack" in r and "reads a tensor value" in r
                for r in in_force.reasons), in_force.reasons
     check = check_plan(in_force, 2, None, 1234, torch.device("cpu"))
-    assert check["log"].startswith("plan check off: the estimate cannot trace _RoutedStack"), check
+    assert check.log.startswith("plan check off: the estimate cannot trace _RoutedStack"), check
     with pytest.raises(ConfigError, match="micro_batch_size=3 does not divide the 8 examples"):  # checked before
         plan_for_run(_RoutedStack(), replace(config, micro_batch_size=3), _context())
     # A resume continues on its own settings, unchecked too.

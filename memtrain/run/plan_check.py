@@ -10,17 +10,17 @@ higher.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
 from memtrain.device import accelerator
 from memtrain.report import format_bytes
 from memtrain.run.replan import PlanInForce, check_plan
+from memtrain.run.state import PlanCheck
 
 
 def check_step(in_force: PlanInForce, step: int, peak_bytes: int | None, activation_bytes: int | None,
-               device: torch.device, *, can_replan: bool) -> dict[str, Any]:
+               device: torch.device, *, can_replan: bool) -> PlanCheck:
     """``check_plan``'s comparison of what the plan predicted with what step ``step`` (counted from 1) measured,
     with the step's peak against the budget on the CPU too.
 
@@ -30,29 +30,26 @@ def check_step(in_force: PlanInForce, step: int, peak_bytes: int | None, activat
         can_replan: the run can re-plan now (one rank, steps left); otherwise a peak over the budget is a warning.
 
     Returns:
-        ``check_plan``'s dict (``log``, ``what``, ``predicted_bytes``, ``measured_bytes``, ``relative_error``,
-        ``step``) with ``over_budget``, ``replanning`` (the caller re-plans with the shortfall
+        ``check_plan``'s ``PlanCheck`` with ``over_budget``, ``replanning`` (the caller re-plans with the shortfall
         ``measured_bytes - predicted_bytes``) and ``peak_bytes`` (the measured or, on the CPU, corrected peak;
-        None where there is nothing to compare).
+        None where there is nothing to compare) decided here.
     """
     # Without a budget check_plan only compares: the verdict and its words are this function's.
     check = check_plan(dataclasses.replace(in_force, budget_bytes=None), step, peak_bytes, activation_bytes, device)
-    check.update(over_budget=False, replanning=False, peak_bytes=None)
-    p, budget, measured = in_force.plan, in_force.budget_bytes, check["measured_bytes"]
+    p, budget, measured = in_force.plan, in_force.budget_bytes, check.measured_bytes
     if p is None or measured is None:
         return check
     if accelerator(device).has_streams:
         peak, what = measured, "measured peak"
     else:  # the estimate's own peak (any correction taken out again), with the saved bytes it missed put back
-        peak = p.peak_bytes - in_force.correction_bytes + measured - check["predicted_bytes"]
+        peak = p.peak_bytes - in_force.correction_bytes + measured - check.predicted_bytes
         what = "peak with the measured saved bytes"
-    check["peak_bytes"] = peak
     if budget is None or peak <= budget:
-        return check
-    check.update(over_budget=True, replanning=can_replan)
+        return dataclasses.replace(check, peak_bytes=peak)
     over = f"{what} {format_bytes(peak)} is over the budget {format_bytes(budget)}"
-    check["log"] += (f": the {over}, re-planning" if can_replan else
-                     f". Warning: the {over}; the run goes on with this plan (a re-plan needs one process and a step "
-                     f"left). To stay within it, run again with --budget {format_bytes(max(1, 2 * budget - peak))} "
-                     "(budget=): the budget less what the estimate missed")
-    return check
+    log = check.log + (f": the {over}, re-planning" if can_replan else
+                       f". Warning: the {over}; the run goes on with this plan (a re-plan needs one process and a "
+                       f"step left). To stay within it, run again with --budget "
+                       f"{format_bytes(max(1, 2 * budget - peak))} (budget=): the budget less what the estimate "
+                       "missed")
+    return dataclasses.replace(check, peak_bytes=peak, over_budget=True, replanning=can_replan, log=log)

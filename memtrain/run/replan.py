@@ -30,6 +30,7 @@ from memtrain.measure import available_host_bytes
 from memtrain.planner import Plan, PlanSettings, budget_bytes, plan, planning_device
 from memtrain.planner.settings import Fixed
 from memtrain.report import format_bytes, parse_bytes
+from memtrain.run.state import PlanCheck
 
 OOM_MIN_OVERSHOOT = 0.02  # of the predicted peak: the least a step that ran out of memory is taken to have missed
 # The TrainConfig fields that shape the plan: a resume that changes none of them continues on the plan the run
@@ -286,15 +287,13 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
 
 # -- the check at step 2 and the re-plans -------------------------------------------------------------------
 def check_plan(in_force: PlanInForce, step: int, peak_bytes: int | None, activation_bytes: int | None,
-               device: torch.device) -> dict[str, Any]:
+               device: torch.device) -> PlanCheck:
     """What the plan predicted beside what step ``step`` (counted from 1) measured: on an accelerator (a simulated
     one too) the allocator's peak (over the budget: a re-plan), on the CPU the bytes saved for backward (exactly
     what ``measure`` counts)."""
     p = in_force.plan
     if p is None:
-        return {"log": in_force.unchecked or "plan check: no plan to check (the model has no repeated blocks)",
-                "what": None,
-                "predicted_bytes": None, "measured_bytes": None, "relative_error": None, "over_budget": False}
+        return PlanCheck(log=in_force.unchecked or "plan check: no plan to check (the model has no repeated blocks)")
     cuda = accelerator(device).has_streams
     what, predicted, measured = (("peak", p.peak_bytes, peak_bytes) if cuda else
                                  ("saved activations", p.activation_bytes, activation_bytes))
@@ -302,13 +301,12 @@ def check_plan(in_force: PlanInForce, step: int, peak_bytes: int | None, activat
     over = bool(cuda and measured is not None and in_force.budget_bytes is not None
                 and measured > in_force.budget_bytes)
     text = f"{error:+.1%}" if error is not None else "not measured"
-    return {
-        "log": f"plan check at step {step}: predicted {what} {format_bytes(predicted)}, measured "
-               f"{format_bytes(measured)} ({text})" + (f": over the budget {format_bytes(in_force.budget_bytes)}, "
-                                                       "re-planning" if over else ""),
-        "what": what, "predicted_bytes": predicted, "measured_bytes": measured, "relative_error": error,
-        "over_budget": over, "step": step,
-    }
+    return PlanCheck(
+        log=f"plan check at step {step}: predicted {what} {format_bytes(predicted)}, measured "
+            f"{format_bytes(measured)} ({text})" + (f": over the budget {format_bytes(in_force.budget_bytes)}, "
+                                                    "re-planning" if over else ""),
+        what=what, predicted_bytes=predicted, measured_bytes=measured, relative_error=error, over_budget=over,
+        step=step)
 
 
 def failed_allocation_bytes(message: str) -> int:

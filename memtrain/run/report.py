@@ -18,9 +18,10 @@ from memtrain.files import atomic_write_bytes
 from memtrain.planner import planning_device
 from memtrain.report import CATEGORIES, format_bytes, memory_bars, plot_loss, save_figure
 from memtrain.run.replan import PlanInForce
+from memtrain.run.state import PlanCheck
 
 
-def write_run_report(out: Path, metrics: list[dict[str, Any]], in_force: PlanInForce, check: dict[str, Any] | None,
+def write_run_report(out: Path, metrics: list[dict[str, Any]], in_force: PlanInForce, check: PlanCheck | None,
                      replans: list[dict[str, Any]], model: nn.Module, global_batch: int, seq_len: int,
                      device: torch.device, world: int) -> dict[str, Any]:
     """report.json, loss.png and memory.png: the plan, its prediction and the measurement at step 2, the re-plans,
@@ -31,7 +32,7 @@ def write_run_report(out: Path, metrics: list[dict[str, Any]], in_force: PlanInF
     report: dict[str, Any] = {
         "plan": in_force.plan.to_dict() if in_force.plan is not None else {"settings": in_force.settings.to_dict()},
         "prediction": in_force.to_dict(),
-        "measurement": check,
+        "measurement": check.to_dict() if check is not None else None,
         "replans": replans,
         "with_memtrain": with_memtrain,
         "without_memtrain": None,

@@ -3,6 +3,7 @@ the model's weights file."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Callable, Mapping
@@ -41,6 +42,34 @@ def save_weights_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLi
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlanCheck:
+    """The plan against the device at a step: what it predicted, what the step measured, and the verdict. A
+    checkpoint holds it (``to_dict``, the JSON report.json's "measurement" is), a resume reads it back."""
+
+    log: str  # the line the run logs
+    what: str | None = None  # "peak" (an accelerator's allocator) or "saved activations" (the CPU); None: no plan
+    predicted_bytes: int | None = None
+    measured_bytes: int | None = None
+    relative_error: float | None = None  # predicted / measured - 1
+    over_budget: bool = False
+    step: int | None = None  # counted from 1; None: no plan to check
+    replanning: bool = False  # the run re-plans with the shortfall measured_bytes - predicted_bytes
+    peak_bytes: int | None = None  # the measured (on the CPU: corrected) peak against the budget; None: none
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form, keys in the order the run has always written them (no "step" without a plan)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.step is None:
+            del out["step"]
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> PlanCheck:
+        """What ``to_dict`` wrote (KeyError, TypeError: not one)."""
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointExtra:
     """The loop's own bookkeeping in a checkpoint, handed back on resume: the plan the run follows and how it came
     to it. A checkpoint holds it as JSON (``to_dict``: its "extra")."""
@@ -48,12 +77,13 @@ class CheckpointExtra:
     plan_settings: PlanSettings  # the plan in force (re-planned ones included): a resume continues on it
     plan_request: dict[str, Any]  # replan.plan_request(config): the fields that shaped it, as JSON values
     correction_bytes: int = 0  # the shortfall folded into every predicted peak so far
-    plan_check: dict[str, Any] | None = None  # the step-2 check's verdict (plan_check.check_step); None: not yet
+    plan_check: PlanCheck | None = None  # the step-2 check's verdict (plan_check.check_step); None: not yet
     replans: tuple[dict[str, Any], ...] = ()  # report.json's "replans" (replan.replan_record), oldest first
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (a checkpoint's "extra"), keys in the order the loop has always written them."""
-        return {"plan_check": self.plan_check, "plan_settings": self.plan_settings.to_dict(),
+        return {"plan_check": self.plan_check.to_dict() if self.plan_check is not None else None,
+                "plan_settings": self.plan_settings.to_dict(),
                 "plan_request": self.plan_request, "correction_bytes": self.correction_bytes,
                 "replans": list(self.replans)}
 
@@ -64,21 +94,20 @@ class CheckpointExtra:
         Raises:
             ConfigError: settings that are not a plan's. KeyError, TypeError: a missing or unknown field.
         """
+        check = values.get("plan_check")
         return cls(**{**values, "plan_settings": PlanSettings.from_dict(values["plan_settings"]),
+                      "plan_check": PlanCheck.from_dict(check) if check is not None else None,
                       "replans": tuple(values.get("replans", ()))})
 
 
 def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, model: nn.Module,
                    optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, accumulator: Any,
-                   run: RunIdentity | Mapping[str, Any], extra: CheckpointExtra | Mapping[str, Any],
+                   run: RunIdentity, extra: CheckpointExtra,
                    config: Mapping[str, Any] | None = None, device: torch.device | None = None) -> None:
     """Everything a bit-identical resume needs: weights, optimizer (offloaded state included), scheduler, fp16
     scaler, accumulator counters, the data position (the step) and each rank's random generators (``rng_state``:
     the next dropout masks). Collective under torch.distributed: every rank calls it, rank 0 (the one with
-    ``checkpoints``) writes. ``device``: the one the run computes on (None: the current accelerator device).
-    ``run`` and ``extra`` may be given in their JSON form (``to_dict``'s), as ``train`` still builds them."""
-    run = run if isinstance(run, RunIdentity) else RunIdentity.from_dict(run)
-    extra = extra if isinstance(extra, CheckpointExtra) else CheckpointExtra.from_dict(extra)
+    ``checkpoints``) writes. ``device``: the one the run computes on (None: the current accelerator device)."""
     state = {
         "step": step,
         "micro_batch_size": micro,
@@ -130,21 +159,21 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return optimizer.state_dict()
 
 
-def resume_run(checkpoints: RunCheckpoints, run: RunIdentity | Mapping[str, Any],
+def resume_run(checkpoints: RunCheckpoints, run: RunIdentity,
                restore: Callable[[int, dict[str, Any]], None]) -> tuple[int, dict[str, Any], list[str]]:
     """Restores the newest checkpoint that is intact and fits, checked against this run's identity ``run`` first
     (one ConfigError listing every difference: another seed, batch, data or model would not continue the same
     run). A checkpoint that cannot be read or restored is damaged: the previous one is tried.
 
     Args:
-        run: this run's identity (or its JSON form, as ``train`` still builds it); ``lr`` and ``warmup_steps``
-            None (left out) where they are chosen automatically: the run's own are kept, not compared.
+        run: this run's identity; ``lr`` and ``warmup_steps`` None where they are chosen automatically: the run's
+            own are kept, not compared.
         restore: loads a checkpoint's (step, state) into the run's objects; whatever it raises marks it damaged.
 
     Returns:
         (step, state, the damaged checkpoints skipped, each with what is wrong with it).
     """
-    now = run if isinstance(run, RunIdentity) else RunIdentity.from_dict(run)
+    now = run
     skipped: list[str] = []
     for path, step, state in checkpoints.readable():
         if step is None:
