@@ -52,7 +52,7 @@ def _switch_problems(owner: Any, names: tuple[str, ...], prefix: str = "") -> li
             if getattr(owner, name) is not None and not isinstance(getattr(owner, name), bool)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerChoice:
     """The optimizer, its placement and state; None leaves a field to the plan (the optimizer itself never is).
 
@@ -147,7 +147,7 @@ class OptimizerChoice:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Choices:
     """The memory techniques of a run; None leaves a choice to the plan, a value fixes it.
 

@@ -20,7 +20,7 @@ LR_SCHEDULES: tuple[LrScheduleChoice, ...] = ("cosine", "linear", "constant")
 MAX_SEED = 2**63  # seeds are torch.Generator seeds (64 bits), plus one per epoch of the data
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything one training run needs besides the model and the data. Memory effects are noted per field."""
 
@@ -215,7 +215,7 @@ def _is_int(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainResult:
     steps: int  # optimizer steps completed, over the whole run (resumed runs included)
     tokens: int  # tokens trained on in this process's session, all ranks
