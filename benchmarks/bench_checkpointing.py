@@ -22,9 +22,9 @@ never run in a timed step, so they slow no case. ``reduction`` is the baseline's
 load the machine.
 
 Shapes (``--shape``): ``cpu-llama`` (issue 2: hidden 256, 8 layers, batch 8 x 256, fp32; default) and
-``llama-1.1b`` (DESIGN.md's GPU workload: batch 4 x 2048, fp32 weights, bf16 autocast and fused AdamW on CUDA;
+``llama-1.1b`` (docs/design.md's GPU workload: batch 4 x 2048, fp32 weights, bf16 autocast and fused AdamW on CUDA;
 the runner adds the allocator peak). ``--tiny`` is a seconds-long shape for smoke tests. ``--compile`` runs every case
-through ``torch.compile`` (after its checkpointing), the anchor DESIGN.md calls strongest.
+through ``torch.compile`` (after its checkpointing), the anchor docs/design.md calls strongest.
 
 Run: ``.venv/bin/python benchmarks/bench_checkpointing.py`` or ``memtrain bench checkpointing``.
 """
@@ -74,7 +74,7 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     # issue 2's CPU comparison
     "cpu-llama": Shape(hidden=256, intermediate=688, layers=8, heads=8, kv_heads=4, vocab=2048, batch=8, seq_len=256),
-    # DESIGN.md's reference GPU workload ("the 1.1B Llama shape")
+    # docs/design.md's reference GPU workload ("the 1.1B Llama shape")
     "llama-1.1b": Shape(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000, batch=4,
                         seq_len=2048),
     # smoke tests: a second or two for all six cases
@@ -169,7 +169,7 @@ def make_case(name: str, shape: Shape, device: str, measured: dict[str, int], co
         # torch.compile after the technique, as a user would: the compiled graph recomputes what it checkpoints.
         forward = torch.compile(model) if compiled else model
         cuda = device.startswith("cuda")
-        # fp32 weights; on CUDA bf16 autocast as in DESIGN.md's workload (the loss still upcasts logits to fp32).
+        # fp32 weights; on CUDA bf16 autocast as in docs/design.md's workload (the loss still upcasts logits to fp32).
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if cuda else None)
         data = torch.Generator().manual_seed(0)
@@ -215,10 +215,10 @@ def make_case(name: str, shape: Shape, device: str, measured: dict[str, int], co
 def _parse(argv: list[str] | None) -> Any:
     parser = common_args(__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"],
-                        help="cpu-llama (issue 2, default) or llama-1.1b (DESIGN.md's GPU workload)")
+                        help="cpu-llama (issue 2, default) or llama-1.1b (docs/design.md's GPU workload)")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long shape, for smoke tests")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile every case's model after its checkpointing (DESIGN.md's strongest anchor)")
+                        help="torch.compile every case's model after its checkpointing (docs/design.md's strongest anchor)")
     parser.add_argument("--cases", default="", help="semicolon-separated subset of the cases (the baseline always runs)")
     # 7 timed steps per case keep the CPU run under about two minutes on 2 cores.
     parser.set_defaults(repeats=7, warmup=0)

@@ -1,4 +1,4 @@
-"""The GPU-speed contract (DESIGN.md), counted on the CPU: one figure per set-up the planner can choose.
+"""The GPU-speed contract (docs/design.md), counted on the CPU: one figure per set-up the planner can choose.
 
 No GPU is lent to most sessions, so what decides GPU speed is counted where it can be, on the CPU, and bounded
 by ``tests/test_contract.py``:

@@ -2,7 +2,7 @@
 
 On the CPU: saved-activation bytes predicted by ``estimate(device="cpu")`` vs ``memtrain.measure`` for memtrain's
 GPT and Hugging Face Llama / GPT-2 under checkpointing none / all / every 2, and the time a 70B Llama config
-takes to estimate; and the predicted peak of DESIGN.md's 1.1B Llama shape beside its H200 anchors. On CUDA: the predicted peak vs ``torch.cuda.max_memory_allocated`` over a steady-state step
+takes to estimate; and the predicted peak of docs/design.md's 1.1B Llama shape beside its H200 anchors. On CUDA: the predicted peak vs ``torch.cuda.max_memory_allocated`` over a steady-state step
 (forward with labels, backward, fused AdamW, zero_grad(set_to_none=True)) for GPT-2 / Llama / Qwen2 shapes.
 
     .venv/bin/python benchmarks/bench_estimate.py [--device cpu|cuda] [--json]
@@ -78,7 +78,7 @@ def cpu_rows() -> list[Result]:
         rows.append(Result(f"llama-70b config ckpt={policy} (estimate only)", seconds=[time.perf_counter() - t0],
                            figures={"estimated_peak_bytes": report.peak_bytes,
                                     "estimated_saved_bytes": report.activation_bytes}))
-    # DESIGN.md's 1.1B Llama shape beside its H200 anchors (max_memory_allocated, torch 2.11, transformers 5.17):
+    # docs/design.md's 1.1B Llama shape beside its H200 anchors (max_memory_allocated, torch 2.11, transformers 5.17):
     # no memory savings 35.9 GiB, Hugging Face gradient checkpointing 18.3 GiB (whole fp32 logits in the loss).
     # With the optimizer state offloaded (issue 4's target: <= 8 GiB), the loss's logits weigh far more.
     for policy, chunked, optimizer, anchor in (("none", False, "adamw", 35.9), ("all", False, "adamw", 18.3),

@@ -6,7 +6,7 @@ steps each, side by side in one process (interleaved on the CPU), through ``appl
 predicted and measured step time per set-up, and the Spearman rank correlation between them (issue 11's target:
 >= 0.8 on the CPU Llama shape of ``bench_checkpointing.py``).
 
-``--anchors`` prints, instead, what the table of known GPUs predicts for DESIGN.md's H200 anchors on the 1.1B
+``--anchors`` prints, instead, what the table of known GPUs predicts for docs/design.md's H200 anchors on the 1.1B
 Llama (the table's efficiencies are fitted to three of them; the offloaded-optimizer one is a check).
 
 Run: ``.venv/bin/python benchmarks/bench_plan.py`` (CPU Llama, about 3 minutes on 2 cores) or
@@ -117,7 +117,7 @@ def step_fn(shape: Shape, settings: PlanSettings, device: str):
 def main() -> None:
     parser = common_args(__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu-llama")
-    parser.add_argument("--anchors", action="store_true", help="print the table's predictions for DESIGN.md's anchors")
+    parser.add_argument("--anchors", action="store_true", help="print the table's predictions for docs/design.md's anchors")
     parser.set_defaults(repeats=5, warmup=1)
     args = parser.parse_args()
     if args.anchors:
@@ -148,7 +148,7 @@ def _profile_line(device: str) -> str:
 
 
 def anchors() -> None:
-    """DESIGN.md's H200 anchors on the 1.1B Llama beside the table's predictions."""
+    """docs/design.md's H200 anchors on the 1.1B Llama beside the table's predictions."""
     shape = SHAPES["llama-1.1b"]
     model = build_model(shape, "meta")
     n = shape.layers
@@ -171,7 +171,7 @@ def anchors() -> None:
     ]
     got = predictions(model, [s for _, s, _, _ in rows], seq_len=shape.seq_len, global_batch_size=shape.batch,
                       device="cuda", device_profile=known_gpu("NVIDIA H200"))
-    print("DESIGN.md's H200 anchors (measured) beside the planner's predictions (table of known GPUs):")
+    print("docs/design.md's H200 anchors (measured) beside the planner's predictions (table of known GPUs):")
     print(f"  {'set-up':36s} {'peak GiB':>9s} {'pred':>6s} {'tokens/s':>9s} {'pred':>7s}")
     for (name, _, peak, tps), c in zip(rows, got, strict=True):
         print(f"  {name:36s} {peak:9.1f} {c.peak_bytes / 2**30:6.1f} {tps * 1e3:9,.0f} {c.tokens_per_s:7,.0f}")

@@ -142,7 +142,7 @@ if runs bench; then
         --out "$out/gpu_offload.json"
 fi
 if runs optim; then
-    # The founding document's offload (~10 s a step) is left out: DESIGN.md's anchors already measure it.
+    # The founding document's offload (~10 s a step) is left out: docs/design.md's anchors already measure it.
     step 230 optimizer-offload gpu_optim_offload.json "$py" benchmarks/gpu_optim_offload.py --repeats 3 \
         --out "$out/gpu_optim_offload.json" \
         --cases "device AdamW;memtrain offload;memtrain offload, delayed;memtrain offload, bf16 weights;memtrain offload, bf16 weights + chunked loss;torchao CPUOffloadOptimizer"

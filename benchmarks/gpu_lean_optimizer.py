@@ -22,7 +22,7 @@ candidates are Llama shapes, largest first (7B, OpenLLaMA-3B's, the 1.1B), each 
 10%); a candidate that still runs out of memory gives way to the next. The two runs are compared per
 parameter-token: tokens/s x parameters (both ~ FLOP/s / 6), target: the lean run at >= 50% of the baseline's.
 
-``--shape 1.1b``: DESIGN.md's 1.1B Llama inside 4 GiB instead (issue 14's fallback when 15 minutes of device time
+``--shape 1.1b``: docs/design.md's 1.1B Llama inside 4 GiB instead (issue 14's fallback when 15 minutes of device time
 cannot hold the 7B run); ``--fallback`` runs it by itself when the 7B run finds no plan, fails or runs out of time.
 
 Each run is a fresh process (``--isolate process``, the default on CUDA) with its own time limit. Run on a GPU:

@@ -3,7 +3,7 @@
 Offloading a checkpointed block's input moves its bytes over PCIe instead of keeping them on the device; if the
 copies hide behind compute, the step time stays that of checkpointing and the peak drops. Offloading a whole
 block *instead of* recomputing it trades its recompute for many more bytes over PCIe. Cases, same model, data
-and seed (DESIGN.md's workload: fp32 weights, bf16 autocast, fp32 logits in the loss, fused AdamW):
+and seed (docs/design.md's workload: fp32 weights, bf16 autocast, fp32 logits in the loss, fused AdamW):
 
 1. ``checkpointing``: memtrain ``apply_checkpointing(model)``, every decoder layer (the baseline);
 2. ``checkpointing + memtrain offload``: the same, each layer's saved input in pinned host memory (issue 5's

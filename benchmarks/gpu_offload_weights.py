@@ -1,4 +1,4 @@
-"""Issue 20's GPU check of parameter offload: DESIGN.md's 1.1B Llama inside 4 GiB, its blocks' weights in host RAM.
+"""Issue 20's GPU check of parameter offload: docs/design.md's 1.1B Llama inside 4 GiB, its blocks' weights in host RAM.
 
 ``plan(...)`` with ``Choices(offload_weights=True)`` chooses the rest for the budget (the micro-batch, checkpointing,
 the loss, the optimizer's moments); ``gpu_plan.run_settings`` builds the model on the device in the plan's weight

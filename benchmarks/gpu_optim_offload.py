@@ -1,6 +1,6 @@
 """Optimizer offload on the 1.1B Llama shape with checkpointing: peak GiB and tokens/s, side by side.
 
-The workload of DESIGN.md: a Hugging Face ``LlamaForCausalLM`` from a config (hidden 2048, intermediate 5632,
+The workload of docs/design.md: a Hugging Face ``LlamaForCausalLM`` from a config (hidden 2048, intermediate 5632,
 22 layers, 32 heads, 4 KV heads, vocabulary 32000; random init, SDPA), batch 4 x 2048, fp32 weights, bf16
 autocast, cross-entropy on fp32 logits, every decoder layer checkpointed with ``memtrain.apply_checkpointing``,
 gradients clipped to 1.0. Cases:

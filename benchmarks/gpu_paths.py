@@ -11,7 +11,7 @@ the allocator freed its cache: a budget held only by thrashing), seconds a step,
 Cases (``--cases``; by default param-offload, memtrain-train, pure-bf16, delayed-bf16-accumulation, qlora: the most
 important first, since a case the deadline leaves no time for is skipped):
 
-- ``param-offload``: DESIGN.md's 1.1B Llama (batch 4 x 2048) inside 4 GiB, its blocks' weights streamed from host
+- ``param-offload``: docs/design.md's 1.1B Llama (batch 4 x 2048) inside 4 GiB, its blocks' weights streamed from host
   RAM (``gpu_offload_weights.run``: planned with ``Choices(offload_weights=True)``, ``WeightStreamer``). Checks:
   allocated and reserved peaks <= 4 GiB, no allocation retried.
 - ``pure-bf16``: the 1.1B planned with ``Choices(pure_bf16=True)`` inside 8 GiB (bf16 weights, no fp32 master,
@@ -252,7 +252,7 @@ def _device(small: bool) -> torch.device:
 
 
 def _workload(small: bool) -> tuple[Any, int, int]:
-    """(shape, tokens a sequence, sequences a step): DESIGN.md's 1.1B at 4 x 2048, or a tiny Llama."""
+    """(shape, tokens a sequence, sequences a step): docs/design.md's 1.1B at 4 x 2048, or a tiny Llama."""
     return (SHAPES["tiny"], 64, 4) if small else (SHAPES["1.1b"], 2048, 4)
 
 

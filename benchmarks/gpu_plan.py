@@ -1,6 +1,6 @@
 """Issue 11's GPU check: does each plan fit its budget on the device, and how fast does it train?
 
-For DESIGN.md's 1.1B Llama (a Hugging Face ``LlamaForCausalLM`` from a config: hidden 2048, intermediate 5632, 22
+For docs/design.md's 1.1B Llama (a Hugging Face ``LlamaForCausalLM`` from a config: hidden 2048, intermediate 5632, 22
 layers, 32 heads, 4 KV heads, vocabulary 32000, SDPA, ``use_cache=False``; batch 4 x 2048, fp32 weights, bf16
 autocast), one plan per budget (8, 16, 24 and 40 GiB, and 24 GiB with ``compile=True``):
 
@@ -14,7 +14,7 @@ autocast), one plan per budget (8, 16, 24 and 40 GiB, and 24 GiB with ``compile=
 
 Reported per budget: the choice, the predicted peak, ``max_memory_allocated`` and ``max_memory_reserved`` over the
 timed steps (peak statistics reset after the warm-up) and over the whole run (set-up and warm-up included: what
-"fits" is judged by), seconds per step, tokens/s (measured and predicted), and the fastest of DESIGN.md's H200
+"fits" is judged by), seconds per step, tokens/s (measured and predicted), and the fastest of docs/design.md's H200
 anchors whose peak is within the budget (issue 11's targets: <= 8 GiB at >= 25k tokens/s; >= 54k tokens/s inside
 24 GiB). The allocator's figures leave out the CUDA context (about 0.5 GiB), which a shared card also pays.
 
@@ -98,7 +98,7 @@ class LlamaShape:
 
 
 SHAPES: dict[str, LlamaShape] = {
-    # DESIGN.md's reference GPU workload (TinyLlama's shape)
+    # docs/design.md's reference GPU workload (TinyLlama's shape)
     "1.1b": LlamaShape(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000),
     # OpenLLaMA 3B's shape
     "3b": LlamaShape(hidden=3200, intermediate=8640, layers=26, heads=32, kv_heads=32, vocab=32000),
@@ -109,7 +109,7 @@ SHAPES: dict[str, LlamaShape] = {
     "tiny-wide": LlamaShape(hidden=256, intermediate=688, layers=4, heads=4, kv_heads=2, vocab=2048),
 }
 
-# DESIGN.md's anchors: the 1.1B Llama, batch 4 x 2048, on an H200 (torch 2.11, transformers 5.17).
+# docs/design.md's anchors: the 1.1B Llama, batch 4 x 2048, on an H200 (torch 2.11, transformers 5.17).
 ANCHORS: tuple[tuple[str, float, float], ...] = (  # (config, peak GiB, tokens/s)
     ("no memory savings", 35.9, 45.4e3),
     ("Hugging Face gradient checkpointing", 18.3, 36.5e3),
@@ -209,7 +209,7 @@ def meta_llama(shape: LlamaShape, seq_len: int) -> torch.nn.Module:
 
 def no_savings_peak(shape: LlamaShape, seq_len: int, batch: int) -> int:
     """The predicted peak with no technique: fp32 weights, fused AdamW on the device, whole-logits loss, one
-    micro-batch (DESIGN.md's "no memory savings" anchor)."""
+    micro-batch (docs/design.md's "no memory savings" anchor)."""
     from memtrain import estimate
 
     report = estimate(meta_llama(shape, seq_len), (batch, seq_len), device="cuda", precision="bf16-mixed",
@@ -394,7 +394,7 @@ def judge(row: dict[str, Any]) -> None:
 
 
 def anchor_for(budget_bytes: int) -> dict[str, Any] | None:
-    """The fastest DESIGN.md anchor whose measured peak is within the budget."""
+    """The fastest docs/design.md anchor whose measured peak is within the budget."""
     fitting = [(name, peak, tps) for name, peak, tps in ANCHORS if peak * GiB <= budget_bytes]
     if not fitting:
         return None
