@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from memtrain import rules
 from memtrain.models import GPT
 from memtrain.planner.cost import CandidateTable, Composer
 from memtrain.planner.settings import Distribution, Fixed, OptimizerPlacement, PlanSettings, Problem
@@ -64,7 +65,9 @@ def pure_bf16_space(placements: Sequence[OptimizerPlacement], states: Sequence[s
     kept = [p for p in placements if p != "offload-bf16-weights"]
     if "offload-bf16-weights" in placements and "offload" not in kept:
         kept.append("offload")
-    return kept, [s for s in states if s != "int8"], [d for d in distributions if d != "fsdp2"]
+    # rules.PURE_BF16_INT8 and rules.PURE_BF16_FSDP, obeyed: the hint never proposes what they refuse.
+    return (kept, [s for s in states if not rules.pure_bf16_int8(True, s)],
+            [d for d in distributions if d != "fsdp2"])
 
 
 def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Sequence[int], per_rank: int,

@@ -385,8 +385,8 @@ def _raise_unbuildable(fixed: Fixed, micro_batch_size: int | None, world_size: i
     ranks = f" with world_size={world_size}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
     why = ["a partial offload keeps fp32 moments and steps after backward"]
     if world_size > 1 or fsdp:
-        why = ["step_in_backward and offload_fraction act on gradients before DDP or FSDP2 reduces them (one "
-               "process only)", *why, "FSDP2 shards fp32 moments only"]
+        why = [f"step_in_backward and offload_fraction: {rules.GRADIENTS_BEFORE_DDP.why.rstrip('.')}", *why,
+               "FSDP2 shards fp32 moments only"]
     raise ConfigError(
         f"no set-up can be built from {given}{ranks}: {', '.join(why)}. To resolve this error, drop one of the "
         "fixed choices (leave it to the plan).")
