@@ -135,18 +135,16 @@ class Configuration:
 
 
 CONFIGURATIONS: dict[str, Configuration] = {
-    "no checkpointing": Configuration(micro_batch_size=lambda model: None, accumulation="baseline"),
-    "hf gradient_checkpointing_enable": Configuration(micro_batch_size=_hf_checkpointing,
-                                                      accumulation="model.gradient_checkpointing_enable()"),
-    "memtrain full": Configuration(micro_batch_size=apply_checkpointing,
-                                   accumulation="apply_checkpointing(model)"),
-    "memtrain full + chunked loss": Configuration(micro_batch_size=_checkpointing_and_chunked_loss,
-                                                  accumulation="apply_checkpointing(model); apply_chunked_loss(model)"),
-    "memtrain every=2": Configuration(micro_batch_size=lambda model: apply_checkpointing(model, every=2),
-                                      accumulation="apply_checkpointing(model, every=2)"),
+    "no checkpointing": Configuration(lambda model: None, "baseline"),
+    "hf gradient_checkpointing_enable": Configuration(_hf_checkpointing, "model.gradient_checkpointing_enable()"),
+    "memtrain full": Configuration(apply_checkpointing, "apply_checkpointing(model)"),
+    "memtrain full + chunked loss": Configuration(_checkpointing_and_chunked_loss,
+                                                  "apply_checkpointing(model); apply_chunked_loss(model)"),
+    "memtrain every=2": Configuration(lambda model: apply_checkpointing(model, every=2),
+                                      "apply_checkpointing(model, every=2)"),
     "memtrain selective(matmul,attention)": Configuration(
-        micro_batch_size=lambda model: apply_checkpointing(model, selective=("matmul", "attention")),
-        accumulation='apply_checkpointing(model, selective=("matmul", "attention"))'),
+        lambda model: apply_checkpointing(model, selective=("matmul", "attention")),
+        'apply_checkpointing(model, selective=("matmul", "attention"))'),
 }
 BASELINE = "no checkpointing"
 
