@@ -142,7 +142,7 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
     grad_bytes = [n * torch.empty((), dtype=dt).element_size() for n, dt in device]
     peak = max(grad_bytes, default=0) if step_in_backward and accumulation_steps == 1 else sum(grad_bytes)
     if foreign:
-        temp = _named_step_temp(named, device, step_in_backward, device_type)
+        temp = -(-_named_step_temp(named, device, step_in_backward, device_type) // round_to) * round_to
     else:
         temp = _adamw_step_temp(device, state_precision, step_in_backward, device_type, pure_bf16)
     return OptimizerMemory(
