@@ -27,7 +27,8 @@ from typing import Any, Literal
 from memtrain import rules
 from memtrain.checkpointing import Checkpointing
 from memtrain.errors import ConfigError
-from memtrain.optim.named import NamedOptimizer, own_state_problems
+from memtrain.optim.named import ALIASES, NamedOptimizer, own_state_problems
+from memtrain.setting import flag
 
 Placement = Literal["device", "offload"]
 StatePrecision = Literal["fp32", "bf16", "int8"]
@@ -71,12 +72,29 @@ class OptimizerChoice:
     kwargs: the named class's own hyper-parameters (e.g. ``{"beta2_decay": -0.8}``).
     """
 
-    placement: Placement | None = None
-    state_precision: StatePrecision | None = None
-    step_in_backward: bool | None = None
-    offload_fraction: float | None = None
-    name: Any = None
-    kwargs: Any = None
+    placement: Placement | None = field(default=None, metadata=flag(
+        "--offload-optimizer", "fp32 master weights and the optimizer state (AdamW's moments as --optimizer-state) in "
+        "host RAM, 8-12 bytes per parameter off the device ({unset})", kind="switch", values=("offload", "device")))
+    state_precision: StatePrecision | None = field(default=None, metadata=flag(
+        "--optimizer-state", "AdamW's moments, on the device or (--offload-optimizer) in host RAM: fp32 (8 bytes per "
+        "parameter), bf16 (4) or int8 (about 2; needs bitsandbytes) ({unset})", choices=STATE_PRECISIONS,
+        off="fp32"))
+    step_in_backward: bool | None = field(default=None, metadata=flag(
+        "--step-in-backward", "each parameter steps as soon as its gradient is final, which is freed at once: the "
+        "whole model's gradients never coexist ({unset})", kind="switch"))
+    offload_fraction: float | None = field(default=None, metadata=flag(
+        "--offload-optimizer-fraction", "this share of the parameters' fp32 master and optimizer state in host RAM, "
+        "the rest on the device ({unset})", parse="fraction", metavar="F"))
+    name: Any = field(default=None, metadata=flag(
+        "--optimizer", "the optimizer: adamw (memtrain's: --optimizer-state, --pure-bf16, the fused host step; "
+        f"default), a short name ({', '.join(sorted(ALIASES))}) or any torch.optim.Optimizer class by dotted path "
+        "(e.g. torch.optim.Adafactor). It gets --lr and --weight-decay; its state is its own, measured by a probe "
+        "step; --offload-optimizer, --offload-optimizer-fraction and --step-in-backward wrap it alike. Never chosen "
+        "by the plan", metavar="NAME"))
+    kwargs: Any = field(default=None, metadata=flag(
+        "--optimizer-arg", "a keyword argument of the --optimizer class (repeatable; the value a Python literal, e.g. "
+        "--optimizer-arg beta2_decay=-0.8; in a --config file a table: optimizer-arg = {{ beta2_decay = -0.8 }})",
+        kind="pairs", metavar="KEY=VALUE"))
 
     def __post_init__(self) -> None:
         problems = self.problems()

@@ -13,13 +13,14 @@ from typing import Any
 
 from memtrain import __version__
 from memtrain.checkpointing import Checkpointing
+from memtrain.choices import OptimizerChoice
 from memtrain.cli.console import EXIT_BAD_INPUT, EXIT_CODES_HELP
 from memtrain.cli.workloads import HF_SEQ_LEN
 from memtrain.config import LR_SCHEDULES
 from memtrain.errors import ConfigError
-from memtrain.optim.named import ALIASES
 from memtrain.report import parse_bytes
 from memtrain.run.tensorboard import LOGGERS
+from memtrain.setting import flags_of
 
 
 class _Parser(argparse.ArgumentParser):
@@ -429,31 +430,10 @@ def _add_technique_flags(parser: Any, *, planned: bool) -> None:
     switch = argparse.BooleanOptionalAction
     parser.add_argument("--offload-activations", action=switch, default=None,
                         help=f"saved activations in pinned host memory, prefetched before backward (CUDA; {unset})")
-    parser.add_argument("--offload-optimizer", action=switch, default=None,
-                        help=f"fp32 master weights and AdamW state (moments as --optimizer-state) in host RAM, 8-12 "
-                        f"bytes per parameter off the device ({unset})")
-    parser.add_argument("--offload-optimizer-fraction", type=_fraction, metavar="F", default=None,
-                        help=f"this share of the parameters' fp32 master and AdamW state in host RAM, the rest on "
-                        f"the device ({unset})")
+    _add_setting_flags(parser, OptimizerChoice, planned=planned)
     parser.add_argument("--chunked-loss", action=switch, default=None,
                         help="the loss's fp32 logits 1024 tokens at a time, never whole (default: "
                         + ("the plan decides)" if planned else "on with checkpointing where the model allows it)"))
-    parser.add_argument("--optimizer", metavar="NAME", default=None,
-                        help="the optimizer: adamw (memtrain's: --optimizer-state, --pure-bf16, the fused host step; "
-                        f"default), a short name ({', '.join(sorted(ALIASES))}) or any torch.optim.Optimizer class "
-                        "by dotted path (e.g. torch.optim.Adafactor). It gets --lr and --weight-decay; its state is "
-                        "its own, measured by a probe step; --offload-optimizer, --offload-optimizer-fraction and "
-                        "--step-in-backward wrap it alike. Never chosen by the plan")
-    parser.add_argument("--optimizer-arg", type=_optimizer_arg, action=_Pairs, metavar="KEY=VALUE", default=None,
-                        help="a keyword argument of the --optimizer class (repeatable; the value a Python literal, "
-                        "e.g. --optimizer-arg beta2_decay=-0.8; in a --config file a table: optimizer-arg = "
-                        "{ beta2_decay = -0.8 })")
-    parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "int8"], default=None,
-                        help=f"AdamW's moments, on the device or (--offload-optimizer) in host RAM: fp32 (8 bytes "
-                        f"per parameter), bf16 (4) or int8 (about 2; needs bitsandbytes) ({unset.replace('off', 'fp32')})")
-    parser.add_argument("--step-in-backward", action=switch, default=None,
-                        help=f"each parameter steps as soon as its gradient is final, which is freed at once: the "
-                        f"whole model's gradients never coexist ({unset})")
     parser.add_argument("--pure-bf16", action="store_true", default=False,
                         help="bf16 weights with no fp32 master, each update rounded stochastically: 2 bytes per "
                         "parameter of weights and 2 of gradient, no master on the device or in host RAM; moments "
@@ -463,6 +443,23 @@ def _add_technique_flags(parser: Any, *, planned: bool) -> None:
                         help="parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
                         "each on the device only while in use, one block ahead; for weights that do not fit the "
                         f"device. Needs --offload-optimizer, one process, no --compile ({unset})")
+
+
+# The command line's parsers of a setting's values, by the name its Flag gives (memtrain.setting).
+_PARSERS: dict[str, Any] = {"fraction": _fraction}
+
+
+def _add_setting_flags(parser: Any, setting: type, *, planned: bool) -> None:
+    """The flags a setting type declares on its fields (``memtrain.setting.Flag``), with their help."""
+    for _, f in flags_of(setting):
+        options: dict[str, Any] = {"default": None, "help": f.help_text(planned=planned)}
+        if f.kind == "switch":
+            options["action"] = argparse.BooleanOptionalAction
+        elif f.kind == "pairs":
+            options.update(type=_optimizer_arg, action=_Pairs, metavar=f.metavar)
+        else:
+            options.update(type=_PARSERS.get(f.parse or ""), choices=f.choices, metavar=f.metavar)
+        parser.add_argument(f.name, **{k: v for k, v in options.items() if v is not None or k == "default"})
 
 
 def _add_budget_flags(parser: Any, *, default_text: str) -> None:

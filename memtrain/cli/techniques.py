@@ -8,9 +8,7 @@ import argparse
 
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
-
-# --offload-optimizer / --no-offload-optimizer / neither: where AdamW's state lives (neither: the plan decides).
-_PLACEMENT = {True: "offload", False: "device", None: None}
+from memtrain.setting import flags_of
 
 
 def choices_from_flags(args: argparse.Namespace) -> Choices:
@@ -29,10 +27,8 @@ def choices_from_flags(args: argparse.Namespace) -> Choices:
                         "To resolve this error, drop one of them.")
     optimizer = OptimizerChoice()
     try:
-        kwargs = dict(getattr(args, "optimizer_arg", None) or ()) or None
-        optimizer = OptimizerChoice(placement=_PLACEMENT[args.offload_optimizer], state_precision=args.optimizer_state,
-                                    step_in_backward=args.step_in_backward, offload_fraction=fraction,
-                                    name=getattr(args, "optimizer", None), kwargs=kwargs)
+        optimizer = OptimizerChoice(**{name: f.value_of(getattr(args, f.dest, None))
+                                       for name, f in flags_of(OptimizerChoice)})
     except ConfigError as e:  # the other fields are still checked: every problem at once
         problems += e.problems
     try:

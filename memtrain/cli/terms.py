@@ -8,7 +8,9 @@ import contextlib
 import re
 from typing import Any
 
+from memtrain.choices import OptimizerChoice
 from memtrain.errors import ConfigError
+from memtrain.setting import flags_of
 
 # The flag behind each library argument, for translating the library's errors into the command's terms.
 ARGUMENT_FLAGS: dict[str, str] = {
@@ -19,9 +21,7 @@ ARGUMENT_FLAGS: dict[str, str] = {
     "checkpointing": "--checkpointing", "seed": "--seed",
     "eval_every": "--eval-every", "save_every": "--save-every", "seq_len": "--seq-len", "device": "--device",
     "world_size": "torchrun --nproc_per_node", "budget": "--budget", "host_budget": "--host-budget",
-    "state_precision": "--optimizer-state", "offload_fraction": "--offload-optimizer-fraction",
-    "optimizer.state_precision": "--optimizer-state", "optimizer.offload_fraction": "--offload-optimizer-fraction",
-    "log": "--log", "optimizer.name": "--optimizer", "optimizer.kwargs": "--optimizer-arg",
+    "log": "--log",
     "max_grad_norm": "--grad-clip",
 }
 # The library's advice that names an argument the command has no flag for, in the command's terms.
@@ -35,19 +35,25 @@ LIBRARY_PHRASES: dict[str, str] = {
 # Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
 ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
     "overwrite": ("--overwrite", None), "resume": ("--resume", None), "fsdp": ("--fsdp", None),
-    "offload_optimizer": ("--offload-optimizer", "--no-offload-optimizer"),
+    "offload_optimizer": ("--offload-optimizer", "--no-offload-optimizer"),  # train's own argument, not a field
     "offload_activations": ("--offload-activations", "--no-offload-activations"),
     "compile": ("--compile", None), "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
-    "progress": (None, "--no-progress"), "step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
+    "progress": (None, "--no-progress"),
     "merge_lora": ("--merge-lora", None), "quiet": ("--quiet", None),
-    "optimizer.step_in_backward": ("--step-in-backward", "--no-step-in-backward"),
     "pure_bf16": ("--pure-bf16", None),
     "offload_weights": ("--offload-weights", "--no-offload-weights"),
 }
 # Arguments whose value has a flag of its own (``Choices``'s optimizer placement is --[no-]offload-optimizer).
-ARGUMENT_VALUES: dict[str, str] = {
-    "optimizer.placement='offload'": "--offload-optimizer", "optimizer.placement='device'": "--no-offload-optimizer",
-}
+ARGUMENT_VALUES: dict[str, str] = {}
+# A setting type's fields declare their flags (memtrain.setting): their terms come from there, as
+# "optimizer.state_precision" (a field of Choices.optimizer) and as the bare "state_precision" (the same argument of
+# build_optimizer, estimate, CPUOffloadOptimizer).
+for _field, _flag in flags_of(OptimizerChoice):
+    for _name in (f"optimizer.{_field}", _field):
+        _values, _switches, _valued = _flag.argument_terms(_name)
+        ARGUMENT_FLAGS.update({k: v for k, v in _values.items() if k not in ("name", "kwargs")})
+        ARGUMENT_SWITCHES.update(_switches)
+        ARGUMENT_VALUES.update(_valued if _name.startswith("optimizer.") else {})
 # Where a command spells an argument its own way: memtrain plan plans --nproc ranks and compares --fsdp / --ddp.
 COMMAND_FLAGS: dict[str, dict[str, str]] = {"plan": {"world_size": "--nproc"}}
 COMMAND_SWITCHES: dict[str, dict[str, tuple[str | None, str | None]]] = {"plan": {"fsdp": ("--fsdp", "--ddp")}}

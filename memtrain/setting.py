@@ -1,0 +1,85 @@
+"""How a user writes a setting's field on the command line, declared once on the field itself.
+
+A technique's setting type (``OptimizerChoice`` first) carries, on each field, its flag and its help
+(``dataclasses.field(metadata=flag(...))``): the command line's flags, their parsing back into the setting, and the
+flag names in its error messages all come from that one declaration, not from tables kept beside it.
+
+Example:
+    >>> from memtrain.choices import OptimizerChoice
+    >>> [(name, f.name) for name, f in flags_of(OptimizerChoice)][:2]
+    [('placement', '--offload-optimizer'), ('state_precision', '--optimizer-state')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+FlagKind = Literal["value", "switch", "pairs"]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A field's command-line flag.
+
+    Attributes:
+        name: the flag, e.g. "--optimizer-state".
+        help: its help; "{unset}" stands for what leaving it out means (the plan decides, or ``off``).
+        kind: "value" (``--flag VALUE``), "switch" (``--flag`` / ``--no-flag`` / neither: True, False, None) or
+            "pairs" (``--flag KEY=VALUE``, repeatable: a mapping).
+        values: a switch whose field holds two values, not True and False: (the ``--flag`` one, the ``--no-flag`` one).
+        choices: the values a "value" flag takes.
+        metavar: the value's name in the help.
+        parse: the command line's parser of the value, by name (e.g. "fraction"), where the text is not the value.
+        off: what leaving it out means where nothing is planned (``memtrain estimate``).
+    """
+
+    name: str
+    help: str
+    kind: FlagKind = "value"
+    values: tuple[Any, Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    parse: str | None = None
+    off: str = "off"
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination: ``--optimizer-state`` -> ``optimizer_state``."""
+        return self.name.removeprefix("--").replace("-", "_")
+
+    def help_text(self, *, planned: bool) -> str:
+        return self.help.format(unset="default: the plan decides" if planned else f"default: {self.off}")
+
+    def value_of(self, given: Any) -> Any:
+        """The field's value for what the command line gave (None: not given)."""
+        if given is None:
+            return None
+        if self.kind == "switch" and self.values is not None:
+            return self.values[0] if given else self.values[1]
+        if self.kind == "pairs":
+            return dict(given)
+        return given
+
+    def argument_terms(self, field: str) -> tuple[dict[str, str], dict[str, tuple[str | None, str | None]],
+                                                 dict[str, str]]:
+        """How messages that name ``field`` (an argument, ``field=value``) read in flag terms: the flag of a
+        value, the two flags of a switch, the flag a switch's value stands for."""
+        if self.kind == "switch" and self.values is not None:
+            on, off = self.values
+            return {}, {}, {f"{field}={on!r}": self.name, f"{field}={off!r}": f"--no-{self.name[2:]}"}
+        if self.kind == "switch":
+            return {}, {field: (self.name, f"--no-{self.name[2:]}")}, {}
+        return {field: self.name}, {}, {}
+
+
+def flag(name: str, help: str, **options: Any) -> Mapping[str, Flag]:
+    """A field's metadata declaring its flag: ``field(default=None, metadata=flag("--x", "...({unset})"))``."""
+    return {"flag": Flag(name, help, **options)}
+
+
+def flags_of(cls: type) -> list[tuple[str, Flag]]:
+    """(field name, flag) of each field of the setting type ``cls`` that declares one, in field order."""
+    return [(f.name, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
