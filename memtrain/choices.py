@@ -191,13 +191,25 @@ class Choices:
         ConfigError: every bad value and contradiction at once, each naming the fix.
     """
 
-    checkpointing: Checkpointing | None = None
-    offload_activations: bool | None = None
-    optimizer: OptimizerChoice = field(default_factory=OptimizerChoice)
-    chunked_loss: bool | None = None
-    compile: bool = False
-    pure_bf16: bool = False  # True: no fp32 master (6 bytes/param less with an offloaded optimizer, 2 on the device)
-    offload_weights: bool | None = None
+    checkpointing: Checkpointing | None = None  # --checkpointing: its parser and default are each command's
+    offload_activations: bool | None = field(default=None, metadata=flag(
+        "--offload-activations", "saved activations in pinned host memory, prefetched before backward (CUDA; "
+        "{unset})", kind="switch"))
+    optimizer: OptimizerChoice = field(default_factory=OptimizerChoice)  # its own fields declare their flags
+    chunked_loss: bool | None = field(default=None, metadata=flag(
+        "--chunked-loss", "the loss's fp32 logits 1024 tokens at a time, never whole ({unset})", kind="switch",
+        off="on with checkpointing where the model allows it"))
+    compile: bool = False  # --compile: train compiles the step, plan also considers compiled set-ups
+    # True: no fp32 master (6 bytes/param less with an offloaded optimizer, 2 on the device)
+    pure_bf16: bool = field(default=False, metadata=flag(
+        "--pure-bf16", "bf16 weights with no fp32 master, each update rounded stochastically: 2 bytes per parameter "
+        "of weights and 2 of gradient, no master on the device or in host RAM; moments fp32 or bf16 "
+        "(--optimizer-state). Changes the numerics: never chosen by the plan (default: off; bf16-mixed precision)",
+        kind="on"))
+    offload_weights: bool | None = field(default=None, metadata=flag(
+        "--offload-weights", "parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
+        "each on the device only while in use, one block ahead; for weights that do not fit the device. Needs "
+        "--offload-optimizer, one process, no --compile ({unset})", kind="switch"))
 
     def __post_init__(self) -> None:
         problems: list[str] = []

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-FlagKind = Literal["value", "switch", "pairs"]
+FlagKind = Literal["value", "switch", "on", "pairs"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class Flag:
     Attributes:
         name: the flag, e.g. "--optimizer-state".
         help: its help; "{unset}" stands for what leaving it out means (the plan decides, or ``off``).
-        kind: "value" (``--flag VALUE``), "switch" (``--flag`` / ``--no-flag`` / neither: True, False, None) or
-            "pairs" (``--flag KEY=VALUE``, repeatable: a mapping).
+        kind: "value" (``--flag VALUE``), "switch" (``--flag`` / ``--no-flag`` / neither: True, False, None), "on"
+            (``--flag`` or not: True or False) or "pairs" (``--flag KEY=VALUE``, repeatable: a mapping).
         values: a switch whose field holds two values, not True and False: (the ``--flag`` one, the ``--no-flag`` one).
         choices: the values a "value" flag takes.
         metavar: the value's name in the help.
@@ -55,6 +55,8 @@ class Flag:
 
     def value_of(self, given: Any) -> Any:
         """The field's value for what the command line gave (None: not given)."""
+        if self.kind == "on":
+            return bool(given)
         if given is None:
             return None
         if self.kind == "switch" and self.values is not None:
@@ -72,6 +74,8 @@ class Flag:
             return {}, {}, {f"{field}={on!r}": self.name, f"{field}={off!r}": f"--no-{self.name[2:]}"}
         if self.kind == "switch":
             return {}, {field: (self.name, f"--no-{self.name[2:]}")}, {}
+        if self.kind == "on":
+            return {}, {field: (self.name, None)}, {}
         return {field: self.name}, {}, {}
 
 

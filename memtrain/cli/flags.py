@@ -13,7 +13,7 @@ from typing import Any
 
 from memtrain import __version__
 from memtrain.checkpointing import Checkpointing
-from memtrain.choices import OptimizerChoice
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.cli.console import EXIT_BAD_INPUT, EXIT_CODES_HELP
 from memtrain.cli.workloads import HF_SEQ_LEN
 from memtrain.config import LR_SCHEDULES
@@ -425,24 +425,10 @@ def _add_model_flags(groups: dict[str, Any], *, micro_batch_default: int | None 
 
 
 def _add_technique_flags(parser: Any, *, planned: bool) -> None:
-    """The memory techniques a user may fix; unset, the planner decides (train, plan) or they are off (estimate)."""
-    unset = "default: the plan decides" if planned else "default: off"
-    switch = argparse.BooleanOptionalAction
-    parser.add_argument("--offload-activations", action=switch, default=None,
-                        help=f"saved activations in pinned host memory, prefetched before backward (CUDA; {unset})")
+    """The memory techniques a user may fix; unset, the planner decides (train, plan) or they are off (estimate):
+    the flags the setting types declare on their fields (``Choices``, ``OptimizerChoice``)."""
+    _add_setting_flags(parser, Choices, planned=planned)
     _add_setting_flags(parser, OptimizerChoice, planned=planned)
-    parser.add_argument("--chunked-loss", action=switch, default=None,
-                        help="the loss's fp32 logits 1024 tokens at a time, never whole (default: "
-                        + ("the plan decides)" if planned else "on with checkpointing where the model allows it)"))
-    parser.add_argument("--pure-bf16", action="store_true", default=False,
-                        help="bf16 weights with no fp32 master, each update rounded stochastically: 2 bytes per "
-                        "parameter of weights and 2 of gradient, no master on the device or in host RAM; moments "
-                        "fp32 or bf16 (--optimizer-state). Changes the numerics: never chosen by the plan (default: "
-                        "off; bf16-mixed precision)")
-    parser.add_argument("--offload-weights", action=switch, default=None,
-                        help="parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
-                        "each on the device only while in use, one block ahead; for weights that do not fit the "
-                        f"device. Needs --offload-optimizer, one process, no --compile ({unset})")
 
 
 # The command line's parsers of a setting's values, by the name its Flag gives (memtrain.setting).
@@ -455,6 +441,8 @@ def _add_setting_flags(parser: Any, setting: type, *, planned: bool) -> None:
         options: dict[str, Any] = {"default": None, "help": f.help_text(planned=planned)}
         if f.kind == "switch":
             options["action"] = argparse.BooleanOptionalAction
+        elif f.kind == "on":
+            options.update(action="store_true", default=False)
         elif f.kind == "pairs":
             options.update(type=_optimizer_arg, action=_Pairs, metavar=f.metavar)
         else:

@@ -32,10 +32,9 @@ def choices_from_flags(args: argparse.Namespace) -> Choices:
     except ConfigError as e:  # the other fields are still checked: every problem at once
         problems += e.problems
     try:
-        choices = Choices(checkpointing=args.checkpointing, offload_activations=args.offload_activations,
-                          optimizer=optimizer, chunked_loss=args.chunked_loss,
+        choices = Choices(checkpointing=args.checkpointing, optimizer=optimizer,
                           compile=bool(getattr(args, "compile", False)),
-                          pure_bf16=bool(getattr(args, "pure_bf16", False)), offload_weights=args.offload_weights)
+                          **{name: f.value_of(getattr(args, f.dest, None)) for name, f in flags_of(Choices)})
     except ConfigError as e:
         problems += e.problems
     ConfigError.raise_if(problems)

@@ -8,7 +8,7 @@ import contextlib
 import re
 from typing import Any
 
-from memtrain.choices import OptimizerChoice
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
 from memtrain.setting import flags_of
 
@@ -36,18 +36,17 @@ LIBRARY_PHRASES: dict[str, str] = {
 ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
     "overwrite": ("--overwrite", None), "resume": ("--resume", None), "fsdp": ("--fsdp", None),
     "offload_optimizer": ("--offload-optimizer", "--no-offload-optimizer"),  # train's own argument, not a field
-    "offload_activations": ("--offload-activations", "--no-offload-activations"),
-    "compile": ("--compile", None), "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
+    "compile": ("--compile", None),
     "progress": (None, "--no-progress"),
     "merge_lora": ("--merge-lora", None), "quiet": ("--quiet", None),
-    "pure_bf16": ("--pure-bf16", None),
-    "offload_weights": ("--offload-weights", "--no-offload-weights"),
 }
 # Arguments whose value has a flag of its own (``Choices``'s optimizer placement is --[no-]offload-optimizer).
 ARGUMENT_VALUES: dict[str, str] = {}
 # A setting type's fields declare their flags (memtrain.setting): their terms come from there, as
 # "optimizer.state_precision" (a field of Choices.optimizer) and as the bare "state_precision" (the same argument of
 # build_optimizer, estimate, CPUOffloadOptimizer).
+for _field, _flag in flags_of(Choices):
+    ARGUMENT_SWITCHES.update(_flag.argument_terms(_field)[1])
 for _field, _flag in flags_of(OptimizerChoice):
     for _name in (f"optimizer.{_field}", _field):
         _values, _switches, _valued = _flag.argument_terms(_name)
