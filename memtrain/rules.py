@@ -77,8 +77,8 @@ IN_BACKWARD_WITH_FRACTION = Rule(
 IN_BACKWARD_FP16_SCALER = Rule(
     "step-in-backward-fp16-scaler",
     "an overflow must stop the parameters still to step on a flag read on the device, which only fused AdamW (fp32 "
-    "moments) takes.",
-    "pass state_precision='fp32', bf16-mixed precision (no scaler) or step_in_backward=False")
+    "moments) takes, not lean moments or another optimizer class.",
+    "pass bf16-mixed precision (no scaler) or step_in_backward=False, or AdamW with state_precision='fp32'")
 IN_BACKWARD_PER_PARAMETER = Rule(
     "step-in-backward-per-parameter",
     "its step needs every parameter's gradient (or a closure re-evaluating the loss), so a parameter cannot step "
@@ -139,6 +139,12 @@ def pure_bf16_int8(pure_bf16: bool | None, state_precision: object) -> bool:
 def pure_bf16_precision(pure_bf16: bool | None, precision: object) -> bool:
     """PURE_BF16_PRECISION: pure bf16 with a precision that is not bf16-mixed (fp32, or fp16 with its scaler)."""
     return bool(pure_bf16) and precision in ("fp32", "fp16-mixed")
+
+
+def in_backward_fp16_scaler(step_in_backward: bool | None, state_precision: object, adamw: bool,
+                            precision: object) -> bool:
+    """IN_BACKWARD_FP16_SCALER: a step in backward under fp16's scaler by an optimizer without fused AdamW's flag."""
+    return bool(step_in_backward) and precision == "fp16-mixed" and (state_precision != "fp32" or not adamw)
 
 
 def gradients_before_ddp(step_in_backward: bool | None, offload_fraction: float | None,

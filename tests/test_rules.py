@@ -12,7 +12,9 @@ import torch
 from memtrain import rules
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
+from memtrain.models import GPT, GPT_PRESETS
 from memtrain.optim import build_optimizer
+from memtrain.optim.named import NamedOptimizer
 from memtrain.planner.checks import check_fixed
 from memtrain.planner.settings import Fixed
 
@@ -95,6 +97,8 @@ PLANNER = {
     "pure-bf16-int8": lambda: check_fixed(Fixed(pure_bf16=True, state_precision="int8"), 2, True, True,
                                           "bf16-mixed"),
     "pure-bf16-precision": lambda: check_fixed(Fixed(pure_bf16=True), 2, True, True, "fp16-mixed"),
+    "step-in-backward-fp16-scaler": lambda: check_fixed(
+        Fixed(step_in_backward=True, optimizer_class=NamedOptimizer.of("adafactor")), 2, True, True, "fp16-mixed"),
 }
 
 
@@ -115,6 +119,28 @@ def test_every_rule_is_proven_somewhere():
 def test_a_partial_offload_under_ddp_is_the_same_rule_in_build_optimizer():
     message = _refusal(lambda: build_optimizer(_params(), **HYPER, offload_fraction=0.5, world_size=2))
     assert rules.GRADIENTS_BEFORE_DDP.why in message and "offload_fraction=0" in message, message
+
+
+def test_the_search_never_plans_a_step_in_backward_that_fp16_refuses():
+    """The plan must not choose what build_optimizer then refuses: under fp16's scaler only fused AdamW (fp32
+    moments) steps in backward. At 1 GiB the gpt-small's Adafactor fits only by stepping in backward, so the plan
+    says nothing fits (it used to plan the step in backward, which train then refused)."""
+    from memtrain.planner import plan
+    from memtrain.planner.devices import known_gpu
+    from memtrain.planner.search import _optimizer_choices
+
+    fixed = Fixed(optimizer_class=NamedOptimizer.of("adafactor"))
+    searched = _optimizer_choices(["device"], ["fp32"], ["none"], {"step-in-backward"}, True, fixed, "fp16-mixed")
+    assert searched and not any(sib for _, _, sib, _, _ in searched), searched
+    adamw = _optimizer_choices(["device"], ["fp32", "bf16"], ["none"], {"step-in-backward"}, True, Fixed(),
+                               "fp16-mixed")
+    assert {(state, sib) for _, state, sib, _, _ in adamw} == {("fp32", False), ("fp32", True), ("bf16", False)}
+    with torch.device("meta"):
+        model = GPT(GPT_PRESETS["gpt-small"])
+    with pytest.raises(ConfigError, match="no set-up fits"):
+        plan(model, budget="1GiB", seq_len=512, global_batch_size=8, device="cuda", precision="fp16-mixed",
+             device_profile=known_gpu("H100"), choices=Choices(optimizer=OptimizerChoice(name="adafactor",
+                                                                                          placement="device")))
 
 
 def test_the_searchs_pruning_obeys_the_rules():

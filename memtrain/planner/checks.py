@@ -81,6 +81,11 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
                                                              f"{precision!r}"))
     if rules.pure_bf16_precision(f.pure_bf16, precision):
         problems.append(rules.PURE_BF16_PRECISION.message(f"pure_bf16=True with precision={precision!r}"))
+    if rules.in_backward_fp16_scaler(f.step_in_backward, f.state_precision or "fp32", f.optimizer_class.is_adamw,
+                                     precision):
+        problems.append(rules.IN_BACKWARD_FP16_SCALER.message(
+            f"step_in_backward=True with precision={precision!r} and {f.optimizer_class.text} "
+            f"({f.state_precision or 'fp32'} state)"))
     if rules.pure_bf16_int8(f.pure_bf16, f.state_precision):
         problems.append(rules.PURE_BF16_INT8.message("pure_bf16=True with state_precision='int8'"))
     ConfigError.raise_if(problems)

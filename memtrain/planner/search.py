@@ -324,7 +324,7 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
     ctx = composer.ctx
     L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
     choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
-                                 fixed)
+                                 fixed, precision)
     jobs: list[tuple[Configuration, np.ndarray, np.ndarray]] = []  # composed together, added in this order
     for placement, state, in_backward, fraction, dist in choices:
         for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
@@ -408,7 +408,7 @@ def _int8_runs(device: str) -> bool:
 
 def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequence[str],
                        distributions: Sequence[Distribution], allowed: set[str], cuda: bool,
-                       fixed: Fixed) -> list[tuple[OptimizerPlacement, str, bool, float, Distribution]]:
+                       fixed: Fixed, precision: str) -> list[tuple[OptimizerPlacement, str, bool, float, Distribution]]:
     """(placement, moment precision, step in backward, partial offload fraction, distribution) to search."""
     out: list[tuple[OptimizerPlacement, str, bool, float, Distribution]] = []
     in_backward = [False] + ([True] if "step-in-backward" in allowed else [])
@@ -430,7 +430,8 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
                     continue  # torch's AdamW on FSDP2's sharded parameters
                 for sib in in_backward:
                     for fraction in fractions:
-                        if rules.gradients_before_ddp(sib, fraction, dist != "none"):
+                        if rules.gradients_before_ddp(sib, fraction, dist != "none") or rules.in_backward_fp16_scaler(
+                                sib, state, fixed.optimizer_class.is_adamw, precision):
                             continue
                         if rules.in_backward_with_fraction(sib, fraction) or (fraction and state != "fp32"):
                             continue  # the search's partial offloads keep fp32 moments
