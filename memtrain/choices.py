@@ -66,9 +66,9 @@ class OptimizerChoice:
     offload_fraction: this share of a device optimizer's state in host RAM, in [0, 1].
     name: the optimizer: None or "adamw" (memtrain's AdamW, with the state precisions above), or any other
         ``torch.optim.Optimizer`` by short name ("adafactor", "lion", ...), dotted path ("torch.optim.Adafactor") or
-        class. It gets the run's lr and weight decay where it takes them and ``kwargs``; it keeps its own state
-        (no lean moments, no pure bf16), measured by a probe step; the placements wrap it alike. Changing it
-        changes the numerics, so the plan never does.
+        class. It gets the run's lr, weight decay, betas and eps where it takes them (in the same form) and
+        ``kwargs``; it keeps its own state (no lean moments, no pure bf16), measured by a probe step; the
+        placements wrap it alike. Changing it changes the numerics, so the plan never does.
     kwargs: the named class's own hyper-parameters (e.g. ``{"beta2_decay": -0.8}``).
     """
 
@@ -88,9 +88,9 @@ class OptimizerChoice:
     name: Any = field(default=None, metadata=flag(
         "--optimizer", "the optimizer: adamw (memtrain's: --optimizer-state, --pure-bf16, the fused host step; "
         f"default), a short name ({', '.join(sorted(ALIASES))}) or any torch.optim.Optimizer class by dotted path "
-        "(e.g. torch.optim.Adafactor). It gets --lr and --weight-decay; its state is its own, measured by a probe "
-        "step; --offload-optimizer, --offload-optimizer-fraction and --step-in-backward wrap it alike. Never chosen "
-        "by the plan", metavar="NAME"))
+        "(e.g. torch.optim.Adafactor). It gets --lr, --weight-decay, --adam-betas and --adam-eps where it takes "
+        "them; its state is its own, measured by a probe step; --offload-optimizer, --offload-optimizer-fraction and "
+        "--step-in-backward wrap it alike. Never chosen by the plan", metavar="NAME"))
     kwargs: Any = field(default=None, metadata=flag(
         "--optimizer-arg", "a keyword argument of the --optimizer class (repeatable; the value a Python literal, e.g. "
         "--optimizer-arg beta2_decay=-0.8; in a --config file a table: optimizer-arg = {{ beta2_decay = -0.8 }})",

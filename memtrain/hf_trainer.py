@@ -183,7 +183,9 @@ def _offloaded_adamw(trainer: Any, model: nn.Module) -> torch.optim.Optimizer:
               {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
     named = trainer.memory.optimizer.named
     if not named.is_adamw:  # the run's class: the Trainer's learning rate, the groups' weight decay, its own kwargs
-        hyper = named.hyperparameters(lr=trainer.args.learning_rate, weight_decay=trainer.args.weight_decay)
+        hyper = named.hyperparameters(lr=trainer.args.learning_rate, weight_decay=trainer.args.weight_decay,
+                                      betas=(trainer.args.adam_beta1, trainer.args.adam_beta2),
+                                      eps=trainer.args.adam_epsilon)
         return CPUOffloadOptimizer([g for g in groups if g["params"]], named.resolve(), **hyper)
     return CPUOffloadOptimizer(
         [g for g in groups if g["params"]], torch.optim.AdamW, lr=trainer.args.learning_rate,

@@ -281,3 +281,18 @@ def test_a_named_class_under_the_accumulator_equals_its_plain_loop(wrapper: str)
     run(opt, ours)
     assert _diff(ref, ours) < 1e-6, _diff(ref, ours)
     opt.close()
+
+
+def test_the_runs_betas_and_eps_reach_a_class_that_takes_them_in_the_same_form():
+    """--adam-betas and --adam-eps are the run's, not dropped: Adam and Lion take them; Adafactor (no betas, an eps
+    pair) and CAME (three betas) keep their own; the class's kwargs win."""
+    run = {"lr": LR, "weight_decay": WD, "betas": (0.5, 0.6), "eps": 1e-3}
+    assert NamedOptimizer.of("adam").hyperparameters(**run) == run
+    assert NamedOptimizer.of("lion").hyperparameters(**run) == {"lr": LR, "weight_decay": WD, "betas": (0.5, 0.6)}
+    assert NamedOptimizer.of("adafactor").hyperparameters(**run) == {"lr": LR, "weight_decay": WD}
+    assert "betas" not in NamedOptimizer.of("came").hyperparameters(**run)
+    assert NamedOptimizer.of("adam", {"betas": (0.9, 0.99)}).hyperparameters(**run)["betas"] == (0.9, 0.99)
+    opt = build_optimizer(make_mlp().named_parameters(), lr=LR, betas=(0.5, 0.6), eps=1e-3, optimizer_class="adam")
+    inner = next(iter(opt._inner.values()))
+    assert inner.defaults["betas"] == (0.5, 0.6) and inner.defaults["eps"] == 1e-3
+    opt.close()

@@ -83,8 +83,8 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
         params = [p for _, p in named_params]
         self.named = named if named is not None else NamedOptimizer()
         hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        if not self.named.is_adamw:  # another class: lr and weight decay where it takes them, then its own kwargs
-            hyper = self.named.hyperparameters(lr=lr, weight_decay=weight_decay)
+        if not self.named.is_adamw:  # another class: the run's hyper-parameters it takes, then its own kwargs
+            hyper = self.named.hyperparameters(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
         self._options = tuple(hyper)
         self.state_precision = state_precision
         self.steps_in_backward = step_in_backward

@@ -42,7 +42,6 @@ ALIASES = {
     "sgd": "torch.optim.SGD",
     "lion": "pytorch_optimizer.Lion",
     "came": "pytorch_optimizer.CAME",
-    "adam-mini": "pytorch_optimizer.AdamMini",
 }
 # The pip command that installs a package an optimizer path names.
 EXTRAS = {
@@ -136,12 +135,16 @@ class NamedOptimizer:
             return torch.optim.AdamW
         return self.cls if self.cls is not None else _import(self.path)
 
-    def hyperparameters(self, *, lr: float, weight_decay: float) -> dict[str, Any]:
-        """The class's keyword arguments: the training config's lr and weight decay where the class takes them,
-        then the optimizer's own kwargs (which win)."""
-        accepted = _parameters(self.resolve())
-        shared = {"lr": lr, "weight_decay": weight_decay}
-        return {**{k: v for k, v in shared.items() if k in accepted or "kwargs" in accepted}, **dict(self.kwargs)}
+    def hyperparameters(self, *, lr: float, weight_decay: float, betas: tuple[float, float] | None = None,
+                        eps: float | None = None) -> dict[str, Any]:
+        """The class's keyword arguments: the run's lr, weight decay, betas and eps where the class takes them in
+        the same form (two betas; an eps that is one number, not Adafactor's pair), then its own kwargs (which win).
+        """
+        defaults = _defaults(self.resolve())
+        run = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
+        takes = {k: v for k, v in run.items() if v is not None and k in defaults
+                 and _same_form(defaults[k], v)}
+        return {**takes, **dict(self.kwargs)}
 
     # -- the probes -----------------------------------------------------------------------------------------
     def state_sizes(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
@@ -221,6 +224,21 @@ def _import(path: str) -> type[torch.optim.Optimizer]:
         raise ConfigError(f"{module_name} has no torch.optim.Optimizer class {name!r}. To resolve this error, "
                           f"{fix}.")
     return cls
+
+
+@functools.cache
+def _defaults(cls: type) -> dict[str, Any]:
+    """The class's keyword arguments and their defaults (``inspect.Parameter.empty`` where none)."""
+    return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()
+            if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL) and n != "self"}
+
+
+def _same_form(default: Any, value: Any) -> bool:
+    """Whether ``value`` has the form of the class's ``default``: a number for a number (or for no default), two
+    numbers for two numbers (betas; not a 3-tuple, not Adafactor's eps pair)."""
+    if isinstance(default, tuple):
+        return isinstance(value, tuple) and len(value) == len(default) and None not in default
+    return not isinstance(value, tuple)
 
 
 @functools.cache

@@ -63,7 +63,8 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     Args:
         model: the model the plan was made for, on the CPU (or already on ``device``).
         plan: from ``plan(...)``.
-        lr, betas, eps, weight_decay: AdamW's hyper-parameters (every optimizer the plan may build takes them).
+        lr, betas, eps, weight_decay: AdamW's hyper-parameters (a named class gets those it takes, in the same
+            form: ``NamedOptimizer.hyperparameters``).
         max_grad_norm: clipping in the accumulator's step (None: none).
         scheduler: builds an LR scheduler from the optimizer (e.g. ``lambda o: LambdaLR(o, f)``).
         device: where the model trains (None: where its first parameter is). Under a simulated device
@@ -213,8 +214,7 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
                                                                          or s.pure_bf16):
         if not named.is_adamw:  # the run's own class, as it comes
             cls = named.resolve()
-            return cls([p for _, p in trainable], **named.hyperparameters(lr=hyper["lr"],
-                                                                           weight_decay=hyper["weight_decay"]))
+            return cls([p for _, p in trainable], **named.hyperparameters(**hyper))
         # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
         return torch.optim.AdamW([p for _, p in trainable], fused=True, **hyper)
     if s.optimizer == "device":
@@ -231,10 +231,10 @@ def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world:
     for p in model.parameters() if bf16 is not None else ():
         if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(bf16)
-    if not named.is_adamw:  # the run's own class on the host: lr and weight decay where it takes them, its kwargs
+    if not named.is_adamw:  # the run's own class on the host: the run's hyper-parameters it takes, its kwargs
         named.state_sizes((1,), torch.float32)  # a class that cannot step on the host: one clear error, now
         hyper = {"optimizer_class": named.resolve(),
-                 **named.hyperparameters(lr=hyper["lr"], weight_decay=hyper["weight_decay"])}
+                 **named.hyperparameters(**hyper)}
     return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
                                device_dtype=bf16, state_precision=s.state_precision, pure_bf16=s.pure_bf16,
                                device=device, **hyper)
