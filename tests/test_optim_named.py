@@ -296,3 +296,20 @@ def test_the_runs_betas_and_eps_reach_a_class_that_takes_them_in_the_same_form()
     inner = next(iter(opt._inner.values()))
     assert inner.defaults["betas"] == (0.5, 0.6) and inner.defaults["eps"] == 1e-3
     opt.close()
+
+
+def test_a_kept_optimizer_is_the_runs_own_unless_another_is_named():
+    """A resume or re-plan keeps the run's class: an unset name inherits it (as the other optimizer fields do);
+    another class, or other kwargs of it, are refused, naming what differs."""
+    from memtrain.planner.settings import PlanSettings
+    from memtrain.run.replan import check_kept_optimizer
+
+    kept = PlanSettings(micro_batch_size=1, accumulation=1, blocks=("keep",), flavor="full", chunked_loss=False,
+                        optimizer="device", distribution="none", compile=False,
+                        optimizer_class=NamedOptimizer.of("adafactor", {"beta2_decay": -0.5}))
+    check_kept_optimizer(Choices(), kept)
+    check_kept_optimizer(Choices(optimizer=OptimizerChoice(name="adafactor", kwargs={"beta2_decay": -0.5})), kept)
+    with pytest.raises(ConfigError, match="optimizer.name='pytorch_optimizer.Lion'.*Adafactor"):
+        check_kept_optimizer(Choices(optimizer=OptimizerChoice(name="lion")), kept)
+    with pytest.raises(ConfigError, match=r"optimizer.kwargs=\{'beta2_decay': -0.8\}"):
+        check_kept_optimizer(Choices(optimizer=OptimizerChoice(name="adafactor", kwargs={"beta2_decay": -0.8})), kept)

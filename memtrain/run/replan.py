@@ -247,8 +247,11 @@ def check_kept_optimizer(choices: Choices, kept: PlanSettings) -> None:
     differ += [f"{name}={value!r}" for name, value, have in (
         ("pure_bf16", choices.pure_bf16 or None, kept.pure_bf16),  # False: unset (the run's own)
         ("offload_weights", choices.offload_weights, kept.offload_weights)) if value is not None and value != have]
-    if asked.named != kept.optimizer_class:  # another class cannot take the state the run's class left
+    # Another class cannot take the state the run's class left (None: the run's own, as for the other fields).
+    if asked.name is not None and asked.named.path != kept.optimizer_class.path:
         differ.insert(0, f"optimizer.name={asked.named.path!r}")
+    elif asked.kwargs is not None and asked.named.kwargs != kept.optimizer_class.kwargs:
+        differ.insert(0, f"optimizer.kwargs={dict(asked.named.kwargs)!r}")
     if differ:
         drop = [d if d.startswith(("pure_bf16", "offload_weights")) else d.split("=")[0] + "=" for d in differ]
         raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {kept.optimizer_text}, and its state exists "
