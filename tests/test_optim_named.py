@@ -191,12 +191,12 @@ def test_the_probe_equals_the_built_optimizers_state(name: str) -> None:
     assert memory.device_state_bytes == optimizer_state_bytes(opt), (memory, optimizer_state_bytes(opt))
 
 
-@pytest.mark.parametrize("shape", [(1100, 1024), (4096, 300), (3 * PROBE_NUMEL // 2,)])
+@pytest.mark.parametrize("shape", [(1100, 1024), (4096, 300), (3 * PROBE_NUMEL // 2,), (8, 512, 512), (2, 3, 700, 400)])
 def test_a_large_parameters_fitted_state_equals_its_probe(shape: tuple[int, ...]) -> None:
     """Above PROBE_NUMEL elements the state is fitted from four smaller shapes: exact for Adafactor's factored
     state and for element-wise states."""
-    for name in ("adafactor", "lion"):
-        named = NamedOptimizer.of(*CLASSES[name])
+    for name in ("adafactor", "lion", "came"):
+        named = NamedOptimizer.of(*CLASSES.get(name, (name, {})))
         assert named.state_sizes(shape, torch.float32) == _probe(named.resolve(), named.kwargs, shape, torch.float32)
 
 
@@ -313,3 +313,16 @@ def test_a_kept_optimizer_is_the_runs_own_unless_another_is_named():
         check_kept_optimizer(Choices(optimizer=OptimizerChoice(name="lion")), kept)
     with pytest.raises(ConfigError, match=r"optimizer.kwargs=\{'beta2_decay': -0.8\}"):
         check_kept_optimizer(Choices(optimizer=OptimizerChoice(name="adafactor", kwargs={"beta2_decay": -0.8})), kept)
+
+
+def test_an_explicit_foreach_counts_the_multi_tensor_scratch():
+    """foreach=True in the kwargs is the multi-tensor step, as torch's default on CUDA: its scratch covers every
+    parameter at once, not the largest alone."""
+    params = [(1024 * 1024, torch.float32)] * 10
+    shapes = [(1024, 1024)] * 10
+
+    def scratch(kwargs: dict) -> int:
+        return optimizer_memory(params, named=NamedOptimizer.of("adafactor", kwargs), shapes=shapes,
+                                device_type="cuda").device_step_temp_bytes
+
+    assert scratch({"foreach": True}) == scratch({}) > 5 * scratch({"foreach": False})

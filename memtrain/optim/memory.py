@@ -200,7 +200,9 @@ def _named_step_temp(named: NamedOptimizer, device: list[tuple[int, torch.dtype]
     with step-in-backward one parameter at a time)."""
     if not device:
         return 0
-    foreach = device_type != "cpu" and named.takes_foreach() and not step_in_backward
+    asked = dict(named.kwargs).get("foreach")  # given: the class's own choice; else torch's default (CUDA: on)
+    foreach = (bool(asked) if asked is not None else device_type != "cpu" and named.takes_foreach()) \
+        and not step_in_backward
     per_element = max(named.step_scratch(dt, foreach=foreach) for dt in {dt for _, dt in device})
     at_once = sum(n for n, _ in device) if foreach else max(n for n, _ in device)
     return int(per_element * at_once)

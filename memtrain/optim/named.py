@@ -9,7 +9,8 @@ wrappers (host offload, step in backward, a partial offload) take every class al
 A foreign class's state is measured, not assumed: one step of the class over a parameter of each shape the model
 has (on the CPU, at the shape itself up to ``PROBE_NUMEL`` elements; above it, four smaller shapes whose state
 fits ``a + b*rows + c*cols + d*rows*cols`` per state tensor, exact for element-wise and factored states such as
-Adafactor's), and its step's scratch and time by one step on ``PROBE_NUMEL`` elements beside torch's fused fp32 AdamW.
+Adafactor's; a larger tensor of more dimensions as that many matrices of its last two), and its step's scratch and
+time by one step on ``PROBE_NUMEL`` elements beside torch's fused fp32 AdamW.
 
 Example:
     >>> named = NamedOptimizer.of("adafactor")
@@ -305,7 +306,13 @@ def _fitted_sizes(cls: type, kwargs: tuple[tuple[str, Any], ...], shape: tuple[i
         if len(s1) == len(s2):
             return tuple(x + (y - x) * (numel - a) // a for x, y in zip(s1, s2, strict=True))
         return _scaled(s2, numel, 2 * a)
-    # NOTE: a tensor of more than two dimensions is fitted as (rows, cols), its leading dimensions folded into rows.
+    if len(shape) > 2:  # leading dimensions: that many (rows, cols) matrices, each with its own state tensors
+        lead = numel // (shape[-2] * shape[-1])
+        one = _fitted_sizes(cls, kwargs, shape[-2:], dtype)
+        # What does not grow with the parameter (a step counter) is one tensor whatever the leading dimensions.
+        s1, s2 = _probe(cls, kwargs, (8, 8), dtype), _probe(cls, kwargs, (16, 16), dtype)
+        fixed = [x == y for x, y in zip(s1, s2, strict=True)] if len(s1) == len(s2) == len(one) else [False] * len(one)
+        return tuple(n if same else n * lead for n, same in zip(one, fixed, strict=True))
     a, b = min(rows, _FIT_SIDE), min(cols, _FIT_SIDE)
     s = [_probe(cls, kwargs, (r, c), dtype) for r, c in ((a, b), (2 * a, b), (a, 2 * b), (2 * a, 2 * b))]
     if len({len(x) for x in s}) != 1:
