@@ -326,3 +326,20 @@ def test_an_explicit_foreach_counts_the_multi_tensor_scratch():
                                 device_type="cuda").device_step_temp_bytes
 
     assert scratch({"foreach": True}) == scratch({}) > 5 * scratch({"foreach": False})
+
+
+@pytest.mark.parametrize("wrapper", ["device", "host"])
+def test_a_named_state_for_other_shapes_is_one_clear_error(wrapper: str) -> None:
+    """A Lion state saved for an 8x8 layer does not load into an 8x16 one (its bytes against the probe's): one
+    ConfigError naming the parameter, not a raw size mismatch at the next step."""
+    def build(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(model.named_parameters(), lr=LR, optimizer_class="lion", **WRAPPERS[wrapper])
+
+    small, wide = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)
+    opt = build(small)
+    small(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    with pytest.raises(ConfigError, match=r"(?s)state of 'weight' holds .* bytes.*To resolve this error"):
+        build(wide).load_state_dict(saved)
+    assert saved["state"]["weight"]["exp_avg"].device.type == "cpu"

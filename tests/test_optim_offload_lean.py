@@ -136,7 +136,7 @@ def test_host_moments_take_half_bf16_and_a_quarter_int8_of_fp32s_bytes() -> None
 
 
 def test_lean_moments_are_adamws() -> None:
-    with pytest.raises(ConfigError, match="the lean moments are AdamW's") as info:
+    with pytest.raises(ConfigError, match="lean moments and pure bf16 are memtrain's AdamW's") as info:
         CPUOffloadOptimizer(make_model().named_parameters(), torch.optim.SGD, state_precision="int8", lr=0.1)
     assert "To resolve this error" in str(info.value)
     with pytest.raises(ConfigError, match="state_precision='fp16' is not one of"):

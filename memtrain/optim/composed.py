@@ -348,12 +348,16 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
         self.param_groups[0].update({k: v for k, v in group.items() if k not in ("params", "param_names")})
         self._sync_hyperparameters()
         self._lagged_norm = torch.tensor(float(state_dict.get("lagged_grad_norm", 0.0)))
+        problems = [self._entry_problem(name, p, entries[name]) for name, p in device.items() if name in entries]
+        ConfigError.raise_if(p for p in problems if p)
         for name, p in device.items():
             inner = self._inner[id(p)]
             inner.state.pop(p, None)
             if name in entries:
-                inner.state[p] = {k: v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
-                                  for k, v in entries[name].items()}
+                # torch's placement: the step counter stays on the CPU unless the class is fused or capturable.
+                on_device = inner.defaults.get("fused") or inner.defaults.get("capturable")
+                inner.state[p] = {k: v.detach().to(p.device if k != "step" or on_device else "cpu", copy=True)
+                                  if isinstance(v, torch.Tensor) else v for k, v in entries[name].items()}
         if self._host is not None:
             names = [slot.key for slot in self._host._slots]
             self._host.load_state_dict({
@@ -361,6 +365,16 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
                 "param_groups": [{**{k: v for k, v in self._host.param_groups[0].items() if k != "params"},
                                   "params": names, "param_names": names}]})
         self._link_state()
+
+    def _entry_problem(self, name: str, p: torch.Tensor, entry: dict[str, Any]) -> str | None:
+        """A saved entry that is not this class's state of a parameter of ``p``'s shape (its bytes against the
+        probe's), in words naming the fix; None when it fits."""
+        saved = sum(v.numel() * v.element_size() for v in entry.values() if isinstance(v, torch.Tensor))
+        expected = self.named.state_bytes(tuple(p.shape), p.dtype)
+        if saved == expected:
+            return None
+        return (f"state of {name!r} holds {saved:,} bytes; {self.named.text}'s state of a {tuple(p.shape)} parameter "
+                f"holds {expected:,}. To resolve this error, load a state_dict saved for the same model.")
 
     def close(self) -> None:
         """Removes the hooks (step-in-backward) and stops the host part's worker."""

@@ -55,6 +55,7 @@ from memtrain.optim.gradient_landing import GradientLanding
 from memtrain.optim.host_buffers import (
     DIRECTIONS,
     IMPLEMENTATION_KEYS,
+    STATE_BYTES_PER_PARAM,
     Bucket,
     Landing,
     Slot,
@@ -72,6 +73,7 @@ from memtrain.optim.host_buffers import (
 )
 from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
+from memtrain.optim.named import NamedOptimizer
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
 from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure_bf16_moments
 from memtrain.rules import NAMED_OWN_STATE
@@ -181,9 +183,11 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
             optimizer_kwargs["fused"] = True  # the fused CPU kernel: several times the for-loop's throughput
         master_dtype = torch.bfloat16 if pure_bf16 else torch.float32
+        state_per_param = PURE_STATE_BYTES[state_precision] if pure_bf16 else _measured_state(
+            optimizer_class, optimizer_kwargs, flat)
         buffer_bytes = check_host_ram(
             flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin, device_dtype=device_dtype,
-            master_dtype=master_dtype, state_bytes_per_param=PURE_STATE_BYTES[state_precision] if pure_bf16 else None)
+            master_dtype=master_dtype, state_bytes_per_param=state_per_param)
         # The bytes pinned: the buffers check_host_ram counted, registered at their exact size (a sum stage at the
         # first later micro-batch, and stream_weights' stages, add theirs).
         self.pinned_bytes = buffer_bytes if pin else 0
@@ -594,6 +598,17 @@ def _check_gradients_after_sync(offload_gradients: bool) -> None:
         raise ConfigError(rules.GRADIENTS_BEFORE_DDP.message(
             f"CPUOffloadOptimizer(offload_gradients=True) with {dist.get_world_size()} ranks",
             fix="pass offload_gradients=False (they are copied at the step, after synchronisation)"))
+
+
+def _measured_state(optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+                    flat: list[torch.Tensor]) -> float | None:
+    """State bytes per parameter of a class memtrain has no figure for, measured by its probe steps over the
+    parameters' shapes (fp32 masters); None for the classes whose figure is known."""
+    if optimizer_class in STATE_BYTES_PER_PARAM or hasattr(optimizer_class, "state_bytes_per_param"):
+        return None
+    named = NamedOptimizer.of(optimizer_class, {k: v for k, v in optimizer_kwargs.items() if k != "lr"})
+    numel = sum(p.numel() for p in flat)
+    return sum(named.state_bytes(tuple(p.shape), torch.float32) for p in flat) / max(numel, 1)
 
 
 def _moments_class(optimizer_class: type[torch.optim.Optimizer], state_precision: object) -> type[torch.optim.Optimizer]:

@@ -13,6 +13,7 @@ import torch
 from memtrain.errors import ConfigError
 from memtrain.optim.host_buffers import IMPLEMENTATION_KEYS, STATE_BYTES_PER_PARAM, Bucket, Slot
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of
+from memtrain.optim.named import NamedOptimizer
 
 
 class OffloadCheckpoint:
@@ -82,7 +83,13 @@ class OffloadCheckpoint:
             if slot is None:
                 problems.append(f"state entry {key!r} belongs to no parameter of the state_dict's param_groups.")
                 continue
-            if not shaped:
+            if not shaped:  # another class: its entry's bytes against its probe's for this parameter
+                saved = sum(v.numel() * v.element_size() for k, v in entry.items()
+                            if isinstance(v, torch.Tensor) and k != "master_weight")
+                expected = self._named_state_bytes(slot)
+                if saved != expected:
+                    problems.append(f"state of {key!r} holds {saved:,} bytes, a {tuple(slot.master.shape)} "
+                                    f"parameter's {expected:,}.")
                 continue
             # 8-bit entries also hold their code books and block scales, which are not parameter-shaped.
             shapes = {k: tuple(v.shape) for k, v in entry.items() if isinstance(v, torch.Tensor) and v.ndim > 0
@@ -124,6 +131,12 @@ class OffloadCheckpoint:
                 for k, v in entry.items()
             }
         self._link_state()
+
+    def _named_state_bytes(self, slot: Slot) -> int:
+        """A class memtrain has no figure for: its state's bytes for ``slot``'s master, measured by its probe."""
+        inner = self._buckets[slot.bucket].inner
+        kwargs = {k: v for k, v in inner.defaults.items() if k not in ("lr", *IMPLEMENTATION_KEYS)}
+        return NamedOptimizer.of(type(inner), kwargs).state_bytes(tuple(slot.master.shape), slot.master.dtype)
 
     def _match_keys(self, saved_groups: list[dict[str, Any]]) -> dict[Any, Slot]:
         saved_keys = [k for g in saved_groups for k in g["params"]]
