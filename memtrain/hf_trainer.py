@@ -174,7 +174,7 @@ def _clip_through_the_optimizer(trainer: Any) -> None:
     trainer.accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-def _offloaded_adamw(trainer: Any, model: nn.Module) -> torch.optim.Optimizer:
+def _offloaded_optimizer(trainer: Any, model: nn.Module) -> torch.optim.Optimizer:
     """``CPUOffloadOptimizer`` over AdamW (or the class ``memory`` names) with ``trainer``'s hyperparameters and its two groups (weight decay on
     the parameters the Trainer decays, none on the others)."""
     decay = set(trainer.get_decay_parameter_names(model))
@@ -251,7 +251,7 @@ def build_trainer_class(transformers: Any) -> type:
         def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
             if self.optimizer is not None or self.memory.optimizer.placement != "offload":
                 return super().create_optimizer(*([] if model is None else [model]))
-            self.optimizer = _offloaded_adamw(self, self.model if model is None else model)
+            self.optimizer = _offloaded_optimizer(self, self.model if model is None else model)
             return self.optimizer
 
         def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -294,11 +294,13 @@ def _add_optimizer_flags(group: Any) -> None:
                        help="after the warm-up: cosine or linear decay to a tenth of --lr at the last step, or "
                        "constant at --lr (default cosine)")
     group.add_argument("--adam-betas", type=_betas, metavar="B1,B2", default=(0.9, 0.95),
-                       help="AdamW's moment decays, each in [0, 1) (default 0.9,0.95)")
+                       help="AdamW's moment decays, each in [0, 1) (default 0.9,0.95; an --optimizer class that "
+                       "takes two betas gets them too)")
     group.add_argument("--adam-eps", type=_positive_float, metavar="EPS", default=1e-8,
-                       help="AdamW's epsilon (default 1e-8)")
-    group.add_argument("--weight-decay", type=_non_negative_float, default=0.1, help="AdamW weight decay (default "
-                       "0.1)")
+                       help="AdamW's epsilon (default 1e-8; an --optimizer class whose eps is one number gets it "
+                       "too)")
+    group.add_argument("--weight-decay", type=_non_negative_float, default=0.1,
+                       help="weight decay (AdamW's, or the --optimizer class's; default 0.1)")
     group.add_argument("--grad-clip", type=_grad_clip, default=1.0,
                        help="clip the global gradient norm to this (default 1.0; 0 or none: no clipping)")
 

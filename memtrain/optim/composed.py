@@ -68,7 +68,8 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
       gradient lands; fused AdamW reads it and no parameter steps after it (weights, moments, step count as they
       were), with no host sync. Parameters whose gradients landed *before* it took this step with their finite
       gradients: the compromise of stepping in one pass. The scaler then backs off as usual and the window counts
-      as skipped. Inner optimizers without that flag (bf16 and int8 moments) are refused with an fp16 scaler.
+      as skipped. Inner optimizers without that flag (bf16 and int8 moments, another class) are refused with an
+      fp16 scaler (``rules.IN_BACKWARD_FP16_SCALER``).
     """
 
     # No inf check to read before the step (CPUOffloadOptimizer says True): under an fp16 scaler,
