@@ -185,10 +185,12 @@ def test_every_choices_field_is_honoured_or_refused_by_the_trainer():
     from memtrain.hf import trainer_problems
 
     # What MemtrainTrainer applies (prepare_model, create_optimizer, training_step), as tests/test_hf.py checks.
+    # A named optimizer class (and its kwargs) is honoured offloaded (CPUOffloadOptimizer steps it on the host) and
+    # refused on the device, where the Trainer builds its own optimizer.
     honoured = {"checkpointing", "offload_activations", "chunked_loss", "optimizer.placement",
-                "optimizer.state_precision"}
+                "optimizer.state_precision", "optimizer.kwargs"}
     on = {"compile": True, "pure_bf16": True, "offload_weights": True, "optimizer.step_in_backward": True,
-          "optimizer.offload_fraction": 0.5}
+          "optimizer.offload_fraction": 0.5, "optimizer.name": "adafactor"}
     fields = {f.name for f in dataclasses.fields(Choices) if f.name != "optimizer"}
     fields |= {f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerChoice)}
     assert fields == honoured | set(on), f"a new field needs a decision here: {sorted(fields - honoured - set(on))}"

@@ -534,6 +534,33 @@ def test_the_trainer_trains_lora_adapters_with_the_offloaded_optimizer(hf_model_
     assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.3g} > {LOGITS_TOL}"
 
 
+def test_the_trainer_steps_a_named_optimizer_on_the_host(hf_model_dir, packed_rows, tmp_path):
+    """OptimizerChoice(name="adafactor", placement="offload"): CPUOffloadOptimizer steps Adafactor with the
+    Trainer's learning rate (its factored state on the host); on the device the Trainer's own optimizer would be
+    built, so that is refused naming optim=."""
+    from memtrain import CPUOffloadOptimizer
+    from memtrain.data import hf_collate
+    from memtrain.hf import MemtrainTrainer
+
+    model = load_pretrained(hf_model_dir)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=1,
+                                          per_device_train_batch_size=2, learning_rate=1e-2, save_strategy="no",
+                                          report_to="none", use_cpu=True, dataloader_num_workers=0,
+                                          disable_tqdm=True)
+    memory = Choices(optimizer=OptimizerChoice(name="adafactor", placement="offload"))
+    trainer = MemtrainTrainer(model, args, memory=memory, train_dataset=packed_rows, data_collator=hf_collate)
+    trainer.train()
+    opt = trainer.optimizer
+    while not isinstance(opt, CPUOffloadOptimizer):  # inside accelerate's wrapper
+        opt = opt.optimizer
+    inner = opt._buckets[0].inner
+    assert type(inner) is torch.optim.Adafactor and inner.defaults["lr"] == 1e-2
+    assert any("row_var" in e for e in opt.state.values())
+    with pytest.raises(ConfigError, match="optim="):
+        MemtrainTrainer(load_pretrained(hf_model_dir), args, train_dataset=packed_rows, data_collator=hf_collate,
+                        memory=Choices(optimizer=OptimizerChoice(name="adafactor")))
+
+
 # -- errors keep their cause and name arguments, not CLI flags -----------------------------------------------------
 def _multi_line_error() -> OSError:
     try:
