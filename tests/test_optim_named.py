@@ -66,6 +66,10 @@ def test_a_class_is_named_by_short_name_path_or_class() -> None:
     assert NamedOptimizer.of(torch.optim.Adafactor).path == "torch.optim.Adafactor"  # not torch.optim._adafactor
     assert NamedOptimizer.of(None).is_adamw and NamedOptimizer.of("adamw").is_adamw
     assert NamedOptimizer.of(torch.optim.AdamW).is_adamw  # AdamW itself is memtrain's (lean moments, host kernels)
+    assert NamedOptimizer.of("AdamW").is_adamw and NamedOptimizer.of(" Adafactor ").path == "torch.optim.Adafactor"
+    with pytest.raises(ConfigError, match="kwargs .* with memtrain's AdamW"):
+        NamedOptimizer.of(NamedOptimizer(), {"bogus": 1})
+    assert NamedOptimizer.of(NamedOptimizer.of("lion"), {"betas": (0.9, 0.9)}).kwargs == (("betas", (0.9, 0.9)),)
     named = NamedOptimizer.of("lion", {"betas": [0.9, 0.98]})
     assert NamedOptimizer.from_dict(named.to_dict()) == named
     assert named.hyperparameters(lr=1.0, weight_decay=0.5) == {"lr": 1.0, "weight_decay": 0.5, "betas": (0.9, 0.98)}

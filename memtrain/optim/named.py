@@ -79,9 +79,13 @@ class NamedOptimizer:
             ConfigError: a value that names no optimizer (it is resolved, so a missing package is named now).
         """
         if isinstance(value, NamedOptimizer):
-            return value if kwargs is None else NamedOptimizer(value.path, _frozen(kwargs), value.cls)
+            if kwargs is None:
+                return value
+            value = value.cls or (None if value.is_adamw else value.path)
         args = _frozen(kwargs or {})
-        if value is None or value == ADAMW or value is torch.optim.AdamW and not args:
+        if isinstance(value, str) and value.strip().lower() == ADAMW:
+            value = None
+        if value is None or value is torch.optim.AdamW and not args:
             if args:
                 raise ConfigError(f"optimizer kwargs {dict(args)} with memtrain's AdamW: its settings are "
                                   "state_precision, pure_bf16 and the training config's betas and eps. To resolve "
