@@ -174,3 +174,37 @@ def test_low_precision_state_on_the_gpu_trains_and_holds_the_predicted_bytes(pre
     assert optimizer_state_bytes(opt) == predicted.device_state_bytes
     rel = abs(final[precision] / final["fp32"] - 1)
     assert rel <= 0.05, f"{precision}: final loss {final[precision]:.4f} vs fp32 {final['fp32']:.4f}"
+
+
+@pytest.mark.parametrize("options", [{}, {"step_in_backward": True}, {"offload_fraction": 0.5},
+                                     {"offload_fraction": 1.0}],
+                         ids=["device", "in-backward", "half-offloaded", "offloaded"])
+def test_a_named_class_on_the_gpu_trains_as_the_plain_class(options: dict) -> None:
+    """Adafactor through memtrain's wrappers on the GPU (issue 30): the weights of torch's Adafactor on the device
+    (tolerance 1e-5: the host steps its share on the CPU's kernels), and its device state as the probe predicts."""
+    from memtrain.optim import build_optimizer, optimizer_memory
+    from memtrain.optim.named import NamedOptimizer
+
+    named = NamedOptimizer.of("adafactor")
+    ref, ours = make_model().cuda(), make_model().cuda()
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = build_optimizer(ours.named_parameters(), lr=1e-2, weight_decay=0.1, optimizer_class="adafactor",
+                          **options)
+    for x, y in batches(5):
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    diff = max_diff(ref, ours)
+    assert diff <= 1e-5, f"{options}: max abs difference {diff:.3e} (tolerance 1e-5)"
+    params = list(ours.parameters())
+    predicted = optimizer_memory([(p.numel(), p.dtype) for p in params], named=named,
+                                 shapes=[tuple(p.shape) for p in params], device_type="cuda",
+                                 offload_fraction=options.get("offload_fraction", 0.0),
+                                 step_in_backward=options.get("step_in_backward", False))
+    on_device = sum(v.numel() * v.element_size() for p in params if p in opt.state
+                    for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.is_cuda)
+    # the step counter lives on the CPU (not fused): the device holds the factored moments alone
+    assert on_device <= predicted.device_state_bytes, (on_device, predicted)
+    opt.close()
