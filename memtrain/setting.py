@@ -13,9 +13,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from memtrain.errors import ConfigError
 
 FlagKind = Literal["value", "switch", "on", "pairs"]
 
@@ -87,3 +90,31 @@ def flag(name: str, help: str, **options: Any) -> Mapping[str, Flag]:
 def flags_of(cls: type) -> list[tuple[str, Flag]]:
     """(field name, flag) of each field of the setting type ``cls`` that declares one, in field order."""
     return [(f.name, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+# -- checks every setting type shares ------------------------------------------------------------------------------
+def is_fraction(value: Any) -> bool:
+    """A finite number in [0, 1] (not a bool)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0.0 <= value <= 1.0)
+
+
+def switch_problems(owner: Any, names: tuple[str, ...], prefix: str = "") -> list[str]:
+    """The fields of ``owner`` that are not True, False or None (the plan decides), each with its fix."""
+    return [f"{prefix}{name}={getattr(owner, name)!r} must be True, False, or None (the plan decides). To resolve "
+            "this error, pass one of them." for name in names
+            if getattr(owner, name) is not None and not isinstance(getattr(owner, name), bool)]
+
+
+def known_fields(cls: type, values: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """``values`` as the keyword arguments of the setting type ``cls`` (ConfigError: not a mapping, or an unknown
+    field, naming the known ones)."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{what}={values!r} is not a mapping of field names to values. To resolve this error, pass "
+                          f"e.g. {{'{dataclasses.fields(cls)[0].name}': ...}}.")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"{what}: unknown {'field' if len(unknown) == 1 else 'fields'} {', '.join(unknown)}. To "
+                          f"resolve this error, use {', '.join(names)}.")
+    return dict(values)

@@ -60,7 +60,7 @@ def test_a_config_file_goes_through_the_same_flags(tmp_path):
      "RAM"),
     (["--offload-optimizer", "--step-in-backward"], "--step-in-backward is for the device optimizer"),
     (["--step-in-backward", "--offload-optimizer-fraction", "0.5"],
-     "--step-in-backward with --offload-optimizer-fraction: a partial offload steps after backward"),
+     "--step-in-backward with --offload-optimizer-fraction 0.5: a partial offload steps after backward"),
     (["--no-offload-optimizer", "--offload-optimizer-fraction", "0.5"],
      "--no-offload-optimizer and --offload-optimizer-fraction 0.5 contradict each other"),
     (["--checkpointing", "all+offload", "--no-offload-activations"],

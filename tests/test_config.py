@@ -42,7 +42,7 @@ def test_train_config_errors_name_arguments_and_suggest_only_what_it_accepts():
     problems = info.value.problems
     assert not [p for p in problems if "--" in p], problems  # flags are the CLI's words, not the library's
     assert any("out_dir='DIR'" in p for p in problems), problems
-    assert any("optimizer.placement='offload' and fsdp=True" in p for p in problems), problems
+    assert any("optimizer.placement='offload' with fsdp=True" in p for p in problems), problems
     with pytest.raises(ConfigError) as info:
         Choices(checkpointing="sometimes")
     checkpointing = next(p for p in info.value.problems if p.startswith("checkpointing="))
@@ -64,7 +64,7 @@ def test_choices_that_are_not_a_choices_are_one_error_naming_it(value):
 def test_the_world_size_rule_waits_for_the_world_but_fsdp_is_checked_at_once():
     in_backward = TrainConfig(choices=Choices(optimizer=OptimizerChoice(step_in_backward=True)))
     in_backward.validate()  # one process is fine; train / plan_for_run check it against the ranks
-    with pytest.raises(ConfigError, match="this run has 2 processes"):
+    with pytest.raises(ConfigError, match="optimizer.step_in_backward=True with world_size=2"):
         in_backward.choices.check_run(world_size=2, fsdp=in_backward.fsdp)
 
 

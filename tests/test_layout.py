@@ -164,6 +164,30 @@ def planner_techniques() -> list[str]:
                   and n in TECHNIQUES)
 
 
+# Setting fields whose names say nothing else (``torch.compile``, ``apply_checkpointing``, a class's ``name``): not
+# counted by ``setting_field_users``.
+GENERIC_FIELDS = frozenset({"checkpointing", "compile", "optimizer", "placement", "name", "kwargs"})
+
+
+def setting_field_users() -> dict[str, list[str]]:
+    """Each technique's setting field (``memtrain.techniques``' ``FIELDS`` and the optimizer's ``SETTING_FIELDS``)
+    and the modules outside memtrain/techniques/ that name it (an attribute or a keyword): the measure of "no module
+    outside a technique's own names its setting fields", whose target is none."""
+    from memtrain import techniques
+
+    fields = {f for t in techniques.REGISTRY for f in (*t.FIELDS, *getattr(t, "SETTING_FIELDS", ()))}
+    users: dict[str, set[str]] = {f: set() for f in sorted(fields - GENERIC_FIELDS)}
+    for name, path in modules().items():
+        if name.startswith("memtrain.techniques"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = node.attr if isinstance(node, ast.Attribute) else node.arg if isinstance(node, ast.keyword) \
+                else None
+            if named in users:
+                users[named].add(name)
+    return {f: sorted(m) for f, m in users.items()}
+
+
 def public_names() -> list[str]:
     """``memtrain.__all__``, read from the source (this checkout's, whichever memtrain is installed)."""
     for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
@@ -235,6 +259,10 @@ def _report() -> None:
     print(f"private names imported across modules: {len(private_imports())}")
     print(f"imports inside functions: {sum(i.in_function for i in all_imports())}")
     print(f"technique names imported by the planner outside planner/apply: {len(planner_techniques())}")
+    users = setting_field_users()
+    print(f"modules naming a technique's setting field outside memtrain/techniques/: "
+          f"{len({m for ms in users.values() for m in ms})} (target: none)"
+          + "".join(f"\n  {field} {len(ms)}" for field, ms in users.items()))
     print(f"memtrain.__all__: {len(public_names())} names")
 
 

@@ -23,7 +23,8 @@ from memtrain.errors import ConfigError
 from memtrain.estimate import estimate
 from memtrain.measure import optimizer_state_bytes
 from memtrain.optim import CPUOffloadOptimizer, build_optimizer, optimizer_memory
-from memtrain.optim.named import PROBE_NUMEL, NamedOptimizer, _probe
+from memtrain.optim.probe import PROBE_NUMEL, _probe
+from memtrain.techniques.optimizer import NamedOptimizer
 
 LR, WD = 1e-2, 0.1
 CLASSES = {"adafactor": (torch.optim.Adafactor, {}), "lion": ("pytorch_optimizer.Lion", {"betas": (0.9, 0.98)}),
@@ -89,7 +90,7 @@ def test_a_bad_name_is_one_clear_error(value: Any, words: str) -> None:
 
 
 def test_a_missing_package_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    import memtrain.optim.named as named_module
+    import memtrain.techniques.optimizer as named_module
 
     named_module._import.cache_clear()
     monkeypatch.setitem(__import__("sys").modules, "pytorch_optimizer", None)  # import fails as if not installed

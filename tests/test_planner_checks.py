@@ -26,9 +26,9 @@ CPU = fixed_cpu_profile()
     ({}, dict(placement="device", step_in_backward=True, offload_fraction=0.5),
      "a partial offload steps after backward"),
     ({"world_size": 2}, dict(placement="device", step_in_backward=True),
-     "optimizer.step_in_backward=True, and this run has 2 processes: DDP averages gradients"),
+     "optimizer.step_in_backward=True with world_size=2: DDP averages gradients"),
     ({"world_size": 2, "fsdp": True}, dict(placement="device", state_precision="int8"), "no set-up can be built"),
-    ({"world_size": 2, "fsdp": True}, dict(placement="offload"), "placement='offload' and fsdp=True together"),
+    ({"world_size": 2, "fsdp": True}, dict(placement="offload"), "placement='offload' with fsdp=True: FSDP2 shards"),
 ])
 def test_fixed_optimizer_choices_that_cannot_go_together_are_one_clear_error(kwargs, optimizer, match):
     with pytest.raises(ConfigError, match=match) as info:  # was a raw ValueError, or a silent fp32 optimizer

@@ -1,5 +1,6 @@
-"""Each rule between two techniques exists once (``memtrain.rules``): the list, each rule firing where it should
-(``Choices``, ``build_optimizer``, the planner's checks), and its reason written nowhere else under memtrain/."""
+"""Each rule between two techniques exists once, in its technique's module (``memtrain.techniques``): the list,
+each rule firing where it should (``Choices``, ``build_optimizer``, the planner's checks), its test written once
+(every site asks ``memtrain.techniques.problems``), and its reason written nowhere else under memtrain/."""
 
 from __future__ import annotations
 
@@ -9,32 +10,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain import rules
+from memtrain import techniques
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
 from memtrain.models import GPT, GPT_PRESETS
 from memtrain.optim import build_optimizer
-from memtrain.optim.named import NamedOptimizer
 from memtrain.planner.checks import check_fixed
 from memtrain.planner.settings import Fixed
+from memtrain.techniques import SetUp, refuses
+from memtrain.techniques.optimizer import NamedOptimizer
 
-PACKAGE = Path(rules.__file__).parent
+PACKAGE = Path(techniques.__file__).parent.parent
 HYPER = dict(lr=1e-3)
 
 
 def test_the_rules_are_listed_once_each():
-    assert [r.name for r in rules.RULES] == [
-        "pure-bf16-int8", "pure-bf16-precision", "pure-bf16-fsdp",
+    assert [r.name for r in techniques.RULES] == [
+        "checkpoint-offload-inputs",
         "gradients-before-ddp", "offload-optimizer-fsdp", "offload-with-fraction", "offload-with-step-in-backward",
         "step-in-backward-with-fraction", "step-in-backward-fp16-scaler", "step-in-backward-per-parameter",
-        "bf16-device-weights-precision",
+        "bf16-device-weights-precision", "named-optimizer-own-state",
+        "pure-bf16-int8", "pure-bf16-precision", "pure-bf16-fsdp",
         "offload-weights-device-optimizer", "offload-weights-compile", "offload-weights-pure-bf16",
         "offload-weights-one-process",
-        "named-optimizer-own-state", "checkpoint-offload-inputs",
     ]
-    module_rules = [v for v in vars(rules).values() if isinstance(v, rules.Rule)]
-    assert sorted(r.name for r in module_rules) == sorted(r.name for r in rules.RULES), "a Rule missing from RULES"
-    for rule in rules.RULES:
+    for technique in techniques.REGISTRY:  # each module's rules are all in its RULES, and no rule is anywhere else
+        module_rules = [v for v in vars(technique).values() if isinstance(v, techniques.Rule)]
+        assert sorted(r.name for r in module_rules) == sorted(r.name for r in technique.RULES), technique.__name__
+    for rule in techniques.RULES:
         assert rule.why.endswith(".") and rule.fix and not rule.fix.endswith("."), rule
         message = rule.message("a=1 with b=2")
         assert message.startswith("a=1 with b=2: ") and "To resolve this error, " in message, message
@@ -106,19 +109,19 @@ PLANNER = {
                                        (("choices", CHOICES), ("build", BUILD), ("planner", PLANNER))
                                        for name in table])
 def test_each_rule_fires_with_its_reason(site, name):
-    rule = next(r for r in rules.RULES if r.name == name)
+    rule = next(r for r in techniques.RULES if r.name == name)
     call = {"choices": CHOICES, "build": BUILD, "planner": PLANNER}[site][name]
     message = _refusal(call)
     assert rule.why in message and "To resolve this error, " in message, (name, message)
 
 
 def test_every_rule_is_proven_somewhere():
-    assert {r.name for r in rules.RULES} == set(CHOICES) | set(BUILD) | set(PLANNER)
+    assert {r.name for r in techniques.RULES} == set(CHOICES) | set(BUILD) | set(PLANNER)
 
 
 def test_a_partial_offload_under_ddp_is_the_same_rule_in_build_optimizer():
     message = _refusal(lambda: build_optimizer(_params(), **HYPER, offload_fraction=0.5, world_size=2))
-    assert rules.GRADIENTS_BEFORE_DDP.why in message and "offload_fraction=0" in message, message
+    assert techniques.optimizer.GRADIENTS_BEFORE_DDP.why in message and "offload_fraction=0" in message, message
 
 
 def test_the_search_never_plans_a_step_in_backward_that_fp16_refuses():
@@ -144,10 +147,31 @@ def test_the_search_never_plans_a_step_in_backward_that_fp16_refuses():
 
 
 def test_the_searchs_pruning_obeys_the_rules():
-    assert rules.gradients_before_ddp(True, 0.0, True) and rules.gradients_before_ddp(False, 0.5, True)
-    assert not rules.gradients_before_ddp(True, 0.5, False) and not rules.gradients_before_ddp(False, 0.0, True)
-    assert rules.in_backward_with_fraction(True, 0.25) and not rules.in_backward_with_fraction(True, 0.0)
-    assert rules.offload_optimizer_fsdp(True, True) and not rules.offload_optimizer_fsdp(True, False)
+    ddp = SetUp(processes=2)
+    assert refuses(ddp.with_(step_in_backward=True)) and refuses(ddp.with_(offload_fraction=0.5))
+    assert not refuses(SetUp(step_in_backward=True)) and not refuses(ddp.with_(step_in_backward=False))
+    assert refuses(SetUp(step_in_backward=True, offload_fraction=0.25))
+    assert not refuses(SetUp(step_in_backward=True, offload_fraction=0.0))
+    assert refuses(SetUp(placement="offload", fsdp=True)) and not refuses(SetUp(placement="offload", fsdp=False))
+
+
+def test_every_site_asks_the_registry_and_no_other_module_tests_a_rule():
+    """A rule's test is written once, as its ``refuses``: no module outside memtrain/techniques/ names a rule's
+    test or builds a message from a rule itself, but for the two messages whose facts only the site knows
+    (CPUOffloadOptimizer's running ranks and a foreign class with lean moments)."""
+    constants = sorted(name for technique in techniques.REGISTRY for name, value in vars(technique).items()
+                       if isinstance(value, techniques.Rule))
+    assert len(constants) == len(techniques.RULES)
+    sites = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "techniques" in path.parts:
+            continue
+        text = path.read_text()
+        for constant in constants:
+            for hit in re.findall(rf"\b{constant}\.(?:message|refuses)\(", text):
+                sites.setdefault(str(path.relative_to(PACKAGE.parent)), []).append(hit)
+    assert sites == {"memtrain/optim/offload.py": ["GRADIENTS_BEFORE_DDP.message(", "NAMED_OWN_STATE.message("]}, \
+        sites
 
 
 def _joined(text: str) -> str:
@@ -155,9 +179,10 @@ def _joined(text: str) -> str:
     return re.sub(r"\"\s*\n\s*f?\"", "", text)
 
 
-@pytest.mark.parametrize("rule", rules.RULES, ids=lambda r: r.name)
-def test_each_rules_reason_is_written_only_in_rules_py(rule):
+@pytest.mark.parametrize("rule", techniques.RULES, ids=lambda r: r.name)
+def test_each_rules_reason_is_written_only_in_its_techniques_module(rule):
     sentence = rule.why[:60]  # distinctive: the opening words of the reason
     homes = sorted(str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
                    if sentence in _joined(path.read_text()))
-    assert homes == ["memtrain/rules.py"], (rule.name, sentence, homes)
+    owner = next(t for t in techniques.REGISTRY if rule in t.RULES)
+    assert homes == [f"memtrain/techniques/{owner.__name__.rpartition('.')[2]}.py"], (rule.name, sentence, homes)

@@ -18,11 +18,13 @@ from memtrain.estimate.fake import batch_spec, max_positions
 from memtrain.estimate.optimizer_state import as_optimizer
 from memtrain.estimate.tracker import numel
 from memtrain.loss import HF_MODEL_TYPES, chunk_tokens_of, supports_chunked_loss
-from memtrain.optim.named import NamedOptimizer, own_state_problems
+from memtrain.techniques import SetUp
+from memtrain.techniques import problems as rule_problems
+from memtrain.techniques.optimizer import NamedOptimizer
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 # memtrain's AdamW on the device or offloaded, estimate's names for torch's optimizers (as_optimizer), or any other
-# optimizer by short name, dotted path or class (memtrain.optim.named).
+# optimizer by short name, dotted path or class (memtrain.techniques.optimizer).
 OptimizerKind = Literal["adamw", "sgd", "sgd-momentum", "adafactor", "adamw-offload"] | str | type
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -204,7 +206,7 @@ def check_arguments(
                         "pass step_in_backward=True or False.")
     lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True or pure_bf16 is True
     if isinstance(named, NamedOptimizer):  # the wrappers take any class; lean moments and pure bf16 are AdamW's
-        problems += own_state_problems(named, state_precision, pure_bf16)
+        problems += rule_problems(SetUp(optimizer=named, state_precision=state_precision, pure_bf16=pure_bf16))
         lean = False
     ckpt = _checkpointing_kwargs(checkpointing, problems)
     spec = batch_spec(batch, micro_batch_size, seq_len, problems)

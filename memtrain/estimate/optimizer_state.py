@@ -12,7 +12,8 @@ from torch import nn
 
 from memtrain.estimate.tracker import round_up
 from memtrain.optim import OptimizerMemory, offloaded_mask, optimizer_memory
-from memtrain.optim.named import PROBE_NUMEL, NamedOptimizer
+from memtrain.optim.probe import PROBE_NUMEL
+from memtrain.techniques.optimizer import NamedOptimizer
 
 
 @dataclass

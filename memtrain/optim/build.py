@@ -8,16 +8,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain import rules
 from memtrain.errors import ConfigError
 from memtrain.optim.composed import ComposedOptimizer
 from memtrain.optim.memory import offloaded_mask
 from memtrain.optim.moments import adamw_8bit_class, check_precision
-from memtrain.optim.named import NamedOptimizer, own_state_problems
 from memtrain.optim.pure_bf16 import check_pure_bf16_moments
+from memtrain.techniques import SetUp, Terms, problems
+from memtrain.techniques.optimizer import NamedOptimizer
 
-# Optimizers whose step needs more than one parameter's gradient (or a closure): they cannot step per parameter.
-_NOT_PER_PARAMETER = (torch.optim.LBFGS,)
+# How build_optimizer's arguments read in the rules' messages: an enabled GradScaler is fp16-mixed's.
+ARGUMENT_TERMS = Terms(labels={"optimizer": "optimizer_class"},
+                       values={"precision": lambda v: f"{v!r} (an fp16 GradScaler)"},
+                       fixes={"gradients-before-ddp": "pass step_in_backward=False and offload_fraction=0 under DDP "
+                              "(or use CPUOffloadOptimizer(offload_gradients=False) directly)",
+                              "pure-bf16-precision": "pass precision='bf16-mixed'"})
 
 
 def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr: float,
@@ -63,25 +67,24 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
     as_class = optimizer_class is torch.optim.AdamW and not optimizer_kwargs
     named = NamedOptimizer() if as_class else NamedOptimizer.of(optimizer_class, optimizer_kwargs)
     cls = named.resolve()
-    if step_in_backward and cls in _NOT_PER_PARAMETER:
-        raise ConfigError(rules.IN_BACKWARD_PER_PARAMETER.message(f"step_in_backward=True with {cls.__name__}"))
-    ConfigError.raise_if(own_state_problems(named, state_precision, pure_bf16))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = max(world_size, torch.distributed.get_world_size())  # the ranks running now count too
+    fp16 = grad_scaler is not None and grad_scaler.is_enabled()
+    ConfigError.raise_if(problems(SetUp(
+        state_precision=state_precision, step_in_backward=step_in_backward, offload_fraction=offload_fraction,
+        optimizer=named, pure_bf16=pure_bf16, precision="fp16-mixed" if fp16 else None, processes=world_size),
+        ARGUMENT_TERMS, primitives=True))
     params = [(n, p) for n, p in named_parameters if p.requires_grad]
     if not params:
         raise ConfigError("build_optimizer got no parameter that requires grad. To resolve this error, pass "
                           "model.named_parameters() of a model with trainable parameters.")
-    problems = _wrapper_problems(named, state_precision, step_in_backward, offload_fraction, grad_scaler,
-                                 world_size)
     devices = sorted({str(p.device) for _, p in params})
     if len(devices) > 1:
-        problems.append(f"the parameters live on several devices ({', '.join(devices)}). To resolve this error, "
-                        "move the model to one device first.")
-    ConfigError.raise_if(problems)
+        raise ConfigError(f"the parameters live on several devices ({', '.join(devices)}). To resolve this error, "
+                          "move the model to one device first.")
     mask = offloaded_mask([p.numel() for _, p in params], offload_fraction)
     if pure_bf16:
-        _check_pure_bf16(params, state_precision, grad_scaler)
+        _check_pure_bf16(params, state_precision)
         return ComposedOptimizer(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          state_precision=state_precision, offload_mask=mask, step_in_backward=step_in_backward,
                          grad_scaler=grad_scaler, pure_bf16=True)
@@ -100,29 +103,9 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
                      offload_mask=mask, step_in_backward=step_in_backward, grad_scaler=grad_scaler, named=named)
 
 
-def _wrapper_problems(named: NamedOptimizer, state_precision: str, step_in_backward: bool, offload_fraction: float,
-                      grad_scaler: torch.amp.GradScaler | None, world_size: int) -> list[str]:
-    """What the wrappers cannot take: an fp16 overflow stepping in backward (only fused AdamW stops on the device
-    flag), and gradients acted on before DDP averages them."""
-    problems = []
-    if step_in_backward and grad_scaler is not None and grad_scaler.is_enabled() and (
-            state_precision != "fp32" or not named.is_adamw):
-        problems.append(rules.IN_BACKWARD_FP16_SCALER.message(
-            f"step_in_backward=True with an fp16 GradScaler and {named.text} ({state_precision} state)"))
-    if rules.gradients_before_ddp(step_in_backward, offload_fraction, world_size > 1):
-        given = [text for on, text in ((step_in_backward, "step_in_backward=True"),
-                                       (offload_fraction, f"offload_fraction={offload_fraction}")) if on]
-        fixes = [text for on, text in ((step_in_backward, "step_in_backward=False"),
-                                       (offload_fraction, "offload_fraction=0")) if on]
-        problems.append(rules.GRADIENTS_BEFORE_DDP.message(
-            f"{' and '.join(given)} with world_size={world_size}", fix=f"pass {' and '.join(fixes)} under DDP (or "
-            "use CPUOffloadOptimizer(offload_gradients=False) directly)"))
-    return problems
-
-
-def _check_pure_bf16(named: list[tuple[str, nn.Parameter]], state_precision: str,
-                     grad_scaler: torch.amp.GradScaler | None) -> None:
-    """ConfigError for what pure bf16 cannot take: weights that are not bf16, int8 moments, an fp16 scaler."""
+def _check_pure_bf16(named: list[tuple[str, nn.Parameter]], state_precision: str) -> None:
+    """ConfigError for what pure bf16 cannot take beyond its rules: weights that are not bf16, moments it has no
+    kernel for."""
     problems = []
     try:
         check_pure_bf16_moments(state_precision)
@@ -132,7 +115,4 @@ def _check_pure_bf16(named: list[tuple[str, nn.Parameter]], state_precision: str
     if wrong:
         problems.append(f"pure_bf16=True with {len(wrong)} trainable parameters that are not bf16 ({wrong[:3]}). To "
                         "resolve this error, cast the model first (model.to(torch.bfloat16)).")
-    if grad_scaler is not None and grad_scaler.is_enabled():
-        problems.append(rules.PURE_BF16_PRECISION.message("pure_bf16=True with an fp16 GradScaler (fp16-mixed)",
-                                                          fix="pass precision='bf16-mixed'"))
     ConfigError.raise_if(problems)

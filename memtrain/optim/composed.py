@@ -34,11 +34,11 @@ from torch import nn
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.in_backward import Arming, StepInBackward, step_hook
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
-from memtrain.optim.named import NamedOptimizer
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.optim.partial import HostPart
 from memtrain.optim.pure_bf16 import PureBF16AdamW
 from memtrain.precision import step_with_inf_flag
+from memtrain.techniques.optimizer import NamedOptimizer
 
 
 class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):

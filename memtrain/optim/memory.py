@@ -25,9 +25,10 @@ from memtrain.optim.moments import (
     check_precision,
     state_class,
 )
-from memtrain.optim.named import NamedOptimizer, own_state_problems
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.optim.pure_bf16 import PURE_BF16_CHUNK, PureBF16AdamW, check_pure_bf16_moments
+from memtrain.techniques import SetUp, problems
+from memtrain.techniques.optimizer import NamedOptimizer
 
 
 # -- which parameters go to the host ------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def optimizer_memory(params: Sequence[tuple[int, torch.dtype]], *, state_precisi
     check_precision(state_precision)
     foreign = named is not None and not named.is_adamw
     if foreign:
-        ConfigError.raise_if(own_state_problems(named, state_precision, pure_bf16))
+        ConfigError.raise_if(problems(SetUp(optimizer=named, state_precision=state_precision, pure_bf16=pure_bf16)))
     shapes = list(shapes) if shapes is not None else [(int(n),) for n, _ in params]
     numels = [int(n) for n, _ in params]
     on_host = offloaded_mask(numels, offload_fraction)

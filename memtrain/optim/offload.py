@@ -48,7 +48,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memtrain import rules
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.gradient_landing import GradientLanding
@@ -73,10 +72,9 @@ from memtrain.optim.host_buffers import (
 )
 from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
-from memtrain.optim.named import NamedOptimizer
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
 from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure_bf16_moments
-from memtrain.rules import NAMED_OWN_STATE
+from memtrain.techniques.optimizer import GRADIENTS_BEFORE_DDP, NAMED_OWN_STATE, NamedOptimizer
 
 
 class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, torch.optim.Optimizer):
@@ -595,7 +593,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
 def _check_gradients_after_sync(offload_gradients: bool) -> None:
     if offload_gradients and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # The tensor hook runs before DDP's reducer: the host would get this rank's unsynchronised gradient.
-        raise ConfigError(rules.GRADIENTS_BEFORE_DDP.message(
+        raise ConfigError(GRADIENTS_BEFORE_DDP.message(
             f"CPUOffloadOptimizer(offload_gradients=True) with {dist.get_world_size()} ranks",
             fix="pass offload_gradients=False (they are copied at the step, after synchronisation)"))
 

@@ -13,7 +13,7 @@ import torch
 from memtrain.errors import ConfigError
 from memtrain.optim.host_buffers import IMPLEMENTATION_KEYS, STATE_BYTES_PER_PARAM, Bucket, Slot
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of
-from memtrain.optim.named import NamedOptimizer
+from memtrain.techniques.optimizer import NamedOptimizer
 
 
 class OffloadCheckpoint:

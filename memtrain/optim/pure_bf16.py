@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from memtrain import rules
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim import host_kernels
 from memtrain.optim.moments import (
@@ -37,6 +36,8 @@ from memtrain.optim.moments import (
     split_passes,
     with_gradients_by_device,
 )
+from memtrain.techniques import SetUp, Terms
+from memtrain.techniques.pure_bf16 import PURE_BF16_INT8
 
 PURE_BF16_MOMENTS = ("fp32", "bf16")
 PURE_STATE_BYTES = {"fp32": 8, "bf16": 4}  # the moments' bytes a parameter
@@ -236,6 +237,8 @@ def check_pure_bf16_moments(state_precision: object) -> None:
         return
     fix = ("pass state_precision='bf16' (4 bytes per parameter) or 'fp32' (8) with pure bf16, or drop pure_bf16 (an "
            "fp32 master with int8 moments)")
-    if rules.pure_bf16_int8(True, state_precision):
-        raise ConfigError(rules.PURE_BF16_INT8.message("pure_bf16=True with state_precision='int8'", fix=fix))
+    int8 = PURE_BF16_INT8.problem(SetUp(pure_bf16=True, state_precision=state_precision), Terms(fixes={
+        PURE_BF16_INT8.name: fix}))
+    if int8:
+        raise ConfigError(int8)
     raise ConfigError(f"pure bf16 with state_precision={state_precision!r}: To resolve this error, {fix}.")

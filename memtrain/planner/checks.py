@@ -8,11 +8,15 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from memtrain import rules
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner.settings import TECHNIQUES, Fixed, PlanSettings
 from memtrain.report import parse_bytes
+from memtrain.techniques import SetUp, Terms
+from memtrain.techniques import problems as rule_problems
+
+# How the planner's fixed choices and set-ups read in the rules' messages: the placement is "optimizer".
+PLAN_TERMS = Terms(labels={"placement": "optimizer"})
 
 
 # -- the checks ---------------------------------------------------------------------------------------------
@@ -76,18 +80,10 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
     if f.chunked_loss and not chunkable:
         problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss). To "
                         "resolve this error, pass chunked_loss=False (or leave it to the plan).")
-    if rules.bf16_weights_precision(f.optimizer, precision):
-        problems.append(rules.BF16_WEIGHTS_PRECISION.message(f"optimizer 'offload-bf16-weights' with precision "
-                                                             f"{precision!r}"))
-    if rules.pure_bf16_precision(f.pure_bf16, precision):
-        problems.append(rules.PURE_BF16_PRECISION.message(f"pure_bf16=True with precision={precision!r}"))
-    if rules.in_backward_fp16_scaler(f.step_in_backward, f.state_precision or "fp32", f.optimizer_class.is_adamw,
-                                     precision):
-        problems.append(rules.IN_BACKWARD_FP16_SCALER.message(
-            f"step_in_backward=True with precision={precision!r} and {f.optimizer_class.text} "
-            f"({f.state_precision or 'fp32'} state)"))
-    if rules.pure_bf16_int8(f.pure_bf16, f.state_precision):
-        problems.append(rules.PURE_BF16_INT8.message("pure_bf16=True with state_precision='int8'"))
+    problems += rule_problems(SetUp(
+        placement=f.optimizer, state_precision=f.state_precision, step_in_backward=f.step_in_backward,
+        offload_fraction=f.offload_fraction or None, optimizer=f.optimizer_class, pure_bf16=f.pure_bf16,
+        offload_weights=f.offload_weights, compile=f.compile, precision=precision), PLAN_TERMS)
     ConfigError.raise_if(problems)
 
 
@@ -124,47 +120,25 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
     if not cuda and ("offload" in s.blocks or s.flavor == "offload-inputs"):
         problems.append("activation offload on a CPU only copies within RAM. To resolve this error, plan it for "
                         "device='cuda'.")
-    if rules.bf16_weights_precision(s.optimizer, precision):
-        problems.append(rules.BF16_WEIGHTS_PRECISION.message(f"optimizer 'offload-bf16-weights' with precision "
-                                                             f"{precision!r}"))
     if (s.distribution == "none") != (world == 1):
         problems.append(f"distribution {s.distribution!r} with world_size={world}: one process is 'none', "
                         "several 'ddp' or 'fsdp2'.")
-    if rules.offload_optimizer_fsdp(s.optimizer != "device", s.distribution == "fsdp2"):
-        problems.append(rules.OFFLOAD_OPTIMIZER_FSDP.message(f"distribution 'fsdp2' with optimizer {s.optimizer!r}"))
     if s.chunked_loss and not chunkable:
         problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss).")
     if s.state_precision not in ("fp32", "bf16", "int8"):
         problems.append(f"state_precision={s.state_precision!r} is not one of fp32, bf16, int8.")
     if not 0.0 <= s.offload_fraction <= 1.0:
         problems.append(f"offload_fraction={s.offload_fraction!r}: a share in [0, 1] of a device optimizer's state.")
-    elif s.offload_fraction and s.optimizer != "device":
-        problems.append(rules.OFFLOAD_WITH_FRACTION.message(
-            f"optimizer {s.optimizer!r} with offload_fraction={s.offload_fraction!r}"))
-    if rules.gradients_before_ddp(s.step_in_backward, s.offload_fraction, world > 1):
-        given = [text for on, text in ((s.step_in_backward, "step_in_backward=True"),
-                                       (s.offload_fraction, f"offload_fraction={s.offload_fraction}")) if on]
-        problems.append(rules.GRADIENTS_BEFORE_DDP.message(
-            f"{' and '.join(given)} with world_size={world}",
-            fix="pass step_in_backward=False and offload_fraction=0, or plan one process"))
-    problems += _offload_weights_problems(s, world)
+    problems += rule_problems(setup_of(s, world, precision), PLAN_TERMS)
     ConfigError.raise_if(problems)
 
 
-def _offload_weights_problems(s: PlanSettings, world: int) -> list[str]:
-    """A hand-made set-up's parameter offload: it streams the offloaded optimizer's host master, in one process,
-    eagerly."""
-    if not s.offload_weights:
-        return []
-    problems = []
-    if s.optimizer == "device":
-        problems.append(rules.OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER.message("offload_weights=True with optimizer 'device'"))
-    if world > 1:
-        problems.append(rules.OFFLOAD_WEIGHTS_ONE_PROCESS.message(
-            f"offload_weights=True with world_size={world}", fix="plan one process, or drop offload_weights=True"))
-    if s.compile:
-        problems.append(rules.OFFLOAD_WEIGHTS_COMPILE.message("offload_weights=True with compile=True"))
-    return problems
+def setup_of(s: PlanSettings, world: int, precision: str) -> SetUp:
+    """A set-up as the rules read it (a share of 0 offloaded is none)."""
+    return SetUp(placement=s.optimizer, state_precision=s.state_precision, step_in_backward=s.step_in_backward,
+                 offload_fraction=s.offload_fraction or None, optimizer=s.optimizer_class, pure_bf16=s.pure_bf16,
+                 offload_weights=s.offload_weights, compile=s.compile, precision=precision, processes=world,
+                 fsdp=s.distribution == "fsdp2")
 
 
 def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_batch_size: int, world_size: int,

@@ -15,10 +15,10 @@ import torch
 from memtrain.estimate import Trace
 from memtrain.offload import PREFETCH_DEFAULT, SLAB_BYTES_DEFAULT
 from memtrain.optim import offloaded_mask, optimizer_memory
-from memtrain.optim.named import NamedOptimizer
 from memtrain.planner.devices import DeviceProfile
 from memtrain.planner.profiles import Profiles, affine_at, offloader_bytes
 from memtrain.planner.settings import Configuration, HostLink, PlanSettings, Problem, configuration_of
+from memtrain.techniques.optimizer import NamedOptimizer
 
 _BUCKET_BYTES = 4 * (1 << 25)  # CPUOffloadOptimizer.bucket_numel fp32 parameters: the last bucket's copy back
 # The data loader's share of host RAM, an allowance: the batch being copied to the device and the next one

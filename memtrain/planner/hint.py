@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from memtrain import rules
 from memtrain.models import GPT
 from memtrain.planner.cost import CandidateTable, Composer
 from memtrain.planner.settings import Distribution, Fixed, OptimizerPlacement, PlanSettings, Problem
 from memtrain.report import format_bytes
+from memtrain.techniques import SetUp, refuses
 
 _HINT_TRIES = 3  # full estimates of pure bf16 candidates, fastest first, before giving up on the hint
 # A faster pure bf16 set-up is worth a hint only when it is this much faster: a change of numerics for less is not
@@ -65,9 +65,9 @@ def pure_bf16_space(placements: Sequence[OptimizerPlacement], states: Sequence[s
     kept = [p for p in placements if p != "offload-bf16-weights"]
     if "offload-bf16-weights" in placements and "offload" not in kept:
         kept.append("offload")
-    # rules.PURE_BF16_INT8 and rules.PURE_BF16_FSDP, obeyed: the hint never proposes what they refuse.
-    return (kept, [s for s in states if not rules.pure_bf16_int8(True, s)],
-            [d for d in distributions if d != "fsdp2"])
+    # The rules obeyed (pure bf16's with int8 moments, with FSDP2): the hint never proposes what they refuse.
+    return (kept, [s for s in states if not refuses(SetUp(pure_bf16=True, state_precision=s))],
+            [d for d in distributions if not refuses(SetUp(pure_bf16=True, fsdp=d == "fsdp2"))])
 
 
 def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Sequence[int], per_rank: int,

@@ -15,7 +15,6 @@ from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
 from memtrain.offload import SLAB_BYTES_DEFAULT
-from memtrain.optim.named import NamedOptimizer
 from memtrain.planner.cost import (
     LEAN_MARGIN,
     LOADER_BATCHES,
@@ -27,6 +26,7 @@ from memtrain.planner.cost import (
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
+from memtrain.techniques.optimizer import NamedOptimizer
 
 
 def _optimizer_name(name: str, pure_bf16: bool, named: NamedOptimizer | None = None) -> str:

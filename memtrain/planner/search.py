@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from memtrain import rules
 from memtrain.checkpointing import find_blocks
 from memtrain.choices import Choices
 from memtrain.device import accelerator
@@ -66,6 +65,8 @@ from memtrain.planner.settings import (
 from memtrain.planner.tracing import build_profiles, step_batch
 from memtrain.quantize import weight_count
 from memtrain.report import format_bytes
+from memtrain.techniques import SetUp, refuses
+from memtrain.techniques.optimizer import GRADIENTS_BEFORE_DDP
 
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
@@ -385,7 +386,7 @@ def _raise_unbuildable(fixed: Fixed, micro_batch_size: int | None, world_size: i
     ranks = f" with world_size={world_size}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
     why = ["a partial offload keeps fp32 moments and steps after backward"]
     if world_size > 1 or fsdp:
-        why = [f"step_in_backward and offload_fraction: {rules.GRADIENTS_BEFORE_DDP.why.rstrip('.')}", *why,
+        why = [f"step_in_backward and offload_fraction: {GRADIENTS_BEFORE_DDP.why.rstrip('.')}", *why,
                "FSDP2 shards fp32 moments only"]
     raise ConfigError(
         f"no set-up can be built from {given}{ranks}: {', '.join(why)}. To resolve this error, drop one of the "
@@ -418,24 +419,25 @@ def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequenc
     if fixed.offload_fraction is not None:
         fractions = [fixed.offload_fraction]
     for dist in distributions:
+        ranks = SetUp(optimizer=fixed.optimizer_class, precision=precision,
+                      processes=2 if dist != "none" else 1, fsdp=dist == "fsdp2")
         for placement in placements:
             if placement != "device":
-                # CPUOffloadOptimizer: fp32 master and moments of each precision on the host; FSDP2 shards the
-                # state itself and needs none.
-                if not rules.offload_optimizer_fsdp(True, dist == "fsdp2"):
-                    out += [(placement, state, False, 0.0, dist) for state in states]  # host_fraction is 1
+                # CPUOffloadOptimizer: fp32 master and moments of each precision on the host (host_fraction 1); FSDP2
+                # shards the state itself and needs none.
+                out += [(placement, state, False, 0.0, dist) for state in states
+                        if not refuses(ranks.with_(placement=placement, state_precision=state))]
                 continue
             for state in states:
                 if dist == "fsdp2" and state != "fp32":
                     continue  # torch's AdamW on FSDP2's sharded parameters
                 for sib in in_backward:
                     for fraction in fractions:
-                        if rules.gradients_before_ddp(sib, fraction, dist != "none") or rules.in_backward_fp16_scaler(
-                                sib, state, fixed.optimizer_class.is_adamw, precision):
-                            continue
-                        if rules.in_backward_with_fraction(sib, fraction) or (fraction and state != "fp32"):
+                        if fraction and state != "fp32":
                             continue  # the search's partial offloads keep fp32 moments
-                        out.append((placement, state, sib, fraction, dist))
+                        if not refuses(ranks.with_(placement=placement, state_precision=state, step_in_backward=sib,
+                                                   offload_fraction=fraction or None)):
+                            out.append((placement, state, sib, fraction, dist))
     return out
 
 

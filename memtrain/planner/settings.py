@@ -13,9 +13,9 @@ from typing import Any, Literal
 from memtrain.checkpointing import Checkpointing, SelectivePolicy
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
-from memtrain.optim.named import NamedOptimizer
 from memtrain.planner.devices import DeviceProfile
 from memtrain.report import MemoryReport, format_bytes
+from memtrain.techniques.optimizer import NamedOptimizer
 
 # The kinds a block can be, in plans: what it keeps for backward, and what it costs.
 BlockKind = Literal["keep", "recompute", "offload"]

@@ -183,7 +183,7 @@ def test_a_named_class_on_the_gpu_trains_as_the_plain_class(options: dict) -> No
     """Adafactor through memtrain's wrappers on the GPU (issue 30): the weights of torch's Adafactor on the device
     (tolerance 1e-5: the host steps its share on the CPU's kernels), and its device state as the probe predicts."""
     from memtrain.optim import build_optimizer, optimizer_memory
-    from memtrain.optim.named import NamedOptimizer
+    from memtrain.techniques.optimizer import NamedOptimizer
 
     named = NamedOptimizer.of("adafactor")
     ref, ours = make_model().cuda(), make_model().cuda()

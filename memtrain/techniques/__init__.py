@@ -1,0 +1,46 @@
+"""The techniques, one module each: its setting (a ``Choices`` field and its flag), and its rules with the others.
+
+``REGISTRY`` lists them; ``RULES`` is every rule between two techniques, each written once in the module of the
+technique it restricts. Every site that checks a combination (``Choices`` at start-up, ``build_optimizer``, the
+planner's checks and its search) asks ``problems`` (or ``refuses``) with a ``SetUp`` of what it knows, so a
+combination is refused for one reason, in the same words, wherever it is caught.
+
+Example:
+    >>> refuses(SetUp(pure_bf16=True, state_precision="int8"))
+    True
+    >>> problems(SetUp(offload_weights=True, compile=True))[0][:55]
+    'offload_weights=True with compile=True: parameter offlo'
+"""
+
+from __future__ import annotations
+
+from memtrain.techniques import (
+    activation_offload,
+    checkpointing,
+    chunked_loss,
+    compiled,
+    optimizer,
+    pure_bf16,
+    weight_offload,
+)
+from memtrain.techniques.rule import Rule, SetUp, Terms, problems_of
+
+REGISTRY = (checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, compiled)
+RULES: tuple[Rule, ...] = tuple(rule for technique in REGISTRY for rule in technique.RULES)
+
+
+ARGUMENTS = Terms()  # each field by its own name, e.g. "state_precision='int8'"
+
+
+def problems(setup: SetUp, terms: Terms = ARGUMENTS, *, primitives: bool = False) -> list[str]:
+    """Every rule's refusal of ``setup``, in ``terms``' words (none: the combination is allowed); ``primitives``:
+    only the rules of what the primitives (``build_optimizer``) can build, not those of what the plan plans."""
+    return problems_of(setup, terms, RULES, primitives=primitives)
+
+
+def refuses(setup: SetUp) -> bool:
+    """Whether any rule refuses ``setup`` (the search's test: it never proposes what a rule refuses)."""
+    return any(rule.refuses(setup) for rule in RULES)
+
+
+__all__ = ["REGISTRY", "RULES", "Rule", "SetUp", "Terms", "problems", "refuses"]

@@ -1,0 +1,40 @@
+"""Pure bf16: bf16 weights with no fp32 master, each update rounded stochastically (``PureBF16AdamW``): 2 bytes per
+parameter of weights and 2 of gradient, no master on the device or the host. It changes the numerics, so the plan
+never picks it; its setting is the one switch ``Choices.pure_bf16``, and its rules with the other techniques.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+from memtrain.setting import flag
+from memtrain.techniques.rule import Rule
+
+FIELD = field(default=False, metadata=flag(
+    "--pure-bf16", "bf16 weights with no fp32 master, each update rounded stochastically: 2 bytes per parameter "
+    "of weights and 2 of gradient, no master on the device or in host RAM; moments fp32 or bf16 "
+    "(--optimizer-state). Changes the numerics: never chosen by the plan (default: off; bf16-mixed precision)",
+    kind="on"))
+
+PURE_BF16_INT8 = Rule(
+    "pure-bf16-int8",
+    "bitsandbytes' 8-bit AdamW rounds a bf16 weight's update to nearest, losing updates below half an ulp (pure "
+    "bf16 needs stochastic rounding).",
+    "pass state_precision='bf16' or 'fp32', or drop pure_bf16",
+    ("pure_bf16", "state_precision"),
+    lambda s: bool(s.pure_bf16) and s.state_precision == "int8")
+PURE_BF16_PRECISION = Rule(
+    "pure-bf16-precision",
+    "pure bf16 keeps bf16 weights and computes in bf16 (no fp32 master, no fp16 loss scaling).",
+    "pass precision='bf16-mixed', or drop pure_bf16",
+    ("pure_bf16", "precision"),
+    lambda s: bool(s.pure_bf16) and s.precision in ("fp32", "fp16-mixed"))
+PURE_BF16_FSDP = Rule(
+    "pure-bf16-fsdp",
+    "PureBF16AdamW slices whole bf16 parameters, not FSDP2's sharded ones.",
+    "drop fsdp=True (DDP or one process), or drop pure_bf16",
+    ("pure_bf16", "fsdp"),
+    lambda s: bool(s.pure_bf16) and bool(s.fsdp))
+
+FIELDS = ("pure_bf16",)  # the Choices fields this technique owns
+RULES: tuple[Rule, ...] = (PURE_BF16_INT8, PURE_BF16_PRECISION, PURE_BF16_FSDP)

@@ -1,0 +1,51 @@
+"""Parameter offload: the blocks' weights live in host memory (the offloaded optimizer's master or its bf16 cast)
+and reach the device one block ahead of use, in forward and again in backward; the device holds the other
+parameters and two blocks' weights. Its setting is ``Choices.offload_weights``; its rules with the other techniques
+follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+from memtrain.setting import flag
+from memtrain.techniques.rule import Rule
+
+FIELD = field(default=None, metadata=flag(
+    "--offload-weights", "parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
+    "each on the device only while in use, one block ahead; for weights that do not fit the device. Needs "
+    "--offload-optimizer, one process, no --compile ({unset})", kind="switch"))
+
+OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER = Rule(
+    "offload-weights-device-optimizer",
+    "the blocks' weights live in host memory as the offloaded optimizer's master, which a device optimizer has not.",
+    "drop {rest}, or drop {first}",
+    ("offload_weights", "placement", "step_in_backward", "offload_fraction"),
+    # An in-backward step or a share of the state in host RAM is a device optimizer where no placement is given.
+    lambda s: bool(s.offload_weights) and (s.placement == "device" or s.placement is None and (
+        bool(s.step_in_backward) or s.offload_fraction is not None)),
+    shows_false=("offload_fraction",))
+OFFLOAD_WEIGHTS_COMPILE = Rule(
+    "offload-weights-compile",
+    "parameter offload moves each block's weights in module hooks, which torch.compile would break the graph at.",
+    "drop {rest} or {first}",
+    ("offload_weights", "compile"),
+    lambda s: bool(s.offload_weights) and bool(s.compile))
+OFFLOAD_WEIGHTS_PURE_BF16 = Rule(
+    "offload-weights-pure-bf16",
+    "parameter offload streams the offloaded optimizer's fp32 master (or its bf16 cast), and pure bf16 keeps no "
+    "master; the two are not built together yet.",
+    "drop one of them",
+    ("offload_weights", "pure_bf16"),
+    lambda s: bool(s.offload_weights) and bool(s.pure_bf16))
+OFFLOAD_WEIGHTS_ONE_PROCESS = Rule(
+    "offload-weights-one-process",
+    "parameter offload streams whole blocks to one device (FSDP2 shards and gathers them itself, and DDP averages "
+    "gradients after they left for the host).",
+    "run one process without fsdp=True, or drop {first}",
+    ("offload_weights", "fsdp", "processes"),
+    lambda s: bool(s.offload_weights) and (bool(s.fsdp) or s.several_processes))
+
+FIELDS = ("offload_weights",)  # the Choices fields this technique owns
+RULES: tuple[Rule, ...] = (OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER, OFFLOAD_WEIGHTS_COMPILE, OFFLOAD_WEIGHTS_PURE_BF16,
+                           OFFLOAD_WEIGHTS_ONE_PROCESS)

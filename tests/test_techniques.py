@@ -1,0 +1,74 @@
+"""The registry of techniques (``memtrain.techniques``): each setting field owned by one technique and declared
+once, in its module; the rules' messages read in each site's terms; the rules of what the plan plans apart from
+those of what the primitives build."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from memtrain import techniques
+from memtrain.choices import Choices, OptimizerChoice
+from memtrain.errors import ConfigError
+from memtrain.optim import build_optimizer
+from memtrain.setting import flags_of
+from memtrain.techniques import SetUp, Terms, problems
+from memtrain.techniques.optimizer import OptimizerChoice as OwnedOptimizerChoice
+
+
+def test_each_choices_field_is_owned_by_one_technique():
+    owned = [f for t in techniques.REGISTRY for f in t.FIELDS]
+    assert sorted(owned) == sorted(f.name for f in dataclasses.fields(Choices)), owned
+    assert len(owned) == len(set(owned))
+    assert techniques.optimizer.SETTING_FIELDS == tuple(f.name for f in dataclasses.fields(OptimizerChoice))
+    assert OptimizerChoice is OwnedOptimizerChoice  # the setting type lives in its technique's module
+
+
+def test_a_fields_flag_is_declared_once_in_its_techniques_module():
+    """Choices declares a technique's field with the very ``dataclasses.Field`` its module holds, so the flag and
+    its help are written in one place."""
+    by_name = {f.name: f for f in dataclasses.fields(Choices)}
+    for technique in techniques.REGISTRY:
+        if hasattr(technique, "FIELD"):
+            (name,) = technique.FIELDS
+            assert by_name[name].metadata is technique.FIELD.metadata, name
+    assert [name for name, _ in flags_of(Choices)] == ["offload_activations", "chunked_loss", "pure_bf16",
+                                                       "offload_weights"]
+
+
+def test_a_message_names_only_what_was_given_and_the_fix_names_it_back():
+    (message,) = problems(SetUp(offload_weights=True, step_in_backward=True, offload_fraction=None),
+                          techniques.optimizer.CHOICE_TERMS)
+    assert message.startswith("offload_weights=True with optimizer.step_in_backward=True: "), message
+    assert message.endswith("To resolve this error, drop optimizer.step_in_backward=True, or drop "
+                            "offload_weights=True."), message
+    # A share of 0 given with the placement left open is still a device optimizer's, and the message says so.
+    (message,) = problems(SetUp(offload_weights=True, offload_fraction=0.0), techniques.optimizer.CHOICE_TERMS)
+    assert "with optimizer.offload_fraction=0.0:" in message, message
+    assert problems(SetUp(offload_weights=True, placement="offload", offload_fraction=None)) == []
+
+
+def test_a_sites_terms_label_its_fields_and_word_its_fixes():
+    terms = Terms(labels={"processes": "nproc"}, fixes={"gradients-before-ddp": "run one process"})
+    (message,) = problems(SetUp(step_in_backward=True, processes=4), terms)
+    assert message.startswith("step_in_backward=True with nproc=4: DDP averages"), message
+    assert message.endswith("To resolve this error, run one process."), message
+
+
+def test_the_plans_rules_are_not_the_primitives():
+    """A step in backward with a partial offload builds (the device part steps in backward, the host part after
+    it) but is not planned: the choices refuse it, build_optimizer does not."""
+    setup = SetUp(step_in_backward=True, offload_fraction=0.5)
+    assert techniques.refuses(setup) and problems(setup, primitives=True) == []
+    with pytest.raises(ConfigError, match="a partial offload steps after backward"):
+        OptimizerChoice(step_in_backward=True, offload_fraction=0.5)
+    build_optimizer(torch.nn.Linear(8, 4).named_parameters(), lr=1e-3, step_in_backward=True, offload_fraction=0.5)
+
+
+def test_a_foreign_class_that_cannot_step_alone_is_refused_at_start_up():
+    """LBFGS needs every gradient at once: refused where the choices are made, not when the optimizer is built."""
+    with pytest.raises(ConfigError, match="cannot step alone as its gradient is final"):
+        OptimizerChoice(name="torch.optim.LBFGS", step_in_backward=True)
+    OptimizerChoice(name="torch.optim.LBFGS")
