@@ -93,18 +93,22 @@ class Choices:
                              "optimizer=OptimizerChoice(placement='offload').")
             optimizer = OptimizerChoice()
         object.__setattr__(self, "optimizer", optimizer)
-        problems_ += switch_problems(self, ("offload_activations", "chunked_loss", "offload_weights"))
+        switches = ("offload_activations", "chunked_loss", "offload_weights")
+        problems_ += switch_problems(self, switches)
         for name in ("compile", "pure_bf16"):
             if not isinstance(getattr(self, name), bool):
                 problems_.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, "
                                  "pass one of them.")
-        ConfigError.raise_if(problems_ or problems(self.setup(), CHOICE_TERMS))
+        # The rules read the values that are good; a bad one is named above, so every problem is named at once.
+        good = {name: getattr(self, name) if isinstance(getattr(self, name), bool) else None
+                for name in ("offload_activations", "offload_weights", "compile", "pure_bf16")}
+        ConfigError.raise_if(problems_ + problems(self.setup(**good), CHOICE_TERMS))
 
     def setup(self, **run: Any) -> SetUp:
         """These choices as the rules read them, with what the run adds (``processes``, ``fsdp``, ``precision``)."""
-        return self.optimizer.setup().with_(
-            pure_bf16=self.pure_bf16, offload_weights=self.offload_weights, compile=self.compile,
-            offload_activations=self.offload_activations, checkpointing=self.checkpointing, **run)
+        return self.optimizer.setup().with_(**{
+            "pure_bf16": self.pure_bf16, "offload_weights": self.offload_weights, "compile": self.compile,
+            "offload_activations": self.offload_activations, "checkpointing": self.checkpointing, **run})
 
     def check_run(self, *, world_size: int = 1, fsdp: bool = False) -> None:
         """Raises one ConfigError for the choices a run of ``world_size`` processes cannot take."""

@@ -52,12 +52,16 @@ def _tensor_storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return keys
 
 
+_PROFILER_LOCK = threading.Lock()
+
+
 def cpu_allocation_peak_bytes(step: Callable[[], Any]) -> int:
     """The CPU allocator's high-water mark during ``step()`` above what existed before it, from torch.profiler's
     allocation events: every allocation, those inside kernels included (which saved-tensor counting misses)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # One profile at a time: torch's profiler is one per process, so probes from two threads take turns.
+    with _PROFILER_LOCK, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())

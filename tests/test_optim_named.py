@@ -348,3 +348,36 @@ def test_a_named_state_for_other_shapes_is_one_clear_error(wrapper: str) -> None
     with pytest.raises(ConfigError, match=r"(?s)state of 'weight' holds .* bytes.*To resolve this error"):
         build(wide).load_state_dict(saved)
     assert saved["state"]["weight"]["exp_avg"].device.type == "cpu"
+
+
+class _TakesAMapping(torch.optim.SGD):
+    """An optimizer class with a mapping-valued hyper-parameter (as some schedulers-in-optimizers have)."""
+
+    def __init__(self, params, lr: float = 1e-3, schedule: dict | None = None) -> None:
+        assert isinstance(schedule, dict), schedule  # the class gets the dict it was named with
+        self.schedule = schedule
+        super().__init__(params, lr=lr)
+
+
+def test_a_mapping_valued_kwarg_keeps_the_name_hashable_and_reaches_the_class_as_a_dict() -> None:
+    choice = OptimizerChoice(name=_TakesAMapping, kwargs={"schedule": {"warm": [1, 2], "decay": 0.5}})
+    assert hash(choice) == hash(OptimizerChoice(name=_TakesAMapping, kwargs={"schedule": {"decay": 0.5,
+                                                                                           "warm": (1, 2)}}))
+    named = choice.named
+    assert named.state_sizes((4, 4), torch.float32) == ()  # plain SGD: no state; the probe caches by the kwargs
+    opt = named.resolve()([torch.nn.Parameter(torch.zeros(2))], **named.hyperparameters(lr=0.1, weight_decay=0.0))
+    assert opt.schedule == {"warm": (1, 2), "decay": 0.5}
+
+
+def test_probes_from_two_threads_take_turns_at_the_profiler() -> None:
+    """torch's profiler is one per process: two probes at once (two planners in threads) must not collide."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from memtrain.measure import cpu_allocation_peak_bytes
+
+    def probe(_: int) -> int:
+        return cpu_allocation_peak_bytes(lambda: torch.ones(1 << 20).sum())
+
+    with ThreadPoolExecutor(4) as pool:
+        peaks = list(pool.map(probe, range(8)))
+    assert all(p >= 4 << 20 for p in peaks), peaks

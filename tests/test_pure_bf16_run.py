@@ -175,9 +175,9 @@ def test_a_pure_bf16_hf_run_exports_its_bf16_weights(hf_model_dir, tmp_path) -> 
 
 
 def test_pure_bf16_with_fsdp_is_one_error() -> None:
-    with pytest.raises(ConfigError, match="pure_bf16=True and fsdp=True together"):
+    with pytest.raises(ConfigError, match="pure_bf16=True with fsdp=True: PureBF16AdamW slices"):
         Choices(pure_bf16=True).check_run(world_size=2, fsdp=True)
-    with pytest.raises(ConfigError, match="pure_bf16=True and fsdp=True together"):
+    with pytest.raises(ConfigError, match="pure_bf16=True with fsdp=True: PureBF16AdamW slices"):
         plan(planner_gpt(), budget=None, seq_len=64, global_batch_size=8, device="cpu", precision="bf16-mixed",
              world_size=2, fsdp=True, choices=Choices(pure_bf16=True))
 

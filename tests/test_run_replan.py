@@ -72,7 +72,7 @@ def test_a_saved_config_shows_its_choices_by_name():
 def test_the_world_size_rule_is_checked_where_the_world_is_known():
     config = TrainConfig(choices=Choices(optimizer=OptimizerChoice(step_in_backward=True)))
     plan_for_run(nn.Linear(8, 8), config, _context())
-    with pytest.raises(ConfigError, match="this run has 2 processes"):
+    with pytest.raises(ConfigError, match="optimizer.step_in_backward=True with world_size=2"):
         plan_for_run(nn.Linear(8, 8), config, _context(world=2))
 
 

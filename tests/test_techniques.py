@@ -72,3 +72,47 @@ def test_a_foreign_class_that_cannot_step_alone_is_refused_at_start_up():
     with pytest.raises(ConfigError, match="cannot step alone as its gradient is final"):
         OptimizerChoice(name="torch.optim.LBFGS", step_in_backward=True)
     OptimizerChoice(name="torch.optim.LBFGS")
+
+
+def test_every_technique_module_has_the_same_interface():
+    for technique in techniques.REGISTRY:
+        for name in ("FIELDS", "RULES", "SEARCH", "fixed", "left_open"):
+            assert hasattr(technique, name), (technique.__name__, name)
+    from memtrain.planner import TECHNIQUES
+
+    assert TECHNIQUES == ("checkpointing", "selective", "offload-activations", "chunked-loss", "offload-optimizer",
+                          "bf16-weights", "optimizer-state", "step-in-backward", "offload-weights")
+
+
+@pytest.mark.parametrize("choices,device,values,closed,notes", [
+    (Choices(), "cuda", {}, set(), 0),
+    (Choices(checkpointing="every:2", offload_activations=True), "cuda",
+     {"blocks": ("recompute", "offload", "recompute", "offload"), "flavor": "offload-inputs"}, set(), 0),
+    (Choices(checkpointing="all+offload"), "cpu", {"blocks": ("recompute",) * 4, "flavor": "full"},
+     {"offload-activations"}, 1),
+    (Choices(offload_activations=False), "cuda", {"flavor": None}, {"offload-activations"}, 0),
+    (Choices(optimizer=OptimizerChoice(placement="device")), "cuda", {"optimizer": "device", "offload_fraction": 0.0},
+     {"offload-optimizer", "bf16-weights"}, 0),
+    (Choices(optimizer=OptimizerChoice(name="adafactor", state_precision="fp32")), "cuda",
+     {"state_precision": "fp32"}, {"optimizer-state"}, 0),
+])
+def test_each_techniques_share_of_the_fixed_choices(choices, device, values, closed, notes):
+    """``Fixed.of_choices`` is the techniques' shares merged: a policy fixes the layout (offload_activations=True
+    offloads what it keeps), refusing activation offload closes its search, a device optimizer closes the offloaded
+    ones, a foreign class closes lean moments; on a CPU activation offload is off, with a note."""
+    from memtrain.planner import TECHNIQUES, Fixed
+
+    fixed, allowed, found = Fixed.of_choices(choices, n_blocks=4, device=device)
+    assert {k: getattr(fixed, k) for k in values} == values
+    assert set(TECHNIQUES) - allowed == closed and len(found) == notes, (allowed, found)
+
+
+def test_what_a_run_that_cannot_plan_must_fix_comes_from_each_technique():
+    from memtrain.planner import Fixed
+
+    open_ = Fixed.of_choices(Choices(), n_blocks=2, device="cuda")[0].left_open()
+    assert open_ == ["checkpointing='none' (or another policy)", "chunked_loss=False",
+                     "optimizer.placement='device'", "optimizer.state_precision='fp32'",
+                     "optimizer.step_in_backward=False"], open_
+    offloaded = Choices(checkpointing="none", chunked_loss=False, optimizer=OptimizerChoice(placement="offload"))
+    assert Fixed.of_choices(offloaded, n_blocks=2, device="cuda")[0].left_open() == []

@@ -16,7 +16,9 @@ from memtrain.techniques import SetUp, Terms
 from memtrain.techniques import problems as rule_problems
 
 # How the planner's fixed choices and set-ups read in the rules' messages: the placement is "optimizer".
-PLAN_TERMS = Terms(labels={"placement": "optimizer"})
+PLAN_TERMS = Terms(labels={"placement": "optimizer", "optimizer": "optimizer_class"}, fixes={
+    "offload-weights-device-optimizer": "pass optimizer 'offload' (or 'offload-bf16-weights'), or drop "
+                                        "offload_weights=True"})
 
 
 # -- the checks ---------------------------------------------------------------------------------------------
@@ -136,7 +138,8 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
 def setup_of(s: PlanSettings, world: int, precision: str) -> SetUp:
     """A set-up as the rules read it (a share of 0 offloaded is none)."""
     return SetUp(placement=s.optimizer, state_precision=s.state_precision, step_in_backward=s.step_in_backward,
-                 offload_fraction=s.offload_fraction or None, optimizer=s.optimizer_class, pure_bf16=s.pure_bf16,
+                 offload_fraction=s.offload_fraction if 0 < s.offload_fraction <= 1 else None,
+                 optimizer=s.optimizer_class, pure_bf16=s.pure_bf16,
                  offload_weights=s.offload_weights, compile=s.compile, precision=precision, processes=world,
                  fsdp=s.distribution == "fsdp2")
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from memtrain.checkpointing import Checkpointing, SelectivePolicy
+from memtrain import techniques
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner.devices import DeviceProfile
@@ -134,15 +134,8 @@ class Fixed:
     @classmethod
     def of_choices(cls, choices: Choices, *, n_blocks: int, device: str) -> tuple[Fixed, frozenset[str], list[str]]:
         """A run's ``Choices`` (a ``TrainConfig``'s, a command's flags; None: the plan's) as the constraints of a plan:
-        the one translation of choices into what the search keeps.
-
-        A fixed checkpointing policy fixes the layout of blocks (``+offload``: the recomputed blocks' inputs
-        offloaded). ``offload_activations=True`` with a fixed layout offloads what the layout keeps and the
-        recomputed blocks' inputs; with the layout left to the plan it fixes how recomputed blocks recompute (inputs
-        offloaded); False: the plan never offloads activations. On a CPU, activation offload is off, with a note.
-        An optimizer placed on the device (or given lean moments, an in-backward step or an offloaded share) is
-        never offloaded; placed on the device, it keeps fp32 weights and no share of its state on the host.
-        ``offload_weights`` fixes parameter offload on or off (None: the plan's, on CUDA only).
+        each technique's share (``memtrain.techniques.fixing``), the one translation of choices into what the search
+        keeps.
 
         Returns:
             (the fixed choices, the ``TECHNIQUES`` the search may use, notes for choices that do nothing on
@@ -154,56 +147,12 @@ class Fixed:
         if not isinstance(choices, Choices):
             raise ConfigError(f"choices={choices!r} is not a Choices. To resolve this error, pass Choices(...) or "
                               "Choices.from_dict(...).")
-        allowed, notes = set(TECHNIQUES), []
-        policy = choices.checkpointing
-        if policy is not None and policy.mode == "selective":
-            _check_selective(policy)
-        offload_layout = choices.offload_activations  # True: what the layout keeps goes to the host too
-        if choices.offloads_activations and device != "cuda":
-            notes.append("activation offload has no effect on a CPU-only run (no device memory to save): off")
-            offload_layout = False
-            if policy is not None:
-                policy = dataclasses.replace(policy, offload_inputs=False)
-        blocks: tuple[BlockKind, ...] | None = None
-        flavor: RecomputeFlavor | None = None
-        if policy is not None:
-            # A layout of the wrong length is named by check_fixed, which knows the model's blocks.
-            blocks = policy.blocks if policy.mode == "blocks" else policy.block_policies(n_blocks)
-            flavor = ("selective" if policy.mode == "selective" else
-                      "offload-inputs" if policy.offload_inputs or offload_layout else "full")
-            if offload_layout:
-                blocks = tuple("offload" if kind == "keep" else kind for kind in blocks)
-        elif offload_layout:
-            flavor = "offload-inputs"  # the layout is the plan's; the blocks it recomputes offload their inputs
-        if offload_layout is False:
-            allowed.discard("offload-activations")
-        opt = choices.optimizer
-        fraction = opt.offload_fraction
-        if opt.placement == "device":
-            allowed -= {"offload-optimizer", "bf16-weights"}
-            if fraction is None:
-                fraction = 0.0
-        named, state_precision = opt.named, opt.state_precision
-        if not named.is_adamw:  # another class keeps its own state: no lean moments to search
-            allowed.discard("optimizer-state")
-            state_precision = "fp32"
-        fixed = cls(blocks=blocks, flavor=flavor, chunked_loss=choices.chunked_loss, optimizer=opt.fixed_placement,
-                    state_precision=state_precision, step_in_backward=opt.step_in_backward,
-                    offload_fraction=fraction, compile=True if choices.compile else None,
-                    pure_bf16=True if choices.pure_bf16 else None, offload_weights=choices.offload_weights,
-                    optimizer_class=named)
-        return fixed, frozenset(allowed), notes
+        share = techniques.fixing(choices, device=device, n_blocks=n_blocks)
+        return cls(**share.values), frozenset(TECHNIQUES) - share.closed, list(share.notes)
 
-
-def _check_selective(policy: Checkpointing) -> None:
-    """ConfigError for a selective policy the planner cannot plan: other ops kept, or the inputs offloaded."""
-    if policy.selective != SelectivePolicy():
-        raise ConfigError(f"checkpointing={str(policy)!r}: the planner's selective recompute keeps the outputs of "
-                          f"{', '.join(SelectivePolicy().keep)}. To resolve this error, pass checkpointing='selective', "
-                          "or estimate this policy with memtrain estimate.")
-    if policy.offload_inputs:
-        raise ConfigError(f"checkpointing={str(policy)!r}: the planner does not combine a selective recompute with "
-                          "offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")
+    def left_open(self) -> list[str]:
+        """The arguments that would fix what these choices leave to the search (for a run that cannot plan)."""
+        return techniques.left_open(self)
 
 
 @dataclass(frozen=True)
@@ -438,8 +387,7 @@ def _assignment(n_blocks: int, offload: int, recompute: int) -> tuple[BlockKind,
             + ("keep",) * (n_blocks - offload - recompute))  # type: ignore[return-value]
 
 
-TECHNIQUES = ("checkpointing", "selective", "offload-activations", "chunked-loss", "offload-optimizer",
-              "bf16-weights", "optimizer-state", "step-in-backward", "offload-weights")
+TECHNIQUES = techniques.SEARCH  # the names plan(techniques=) takes: every technique's, in the registry's order
 
 
 def configuration_of(s: PlanSettings) -> Configuration:

@@ -209,13 +209,8 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
     if settings is not None:
         return PlanInForce(settings, None, None, (f"{why}; the run's settings as saved",), unchecked=unchecked)
     fixed, _, notes = Fixed.of_choices(config.choices, n_blocks=n_blocks, device=planning_device(context.device))
-    device_optimizer = fixed.optimizer != "offload"  # None: the plan could put it on the device
-    missing = [name for name, value in (
-        ("checkpointing='none' (or another policy)", fixed.blocks), ("chunked_loss=False", fixed.chunked_loss),
-        ("optimizer.placement='device'", fixed.optimizer),
-        ("optimizer.state_precision='fp32'", fixed.state_precision if device_optimizer else "fp32"),
-        ("optimizer.step_in_backward=False", fixed.step_in_backward if device_optimizer else False),
-        (f"micro_batch_size={context.global_batch // context.world} (or a divisor of it)", micro)) if value is None]
+    missing = fixed.left_open() + (
+        [f"micro_batch_size={context.global_batch // context.world} (or a divisor of it)"] if micro is None else [])
     if missing:
         raise MemtrainError(f"the planner cannot estimate {type(model).__name__}: {cause}; it needs that estimate "
                             "to choose the techniques left open. To resolve this error, fix every technique: pass "

@@ -1,7 +1,8 @@
-"""The techniques, one module each: its setting (a ``Choices`` field and its flag), and its rules with the others.
+"""The techniques, one module each: its setting (a ``Choices`` field and its flag), its rules with the others, and
+its share of a plan's fixed choices (``fixed``, the names the search knows it by in ``SEARCH``).
 
 ``REGISTRY`` lists them; ``RULES`` is every rule between two techniques, each written once in the module of the
-technique it restricts. Every site that checks a combination (``Choices`` at start-up, ``build_optimizer``, the
+technique it restricts; ``fixing`` is the one translation of a run's choices into what its plan keeps. Every site that checks a combination (``Choices`` at start-up, ``build_optimizer``, the
 planner's checks and its search) asks ``problems`` (or ``refuses``) with a ``SetUp`` of what it knows, so a
 combination is refused for one reason, in the same words, wherever it is caught.
 
@@ -14,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 from memtrain.techniques import (
     activation_offload,
     checkpointing,
@@ -23,10 +26,12 @@ from memtrain.techniques import (
     pure_bf16,
     weight_offload,
 )
+from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp, Terms, problems_of
 
 REGISTRY = (checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, compiled)
 RULES: tuple[Rule, ...] = tuple(rule for technique in REGISTRY for rule in technique.RULES)
+SEARCH: tuple[str, ...] = tuple(name for technique in REGISTRY for name in technique.SEARCH)
 
 
 ARGUMENTS = Terms()  # each field by its own name, e.g. "state_precision='int8'"
@@ -43,4 +48,15 @@ def refuses(setup: SetUp) -> bool:
     return any(rule.refuses(setup) for rule in RULES)
 
 
-__all__ = ["REGISTRY", "RULES", "Rule", "SetUp", "Terms", "problems", "refuses"]
+def fixing(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+    """What a run's ``Choices`` fix in its plan: every technique's share (``Fixed.of_choices`` is its one reader)."""
+    return Fixing.merge(technique.fixed(choices, device=device, n_blocks=n_blocks) for technique in REGISTRY)
+
+
+def left_open(fixed: Any) -> list[str]:
+    """The arguments that fix what a plan's ``Fixed`` leaves to the search, where no search runs."""
+    return [text for technique in REGISTRY for text in technique.left_open(fixed)]
+
+
+__all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "Rule", "SetUp", "Terms", "fixing", "left_open", "problems",
+           "refuses"]

@@ -7,8 +7,10 @@ follows.
 from __future__ import annotations
 
 from dataclasses import field
+from typing import Any
 
 from memtrain.setting import flag
+from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
 
 FIELD = field(default=None, metadata=flag(
@@ -25,3 +27,25 @@ CHECKPOINT_OFFLOAD_INPUTS = Rule(
 
 FIELDS = ("offload_activations",)  # the Choices fields this technique owns
 RULES: tuple[Rule, ...] = (CHECKPOINT_OFFLOAD_INPUTS,)
+SEARCH = ("offload-activations",)  # the plan offloads the blocks' saved activations, or their inputs
+CPU_NOTE = "activation offload has no effect on a CPU-only run (no device memory to save): off"
+
+
+def offloads_layout(choices: Any, device: str) -> bool | None:
+    """Whether what a fixed checkpointing layout keeps goes to the host too (``choices.offload_activations``; off
+    where the run trains on a CPU, which has no device memory to save)."""
+    if choices.offloads_activations and device != "cuda":
+        return False
+    return choices.offload_activations
+
+
+def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+    """Activation offload's share of a plan's fixed choices (``choices``: a ``Choices``): refused (False), the
+    search never offloads; on a CPU, off with a note. What it does to a fixed layout is checkpointing's share."""
+    note = (CPU_NOTE,) if choices.offloads_activations and device != "cuda" else ()
+    return Fixing({}, {"offload-activations"} if offloads_layout(choices, device) is False else set(), note)
+
+
+def left_open(fixed: Any) -> list[str]:
+    """Nothing to fix where the plan cannot choose: where no plan runs, activations stay on the device unless asked for."""
+    return []

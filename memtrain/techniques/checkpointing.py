@@ -7,10 +7,13 @@ way). Its rule with activation offload is activation offload's.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from memtrain.checkpointing import Checkpointing
+from memtrain.checkpointing import Checkpointing, SelectivePolicy
 from memtrain.errors import ConfigError
+from memtrain.techniques.activation_offload import offloads_layout
+from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
 
 FIELDS = ("checkpointing",)  # the Choices fields this technique owns
@@ -30,3 +33,52 @@ def policy_of(value: Any) -> tuple[Checkpointing | None, list[str]]:
         return Checkpointing.parse(value), []
     except ConfigError as e:
         return None, [p if p.startswith("checkpointing") else f"checkpointing={value!r}: {p}" for p in e.problems]
+
+
+SEARCH = ("checkpointing", "selective")  # per-block recompute, and the selective flavor of it
+
+
+def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+    """A fixed policy as the plan's layout of blocks (``choices``: a ``Choices``).
+
+    The policy fixes each block's kind (``+offload``: the recomputed blocks' inputs offloaded).
+    ``offload_activations=True`` with a fixed layout offloads what the layout keeps and the recomputed blocks'
+    inputs; with the layout left to the plan it fixes how recomputed blocks recompute (inputs offloaded). On a CPU
+    nothing is offloaded (activation offload's note says so).
+
+    Raises:
+        ConfigError: a selective policy the planner cannot plan.
+    """
+    policy = choices.checkpointing
+    if policy is not None and policy.mode == "selective":
+        check_selective(policy)
+    offload = offloads_layout(choices, device)  # True: what the layout keeps goes to the host too
+    if policy is not None and device != "cuda":
+        policy = dataclasses.replace(policy, offload_inputs=False)
+    blocks, flavor = None, None
+    if policy is not None:
+        # A layout of the wrong length is named by the planner's check of the fixed choices, which knows the model.
+        blocks = policy.blocks if policy.mode == "blocks" else policy.block_policies(n_blocks)
+        flavor = ("selective" if policy.mode == "selective" else
+                  "offload-inputs" if policy.offload_inputs or offload else "full")
+        if offload:
+            blocks = tuple("offload" if kind == "keep" else kind for kind in blocks)
+    elif offload:
+        flavor = "offload-inputs"  # the layout is the plan's; the blocks it recomputes offload their inputs
+    return Fixing({"blocks": blocks, "flavor": flavor})
+
+
+def left_open(fixed: Any) -> list[str]:
+    """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
+    return ["checkpointing='none' (or another policy)"] if fixed.blocks is None else []
+
+
+def check_selective(policy: Checkpointing) -> None:
+    """ConfigError for a selective policy the planner cannot plan: other ops kept, or the inputs offloaded."""
+    if policy.selective != SelectivePolicy():
+        raise ConfigError(f"checkpointing={str(policy)!r}: the planner's selective recompute keeps the outputs of "
+                          f"{', '.join(SelectivePolicy().keep)}. To resolve this error, pass checkpointing='selective', "
+                          "or estimate this policy with memtrain estimate.")
+    if policy.offload_inputs:
+        raise ConfigError(f"checkpointing={str(policy)!r}: the planner does not combine a selective recompute with "
+                          "offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")

@@ -6,8 +6,10 @@ is refused where the model is known).
 from __future__ import annotations
 
 from dataclasses import field
+from typing import Any
 
 from memtrain.setting import flag
+from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
 
 FIELD = field(default=None, metadata=flag(
@@ -16,3 +18,14 @@ FIELD = field(default=None, metadata=flag(
 
 FIELDS = ("chunked_loss",)  # the Choices fields this technique owns
 RULES: tuple[Rule, ...] = ()
+SEARCH = ("chunked-loss",)
+
+
+def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+    """The chunked loss as given (None: the plan's)."""
+    return Fixing({"chunked_loss": choices.chunked_loss})
+
+
+def left_open(fixed: Any) -> list[str]:
+    """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
+    return ["chunked_loss=False"] if fixed.chunked_loss is None else []

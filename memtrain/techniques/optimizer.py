@@ -28,6 +28,7 @@ import torch
 
 from memtrain.errors import ConfigError
 from memtrain.setting import flag, is_fraction, known_fields, switch_problems
+from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp, Terms, problems_of
 
 ADAMW = "adamw"  # memtrain's AdamW (build_optimizer): state precision, pure bf16, the fused host kernels
@@ -199,7 +200,25 @@ def _public_path(cls: type) -> str:
 
 def _frozen(kwargs: Mapping[str, Any] | tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
     items = kwargs.items() if isinstance(kwargs, Mapping) else kwargs
-    return tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in items))
+    return tuple(sorted((str(k), _frozen_value(v)) for k, v in items))
+
+
+class FrozenMapping(dict):
+    """A mapping-valued keyword argument of an optimizer class, hashable (the name is a frozen value, the probes
+    cache by it) and still the dict the class takes; never changed after it is made."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+
+def _frozen_value(value: Any) -> Any:
+    """A keyword argument's value made hashable: a list or tuple as a tuple, a mapping as a ``FrozenMapping``, each
+    item likewise."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen_value(v) for v in value)
+    if isinstance(value, Mapping):
+        return FrozenMapping({str(k): _frozen_value(v) for k, v in value.items()})
+    return value
 
 
 @functools.cache
@@ -263,7 +282,7 @@ GRADIENTS_BEFORE_DDP = Rule(
     "gradients-before-ddp",
     "DDP averages gradients after the hooks that act on them (a step in backward, a partial offload, gradients "
     "offloaded as produced), so each rank would step on its own gradient and the ranks' weights would drift apart.",
-    "drop step_in_backward and offload_fraction, or run one process",
+    "drop {but_last}, or run one process",
     ("step_in_backward", "offload_fraction", "processes"),
     lambda s: s.several_processes and bool(s.step_in_backward or s.offload_fraction))
 OFFLOAD_OPTIMIZER_FSDP = Rule(
@@ -318,7 +337,7 @@ BF16_WEIGHTS_PRECISION = Rule(
 NAMED_OWN_STATE = Rule(
     "named-optimizer-own-state",
     "lean moments and pure bf16 are memtrain's AdamW's; another optimizer class keeps its own state.",
-    "drop them, or use the 'adamw' optimizer",
+    "drop {rest}, or use the 'adamw' optimizer",
     ("optimizer", "state_precision", "pure_bf16"),
     lambda s: not s.adamw and (s.state_precision not in (None, "fp32") or bool(s.pure_bf16)))
 
@@ -442,3 +461,36 @@ class OptimizerChoice:
         if self.step_in_backward or self.offload_fraction is not None:
             return "device"
         return None
+
+
+# -- in the plan -------------------------------------------------------------------------------------------------
+SEARCH = ("offload-optimizer", "bf16-weights", "optimizer-state", "step-in-backward")
+
+
+def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+    """The optimizer's share of a plan's fixed choices (``choices``: a ``Choices``). Placed on the device (or
+    given lean moments, an in-backward step or an offloaded share) it is never offloaded; placed on the device, it
+    keeps fp32 weights and no share of its state on the host. Another class keeps its own state: no lean moments
+    to search."""
+    opt: OptimizerChoice = choices.optimizer
+    closed, fraction = set(), opt.offload_fraction
+    if opt.placement == "device":
+        closed |= {"offload-optimizer", "bf16-weights"}
+        fraction = 0.0 if fraction is None else fraction
+    named, state_precision = opt.named, opt.state_precision
+    if not named.is_adamw:
+        closed.add("optimizer-state")
+        state_precision = "fp32"
+    return Fixing({"optimizer": opt.fixed_placement, "state_precision": state_precision,
+                   "step_in_backward": opt.step_in_backward, "offload_fraction": fraction,
+                   "optimizer_class": named}, closed)
+
+
+def left_open(fixed: Any) -> list[str]:
+    """What fixes the optimizer where the plan cannot choose it (``fixed``: a plan's ``Fixed``): its placement, and
+    on the device (or where the plan could put it there) its moments and its step."""
+    on_device = fixed.optimizer != "offload"
+    return [text for text, value in (
+        ("optimizer.placement='device'", fixed.optimizer),
+        ("optimizer.state_precision='fp32'", fixed.state_precision if on_device else "fp32"),
+        ("optimizer.step_in_backward=False", fixed.step_in_backward if on_device else False)) if value is None]

@@ -6,8 +6,10 @@ never picks it; its setting is the one switch ``Choices.pure_bf16``, and its rul
 from __future__ import annotations
 
 from dataclasses import field
+from typing import Any
 
 from memtrain.setting import flag
+from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
 
 FIELD = field(default=False, metadata=flag(
@@ -38,3 +40,14 @@ PURE_BF16_FSDP = Rule(
 
 FIELDS = ("pure_bf16",)  # the Choices fields this technique owns
 RULES: tuple[Rule, ...] = (PURE_BF16_INT8, PURE_BF16_PRECISION, PURE_BF16_FSDP)
+SEARCH: tuple[str, ...] = ()  # never the search's: it changes the numerics
+
+
+def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+    """Only pure bf16 set-ups where asked; otherwise none (the plan computes them for a hint only)."""
+    return Fixing({"pure_bf16": True if choices.pure_bf16 else None})
+
+
+def left_open(fixed: Any) -> list[str]:
+    """Nothing to fix where the plan cannot choose: never planned: on only where asked."""
+    return []

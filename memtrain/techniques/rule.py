@@ -98,7 +98,8 @@ class Rule:
     shows_false: fields the message names even where False or 0 (the rule refuses their being off).
     planned_only: a rule of what the plan plans, not of the primitives (``build_optimizer`` does not ask it).
 
-    ``fix`` may name what was given: "{first}" (the first field the message names) and "{rest}" (the others).
+    ``fix`` may name what was given: "{first}" (the first field the message names), "{rest}" (the others) and
+    "{but_last}" (all but the last).
     """
 
     name: str
@@ -118,9 +119,12 @@ class Rule:
         if not self.refuses(setup):
             return None
         given = [terms.given(name, value) for name in self.involves
-                 if _shown(value := getattr(setup, name)) or (value is not None and name in self.shows_false)]
+                 if _shown(name, value := getattr(setup, name)) or (value is not None and name in self.shows_false)]
+        if not given:  # a rule whose test reads what its message does not name: its own name stands in
+            given = [self.name]
         text = given[0] + (f" with {' and '.join(given[1:])}" if len(given) > 1 else "")
-        fix = terms.fixes.get(self.name) or self.fix.format(first=given[0], rest=" and ".join(given[1:]))
+        fix = terms.fixes.get(self.name) or self.fix.format(
+            first=given[0], rest=" and ".join(given[1:]), but_last=" and ".join(given[:-1]) or given[0])
         return self.message(text, fix)
 
 
@@ -131,12 +135,15 @@ def problems_of(setup: SetUp, terms: Terms, rules: Iterable[Rule], *, primitives
             and (p := rule.problem(setup, terms)) is not None]
 
 
-def _shown(value: Any) -> bool:
-    """Whether a message names a field's value: one given and in use (not off, not fp32, not memtrain's AdamW)."""
+def _shown(name: str, value: Any) -> bool:
+    """Whether a message names a field's value: one given and in use (not off, not fp32 moments, not memtrain's
+    AdamW, not one process)."""
     if value is None or value is False:
         return False
     if not isinstance(value, (bool, int, float, str)):
         return not getattr(value, "is_adamw", False)  # a policy, or an optimizer class but memtrain's AdamW
-    if isinstance(value, str):
+    if name == "state_precision":
         return value != "fp32"
-    return value is True or value != 0
+    if name == "processes":
+        return value > 1
+    return value is True or isinstance(value, str) or value != 0

@@ -7,8 +7,10 @@ follow.
 from __future__ import annotations
 
 from dataclasses import field
+from typing import Any
 
 from memtrain.setting import flag
+from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
 
 FIELD = field(default=None, metadata=flag(
@@ -49,3 +51,14 @@ OFFLOAD_WEIGHTS_ONE_PROCESS = Rule(
 FIELDS = ("offload_weights",)  # the Choices fields this technique owns
 RULES: tuple[Rule, ...] = (OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER, OFFLOAD_WEIGHTS_COMPILE, OFFLOAD_WEIGHTS_PURE_BF16,
                            OFFLOAD_WEIGHTS_ONE_PROCESS)
+SEARCH = ("offload-weights",)
+
+
+def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+    """Parameter offload on or off as given (None: the plan's, on CUDA only)."""
+    return Fixing({"offload_weights": choices.offload_weights})
+
+
+def left_open(fixed: Any) -> list[str]:
+    """Nothing to fix where the plan cannot choose: where no plan runs, the weights stay on the device unless asked for."""
+    return []
