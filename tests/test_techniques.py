@@ -76,7 +76,7 @@ def test_a_foreign_class_that_cannot_step_alone_is_refused_at_start_up():
 
 def test_every_technique_module_has_the_same_interface():
     for technique in techniques.REGISTRY:
-        for name in ("FIELDS", "RULES", "SEARCH", "fixed", "left_open"):
+        for name in ("FIELDS", "RULES", "SEARCH", "fixed", "left_open", "reasons"):
             assert hasattr(technique, name), (technique.__name__, name)
     from memtrain.planner import TECHNIQUES
 

@@ -5,11 +5,12 @@ and the "nothing fits" error that says which budget is short, by how much, and w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from memtrain import techniques
 from memtrain.device import active_simulation
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
@@ -26,18 +27,6 @@ from memtrain.planner.cost import (
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
-from memtrain.techniques.optimizer import NamedOptimizer
-
-
-def _optimizer_name(name: str, pure_bf16: bool, named: NamedOptimizer | None = None) -> str:
-    """The optimizer's name in the reasons: AdamW's, or the class the run names; pure bf16 (only when asked for)
-    has no master anywhere."""
-    if named is not None and not named.is_adamw:
-        return name.replace("AdamW", named.path.rpartition(".")[2])
-    if not pure_bf16:
-        return name
-    return name.replace("fp32 master and state", "state").replace(
-        "AdamW", "pure bf16 AdamW (bf16 weights, no fp32 master, stochastic rounding; as asked)")
 
 
 def _compared(ratio: float, lean: bool) -> str:
@@ -123,17 +112,11 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
                 f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
                 _peak_reason(peak, budget_text)]
     alternative = _Alternatives(results, chosen, fits, fits_host, usable, budget_text)
-    # Which rows share the chosen row's value of each decision: an alternative differs in one, the rest kept.
-    same = {name: results.column(name) == getattr(s, name) for name in
-            ("micro_batch_size", "chunked_loss", "optimizer", "distribution", "compile", "flavor")}
+    view = _View(settings=s, device=ctx.device, world=ctx.world, per_rank=ctx.global_batch // ctx.world,
+                 chunkable=ctx.chunkable, grad_clip=ctx.grad_clip, budget_text=budget_text, offload=results.offload,
+                 recompute=results.recompute, results=results, alternative=alternative)
     return [f"precision {ctx.precision_reason or f'{ctx.precision} (requested)'}",
-            _checkpointing_reason(s, results, same, alternative, budget_text),
-            _loss_reason(ctx, s, same, alternative),
-            _optimizer_reason(ctx, s, results, chosen, alternative),
-            *_weights_reasons(s, results.column("offload_weights").astype(bool), alternative),
-            _micro_batch_reason(ctx, s, same, alternative),
-            *_distribution_reasons(ctx, s, same, alternative),
-            *_compile_reasons(s, same, alternative),
+            *(line for technique in techniques.REGISTRY for line in technique.reasons(view)),
             _peak_reason(peak, budget_text)]
 
 
@@ -163,136 +146,34 @@ class _Alternatives:
         return f"{what} would peak at {format_bytes(int(results.peak[smallest]))} at least, over {self.budget_text}"
 
 
-def _checkpointing_reason(s: PlanSettings, results: CandidateTable, same: dict[str, np.ndarray],
-                          alternative: _Alternatives, budget_text: str) -> str:
-    """Which blocks recompute or offload, against keeping every activation and against fewer such blocks."""
-    n_recompute, n_offload = s.blocks.count("recompute"), s.blocks.count("offload")
-    if n_recompute == n_offload == 0:
-        return (f"checkpointing none, because: keeping every activation fits {budget_text} and recomputing "
-                "or offloading a block only costs time")
-    others = same["micro_batch_size"] & same["chunked_loss"] & same["optimizer"] & same["distribution"] & \
-        same["compile"]
-    keep_all = (results.offload == 0) & (results.recompute == 0)
-    fewer = others & same["flavor"] & (results.offload + results.recompute < n_recompute + n_offload)
-    what = {"full": "recomputed", "selective": "recomputed selectively (matmul and attention outputs kept)",
-            "offload-inputs": "recomputed, their inputs in pinned host memory"}[s.flavor]
-    parts = [f"{n_recompute} of {len(s.blocks)} blocks {what}" if n_recompute else "",
-             f"{n_offload} with every activation in pinned host memory" if n_offload else ""]
-    why = alternative(others & keep_all, "keeping every block's activations")
-    fewest = alternative(fewer & ~keep_all, "fewer blocks") if fewer.any() else ""
-    because = "; ".join(r for r in (why, fewest) if r)  # none: the layout was fixed, nothing else was tried
-    return (f"checkpointing: {', '.join(p for p in parts if p)}"
-            + (f", because: {because}" if because else " (as asked)"))
+@dataclass
+class _View:
+    """The chosen plan and its candidates as the techniques' reasons read them (``memtrain.techniques.PlanView``):
+    a field's column, and the rows that share the chosen values, each computed once."""
 
+    settings: PlanSettings
+    device: str
+    world: int
+    per_rank: int
+    chunkable: bool
+    grad_clip: bool
+    budget_text: str
+    offload: np.ndarray
+    recompute: np.ndarray
+    results: CandidateTable
+    alternative: _Alternatives
+    _columns: dict[str, np.ndarray] = field(default_factory=dict)
 
-def _loss_reason(ctx: Problem, s: PlanSettings, same: dict[str, np.ndarray], alternative: _Alternatives) -> str:
-    """The loss whole or chunked, against the other."""
-    if not ctx.chunkable:
-        return "loss on the whole logits: memtrain does not chunk this model's loss"
-    other = alternative(~same["chunked_loss"], "the whole-logits loss" if s.chunked_loss else "the chunked loss")
-    return (("loss 1024 tokens of logits at a time (chunked)" if s.chunked_loss else "loss on the whole logits")
-            + (f", because: {other}" if other else ""))
+    def column(self, name: str) -> np.ndarray:
+        if name not in self._columns:
+            self._columns[name] = self.results.column(name)
+        return self._columns[name]
 
-
-# The optimizer placements in the reasons; an alternative is named by the text before its parenthesis.
-_PLACEMENTS = {"device": "AdamW on the device",
-               "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
-               "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
-
-
-def _optimizer_reason(ctx: Problem, s: PlanSettings, results: CandidateTable, chosen: int,
-                      alternative: _Alternatives) -> str:
-    """The optimizer (placement, moments, when it steps), against fused fp32 AdamW on the device, the other
-    placements, and a leaner device optimizer."""
-    placement, state = results.column("optimizer"), results.column("state_precision")
-    in_backward, fraction = results.column("step_in_backward"), results.column("offload_fraction")
-    plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
-    alternatives = []
-    if not plain[chosen]:
-        alternatives.append(alternative(plain, _optimizer_name("fused fp32 AdamW on the device", False,
-                                                               s.optimizer_class).replace("fused fp32 ", "")
-                                        if not s.optimizer_class.is_adamw else "fused fp32 AdamW on the device"))
-    alternatives += [alternative(placement == o, _optimizer_name(_PLACEMENTS[o].split(" (")[0], False,
-                                                                 s.optimizer_class)) for o in _PLACEMENTS
-                     if o != s.optimizer and o != "device" and (placement == o).any()]
-    if plain[chosen] and (~plain & (placement == "device")).any():
-        alternatives.append(alternative(~plain & (placement == "device"), "a leaner device optimizer", lean=True))
-    alternatives = [a for a in alternatives if a]
-    if s.offload_weights and not alternatives:  # the only placement that streamed weights leave
-        alternatives = ["parameter offload streams the blocks' weights from its master in host RAM"]
-    text = f"optimizer {_optimizer_text(ctx, s)}"
-    if alternatives:
-        return f"{text}, because: {'; '.join(alternatives)}"
-    return text + ("" if ctx.device == "cuda" else ": on a CPU an offload only copies within RAM")
-
-
-def _optimizer_text(ctx: Problem, s: PlanSettings) -> str:
-    """The chosen optimizer in words: its placement, then its moments, its step in backward and its offloaded
-    share where they are not the plain ones."""
-    text = _optimizer_name(_PLACEMENTS[s.optimizer], s.pure_bf16, s.optimizer_class)
-    details = []
-    if s.state_precision != "fp32":
-        details.append(f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, "
-                       "not 8)")
-    if s.step_in_backward:
-        details.append("each parameter stepping in backward, its gradient freed at once"
-                       + (" (one backward pass: clipped by the previous step's norm, the first step unclipped)"
-                          if ctx.grad_clip else ""))
-    if s.offload_fraction:
-        details.append(f"{100 * s.offload_fraction:.0f}% of the state in host RAM")
-    if details:
-        return f"{text} with {', '.join(details)}"
-    if not s.optimizer_class.is_adamw:
-        return f"{text} ({s.optimizer_class.text}, as asked: its own state)"
-    if s.optimizer == "device" and not s.pure_bf16:
-        return f"{text} (fused, fp32 moments)"
-    return text
-
-
-def _weights_reasons(s: PlanSettings, streamed: np.ndarray, alternative: _Alternatives) -> list[str]:
-    """The line on parameter offload (``streamed``: which rows stream the weights): why it was chosen, or why not
-    where it was searched."""
-    if s.offload_weights:
-        other = alternative(~streamed, "the weights on the device")
-        return ["parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the device at a "
-                "time, copied one block ahead in forward and again in backward"
-                + (f", because: {other}" if other else " (as asked)")]
-    if streamed.any():
-        return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed from "
-                "host RAM, is tried only when no other set-up fits)"]
-    return []
-
-
-def _micro_batch_reason(ctx: Problem, s: PlanSettings, same: dict[str, np.ndarray],
-                        alternative: _Alternatives) -> str:
-    """The micro-batch and accumulation, against a smaller micro-batch (or another one)."""
-    per_rank = ctx.global_batch // ctx.world
-    other = alternative(~same["micro_batch_size"], "a smaller micro-batch" if s.micro_batch_size == per_rank else
-                        "another micro-batch")
-    return (f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {per_rank} examples per rank per "
-            "step" + (f", because: {other}" if other else ""))
-
-
-def _distribution_reasons(ctx: Problem, s: PlanSettings, same: dict[str, np.ndarray],
-                          alternative: _Alternatives) -> list[str]:
-    """DDP or FSDP2 against the other, over several ranks; nothing for one."""
-    if ctx.world <= 1:
-        return []
-    other = alternative(~same["distribution"], "FSDP2" if s.distribution == "ddp" else "DDP")
-    return [f"{'DDP' if s.distribution == 'ddp' else 'FSDP2'} over {ctx.world} ranks"
-            + (f", because: {other}" if other else " (as asked)")]
-
-
-def _compile_reasons(s: PlanSettings, same: dict[str, np.ndarray], alternative: _Alternatives) -> list[str]:
-    """torch.compile or eager against the other, where compiled set-ups were searched or chosen."""
-    if not s.compile and same["compile"].all():
-        return []
-    other = alternative(~same["compile"], "eager" if s.compile else "torch.compile")
-    per_block = s.compile and ("offload" in s.blocks or (s.flavor == "offload-inputs" and "recompute" in s.blocks))
-    return [("torch.compile" if s.compile else "eager")
-            + (" block by block (the blocks offload activations: the offloader stays outside the compiled "
-               "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
-            + (f", because: {other}" if other else "")]
+    def same(self, *names: str) -> np.ndarray:
+        mask = np.ones(len(self.offload), dtype=bool)
+        for name in names:
+            mask &= self.column(name) == getattr(self.settings, name)
+        return mask
 
 
 def _peak_reason(peak: float, budget_text: str) -> str:

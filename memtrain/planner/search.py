@@ -272,7 +272,7 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
     placements: list[OptimizerPlacement] = ["device"]
     if cuda and "offload-optimizer" in allowed:
         placements.append("offload")
-        if "bf16-weights" in allowed and precision == "bf16-mixed":
+        if "bf16-weights" in allowed and not refuses(SetUp(placement="offload-bf16-weights", precision=precision)):
             placements.append("offload-bf16-weights")
     states = ["fp32"]
     if "optimizer-state" in allowed:
@@ -290,7 +290,8 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
     if fixed.offload_weights is not None:
         weights = [fixed.offload_weights]
         if fixed.offload_weights and fixed.optimizer is None:
-            placements = [p for p in placements if p != "device"] or ["offload"]
+            placements = [p for p in placements if not refuses(SetUp(offload_weights=True, placement=p))] or [
+                "offload"]
     if fixed != Fixed():
         check_fixed(fixed, len(ctx.block_names), cuda, ctx.chunkable, precision)
         if fixed.blocks is not None:
@@ -336,7 +337,8 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
                         # skips it; asked for, it steps in the last micro-batch's backward.
                         continue
                     for flavor, streamed in itertools.product(flavors or ["full"], space.weights):
-                        if streamed and (placement == "device" or compiled or dist != "none"):
+                        if streamed and refuses(SetUp(offload_weights=True, placement=placement, compile=compiled,
+                                                      processes=1 if dist == "none" else 2, fsdp=dist == "fsdp2")):
                             continue  # parameter offload: the offloaded optimizer's master, one process, eager
                         cfg = Configuration(micro_batch_size=b, accumulation=per_rank // b, flavor=flavor,
                                             chunked_loss=chunked, optimizer=placement, distribution=dist,

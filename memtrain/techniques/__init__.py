@@ -1,5 +1,6 @@
-"""The techniques, one module each: its setting (a ``Choices`` field and its flag), its rules with the others, and
-its share of a plan's fixed choices (``fixed``, the names the search knows it by in ``SEARCH``).
+"""The techniques, one module each: its setting (a ``Choices`` field and its flag), its rules with the others, its
+share of a plan's fixed choices (``fixed``, the names the search knows it by in ``SEARCH``) and its reason line in a
+plan (``reasons``, reading the planner's ``PlanView``).
 
 ``REGISTRY`` lists them; ``RULES`` is every rule between two techniques, each written once in the module of the
 technique it restricts; ``fixing`` is the one translation of a run's choices into what its plan keeps. Every site that checks a combination (``Choices`` at start-up, ``build_optimizer``, the
@@ -18,18 +19,23 @@ from __future__ import annotations
 from typing import Any
 
 from memtrain.techniques import (
+    accumulation,
     activation_offload,
     checkpointing,
     chunked_loss,
     compiled,
+    distribution,
     optimizer,
     pure_bf16,
     weight_offload,
 )
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp, Terms, problems_of
+from memtrain.techniques.view import PlanView
 
-REGISTRY = (checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, compiled)
+# In the order a plan's reasons name them.
+REGISTRY = (checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, accumulation,
+            distribution, compiled)
 RULES: tuple[Rule, ...] = tuple(rule for technique in REGISTRY for rule in technique.RULES)
 SEARCH: tuple[str, ...] = tuple(name for technique in REGISTRY for name in technique.SEARCH)
 
@@ -58,5 +64,5 @@ def left_open(fixed: Any) -> list[str]:
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
-__all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "Rule", "SetUp", "Terms", "fixing", "left_open", "problems",
+__all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "PlanView", "Rule", "SetUp", "Terms", "fixing", "left_open", "problems",
            "refuses"]

@@ -12,6 +12,7 @@ from typing import Any
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
+from memtrain.techniques.view import PlanView
 
 FIELD = field(default=None, metadata=flag(
     "--offload-activations", "saved activations in pinned host memory, prefetched before backward (CUDA; "
@@ -48,4 +49,9 @@ def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
 
 def left_open(fixed: Any) -> list[str]:
     """Nothing to fix where the plan cannot choose: where no plan runs, activations stay on the device unless asked for."""
+    return []
+
+
+def reasons(view: PlanView) -> list[str]:
+    """No line of its own: its words are checkpointing's (which blocks offload, which inputs go to the host)."""
     return []

@@ -15,6 +15,7 @@ from memtrain.errors import ConfigError
 from memtrain.techniques.activation_offload import offloads_layout
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
+from memtrain.techniques.view import PlanView
 
 FIELDS = ("checkpointing",)  # the Choices fields this technique owns
 RULES: tuple[Rule, ...] = ()
@@ -82,3 +83,24 @@ def check_selective(policy: Checkpointing) -> None:
     if policy.offload_inputs:
         raise ConfigError(f"checkpointing={str(policy)!r}: the planner does not combine a selective recompute with "
                           "offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")
+
+
+def reasons(view: PlanView) -> list[str]:
+    """Which blocks recompute or offload, against keeping every activation and against fewer such blocks."""
+    s = view.settings
+    n_recompute, n_offload = s.blocks.count("recompute"), s.blocks.count("offload")
+    if n_recompute == n_offload == 0:
+        return [f"checkpointing none, because: keeping every activation fits {view.budget_text} and recomputing "
+                "or offloading a block only costs time"]
+    others = view.same("micro_batch_size", "chunked_loss", "optimizer", "distribution", "compile")
+    keep_all = (view.offload == 0) & (view.recompute == 0)
+    fewer = others & view.same("flavor") & (view.offload + view.recompute < n_recompute + n_offload)
+    what = {"full": "recomputed", "selective": "recomputed selectively (matmul and attention outputs kept)",
+            "offload-inputs": "recomputed, their inputs in pinned host memory"}[s.flavor]
+    parts = [f"{n_recompute} of {len(s.blocks)} blocks {what}" if n_recompute else "",
+             f"{n_offload} with every activation in pinned host memory" if n_offload else ""]
+    why = view.alternative(others & keep_all, "keeping every block's activations")
+    fewest = view.alternative(fewer & ~keep_all, "fewer blocks") if fewer.any() else ""
+    because = "; ".join(r for r in (why, fewest) if r)  # none: the layout was fixed, nothing else was tried
+    return [f"checkpointing: {', '.join(p for p in parts if p)}"
+            + (f", because: {because}" if because else " (as asked)")]

@@ -11,6 +11,7 @@ from typing import Any
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
+from memtrain.techniques.view import PlanView
 
 FIELD = field(default=None, metadata=flag(
     "--chunked-loss", "the loss's fp32 logits 1024 tokens at a time, never whole ({unset})", kind="switch",
@@ -29,3 +30,13 @@ def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
 def left_open(fixed: Any) -> list[str]:
     """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
     return ["chunked_loss=False"] if fixed.chunked_loss is None else []
+
+
+def reasons(view: PlanView) -> list[str]:
+    """The loss whole or chunked, against the other."""
+    if not view.chunkable:
+        return ["loss on the whole logits: memtrain does not chunk this model's loss"]
+    chunked = view.settings.chunked_loss
+    other = view.alternative(~view.same("chunked_loss"), "the whole-logits loss" if chunked else "the chunked loss")
+    return [("loss 1024 tokens of logits at a time (chunked)" if chunked else "loss on the whole logits")
+            + (f", because: {other}" if other else "")]

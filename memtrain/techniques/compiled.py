@@ -9,6 +9,7 @@ from typing import Any
 
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
+from memtrain.techniques.view import PlanView
 
 FIELDS = ("compile",)  # the Choices fields this technique owns
 RULES: tuple[Rule, ...] = ()
@@ -23,3 +24,17 @@ def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
 def left_open(fixed: Any) -> list[str]:
     """Nothing to fix where the plan cannot choose: where no plan runs, the step is compiled only where asked."""
     return []
+
+
+def reasons(view: PlanView) -> list[str]:
+    """torch.compile or eager against the other, where compiled set-ups were searched or chosen."""
+    s = view.settings
+    same = view.same("compile")
+    if not s.compile and same.all():
+        return []
+    other = view.alternative(~same, "eager" if s.compile else "torch.compile")
+    per_block = s.compile and ("offload" in s.blocks or (s.flavor == "offload-inputs" and "recompute" in s.blocks))
+    return [("torch.compile" if s.compile else "eager")
+            + (" block by block (the blocks offload activations: the offloader stays outside the compiled "
+               "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
+            + (f", because: {other}" if other else "")]

@@ -30,6 +30,7 @@ from memtrain.errors import ConfigError
 from memtrain.setting import flag, is_fraction, known_fields, switch_problems
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp, Terms, problems_of
+from memtrain.techniques.view import PlanView
 
 ADAMW = "adamw"  # memtrain's AdamW (build_optimizer): state precision, pure bf16, the fused host kernels
 # Short names the CLI and config files take for well-known classes (any dotted path works too).
@@ -494,3 +495,73 @@ def left_open(fixed: Any) -> list[str]:
         ("optimizer.placement='device'", fixed.optimizer),
         ("optimizer.state_precision='fp32'", fixed.state_precision if on_device else "fp32"),
         ("optimizer.step_in_backward=False", fixed.step_in_backward if on_device else False)) if value is None]
+
+
+# -- its reason line ---------------------------------------------------------------------------------------------
+# The placements in the reasons; an alternative is named by the text before its parenthesis.
+PLACEMENT_TEXT = {"device": "AdamW on the device",
+                  "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
+                  "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
+
+
+def reasons(view: PlanView) -> list[str]:
+    """The optimizer (placement, moments, when it steps), against fused fp32 AdamW on the device, the other
+    placements, and a leaner device optimizer."""
+    s = view.settings
+    placement, state = view.column("optimizer"), view.column("state_precision")
+    in_backward, fraction = view.column("step_in_backward"), view.column("offload_fraction")
+    plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
+    chosen_plain = s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and \
+        not s.offload_fraction
+    alternatives = []
+    if not chosen_plain:
+        alternatives.append(view.alternative(plain, _named("fused fp32 AdamW on the device", False,
+                                                           s.optimizer_class).replace("fused fp32 ", "")
+                                             if not s.optimizer_class.is_adamw else "fused fp32 AdamW on the device"))
+    alternatives += [view.alternative(placement == o, _named(PLACEMENT_TEXT[o].split(" (")[0], False,
+                                                             s.optimizer_class)) for o in PLACEMENT_TEXT
+                     if o != s.optimizer and o != "device" and (placement == o).any()]
+    if chosen_plain and (~plain & (placement == "device")).any():
+        alternatives.append(view.alternative(~plain & (placement == "device"), "a leaner device optimizer",
+                                             lean=True))
+    alternatives = [a for a in alternatives if a]
+    if s.offload_weights and not alternatives:  # the only placement that streamed weights leave
+        alternatives = ["parameter offload streams the blocks' weights from its master in host RAM"]
+    text = f"optimizer {_chosen_text(view, s)}"
+    if alternatives:
+        return [f"{text}, because: {'; '.join(alternatives)}"]
+    return [text + ("" if view.device == "cuda" else ": on a CPU an offload only copies within RAM")]
+
+
+def _named(name: str, pure_bf16: bool, named: NamedOptimizer | None = None) -> str:
+    """The optimizer's name in the reasons: AdamW's, or the class the run names; pure bf16 (only when asked for)
+    has no master anywhere."""
+    if named is not None and not named.is_adamw:
+        return name.replace("AdamW", named.path.rpartition(".")[2])
+    if not pure_bf16:
+        return name
+    return name.replace("fp32 master and state", "state").replace(
+        "AdamW", "pure bf16 AdamW (bf16 weights, no fp32 master, stochastic rounding; as asked)")
+
+
+def _chosen_text(view: PlanView, s: Any) -> str:
+    """The chosen optimizer in words: its placement, then its moments, its step in backward and its offloaded
+    share where they are not the plain ones."""
+    text = _named(PLACEMENT_TEXT[s.optimizer], s.pure_bf16, s.optimizer_class)
+    details = []
+    if s.state_precision != "fp32":
+        details.append(f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, "
+                       "not 8)")
+    if s.step_in_backward:
+        details.append("each parameter stepping in backward, its gradient freed at once"
+                       + (" (one backward pass: clipped by the previous step's norm, the first step unclipped)"
+                          if view.grad_clip else ""))
+    if s.offload_fraction:
+        details.append(f"{100 * s.offload_fraction:.0f}% of the state in host RAM")
+    if details:
+        return f"{text} with {', '.join(details)}"
+    if not s.optimizer_class.is_adamw:
+        return f"{text} ({s.optimizer_class.text}, as asked: its own state)"
+    if s.optimizer == "device" and not s.pure_bf16:
+        return f"{text} (fused, fp32 moments)"
+    return text

@@ -11,6 +11,7 @@ from typing import Any
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
+from memtrain.techniques.view import PlanView
 
 FIELD = field(default=False, metadata=flag(
     "--pure-bf16", "bf16 weights with no fp32 master, each update rounded stochastically: 2 bytes per parameter "
@@ -50,4 +51,9 @@ def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
 
 def left_open(fixed: Any) -> list[str]:
     """Nothing to fix where the plan cannot choose: never planned: on only where asked."""
+    return []
+
+
+def reasons(view: PlanView) -> list[str]:
+    """No line of its own: its words are the optimizer's (pure bf16 AdamW, as asked)."""
     return []

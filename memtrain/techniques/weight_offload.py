@@ -12,6 +12,7 @@ from typing import Any
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
+from memtrain.techniques.view import PlanView
 
 FIELD = field(default=None, metadata=flag(
     "--offload-weights", "parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
@@ -61,4 +62,18 @@ def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
 
 def left_open(fixed: Any) -> list[str]:
     """Nothing to fix where the plan cannot choose: where no plan runs, the weights stay on the device unless asked for."""
+    return []
+
+
+def reasons(view: PlanView) -> list[str]:
+    """The line on parameter offload: why it was chosen, or why not where it was searched."""
+    streamed = view.column("offload_weights").astype(bool)
+    if view.settings.offload_weights:
+        other = view.alternative(~streamed, "the weights on the device")
+        return ["parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the device at a "
+                "time, copied one block ahead in forward and again in backward"
+                + (f", because: {other}" if other else " (as asked)")]
+    if streamed.any():
+        return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed from "
+                "host RAM, is tried only when no other set-up fits)"]
     return []

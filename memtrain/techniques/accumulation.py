@@ -1,0 +1,37 @@
+"""Gradient accumulation: a rank's examples of one optimizer step as micro-batches, their gradients summed before
+the step (``GradientAccumulator``: explicit windows, a token-count-correct loss, DDP/FSDP2 synchronised only at the
+window's end). The plan chooses the micro-batch (``plan(micro_batch_size=)`` fixes it); it has no ``Choices`` field
+and no rule with the other techniques (a step in backward over several micro-batches saves nothing, so the search
+passes it over, and a fixed one steps in the last micro-batch's backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memtrain.techniques.fixing import Fixing
+from memtrain.techniques.rule import Rule
+from memtrain.techniques.view import PlanView
+
+FIELDS: tuple[str, ...] = ()
+RULES: tuple[Rule, ...] = ()
+SEARCH: tuple[str, ...] = ()  # the micro-batch is always the search's, unless plan(micro_batch_size=) fixes it
+
+
+def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+    """Nothing in ``Choices``: the micro-batch is the plan's argument."""
+    return Fixing({})
+
+
+def left_open(fixed: Any) -> list[str]:
+    """Nothing here: where no plan runs, the run names the micro-batch it needs."""
+    return []
+
+
+def reasons(view: PlanView) -> list[str]:
+    """The micro-batch and accumulation, against a smaller micro-batch (or another one)."""
+    s = view.settings
+    other = view.alternative(~view.same("micro_batch_size"), "a smaller micro-batch"
+                             if s.micro_batch_size == view.per_rank else "another micro-batch")
+    return [f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {view.per_rank} examples per rank "
+            "per step" + (f", because: {other}" if other else "")]

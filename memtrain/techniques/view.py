@@ -1,0 +1,47 @@
+"""What the planner shows a technique of the plan it chose, so that the technique words its own reason line.
+
+A reason says what was chosen and what the best alternative to that one decision costs: the planner has every
+candidate it composed (one row each) and answers ``alternative(mask, what)`` ("the chunked loss would be 3.1%
+slower", "... would peak at 9.2 GiB at least, over the usable 7.6 GiB"); a technique picks the rows that differ from
+the chosen one in its own decision (``column``, ``same``) and says the rest in its words.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class PlanView(Protocol):
+    """The chosen plan and its candidates, as a technique's ``reasons`` reads them.
+
+    settings: the chosen ``PlanSettings``.
+    device: "cuda" or "cpu"; world: the ranks; per_rank: examples per rank per step.
+    chunkable: whether memtrain can chunk this model's loss; grad_clip: whether the run clips gradients.
+    budget_text: the budget in words ("the usable 22.8 GiB", or "no budget").
+    offload, recompute: each candidate's count of offloaded and of recomputed blocks.
+    """
+
+    settings: Any
+    device: str
+    world: int
+    per_rank: int
+    chunkable: bool
+    grad_clip: bool
+    budget_text: str
+    offload: np.ndarray
+    recompute: np.ndarray
+
+    def column(self, name: str) -> np.ndarray:
+        """Each candidate's value of a settings field, e.g. "optimizer"."""
+        ...
+
+    def same(self, *names: str) -> np.ndarray:
+        """The candidates that share the chosen plan's values of ``names``."""
+        ...
+
+    def alternative(self, mask: np.ndarray, what: str, lean: bool = False) -> str:
+        """What the best of the ``mask`` candidates costs against the chosen one, in words beginning with ``what``;
+        "" where no such candidate was composed (``lean``: lean moments, whose margin the search asks for)."""
+        ...
