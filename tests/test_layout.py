@@ -170,12 +170,12 @@ GENERIC_FIELDS = frozenset({"checkpointing", "compile", "optimizer", "placement"
 
 
 def setting_field_users() -> dict[str, list[str]]:
-    """Each technique's setting field (``memtrain.techniques``' ``FIELDS`` and the optimizer's ``SETTING_FIELDS``)
+    """Each technique's setting field (each ``Technique``'s ``fields`` and the optimizer's ``SETTING_FIELDS``)
     and the modules outside memtrain/techniques/ that name it (an attribute or a keyword): the measure of "no module
     outside a technique's own names its setting fields", whose target is none."""
     from memtrain import techniques
 
-    fields = {f for t in techniques.REGISTRY for f in (*t.FIELDS, *getattr(t, "SETTING_FIELDS", ()))}
+    fields = {f for t in techniques.REGISTRY for f in t.fields} | set(techniques.optimizer.SETTING_FIELDS)
     users: dict[str, set[str]] = {f: set() for f in sorted(fields - GENERIC_FIELDS)}
     for name, path in modules().items():
         if name.startswith("memtrain.techniques"):

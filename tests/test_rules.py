@@ -5,6 +5,7 @@ each rule firing where it should (``Choices``, ``build_optimizer``, the planner'
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,10 @@ def test_the_rules_are_listed_once_each():
         "offload-weights-device-optimizer", "offload-weights-compile", "offload-weights-pure-bf16",
         "offload-weights-one-process",
     ]
-    for technique in techniques.REGISTRY:  # each module's rules are all in its RULES, and no rule is anywhere else
-        module_rules = [v for v in vars(technique).values() if isinstance(v, techniques.Rule)]
-        assert sorted(r.name for r in module_rules) == sorted(r.name for r in technique.RULES), technique.__name__
+    for technique in techniques.REGISTRY:  # each module's rules are all its technique's, and no rule is elsewhere
+        module = sys.modules[type(technique).__module__]
+        module_rules = [v for v in vars(module).values() if isinstance(v, techniques.Rule)]
+        assert sorted(r.name for r in module_rules) == sorted(r.name for r in technique.rules), module.__name__
     for rule in techniques.RULES:
         assert rule.why.endswith(".") and rule.fix and not rule.fix.endswith("."), rule
         message = rule.message("a=1 with b=2")
@@ -159,7 +161,8 @@ def test_every_site_asks_the_registry_and_no_other_module_tests_a_rule():
     """A rule's test is written once, as its ``refuses``: no module outside memtrain/techniques/ names a rule's
     test or builds a message from a rule itself, but for the two messages whose facts only the site knows
     (CPUOffloadOptimizer's running ranks and a foreign class with lean moments)."""
-    constants = sorted(name for technique in techniques.REGISTRY for name, value in vars(technique).items()
+    constants = sorted(name for technique in techniques.REGISTRY
+                       for name, value in vars(sys.modules[type(technique).__module__]).items()
                        if isinstance(value, techniques.Rule))
     assert len(constants) == len(techniques.RULES)
     sites = {}
@@ -184,5 +187,6 @@ def test_each_rules_reason_is_written_only_in_its_techniques_module(rule):
     sentence = rule.why[:60]  # distinctive: the opening words of the reason
     homes = sorted(str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
                    if sentence in _joined(path.read_text()))
-    owner = next(t for t in techniques.REGISTRY if rule in t.RULES)
-    assert homes == [f"memtrain/techniques/{owner.__name__.rpartition('.')[2]}.py"], (rule.name, sentence, homes)
+    owner = next(t for t in techniques.REGISTRY if rule in t.rules)
+    module = type(owner).__module__.rpartition(".")[2]
+    assert homes == [f"memtrain/techniques/{module}.py"], (rule.name, sentence, homes)

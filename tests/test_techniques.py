@@ -5,6 +5,7 @@ those of what the primitives build."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -18,8 +19,12 @@ from memtrain.techniques import SetUp, Terms, problems
 from memtrain.techniques.optimizer import OptimizerChoice as OwnedOptimizerChoice
 
 
+def _module(technique: techniques.Technique):
+    return sys.modules[type(technique).__module__]
+
+
 def test_each_choices_field_is_owned_by_one_technique():
-    owned = [f for t in techniques.REGISTRY for f in t.FIELDS]
+    owned = [f for t in techniques.REGISTRY for f in t.fields]
     assert sorted(owned) == sorted(f.name for f in dataclasses.fields(Choices)), owned
     assert len(owned) == len(set(owned))
     assert techniques.optimizer.SETTING_FIELDS == tuple(f.name for f in dataclasses.fields(OptimizerChoice))
@@ -31,9 +36,9 @@ def test_a_fields_flag_is_declared_once_in_its_techniques_module():
     its help are written in one place."""
     by_name = {f.name: f for f in dataclasses.fields(Choices)}
     for technique in techniques.REGISTRY:
-        if hasattr(technique, "FIELD"):
-            (name,) = technique.FIELDS
-            assert by_name[name].metadata is technique.FIELD.metadata, name
+        if hasattr(_module(technique), "FIELD"):
+            (name,) = technique.fields
+            assert by_name[name].metadata is _module(technique).FIELD.metadata, name
     assert [name for name, _ in flags_of(Choices)] == ["offload_activations", "chunked_loss", "pure_bf16",
                                                        "offload_weights"]
 
@@ -74,10 +79,11 @@ def test_a_foreign_class_that_cannot_step_alone_is_refused_at_start_up():
     OptimizerChoice(name="torch.optim.LBFGS")
 
 
-def test_every_technique_module_has_the_same_interface():
-    for technique in techniques.REGISTRY:
-        for name in ("FIELDS", "RULES", "SEARCH", "fixed", "left_open", "reasons"):
-            assert hasattr(technique, name), (technique.__name__, name)
+def test_each_technique_is_one_module_with_one_technique_object():
+    modules = [_module(t) for t in techniques.REGISTRY]
+    assert len(set(modules)) == len(modules) and all(m.TECHNIQUE is t for m, t in zip(modules, techniques.REGISTRY,
+                                                                                           strict=True))
+    assert all(isinstance(t, techniques.Technique) and t.name for t in techniques.REGISTRY)
     from memtrain.planner import TECHNIQUES
 
     assert TECHNIQUES == ("checkpointing", "selective", "offload-activations", "chunked-loss", "offload-optimizer",

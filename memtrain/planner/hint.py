@@ -15,9 +15,9 @@ import numpy as np
 
 from memtrain.models import GPT
 from memtrain.planner.cost import CandidateTable, Composer
-from memtrain.planner.settings import Distribution, Fixed, OptimizerPlacement, PlanSettings, Problem
+from memtrain.planner.settings import Fixed, PlanSettings, Problem
 from memtrain.report import format_bytes
-from memtrain.techniques import SetUp, refuses
+from memtrain.techniques.pure_bf16 import pure_bf16_space
 
 _HINT_TRIES = 3  # full estimates of pure bf16 candidates, fastest first, before giving up on the hint
 # A faster pure bf16 set-up is worth a hint only when it is this much faster: a change of numerics for less is not
@@ -54,20 +54,6 @@ class PureBF16Hint:
                 f"{s.micro_batch_size} x {s.accumulation}, checkpointing {s.checkpointing}, optimizer "
                 f"{s.optimizer_text}; bf16 weights with no fp32 master and stochastically rounded updates: it changes "
                 "the numerics, so the plan takes it only when asked for)")
-
-
-def pure_bf16_space(placements: Sequence[OptimizerPlacement], states: Sequence[str],
-                    distributions: Sequence[Distribution]) -> tuple[list[OptimizerPlacement], list[str],
-                                                                    list[Distribution]]:
-    """The placements, moment precisions and distributions a pure bf16 set-up can take: AdamW on the device or
-    offloaded (no "offload-bf16-weights": there is no master to keep), fp32 or bf16 moments (bitsandbytes' int8
-    rounds the weight to nearest), one process or DDP (not FSDP2's sharded parameters)."""
-    kept = [p for p in placements if p != "offload-bf16-weights"]
-    if "offload-bf16-weights" in placements and "offload" not in kept:
-        kept.append("offload")
-    # The rules obeyed (pure bf16's with int8 moments, with FSDP2): the hint never proposes what they refuse.
-    return (kept, [s for s in states if not refuses(SetUp(pure_bf16=True, state_precision=s))],
-            [d for d in distributions if not refuses(SetUp(pure_bf16=True, fsdp=d == "fsdp2"))])
 
 
 def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Sequence[int], per_rank: int,

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from memtrain import techniques
 from memtrain.checkpointing import find_blocks
 from memtrain.choices import Choices
 from memtrain.device import accelerator
@@ -46,7 +47,7 @@ from memtrain.optim import INT8_DEVICES
 from memtrain.planner.checks import check_choices, check_fixed, check_plan_arguments, check_settings, divisors
 from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
 from memtrain.planner.devices import DeviceProfile, device_profile
-from memtrain.planner.hint import hint_lines, pure_bf16_candidate, pure_bf16_space, size_hints
+from memtrain.planner.hint import hint_lines, pure_bf16_candidate, size_hints
 from memtrain.planner.profiles import Profiles
 from memtrain.planner.reasons import plan_assumptions, plan_reasons, raise_nothing_fits, runners_up
 from memtrain.planner.settings import (
@@ -243,9 +244,10 @@ def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: Pl
     return fixed, allowed, notes
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _SearchSpace:
-    """The choices the search goes over, before the micro-batch: what the techniques allowed and ``fixed`` leave."""
+    """The choices the search goes over, before the micro-batch: what the techniques allowed and ``fixed`` leave
+    (``techniques.SearchSpace``)."""
 
     flavors: list[RecomputeFlavor]
     offload_blocks: bool
@@ -258,58 +260,36 @@ class _SearchSpace:
 
 
 def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fixed) -> _SearchSpace:
-    """The recompute flavors, block offload, optimizer placements and moment precisions, distributions and losses
-    allowed, narrowed to the fixed choices (checked here)."""
-    cuda, precision, world_size = ctx.device == "cuda", ctx.precision, ctx.world
-    flavors: list[RecomputeFlavor] = []
-    if "checkpointing" in allowed:
-        flavors.append("full")
-        if "selective" in allowed:
-            flavors.append("selective")
-        if cuda and "offload-activations" in allowed:
-            flavors.append("offload-inputs")
-    offload_blocks = cuda and "offload-activations" in allowed
-    placements: list[OptimizerPlacement] = ["device"]
-    if cuda and "offload-optimizer" in allowed:
-        placements.append("offload")
-        if "bf16-weights" in allowed and not refuses(SetUp(placement="offload-bf16-weights", precision=precision)):
-            placements.append("offload-bf16-weights")
-    states = ["fp32"]
-    if "optimizer-state" in allowed:
-        states.append("bf16")
-        if _int8_runs(ctx.device):
-            states.append("int8")
-    distributions: list[Distribution] = ["none"] if world_size == 1 else (
-        ["fsdp2"] if fsdp else ["ddp"] if fsdp is False else ["ddp", "fsdp2"])
-    losses = [False, True] if ctx.chunkable else [False]
-    # Parameter offload streams the weights from the offloaded optimizer's master: only beside it, on CUDA (on a
-    # CPU it saves nothing), and where the blocks' weights all train (a frozen base, LoRA's or a 4-bit one, stays
-    # on the device: streaming the adapters alone saves next to nothing), unless it is asked for.
-    weights = [False, True] if (cuda and {"offload-optimizer", "offload-weights"} <= allowed
-                                and _blocks_all_train(ctx)) else [False]
-    if fixed.offload_weights is not None:
-        weights = [fixed.offload_weights]
-        if fixed.offload_weights and fixed.optimizer is None:
-            placements = [p for p in placements if not refuses(SetUp(offload_weights=True, placement=p))] or [
-                "offload"]
+    """The recompute flavors, block offload, optimizer placements and moment precisions, distributions, losses and
+    parameter offload allowed: each technique's candidates, then each narrowed to the fixed choices (checked here)."""
+    space = _SearchSpace(flavors=[], offload_blocks=False, placements=["device"], states=["fp32"],
+                         distributions=["none"], losses=[False], weights=[False])
+    problem = _SearchProblem(ctx, fsdp)
+    for technique in techniques.REGISTRY:
+        technique.candidates(space, problem, frozenset(allowed))
     if fixed != Fixed():
-        check_fixed(fixed, len(ctx.block_names), cuda, ctx.chunkable, precision)
-        if fixed.blocks is not None:
-            offload_blocks = "offload" in fixed.blocks
-            flavors = [fixed.flavor or "full"] if "recompute" in fixed.blocks else []
-        elif fixed.flavor is not None:
-            flavors = [fixed.flavor]
-        if fixed.chunked_loss is not None:
-            losses = [fixed.chunked_loss]
-        if fixed.optimizer is not None:
-            placements = [fixed.optimizer]
-        if fixed.state_precision is not None:
-            states = [fixed.state_precision]
-    if fixed.pure_bf16:
-        placements, states, distributions = pure_bf16_space(placements, states, distributions)
-        weights = [False]  # parameter offload streams the fp32 master or its bf16 cast: pure bf16 has neither
-    return _SearchSpace(flavors, offload_blocks, placements, states, distributions, losses, weights,
-                        bool(fixed.pure_bf16))
+        check_fixed(fixed, len(ctx.block_names), problem.cuda, ctx.chunkable, ctx.precision)
+    for technique in techniques.REGISTRY:
+        technique.narrow(space, fixed)
+    return space
+
+
+class _SearchProblem:
+    """What the techniques' candidates depend on (``techniques.SearchProblem``); the costlier answers found once,
+    where a technique asks."""
+
+    def __init__(self, ctx: Problem, fsdp: bool | None) -> None:
+        self._ctx = ctx
+        self.cuda, self.precision, self.world, self.fsdp = ctx.device == "cuda", ctx.precision, ctx.world, fsdp
+        self.chunkable = ctx.chunkable
+
+    @functools.cached_property
+    def blocks_all_train(self) -> bool:
+        return _blocks_all_train(self._ctx)
+
+    @functools.cached_property
+    def int8(self) -> bool:
+        return _int8_runs(self._ctx.device)
 
 
 def _blocks_all_train(ctx: Problem) -> bool:

@@ -31,13 +31,15 @@ from memtrain.techniques import (
 )
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp, Terms, problems_of
+from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView
 
 # In the order a plan's reasons name them.
-REGISTRY = (checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, accumulation,
-            distribution, compiled)
-RULES: tuple[Rule, ...] = tuple(rule for technique in REGISTRY for rule in technique.RULES)
-SEARCH: tuple[str, ...] = tuple(name for technique in REGISTRY for name in technique.SEARCH)
+REGISTRY: tuple[Technique, ...] = tuple(module.TECHNIQUE for module in (
+    checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, accumulation, distribution,
+    compiled))
+RULES: tuple[Rule, ...] = tuple(rule for technique in REGISTRY for rule in technique.rules)
+SEARCH: tuple[str, ...] = tuple(name for technique in REGISTRY for name in technique.search)
 
 
 ARGUMENTS = Terms()  # each field by its own name, e.g. "state_precision='int8'"
@@ -64,5 +66,5 @@ def left_open(fixed: Any) -> list[str]:
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
-__all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "PlanView", "Rule", "SetUp", "Terms", "fixing", "left_open", "problems",
+__all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "PlanView", "Rule", "Technique", "SetUp", "Terms", "fixing", "left_open", "problems",
            "refuses"]

@@ -7,31 +7,23 @@ passes it over, and a fixed one steps in the last micro-batch's backward).
 
 from __future__ import annotations
 
-from typing import Any
-
-from memtrain.techniques.fixing import Fixing
-from memtrain.techniques.rule import Rule
+from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView
 
-FIELDS: tuple[str, ...] = ()
-RULES: tuple[Rule, ...] = ()
-SEARCH: tuple[str, ...] = ()  # the micro-batch is always the search's, unless plan(micro_batch_size=) fixes it
+
+class AccumulationTechnique(Technique):
+    """The micro-batch and its accumulation: the plan's, or plan(micro_batch_size=)'s."""
+
+    name = "gradient accumulation"
+    search = ()  # the micro-batch is always the search's, unless plan(micro_batch_size=) fixes it
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """The micro-batch and accumulation, against a smaller micro-batch (or another one)."""
+        s = view.settings
+        other = view.alternative(~view.same("micro_batch_size"), "a smaller micro-batch"
+                                 if s.micro_batch_size == view.per_rank else "another micro-batch")
+        return [f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {view.per_rank} examples per rank "
+                "per step" + (f", because: {other}" if other else "")]
 
 
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """Nothing in ``Choices``: the micro-batch is the plan's argument."""
-    return Fixing({})
-
-
-def left_open(fixed: Any) -> list[str]:
-    """Nothing here: where no plan runs, the run names the micro-batch it needs."""
-    return []
-
-
-def reasons(view: PlanView) -> list[str]:
-    """The micro-batch and accumulation, against a smaller micro-batch (or another one)."""
-    s = view.settings
-    other = view.alternative(~view.same("micro_batch_size"), "a smaller micro-batch"
-                             if s.micro_batch_size == view.per_rank else "another micro-batch")
-    return [f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {view.per_rank} examples per rank "
-            "per step" + (f", because: {other}" if other else "")]
+TECHNIQUE = AccumulationTechnique()

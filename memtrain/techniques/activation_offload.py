@@ -12,7 +12,8 @@ from typing import Any
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
-from memtrain.techniques.view import PlanView
+from memtrain.techniques.technique import Technique
+from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
 
 FIELD = field(default=None, metadata=flag(
     "--offload-activations", "saved activations in pinned host memory, prefetched before backward (CUDA; "
@@ -26,9 +27,6 @@ CHECKPOINT_OFFLOAD_INPUTS = Rule(
     lambda s: s.checkpointing is not None and s.checkpointing.offload_inputs and s.offload_activations is False,
     shows_false=("offload_activations",))
 
-FIELDS = ("offload_activations",)  # the Choices fields this technique owns
-RULES: tuple[Rule, ...] = (CHECKPOINT_OFFLOAD_INPUTS,)
-SEARCH = ("offload-activations",)  # the plan offloads the blocks' saved activations, or their inputs
 CPU_NOTE = "activation offload has no effect on a CPU-only run (no device memory to save): off"
 
 
@@ -40,18 +38,32 @@ def offloads_layout(choices: Any, device: str) -> bool | None:
     return choices.offload_activations
 
 
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """Activation offload's share of a plan's fixed choices (``choices``: a ``Choices``): refused (False), the
-    search never offloads; on a CPU, off with a note. What it does to a fixed layout is checkpointing's share."""
-    note = (CPU_NOTE,) if choices.offloads_activations and device != "cuda" else ()
-    return Fixing({}, {"offload-activations"} if offloads_layout(choices, device) is False else set(), note)
+class ActivationOffloadTechnique(Technique):
+    """Saved activations in pinned host memory: refused, asked for, or the plan's."""
+
+    name = "activation offload"
+    fields = ("offload_activations",)
+    rules = (CHECKPOINT_OFFLOAD_INPUTS,)
+    search = ("offload-activations",)  # the plan offloads the blocks' saved activations, or their inputs
+
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """Activation offload's share of a plan's fixed choices (``choices``: a ``Choices``): refused (False), the
+        search never offloads; on a CPU, off with a note. What it does to a fixed layout is checkpointing's share."""
+        note = (CPU_NOTE,) if choices.offloads_activations and device != "cuda" else ()
+        return Fixing({}, {"offload-activations"} if offloads_layout(choices, device) is False else set(), note)
+
+    def left_open(self, fixed: Any) -> list[str]:
+        """Nothing to fix where the plan cannot choose: where no plan runs, activations stay on the device unless asked for."""
+        return []
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """No line of its own: its words are checkpointing's (which blocks offload, which inputs go to the host)."""
+        return []
+
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """A block may keep every activation in pinned host memory (CUDA only: a CPU has no device memory to save).
+        The recomputed blocks' offloaded inputs are checkpointing's flavor."""
+        space.offload_blocks = problem.cuda and "offload-activations" in allowed
 
 
-def left_open(fixed: Any) -> list[str]:
-    """Nothing to fix where the plan cannot choose: where no plan runs, activations stay on the device unless asked for."""
-    return []
-
-
-def reasons(view: PlanView) -> list[str]:
-    """No line of its own: its words are checkpointing's (which blocks offload, which inputs go to the host)."""
-    return []
+TECHNIQUE = ActivationOffloadTechnique()

@@ -14,11 +14,8 @@ from memtrain.checkpointing import Checkpointing, SelectivePolicy
 from memtrain.errors import ConfigError
 from memtrain.techniques.activation_offload import offloads_layout
 from memtrain.techniques.fixing import Fixing
-from memtrain.techniques.rule import Rule
-from memtrain.techniques.view import PlanView
-
-FIELDS = ("checkpointing",)  # the Choices fields this technique owns
-RULES: tuple[Rule, ...] = ()
+from memtrain.techniques.technique import Technique
+from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
 
 
 def policy_of(value: Any) -> tuple[Checkpointing | None, list[str]]:
@@ -36,44 +33,6 @@ def policy_of(value: Any) -> tuple[Checkpointing | None, list[str]]:
         return None, [p if p.startswith("checkpointing") else f"checkpointing={value!r}: {p}" for p in e.problems]
 
 
-SEARCH = ("checkpointing", "selective")  # per-block recompute, and the selective flavor of it
-
-
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """A fixed policy as the plan's layout of blocks (``choices``: a ``Choices``).
-
-    The policy fixes each block's kind (``+offload``: the recomputed blocks' inputs offloaded).
-    ``offload_activations=True`` with a fixed layout offloads what the layout keeps and the recomputed blocks'
-    inputs; with the layout left to the plan it fixes how recomputed blocks recompute (inputs offloaded). On a CPU
-    nothing is offloaded (activation offload's note says so).
-
-    Raises:
-        ConfigError: a selective policy the planner cannot plan.
-    """
-    policy = choices.checkpointing
-    if policy is not None and policy.mode == "selective":
-        check_selective(policy)
-    offload = offloads_layout(choices, device)  # True: what the layout keeps goes to the host too
-    if policy is not None and device != "cuda":
-        policy = dataclasses.replace(policy, offload_inputs=False)
-    blocks, flavor = None, None
-    if policy is not None:
-        # A layout of the wrong length is named by the planner's check of the fixed choices, which knows the model.
-        blocks = policy.blocks if policy.mode == "blocks" else policy.block_policies(n_blocks)
-        flavor = ("selective" if policy.mode == "selective" else
-                  "offload-inputs" if policy.offload_inputs or offload else "full")
-        if offload:
-            blocks = tuple("offload" if kind == "keep" else kind for kind in blocks)
-    elif offload:
-        flavor = "offload-inputs"  # the layout is the plan's; the blocks it recomputes offload their inputs
-    return Fixing({"blocks": blocks, "flavor": flavor})
-
-
-def left_open(fixed: Any) -> list[str]:
-    """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
-    return ["checkpointing='none' (or another policy)"] if fixed.blocks is None else []
-
-
 def check_selective(policy: Checkpointing) -> None:
     """ConfigError for a selective policy the planner cannot plan: other ops kept, or the inputs offloaded."""
     if policy.selective != SelectivePolicy():
@@ -85,22 +44,79 @@ def check_selective(policy: Checkpointing) -> None:
                           "offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")
 
 
-def reasons(view: PlanView) -> list[str]:
-    """Which blocks recompute or offload, against keeping every activation and against fewer such blocks."""
-    s = view.settings
-    n_recompute, n_offload = s.blocks.count("recompute"), s.blocks.count("offload")
-    if n_recompute == n_offload == 0:
-        return [f"checkpointing none, because: keeping every activation fits {view.budget_text} and recomputing "
-                "or offloading a block only costs time"]
-    others = view.same("micro_batch_size", "chunked_loss", "optimizer", "distribution", "compile")
-    keep_all = (view.offload == 0) & (view.recompute == 0)
-    fewer = others & view.same("flavor") & (view.offload + view.recompute < n_recompute + n_offload)
-    what = {"full": "recomputed", "selective": "recomputed selectively (matmul and attention outputs kept)",
-            "offload-inputs": "recomputed, their inputs in pinned host memory"}[s.flavor]
-    parts = [f"{n_recompute} of {len(s.blocks)} blocks {what}" if n_recompute else "",
-             f"{n_offload} with every activation in pinned host memory" if n_offload else ""]
-    why = view.alternative(others & keep_all, "keeping every block's activations")
-    fewest = view.alternative(fewer & ~keep_all, "fewer blocks") if fewer.any() else ""
-    because = "; ".join(r for r in (why, fewest) if r)  # none: the layout was fixed, nothing else was tried
-    return [f"checkpointing: {', '.join(p for p in parts if p)}"
-            + (f", because: {because}" if because else " (as asked)")]
+class CheckpointingTechnique(Technique):
+    """Per-block recompute (or offload) by a policy, or the plan's layout of keep / recompute / offload."""
+
+    name = "activation checkpointing"
+    fields = ("checkpointing",)
+    search = ("checkpointing", "selective")  # per-block recompute, and the selective flavor of it
+
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """A fixed policy as the plan's layout of blocks (``choices``: a ``Choices``).
+
+        The policy fixes each block's kind (``+offload``: the recomputed blocks' inputs offloaded).
+        ``offload_activations=True`` with a fixed layout offloads what the layout keeps and the recomputed blocks'
+        inputs; with the layout left to the plan it fixes how recomputed blocks recompute (inputs offloaded). On a CPU
+        nothing is offloaded (activation offload's note says so).
+
+        Raises:
+            ConfigError: a selective policy the planner cannot plan.
+        """
+        policy = choices.checkpointing
+        if policy is not None and policy.mode == "selective":
+            check_selective(policy)
+        offload = offloads_layout(choices, device)  # True: what the layout keeps goes to the host too
+        if policy is not None and device != "cuda":
+            policy = dataclasses.replace(policy, offload_inputs=False)
+        blocks, flavor = None, None
+        if policy is not None:
+            # A layout of the wrong length is named by the planner's check of the fixed choices, which knows the model.
+            blocks = policy.blocks if policy.mode == "blocks" else policy.block_policies(n_blocks)
+            flavor = ("selective" if policy.mode == "selective" else
+                      "offload-inputs" if policy.offload_inputs or offload else "full")
+            if offload:
+                blocks = tuple("offload" if kind == "keep" else kind for kind in blocks)
+        elif offload:
+            flavor = "offload-inputs"  # the layout is the plan's; the blocks it recomputes offload their inputs
+        return Fixing({"blocks": blocks, "flavor": flavor})
+
+    def left_open(self, fixed: Any) -> list[str]:
+        """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
+        return ["checkpointing='none' (or another policy)"] if fixed.blocks is None else []
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """Which blocks recompute or offload, against keeping every activation and against fewer such blocks."""
+        s = view.settings
+        n_recompute, n_offload = s.blocks.count("recompute"), s.blocks.count("offload")
+        if n_recompute == n_offload == 0:
+            return [f"checkpointing none, because: keeping every activation fits {view.budget_text} and recomputing "
+                    "or offloading a block only costs time"]
+        others = view.same("micro_batch_size", "chunked_loss", "optimizer", "distribution", "compile")
+        keep_all = (view.offload == 0) & (view.recompute == 0)
+        fewer = others & view.same("flavor") & (view.offload + view.recompute < n_recompute + n_offload)
+        what = {"full": "recomputed", "selective": "recomputed selectively (matmul and attention outputs kept)",
+                "offload-inputs": "recomputed, their inputs in pinned host memory"}[s.flavor]
+        parts = [f"{n_recompute} of {len(s.blocks)} blocks {what}" if n_recompute else "",
+                 f"{n_offload} with every activation in pinned host memory" if n_offload else ""]
+        why = view.alternative(others & keep_all, "keeping every block's activations")
+        fewest = view.alternative(fewer & ~keep_all, "fewer blocks") if fewer.any() else ""
+        because = "; ".join(r for r in (why, fewest) if r)  # none: the layout was fixed, nothing else was tried
+        return [f"checkpointing: {', '.join(p for p in parts if p)}"
+                + (f", because: {because}" if because else " (as asked)")]
+
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """Recomputed blocks recompute whole, selectively, or with their inputs in host memory (CUDA)."""
+        if "checkpointing" in allowed:
+            space.flavors = ["full", *(["selective"] if "selective" in allowed else []),
+                             *(["offload-inputs"] if problem.cuda and "offload-activations" in allowed else [])]
+
+    def narrow(self, space: SearchSpace, fixed: Any) -> None:
+        """A fixed layout keeps its kinds of block; a fixed flavor its way of recomputing."""
+        if fixed.blocks is not None:
+            space.offload_blocks = "offload" in fixed.blocks
+            space.flavors = [fixed.flavor or "full"] if "recompute" in fixed.blocks else []
+        elif fixed.flavor is not None:
+            space.flavors = [fixed.flavor]
+
+
+TECHNIQUE = CheckpointingTechnique()

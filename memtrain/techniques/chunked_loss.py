@@ -10,33 +10,45 @@ from typing import Any
 
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
-from memtrain.techniques.rule import Rule
-from memtrain.techniques.view import PlanView
+from memtrain.techniques.technique import Technique
+from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
 
 FIELD = field(default=None, metadata=flag(
     "--chunked-loss", "the loss's fp32 logits 1024 tokens at a time, never whole ({unset})", kind="switch",
     off="on with checkpointing where the model allows it"))
 
-FIELDS = ("chunked_loss",)  # the Choices fields this technique owns
-RULES: tuple[Rule, ...] = ()
-SEARCH = ("chunked-loss",)
+
+class ChunkedLossTechnique(Technique):
+    """The loss's logits a chunk of tokens at a time: on, off, or the plan's."""
+
+    name = "chunked loss"
+    fields = ("chunked_loss",)
+    search = ("chunked-loss",)
+
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """The chunked loss as given (None: the plan's)."""
+        return Fixing({"chunked_loss": choices.chunked_loss})
+
+    def left_open(self, fixed: Any) -> list[str]:
+        """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
+        return ["chunked_loss=False"] if fixed.chunked_loss is None else []
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """The loss whole or chunked, against the other."""
+        if not view.chunkable:
+            return ["loss on the whole logits: memtrain does not chunk this model's loss"]
+        chunked = view.settings.chunked_loss
+        other = view.alternative(~view.same("chunked_loss"), "the whole-logits loss" if chunked else "the chunked loss")
+        return [("loss 1024 tokens of logits at a time (chunked)" if chunked else "loss on the whole logits")
+                + (f", because: {other}" if other else "")]
+
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """Both losses where memtrain can chunk this model's, else the whole one."""
+        space.losses = [False, True] if problem.chunkable else [False]
+
+    def narrow(self, space: SearchSpace, fixed: Any) -> None:
+        if fixed.chunked_loss is not None:
+            space.losses = [fixed.chunked_loss]
 
 
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """The chunked loss as given (None: the plan's)."""
-    return Fixing({"chunked_loss": choices.chunked_loss})
-
-
-def left_open(fixed: Any) -> list[str]:
-    """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
-    return ["chunked_loss=False"] if fixed.chunked_loss is None else []
-
-
-def reasons(view: PlanView) -> list[str]:
-    """The loss whole or chunked, against the other."""
-    if not view.chunkable:
-        return ["loss on the whole logits: memtrain does not chunk this model's loss"]
-    chunked = view.settings.chunked_loss
-    other = view.alternative(~view.same("chunked_loss"), "the whole-logits loss" if chunked else "the chunked loss")
-    return [("loss 1024 tokens of logits at a time (chunked)" if chunked else "loss on the whole logits")
-            + (f", because: {other}" if other else "")]
+TECHNIQUE = ChunkedLossTechnique()

@@ -8,33 +8,37 @@ from __future__ import annotations
 from typing import Any
 
 from memtrain.techniques.fixing import Fixing
-from memtrain.techniques.rule import Rule
+from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView
 
-FIELDS = ("compile",)  # the Choices fields this technique owns
-RULES: tuple[Rule, ...] = ()
-SEARCH: tuple[str, ...] = ()  # compiled set-ups are searched where the run compiles (plan(compile=True))
 
+class CompileTechnique(Technique):
+    """torch.compile the step: where asked for (and then also weighed by the plan)."""
 
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """Compiled where asked; otherwise the plan's (it weighs compiled set-ups only when the run compiles)."""
-    return Fixing({"compile": True if choices.compile else None})
+    name = "torch.compile"
+    fields = ("compile",)
+    search = ()  # compiled set-ups are searched where the run compiles (plan(compile=True))
 
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """Compiled where asked; otherwise the plan's (it weighs compiled set-ups only when the run compiles)."""
+        return Fixing({"compile": True if choices.compile else None})
 
-def left_open(fixed: Any) -> list[str]:
-    """Nothing to fix where the plan cannot choose: where no plan runs, the step is compiled only where asked."""
-    return []
-
-
-def reasons(view: PlanView) -> list[str]:
-    """torch.compile or eager against the other, where compiled set-ups were searched or chosen."""
-    s = view.settings
-    same = view.same("compile")
-    if not s.compile and same.all():
+    def left_open(self, fixed: Any) -> list[str]:
+        """Nothing to fix where the plan cannot choose: where no plan runs, the step is compiled only where asked."""
         return []
-    other = view.alternative(~same, "eager" if s.compile else "torch.compile")
-    per_block = s.compile and ("offload" in s.blocks or (s.flavor == "offload-inputs" and "recompute" in s.blocks))
-    return [("torch.compile" if s.compile else "eager")
-            + (" block by block (the blocks offload activations: the offloader stays outside the compiled "
-               "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
-            + (f", because: {other}" if other else "")]
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """torch.compile or eager against the other, where compiled set-ups were searched or chosen."""
+        s = view.settings
+        same = view.same("compile")
+        if not s.compile and same.all():
+            return []
+        other = view.alternative(~same, "eager" if s.compile else "torch.compile")
+        per_block = s.compile and ("offload" in s.blocks or (s.flavor == "offload-inputs" and "recompute" in s.blocks))
+        return [("torch.compile" if s.compile else "eager")
+                + (" block by block (the blocks offload activations: the offloader stays outside the compiled "
+                   "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
+                + (f", because: {other}" if other else "")]
+
+
+TECHNIQUE = CompileTechnique()

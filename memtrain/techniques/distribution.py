@@ -6,32 +6,29 @@ techniques are theirs (the optimizer's, pure bf16's, parameter offload's).
 
 from __future__ import annotations
 
-from typing import Any
-
-from memtrain.techniques.fixing import Fixing
-from memtrain.techniques.rule import Rule
-from memtrain.techniques.view import PlanView
-
-FIELDS: tuple[str, ...] = ()
-RULES: tuple[Rule, ...] = ()
-SEARCH: tuple[str, ...] = ()  # DDP or FSDP2 is the plan's argument (fsdp=None compares them)
+from memtrain.techniques.technique import Technique
+from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
 
 
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """Nothing in ``Choices``: the distribution is the run's (``fsdp``)."""
-    return Fixing({})
+class DistributionTechnique(Technique):
+    """DDP or FSDP2 over several ranks: the run's fsdp, or the plan's comparison."""
+
+    name = "data parallelism"
+    search = ()  # DDP or FSDP2 is the plan's argument (fsdp=None compares them)
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """DDP or FSDP2 against the other, over several ranks; nothing for one."""
+        if view.world <= 1:
+            return []
+        s = view.settings
+        other = view.alternative(~view.same("distribution"), "FSDP2" if s.distribution == "ddp" else "DDP")
+        return [f"{'DDP' if s.distribution == 'ddp' else 'FSDP2'} over {view.world} ranks"
+                + (f", because: {other}" if other else " (as asked)")]
+
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """One process; over several ranks FSDP2 (fsdp=True), DDP (False), or both to compare (None)."""
+        space.distributions = ["none"] if problem.world == 1 else (
+            ["fsdp2"] if problem.fsdp else ["ddp"] if problem.fsdp is False else ["ddp", "fsdp2"])
 
 
-def left_open(fixed: Any) -> list[str]:
-    """Nothing here: where no plan runs, the run's ``fsdp`` decides."""
-    return []
-
-
-def reasons(view: PlanView) -> list[str]:
-    """DDP or FSDP2 against the other, over several ranks; nothing for one."""
-    if view.world <= 1:
-        return []
-    s = view.settings
-    other = view.alternative(~view.same("distribution"), "FSDP2" if s.distribution == "ddp" else "DDP")
-    return [f"{'DDP' if s.distribution == 'ddp' else 'FSDP2'} over {view.world} ranks"
-            + (f", because: {other}" if other else " (as asked)")]
+TECHNIQUE = DistributionTechnique()

@@ -30,7 +30,8 @@ from memtrain.errors import ConfigError
 from memtrain.setting import flag, is_fraction, known_fields, switch_problems
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp, Terms, problems_of
-from memtrain.techniques.view import PlanView
+from memtrain.techniques.technique import Technique
+from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
 
 ADAMW = "adamw"  # memtrain's AdamW (build_optimizer): state precision, pure bf16, the fused host kernels
 # Short names the CLI and config files take for well-known classes (any dotted path works too).
@@ -342,13 +343,7 @@ NAMED_OWN_STATE = Rule(
     ("optimizer", "state_precision", "pure_bf16"),
     lambda s: not s.adamw and (s.state_precision not in (None, "fp32") or bool(s.pure_bf16)))
 
-FIELDS = ("optimizer",)  # the Choices field this technique owns: an OptimizerChoice, of SETTING_FIELDS
 SETTING_FIELDS = ("placement", "state_precision", "step_in_backward", "offload_fraction", "name", "kwargs")
-RULES: tuple[Rule, ...] = (
-    GRADIENTS_BEFORE_DDP, OFFLOAD_OPTIMIZER_FSDP, OFFLOAD_WITH_FRACTION, OFFLOAD_WITH_IN_BACKWARD,
-    IN_BACKWARD_WITH_FRACTION, IN_BACKWARD_FP16_SCALER, IN_BACKWARD_PER_PARAMETER, BF16_WEIGHTS_PRECISION,
-    NAMED_OWN_STATE,
-)
 # How ``Choices`` (and ``OptimizerChoice``) name these fields in messages.
 CHOICE_TERMS = Terms(labels={"placement": "optimizer.placement", "state_precision": "optimizer.state_precision",
                              "step_in_backward": "optimizer.step_in_backward",
@@ -445,7 +440,7 @@ class OptimizerChoice:
         except ConfigError as e:
             return [f"optimizer.name={p.removeprefix('optimizer=')}" if p.startswith("optimizer=") else p
                     for p in e.problems]
-        return problems_of(self.setup(named), CHOICE_TERMS, RULES)
+        return problems_of(self.setup(named), CHOICE_TERMS, OptimizerTechnique.rules)
 
     def setup(self, named: NamedOptimizer | None = None) -> SetUp:
         """These choices as the rules read them."""
@@ -465,36 +460,6 @@ class OptimizerChoice:
 
 
 # -- in the plan -------------------------------------------------------------------------------------------------
-SEARCH = ("offload-optimizer", "bf16-weights", "optimizer-state", "step-in-backward")
-
-
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """The optimizer's share of a plan's fixed choices (``choices``: a ``Choices``). Placed on the device (or
-    given lean moments, an in-backward step or an offloaded share) it is never offloaded; placed on the device, it
-    keeps fp32 weights and no share of its state on the host. Another class keeps its own state: no lean moments
-    to search."""
-    opt: OptimizerChoice = choices.optimizer
-    closed, fraction = set(), opt.offload_fraction
-    if opt.placement == "device":
-        closed |= {"offload-optimizer", "bf16-weights"}
-        fraction = 0.0 if fraction is None else fraction
-    named, state_precision = opt.named, opt.state_precision
-    if not named.is_adamw:
-        closed.add("optimizer-state")
-        state_precision = "fp32"
-    return Fixing({"optimizer": opt.fixed_placement, "state_precision": state_precision,
-                   "step_in_backward": opt.step_in_backward, "offload_fraction": fraction,
-                   "optimizer_class": named}, closed)
-
-
-def left_open(fixed: Any) -> list[str]:
-    """What fixes the optimizer where the plan cannot choose it (``fixed``: a plan's ``Fixed``): its placement, and
-    on the device (or where the plan could put it there) its moments and its step."""
-    on_device = fixed.optimizer != "offload"
-    return [text for text, value in (
-        ("optimizer.placement='device'", fixed.optimizer),
-        ("optimizer.state_precision='fp32'", fixed.state_precision if on_device else "fp32"),
-        ("optimizer.step_in_backward=False", fixed.step_in_backward if on_device else False)) if value is None]
 
 
 # -- its reason line ---------------------------------------------------------------------------------------------
@@ -502,35 +467,6 @@ def left_open(fixed: Any) -> list[str]:
 PLACEMENT_TEXT = {"device": "AdamW on the device",
                   "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
                   "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
-
-
-def reasons(view: PlanView) -> list[str]:
-    """The optimizer (placement, moments, when it steps), against fused fp32 AdamW on the device, the other
-    placements, and a leaner device optimizer."""
-    s = view.settings
-    placement, state = view.column("optimizer"), view.column("state_precision")
-    in_backward, fraction = view.column("step_in_backward"), view.column("offload_fraction")
-    plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
-    chosen_plain = s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and \
-        not s.offload_fraction
-    alternatives = []
-    if not chosen_plain:
-        alternatives.append(view.alternative(plain, _named("fused fp32 AdamW on the device", False,
-                                                           s.optimizer_class).replace("fused fp32 ", "")
-                                             if not s.optimizer_class.is_adamw else "fused fp32 AdamW on the device"))
-    alternatives += [view.alternative(placement == o, _named(PLACEMENT_TEXT[o].split(" (")[0], False,
-                                                             s.optimizer_class)) for o in PLACEMENT_TEXT
-                     if o != s.optimizer and o != "device" and (placement == o).any()]
-    if chosen_plain and (~plain & (placement == "device")).any():
-        alternatives.append(view.alternative(~plain & (placement == "device"), "a leaner device optimizer",
-                                             lean=True))
-    alternatives = [a for a in alternatives if a]
-    if s.offload_weights and not alternatives:  # the only placement that streamed weights leave
-        alternatives = ["parameter offload streams the blocks' weights from its master in host RAM"]
-    text = f"optimizer {_chosen_text(view, s)}"
-    if alternatives:
-        return [f"{text}, because: {'; '.join(alternatives)}"]
-    return [text + ("" if view.device == "cuda" else ": on a CPU an offload only copies within RAM")]
 
 
 def _named(name: str, pure_bf16: bool, named: NamedOptimizer | None = None) -> str:
@@ -565,3 +501,91 @@ def _chosen_text(view: PlanView, s: Any) -> str:
     if s.optimizer == "device" and not s.pure_bf16:
         return f"{text} (fused, fp32 moments)"
     return text
+
+
+class OptimizerTechnique(Technique):
+    """The optimizer's class (named, never planned), placement, moments and step."""
+
+    name = "optimizer"
+    fields = ("optimizer",)  # the Choices field this technique owns: an OptimizerChoice, of SETTING_FIELDS
+    rules = (GRADIENTS_BEFORE_DDP, OFFLOAD_OPTIMIZER_FSDP, OFFLOAD_WITH_FRACTION, OFFLOAD_WITH_IN_BACKWARD,
+             IN_BACKWARD_WITH_FRACTION, IN_BACKWARD_FP16_SCALER, IN_BACKWARD_PER_PARAMETER, BF16_WEIGHTS_PRECISION,
+             NAMED_OWN_STATE)
+    search = ("offload-optimizer", "bf16-weights", "optimizer-state", "step-in-backward")
+
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """The optimizer's share of a plan's fixed choices (``choices``: a ``Choices``). Placed on the device (or
+        given lean moments, an in-backward step or an offloaded share) it is never offloaded; placed on the device, it
+        keeps fp32 weights and no share of its state on the host. Another class keeps its own state: no lean moments
+        to search."""
+        opt: OptimizerChoice = choices.optimizer
+        closed, fraction = set(), opt.offload_fraction
+        if opt.placement == "device":
+            closed |= {"offload-optimizer", "bf16-weights"}
+            fraction = 0.0 if fraction is None else fraction
+        named, state_precision = opt.named, opt.state_precision
+        if not named.is_adamw:
+            closed.add("optimizer-state")
+            state_precision = "fp32"
+        return Fixing({"optimizer": opt.fixed_placement, "state_precision": state_precision,
+                       "step_in_backward": opt.step_in_backward, "offload_fraction": fraction,
+                       "optimizer_class": named}, closed)
+
+    def left_open(self, fixed: Any) -> list[str]:
+        """What fixes the optimizer where the plan cannot choose it (``fixed``: a plan's ``Fixed``): its placement, and
+        on the device (or where the plan could put it there) its moments and its step."""
+        on_device = fixed.optimizer != "offload"
+        return [text for text, value in (
+            ("optimizer.placement='device'", fixed.optimizer),
+            ("optimizer.state_precision='fp32'", fixed.state_precision if on_device else "fp32"),
+            ("optimizer.step_in_backward=False", fixed.step_in_backward if on_device else False)) if value is None]
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """The optimizer (placement, moments, when it steps), against fused fp32 AdamW on the device, the other
+        placements, and a leaner device optimizer."""
+        s = view.settings
+        placement, state = view.column("optimizer"), view.column("state_precision")
+        in_backward, fraction = view.column("step_in_backward"), view.column("offload_fraction")
+        plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
+        chosen_plain = s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and \
+            not s.offload_fraction
+        alternatives = []
+        if not chosen_plain:
+            alternatives.append(view.alternative(plain, _named("fused fp32 AdamW on the device", False,
+                                                               s.optimizer_class).replace("fused fp32 ", "")
+                                                 if not s.optimizer_class.is_adamw else "fused fp32 AdamW on the device"))
+        alternatives += [view.alternative(placement == o, _named(PLACEMENT_TEXT[o].split(" (")[0], False,
+                                                                 s.optimizer_class)) for o in PLACEMENT_TEXT
+                         if o != s.optimizer and o != "device" and (placement == o).any()]
+        if chosen_plain and (~plain & (placement == "device")).any():
+            alternatives.append(view.alternative(~plain & (placement == "device"), "a leaner device optimizer",
+                                                 lean=True))
+        alternatives = [a for a in alternatives if a]
+        if s.offload_weights and not alternatives:  # the only placement that streamed weights leave
+            alternatives = ["parameter offload streams the blocks' weights from its master in host RAM"]
+        text = f"optimizer {_chosen_text(view, s)}"
+        if alternatives:
+            return [f"{text}, because: {'; '.join(alternatives)}"]
+        return [text + ("" if view.device == "cuda" else ": on a CPU an offload only copies within RAM")]
+
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """On the device; on CUDA offloaded too (with bf16 device weights where bf16-mixed computes in them);
+        fp32 moments, and bf16 and int8 (where bitsandbytes runs) ones where lean moments are allowed."""
+        space.placements = ["device"]
+        if problem.cuda and "offload-optimizer" in allowed:
+            space.placements.append("offload")
+            if "bf16-weights" in allowed and not BF16_WEIGHTS_PRECISION.refuses(
+                    SetUp(placement="offload-bf16-weights", precision=problem.precision)):
+                space.placements.append("offload-bf16-weights")
+        space.states = ["fp32"]
+        if "optimizer-state" in allowed:
+            space.states += ["bf16", *(["int8"] if problem.int8 else [])]
+
+    def narrow(self, space: SearchSpace, fixed: Any) -> None:
+        if fixed.optimizer is not None:
+            space.placements = [fixed.optimizer]
+        if fixed.state_precision is not None:
+            space.states = [fixed.state_precision]
+
+
+TECHNIQUE = OptimizerTechnique()

@@ -5,13 +5,15 @@ never picks it; its setting is the one switch ``Choices.pure_bf16``, and its rul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import field
 from typing import Any
 
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
-from memtrain.techniques.rule import Rule
-from memtrain.techniques.view import PlanView
+from memtrain.techniques.rule import Rule, SetUp
+from memtrain.techniques.technique import Technique
+from memtrain.techniques.view import PlanView, SearchSpace
 
 FIELD = field(default=False, metadata=flag(
     "--pure-bf16", "bf16 weights with no fp32 master, each update rounded stochastically: 2 bytes per parameter "
@@ -39,21 +41,48 @@ PURE_BF16_FSDP = Rule(
     ("pure_bf16", "fsdp"),
     lambda s: bool(s.pure_bf16) and bool(s.fsdp))
 
-FIELDS = ("pure_bf16",)  # the Choices fields this technique owns
-RULES: tuple[Rule, ...] = (PURE_BF16_INT8, PURE_BF16_PRECISION, PURE_BF16_FSDP)
-SEARCH: tuple[str, ...] = ()  # never the search's: it changes the numerics
 
 
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """Only pure bf16 set-ups where asked; otherwise none (the plan computes them for a hint only)."""
-    return Fixing({"pure_bf16": True if choices.pure_bf16 else None})
+def pure_bf16_space(placements: Sequence[str], states: Sequence[str],
+                    distributions: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """The placements, moment precisions and distributions a pure bf16 set-up can take: AdamW on the device or
+    offloaded (no "offload-bf16-weights": there is no master to keep), fp32 or bf16 moments (bitsandbytes' int8
+    rounds the weight to nearest), one process or DDP (not FSDP2's sharded parameters)."""
+    kept = [p for p in placements if p != "offload-bf16-weights"]
+    if "offload-bf16-weights" in placements and "offload" not in kept:
+        kept.append("offload")
+    # Its rules obeyed (with int8 moments, with FSDP2): the search and the hint never propose what they refuse.
+    return (kept, [s for s in states if not PURE_BF16_INT8.refuses(SetUp(pure_bf16=True, state_precision=s))],
+            [d for d in distributions if not PURE_BF16_FSDP.refuses(SetUp(pure_bf16=True, fsdp=d == "fsdp2"))])
+
+class PureBF16Technique(Technique):
+    """bf16 weights with no fp32 master: only where asked for."""
+
+    name = "pure bf16"
+    fields = ("pure_bf16",)
+    rules = (PURE_BF16_INT8, PURE_BF16_PRECISION, PURE_BF16_FSDP)
+    search = ()  # never the search's: it changes the numerics
+
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """Only pure bf16 set-ups where asked; otherwise none (the plan computes them for a hint only)."""
+        return Fixing({"pure_bf16": True if choices.pure_bf16 else None})
+
+    def left_open(self, fixed: Any) -> list[str]:
+        """Nothing to fix where the plan cannot choose: never planned: on only where asked."""
+        return []
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """No line of its own: its words are the optimizer's (pure bf16 AdamW, as asked)."""
+        return []
+
+    def narrow(self, space: SearchSpace, fixed: Any) -> None:
+        """Asked for: only pure bf16 set-ups, and no parameter offload (it streams the fp32 master or its bf16
+        cast, and pure bf16 has neither)."""
+        if fixed.pure_bf16:
+            space.placements, space.states, space.distributions = pure_bf16_space(
+                space.placements, space.states, space.distributions)
+            space.weights = [False]
+            space.pure_bf16 = True
 
 
-def left_open(fixed: Any) -> list[str]:
-    """Nothing to fix where the plan cannot choose: never planned: on only where asked."""
-    return []
-
-
-def reasons(view: PlanView) -> list[str]:
-    """No line of its own: its words are the optimizer's (pure bf16 AdamW, as asked)."""
-    return []
+TECHNIQUE = PureBF16Technique()

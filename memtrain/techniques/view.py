@@ -45,3 +45,38 @@ class PlanView(Protocol):
         """What the best of the ``mask`` candidates costs against the chosen one, in words beginning with ``what``;
         "" where no such candidate was composed (``lean``: lean moments, whose margin the search asks for)."""
         ...
+
+
+class SearchSpace(Protocol):
+    """The values the search goes over before the micro-batch; each technique fills in and narrows its own.
+
+    flavors: how recomputed blocks recompute ("full", "selective", "offload-inputs"; none: no recompute).
+    offload_blocks: whether a block may keep every activation in host memory.
+    placements, states: the optimizer's placements and AdamW's moment precisions.
+    distributions: "none" (one process), "ddp", "fsdp2".
+    losses: the loss whole (False) or chunked (True); weights: parameter offload off (False) or on (True).
+    pure_bf16: only pure bf16 set-ups (fixed).
+    """
+
+    flavors: list[str]
+    offload_blocks: bool
+    placements: list[str]
+    states: list[str]
+    distributions: list[str]
+    losses: list[bool]
+    weights: list[bool]
+    pure_bf16: bool
+
+
+class SearchProblem(Protocol):
+    """What the search's candidates depend on: the device ("cuda": streams and a link to the host), the compute
+    precision, the ranks (``fsdp``: True FSDP2, False DDP, None both), whether the loss can be chunked, whether every
+    block's weights train, and whether bitsandbytes' int8 moments run here."""
+
+    cuda: bool
+    precision: str
+    world: int
+    fsdp: bool | None
+    chunkable: bool
+    blocks_all_train: bool
+    int8: bool

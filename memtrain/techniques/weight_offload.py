@@ -11,8 +11,9 @@ from typing import Any
 
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
-from memtrain.techniques.rule import Rule
-from memtrain.techniques.view import PlanView
+from memtrain.techniques.rule import Rule, SetUp
+from memtrain.techniques.technique import Technique
+from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
 
 FIELD = field(default=None, metadata=flag(
     "--offload-weights", "parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
@@ -49,31 +50,52 @@ OFFLOAD_WEIGHTS_ONE_PROCESS = Rule(
     ("offload_weights", "fsdp", "processes"),
     lambda s: bool(s.offload_weights) and (bool(s.fsdp) or s.several_processes))
 
-FIELDS = ("offload_weights",)  # the Choices fields this technique owns
-RULES: tuple[Rule, ...] = (OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER, OFFLOAD_WEIGHTS_COMPILE, OFFLOAD_WEIGHTS_PURE_BF16,
+
+class WeightOffloadTechnique(Technique):
+    """The blocks' weights in host memory, streamed: on, off, or the plan's (on CUDA)."""
+
+    name = "parameter offload"
+    fields = ("offload_weights",)
+    rules = (OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER, OFFLOAD_WEIGHTS_COMPILE, OFFLOAD_WEIGHTS_PURE_BF16,
                            OFFLOAD_WEIGHTS_ONE_PROCESS)
-SEARCH = ("offload-weights",)
+    search = ("offload-weights",)
+
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """Parameter offload on or off as given (None: the plan's, on CUDA only)."""
+        return Fixing({"offload_weights": choices.offload_weights})
+
+    def left_open(self, fixed: Any) -> list[str]:
+        """Nothing to fix where the plan cannot choose: where no plan runs, the weights stay on the device unless asked for."""
+        return []
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """The line on parameter offload: why it was chosen, or why not where it was searched."""
+        streamed = view.column("offload_weights").astype(bool)
+        if view.settings.offload_weights:
+            other = view.alternative(~streamed, "the weights on the device")
+            return ["parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the device at a "
+                    "time, copied one block ahead in forward and again in backward"
+                    + (f", because: {other}" if other else " (as asked)")]
+        if streamed.any():
+            return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed from "
+                    "host RAM, is tried only when no other set-up fits)"]
+        return []
+
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """Parameter offload streams the weights from the offloaded optimizer's master: tried only beside it, on CUDA
+        (on a CPU it saves nothing), and where the blocks' weights all train (a frozen base, LoRA's or a 4-bit one,
+        stays on the device: streaming the adapters alone saves next to nothing), unless it is asked for."""
+        space.weights = [False, True] if (problem.cuda and {"offload-optimizer", "offload-weights"} <= allowed
+                                          and problem.blocks_all_train) else [False]
+
+    def narrow(self, space: SearchSpace, fixed: Any) -> None:
+        """Fixed on or off; on with the placement left open, only the placements that keep a host master."""
+        if fixed.offload_weights is None:
+            return
+        space.weights = [fixed.offload_weights]
+        if fixed.offload_weights and fixed.optimizer is None:
+            space.placements = [p for p in space.placements if not OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER.refuses(
+                SetUp(offload_weights=True, placement=p))] or ["offload"]
 
 
-def fixed(choices: Any, *, device: str, n_blocks: int) -> Fixing:
-    """Parameter offload on or off as given (None: the plan's, on CUDA only)."""
-    return Fixing({"offload_weights": choices.offload_weights})
-
-
-def left_open(fixed: Any) -> list[str]:
-    """Nothing to fix where the plan cannot choose: where no plan runs, the weights stay on the device unless asked for."""
-    return []
-
-
-def reasons(view: PlanView) -> list[str]:
-    """The line on parameter offload: why it was chosen, or why not where it was searched."""
-    streamed = view.column("offload_weights").astype(bool)
-    if view.settings.offload_weights:
-        other = view.alternative(~streamed, "the weights on the device")
-        return ["parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the device at a "
-                "time, copied one block ahead in forward and again in backward"
-                + (f", because: {other}" if other else " (as asked)")]
-    if streamed.any():
-        return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed from "
-                "host RAM, is tried only when no other set-up fits)"]
-    return []
+TECHNIQUE = WeightOffloadTechnique()

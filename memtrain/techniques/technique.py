@@ -1,0 +1,49 @@
+"""A technique's part in memtrain, as one object: the ``Choices`` fields it owns, its rules with the others, what its
+setting fixes in a plan, its values in the search, and its reason line. Each technique's module subclasses
+``Technique`` once (``TECHNIQUE``) and overrides what the technique has; ``memtrain.techniques.REGISTRY`` lists them,
+and the planner, the checks and the reasons loop over it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from memtrain.techniques.fixing import Fixing
+from memtrain.techniques.rule import Rule
+from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+
+
+class Technique:
+    """One technique; the defaults are those of a technique with no field, rule, search or reason.
+
+    name: the technique in words ("chunked loss").
+    fields: the ``Choices`` fields it owns.
+    rules: its rules with the other techniques.
+    search: the names the search knows it by (``plan(techniques=...)``).
+    """
+
+    name: ClassVar[str]
+    fields: ClassVar[tuple[str, ...]] = ()
+    rules: ClassVar[tuple[Rule, ...]] = ()
+    search: ClassVar[tuple[str, ...]] = ()
+
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """Its share of a plan's fixed choices, from a run's ``Choices`` (None fields: the search's)."""
+        return Fixing({})
+
+    def left_open(self, fixed: Any) -> list[str]:
+        """The arguments that fix what a plan's ``Fixed`` leaves to the search, where no search runs."""
+        return []
+
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """Fills in its values of the search's ``space`` (``allowed``: the search names the plan may use)."""
+
+    def narrow(self, space: SearchSpace, fixed: Any) -> None:
+        """Narrows the ``space`` to what its fixed choices keep (after every technique filled it in)."""
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """Its line in a plan's reasons: what was chosen, and what the best alternative costs."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"<technique {self.name}>"
