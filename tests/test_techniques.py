@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,27 +91,104 @@ def test_each_technique_is_one_module_with_one_technique_object():
                           "bf16-weights", "optimizer-state", "step-in-backward", "offload-weights")
 
 
+NOTHING_FIXED = {"blocks": None, "flavor": None, "chunked_loss": None, "optimizer": None, "state_precision": None,
+                 "step_in_backward": None, "offload_fraction": None, "compile": None, "pure_bf16": None,
+                 "offload_weights": None}
+CPU_NOTE = "activation offload has no effect on a CPU-only run (no device memory to save): off"
+
+
 @pytest.mark.parametrize("choices,device,values,closed,notes", [
-    (Choices(), "cuda", {}, set(), 0),
+    (Choices(), "cuda", NOTHING_FIXED, set(), []),
     (Choices(checkpointing="every:2", offload_activations=True), "cuda",
-     {"blocks": ("recompute", "offload", "recompute", "offload"), "flavor": "offload-inputs"}, set(), 0),
+     {"blocks": ("recompute", "offload", "recompute", "offload"), "flavor": "offload-inputs"}, set(), []),
+    (Choices(checkpointing="every:2", offload_activations=True), "cpu",
+     {"blocks": ("recompute", "keep", "recompute", "keep"), "flavor": "full"}, {"offload-activations"}, [CPU_NOTE]),
     (Choices(checkpointing="all+offload"), "cpu", {"blocks": ("recompute",) * 4, "flavor": "full"},
-     {"offload-activations"}, 1),
-    (Choices(offload_activations=False), "cuda", {"flavor": None}, {"offload-activations"}, 0),
+     {"offload-activations"}, [CPU_NOTE]),
+    (Choices(offload_activations=True), "cuda", {"blocks": None, "flavor": "offload-inputs"}, set(), []),
+    (Choices(offload_activations=True), "cpu", {"blocks": None, "flavor": None}, {"offload-activations"},
+     [CPU_NOTE]),
+    (Choices(offload_activations=False), "cuda", {"flavor": None}, {"offload-activations"}, []),
     (Choices(optimizer=OptimizerChoice(placement="device")), "cuda", {"optimizer": "device", "offload_fraction": 0.0},
-     {"offload-optimizer", "bf16-weights"}, 0),
-    (Choices(optimizer=OptimizerChoice(name="adafactor", state_precision="fp32")), "cuda",
-     {"state_precision": "fp32"}, {"optimizer-state"}, 0),
+     {"offload-optimizer", "bf16-weights"}, []),
+    (Choices(optimizer=OptimizerChoice(step_in_backward=True)), "cuda",
+     {"optimizer": "device", "step_in_backward": True, "offload_fraction": None}, set(), []),
+    (Choices(optimizer=OptimizerChoice(name="adafactor")), "cuda", {"state_precision": "fp32"}, {"optimizer-state"},
+     []),
+    (Choices(pure_bf16=True, compile=True, chunked_loss=False), "cuda",
+     {"pure_bf16": True, "compile": True, "chunked_loss": False}, set(), []),
 ])
 def test_each_techniques_share_of_the_fixed_choices(choices, device, values, closed, notes):
     """``Fixed.of_choices`` is the techniques' shares merged: a policy fixes the layout (offload_activations=True
-    offloads what it keeps), refusing activation offload closes its search, a device optimizer closes the offloaded
-    ones, a foreign class closes lean moments; on a CPU activation offload is off, with a note."""
+    offloads what it keeps, and alone fixes how recomputed blocks recompute), refusing activation offload closes its
+    search, a device optimizer closes the offloaded ones, a step in backward implies the device, a foreign class
+    keeps its own fp32 state; on a CPU activation offload is off, with a note."""
     from memtrain.planner import TECHNIQUES, Fixed
 
     fixed, allowed, found = Fixed.of_choices(choices, n_blocks=4, device=device)
     assert {k: getattr(fixed, k) for k in values} == values
-    assert set(TECHNIQUES) - allowed == closed and len(found) == notes, (allowed, found)
+    assert set(TECHNIQUES) - allowed == closed and found == notes, (allowed, found)
+
+
+def test_a_selective_policy_the_planner_cannot_plan_is_refused_by_checkpointings_share():
+    from memtrain.planner import Fixed
+
+    with pytest.raises(ConfigError, match="the planner's selective recompute keeps the outputs of"):
+        Fixed.of_choices(Choices(checkpointing="selective(matmul)"), n_blocks=2, device="cuda")
+    with pytest.raises(ConfigError, match="does not combine a selective recompute with offloaded inputs"):
+        Fixed.of_choices(Choices(checkpointing="selective+offload"), n_blocks=2, device="cuda")
+
+
+def _space(problem: SimpleNamespace, fixed, order=None):
+    space = SimpleNamespace(flavors=[], offload_blocks=False, placements=["device"], states=["fp32"],
+                            distributions=["none"], losses=[False], weights=[False], pure_bf16=False)
+    registry = list(order or techniques.REGISTRY)
+    for technique in registry:
+        technique.candidates(space, problem, frozenset(techniques.SEARCH))
+    for technique in registry:
+        technique.narrow(space, fixed)
+    return vars(space)
+
+
+CUDA = SimpleNamespace(cuda=True, precision="bf16-mixed", world=2, fsdp=None, chunkable=True, blocks_all_train=True,
+                       int8=True)
+
+
+def test_the_search_space_is_each_techniques_candidates_narrowed_by_its_fixed_choices():
+    from memtrain.planner import Fixed
+
+    whole = _space(CUDA, Fixed())
+    assert whole == {"flavors": ["full", "selective", "offload-inputs"], "offload_blocks": True,
+                     "placements": ["device", "offload", "offload-bf16-weights"], "states": ["fp32", "bf16", "int8"],
+                     "distributions": ["ddp", "fsdp2"], "losses": [False, True], "weights": [False, True],
+                     "pure_bf16": False}
+    pure = _space(CUDA, Fixed(pure_bf16=True))  # no master: no bf16 device weights, int8 moments, FSDP2 or streaming
+    assert (pure["placements"], pure["states"], pure["distributions"], pure["weights"], pure["pure_bf16"]) == (
+        ["device", "offload"], ["fp32", "bf16"], ["ddp"], [False], True)
+    streamed = _space(CUDA, Fixed(offload_weights=True))  # streamed weights are the offloaded optimizer's master
+    assert streamed["placements"] == ["offload", "offload-bf16-weights"] and streamed["weights"] == [True]
+    cpu = _space(SimpleNamespace(**{**vars(CUDA), "cuda": False, "world": 1, "int8": False}), Fixed())
+    assert (cpu["flavors"], cpu["offload_blocks"], cpu["placements"], cpu["states"], cpu["weights"]) == (
+        ["full", "selective"], False, ["device"], ["fp32", "bf16"], [False])
+
+
+@pytest.mark.parametrize("fixed", [
+    dict(pure_bf16=True), dict(offload_weights=True), dict(offload_weights=False, optimizer="offload"),
+    dict(pure_bf16=True, optimizer="device", state_precision="bf16"), dict(chunked_loss=True, state_precision="int8"),
+    dict(blocks=("recompute", "offload"), flavor="offload-inputs"), dict(blocks=("keep", "keep"), flavor=None),
+])
+def test_narrowing_a_valid_set_of_fixed_choices_does_not_depend_on_the_registrys_order(fixed):
+    from memtrain.planner import Fixed
+
+    chosen = Fixed(**fixed)
+    assert _space(CUDA, chosen, reversed(techniques.REGISTRY)) == _space(CUDA, chosen), fixed
+
+
+def test_a_technique_words_its_own_reason_line():
+    view = SimpleNamespace(chunkable=False, world=1, settings=SimpleNamespace(chunked_loss=False))
+    assert techniques.chunked_loss.TECHNIQUE.reasons(view) == [
+        "loss on the whole logits: memtrain does not chunk this model's loss"]
+    assert techniques.distribution.TECHNIQUE.reasons(view) == []  # one process: no line
 
 
 def test_what_a_run_that_cannot_plan_must_fix_comes_from_each_technique():

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from memtrain import techniques
 from memtrain.models import GPT
 from memtrain.planner.cost import CandidateTable, Composer
 from memtrain.planner.settings import Fixed, PlanSettings, Problem
 from memtrain.report import format_bytes
-from memtrain.techniques.pure_bf16 import pure_bf16_space
 
 _HINT_TRIES = 3  # full estimates of pure bf16 candidates, fastest first, before giving up on the hint
 # A faster pure bf16 set-up is worth a hint only when it is this much faster: a change of numerics for less is not
@@ -69,11 +69,14 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
     """
     if fixed.pure_bf16 or "bf16" not in composer.profiles or not fixed.optimizer_class.is_adamw:
         return None
-    placements, states, distributions = pure_bf16_space(space.placements, space.states, space.distributions)
-    if not (placements and states and distributions):
+    pure_space = dataclasses.replace(space, flavors=list(space.flavors), placements=list(space.placements),
+                                     states=list(space.states), distributions=list(space.distributions),
+                                     losses=list(space.losses), weights=list(space.weights))
+    pure_fixed = dataclasses.replace(fixed, pure_bf16=True)
+    for technique in techniques.REGISTRY:  # the space as a run that asks for pure bf16 would have it
+        technique.narrow(pure_space, pure_fixed)
+    if not (pure_space.placements and pure_space.states and pure_space.distributions):
         return None
-    pure_space = dataclasses.replace(space, placements=placements, states=states, distributions=distributions,
-                                     weights=[False], pure_bf16=True)  # parameter offload streams a master
     table = CandidateTable(len(composer.ctx.block_names))
     # NOTE: no partial offloads for the hint (a quarter of the candidates to compose): the whole optimizer on the
     # device or on the host.

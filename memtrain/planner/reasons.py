@@ -112,7 +112,7 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
                 f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
                 _peak_reason(peak, budget_text)]
     alternative = _Alternatives(results, chosen, fits, fits_host, usable, budget_text)
-    view = _View(settings=s, device=ctx.device, world=ctx.world, per_rank=ctx.global_batch // ctx.world,
+    view = _View(settings=s, chosen=chosen, device=ctx.device, world=ctx.world, per_rank=ctx.global_batch // ctx.world,
                  chunkable=ctx.chunkable, grad_clip=ctx.grad_clip, budget_text=budget_text, offload=results.offload,
                  recompute=results.recompute, results=results, alternative=alternative)
     return [f"precision {ctx.precision_reason or f'{ctx.precision} (requested)'}",
@@ -152,6 +152,7 @@ class _View:
     a field's column, and the rows that share the chosen values, each computed once."""
 
     settings: PlanSettings
+    chosen: int
     device: str
     world: int
     per_rank: int

@@ -134,8 +134,8 @@ class Fixed:
     @classmethod
     def of_choices(cls, choices: Choices, *, n_blocks: int, device: str) -> tuple[Fixed, frozenset[str], list[str]]:
         """A run's ``Choices`` (a ``TrainConfig``'s, a command's flags; None: the plan's) as the constraints of a plan:
-        each technique's share (``memtrain.techniques.fixing``), the one translation of choices into what the search
-        keeps.
+        each technique's share (``memtrain.techniques.fixed_shares``), the one translation of choices into what the
+        search keeps.
 
         Returns:
             (the fixed choices, the ``TECHNIQUES`` the search may use, notes for choices that do nothing on
@@ -147,12 +147,27 @@ class Fixed:
         if not isinstance(choices, Choices):
             raise ConfigError(f"choices={choices!r} is not a Choices. To resolve this error, pass Choices(...) or "
                               "Choices.from_dict(...).")
-        share = techniques.fixing(choices, device=device, n_blocks=n_blocks)
+        share = techniques.fixed_shares(choices, device=device, n_blocks=n_blocks)
         return cls(**share.values), frozenset(TECHNIQUES) - share.closed, list(share.notes)
 
     def left_open(self) -> list[str]:
         """The arguments that would fix what these choices leave to the search (for a run that cannot plan)."""
         return techniques.left_open(self)
+
+    def settings(self, *, micro_batch_size: int, accumulation: int, distribution: Distribution, precision: str,
+                 blocks: tuple[BlockKind, ...] | None = None, flavor: RecomputeFlavor | None = None) -> PlanSettings:
+        """These choices as one set-up where no search runs, what they leave open plain: the loss whole, the
+        optimizer fused fp32 AdamW on the device (or the run's class), nothing offloaded, eager; the blocks and
+        their flavor these choices' unless given."""
+        return PlanSettings(
+            micro_batch_size=micro_batch_size, accumulation=accumulation,
+            blocks=self.blocks if blocks is None else blocks,  # type: ignore[arg-type]
+            flavor=self.flavor if flavor is None else flavor,  # type: ignore[arg-type]
+            chunked_loss=bool(self.chunked_loss), optimizer=self.optimizer or "device", distribution=distribution,
+            compile=bool(self.compile), precision=precision, state_precision=self.state_precision or "fp32",
+            step_in_backward=bool(self.step_in_backward), offload_fraction=self.offload_fraction or 0.0,
+            pure_bf16=bool(self.pure_bf16), offload_weights=bool(self.offload_weights),
+            optimizer_class=self.optimizer_class)
 
 
 @dataclass(frozen=True)

@@ -216,15 +216,9 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
                             "to choose the techniques left open. To resolve this error, fix every technique: pass "
                             f"{', '.join(missing)}; training then runs as given, without the plan check.")
     per_rank = context.global_batch // context.world
-    assert fixed.blocks is not None and fixed.flavor is not None and micro is not None
-    chosen = PlanSettings(
-        micro_batch_size=micro, accumulation=per_rank // micro, blocks=fixed.blocks, flavor=fixed.flavor,
-        chunked_loss=bool(fixed.chunked_loss), optimizer=fixed.optimizer,
-        distribution="none" if context.world == 1 else "fsdp2" if config.fsdp else "ddp",
-        compile=bool(fixed.compile), precision=context.precision, state_precision=fixed.state_precision or "fp32",
-        step_in_backward=bool(fixed.step_in_backward), offload_fraction=fixed.offload_fraction or 0.0,
-        pure_bf16=bool(fixed.pure_bf16), offload_weights=bool(fixed.offload_weights),
-        optimizer_class=fixed.optimizer_class)
+    assert micro is not None
+    chosen = fixed.settings(micro_batch_size=micro, accumulation=per_rank // micro, precision=context.precision,
+                            distribution="none" if context.world == 1 else "fsdp2" if config.fsdp else "ddp")
     return PlanInForce(chosen, None, None, (*notes, f"{why}; every technique is fixed, so the run goes on as given"),
                    unchecked=unchecked)
 
@@ -265,18 +259,14 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
         raise ConfigError(f"offload_weights=True, but auto found no repeated blocks in {type(model).__name__} to "
                           "stream one at a time (no nn.ModuleList/nn.Sequential of one module type, no Hugging Face "
                           "_no_split_modules). To resolve this error, drop offload_weights=True.")
-    chunked = bool(choices.chunked_loss)
-    if chunked and not supports_chunked_loss(model):
+    if choices.chunked_loss and not supports_chunked_loss(model):
         raise ConfigError(f"chunked_loss=True, but memtrain cannot chunk the loss of {type(model).__name__} (see "
                           "memtrain.loss). To resolve this error, pass chunked_loss=False or leave it unset.")
-    settings = PlanSettings(
-        micro_batch_size=micro, accumulation=per_rank // micro, blocks=(), flavor="full", chunked_loss=chunked,
-        optimizer="offload" if choices.optimizer.placement == "offload" else "device",
-        distribution="none" if world == 1 else "fsdp2" if config.fsdp else "ddp", compile=choices.compile,
-        precision=precision, state_precision=choices.optimizer.state_precision or "fp32",
-        step_in_backward=bool(choices.optimizer.step_in_backward),
-        offload_fraction=choices.optimizer.offload_fraction or 0.0, pure_bf16=choices.pure_bf16,
-        optimizer_class=choices.optimizer.named)
+    # Nothing per block to plan: the policy is moot (whatever it says, no block to apply it to).
+    fixed, _, _ = Fixed.of_choices(dataclasses.replace(choices, checkpointing=None), n_blocks=0, device="cuda")
+    settings = fixed.settings(micro_batch_size=micro, accumulation=per_rank // micro, blocks=(), flavor="full",
+                              precision=precision, distribution="none" if world == 1 else "fsdp2" if config.fsdp
+                              else "ddp")
     reason = (f"checkpointing off, because: auto found no repeated blocks in {type(model).__name__} (no "
               "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules), so nothing is "
               "planned per block; to checkpoint it, call apply_checkpointing(model, blocks=...) before train()")

@@ -1,11 +1,11 @@
-"""The techniques, one module each: its setting (a ``Choices`` field and its flag), its rules with the others, its
-share of a plan's fixed choices (``fixed``, the names the search knows it by in ``SEARCH``) and its reason line in a
-plan (``reasons``, reading the planner's ``PlanView``).
+"""The techniques, one module each, one ``Technique`` object each: its setting (a ``Choices`` field and its flag),
+its rules with the others, its share of a plan's fixed choices, its values in the search, and its reason line.
 
 ``REGISTRY`` lists them; ``RULES`` is every rule between two techniques, each written once in the module of the
-technique it restricts; ``fixing`` is the one translation of a run's choices into what its plan keeps. Every site that checks a combination (``Choices`` at start-up, ``build_optimizer``, the
-planner's checks and its search) asks ``problems`` (or ``refuses``) with a ``SetUp`` of what it knows, so a
-combination is refused for one reason, in the same words, wherever it is caught.
+technique it restricts; ``SEARCH`` the names ``plan(techniques=...)`` takes; ``fixed_shares`` the one translation
+of a run's choices into what its plan keeps. Every site that checks a combination (``Choices`` at start-up,
+``build_optimizer``, the planner's checks and its search) asks ``problems`` (or ``refuses``) with a ``SetUp`` of what
+it knows, so a combination is refused for one reason, in the same words, wherever it is caught.
 
 Example:
     >>> refuses(SetUp(pure_bf16=True, state_precision="int8"))
@@ -34,7 +34,8 @@ from memtrain.techniques.rule import Rule, SetUp, Terms, problems_of
 from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView
 
-# In the order a plan's reasons name them.
+# In the order a plan's reasons name them, which is also the order the search space is narrowed in: the optimizer's
+# fixed placement before pure bf16 narrows the placements, and pure bf16 before parameter offload drops it.
 REGISTRY: tuple[Technique, ...] = tuple(module.TECHNIQUE for module in (
     checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, accumulation, distribution,
     compiled))
@@ -56,7 +57,7 @@ def refuses(setup: SetUp) -> bool:
     return any(rule.refuses(setup) for rule in RULES)
 
 
-def fixing(choices: Any, *, device: str, n_blocks: int) -> Fixing:
+def fixed_shares(choices: Any, *, device: str, n_blocks: int) -> Fixing:
     """What a run's ``Choices`` fix in its plan: every technique's share (``Fixed.of_choices`` is its one reader)."""
     return Fixing.merge(technique.fixed(choices, device=device, n_blocks=n_blocks) for technique in REGISTRY)
 
@@ -66,5 +67,5 @@ def left_open(fixed: Any) -> list[str]:
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
-__all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "PlanView", "Rule", "Technique", "SetUp", "Terms", "fixing", "left_open", "problems",
-           "refuses"]
+__all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms", "fixed_shares",
+           "left_open", "problems", "refuses"]

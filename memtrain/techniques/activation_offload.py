@@ -53,7 +53,8 @@ class ActivationOffloadTechnique(Technique):
         return Fixing({}, {"offload-activations"} if offloads_layout(choices, device) is False else set(), note)
 
     def left_open(self, fixed: Any) -> list[str]:
-        """Nothing to fix where the plan cannot choose: where no plan runs, activations stay on the device unless asked for."""
+        """Nothing to fix where the plan cannot choose: where no plan runs, activations stay on the device unless
+        asked for."""
         return []
 
     def reasons(self, view: PlanView) -> list[str]:

@@ -37,8 +37,8 @@ def check_selective(policy: Checkpointing) -> None:
     """ConfigError for a selective policy the planner cannot plan: other ops kept, or the inputs offloaded."""
     if policy.selective != SelectivePolicy():
         raise ConfigError(f"checkpointing={str(policy)!r}: the planner's selective recompute keeps the outputs of "
-                          f"{', '.join(SelectivePolicy().keep)}. To resolve this error, pass checkpointing='selective', "
-                          "or estimate this policy with memtrain estimate.")
+                          f"{', '.join(SelectivePolicy().keep)}. To resolve this error, pass "
+                          "checkpointing='selective', or estimate this policy with memtrain estimate.")
     if policy.offload_inputs:
         raise ConfigError(f"checkpointing={str(policy)!r}: the planner does not combine a selective recompute with "
                           "offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")

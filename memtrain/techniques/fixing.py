@@ -1,8 +1,8 @@
 """What a technique's setting fixes in a plan: the values the search keeps, the searches it closes, and notes.
 
-Each technique module has ``fixed(choices, *, device, n_blocks) -> Fixing``: its share of the one translation of
-a run's ``Choices`` into what the planner keeps (``planner.settings.Fixed.of_choices`` merges the shares), and
-``SEARCH``, the names the search knows it by (``plan(techniques=...)``).
+Each ``Technique`` has ``fixed(choices, *, device, n_blocks) -> Fixing``: its share of the one translation of a run's
+``Choices`` into what the planner keeps (``planner.settings.Fixed.of_choices`` merges the shares); ``closed`` names
+the searches it rules out by their ``Technique.search`` names.
 
 Example:
     >>> Fixing.merge([Fixing({"chunked_loss": True}), Fixing({"compile": None}, closed={"x"}, notes=("n",))])
@@ -39,6 +39,8 @@ class Fixing:
         closed: set[str] = set()
         notes: list[str] = []
         for share in shares:
+            both = set(values) & set(share.values)
+            assert not both, f"two techniques fix {sorted(both)}"  # each fixes its own fields
             values.update(share.values)
             closed |= share.closed
             notes += share.notes

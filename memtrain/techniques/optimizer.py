@@ -459,9 +459,6 @@ class OptimizerChoice:
         return None
 
 
-# -- in the plan -------------------------------------------------------------------------------------------------
-
-
 # -- its reason line ---------------------------------------------------------------------------------------------
 # The placements in the reasons; an alternative is named by the text before its parenthesis.
 PLACEMENT_TEXT = {"device": "AdamW on the device",
@@ -547,13 +544,12 @@ class OptimizerTechnique(Technique):
         placement, state = view.column("optimizer"), view.column("state_precision")
         in_backward, fraction = view.column("step_in_backward"), view.column("offload_fraction")
         plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
-        chosen_plain = s.optimizer == "device" and s.state_precision == "fp32" and not s.step_in_backward and \
-            not s.offload_fraction
+        chosen_plain = bool(plain[view.chosen])
         alternatives = []
         if not chosen_plain:
-            alternatives.append(view.alternative(plain, _named("fused fp32 AdamW on the device", False,
-                                                               s.optimizer_class).replace("fused fp32 ", "")
-                                                 if not s.optimizer_class.is_adamw else "fused fp32 AdamW on the device"))
+            fused = "fused fp32 AdamW on the device"
+            alternatives.append(view.alternative(plain, fused if s.optimizer_class.is_adamw else _named(
+                fused, False, s.optimizer_class).replace("fused fp32 ", "")))
         alternatives += [view.alternative(placement == o, _named(PLACEMENT_TEXT[o].split(" (")[0], False,
                                                                  s.optimizer_class)) for o in PLACEMENT_TEXT
                          if o != s.optimizer and o != "device" and (placement == o).any()]

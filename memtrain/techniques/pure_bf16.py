@@ -42,7 +42,6 @@ PURE_BF16_FSDP = Rule(
     lambda s: bool(s.pure_bf16) and bool(s.fsdp))
 
 
-
 def pure_bf16_space(placements: Sequence[str], states: Sequence[str],
                     distributions: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     """The placements, moment precisions and distributions a pure bf16 set-up can take: AdamW on the device or
@@ -76,12 +75,10 @@ class PureBF16Technique(Technique):
         return []
 
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
-        """Asked for: only pure bf16 set-ups, and no parameter offload (it streams the fp32 master or its bf16
-        cast, and pure bf16 has neither)."""
+        """Asked for: only pure bf16 set-ups (parameter offload's rule with it is parameter offload's to obey)."""
         if fixed.pure_bf16:
             space.placements, space.states, space.distributions = pure_bf16_space(
                 space.placements, space.states, space.distributions)
-            space.weights = [False]
             space.pure_bf16 = True
 
 

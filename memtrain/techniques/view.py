@@ -16,7 +16,7 @@ import numpy as np
 class PlanView(Protocol):
     """The chosen plan and its candidates, as a technique's ``reasons`` reads them.
 
-    settings: the chosen ``PlanSettings``.
+    settings: the chosen ``PlanSettings``; chosen: its candidate's index in the columns.
     device: "cuda" or "cpu"; world: the ranks; per_rank: examples per rank per step.
     chunkable: whether memtrain can chunk this model's loss; grad_clip: whether the run clips gradients.
     budget_text: the budget in words ("the usable 22.8 GiB", or "no budget").
@@ -24,6 +24,7 @@ class PlanView(Protocol):
     """
 
     settings: Any
+    chosen: int
     device: str
     world: int
     per_rank: int

@@ -65,7 +65,8 @@ class WeightOffloadTechnique(Technique):
         return Fixing({"offload_weights": choices.offload_weights})
 
     def left_open(self, fixed: Any) -> list[str]:
-        """Nothing to fix where the plan cannot choose: where no plan runs, the weights stay on the device unless asked for."""
+        """Nothing to fix where the plan cannot choose: where no plan runs, the weights stay on the device unless
+        asked for."""
         return []
 
     def reasons(self, view: PlanView) -> list[str]:
@@ -73,12 +74,12 @@ class WeightOffloadTechnique(Technique):
         streamed = view.column("offload_weights").astype(bool)
         if view.settings.offload_weights:
             other = view.alternative(~streamed, "the weights on the device")
-            return ["parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the device at a "
-                    "time, copied one block ahead in forward and again in backward"
+            return ["parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the device at "
+                    "a time, copied one block ahead in forward and again in backward"
                     + (f", because: {other}" if other else " (as asked)")]
         if streamed.any():
-            return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed from "
-                    "host RAM, is tried only when no other set-up fits)"]
+            return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed "
+                    "from host RAM, is tried only when no other set-up fits)"]
         return []
 
     def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
@@ -89,7 +90,11 @@ class WeightOffloadTechnique(Technique):
                                           and problem.blocks_all_train) else [False]
 
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
-        """Fixed on or off; on with the placement left open, only the placements that keep a host master."""
+        """Fixed on or off; on with the placement left open, only the placements that keep a host master. Off with
+        pure bf16, which keeps no master to stream (OFFLOAD_WEIGHTS_PURE_BF16)."""
+        if fixed.pure_bf16:
+            space.weights = [False]
+            return
         if fixed.offload_weights is None:
             return
         space.weights = [fixed.offload_weights]
