@@ -132,13 +132,16 @@ class ComposedOptimizer(torch.optim.Optimizer):
             self.param_groups[0], self._options,
             (*{id(o): o for o in self._inner.values()}.values(), *([self._host] if self._host is not None else [])))
         order = self.param_groups[0]["params"]
-        self._host_part = HostPart(host=self._host, host_gradients=self._host._grads if self._host is not None else None,
+        host_slots = self._host._slots if self._host is not None else []
+        self._host_part = HostPart(host=self._host, host_slots=host_slots,
+                                   host_gradients=self._host._grads if self._host is not None else None,
                                    device_params=self._device_params, order=order)
         self._in_backward: StepInBackward | None = None
         self._hooks = []
         if step_in_backward:
             self._in_backward = StepInBackward(inner=self._inner, names=self._names, device_params=self._device_params,
-                                               host=self._host, order=order, sync=self._sync_hyperparameters,
+                                               host=self._host, host_slots=host_slots, order=order,
+                                               sync=self._sync_hyperparameters,
                                                scaler=self.grad_scaler)
             # The hooks hold the step-in-backward part weakly, and nothing but this optimizer holds it: a dropped
             # optimizer must not keep stepping in backward.

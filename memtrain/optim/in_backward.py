@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from memtrain.errors import MemtrainError
+from memtrain.optim.host_buffers import Slot
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.precision import step_with_inf_flag
 
@@ -67,15 +68,17 @@ class StepInBackward:
         names: ``id(parameter)`` -> its name (for errors).
         device_params: the parameters stepped on the device, in registration order.
         host: the host part (a CPUOffloadOptimizer), stepped at the window's end; None without one.
+        host_slots: the host part's slots (its parameters' host views), in its param_groups order.
         order: every parameter in param_groups order (the order torch stacks norms in).
         sync: copies the outer hyper-parameters into ``inner`` and ``host``.
         scaler: the fp16 GradScaler the first backward is armed with (None: none).
     """
 
     def __init__(self, *, inner: dict[int, torch.optim.Optimizer], names: dict[int, str],
-                 device_params: list[torch.Tensor], host: CPUOffloadOptimizer | None, order: list[torch.Tensor],
-                 sync: HyperparameterSync, scaler: torch.amp.GradScaler | None):
-        self.inner, self.names, self.device_params, self.host, self.order = inner, names, device_params, host, order
+                 device_params: list[torch.Tensor], host: CPUOffloadOptimizer | None, host_slots: list[Slot],
+                 order: list[torch.Tensor], sync: HyperparameterSync, scaler: torch.amp.GradScaler | None):
+        self.inner, self.names, self.device_params, self.order = inner, names, device_params, order
+        self.host, self.host_slots = host, host_slots
         self.sync = sync
         self.arming = Arming(scaler=scaler)
         self.backward_ran = False  # a backward stepped since the last step()
@@ -141,7 +144,7 @@ class StepInBackward:
         host_norms: dict[int, torch.Tensor] = {}
         if self.host is not None:
             self.host._gather()
-            landed = [s for s in self.host._slots if s.master.grad is not None]
+            landed = [s for s in self.host_slots if s.master.grad is not None]
             grads = [s.master.grad for s in landed]
             if grads and arming.scaler is not None:
                 host_found = torch.zeros((), dtype=torch.float32)
@@ -223,7 +226,7 @@ class StepInBackward:
             total_host, found_host = torch.stack([total, found if found is not None else torch.zeros_like(total)]
                                                  ).cpu().tolist()
             if found_host == 0 and math.isfinite(total_host):
-                host_grads = [s.master.grad for s in self.host._slots if s.master.grad is not None]
+                host_grads = [s.master.grad for s in self.host_slots if s.master.grad is not None]
                 if arming.max_norm is not None and host_grads:
                     lagged = float(self.lagged_norm)
                     coef = min(1.0, arming.max_norm / (lagged + 1e-6))

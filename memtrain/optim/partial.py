@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from memtrain.errors import MemtrainError
+from memtrain.optim.host_buffers import Slot
 from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.offload import CPUOffloadOptimizer
 
@@ -21,15 +22,17 @@ class HostPart:
 
     Args:
         host: the host part, or None (every parameter on the device).
+        host_slots: the host part's slots (its parameters' host views), in its param_groups order.
         host_gradients: the host part's lazy multiplier (its ``HostGradients``), which the inverse scale and the
             clip coefficient join; None without a host part.
         device_params: the parameters on the device, in registration order.
         order: every parameter in param_groups order (the order torch stacks norms in).
     """
 
-    def __init__(self, *, host: CPUOffloadOptimizer | None, host_gradients: HostGradients | None,
-                 device_params: list[torch.Tensor], order: list[torch.Tensor]):
-        self.host, self.host_gradients, self.device_params, self.order = host, host_gradients, device_params, order
+    def __init__(self, *, host: CPUOffloadOptimizer | None, host_slots: list[Slot],
+                 host_gradients: HostGradients | None, device_params: list[torch.Tensor], order: list[torch.Tensor]):
+        self.host, self.host_slots, self.host_gradients = host, host_slots, host_gradients
+        self.device_params, self.order = device_params, order
         self.gathered = False  # this step's gradients are gathered (see gather)
         self.device_found: torch.Tensor | None = None  # fp16: the device gradients' inf check
 
@@ -68,7 +71,7 @@ class HostPart:
 
     def all_grads(self) -> list[torch.Tensor]:
         """This step's gradients in param_groups order: device ones in .grad, host ones in the host buffers."""
-        host = {id(s.device): s.master for s in self.host._slots} if self.host is not None else {}
+        host = {id(s.device): s.master for s in self.host_slots} if self.host is not None else {}
         out = []
         for p in self.order:
             g = host[id(p)].grad if id(p) in host else p.grad
@@ -101,7 +104,7 @@ class HostPart:
             for device, group in _by_device(grads).items():
                 torch._foreach_mul_(group, coef.to(device))
             return total
-        host = {id(s.device): s for s in self.host._slots}
+        host = {id(s.device): s for s in self.host_slots}
         host_total, multiplier, host_found = self.host_gradients.window_scalars()
         scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
         device_grads = self.device_grads()
