@@ -439,7 +439,7 @@ def test_step_in_backward_matches_adamw_and_runs_during_backward() -> None:
                 opt.step_in_next_backward()  # the last micro-batch of the window
                 before = [p.detach().clone() for p in ours.parameters()]
             (loss_fn(ours, x, y) / 2).backward()
-        early = list(opt._early.values())
+        early = list(opt._landing.early.values())
         for future in early:
             future.result()
         moved = sum(not torch.equal(a, b) for a, b in zip(before, ours.parameters(), strict=True))
@@ -641,17 +641,17 @@ def test_norms_are_taken_in_the_windows_last_backward_only(monkeypatch) -> None:
 def test_gradients_land_with_one_worker_task_per_bucket() -> None:
     model = make_mlp()
     opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
-    opt._landing_worker = _CountingWorker(opt._landing_worker)
+    opt._landing.worker = _CountingWorker(opt._landing.worker)
     n_buckets = len(opt._buckets)
     assert n_buckets == 3 and len(opt._slots) == 9, "the fixture's bucket size must give several buckets"
     data = batches(3)
     for m, (x, y) in enumerate(data):
-        before = len(opt._landing_worker.names)
+        before = len(opt._landing.worker.names)
         if m == 2:
             opt.next_backward_is_last()
         loss_fn(model, x, y).backward()
-        opt._flush_landings()  # hands over a bucket whose parameter got no gradient (step() does it too)
-        tasks = [n for n in opt._landing_worker.names[before:] if "landing" in n]
+        opt._landing.flush()  # hands over a bucket whose parameter got no gradient (step() does it too)
+        tasks = [n for n in opt._landing.worker.names[before:] if "landing" in n]
         assert len(tasks) <= n_buckets, f"micro-batch {m}: {len(tasks)} landing tasks for {n_buckets} buckets"
     opt.step()
     opt.close()
@@ -706,8 +706,8 @@ def test_normalising_unscaling_and_clipping_make_no_pass_over_host_gradients(fp1
     opt.next_backward_is_last()
     loss = loss_fn(ours, x, y).mul(3)
     (scaler.scale(loss) if fp16 else loss).backward()
-    opt._flush_landings()
-    for future in opt._landings:
+    opt._landing.flush()
+    for future in opt._landing.tasks:
         future.result()  # the landings (copies, norms) are backward's work, done on the worker
     storages = {s.grads[0].untyped_storage().data_ptr() for s in opt._slots}
     with Touches(storages) as touches:
@@ -783,13 +783,15 @@ def test_each_direction_of_the_link_has_its_own_side_stream_and_its_bytes_counte
     assert set(opt._streams) == {"device_to_host", "host_to_device"}
     issued: list[tuple[str, str]] = []
     phase = ["backward"]
-    side_stream = CPUOffloadOptimizer._side_stream
+    from memtrain.optim.gradient_landing import GradientLanding
+
+    side_stream = GradientLanding.side_stream
 
     def record(self, direction):
         issued.append((phase[0], direction))
         return side_stream(self, direction)
 
-    monkeypatch.setattr(CPUOffloadOptimizer, "_side_stream", record)
+    monkeypatch.setattr(GradientLanding, "side_stream", record)
     landed = [p for p in model.parameters() if p is not model.unused]
     grad_bytes = sum(4 * p.numel() for p in landed)
     weight_bytes = sum(4 * p.numel() for p in model.parameters())

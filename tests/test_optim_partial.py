@@ -45,8 +45,8 @@ def test_a_partial_offload_normalises_unscales_and_clips_without_a_pass_over_hos
     for m, (x, y) in enumerate(data):
         with acc.micro_batch(is_last=m == 2):
             acc.backward(((model(x) - y) ** 2).sum(), reduction="sum", items=x.shape[0])
-    opt._host._flush_landings()
-    for future in opt._host._landings:
+    opt._host._landing.flush()
+    for future in opt._host._landing.tasks:
         future.result()  # the landings (copies, adds, norms) are backward's work, done on the worker
     with Touches(storages) as touches:
         result = acc.step()

@@ -189,7 +189,7 @@ def _no_compute_wait_after_copies(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _no_producer_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(CPUOffloadOptimizer, "_after_producer", lambda self, d2h: None)
+    monkeypatch.setattr(gradient_landing.GradientLanding, "_after_producer", lambda self, d2h: None)
 
 
 def _copies_back_without_waiting_for_readers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError, MemtrainError
-from memtrain.optim.in_backward import Arming, StepInBackward, step_hook
+from memtrain.optim.in_backward import HyperparameterSync, StepInBackward, step_hook
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.optim.partial import HostPart
@@ -41,7 +41,7 @@ from memtrain.precision import step_with_inf_flag
 from memtrain.techniques.optimizer import NamedOptimizer
 
 
-class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
+class ComposedOptimizer(torch.optim.Optimizer):
     """An optimizer class (AdamW with a state precision, or a named one) over named parameters, with optional
     step-in-backward and partial host offload.
 
@@ -128,28 +128,103 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
         # Stepping in backward, a non-finite gradient stops the parameters still to step only where every device
         # part takes the inf flag (fused AdamW); bf16 or int8 moments and other classes step on.
         self.guards_non_finite = all(getattr(o, "_step_supports_amp_scaling", False) for o in self._inner.values())
-        self.last_grad_norm: torch.Tensor | None = None
-        self._found_inf: torch.Tensor | None = None
-        self._device_found: torch.Tensor | None = None  # fp16: the device gradients' inf check (host part)
-        self._gathered = False
-        self._arming = Arming(scaler=self.grad_scaler)
-        self._backward_ran = False  # a backward stepped since the last step()
-        self._norms: dict[int, torch.Tensor] = {}  # this window's per-parameter norms (device tensors)
-        # The last finite window norm: it clips the next window (lagged clipping). 0 before any: no clipping.
-        self._lagged_norm = torch.zeros(())
-        self.window_found_inf: torch.Tensor | None = None  # the last window's inf/nan flag (step-in-backward)
-        # Per device, for one window's backward: the inf flag, the inverse scale and the clip coefficient, kept
-        # on the device so that no hook synchronises with the host.
-        self._on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self._synced = False  # the inner optimizers hold param_groups' hyper-parameters of this step
+        self._sync_hyperparameters = HyperparameterSync(
+            self.param_groups[0], self._options,
+            (*{id(o): o for o in self._inner.values()}.values(), *([self._host] if self._host is not None else [])))
+        order = self.param_groups[0]["params"]
+        host_slots = self._host._slots if self._host is not None else []
+        self._host_part = HostPart(host=self._host, host_slots=host_slots,
+                                   host_gradients=self._host._grads if self._host is not None else None,
+                                   device_params=self._device_params, order=order)
+        self._in_backward: StepInBackward | None = None
         self._hooks = []
         if step_in_backward:
-            # The hooks hold the optimizer weakly: a dropped optimizer must not keep stepping in backward.
-            owner = weakref.ref(self)
+            self._in_backward = StepInBackward(inner=self._inner, names=self._names, device_params=self._device_params,
+                                               host=self._host, host_slots=host_slots, order=order,
+                                               sync=self._sync_hyperparameters,
+                                               scaler=self.grad_scaler)
+            # The hooks hold the step-in-backward part weakly, and nothing but this optimizer holds it: a dropped
+            # optimizer must not keep stepping in backward.
+            part = weakref.ref(self._in_backward)
             for p in self._device_params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(step_hook(owner)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(step_hook(part)))
             weakref.finalize(self, _remove_hooks, self._hooks)
         self._link_state()
+
+    # -- what the accumulator reads (memtrain.optim.contract) ---------------------------------------------------
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """Step-in-backward: the last window's global norm before clipping (a device tensor; reading it is the
+        caller's host sync); None before the first window or without step-in-backward."""
+        return self._in_backward.last_grad_norm if self._in_backward is not None else None
+
+    @property
+    def window_found_inf(self) -> torch.Tensor | None:
+        """Step-in-backward: the last window's inf/nan flag (a device tensor); None when nothing was checked."""
+        return self._in_backward.window_found_inf if self._in_backward is not None else None
+
+    def prepare_backward(self, *, last: bool = True, grad_factor: float = 1.0, max_norm: float | None = None,
+                         scaler: torch.amp.GradScaler | None = None) -> None:
+        """Arms the next backward (step-in-backward only).
+
+        Args:
+            last: False for a micro-batch that is not the window's last: its gradients accumulate as usual.
+            grad_factor: multiplies the unscaled gradients before clipping and stepping (e.g. 1 / items): a
+                number, or a 0-d tensor (never read on the host).
+            max_norm: clip with the coefficient of the *previous* window's norm (lagged clipping, see the class
+                docstring); this window's norm is taken as its gradients step and clips the next one.
+            scaler: the fp16 GradScaler whose scale the gradients carry: each is unscaled and checked as it
+                lands, and no parameter steps once an inf/nan was seen.
+        """
+        if self._in_backward is None:
+            raise MemtrainError("prepare_backward() on an optimizer built with step_in_backward=False: its step() "
+                                "does the work. To resolve this error, build it with step_in_backward=True or drop "
+                                "the call.")
+        self._in_backward.prepare(last=last, grad_factor=grad_factor, max_norm=max_norm, scaler=scaler)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagates ``loss`` as armed: one pass, the parameters stepping as their gradients are final.
+
+        Kept so that callers need not know the arming: it is ``loss.backward()``.
+        """
+        loss.backward()
+
+    # -- host gradients (HostPart): normalise, clip, unscale; the accumulator's path with a host part ----------
+    def next_backward_is_last(self) -> None:
+        """The host part takes each gradient's norm as it lands in the next backward (the window's last), so that
+        ``clip_grad_norm_`` reads no host gradient (see ``CPUOffloadOptimizer.next_backward_is_last``)."""
+        if self._host is not None:
+            self._host.next_backward_is_last()
+
+    @torch.no_grad()
+    def scale_gradients_(self, factor: float | torch.Tensor) -> None:
+        """Multiplies this step's gradients by ``factor`` (a number, or a one-element host tensor: not read): the
+        device ones in place, the host ones lazily (the host step applies it, see
+        ``CPUOffloadOptimizer.scale_gradients_``)."""
+        self._check_not_in_backward("scale_gradients_")
+        self._gather()
+        self._host_part.scale(factor)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients (device and host) by their global norm, as ``torch.nn.utils.clip_grad_norm_``
+        would if all of them were on the device; returns the norm before clipping (a CPU tensor). The host
+        gradients are not read: their norms were taken as they landed, and the coefficient joins the host step's
+        multiplier."""
+        self._check_not_in_backward("clip_grad_norm_")
+        self._gather()
+        return self._host_part.clip(max_norm, norm_type)
+
+    def _gather(self) -> None:
+        self._host_part.gather(self.grad_scaler if not self.steps_in_backward else None, id(self))
+
+    def _check_not_in_backward(self, what: str) -> None:
+        if self.steps_in_backward:
+            raise MemtrainError(
+                f"{what} on a step-in-backward optimizer: the device parameters stepped during backward, so there "
+                "is no gradient left to change. To resolve this error, pass the normalisation and the clipping "
+                "before backward: GradientAccumulator(..., max_grad_norm=...) does it, or call "
+                "optimizer.prepare_backward(grad_factor=..., max_norm=...) and optimizer.backward(loss).")
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -168,16 +243,6 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
             for slot in self._host._slots:
                 self.state[slot.device] = self._host.state[slot.device]
 
-    def _sync_hyperparameters(self) -> None:
-        group = self.param_groups[0]
-        values = {k: group[k] for k in self._options}
-        for inner in {id(o): o for o in self._inner.values()}.values():
-            for g in inner.param_groups:
-                g.update(values)
-        if self._host is not None:
-            for g in self._host.param_groups:
-                g.update(values)
-
     # -- the step -----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -187,46 +252,48 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scaler = self._arming.scaler if self.steps_in_backward else self.grad_scaler
-        if self.steps_in_backward:
-            self._step_after_backward()
+        if self._in_backward is not None:
+            scaler = self._in_backward.arming.scaler  # the window's, before the boundary re-arms
+            self._in_backward.end_step(self.grad_scaler)
+            found = self._in_backward.found_inf
         else:
-            self._step_ordinary()
-        if self._found_inf is not None and scaler is not None:
+            scaler = self.grad_scaler
+            found = self._step_ordinary()
+        if found is not None and scaler is not None:
             # NOTE: GradScaler has no public way to receive an inf check made elsewhere: scaler.update() reads it.
-            scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {self._found_inf.device: self._found_inf}
-        self._gathered = False
+            scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
+        self._host_part.gathered = False
         return loss
 
-    def _step_ordinary(self) -> None:
+    def _step_ordinary(self) -> torch.Tensor | None:
+        """Steps every part; returns the fp16 inf check handed to the scaler (None: none made here)."""
         self._sync_hyperparameters()
         if self._host is None:  # a plain optimizer: GradScaler.step() unscaled and checked the gradients
             flag = getattr(self, "found_inf", None)  # set by GradientAccumulator (or GradScaler): skip on it
             for inner in {id(o): o for o in self._inner.values()}.values():
                 takes = getattr(inner, "_step_supports_amp_scaling", False)
                 step_with_inf_flag(inner, flag if takes else None, getattr(self, "grad_scale", None))
-            return
+            return None
         self._gather()
-        if self._device_found is not None:
+        found = None
+        if self._host_part.device_found is not None:
             # fp16: the device gradients' inf check and the host ones' (their norm's), for the scaler and the skip.
-            self._found_inf = self._device_found.to("cpu") + self._host.found_inf_flag
-            if self._found_inf.item() > 0:
-                return  # fp16 overflow: skipped, weights and state untouched
+            found = self._host_part.device_found.to("cpu") + self._host.found_inf_flag
+            if found.item() > 0:
+                return found  # fp16 overflow: skipped, weights and state untouched
         for inner in {id(o): o for o in self._inner.values()}.values():
             inner.step()
         if self._host is not None:
             self._host.step()
+        return found
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)  # the device gradients
-        self._norms.clear()
         if self._host is not None:
             self._host.zero_grad(set_to_none=set_to_none)
-        self._gathered = False
-        self._on_device.clear()
-        if self._backward_ran:  # a window dropped without step() (discard_window): the next one starts afresh
-            self._backward_ran = self._synced = False
-            self._arming = Arming(scaler=self.grad_scaler)
+        self._host_part.gathered = False
+        if self._in_backward is not None:
+            self._in_backward.discard_window(self.grad_scaler)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -246,8 +313,8 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
         out = {"state": state, "param_groups": [group], "state_precision": self.state_precision}
         if not self.named.is_adamw:
             out["optimizer"] = self.named.path
-        if self.steps_in_backward:
-            out["lagged_grad_norm"] = float(self._lagged_norm)  # clips the next window: a resumed run clips alike
+        if self._in_backward is not None:
+            out["lagged_grad_norm"] = float(self._in_backward.lagged_norm)  # clips the next window: a resumed run clips alike
         return out
 
     @torch.no_grad()
@@ -298,7 +365,7 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
         # StepLR(..., last_epoch=k) after loading needs it); the parameters stay this optimizer's own.
         self.param_groups[0].update({k: v for k, v in saved_groups[0].items() if k not in ("params", "param_names")})
         self._sync_hyperparameters()
-        self._lagged_norm = torch.tensor(float(state_dict.get("lagged_grad_norm", 0.0)))
+        self._load_lagged_norm(state_dict)
         for i, p in enumerate(self._device_params):
             inner = self._inner[id(p)]
             inner.state.pop(p, None)
@@ -348,7 +415,7 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
                               "error, load a state_dict saved for the same model (named parameters).")
         self.param_groups[0].update({k: v for k, v in group.items() if k not in ("params", "param_names")})
         self._sync_hyperparameters()
-        self._lagged_norm = torch.tensor(float(state_dict.get("lagged_grad_norm", 0.0)))
+        self._load_lagged_norm(state_dict)
         problems = [self._entry_problem(name, p, entries[name]) for name, p in device.items() if name in entries]
         ConfigError.raise_if(p for p in problems if p)
         for name, p in device.items():
@@ -366,6 +433,10 @@ class ComposedOptimizer(StepInBackward, HostPart, torch.optim.Optimizer):
                 "param_groups": [{**{k: v for k, v in self._host.param_groups[0].items() if k != "params"},
                                   "params": names, "param_names": names}]})
         self._link_state()
+
+    def _load_lagged_norm(self, state_dict: dict[str, Any]) -> None:
+        if self._in_backward is not None:  # clips the next window: a resumed run clips alike
+            self._in_backward.lagged_norm = torch.tensor(float(state_dict.get("lagged_grad_norm", 0.0)))
 
     def _entry_problem(self, name: str, p: torch.Tensor, entry: dict[str, Any]) -> str | None:
         """A saved entry that is not this class's state of a parameter of ``p``'s shape (its bytes against the

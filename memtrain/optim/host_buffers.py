@@ -2,7 +2,7 @@
 
 CPUOffloadOptimizer (``memtrain.optim.offload``) lays each parameter's fp32 master, gradient buffers and cast
 buffers out as views of a few large flat host tensors, pinned where a GPU exists. This module sizes and builds
-them (after checking the machine's free RAM), validates the parameters, and keeps the register of which live
+them (after checking the machine's free RAM), validates the parameters and the class, and keeps the register of which live
 optimizer owns each parameter.
 """
 
@@ -384,3 +384,27 @@ def check_host_ram(flat: list[torch.Tensor], optimizer_class: type, *, n_grad_bu
             "this error, free host memory, train fewer parameters, or keep the optimizer on the device.")
     return buffers
 
+
+def check_bf16_weights(flat: list[torch.Tensor], names: list[str] | None) -> None:
+    """pure_bf16 keeps no fp32 master: refuses parameters that are not bf16 already."""
+    wrong = [names[i] if names else f"#{i}" for i, p in enumerate(flat) if p.dtype != torch.bfloat16]
+    if wrong:
+        raise ConfigError(
+            f"CPUOffloadOptimizer(pure_bf16=True): {len(wrong)} parameters are not bf16 ({wrong[:3]}): pure bf16 "
+            "keeps no fp32 master, so the weights must be bf16 already. To resolve this error, cast the model first "
+            "(model.to(torch.bfloat16)), or pass pure_bf16=False (an fp32 master on the host).")
+
+
+def probe_class(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
+                optimizer_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """``optimizer_class`` over one-element stand-ins of ``groups``: checks the class and its arguments."""
+    try:
+        template = optimizer_class(
+            [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1, requires_grad=True)]}
+             for g in groups],
+            **optimizer_kwargs,
+        )
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"{optimizer_class.__name__}({optimizer_kwargs}) rejected its arguments: {e}. To resolve "
+                          f"this error, pass only hyper-parameters {optimizer_class.__name__} accepts.") from None
+    return template

@@ -8,103 +8,77 @@ landed (``memtrain.optim.gradient_landing``). ``gradients()`` is the one call th
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memtrain.errors import MemtrainError
-from memtrain.optim.host_buffers import Slot, host_work
+from memtrain.optim.host_buffers import Slot
 
 
 class HostGradients:
-    """CPUOffloadOptimizer's gradient methods (a mixin: the attributes it reads are set up by
-    ``CPUOffloadOptimizer.__init__``)."""
+    """The lazy multiplier over one CPUOffloadOptimizer's host gradients: the factors of ``scale_gradients_``, the
+    fp16 inverse scale and, once clipped, the window's (norm, multiplier with the clip coefficient, inf flag). The
+    host step applies the multiplier bucket by bucket; nothing here reads a gradient unless a norm is missing.
 
-    if TYPE_CHECKING:
-        _acc: Any
-        _slots: list[Slot]
-        _gathered: bool
-        _waiting: list[set[int]] | None
-        _norms_on_first_landing: bool
-        _grad_factor: float | torch.Tensor
-        _inv_scale: torch.Tensor | None
-        _scalars: tuple[torch.Tensor, float | torch.Tensor, torch.Tensor] | None
+    Args:
+        slots: the offloader's slots, in param_groups order (the order torch sums the norms in).
+    """
 
-        def _gather(self) -> None: ...
+    def __init__(self, slots: list[Slot]):
+        self.slots = slots
+        self.factor: float | torch.Tensor = 1.0  # the product of scale_gradients_'s factors
+        self.inv_scale: torch.Tensor | None = None  # the fp16 inverse scale (a host tensor), this step's
+        # (norm, multiplier with the clip coefficient, inf flag) once clip_grad_norm_ or the step made them.
+        self.scalars: tuple[torch.Tensor, float | torch.Tensor, torch.Tensor] | None = None
 
-    @host_work
-    def gradients(self) -> list[torch.Tensor]:
-        """This step's host gradients (landed, unscaled, normalised by ``scale_gradients_``), in param_groups
-        order, for in-place edits.
+    def reset(self) -> None:
+        """A new step: no factor, no inverse scale, no scalars."""
+        self.factor, self.inv_scale, self.scalars = 1.0, None, None
 
-        For code that must change gradients before the step (e.g. normalising an accumulated sum by the token
-        count): ``[p.grad for p in model.parameters()]`` finds nothing once gradients are offloaded. This applies
-        the pending multiplier (one pass; ``scale_gradients_`` and ``clip_grad_norm_`` make none).
-        """
-        self._gather()
-        grads = [s.master.grad for s in self._slots if s.master.grad is not None]
-        multiplier = self._multiplier()
+    def landed(self) -> list[Slot]:
+        return [s for s in self.slots if s.master.grad is not None]
+
+    def apply(self) -> list[torch.Tensor]:
+        """Applies the pending multiplier to the gradients now (one pass) and returns them, in param_groups order;
+        their norms are dropped (the caller may change them)."""
+        grads = [s.master.grad for s in self.landed()]
+        multiplier = self.multiplier()
         if grads and (isinstance(multiplier, torch.Tensor) or multiplier != 1.0):
             torch._foreach_mul_(grads, multiplier)
-        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
-        for slot in self._slots:
-            slot.norm = None  # the caller may change them
+        self.reset()
+        for slot in self.slots:
+            slot.norm = None
         return grads
 
-    @torch.no_grad()
-    @host_work
-    def scale_gradients_(self, factor: float | torch.Tensor) -> None:
-        """Multiplies this step's host gradients by ``factor`` (e.g. one over the items in the window), lazily.
-
-        No pass over the gradients: the factor joins the multiplier that the host step applies as it reads each
-        gradient (fused AdamW's ``grad_scale``; other classes get one multiply per bucket inside the step), and
-        the per-tensor norms the worker took as the gradients landed are scaled by ``|factor|``, so
-        ``clip_grad_norm_`` reads no gradient either: on a 1.1B model each of those passes reads 4.4 GB on the
-        critical path of the step. The price: ``|factor| * norm`` can differ from the norm of the scaled gradient
-        in its last bit, and dividing by the multiplier's inverse from multiplying, so a step equals torch's
-        within float rounding rather than bit for bit (``pytest tests/test_optim_offload.py`` checks 1e-6).
-
-        Args:
-            factor: multiplies every gradient (dimensionless; negative flips the sign, the norms keep theirs); a
-                0-d CPU tensor too.
-
-        Raises:
-            MemtrainError: after ``step_in_next_backward()``: buckets were already stepped with these gradients.
-        """
-        if self._waiting is not None:
-            raise MemtrainError(
-                "scale_gradients_ after step_in_next_backward(): buckets were already stepped (or are stepping) with "
-                "these gradients, so scaling them now changes nothing in this update. To resolve this error, drop "
-                "step_in_next_backward() when gradients need normalising (e.g. accumulation over token counts).")
-        self._gather()
+    def scale(self, factor: float | torch.Tensor) -> None:
+        """Folds ``factor`` into the multiplier (no pass over the gradients)."""
         if not isinstance(factor, torch.Tensor) and factor == 1.0:
             return
-        self._grad_factor = self._grad_factor * factor
-        self._scalars = None
+        self.factor = self.factor * factor
+        self.scalars = None
 
-    def _multiplier(self) -> float | torch.Tensor:
+    def multiplier(self) -> float | torch.Tensor:
         """What the host gradients are multiplied by before the step, clip coefficient aside: the factors of
         scale_gradients_ times the fp16 inverse scale."""
-        multiplier = self._grad_factor
-        if self._inv_scale is not None:
-            multiplier = self._inv_scale.double() * multiplier
+        multiplier = self.factor
+        if self.inv_scale is not None:
+            multiplier = self.inv_scale.double() * multiplier
         return multiplier
 
-    def _window_scalars(self, max_norm: float = math.inf) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:
+    def window_scalars(self, max_norm: float = math.inf) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:
         """(global norm of the true gradients, multiplier with the clip coefficient, inf flag), host tensors made
         from the per-tensor norms the worker took as the gradients landed (one read of the gradients where some
         are missing); nothing is read back to Python."""
-        landed = [s for s in self._slots if s.master.grad is not None]
+        landed = self.landed()
         if not landed:
             zero = torch.zeros(())
-            return zero, self._multiplier(), zero
+            return zero, self.multiplier(), zero
         if all(s.norm is not None for s in landed):
             # The per-tensor norms torch would take (linalg.vector_norm on CPU), taken during backward, summed in
             # param_groups order as torch sums the list it is given (another order can move the last bit).
             raw = torch.linalg.vector_norm(torch.stack([s.norm for s in landed]), 2.0)
         else:
             raw = torch.nn.utils.get_total_norm([s.master.grad for s in landed], 2.0)
-        multiplier = self._multiplier()
+        multiplier = self.multiplier()
         scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
         total = (raw.double() * scale).float() if isinstance(scale, torch.Tensor) else raw * scale
         found = (~total.isfinite()).float()
@@ -114,48 +88,32 @@ class HostGradients:
             multiplier = coef.double() * multiplier
         return total, multiplier, found
 
-    @torch.no_grad()
-    @host_work
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` would on the device.
-
-        The gradients live on the host, where ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` cannot
-        see them (it would find none and clip nothing): call this instead, after backward and before ``step()``.
-        With a grad_scaler attached the norm is that of the unscaled gradients. The coefficient joins the
-        multiplier the host step applies (no pass over the gradients, no host sync); the norm comes from the
-        per-tensor norms taken as the gradients landed.
-
-        Returns:
-            The total norm before clipping (a CPU tensor; inf or NaN when the step will be skipped).
-        """
-        if self._waiting is not None:
-            raise MemtrainError(
-                "clip_grad_norm_ after step_in_next_backward(): buckets were already stepped with unclipped gradients "
-                "during backward. To resolve this error, drop step_in_next_backward() when clipping (or use "
-                "delayed_update=True to hide the CPU step).")
-        self._gather()
-        landed = [s for s in self._slots if s.master.grad is not None]
-        # A window of one backward: from now on the worker takes the norm of each first landing (the last one,
-        # in such loops).
-        self._norms_on_first_landing = bool(landed) and all(s.landings == 1 for s in landed)
+    def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Folds the clip coefficient into the multiplier; returns the total norm before clipping (a CPU tensor).
+        The 2-norm comes from the per-tensor norms taken as the gradients landed; another reads the gradients."""
         if norm_type != 2.0:
+            landed = self.landed()
             total = torch.nn.utils.get_total_norm([s.master.grad for s in landed], norm_type) if landed else \
                 torch.zeros(())
-            multiplier = self._multiplier()
+            multiplier = self.multiplier()
             scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
             total = total * scale
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            self._scalars = (total, coef.double() * multiplier, (~total.isfinite()).float())
+            self.scalars = (total, coef.double() * multiplier, (~total.isfinite()).float())
             return total
-        self._scalars = self._window_scalars(max_norm)
-        return self._scalars[0]
+        self.scalars = self.window_scalars(max_norm)
+        return self.scalars[0]
 
-    @property
-    def found_inf_flag(self) -> torch.Tensor | None:
-        """This step's inf/nan flag (a host tensor, 1.0 when the step will be skipped), once the gradients are
-        gathered (``clip_grad_norm_`` or ``step``): a non-finite norm, which an fp16 overflow gives."""
-        if not self._gathered:
-            return None
-        if self._scalars is None:
-            self._scalars = self._window_scalars()
-        return self._scalars[2]
+    def found_inf(self) -> torch.Tensor:
+        """This step's inf/nan flag (a host tensor, 1.0 when the step will be skipped): a non-finite norm."""
+        if self.scalars is None:
+            self.scalars = self.window_scalars()
+        return self.scalars[2]
+
+    def for_step(self) -> tuple[float | torch.Tensor, torch.Tensor | None]:
+        """The multiplier the host step applies and its inf flag (None: nothing checked)."""
+        if self.scalars is None and self.inv_scale is not None:
+            self.scalars = self.window_scalars()  # an fp16 step needs the inf check: the norm's
+        if self.scalars is not None:
+            return self.scalars[1], self.scalars[2]
+        return self.multiplier(), None

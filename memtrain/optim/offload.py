@@ -56,10 +56,9 @@ from memtrain.optim.host_buffers import (
     IMPLEMENTATION_KEYS,
     STATE_BYTES_PER_PARAM,
     Bucket,
-    Landing,
     Slot,
-    SumStage,
     bucket_runs,
+    check_bf16_weights,
     check_host_ram,
     claim,
     group_indices,
@@ -67,6 +66,7 @@ from memtrain.optim.host_buffers import (
     lay_out,
     own_stages,
     parse_params,
+    probe_class,
     release,
     sum_stage_numel,
 )
@@ -77,7 +77,7 @@ from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure
 from memtrain.techniques.optimizer import GRADIENTS_BEFORE_DDP, NAMED_OWN_STATE, NamedOptimizer
 
 
-class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, torch.optim.Optimizer):
+class CPUOffloadOptimizer(torch.optim.Optimizer):
     """Runs ``optimizer_class`` on the CPU on fp32 master weights; the device holds only the model's weights.
 
     Trade-off: saves the optimizer state and the gradients on the device (12 bytes per fp32 parameter with AdamW)
@@ -167,7 +167,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         groups, names = parse_params(params, optimizer_class)
         flat = [p for g in groups for p in g["params"]]
         if pure_bf16:
-            _check_bf16_weights(flat, names)
+            check_bf16_weights(flat, names)
         self.device = torch.device(device) if device is not None else flat[0].device
         # Every stream, event, copy and pinned buffer goes through the device's seam; a device without streams (the
         # plain CPU) runs the same code with none, and nothing to pin.
@@ -186,15 +186,12 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         buffer_bytes = check_host_ram(
             flat, optimizer_class, n_grad_buffers=2 if delayed_update else 1, pin=pin, device_dtype=device_dtype,
             master_dtype=master_dtype, state_bytes_per_param=state_per_param)
-        # The bytes pinned: the buffers check_host_ram counted, registered at their exact size (a sum stage at the
-        # first later micro-batch, and stream_weights' stages, add theirs).
-        self.pinned_bytes = buffer_bytes if pin else 0
-        # Where a later micro-batch's gradient lands before it is added (where copies are asynchronous): allocated
-        # by the first one, so that a run without accumulation pins none.
-        self._sum_numel = sum_stage_numel([p.numel() for p in flat], self.bucket_numel) \
-            if pin and offload_gradients else 0
-        self._sum_stage: SumStage | None = None
-        template = _probe(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
+        # The bytes pinned: the buffers check_host_ram counted, registered at their exact size (stream_weights'
+        # stages add theirs; the landings' sum stage is counted by its owner, see pinned_bytes).
+        self._pinned_bytes = buffer_bytes if pin else 0
+        # Where a later micro-batch's gradient lands before it is added (where copies are asynchronous).
+        sum_numel = sum_stage_numel([p.numel() for p in flat], self.bucket_numel) if pin and offload_gradients else 0
+        template = probe_class(optimizer_class, groups, optimizer_kwargs)  # before allocating gigabytes
         slots, order = lay_out(flat, groups, names, n_grad_buffers=1 + delayed_update, device_dtype=device_dtype,
                                acc=self._acc, master_dtype=master_dtype)
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
@@ -202,13 +199,23 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
         self._link_state()
         self._init_step_state()
+        self._landing = GradientLanding(self._slots, self._buckets, acc=self._acc, streams=self._streams,
+                                        link_bytes=self.link_bytes, sum_numel=sum_numel)
+        self._grads = HostGradients(self._slots)
+        self._checkpoint = OffloadCheckpoint(self._slots, self._buckets, state_precision)
         self._hooks = [s.device.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
         for slot in self._slots:
             claim(slot.device, self)
         # An optimizer that is dropped without close() must not keep taking gradients: the hooks hold it weakly,
         # and this removes them (and stops the worker) once it is collected.
-        self._finalizer = weakref.finalize(self, release, list(self._hooks), (self._worker, self._landing_worker),
+        self._finalizer = weakref.finalize(self, release, list(self._hooks), (self._worker, self._landing.worker),
                                            [s.device for s in self._slots])
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory pinned: the buffers the host-RAM check counted, stream_weights' stages and, once a
+        later micro-batch landed, the sum stage."""
+        return self._pinned_bytes + self._landing.pinned_bytes
 
     @property
     def manages_gradients(self) -> bool:
@@ -238,7 +245,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 g["param_names"] = [names[i] for i in ids]
 
     def _init_step_state(self) -> None:
-        """The streams, the worker thread and the bookkeeping of landings and steps, all empty."""
+        """The streams, the worker thread and the bookkeeping of steps, all empty."""
         acc = self._acc
         # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
         # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
@@ -248,35 +255,12 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
         self._streamed: set[int] = set()  # id(slot) of the parameters whose weights parameter offload streams
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
-        # The host side of the landings runs on a thread of its own: a delayed step (seconds of CPU work) on the
-        # step's thread must not hold the next backward's landings, which a second micro-batch waits for before
-        # reusing a gradient stage. Tasks that need the landings done wait for them explicitly.
-        self._landing_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim-landing")
         # Parameter offload's fills of the host weights the step overwrites (stream_weights): an event after them.
         self._fills_done: Callable[[], Any] | None = None
-        self._landings: list[Future[None]] = []
-        # Per bucket: this backward's landings not yet handed to the worker, and the slots not landed yet. A
-        # bucket's landings go to the worker in one task once all its slots landed (or at clip/step time).
-        self._pending: list[list[Landing]] = [[] for _ in self._buckets]
-        self._unlanded: list[set[int]] = [{id(s) for s in b.slots} for b in self._buckets]
         self._update: list[Future[None]] | None = None  # the CPU step in flight (delayed_update)
         self._h2d_done: Any = None  # the event after the last copies back
-        self._buffer = 0  # which host gradient buffer the next backward writes
         self._gathered = False  # this step's gradients are on the host, attached, unscaled
         self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
-        # This step's lazy gradient multiplier (scale_gradients_ factors, fp16 inverse scale), and the window's
-        # (norm, multiplier with the clip coefficient, inf flag) once clip_grad_norm_ or step made them.
-        self._grad_factor: float | torch.Tensor = 1.0
-        self._inv_scale: torch.Tensor | None = None
-        self._scalars: tuple[torch.Tensor, float | torch.Tensor, torch.Tensor] | None = None
-        # next_backward_is_last(): the worker takes each gradient's norm as it lands in the next backward.
-        self._norms_in_backward = False
-        # Set by a clip_grad_norm_ after a window of one backward: the worker then takes the norm of each gradient
-        # landing first in its window (a loop with one backward per step needs no call to get them).
-        self._norms_on_first_landing = False
-        # step_in_next_backward(): the buckets whose gradients have not all landed yet, and the steps started.
-        self._waiting: list[set[int]] | None = None
-        self._early: dict[int, Future[None]] = {}
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def _make_buckets(self, slots: list[Slot], optimizer_class: type[torch.optim.Optimizer],
@@ -316,6 +300,79 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         super().add_param_group(param_group)
 
 
+    # -- backward: the hooks hand each gradient to the landings --------------------------------------------------
+    def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
+        # The hook holds the optimizer weakly: one dropped without close() is collected (and its finalizer removes
+        # the hooks) instead of being kept alive by its parameters.
+        owner = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            self = owner()
+            if self is None:  # the optimizer is gone: leave the gradient where backward put it
+                return
+            if param.grad is not None and param.grad.layout != torch.strided:
+                raise MemtrainError(
+                    f"parameter {slot.key!r} received a sparse gradient ({param.grad.layout}); CPUOffloadOptimizer "
+                    "keeps dense host buffers. To resolve this error, build the module with sparse=False (e.g. "
+                    "nn.Embedding(..., sparse=False)) or keep that parameter on a separate device optimizer.")
+            if self.offload_gradients:
+                ready = self._land(slot, free=True)
+                if ready is not None:
+                    self._step_early(ready)
+        return hook
+
+    def _land(self, slot: Slot, *, free: bool) -> int | None:
+        """The one door a gradient takes to the host (the hooks, and the step's gather without offload_gradients):
+        ``GradientLanding.land``. benchmarks/bench_contract.py counts the link's bytes here."""
+        return self._landing.land(slot, free=free)
+
+    def _step_early(self, index: int) -> None:
+        """step_in_next_backward: bucket ``index``'s gradients all landed; its step starts on the worker, behind the
+        landing task that completes them."""
+        h2d = self._streams["host_to_device"]
+        if h2d is not None:
+            # The copy back of these weights must not overtake the backward kernels already queued that still
+            # read them (this layer's input gradient, issued before its weight's gradient landed): the
+            # host-to-device stream waits for everything queued on the compute stream so far.
+            self._acc.wait_stream(h2d, self._acc.current_stream())
+        self._landing.early[index] = self._worker.submit(self._step_bucket, self._buckets[index], self._h2d_done,
+                                                         True, landed=self._landing.last_task(), fills=self._fills())
+
+    def next_backward_is_last(self) -> None:
+        """Says that the next backward is the last of the accumulation window (the one before
+        ``clip_grad_norm_``/``step()``): the worker takes each gradient's norm as it lands in it, so that the clip
+        reads no gradient again. ``GradientAccumulator`` calls it on the micro-batch marked ``is_last=True``.
+
+        Without it, a loop of one backward per step gets the same after its first clip; a window of several
+        backwards then takes the norms at ``clip_grad_norm_`` (one more pass over the host gradients).
+        """
+        self._landing.norms_in_backward = True
+
+    def step_in_next_backward(self) -> None:
+        """Arms the next backward to run the CPU step of each bucket as soon as its last gradient lands.
+
+        The CPU step then overlaps the rest of backward instead of following it; ``step()`` must follow the
+        backward, as usual: it waits for those steps and runs any bucket left (one holding a parameter that got no
+        gradient). Call it before the backward of the last micro-batch of a window only, and only without
+        ``clip_grad_norm_`` and without an fp16 scaler: both need every gradient before any update (with them,
+        ``delayed_update=True`` hides the CPU step instead).
+
+        Raises:
+            MemtrainError: with a grad_scaler, delayed_update or offload_gradients=False.
+        """
+        problems = []
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            problems.append("an fp16 grad_scaler (the inf check needs every gradient before any update)")
+        if self.delayed_update:
+            problems.append("delayed_update=True (its CPU step already runs during the next forward and backward)")
+        if not self.offload_gradients:
+            problems.append("offload_gradients=False (gradients reach the host only at step())")
+        if problems:
+            raise MemtrainError(f"step_in_next_backward() cannot run with {' and '.join(problems)}. To resolve "
+                                "this error, drop the call: step() runs the CPU step after backward.")
+        self._sync_hyperparameters()
+        self._landing.arm()
+
     # -- the step -----------------------------------------------------------------------------------------------
     def _gather(self) -> None:
         """Makes this step's gradients ready on the host: landed, attached to the masters, unscaled (fp16)."""
@@ -325,13 +382,9 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if not self.offload_gradients:
             for slot in self._slots:
                 self._land(slot, free=False)
-        self._flush_landings()  # buckets holding a parameter that got no gradient
-        for future in self._landings:
-            future.result()  # re-raises a worker error here
-        self._landings.clear()
-        self._norms_in_backward = False
+        self._landing.wait()  # buckets holding a parameter that got no gradient too; re-raises a worker error here
         for slot in self._slots:
-            slot.master.grad = slot.grads[self._buffer] if slot.has_grad else None
+            slot.master.grad = slot.grads[self._landing.buffer] if slot.has_grad else None
         self._found_inf = None
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             state = self.grad_scaler._per_optimizer_states[id(self)]
@@ -342,8 +395,8 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 self._gathered = True
                 return
             # No pass here: the inverse scale (GradScaler.unscale_'s arithmetic: double, then fp32) joins the
-            # multiplier the host step divides by, and the inf check is the norm's (see _window_scalars).
-            self._inv_scale = self.grad_scaler._scale.double().reciprocal().float().to("cpu", copy=True)
+            # multiplier the host step divides by, and the inf check is the norm's (see HostGradients).
+            self._grads.inv_scale = self.grad_scaler._scale.double().reciprocal().float().to("cpu", copy=True)
         self._gathered = True
 
     def _check_unscaled_on_device(self) -> None:
@@ -353,6 +406,102 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 "the scaler cannot see them: they would stay scaled. To resolve this error, remove "
                 "scaler.unscale_(optimizer) and call optimizer.clip_grad_norm_(max_norm), which unscales first (or "
                 "build the optimizer with offload_gradients=False to keep gradients on the device).")
+
+    # -- host gradients: normalised, clipped and checked with no pass over them (HostGradients) ------------------
+    @host_work
+    def gradients(self) -> list[torch.Tensor]:
+        """This step's host gradients (landed, unscaled, normalised by ``scale_gradients_``), in param_groups
+        order, for in-place edits.
+
+        For code that must change gradients before the step (e.g. normalising an accumulated sum by the token
+        count): ``[p.grad for p in model.parameters()]`` finds nothing once gradients are offloaded. This applies
+        the pending multiplier (one pass; ``scale_gradients_`` and ``clip_grad_norm_`` make none).
+        """
+        self._gather()
+        return self._grads.apply()
+
+    @torch.no_grad()
+    @host_work
+    def scale_gradients_(self, factor: float | torch.Tensor) -> None:
+        """Multiplies this step's host gradients by ``factor`` (e.g. one over the items in the window), lazily.
+
+        No pass over the gradients: the factor joins the multiplier that the host step applies as it reads each
+        gradient (fused AdamW's ``grad_scale``; other classes get one multiply per bucket inside the step), and
+        the per-tensor norms the worker took as the gradients landed are scaled by ``|factor|``, so
+        ``clip_grad_norm_`` reads no gradient either: on a 1.1B model each of those passes reads 4.4 GB on the
+        critical path of the step. The price: ``|factor| * norm`` can differ from the norm of the scaled gradient
+        in its last bit, and dividing by the multiplier's inverse from multiplying, so a step equals torch's
+        within float rounding rather than bit for bit (``pytest tests/test_optim_offload.py`` checks 1e-6).
+
+        Args:
+            factor: multiplies every gradient (dimensionless; negative flips the sign, the norms keep theirs); a
+                0-d CPU tensor too.
+
+        Raises:
+            MemtrainError: after ``step_in_next_backward()``: buckets were already stepped with these gradients.
+        """
+        if self._landing.waiting is not None:
+            raise MemtrainError(
+                "scale_gradients_ after step_in_next_backward(): buckets were already stepped (or are stepping) with "
+                "these gradients, so scaling them now changes nothing in this update. To resolve this error, drop "
+                "step_in_next_backward() when gradients need normalising (e.g. accumulation over token counts).")
+        self._gather()
+        self._grads.scale(factor)
+
+    @torch.no_grad()
+    @host_work
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` would on the device.
+
+        The gradients live on the host, where ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` cannot
+        see them (it would find none and clip nothing): call this instead, after backward and before ``step()``.
+        With a grad_scaler attached the norm is that of the unscaled gradients. The coefficient joins the
+        multiplier the host step applies (no pass over the gradients, no host sync); the norm comes from the
+        per-tensor norms taken as the gradients landed.
+
+        Returns:
+            The total norm before clipping (a CPU tensor; inf or NaN when the step will be skipped).
+        """
+        if self._landing.waiting is not None:
+            raise MemtrainError(
+                "clip_grad_norm_ after step_in_next_backward(): buckets were already stepped with unclipped gradients "
+                "during backward. To resolve this error, drop step_in_next_backward() when clipping (or use "
+                "delayed_update=True to hide the CPU step).")
+        self._gather()
+        landed = self._grads.landed()
+        # A window of one backward: from now on the worker takes the norm of each first landing (the last one,
+        # in such loops).
+        self._landing.norms_on_first_landing = bool(landed) and all(s.landings == 1 for s in landed)
+        return self._grads.clip(max_norm, norm_type)
+
+    @property
+    def found_inf_flag(self) -> torch.Tensor | None:
+        """This step's inf/nan flag (a host tensor, 1.0 when the step will be skipped), once the gradients are
+        gathered (``clip_grad_norm_`` or ``step``): a non-finite norm, which an fp16 overflow gives."""
+        return self._grads.found_inf() if self._gathered else None
+
+    # -- checkpoints (OffloadCheckpoint) -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The host state, in torch's format, keyed by parameter name (by index without names).
+
+        Loadable by a plain ``optimizer_class`` over the same parameters (``torch.optim.AdamW(model.parameters())
+        .load_state_dict(...)``). Tensors are copies (the live ones are views of shared flat buffers, which
+        safetensors refuses and torch.save would write whole). With non-fp32 device weights each entry also
+        holds ``master_weight``, the fp32 master, so a resumed run continues bit-identically.
+        """
+        self.synchronize()
+        return self._checkpoint.state_dict(self.param_groups, self.state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state_dict of this class or of a plain ``optimizer_class`` (e.g. a device AdamW's).
+
+        Entries are matched by parameter name when both sides have names (``param_names``), else by position.
+        The fp32 masters are re-read from the device parameters (or from ``master_weight``), so load the model's
+        weights first.
+        """
+        self.synchronize()
+        self._checkpoint.load_state_dict(state_dict, self.param_groups)
+        self._link_state()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -391,12 +540,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         # The window's multiplier (normalisation, fp16 inverse scale, clip coefficient) and inf flag: the host step
         # applies them as it reads each gradient, and skips on the flag on the worker (a host value: no device
         # sync, and no Python read of it on this thread).
-        if self._scalars is None and self._inv_scale is not None:
-            self._scalars = self._window_scalars()  # an fp16 step needs the inf check: the norm's
-        if self._scalars is not None:
-            _, multiplier, found = self._scalars
-        else:
-            multiplier, found = self._multiplier(), None
+        multiplier, found = self._grads.for_step()
         if self._found_inf is not None:
             found = self._found_inf if found is None else torch.maximum(found, self._found_inf.to(found.device))
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
@@ -404,7 +548,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
             # from here to back off the scale. Written in step() because scaler.step() resets it before calling us.
             found = found if found is not None else torch.zeros(())
             self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
-        early, self._early, self._waiting = self._early, {}, None
+        early = self._landing.disarm()
         self._sync_hyperparameters()
         if self._streams["host_to_device"] is not None:
             # The copies back overwrite weights that this step's backward read on the compute stream.
@@ -416,7 +560,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                     for i, b in enumerate(self._buckets) if i not in early]
         if self.delayed_update:
             self._update = futures
-            self._buffer = 1 - self._buffer  # the next backward writes the other host buffer
+            self._landing.buffer = 1 - self._landing.buffer  # the next backward writes the other host buffer
             for slot in self._slots:
                 slot.has_grad = slot.zeroed = False
                 slot.landings = 0
@@ -425,7 +569,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
                 future.result()
             self._after_copies()
         self._gathered = False
-        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
+        self._grads.reset()
 
     def _fills(self) -> Any:
         """The event after parameter offload's fills issued so far (stream_weights), or None."""
@@ -501,7 +645,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         slots = [by_id[id(p)] for p in params]
         shared = [s for s in slots if s.cast is not None and s.stage is not None
                   and s.stage.data_ptr() == s.cast.data_ptr()]
-        self.pinned_bytes += own_stages(shared, self._acc)
+        self._pinned_bytes += own_stages(shared, self._acc)
         hosts = {}
         for p, slot in zip(params, slots, strict=True):
             if slot.cast is not None:
@@ -523,7 +667,7 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         if not slots:
             return
         self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
-        with torch.no_grad(), self._side_stream("host_to_device"):
+        with torch.no_grad(), self._landing.side_stream("host_to_device"):
             # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
             self._acc.foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
                                     stream=self._streams["host_to_device"])
@@ -560,23 +704,19 @@ class CPUOffloadOptimizer(GradientLanding, HostGradients, OffloadCheckpoint, tor
         return {id(slot.device): slot.master for slot in self._slots}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._early:
+        if self._landing.early:
             raise MemtrainError(
                 f"zero_grad() after a backward armed by step_in_next_backward() that already stepped "
-                f"{len(self._early)} bucket(s): the others would never be stepped. To resolve this error, call "
+                f"{len(self._landing.early)} bucket(s): the others would never be stepped. To resolve this error, call "
                 "step() before zero_grad().")
-        self._flush_landings()
-        for future in self._landings:
-            future.result()  # a pending add must not land in a buffer we are resetting
-        self._landings.clear()
-        self._norms_in_backward = False
-        self._grad_factor, self._inv_scale, self._scalars = 1.0, None, None
+        self._landing.wait()  # a pending add must not land in a buffer we are resetting
+        self._grads.reset()
         for slot in self._slots:
             slot.landings = 0
             if set_to_none:
                 slot.has_grad = False
             elif slot.has_grad:
-                slot.grads[self._buffer].zero_()
+                slot.grads[self._landing.buffer].zero_()
                 slot.zeroed, slot.norm = True, None
             if self._update is None:
                 slot.master.grad = None  # only once no CPU step reads it (delayed_update)
@@ -636,27 +776,3 @@ def _pure_bf16_class(optimizer_class: type[torch.optim.Optimizer], state_precisi
             "and device_dtype, or pass pure_bf16=False.")
     optimizer_kwargs["state_precision"] = state_precision
     return PureBF16AdamW
-
-
-def _check_bf16_weights(flat: list[torch.Tensor], names: list[str] | None) -> None:
-    wrong = [names[i] if names else f"#{i}" for i, p in enumerate(flat) if p.dtype != torch.bfloat16]
-    if wrong:
-        raise ConfigError(
-            f"CPUOffloadOptimizer(pure_bf16=True): {len(wrong)} parameters are not bf16 ({wrong[:3]}): pure bf16 "
-            "keeps no fp32 master, so the weights must be bf16 already. To resolve this error, cast the model first "
-            "(model.to(torch.bfloat16)), or pass pure_bf16=False (an fp32 master on the host).")
-
-
-def _probe(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
-           optimizer_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """``optimizer_class`` over one-element stand-ins of ``groups``: checks the class and its arguments."""
-    try:
-        template = optimizer_class(
-            [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1, requires_grad=True)]}
-             for g in groups],
-            **optimizer_kwargs,
-        )
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"{optimizer_class.__name__}({optimizer_kwargs}) rejected its arguments: {e}. To resolve "
-                          f"this error, pass only hyper-parameters {optimizer_class.__name__} accepts.") from None
-    return template

@@ -6,7 +6,7 @@ device weights each entry also holds the fp32 master, so a resumed run continues
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,41 +17,34 @@ from memtrain.techniques.optimizer import NamedOptimizer
 
 
 class OffloadCheckpoint:
-    """CPUOffloadOptimizer's ``state_dict`` and ``load_state_dict`` (a mixin: the attributes it reads are set up
-    by ``CPUOffloadOptimizer.__init__``)."""
+    """Converts one CPUOffloadOptimizer's host state to and from torch's format. The offloader finishes any pending
+    update first and links its ``state`` to the host state again after a load.
 
-    if TYPE_CHECKING:
-        param_groups: list[dict[str, Any]]
-        state: Any
-        _slots: list[Slot]
-        state_precision: str
-        _buckets: list[Bucket]
+    Args:
+        slots: the offloader's slots, in param_groups order.
+        buckets: its buckets, whose wrapped optimizers hold the host state.
+        state_precision: the moments' precision on the host ("fp32", "bf16" or "int8").
+    """
 
-        def synchronize(self) -> None: ...
+    def __init__(self, slots: list[Slot], buckets: list[Bucket], state_precision: str):
+        self.slots, self.buckets, self.state_precision = slots, buckets, state_precision
 
-        def _link_state(self) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """The host state, in torch's format, keyed by parameter name (by index without names).
-
-        Loadable by a plain ``optimizer_class`` over the same parameters (``torch.optim.AdamW(model.parameters())
-        .load_state_dict(...)``). Tensors are copies (the live ones are views of shared flat buffers, which
-        safetensors refuses and torch.save would write whole). With non-fp32 device weights each entry also
-        holds ``master_weight``, the fp32 master, so a resumed run continues bit-identically.
-        """
-        self.synchronize()
+    # The outer param_groups and state are passed at each call: torch's Optimizer owns them (and may rebind them).
+    def state_dict(self, param_groups: list[dict[str, Any]], outer_state: Any) -> dict[str, Any]:
+        """The host state, in torch's format, keyed by parameter name (by index without names); see
+        ``CPUOffloadOptimizer.state_dict``."""
         state: dict[int | str, dict[str, Any]] = {}
         groups = []
-        for gi, group in enumerate(self.param_groups):
-            slots = [s for s in self._slots if s.group == gi]
+        for gi, group in enumerate(param_groups):
+            slots = [s for s in self.slots if s.group == gi]
             saved = {k: v for k, v in group.items() if k != "params"}
             # torch's load_state_dict replaces a group with the saved one: keep our kernel choice in it as torch
             # itself would, or a plain optimizer loading this would silently fall back to its slowest kernel.
-            saved.update({k: v for k, v in self._buckets[0].inner.defaults.items() if k in IMPLEMENTATION_KEYS})
+            saved.update({k: v for k, v in self.buckets[0].inner.defaults.items() if k in IMPLEMENTATION_KEYS})
             saved["params"] = [s.key for s in slots]
             groups.append(saved)
             for slot in slots:
-                entry = self.state.get(slot.device)
+                entry = outer_state.get(slot.device)
                 if entry:
                     state[slot.key] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
                     if slot.device.dtype != slot.master.dtype:  # pure bf16: the master is the weight
@@ -59,25 +52,20 @@ class OffloadCheckpoint:
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state_dict of this class or of a plain ``optimizer_class`` (e.g. a device AdamW's).
-
-        Entries are matched by parameter name when both sides have names (``param_names``), else by position.
-        The fp32 masters are re-read from the device parameters (or from ``master_weight``), so load the model's
-        weights first.
-        """
-        self.synchronize()
+    def load_state_dict(self, state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+        """Loads a state_dict of CPUOffloadOptimizer or of a plain ``optimizer_class`` into the host state and
+        ``param_groups``' hyper-parameters; see ``CPUOffloadOptimizer.load_state_dict``."""
         saved_groups = state_dict["param_groups"]
-        sizes = [len(g["params"]) for g in self.param_groups]
+        sizes = [len(g["params"]) for g in param_groups]
         saved_sizes = [len(g["params"]) for g in saved_groups]
         if sizes != saved_sizes:
             raise ConfigError(f"the state_dict has parameter groups of sizes {saved_sizes}, this optimizer "
                               f"{sizes}. To resolve this error, build the optimizer over the same parameters.")
-        by_key = self._match_keys(saved_groups)
+        by_key = self._match_keys(saved_groups, len(param_groups))
         problems = []
         # AdamW's (and SGD's) state is parameter-shaped; another class's may not be (Adafactor's row and column
         # vectors): it is loaded as saved.
-        shaped = type(self._buckets[0].inner) in STATE_BYTES_PER_PARAM or self.state_precision != "fp32"
+        shaped = type(self.buckets[0].inner) in STATE_BYTES_PER_PARAM or self.state_precision != "fp32"
         for key, entry in state_dict["state"].items():
             slot = by_key.get(key)
             if slot is None:
@@ -100,17 +88,17 @@ class OffloadCheckpoint:
         if problems:
             problems[-1] += " To resolve this error, load a state_dict saved for the same model and parameter order."
         ConfigError.raise_if(problems)
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+        for group, saved in zip(param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k not in ("params", "param_names", *IMPLEMENTATION_KEYS)})
-        for bucket in self._buckets:
+        for bucket in self.buckets:
             bucket.inner.state.clear()
-        fp32_state = type(self._buckets[0].inner) in STATE_BYTES_PER_PARAM
-        index = {id(slot): i for i, slot in enumerate(self._slots)}  # salts the bf16 rounding of converted moments
-        for slot in self._slots:
+        fp32_state = type(self.buckets[0].inner) in STATE_BYTES_PER_PARAM
+        index = {id(slot): i for i, slot in enumerate(self.slots)}  # salts the bf16 rounding of converted moments
+        for slot in self.slots:
             slot.master.copy_(slot.device.detach())
         for key, entry in state_dict["state"].items():
             slot = by_key[key]
-            owner = next(b for b in self._buckets if slot in b.slots)
+            owner = next(b for b in self.buckets if slot in b.slots)
             entry = dict(entry)
             master = entry.pop("master_weight", None)
             if master is not None:
@@ -130,17 +118,16 @@ class OffloadCheckpoint:
                     if isinstance(v, torch.Tensor) else v)
                 for k, v in entry.items()
             }
-        self._link_state()
 
     def _named_state_bytes(self, slot: Slot) -> int:
         """A class memtrain has no figure for: its state's bytes for ``slot``'s master, measured by its probe."""
-        inner = self._buckets[slot.bucket].inner
+        inner = self.buckets[slot.bucket].inner
         kwargs = {k: v for k, v in inner.defaults.items() if k not in ("lr", *IMPLEMENTATION_KEYS)}
         return NamedOptimizer.of(type(inner), kwargs).state_bytes(tuple(slot.master.shape), slot.master.dtype)
 
-    def _match_keys(self, saved_groups: list[dict[str, Any]]) -> dict[Any, Slot]:
+    def _match_keys(self, saved_groups: list[dict[str, Any]], n_groups: int) -> dict[Any, Slot]:
         saved_keys = [k for g in saved_groups for k in g["params"]]
-        ours = [s for gi in range(len(self.param_groups)) for s in self._slots if s.group == gi]
+        ours = [s for gi in range(n_groups) for s in self.slots if s.group == gi]
         saved_names = [n for g in saved_groups for n in g.get("param_names", [])]
         if len(saved_names) == len(saved_keys) and all(isinstance(s.key, str) for s in ours):
             by_name = {s.key: s for s in ours}

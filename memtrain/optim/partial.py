@@ -7,102 +7,96 @@ Without step-in-backward the host gradients are the accumulator's path: ``scale_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import torch
 
 from memtrain.errors import MemtrainError
+from memtrain.optim.host_buffers import Slot
+from memtrain.optim.host_gradients import HostGradients
+from memtrain.optim.offload import CPUOffloadOptimizer
 
 
 class HostPart:
-    """ComposedOptimizer's methods for gradients split between the device and the host part (a mixin: the attributes it
-    reads are set up by ``ComposedOptimizer.__init__``)."""
+    """The gradients of one ComposedOptimizer split between the device and its host part (a CPUOffloadOptimizer):
+    gathered once a step (landed on the host, the fp16 inverse scale handed over, the device ones unscaled and
+    checked), then normalised and clipped together without a pass over the host ones.
 
-    if TYPE_CHECKING:
-        param_groups: list[dict[str, Any]]
-        steps_in_backward: bool
-        grad_scaler: torch.amp.GradScaler | None
-        _host: Any
-        _device_params: list[torch.Tensor]
-        _gathered: bool
-        _found_inf: torch.Tensor | None
-        _device_found: torch.Tensor | None
+    Args:
+        host: the host part, or None (every parameter on the device).
+        host_slots: the host part's slots (its parameters' host views), in its param_groups order.
+        host_gradients: the host part's lazy multiplier (its ``HostGradients``), which the inverse scale and the
+            clip coefficient join; None without a host part.
+        device_params: the parameters on the device, in registration order.
+        order: every parameter in param_groups order (the order torch stacks norms in).
+    """
 
-    def _device_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._device_params if p.grad is not None]
+    def __init__(self, *, host: CPUOffloadOptimizer | None, host_slots: list[Slot],
+                 host_gradients: HostGradients | None, device_params: list[torch.Tensor], order: list[torch.Tensor]):
+        self.host, self.host_slots, self.host_gradients = host, host_slots, host_gradients
+        self.device_params, self.order = device_params, order
+        self.gathered = False  # this step's gradients are gathered (see gather)
+        self.device_found: torch.Tensor | None = None  # fp16: the device gradients' inf check
 
-    # -- host gradients: normalise, clip, unscale (the accumulator's path for CPUOffloadOptimizer) ---------------
-    def _gather(self) -> None:
-        if self._gathered:
+    def device_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.device_params if p.grad is not None]
+
+    # The scaler is the owner's at each call (it may be attached after construction), and GradScaler keeps its
+    # per-optimizer state under id(the owner): both are passed in.
+    def gather(self, scaler: torch.amp.GradScaler | None, optimizer_id: int) -> None:
+        """Makes this step's gradients ready: the host ones landed, the device ones unscaled and checked (fp16),
+        the inverse scale joining the host step's multiplier."""
+        if self.gathered:
             return
-        if self._host is not None:
-            self._host._gather()
-        self._found_inf = None
-        self._device_found = None
-        if self.grad_scaler is not None and not self.steps_in_backward:
-            state = self.grad_scaler._per_optimizer_states[id(self)]
+        if self.host is not None:
+            self.host._gather()
+        self.device_found = None
+        if scaler is not None:
+            state = scaler._per_optimizer_states[optimizer_id]
             if state["stage"].name == "UNSCALED":
                 raise MemtrainError(
                     "scaler.unscale_(optimizer) was called, but part of this optimizer's gradients live on the host "
                     "where the scaler cannot see them. To resolve this error, remove scaler.unscale_(optimizer) and "
                     "call optimizer.clip_grad_norm_(max_norm), which unscales first (GradientAccumulator does).")
-            inv = self.grad_scaler._scale.double().reciprocal().float()
+            inv = scaler._scale.double().reciprocal().float()
             found = torch.zeros((), dtype=torch.float32, device=inv.device)
-            device_grads = self._device_grads()
+            device_grads = self.device_grads()
             if device_grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found, inv)
-            self._device_found = found
-            if self._host is not None:
+            self.device_found = found
+            if self.host is not None:
                 # No pass over the host gradients: the inverse scale joins the host step's multiplier, and their
                 # inf check is their norm's.
-                with self._host._acc.host():  # a host value (the device seam's ledger must not count it)
-                    self._host._inv_scale = inv.to("cpu", copy=True)
-        self._gathered = True
+                with self.host._acc.host():  # a host value (the device seam's ledger must not count it)
+                    self.host_gradients.inv_scale = inv.to("cpu", copy=True)
+        self.gathered = True
 
-    def _all_grads(self) -> list[torch.Tensor]:
+    def all_grads(self) -> list[torch.Tensor]:
         """This step's gradients in param_groups order: device ones in .grad, host ones in the host buffers."""
-        host = {id(s.device): s.master for s in self._host._slots} if self._host is not None else {}
+        host = {id(s.device): s.master for s in self.host_slots} if self.host is not None else {}
         out = []
-        for p in self.param_groups[0]["params"]:
+        for p in self.order:
             g = host[id(p)].grad if id(p) in host else p.grad
             if g is not None:
                 out.append(g)
         return out
 
-    def next_backward_is_last(self) -> None:
-        """The host part takes each gradient's norm as it lands in the next backward (the window's last), so that
-        ``clip_grad_norm_`` reads no host gradient (see ``CPUOffloadOptimizer.next_backward_is_last``)."""
-        if self._host is not None:
-            self._host.next_backward_is_last()
-
-    @torch.no_grad()
-    def scale_gradients_(self, factor: float | torch.Tensor) -> None:
-        """Multiplies this step's gradients by ``factor`` (a number, or a one-element host tensor: not read): the
-        device ones in place, the host ones lazily (the host step applies it, see
-        ``CPUOffloadOptimizer.scale_gradients_``)."""
-        self._check_not_in_backward("scale_gradients_")
-        self._gather()
-        grads = self._device_grads()
+    def scale(self, factor: float | torch.Tensor) -> None:
+        """Multiplies the gathered gradients by ``factor``: the device ones in place, the host ones lazily."""
+        grads = self.device_grads()
         if grads and isinstance(factor, torch.Tensor):
             for device, group in _by_device(grads).items():
                 torch._foreach_mul_(group, factor.to(device, torch.float32, non_blocking=True))
         elif grads and factor != 1.0:
             torch._foreach_mul_(grads, factor)
-        if self._host is not None:
-            self._host.scale_gradients_(factor)
+        if self.host is not None:
+            self.host.scale_gradients_(factor)
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips the gradients (device and host) by their global norm, as ``torch.nn.utils.clip_grad_norm_``
-        would if all of them were on the device; returns the norm before clipping (a CPU tensor). The host
-        gradients are not read: their norms were taken as they landed, and the coefficient joins the host step's
-        multiplier."""
-        self._check_not_in_backward("clip_grad_norm_")
-        self._gather()
-        if self._host is None or norm_type != 2.0:
-            grads = self._all_grads()
-            if self._host is not None:
-                self._host.gradients()  # applies the host multiplier: this norm reads the gradients
+    def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gathered gradients (device and host) by their global norm; returns the norm before clipping
+        (a CPU tensor). The host ones are not read: the coefficient joins the host step's multiplier."""
+        if self.host is None or norm_type != 2.0:
+            grads = self.all_grads()
+            if self.host is not None:
+                self.host.gradients()  # applies the host multiplier: this norm reads the gradients
             if not grads:
                 return torch.zeros(())
             total = torch.nn.utils.get_total_norm(grads, norm_type).cpu()
@@ -110,10 +104,10 @@ class HostPart:
             for device, group in _by_device(grads).items():
                 torch._foreach_mul_(group, coef.to(device))
             return total
-        host = {id(s.device): s for s in self._host._slots}
-        host_total, multiplier, host_found = self._host._window_scalars()
+        host = {id(s.device): s for s in self.host_slots}
+        host_total, multiplier, host_found = self.host_gradients.window_scalars()
         scale = multiplier.abs() if isinstance(multiplier, torch.Tensor) else abs(multiplier)
-        device_grads = self._device_grads()
+        device_grads = self.device_grads()
         # The device norms cross in one blocking copy per device: a non-blocking copy to the host returns before
         # its data arrives, and they are combined on the host right below.
         norm_of: dict[int, torch.Tensor] = {}
@@ -121,7 +115,7 @@ class HostPart:
             for g, norm in zip(group, torch.stack(torch._foreach_norm(group, 2.0)).cpu().unbind(), strict=True):
                 norm_of[id(g)] = norm
         norms = []
-        for p in self.param_groups[0]["params"]:  # param_groups order, as torch stacks them
+        for p in self.order:  # param_groups order, as torch stacks them
             slot = host.get(id(p))
             if slot is None:
                 if p.grad is not None:
@@ -135,17 +129,9 @@ class HostPart:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for device, group in _by_device(device_grads).items():
             torch._foreach_mul_(group, coef.to(device))
-        self._host._scalars = (host_total, coef.double() * multiplier, torch.maximum(host_found,
+        self.host_gradients.scalars = (host_total, coef.double() * multiplier, torch.maximum(host_found,
                                                                                     (~total.isfinite()).float()))
         return total
-
-    def _check_not_in_backward(self, what: str) -> None:
-        if self.steps_in_backward:
-            raise MemtrainError(
-                f"{what} on a step-in-backward optimizer: the device parameters stepped during backward, so there "
-                "is no gradient left to change. To resolve this error, pass the normalisation and the clipping "
-                "before backward: GradientAccumulator(..., max_grad_norm=...) does it, or call "
-                "optimizer.prepare_backward(grad_factor=..., max_norm=...) and optimizer.backward(loss).")
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
