@@ -290,7 +290,7 @@ GRADIENTS_BEFORE_DDP = Rule(
 OFFLOAD_OPTIMIZER_FSDP = Rule(
     "offload-optimizer-fsdp",
     "FSDP2 shards the optimizer state itself and CPUOffloadOptimizer needs whole parameters.",
-    "keep the optimizer on the device with FSDP2, or use DDP",
+    "drop one of {first} and {rest} (the optimizer on the device with FSDP2, or offloaded with DDP)",
     ("placement", "fsdp"),
     lambda s: s.placement in OFFLOADED and bool(s.fsdp))
 OFFLOAD_WITH_FRACTION = Rule(
