@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.in_backward import HyperparameterSync, StepInBackward, step_hook
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
@@ -135,7 +136,8 @@ class ComposedOptimizer(torch.optim.Optimizer):
         host_slots = self._host._slots if self._host is not None else []
         self._host_part = HostPart(host=self._host, host_slots=host_slots,
                                    host_gradients=self._host._grads if self._host is not None else None,
-                                   device_params=self._device_params, order=order)
+                                   device_params=self._device_params, order=order,
+                                   acc=accelerator(self._host.device) if self._host is not None else None)
         self._in_backward: StepInBackward | None = None
         self._hooks = []
         if step_in_backward:
