@@ -460,6 +460,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._checkpoint.load_state_dict(state_dict, self.param_groups)
         self._link_state()
 
+    def load_entries(self, same: dict[str, dict[str, Any]], converted: dict[str, tuple[Any, ...]],
+                     masters: dict[str, torch.Tensor], *, salt_start: int) -> None:
+        """ComposedOptimizer's load of its host part: AdamW entries by parameter name, already checked (see
+        ``OffloadCheckpoint.load_entries``); every other parameter's state is dropped. The rounding of converted
+        bf16 moments is salted from ``salt_start`` in param_groups order (after the device part's parameters)."""
+        self.synchronize()
+        self._checkpoint.load_entries(same, converted, masters, salt_start=salt_start)
+        self._link_state()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Steps the wrapped optimizer on the host and copies the weights back (see the class docstring).
