@@ -38,6 +38,26 @@ def test_no_part_declares_its_owners_attributes() -> None:
     assert not declared, f"declarations of a host's attributes under TYPE_CHECKING: {declared}"
 
 
+def test_no_part_calls_a_private_method_of_another_object() -> None:
+    """In memtrain/optim a private method (``x._name(...)``) is called on ``self`` only, or on torch itself (its
+    private kernels): a part reaches another object through what that object makes public."""
+    calls = []
+    for path in sorted(OPTIM.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            name, owner = node.func.attr, node.func.value
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            root = owner
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(owner, ast.Name) and owner.id == "self" or isinstance(root, ast.Name) and root.id == "torch":
+                continue
+            calls.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}()")
+    assert not calls, f"private methods called on another object: {calls}"
+
+
 def test_a_dropped_step_in_backward_optimizer_is_collected_and_stops_stepping() -> None:
     """The backward hooks hold the step-in-backward part weakly and the parts hold no reference to the optimizer:
     once the last reference goes (no cycle collection needed), backward leaves the gradients where it puts them."""
