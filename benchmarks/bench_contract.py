@@ -432,11 +432,12 @@ LINK_SETUPS: dict[str, dict[str, Any]] = {
 def count_optimizer_link(totals: dict[str, int]) -> Iterator[None]:
     """CPUOffloadOptimizer's gradients landing on the host (device -> host) and its weights copied back (host ->
     device), counted in bytes of the device tensors that cross."""
-    from memtrain.optim import CPUOffloadOptimizer
+    from memtrain.optim.gradient_landing import GradientLanding
+    from memtrain.optim.host_stepper import HostStepper
 
-    land, copy_back = CPUOffloadOptimizer._land, CPUOffloadOptimizer._copy_to_device
+    land, copy_back = GradientLanding.land, HostStepper.copy_to_device
 
-    def counted_land(self: Any, slot: Any, *, free: bool) -> None:
+    def counted_land(self: Any, slot: Any, *, free: bool) -> int | None:
         grad = slot.device.grad
         if grad is not None:
             totals["to_host"] += grad.numel() * grad.element_size()
@@ -446,8 +447,8 @@ def count_optimizer_link(totals: dict[str, int]) -> Iterator[None]:
         totals["to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
         return copy_back(self, slots)
 
-    with mock.patch.object(CPUOffloadOptimizer, "_land", counted_land), \
-            mock.patch.object(CPUOffloadOptimizer, "_copy_to_device", counted_copy_back):
+    with mock.patch.object(GradientLanding, "land", counted_land), \
+            mock.patch.object(HostStepper, "copy_to_device", counted_copy_back):
         yield
 
 

@@ -79,11 +79,14 @@ def offload(n_params: int, *, full: bool):
     if full:
         return lambda: opt.step()  # no zero_grad: every step reuses the landed host gradients
 
+    # The host step alone: the gradients gathered once (they stay attached), each bucket stepped on the stepper's
+    # worker with no copy back. The closure holds the optimizer: once collected, it stops its worker.
+    opt.gather_gradients()
+
     def cpu_step() -> None:
-        opt._gather()
-        for bucket in opt._buckets:
-            opt._worker.submit(opt._step_bucket, bucket, None, False).result()
-        opt._gathered = False
+        stepper = opt._stepper
+        for bucket in stepper.buckets:
+            stepper.worker.submit(stepper.step_bucket, bucket, None, False).result()
 
     return cpu_step
 

@@ -87,7 +87,7 @@ def train_pair(steps: int, micro: int, max_norm: float | None, fused: bool, **of
             (loss_fn(ours, x, y) / micro).backward()
         if max_norm is not None:
             if opt.offload_gradients:  # the worker took every norm during backward: the clip's fast path is tested
-                opt._gather()
+                opt.gather_gradients()
                 assert all(s.norm is not None for s in opt._slots if s.has_grad)
             # In param_groups order, as ours sums: a different order can move the norm by an ulp.
             ref_norm = torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]],
@@ -631,7 +631,7 @@ def test_norms_are_taken_in_the_windows_last_backward_only(monkeypatch) -> None:
         for m in range(3):
             with acc.micro_batch(is_last=m == 2):
                 acc.backward(loss_fn(model, *data[3 * window + m]), reduction="mean")
-        opt._gather()
+        opt.gather_gradients()
         assert all(s.norm is not None for s in opt._slots if s.has_grad), "the clip would read every gradient"
         acc.step()
         assert len(worker_norms) == with_grad, (
@@ -784,14 +784,18 @@ def test_each_direction_of_the_link_has_its_own_side_stream_and_its_bytes_counte
     issued: list[tuple[str, str]] = []
     phase = ["backward"]
     from memtrain.optim.gradient_landing import GradientLanding
+    from memtrain.optim.host_stepper import HostStepper
 
-    side_stream = GradientLanding.side_stream
+    def recording(part):
+        side_stream = part.side_stream
 
-    def record(self, direction):
-        issued.append((phase[0], direction))
-        return side_stream(self, direction)
+        def record(self, direction):
+            issued.append((phase[0], direction))
+            return side_stream(self, direction)
+        return record
 
-    monkeypatch.setattr(GradientLanding, "side_stream", record)
+    monkeypatch.setattr(GradientLanding, "side_stream", recording(GradientLanding))
+    monkeypatch.setattr(HostStepper, "side_stream", recording(HostStepper))
     landed = [p for p in model.parameters() if p is not model.unused]
     grad_bytes = sum(4 * p.numel() for p in landed)
     weight_bytes = sum(4 * p.numel() for p in model.parameters())

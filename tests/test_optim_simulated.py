@@ -23,6 +23,7 @@ import memtrain.optim.gradient_landing as gradient_landing
 from memtrain.device import simulate
 from memtrain.device.simulated import SimulatedRaceError
 from memtrain.optim import CPUOffloadOptimizer, build_optimizer
+from memtrain.optim.host_stepper import HostStepper
 
 LAGS = (0, 1, 3, None)
 STEPS = 3
@@ -180,12 +181,12 @@ def _no_landing_sync(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _no_compute_wait_after_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    def after_copies(self: CPUOffloadOptimizer) -> None:
-        h2d = self._streams["host_to_device"]
+    def after_copies(self: HostStepper) -> None:
+        h2d = self.streams["host_to_device"]
         if h2d is not None:
-            self._h2d_done = self._acc.record_event(h2d)  # recorded, but the compute stream does not wait
+            self.h2d_done = self.acc.record_event(h2d)  # recorded, but the compute stream does not wait
 
-    monkeypatch.setattr(CPUOffloadOptimizer, "_after_copies", after_copies)
+    monkeypatch.setattr(HostStepper, "after_copies", after_copies)
 
 
 def _no_producer_wait(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,15 +196,15 @@ def _no_producer_wait(monkeypatch: pytest.MonkeyPatch) -> None:
 def _copies_back_without_waiting_for_readers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The host-to-device stream no longer waits for the compute stream before the copies back: they may
     overwrite weights that queued backward kernels still read (a write-after-read race)."""
-    init = CPUOffloadOptimizer._init_step_state
+    init = HostStepper.__init__
 
-    def init_step_state(self: CPUOffloadOptimizer) -> None:
-        init(self)
-        h2d, real = self._streams["host_to_device"], self._acc.wait_stream
+    def init_stepper(self: HostStepper, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        h2d, real = self.streams["host_to_device"], self.acc.wait_stream
         if h2d is not None:
-            self._acc.wait_stream = lambda stream, other: None if stream is h2d else real(stream, other)
+            self.acc.wait_stream = lambda stream, other: None if stream is h2d else real(stream, other)
 
-    monkeypatch.setattr(CPUOffloadOptimizer, "_init_step_state", init_step_state)
+    monkeypatch.setattr(HostStepper, "__init__", init_stepper)
 
 
 FAULTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.in_backward import HyperparameterSync, StepInBackward, step_hook
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
@@ -135,7 +136,8 @@ class ComposedOptimizer(torch.optim.Optimizer):
         host_slots = self._host._slots if self._host is not None else []
         self._host_part = HostPart(host=self._host, host_slots=host_slots,
                                    host_gradients=self._host._grads if self._host is not None else None,
-                                   device_params=self._device_params, order=order)
+                                   device_params=self._device_params, order=order,
+                                   acc=accelerator(self._host.device) if self._host is not None else None)
         self._in_backward: StepInBackward | None = None
         self._hooks = []
         if step_in_backward:
@@ -375,22 +377,7 @@ class ComposedOptimizer(torch.optim.Optimizer):
             elif name in converted:
                 inner.state[p] = entry_for(inner, p, converted[name], salt=i)
         if self._host is not None:
-            host = self._host
-            for bucket in host._buckets:
-                bucket.inner.state.clear()
-            for slot in host._slots:
-                slot.master.copy_(slot.device.detach())
-            for i, slot in enumerate(host._slots):
-                name = slot.key
-                if name in masters:
-                    slot.master.copy_(masters[name])
-                bucket = host._buckets[slot.bucket]
-                if name in same:
-                    bucket.inner.state[slot.master] = adopt_entry(bucket.inner, slot.master, same[name])
-                elif name in converted:
-                    bucket.inner.state[slot.master] = entry_for(bucket.inner, slot.master, converted[name],
-                                                                 salt=len(self._device_params) + i)
-            host._link_state()
+            self._host.load_entries(same, converted, masters, salt_start=len(self._device_params))
         self._link_state()
 
     def _load_own_state(self, state_dict: dict[str, Any]) -> None:

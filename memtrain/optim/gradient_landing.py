@@ -3,7 +3,8 @@
 CPUOffloadOptimizer's post-accumulate-grad hook hands each gradient to its ``GradientLanding``, which copies it to a
 host buffer on the device->host side stream and frees it on the device; the host side of the landings (waiting for
 the copies, adding, casting, taking norms) goes to the landing thread once per bucket. Armed by
-``step_in_next_backward``, it reports each bucket whose last gradient landed, and the offloader steps it.
+``step_in_next_backward``, it reports each bucket whose last gradient landed, and the offloader's ``HostStepper``
+steps it.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class StepInBackward:
         target = next(iter(self.norms.values())).device if self.norms else torch.device("cpu")
         host_norms: dict[int, torch.Tensor] = {}
         if self.host is not None:
-            self.host._gather()
+            self.host.gather_gradients()
             landed = [s for s in self.host_slots if s.master.grad is not None]
             grads = [s.master.grad for s in landed]
             if grads and arming.scaler is not None:

@@ -23,10 +23,12 @@ How a step flows:
   (``GradientAccumulator`` calls it on the micro-batch marked ``is_last``); loops of one backward per step get
   them without it, after their first clip.
 - ``step()``: after ``clip_grad_norm_`` or with a ``GradScaler`` attached, a non-finite norm (an overflow) skips
-  the step on the worker,
-  weights and state untouched; otherwise the wrapped optimizer steps bucket by bucket on the worker thread, and
-  each bucket's weights go back host -> device (in the device parameter's dtype) on the host->device side stream
-  while the next bucket steps; the gradients came down on the other side stream.
+  the step on the worker, weights and state untouched; otherwise the wrapped optimizer steps bucket by bucket on
+  the worker thread, and each bucket's weights go back host -> device (in the device parameter's dtype) on the
+  host->device side stream while the next bucket steps; the gradients came down on the other side stream. The
+  host step is a part the offloader has (``HostStepper``, ``memtrain.optim.host_stepper``), as are the landings
+  (``GradientLanding``), the lazy multiplier (``HostGradients``) and the checkpoint conversion
+  (``OffloadCheckpoint``).
 - ``step_in_next_backward()`` (no clipping, no fp16 scaler): the next backward steps each bucket as soon as its
   last gradient lands, so the CPU step overlaps the rest of backward.
 - ``delayed_update=True``: ``step()`` returns at once and the CPU step runs during the next forward and backward
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -55,9 +56,7 @@ from memtrain.optim.host_buffers import (
     DIRECTIONS,
     IMPLEMENTATION_KEYS,
     STATE_BYTES_PER_PARAM,
-    Bucket,
     Slot,
-    bucket_runs,
     check_bf16_weights,
     check_host_ram,
     claim,
@@ -71,7 +70,8 @@ from memtrain.optim.host_buffers import (
     sum_stage_numel,
 )
 from memtrain.optim.host_gradients import HostGradients
-from memtrain.optim.moments import BF16StateAdamW, StatePrecision, check_precision, state_class
+from memtrain.optim.host_stepper import HostStepper, make_buckets
+from memtrain.optim.moments import StatePrecision, check_precision, state_class
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
 from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure_bf16_moments
 from memtrain.techniques.optimizer import GRADIENTS_BEFORE_DDP, NAMED_OWN_STATE, NamedOptimizer
@@ -196,9 +196,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                                acc=self._acc, master_dtype=master_dtype)
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
         self._init_param_groups(template, groups, names)
-        self._buckets = self._make_buckets([slots[i] for i in order], optimizer_class, optimizer_kwargs)
+        self._buckets = make_buckets([slots[i] for i in order], self._slots, self.param_groups, optimizer_class,
+                                     optimizer_kwargs, self.bucket_numel)
         self._link_state()
-        self._init_step_state()
+        # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
+        # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
+        # PCIe directions overlap.
+        self._streams: dict[str, Any] = {d: self._acc.new_stream() if pin else None for d in DIRECTIONS}
+        # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
+        self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
+        self._gathered = False  # this step's gradients are on the host, attached, unscaled
+        self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
+        self._stepper = HostStepper(self._slots, self._buckets, acc=self._acc, streams=self._streams,
+                                    link_bytes=self.link_bytes, delayed=delayed_update)
         self._landing = GradientLanding(self._slots, self._buckets, acc=self._acc, streams=self._streams,
                                         link_bytes=self.link_bytes, sum_numel=sum_numel)
         self._grads = HostGradients(self._slots)
@@ -208,8 +218,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             claim(slot.device, self)
         # An optimizer that is dropped without close() must not keep taking gradients: the hooks hold it weakly,
         # and this removes them (and stops the worker) once it is collected.
-        self._finalizer = weakref.finalize(self, release, list(self._hooks), (self._worker, self._landing.worker),
-                                           [s.device for s in self._slots])
+        self._finalizer = weakref.finalize(self, release, list(self._hooks),
+                                           (self._stepper.worker, self._landing.worker), [s.device for s in self._slots])
 
     @property
     def pinned_bytes(self) -> int:
@@ -244,47 +254,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for g, ids in zip(self.param_groups, group_indices(groups), strict=True):
                 g["param_names"] = [names[i] for i in ids]
 
-    def _init_step_state(self) -> None:
-        """The streams, the worker thread and the bookkeeping of steps, all empty."""
-        acc = self._acc
-        # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
-        # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
-        # PCIe directions overlap.
-        self._streams: dict[str, Any] = {d: acc.new_stream() if acc.has_streams else None for d in DIRECTIONS}
-        # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
-        self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
-        self._streamed: set[int] = set()  # id(slot) of the parameters whose weights parameter offload streams
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-cpu-optim")
-        # Parameter offload's fills of the host weights the step overwrites (stream_weights): an event after them.
-        self._fills_done: Callable[[], Any] | None = None
-        self._update: list[Future[None]] | None = None  # the CPU step in flight (delayed_update)
-        self._h2d_done: Any = None  # the event after the last copies back
-        self._gathered = False  # this step's gradients are on the host, attached, unscaled
-        self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
-
-    # -- set-up -------------------------------------------------------------------------------------------------
-    def _make_buckets(self, slots: list[Slot], optimizer_class: type[torch.optim.Optimizer],
-                      optimizer_kwargs: dict[str, Any]) -> list[Bucket]:
-        runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], self.bucket_numel)]
-        buckets = []
-        place = {id(s): i for i, s in enumerate(self._slots)}
-        for index, run in enumerate(runs):
-            for slot in run:
-                slot.bucket = index
-            group_of = sorted({s.group for s in run})
-            inner_groups = [{**self._hyperparameters(gi), "params": [s.master for s in run if s.group == gi]}
-                            for gi in group_of]
-            inner = optimizer_class(inner_groups, **optimizer_kwargs)
-            if isinstance(inner, (BF16StateAdamW, PureBF16AdamW)):
-                # Each parameter's rounding noise salted by its place in param_groups, as the device optimizer
-                # salts it: the buckets (reverse order, one optimizer each) then round as one device AdamW would.
-                inner.salts = {id(s.master): place[id(s)] for s in run}
-            buckets.append(Bucket(run, inner, group_of))
-        return buckets
-
-    def _hyperparameters(self, gi: int) -> dict[str, Any]:
-        return {k: v for k, v in self.param_groups[gi].items() if k not in ("params", "param_names")}
-
     def _link_state(self) -> None:
         # optimizer.state[device_param] is the host state itself (the same dict objects), so tools that count or
         # inspect optimizer.state see it; the wrapped optimizers fill these dicts in place at their first step.
@@ -316,27 +285,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     "keeps dense host buffers. To resolve this error, build the module with sparse=False (e.g. "
                     "nn.Embedding(..., sparse=False)) or keep that parameter on a separate device optimizer.")
             if self.offload_gradients:
-                ready = self._land(slot, free=True)
+                ready = self._landing.land(slot, free=True)
                 if ready is not None:
-                    self._step_early(ready)
+                    # step_in_next_backward: the bucket's gradients all landed; it steps on the worker, behind
+                    # the landing task that completes them.
+                    self._landing.early[ready] = self._stepper.step_early(ready, self._landing.last_task())
         return hook
-
-    def _land(self, slot: Slot, *, free: bool) -> int | None:
-        """The one door a gradient takes to the host (the hooks, and the step's gather without offload_gradients):
-        ``GradientLanding.land``. benchmarks/bench_contract.py counts the link's bytes here."""
-        return self._landing.land(slot, free=free)
-
-    def _step_early(self, index: int) -> None:
-        """step_in_next_backward: bucket ``index``'s gradients all landed; its step starts on the worker, behind the
-        landing task that completes them."""
-        h2d = self._streams["host_to_device"]
-        if h2d is not None:
-            # The copy back of these weights must not overtake the backward kernels already queued that still
-            # read them (this layer's input gradient, issued before its weight's gradient landed): the
-            # host-to-device stream waits for everything queued on the compute stream so far.
-            self._acc.wait_stream(h2d, self._acc.current_stream())
-        self._landing.early[index] = self._worker.submit(self._step_bucket, self._buckets[index], self._h2d_done,
-                                                         True, landed=self._landing.last_task(), fills=self._fills())
 
     def next_backward_is_last(self) -> None:
         """Says that the next backward is the last of the accumulation window (the one before
@@ -370,18 +324,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if problems:
             raise MemtrainError(f"step_in_next_backward() cannot run with {' and '.join(problems)}. To resolve "
                                 "this error, drop the call: step() runs the CPU step after backward.")
-        self._sync_hyperparameters()
+        self._stepper.sync_hyperparameters(self.param_groups)
         self._landing.arm()
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def _gather(self) -> None:
-        """Makes this step's gradients ready on the host: landed, attached to the masters, unscaled (fp16)."""
+    def gather_gradients(self) -> None:
+        """Makes this step's gradients ready on the host: landed, attached to the masters (``.grad``), the fp16
+        inverse scale handed to the host step's multiplier (no pass over them). Once a step: ``step()``,
+        ``clip_grad_norm_``, ``scale_gradients_`` and ``gradients()`` call it, and ComposedOptimizer's parts before
+        they read the host gradients."""
         if self._gathered:
             return
-        self._finish_update()  # delayed_update: the previous CPU step reads the masters' .grad until it is done
+        self._stepper.finish_update()  # delayed_update: the previous CPU step reads the masters' .grad until it is done
         if not self.offload_gradients:
             for slot in self._slots:
-                self._land(slot, free=False)
+                self._landing.land(slot, free=False)
         self._landing.wait()  # buckets holding a parameter that got no gradient too; re-raises a worker error here
         for slot in self._slots:
             slot.master.grad = slot.grads[self._landing.buffer] if slot.has_grad else None
@@ -417,7 +374,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         count): ``[p.grad for p in model.parameters()]`` finds nothing once gradients are offloaded. This applies
         the pending multiplier (one pass; ``scale_gradients_`` and ``clip_grad_norm_`` make none).
         """
-        self._gather()
+        self.gather_gradients()
         return self._grads.apply()
 
     @torch.no_grad()
@@ -445,7 +402,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "scale_gradients_ after step_in_next_backward(): buckets were already stepped (or are stepping) with "
                 "these gradients, so scaling them now changes nothing in this update. To resolve this error, drop "
                 "step_in_next_backward() when gradients need normalising (e.g. accumulation over token counts).")
-        self._gather()
+        self.gather_gradients()
         self._grads.scale(factor)
 
     @torch.no_grad()
@@ -467,7 +424,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "clip_grad_norm_ after step_in_next_backward(): buckets were already stepped with unclipped gradients "
                 "during backward. To resolve this error, drop step_in_next_backward() when clipping (or use "
                 "delayed_update=True to hide the CPU step).")
-        self._gather()
+        self.gather_gradients()
         landed = self._grads.landed()
         # A window of one backward: from now on the worker takes the norm of each first landing (the last one,
         # in such loops).
@@ -503,6 +460,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._checkpoint.load_state_dict(state_dict, self.param_groups)
         self._link_state()
 
+    def load_entries(self, same: dict[str, dict[str, Any]], converted: dict[str, tuple[Any, ...]],
+                     masters: dict[str, torch.Tensor], *, salt_start: int) -> None:
+        """ComposedOptimizer's load of its host part: AdamW entries by parameter name, already checked (see
+        ``OffloadCheckpoint.load_entries``); every other parameter's state is dropped. The rounding of converted
+        bf16 moments is salted from ``salt_start`` in param_groups order (after the device part's parameters)."""
+        self.synchronize()
+        self._checkpoint.load_entries(same, converted, masters, salt_start=salt_start)
+        self._link_state()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Steps the wrapped optimizer on the host and copies the weights back (see the class docstring).
@@ -529,7 +495,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     "this error, pass grad_scaler=scaler to CPUOffloadOptimizer(...).")
             self._check_unscaled_on_device()
             scaler_found_inf = torch.as_tensor(self.found_inf).cpu()
-        self._gather()
+        self.gather_gradients()
         if scaler_found_inf is not None:
             self._found_inf = scaler_found_inf
         if self._found_inf is not None and self.grad_scaler is not None:
@@ -549,66 +515,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             found = found if found is not None else torch.zeros(())
             self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
         early = self._landing.disarm()
-        self._sync_hyperparameters()
-        if self._streams["host_to_device"] is not None:
-            # The copies back overwrite weights that this step's backward read on the compute stream.
-            self._acc.wait_stream(self._streams["host_to_device"], self._acc.current_stream())
-        h2d_done, fills = self._h2d_done, self._fills()
-        futures = list(early.values())  # stepped during backward (step_in_next_backward)
-        futures += [self._worker.submit(self._step_bucket, b, h2d_done, not self.delayed_update, multiplier, found,
-                                        fills=fills)
-                    for i, b in enumerate(self._buckets) if i not in early]
+        self._stepper.sync_hyperparameters(self.param_groups)
+        self._stepper.run(multiplier, found, early=early)
         if self.delayed_update:
-            self._update = futures
             self._landing.buffer = 1 - self._landing.buffer  # the next backward writes the other host buffer
             for slot in self._slots:
                 slot.has_grad = slot.zeroed = False
                 slot.landings = 0
-        else:
-            for future in futures:
-                future.result()
-            self._after_copies()
         self._gathered = False
         self._grads.reset()
-
-    def _fills(self) -> Any:
-        """The event after parameter offload's fills issued so far (stream_weights), or None."""
-        return self._fills_done() if self._fills_done is not None else None
-
-    def _sync_hyperparameters(self) -> None:
-        for bucket in self._buckets:
-            for inner_group, gi in zip(bucket.inner.param_groups, bucket.group_of, strict=True):
-                inner_group.update(self._hyperparameters(gi))
-
-    def _step_bucket(self, bucket: Bucket, h2d_done: Any, copy_back: bool,
-                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
-                     landed: Future[None] | None = None, fills: Any = None) -> None:
-        if landed is not None:
-            landed.result()  # step_in_next_backward: the bucket's landings (on the landing worker) are complete
-        if found is not None and found.item():
-            return  # an inf/nan gradient (fp16 overflow): skipped, weights and state untouched, nothing to copy
-        with torch.no_grad():
-            # The previous copies back, and parameter offload's fills, read the masters (and casts) we are about
-            # to overwrite.
-            self._acc.synchronize_event(h2d_done)
-            self._acc.synchronize_event(fills)
-            if isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
-                grads = [s.master.grad for s in bucket.slots if s.master.grad is not None]
-                if grads:
-                    # The normalisation, the fp16 unscale and the clip coefficient as one fp32 multiply, inside the
-                    # step, bucket by bucket on the worker (the loop's thread makes no pass). NOTE: not fused
-                    # AdamW's grad_scale: it divides by it (g / (1/c) is not g * c in float), which moved gpt-tiny's
-                    # weights 1e-4 from torch's in 8 steps at lr 1e-2; a multiply by torch's coefficient is
-                    # bit-identical to torch's clip.
-                    torch._foreach_mul_(grads, torch.as_tensor(multiplier, dtype=torch.float64).float())
-            bucket.inner.step()
-            # Cast on the CPU, here on the worker: the device dtype's bytes cross PCIe, and with delayed_update the
-            # loop's thread then only launches the copies at the next step().
-            for slot in bucket.slots:
-                if slot.cast is not None:
-                    slot.cast.copy_(slot.master)
-            if copy_back:
-                self._copy_to_device(bucket.slots)
 
     def stream_weights(self, params: Iterable[torch.Tensor], *,
                        fills_done: Callable[[], Any] | None = None) -> dict[int, torch.Tensor]:
@@ -650,7 +565,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for p, slot in zip(params, slots, strict=True):
             if slot.cast is not None:
                 slot.cast.copy_(slot.device.detach())  # written by steps only: until the first, the device's
-            self._streamed.add(id(slot))
+            self._stepper.streamed.add(id(slot))
             hosts[id(p)] = slot.master if slot.cast is None else slot.cast
         if fills_done is not None:
             self.wait_for_fills(fills_done)
@@ -659,48 +574,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def wait_for_fills(self, fills_done: Callable[[], Any] | None) -> None:
         """Sets ``stream_weights``' ``fills_done`` once the streamer exists (it is built from the host weights
         ``stream_weights`` returns): ``optimizer.wait_for_fills(streamer.fills_done)``. None: no wait."""
-        self._fills_done = fills_done
-
-    def _copy_to_device(self, slots: list[Slot]) -> None:
-        """Launches the copies of the (already cast) new weights into the device parameters, on the side stream."""
-        slots = [s for s in slots if id(s) not in self._streamed]  # parameter offload reads them from the host
-        if not slots:
-            return
-        self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
-        with torch.no_grad(), self._landing.side_stream("host_to_device"):
-            # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
-            self._acc.foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
-                                    stream=self._streams["host_to_device"])
-
-    def _after_copies(self) -> None:
-        h2d = self._streams["host_to_device"]
-        if h2d is not None:
-            self._h2d_done = self._acc.record_event(h2d)
-            # The next forward reads the new weights: order it after the copies (the device waits, not the host).
-            self._acc.wait_event(self._h2d_done, self._acc.current_stream())
-
-    @torch.no_grad()
-    def _finish_update(self) -> None:
-        if self._update is None:
-            return
-        for future in self._update:
-            future.result()
-        self._update = None
-        if self._streams["host_to_device"] is not None:
-            # The next backward read the old weights on the compute stream: the copies back wait for it (not for
-            # the gradient copies, on the other side stream).
-            self._acc.wait_stream(self._streams["host_to_device"], self._acc.current_stream())
-        self._copy_to_device(self._slots)
-        self._after_copies()
+        self._stepper.fills_done = fills_done
 
     def synchronize(self) -> None:
         """Finishes a delayed update and copies its weights to the device (no-op without delayed_update)."""
-        self._finish_update()
+        self._stepper.finish_update()
 
     def master_weights(self) -> dict[int, torch.Tensor]:
         """``id(parameter)`` -> its fp32 master on the host (finished updates included): the weights to save
         where the device holds bf16 copies (``device_dtype``)."""
-        self._finish_update()
+        self._stepper.finish_update()
         return {id(slot.device): slot.master for slot in self._slots}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -718,7 +601,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             elif slot.has_grad:
                 slot.grads[self._landing.buffer].zero_()
                 slot.zeroed, slot.norm = True, None
-            if self._update is None:
+            if self._stepper.update is None:
                 slot.master.grad = None  # only once no CPU step reads it (delayed_update)
         self._gathered = False
         super().zero_grad(set_to_none=set_to_none)  # the device gradients (offload_gradients=False)

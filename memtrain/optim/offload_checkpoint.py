@@ -119,6 +119,27 @@ class OffloadCheckpoint:
                 for k, v in entry.items()
             }
 
+    @torch.no_grad()
+    def load_entries(self, same: dict[str, dict[str, Any]], converted: dict[str, tuple[Any, ...]],
+                     masters: dict[str, torch.Tensor], *, salt_start: int) -> None:
+        """Loads AdamW state by parameter name, checked by the caller (``ComposedOptimizer.load_state_dict``): the
+        entries of ``same`` (in this precision) as they are, the moments of ``converted`` (``moments_of``'s
+        step, m, v) converted to this precision, their bf16 rounding salted from ``salt_start`` in param_groups
+        order; each master re-read from its device parameter, or taken from ``masters``."""
+        for bucket in self.buckets:
+            bucket.inner.state.clear()
+        for slot in self.slots:
+            slot.master.copy_(slot.device.detach())
+        for i, slot in enumerate(self.slots):
+            name = slot.key
+            if name in masters:
+                slot.master.copy_(masters[name])
+            inner = self.buckets[slot.bucket].inner
+            if name in same:
+                inner.state[slot.master] = adopt_entry(inner, slot.master, same[name])
+            elif name in converted:
+                inner.state[slot.master] = entry_for(inner, slot.master, converted[name], salt=salt_start + i)
+
     def _named_state_bytes(self, slot: Slot) -> int:
         """A class memtrain has no figure for: its state's bytes for ``slot``'s master, measured by its probe."""
         inner = self.buckets[slot.bucket].inner

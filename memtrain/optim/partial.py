@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from memtrain.device import Accelerator
 from memtrain.errors import MemtrainError
 from memtrain.optim.host_buffers import Slot
 from memtrain.optim.host_gradients import HostGradients
@@ -27,11 +28,15 @@ class HostPart:
             clip coefficient join; None without a host part.
         device_params: the parameters on the device, in registration order.
         order: every parameter in param_groups order (the order torch stacks norms in).
+        acc: the host part's device seam, in whose ``host()`` region the inverse scale is made; None without a host
+            part.
     """
 
     def __init__(self, *, host: CPUOffloadOptimizer | None, host_slots: list[Slot],
-                 host_gradients: HostGradients | None, device_params: list[torch.Tensor], order: list[torch.Tensor]):
+                 host_gradients: HostGradients | None, device_params: list[torch.Tensor], order: list[torch.Tensor],
+                 acc: Accelerator | None = None):
         self.host, self.host_slots, self.host_gradients = host, host_slots, host_gradients
+        self.acc = acc
         self.device_params, self.order = device_params, order
         self.gathered = False  # this step's gradients are gathered (see gather)
         self.device_found: torch.Tensor | None = None  # fp16: the device gradients' inf check
@@ -47,7 +52,7 @@ class HostPart:
         if self.gathered:
             return
         if self.host is not None:
-            self.host._gather()
+            self.host.gather_gradients()
         self.device_found = None
         if scaler is not None:
             state = scaler._per_optimizer_states[optimizer_id]
@@ -65,7 +70,7 @@ class HostPart:
             if self.host is not None:
                 # No pass over the host gradients: the inverse scale joins the host step's multiplier, and their
                 # inf check is their norm's.
-                with self.host._acc.host():  # a host value (the device seam's ledger must not count it)
+                with self.acc.host():  # a host value (the device seam's ledger must not count it)
                     self.host_gradients.inv_scale = inv.to("cpu", copy=True)
         self.gathered = True
 
