@@ -200,3 +200,13 @@ def test_what_a_run_that_cannot_plan_must_fix_comes_from_each_technique():
                      "optimizer.step_in_backward=False"], open_
     offloaded = Choices(checkpointing="none", chunked_loss=False, optimizer=OptimizerChoice(placement="offload"))
     assert Fixed.of_choices(offloaded, n_blocks=2, device="cuda")[0].left_open() == []
+
+
+def test_what_the_trainer_helper_cannot_do_comes_from_each_technique():
+    from memtrain.hf_trainer import trainer_problems
+
+    everything = Choices(compile=True, pure_bf16=True, optimizer=OptimizerChoice(state_precision="bf16"))
+    assert [p.split(":")[0] for p in trainer_problems(everything)] == [
+        "optimizer.state_precision='bf16'", "pure_bf16=True", "compile=True"]  # the registry's order
+    assert techniques.compiled.TECHNIQUE.trainer_problems(everything) == [trainer_problems(everything)[-1]]
+    assert all(t.trainer_problems(Choices()) == [] for t in techniques.REGISTRY)  # the defaults: nothing refused

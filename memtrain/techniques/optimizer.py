@@ -583,5 +583,30 @@ class OptimizerTechnique(Technique):
         if fixed.state_precision is not None:
             space.states = [fixed.state_precision]
 
+    def trainer_problems(self, choices: Any) -> list[str]:
+        """The Trainer builds its own AdamW on the device and steps after backward: lean moments and another class
+        only offloaded (``CPUOffloadOptimizer``), no step in backward, no partial offload."""
+        optimizer: OptimizerChoice = choices.optimizer
+        problems = []
+        if optimizer.state_precision is not None and optimizer.placement != "offload":
+            problems.append(f"optimizer.state_precision={optimizer.state_precision!r}: the Trainer's AdamW keeps its "
+                            "moments in its own dtype; MemtrainTrainer builds memtrain.optim's lean moments only on "
+                            "the host. To resolve this error, add placement='offload' (CPUOffloadOptimizer), drop "
+                            "state_precision (or train with `memtrain train`, which does).")
+        if not optimizer.named.is_adamw and optimizer.placement != "offload":
+            problems.append(f"optimizer.name={optimizer.named.path!r} on the device: the Trainer builds its own "
+                            "optimizer there. To resolve this error, name it in the TrainingArguments (optim=...) or "
+                            "pass Trainer(optimizers=...), or add placement='offload' (CPUOffloadOptimizer steps the "
+                            "class on the host).")
+        if optimizer.step_in_backward:
+            problems.append("optimizer.step_in_backward=True: the Trainer steps after backward and clips through the "
+                            "accelerator; MemtrainTrainer cannot step each parameter inside backward. To resolve this "
+                            "error, drop step_in_backward (or train with `memtrain train`).")
+        if optimizer.offload_fraction:
+            problems.append(f"optimizer.offload_fraction={optimizer.offload_fraction}: MemtrainTrainer offloads all "
+                            "of the optimizer state or none. To resolve this error, pass "
+                            "OptimizerChoice(placement='offload') (all of it) or drop offload_fraction.")
+        return problems
+
 
 TECHNIQUE = OptimizerTechnique()
