@@ -210,3 +210,18 @@ def test_what_the_trainer_helper_cannot_do_comes_from_each_technique():
         "optimizer.state_precision='bf16'", "pure_bf16=True", "compile=True"]  # the registry's order
     assert techniques.compiled.TECHNIQUE.trainer_problems(everything) == [trainer_problems(everything)[-1]]
     assert all(t.trainer_problems(Choices()) == [] for t in techniques.REGISTRY)  # the defaults: nothing refused
+
+
+def test_an_estimates_options_are_each_techniques_own():
+    from memtrain.estimate.arguments import setup_options
+
+    parts = [t.trace_options(Choices(offload_weights=True), checkpointing="none", optimizer="adamw")[0]
+             for t in techniques.REGISTRY]
+    keys = [k for part in parts for k in part]
+    assert len(keys) == len(set(keys)) == 8, keys  # each option given by one technique
+    # parameter offload streams the offloaded optimizer's master: the optimizer's options trace it offloaded
+    assert techniques.optimizer.TECHNIQUE.trace_options(
+        Choices(offload_weights=True), checkpointing="none", optimizer="adamw")[0]["optimizer"] == "adamw-offload"
+    options, problems = setup_options(Choices(checkpointing="all"), checkpointing="every:2", optimizer="adamw",
+                                      precision="fp32")
+    assert options["checkpointing"] == "every:2" and problems[0].startswith("checkpointing='every:2' and"), problems

@@ -583,6 +583,50 @@ class OptimizerTechnique(Technique):
         if fixed.state_precision is not None:
             space.states = [fixed.state_precision]
 
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """The optimizer ``estimate`` traces: the ``optimizer=`` argument, or the class the set-up names, offloaded
+        ("adamw-offload", or a named class's whole state in host RAM) where the set-up places it there; and AdamW's
+        moments, step and offloaded share. Parameter offload's implied placement is the optimizer's to trace here
+        (the options it changes are the optimizer's). Where the set-up and the argument contradict, AdamW's options
+        keep their defaults."""
+        choice: OptimizerChoice = setup.optimizer
+        options: dict[str, Any] = {
+            "optimizer": optimizer, "state_precision": choice.state_precision or "fp32",
+            "offload_fraction": choice.offload_fraction or 0.0, "step_in_backward": bool(choice.step_in_backward)}
+        problems = []
+        lean = choice.state_precision not in (None, "fp32") or bool(choice.offload_fraction) or bool(
+            choice.step_in_backward)  # memtrain.optim's AdamW rather than torch's
+        # Parameter offload streams the weights from the offloaded optimizer's master: it implies that optimizer.
+        offloaded = choice.placement == "offload" or (choice.placement is None and bool(setup.offload_weights))
+        if not choice.named.is_adamw:  # a named class, wrapped as memtrain's AdamW is (offloaded: all of its state)
+            if optimizer != "adamw":
+                problems.append(f"setup.optimizer.name={choice.named.path!r} with optimizer={optimizer!r}: two "
+                                "optimizers for one step. To resolve this error, pass one of them.")
+            options["optimizer"] = choice.named
+            if offloaded:
+                options["offload_fraction"] = 1.0
+        elif offloaded and optimizer == "adamw":
+            options["optimizer"] = "adamw-offload"
+        elif offloaded and optimizer != "adamw-offload":
+            problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded "
+                            "optimizer is AdamW (CPUOffloadOptimizer). To resolve this error, pass optimizer='adamw', "
+                            "or drop placement='offload'.")
+        elif (choice.placement == "device" or choice.offload_fraction or choice.step_in_backward) and (
+                optimizer == "adamw-offload"):  # lean moments go with either placement
+            asked = [f"{name}={getattr(choice, name)!r}" for name in ("placement", "state_precision",
+                                                                      "step_in_backward", "offload_fraction")
+                     if getattr(choice, name)]
+            problems.append(f"setup.optimizer {', '.join(asked)} with optimizer='adamw-offload': those choose AdamW "
+                            "on the device, 'adamw-offload' puts all of its state in host RAM. To resolve this error, "
+                            "pass optimizer='adamw', or drop them.")
+        elif lean and optimizer != "adamw":
+            problems.append(f"setup.optimizer's state_precision, step_in_backward and offload_fraction are options "
+                            f"of AdamW (memtrain.optim), not of optimizer={optimizer!r}. To resolve this error, pass "
+                            "optimizer='adamw', or drop them.")
+        if problems:
+            options.update(state_precision="fp32", offload_fraction=0.0, step_in_backward=False)
+        return options, problems
+
     def trainer_problems(self, choices: Any) -> list[str]:
         """The Trainer builds its own AdamW on the device and steps after backward: lean moments and another class
         only offloaded (``CPUOffloadOptimizer``), no step in backward, no partial offload."""

@@ -81,6 +81,10 @@ class PureBF16Technique(Technique):
                 space.placements, space.states, space.distributions)
             space.pure_bf16 = True
 
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """Pure bf16 where asked for (its rules with the optimizer and the precision are checked by ``trace``)."""
+        return {"pure_bf16": bool(setup.pure_bf16)}, []
+
     def trainer_problems(self, choices: Any) -> list[str]:
         """The Trainer helper trains the model's own weights (with an fp32 master where offloaded): no bf16-only
         weights."""

@@ -1,8 +1,8 @@
 """A technique's part in memtrain, as one object: the ``Choices`` fields it owns, its rules with the others, what its
 setting fixes in a plan, its values in the search, its reason line, and what the Hugging Face Trainer helper cannot
-do of it. Each technique's module subclasses ``Technique`` once (``TECHNIQUE``) and overrides what the technique has;
-``memtrain.techniques.REGISTRY`` lists them, and the planner, the checks, the reasons and the Trainer helper loop over
-it.
+do of it, and its part of an estimate's set-up. Each technique's module subclasses ``Technique`` once (``TECHNIQUE``) and overrides what the technique has;
+``memtrain.techniques.REGISTRY`` lists them, and the planner, the checks, the reasons, the Trainer helper and the
+estimator loop over it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ class Technique:
         do of its setting in ``choices`` (a ``Choices``), in words naming the fix (none: it applies it, or it is
         off)."""
         return []
+
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """Its part of ``estimate``'s one set-up ``setup`` (a ``Choices``; None fields: off) as ``trace``'s keyword
+        arguments, with its contradictions with the ``checkpointing=`` / ``optimizer=`` arguments in words naming the
+        fix (where there is one, its options keep their defaults, so the other arguments are still checked)."""
+        return {}, []
 
     def __repr__(self) -> str:
         return f"<technique {self.name}>"
