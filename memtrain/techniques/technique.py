@@ -1,8 +1,8 @@
 """A technique's part in memtrain, as one object: the ``Choices`` fields it owns, its rules with the others, what its
-setting fixes in a plan, its values in the search, its reason line, and what the Hugging Face Trainer helper cannot
-do of it, and its part of an estimate's set-up. Each technique's module subclasses ``Technique`` once (``TECHNIQUE``) and overrides what the technique has;
-``memtrain.techniques.REGISTRY`` lists them, and the planner, the checks, the reasons, the Trainer helper and the
-estimator loop over it.
+setting fixes in a plan, its values in the search, its reason line, its part of an estimate's set-up, and what the
+Hugging Face Trainer helper cannot do of it. Each technique's module subclasses ``Technique`` once (``TECHNIQUE``)
+and overrides what the technique has; ``memtrain.techniques.REGISTRY`` lists them, and the planner, the checks, the
+reasons, the estimator and the Trainer helper loop over it.
 """
 
 from __future__ import annotations
