@@ -16,6 +16,7 @@ from torch import nn
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.optim import CPUOffloadOptimizer
+from memtrain.techniques import REGISTRY
 from memtrain.unwrap import unwrap_model
 
 # What MemtrainTrainer does when not told: every decoder layer recomputed in backward, the loss's fp32 logits
@@ -38,41 +39,7 @@ def trainer_problems(choices: Any) -> list[str]:
     if not isinstance(choices, Choices):
         return [f"memory={choices!r} must be a memtrain.choices.Choices. To resolve this error, pass e.g. "
                 "memory=Choices(checkpointing='all', chunked_loss=True), or Choices.from_dict(...) of a mapping."]
-    problems = []
-    optimizer = choices.optimizer
-    if optimizer.state_precision is not None and optimizer.placement != "offload":
-        problems.append(f"optimizer.state_precision={optimizer.state_precision!r}: the Trainer's AdamW keeps its "
-                        "moments in its own dtype; MemtrainTrainer builds memtrain.optim's lean moments only on the "
-                        "host. To resolve this error, add placement='offload' (CPUOffloadOptimizer), drop "
-                        "state_precision (or train with `memtrain train`, which does).")
-    if not optimizer.named.is_adamw and optimizer.placement != "offload":
-        problems.append(f"optimizer.name={optimizer.named.path!r} on the device: the Trainer builds its own optimizer "
-                        "there. To resolve this error, name it in the TrainingArguments (optim=...) or pass "
-                        "Trainer(optimizers=...), or add placement='offload' (CPUOffloadOptimizer steps the class on "
-                        "the host).")
-    if optimizer.step_in_backward:
-        problems.append("optimizer.step_in_backward=True: the Trainer steps after backward and clips through the "
-                        "accelerator; MemtrainTrainer cannot step each parameter inside backward. To resolve this "
-                        "error, drop step_in_backward (or train with `memtrain train`).")
-    if optimizer.offload_fraction:
-        problems.append(f"optimizer.offload_fraction={optimizer.offload_fraction}: MemtrainTrainer offloads all of "
-                        "the optimizer state or none. To resolve this error, pass "
-                        "OptimizerChoice(placement='offload') (all of it) or drop offload_fraction.")
-    if choices.compile:
-        problems.append("compile=True: the Trainer compiles the model itself. To resolve this error, drop "
-                        "compile and pass TrainingArguments(torch_compile=True).")
-    if choices.pure_bf16:
-        problems.append("pure_bf16=True: MemtrainTrainer trains the model's own weights with the Trainer's AdamW "
-                        "(or CPUOffloadOptimizer, with an fp32 master); it builds no bf16-only weights with "
-                        "stochastic rounding (PureBF16AdamW). To resolve this error, drop pure_bf16 (bf16=True in the "
-                        "TrainingArguments is bf16 autocast over fp32 weights), or train with `memtrain train "
-                        "--pure-bf16`.")
-    if choices.offload_weights:
-        problems.append("offload_weights=True: the Trainer moves the whole model to the device, and MemtrainTrainer "
-                        "does not stream the blocks' weights from host memory. To resolve this error, drop "
-                        "offload_weights (optimizer=OptimizerChoice(placement='offload') still keeps the optimizer "
-                        "state and master weights in host memory), or train with `memtrain train --offload-weights`.")
-    return problems
+    return [text for technique in REGISTRY for text in technique.trainer_problems(choices)]
 
 
 def _trainer_model_problems(model: Any) -> list[str]:

@@ -90,7 +90,7 @@ def test_a_bad_name_is_one_clear_error(value: Any, words: str) -> None:
 
 
 def test_a_missing_package_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    import memtrain.techniques.optimizer as named_module
+    import memtrain.techniques.optimizer.named as named_module
 
     named_module._import.cache_clear()
     monkeypatch.setitem(__import__("sys").modules, "pytorch_optimizer", None)  # import fails as if not installed

@@ -200,3 +200,28 @@ def test_what_a_run_that_cannot_plan_must_fix_comes_from_each_technique():
                      "optimizer.step_in_backward=False"], open_
     offloaded = Choices(checkpointing="none", chunked_loss=False, optimizer=OptimizerChoice(placement="offload"))
     assert Fixed.of_choices(offloaded, n_blocks=2, device="cuda")[0].left_open() == []
+
+
+def test_what_the_trainer_helper_cannot_do_comes_from_each_technique():
+    from memtrain.hf_trainer import trainer_problems
+
+    everything = Choices(compile=True, pure_bf16=True, optimizer=OptimizerChoice(state_precision="bf16"))
+    assert [p.split(":")[0] for p in trainer_problems(everything)] == [
+        "optimizer.state_precision='bf16'", "pure_bf16=True", "compile=True"]  # the registry's order
+    assert techniques.compiled.TECHNIQUE.trainer_problems(everything) == [trainer_problems(everything)[-1]]
+    assert all(t.trainer_problems(Choices()) == [] for t in techniques.REGISTRY)  # the defaults: nothing refused
+
+
+def test_an_estimates_options_are_each_techniques_own():
+    from memtrain.estimate.arguments import setup_options
+
+    parts = [t.trace_options(Choices(offload_weights=True), checkpointing="none", optimizer="adamw")[0]
+             for t in techniques.REGISTRY]
+    keys = [k for part in parts for k in part]
+    assert len(keys) == len(set(keys)) == 8, keys  # each option given by one technique
+    # parameter offload streams the offloaded optimizer's master: the optimizer's options trace it offloaded
+    assert techniques.optimizer.TECHNIQUE.trace_options(
+        Choices(offload_weights=True), checkpointing="none", optimizer="adamw")[0]["optimizer"] == "adamw-offload"
+    options, problems = setup_options(Choices(checkpointing="all"), checkpointing="every:2", optimizer="adamw",
+                                      precision="fp32")
+    assert options["checkpointing"] == "every:2" and problems[0].startswith("checkpointing='every:2' and"), problems

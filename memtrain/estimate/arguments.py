@@ -18,7 +18,7 @@ from memtrain.estimate.fake import batch_spec, max_positions
 from memtrain.estimate.optimizer_state import as_optimizer
 from memtrain.estimate.tracker import numel
 from memtrain.loss import HF_MODEL_TYPES, chunk_tokens_of, supports_chunked_loss
-from memtrain.techniques import SetUp
+from memtrain.techniques import REGISTRY, SetUp
 from memtrain.techniques import problems as rule_problems
 from memtrain.techniques.optimizer import NamedOptimizer
 
@@ -62,8 +62,8 @@ def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any,
                   precision: Any) -> tuple[dict[str, Any], list[str]]:
     """``estimate``'s one set-up as ``trace``'s keyword arguments (a None in ``setup`` means off, fp32, no offload),
     with every contradiction between ``setup`` and the ``checkpointing=`` / ``optimizer=`` / ``precision=``
-    arguments, in words naming the fix. Where there is a problem the option keeps its default, so the other arguments are still
-    checked."""
+    arguments, in words naming the fix: each technique's part is its own (``Technique.trace_options``). Where there
+    is a problem the option keeps its default, so the other arguments are still checked."""
     problems: list[str] = []
     if setup is None:
         setup = Choices()
@@ -72,62 +72,13 @@ def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any,
                         "setup=Choices(offload_activations=True), or Choices.from_dict(...) of a mapping.")
         setup = Choices()
     problems += setup.precision_problems(precision, auto=False)  # the rule a run applies: one answer everywhere
-    choice = setup.optimizer
-    options: dict[str, Any] = {
-        "checkpointing": checkpointing, "optimizer": optimizer,
-        "offload_activations": bool(setup.offload_activations), "chunked_loss": bool(setup.chunked_loss),
-        "state_precision": choice.state_precision or "fp32", "offload_fraction": choice.offload_fraction or 0.0,
-        "step_in_backward": bool(choice.step_in_backward), "pure_bf16": bool(setup.pure_bf16)}
-    if setup.checkpointing is not None:
-        if _same_policy(checkpointing, setup.checkpointing):
-            options["checkpointing"] = setup.checkpointing
-        else:
-            problems.append(f"checkpointing={checkpointing!r} and setup.checkpointing={str(setup.checkpointing)!r} "
-                            "are two different policies for one step. To resolve this error, pass one of them.")
-    lean = choice.state_precision not in (None, "fp32") or bool(choice.offload_fraction) or bool(
-        choice.step_in_backward)  # memtrain.optim's AdamW rather than torch's
-    # Parameter offload streams the weights from the offloaded optimizer's master: it implies that optimizer.
-    offloaded = choice.placement == "offload" or (choice.placement is None and bool(setup.offload_weights))
-    if not choice.named.is_adamw:  # a named class, wrapped as memtrain's AdamW is (offloaded: all of its state)
-        if optimizer != "adamw":
-            problems.append(f"setup.optimizer.name={choice.named.path!r} with optimizer={optimizer!r}: two "
-                            "optimizers for one step. To resolve this error, pass one of them.")
-        options["optimizer"] = choice.named
-        if offloaded:
-            options["offload_fraction"] = 1.0
-    elif offloaded and optimizer == "adamw":
-        options["optimizer"] = "adamw-offload"
-    elif offloaded and optimizer != "adamw-offload":
-        problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded optimizer "
-                        "is AdamW (CPUOffloadOptimizer). To resolve this error, pass optimizer='adamw', or drop "
-                        "placement='offload'.")
-    elif (choice.placement == "device" or choice.offload_fraction or choice.step_in_backward) and (
-            optimizer == "adamw-offload"):  # lean moments go with either placement
-        asked = [f"{name}={getattr(choice, name)!r}" for name in ("placement", "state_precision", "step_in_backward",
-                                                                  "offload_fraction") if getattr(choice, name)]
-        problems.append(f"setup.optimizer {', '.join(asked)} with optimizer='adamw-offload': those choose AdamW on "
-                        "the device, 'adamw-offload' puts all of its state in host RAM. To resolve this error, pass "
-                        "optimizer='adamw', or drop them.")
-    elif lean and optimizer != "adamw":
-        problems.append(f"setup.optimizer's state_precision, step_in_backward and offload_fraction are options of "
-                        f"AdamW (memtrain.optim), not of optimizer={optimizer!r}. To resolve this error, pass "
-                        "optimizer='adamw', or drop them.")
-    if any(p.startswith("setup.optimizer") for p in problems):
-        options.update(state_precision="fp32", offload_fraction=0.0, step_in_backward=False)
+    options: dict[str, Any] = {}
+    for technique in REGISTRY:
+        own, own_problems = technique.trace_options(setup, checkpointing=checkpointing, optimizer=optimizer)
+        assert not own.keys() & options.keys(), f"{technique} gives {sorted(own.keys() & options.keys())} again"
+        options.update(own)
+        problems += own_problems
     return options, problems
-
-
-def _same_policy(checkpointing: Any, policy: Checkpointing) -> bool:
-    """Whether the ``checkpointing=`` argument leaves the policy to ``setup`` (its default, "none") or names the
-    same one."""
-    if isinstance(checkpointing, str) and checkpointing == "none":
-        return True
-    if isinstance(checkpointing, Mapping):
-        return False
-    try:
-        return Checkpointing.parse(checkpointing) == policy
-    except ConfigError:
-        return False
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...], problems: list[str]) -> None:

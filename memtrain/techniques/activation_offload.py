@@ -66,5 +66,9 @@ class ActivationOffloadTechnique(Technique):
         The recomputed blocks' offloaded inputs are checkpointing's flavor."""
         space.offload_blocks = problem.cuda and "offload-activations" in allowed
 
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """Every saved activation offloaded where asked for (a "+offload" policy is checkpointing's to trace)."""
+        return {"offload_activations": bool(setup.offload_activations)}, []
+
 
 TECHNIQUE = ActivationOffloadTechnique()

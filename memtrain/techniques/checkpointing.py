@@ -8,6 +8,7 @@ way). Its rule with activation offload is activation offload's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from memtrain.checkpointing import Checkpointing, SelectivePolicy
@@ -42,6 +43,19 @@ def check_selective(policy: Checkpointing) -> None:
     if policy.offload_inputs:
         raise ConfigError(f"checkpointing={str(policy)!r}: the planner does not combine a selective recompute with "
                           "offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")
+
+
+def _same_policy(checkpointing: Any, policy: Checkpointing) -> bool:
+    """Whether ``estimate``'s ``checkpointing=`` argument leaves the policy to its set-up (its default, "none") or
+    names the same one."""
+    if isinstance(checkpointing, str) and checkpointing == "none":
+        return True
+    if isinstance(checkpointing, Mapping):
+        return False
+    try:
+        return Checkpointing.parse(checkpointing) == policy
+    except ConfigError:
+        return False
 
 
 class CheckpointingTechnique(Technique):
@@ -117,6 +131,17 @@ class CheckpointingTechnique(Technique):
             space.flavors = [fixed.flavor or "full"] if "recompute" in fixed.blocks else []
         elif fixed.flavor is not None:
             space.flavors = [fixed.flavor]
+
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """The set-up's policy where the ``checkpointing=`` argument leaves it to it or names the same one; two
+        different policies are a problem (the argument is kept, so it is still checked)."""
+        if setup.checkpointing is None:
+            return {"checkpointing": checkpointing}, []
+        if _same_policy(checkpointing, setup.checkpointing):
+            return {"checkpointing": setup.checkpointing}, []
+        return {"checkpointing": checkpointing}, [
+            f"checkpointing={checkpointing!r} and setup.checkpointing={str(setup.checkpointing)!r} are two different "
+            "policies for one step. To resolve this error, pass one of them."]
 
 
 TECHNIQUE = CheckpointingTechnique()

@@ -50,5 +50,9 @@ class ChunkedLossTechnique(Technique):
         if fixed.chunked_loss is not None:
             space.losses = [fixed.chunked_loss]
 
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """The loss chunked where asked for (None: whole)."""
+        return {"chunked_loss": bool(setup.chunked_loss)}, []
+
 
 TECHNIQUE = ChunkedLossTechnique()

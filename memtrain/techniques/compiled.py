@@ -40,5 +40,12 @@ class CompileTechnique(Technique):
                    "regions, and the embeddings, last norm, head and loss run eager)" if per_block else "")
                 + (f", because: {other}" if other else "")]
 
+    def trainer_problems(self, choices: Any) -> list[str]:
+        """The Trainer compiles the model itself (its own argument)."""
+        if not choices.compile:
+            return []
+        return ["compile=True: the Trainer compiles the model itself. To resolve this error, drop compile and pass "
+                "TrainingArguments(torch_compile=True)."]
+
 
 TECHNIQUE = CompileTechnique()

@@ -81,5 +81,19 @@ class PureBF16Technique(Technique):
                 space.placements, space.states, space.distributions)
             space.pure_bf16 = True
 
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """Pure bf16 where asked for (its rules with the optimizer and the precision are checked by ``trace``)."""
+        return {"pure_bf16": bool(setup.pure_bf16)}, []
+
+    def trainer_problems(self, choices: Any) -> list[str]:
+        """The Trainer helper trains the model's own weights (with an fp32 master where offloaded): no bf16-only
+        weights."""
+        if not choices.pure_bf16:
+            return []
+        return ["pure_bf16=True: MemtrainTrainer trains the model's own weights with the Trainer's AdamW (or "
+                "CPUOffloadOptimizer, with an fp32 master); it builds no bf16-only weights with stochastic rounding "
+                "(PureBF16AdamW). To resolve this error, drop pure_bf16 (bf16=True in the TrainingArguments is bf16 "
+                "autocast over fp32 weights), or train with `memtrain train --pure-bf16`."]
+
 
 TECHNIQUE = PureBF16Technique()

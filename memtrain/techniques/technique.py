@@ -1,7 +1,8 @@
 """A technique's part in memtrain, as one object: the ``Choices`` fields it owns, its rules with the others, what its
-setting fixes in a plan, its values in the search, and its reason line. Each technique's module subclasses
-``Technique`` once (``TECHNIQUE``) and overrides what the technique has; ``memtrain.techniques.REGISTRY`` lists them,
-and the planner, the checks and the reasons loop over it.
+setting fixes in a plan, its values in the search, its reason line, its part of an estimate's set-up, and what the
+Hugging Face Trainer helper cannot do of it. Each technique's module subclasses ``Technique`` once (``TECHNIQUE``)
+and overrides what the technique has; ``memtrain.techniques.REGISTRY`` lists them, and the planner, the checks, the
+reasons, the estimator and the Trainer helper loop over it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ class Technique:
     def reasons(self, view: PlanView) -> list[str]:
         """Its line in a plan's reasons: what was chosen, and what the best alternative costs."""
         return []
+
+    def trainer_problems(self, choices: Any) -> list[str]:
+        """What the Hugging Face Trainer helper (``memtrain.hf``'s ``prepare_model`` / ``MemtrainTrainer``) cannot
+        do of its setting in ``choices`` (a ``Choices``), in words naming the fix (none: it applies it, or it is
+        off)."""
+        return []
+
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """Its part of ``estimate``'s one set-up ``setup`` (a ``Choices``; None fields: off) as ``trace``'s keyword
+        arguments, with its contradictions with the ``checkpointing=`` / ``optimizer=`` arguments in words naming the
+        fix (where there is one, its options keep their defaults, so the other arguments are still checked)."""
+        return {}, []
 
     def __repr__(self) -> str:
         return f"<technique {self.name}>"

@@ -102,5 +102,14 @@ class WeightOffloadTechnique(Technique):
             space.placements = [p for p in space.placements if not OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER.refuses(
                 SetUp(offload_weights=True, placement=p))] or ["offload"]
 
+    def trainer_problems(self, choices: Any) -> list[str]:
+        """The Trainer moves the whole model to the device: no weights streamed from host memory."""
+        if not choices.offload_weights:
+            return []
+        return ["offload_weights=True: the Trainer moves the whole model to the device, and MemtrainTrainer does not "
+                "stream the blocks' weights from host memory. To resolve this error, drop offload_weights "
+                "(optimizer=OptimizerChoice(placement='offload') still keeps the optimizer state and master weights "
+                "in host memory), or train with `memtrain train --offload-weights`."]
+
 
 TECHNIQUE = WeightOffloadTechnique()

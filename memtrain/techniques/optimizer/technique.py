@@ -1,0 +1,294 @@
+"""The optimizer as a technique (``TECHNIQUE``): its rules with the other techniques, each written once (where its
+state may live with FSDP2, DDP, a partial offload and a step in backward, and what a named class cannot take), its
+share of a plan's fixed choices, its values in the search, its reason line, its part of an estimate's set-up, and what
+the Trainer helper cannot do of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memtrain.errors import ConfigError
+from memtrain.techniques.fixing import Fixing
+from memtrain.techniques.optimizer.named import NamedOptimizer
+from memtrain.techniques.rule import Rule, SetUp
+from memtrain.techniques.technique import Technique
+from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+
+OFFLOADED = ("offload", "offload-bf16-weights")  # the planner's placements that keep all of the state in host RAM
+# Classes whose step needs every gradient at once (or a closure), so a parameter cannot step alone in backward.
+NOT_PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.LBFGS,)
+
+
+def _per_parameter(named: NamedOptimizer | None) -> bool:
+    if named is None or named.is_adamw:
+        return True
+    try:
+        cls = named.resolve()
+    except ConfigError:
+        return True  # a class that does not resolve is refused for that, where it is named
+    return not issubclass(cls, NOT_PER_PARAMETER)
+
+
+# -- the rules ---------------------------------------------------------------------------------------------------
+GRADIENTS_BEFORE_DDP = Rule(
+    "gradients-before-ddp",
+    "DDP averages gradients after the hooks that act on them (a step in backward, a partial offload, gradients "
+    "offloaded as produced), so each rank would step on its own gradient and the ranks' weights would drift apart.",
+    "drop {but_last}, or run one process",
+    ("step_in_backward", "offload_fraction", "processes"),
+    lambda s: s.several_processes and bool(s.step_in_backward or s.offload_fraction))
+OFFLOAD_OPTIMIZER_FSDP = Rule(
+    "offload-optimizer-fsdp",
+    "FSDP2 shards the optimizer state itself and CPUOffloadOptimizer needs whole parameters.",
+    "drop one of {first} and {rest} (the optimizer on the device with FSDP2, or offloaded with DDP)",
+    ("placement", "fsdp"),
+    lambda s: s.placement in OFFLOADED and bool(s.fsdp))
+OFFLOAD_WITH_FRACTION = Rule(
+    "offload-with-fraction",
+    "the first puts all of the optimizer state in host RAM, the second a share of a device optimizer's.",
+    "pass one of them",
+    ("placement", "offload_fraction"),
+    lambda s: s.placement in OFFLOADED and s.offload_fraction is not None, shows_false=("offload_fraction",))
+OFFLOAD_WITH_IN_BACKWARD = Rule(
+    "offload-with-step-in-backward",
+    "the offloaded optimizer already takes each gradient off the device as it is produced and steps on the host; "
+    "step_in_backward is for the device optimizer.",
+    "pass one of them",
+    ("placement", "step_in_backward"),
+    lambda s: s.placement in OFFLOADED and bool(s.step_in_backward))
+IN_BACKWARD_WITH_FRACTION = Rule(
+    "step-in-backward-with-fraction",
+    "a partial offload steps after backward.",
+    "pass one of them",
+    ("step_in_backward", "offload_fraction"),
+    lambda s: bool(s.step_in_backward) and bool(s.offload_fraction),
+    # NOTE: build_optimizer builds it (the device part steps in backward, the host part after it); the plan's cost
+    # model does not, so the choices and the plan refuse it.
+    planned_only=True)
+IN_BACKWARD_FP16_SCALER = Rule(
+    "step-in-backward-fp16-scaler",
+    "an overflow must stop the parameters still to step on a flag read on the device, which only fused AdamW (fp32 "
+    "moments) takes, not lean moments or another optimizer class.",
+    "pass bf16-mixed precision (no scaler) or step_in_backward=False, or AdamW with state_precision='fp32'",
+    ("step_in_backward", "precision", "optimizer", "state_precision"),
+    lambda s: bool(s.step_in_backward) and s.precision == "fp16-mixed" and (
+        s.state_precision not in (None, "fp32") or not s.adamw))
+IN_BACKWARD_PER_PARAMETER = Rule(
+    "step-in-backward-per-parameter",
+    "its step needs every parameter's gradient (or a closure re-evaluating the loss), so a parameter cannot step "
+    "alone as its gradient is final.",
+    "use AdamW (build_optimizer's default) or pass step_in_backward=False",
+    ("step_in_backward", "optimizer"),
+    lambda s: bool(s.step_in_backward) and not _per_parameter(s.optimizer))
+BF16_WEIGHTS_PRECISION = Rule(
+    "bf16-device-weights-precision",
+    "its device weights are bf16 casts of the host master, which only bf16-mixed computes in.",
+    "pass precision='bf16-mixed', or optimizer 'offload' (fp32 device weights)",
+    ("placement", "precision"),
+    lambda s: s.placement == "offload-bf16-weights" and s.precision not in (None, "bf16-mixed"))
+NAMED_OWN_STATE = Rule(
+    "named-optimizer-own-state",
+    "lean moments and pure bf16 are memtrain's AdamW's; another optimizer class keeps its own state.",
+    "drop {rest}, or use the 'adamw' optimizer",
+    ("optimizer", "state_precision", "pure_bf16"),
+    lambda s: not s.adamw and (s.state_precision not in (None, "fp32") or bool(s.pure_bf16)))
+
+
+# -- its reason line ---------------------------------------------------------------------------------------------
+# The placements in the reasons; an alternative is named by the text before its parenthesis.
+PLACEMENT_TEXT = {"device": "AdamW on the device",
+                  "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
+                  "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
+
+
+def _named(name: str, pure_bf16: bool, named: NamedOptimizer | None = None) -> str:
+    """The optimizer's name in the reasons: AdamW's, or the class the run names; pure bf16 (only when asked for)
+    has no master anywhere."""
+    if named is not None and not named.is_adamw:
+        return name.replace("AdamW", named.path.rpartition(".")[2])
+    if not pure_bf16:
+        return name
+    return name.replace("fp32 master and state", "state").replace(
+        "AdamW", "pure bf16 AdamW (bf16 weights, no fp32 master, stochastic rounding; as asked)")
+
+
+def _chosen_text(view: PlanView, s: Any) -> str:
+    """The chosen optimizer in words: its placement, then its moments, its step in backward and its offloaded
+    share where they are not the plain ones."""
+    text = _named(PLACEMENT_TEXT[s.optimizer], s.pure_bf16, s.optimizer_class)
+    details = []
+    if s.state_precision != "fp32":
+        details.append(f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, "
+                       "not 8)")
+    if s.step_in_backward:
+        details.append("each parameter stepping in backward, its gradient freed at once"
+                       + (" (one backward pass: clipped by the previous step's norm, the first step unclipped)"
+                          if view.grad_clip else ""))
+    if s.offload_fraction:
+        details.append(f"{100 * s.offload_fraction:.0f}% of the state in host RAM")
+    if details:
+        return f"{text} with {', '.join(details)}"
+    if not s.optimizer_class.is_adamw:
+        return f"{text} ({s.optimizer_class.text}, as asked: its own state)"
+    if s.optimizer == "device" and not s.pure_bf16:
+        return f"{text} (fused, fp32 moments)"
+    return text
+
+
+class OptimizerTechnique(Technique):
+    """The optimizer's class (named, never planned), placement, moments and step."""
+
+    name = "optimizer"
+    fields = ("optimizer",)  # the Choices field this technique owns: an OptimizerChoice, of SETTING_FIELDS
+    rules = (GRADIENTS_BEFORE_DDP, OFFLOAD_OPTIMIZER_FSDP, OFFLOAD_WITH_FRACTION, OFFLOAD_WITH_IN_BACKWARD,
+             IN_BACKWARD_WITH_FRACTION, IN_BACKWARD_FP16_SCALER, IN_BACKWARD_PER_PARAMETER, BF16_WEIGHTS_PRECISION,
+             NAMED_OWN_STATE)
+    search = ("offload-optimizer", "bf16-weights", "optimizer-state", "step-in-backward")
+
+    def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
+        """The optimizer's share of a plan's fixed choices (``choices``: a ``Choices``). Placed on the device (or
+        given lean moments, an in-backward step or an offloaded share) it is never offloaded; placed on the device, it
+        keeps fp32 weights and no share of its state on the host. Another class keeps its own state: no lean moments
+        to search."""
+        opt = choices.optimizer  # an OptimizerChoice
+        closed, fraction = set(), opt.offload_fraction
+        if opt.placement == "device":
+            closed |= {"offload-optimizer", "bf16-weights"}
+            fraction = 0.0 if fraction is None else fraction
+        named, state_precision = opt.named, opt.state_precision
+        if not named.is_adamw:
+            closed.add("optimizer-state")
+            state_precision = "fp32"
+        return Fixing({"optimizer": opt.fixed_placement, "state_precision": state_precision,
+                       "step_in_backward": opt.step_in_backward, "offload_fraction": fraction,
+                       "optimizer_class": named}, closed)
+
+    def left_open(self, fixed: Any) -> list[str]:
+        """What fixes the optimizer where the plan cannot choose it (``fixed``: a plan's ``Fixed``): its placement, and
+        on the device (or where the plan could put it there) its moments and its step."""
+        on_device = fixed.optimizer != "offload"
+        return [text for text, value in (
+            ("optimizer.placement='device'", fixed.optimizer),
+            ("optimizer.state_precision='fp32'", fixed.state_precision if on_device else "fp32"),
+            ("optimizer.step_in_backward=False", fixed.step_in_backward if on_device else False)) if value is None]
+
+    def reasons(self, view: PlanView) -> list[str]:
+        """The optimizer (placement, moments, when it steps), against fused fp32 AdamW on the device, the other
+        placements, and a leaner device optimizer."""
+        s = view.settings
+        placement, state = view.column("optimizer"), view.column("state_precision")
+        in_backward, fraction = view.column("step_in_backward"), view.column("offload_fraction")
+        plain = (placement == "device") & (state == "fp32") & (in_backward == False) & (fraction == 0)  # noqa: E712
+        chosen_plain = bool(plain[view.chosen])
+        alternatives = []
+        if not chosen_plain:
+            fused = "fused fp32 AdamW on the device"
+            alternatives.append(view.alternative(plain, fused if s.optimizer_class.is_adamw else _named(
+                fused, False, s.optimizer_class).replace("fused fp32 ", "")))
+        alternatives += [view.alternative(placement == o, _named(PLACEMENT_TEXT[o].split(" (")[0], False,
+                                                                 s.optimizer_class)) for o in PLACEMENT_TEXT
+                         if o != s.optimizer and o != "device" and (placement == o).any()]
+        if chosen_plain and (~plain & (placement == "device")).any():
+            alternatives.append(view.alternative(~plain & (placement == "device"), "a leaner device optimizer",
+                                                 lean=True))
+        alternatives = [a for a in alternatives if a]
+        if s.offload_weights and not alternatives:  # the only placement that streamed weights leave
+            alternatives = ["parameter offload streams the blocks' weights from its master in host RAM"]
+        text = f"optimizer {_chosen_text(view, s)}"
+        if alternatives:
+            return [f"{text}, because: {'; '.join(alternatives)}"]
+        return [text + ("" if view.device == "cuda" else ": on a CPU an offload only copies within RAM")]
+
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """On the device; on CUDA offloaded too (with bf16 device weights where bf16-mixed computes in them);
+        fp32 moments, and bf16 and int8 (where bitsandbytes runs) ones where lean moments are allowed."""
+        space.placements = ["device"]
+        if problem.cuda and "offload-optimizer" in allowed:
+            space.placements.append("offload")
+            if "bf16-weights" in allowed and not BF16_WEIGHTS_PRECISION.refuses(
+                    SetUp(placement="offload-bf16-weights", precision=problem.precision)):
+                space.placements.append("offload-bf16-weights")
+        space.states = ["fp32"]
+        if "optimizer-state" in allowed:
+            space.states += ["bf16", *(["int8"] if problem.int8 else [])]
+
+    def narrow(self, space: SearchSpace, fixed: Any) -> None:
+        if fixed.optimizer is not None:
+            space.placements = [fixed.optimizer]
+        if fixed.state_precision is not None:
+            space.states = [fixed.state_precision]
+
+    def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
+        """The optimizer ``estimate`` traces: the ``optimizer=`` argument, or the class the set-up names, offloaded
+        ("adamw-offload", or a named class's whole state in host RAM) where the set-up places it there; and AdamW's
+        moments, step and offloaded share. Parameter offload's implied placement is the optimizer's to trace here
+        (the options it changes are the optimizer's). Where the set-up and the argument contradict, AdamW's options
+        keep their defaults."""
+        choice = setup.optimizer  # an OptimizerChoice
+        options: dict[str, Any] = {
+            "optimizer": optimizer, "state_precision": choice.state_precision or "fp32",
+            "offload_fraction": choice.offload_fraction or 0.0, "step_in_backward": bool(choice.step_in_backward)}
+        problems = []
+        lean = choice.state_precision not in (None, "fp32") or bool(choice.offload_fraction) or bool(
+            choice.step_in_backward)  # memtrain.optim's AdamW rather than torch's
+        # Parameter offload streams the weights from the offloaded optimizer's master: it implies that optimizer.
+        offloaded = choice.placement == "offload" or (choice.placement is None and bool(setup.offload_weights))
+        if not choice.named.is_adamw:  # a named class, wrapped as memtrain's AdamW is (offloaded: all of its state)
+            if optimizer != "adamw":
+                problems.append(f"setup.optimizer.name={choice.named.path!r} with optimizer={optimizer!r}: two "
+                                "optimizers for one step. To resolve this error, pass one of them.")
+            options["optimizer"] = choice.named
+            if offloaded:
+                options["offload_fraction"] = 1.0
+        elif offloaded and optimizer == "adamw":
+            options["optimizer"] = "adamw-offload"
+        elif offloaded and optimizer != "adamw-offload":
+            problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded "
+                            "optimizer is AdamW (CPUOffloadOptimizer). To resolve this error, pass optimizer='adamw', "
+                            "or drop placement='offload'.")
+        elif (choice.placement == "device" or choice.offload_fraction or choice.step_in_backward) and (
+                optimizer == "adamw-offload"):  # lean moments go with either placement
+            asked = [f"{name}={getattr(choice, name)!r}" for name in ("placement", "state_precision",
+                                                                      "step_in_backward", "offload_fraction")
+                     if getattr(choice, name)]
+            problems.append(f"setup.optimizer {', '.join(asked)} with optimizer='adamw-offload': those choose AdamW "
+                            "on the device, 'adamw-offload' puts all of its state in host RAM. To resolve this error, "
+                            "pass optimizer='adamw', or drop them.")
+        elif lean and optimizer != "adamw":
+            problems.append(f"setup.optimizer's state_precision, step_in_backward and offload_fraction are options "
+                            f"of AdamW (memtrain.optim), not of optimizer={optimizer!r}. To resolve this error, pass "
+                            "optimizer='adamw', or drop them.")
+        if problems:
+            options.update(state_precision="fp32", offload_fraction=0.0, step_in_backward=False)
+        return options, problems
+
+    def trainer_problems(self, choices: Any) -> list[str]:
+        """The Trainer builds its own AdamW on the device and steps after backward: lean moments and another class
+        only offloaded (``CPUOffloadOptimizer``), no step in backward, no partial offload."""
+        optimizer = choices.optimizer  # an OptimizerChoice
+        problems = []
+        if optimizer.state_precision is not None and optimizer.placement != "offload":
+            problems.append(f"optimizer.state_precision={optimizer.state_precision!r}: the Trainer's AdamW keeps its "
+                            "moments in its own dtype; MemtrainTrainer builds memtrain.optim's lean moments only on "
+                            "the host. To resolve this error, add placement='offload' (CPUOffloadOptimizer), drop "
+                            "state_precision (or train with `memtrain train`, which does).")
+        if not optimizer.named.is_adamw and optimizer.placement != "offload":
+            problems.append(f"optimizer.name={optimizer.named.path!r} on the device: the Trainer builds its own "
+                            "optimizer there. To resolve this error, name it in the TrainingArguments (optim=...) or "
+                            "pass Trainer(optimizers=...), or add placement='offload' (CPUOffloadOptimizer steps the "
+                            "class on the host).")
+        if optimizer.step_in_backward:
+            problems.append("optimizer.step_in_backward=True: the Trainer steps after backward and clips through the "
+                            "accelerator; MemtrainTrainer cannot step each parameter inside backward. To resolve this "
+                            "error, drop step_in_backward (or train with `memtrain train`).")
+        if optimizer.offload_fraction:
+            problems.append(f"optimizer.offload_fraction={optimizer.offload_fraction}: MemtrainTrainer offloads all "
+                            "of the optimizer state or none. To resolve this error, pass "
+                            "OptimizerChoice(placement='offload') (all of it) or drop offload_fraction.")
+        return problems
+
+
+TECHNIQUE = OptimizerTechnique()
