@@ -32,9 +32,6 @@ EXTRAS = {
     "bitsandbytes": "pip install 'memtrain[lowbit]'",
     "torchao": "pip install torchao",
 }
-# Hyper-parameters the training config gives every optimizer; the others keep the class's defaults unless named in
-# the optimizer's kwargs (AdamW's betas and eps mean something else, or nothing, to other classes).
-_SHARED = ("lr", "weight_decay")
 
 
 @dataclass(frozen=True)
