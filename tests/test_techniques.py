@@ -225,3 +225,27 @@ def test_an_estimates_options_are_each_techniques_own():
     options, problems = setup_options(Choices(checkpointing="all"), checkpointing="every:2", optimizer="adamw",
                                       precision="fp32")
     assert options["checkpointing"] == "every:2" and problems[0].startswith("checkpointing='every:2' and"), problems
+
+
+def test_what_a_resumed_run_cannot_change_comes_from_each_technique(monkeypatch):
+    from memtrain.planner import PlanSettings
+    from memtrain.run.replan import check_kept_optimizer
+
+    kept = PlanSettings(micro_batch_size=1, accumulation=1, blocks=(), flavor="full", chunked_loss=False,
+                        optimizer="offload", distribution="none", compile=False)
+    asked = Choices(pure_bf16=True, optimizer=OptimizerChoice(state_precision="bf16"))
+    assert [given for t in techniques.REGISTRY for given, _ in t.kept_differences(asked, kept)] == [
+        "optimizer.state_precision='bf16'", "pure_bf16=True"]  # the registry's order
+    assert techniques.weight_offload.TECHNIQUE.kept_differences(Choices(offload_weights=True), kept) == [
+        ("offload_weights=True", "offload_weights=True")]
+    assert all(t.kept_differences(Choices(), kept) == [] for t in techniques.REGISTRY)  # unset: the run's own
+
+    class Kept(techniques.Technique):  # a technique added to the registry is asked too: the resume names none
+        name = "kept"
+
+        def kept_differences(self, choices, kept):
+            return [("kept=1", "kept=")]
+
+    monkeypatch.setattr(techniques, "REGISTRY", (*techniques.REGISTRY, Kept()))
+    with pytest.raises(ConfigError, match=r"^kept=1: the run's optimizer is offload.* drop kept= or start a new run"):
+        check_kept_optimizer(Choices(), kept)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain import techniques
 from memtrain.checkpointing import find_blocks
 from memtrain.choices import Choices
 from memtrain.config import TrainConfig
@@ -227,25 +228,11 @@ def check_kept_optimizer(choices: Choices, kept: PlanSettings) -> None:
     """ConfigError where ``choices`` fix another optimizer than the one a run keeps (a resume, a re-plan: its state
     exists already), or another weight layout (pure bf16 weights have no master; streamed weights are the
     optimizer's), naming each field that differs."""
-    asked = choices.optimizer
-    differ = [f"optimizer.{name}={value!r}" for name, value, have in (
-        ("placement", asked.placement, "device" if kept.optimizer == "device" else "offload"),  # bf16 weights too
-        ("state_precision", asked.state_precision, kept.state_precision),
-        ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
-        ("offload_fraction", asked.offload_fraction, kept.offload_fraction)) if value is not None and value != have]
-    differ += [f"{name}={value!r}" for name, value, have in (
-        ("pure_bf16", choices.pure_bf16 or None, kept.pure_bf16),  # False: unset (the run's own)
-        ("offload_weights", choices.offload_weights, kept.offload_weights)) if value is not None and value != have]
-    # Another class cannot take the state the run's class left (None: the run's own, as for the other fields).
-    if asked.name is not None and asked.named.path != kept.optimizer_class.path:
-        differ.insert(0, f"optimizer.name={asked.named.path!r}")
-    elif asked.kwargs is not None and asked.named.kwargs != kept.optimizer_class.kwargs:
-        differ.insert(0, f"optimizer.kwargs={dict(asked.named.kwargs)!r}")
+    differ = [d for technique in techniques.REGISTRY for d in technique.kept_differences(choices, kept)]
     if differ:
-        drop = [d if d.startswith(("pure_bf16", "offload_weights")) else d.split("=")[0] + "=" for d in differ]
-        raise ConfigError(f"{', '.join(differ)}: the run's optimizer is {kept.optimizer_text}, and its state exists "
-                          f"already (a resume or a re-plan keeps it). To resolve this error, drop {' and '.join(drop)} "
-                          "or start a new run (overwrite=True).")
+        raise ConfigError(f"{', '.join(given for given, _ in differ)}: the run's optimizer is {kept.optimizer_text}, "
+                          "and its state exists already (a resume or a re-plan keeps it). To resolve this error, drop "
+                          f"{' and '.join(drop for _, drop in differ)} or start a new run (overwrite=True).")
 
 
 def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: int, precision: str,

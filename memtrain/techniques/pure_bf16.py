@@ -96,4 +96,11 @@ class PureBF16Technique(Technique):
                 "autocast over fp32 weights), or train with `memtrain train --pure-bf16`."]
 
 
+    def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
+        """Pure bf16 asked for where the run keeps an fp32 master (False is unset: the run's own)."""
+        if choices.pure_bf16 and not kept.pure_bf16:
+            return [("pure_bf16=True", "pure_bf16=True")]
+        return []
+
+
 TECHNIQUE = PureBF16Technique()

@@ -1,6 +1,6 @@
 """A technique's part in memtrain, as one object: the ``Choices`` fields it owns, its rules with the others, what its
-setting fixes in a plan, its values in the search, its reason line, its part of an estimate's set-up, and what the
-Hugging Face Trainer helper cannot do of it. Each technique's module subclasses ``Technique`` once (``TECHNIQUE``)
+setting fixes in a plan, its values in the search, its reason line, its part of an estimate's set-up, what the
+Hugging Face Trainer helper cannot do of it, and what a resumed run cannot change of it. Each technique's module subclasses ``Technique`` once (``TECHNIQUE``)
 and overrides what the technique has; ``memtrain.techniques.REGISTRY`` lists them, and the planner, the checks, the
 reasons, the estimator and the Trainer helper loop over it.
 """
@@ -57,6 +57,13 @@ class Technique:
         arguments, with its contradictions with the ``checkpointing=`` / ``optimizer=`` arguments in words naming the
         fix (where there is one, its options keep their defaults, so the other arguments are still checked)."""
         return {}, []
+
+    def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
+        """Where ``choices`` (a run's ``Choices``; None fields: the run's own) ask for another setting of it than
+        ``kept`` (the ``PlanSettings`` of a run whose optimizer state exists already: a resume, a re-plan) holds,
+        and the state cannot follow: (what was asked, what to drop) per field, e.g.
+        ("optimizer.state_precision='bf16'", "optimizer.state_precision=")."""
+        return []
 
     def __repr__(self) -> str:
         return f"<technique {self.name}>"

@@ -112,4 +112,12 @@ class WeightOffloadTechnique(Technique):
                 "in host memory), or train with `memtrain train --offload-weights`."]
 
 
+    def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
+        """Streamed weights asked for (or refused) where the run keeps the other layout: they are the optimizer's."""
+        if choices.offload_weights is not None and choices.offload_weights != kept.offload_weights:
+            given = f"offload_weights={choices.offload_weights!r}"
+            return [(given, given)]
+        return []
+
+
 TECHNIQUE = WeightOffloadTechnique()

@@ -291,4 +291,21 @@ class OptimizerTechnique(Technique):
         return problems
 
 
+    def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
+        """The class (its name, else its kwargs), the placement (the offloaded optimizer with bf16 device weights is
+        placement "offload" too: ``Choices`` cannot name the weights), the moments, the step in backward and the
+        share offloaded: another one cannot take the state the run's left."""
+        asked = choices.optimizer
+        differ = [(f"optimizer.{name}={value!r}", f"optimizer.{name}=") for name, value, have in (
+            ("placement", asked.placement, "device" if kept.optimizer == "device" else "offload"),
+            ("state_precision", asked.state_precision, kept.state_precision),
+            ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
+            ("offload_fraction", asked.offload_fraction, kept.offload_fraction)) if value is not None and value != have]
+        if asked.name is not None and asked.named.path != kept.optimizer_class.path:
+            differ.insert(0, (f"optimizer.name={asked.named.path!r}", "optimizer.name="))
+        elif asked.kwargs is not None and asked.named.kwargs != kept.optimizer_class.kwargs:
+            differ.insert(0, (f"optimizer.kwargs={dict(asked.named.kwargs)!r}", "optimizer.kwargs="))
+        return differ
+
+
 TECHNIQUE = OptimizerTechnique()
