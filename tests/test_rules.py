@@ -27,7 +27,7 @@ HYPER = dict(lr=1e-3)
 
 def test_the_rules_are_listed_once_each():
     assert [r.name for r in techniques.RULES] == [
-        "checkpoint-offload-inputs",
+        "checkpoint-offload-inputs", "chunked-loss-model",
         "gradients-before-ddp", "offload-optimizer-fsdp", "offload-with-fraction", "offload-with-step-in-backward",
         "step-in-backward-with-fraction", "step-in-backward-fp16-scaler", "step-in-backward-per-parameter",
         "bf16-device-weights-precision", "named-optimizer-own-state",
@@ -104,6 +104,7 @@ PLANNER = {
     "pure-bf16-precision": lambda: check_fixed(Fixed(pure_bf16=True), 2, True, True, "fp16-mixed"),
     "step-in-backward-fp16-scaler": lambda: check_fixed(
         Fixed(step_in_backward=True, optimizer_class=NamedOptimizer.of("adafactor")), 2, True, True, "fp16-mixed"),
+    "chunked-loss-model": lambda: check_fixed(Fixed(chunked_loss=True), 2, True, False, "fp32"),
 }
 
 
@@ -190,3 +191,61 @@ def test_each_rules_reason_is_written_only_in_its_techniques_module(rule):
     owner = next(t for t in techniques.REGISTRY if rule in t.rules)
     module = Path(sys.modules[type(owner).__module__].__file__)  # techniques/<name>.py, or a package's module
     assert homes == [str(module.relative_to(PACKAGE.parent))], (rule.name, sentence, homes)
+
+
+class _UnchunkableLM(torch.nn.Module):
+    """Blocks, but a loss ``memtrain.loss`` does not know how to chunk (not GPT, not a Hugging Face model)."""
+
+    def __init__(self, blocks: int = 2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(blocks))
+        self.head = torch.nn.Linear(8, 64)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_loss_that_cannot_be_chunked_is_one_rule_in_the_same_words_wherever_the_model_is_known():
+    """The chunked loss's rule with the model (it was five checks, each worded its own way): the planner's checks
+    of fixed choices and of hand-made set-ups, a run without blocks, the estimator (memtrain estimate: the next test)."""
+    from memtrain.config import TrainConfig
+    from memtrain.estimate import estimate
+    from memtrain.planner import PlanSettings
+    from memtrain.planner.checks import check_settings
+    from memtrain.run.replan import RunContext, plan_for_run
+
+    why = next(r for r in techniques.RULES if r.name == "chunked-loss-model").why
+    settings = PlanSettings(micro_batch_size=1, accumulation=1, blocks=("keep", "keep"), flavor="full",
+                            chunked_loss=True, optimizer="device", distribution="none", compile=False)
+    context = RunContext(seq_len=4, global_batch=2, device=torch.device("cpu"), world=1, precision="fp32")
+    messages = {
+        "fixed": _refusal(lambda: check_fixed(Fixed(chunked_loss=True), 2, True, False, "fp32")),
+        "settings": _refusal(lambda: check_settings(settings, 2, 1, True, 1, False, "fp32")),
+        "no blocks": _refusal(lambda: plan_for_run(torch.nn.Linear(8, 8), TrainConfig(
+            choices=Choices(chunked_loss=True)), context)),
+        "estimate": _refusal(lambda: estimate(_UnchunkableLM(), torch.zeros(2, 8, dtype=torch.long), device="cpu",
+                                              setup=Choices(chunked_loss=True))),
+    }
+    for site, message in messages.items():
+        assert message.startswith(f"chunked_loss=True: {why} To resolve this error, pass chunked_loss=False"), (
+            site, message)
+    assert messages["fixed"].endswith("(or leave it to the plan).")  # the planner's own fix: it could choose
+    assert not techniques.problems(SetUp(chunked_loss=True))  # a model not known: nothing to refuse
+    assert not techniques.problems(SetUp(chunked_loss=False, chunkable=False))
+
+
+def test_memtrain_estimate_names_the_loss_rule_in_flag_terms(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from memtrain.cli import main
+
+    why = next(r for r in techniques.RULES if r.name == "chunked-loss-model").why
+    transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+                             head_dim=16).save_pretrained(tmp_path)  # "gemma": a model type memtrain.loss does not chunk
+    assert main(["estimate", "--hf-config", str(tmp_path / "config.json"), "--seq-len", "64",
+                 "--micro-batch-size", "2", "--chunked-loss", "--json"]) == 2
+    assert f"--chunked-loss: {why} To resolve this error, pass --no-chunked-loss." in capsys.readouterr().err

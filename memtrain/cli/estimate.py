@@ -28,9 +28,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     chunked = setup.chunked_loss
     if chunked is None:  # as memtrain train did by hand: with checkpointing, the loss chunked where the model allows
         chunked = policy.mode != "none" and supports_chunked_loss(target)
-    elif chunked and not supports_chunked_loss(target):
-        raise ConfigError(f"--chunked-loss, but memtrain cannot chunk the loss of {name} (see memtrain.loss). To "
-                          "resolve this error, drop --chunked-loss.")
     setup = dataclasses.replace(setup, chunked_loss=chunked)
     report = estimate(target, meta_batch(args, args.micro_batch_size, seq_len), device=args.device,
                       precision=args.precision, setup=setup)

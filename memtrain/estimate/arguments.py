@@ -17,7 +17,7 @@ from memtrain.errors import ConfigError
 from memtrain.estimate.fake import batch_spec, max_positions
 from memtrain.estimate.optimizer_state import as_optimizer
 from memtrain.estimate.tracker import numel
-from memtrain.loss import HF_MODEL_TYPES, chunk_tokens_of, supports_chunked_loss
+from memtrain.loss import chunk_tokens_of, supports_chunked_loss
 from memtrain.techniques import REGISTRY, SetUp
 from memtrain.techniques import problems as rule_problems
 from memtrain.techniques.optimizer import NamedOptimizer
@@ -206,10 +206,7 @@ def check_against_model(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...
         if max_pos is not None and shape[1] > max_pos:
             problems.append(f"batch: sequences of {shape[1]} tokens are longer than the model's {max_pos} positions. "
                             f"To resolve this error, pass seq_len <= {max_pos} or a config with more positions.")
-    if chunked_loss and not supports_chunked_loss(meta):
-        problems.append(f"chunked_loss=True: memtrain.loss cannot chunk the loss of {type(meta).__name__} "
-                        f"(model type {getattr(getattr(meta, 'config', None), 'model_type', None)!r}; it knows "
-                        f"GPT and {sorted(HF_MODEL_TYPES)}). To resolve this error, pass chunked_loss=False.")
+    problems += rule_problems(SetUp(chunked_loss=chunked_loss, chunkable=supports_chunked_loss(meta)))
     chunk_tokens = chunk_tokens_of(meta) or 1024  # the model's own chunk size when its loss is chunked already
     if chunked_loss and tokens > MAX_LOSS_CHUNKS * chunk_tokens:
         problems.append(f"batch: {tokens:,} tokens per micro-batch make {tokens // chunk_tokens:,} loss chunks of "

@@ -18,7 +18,8 @@ from memtrain.techniques import problems as rule_problems
 # How the planner's fixed choices and set-ups read in the rules' messages: the placement is "optimizer".
 PLAN_TERMS = Terms(labels={"placement": "optimizer", "optimizer": "optimizer_class"}, fixes={
     "offload-weights-device-optimizer": "pass optimizer 'offload' (or 'offload-bf16-weights'), or drop "
-                                        "offload_weights=True"})
+                                        "offload_weights=True",
+    "chunked-loss-model": "pass chunked_loss=False (or leave it to the plan)"})
 
 
 # -- the checks ---------------------------------------------------------------------------------------------
@@ -79,13 +80,11 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
                         "(offload_activations) for a CPU run.")
     # NOTE: a fixed optimizer offload is planned on the CPU too (CPUOffloadOptimizer runs there, the same code
     # path as on a GPU); the search never proposes one there.
-    if f.chunked_loss and not chunkable:
-        problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss). To "
-                        "resolve this error, pass chunked_loss=False (or leave it to the plan).")
     problems += rule_problems(SetUp(
         placement=f.optimizer, state_precision=f.state_precision, step_in_backward=f.step_in_backward,
         offload_fraction=f.offload_fraction or None, optimizer=f.optimizer_class, pure_bf16=f.pure_bf16,
-        offload_weights=f.offload_weights, compile=f.compile, precision=precision), PLAN_TERMS)
+        offload_weights=f.offload_weights, compile=f.compile, precision=precision, chunked_loss=f.chunked_loss,
+        chunkable=chunkable), PLAN_TERMS)
     ConfigError.raise_if(problems)
 
 
@@ -125,23 +124,22 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
     if (s.distribution == "none") != (world == 1):
         problems.append(f"distribution {s.distribution!r} with world_size={world}: one process is 'none', "
                         "several 'ddp' or 'fsdp2'.")
-    if s.chunked_loss and not chunkable:
-        problems.append("chunked_loss=True, but memtrain cannot chunk this model's loss (see memtrain.loss).")
     if s.state_precision not in ("fp32", "bf16", "int8"):
         problems.append(f"state_precision={s.state_precision!r} is not one of fp32, bf16, int8.")
     if not 0.0 <= s.offload_fraction <= 1.0:
         problems.append(f"offload_fraction={s.offload_fraction!r}: a share in [0, 1] of a device optimizer's state.")
-    problems += rule_problems(setup_of(s, world, precision), PLAN_TERMS)
+    problems += rule_problems(setup_of(s, world, precision, chunkable), PLAN_TERMS)
     ConfigError.raise_if(problems)
 
 
-def setup_of(s: PlanSettings, world: int, precision: str) -> SetUp:
-    """A set-up as the rules read it (a share of 0 offloaded is none)."""
+def setup_of(s: PlanSettings, world: int, precision: str, chunkable: bool | None = None) -> SetUp:
+    """A set-up as the rules read it (a share of 0 offloaded is none; ``chunkable``: whether the model's loss can be
+    chunked, None: not known)."""
     return SetUp(placement=s.optimizer, state_precision=s.state_precision, step_in_backward=s.step_in_backward,
                  offload_fraction=s.offload_fraction if 0 < s.offload_fraction <= 1 else None,
                  optimizer=s.optimizer_class, pure_bf16=s.pure_bf16,
                  offload_weights=s.offload_weights, compile=s.compile, precision=precision, processes=world,
-                 fsdp=s.distribution == "fsdp2")
+                 fsdp=s.distribution == "fsdp2", chunked_loss=s.chunked_loss, chunkable=chunkable)
 
 
 def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_batch_size: int, world_size: int,

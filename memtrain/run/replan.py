@@ -246,9 +246,8 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
         raise ConfigError(f"offload_weights=True, but auto found no repeated blocks in {type(model).__name__} to "
                           "stream one at a time (no nn.ModuleList/nn.Sequential of one module type, no Hugging Face "
                           "_no_split_modules). To resolve this error, drop offload_weights=True.")
-    if choices.chunked_loss and not supports_chunked_loss(model):
-        raise ConfigError(f"chunked_loss=True, but memtrain cannot chunk the loss of {type(model).__name__} (see "
-                          "memtrain.loss). To resolve this error, pass chunked_loss=False or leave it unset.")
+    ConfigError.raise_if(techniques.problems(techniques.SetUp(chunked_loss=choices.chunked_loss,
+                                                              chunkable=supports_chunked_loss(model))))
     # Nothing per block to plan: the policy is moot (whatever it says, no block to apply it to).
     fixed, _, _ = Fixed.of_choices(dataclasses.replace(choices, checkpointing=None), n_blocks=0, device="cuda")
     settings = fixed.settings(micro_batch_size=micro, accumulation=per_rank // micro, blocks=(), flavor="full",

@@ -1,8 +1,9 @@
 """The techniques, one module each, one ``Technique`` object each: its setting (a ``Choices`` field and its flag),
-its rules with the others, its share of a plan's fixed choices, its values in the search, and its reason line.
+its rules with the others, its share of a plan's fixed choices, its values in the search, its reason line, its part
+of an estimate's set-up, what the Trainer helper cannot do of it and what a resumed run cannot change of it.
 
-``REGISTRY`` lists them; ``RULES`` is every rule between two techniques, each written once in the module of the
-technique it restricts; ``SEARCH`` the names ``plan(techniques=...)`` takes; ``fixed_shares`` the one translation
+``REGISTRY`` lists them; ``RULES`` is every rule between two techniques (or a technique and the model, such as a loss
+that cannot be chunked), each written once in the module of the technique it restricts; ``SEARCH`` the names ``plan(techniques=...)`` takes; ``fixed_shares`` the one translation
 of a run's choices into what its plan keeps. Every site that checks a combination (``Choices`` at start-up,
 ``build_optimizer``, the planner's checks and its search) asks ``problems`` (or ``refuses``) with a ``SetUp`` of what
 it knows, so a combination is refused for one reason, in the same words, wherever it is caught.

@@ -1,6 +1,6 @@
 """Chunked loss: the loss's fp32 logits 1024 tokens at a time, never the whole batch's (``memtrain.loss``). Its
-setting is ``Choices.chunked_loss``; it has no rule with the other techniques (a model whose loss cannot be chunked
-is refused where the model is known).
+setting is ``Choices.chunked_loss``; it has no rule with the other techniques, one with the model (a model whose loss
+``memtrain.loss`` cannot chunk), which every site that knows the model asks.
 """
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
+from memtrain.loss import HF_MODEL_TYPES
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
+from memtrain.techniques.rule import Rule
 from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
 
@@ -17,12 +19,21 @@ FIELD = field(default=None, metadata=flag(
     "--chunked-loss", "the loss's fp32 logits 1024 tokens at a time, never whole ({unset})", kind="switch",
     off="on with checkpointing where the model allows it"))
 
+CHUNKED_LOSS_MODEL = Rule(
+    "chunked-loss-model",
+    "memtrain.loss cannot chunk this model's loss: it chunks memtrain's GPT and the Hugging Face model types whose "
+    f"head is a plain linear layer on the last hidden state ({', '.join(sorted(HF_MODEL_TYPES))}).",
+    "pass chunked_loss=False",
+    ("chunked_loss", "chunkable"),
+    lambda s: bool(s.chunked_loss) and s.chunkable is False)
+
 
 class ChunkedLossTechnique(Technique):
     """The loss's logits a chunk of tokens at a time: on, off, or the plan's."""
 
     name = "chunked loss"
     fields = ("chunked_loss",)
+    rules = (CHUNKED_LOSS_MODEL,)
     search = ("chunked-loss",)
 
     def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:

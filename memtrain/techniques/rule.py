@@ -1,4 +1,5 @@
-"""A rule between two techniques, written once with its test: what it refuses, why, and the fix.
+"""A rule between two techniques (or between a technique and the model it runs on), written once with its test:
+what it refuses, why, and the fix.
 
 A rule's test reads one ``SetUp``, a flat view of a run's choices as far as a site knows them (``None``: not given,
 not in use, or not known there). Every site that checks rules (``Choices`` at start-up, ``build_optimizer`` and the
@@ -38,6 +39,8 @@ class SetUp:
     checkpointing: the checkpointing policy (its "+offload" offloads the recomputed blocks' inputs).
     precision: the compute precision ("fp32", "bf16-mixed", "fp16-mixed"; fp16's GradScaler counts as the last).
     processes: the ranks of the run; fsdp: FSDP2 shards it.
+    chunked_loss: the loss chunked (True) or whole (False).
+    chunkable: a fact of the model where a site knows it: whether ``memtrain.loss`` can chunk its loss.
     """
 
     placement: str | None = None
@@ -53,6 +56,8 @@ class SetUp:
     precision: str | None = None
     processes: int | None = None
     fsdp: bool | None = None
+    chunked_loss: bool | None = None
+    chunkable: bool | None = None
 
     @property
     def several_processes(self) -> bool:
