@@ -435,7 +435,7 @@ def _reasons(in_force: PlanInForce, precision_reason: str, schedule_reasons: lis
                        f" held-out examples spread evenly over all {len(val_data)}, so it compares with the training loss")
     if in_force.plan is not None:
         p = in_force.plan
-        reasons.insert(1, f"plan: {s.checkpointing} checkpointing, loss {'chunked' if s.chunked_loss else 'whole'}, "
+        reasons.insert(1, f"plan: {s.checkpointing} checkpointing, loss {s.loss_text}, "
                           f"optimizer {s.optimizer_text}{', compiled' if s.compile else ''}; predicted peak "
                           f"{format_bytes(p.peak_bytes)} per rank, {p.tokens_per_s:,.0f} tokens/s "
                           f"(planned in {p.plan_seconds:.1f} s)")

@@ -108,7 +108,7 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
     budget_text = "no budget" if usable is None else f"the usable {format_bytes(usable)}"
     if results.explicit and not results.searched:  # nothing was searched: the set-up was given
         return [f"precision {ctx.precision}, checkpointing {s.checkpointing}, loss "
-                f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}, micro-batch "
+                f"{s.loss_text}, optimizer {s.optimizer_text}, micro-batch "
                 f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
                 _peak_reason(peak, budget_text)]
     alternative = _Alternatives(results, chosen, fits, fits_host, usable, budget_text)
@@ -233,7 +233,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                  f"{format_bytes(usable)} ({format_bytes(budget_bytes)} less the {100 * margin:.0f}% margin)")
         raise ConfigError(
             f"the set-up asked for (micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
-            f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}) {where}. To resolve this error, "
+            f"{s.loss_text}, optimizer {s.optimizer_text}) {where}. To resolve this error, "
             "leave the choices to the plan (drop the fixed micro-batch or techniques), or raise the budget.")
     peaks = results.peak.copy()
     for k, (p, _) in verified.items():
@@ -275,7 +275,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
 
 def _setup_text(s: PlanSettings) -> str:
     return (f"micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
-            f"{'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}")
+            f"{s.loss_text}, optimizer {s.optimizer_text}")
 
 
 def _size_up(n: int) -> str:

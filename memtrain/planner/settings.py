@@ -67,6 +67,11 @@ class PlanSettings:
         return ", ".join(parts)
 
     @property
+    def loss_text(self) -> str:
+        """The loss in one word: "chunked" (1024 tokens of logits at a time) or "whole"."""
+        return "chunked" if self.chunked_loss else "whole"
+
+    @property
     def checkpointing(self) -> str:
         """A short name: none, all, selective, all+offload-inputs, or counts per kind."""
         counts = {kind: self.blocks.count(kind) for kind in ("keep", "recompute", "offload")}
@@ -289,7 +294,7 @@ class Plan:
             f"plan for {self.parameters / 1e6:.1f}M parameters, {self.global_batch_size} x {self.seq_len} tokens per "
             f"step, {self.precision}, on {self.device_profile.name} x {self.world_size}; budget {budget}",
             f"  choice: micro-batch {s.micro_batch_size} x {s.accumulation} accumulation, checkpointing "
-            f"{s.checkpointing}, loss {'chunked' if s.chunked_loss else 'whole'}, optimizer {s.optimizer_text}, "
+            f"{s.checkpointing}, loss {s.loss_text}, optimizer {s.optimizer_text}, "
             f"{s.distribution if self.world_size > 1 else 'one process'}{', compiled' if s.compile else ''}",
             f"  predicted: peak {format_bytes(self.peak_bytes)} per rank, host {format_bytes(self.host_bytes)}, "
             f"step {self.step_seconds * 1e3:.1f} ms, {self.tokens_per_s:,.0f} tokens/s",
@@ -302,7 +307,7 @@ class Plan:
             for c in self.candidates:
                 cs = c.settings
                 rows.append((f"{cs.micro_batch_size} x {cs.accumulation}", cs.checkpointing,
-                             "chunked" if cs.chunked_loss else "whole",
+                             cs.loss_text,
                              cs.optimizer_text + (" +compile" if cs.compile else ""), cs.distribution,
                              format_bytes(c.peak_bytes) + ("" if c.verified else "*"), f"{c.tokens_per_s:,.0f}",
                              c.lost_because))

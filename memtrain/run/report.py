@@ -108,6 +108,6 @@ def plan_summary(in_force: PlanInForce, precision: str) -> str:
     s, p = in_force.settings, in_force.plan
     budget = f" of the budget {format_bytes(in_force.budget_bytes)}" if in_force.budget_bytes is not None else ""
     predicted = f"; predicted peak {format_bytes(p.peak_bytes)} per rank{budget}" if p is not None else ""
-    return (f"plan: {precision}; checkpointing {s.checkpointing}; loss {'chunked' if s.chunked_loss else 'whole'}; "
+    return (f"plan: {precision}; checkpointing {s.checkpointing}; loss {s.loss_text}; "
             f"optimizer {s.optimizer_text}{', compiled' if s.compile else ''}; micro-batch {s.micro_batch_size} x "
             f"{s.accumulation} accumulation{predicted}")
