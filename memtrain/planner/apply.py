@@ -1,13 +1,21 @@
-"""``apply_plan``: configures a model in place as a plan says (checkpointing, the chunked loss, the optimizer's
-placement, DDP/FSDP2, ``torch.compile``), places it on the device part by part as the plan does, and builds its
-optimizer and accumulator. The only part of the planner that imports the techniques.
+"""``apply_plan``: configures a model in place as a plan says, places it on the device part by part as the plan does,
+and builds its optimizer and accumulator, as an ordered tuple of stages (``STAGES``), one per technique, each named
+after it and keyed by its name in ``memtrain.techniques.REGISTRY``. The only part of the planner that imports the
+techniques.
+
+The order is the techniques' constraints on each other (each stage's docstring says why it sits where it does):
+checkpointing, the chunked loss and the KV cache (the model's stages, ``MODEL_STAGES``, which a re-plan runs again
+through ``configure_model``); pure bf16's cast and the offloaded optimizer (which takes its fp32 master from the host
+weights) before the placement; the placement; parameter offload (from that optimizer's host weights); DDP or FSDP2
+(which places while it shards); ``torch.compile`` over the wrapped module; a device optimizer over the parameters as
+they are then (FSDP2's shards); the accumulator over both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -46,15 +54,16 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                device: torch.device | str | None = None) -> AppliedPlan:
     """Configures ``model`` in place as ``plan`` says, places it on ``device`` as the plan does and builds the
-    optimizer and accumulator it asks for.
+    optimizer and accumulator it asks for: runs ``STAGES`` in order, each of which returns at once where the plan
+    does not use its technique.
 
-    In order: checkpointing (per-block policies, selective, offloaded inputs), the chunked loss, pure bf16's cast,
-    an offloaded optimizer (``CPUOffloadOptimizer``, which takes the fp32 master from the weights where they are
-    and then makes the device weights bf16 where the plan says), the placement (``place_model``: every parameter
-    and buffer once, in its device dtype, but the streamed blocks' weights), parameter offload (``WeightStreamer``,
-    from that optimizer's host weights), DDP (each gradient a view into its all-reduce bucket) or FSDP2 (blocks
-    gathered in ``fsdp2_param_dtype``, gradients reduced in fp32; ``fully_shard`` places each block as it shards
-    it), ``torch.compile``, a device optimizer (``torch.optim.AdamW(fused=True)`` or
+    In order: checkpointing (per-block policies, selective, offloaded inputs), the chunked loss, the KV cache off,
+    pure bf16's cast, an offloaded optimizer (``CPUOffloadOptimizer``, which takes the fp32 master from the weights
+    where they are and then makes the device weights bf16 where the plan says), the placement (``place_model``:
+    every parameter and buffer once, in its device dtype, but the streamed blocks' weights), parameter offload
+    (``WeightStreamer``, from that optimizer's host weights), DDP (each gradient a view into its all-reduce bucket)
+    or FSDP2 (blocks gathered in ``fsdp2_param_dtype``, gradients reduced in fp32; ``fully_shard`` places each
+    block as it shards it), ``torch.compile``, a device optimizer (``torch.optim.AdamW(fused=True)`` or
     ``memtrain.optim.build_optimizer``'s lean variants), the ``GradientAccumulator``.
 
     Build (or load) the model on the CPU and pass ``device``: the device then never holds more of it than the plan
@@ -77,29 +86,177 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     s = plan.settings if isinstance(plan, Plan) else plan
     names = _check_blocks(model, s, plan.block_names if isinstance(plan, Plan) else None)
     acc = accelerator(torch.device(device) if device is not None else next(model.parameters()).device)
-    device = acc.device
-    precision = MixedPrecision(s.precision, device.type)  # type: ignore[arg-type]
-    wrapped = configure_model(model, s)
-    if s.pure_bf16:  # no fp32 master anywhere: the weights themselves become bf16 (buffers keep their dtype)
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(torch.bfloat16)  # before the placement: the device never holds them in fp32
-    train_model: nn.Module = model
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if (s.distribution == "none") != (world == 1):
         raise ConfigError(f"apply_plan: the plan's distribution is {s.distribution!r}, and this process group has "
                           f"{world} rank(s). To resolve this error, plan with world_size equal to torchrun's "
                           "--nproc_per_node.")
-    hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-    # An offloaded optimizer before DDP (which buckets the weights as they are): it may cast them to bf16. A device
-    # optimizer after FSDP2, whose sharded parameters it must hold.
-    optimizer = _planned_optimizer(model, s, precision, world, hyper, device) if s.optimizer != "device" else None
-    # Placed after the offloaded optimizer took its masters from the host weights (and cast the device ones), before
-    # DDP (which broadcasts the device weights); FSDP2 places each block as it shards it.
-    streamed = streamed_params(model, names) if s.offload_weights else []
-    if s.distribution != "fsdp2":
-        place_model(model, acc, leave=streamed)
-    weights = stream_weights(model, names, optimizer, device) if s.offload_weights else None
+    precision = MixedPrecision(s.precision, acc.device.type)  # type: ignore[arg-type]
+    a = Applying(model, s, names, acc=acc, precision=precision, world=world,
+                 hyper={"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+                 max_grad_norm=max_grad_norm, scheduler=scheduler, train_model=model)
+    for stage in STAGES:
+        stage.run(a)
+    return AppliedPlan(settings=s, model=model, train_model=a.train_model, optimizer=a.optimizer,
+                       accumulator=a.accumulator, precision=a.precision, blocks=a.wrapped, weights=a.weights)
+
+
+def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:
+    """The model's part of ``apply_plan`` (``MODEL_STAGES``), in place: checkpointing per block (recompute /
+    offload, the flavor), the chunked loss, no KV cache. Undoes what an earlier plan set, so a re-plan calls it
+    again. Returns the wrapped blocks' names.
+
+    Raises:
+        ConfigError: the model's blocks are not the plan's.
+    """
+    a = Applying(model, settings, _check_blocks(model, settings, None))
+    for stage in MODEL_STAGES:
+        stage.run(a)
+    return a.wrapped
+
+
+# -- what the stages share ------------------------------------------------------------------------------------
+@dataclass
+class Applying:
+    """One ``apply_plan`` under way: what the stages are given, and what they produce for the next ones.
+
+    ``configure_model`` runs the model's stages alone: they read only ``model``, ``settings`` and ``names``.
+    """
+
+    model: nn.Module
+    settings: PlanSettings
+    names: list[str]  # the model's blocks, in order (the plan's)
+    acc: Accelerator = field(default_factory=Accelerator)  # where the model trains
+    precision: MixedPrecision | None = None
+    world: int = 1  # ranks of the process group (1: none)
+    hyper: dict[str, Any] = field(default_factory=dict)  # AdamW's: lr, betas, eps, weight_decay
+    max_grad_norm: float | None = 1.0
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    # What the stages produce
+    wrapped: list[str] = field(default_factory=list)  # the blocks checkpointing wrapped
+    optimizer: torch.optim.Optimizer | None = None
+    weights: WeightStreamer | None = None
+    train_model: nn.Module | None = None  # the module the loop calls: the model, wrapped for DDP and compiled
+    accumulator: GradientAccumulator | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.acc.device
+
+
+class Stage(NamedTuple):
+    """One step of ``apply_plan``: ``technique`` is the name of the technique it applies in
+    ``memtrain.techniques.REGISTRY`` (or one of ``NOT_TECHNIQUES``), ``run`` does it."""
+
+    technique: str
+    run: Callable[[Applying], None]
+
+
+# The stages that are no technique's, and why they are stages.
+NOT_TECHNIQUES = {
+    "placement": "every parameter and buffer on the device once, in its dtype by then: what every technique's "
+                 "stage before it leaves on the host stays there",
+    "KV cache": "a model's KV cache only holds memory in training, and the plan's estimate has none",
+}
+# The techniques another technique's stage applies, and why.
+APPLIED_BY = {
+    "activation offload": ("activation checkpointing", "a block offloads its saved activations as checkpointing's "
+                           "'offload' kind, and the recomputed blocks' inputs as its 'offload-inputs' flavor: "
+                           "apply_checkpointing wraps each block once, with its policy"),
+}
+
+
+# -- the model's stages: what a re-plan sets again -------------------------------------------------------------
+def activation_checkpointing(a: Applying) -> None:
+    """Wraps each block as its kind says (recompute, or offload its saved activations: activation offload), the
+    recomputed ones in the plan's flavor (full, selective, or their inputs offloaded), undoing an earlier plan's
+    wrappers first. First: the blocks are wrapped before anything compiles or shards them."""
+    s = a.settings
+    if s.blocks:  # no blocks detected: checkpointing the user applied by hand stays
+        remove_checkpointing(a.model)
+    if "recompute" in s.blocks or "offload" in s.blocks:
+        a.wrapped = apply_checkpointing(
+            a.model, policies=s.policies(a.names),
+            selective=("matmul", "attention") if s.flavor == "selective" else None,
+            offload=s.flavor == "offload-inputs")
+
+
+def chunked_loss(a: Applying) -> None:
+    """The loss computed in chunks of the sequence (no whole logits tensor), or the model's own again. A model
+    stage: before the model is wrapped or compiled, so that they take the chunked head as it is."""
+    remove_chunked_loss(a.model)
+    if a.settings.chunked_loss:
+        apply_chunked_loss(a.model)
+
+
+def kv_cache_off(a: Applying) -> None:
+    """Turns the model's KV cache off (``config.use_cache``): it only holds memory in training, and the plan's
+    estimate has none. A model stage, so a re-plan's model has it off too."""
+    config = getattr(a.model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+
+
+# -- the device's stages, in their order ------------------------------------------------------------------------
+def pure_bf16(a: Applying) -> None:
+    """Pure bf16: the weights themselves become bf16 (no fp32 master anywhere; buffers keep their dtype). Before
+    the offloaded optimizer, which then keeps no master, and before the placement: the device never holds them in
+    fp32."""
+    if not a.settings.pure_bf16:
+        return
+    for p in a.model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+
+
+def offloaded_optimizer(a: Applying) -> None:
+    """The offloaded optimizer (``CPUOffloadOptimizer``: fp32 master, state and step in host RAM) over the
+    parameters that require grad. Before the placement: it takes the master's full digits from the host weights,
+    then makes the device copies bf16 where the plan says (offload-bf16-weights), so that the device never holds
+    them in fp32; and before DDP, which buckets the weights as they are then."""
+    s = a.settings
+    if s.optimizer == "device":
+        return
+    # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that would
+    # have copied them to the host. In one process they stream to the host during backward.
+    bf16 = torch.bfloat16 if s.optimizer == "offload-bf16-weights" else None
+    # NOTE: frozen weights (a LoRA model's base) have no master to keep: bf16 on the device too, as the plan
+    # estimated every weight on the device (estimate(weights_dtype="bf16")).
+    for p in a.model.parameters() if bf16 is not None else ():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(bf16)
+    named, hyper = s.optimizer_class, a.hyper
+    if not named.is_adamw:  # the run's own class on the host: the run's hyper-parameters it takes, its kwargs
+        named.state_sizes((1,), torch.float32)  # a class that cannot step on the host: one clear error, now
+        hyper = {"optimizer_class": named.resolve(), **named.hyperparameters(**hyper)}
+    a.optimizer = CPUOffloadOptimizer(_trainable(a.model), offload_gradients=a.world == 1,
+                                      grad_scaler=a.precision.scaler, device_dtype=bf16,
+                                      state_precision=s.state_precision, pure_bf16=s.pure_bf16, device=a.device,
+                                      **hyper)
+
+
+def placement(a: Applying) -> None:
+    """Every parameter and buffer on the device once, in the dtype the stages before gave it (``place_model``), but
+    the blocks' weights parameter offload streams. After pure bf16's cast and the offloaded optimizer's; before DDP,
+    which broadcasts the device weights. Under FSDP2 nothing: ``fully_shard`` places each block as it shards it."""
+    if a.settings.distribution == "fsdp2":
+        return
+    place_model(a.model, a.acc, leave=streamed_params(a.model, a.names) if a.settings.offload_weights else [])
+
+
+def parameter_offload(a: Applying) -> None:
+    """Parameter offload: the blocks' weights stream from the offloaded optimizer's host weights (``stream_weights``),
+    which therefore comes first; after the placement, which left them in host memory."""
+    if a.settings.offload_weights:
+        a.weights = stream_weights(a.model, a.names, a.optimizer, a.device)
+
+
+def data_parallelism(a: Applying) -> None:
+    """FSDP2 (each block sharded, gathered in ``fsdp2_param_dtype``, gradients reduced in fp32; ``fully_shard``
+    places each block as it shards it) or DDP (each gradient a view into its all-reduce bucket). After the
+    placement and the offloaded optimizer (DDP wraps the weights as they are then, FSDP2 shards them); before
+    ``torch.compile``, which compiles the wrapped module, and before a device optimizer, which holds FSDP2's shards."""
+    s = a.settings
     if s.distribution == "fsdp2":
         # Imported here: only an FSDP2 run needs torch.distributed's FSDP (not every torch build has it).
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -108,26 +265,72 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         # shards the optimizer steps; autocast still runs the fp32 ops (norms, softmax, the loss) in fp32.
         gathered = fsdp2_param_dtype(s.precision)
         policy = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32 if gathered else None)
-        modules = dict(model.named_modules())
-        for name in names:
+        modules = dict(a.model.named_modules())
+        for name in a.names:
             fully_shard(modules[name], mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        fully_shard(a.model, mp_policy=policy)
     elif s.distribution == "ddp":
-        ids = [device.index] if acc.kind not in ("cpu", "simulated") else None
+        ids = [a.device.index] if a.acc.kind not in ("cpu", "simulated") else None
         # Each p.grad is a view into DDP's all-reduce bucket: one copy of the gradients, not two.
-        train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
-    if s.compile:
-        # Per block where blocks offload their activations (saved-tensor hooks cannot be traced), else whole.
-        train_model = compile_model(train_model)
-    if optimizer is None:
-        optimizer = _planned_optimizer(model, s, precision, world, hyper, device)
-    accumulator = GradientAccumulator(train_model, optimizer, steps=s.accumulation, scaler=precision.scaler,
-                                      scheduler=scheduler(optimizer) if scheduler is not None else None,
-                                      max_grad_norm=max_grad_norm)
-    return AppliedPlan(settings=s, model=model, train_model=train_model, optimizer=optimizer, accumulator=accumulator,
-                      precision=precision, blocks=wrapped, weights=weights)
+        a.train_model = nn.parallel.DistributedDataParallel(a.model, device_ids=ids, gradient_as_bucket_view=True)
 
 
+def torch_compile(a: Applying) -> None:
+    """``torch.compile`` of the module the loop calls: per block where blocks offload their activations (saved-tensor
+    hooks cannot be traced), else whole. After the model's stages and the wrapping (DDP), which it compiles."""
+    if a.settings.compile:
+        a.train_model = compile_model(a.train_model)
+
+
+def device_optimizer(a: Applying) -> None:
+    """An optimizer on the device over the parameters that require grad: ``torch.optim.AdamW(fused=True)``, the
+    run's named class, or ``build_optimizer``'s lean variants (low-precision moments, a share offloaded, step in
+    backward, pure bf16). After FSDP2, whose sharded parameters it must hold."""
+    s = a.settings
+    if s.optimizer != "device":
+        return
+    trainable, named = _trainable(a.model), s.optimizer_class
+    if s.state_precision == "fp32" and not (s.step_in_backward or s.offload_fraction or s.pure_bf16):
+        if not named.is_adamw:  # the run's own class, as it comes
+            a.optimizer = named.resolve()([p for _, p in trainable], **named.hyperparameters(**a.hyper))
+        else:  # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
+            a.optimizer = torch.optim.AdamW([p for _, p in trainable], fused=True, **a.hyper)
+        return
+    a.optimizer = build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
+                                  step_in_backward=s.step_in_backward, grad_scaler=a.precision.scaler,
+                                  world_size=a.world, pure_bf16=s.pure_bf16, optimizer_class=named, **a.hyper)
+
+
+def gradient_accumulation(a: Applying) -> None:
+    """The ``GradientAccumulator``: the plan's micro-batches per step, the precision's scaler, clipping and the
+    scheduler. Last: it steps the optimizer over the module the loop calls, both final only now."""
+    a.accumulator = GradientAccumulator(a.train_model, a.optimizer, steps=a.settings.accumulation,
+                                        scaler=a.precision.scaler,
+                                        scheduler=a.scheduler(a.optimizer) if a.scheduler is not None else None,
+                                        max_grad_norm=a.max_grad_norm)
+
+
+# What configure_model (a re-plan) runs, then the rest of apply_plan, in order. The optimizer has two stages: where it
+# steps decides where it is built (its master from the host weights before the placement; a device one after FSDP2).
+MODEL_STAGES: tuple[Stage, ...] = (
+    Stage("activation checkpointing", activation_checkpointing),
+    Stage("chunked loss", chunked_loss),
+    Stage("KV cache", kv_cache_off),
+)
+STAGES: tuple[Stage, ...] = (
+    *MODEL_STAGES,
+    Stage("pure bf16", pure_bf16),
+    Stage("optimizer", offloaded_optimizer),
+    Stage("placement", placement),
+    Stage("parameter offload", parameter_offload),
+    Stage("data parallelism", data_parallelism),
+    Stage("torch.compile", torch_compile),
+    Stage("optimizer", device_optimizer),
+    Stage("gradient accumulation", gradient_accumulation),
+)
+
+
+# -- what the placement and parameter offload stages call ---------------------------------------------------
 def place_model(model: nn.Module, acc: Accelerator, *, leave: list[nn.Parameter] = ()) -> None:
     """Places every parameter and buffer of ``model`` on ``acc``'s device once (``acc.place``), in the dtype it has
     now, but those in ``leave`` (streamed block weights: they stay in host memory). A tensor already there stays.
@@ -170,32 +373,6 @@ def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any,
     return streamer
 
 
-def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:
-    """The model's part of ``apply_plan``, in place: checkpointing per block (recompute / offload, the
-    flavor), the chunked loss, no KV cache. Undoes what an earlier plan set, so a re-plan calls it again.
-    Returns the wrapped blocks' names.
-
-    Raises:
-        ConfigError: the model's blocks are not the plan's.
-    """
-    names = _check_blocks(model, settings, None)
-    wrapped: list[str] = []
-    if settings.blocks:  # no blocks detected: checkpointing the user applied by hand stays
-        remove_checkpointing(model)
-    if "recompute" in settings.blocks or "offload" in settings.blocks:
-        wrapped = apply_checkpointing(
-            model, policies=settings.policies(names),
-            selective=("matmul", "attention") if settings.flavor == "selective" else None,
-            offload=settings.flavor == "offload-inputs")
-    remove_chunked_loss(model)
-    if settings.chunked_loss:
-        apply_chunked_loss(model)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # a KV cache only holds memory in training (the plan's estimate has none)
-    return wrapped
-
-
 def _check_blocks(model: nn.Module, s: PlanSettings, planned: tuple[str, ...] | None) -> list[str]:
     names = find_blocks(model)
     if len(names) != len(s.blocks) or (planned is not None and tuple(names) != planned):
@@ -204,37 +381,6 @@ def _check_blocks(model: nn.Module, s: PlanSettings, planned: tuple[str, ...] | 
     return names
 
 
-def _planned_optimizer(model: nn.Module, s: PlanSettings, precision: Any, world: int,
-                       hyper: dict[str, Any], device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer as the plan places it (AdamW, or the run's named class), over the parameters that require grad
-    (a LoRA model's adapters)."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    named = s.optimizer_class
-    if s.optimizer == "device" and s.state_precision == "fp32" and not (s.step_in_backward or s.offload_fraction
-                                                                         or s.pure_bf16):
-        if not named.is_adamw:  # the run's own class, as it comes
-            cls = named.resolve()
-            return cls([p for _, p in trainable], **named.hyperparameters(**hyper))
-        # fused: one kernel per step (CUDA and CPU), and the same kernel CPUOffloadOptimizer runs on the host.
-        return torch.optim.AdamW([p for _, p in trainable], fused=True, **hyper)
-    if s.optimizer == "device":
-        return build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
-                               step_in_backward=s.step_in_backward, grad_scaler=precision.scaler,
-                               world_size=world, pure_bf16=s.pure_bf16, optimizer_class=named, **hyper)
-
-    # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that would
-    # have copied them to the host. In one process they stream to the host during backward.
-    # offload-bf16-weights: the fp32 master takes the weights' full digits, then the device copy becomes bf16.
-    bf16 = torch.bfloat16 if s.optimizer == "offload-bf16-weights" else None
-    # NOTE: frozen weights (a LoRA model's base) have no master to keep: bf16 on the device too, as the plan
-    # estimated every weight on the device (estimate(weights_dtype="bf16")).
-    for p in model.parameters() if bf16 is not None else ():
-        if not p.requires_grad and p.is_floating_point():
-            p.data = p.data.to(bf16)
-    if not named.is_adamw:  # the run's own class on the host: the run's hyper-parameters it takes, its kwargs
-        named.state_sizes((1,), torch.float32)  # a class that cannot step on the host: one clear error, now
-        hyper = {"optimizer_class": named.resolve(),
-                 **named.hyperparameters(**hyper)}
-    return CPUOffloadOptimizer(trainable, offload_gradients=world == 1, grad_scaler=precision.scaler,
-                               device_dtype=bf16, state_precision=s.state_precision, pure_bf16=s.pure_bf16,
-                               device=device, **hyper)
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters an optimizer steps, by name: those that require grad (a LoRA model's adapters)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
