@@ -20,7 +20,7 @@ from memtrain.estimate.tracker import numel
 from memtrain.loss import chunk_tokens_of, supports_chunked_loss
 from memtrain.techniques import REGISTRY, SetUp
 from memtrain.techniques import problems as rule_problems
-from memtrain.techniques.optimizer import NamedOptimizer
+from memtrain.techniques.optimizer import STATE_PRECISIONS, NamedOptimizer
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 # memtrain's AdamW on the device or offloaded, estimate's names for torch's optimizers (as_optimizer), or any other
@@ -147,7 +147,7 @@ def check_arguments(
     except ConfigError as e:
         named = "adamw"
         problems += [f"optimizer={optimizer!r}: {p}" for p in e.problems]
-    _check_choice("state_precision", state_precision, ("fp32", "bf16", "int8"), problems)
+    _check_choice("state_precision", state_precision, STATE_PRECISIONS, problems)
     if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not (
             0.0 <= offload_fraction <= 1.0):
         problems.append(f"offload_fraction={offload_fraction!r} must be a number in [0, 1]. To resolve this "

@@ -26,15 +26,17 @@ from memtrain.optim.memory import (
 from memtrain.optim.moments import (
     BF16_CHUNK,
     INT8_DEVICES,
-    STATE_PRECISIONS,
     BF16StateAdamW,
-    StatePrecision,
     adamw_8bit_class,
     moments_of,
     precision_of,
 )
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.optim.pure_bf16 import PureBF16AdamW, stochastic_round_to_bf16
+from memtrain.techniques.optimizer import (  # the setting's values, declared there
+    STATE_PRECISIONS,
+    StatePrecision,
+)
 
 __all__ = [
     "BF16_CHUNK",

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim import host_kernels
+from memtrain.techniques.optimizer import STATE_PRECISIONS
 
-StatePrecision = Literal["fp32", "bf16", "int8"]
-STATE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")
 # bitsandbytes (and torchao) keep fp32 moments for tensors under this many elements: biases and norms are few
 # bytes and sensitive to quantisation error.
 INT8_MIN_NUMEL = 4096

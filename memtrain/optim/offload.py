@@ -71,10 +71,15 @@ from memtrain.optim.host_buffers import (
 )
 from memtrain.optim.host_gradients import HostGradients
 from memtrain.optim.host_stepper import HostStepper, make_buckets
-from memtrain.optim.moments import StatePrecision, check_precision, state_class
+from memtrain.optim.moments import check_precision, state_class
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
 from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure_bf16_moments
-from memtrain.techniques.optimizer import GRADIENTS_BEFORE_DDP, NAMED_OWN_STATE, NamedOptimizer
+from memtrain.techniques.optimizer import (
+    GRADIENTS_BEFORE_DDP,
+    NAMED_OWN_STATE,
+    NamedOptimizer,
+    StatePrecision,
+)
 
 
 class CPUOffloadOptimizer(torch.optim.Optimizer):

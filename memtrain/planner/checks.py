@@ -14,6 +14,7 @@ from memtrain.planner.settings import TECHNIQUES, Fixed, PlanSettings
 from memtrain.report import parse_bytes
 from memtrain.techniques import SetUp, Terms
 from memtrain.techniques import problems as rule_problems
+from memtrain.techniques.optimizer import STATE_PRECISIONS
 
 # How the planner's fixed choices and set-ups read in the rules' messages: the placement is "optimizer".
 PLAN_TERMS = Terms(labels={"placement": "optimizer", "optimizer": "optimizer_class"}, fixes={
@@ -124,8 +125,8 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
     if (s.distribution == "none") != (world == 1):
         problems.append(f"distribution {s.distribution!r} with world_size={world}: one process is 'none', "
                         "several 'ddp' or 'fsdp2'.")
-    if s.state_precision not in ("fp32", "bf16", "int8"):
-        problems.append(f"state_precision={s.state_precision!r} is not one of fp32, bf16, int8.")
+    if s.state_precision not in STATE_PRECISIONS:
+        problems.append(f"state_precision={s.state_precision!r} is not one of {', '.join(STATE_PRECISIONS)}.")
     if not 0.0 <= s.offload_fraction <= 1.0:
         problems.append(f"offload_fraction={s.offload_fraction!r}: a share in [0, 1] of a device optimizer's state.")
     problems += rule_problems(setup_of(s, world, precision, chunkable), PLAN_TERMS)
