@@ -73,10 +73,9 @@ def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, ch
     ``offload_activations`` are ``MemtrainTrainer``'s to apply (they act on the training step, not the model).
 
     Raises:
-        ConfigError: ``choices`` not a ``Choices``, or holding what the Trainer helper cannot do
-            (``optimizer.state_precision`` without placement "offload", ``step_in_backward``, ``offload_fraction``,
-            ``compile``, ``pure_bf16``, ``offload_weights``); a model whose
-            loss ``memtrain.loss`` cannot chunk, with ``chunked_loss=True``. Every problem at once.
+        ConfigError: ``choices`` not a ``Choices``, or holding what the Trainer helper cannot do (each technique's
+            ``trainer_problems``, in its module); a model whose loss ``memtrain.loss`` cannot chunk, with
+            ``chunked_loss=True``. Every problem at once.
     """
     from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
 

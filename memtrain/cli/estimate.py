@@ -14,6 +14,7 @@ from memtrain.errors import ConfigError
 from memtrain.estimate import estimate
 from memtrain.loss import supports_chunked_loss
 from memtrain.report import format_bytes
+from memtrain.techniques.weight_offload import offloads_optimizer
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -37,7 +38,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         echo(json.dumps(report.to_dict()))
     else:
         o = setup.optimizer
-        where = ("offloaded" if o.placement == "offload" or setup.offload_weights else
+        where = ("offloaded" if offloads_optimizer(o.placement, setup.offload_weights) else
                  f"{100 * o.offload_fraction:.0f}% offloaded" if o.offload_fraction else "on the device")
         state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
         optimizer = f"{where}, {state}" + (", step in backward" if o.step_in_backward

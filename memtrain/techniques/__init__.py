@@ -3,10 +3,11 @@ its rules with the others, its share of a plan's fixed choices, its values in th
 of an estimate's set-up, what the Trainer helper cannot do of it and what a resumed run cannot change of it.
 
 ``REGISTRY`` lists them; ``RULES`` is every rule between two techniques (or a technique and the model, such as a loss
-that cannot be chunked), each written once in the module of the technique it restricts; ``SEARCH`` the names ``plan(techniques=...)`` takes; ``fixed_shares`` the one translation
-of a run's choices into what its plan keeps. Every site that checks a combination (``Choices`` at start-up,
-``build_optimizer``, the planner's checks and its search) asks ``problems`` (or ``refuses``) with a ``SetUp`` of what
-it knows, so a combination is refused for one reason, in the same words, wherever it is caught.
+that cannot be chunked), each written once in the module of the technique it restricts; ``SEARCH`` the names
+``plan(techniques=...)`` takes; ``fixed_shares`` the one translation of a run's choices into what its plan keeps.
+Every site that checks a combination (``Choices`` at start-up, ``build_optimizer``, the planner's checks and its
+search, the estimator, a run without blocks) asks ``problems`` (or ``refuses``) with a ``SetUp`` of what it knows, so
+a combination is refused for one reason, in the same words, wherever it is caught.
 
 Example:
     >>> refuses(SetUp(pure_bf16=True, state_precision="int8"))

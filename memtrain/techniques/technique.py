@@ -1,8 +1,8 @@
 """A technique's part in memtrain, as one object: the ``Choices`` fields it owns, its rules with the others, what its
 setting fixes in a plan, its values in the search, its reason line, its part of an estimate's set-up, what the
-Hugging Face Trainer helper cannot do of it, and what a resumed run cannot change of it. Each technique's module subclasses ``Technique`` once (``TECHNIQUE``)
-and overrides what the technique has; ``memtrain.techniques.REGISTRY`` lists them, and the planner, the checks, the
-reasons, the estimator and the Trainer helper loop over it.
+Hugging Face Trainer helper cannot do of it, and what a resumed run cannot change of it. Each technique's module
+subclasses ``Technique`` once (``TECHNIQUE``) and overrides what the technique has; ``memtrain.techniques.REGISTRY``
+lists them, and the planner, the checks, the reasons, the estimator, the Trainer helper and resume loop over it.
 """
 
 from __future__ import annotations

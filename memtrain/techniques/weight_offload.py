@@ -20,6 +20,14 @@ FIELD = field(default=None, metadata=flag(
     "each on the device only while in use, one block ahead; for weights that do not fit the device. Needs "
     "--offload-optimizer, one process, no --compile ({unset})", kind="switch"))
 
+
+
+def offloads_optimizer(placement: str | None, offload_weights: bool | None) -> bool:
+    """Whether the optimizer's state lives in host RAM: placed there, or left open with parameter offload, which
+    streams the weights from the offloaded optimizer's master and so implies it."""
+    return placement == "offload" or (placement is None and bool(offload_weights))
+
+
 OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER = Rule(
     "offload-weights-device-optimizer",
     "the blocks' weights live in host memory as the offloaded optimizer's master, which a device optimizer has not.",

@@ -16,6 +16,7 @@ from memtrain.techniques.optimizer.named import NamedOptimizer
 from memtrain.techniques.rule import Rule, SetUp
 from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+from memtrain.techniques.weight_offload import offloads_optimizer
 
 OFFLOADED = ("offload", "offload-bf16-weights")  # the planner's placements that keep all of the state in host RAM
 # Classes whose step needs every gradient at once (or a closure), so a parameter cannot step alone in backward.
@@ -234,8 +235,7 @@ class OptimizerTechnique(Technique):
         problems = []
         lean = choice.state_precision not in (None, "fp32") or bool(choice.offload_fraction) or bool(
             choice.step_in_backward)  # memtrain.optim's AdamW rather than torch's
-        # Parameter offload streams the weights from the offloaded optimizer's master: it implies that optimizer.
-        offloaded = choice.placement == "offload" or (choice.placement is None and bool(setup.offload_weights))
+        offloaded = offloads_optimizer(choice.placement, setup.offload_weights)
         if not choice.named.is_adamw:  # a named class, wrapped as memtrain's AdamW is (offloaded: all of its state)
             if optimizer != "adamw":
                 problems.append(f"setup.optimizer.name={choice.named.path!r} with optimizer={optimizer!r}: two "
