@@ -54,17 +54,9 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
                scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                device: torch.device | str | None = None) -> AppliedPlan:
     """Configures ``model`` in place as ``plan`` says, places it on ``device`` as the plan does and builds the
-    optimizer and accumulator it asks for: runs ``STAGES`` in order, each of which returns at once where the plan
-    does not use its technique.
-
-    In order: checkpointing (per-block policies, selective, offloaded inputs), the chunked loss, the KV cache off,
-    pure bf16's cast, an offloaded optimizer (``CPUOffloadOptimizer``, which takes the fp32 master from the weights
-    where they are and then makes the device weights bf16 where the plan says), the placement (``place_model``:
-    every parameter and buffer once, in its device dtype, but the streamed blocks' weights), parameter offload
-    (``WeightStreamer``, from that optimizer's host weights), DDP (each gradient a view into its all-reduce bucket)
-    or FSDP2 (blocks gathered in ``fsdp2_param_dtype``, gradients reduced in fp32; ``fully_shard`` places each
-    block as it shards it), ``torch.compile``, a device optimizer (``torch.optim.AdamW(fused=True)`` or
-    ``memtrain.optim.build_optimizer``'s lean variants), the ``GradientAccumulator``.
+    optimizer and accumulator it asks for: runs ``STAGES`` in order (the module's docstring says the order and
+    why), each of which returns at once where the plan does not use its technique. The plan is checked against the
+    model and the process group first, so a plan that does not apply leaves the model as it was.
 
     Build (or load) the model on the CPU and pass ``device``: the device then never holds more of it than the plan
     does (a model moved to the device first holds all of its fp32 weights there before any plan applies).
@@ -94,7 +86,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     precision = MixedPrecision(s.precision, acc.device.type)  # type: ignore[arg-type]
     a = Applying(model, s, names, acc=acc, precision=precision, world=world,
                  hyper={"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
-                 max_grad_norm=max_grad_norm, scheduler=scheduler, train_model=model)
+                 max_grad_norm=max_grad_norm, scheduler=scheduler)
     for stage in STAGES:
         stage.run(a)
     return AppliedPlan(settings=s, model=model, train_model=a.train_model, optimizer=a.optimizer,
@@ -120,17 +112,18 @@ def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:
 class Applying:
     """One ``apply_plan`` under way: what the stages are given, and what they produce for the next ones.
 
-    ``configure_model`` runs the model's stages alone: they read only ``model``, ``settings`` and ``names``.
+    ``configure_model`` runs the model's stages alone: they read only ``model``, ``settings`` and ``names`` (the
+    others are None there, so a stage that read them would fail at once).
     """
 
     model: nn.Module
     settings: PlanSettings
     names: list[str]  # the model's blocks, in order (the plan's)
-    acc: Accelerator = field(default_factory=Accelerator)  # where the model trains
+    acc: Accelerator | None = None  # where the model trains
     precision: MixedPrecision | None = None
     world: int = 1  # ranks of the process group (1: none)
     hyper: dict[str, Any] = field(default_factory=dict)  # AdamW's: lr, betas, eps, weight_decay
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = None
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     # What the stages produce
     wrapped: list[str] = field(default_factory=list)  # the blocks checkpointing wrapped
@@ -139,8 +132,12 @@ class Applying:
     train_model: nn.Module | None = None  # the module the loop calls: the model, wrapped for DDP and compiled
     accumulator: GradientAccumulator | None = None
 
+    def __post_init__(self) -> None:
+        self.train_model = self.train_model or self.model
+
     @property
     def device(self) -> torch.device:
+        assert self.acc is not None, "a model stage read the device: only apply_plan's later stages have one"
         return self.acc.device
 
 
@@ -152,18 +149,10 @@ class Stage(NamedTuple):
     run: Callable[[Applying], None]
 
 
-# The stages that are no technique's, and why they are stages.
-NOT_TECHNIQUES = {
-    "placement": "every parameter and buffer on the device once, in its dtype by then: what every technique's "
-                 "stage before it leaves on the host stays there",
-    "KV cache": "a model's KV cache only holds memory in training, and the plan's estimate has none",
-}
-# The techniques another technique's stage applies, and why.
-APPLIED_BY = {
-    "activation offload": ("activation checkpointing", "a block offloads its saved activations as checkpointing's "
-                           "'offload' kind, and the recomputed blocks' inputs as its 'offload-inputs' flavor: "
-                           "apply_checkpointing wraps each block once, with its policy"),
-}
+# The stages that are no technique's (each stage's docstring says why it is one).
+NOT_TECHNIQUES = frozenset({"placement", "KV cache"})
+# The techniques another technique's stage applies (its docstring says how).
+APPLIED_BY = {"activation offload": "activation checkpointing"}
 
 
 # -- the model's stages: what a re-plan sets again -------------------------------------------------------------
