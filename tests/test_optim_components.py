@@ -38,24 +38,41 @@ def test_no_part_declares_its_owners_attributes() -> None:
     assert not declared, f"declarations of a host's attributes under TYPE_CHECKING: {declared}"
 
 
-def test_no_part_calls_a_private_method_of_another_object() -> None:
-    """In memtrain/optim a private method (``x._name(...)``) is called on ``self`` only, or on torch itself (its
-    private kernels): a part reaches another object through what that object makes public."""
-    calls = []
+# Private names of other objects that memtrain/optim may reach, each with why there is no public way.
+PRIVATE_NAMES_ALLOWED = {
+    "_per_optimizer_states": "GradScaler keeps each optimizer's stage and inf check there; torch has no public API "
+                             "to read the stage or hand it an inf check made elsewhere",
+    "_scale": "GradScaler's scale as a device tensor; get_scale() returns a Python float (a host sync)",
+    "_version": "a tensor's in-place version counter (host_kernels' code-table cache); torch makes it public nowhere",
+}
+PRIVATE_NAMES_ALLOWED_IN = {
+    ("moments.py", "_salts"): "the rounding counter of BF16StateAdamW (same module) and PureBF16AdamW, kept by "
+                              "moments.py's helpers that both classes call on themselves (their shared method bodies)",
+}
+
+
+def test_no_part_calls_or_reads_a_private_name_of_another_object() -> None:
+    """In memtrain/optim a private name (``x._name``: a method called, an attribute read or written) is reached on
+    ``self``/``cls`` only, or on torch itself (its private kernels), or is one of the allowed names above: a part
+    reaches another object through what that object makes public."""
+    reached = []
     for path in sorted(OPTIM.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            if not isinstance(node, ast.Attribute):
                 continue
-            name, owner = node.func.attr, node.func.value
+            name, owner = node.attr, node.value
             if not name.startswith("_") or name.startswith("__"):
                 continue
             root = owner
             while isinstance(root, ast.Attribute):
                 root = root.value
-            if isinstance(owner, ast.Name) and owner.id == "self" or isinstance(root, ast.Name) and root.id == "torch":
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls") or isinstance(root, ast.Name) and (
+                    root.id == "torch"):
                 continue
-            calls.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}()")
-    assert not calls, f"private methods called on another object: {calls}"
+            if name in PRIVATE_NAMES_ALLOWED or (path.name, name) in PRIVATE_NAMES_ALLOWED_IN:
+                continue
+            reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not reached, f"private names of another object reached: {sorted(set(reached))}"
 
 
 def test_a_dropped_step_in_backward_optimizer_is_collected_and_stops_stepping() -> None:

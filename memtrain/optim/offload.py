@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memtrain.device import accelerator
+from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.gradient_landing import GradientLanding
 from memtrain.optim.host_buffers import (
@@ -225,6 +225,29 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # and this removes them (and stops the worker) once it is collected.
         self._finalizer = weakref.finalize(self, release, list(self._hooks),
                                            (self._stepper.worker, self._landing.worker), [s.device for s in self._slots])
+
+    # -- what ComposedOptimizer's parts and the benchmarks read (read-only) ---------------------------------------
+    @property
+    def slots(self) -> list[Slot]:
+        """The host views of each parameter (master, gradient buffers, cast), in param_groups order: read them,
+        do not replace them (the buckets, hooks and landings hold the same objects)."""
+        return self._slots
+
+    @property
+    def host_gradients(self) -> HostGradients:
+        """The lazy multiplier of this step's host gradients (normalisation, fp16 inverse scale, clip coefficient)
+        that the host step applies: ComposedOptimizer's host part joins its own inverse scale and clip to it."""
+        return self._grads
+
+    @property
+    def accelerator(self) -> Accelerator:
+        """The device seam every copy, stream, event and pinned buffer of this optimizer goes through."""
+        return self._acc
+
+    @property
+    def stepper(self) -> HostStepper:
+        """The host step (its buckets and worker thread): for benchmarks that time the CPU step alone."""
+        return self._stepper
 
     @property
     def pinned_bytes(self) -> int:
