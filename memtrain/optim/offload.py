@@ -180,7 +180,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         pin = self._acc.has_streams  # pinned memory makes D2H/H2D copies asynchronous
         _check_gradients_after_sync(offload_gradients)
         self.offload_gradients = offload_gradients
-        self.delayed_update = delayed_update
         self.grad_scaler = grad_scaler
         if (optimizer_class in (torch.optim.Adam, torch.optim.AdamW)
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
@@ -243,6 +242,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def accelerator(self) -> Accelerator:
         """The device seam every copy, stream, event and pinned buffer of this optimizer goes through."""
         return self._acc
+
+    @property
+    def delayed_update(self) -> bool:
+        """Whether ``step()`` leaves the CPU step in flight for the next one (the constructor's ``delayed_update``):
+        the stepper's setting, read-only (the host buffers were sized for it)."""
+        return self._stepper.delayed
 
     @property
     def stepper(self) -> HostStepper:
