@@ -376,7 +376,11 @@ class ComposedOptimizer(torch.optim.Optimizer):
             elif name in converted:
                 inner.state[p] = entry_for(inner, p, converted[name], salt=i)
         if self._host is not None:
-            self._host.load_entries(same, converted, masters, salt_start=len(self._device_params))
+            host = {slot.key for slot in self._host.slots}
+            self._host.load_entries({n: e for n, e in same.items() if n in host},
+                                    {n: m for n, m in converted.items() if n in host},
+                                    {n: w for n, w in masters.items() if n in host},
+                                    salt_start=len(self._device_params))
         self._link_state()
 
     def _load_own_state(self, state_dict: dict[str, Any]) -> None:

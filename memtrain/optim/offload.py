@@ -497,7 +497,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                      masters: dict[str, torch.Tensor], *, salt_start: int) -> None:
         """ComposedOptimizer's load of its host part: AdamW entries by parameter name, already checked (see
         ``OffloadCheckpoint.load_entries``); every other parameter's state is dropped. The rounding of converted
-        bf16 moments is salted from ``salt_start`` in param_groups order (after the device part's parameters)."""
+        bf16 moments is salted from ``salt_start`` in param_groups order (after the device part's parameters).
+
+        Raises:
+            ConfigError: a name in ``same``, ``converted`` or ``masters`` that is none of this optimizer's
+                parameters (``slots``' keys).
+        """
+        keys = {slot.key for slot in self._slots}
+        unknown = sorted({*same, *converted, *masters} - keys, key=str)
+        if unknown:
+            raise ConfigError(f"CPUOffloadOptimizer.load_entries: entries {unknown[:5]} name no parameter of this "
+                              f"optimizer ({len(keys)} parameters, e.g. {sorted(keys, key=str)[:3]}). To resolve this "
+                              "error, pass only the entries of its own parameters (the names of its slots' keys).")
         self.synchronize()
         self._checkpoint.load_entries(same, converted, masters, salt_start=salt_start)
         self._link_state()
