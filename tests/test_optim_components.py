@@ -7,9 +7,11 @@ from __future__ import annotations
 import ast
 import gc
 import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,26 +107,37 @@ def test_a_dropped_step_in_backward_optimizer_is_collected_and_stops_stepping() 
         model.zero_grad(set_to_none=True)
 
 
-def _stepper(params: list[nn.Parameter], hyper: dict[str, Any], *, delayed: bool, bucket_numel: int
-             ) -> tuple[HostStepper, list[dict[str, Any]], list[Any]]:
-    """A HostStepper over ``params`` alone (no CPUOffloadOptimizer): the host buffers laid out, the buckets built,
-    on the plain CPU's seam (no streams)."""
-    acc = accelerator("cpu")
-    groups = [{"params": params, **hyper}]
-    slots, order = lay_out(params, groups, None, n_grad_buffers=1, device_dtype=None, acc=acc)
-    in_order = [slots[i] for i in range(len(params))]
-    buckets = make_buckets([slots[i] for i in order], in_order, groups, torch.optim.AdamW, {"fused": True},
-                           bucket_numel)
-    link = {"device_to_host": 0, "host_to_device": 0}
-    stepper = HostStepper(in_order, buckets, acc=acc, streams=dict.fromkeys(link), link_bytes=link, delayed=delayed)
-    return stepper, groups, in_order
+@pytest.fixture
+def make_stepper() -> Iterator[Callable[..., tuple[HostStepper, list[dict[str, Any]], list[Any]]]]:
+    """Builds HostSteppers over parameters alone (no CPUOffloadOptimizer): the host buffers laid out, the buckets
+    built, on the plain CPU's seam (no streams) or ``acc``; their workers are shut down after the test, pass or
+    fail."""
+    made: list[HostStepper] = []
+
+    def make(params: list[nn.Parameter], hyper: dict[str, Any], *, delayed: bool, bucket_numel: int,
+             acc: Any = None) -> tuple[HostStepper, list[dict[str, Any]], list[Any]]:
+        cpu = accelerator("cpu")
+        groups = [{"params": params, **hyper}]
+        slots, order = lay_out(params, groups, None, n_grad_buffers=1, device_dtype=None, acc=cpu)
+        in_order = [slots[i] for i in range(len(params))]
+        buckets = make_buckets([slots[i] for i in order], in_order, groups, torch.optim.AdamW, {"fused": True},
+                               bucket_numel)
+        link = {"device_to_host": 0, "host_to_device": 0}
+        stepper = HostStepper(in_order, buckets, acc=acc if acc is not None else cpu, streams=dict.fromkeys(link),
+                              link_bytes=link, delayed=delayed)
+        made.append(stepper)
+        return stepper, groups, in_order
+
+    yield make
+    for stepper in made:
+        stepper.worker.shutdown()
 
 
 def _max_diff(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return max((a.detach() - b.detach()).abs().max().item() for a, b in zip(ours, ref, strict=True))
 
 
-def test_the_host_stepper_steps_each_bucket_and_copies_it_back_as_torch_adamw_steps() -> None:
+def test_the_host_stepper_steps_each_bucket_and_copies_it_back_as_torch_adamw_steps(make_stepper) -> None:
     """HostStepper on its own: ``step_bucket`` steps one bucket's masters and copies only its weights back;
     ``run`` steps every bucket with the gradients times the multiplier, follows an lr change
     (``sync_hyperparameters``) and skips on a non-zero inf flag. Parity with torch.optim.AdamW(fused=True) (the same
@@ -134,7 +147,7 @@ def test_the_host_stepper_steps_each_bucket_and_copies_it_back_as_torch_adamw_st
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     params = [nn.Parameter(torch.randn(shape)) for shape in ((7, 5), (5,), (3, 7))]
     ref = [nn.Parameter(p.detach().clone()) for p in params]
-    stepper, groups, slots = _stepper(params, hyper, delayed=False, bucket_numel=40)
+    stepper, groups, slots = make_stepper(params, hyper, delayed=False, bucket_numel=40)
     assert [[s.device.shape for s in b.slots] for b in stepper.buckets] == [
         [(3, 7), (5,)], [(7, 5)]], "reverse registration order, at most 40 elements a bucket (a larger one alone)"
     reference = torch.optim.AdamW(ref, **hyper, fused=True)
@@ -182,17 +195,16 @@ def test_the_host_stepper_steps_each_bucket_and_copies_it_back_as_torch_adamw_st
     assert all(torch.equal(v, state[id(s.device)][k]) for b in stepper.buckets for s in b.slots
                for k, v in b.inner.state[s.master].items()), "a skipped step changed the state"
     assert stepper.link_bytes["host_to_device"] == 4 * sum(bytes_of.values())
-    stepper.worker.shutdown()
 
 
-def test_a_delayed_host_step_reaches_the_device_at_finish_update() -> None:
+def test_a_delayed_host_step_reaches_the_device_at_finish_update(make_stepper) -> None:
     """``delayed``: ``run`` returns with the step in flight and the device weights as they were; ``finish_update``
     waits for it and copies the weights back (tolerance 0 against torch.optim.AdamW(fused=True))."""
     torch.manual_seed(1)
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     params = [nn.Parameter(torch.randn(shape)) for shape in ((4, 4), (4,))]
     ref = [nn.Parameter(p.detach().clone()) for p in params]
-    stepper, _, slots = _stepper(params, hyper, delayed=True, bucket_numel=1 << 20)
+    stepper, _, slots = make_stepper(params, hyper, delayed=True, bucket_numel=1 << 20)
     reference = torch.optim.AdamW(ref, **hyper, fused=True)
     before = [p.detach().clone() for p in params]
     grads = [torch.randn(p.shape) for p in params]
@@ -207,4 +219,44 @@ def test_a_delayed_host_step_reaches_the_device_at_finish_update() -> None:
     reference.step()
     assert stepper.update is None
     assert _max_diff(params, ref) == 0.0, f"max abs diff {_max_diff(params, ref)}"
-    stepper.worker.shutdown()
+
+
+class RecordingSeam:
+    """The plain CPU's seam, recording the events the worker waits for (``synchronize_event``) instead of waiting."""
+
+    def __init__(self, log: list[tuple[str, Any]]):
+        self.cpu, self.log = accelerator("cpu"), log
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cpu, name)
+
+    def synchronize_event(self, event: Any) -> None:
+        self.log.append(("synchronize_event", event))
+
+
+def test_each_bucket_waits_for_the_last_copies_back_before_it_steps(make_stepper) -> None:
+    """``step_bucket`` overwrites the masters (and casts) that the previous step's copies back may still read: the
+    worker waits for their event (``synchronize_event(h2d_done)``) before each bucket's ``inner.step()``."""
+    log: list[tuple[str, Any]] = []
+    params = [nn.Parameter(torch.randn(shape)) for shape in ((7, 5), (5,), (3, 7))]
+    stepper, _, slots = make_stepper(params, dict(lr=1e-2), delayed=False, bucket_numel=40, acc=RecordingSeam(log))
+    assert len(stepper.buckets) == 2, "the fixture must give several buckets"
+    for index, bucket in enumerate(stepper.buckets):
+        def recorded(step=bucket.inner.step, index=index, **kwargs: Any) -> Any:
+            log.append(("step", index))
+            return step(**kwargs)
+        bucket.inner.step = recorded
+    for slot in slots:
+        slot.master.grad = torch.randn(slot.master.shape)
+    h2d_done = object()  # the event after the previous step's copies back
+    stepper.h2d_done = h2d_done
+    stepper.run(1.0, None, early={})
+    waited, steps = False, []
+    for what, arg in log:
+        if what == "synchronize_event" and arg is h2d_done:
+            waited = True
+        elif what == "step":
+            assert waited, f"bucket {arg} stepped before waiting for the copies back: {log}"
+            waited = False
+            steps.append(arg)
+    assert steps == [0, 1], f"every bucket stepped once, in order: {log}"
