@@ -17,8 +17,8 @@ from torch import nn
 
 from memtrain.device import accelerator
 from memtrain.optim import ComposedOptimizer, CPUOffloadOptimizer, build_optimizer
-from memtrain.optim.host_buffers import lay_out
-from memtrain.optim.host_stepper import HostStepper, make_buckets
+from memtrain.optim.host_buffers import lay_out, make_buckets
+from memtrain.optim.host_stepper import HostStepper
 
 OPTIM = Path(__file__).resolve().parents[1] / "memtrain" / "optim"
 
@@ -211,13 +211,13 @@ def test_a_delayed_host_step_reaches_the_device_at_finish_update(make_stepper) -
     for slot, r, g in zip(slots, ref, grads, strict=True):
         slot.master.grad, r.grad = g.clone(), g.clone()
     stepper.run(1.0, None, early={})
-    assert stepper.update is not None, "the step is in flight"
-    for future in stepper.update:
+    assert stepper.in_flight is not None, "the step is in flight"
+    for future in stepper.in_flight:
         future.result()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)), "copied back before finish_update"
     stepper.finish_update()
     reference.step()
-    assert stepper.update is None
+    assert stepper.in_flight is None
     assert _max_diff(params, ref) == 0.0, f"max abs diff {_max_diff(params, ref)}"
 
 

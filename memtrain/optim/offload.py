@@ -63,6 +63,7 @@ from memtrain.optim.host_buffers import (
     group_indices,
     host_work,
     lay_out,
+    make_buckets,
     own_stages,
     parse_params,
     probe_class,
@@ -70,7 +71,7 @@ from memtrain.optim.host_buffers import (
     sum_stage_numel,
 )
 from memtrain.optim.host_gradients import HostGradients
-from memtrain.optim.host_stepper import HostStepper, make_buckets
+from memtrain.optim.host_stepper import HostStepper
 from memtrain.optim.moments import check_precision, state_class
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
 from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure_bf16_moments
@@ -363,9 +364,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     # -- the step -----------------------------------------------------------------------------------------------
     def gather_gradients(self) -> None:
         """Makes this step's gradients ready on the host: landed, attached to the masters (``.grad``), the fp16
-        inverse scale handed to the host step's multiplier (no pass over them). Once a step: ``step()``,
-        ``clip_grad_norm_``, ``scale_gradients_`` and ``gradients()`` call it, and ComposedOptimizer's parts before
-        they read the host gradients."""
+        inverse scale handed to the host step's multiplier (no pass over them).
+
+        Call it after the window's last backward and before reading or changing the host gradients; it does its
+        work once a step (later calls return at once until ``step()`` or ``zero_grad()``)."""
         if self._gathered:
             return
         self._stepper.finish_update()  # delayed_update: the previous CPU step reads the masters' .grad until it is done
@@ -645,7 +647,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             elif slot.has_grad:
                 slot.grads[self._landing.buffer].zero_()
                 slot.zeroed, slot.norm = True, None
-            if self._stepper.update is None:
+            if self._stepper.in_flight is None:
                 slot.master.grad = None  # only once no CPU step reads it (delayed_update)
         self._gathered = False
         super().zero_grad(set_to_none=set_to_none)  # the device gradients (offload_gradients=False)
