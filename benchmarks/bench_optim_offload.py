@@ -84,7 +84,7 @@ def offload(n_params: int, *, full: bool):
     opt.gather_gradients()
 
     def cpu_step() -> None:
-        stepper = opt._stepper
+        stepper = opt.stepper
         for bucket in stepper.buckets:
             stepper.worker.submit(stepper.step_bucket, bucket, None, False).result()
 

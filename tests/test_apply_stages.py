@@ -124,7 +124,7 @@ def _offloaded_bf16_weights(monkeypatch, stages: tuple[Stage, ...]) -> tuple[int
     with simulate("8MiB") as acc:
         run = apply_plan(model, _settings("offload-bf16-weights"), lr=1e-3)
         peak, held = acc.max_memory_allocated(), acc.memory_allocated()
-        lost = [s.key for s in run.optimizer._slots if not torch.equal(s.master, host[s.key])]
+        lost = [s.key for s in run.optimizer.slots if not torch.equal(s.master, host[s.key])]
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
         run.optimizer.close()
     return peak, held, fp32, lost

@@ -61,7 +61,7 @@ def test_apply_plan_streams_the_blocks_from_the_optimizers_master():
     assert "weights streamed" in p.summary() and any(r.startswith("parameter offload") for r in p.reasons)
     run = apply_plan(model, p, lr=1e-2)
     assert isinstance(run.weights, WeightStreamer)
-    masters = {id(s.device): s.master for s in run.optimizer._slots}
+    masters = {id(s.device): s.master for s in run.optimizer.slots}
     for block in model.blocks:
         for param in block.parameters():
             assert param.data_ptr() == masters[id(param)].data_ptr()  # at rest: the master itself

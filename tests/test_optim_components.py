@@ -7,16 +7,18 @@ from __future__ import annotations
 import ast
 import gc
 import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from memtrain.device import accelerator
 from memtrain.optim import ComposedOptimizer, CPUOffloadOptimizer, build_optimizer
-from memtrain.optim.host_buffers import lay_out
-from memtrain.optim.host_stepper import HostStepper, make_buckets
+from memtrain.optim.host_buffers import lay_out, make_buckets
+from memtrain.optim.host_stepper import HostStepper
 
 OPTIM = Path(__file__).resolve().parents[1] / "memtrain" / "optim"
 
@@ -38,24 +40,41 @@ def test_no_part_declares_its_owners_attributes() -> None:
     assert not declared, f"declarations of a host's attributes under TYPE_CHECKING: {declared}"
 
 
-def test_no_part_calls_a_private_method_of_another_object() -> None:
-    """In memtrain/optim a private method (``x._name(...)``) is called on ``self`` only, or on torch itself (its
-    private kernels): a part reaches another object through what that object makes public."""
-    calls = []
+# Private names of other objects that memtrain/optim may reach, each with why there is no public way.
+PRIVATE_NAMES_ALLOWED = {
+    "_per_optimizer_states": "GradScaler keeps each optimizer's stage and inf check there; torch has no public API "
+                             "to read the stage or hand it an inf check made elsewhere",
+    "_scale": "GradScaler's scale as a device tensor; get_scale() returns a Python float (a host sync)",
+    "_version": "a tensor's in-place version counter (host_kernels' code-table cache); torch makes it public nowhere",
+}
+PRIVATE_NAMES_ALLOWED_IN = {
+    ("moments.py", "_salts"): "the rounding counter of BF16StateAdamW (same module) and PureBF16AdamW, kept by "
+                              "moments.py's helpers that both classes call on themselves (their shared method bodies)",
+}
+
+
+def test_no_part_calls_or_reads_a_private_name_of_another_object() -> None:
+    """In memtrain/optim a private name (``x._name``: a method called, an attribute read or written) is reached on
+    ``self``/``cls`` only, or on torch itself (its private kernels), or is one of the allowed names above: a part
+    reaches another object through what that object makes public."""
+    reached = []
     for path in sorted(OPTIM.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            if not isinstance(node, ast.Attribute):
                 continue
-            name, owner = node.func.attr, node.func.value
+            name, owner = node.attr, node.value
             if not name.startswith("_") or name.startswith("__"):
                 continue
             root = owner
             while isinstance(root, ast.Attribute):
                 root = root.value
-            if isinstance(owner, ast.Name) and owner.id == "self" or isinstance(root, ast.Name) and root.id == "torch":
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls") or isinstance(root, ast.Name) and (
+                    root.id == "torch"):
                 continue
-            calls.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}()")
-    assert not calls, f"private methods called on another object: {calls}"
+            if name in PRIVATE_NAMES_ALLOWED or (path.name, name) in PRIVATE_NAMES_ALLOWED_IN:
+                continue
+            reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not reached, f"private names of another object reached: {sorted(set(reached))}"
 
 
 def test_a_dropped_step_in_backward_optimizer_is_collected_and_stops_stepping() -> None:
@@ -88,26 +107,37 @@ def test_a_dropped_step_in_backward_optimizer_is_collected_and_stops_stepping() 
         model.zero_grad(set_to_none=True)
 
 
-def _stepper(params: list[nn.Parameter], hyper: dict[str, Any], *, delayed: bool, bucket_numel: int
-             ) -> tuple[HostStepper, list[dict[str, Any]], list[Any]]:
-    """A HostStepper over ``params`` alone (no CPUOffloadOptimizer): the host buffers laid out, the buckets built,
-    on the plain CPU's seam (no streams)."""
-    acc = accelerator("cpu")
-    groups = [{"params": params, **hyper}]
-    slots, order = lay_out(params, groups, None, n_grad_buffers=1, device_dtype=None, acc=acc)
-    in_order = [slots[i] for i in range(len(params))]
-    buckets = make_buckets([slots[i] for i in order], in_order, groups, torch.optim.AdamW, {"fused": True},
-                           bucket_numel)
-    link = {"device_to_host": 0, "host_to_device": 0}
-    stepper = HostStepper(in_order, buckets, acc=acc, streams=dict.fromkeys(link), link_bytes=link, delayed=delayed)
-    return stepper, groups, in_order
+@pytest.fixture
+def make_stepper() -> Iterator[Callable[..., tuple[HostStepper, list[dict[str, Any]], list[Any]]]]:
+    """Builds HostSteppers over parameters alone (no CPUOffloadOptimizer): the host buffers laid out, the buckets
+    built, on the plain CPU's seam (no streams) or ``acc``; their workers are shut down after the test, pass or
+    fail."""
+    made: list[HostStepper] = []
+
+    def make(params: list[nn.Parameter], hyper: dict[str, Any], *, delayed: bool, bucket_numel: int,
+             acc: Any = None) -> tuple[HostStepper, list[dict[str, Any]], list[Any]]:
+        cpu = accelerator("cpu")
+        groups = [{"params": params, **hyper}]
+        slots, order = lay_out(params, groups, None, n_grad_buffers=1, device_dtype=None, acc=cpu)
+        in_order = [slots[i] for i in range(len(params))]
+        buckets = make_buckets([slots[i] for i in order], in_order, groups, torch.optim.AdamW, {"fused": True},
+                               bucket_numel)
+        link = {"device_to_host": 0, "host_to_device": 0}
+        stepper = HostStepper(in_order, buckets, acc=acc if acc is not None else cpu, streams=dict.fromkeys(link),
+                              link_bytes=link, delayed=delayed)
+        made.append(stepper)
+        return stepper, groups, in_order
+
+    yield make
+    for stepper in made:
+        stepper.worker.shutdown()
 
 
 def _max_diff(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return max((a.detach() - b.detach()).abs().max().item() for a, b in zip(ours, ref, strict=True))
 
 
-def test_the_host_stepper_steps_each_bucket_and_copies_it_back_as_torch_adamw_steps() -> None:
+def test_the_host_stepper_steps_each_bucket_and_copies_it_back_as_torch_adamw_steps(make_stepper) -> None:
     """HostStepper on its own: ``step_bucket`` steps one bucket's masters and copies only its weights back;
     ``run`` steps every bucket with the gradients times the multiplier, follows an lr change
     (``sync_hyperparameters``) and skips on a non-zero inf flag. Parity with torch.optim.AdamW(fused=True) (the same
@@ -117,7 +147,7 @@ def test_the_host_stepper_steps_each_bucket_and_copies_it_back_as_torch_adamw_st
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     params = [nn.Parameter(torch.randn(shape)) for shape in ((7, 5), (5,), (3, 7))]
     ref = [nn.Parameter(p.detach().clone()) for p in params]
-    stepper, groups, slots = _stepper(params, hyper, delayed=False, bucket_numel=40)
+    stepper, groups, slots = make_stepper(params, hyper, delayed=False, bucket_numel=40)
     assert [[s.device.shape for s in b.slots] for b in stepper.buckets] == [
         [(3, 7), (5,)], [(7, 5)]], "reverse registration order, at most 40 elements a bucket (a larger one alone)"
     reference = torch.optim.AdamW(ref, **hyper, fused=True)
@@ -165,29 +195,68 @@ def test_the_host_stepper_steps_each_bucket_and_copies_it_back_as_torch_adamw_st
     assert all(torch.equal(v, state[id(s.device)][k]) for b in stepper.buckets for s in b.slots
                for k, v in b.inner.state[s.master].items()), "a skipped step changed the state"
     assert stepper.link_bytes["host_to_device"] == 4 * sum(bytes_of.values())
-    stepper.worker.shutdown()
 
 
-def test_a_delayed_host_step_reaches_the_device_at_finish_update() -> None:
+def test_a_delayed_host_step_reaches_the_device_at_finish_update(make_stepper) -> None:
     """``delayed``: ``run`` returns with the step in flight and the device weights as they were; ``finish_update``
     waits for it and copies the weights back (tolerance 0 against torch.optim.AdamW(fused=True))."""
     torch.manual_seed(1)
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     params = [nn.Parameter(torch.randn(shape)) for shape in ((4, 4), (4,))]
     ref = [nn.Parameter(p.detach().clone()) for p in params]
-    stepper, _, slots = _stepper(params, hyper, delayed=True, bucket_numel=1 << 20)
+    stepper, _, slots = make_stepper(params, hyper, delayed=True, bucket_numel=1 << 20)
     reference = torch.optim.AdamW(ref, **hyper, fused=True)
     before = [p.detach().clone() for p in params]
     grads = [torch.randn(p.shape) for p in params]
     for slot, r, g in zip(slots, ref, grads, strict=True):
         slot.master.grad, r.grad = g.clone(), g.clone()
     stepper.run(1.0, None, early={})
-    assert stepper.update is not None, "the step is in flight"
-    for future in stepper.update:
+    assert stepper.in_flight is not None, "the step is in flight"
+    for future in stepper.in_flight:
         future.result()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)), "copied back before finish_update"
     stepper.finish_update()
     reference.step()
-    assert stepper.update is None
+    assert stepper.in_flight is None
     assert _max_diff(params, ref) == 0.0, f"max abs diff {_max_diff(params, ref)}"
-    stepper.worker.shutdown()
+
+
+class RecordingSeam:
+    """The plain CPU's seam, recording the events the worker waits for (``synchronize_event``) instead of waiting."""
+
+    def __init__(self, log: list[tuple[str, Any]]):
+        self.cpu, self.log = accelerator("cpu"), log
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cpu, name)
+
+    def synchronize_event(self, event: Any) -> None:
+        self.log.append(("synchronize_event", event))
+
+
+def test_each_bucket_waits_for_the_last_copies_back_before_it_steps(make_stepper) -> None:
+    """``step_bucket`` overwrites the masters (and casts) that the previous step's copies back may still read: the
+    worker waits for their event (``synchronize_event(h2d_done)``) before each bucket's ``inner.step()``."""
+    log: list[tuple[str, Any]] = []
+    params = [nn.Parameter(torch.randn(shape)) for shape in ((7, 5), (5,), (3, 7))]
+    stepper, _, slots = make_stepper(params, dict(lr=1e-2), delayed=False, bucket_numel=40, acc=RecordingSeam(log))
+    assert len(stepper.buckets) == 2, "the fixture must give several buckets"
+    for index, bucket in enumerate(stepper.buckets):
+        def recorded(step=bucket.inner.step, index=index, **kwargs: Any) -> Any:
+            log.append(("step", index))
+            return step(**kwargs)
+        bucket.inner.step = recorded
+    for slot in slots:
+        slot.master.grad = torch.randn(slot.master.shape)
+    h2d_done = object()  # the event after the previous step's copies back
+    stepper.h2d_done = h2d_done
+    stepper.run(1.0, None, early={})
+    waited, steps = False, []
+    for what, arg in log:
+        if what == "synchronize_event" and arg is h2d_done:
+            waited = True
+        elif what == "step":
+            assert waited, f"bucket {arg} stepped before waiting for the copies back: {log}"
+            waited = False
+            steps.append(arg)
+    assert steps == [0, 1], f"every bucket stepped once, in order: {log}"

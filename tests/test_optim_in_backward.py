@@ -290,7 +290,7 @@ def test_the_host_parts_window_norm_is_one_pass_on_the_loops_thread() -> None:
 
     model = make_model()
     opt = build_optimizer(model.named_parameters(), **HYPER, step_in_backward=True, offload_fraction=0.5)
-    host = opt._host._slots
+    host = opt._host.slots
     assert len(host) >= 3, "the host part must hold several parameters for the count to mean anything"
     storages = {s.grads[0].untyped_storage().data_ptr() for s in host}
     for x, y in batches(2):

@@ -32,14 +32,14 @@ def test_byte_model_equals_what_measure_counts(config) -> None:
         assert predicted.host_bytes == 0 and predicted.offloaded_params == 0
         return
     buffers = {}
-    for slot in host._slots:
+    for slot in host.slots:
         for t in (slot.master, *slot.grads, *(t for t in (slot.cast, slot.stage) if t is not None)):
             buffers[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
     host_state = sum(v.untyped_storage().nbytes() for v in {id(v): v for e in host.state.values()
                                                             for v in e.values() if torch.is_tensor(v)}.values())
     assert predicted.host_state_bytes == host_state
     assert predicted.host_bytes == host_state + sum(buffers.values()), "host RAM: masters, gradients, casts, stages, state"
-    assert predicted.offloaded_params == len(host._slots)
+    assert predicted.offloaded_params == len(host.slots)
 
 
 def test_int8_state_is_at_most_2_1_bytes_per_parameter() -> None:

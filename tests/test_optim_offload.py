@@ -88,7 +88,7 @@ def train_pair(steps: int, micro: int, max_norm: float | None, fused: bool, **of
         if max_norm is not None:
             if opt.offload_gradients:  # the worker took every norm during backward: the clip's fast path is tested
                 opt.gather_gradients()
-                assert all(s.norm is not None for s in opt._slots if s.has_grad)
+                assert all(s.norm is not None for s in opt.slots if s.has_grad)
             # In param_groups order, as ours sums: a different order can move the norm by an ulp.
             ref_norm = torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]],
                                                       max_norm)
@@ -212,12 +212,12 @@ def test_device_dtype_keeps_the_fp32_digits_in_the_master() -> None:
     opt = CPUOffloadOptimizer(model.named_parameters(), device_dtype=torch.bfloat16, **HYPER)
     for name, p in model.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, given[name].to(torch.bfloat16)), name
-    for slot in opt._slots:
+    for slot in opt.slots:
         assert torch.equal(slot.master, given[slot.key]), f"{slot.key}: the master lost fp32 digits"
     x, y = next(iter(batches(1)))
     loss_fn(model, x.bfloat16(), y.bfloat16()).backward()
     opt.step()
-    for slot in opt._slots:
+    for slot in opt.slots:
         assert torch.equal(slot.device, slot.master.to(torch.bfloat16)), f"{slot.key}: not the rounded master"
 
 
@@ -632,7 +632,7 @@ def test_norms_are_taken_in_the_windows_last_backward_only(monkeypatch) -> None:
             with acc.micro_batch(is_last=m == 2):
                 acc.backward(loss_fn(model, *data[3 * window + m]), reduction="mean")
         opt.gather_gradients()
-        assert all(s.norm is not None for s in opt._slots if s.has_grad), "the clip would read every gradient"
+        assert all(s.norm is not None for s in opt.slots if s.has_grad), "the clip would read every gradient"
         acc.step()
         assert len(worker_norms) == with_grad, (
             f"window {window}: {len(worker_norms)} norms taken on the worker for {with_grad} gradients")
@@ -643,7 +643,7 @@ def test_gradients_land_with_one_worker_task_per_bucket() -> None:
     opt = CPUOffloadOptimizer(model.named_parameters(), **HYPER)
     opt._landing.worker = _CountingWorker(opt._landing.worker)
     n_buckets = len(opt._buckets)
-    assert n_buckets == 3 and len(opt._slots) == 9, "the fixture's bucket size must give several buckets"
+    assert n_buckets == 3 and len(opt.slots) == 9, "the fixture's bucket size must give several buckets"
     data = batches(3)
     for m, (x, y) in enumerate(data):
         before = len(opt._landing.worker.names)
@@ -679,7 +679,7 @@ def test_delayed_update_casts_on_the_worker_and_lands_the_rounded_master(monkeyp
         opt.zero_grad()
     assert main_casts == [], f"step() cast {len(main_casts)} tensors fp32 -> bf16 on the loop's thread"
     opt.synchronize()
-    for slot in opt._slots:
+    for slot in opt.slots:
         assert torch.equal(slot.device, slot.master.to(torch.bfloat16)), f"{slot.key}: not the rounded master"
 
 
@@ -709,7 +709,7 @@ def test_normalising_unscaling_and_clipping_make_no_pass_over_host_gradients(fp1
     opt._landing.flush()
     for future in opt._landing.tasks:
         future.result()  # the landings (copies, norms) are backward's work, done on the worker
-    storages = {s.grads[0].untyped_storage().data_ptr() for s in opt._slots}
+    storages = {s.grads[0].untyped_storage().data_ptr() for s in opt.slots}
     with Touches(storages) as touches:
         opt.scale_gradients_(1 / 3)
         norm = opt.clip_grad_norm_(0.05)
@@ -745,11 +745,11 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
     monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: need)
     opt = CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, **HYPER)
     owned = {}
-    for slot in opt._slots:
+    for slot in opt.slots:
         for t in (slot.master, *slot.grads, slot.cast, slot.stage):
             owned[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     assert sum(owned.values()) == buffers, (sum(owned.values()), buffers)
-    stages = {s.stage.untyped_storage().data_ptr() for s in opt._slots}
+    stages = {s.stage.untyped_storage().data_ptr() for s in opt.slots}
     staged_in = []
     finish = gradient_landing.finish_landings
 
@@ -769,7 +769,7 @@ def test_bf16_gradients_land_in_owned_pinned_stages_that_the_host_ram_check_coun
         CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, delayed_update=True, **HYPER)
     monkeypatch.setattr(host_buffers, "available_host_bytes", lambda: need + 6 * aligned)
     opt = CPUOffloadOptimizer(params, device_dtype=torch.bfloat16, delayed_update=True, **HYPER)
-    assert all(s.stage.untyped_storage().data_ptr() != s.cast.untyped_storage().data_ptr() for s in opt._slots)
+    assert all(s.stage.untyped_storage().data_ptr() != s.cast.untyped_storage().data_ptr() for s in opt.slots)
     opt.close()
 
 

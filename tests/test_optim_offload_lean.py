@@ -104,7 +104,7 @@ def _host_bytes(opt: CPUOffloadOptimizer) -> tuple[int, int]:
     """(moment bytes, all host bytes: masters, gradient buffers, state), each storage once, counted on the
     tensors themselves."""
     buffers = {}
-    for slot in opt._slots:
+    for slot in opt.slots:
         for t in (slot.master, *slot.grads, *(t for t in (slot.cast, slot.stage) if t is not None)):
             buffers[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
     state = {id(v): v for e in opt.state.values() for v in e.values() if torch.is_tensor(v)}.values()

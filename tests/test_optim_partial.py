@@ -32,7 +32,7 @@ def test_a_partial_offload_normalises_unscales_and_clips_without_a_pass_over_hos
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if fp16 else None
     opt.grad_scaler = scaler
     acc = GradientAccumulator(model, opt, steps=3, max_grad_norm=0.5, scaler=scaler)
-    storages = {s.grads[0].untyped_storage().data_ptr() for s in opt._host._slots}
+    storages = {s.grads[0].untyped_storage().data_ptr() for s in opt._host.slots}
     seen: list[list[str]] = []
     step = opt._host.step
 

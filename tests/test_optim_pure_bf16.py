@@ -108,7 +108,7 @@ def test_offloaded_equals_the_device_optimizer_and_sends_bf16_over_the_link() ->
         assert torch.equal(a, b), f"{name}: {(a - b).abs().max().item()}"
     numel = sum(p.numel() for p in host.parameters())
     assert opt_h.link_bytes == {"device_to_host": 3 * 2 * numel, "host_to_device": 3 * 2 * numel}, opt_h.link_bytes
-    assert all(s.master.dtype == torch.bfloat16 and s.grads[0].dtype == torch.bfloat16 for s in opt_h._slots)
+    assert all(s.master.dtype == torch.bfloat16 and s.grads[0].dtype == torch.bfloat16 for s in opt_h.slots)
     opt_h.close()
 
 
@@ -155,8 +155,8 @@ def test_byte_model_equals_what_measure_counts(config: dict) -> None:
     host = opt._host
     if host is not None:
         buffers = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                   for s in host._slots for t in (s.master, *s.grads)}
-        assert all(s.cast is None and s.stage is None for s in host._slots)
+                   for s in host.slots for t in (s.master, *s.grads)}
+        assert all(s.cast is None and s.stage is None for s in host.slots)
         assert predicted.host_bytes == predicted.host_state_bytes + sum(buffers.values())
     params = list(model.parameters())
     on_device = params[:len(params) - predicted.offloaded_params]  # the offloaded ones are the last

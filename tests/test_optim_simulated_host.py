@@ -86,7 +86,7 @@ def test_streamed_bf16_weights_get_their_stages_from_one_exact_slab(per_paramete
         opt.stream_weights(list(model.parameters()))
         stages = 0 if per_parameter else sum(aligned(p.numel()) * 2 for p in model.parameters())
         assert opt.pinned_bytes == figure + stages, (opt.pinned_bytes, figure, stages)
-        assert all(s.stage.data_ptr() != s.cast.data_ptr() for s in opt._slots), "a stage still shares its cast"
+        assert all(s.stage.data_ptr() != s.cast.data_ptr() for s in opt.slots), "a stage still shares its cast"
         _train(model, opt, acc, torch.bfloat16, micro=1)
         peak = acc.host_pinned_bytes()[1]
         if per_parameter:

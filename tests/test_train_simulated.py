@@ -136,7 +136,7 @@ def test_apply_plan_places_no_more_than_the_plan_holds(optimizer, streamed, pure
         dtypes = {p.dtype for p in state if isinstance(p, torch.nn.Parameter)}
         assert dtypes == ({torch.bfloat16} if optimizer == "offload-bf16-weights" or pure else {torch.float32})
         if optimizer != "device" and not pure:
-            masters = {s.key: s.master for s in run.optimizer._slots}
+            masters = {s.key: s.master for s in run.optimizer.slots}
             assert all(torch.equal(masters[n], before[n]) for n in masters), "a master lost the host weights' digits"
         if hasattr(run.optimizer, "close"):
             run.optimizer.close()

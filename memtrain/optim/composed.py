@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.in_backward import HyperparameterSync, StepInBackward, step_hook
 from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
@@ -133,11 +132,11 @@ class ComposedOptimizer(torch.optim.Optimizer):
             self.param_groups[0], self._options,
             (*{id(o): o for o in self._inner.values()}.values(), *([self._host] if self._host is not None else [])))
         order = self.param_groups[0]["params"]
-        host_slots = self._host._slots if self._host is not None else []
+        host_slots = self._host.slots if self._host is not None else []
         self._host_part = HostPart(host=self._host, host_slots=host_slots,
-                                   host_gradients=self._host._grads if self._host is not None else None,
+                                   host_gradients=self._host.host_gradients if self._host is not None else None,
                                    device_params=self._device_params, order=order,
-                                   acc=accelerator(self._host.device) if self._host is not None else None)
+                                   acc=self._host.accelerator if self._host is not None else None)
         self._in_backward: StepInBackward | None = None
         self._hooks = []
         if step_in_backward:
@@ -242,7 +241,7 @@ class ComposedOptimizer(torch.optim.Optimizer):
         for p in self._device_params:
             self.state[p] = self._inner[id(p)].state[p]
         if self._host is not None:
-            for slot in self._host._slots:
+            for slot in self._host.slots:
                 self.state[slot.device] = self._host.state[slot.device]
 
     # -- the step -----------------------------------------------------------------------------------------------
@@ -377,7 +376,11 @@ class ComposedOptimizer(torch.optim.Optimizer):
             elif name in converted:
                 inner.state[p] = entry_for(inner, p, converted[name], salt=i)
         if self._host is not None:
-            self._host.load_entries(same, converted, masters, salt_start=len(self._device_params))
+            host = {slot.key for slot in self._host.slots}
+            self._host.load_entries({n: e for n, e in same.items() if n in host},
+                                    {n: m for n, m in converted.items() if n in host},
+                                    {n: w for n, w in masters.items() if n in host},
+                                    salt_start=len(self._device_params))
         self._link_state()
 
     def _load_own_state(self, state_dict: dict[str, Any]) -> None:
@@ -395,7 +398,7 @@ class ComposedOptimizer(torch.optim.Optimizer):
         by_key = dict(zip(group["params"], group.get("param_names", group["params"]), strict=True))
         entries = {by_key.get(k, k): v for k, v in state_dict["state"].items()}
         device = {self._names[id(p)]: p for p in self._device_params}
-        host = {slot.key for slot in self._host._slots} if self._host is not None else set()
+        host = {slot.key for slot in self._host.slots} if self._host is not None else set()
         unknown = sorted(set(entries) - set(device) - host)
         if unknown:
             raise ConfigError(f"state entries {unknown[:5]} name no parameter of this optimizer. To resolve this "
@@ -414,7 +417,7 @@ class ComposedOptimizer(torch.optim.Optimizer):
                 inner.state[p] = {k: v.detach().to(p.device if k != "step" or on_device else "cpu", copy=True)
                                   if isinstance(v, torch.Tensor) else v for k, v in entries[name].items()}
         if self._host is not None:
-            names = [slot.key for slot in self._host._slots]
+            names = [slot.key for slot in self._host.slots]
             self._host.load_state_dict({
                 "state": {n: entries[n] for n in names if n in entries},
                 "param_groups": [{**{k: v for k, v in self._host.param_groups[0].items() if k != "params"},

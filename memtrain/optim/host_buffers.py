@@ -20,6 +20,8 @@ import torch
 from memtrain.device import Accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
+from memtrain.optim.moments import BF16StateAdamW
+from memtrain.optim.pure_bf16 import PureBF16AdamW
 from memtrain.report import format_bytes
 
 # Group keys that choose an implementation rather than the maths: they stay with each side's own optimizer when a
@@ -179,6 +181,35 @@ def bucket_runs(numels: list[int], bucket_numel: int) -> list[list[int]]:
         runs[-1].append(i)
         total += n
     return runs
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """An outer param group's hyper-parameters: what its host optimizer's group copies."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def make_buckets(slots: list[Slot], by_place: list[Slot], param_groups: list[dict[str, Any]],
+                 optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+                 bucket_numel: int) -> list[Bucket]:
+    """``slots`` (in bucket order: reverse registration) in runs of at most ``bucket_numel`` elements, one
+    ``optimizer_class`` over each run's masters, its groups mirroring ``param_groups``; sets each slot's ``bucket``.
+    ``by_place``: the slots in param_groups order (the bf16 rounding noise is salted by the place there)."""
+    runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], bucket_numel)]
+    buckets = []
+    place = {id(s): i for i, s in enumerate(by_place)}
+    for index, run in enumerate(runs):
+        for slot in run:
+            slot.bucket = index
+        group_of = sorted({s.group for s in run})
+        inner_groups = [{**hyperparameters(param_groups[gi]), "params": [s.master for s in run if s.group == gi]}
+                        for gi in group_of]
+        inner = optimizer_class(inner_groups, **optimizer_kwargs)
+        if isinstance(inner, (BF16StateAdamW, PureBF16AdamW)):
+            # Each parameter's rounding noise salted by its place in param_groups, as the device optimizer
+            # salts it: the buckets (reverse order, one optimizer each) then round as one device AdamW would.
+            inner.salts = {id(s.master): place[id(s)] for s in run}
+        buckets.append(Bucket(run, inner, group_of))
+    return buckets
 
 
 def aligned(numel: int) -> int:

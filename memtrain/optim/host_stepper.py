@@ -1,10 +1,11 @@
 """The step half of CPUOffloadOptimizer: the wrapped optimizer steps the fp32 masters bucket by bucket on a worker
 thread, and each bucket's new weights go back host -> device on a side stream while the next bucket steps.
 
-CPUOffloadOptimizer builds one ``HostStepper`` over its slots and buckets (``make_buckets``) and hands it, at each
-step, what only it knows then: the hyper-parameters of its ``param_groups``, the multiplier and inf flag of its host
-gradients, the buckets already stepped in backward. The stepper owns the worker thread, the delayed update in flight,
-the event after the last copies back and parameter offload's fills of the host weights it overwrites.
+CPUOffloadOptimizer builds one ``HostStepper`` over its slots and buckets (``host_buffers.make_buckets``) and hands
+it, at each step, what only it knows then: the hyper-parameters of its ``param_groups``, the multiplier and inf flag
+of its host gradients, the buckets already stepped in backward. The stepper owns the worker thread, the delayed
+update in flight, the event after the last copies back and parameter offload's fills of the host weights it
+overwrites.
 """
 
 from __future__ import annotations
@@ -16,38 +17,7 @@ from typing import Any
 import torch
 
 from memtrain.device import Accelerator
-from memtrain.optim.host_buffers import Bucket, Slot, bucket_runs
-from memtrain.optim.moments import BF16StateAdamW
-from memtrain.optim.pure_bf16 import PureBF16AdamW
-
-
-def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """An outer param group's hyper-parameters: what its host optimizer's group copies."""
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def make_buckets(slots: list[Slot], order: list[Slot], param_groups: list[dict[str, Any]],
-                 optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
-                 bucket_numel: int) -> list[Bucket]:
-    """``slots`` (in bucket order: reverse registration) in runs of at most ``bucket_numel`` elements, one
-    ``optimizer_class`` over each run's masters, its groups mirroring ``param_groups``; sets each slot's ``bucket``.
-    ``order``: the slots in param_groups order (the bf16 rounding noise is salted by the place there)."""
-    runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], bucket_numel)]
-    buckets = []
-    place = {id(s): i for i, s in enumerate(order)}
-    for index, run in enumerate(runs):
-        for slot in run:
-            slot.bucket = index
-        group_of = sorted({s.group for s in run})
-        inner_groups = [{**hyperparameters(param_groups[gi]), "params": [s.master for s in run if s.group == gi]}
-                        for gi in group_of]
-        inner = optimizer_class(inner_groups, **optimizer_kwargs)
-        if isinstance(inner, (BF16StateAdamW, PureBF16AdamW)):
-            # Each parameter's rounding noise salted by its place in param_groups, as the device optimizer
-            # salts it: the buckets (reverse order, one optimizer each) then round as one device AdamW would.
-            inner.salts = {id(s.master): place[id(s)] for s in run}
-        buckets.append(Bucket(run, inner, group_of))
-    return buckets
+from memtrain.optim.host_buffers import Bucket, Slot, hyperparameters
 
 
 class HostStepper:
@@ -56,7 +26,7 @@ class HostStepper:
 
     Args:
         slots: the offloader's slots, in param_groups order.
-        buckets: its buckets (``make_buckets``), stepped in this order.
+        buckets: its buckets (``host_buffers.make_buckets``), stepped in this order.
         acc: the device seam every copy, stream and event goes through.
         streams: the side stream of each direction of the link (None on a device without streams); the copies back
             run on ``streams["host_to_device"]``.
@@ -81,7 +51,7 @@ class HostStepper:
         self.streamed: set[int] = set()  # id(slot) of the parameters whose weights parameter offload streams
         # Parameter offload's fills of the host weights the step overwrites (stream_weights): an event after them.
         self.fills_done: Callable[[], Any] | None = None
-        self.update: list[Future[None]] | None = None  # the CPU step in flight (delayed)
+        self.in_flight: list[Future[None]] | None = None  # the CPU step in flight (delayed)
         self.h2d_done: Any = None  # the event after the last copies back
 
     def side_stream(self, direction: str) -> Any:
@@ -95,7 +65,7 @@ class HostStepper:
             for inner_group, gi in zip(bucket.inner.param_groups, bucket.group_of, strict=True):
                 inner_group.update(hyperparameters(param_groups[gi]))
 
-    def fills(self) -> Any:
+    def fills_event(self) -> Any:
         """The event after parameter offload's fills issued so far (``fills_done``), or None."""
         return self.fills_done() if self.fills_done is not None else None
 
@@ -107,13 +77,13 @@ class HostStepper:
         if self.streams["host_to_device"] is not None:
             # The copies back overwrite weights that this step's backward read on the compute stream.
             self.acc.wait_stream(self.streams["host_to_device"], self.acc.current_stream())
-        h2d_done, fills = self.h2d_done, self.fills()
+        h2d_done, fills = self.h2d_done, self.fills_event()
         futures = list(early.values())  # stepped during backward (step_in_next_backward)
         futures += [self.worker.submit(self.step_bucket, b, h2d_done, not self.delayed, multiplier, found,
                                        fills=fills)
                     for i, b in enumerate(self.buckets) if i not in early]
         if self.delayed:
-            self.update = futures
+            self.in_flight = futures
             return
         for future in futures:
             future.result()
@@ -129,7 +99,7 @@ class HostStepper:
             # host-to-device stream waits for everything queued on the compute stream so far.
             self.acc.wait_stream(h2d, self.acc.current_stream())
         return self.worker.submit(self.step_bucket, self.buckets[index], self.h2d_done, True, landed=landed,
-                                  fills=self.fills())
+                                  fills=self.fills_event())
 
     def step_bucket(self, bucket: Bucket, h2d_done: Any, copy_back: bool,
                     multiplier: float | torch.Tensor = 1.0, found: torch.Tensor | None = None, *,
@@ -189,11 +159,11 @@ class HostStepper:
     def finish_update(self) -> None:
         """A delayed update: waits for its CPU step and copies its weights to the device (no-op when none is in
         flight)."""
-        if self.update is None:
+        if self.in_flight is None:
             return
-        for future in self.update:
+        for future in self.in_flight:
             future.result()
-        self.update = None
+        self.in_flight = None
         if self.streams["host_to_device"] is not None:
             # The next backward read the old weights on the compute stream: the copies back wait for it (not for
             # the gradient copies, on the other side stream).

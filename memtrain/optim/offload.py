@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memtrain.device import accelerator
+from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.gradient_landing import GradientLanding
 from memtrain.optim.host_buffers import (
@@ -63,6 +63,7 @@ from memtrain.optim.host_buffers import (
     group_indices,
     host_work,
     lay_out,
+    make_buckets,
     own_stages,
     parse_params,
     probe_class,
@@ -70,7 +71,7 @@ from memtrain.optim.host_buffers import (
     sum_stage_numel,
 )
 from memtrain.optim.host_gradients import HostGradients
-from memtrain.optim.host_stepper import HostStepper, make_buckets
+from memtrain.optim.host_stepper import HostStepper
 from memtrain.optim.moments import check_precision, state_class
 from memtrain.optim.offload_checkpoint import OffloadCheckpoint
 from memtrain.optim.pure_bf16 import PURE_STATE_BYTES, PureBF16AdamW, check_pure_bf16_moments
@@ -180,7 +181,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         pin = self._acc.has_streams  # pinned memory makes D2H/H2D copies asynchronous
         _check_gradients_after_sync(offload_gradients)
         self.offload_gradients = offload_gradients
-        self.delayed_update = delayed_update
         self.grad_scaler = grad_scaler
         if (optimizer_class in (torch.optim.Adam, torch.optim.AdamW)
                 and "fused" not in optimizer_kwargs and "foreach" not in optimizer_kwargs):
@@ -225,6 +225,35 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # and this removes them (and stops the worker) once it is collected.
         self._finalizer = weakref.finalize(self, release, list(self._hooks),
                                            (self._stepper.worker, self._landing.worker), [s.device for s in self._slots])
+
+    # -- what ComposedOptimizer's parts and the benchmarks read (read-only) ---------------------------------------
+    @property
+    def slots(self) -> list[Slot]:
+        """The host views of each parameter (master, gradient buffers, cast), in param_groups order: read them,
+        do not replace them (the buckets, hooks and landings hold the same objects)."""
+        return self._slots
+
+    @property
+    def host_gradients(self) -> HostGradients:
+        """The lazy multiplier of this step's host gradients (normalisation, fp16 inverse scale, clip coefficient)
+        that the host step applies: ComposedOptimizer's host part joins its own inverse scale and clip to it."""
+        return self._grads
+
+    @property
+    def accelerator(self) -> Accelerator:
+        """The device seam every copy, stream, event and pinned buffer of this optimizer goes through."""
+        return self._acc
+
+    @property
+    def delayed_update(self) -> bool:
+        """Whether ``step()`` leaves the CPU step in flight for the next one (the constructor's ``delayed_update``):
+        the stepper's setting, read-only (the host buffers were sized for it)."""
+        return self._stepper.delayed
+
+    @property
+    def stepper(self) -> HostStepper:
+        """The host step (its buckets and worker thread): for benchmarks that time the CPU step alone."""
+        return self._stepper
 
     @property
     def pinned_bytes(self) -> int:
@@ -335,9 +364,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     # -- the step -----------------------------------------------------------------------------------------------
     def gather_gradients(self) -> None:
         """Makes this step's gradients ready on the host: landed, attached to the masters (``.grad``), the fp16
-        inverse scale handed to the host step's multiplier (no pass over them). Once a step: ``step()``,
-        ``clip_grad_norm_``, ``scale_gradients_`` and ``gradients()`` call it, and ComposedOptimizer's parts before
-        they read the host gradients."""
+        inverse scale handed to the host step's multiplier (no pass over them).
+
+        Call it after the window's last backward and before reading or changing the host gradients; it does its
+        work once a step (later calls return at once until ``step()`` or ``zero_grad()``)."""
         if self._gathered:
             return
         self._stepper.finish_update()  # delayed_update: the previous CPU step reads the masters' .grad until it is done
@@ -469,7 +499,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                      masters: dict[str, torch.Tensor], *, salt_start: int) -> None:
         """ComposedOptimizer's load of its host part: AdamW entries by parameter name, already checked (see
         ``OffloadCheckpoint.load_entries``); every other parameter's state is dropped. The rounding of converted
-        bf16 moments is salted from ``salt_start`` in param_groups order (after the device part's parameters)."""
+        bf16 moments is salted from ``salt_start`` in param_groups order (after the device part's parameters).
+
+        Raises:
+            ConfigError: a name in ``same``, ``converted`` or ``masters`` that is none of this optimizer's
+                parameters (``slots``' keys).
+        """
+        keys = {slot.key for slot in self._slots}
+        unknown = sorted({*same, *converted, *masters} - keys, key=str)
+        if unknown:
+            raise ConfigError(f"CPUOffloadOptimizer.load_entries: entries {unknown[:5]} name no parameter of this "
+                              f"optimizer ({len(keys)} parameters, e.g. {sorted(keys, key=str)[:3]}). To resolve this "
+                              "error, pass only the entries of its own parameters (the names of its slots' keys).")
         self.synchronize()
         self._checkpoint.load_entries(same, converted, masters, salt_start=salt_start)
         self._link_state()
@@ -606,7 +647,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             elif slot.has_grad:
                 slot.grads[self._landing.buffer].zero_()
                 slot.zeroed, slot.norm = True, None
-            if self._stepper.update is None:
+            if self._stepper.in_flight is None:
                 slot.master.grad = None  # only once no CPU step reads it (delayed_update)
         self._gathered = False
         super().zero_grad(set_to_none=set_to_none)  # the device gradients (offload_gradients=False)

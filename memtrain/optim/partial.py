@@ -28,13 +28,13 @@ class HostPart:
             clip coefficient join; None without a host part.
         device_params: the parameters on the device, in registration order.
         order: every parameter in param_groups order (the order torch stacks norms in).
-        acc: the host part's device seam, in whose ``host()`` region the inverse scale is made; None without a host
-            part.
+        acc: the host part's device seam (``host.accelerator``), in whose ``host()`` region the inverse scale is
+            made; None without a host part.
     """
 
     def __init__(self, *, host: CPUOffloadOptimizer | None, host_slots: list[Slot],
                  host_gradients: HostGradients | None, device_params: list[torch.Tensor], order: list[torch.Tensor],
-                 acc: Accelerator | None = None):
+                 acc: Accelerator | None):
         self.host, self.host_slots, self.host_gradients = host, host_slots, host_gradients
         self.acc = acc
         self.device_params, self.order = device_params, order
