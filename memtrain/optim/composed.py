@@ -69,7 +69,7 @@ class ComposedOptimizer(torch.optim.Optimizer):
       were), with no host sync. Parameters whose gradients landed *before* it took this step with their finite
       gradients: the compromise of stepping in one pass. The scaler then backs off as usual and the window counts
       as skipped. Inner optimizers without that flag (bf16 and int8 moments, another class) are refused with an
-      fp16 scaler (``techniques.optimizer.IN_BACKWARD_FP16_SCALER``).
+      fp16 scaler (``techniques.optimizer.technique.IN_BACKWARD_FP16_SCALER``).
     """
 
     # No inf check to read before the step (CPUOffloadOptimizer says True): under an fp16 scaler,
