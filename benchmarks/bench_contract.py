@@ -260,7 +260,7 @@ SYNC_SETUPS: dict[str, dict[str, Any]] = {
     "ComposedOptimizer int8": dict(state_precision="int8"),
     "step in backward": dict(step_in_backward=True),
     "CPUOffloadOptimizer": dict(optimizer="offload"),
-    "CPUOffloadOptimizer, bf16 weights": dict(optimizer="offload-bf16-weights"),
+    "CPUOffloadOptimizer, bf16 weights": dict(optimizer="offload-bf16-weights", precision="bf16-mixed"),
     "fp16 scaler, device fused AdamW": dict(precision="fp16-mixed"),
     "fp16 scaler, CPUOffloadOptimizer": dict(precision="fp16-mixed", optimizer="offload"),
 }

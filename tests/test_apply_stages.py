@@ -190,3 +190,18 @@ def test_a_plan_for_another_process_group_leaves_the_model_as_it_was():
         apply_plan(model, _settings(distribution="ddp", pure_bf16=True), lr=1e-3)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert [(n, type(m)) for n, m in model.named_modules()] == modules
+
+
+@pytest.mark.parametrize("overrides,rule", [
+    (dict(optimizer="offload", offload_weights=True, compile=True), "offload_weights=True with compile=True"),
+    (dict(pure_bf16=True, precision="fp32"), "pure_bf16=True with precision='fp32'"),
+    (dict(optimizer="offload", step_in_backward=True), "optimizer='offload' with step_in_backward=True"),
+])
+def test_a_hand_made_set_up_that_a_rule_refuses_is_refused_before_anything_is_applied(overrides, rule):
+    """``apply_plan`` holds a hand-made ``PlanSettings`` to the rules a plan obeys: compiled with streamed weights,
+    it failed inside torch.compile at the first step; the others trained as if allowed."""
+    model = tiny_gpt(4, seed=0)
+    modules = [(n, type(m)) for n, m in model.named_modules()]
+    with pytest.raises(ConfigError, match=f"^apply_plan: {rule}"):
+        apply_plan(model, _settings(**overrides), lr=1e-3)
+    assert [(n, type(m)) for n, m in model.named_modules()] == modules

@@ -234,6 +234,7 @@ def test_a_loss_that_cannot_be_chunked_is_one_rule_in_the_same_words_wherever_th
         assert message.startswith(f"chunked_loss=True: {why} To resolve this error, pass chunked_loss=False"), (
             site, message)
     assert messages["fixed"].endswith("(or leave it to the plan).")  # the planner's own fix: it could choose
+    assert messages["settings"].endswith("pass chunked_loss=False.")  # a set-up given whole: no plan to leave it to
     assert not techniques.problems(SetUp(chunked_loss=True))  # a model not known: nothing to refuse
     assert not techniques.problems(SetUp(chunked_loss=False, chunkable=False))
 

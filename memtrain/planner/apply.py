@@ -27,9 +27,11 @@ from memtrain.errors import ConfigError
 from memtrain.loss import apply_chunked_loss, remove_chunked_loss
 from memtrain.offload import WeightStreamer
 from memtrain.optim import CPUOffloadOptimizer, build_optimizer
+from memtrain.planner.checks import SETTINGS_TERMS, setup_of
 from memtrain.planner.cost import fsdp2_param_dtype
 from memtrain.planner.settings import Plan, PlanSettings
 from memtrain.precision import MixedPrecision
+from memtrain.techniques import problems as rule_problems
 
 
 # -- apply_plan ---------------------------------------------------------------------------------------------
@@ -72,8 +74,9 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
             (``MEMTRAIN_SIMULATED_DEVICE``) the CPU is that device, and every placement is counted against it.
 
     Raises:
-        ConfigError: the model does not match the plan (other blocks), or the plan needs torch.distributed
-            initialised with ``plan.world_size`` ranks.
+        ConfigError: the model does not match the plan (other blocks), the plan needs torch.distributed
+            initialised with ``plan.world_size`` ranks, or a rule between its techniques refuses it (a hand-made
+            ``PlanSettings``: a plan's own never breaks one).
     """
     s = plan.settings if isinstance(plan, Plan) else plan
     names = _check_blocks(model, s, plan.block_names if isinstance(plan, Plan) else None)
@@ -83,6 +86,9 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
         raise ConfigError(f"apply_plan: the plan's distribution is {s.distribution!r}, and this process group has "
                           f"{world} rank(s). To resolve this error, plan with world_size equal to torchrun's "
                           "--nproc_per_node.")
+    # A hand-made set-up is held to the rules a plan obeys: e.g. compiled with streamed weights, it would fail only
+    # at the first step, inside torch.compile.
+    ConfigError.raise_if(f"apply_plan: {p}" for p in rule_problems(setup_of(s, world, s.precision), SETTINGS_TERMS))
     precision = MixedPrecision(s.precision, acc.device.type)  # type: ignore[arg-type]
     a = Applying(model, s, names, acc=acc, precision=precision, world=world,
                  hyper={"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},

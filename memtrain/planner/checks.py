@@ -16,11 +16,13 @@ from memtrain.techniques import SetUp, Terms
 from memtrain.techniques import problems as rule_problems
 from memtrain.techniques.optimizer import STATE_PRECISIONS
 
-# How the planner's fixed choices and set-ups read in the rules' messages: the placement is "optimizer".
-PLAN_TERMS = Terms(labels={"placement": "optimizer", "optimizer": "optimizer_class"}, fixes={
+# How the planner's set-ups read in the rules' messages: the placement is "optimizer".
+SETTINGS_TERMS = Terms(labels={"placement": "optimizer", "optimizer": "optimizer_class"}, fixes={
     "offload-weights-device-optimizer": "pass optimizer 'offload' (or 'offload-bf16-weights'), or drop "
-                                        "offload_weights=True",
-    "chunked-loss-model": "pass chunked_loss=False (or leave it to the plan)"})
+                                        "offload_weights=True"})
+# And its fixed choices, which the plan may also leave open.
+PLAN_TERMS = Terms(labels=SETTINGS_TERMS.labels, fixes={
+    **SETTINGS_TERMS.fixes, "chunked-loss-model": "pass chunked_loss=False (or leave it to the plan)"})
 
 
 # -- the checks ---------------------------------------------------------------------------------------------
@@ -129,7 +131,7 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
         problems.append(f"state_precision={s.state_precision!r} is not one of {', '.join(STATE_PRECISIONS)}.")
     if not 0.0 <= s.offload_fraction <= 1.0:
         problems.append(f"offload_fraction={s.offload_fraction!r}: a share in [0, 1] of a device optimizer's state.")
-    problems += rule_problems(setup_of(s, world, precision, chunkable), PLAN_TERMS)
+    problems += rule_problems(setup_of(s, world, precision, chunkable), SETTINGS_TERMS)
     ConfigError.raise_if(problems)
 
 
