@@ -78,6 +78,11 @@ def test_setup_is_traces_keyword_arguments_with_none_as_off():
     assert estimate(model, (2, 32), device="cpu", setup=Choices()) == estimate(model, (2, 32), device="cpu")
     offloaded = estimate(model, (2, 32), device="cpu", setup=Choices(optimizer=OptimizerChoice(placement="offload")))
     assert offloaded == estimate(model, (2, 32), device="cpu", optimizer="adamw-offload")
+    # Lean moments are the offloaded AdamW's too: the optimizer named as 'adamw-offload' takes them (it was refused)
+    bf16 = Choices(optimizer=OptimizerChoice(state_precision="bf16"))
+    assert estimate(model, (2, 32), device="cpu", optimizer="adamw-offload", setup=bf16) == estimate(
+        model, (2, 32), device="cpu", setup=Choices(optimizer=OptimizerChoice(placement="offload",
+                                                                               state_precision="bf16")))
     same = estimate(model, (2, 32), device="cpu", checkpointing="all", setup=Choices(checkpointing="all"))
     assert same == estimate(model, (2, 32), device="cpu", checkpointing="all")
 

@@ -257,7 +257,7 @@ class OptimizerTechnique(Technique):
             problems.append(f"setup.optimizer {', '.join(asked)} with optimizer='adamw-offload': those choose AdamW "
                             "on the device, 'adamw-offload' puts all of its state in host RAM. To resolve this error, "
                             "pass optimizer='adamw', or drop them.")
-        elif lean and optimizer != "adamw":
+        elif lean and optimizer not in ("adamw", "adamw-offload"):  # lean moments are the offloaded AdamW's too
             problems.append(f"setup.optimizer's state_precision, step_in_backward and offload_fraction are options "
                             f"of AdamW (memtrain.optim), not of optimizer={optimizer!r}. To resolve this error, pass "
                             "optimizer='adamw', or drop them.")
