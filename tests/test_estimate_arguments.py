@@ -19,6 +19,7 @@ def test_bad_arguments_are_all_reported_at_once():
     problems = info.value.problems
     assert len(problems) == 4, problems
     assert all("To resolve this error" in p for p in problems)
+    assert [p for p in problems if "lionn" in p][0].count("optimizer='lionn'") == 1, problems  # named once
     with pytest.raises(ConfigError, match="micro_batch_size and seq_len"):
         estimate(model)
     with pytest.raises(ConfigError, match="positions"):

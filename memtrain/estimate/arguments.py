@@ -146,7 +146,7 @@ def check_arguments(
         named = as_optimizer(optimizer)
     except ConfigError as e:
         named = "adamw"
-        problems += [f"optimizer={optimizer!r}: {p}" for p in e.problems]
+        problems += [p if p.startswith("optimizer=") else f"optimizer={optimizer!r}: {p}" for p in e.problems]
     _check_choice("state_precision", state_precision, STATE_PRECISIONS, problems)
     if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not (
             0.0 <= offload_fraction <= 1.0):
