@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,22 +94,21 @@ class Choices:
                              "optimizer=OptimizerChoice(placement='offload').")
             optimizer = OptimizerChoice()
         object.__setattr__(self, "optimizer", optimizer)
-        switches = ("offload_activations", "chunked_loss", "offload_weights")
-        problems_ += switch_problems(self, switches)
-        for name in ("compile", "pure_bf16"):
+        # Each technique's switch declares itself (its field's type): True / False / None (the plan's), or True /
+        # False; the rules then read the values that are good, so that every problem is named at once.
+        problems_ += switch_problems(self, SWITCHES)
+        for name in ON_OFF:
             if not isinstance(getattr(self, name), bool):
                 problems_.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, "
                                  "pass one of them.")
-        # The rules read the values that are good; a bad one is named above, so every problem is named at once.
         good = {name: getattr(self, name) if isinstance(getattr(self, name), bool) else None
-                for name in ("offload_activations", "offload_weights", "compile", "pure_bf16")}
+                for name in (*SWITCHES, *ON_OFF)}
         ConfigError.raise_if(problems_ + problems(self.setup(**good), CHOICE_TERMS))
 
     def setup(self, **run: Any) -> SetUp:
         """These choices as the rules read them, with what the run adds (``processes``, ``fsdp``, ``precision``)."""
-        return self.optimizer.setup().with_(**{
-            "pure_bf16": self.pure_bf16, "offload_weights": self.offload_weights, "compile": self.compile,
-            "offload_activations": self.offload_activations, "checkpointing": self.checkpointing, **run})
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "optimizer"}
+        return self.optimizer.setup().with_(**{**own, **run})
 
     def check_run(self, *, world_size: int = 1, fsdp: bool = False) -> None:
         """Raises one ConfigError for the choices a run of ``world_size`` processes cannot take."""
@@ -122,19 +122,10 @@ class Choices:
                                                                    "pure_bf16"})
         return problems(self.setup(precision=precision), terms)
 
-    @property
-    def offloads_activations(self) -> bool | None:
-        """Whether activations go to the host: True where asked for directly or by a "+offload" policy."""
-        if self.checkpointing is not None and self.checkpointing.offload_inputs:
-            return True
-        return self.offload_activations
-
     def to_dict(self) -> dict[str, Any]:
-        """JSON values (the policy as its spelling) that ``from_dict`` reads back."""
-        return {"checkpointing": None if self.checkpointing is None else str(self.checkpointing),
-                "offload_activations": self.offload_activations, "optimizer": self.optimizer.to_dict(),
-                "chunked_loss": self.chunked_loss, "compile": self.compile, "pure_bf16": self.pure_bf16,
-                "offload_weights": self.offload_weights}
+        """JSON values (the policy as its spelling, the optimizer's as its own ``to_dict``) that ``from_dict`` reads
+        back."""
+        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Choices:
@@ -144,3 +135,15 @@ class Choices:
             ConfigError: an unknown field (naming the known ones), or any bad value.
         """
         return cls(**known_fields(cls, values, "choices"))
+
+
+def _json_value(value: Any) -> Any:
+    """A setting's value as JSON: a policy as its spelling, a setting type as its ``to_dict``."""
+    if isinstance(value, Checkpointing):
+        return str(value)
+    return value.to_dict() if hasattr(value, "to_dict") else value
+
+
+# The techniques' switches, by their fields' types: True / False / None (the plan's), and True / False.
+SWITCHES = tuple(f.name for f in dataclasses.fields(Choices) if f.type == "bool | None")
+ON_OFF = tuple(f.name for f in dataclasses.fields(Choices) if f.type == "bool")

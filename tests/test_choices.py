@@ -9,6 +9,7 @@ import pytest
 from memtrain.checkpointing import Checkpointing
 from memtrain.choices import Choices, OptimizerChoice, default_global_batch
 from memtrain.errors import ConfigError
+from memtrain.techniques import activation_offload
 
 
 def test_checkpointing_is_parsed_once_at_construction():
@@ -90,9 +91,9 @@ def test_in_backward_steps_fix_a_device_optimizer_and_lean_state_goes_with_eithe
 
 
 def test_activation_offload_asked_for_by_the_policy_or_directly():
-    assert Choices().offloads_activations is None
-    assert Choices(checkpointing="all+offload").offloads_activations is True
-    assert Choices(offload_activations=False).offloads_activations is False
+    assert activation_offload.asked(Choices()) is None
+    assert activation_offload.asked(Choices(checkpointing="all+offload")) is True
+    assert activation_offload.asked(Choices(offload_activations=False)) is False
 
 
 def test_one_default_global_batch():

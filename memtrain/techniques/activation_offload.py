@@ -30,10 +30,18 @@ CHECKPOINT_OFFLOAD_INPUTS = Rule(
 CPU_NOTE = "activation offload has no effect on a CPU-only run (no device memory to save): off"
 
 
+def asked(choices: Any) -> bool | None:
+    """Whether a run's ``Choices`` send activations to the host: True where asked for directly or by a "+offload"
+    policy, False where refused, None where the plan's."""
+    if choices.checkpointing is not None and choices.checkpointing.offload_inputs:
+        return True
+    return choices.offload_activations
+
+
 def offloads_layout(choices: Any, device: str) -> bool | None:
     """Whether what a fixed checkpointing layout keeps goes to the host too (``choices.offload_activations``; off
     where the run trains on a CPU, which has no device memory to save)."""
-    if choices.offloads_activations and device != "cuda":
+    if asked(choices) and device != "cuda":
         return False
     return choices.offload_activations
 
@@ -49,7 +57,7 @@ class ActivationOffloadTechnique(Technique):
     def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
         """Activation offload's share of a plan's fixed choices (``choices``: a ``Choices``): refused (False), the
         search never offloads; on a CPU, off with a note. What it does to a fixed layout is checkpointing's share."""
-        note = (CPU_NOTE,) if choices.offloads_activations and device != "cuda" else ()
+        note = (CPU_NOTE,) if asked(choices) and device != "cuda" else ()
         return Fixing({}, {"offload-activations"} if offloads_layout(choices, device) is False else set(), note)
 
     def left_open(self, fixed: Any) -> list[str]:
