@@ -249,3 +249,39 @@ def test_what_a_resumed_run_cannot_change_comes_from_each_technique(monkeypatch)
     monkeypatch.setattr(techniques, "REGISTRY", (*techniques.REGISTRY, Kept()))
     with pytest.raises(ConfigError, match=r"^kept=1: the run's optimizer is offload.* drop kept= or start a new run"):
         check_kept_optimizer(Choices(), kept)
+
+
+def test_a_plans_estimate_options_are_each_techniques_own(monkeypatch):
+    from memtrain.planner import PlanSettings, search
+    from memtrain.techniques.optimizer import NamedOptimizer
+
+    names = ("b0", "b1", "b2")
+    s = PlanSettings(micro_batch_size=2, accumulation=4, blocks=("offload", "recompute", "keep"),
+                     flavor="selective", chunked_loss=True, optimizer="offload-bf16-weights", distribution="none",
+                     compile=False, state_precision="bf16", step_in_backward=False, offload_fraction=0.0)
+    assert techniques.planned_options(s, names) == {
+        "checkpointing": {"policies": {"b0": "offload", "b1": "recompute", "b2": "keep"}, "selective": ("matmul", "attention")},
+        "chunked_loss": True, "optimizer": "adamw-offload", "state_precision": "bf16", "offload_fraction": 0.0,
+        "step_in_backward": False, "weights_dtype": "bf16", "pure_bf16": False, "accumulation": 4}
+    # inputs offloaded only where a block recomputes; a named class offloaded keeps all of its state on the host
+    named = NamedOptimizer("torch.optim.SGD")
+    s = dataclasses.replace(s, blocks=("keep",) * 3, flavor="offload-inputs", optimizer="offload",
+                            state_precision="fp32", optimizer_class=named, pure_bf16=False)
+    options = techniques.planned_options(s, names)
+    assert options["checkpointing"] == {"policies": dict.fromkeys(names, "keep")}
+    assert (options["optimizer"], options["offload_fraction"], options["weights_dtype"]) == (named, 1.0, None)
+
+    class Extra(techniques.Technique):  # a technique added to the registry is asked too: the estimate traces it
+        name = "extra"
+
+        def planned_options(self, settings, block_names):
+            return {"offload_min_bytes": 7}
+
+    seen = {}
+    monkeypatch.setattr(techniques, "REGISTRY", (*techniques.REGISTRY, Extra()))
+    monkeypatch.setattr(search, "trace", lambda *args, **kwargs: seen.update(kwargs) or SimpleNamespace())
+    monkeypatch.setattr(search, "rank_peak", lambda *args: 0.0)
+    monkeypatch.setattr(search, "step_batch", lambda *args: None)
+    monkeypatch.setattr(search, "gradient_shard", lambda *args: 0.0)
+    search.estimate_of(SimpleNamespace(model=None, device="cpu", precision="fp32", block_names=names), None, s)
+    assert seen["offload_min_bytes"] == 7 and seen["accumulation"] == 4

@@ -490,22 +490,11 @@ def predictions(model_or_hf_config: Any, given: Sequence[PlanSettings], *, seq_l
 
 
 def estimate_of(ctx: Problem, prof: Profiles, s: PlanSettings) -> tuple[float, Trace]:
-    """A full estimate of exactly this set-up (one process, then the distributed shift): the peak and the trace."""
-    checkpointing: dict[str, Any] = {"policies": s.policies(ctx.block_names)}
-    if s.flavor == "selective":
-        checkpointing["selective"] = ("matmul", "attention")
-    if s.flavor == "offload-inputs" and "recompute" in s.blocks:
-        checkpointing["offload"] = True
-    optimizer: Any = "adamw" if s.optimizer == "device" else "adamw-offload"
-    offload_fraction = s.offload_fraction
-    if not s.optimizer_class.is_adamw:  # a named class: the same wrappers, its own state
-        optimizer, offload_fraction = s.optimizer_class, s.offload_fraction if s.optimizer == "device" else 1.0
+    """A full estimate of exactly this set-up (one process, then the distributed shift): the peak and the trace.
+    Each technique's part of the set-up is its own (``techniques.planned_options``)."""
     t = trace(ctx.model, step_batch(ctx, s.micro_batch_size), device=ctx.device, precision=ctx.precision,
-              checkpointing=checkpointing, chunked_loss=s.chunked_loss, optimizer=optimizer,
-              accumulation=s.accumulation, state_precision=s.state_precision, offload_fraction=offload_fraction,
-              step_in_backward=s.step_in_backward,
-              weights_dtype="bf16" if s.optimizer == "offload-bf16-weights" or s.pure_bf16 else None,
-              runs=gradient_shard(ctx, s) > 0, pure_bf16=s.pure_bf16)  # runs: when sharded gradients matter
+              runs=gradient_shard(ctx, s) > 0,  # runs: when sharded gradients matter
+              **techniques.planned_options(s, ctx.block_names))
     return rank_peak(ctx, prof, s, t), t
 
 

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from memtrain.techniques import (
@@ -64,10 +65,21 @@ def fixed_shares(choices: Any, *, device: str, n_blocks: int) -> Fixing:
     return Fixing.merge(technique.fixed(choices, device=device, n_blocks=n_blocks) for technique in REGISTRY)
 
 
+def planned_options(settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
+    """A plan's one set-up ``settings`` (a ``PlanSettings``) as ``trace``'s keyword arguments: every technique's
+    part (``Technique.planned_options``), each keyword given by one technique."""
+    options: dict[str, Any] = {}
+    for technique in REGISTRY:
+        own = technique.planned_options(settings, block_names)
+        assert not own.keys() & options.keys(), f"{technique} gives {sorted(own.keys() & options.keys())} again"
+        options.update(own)
+    return options
+
+
 def left_open(fixed: Any) -> list[str]:
     """The arguments that fix what a plan's ``Fixed`` leaves to the search, where no search runs."""
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
 __all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms", "fixed_shares",
-           "left_open", "problems", "refuses"]
+           "left_open", "planned_options", "problems", "refuses"]

@@ -7,6 +7,9 @@ passes it over, and a fixed one steps in the last micro-batch's backward).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView
 
@@ -24,6 +27,11 @@ class AccumulationTechnique(Technique):
                                  if s.micro_batch_size == view.per_rank else "another micro-batch")
         return [f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {view.per_rank} examples per rank "
                 "per step" + (f", because: {other}" if other else "")]
+
+
+    def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
+        """The micro-batches per optimizer step, as planned."""
+        return {"accumulation": settings.accumulation}
 
 
 TECHNIQUE = AccumulationTechnique()

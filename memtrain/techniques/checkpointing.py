@@ -8,7 +8,7 @@ way). Its rule with activation offload is activation offload's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from memtrain.checkpointing import Checkpointing, SelectivePolicy
@@ -143,5 +143,14 @@ class CheckpointingTechnique(Technique):
             f"checkpointing={checkpointing!r} and setup.checkpointing={str(setup.checkpointing)!r} are two different "
             "policies for one step. To resolve this error, pass one of them."]
 
+
+    def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
+        """Each block's kind (recompute, offload, keep), the recomputed ones in the plan's flavor."""
+        options: dict[str, Any] = {"policies": settings.policies(block_names)}
+        if settings.flavor == "selective":
+            options["selective"] = ("matmul", "attention")
+        if settings.flavor == "offload-inputs" and "recompute" in settings.blocks:
+            options["offload"] = True
+        return {"checkpointing": options}
 
 TECHNIQUE = CheckpointingTechnique()

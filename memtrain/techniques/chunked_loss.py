@@ -5,6 +5,7 @@ setting is ``Choices.chunked_loss``; it has no rule with the other techniques, o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import field
 from typing import Any
 
@@ -65,5 +66,9 @@ class ChunkedLossTechnique(Technique):
         """The loss chunked where asked for (None: whole)."""
         return {"chunked_loss": bool(setup.chunked_loss)}, []
 
+
+    def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
+        """The loss chunked or whole, as planned."""
+        return {"chunked_loss": settings.chunked_loss}
 
 TECHNIQUE = ChunkedLossTechnique()

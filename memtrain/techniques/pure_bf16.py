@@ -85,6 +85,10 @@ class PureBF16Technique(Technique):
         """Pure bf16 where asked for (its rules with the optimizer and the precision are checked by ``trace``)."""
         return {"pure_bf16": bool(setup.pure_bf16)}, []
 
+    def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
+        """Pure bf16 where the plan has it (only where asked for)."""
+        return {"pure_bf16": settings.pure_bf16}
+
     def trainer_problems(self, choices: Any) -> list[str]:
         """The Trainer helper trains the model's own weights (with an fp32 master where offloaded): no bf16-only
         weights."""

@@ -7,6 +7,7 @@ lists them, and the planner, the checks, the reasons, the estimator, the Trainer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from memtrain.techniques.fixing import Fixing
@@ -57,6 +58,11 @@ class Technique:
         arguments, with its contradictions with the ``checkpointing=`` / ``optimizer=`` arguments in words naming the
         fix (where there is one, its options keep their defaults, so the other arguments are still checked)."""
         return {}, []
+
+    def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
+        """Its part of a plan's one set-up ``settings`` (a ``PlanSettings``) as ``trace``'s keyword arguments, for the
+        planner's full estimate of it (``block_names``: the model's blocks, in the plan's order)."""
+        return {}
 
     def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
         """Where ``choices`` (a run's ``Choices``; None fields: the run's own) ask for another setting of it than

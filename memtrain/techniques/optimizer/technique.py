@@ -6,6 +6,7 @@ the Trainer helper cannot do of it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -264,6 +265,17 @@ class OptimizerTechnique(Technique):
         if problems:
             options.update(state_precision="fp32", offload_fraction=0.0, step_in_backward=False)
         return options, problems
+
+    def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
+        """The optimizer as planned: memtrain's AdamW on the device or offloaded (its moments, partial offload, step
+        in backward), or the run's class (offloaded: all of its state on the host); bf16 weights on the device where
+        an offloaded fp32 master or pure bf16 keeps them so."""
+        named, offloaded = settings.optimizer_class, settings.optimizer != "device"
+        optimizer: Any = ("adamw-offload" if offloaded else "adamw") if named.is_adamw else named
+        fraction = 1.0 if offloaded and not named.is_adamw else settings.offload_fraction
+        bf16 = settings.optimizer == "offload-bf16-weights" or settings.pure_bf16
+        return {"optimizer": optimizer, "state_precision": settings.state_precision, "offload_fraction": fraction,
+                "step_in_backward": settings.step_in_backward, "weights_dtype": "bf16" if bf16 else None}
 
     def trainer_problems(self, choices: Any) -> list[str]:
         """The Trainer builds its own AdamW on the device and steps after backward: lean moments and another class
