@@ -133,14 +133,19 @@ def test_the_search_never_plans_a_step_in_backward_that_fp16_refuses():
     says nothing fits (it used to plan the step in backward, which train then refused)."""
     from memtrain.planner import plan
     from memtrain.planner.devices import known_gpu
-    from memtrain.planner.search import _optimizer_choices
+    from memtrain.planner.search import _configurations, _SearchRun, _SearchSpace
 
-    fixed = Fixed(optimizer_class=NamedOptimizer.of("adafactor"))
-    searched = _optimizer_choices(["device"], ["fp32"], ["none"], {"step-in-backward"}, True, fixed, "fp16-mixed")
-    assert searched and not any(sib for _, _, sib, _, _ in searched), searched
-    adamw = _optimizer_choices(["device"], ["fp32", "bf16"], ["none"], {"step-in-backward"}, True, Fixed(),
-                               "fp16-mixed")
-    assert {(state, sib) for _, state, sib, _, _ in adamw} == {("fp32", False), ("fp32", True), ("bf16", False)}
+    def space(states):
+        return _SearchSpace(flavors=[], offload_blocks=False, placements=["device"], states=states,
+                            distributions=["none"], losses=[False], weights=[False])
+
+    run = _SearchRun(micros=[1], per_rank=1, compile=False, allowed=frozenset({"step-in-backward"}), cuda=True,
+                     precision="fp16-mixed")
+    searched = _configurations(space(["fp32"]), Fixed(optimizer_class=NamedOptimizer.of("adafactor")), run, 1)
+    assert searched and not any(c.step_in_backward for c in searched), searched
+    adamw = _configurations(space(["fp32", "bf16"]), Fixed(), run, 1)
+    assert {(c.state_precision, c.step_in_backward) for c in adamw} == {("fp32", False), ("fp32", True),
+                                                                       ("bf16", False)}
     with torch.device("meta"):
         model = GPT(GPT_PRESETS["gpt-small"])
     with pytest.raises(ConfigError, match="no set-up fits"):

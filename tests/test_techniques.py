@@ -285,3 +285,34 @@ def test_a_plans_estimate_options_are_each_techniques_own(monkeypatch):
     monkeypatch.setattr(search, "gradient_shard", lambda *args: 0.0)
     search.estimate_of(SimpleNamespace(model=None, device="cpu", precision="fp32", block_names=names), None, s)
     assert seen["offload_min_bytes"] == 7 and seen["accumulation"] == 4
+
+
+def test_the_search_is_the_cross_product_of_each_techniques_axis(monkeypatch):
+    from memtrain.planner.search import _configurations, _SearchRun, _SearchSpace
+    from memtrain.planner.settings import Fixed
+
+    assert sorted(t.name for t in techniques.SEARCH_ORDER) == sorted(t.name for t in techniques.REGISTRY)
+    space = _SearchSpace(flavors=["full", "selective"], offload_blocks=False, placements=["device", "offload"],
+                         states=["fp32", "bf16"], distributions=["none"], losses=[False, True], weights=[False])
+    run = _SearchRun(micros=[1, 2], per_rank=2, compile=False, allowed=frozenset({"step-in-backward"}), cuda=True,
+                     precision="bf16-mixed")
+    found = _configurations(space, Fixed(), run, 1)
+    # the rules drop an offloaded optimizer stepping in backward; the optimizer skips a step in backward with
+    # accumulation (it saves nothing)
+    assert not any(c.optimizer == "offload" and c.step_in_backward for c in found)
+    assert not any(c.step_in_backward and c.accumulation > 1 for c in found)
+    assert any(c.step_in_backward and c.accumulation == 1 for c in found)
+    # 2 flavors x 2 losses x 2 micro-batches x (device: fp32/bf16 x after/in backward, offload: fp32/bf16), less the
+    # 2 x 2 x 2 device set-ups stepping in backward at micro-batch 1 (accumulation 2)
+    assert len(found) == 2 * 2 * 2 * (4 + 2) - 2 * 2 * 2
+    assert found[0] == dataclasses.replace(found[0], optimizer="device", state_precision="fp32", flavor="full",
+                                           chunked_loss=False, micro_batch_size=1)  # the outermost values first
+
+    class Eager(techniques.Technique):  # a technique in the search order is asked too
+        name = "eager only"
+
+        def skips(self, configuration, fixed, run):
+            return configuration.chunked_loss
+
+    monkeypatch.setattr(techniques, "SEARCH_ORDER", (*techniques.SEARCH_ORDER, Eager()))
+    assert _configurations(space, Fixed(), run, 1) == [c for c in found if not c.chunked_loss]

@@ -44,7 +44,14 @@ from memtrain.estimate import Trace, meta_model, trace
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
 from memtrain.optim import INT8_DEVICES
-from memtrain.planner.checks import check_choices, check_fixed, check_plan_arguments, check_settings, divisors
+from memtrain.planner.checks import (
+    check_choices,
+    check_fixed,
+    check_plan_arguments,
+    check_settings,
+    divisors,
+    setup_of,
+)
 from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.hint import hint_lines, pure_bf16_candidate, size_hints
@@ -66,7 +73,7 @@ from memtrain.planner.settings import (
 from memtrain.planner.tracing import build_profiles, step_batch
 from memtrain.quantize import weight_count
 from memtrain.report import format_bytes
-from memtrain.techniques import SetUp, refuses
+from memtrain.techniques import refuses
 from memtrain.techniques.optimizer import GRADIENTS_BEFORE_DDP
 
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
@@ -304,39 +311,22 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
     ``(host limit, usable, faster than, correction) -> PureBF16Hint | None``: pure bf16 changes the numerics, so
     it is never chosen unless asked for (``memtrain.planner.hint``)."""
     ctx = composer.ctx
-    L, flavors, precision = len(ctx.block_names), space.flavors, ctx.precision
-    choices = _optimizer_choices(space.placements, space.states, space.distributions, allowed, ctx.device == "cuda",
-                                 fixed, precision)
+    L, flavors = len(ctx.block_names), space.flavors
+    run = _SearchRun(micros=micros, per_rank=per_rank, compile=compile, allowed=frozenset(allowed),
+                     cuda=ctx.device == "cuda", precision=ctx.precision)
+    configurations = _configurations(space, fixed, run, ctx.world)
     jobs: list[tuple[Configuration, np.ndarray, np.ndarray]] = []  # composed together, added in this order
-    for placement, state, in_backward, fraction, dist in choices:
-        for compiled in ([fixed.compile] if fixed.compile is not None else [False, True] if compile else [False]):
-            for chunked in space.losses:
-                for b in micros:
-                    if in_backward and per_rank // b > 1 and not fixed.step_in_backward:
-                        # With accumulation the earlier micro-batches' gradients stay: no bytes saved, so the search
-                        # skips it; asked for, it steps in the last micro-batch's backward.
-                        continue
-                    for flavor, streamed in itertools.product(flavors or ["full"], space.weights):
-                        if streamed and refuses(SetUp(offload_weights=True, placement=placement, compile=compiled,
-                                                      processes=1 if dist == "none" else 2, fsdp=dist == "fsdp2")):
-                            continue  # parameter offload: the offloaded optimizer's master, one process, eager
-                        cfg = Configuration(micro_batch_size=b, accumulation=per_rank // b, flavor=flavor,
-                                            chunked_loss=chunked, optimizer=placement, distribution=dist,
-                                            compile=compiled, precision=precision, state_precision=state,
-                                            step_in_backward=in_backward, offload_fraction=fraction,
-                                            pure_bf16=space.pure_bf16, offload_weights=streamed,
-                                            optimizer_class=fixed.optimizer_class)
-                        if fixed.blocks is not None:
-                            _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
-                            continue
-                        offload, recompute = _layouts(L, space.offload_blocks, bool(flavors),
-                                                      flavor == (flavors or ["full"])[0])
-                        if len(recompute):
-                            jobs.append((cfg, offload, recompute))
+    for cfg in configurations:
+        if fixed.blocks is not None:
+            _add_given(composer, results, cfg.with_blocks(fixed.blocks), explicit=False)
+            continue
+        offload, recompute = _layouts(L, space.offload_blocks, bool(flavors), cfg.flavor == (flavors or ["full"])[0])
+        if len(recompute):
+            jobs.append((cfg, offload, recompute))
     if jobs:
         PROGRESS.info(f"plan: composing {sum(len(r) for _, _, r in jobs):,} candidates"
-                      f"{' in pure bf16' if space.pure_bf16 else ''} ({len(jobs)} set-ups of {len(choices)} optimizer "
-                      f"set-ups x {len(micros)} micro-batch sizes)")
+                      f"{' in pure bf16' if space.pure_bf16 else ''} ({len(jobs)} set-ups of "
+                      f"{len(configurations)} configurations)")
     for (cfg, offload, recompute), figures in zip(jobs, composer.compose(jobs), strict=True):
         results.add(cfg, offload, recompute, *figures)
 
@@ -344,6 +334,32 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
         return pure_bf16_candidate(composer, space, fixed, micros, per_rank, compile, allowed, limit, usable,
                                    faster_than, correction_bytes, search=_search, estimate=estimate_of)
     return pure
+
+
+@dataclass(frozen=True, kw_only=True)
+class _SearchRun:
+    """One pass of the search over a space (``techniques.SearchRun``)."""
+
+    micros: Sequence[int]
+    per_rank: int
+    compile: bool
+    allowed: frozenset[str]
+    cuda: bool
+    precision: str
+
+
+def _configurations(space: _SearchSpace, fixed: Fixed, run: _SearchRun, world: int) -> list[Configuration]:
+    """The cross product of every technique's values in the space (``Technique.axis``, in
+    ``techniques.SEARCH_ORDER``), less what a rule refuses and what a technique skips (``Technique.skips``)."""
+    ordered = techniques.SEARCH_ORDER
+    axes = [technique.axis(space, fixed, run) for technique in ordered]
+    out = []
+    for values in itertools.product(*axes):
+        cfg = Configuration(precision=run.precision, **{k: v for part in values for k, v in part.items()})
+        if not (refuses(setup_of(cfg, world, run.precision))
+                or any(technique.skips(cfg, fixed, run) for technique in ordered)):
+            out.append(cfg)
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -375,9 +391,6 @@ def _raise_unbuildable(fixed: Fixed, micro_batch_size: int | None, world_size: i
         "fixed choices (leave it to the plan).")
 
 
-_PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # partial optimizer offloads the search tries
-
-
 def _int8_runs(device: str) -> bool:
     """Whether bitsandbytes' 8-bit AdamW is installed (the lowbit extra) and has kernels for ``device``.
 
@@ -387,40 +400,6 @@ def _int8_runs(device: str) -> bool:
 
 
     return device in INT8_DEVICES and importlib.util.find_spec("bitsandbytes") is not None
-
-
-def _optimizer_choices(placements: Sequence[OptimizerPlacement], states: Sequence[str],
-                       distributions: Sequence[Distribution], allowed: set[str], cuda: bool,
-                       fixed: Fixed, precision: str) -> list[tuple[OptimizerPlacement, str, bool, float, Distribution]]:
-    """(placement, moment precision, step in backward, partial offload fraction, distribution) to search."""
-    out: list[tuple[OptimizerPlacement, str, bool, float, Distribution]] = []
-    in_backward = [False] + ([True] if "step-in-backward" in allowed else [])
-    if fixed.step_in_backward is not None:
-        in_backward = [fixed.step_in_backward]
-    fractions = [0.0] + (list(_PARTIAL_FRACTIONS) if cuda and "offload-optimizer" in allowed else [])
-    if fixed.offload_fraction is not None:
-        fractions = [fixed.offload_fraction]
-    for dist in distributions:
-        ranks = SetUp(optimizer=fixed.optimizer_class, precision=precision,
-                      processes=2 if dist != "none" else 1, fsdp=dist == "fsdp2")
-        for placement in placements:
-            if placement != "device":
-                # CPUOffloadOptimizer: fp32 master and moments of each precision on the host (host_fraction 1); FSDP2
-                # shards the state itself and needs none.
-                out += [(placement, state, False, 0.0, dist) for state in states
-                        if not refuses(ranks.with_(placement=placement, state_precision=state))]
-                continue
-            for state in states:
-                if dist == "fsdp2" and state != "fp32":
-                    continue  # torch's AdamW on FSDP2's sharded parameters
-                for sib in in_backward:
-                    for fraction in fractions:
-                        if fraction and state != "fp32":
-                            continue  # the search's partial offloads keep fp32 moments
-                        if not refuses(ranks.with_(placement=placement, state_precision=state, step_in_backward=sib,
-                                                   offload_fraction=fraction or None)):
-                            out.append((placement, state, sib, fraction, dist))
-    return out
 
 
 def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, device: str, precision: str,

@@ -42,6 +42,11 @@ from memtrain.techniques.view import PlanView
 REGISTRY: tuple[Technique, ...] = tuple(module.TECHNIQUE for module in (
     checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, accumulation, distribution,
     compiled))
+# The search's cross product, outermost first (each technique's ``Technique.axis``): the order its candidates are
+# composed and ranked in where two tie, so that a plan does not depend on the registry's order.
+SEARCH_ORDER: tuple[Technique, ...] = tuple(module.TECHNIQUE for module in (
+    distribution, optimizer, pure_bf16, compiled, chunked_loss, accumulation, checkpointing, weight_offload,
+    activation_offload))
 RULES: tuple[Rule, ...] = tuple(rule for technique in REGISTRY for rule in technique.rules)
 SEARCH: tuple[str, ...] = tuple(name for technique in REGISTRY for name in technique.search)
 
@@ -81,5 +86,5 @@ def left_open(fixed: Any) -> list[str]:
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
-__all__ = ["REGISTRY", "RULES", "SEARCH", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms", "fixed_shares",
+__all__ = ["REGISTRY", "RULES", "SEARCH", "SEARCH_ORDER", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms", "fixed_shares",
            "left_open", "planned_options", "problems", "refuses"]

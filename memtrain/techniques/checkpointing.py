@@ -16,7 +16,7 @@ from memtrain.errors import ConfigError
 from memtrain.techniques.activation_offload import offloads_layout
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.technique import Technique
-from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
 
 
 def policy_of(value: Any) -> tuple[Checkpointing | None, list[str]]:
@@ -131,6 +131,10 @@ class CheckpointingTechnique(Technique):
             space.flavors = [fixed.flavor or "full"] if "recompute" in fixed.blocks else []
         elif fixed.flavor is not None:
             space.flavors = [fixed.flavor]
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        """Each way recomputed blocks recompute (one, "full", where no block recomputes)."""
+        return [{"flavor": flavor} for flavor in space.flavors or ["full"]]
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         """The set-up's policy where the ``checkpointing=`` argument leaves it to it or names the same one; two

@@ -14,7 +14,7 @@ from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
 from memtrain.techniques.technique import Technique
-from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
 
 FIELD = field(default=None, metadata=flag(
     "--chunked-loss", "the loss's fp32 logits 1024 tokens at a time, never whole ({unset})", kind="switch",
@@ -61,6 +61,9 @@ class ChunkedLossTechnique(Technique):
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
         if fixed.chunked_loss is not None:
             space.losses = [fixed.chunked_loss]
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        return [{"chunked_loss": chunked} for chunked in space.losses]
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         """The loss chunked where asked for (None: whole)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.technique import Technique
-from memtrain.techniques.view import PlanView
+from memtrain.techniques.view import PlanView, SearchRun, SearchSpace
 
 
 class CompileTechnique(Technique):
@@ -26,6 +26,12 @@ class CompileTechnique(Technique):
     def left_open(self, fixed: Any) -> list[str]:
         """Nothing to fix where the plan cannot choose: where no plan runs, the step is compiled only where asked."""
         return []
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        """Compiled or eager as fixed; else eager, and compiled too where the run compiles."""
+        if fixed.compile is not None:
+            return [{"compile": fixed.compile}]
+        return [{"compile": compiled} for compiled in ([False, True] if run.compile else [False])]
 
     def reasons(self, view: PlanView) -> list[str]:
         """torch.compile or eager against the other, where compiled set-ups were searched or chosen."""

@@ -6,8 +6,10 @@ techniques are theirs (the optimizer's, pure bf16's, parameter offload's).
 
 from __future__ import annotations
 
+from typing import Any
+
 from memtrain.techniques.technique import Technique
-from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
 
 
 class DistributionTechnique(Technique):
@@ -29,6 +31,10 @@ class DistributionTechnique(Technique):
         """One process; over several ranks FSDP2 (fsdp=True), DDP (False), or both to compare (None)."""
         space.distributions = ["none"] if problem.world == 1 else (
             ["fsdp2"] if problem.fsdp else ["ddp"] if problem.fsdp is False else ["ddp", "fsdp2"])
+
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        return [{"distribution": distribution} for distribution in space.distributions]
 
 
 TECHNIQUE = DistributionTechnique()

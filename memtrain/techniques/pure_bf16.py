@@ -13,7 +13,7 @@ from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp
 from memtrain.techniques.technique import Technique
-from memtrain.techniques.view import PlanView, SearchSpace
+from memtrain.techniques.view import PlanView, SearchRun, SearchSpace
 
 FIELD = field(default=False, metadata=flag(
     "--pure-bf16", "bf16 weights with no fp32 master, each update rounded stochastically: 2 bytes per parameter "
@@ -80,6 +80,10 @@ class PureBF16Technique(Technique):
             space.placements, space.states, space.distributions = pure_bf16_space(
                 space.placements, space.states, space.distributions)
             space.pure_bf16 = True
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        """Pure bf16 set-ups only where the space is narrowed to them (asked for, or the hint's search)."""
+        return [{"pure_bf16": space.pure_bf16}]
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         """Pure bf16 where asked for (its rules with the optimizer and the precision are checked by ``trace``)."""

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
-from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
 
 
 class Technique:
@@ -42,6 +42,16 @@ class Technique:
 
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
         """Narrows the ``space`` to what its fixed choices keep (after every technique filled it in)."""
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        """Its values in the search's cross product, from the narrowed ``space``: one mapping of ``Configuration``
+        fields per value (one empty mapping: it adds no field)."""
+        return [{}]
+
+    def skips(self, configuration: Any, fixed: Any, run: SearchRun) -> bool:
+        """Whether the search leaves out ``configuration`` (a ``Configuration`` no rule refuses) for this technique's
+        sake: it would save nothing, or the search does not try it."""
+        return False
 
     def reasons(self, view: PlanView) -> list[str]:
         """Its line in a plan's reasons: what was chosen, and what the best alternative costs."""

@@ -8,6 +8,7 @@ the chosen one in its own decision (``column``, ``same``) and says the rest in i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -81,3 +82,16 @@ class SearchProblem(Protocol):
     chunkable: bool
     blocks_all_train: bool
     int8: bool
+
+
+class SearchRun(Protocol):
+    """One pass of the search over a space: the micro-batch sizes it tries, the examples each rank takes per step,
+    whether compiled set-ups are weighed (the run compiles), the search names the plan may use, the device ("cuda":
+    streams and a link to the host) and the compute precision."""
+
+    micros: Sequence[int]
+    per_rank: int
+    compile: bool
+    allowed: frozenset[str]
+    cuda: bool
+    precision: str

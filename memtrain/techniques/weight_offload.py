@@ -13,7 +13,7 @@ from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp
 from memtrain.techniques.technique import Technique
-from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
 
 FIELD = field(default=None, metadata=flag(
     "--offload-weights", "parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
@@ -96,6 +96,11 @@ class WeightOffloadTechnique(Technique):
         stays on the device: streaming the adapters alone saves next to nothing), unless it is asked for."""
         space.weights = [False, True] if (problem.cuda and {"offload-optimizer", "offload-weights"} <= allowed
                                           and problem.blocks_all_train) else [False]
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        """Parameter offload off, and on where the space keeps it (its rules with the optimizer's placement, compile
+        and the ranks prune the rest)."""
+        return [{"offload_weights": streamed} for streamed in space.weights]
 
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
         """Fixed on or off; on with the placement left open, only the placements that keep a host master. Off with

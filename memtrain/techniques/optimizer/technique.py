@@ -16,9 +16,10 @@ from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.optimizer.named import NamedOptimizer
 from memtrain.techniques.rule import Rule, SetUp
 from memtrain.techniques.technique import Technique
-from memtrain.techniques.view import PlanView, SearchProblem, SearchSpace
+from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
 from memtrain.techniques.weight_offload import offloads_optimizer
 
+PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # the shares of a device optimizer's state the search tries in host RAM
 OFFLOADED = ("offload", "offload-bf16-weights")  # the planner's placements that keep all of the state in host RAM
 # Classes whose step needs every gradient at once (or a closure), so a parameter cannot step alone in backward.
 NOT_PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.LBFGS,)
@@ -222,6 +223,32 @@ class OptimizerTechnique(Technique):
             space.placements = [fixed.optimizer]
         if fixed.state_precision is not None:
             space.states = [fixed.state_precision]
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        """Each placement and moment precision the space keeps, each with a step after backward and in backward
+        (where allowed) and each partial offload (on CUDA, where offloading is allowed), as fixed where fixed; the
+        rules then drop what does not go together (an offloaded optimizer neither steps in backward nor offloads a
+        share). The run's class, never the search's."""
+        in_backward = [False] + ([True] if "step-in-backward" in run.allowed else [])
+        if fixed.step_in_backward is not None:
+            in_backward = [fixed.step_in_backward]
+        fractions = [0.0] + (list(PARTIAL_FRACTIONS) if run.cuda and "offload-optimizer" in run.allowed else [])
+        if fixed.offload_fraction is not None:
+            fractions = [fixed.offload_fraction]
+        return [{"optimizer": placement, "state_precision": state, "step_in_backward": sib, "offload_fraction": fraction,
+                 "optimizer_class": fixed.optimizer_class}
+                for placement in space.placements for state in space.states for sib in in_backward
+                for fraction in fractions]
+
+    def skips(self, configuration: Any, fixed: Any, run: SearchRun) -> bool:
+        """Lean moments with FSDP2 (torch's AdamW steps its sharded parameters) or with a partial offload (the
+        search's partial offloads keep fp32 moments); a step in backward with accumulation, unless asked for: the
+        earlier micro-batches' gradients stay, so it saves no bytes (asked for, it steps in the last micro-batch's
+        backward)."""
+        c = configuration
+        lean = c.state_precision != "fp32"
+        return ((lean and (c.distribution == "fsdp2" or bool(c.offload_fraction)))
+                or (c.step_in_backward and c.accumulation > 1 and not fixed.step_in_backward))
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         """The optimizer ``estimate`` traces: the ``optimizer=`` argument, or the class the set-up names, offloaded
