@@ -190,10 +190,11 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def make_buckets(slots: list[Slot], by_place: list[Slot], param_groups: list[dict[str, Any]],
                  optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
-                 bucket_numel: int) -> list[Bucket]:
+                 bucket_numel: int, first_salt: int = 0) -> list[Bucket]:
     """``slots`` (in bucket order: reverse registration) in runs of at most ``bucket_numel`` elements, one
     ``optimizer_class`` over each run's masters, its groups mirroring ``param_groups``; sets each slot's ``bucket``.
-    ``by_place``: the slots in param_groups order (the bf16 rounding noise is salted by the place there)."""
+    ``by_place``: the slots in param_groups order (the bf16 rounding noise is salted by the place there, counted
+    from ``first_salt``)."""
     runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], bucket_numel)]
     buckets = []
     place = {id(s): i for i, s in enumerate(by_place)}
@@ -207,7 +208,7 @@ def make_buckets(slots: list[Slot], by_place: list[Slot], param_groups: list[dic
         if isinstance(inner, (BF16StateAdamW, PureBF16AdamW)):
             # Each parameter's rounding noise salted by its place in param_groups, as the device optimizer
             # salts it: the buckets (reverse order, one optimizer each) then round as one device AdamW would.
-            inner.salts = {id(s.master): place[id(s)] for s in run}
+            inner.salts = {id(s.master): first_salt + place[id(s)] for s in run}
         buckets.append(Bucket(run, inner, group_of))
     return buckets
 
