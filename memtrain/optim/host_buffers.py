@@ -169,6 +169,28 @@ def claim(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
 DIRECTIONS = ("device_to_host", "host_to_device")
 
 
+class Link:
+    """One CPUOffloadOptimizer's link to host memory: a side stream per direction (``DIRECTIONS``) and the bytes
+    that crossed each way over the run. Its landings copy the gradients down on one and its stepper the weights
+    back up on the other, so the copies back of a delayed update run beside the next backward's gradient copies
+    instead of queueing behind them, and the two PCIe directions overlap.
+
+    Args:
+        acc: the device seam every copy, stream and event goes through.
+        streams: whether to make the side streams (where the device has streams); without them (the plain CPU)
+            each direction's stream is None and copies run in order.
+    """
+
+    def __init__(self, acc: Accelerator, *, streams: bool):
+        self.acc = acc
+        self.streams: dict[str, Any] = {d: acc.new_stream() if streams else None for d in DIRECTIONS}
+        self.bytes = dict.fromkeys(DIRECTIONS, 0)  # crossed (or, on a CPU-only run, would cross) each way
+
+    def side_stream(self, direction: str) -> Any:
+        """The context a copy over the link is issued in: ``direction``'s own side stream (none on the CPU)."""
+        return self.acc.use_stream(self.streams[direction])
+
+
 def bucket_runs(numels: list[int], bucket_numel: int) -> list[list[int]]:
     """How CPUOffloadOptimizer groups parameters (given in its bucket order) into buckets: runs of indices whose
     numels add up to at most ``bucket_numel`` (a larger parameter gets a bucket of its own). Pure, for byte models."""

@@ -53,9 +53,9 @@ from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.gradient_landing import GradientLanding
 from memtrain.optim.host_buffers import (
-    DIRECTIONS,
     IMPLEMENTATION_KEYS,
     STATE_BYTES_PER_PARAM,
+    Link,
     Slot,
     check_bf16_weights,
     check_host_ram,
@@ -210,16 +210,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._link_state()
         # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
         # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
-        # PCIe directions overlap.
-        self._streams: dict[str, Any] = {d: self._acc.new_stream() if pin else None for d in DIRECTIONS}
+        # PCIe directions overlap. The landings and the stepper share it.
+        self._link = Link(self._acc, streams=pin)
+        self._streams = self._link.streams
         # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
-        self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
+        self.link_bytes = self._link.bytes
         self._gathered = False  # this step's gradients are on the host, attached, unscaled
         self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
-        self._stepper = HostStepper(self._slots, self._buckets, acc=self._acc, streams=self._streams,
-                                    link_bytes=self.link_bytes, delayed=delayed_update)
-        self._landing = GradientLanding(self._slots, self._buckets, acc=self._acc, streams=self._streams,
-                                        link_bytes=self.link_bytes, sum_numel=sum_numel)
+        self._stepper = HostStepper(self._slots, self._buckets, link=self._link, delayed=delayed_update)
+        self._landing = GradientLanding(self._slots, self._buckets, link=self._link, sum_numel=sum_numel)
         self._grads = HostGradients(self._slots)
         self._checkpoint = OffloadCheckpoint(self._slots, self._buckets, state_precision, salt_start=salt_start)
         self._hooks = [s.device.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
