@@ -17,7 +17,7 @@ from torch import nn
 
 from memtrain.device import accelerator
 from memtrain.optim import ComposedOptimizer, CPUOffloadOptimizer, build_optimizer
-from memtrain.optim.host_buffers import lay_out, make_buckets
+from memtrain.optim.host_buffers import Link, lay_out, make_buckets
 from memtrain.optim.host_stepper import HostStepper
 
 OPTIM = Path(__file__).resolve().parents[1] / "memtrain" / "optim"
@@ -122,9 +122,9 @@ def make_stepper() -> Iterator[Callable[..., tuple[HostStepper, list[dict[str, A
         in_order = [slots[i] for i in range(len(params))]
         buckets = make_buckets([slots[i] for i in order], in_order, groups, torch.optim.AdamW, {"fused": True},
                                bucket_numel)
-        link = {"device_to_host": 0, "host_to_device": 0}
-        stepper = HostStepper(in_order, buckets, acc=acc if acc is not None else cpu, streams=dict.fromkeys(link),
-                              link_bytes=link, delayed=delayed)
+        # No side streams, even on a simulated device: the copies back run in order.
+        stepper = HostStepper(in_order, buckets, link=Link(acc if acc is not None else cpu, streams=False),
+                              delayed=delayed)
         made.append(stepper)
         return stepper, groups, in_order
 

@@ -73,8 +73,8 @@ def test_host_entries_naming_no_host_parameter_are_refused() -> None:
         host = opt._host
         name = host.slots[0].key
         entry = moments_of(saved["state"][name])
-        host.load_entries({}, {name: entry}, {}, salt_start=0)  # its own: loads
+        host.load_entries({}, {name: entry}, {})  # its own: loads
         with pytest.raises(ConfigError, match=r"'0\.weight'.*To resolve this error"):
-            host.load_entries({}, {name: entry, "0.weight": entry}, {}, salt_start=0)
+            host.load_entries({}, {name: entry, "0.weight": entry}, {})
     finally:
         opt.close()

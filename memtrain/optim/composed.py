@@ -33,7 +33,14 @@ from torch import nn
 
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.in_backward import HyperparameterSync, StepInBackward, step_hook
-from memtrain.optim.moments import adopt_entry, entry_for, moments_of, precision_of, state_class
+from memtrain.optim.moments import (
+    BF16StateAdamW,
+    adopt_entry,
+    entry_for,
+    moments_of,
+    precision_of,
+    state_class,
+)
 from memtrain.optim.offload import CPUOffloadOptimizer
 from memtrain.optim.partial import HostPart
 from memtrain.optim.pure_bf16 import PureBF16AdamW
@@ -111,12 +118,19 @@ class ComposedOptimizer(torch.optim.Optimizer):
             else:
                 shared = cls(self._device_params, **hyper, **impl)
                 self._inner.update({id(p): shared for p in self._device_params})
+            for i, p in enumerate(self._device_params):
+                # The bf16 rounding noise is salted by the parameter's place: the device part's from 0, the host
+                # part's after them (salt_start), as load_state_dict numbers them: no two parameters share a salt
+                # (the same noise), and a fresh optimizer rounds as a loaded one.
+                if isinstance(self._inner[id(p)], (BF16StateAdamW, PureBF16AdamW)):
+                    self._inner[id(p)].salts[id(p)] = i
         self._host = None
         if host_named:
             host_impl = state_class(state_precision, "cpu")[1] if not pure_bf16 else {"pure_bf16": True}
             if not self.named.is_adamw:
                 host_impl = {"optimizer_class": cls}
-            self._host = CPUOffloadOptimizer(host_named, state_precision=state_precision, **hyper, **host_impl)
+            self._host = CPUOffloadOptimizer(host_named, state_precision=state_precision,
+                                             salt_start=len(self._device_params), **hyper, **host_impl)
         # With host gradients the accumulator normalises and clips through us (scale_gradients_, clip_grad_norm_),
         # and GradScaler hands its inf check to step() (as with CPUOffloadOptimizer, which exposes the same
         # attribute).
@@ -379,8 +393,7 @@ class ComposedOptimizer(torch.optim.Optimizer):
             host = {slot.key for slot in self._host.slots}
             self._host.load_entries({n: e for n, e in same.items() if n in host},
                                     {n: m for n, m in converted.items() if n in host},
-                                    {n: w for n, w in masters.items() if n in host},
-                                    salt_start=len(self._device_params))
+                                    {n: w for n, w in masters.items() if n in host})
         self._link_state()
 
     def _load_own_state(self, state_dict: dict[str, Any]) -> None:

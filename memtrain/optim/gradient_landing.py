@@ -16,7 +16,7 @@ import torch
 
 from memtrain.device import Accelerator
 from memtrain.errors import MemtrainError
-from memtrain.optim.host_buffers import Bucket, Landing, Slot, SumStage, own_sum_stage
+from memtrain.optim.host_buffers import Bucket, Landing, Link, Slot, SumStage, own_sum_stage
 
 
 class GradientLanding:
@@ -27,16 +27,15 @@ class GradientLanding:
     Args:
         slots: the offloader's slots, in param_groups order.
         buckets: its buckets (each slot's ``bucket`` indexes them).
-        acc: the device seam every copy, stream and event goes through.
-        streams: the side stream of each direction of the link (None on a device without streams).
-        link_bytes: the offloader's per-direction byte counters (the same dict: landings add to it).
+        link: the offloader's link to the host (``host_buffers.Link``, shared with its stepper): the gradients go
+            down on its device -> host side stream and add to its byte counters.
         sum_numel: elements of each half of the sum stage (0: none, later micro-batches stage by other means).
     """
 
-    def __init__(self, slots: list[Slot], buckets: list[Bucket], *, acc: Accelerator, streams: dict[str, Any],
-                 link_bytes: dict[str, int], sum_numel: int):
+    def __init__(self, slots: list[Slot], buckets: list[Bucket], *, link: Link, sum_numel: int):
         self.slots, self.buckets = slots, buckets
-        self.acc, self.streams, self.link_bytes = acc, streams, link_bytes
+        self.link = link
+        self.acc, self.streams, self.link_bytes = link.acc, link.streams, link.bytes  # the link's, for short
         # The host side of the landings runs on a thread of its own: a delayed step (seconds of CPU work) on the
         # step's thread must not hold the next backward's landings, which a second micro-batch waits for before
         # reusing a gradient stage. Tasks that need the landings done wait for them explicitly.
@@ -61,10 +60,6 @@ class GradientLanding:
         self.sum_stage: SumStage | None = None
         self.pinned_bytes = 0  # the sum stage's, once allocated
 
-    def side_stream(self, direction: str) -> Any:
-        """The context a copy over the link is issued in: ``direction``'s own side stream (none on the CPU)."""
-        return self.acc.use_stream(self.streams[direction])
-
     def land(self, slot: Slot, *, free: bool) -> int | None:
         """Copies ``slot``'s device gradient into its host buffer (added when one is already there).
 
@@ -87,7 +82,7 @@ class GradientLanding:
         if d2h is not None:
             self._after_producer(d2h)
         self.link_bytes["device_to_host"] += grad.numel() * grad.element_size()
-        with self.side_stream("device_to_host"):
+        with self.link.side_stream("device_to_host"):
             staged, half = None, None
             if copy and grad.dtype == dst.dtype:
                 acc.copy_(dst, grad, stream=d2h)  # straight into the pinned buffer

@@ -169,6 +169,28 @@ def claim(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
 DIRECTIONS = ("device_to_host", "host_to_device")
 
 
+class Link:
+    """One CPUOffloadOptimizer's link to host memory: a side stream per direction (``DIRECTIONS``) and the bytes
+    that crossed each way over the run. Its landings copy the gradients down on one and its stepper the weights
+    back up on the other, so the copies back of a delayed update run beside the next backward's gradient copies
+    instead of queueing behind them, and the two PCIe directions overlap.
+
+    Args:
+        acc: the device seam every copy, stream and event goes through.
+        streams: whether to make the side streams (where the device has streams); without them (the plain CPU)
+            each direction's stream is None and copies run in order.
+    """
+
+    def __init__(self, acc: Accelerator, *, streams: bool):
+        self.acc = acc
+        self.streams: dict[str, Any] = {d: acc.new_stream() if streams else None for d in DIRECTIONS}
+        self.bytes = dict.fromkeys(DIRECTIONS, 0)  # crossed (or, on a CPU-only run, would cross) each way
+
+    def side_stream(self, direction: str) -> Any:
+        """The context a copy over the link is issued in: ``direction``'s own side stream (none on the CPU)."""
+        return self.acc.use_stream(self.streams[direction])
+
+
 def bucket_runs(numels: list[int], bucket_numel: int) -> list[list[int]]:
     """How CPUOffloadOptimizer groups parameters (given in its bucket order) into buckets: runs of indices whose
     numels add up to at most ``bucket_numel`` (a larger parameter gets a bucket of its own). Pure, for byte models."""
@@ -190,10 +212,11 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def make_buckets(slots: list[Slot], by_place: list[Slot], param_groups: list[dict[str, Any]],
                  optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
-                 bucket_numel: int) -> list[Bucket]:
+                 bucket_numel: int, first_salt: int = 0) -> list[Bucket]:
     """``slots`` (in bucket order: reverse registration) in runs of at most ``bucket_numel`` elements, one
     ``optimizer_class`` over each run's masters, its groups mirroring ``param_groups``; sets each slot's ``bucket``.
-    ``by_place``: the slots in param_groups order (the bf16 rounding noise is salted by the place there)."""
+    ``by_place``: the slots in param_groups order (the bf16 rounding noise is salted by the place there, counted
+    from ``first_salt``)."""
     runs = [[slots[i] for i in run] for run in bucket_runs([s.master.numel() for s in slots], bucket_numel)]
     buckets = []
     place = {id(s): i for i, s in enumerate(by_place)}
@@ -207,7 +230,7 @@ def make_buckets(slots: list[Slot], by_place: list[Slot], param_groups: list[dic
         if isinstance(inner, (BF16StateAdamW, PureBF16AdamW)):
             # Each parameter's rounding noise salted by its place in param_groups, as the device optimizer
             # salts it: the buckets (reverse order, one optimizer each) then round as one device AdamW would.
-            inner.salts = {id(s.master): place[id(s)] for s in run}
+            inner.salts = {id(s.master): first_salt + place[id(s)] for s in run}
         buckets.append(Bucket(run, inner, group_of))
     return buckets
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from memtrain.device import Accelerator
-from memtrain.optim.host_buffers import Bucket, Slot, hyperparameters
+from memtrain.optim.host_buffers import Bucket, Link, Slot, hyperparameters
 
 
 class HostStepper:
@@ -27,23 +26,21 @@ class HostStepper:
     Args:
         slots: the offloader's slots, in param_groups order.
         buckets: its buckets (``host_buffers.make_buckets``), stepped in this order.
-        acc: the device seam every copy, stream and event goes through.
-        streams: the side stream of each direction of the link (None on a device without streams); the copies back
-            run on ``streams["host_to_device"]``.
-        link_bytes: the offloader's per-direction byte counters (the same dict: the copies back add to it).
+        link: the offloader's link to the host (``host_buffers.Link``, shared with its landings): the copies back
+            run on its host -> device side stream and add to its byte counters.
         delayed: the offloader's ``delayed_update``: ``run`` starts the CPU step and returns; ``finish_update``
             (the next gather, ``synchronize``) waits for it and copies the weights back.
 
     Example:
-        >>> stepper = HostStepper(slots, buckets, acc=acc, streams=streams, link_bytes=counts, delayed=False)
+        >>> stepper = HostStepper(slots, buckets, link=Link(acc, streams=acc.has_streams), delayed=False)
         >>> stepper.sync_hyperparameters(optimizer.param_groups)
         >>> stepper.run(1.0, None, early={})  # every bucket stepped, its weights on their way to the device
     """
 
-    def __init__(self, slots: list[Slot], buckets: list[Bucket], *, acc: Accelerator, streams: dict[str, Any],
-                 link_bytes: dict[str, int], delayed: bool):
+    def __init__(self, slots: list[Slot], buckets: list[Bucket], *, link: Link, delayed: bool):
         self.slots, self.buckets = slots, buckets
-        self.acc, self.streams, self.link_bytes = acc, streams, link_bytes
+        self.link = link
+        self.acc, self.streams, self.link_bytes = link.acc, link.streams, link.bytes  # the link's, for short
         self.delayed = delayed
         # One thread steps the buckets in order: the fused CPU kernel already uses every core, and the copies back
         # are issued from it as each bucket finishes.
@@ -53,10 +50,6 @@ class HostStepper:
         self.fills_done: Callable[[], Any] | None = None
         self.in_flight: list[Future[None]] | None = None  # the CPU step in flight (delayed)
         self.h2d_done: Any = None  # the event after the last copies back
-
-    def side_stream(self, direction: str) -> Any:
-        """The context a copy over the link is issued in: ``direction``'s own side stream (none on the CPU)."""
-        return self.acc.use_stream(self.streams[direction])
 
     def sync_hyperparameters(self, param_groups: list[dict[str, Any]]) -> None:
         """Copies the outer ``param_groups``' hyper-parameters (an LR scheduler's writes) into the host optimizers,
@@ -142,7 +135,7 @@ class HostStepper:
         if not slots:
             return
         self.link_bytes["host_to_device"] += sum(s.device.numel() * s.device.element_size() for s in slots)
-        with torch.no_grad(), self.side_stream("host_to_device"):
+        with torch.no_grad(), self.link.side_stream("host_to_device"):
             # One call for the lot: a per-tensor Python loop costs several microseconds a tensor on the loop's thread.
             self.acc.foreach_copy_([s.device for s in slots], [s.master if s.cast is None else s.cast for s in slots],
                                    stream=self.streams["host_to_device"])

@@ -53,9 +53,9 @@ from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.optim.gradient_landing import GradientLanding
 from memtrain.optim.host_buffers import (
-    DIRECTIONS,
     IMPLEMENTATION_KEYS,
     STATE_BYTES_PER_PARAM,
+    Link,
     Slot,
     check_bf16_weights,
     check_host_ram,
@@ -124,6 +124,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         device: where the parameters train (None: where the first one is). Give it when the optimizer is built
             from host weights before the model is placed (``apply_plan`` does: the device then never holds the
             fp32 weights): the streams, pinned buffers and copies are that device's.
+        salt_start: the first salt of the bf16 rounding noise (bf16 moments, pure bf16): each parameter's is
+            ``salt_start`` plus its place in param_groups, fresh or loaded. ``ComposedOptimizer`` passes its device
+            part's parameter count, so that no device and host parameter share a salt (the same noise).
         **optimizer_kwargs: hyper-parameters of ``optimizer_class`` (lr, betas, weight_decay, ...).
 
     Raises:
@@ -162,6 +165,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         state_precision: StatePrecision = "fp32",
         pure_bf16: bool = False,
         device: torch.device | str | None = None,
+        salt_start: int = 0,
         **optimizer_kwargs: Any,
     ):
         self.pure_bf16 = pure_bf16
@@ -202,22 +206,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._slots = [slots[i] for i in range(len(flat))]  # in param_groups order, as torch iterates them
         self._init_param_groups(template, groups, names)
         self._buckets = make_buckets([slots[i] for i in order], self._slots, self.param_groups, optimizer_class,
-                                     optimizer_kwargs, self.bucket_numel)
+                                     optimizer_kwargs, self.bucket_numel, first_salt=salt_start)
         self._link_state()
         # One side stream per direction of the link: the copies back (host -> device) of a delayed update then run
         # beside the next backward's gradient copies (device -> host) instead of queueing behind them, and the two
-        # PCIe directions overlap.
-        self._streams: dict[str, Any] = {d: self._acc.new_stream() if pin else None for d in DIRECTIONS}
+        # PCIe directions overlap. The landings and the stepper share it.
+        self._link = Link(self._acc, streams=pin)
+        self._streams = self._link.streams
         # Bytes that crossed (or, on a CPU-only run, would cross) the host link, per direction, over the run.
-        self.link_bytes = dict.fromkeys(DIRECTIONS, 0)
+        self.link_bytes = self._link.bytes
         self._gathered = False  # this step's gradients are on the host, attached, unscaled
         self._found_inf: torch.Tensor | None = None  # an inf check made by GradScaler on the device (unscale_)
-        self._stepper = HostStepper(self._slots, self._buckets, acc=self._acc, streams=self._streams,
-                                    link_bytes=self.link_bytes, delayed=delayed_update)
-        self._landing = GradientLanding(self._slots, self._buckets, acc=self._acc, streams=self._streams,
-                                        link_bytes=self.link_bytes, sum_numel=sum_numel)
+        self._stepper = HostStepper(self._slots, self._buckets, link=self._link, delayed=delayed_update)
+        self._landing = GradientLanding(self._slots, self._buckets, link=self._link, sum_numel=sum_numel)
         self._grads = HostGradients(self._slots)
-        self._checkpoint = OffloadCheckpoint(self._slots, self._buckets, state_precision)
+        self._checkpoint = OffloadCheckpoint(self._slots, self._buckets, state_precision, salt_start=salt_start)
         self._hooks = [s.device.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
         for slot in self._slots:
             claim(slot.device, self)
@@ -496,10 +499,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._link_state()
 
     def load_entries(self, same: dict[str, dict[str, Any]], converted: dict[str, tuple[Any, ...]],
-                     masters: dict[str, torch.Tensor], *, salt_start: int) -> None:
+                     masters: dict[str, torch.Tensor]) -> None:
         """ComposedOptimizer's load of its host part: AdamW entries by parameter name, already checked (see
         ``OffloadCheckpoint.load_entries``); every other parameter's state is dropped. The rounding of converted
-        bf16 moments is salted from ``salt_start`` in param_groups order (after the device part's parameters).
+        bf16 moments is salted as a fresh step salts it: from the constructor's ``salt_start``, in param_groups
+        order (after the device part's parameters).
 
         Raises:
             ConfigError: a name in ``same``, ``converted`` or ``masters`` that is none of this optimizer's
@@ -512,7 +516,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                               f"optimizer ({len(keys)} parameters, e.g. {sorted(keys, key=str)[:3]}). To resolve this "
                               "error, pass only the entries of its own parameters (the names of its slots' keys).")
         self.synchronize()
-        self._checkpoint.load_entries(same, converted, masters, salt_start=salt_start)
+        self._checkpoint.load_entries(same, converted, masters)
         self._link_state()
 
     @torch.no_grad()

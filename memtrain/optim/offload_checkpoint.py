@@ -24,10 +24,13 @@ class OffloadCheckpoint:
         slots: the offloader's slots, in param_groups order.
         buckets: its buckets, whose wrapped optimizers hold the host state.
         state_precision: the moments' precision on the host ("fp32", "bf16" or "int8").
+        salt_start: the offloader's first rounding salt: converted bf16 moments are salted from it in param_groups
+            order, as a fresh step salts them (``host_buffers.make_buckets``).
     """
 
-    def __init__(self, slots: list[Slot], buckets: list[Bucket], state_precision: str):
+    def __init__(self, slots: list[Slot], buckets: list[Bucket], state_precision: str, *, salt_start: int = 0):
         self.slots, self.buckets, self.state_precision = slots, buckets, state_precision
+        self.salt_start = salt_start
 
     # The outer param_groups and state are passed at each call: torch's Optimizer owns them (and may rebind them).
     def state_dict(self, param_groups: list[dict[str, Any]], outer_state: Any) -> dict[str, Any]:
@@ -93,7 +96,8 @@ class OffloadCheckpoint:
         for bucket in self.buckets:
             bucket.inner.state.clear()
         fp32_state = type(self.buckets[0].inner) in STATE_BYTES_PER_PARAM
-        index = {id(slot): i for i, slot in enumerate(self.slots)}  # salts the bf16 rounding of converted moments
+        # Salts the bf16 rounding of converted moments, as a fresh step's (host_buffers.make_buckets).
+        index = {id(slot): self.salt_start + i for i, slot in enumerate(self.slots)}
         for slot in self.slots:
             slot.master.copy_(slot.device.detach())
         for key, entry in state_dict["state"].items():
@@ -121,11 +125,11 @@ class OffloadCheckpoint:
 
     @torch.no_grad()
     def load_entries(self, same: dict[str, dict[str, Any]], converted: dict[str, tuple[Any, ...]],
-                     masters: dict[str, torch.Tensor], *, salt_start: int) -> None:
+                     masters: dict[str, torch.Tensor]) -> None:
         """Loads AdamW state by parameter name, checked by the caller (``ComposedOptimizer.load_state_dict``): the
         entries of ``same`` (in this precision) as they are, the moments of ``converted`` (``moments_of``'s
         step, m, v) converted to this precision, their bf16 rounding salted from ``salt_start`` in param_groups
-        order; each master re-read from its device parameter, or taken from ``masters``."""
+        order (as a fresh step's); each master re-read from its device parameter, or taken from ``masters``."""
         for bucket in self.buckets:
             bucket.inner.state.clear()
         for slot in self.slots:
@@ -138,7 +142,7 @@ class OffloadCheckpoint:
             if name in same:
                 inner.state[slot.master] = adopt_entry(inner, slot.master, same[name])
             elif name in converted:
-                inner.state[slot.master] = entry_for(inner, slot.master, converted[name], salt=salt_start + i)
+                inner.state[slot.master] = entry_for(inner, slot.master, converted[name], salt=self.salt_start + i)
 
     def _named_state_bytes(self, slot: Slot) -> int:
         """A class memtrain has no figure for: its state's bytes for ``slot``'s master, measured by its probe."""
