@@ -35,10 +35,11 @@ class PlanSettings:
     accumulation: int  # micro-batches per optimizer step on each rank
     blocks: tuple[BlockKind, ...]  # per block, in the model's order
     flavor: RecomputeFlavor  # how the recomputed blocks recompute
-    chunked_loss: bool
-    optimizer: OptimizerPlacement
+    # The techniques' settings default to the plain ones (what ``Fixed.settings`` leaves a choice it has not)
+    chunked_loss: bool = False
+    optimizer: OptimizerPlacement = "device"
     distribution: Distribution
-    compile: bool
+    compile: bool = False
     precision: str = "bf16-mixed"  # compute precision (autocast): fp32, bf16-mixed, fp16-mixed
     state_precision: str = "fp32"  # AdamW's moments: fp32 (8 bytes/param), bf16 (4), int8 (about 2)
     step_in_backward: bool = False  # each parameter steps as its gradient is final, which is freed at once
@@ -51,42 +52,19 @@ class PlanSettings:
 
     @property
     def optimizer_text(self) -> str:
-        """The optimizer in words, e.g. "device, int8 moments, step in backward"."""
-        parts = [self.optimizer if not (self.optimizer == "device" and self.offload_fraction) else
-                 f"{100 * self.offload_fraction:.0f}% offloaded"]
-        if not self.optimizer_class.is_adamw:
-            parts.insert(0, self.optimizer_class.text)
-        if self.state_precision != "fp32":
-            parts.append(f"{self.state_precision} moments")
-        if self.step_in_backward:
-            parts.append("step in backward")
-        if self.pure_bf16:
-            parts.append("pure bf16 (no master)")
-        if self.offload_weights:
-            parts.append("weights streamed")
-        return ", ".join(parts)
+        """The optimizer in words, e.g. "device, int8 moments, step in backward" (the optimizer's, with the
+        techniques that change what it keeps: pure bf16, streamed weights)."""
+        return techniques.optimizer.TECHNIQUE.settings_text(self)
 
     @property
     def loss_text(self) -> str:
         """The loss in one word: "chunked" (1024 tokens of logits at a time) or "whole"."""
-        return "chunked" if self.chunked_loss else "whole"
+        return techniques.chunked_loss.TECHNIQUE.settings_text(self)
 
     @property
     def checkpointing(self) -> str:
         """A short name: none, all, selective, all+offload-inputs, or counts per kind."""
-        counts = {kind: self.blocks.count(kind) for kind in ("keep", "recompute", "offload")}
-        n = len(self.blocks)
-        flavor = {"full": "", "selective": " selective", "offload-inputs": " (inputs offloaded)"}[self.flavor]
-        if counts["keep"] == n:
-            return "none"
-        if counts["recompute"] == n:
-            return {"full": "all", "selective": "selective", "offload-inputs": "all+offload-inputs"}[self.flavor]
-        if counts["offload"] == n:
-            return "offload all"
-        parts = [f"{counts['recompute']} recompute{flavor}" if counts["recompute"] else "",
-                 f"{counts['offload']} offload" if counts["offload"] else "",
-                 f"{counts['keep']} keep" if counts["keep"] else ""]
-        return ", ".join(p for p in parts if p) + f" of {n}"
+        return techniques.checkpointing.TECHNIQUE.settings_text(self)
 
     def policies(self, names: Sequence[str]) -> dict[str, BlockKind]:
         """``apply_checkpointing(policies=)`` for the block names (in order)."""
@@ -161,18 +139,13 @@ class Fixed:
 
     def settings(self, *, micro_batch_size: int, accumulation: int, distribution: Distribution, precision: str,
                  blocks: tuple[BlockKind, ...] | None = None, flavor: RecomputeFlavor | None = None) -> PlanSettings:
-        """These choices as one set-up where no search runs, what they leave open plain: the loss whole, the
-        optimizer fused fp32 AdamW on the device (or the run's class), nothing offloaded, eager; the blocks and
-        their flavor these choices' unless given."""
-        return PlanSettings(
-            micro_batch_size=micro_batch_size, accumulation=accumulation,
-            blocks=self.blocks if blocks is None else blocks,  # type: ignore[arg-type]
-            flavor=self.flavor if flavor is None else flavor,  # type: ignore[arg-type]
-            chunked_loss=bool(self.chunked_loss), optimizer=self.optimizer or "device", distribution=distribution,
-            compile=bool(self.compile), precision=precision, state_precision=self.state_precision or "fp32",
-            step_in_backward=bool(self.step_in_backward), offload_fraction=self.offload_fraction or 0.0,
-            pure_bf16=bool(self.pure_bf16), offload_weights=bool(self.offload_weights),
-            optimizer_class=self.optimizer_class)
+        """These choices as one set-up where no search runs, what they leave open plain (``PlanSettings``'s
+        defaults): the loss whole, the optimizer fused fp32 AdamW on the device (or the run's class), nothing
+        offloaded, eager; the blocks and their flavor these choices' unless given."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        given.update(blocks=self.blocks if blocks is None else blocks, flavor=self.flavor if flavor is None else flavor)
+        return PlanSettings(micro_batch_size=micro_batch_size, accumulation=accumulation, distribution=distribution,
+                            precision=precision, **given)
 
 
 @dataclass(frozen=True)
@@ -372,10 +345,10 @@ class Configuration:
     micro_batch_size: int
     accumulation: int
     flavor: RecomputeFlavor
-    chunked_loss: bool
-    optimizer: OptimizerPlacement
+    chunked_loss: bool = False
+    optimizer: OptimizerPlacement = "device"
     distribution: Distribution
-    compile: bool
+    compile: bool = False
 
     precision: str = "bf16-mixed"
     state_precision: str = "fp32"

@@ -132,6 +132,22 @@ class CheckpointingTechnique(Technique):
         elif fixed.flavor is not None:
             space.flavors = [fixed.flavor]
 
+    def settings_text(self, settings: Any) -> str:
+        """The blocks' kinds in short: none, all, selective, all+offload-inputs, or counts per kind."""
+        blocks, n = settings.blocks, len(settings.blocks)
+        counts = {kind: blocks.count(kind) for kind in ("keep", "recompute", "offload")}
+        flavor = {"full": "", "selective": " selective", "offload-inputs": " (inputs offloaded)"}[settings.flavor]
+        if counts["keep"] == n:
+            return "none"
+        if counts["recompute"] == n:
+            return {"full": "all", "selective": "selective", "offload-inputs": "all+offload-inputs"}[settings.flavor]
+        if counts["offload"] == n:
+            return "offload all"
+        parts = [f"{counts['recompute']} recompute{flavor}" if counts["recompute"] else "",
+                 f"{counts['offload']} offload" if counts["offload"] else "",
+                 f"{counts['keep']} keep" if counts["keep"] else ""]
+        return ", ".join(p for p in parts if p) + f" of {n}"
+
     def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
         """Each way recomputed blocks recompute (one, "full", where no block recomputes)."""
         return [{"flavor": flavor} for flavor in space.flavors or ["full"]]

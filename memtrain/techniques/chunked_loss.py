@@ -62,6 +62,10 @@ class ChunkedLossTechnique(Technique):
         if fixed.chunked_loss is not None:
             space.losses = [fixed.chunked_loss]
 
+    def settings_text(self, settings: Any) -> str:
+        """The loss in one word: "chunked" (1024 tokens of logits at a time) or "whole"."""
+        return "chunked" if settings.chunked_loss else "whole"
+
     def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
         return [{"chunked_loss": chunked} for chunked in space.losses]
 

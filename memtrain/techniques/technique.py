@@ -57,6 +57,11 @@ class Technique:
         """Its line in a plan's reasons: what was chosen, and what the best alternative costs."""
         return []
 
+    def settings_text(self, settings: Any) -> str:
+        """Its part of a plan's one set-up ``settings`` (a ``PlanSettings``) in a few words, for the summary's
+        columns ("" where it has none)."""
+        return ""
+
     def trainer_problems(self, choices: Any) -> list[str]:
         """What the Hugging Face Trainer helper (``memtrain.hf``'s ``prepare_model`` / ``MemtrainTrainer``) cannot
         do of its setting in ``choices`` (a ``Choices``), in words naming the fix (none: it applies it, or it is

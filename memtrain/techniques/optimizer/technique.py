@@ -224,6 +224,25 @@ class OptimizerTechnique(Technique):
         if fixed.state_precision is not None:
             space.states = [fixed.state_precision]
 
+    def settings_text(self, settings: Any) -> str:
+        """The optimizer in words, e.g. "device, int8 moments, step in backward": its placement (or its offloaded
+        share), its class where not AdamW, its moments and step, and what pure bf16 and streamed weights change of
+        what it keeps."""
+        s = settings
+        parts = [s.optimizer if not (s.optimizer == "device" and s.offload_fraction) else
+                 f"{100 * s.offload_fraction:.0f}% offloaded"]
+        if not s.optimizer_class.is_adamw:
+            parts.insert(0, s.optimizer_class.text)
+        if s.state_precision != "fp32":
+            parts.append(f"{s.state_precision} moments")
+        if s.step_in_backward:
+            parts.append("step in backward")
+        if s.pure_bf16:
+            parts.append("pure bf16 (no master)")
+        if s.offload_weights:
+            parts.append("weights streamed")
+        return ", ".join(parts)
+
     def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
         """Each placement and moment precision the space keeps, each with a step after backward and in backward
         (where allowed) and each partial offload (on CUDA, where offloading is allowed), as fixed where fixed; the
