@@ -76,6 +76,7 @@ from memtrain.run.replan import (
 from memtrain.run.report import plan_summary, write_run_report
 from memtrain.run.state import CheckpointExtra, PlanCheck
 from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule, resumed_reasons
+from memtrain.techniques import pure_bf16
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
 
@@ -351,10 +352,8 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     model.train()
 
     # Plan: every choice the config leaves open, to fit the budget; each with its reason.
-    pure_auto = config.choices.pure_bf16 and config.precision == "auto"  # pure bf16 computes in bf16
-    precision_name, precision_reason = resolve_precision(
-        device, "bf16-mixed" if pure_auto else config.precision,
-        because="pure bf16 (bf16 weights, no fp32 master) computes in bf16" if pure_auto else "requested")
+    asked, because = pure_bf16.asked_precision(config.choices, config.precision)
+    precision_name, precision_reason = resolve_precision(device, asked, because=because)
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
                          precision=precision_name, packed=len(train_data[0]) > 2,  # PackedRow: position_ids
                          precision_reason=precision_reason)

@@ -33,7 +33,7 @@ def test_the_rules_are_listed_once_each():
         "bf16-device-weights-precision", "named-optimizer-own-state",
         "pure-bf16-int8", "pure-bf16-precision", "pure-bf16-fsdp",
         "offload-weights-device-optimizer", "offload-weights-compile", "offload-weights-pure-bf16",
-        "offload-weights-one-process",
+        "offload-weights-one-process", "offload-weights-blocks",
     ]
     for technique in techniques.REGISTRY:  # each module's rules are all its technique's, and no rule is elsewhere
         module = sys.modules[type(technique).__module__]
@@ -69,6 +69,9 @@ CHOICES = {
     "offload-weights-one-process": lambda: Choices(offload_weights=True).check_run(world_size=2),
     "checkpoint-offload-inputs": lambda: Choices(checkpointing="all+offload", offload_activations=False),
     "named-optimizer-own-state": lambda: OptimizerChoice(name="adafactor", state_precision="bf16"),
+    # a run's choices with what its model lacks (train on a model without blocks asks this: tests/test_train.py)
+    "offload-weights-blocks": lambda: ConfigError.raise_if(
+        techniques.problems(Choices(offload_weights=True).setup(blocks=False))),
 }
 
 

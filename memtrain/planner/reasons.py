@@ -59,7 +59,7 @@ def _family_codes(results: CandidateTable) -> np.ndarray:
     millions of rows, too many to build each one's settings."""
     n, ids = results.n_blocks, {}
     first = [c.settings(n, 0, 0) for c in results.configs]  # the family's fields but the blocks' are the config's
-    rest = [(s.chunked_loss, s.optimizer_text, s.micro_batch_size, s.distribution, s.compile) for s in first]
+    rest = [(s.loss_text, s.optimizer_text, s.micro_batch_size, s.distribution, s.compile) for s in first]
     flavored = np.array([ids.setdefault((s.flavor, *r), len(ids)) for s, r in zip(first, rest, strict=True)])
     plain = np.array([ids.setdefault(("-", *r), len(ids)) for r in rest])
     recomputes = results.recompute > 0

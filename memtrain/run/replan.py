@@ -242,12 +242,8 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
     per_rank = global_batch // world
     micro = micro or per_rank
     choices = config.choices
-    if choices.offload_weights:
-        raise ConfigError(f"offload_weights=True, but auto found no repeated blocks in {type(model).__name__} to "
-                          "stream one at a time (no nn.ModuleList/nn.Sequential of one module type, no Hugging Face "
-                          "_no_split_modules). To resolve this error, drop offload_weights=True.")
-    ConfigError.raise_if(techniques.problems(techniques.SetUp(chunked_loss=choices.chunked_loss,
-                                                              chunkable=supports_chunked_loss(model))))
+    # The rules with what this model lacks: no blocks (parameter offload streams them), a loss that cannot chunk.
+    ConfigError.raise_if(techniques.problems(choices.setup(blocks=False, chunkable=supports_chunked_loss(model))))
     # Nothing per block to plan: the policy is moot (whatever it says, no block to apply it to).
     fixed, _, _ = Fixed.of_choices(dataclasses.replace(choices, checkpointing=None), n_blocks=0, device="cuda")
     settings = fixed.settings(micro_batch_size=micro, accumulation=per_rank // micro, blocks=(), flavor="full",

@@ -42,6 +42,14 @@ PURE_BF16_FSDP = Rule(
     lambda s: bool(s.pure_bf16) and bool(s.fsdp))
 
 
+def asked_precision(choices: Any, precision: str) -> tuple[str, str]:
+    """The precision a run asks for, and why: bf16-mixed where pure bf16 is on and the run leaves the precision
+    "auto" (it computes in bf16), else the run's own ("requested")."""
+    if choices.pure_bf16 and precision == "auto":
+        return "bf16-mixed", "pure bf16 (bf16 weights, no fp32 master) computes in bf16"
+    return precision, "requested"
+
+
 def pure_bf16_space(placements: Sequence[str], states: Sequence[str],
                     distributions: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     """The placements, moment precisions and distributions a pure bf16 set-up can take: AdamW on the device or

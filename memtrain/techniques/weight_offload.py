@@ -57,6 +57,13 @@ OFFLOAD_WEIGHTS_ONE_PROCESS = Rule(
     "run one process without fsdp=True, or drop {first}",
     ("offload_weights", "fsdp", "processes"),
     lambda s: bool(s.offload_weights) and (bool(s.fsdp) or s.several_processes))
+OFFLOAD_WEIGHTS_BLOCKS = Rule(
+    "offload-weights-blocks",
+    "parameter offload streams the model's repeated blocks one at a time, and auto found none in this model (no "
+    "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules).",
+    "drop {first}",
+    ("offload_weights", "blocks"),
+    lambda s: bool(s.offload_weights) and s.blocks is False)
 
 
 class WeightOffloadTechnique(Technique):
@@ -65,7 +72,7 @@ class WeightOffloadTechnique(Technique):
     name = "parameter offload"
     fields = ("offload_weights",)
     rules = (OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER, OFFLOAD_WEIGHTS_COMPILE, OFFLOAD_WEIGHTS_PURE_BF16,
-                           OFFLOAD_WEIGHTS_ONE_PROCESS)
+                           OFFLOAD_WEIGHTS_ONE_PROCESS, OFFLOAD_WEIGHTS_BLOCKS)
     search = ("offload-weights",)
 
     def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
