@@ -316,3 +316,18 @@ def test_the_search_is_the_cross_product_of_each_techniques_axis(monkeypatch):
 
     monkeypatch.setattr(techniques, "SEARCH_ORDER", (*techniques.SEARCH_ORDER, Eager()))
     assert _configurations(space, Fixed(), run, 1) == [c for c in found if not c.chunked_loss]
+
+
+def test_a_setups_words_are_each_techniques_own():
+    from memtrain.techniques.chunked_loss import unset_default
+
+    setup = Choices(checkpointing="all", offload_activations=True, chunked_loss=True, pure_bf16=True,
+                    optimizer=OptimizerChoice(state_precision="bf16", step_in_backward=True))
+    assert [text for t in techniques.REGISTRY if (text := t.setup_text(setup))] == [
+        "checkpointing all", "activations offloaded to host RAM", "a chunked loss",
+        "AdamW on the device, bf16 moments, step in backward", "pure bf16 (bf16 weights, no master)"]
+    assert techniques.optimizer.TECHNIQUE.setup_text(Choices(offload_weights=True)).startswith("AdamW offloaded")
+    # an unset chunked loss, where no plan chooses: on with checkpointing, where the model's loss can be chunked
+    policy = Choices(checkpointing="all").checkpointing
+    assert unset_default(policy, True) and not unset_default(policy, False)
+    assert not unset_default(Choices(checkpointing="none").checkpointing, True)

@@ -14,7 +14,7 @@ from memtrain.errors import ConfigError
 from memtrain.estimate import estimate
 from memtrain.loss import supports_chunked_loss
 from memtrain.report import format_bytes
-from memtrain.techniques.weight_offload import offloads_optimizer
+from memtrain.techniques import REGISTRY, chunked_loss
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -25,11 +25,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     setup = choices_from_flags(args)
     ConfigError.raise_if([*lora_flag_problems(args), *setup.precision_problems(args.precision, auto=False)])
     target, seq_len, name = meta_target(args)
-    policy = setup.checkpointing
-    chunked = setup.chunked_loss
-    if chunked is None:  # as memtrain train did by hand: with checkpointing, the loss chunked where the model allows
-        chunked = policy.mode != "none" and supports_chunked_loss(target)
-    setup = dataclasses.replace(setup, chunked_loss=chunked)
+    if setup.chunked_loss is None:
+        setup = dataclasses.replace(setup, chunked_loss=chunked_loss.unset_default(setup.checkpointing,
+                                                                                  supports_chunked_loss(target)))
     report = estimate(target, meta_batch(args, args.micro_batch_size, seq_len), device=args.device,
                       precision=args.precision, setup=setup)
     if args.lora:
@@ -37,19 +35,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         echo(json.dumps(report.to_dict()))
     else:
-        o = setup.optimizer
-        where = ("offloaded" if offloads_optimizer(o.placement, setup.offload_weights) else
-                 f"{100 * o.offload_fraction:.0f}% offloaded" if o.offload_fraction else "on the device")
-        state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
-        optimizer = f"{where}, {state}" + (", step in backward" if o.step_in_backward
-                                                                          else "") + (
-            ", pure bf16 (bf16 weights, no master)" if setup.pure_bf16 else "") + (
-            ", the blocks' weights streamed from host RAM" if setup.offload_weights else "")
+        techniques = ", ".join(text for technique in REGISTRY if (text := technique.setup_text(setup)))
         rows = " (packed rows)" if trains_packed_rows(args) else ""
         lora = f", LoRA rank {args.lora}" if args.lora else ""
         lora += f" on a 4-bit {args.quantize_base.upper()} base" if args.quantize_base else ""
-        echo(f"{name}{lora}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, checkpointing "
-             f"{policy}{' with a chunked loss' if chunked else ''}, {o.named.text} {optimizer}, on {_device_text(args.device)}")
+        echo(f"{name}{lora}: batch {args.micro_batch_size} x {seq_len} tokens{rows}, {args.precision}, {techniques}, "
+             f"on {_device_text(args.device)}")
         echo(report.summary())
     return EXIT_OK
 

@@ -65,6 +65,9 @@ class ActivationOffloadTechnique(Technique):
         asked for."""
         return []
 
+    def setup_text(self, setup: Any) -> str:
+        return "activations offloaded to host RAM" if setup.offload_activations else ""
+
     def reasons(self, view: PlanView) -> list[str]:
         """No line of its own: its words are checkpointing's (which blocks offload, which inputs go to the host)."""
         return []

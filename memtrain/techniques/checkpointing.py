@@ -132,6 +132,9 @@ class CheckpointingTechnique(Technique):
         elif fixed.flavor is not None:
             space.flavors = [fixed.flavor]
 
+    def setup_text(self, setup: Any) -> str:
+        return f"checkpointing {setup.checkpointing}"
+
     def settings_text(self, settings: Any) -> str:
         """The blocks' kinds in short: none, all, selective, all+offload-inputs, or counts per kind."""
         blocks, n = settings.blocks, len(settings.blocks)

@@ -29,6 +29,12 @@ CHUNKED_LOSS_MODEL = Rule(
     lambda s: bool(s.chunked_loss) and s.chunkable is False)
 
 
+def unset_default(checkpointing: Any, chunkable: bool) -> bool:
+    """The chunked loss of a set-up that leaves it unset, where no plan chooses (``memtrain estimate``): on with
+    checkpointing (a ``Checkpointing`` other than "none"), where ``memtrain.loss`` can chunk the model's loss."""
+    return checkpointing is not None and checkpointing.mode != "none" and chunkable
+
+
 class ChunkedLossTechnique(Technique):
     """The loss's logits a chunk of tokens at a time: on, off, or the plan's."""
 
@@ -61,6 +67,9 @@ class ChunkedLossTechnique(Technique):
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
         if fixed.chunked_loss is not None:
             space.losses = [fixed.chunked_loss]
+
+    def setup_text(self, setup: Any) -> str:
+        return "a chunked loss" if setup.chunked_loss else ""
 
     def settings_text(self, settings: Any) -> str:
         """The loss in one word: "chunked" (1024 tokens of logits at a time) or "whole"."""

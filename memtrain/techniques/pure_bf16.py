@@ -101,6 +101,9 @@ class PureBF16Technique(Technique):
         """Pure bf16 where the plan has it (only where asked for)."""
         return {"pure_bf16": settings.pure_bf16}
 
+    def setup_text(self, setup: Any) -> str:
+        return "pure bf16 (bf16 weights, no master)" if setup.pure_bf16 else ""
+
     def trainer_problems(self, choices: Any) -> list[str]:
         """The Trainer helper trains the model's own weights (with an fp32 master where offloaded): no bf16-only
         weights."""

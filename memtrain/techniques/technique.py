@@ -62,6 +62,11 @@ class Technique:
         columns ("" where it has none)."""
         return ""
 
+    def setup_text(self, setup: Any) -> str:
+        """Its part of one set-up ``setup`` (a ``Choices``; None fields: off) in a few words, for ``memtrain
+        estimate``'s header ("" where it is off or has none)."""
+        return ""
+
     def trainer_problems(self, choices: Any) -> list[str]:
         """What the Hugging Face Trainer helper (``memtrain.hf``'s ``prepare_model`` / ``MemtrainTrainer``) cannot
         do of its setting in ``choices`` (a ``Choices``), in words naming the fix (none: it applies it, or it is

@@ -122,6 +122,9 @@ class WeightOffloadTechnique(Technique):
             space.placements = [p for p in space.placements if not OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER.refuses(
                 SetUp(offload_weights=True, placement=p))] or ["offload"]
 
+    def setup_text(self, setup: Any) -> str:
+        return "the blocks' weights streamed from host RAM" if setup.offload_weights else ""
+
     def trainer_problems(self, choices: Any) -> list[str]:
         """The Trainer moves the whole model to the device: no weights streamed from host memory."""
         if not choices.offload_weights:

@@ -224,6 +224,15 @@ class OptimizerTechnique(Technique):
         if fixed.state_precision is not None:
             space.states = [fixed.state_precision]
 
+    def setup_text(self, setup: Any) -> str:
+        """E.g. "AdamW offloaded, bf16 moments, step in backward": the class, where its state lives (parameter
+        offload offloads it), its moments (a named class: its own state) and its step."""
+        o = setup.optimizer
+        where = ("offloaded" if offloads_optimizer(o.placement, setup.offload_weights) else
+                 f"{100 * o.offload_fraction:.0f}% offloaded" if o.offload_fraction else "on the device")
+        state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
+        return f"{o.named.text} {where}, {state}" + (", step in backward" if o.step_in_backward else "")
+
     def settings_text(self, settings: Any) -> str:
         """The optimizer in words, e.g. "device, int8 moments, step in backward": its placement (or its offloaded
         share), its class where not AdamW, its moments and step, and what pure bf16 and streamed weights change of
