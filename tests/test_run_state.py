@@ -30,9 +30,9 @@ RUN_JSON = (
     'false, "lr_schedule": "cosine", "adam_betas": [0.9, 0.95], "adam_eps": 1e-08, "offload_optimizer": false, '
     '"optimizer": "device"}')
 _SETTINGS_JSON = (
-    '{"micro_batch_size": 4, "accumulation": 1, "blocks": ["keep", "keep"], "flavor": "full", "chunked_loss": true, '
-    '"optimizer": "device", "distribution": "none", "compile": false, "precision": "fp32", "state_precision": "fp32", '
-    '"step_in_backward": false, "offload_fraction": 0.0, "pure_bf16": false, "offload_weights": false, '
+    '{"micro_batch_size": 4, "accumulation": 1, "flavor": "full", "chunked_loss": true, "optimizer": "device", '
+    '"distribution": "none", "compile": false, "precision": "fp32", "state_precision": "fp32", "step_in_backward": '
+    'false, "offload_fraction": 0.0, "pure_bf16": false, "offload_weights": false, "blocks": ["keep", "keep"], '
     '"checkpointing": "none"}')
 EXTRA_JSON = (
     '{"plan_check": {"log": "plan check at step 2: predicted saved activations 536.25 KiB, measured 536.25 KiB '

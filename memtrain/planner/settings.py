@@ -28,14 +28,14 @@ DEFAULT_SAFETY_MARGIN = 0.05  # of the budget, left for the allocator's fragment
 
 # -- the plan -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class PlanSettings:
-    """Every choice of one candidate: what ``apply_plan`` sets up."""
+class Configuration:
+    """A candidate but for its block assignment (offloaded, recomputed and kept counts): every choice of one set-up
+    of the search, ``PlanSettings`` less the blocks. The techniques' settings default to the plain ones (what
+    ``Fixed.settings`` leaves a choice it has not)."""
 
     micro_batch_size: int
     accumulation: int  # micro-batches per optimizer step on each rank
-    blocks: tuple[BlockKind, ...]  # per block, in the model's order
     flavor: RecomputeFlavor  # how the recomputed blocks recompute
-    # The techniques' settings default to the plain ones (what ``Fixed.settings`` leaves a choice it has not)
     chunked_loss: bool = False
     optimizer: OptimizerPlacement = "device"
     distribution: Distribution
@@ -47,8 +47,28 @@ class PlanSettings:
     pure_bf16: bool = False  # bf16 weights, no fp32 master, updates rounded stochastically (only when asked for)
     # Parameter offload: the blocks' weights in host RAM (the offloaded optimizer's), streamed one block ahead
     offload_weights: bool = False
-    # The optimizer's class: memtrain's AdamW, or one the run names (never the plan's choice)
-    optimizer_class: NamedOptimizer = NamedOptimizer()
+    # The optimizer's class: memtrain's AdamW, or one the run names (never the plan's choice). Out of the repr (the
+    # search's tables are compared by it): memtrain's AdamW for every configuration of a plan but a named class's.
+    optimizer_class: NamedOptimizer = dataclasses.field(default=NamedOptimizer(), repr=False)
+
+    def settings(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
+        return self.with_blocks(_assignment(n_blocks, offload, recompute))
+
+    def with_blocks(self, blocks: tuple[BlockKind, ...]) -> PlanSettings:
+        """This set-up with each block's kind (in the model's order): a plan's settings."""
+        return PlanSettings(blocks=blocks, **{f.name: getattr(self, f.name) for f in dataclasses.fields(Configuration)})
+
+    @property
+    def host_fraction(self) -> float:
+        """The share of the parameters whose optimizer state (and gradients) go to the host."""
+        return 1.0 if self.optimizer != "device" else self.offload_fraction
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings(Configuration):
+    """Every choice of one candidate: what ``apply_plan`` sets up (its ``Configuration`` and each block's kind)."""
+
+    blocks: tuple[BlockKind, ...]  # per block, in the model's order
 
     @property
     def optimizer_text(self) -> str:
@@ -336,41 +356,6 @@ class Problem:
     grad_clip: bool
     packed: bool = False  # batches of packed rows: the trace passes their labels and position_ids, as the loop does
     precision_reason: str | None = None  # why ``precision`` ("fp32, because: ..."); None: it was requested
-
-
-@dataclass(frozen=True, kw_only=True)
-class Configuration:
-    """A candidate but for its block assignment (offloaded, recomputed and kept counts)."""
-
-    micro_batch_size: int
-    accumulation: int
-    flavor: RecomputeFlavor
-    chunked_loss: bool = False
-    optimizer: OptimizerPlacement = "device"
-    distribution: Distribution
-    compile: bool = False
-
-    precision: str = "bf16-mixed"
-    state_precision: str = "fp32"
-    step_in_backward: bool = False
-    offload_fraction: float = 0.0
-    pure_bf16: bool = False
-    offload_weights: bool = False
-    # Out of the repr (the search's tables are compared by it): memtrain's AdamW for every configuration of a plan
-    # but a named class's.
-    optimizer_class: NamedOptimizer = dataclasses.field(default=NamedOptimizer(), repr=False)
-
-    def settings(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
-        return self.with_blocks(_assignment(n_blocks, offload, recompute))
-
-    def with_blocks(self, blocks: tuple[BlockKind, ...]) -> PlanSettings:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return PlanSettings(blocks=blocks, **fields)
-
-    @property
-    def host_fraction(self) -> float:
-        """The share of the parameters whose optimizer state (and gradients) go to the host."""
-        return 1.0 if self.optimizer != "device" else self.offload_fraction
 
 
 def _assignment(n_blocks: int, offload: int, recompute: int) -> tuple[BlockKind, ...]:
