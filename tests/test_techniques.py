@@ -319,7 +319,7 @@ def test_the_search_is_the_cross_product_of_each_techniques_axis(monkeypatch):
 
 
 def test_a_setups_words_are_each_techniques_own():
-    from memtrain.techniques.chunked_loss import unset_default
+    from memtrain.techniques.chunked_loss import with_unset_default
 
     setup = Choices(checkpointing="all", offload_activations=True, chunked_loss=True, pure_bf16=True,
                     optimizer=OptimizerChoice(state_precision="bf16", step_in_backward=True))
@@ -328,6 +328,7 @@ def test_a_setups_words_are_each_techniques_own():
         "AdamW on the device, bf16 moments, step in backward", "pure bf16 (bf16 weights, no master)"]
     assert techniques.optimizer.TECHNIQUE.setup_text(Choices(offload_weights=True)).startswith("AdamW offloaded")
     # an unset chunked loss, where no plan chooses: on with checkpointing, where the model's loss can be chunked
-    policy = Choices(checkpointing="all").checkpointing
-    assert unset_default(policy, True) and not unset_default(policy, False)
-    assert not unset_default(Choices(checkpointing="none").checkpointing, True)
+    assert with_unset_default(Choices(checkpointing="all"), True).chunked_loss is True
+    assert with_unset_default(Choices(checkpointing="all"), False).chunked_loss is False
+    assert with_unset_default(Choices(checkpointing="none"), True).chunked_loss is False
+    assert with_unset_default(Choices(checkpointing="all", chunked_loss=False), True).chunked_loss is False

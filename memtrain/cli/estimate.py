@@ -25,9 +25,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     setup = choices_from_flags(args)
     ConfigError.raise_if([*lora_flag_problems(args), *setup.precision_problems(args.precision, auto=False)])
     target, seq_len, name = meta_target(args)
-    if setup.chunked_loss is None:
-        setup = dataclasses.replace(setup, chunked_loss=chunked_loss.unset_default(setup.checkpointing,
-                                                                                  supports_chunked_loss(target)))
+    setup = chunked_loss.with_unset_default(setup, supports_chunked_loss(target))
     report = estimate(target, meta_batch(args, args.micro_batch_size, seq_len), device=args.device,
                       precision=args.precision, setup=setup)
     if args.lora:

@@ -61,7 +61,7 @@ class Configuration:
     @property
     def host_fraction(self) -> float:
         """The share of the parameters whose optimizer state (and gradients) go to the host."""
-        return 1.0 if self.optimizer != "device" else self.offload_fraction
+        return techniques.optimizer.TECHNIQUE.host_fraction(self)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,7 @@ setting is ``Choices.chunked_loss``; it has no rule with the other techniques, o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import field
 from typing import Any
@@ -29,10 +30,14 @@ CHUNKED_LOSS_MODEL = Rule(
     lambda s: bool(s.chunked_loss) and s.chunkable is False)
 
 
-def unset_default(checkpointing: Any, chunkable: bool) -> bool:
-    """The chunked loss of a set-up that leaves it unset, where no plan chooses (``memtrain estimate``): on with
-    checkpointing (a ``Checkpointing`` other than "none"), where ``memtrain.loss`` can chunk the model's loss."""
-    return checkpointing is not None and checkpointing.mode != "none" and chunkable
+def with_unset_default(setup: Any, chunkable: bool) -> Any:
+    """``setup`` (a ``Choices``) with the chunked loss it leaves unset decided as where no plan chooses (``memtrain
+    estimate``): on with checkpointing (a policy other than "none"), where ``memtrain.loss`` can chunk the model's
+    loss; off otherwise. A chunked loss given stays."""
+    if setup.chunked_loss is not None:
+        return setup
+    policy = setup.checkpointing
+    return dataclasses.replace(setup, chunked_loss=policy is not None and policy.mode != "none" and chunkable)
 
 
 class ChunkedLossTechnique(Technique):

@@ -233,6 +233,11 @@ class OptimizerTechnique(Technique):
         state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
         return f"{o.named.text} {where}, {state}" + (", step in backward" if o.step_in_backward else "")
 
+    def host_fraction(self, settings: Any) -> float:
+        """The share of the parameters whose state (and gradients) a plan's set-up keeps in host RAM: all of it
+        offloaded, its offloaded share on the device."""
+        return 1.0 if settings.optimizer != "device" else settings.offload_fraction
+
     def settings_text(self, settings: Any) -> str:
         """The optimizer in words, e.g. "device, int8 moments, step in backward": its placement (or its offloaded
         share), its class where not AdamW, its moments and step, and what pure bf16 and streamed weights change of
