@@ -74,7 +74,6 @@ from memtrain.planner.tracing import build_profiles, step_batch
 from memtrain.quantize import weight_count
 from memtrain.report import format_bytes
 from memtrain.techniques import refuses
-from memtrain.techniques.optimizer import GRADIENTS_BEFORE_DDP
 
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
@@ -186,7 +185,7 @@ def _candidates(ctx: Problem, fixed: Fixed, allowed: set[str], settings: PlanSet
     micros = [micro_batch_size] if micro_batch_size is not None else divisors(per_rank)
     pure = _search(composer, results, space, fixed, micros, per_rank, compile, allowed)
     if results.empty:  # the fixed choices rule out every set-up
-        _raise_unbuildable(fixed, micro_batch_size, ctx.world, fsdp)
+        raise ConfigError(techniques.optimizer.TECHNIQUE.unbuildable(fixed, micro_batch_size, ctx.world, fsdp))
     results.finish()
     results.peak = results.peak + correction_bytes
     return composer, results, pure
@@ -372,23 +371,6 @@ def _layouts(n_blocks: int, offload_blocks: bool, recomputes: bool, first_flavor
     offload, recompute = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
     offload.flags.writeable = recompute.flags.writeable = False  # shared by every configuration (cached)
     return offload, recompute
-
-
-def _raise_unbuildable(fixed: Fixed, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> None:
-    """The ConfigError when the fixed choices rule out every set-up."""
-    chosen = {k: v for k, v in (("optimizer", fixed.optimizer), ("state_precision", fixed.state_precision),
-                                ("step_in_backward", fixed.step_in_backward),
-                                ("offload_fraction", fixed.offload_fraction),
-                                ("micro_batch_size", micro_batch_size)) if v is not None}
-    given = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "the techniques allowed"
-    ranks = f" with world_size={world_size}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
-    why = ["a partial offload keeps fp32 moments and steps after backward"]
-    if world_size > 1 or fsdp:
-        why = [f"step_in_backward and offload_fraction: {GRADIENTS_BEFORE_DDP.why.rstrip('.')}", *why,
-               "FSDP2 shards fp32 moments only"]
-    raise ConfigError(
-        f"no set-up can be built from {given}{ranks}: {', '.join(why)}. To resolve this error, drop one of the "
-        "fixed choices (leave it to the plan).")
 
 
 def _int8_runs(device: str) -> bool:

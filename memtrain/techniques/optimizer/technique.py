@@ -233,6 +233,22 @@ class OptimizerTechnique(Technique):
         state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
         return f"{o.named.text} {where}, {state}" + (", step in backward" if o.step_in_backward else "")
 
+    def unbuildable(self, fixed: Any, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> str:
+        """Why the search found no set-up where a plan's ``fixed`` choices rule out every one, naming them: the
+        optimizer's fixed choices are what the search's own pruning can leave with nothing."""
+        chosen = {k: v for k, v in (("optimizer", fixed.optimizer), ("state_precision", fixed.state_precision),
+                                    ("step_in_backward", fixed.step_in_backward),
+                                    ("offload_fraction", fixed.offload_fraction),
+                                    ("micro_batch_size", micro_batch_size)) if v is not None}
+        given = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "the techniques allowed"
+        ranks = f" with world_size={world_size}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
+        why = ["a partial offload keeps fp32 moments and steps after backward"]
+        if world_size > 1 or fsdp:
+            why = [f"step_in_backward and offload_fraction: {GRADIENTS_BEFORE_DDP.why.rstrip('.')}", *why,
+                   "FSDP2 shards fp32 moments only"]
+        return (f"no set-up can be built from {given}{ranks}: {', '.join(why)}. To resolve this error, drop one of "
+                "the fixed choices (leave it to the plan).")
+
     def host_fraction(self, settings: Any) -> float:
         """The share of the parameters whose state (and gradients) a plan's set-up keeps in host RAM: all of it
         offloaded, its offloaded share on the device."""
