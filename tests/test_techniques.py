@@ -332,3 +332,24 @@ def test_a_setups_words_are_each_techniques_own():
     assert with_unset_default(Choices(checkpointing="all"), False).chunked_loss is False
     assert with_unset_default(Choices(checkpointing="none"), True).chunked_loss is False
     assert with_unset_default(Choices(checkpointing="all", chunked_loss=False), True).chunked_loss is False
+
+
+def test_a_plans_record_reads_as_the_rules_set_up_through_each_technique():
+    from memtrain.planner import PlanSettings
+    from memtrain.planner.checks import check_settings, setup_of
+    from memtrain.planner.settings import Fixed
+
+    s = PlanSettings(micro_batch_size=1, accumulation=1, blocks=("keep",), flavor="full", distribution="ddp",
+                     optimizer="offload", chunked_loss=True, state_precision="bf16", offload_fraction=0.0)
+    assert setup_of(s, 2, "bf16-mixed", chunkable=False) == SetUp(
+        placement="offload", state_precision="bf16", step_in_backward=False, offload_fraction=None,
+        optimizer=s.optimizer_class, pure_bf16=False, offload_weights=False, compile=False, chunked_loss=True,
+        precision="bf16-mixed", processes=2, fsdp=False, chunkable=False)
+    # a share offloaded is one only in (0, 1]: out of it, the optimizer names the value instead
+    assert techniques.planned_setup(dataclasses.replace(s, offload_fraction=0.5)).offload_fraction == 0.5
+    assert techniques.planned_setup(Fixed()) == SetUp(optimizer=Fixed().optimizer_class)  # nothing fixed
+    with pytest.raises(ConfigError) as info:  # a hand-made record's values: the optimizer's own problems
+        check_settings(dataclasses.replace(s, optimizer="device", distribution="none", offload_fraction=1.5,
+                                           state_precision="x"), 1, 1, True, 1, True, "bf16-mixed")
+    assert info.value.problems[:2] == ["state_precision='x' is not one of fp32, bf16, int8.",
+                                       "offload_fraction=1.5: a share in [0, 1] of a device optimizer's state."]

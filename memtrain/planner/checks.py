@@ -12,9 +12,8 @@ from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner.settings import TECHNIQUES, Fixed, PlanSettings
 from memtrain.report import parse_bytes
-from memtrain.techniques import SetUp, Terms
+from memtrain.techniques import REGISTRY, SetUp, Terms, planned_setup
 from memtrain.techniques import problems as rule_problems
-from memtrain.techniques.optimizer import STATE_PRECISIONS
 
 # How the planner's set-ups read in the rules' messages: the placement is "optimizer".
 SETTINGS_TERMS = Terms(labels={"placement": "optimizer", "optimizer": "optimizer_class"}, fixes={
@@ -83,11 +82,7 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
                         "(offload_activations) for a CPU run.")
     # NOTE: a fixed optimizer offload is planned on the CPU too (CPUOffloadOptimizer runs there, the same code
     # path as on a GPU); the search never proposes one there.
-    problems += rule_problems(SetUp(
-        placement=f.optimizer, state_precision=f.state_precision, step_in_backward=f.step_in_backward,
-        offload_fraction=f.offload_fraction or None, optimizer=f.optimizer_class, pure_bf16=f.pure_bf16,
-        offload_weights=f.offload_weights, compile=f.compile, precision=precision, chunked_loss=f.chunked_loss,
-        chunkable=chunkable), PLAN_TERMS)
+    problems += rule_problems(planned_setup(f, precision=precision, chunkable=chunkable), PLAN_TERMS)
     ConfigError.raise_if(problems)
 
 
@@ -127,10 +122,7 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
     if (s.distribution == "none") != (world == 1):
         problems.append(f"distribution {s.distribution!r} with world_size={world}: one process is 'none', "
                         "several 'ddp' or 'fsdp2'.")
-    if s.state_precision not in STATE_PRECISIONS:
-        problems.append(f"state_precision={s.state_precision!r} is not one of {', '.join(STATE_PRECISIONS)}.")
-    if not 0.0 <= s.offload_fraction <= 1.0:
-        problems.append(f"offload_fraction={s.offload_fraction!r}: a share in [0, 1] of a device optimizer's state.")
+    problems += [text for technique in REGISTRY for text in technique.settings_problems(s)]
     problems += rule_problems(setup_of(s, world, precision, chunkable), SETTINGS_TERMS)
     ConfigError.raise_if(problems)
 
@@ -138,11 +130,8 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
 def setup_of(s: PlanSettings, world: int, precision: str, chunkable: bool | None = None) -> SetUp:
     """A set-up as the rules read it (a share of 0 offloaded is none; ``chunkable``: whether the model's loss can be
     chunked, None: not known)."""
-    return SetUp(placement=s.optimizer, state_precision=s.state_precision, step_in_backward=s.step_in_backward,
-                 offload_fraction=s.offload_fraction if 0 < s.offload_fraction <= 1 else None,
-                 optimizer=s.optimizer_class, pure_bf16=s.pure_bf16,
-                 offload_weights=s.offload_weights, compile=s.compile, precision=precision, processes=world,
-                 fsdp=s.distribution == "fsdp2", chunked_loss=s.chunked_loss, chunkable=chunkable)
+    return planned_setup(s, precision=precision, processes=world, fsdp=s.distribution == "fsdp2",
+                         chunkable=chunkable)
 
 
 def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_batch_size: int, world_size: int,

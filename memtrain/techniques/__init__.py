@@ -81,10 +81,17 @@ def planned_options(settings: Any, block_names: Sequence[str]) -> dict[str, Any]
     return options
 
 
+def planned_setup(record: Any, **run: Any) -> SetUp:
+    """A plan's record (a ``PlanSettings``, ``Configuration`` or ``Fixed``) as the rules read it: every technique's
+    part (``Technique.planned_setup``), with what the run adds (``precision``, ``processes``, ``fsdp``, the model's
+    facts)."""
+    return SetUp(**{k: v for technique in REGISTRY for k, v in technique.planned_setup(record).items()}, **run)
+
+
 def left_open(fixed: Any) -> list[str]:
     """The arguments that fix what a plan's ``Fixed`` leaves to the search, where no search runs."""
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
 __all__ = ["REGISTRY", "RULES", "SEARCH", "SEARCH_ORDER", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms", "fixed_shares",
-           "left_open", "planned_options", "problems", "refuses"]
+           "left_open", "planned_options", "planned_setup", "problems", "refuses"]

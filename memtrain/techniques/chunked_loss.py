@@ -56,6 +56,9 @@ class ChunkedLossTechnique(Technique):
         """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
         return ["chunked_loss=False"] if fixed.chunked_loss is None else []
 
+    def planned_setup(self, record: Any) -> dict[str, Any]:
+        return {"chunked_loss": record.chunked_loss}
+
     def reasons(self, view: PlanView) -> list[str]:
         """The loss whole or chunked, against the other."""
         if not view.chunkable:

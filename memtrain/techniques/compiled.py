@@ -33,6 +33,9 @@ class CompileTechnique(Technique):
             return [{"compile": fixed.compile}]
         return [{"compile": compiled} for compiled in ([False, True] if run.compile else [False])]
 
+    def planned_setup(self, record: Any) -> dict[str, Any]:
+        return {"compile": record.compile}
+
     def reasons(self, view: PlanView) -> list[str]:
         """torch.compile or eager against the other, where compiled set-ups were searched or chosen."""
         s = view.settings

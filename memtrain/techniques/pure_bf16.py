@@ -82,6 +82,9 @@ class PureBF16Technique(Technique):
         """No line of its own: its words are the optimizer's (pure bf16 AdamW, as asked)."""
         return []
 
+    def planned_setup(self, record: Any) -> dict[str, Any]:
+        return {"pure_bf16": record.pure_bf16}
+
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
         """Asked for: only pure bf16 set-ups (parameter offload's rule with it is parameter offload's to obey)."""
         if fixed.pure_bf16:

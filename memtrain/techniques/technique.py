@@ -57,6 +57,16 @@ class Technique:
         """Its line in a plan's reasons: what was chosen, and what the best alternative costs."""
         return []
 
+    def planned_setup(self, record: Any) -> dict[str, Any]:
+        """Its fields of a plan's record (a ``PlanSettings``, a ``Configuration``, or a ``Fixed``, whose None is
+        "not fixed") as the rules' ``SetUp`` reads them."""
+        return {}
+
+    def settings_problems(self, settings: Any) -> list[str]:
+        """What is wrong with its values in a hand-made ``PlanSettings`` (a value it has no meaning for), each with
+        what it takes."""
+        return []
+
     def settings_text(self, settings: Any) -> str:
         """Its part of a plan's one set-up ``settings`` (a ``PlanSettings``) in a few words, for the summary's
         columns ("" where it has none)."""

@@ -122,6 +122,9 @@ class WeightOffloadTechnique(Technique):
             space.placements = [p for p in space.placements if not OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER.refuses(
                 SetUp(offload_weights=True, placement=p))] or ["offload"]
 
+    def planned_setup(self, record: Any) -> dict[str, Any]:
+        return {"offload_weights": record.offload_weights}
+
     def setup_text(self, setup: Any) -> str:
         return "the blocks' weights streamed from host RAM" if setup.offload_weights else ""
 

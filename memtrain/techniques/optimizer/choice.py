@@ -12,13 +12,11 @@ from typing import Any, Literal
 from memtrain.errors import ConfigError
 from memtrain.setting import flag, is_fraction, known_fields, switch_problems
 from memtrain.techniques.optimizer.named import ALIASES, NamedOptimizer
-from memtrain.techniques.optimizer.technique import OptimizerTechnique
+from memtrain.techniques.optimizer.technique import STATE_PRECISIONS, OptimizerTechnique, StatePrecision
 from memtrain.techniques.rule import SetUp, Terms, problems_of
 
 Placement = Literal["device", "offload"]
-StatePrecision = Literal["fp32", "bf16", "int8"]
 PLACEMENTS: tuple[Placement, ...] = ("device", "offload")
-STATE_PRECISIONS: tuple[StatePrecision, ...] = ("fp32", "bf16", "int8")
 
 SETTING_FIELDS = ("placement", "state_precision", "step_in_backward", "offload_fraction", "name", "kwargs")
 # How ``Choices`` (and ``OptimizerChoice``) name these fields in messages.

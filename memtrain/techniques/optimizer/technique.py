@@ -7,7 +7,7 @@ the Trainer helper cannot do of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -19,6 +19,8 @@ from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
 from memtrain.techniques.weight_offload import offloads_optimizer
 
+StatePrecision = Literal["fp32", "bf16", "int8"]
+STATE_PRECISIONS: tuple[StatePrecision, ...] = ("fp32", "bf16", "int8")
 PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # the shares of a device optimizer's state the search tries in host RAM
 OFFLOADED = ("offload", "offload-bf16-weights")  # the planner's placements that keep all of the state in host RAM
 # Classes whose step needs every gradient at once (or a closure), so a parameter cannot step alone in backward.
@@ -232,6 +234,24 @@ class OptimizerTechnique(Technique):
                  f"{100 * o.offload_fraction:.0f}% offloaded" if o.offload_fraction else "on the device")
         state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
         return f"{o.named.text} {where}, {state}" + (", step in backward" if o.step_in_backward else "")
+
+    def planned_setup(self, record: Any) -> dict[str, Any]:
+        """The placement, moments, step and class; a share offloaded only where it is one (0 and out of [0, 1]: none,
+        the latter named by ``settings_problems``)."""
+        fraction = record.offload_fraction
+        return {"placement": record.optimizer, "state_precision": record.state_precision,
+                "step_in_backward": record.step_in_backward, "optimizer": record.optimizer_class,
+                "offload_fraction": fraction if fraction is not None and 0 < fraction <= 1 else None}
+
+    def settings_problems(self, settings: Any) -> list[str]:
+        problems = []
+        if settings.state_precision not in STATE_PRECISIONS:
+            problems.append(f"state_precision={settings.state_precision!r} is not one of "
+                            f"{', '.join(STATE_PRECISIONS)}.")
+        if not 0.0 <= settings.offload_fraction <= 1.0:
+            problems.append(f"offload_fraction={settings.offload_fraction!r}: a share in [0, 1] of a device "
+                            "optimizer's state.")
+        return problems
 
     def unbuildable(self, fixed: Any, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> str:
         """Why the search found no set-up where a plan's ``fixed`` choices rule out every one, naming them: the
