@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,6 +121,11 @@ def test_plan_names_every_problem_before_tracing_at_once():
                                     precision="fp32", choices=Choices(pure_bf16=True)))
     for words in ("budget 1.00 KiB", "pure_bf16=True with precision='fp32'", "64 positions"):
         assert words in message, (words, message)
+    settings = dataclasses.replace(plan(_meta_gpt(), budget=None, seq_len=32, global_batch_size=4,
+                                        device="cpu").settings, blocks=("keep",))
+    message = _refusal(lambda: plan(_meta_gpt(), budget=None, seq_len=1000, global_batch_size=4, device="cpu",
+                                    settings=settings))
+    assert "settings.blocks has 1 entries" in message and "64 positions" in message, message
 
 
 def _tiny_gemma():

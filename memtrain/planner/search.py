@@ -230,10 +230,10 @@ def _constraints(arguments: dict[str, Any], choices: Any, fsdp: bool | None, set
                      Problem, tuple[int | None, int | None, set[str], int], Choices, tuple[Fixed, set[str], list[str]]]:
     """What ``plan`` searches under, with every problem known before tracing in one ConfigError: ``arguments``'
     (``check_plan_arguments``), the choices' (``check_choices``), and, where the arguments are good, the model's
-    (``problem``: built from the techniques allowed): a budget below one block, fixed choices it cannot take, a
-    sequence longer than its positions. Returns (the problem, the checked arguments, the choices, (the fixed choices,
-    the techniques allowed, the notes)): the choices' fixed (none with ``settings``), with ``keep_optimizer``'s
-    optimizer."""
+    (``problem``: built from the techniques allowed): a budget below one block, fixed choices or ``settings`` it
+    cannot take, a sequence longer than its positions. Returns (the problem, the checked arguments, the choices,
+    (the fixed choices, the techniques allowed, the notes)): the choices' fixed (none with ``settings``), with
+    ``keep_optimizer``'s optimizer."""
     from memtrain.estimate.arguments import check_against_model
     from memtrain.estimate.fake import batch_spec
 
@@ -251,7 +251,7 @@ def _constraints(arguments: dict[str, Any], choices: Any, fsdp: bool | None, set
         choices = choices if isinstance(choices, Choices) else Choices()
     if checked is None:
         raise ConfigError(problems)  # the model is not built from arguments that are wrong
-    budget_bytes, _, allowed, _ = checked
+    budget_bytes, _, allowed, per_rank = checked
     ctx = problem(allowed)
     fixed, notes = Fixed(), []
     if settings is None:
@@ -264,9 +264,11 @@ def _constraints(arguments: dict[str, Any], choices: Any, fsdp: bool | None, set
                                     pure_bf16=True if k.pure_bf16 else None,  # bf16 weights have no master
                                     offload_weights=k.offload_weights, optimizer_class=k.optimizer_class)
     spec = batch_spec(step_batch(ctx, 1), None, None, [])
+    n_blocks, cuda = len(ctx.block_names), ctx.device == "cuda"
     for check in (lambda: _check_a_block_fits(ctx, budget_bytes),
-                  lambda: fixed != Fixed() and check_fixed(fixed, len(ctx.block_names), ctx.device == "cuda",
-                                                           ctx.chunkable, ctx.precision),
+                  lambda: fixed != Fixed() and check_fixed(fixed, n_blocks, cuda, ctx.chunkable, ctx.precision),
+                  lambda: settings is not None and check_settings(settings, n_blocks, per_rank, cuda, ctx.world,
+                                                                  ctx.chunkable, ctx.precision),
                   lambda: spec is not None and check_against_model(ctx.model, spec, False)):
         try:
             check()
