@@ -16,7 +16,8 @@ from torch import nn
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.optim import CPUOffloadOptimizer
-from memtrain.techniques import REGISTRY
+from memtrain.techniques import REGISTRY, SetUp, Terms
+from memtrain.techniques import problems as rule_problems
 from memtrain.unwrap import unwrap_model
 
 # What MemtrainTrainer does when not told: every decoder layer recomputed in backward, the loss's fp32 logits
@@ -40,6 +41,23 @@ def trainer_problems(choices: Any) -> list[str]:
         return [f"memory={choices!r} must be a memtrain.choices.Choices. To resolve this error, pass e.g. "
                 "memory=Choices(checkpointing='all', chunked_loss=True), or Choices.from_dict(...) of a mapping."]
     return [text for technique in REGISTRY for text in technique.trainer_problems(choices)]
+
+
+# The chunked-loss rule in the Trainer helper's words: its default choices chunk the loss, so the fix is to say not to.
+TRAINER_TERMS = Terms(fixes={"chunked-loss-model": "pass Choices(chunked_loss=False) (the default choices, "
+                                                  "HF_DEFAULT_CHOICES, chunk the loss)"})
+
+
+def _chunked_loss_problems(model: Any, choices: Any) -> list[str]:
+    """The chunked-loss rule (``techniques.chunked_loss``) for ``model`` with ``choices`` (an open chunked loss is
+    on here: ``trainer_choices``)."""
+    from memtrain.loss import supports_chunked_loss
+
+    if not isinstance(choices, Choices) or not isinstance(model, nn.Module):
+        return []
+    chunked = trainer_choices(choices).chunked_loss
+    return rule_problems(SetUp(chunked_loss=chunked, chunkable=chunked and supports_chunked_loss(unwrap_model(model))),
+                         TRAINER_TERMS)
 
 
 def _trainer_model_problems(model: Any) -> list[str]:
@@ -79,7 +97,7 @@ def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, ch
     """
     from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
 
-    ConfigError.raise_if(trainer_problems(choices))
+    ConfigError.raise_if(trainer_problems(choices) + _chunked_loss_problems(model, choices))
     choices = trainer_choices(choices)
     inner = unwrap_model(model)
     config = getattr(inner, "config", None)
@@ -198,7 +216,8 @@ def build_trainer_class(transformers: Any) -> type:
 
         def __init__(self, model: nn.Module, args: Any = None, *, memory: Choices = HF_DEFAULT_CHOICES,
                      chunk_tokens: int = 1024, **trainer_kwargs: Any):
-            ConfigError.raise_if(trainer_problems(memory) + _trainer_model_problems(model))
+            ConfigError.raise_if(trainer_problems(memory) + _trainer_model_problems(model)
+                                 + _chunked_loss_problems(model, memory))
             memory = trainer_choices(memory)
             _refuse_double_checkpointing(memory, args)
             self.memory = memory

@@ -91,7 +91,7 @@ def test_checkpointing_apply_matches_apply_checkpointing(case):
 
 
 @pytest.mark.parametrize("value, match", [
-    ("every:0", "every=0"), ("sometimes", "not a checkpointing policy"), (0, "must be >= 1"),
+    ("every:0", "every:K recomputes one block in K"), ("sometimes", "not a checkpointing policy"), (0, "must be >= 1"),
     (2.5, "not a checkpointing policy"), ("auto", "planner"), ("blocks(RX)", "'x' is not a block letter"),
     ("selective(softmax)", "unknown op kinds"), ("none+offload", "offload_inputs=True with mode='none'"),
 ])

@@ -138,6 +138,10 @@ class Checkpointing:
             if text in ("none", "all"):
                 return cls(mode=text, offload_inputs=offload)  # type: ignore[arg-type]
             if match := re.fullmatch(r"every:(\d+)", text):
+                if int(match[1]) < 1:  # in the spelling given, not as the field every= (the CLI takes this one)
+                    raise ConfigError(f"checkpointing={value!r}: every:K recomputes one block in K, so K must be an "
+                                      "integer >= 1. To resolve this error, pass e.g. 'every:2' (one block in two "
+                                      "recomputes).")
                 return cls(mode="every", every=int(match[1]), offload_inputs=offload)
             if match := re.fullmatch(r"selective(?:\(([a-z_,]*)\))?", text):
                 keep = tuple(match[1].split(",")) if match[1] is not None else None

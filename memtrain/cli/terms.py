@@ -4,6 +4,7 @@ way), translates them."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import re
 from typing import Any
@@ -53,16 +54,21 @@ for _field, _flag in flags_of(OptimizerChoice):
         ARGUMENT_FLAGS.update({k: v for k, v in _values.items() if k not in ("name", "kwargs")})
         ARGUMENT_SWITCHES.update(_switches)
         ARGUMENT_VALUES.update(_valued if _name.startswith("optimizer.") else {})
+# Flags given once per pair (--optimizer-arg KEY=VALUE): a mapping's value reads as the flag once per key.
+PAIR_FLAGS = {flag.name for _, flag in flags_of(OptimizerChoice) if flag.kind == "pairs"}
 # Where a command spells an argument its own way: memtrain plan plans --nproc ranks and compares --fsdp / --ddp.
 COMMAND_FLAGS: dict[str, dict[str, str]] = {"plan": {"world_size": "--nproc"}}
 COMMAND_SWITCHES: dict[str, dict[str, tuple[str | None, str | None]]] = {"plan": {"fsdp": ("--fsdp", "--ddp")}}
-_VALUE = r"('[^']*'|\"[^\"]*\"|\[[^\]]*\]|[^\s,;)]+)"
+_VALUE = r"('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^{}]*\}|[^\s,;)]+)"
+# After "NAME=": no value ("drop optimizer.state_precision=": the argument itself, whatever its value).
+_NO_VALUE = r"(?=[\s,;)]|\.(?:\s|$)|$)"
 
 
 def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str] | None = None) -> str:
     """A library message in the command's terms: ``out_dir='x'`` -> ``--out 'x'``, ``resume=True`` -> ``--resume``,
     ``micro_batch_size`` -> ``--micro-batch-size``, ``optimizer.placement='offload'`` -> ``--offload-optimizer``
-    (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``);
+    (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``), an argument named without its value
+    (``drop optimizer.state_precision=``) -> its flag (``drop --optimizer-state``);
     ``extra`` names what an argument means at one call site (``path=`` is --hf-model's folder or --data's file)."""
     for phrase, words in LIBRARY_PHRASES.items():
         message = message.replace(phrase, words)
@@ -74,6 +80,7 @@ def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str
         flag = on if match.group(2) == "True" else off
         return flag if flag is not None else f"without {off if match.group(2) == 'True' else on}"
 
+    message = _unvalued(message, flags, switches)
     values = "|".join(map(re.escape, sorted(ARGUMENT_VALUES, key=len, reverse=True)))
     message = re.sub(rf"(?<![\w./-])({values})", lambda match: ARGUMENT_VALUES[match.group(1)], message)
     names = "|".join(map(re.escape, sorted(switches, key=len, reverse=True)))
@@ -81,11 +88,16 @@ def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str
     names = "|".join(map(re.escape, sorted(flags, key=len, reverse=True)))
 
     def valued(match: re.Match[str]) -> str:
-        flag = flags[match.group(1)]
-        return f"{flag}{match.group(2)}" if flag.endswith(":") else f"{flag} {match.group(2)}"
+        flag, value = flags[match.group(1)], match.group(2)
+        if flag in PAIR_FLAGS and value.startswith("{"):  # {'k': v} -> --optimizer-arg k=v
+            with contextlib.suppress(ValueError, SyntaxError):
+                pairs = ast.literal_eval(value)
+                if isinstance(pairs, dict):
+                    return " ".join(f"{flag} {k}={v!r}" for k, v in pairs.items())
+        return f"{flag}{value}" if flag.endswith(":") else f"{flag} {value}"
 
     message = re.sub(rf"(?<![\w./-])({names})={_VALUE}", valued, message)
-    bare = [n for n in (*flags, *switches) if "_" in n]
+    bare = [n for n in (*flags, *switches) if "_" in n or "." in n]
     names = "|".join(map(re.escape, sorted(bare, key=len, reverse=True)))
 
     def named(match: re.Match[str]) -> str:
@@ -96,6 +108,30 @@ def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str
         return on or off or name
 
     return re.sub(rf"(?<![\w./-])({names})(?![\w=/-])", named, message)
+
+
+def _unvalued(message: str, flags: dict[str, str], switches: dict[str, tuple[str | None, str | None]]) -> str:
+    """``NAME=`` with no value (an argument named whatever its value, e.g. "drop optimizer.state_precision="): a
+    valued argument's flag alone (``--optimizer-state``); a switch, or an argument whose values are flags of their
+    own, as the message gives it elsewhere (``optimizer.placement='device'``, which the next passes turn into
+    ``--no-offload-optimizer``), else its flags."""
+    by_values = {key.partition("=")[0] for key in ARGUMENT_VALUES}
+    names = "|".join(map(re.escape, sorted({*flags, *switches, *by_values}, key=len, reverse=True)))
+
+    def unvalued(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in flags:
+            return flags[name].removesuffix(" every:")
+        spellings = ([f"{name}=True", f"{name}=False"] if name in switches else
+                     [k for k in ARGUMENT_VALUES if k.startswith(f"{name}=")])
+        given = [s for s in spellings if re.search(rf"(?<![\w./-]){re.escape(s)}(?![\w'])", message)]
+        if given:
+            return given[0]
+        if name in switches:
+            return switches[name][0] or switches[name][1] or name
+        return " or ".join(ARGUMENT_VALUES[s] for s in spellings)
+
+    return re.sub(rf"(?<![\w./-])({names})={_NO_VALUE}", unvalued, message)
 
 
 @contextlib.contextmanager

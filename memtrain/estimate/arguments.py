@@ -14,7 +14,7 @@ from torch import nn
 from memtrain.checkpointing import Checkpointing, apply_checkpointing
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
-from memtrain.estimate.fake import batch_spec, max_positions
+from memtrain.estimate.fake import batch_spec, max_positions, meta_model
 from memtrain.estimate.optimizer_state import as_optimizer
 from memtrain.estimate.tracker import numel
 from memtrain.loss import chunk_tokens_of, supports_chunked_loss
@@ -165,6 +165,38 @@ def check_arguments(
     ConfigError.raise_if(problems)
     assert spec is not None
     return device_type, lean, ckpt, spec
+
+
+def problems_before_tracing(model: Any, batch: Any, known: list[str], **arguments: Any) -> list[str]:
+    """``known`` (e.g. the set-up's problems) with every other problem found before tracing: ``check_arguments``'
+    (``arguments``: its keywords), and, where there is any problem, the batch's against the model built on the meta
+    device (``check_against_model``: without one, ``trace`` checks that itself, so a good call builds it once).
+    """
+    problems = list(known)
+    try:
+        check_arguments(model, batch, **arguments)
+    except ConfigError as e:
+        problems += e.problems
+    if problems:
+        problems += _model_problems(model, batch, arguments)
+    return problems
+
+
+def _model_problems(model: Any, batch: Any, arguments: Mapping[str, Any]) -> list[str]:
+    """The batch's problems against the model (``check_against_model``), where the batch and the model's depth are
+    good enough to build it; a model that cannot be built is named here only where that is a ConfigError."""
+    scratch: list[str] = []
+    spec = batch_spec(batch, arguments.get("micro_batch_size"), arguments.get("seq_len"), scratch)
+    _check_layers(model, scratch)
+    if spec is None or scratch:
+        return []  # check_arguments named what is wrong with them
+    try:
+        check_against_model(meta_model(model), spec, arguments.get("chunked_loss") is True)
+    except ConfigError as e:
+        return list(e.problems)
+    except Exception:  # noqa: BLE001 - the trace names a model that fails to build, once the rest is fixed
+        return []
+    return []
 
 
 def batch_values(batch: Any) -> tuple[bool, bool]:

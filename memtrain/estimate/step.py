@@ -25,6 +25,7 @@ from memtrain.estimate.arguments import (
     Precision,
     batch_values,
     check_arguments,
+    problems_before_tracing,
     setup_options,
 )
 from memtrain.estimate.attribution import attribute_release
@@ -150,15 +151,11 @@ def estimate(
 def _setup_keywords(setup: Choices | None, model: Any, batch: Any, arguments: dict[str, Any], *,
                     checkpointing: Any, optimizer: OptimizerKind) -> dict[str, Any]:
     """``trace``'s set-up keywords from ``setup`` (beside ``checkpointing=`` and ``optimizer=``); a ConfigError
-    naming ``setup``'s problems with the other arguments' (every problem at once)."""
+    naming ``setup``'s problems with the other arguments' and the batch's against the model (every problem known
+    before tracing, at once)."""
     options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer,
                                       precision=arguments["precision"])
-    if problems:
-        try:
-            check_arguments(model, batch, **arguments, **options)
-        except ConfigError as e:
-            problems += e.problems
-        raise ConfigError(problems)
+    ConfigError.raise_if(problems_before_tracing(model, batch, problems, **arguments, **options))
     return options
 
 

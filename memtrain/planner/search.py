@@ -158,16 +158,14 @@ def plan(
         ('none', 8)
     """
     started = time.perf_counter()
-    budget_bytes, host_budget_bytes, allowed, per_rank = check_plan_arguments(
-        budget=budget, host_budget=host_budget, seq_len=seq_len, global_batch_size=global_batch_size,
-        world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
-        safety_margin=safety_margin, techniques=techniques)
-    choices = check_choices(choices, world_size=world_size, fsdp=fsdp)
-    ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device,
-                     settings.precision if settings is not None else precision, world_size,
-                     "chunked-loss" in allowed, grad_clip, device_profile, packed, precision_reason)
-    _check_a_block_fits(ctx, budget_bytes)
-    fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
+    arguments = dict(budget=budget, host_budget=host_budget, seq_len=seq_len, global_batch_size=global_batch_size,
+                     world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
+                     safety_margin=safety_margin, techniques=techniques)
+    ctx, (budget_bytes, host_budget_bytes, _, per_rank), choices, (fixed, allowed, notes) = _constraints(
+        arguments, choices, fsdp, settings, keep_optimizer, lambda allowed: problem_of(
+            model_or_hf_config, seq_len, global_batch_size, device,
+            settings.precision if settings is not None else precision, world_size, "chunked-loss" in allowed,
+            grad_clip, device_profile, packed, precision_reason))
     composer, results, pure = _candidates(ctx, fixed, allowed, settings, per_rank, fsdp, micro_batch_size,
                                           compile or choices.compile, correction_bytes)
     return _choose(ctx, composer, results, budget_bytes, host_budget_bytes, safety_margin, started,
@@ -233,10 +231,34 @@ def _check_a_block_fits(ctx: Problem, budget_bytes: int | None) -> None:
                           "pass a larger budget (e.g. the GPU's memory), or shard the model over more GPUs (FSDP2).")
 
 
-def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: PlanSettings | None,
-                 keep_optimizer: PlanSettings | None) -> tuple[Fixed, set[str], list[str]]:
-    """The fixed choices, the techniques allowed and the notes for ``plan``: the choices' (none with ``settings``),
-    with ``keep_optimizer``'s optimizer."""
+def _constraints(arguments: dict[str, Any], choices: Any, fsdp: bool | None, settings: PlanSettings | None,
+                 keep_optimizer: PlanSettings | None, problem: Callable[[set[str]], Problem]) -> tuple[
+                     Problem, tuple[int | None, int | None, set[str], int], Choices, tuple[Fixed, set[str], list[str]]]:
+    """What ``plan`` searches under, with every problem known before tracing in one ConfigError: ``arguments``'
+    (``check_plan_arguments``), the choices' (``check_choices``), and, where the arguments are good, the model's
+    (``problem``: built from the techniques allowed): a budget below one block, fixed choices or ``settings`` it
+    cannot take, a sequence longer than its positions. Returns (the problem, the checked arguments, the choices,
+    (the fixed choices, the techniques allowed, the notes)): the choices' fixed (none with ``settings``), with
+    ``keep_optimizer``'s optimizer."""
+    from memtrain.estimate.arguments import check_against_model
+    from memtrain.estimate.fake import batch_spec
+
+    problems: list[str] = []
+    checked = None
+    try:
+        checked = check_plan_arguments(**arguments)
+    except ConfigError as e:
+        problems += e.problems
+    world = arguments["world_size"]
+    try:
+        choices = check_choices(choices, world_size=world if isinstance(world, int) else 1, fsdp=fsdp)
+    except ConfigError as e:
+        problems += e.problems
+        choices = choices if isinstance(choices, Choices) else Choices()
+    if checked is None:
+        raise ConfigError(problems)  # the model is not built from arguments that are wrong
+    budget_bytes, _, allowed, per_rank = checked
+    ctx = problem(allowed)
     fixed, notes = Fixed(), []
     if settings is None:
         fixed, can_use, notes = Fixed.of_choices(choices, n_blocks=len(ctx.block_names), device=ctx.device)
@@ -247,7 +269,19 @@ def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: Pl
                                     step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction,
                                     pure_bf16=True if k.pure_bf16 else None,  # bf16 weights have no master
                                     offload_weights=k.offload_weights, optimizer_class=k.optimizer_class)
-    return fixed, allowed, notes
+    spec = batch_spec(step_batch(ctx, 1), None, None, [])
+    n_blocks, cuda = len(ctx.block_names), ctx.device == "cuda"
+    for check in (lambda: _check_a_block_fits(ctx, budget_bytes),
+                  lambda: fixed != Fixed() and check_fixed(fixed, n_blocks, cuda, ctx.chunkable, ctx.precision),
+                  lambda: settings is not None and check_settings(settings, n_blocks, per_rank, cuda, ctx.world,
+                                                                  ctx.chunkable, ctx.precision),
+                  lambda: spec is not None and check_against_model(ctx.model, spec, False)):
+        try:
+            check()
+        except ConfigError as e:
+            problems += e.problems
+    ConfigError.raise_if(problems)
+    return ctx, checked, choices, (fixed, allowed, notes)
 
 
 @dataclass(kw_only=True)

@@ -30,7 +30,9 @@ def offloads_optimizer(placement: str | None, offload_weights: bool | None) -> b
 
 OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER = Rule(
     "offload-weights-device-optimizer",
-    "the blocks' weights live in host memory as the offloaded optimizer's master, which a device optimizer has not.",
+    "the blocks' weights live in host memory as the offloaded optimizer's master, so parameter offload needs the "
+    "offloaded optimizer, which holds all of the state on the host and steps there after backward (never in "
+    "backward, never a share of the state).",
     "drop {rest}, or drop {first}",
     ("offload_weights", "placement", "step_in_backward", "offload_fraction"),
     # An in-backward step or a share of the state in host RAM is a device optimizer where no placement is given.

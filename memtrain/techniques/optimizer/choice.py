@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from memtrain.errors import ConfigError
 from memtrain.setting import flag, is_fraction, known_fields, switch_problems
-from memtrain.techniques.optimizer.named import ALIASES, NamedOptimizer
+from memtrain.techniques.optimizer.named import ADAMW, ALIASES, NamedOptimizer
 from memtrain.techniques.optimizer.technique import STATE_PRECISIONS, OptimizerTechnique, StatePrecision
 from memtrain.techniques.rule import SetUp, Terms, problems_of
 
@@ -22,7 +22,8 @@ SETTING_FIELDS = ("placement", "state_precision", "step_in_backward", "offload_f
 # How ``Choices`` (and ``OptimizerChoice``) name these fields in messages.
 CHOICE_TERMS = Terms(labels={"placement": "optimizer.placement", "state_precision": "optimizer.state_precision",
                              "step_in_backward": "optimizer.step_in_backward",
-                             "offload_fraction": "optimizer.offload_fraction", "optimizer": "optimizer.name"})
+                             "offload_fraction": "optimizer.offload_fraction", "optimizer": "optimizer.name"},
+                     values={"optimizer": lambda named: repr(named.spelling)})  # as given: 'lion', not its path
 
 
 # -- the setting -------------------------------------------------------------------------------------------------
@@ -110,6 +111,11 @@ class OptimizerChoice:
                             "resolve this error, pass e.g. kwargs={'beta2_decay': -0.8}.")
         if problems:
             return problems
+        if self.kwargs and (self.name is None or isinstance(self.name, str) and self.name.strip().lower() == ADAMW):
+            return [f"optimizer.kwargs={dict(self.kwargs)!r} with memtrain's AdamW: it takes no keyword arguments of "
+                    "its own (its settings are optimizer.state_precision, pure_bf16, adam_betas and adam_eps). To "
+                    "resolve this error, drop optimizer.kwargs, or pass optimizer.name (the class they are for, e.g. "
+                    "'torch.optim.AdamW')."]
         try:
             named = self.named
         except ConfigError as e:

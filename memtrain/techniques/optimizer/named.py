@@ -39,13 +39,25 @@ class NamedOptimizer:
     """An optimizer class by name, with the keyword arguments it is built with beyond lr and weight decay.
 
     Attributes:
-        path: ``"adamw"`` (memtrain's AdamW) or the class's dotted path.
+        path: ``"adamw"`` (memtrain's AdamW) or the class's dotted path; a short name (``ALIASES``) is taken too,
+            and resolved to its path as ``of`` resolves it (``NamedOptimizer("lion") == NamedOptimizer.of("lion")``).
         kwargs: the class's own hyper-parameters, e.g. ``(("beta2_decay", -0.8),)``; a mapping is taken by ``of``.
+        given: the name as it was given (e.g. ``"lion"``), for messages; None where it is ``path``.
     """
 
     path: str = ADAMW
     kwargs: tuple[tuple[str, Any], ...] = ()
     cls: type | None = field(default=None, compare=False, repr=False)  # a class given as an object (Python API)
+    given: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The short names resolve here, so the constructor takes every name ``of`` does (and its messages list).
+        if isinstance(self.path, str):
+            spelt = self.path.strip()
+            path = ADAMW if spelt.lower() == ADAMW else ALIASES.get(spelt.lower(), spelt)
+            object.__setattr__(self, "path", path)
+            if self.given is None and spelt != path:
+                object.__setattr__(self, "given", spelt)
 
     @classmethod
     def of(cls, value: Any = None, kwargs: Mapping[str, Any] | None = None) -> NamedOptimizer:
@@ -71,7 +83,7 @@ class NamedOptimizer:
         if isinstance(value, type):
             named = NamedOptimizer(_public_path(value), args, value)
         elif isinstance(value, str) and value.strip():
-            named = NamedOptimizer(ALIASES.get(value.strip().lower(), value.strip()), args)
+            named = NamedOptimizer(value.strip(), args)
         else:
             raise ConfigError(f"optimizer={value!r} names no optimizer. To resolve this error, pass 'adamw', a short "
                               f"name ({', '.join(sorted(ALIASES))}), a dotted path such as 'torch.optim.Adafactor', "
@@ -94,6 +106,11 @@ class NamedOptimizer:
 
     def __str__(self) -> str:
         return self.path
+
+    @property
+    def spelling(self) -> str:
+        """The optimizer as it was named: the short name given (``"lion"``), else the path."""
+        return self.given or self.path
 
     @property
     def is_adamw(self) -> bool:

@@ -97,7 +97,7 @@ BF16_WEIGHTS_PRECISION = Rule(
 NAMED_OWN_STATE = Rule(
     "named-optimizer-own-state",
     "lean moments and pure bf16 are memtrain's AdamW's; another optimizer class keeps its own state.",
-    "drop {rest}, or use the 'adamw' optimizer",
+    "drop {first} (memtrain's AdamW is the optimizer with lean moments and pure bf16), or drop {rest}",
     ("optimizer", "state_precision", "pure_bf16"),
     lambda s: not s.adamw and (s.state_precision not in (None, "fp32") or bool(s.pure_bf16)))
 
