@@ -41,6 +41,8 @@ from memtrain.choices import Choices
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace, meta_model, trace
+from memtrain.estimate.arguments import check_against_model
+from memtrain.estimate.fake import batch_spec
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
 from memtrain.optim import INT8_DEVICES
@@ -158,14 +160,15 @@ def plan(
         ('none', 8)
     """
     started = time.perf_counter()
-    arguments = dict(budget=budget, host_budget=host_budget, seq_len=seq_len, global_batch_size=global_batch_size,
-                     world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
-                     safety_margin=safety_margin, techniques=techniques)
-    ctx, (budget_bytes, host_budget_bytes, _, per_rank), choices, (fixed, allowed, notes) = _constraints(
-        arguments, choices, fsdp, settings, keep_optimizer, lambda allowed: problem_of(
-            model_or_hf_config, seq_len, global_batch_size, device,
-            settings.precision if settings is not None else precision, world_size, "chunked-loss" in allowed,
-            grad_clip, device_profile, packed, precision_reason))
+    (budget_bytes, host_budget_bytes, allowed, per_rank), choices, problems = _checked_arguments(
+        dict(budget=budget, host_budget=host_budget, seq_len=seq_len, global_batch_size=global_batch_size,
+             world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
+             safety_margin=safety_margin, techniques=techniques), choices, fsdp)
+    ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device,
+                     settings.precision if settings is not None else precision, world_size,
+                     "chunked-loss" in allowed, grad_clip, device_profile, packed, precision_reason)
+    fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
+    ConfigError.raise_if(problems + _model_problems(ctx, budget_bytes, fixed, settings, per_rank))
     composer, results, pure = _candidates(ctx, fixed, allowed, settings, per_rank, fsdp, micro_batch_size,
                                           compile or choices.compile, correction_bytes)
     return _choose(ctx, composer, results, budget_bytes, host_budget_bytes, safety_margin, started,
@@ -179,7 +182,7 @@ def _candidates(ctx: Problem, fixed: Fixed, allowed: set[str], settings: PlanSet
     ``correction_bytes`` added; with the composer and the pure bf16 hint's search (``_search``)."""
     space = _search_space(ctx, allowed, fsdp, fixed)
     results = CandidateTable(len(ctx.block_names))
-    composer = _composer(ctx, space, results, settings, per_rank)
+    composer = _composer(ctx, space, results, settings)
     micros = [micro_batch_size] if micro_batch_size is not None else divisors(per_rank)
     pure = _search(composer, results, space, fixed, micros, per_rank, compile, allowed)
     if results.empty:  # the fixed choices rule out every set-up
@@ -200,13 +203,11 @@ def _setup_line(s: PlanSettings) -> str:
             + (", compiled" if s.compile else ""))
 
 
-def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable, settings: PlanSettings | None,
-              per_rank: int) -> Composer:
+def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable,
+              settings: PlanSettings | None) -> Composer:
     """The composer for ``plan``: of the space's kinds; or, with ``settings``, of theirs, added to ``results`` (and
     nothing left to search)."""
-    if settings is not None:
-        check_settings(settings, len(ctx.block_names), per_rank, ctx.device == "cuda", ctx.world, ctx.chunkable,
-                       ctx.precision)
+    if settings is not None:  # checked by plan (_model_problems)
         composer = composer_for(ctx, [settings])
         _add_given(composer, results, settings)
         space.placements = []  # nothing to search
@@ -231,34 +232,35 @@ def _check_a_block_fits(ctx: Problem, budget_bytes: int | None) -> None:
                           "pass a larger budget (e.g. the GPU's memory), or shard the model over more GPUs (FSDP2).")
 
 
-def _constraints(arguments: dict[str, Any], choices: Any, fsdp: bool | None, settings: PlanSettings | None,
-                 keep_optimizer: PlanSettings | None, problem: Callable[[set[str]], Problem]) -> tuple[
-                     Problem, tuple[int | None, int | None, set[str], int], Choices, tuple[Fixed, set[str], list[str]]]:
-    """What ``plan`` searches under, with every problem known before tracing in one ConfigError: ``arguments``'
-    (``check_plan_arguments``), the choices' (``check_choices``), and, where the arguments are good, the model's
-    (``problem``: built from the techniques allowed): a budget below one block, fixed choices or ``settings`` it
-    cannot take, a sequence longer than its positions. Returns (the problem, the checked arguments, the choices,
-    (the fixed choices, the techniques allowed, the notes)): the choices' fixed (none with ``settings``), with
-    ``keep_optimizer``'s optimizer."""
-    from memtrain.estimate.arguments import check_against_model
-    from memtrain.estimate.fake import batch_spec
+def _collected(problems: list[str], check: Callable[[], Any]) -> Any:
+    """``check()``'s value; or None, with its ConfigError's problems added to ``problems``."""
+    try:
+        return check()
+    except ConfigError as e:
+        problems += e.problems
+        return None
 
+
+def _checked_arguments(arguments: dict[str, Any], choices: Any,
+                       fsdp: bool | None) -> tuple[tuple[int | None, int | None, set[str], int], Choices, list[str]]:
+    """``plan``'s arguments checked (``check_plan_arguments``: the budgets in bytes, the techniques allowed, the
+    examples per rank), its choices (``check_choices``), and their problems, to be raised with the model's (every
+    problem known before tracing at once). Raises them at once where the arguments are wrong: the model is not
+    built from those."""
     problems: list[str] = []
-    checked = None
-    try:
-        checked = check_plan_arguments(**arguments)
-    except ConfigError as e:
-        problems += e.problems
+    checked = _collected(problems, lambda: check_plan_arguments(**arguments))
     world = arguments["world_size"]
-    try:
-        choices = check_choices(choices, world_size=world if isinstance(world, int) else 1, fsdp=fsdp)
-    except ConfigError as e:
-        problems += e.problems
-        choices = choices if isinstance(choices, Choices) else Choices()
+    choices = _collected(problems, lambda: check_choices(choices, world_size=world if isinstance(world, int) else 1,
+                                                         fsdp=fsdp)) or Choices()
     if checked is None:
-        raise ConfigError(problems)  # the model is not built from arguments that are wrong
-    budget_bytes, _, allowed, per_rank = checked
-    ctx = problem(allowed)
+        raise ConfigError(problems)
+    return checked, choices, problems
+
+
+def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: PlanSettings | None,
+                 keep_optimizer: PlanSettings | None) -> tuple[Fixed, set[str], list[str]]:
+    """The fixed choices, the techniques allowed and the notes for ``plan``: the choices' (none with ``settings``),
+    with ``keep_optimizer``'s optimizer."""
     fixed, notes = Fixed(), []
     if settings is None:
         fixed, can_use, notes = Fixed.of_choices(choices, n_blocks=len(ctx.block_names), device=ctx.device)
@@ -269,19 +271,24 @@ def _constraints(arguments: dict[str, Any], choices: Any, fsdp: bool | None, set
                                     step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction,
                                     pure_bf16=True if k.pure_bf16 else None,  # bf16 weights have no master
                                     offload_weights=k.offload_weights, optimizer_class=k.optimizer_class)
-    spec = batch_spec(step_batch(ctx, 1), None, None, [])
-    n_blocks, cuda = len(ctx.block_names), ctx.device == "cuda"
-    for check in (lambda: _check_a_block_fits(ctx, budget_bytes),
-                  lambda: fixed != Fixed() and check_fixed(fixed, n_blocks, cuda, ctx.chunkable, ctx.precision),
-                  lambda: settings is not None and check_settings(settings, n_blocks, per_rank, cuda, ctx.world,
-                                                                  ctx.chunkable, ctx.precision),
-                  lambda: spec is not None and check_against_model(ctx.model, spec, False)):
-        try:
-            check()
-        except ConfigError as e:
-            problems += e.problems
-    ConfigError.raise_if(problems)
-    return ctx, checked, choices, (fixed, allowed, notes)
+    return fixed, allowed, notes
+
+
+def _model_problems(ctx: Problem, budget_bytes: int | None, fixed: Fixed, settings: PlanSettings | None,
+                    per_rank: int) -> list[str]:
+    """What the model cannot take, every problem at once: a budget below one block, fixed choices or ``settings``
+    it cannot take, a sequence longer than its positions."""
+    problems: list[str] = []
+    n_blocks, cuda, spec = len(ctx.block_names), ctx.device == "cuda", batch_spec(step_batch(ctx, 1), None, None, [])
+    _collected(problems, lambda: _check_a_block_fits(ctx, budget_bytes))
+    if fixed != Fixed():
+        _collected(problems, lambda: check_fixed(fixed, n_blocks, cuda, ctx.chunkable, ctx.precision))
+    if settings is not None:
+        _collected(problems, lambda: check_settings(settings, n_blocks, per_rank, cuda, ctx.world, ctx.chunkable,
+                                                    ctx.precision))
+    if spec is not None:
+        _collected(problems, lambda: check_against_model(ctx.model, spec, False))
+    return problems
 
 
 @dataclass(kw_only=True)
@@ -307,8 +314,6 @@ def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fix
     problem = _SearchProblem(ctx, fsdp)
     for technique in techniques.REGISTRY:
         technique.candidates(space, problem, frozenset(allowed))
-    if fixed != Fixed():
-        check_fixed(fixed, len(ctx.block_names), problem.cuda, ctx.chunkable, ctx.precision)
     for technique in techniques.REGISTRY:
         technique.narrow(space, fixed)
     return space
