@@ -29,6 +29,11 @@ CHUNKED_LOSS_MODEL = Rule(
     lambda s: bool(s.chunked_loss) and s.chunkable is False)
 
 
+def loss_tail(tails: Any, cfg: Any) -> Any:
+    """The profiles' head and loss of ``cfg``'s loss (``tails``: the planner's ``TailProfile`` by chunked or not)."""
+    return tails[cfg.chunked_loss]
+
+
 class ChunkedLossTechnique(Technique):
     """The loss's logits a chunk of tokens at a time: on, off, or the plan's."""
 
