@@ -14,7 +14,7 @@ from memtrain.cli import main
 from memtrain.errors import ConfigError
 from memtrain.offload import WeightStreamer
 from memtrain.planner import apply_plan, plan
-from memtrain.planner.cost import WEIGHTS_IN_FLIGHT
+from memtrain.techniques.weight_offload import WEIGHTS_IN_FLIGHT
 
 
 @pytest.mark.parametrize("kwargs,fragment", [

@@ -286,7 +286,7 @@ def test_host_figure_of_offloaded_activations_is_the_pool_the_built_offloader_pi
 def test_the_host_step_of_an_offloaded_optimizer_runs_at_its_moments_rate(state):
     # The host's AdamW with lean moments is slower than fused fp32 AdamW (memtrain.optim.cpu_step_rate: bf16 about
     # 3x, bitsandbytes' int8 about 16-30x on a CPU): the offloaded step's time takes the rate of its moments.
-    from memtrain.planner.cost import _CPU_RATE
+    from memtrain.techniques.optimizer.cost import _CPU_RATE
 
     model = planner_gpt(2)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,6 +1,7 @@
 """The cost model: a candidate's peak, host bytes and step time composed from the block profiles (``Composer``),
-the optimizer step, the host link and its stall, DDP/FSDP2 communication and memory; ``CandidateTable`` holds every
-composed candidate as columns.
+the host link and its stall, DDP/FSDP2 communication and memory, and each technique's own share (the optimizer's,
+``memtrain.techniques.optimizer.cost``; parameter offload's, ``memtrain.techniques.weight_offload``);
+``CandidateTable`` holds every composed candidate as columns.
 """
 
 from __future__ import annotations
@@ -13,19 +14,30 @@ import numpy as np
 import torch
 
 from memtrain.estimate import Trace
-from memtrain.offload import PREFETCH_DEFAULT, SLAB_BYTES_DEFAULT
-from memtrain.optim import offloaded_mask, optimizer_memory
+from memtrain.offload import SLAB_BYTES_DEFAULT
 from memtrain.planner.devices import DeviceProfile
 from memtrain.planner.profiles import Profiles, affine_at, offloader_bytes
 from memtrain.planner.settings import Configuration, HostLink, PlanSettings, Problem, configuration_of
-from memtrain.techniques.optimizer import NamedOptimizer
+from memtrain.techniques.chunked_loss import loss_tail
+from memtrain.techniques.optimizer.cost import (
+    OptimizerShare,
+    full_state_bytes,
+    profile_key,
+    ranked_seconds,
+    step_temp_after_backward,
+    weights_profile,
+)
+from memtrain.techniques.weight_offload import (
+    streamed_weight_bytes,
+    weights_host_bytes,
+    weights_micro_seconds,
+    weights_shift,
+)
 
-_BUCKET_BYTES = 4 * (1 << 25)  # CPUOffloadOptimizer.bucket_numel fp32 parameters: the last bucket's copy back
 # The data loader's share of host RAM, an allowance: the batch being copied to the device and the next one
 # (DevicePrefetcher), each of int64 token rows (inputs and labels; position ids too when packed) pinned in torch's
 # host cache, which rounds every block up to a power of two. The dataset's own pages (memory-mapped) are the OS's.
 LOADER_BATCHES = 2
-WEIGHTS_IN_FLIGHT = 1 + PREFETCH_DEFAULT  # parameter offload: the block in use and the one copying ahead of it
 
 
 def host_pool_bytes(offloaded: np.ndarray) -> np.ndarray:
@@ -70,35 +82,32 @@ class Composer:
         self.ctx = ctx
         self.profiles = profiles
         self._cache: dict[tuple[Any, ...], _KindArrays] = {}
-        self._optimizers: dict[tuple[Any, ...], tuple[Any, np.ndarray, bool]] = {}
+        self._shares: dict[tuple[Any, ...], OptimizerShare] = {}
+
+    def share(self, prof: Profiles, cfg: Configuration) -> OptimizerShare:
+        """The optimizer's share of ``cfg``'s figures over ``prof``: one per profiles and ``OptimizerShare.key``."""
+        key = (id(prof), *OptimizerShare.key(cfg))
+        if key not in self._shares:
+            self._shares[key] = OptimizerShare(self.ctx, prof, cfg)
+        return self._shares[key]
 
     def optimizer(self, prof: Profiles, cfg: Configuration) -> tuple[Any, np.ndarray, bool]:
         """The optimizer's bytes (``memtrain.optim.optimizer_memory``), which blocks' gradients leave the device
-        as they land (streamed to the host, or stepped in backward), and whether the head's and embeddings' do."""
-        key = (id(prof), cfg.state_precision, cfg.host_fraction, cfg.step_in_backward, cfg.accumulation,
-               cfg.pure_bf16, cfg.optimizer_class)
-        if key not in self._optimizers:
-            memory = optimizer_memory(prof.trainable_params, state_precision=cfg.state_precision,
-                                      offload_fraction=cfg.host_fraction, step_in_backward=cfg.step_in_backward,
-                                      accumulation_steps=cfg.accumulation, device_type=self.ctx.device,
-                                      pure_bf16=cfg.pure_bf16, named=cfg.optimizer_class,
-                                      shapes=prof.trainable_shapes, round_to=512 if self.ctx.device == "cuda" else 1)
-            leaving = np.array(offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction), dtype=bool)
-            if cfg.step_in_backward and cfg.accumulation == 1:
-                leaving[:] = True
-            blocks = prof.trainable_blocks
-            n = len(self.ctx.block_names)
-            # A block's gradients leave when all of its parameters' do (a block split by a partial offload stays).
-            in_block = blocks >= 0
-            counts = np.bincount(blocks[in_block], minlength=n)
-            block_leaves = (counts > 0) & (np.bincount(blocks[in_block & leaving], minlength=n) == counts)
-            other = blocks < 0
-            self._optimizers[key] = (memory, block_leaves, bool(other.any() and leaving[other].all()))
-        return self._optimizers[key]
+        as they land, and whether the head's and embeddings' do: ``share``'s, as a tuple (planner/reasons.py)."""
+        share = self.share(prof, cfg)
+        return share.memory, share.block_leaves, share.other_leaves
 
     def profile(self, optimizer: str, pure_bf16: bool = False) -> Profiles:
         """The profiles of the device weights' dtype: bf16 with an offloaded fp32 master, or pure bf16."""
-        return self.profiles["bf16" if optimizer == "offload-bf16-weights" or pure_bf16 else None]
+        return self.profiles[weights_profile(optimizer, pure_bf16)]
+
+    def profile_of(self, cfg: Configuration | PlanSettings) -> Profiles:
+        """The profiles ``cfg`` reads (``profile``)."""
+        return self.profiles[profile_key(cfg)]
+
+    def _shards(self, cfg: Configuration) -> int:
+        """The ranks the optimizer's parameters are sharded over: FSDP2's, else 1."""
+        return self.ctx.world if cfg.distribution == "fsdp2" else 1
 
     def arrays(self, prof: Profiles, kind: str, b: int, compiled: bool) -> _KindArrays:
         key = (id(prof), kind, b, compiled)
@@ -140,7 +149,7 @@ class Composer:
     def picker(self, cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray) -> Callable[[str], np.ndarray]:
         """A (rows, blocks) array of one ``_KindArrays`` field per assignment row: the offloaded kind's where
         ``is_off``, the recomputed kind's where ``is_rec``, the kept kind's elsewhere."""
-        b, prof = cfg.micro_batch_size, self.profile(cfg.optimizer, cfg.pure_bf16)
+        b, prof = cfg.micro_batch_size, self.profile_of(cfg)
         # Blocks compiled one by one run their own code compiled whatever the set-up (see compile_model).
         keep = self.arrays(prof, "keep", b, cfg.compile)
         rec = self.arrays(prof, cfg.flavor, b, cfg.compile) if is_rec.any() else keep
@@ -158,12 +167,12 @@ class Composer:
 
     def host_link(self, s: PlanSettings) -> HostLink:
         """Bytes over the host link in one optimizer step of ``s`` (per rank): the figures the time model's
-        ``_offload_stall`` and ``_optimizer_seconds`` take."""
+        ``_offload_stall`` and ``OptimizerShare.step_seconds`` take."""
         cfg = configuration_of(s)
         kinds = np.array(s.blocks)[None, :]
         activations = float(self.offloaded(cfg, self.picker(cfg, kinds == "offload", kinds == "recompute")).sum())
-        prof = self.profile(cfg.optimizer, cfg.pure_bf16)
-        gradients, weights = _optimizer_link(self.ctx, prof, cfg)
+        prof = self.profile_of(cfg)
+        gradients, weights = self.share(prof, cfg).link(self._shards(cfg))
         streamed = streamed_weight_bytes(prof, cfg)
         return HostLink(round(activations * cfg.accumulation), round(activations * cfg.accumulation),
                         round(gradients * cfg.accumulation), round(weights - streamed),
@@ -175,7 +184,7 @@ class Composer:
         the optimizer) share a ``Layout``, so its blocks' figures are picked and summed once."""
         groups: dict[tuple[Any, ...], list[int]] = {}
         for k, (cfg, offload, recompute) in enumerate(jobs):
-            key = (id(self.profile(cfg.optimizer, cfg.pure_bf16)), cfg.micro_batch_size, cfg.compile, cfg.flavor,
+            key = (id(self.profile_of(cfg)), cfg.micro_batch_size, cfg.compile, cfg.flavor,
                    offload.tobytes(), recompute.tobytes())
             groups.setdefault(key, []).append(k)
         out: list[tuple[np.ndarray, ...]] = [()] * len(jobs)
@@ -194,33 +203,32 @@ class Composer:
         """(peak, host, seconds) per row of a (rows, blocks) assignment: offloaded where ``is_off``, recomputed
         where ``is_rec``, kept elsewhere (``layout``: its figures, shared with other configurations)."""
         ctx, b = self.ctx, cfg.micro_batch_size
-        prof = self.profile(cfg.optimizer, cfg.pure_bf16)
+        prof = self.profile_of(cfg)
         layout = layout if layout is not None else Layout(self.picker(cfg, is_off, is_rec), is_off, is_rec)
-        memory = self.optimizer(prof, cfg)[0]
         peak = self._peak(cfg, prof, layout)
         # -- host bytes (one node: every rank's share)
         offloaded = layout.memo("offloaded over the link", lambda: self.offloaded(cfg, layout))
         moved = layout.memo(("total", "offloaded over the link"), lambda: offloaded.sum(axis=1))
-        host = (host_pool_bytes(moved) + memory.host_bytes + loader_host_bytes(ctx, b)
-                + _weights_host_bytes(prof, cfg)) * ranks_per_node(ctx.world)
+        host = (host_pool_bytes(moved) + self.share(prof, cfg).host_bytes + loader_host_bytes(ctx, b)
+                + weights_host_bytes(prof, cfg)) * ranks_per_node(ctx.world)
         return peak, host, self._seconds(cfg, prof, layout, offloaded, moved)
 
     def _peak(self, cfg: Configuration, prof: Profiles, layout: Layout) -> np.ndarray:
         """The device's peak per row: forward block by block, the head and loss, backward from the last block to
         the first, then the step; one process (distributed ranks differ by ``_distributed_shift``)."""
         ctx, b = self.ctx, cfg.micro_batch_size
-        tail = prof.tails[cfg.chunked_loss]
-        memory, block_leaves, other_leaves = self.optimizer(prof, cfg)
+        tail = loss_tail(prof.tails, cfg)
+        optimizer = self.share(prof, cfg)
         # A gradient that leaves the device as it lands (to the host, or stepped in backward), or is added into an
         # earlier micro-batch's and freed, does not stay: the "_streamed" figures.
-        transient = block_leaves | (cfg.accumulation > 1)
-        suffix = "_streamed" if (other_leaves or cfg.accumulation > 1) else ""
+        transient = optimizer.block_leaves | (cfg.accumulation > 1)
+        suffix = "_streamed" if (optimizer.other_leaves or cfg.accumulation > 1) else ""
         saved, fexcess = layout("saved"), layout("forward_excess")
         bexcess, bnet, later = layout.backward(transient)
         fixed = (float(prof.fixed_bytes) + affine_at(prof.input_bytes, b) - prof.input_bytes[0] - prof.adamw_state_bytes
-                 + memory.device_state_bytes)
+                 + optimizer.device_state_bytes)
         if cfg.accumulation > 1:
-            fixed += memory.device_gradient_bytes  # the earlier micro-batches' gradients, alive from the start
+            fixed += optimizer.device_gradient_bytes  # the earlier micro-batches' gradients, alive from the start
 
         start = fixed + affine_at(tail.pre, b)
         cumulative = layout.memo("cumulative saved", lambda: np.cumsum(saved, axis=1))
@@ -234,8 +242,6 @@ class Composer:
         backward_start = tail_start + tail_net - affine_at(tail.released_other, b) - layout.total("released")
         peak = np.maximum(peak, backward_start + getattr(tail, "tail_bwd_excess" + suffix).at(b))
         first_block = backward_start + affine_at(getattr(tail, "tail_bwd_net" + suffix), b)
-        # Stepping in backward, the step's temporaries come during backward (an upper bound: at its peak).
-        in_backward = memory.device_step_temp_bytes if cfg.step_in_backward else 0
         # FSDP2 frees the share of each gradient that other ranks own as it lands: at block i's backward the
         # gradients of the blocks after it (a lower bound: the head's are not counted before the end).
         sharded = gradient_shard(ctx, cfg)
@@ -243,13 +249,12 @@ class Composer:
         landed = sharded * (np.cumsum(grads[::-1])[::-1] - grads)
         blocks_peak = layout.memo(("backward peak", transient.tobytes(), first_block.tobytes(), landed.tobytes()),
                                   lambda: np.max(first_block[:, None] + later + bexcess - landed[None, :], axis=1))
-        peak = np.maximum(peak, blocks_peak + in_backward)
+        peak = np.maximum(peak, blocks_peak + optimizer.step_temp_in_backward)
         end_blocks = first_block + layout.memo(("total", "backward net", transient.tobytes()),
                                                lambda: bnet.sum(axis=1))
         peak = np.maximum(peak, end_blocks + getattr(tail, "post_excess" + suffix).at(b) - sharded * grads.sum())
         after = end_blocks + affine_at(getattr(tail, "post_net" + suffix), b)
-        peak = np.maximum(peak, after + (0 if cfg.step_in_backward else memory.device_step_temp_bytes)
-                          - sharded * float(prof.trainable_bytes))
+        peak = np.maximum(peak, after + optimizer.step_temp_after_backward - sharded * float(prof.trainable_bytes))
         return peak + _distributed_shift(ctx, prof, cfg) + weights_shift(prof, cfg)
 
     def _seconds(self, cfg: Configuration, prof: Profiles, layout: Layout, offloaded: np.ndarray,
@@ -257,7 +262,7 @@ class Composer:
         """A step's seconds per row: the micro-batches (the blocks, the head, the waits for the host link), the
         optimizer step and the communication."""
         ctx, b = self.ctx, cfg.micro_batch_size
-        tail = prof.tails[cfg.chunked_loss]
+        tail = loss_tail(prof.tails, cfg)
         fwd, bwd = layout("forward_s"), layout("backward_s")
         dev = ctx.device_profile.for_precision(ctx.precision)  # a CPU's matmuls at its 16-bit rate under autocast
         tokens = b * ctx.seq_len
@@ -272,27 +277,13 @@ class Composer:
         micro = layout.total("forward_s") + layout.total("backward_s") + head
         if ctx.device == "cuda" and layout.memo("moves", lambda: bool(offloaded.any())):
             micro = micro + layout.memo("offload stall", lambda: _offload_stall(fwd, bwd, offloaded, dev))
-        if cfg.offload_weights:
-            micro = micro + layout.memo("weights stall", lambda: _weights_stall(ctx, prof, fwd, bwd))
-            if ctx.device == "cuda":
-                # The stalls above are modelled one stream of copies at a time; together they share the link, so
-                # a micro-batch lasts at least as long as its bytes take over it, each direction.
-                streamed = 2 * streamed_weight_bytes(prof, cfg)
-                grads = _optimizer_link(ctx, prof, cfg)[0]
-                micro = np.maximum(micro, np.maximum((moved + streamed) / dev.host_to_device,
-                                                     (moved + grads) / dev.device_to_host))
+        optimizer, shards = self.share(prof, cfg), self._shards(cfg)
+        micro = weights_micro_seconds(ctx, prof, cfg, micro, fwd, bwd, layout.memo, dev, moved,
+                                      optimizer.link(shards)[0])
         backward = layout.total("backward_s")
-        seconds = (micro * cfg.accumulation + _optimizer_seconds(ctx, prof, cfg, backward)
+        seconds = (micro * cfg.accumulation + optimizer.step_seconds(backward, shards)
                    + _communication_seconds(ctx, prof, cfg, backward + layout.total("forward_s")))
-        if cfg.step_in_backward:
-            # One backward pass (clipping by the previous window's norm, the fp16 inf check on the device), its
-            # steps in _optimizer_seconds like the ordinary step's; on top, per tensor: its gradient's norm read in
-            # the hook, the inf flag, the clip multiply and an optimizer call of its own (a few small ops each). So
-            # it is never faster than the ordinary step: the search takes it for the memory it saves.
-            tensors = len(prof.trainable_params)
-            seconds = seconds + (tensors * _IN_BACKWARD_OPS * dev.op_overhead_s
-                                 + 4.0 * prof.trainable_numel / dev.memory_bandwidth)
-        return seconds
+        return seconds + optimizer.in_backward_seconds(dev)
 
 
 class Layout:
@@ -331,50 +322,11 @@ class Layout:
         return self.memo(("backward", transient.tobytes()), make)
 
 
-def streamed_weight_bytes(prof: Profiles, cfg: Configuration | PlanSettings) -> float:
-    """Bytes of the blocks' weights (the device dtype) that parameter offload keeps in host RAM; 0 without it."""
-    return float(np.sum(prof.block_parameter_bytes)) if cfg.offload_weights else 0.0
-
-
-def weights_shift(prof: Profiles, cfg: Configuration | PlanSettings) -> float:
-    """What parameter offload changes at every moment of the step, on the device: the blocks' weights are gone but
-    for ``WEIGHTS_IN_FLIGHT`` of the largest (the block in use and the next one copying; their gradients are the
-    offloaded optimizer's, streamed to the host as they land, which the trace already counts)."""
-    if not cfg.offload_weights:
-        return 0.0
-    return WEIGHTS_IN_FLIGHT * float(np.max(prof.block_parameter_bytes)) - streamed_weight_bytes(prof, cfg)
-
-
-def _weights_host_bytes(prof: Profiles, cfg: Configuration) -> float:
-    """Host RAM parameter offload adds: nothing where the weights stream from the fp32 master itself; beside a bf16
-    cast, a gradient stage of their own (``CPUOffloadOptimizer.stream_weights``), 2 bytes a block parameter."""
-    return streamed_weight_bytes(prof, cfg) if cfg.optimizer == "offload-bf16-weights" else 0.0
-
-
-def _weights_stall(ctx: Problem, prof: Profiles, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
-    """Seconds a micro-batch waits for block weights under parameter offload, per row (``WeightStreamer``, one block
-    ahead). On CUDA the copies run on a side stream: block i+1's during block i's forward, block i-1's during block
-    i's backward, so only the first block's copy (forward) and the last one's (backward: its copy starts at its own
-    pre-backward hook) and a copy that outlasts the compute beside it are waited for. On a CPU the "copies" are
-    memcpys on the compute thread, all waited for."""
-    dev = ctx.device_profile
-    blocks = np.asarray(prof.block_parameter_bytes, dtype=float)
-    if ctx.device != "cuda":
-        return np.full(fwd.shape[0], 2 * 2 * blocks.sum() / dev.memory_bandwidth)  # read and write, twice a pass
-    copy = blocks / dev.host_to_device
-    forward = copy[0] + np.maximum(0.0, copy[None, 1:] - fwd[:, :-1]).sum(axis=1)
-    backward = copy[-1] + np.maximum(0.0, copy[None, :-1] - bwd[:, 1:]).sum(axis=1)
-    return forward + backward
-
-
 def _compiled_per_block(cfg: Configuration, is_off: np.ndarray, is_rec: np.ndarray) -> np.ndarray:
     """Per row: whether ``compile_model`` compiles this set-up block by block (compiled, with a block that
     offloads its activations or its saved input), leaving the code between the blocks eager."""
     offloads = is_off.any(axis=1) | (is_rec.any(axis=1) & (cfg.flavor == "offload-inputs"))
     return offloads & cfg.compile
-
-
-_IN_BACKWARD_OPS = 4  # extra small ops per parameter tensor of step-in-backward's hooks
 
 
 def _offload_stall(fwd: np.ndarray, bwd: np.ndarray, offloaded: np.ndarray, dev: DeviceProfile) -> np.ndarray:
@@ -405,117 +357,6 @@ def ranks_per_node(world: int) -> int:
     """Ranks sharing one host's RAM: this machine's GPUs, or an 8-GPU node."""
     local = torch.accelerator.device_count() if torch.accelerator.is_available() else 8
     return max(1, min(world, local))
-
-
-# Bytes a device AdamW step reads and writes per parameter, by moment precision: fused fp32 AdamW reads p, g,
-# m, v and writes p, m, v (28); BF16StateAdamW runs it on fp32 copies of the moments, copied in, rounded with
-# noise and copied back a pass at a time (92: its docstring counts them); bitsandbytes' 8-bit step moves 2 bytes of
-# each moment and a scale per 256. (Assumptions; the CPU uses measured rates.)
-_STEP_BYTES = {"fp32": 28.0, "bf16": 92.0, "int8": 20.0}
-# Kernel launches per parameter tensor: fused AdamW steps every tensor in a few multi-tensor launches;
-# BF16StateAdamW one step-counter add, then 5 multi-tensor ops a pass of 2**24 elements (bench_optim_ops.py
-# prints them): the 1.1B Llama's 201 tensors take 66 passes, 331 ops, about 1.6 a tensor; bitsandbytes steps per
-# tensor.
-_STEP_OPS = {"fp32": 0.05, "bf16": 2.0, "int8": 2.0}
-# How much faster (a fraction of the step) lean moments must be than fp32 ones to be chosen for speed alone.
-LEAN_MARGIN = 0.05
-# A host step's rate relative to torch's fused fp32 AdamW's, where the probe did not measure it (a --gpu plan's host):
-# the fused host kernels (memtrain.optim.host_kernels) side by side with it on 2 threads, 96M parameters (beyond the
-# L3 cache, as a model's host step is): `memtrain bench host_step -- --params 96M` printed, in three runs, bf16 moments
-# 1.22x, 1.23x and 1.24x, pure bf16 1.43x, 1.45x and 1.33x with bf16 moments, 1.14x and 1.18x with fp32 ones, and
-# bitsandbytes' 8-bit layout 0.93x (its encoding through 64-bit table entries; 0.79x and 0.81x before it).
-_CPU_RATE = {"fp32": 1.0, "bf16": 1.22, "int8": 0.93}
-_PURE_CPU_RATE = {"fp32": 1.14, "bf16": 1.44}
-# Pure bf16 (PureBF16AdamW) on a device (its multi-tensor path): per parameter, the bf16 weight and gradient copied
-# into fp32 (read 4, write 8), the moments too where they are bf16 (4, 8), the fused kernel on the fp32 copies (28),
-# the rounding noise added to the weight and bf16 moments (read 12 + 12, write 12 with bf16 moments; a third
-# without), the mask (24 or 8) and the copies back (12 + 6, or 4 + 2): about 136 bytes with bf16 moments, 76 with
-# fp32 ones (fp32 moments are stepped in place).
-_PURE_STEP_BYTES = {"fp32": 76.0, "bf16": 136.0}
-
-
-# A named class on the device (an assumption: no kernel of its own is measured there): it reads the weight and the
-# gradient, writes the weight, and reads and writes its state once; multi-tensor kernels, a few launches a tensor.
-_NAMED_STEP_OPS = 0.2
-
-
-def _named_step_bytes(prof: Profiles, named: NamedOptimizer) -> float:
-    """Bytes a named class's device step moves per parameter: weight and gradient read, weight written (fp32), and
-    its measured state read and written."""
-    key = ("named step bytes", named)
-    if key not in prof.memo:
-        state = sum(named.state_bytes(shape, dt) for shape, (_, dt) in zip(prof.trainable_shapes,
-                                                                          prof.trainable_params, strict=True))
-        prof.memo[key] = 12.0 + 2 * state / max(prof.trainable_numel, 1)
-    return prof.memo[key]
-
-
-def named_state_bytes(prof: Profiles, named: NamedOptimizer, round_to: int) -> float:
-    """A named class's device state over every trainable parameter (the probe's, rounded as the allocator does)."""
-    key = ("named state bytes", named, round_to)
-    if key not in prof.memo:
-        prof.memo[key] = float(sum(named.state_bytes(shape, dt, round_to) for shape, (_, dt) in zip(
-            prof.trainable_shapes, prof.trainable_params, strict=True)))
-    return prof.memo[key]
-
-
-def host_step_rate(dev: DeviceProfile, cfg: Configuration) -> float:
-    """Parameters per second of the host's AdamW step with ``cfg``'s moments: the probe's measured rate where it
-    has one, else fused fp32 AdamW's rate scaled by the measured ratio (``_CPU_RATE``, ``_PURE_CPU_RATE``)."""
-    if not cfg.optimizer_class.is_adamw:  # another class: fused AdamW's rate over its measured time ratio
-        return dev.cpu_adamw / cfg.optimizer_class.step_time_ratio()
-    if cfg.pure_bf16:
-        measured_pure = dev.cpu_adamw_pure if cfg.state_precision == "bf16" else None
-        return measured_pure or dev.cpu_adamw * _PURE_CPU_RATE[cfg.state_precision]
-    measured = {"fp32": dev.cpu_adamw, "bf16": dev.cpu_adamw_bf16, "int8": dev.cpu_adamw_int8}[cfg.state_precision]
-    return measured or dev.cpu_adamw * _CPU_RATE[cfg.state_precision]
-
-
-def _optimizer_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, backward_s: np.ndarray) -> np.ndarray:
-    """The step after the last backward: the device's part (memory-bound) and the host's (the offloaded share),
-    which run side by side."""
-    dev = ctx.device_profile
-    numel = float(prof.trainable_numel)
-    if cfg.distribution == "fsdp2":
-        numel /= ctx.world
-    on_host = numel * cfg.host_fraction
-    on_device = numel - on_host
-    if ctx.device == "cuda":
-        tensors = len(prof.trainable_params) * (1 - cfg.host_fraction)
-        step_bytes = (_PURE_STEP_BYTES if cfg.pure_bf16 else _STEP_BYTES)[cfg.state_precision]
-        ops = _STEP_OPS["bf16" if cfg.pure_bf16 else cfg.state_precision]
-        if not cfg.optimizer_class.is_adamw:
-            step_bytes, ops = _named_step_bytes(prof, cfg.optimizer_class), _NAMED_STEP_OPS
-        device_part = max(step_bytes * on_device / dev.memory_bandwidth, ops * tensors * dev.op_overhead_s)
-    else:  # the "device" is the host: its own AdamW rate
-        device_part = on_device / host_step_rate(dev, cfg)
-    device_part = device_part + 0 * backward_s
-    if on_host == 0:
-        return device_part
-    grad_bytes, _ = _optimizer_link(ctx, prof, cfg)
-    # Gradients stream to the host during each micro-batch's backward, the host adds later micro-batches in;
-    # after the last backward: the norms (clipping), the CPU step, then the last bucket's weights cross back.
-    d2h = np.maximum(0.0, grad_bytes / dev.device_to_host - backward_s) * cfg.accumulation
-    host_adds = (cfg.accumulation - 1) * 12 * on_host / dev.host_bandwidth
-    norms = 4 * on_host / dev.host_bandwidth if ctx.grad_clip else 0.0
-    last_bucket = min(grad_bytes, _BUCKET_BYTES * grad_bytes / (4 * on_host))
-    host_part = d2h + host_adds + norms + on_host / host_step_rate(dev, cfg) + last_bucket / dev.host_to_device
-    return np.maximum(device_part, host_part)
-
-
-def _optimizer_link(ctx: Problem, prof: Profiles, cfg: Configuration) -> tuple[float, float]:
-    """(bytes of gradients to the host per micro-batch, bytes of weights back per step) of the parameters whose
-    step runs on the host (``memtrain.optim.offloaded_mask``, whole tensors): both in the device weights' dtype."""
-    if cfg.host_fraction == 0:
-        return 0.0, 0.0
-    key = ("offloaded parameter bytes", cfg.host_fraction)
-    if key not in prof.memo:
-        mask = offloaded_mask([n for n, _ in prof.trainable_params], cfg.host_fraction)
-        prof.memo[key] = float(sum(n * d.itemsize for (n, d), m in zip(prof.trainable_params, mask, strict=True) if m))
-    device_bytes = prof.memo[key]
-    if cfg.distribution == "fsdp2":
-        device_bytes /= ctx.world  # each rank's shard
-    return device_bytes, device_bytes
 
 
 def _communication_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, compute_s: np.ndarray) -> np.ndarray:
@@ -579,8 +420,7 @@ def _distributed_shift(ctx: Problem, prof: Profiles, cfg: Configuration | PlanSe
         # a device optimizer's trace counts those already; an offloaded one's streams them, but not under DDP.
         return grads * (2 if cfg.optimizer != "device" and cfg.accumulation > 1 else 1)
     # FSDP2: parameters and state sharded, the block computed and the next one (prefetched) gathered whole.
-    state = prof.adamw_state_bytes if cfg.optimizer_class.is_adamw else named_state_bytes(
-        prof, cfg.optimizer_class, 512 if ctx.device == "cuda" else 1)
+    state = full_state_bytes(prof, cfg.optimizer_class, ctx.device)
     shift = -(prof.parameter_bytes + state) * (1 - 1 / n)
     return shift + 2 * gathered_block_bytes(ctx, prof)
 
@@ -607,7 +447,7 @@ def rank_peak(ctx: Problem, prof: Profiles, s: PlanSettings, t: Trace) -> float:
     for run in t.runs:
         peak = max(peak, run.peak_bytes - sharded * landed)
         landed += run.gradient_bytes
-    step = t.runs[-1].end_bytes + (0 if s.step_in_backward else t.step_temp_bytes)
+    step = t.runs[-1].end_bytes + step_temp_after_backward(s, t.step_temp_bytes)
     peak = max(peak, step - sharded * landed)
     if t.report.peak_bytes > max(max(r.peak_bytes for r in t.runs), step):  # a moment outside the runs: as is
         peak = max(peak, t.report.peak_bytes)
@@ -648,11 +488,8 @@ class CandidateTable:
     def finish(self) -> None:
         cols = [np.concatenate(c) for c in zip(*self._parts, strict=True)]
         self.config, self.offload, self.recompute, self.peak, self.host, self.seconds = cols
-        # Lean moments change the numerics (moments rounded or quantised): on speed alone they must beat fp32
-        # moments by LEAN_MARGIN, more than a probe's noise, or plans would flip between runs on one machine (the
-        # fused host kernels step bf16 moments about as fast as fp32 ones).
-        lean = self.column("state_precision") != "fp32"
-        self.order = np.lexsort((self.peak, np.where(lean, self.seconds * (1 + LEAN_MARGIN), self.seconds)))
+        # Lean moments must beat fp32 ones by a margin on speed alone (the optimizer's ``ranked_seconds``).
+        self.order = np.lexsort((self.peak, ranked_seconds(self.seconds, self.column)))
 
     def settings(self, k: int) -> PlanSettings:
         if k in self.explicit:

@@ -17,7 +17,6 @@ from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
 from memtrain.offload import SLAB_BYTES_DEFAULT
 from memtrain.planner.cost import (
-    LEAN_MARGIN,
     LOADER_BATCHES,
     CandidateTable,
     Composer,
@@ -27,6 +26,7 @@ from memtrain.planner.cost import (
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
+from memtrain.techniques.optimizer.cost import LEAN_MARGIN
 
 
 def _compared(ratio: float, lean: bool) -> str:

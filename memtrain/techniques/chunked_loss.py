@@ -40,6 +40,11 @@ def with_unset_default(setup: Any, chunkable: bool) -> Any:
     return dataclasses.replace(setup, chunked_loss=policy is not None and policy.mode != "none" and chunkable)
 
 
+def loss_tail(tails: Any, cfg: Any) -> Any:
+    """The profiles' head and loss of ``cfg``'s loss (``tails``: the planner's ``TailProfile`` by chunked or not)."""
+    return tails[cfg.chunked_loss]
+
+
 class ChunkedLossTechnique(Technique):
     """The loss's logits a chunk of tokens at a time: on, off, or the plan's."""
 

@@ -6,9 +6,13 @@ follow.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import field
 from typing import Any
 
+import numpy as np
+
+from memtrain.offload import PREFETCH_DEFAULT
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp
@@ -26,6 +30,66 @@ def offloads_optimizer(placement: str | None, offload_weights: bool | None) -> b
     """Whether the optimizer's state lives in host RAM: placed there, or left open with parameter offload, which
     streams the weights from the offloaded optimizer's master and so implies it."""
     return placement == "offload" or (placement is None and bool(offload_weights))
+
+
+# -- its share of a candidate's bytes and seconds (the planner's cost model composes them) -------------------------
+WEIGHTS_IN_FLIGHT = 1 + PREFETCH_DEFAULT  # the block in use and the one copying ahead of it
+
+
+def streamed_weight_bytes(prof: Any, cfg: Any) -> float:
+    """Bytes of the blocks' weights (the device dtype) that parameter offload keeps in host RAM; 0 without it."""
+    return float(np.sum(prof.block_parameter_bytes)) if cfg.offload_weights else 0.0
+
+
+def weights_shift(prof: Any, cfg: Any) -> float:
+    """What parameter offload changes at every moment of the step, on the device: the blocks' weights are gone but
+    for ``WEIGHTS_IN_FLIGHT`` of the largest (the block in use and the next one copying; their gradients are the
+    offloaded optimizer's, streamed to the host as they land, which the trace already counts)."""
+    if not cfg.offload_weights:
+        return 0.0
+    return WEIGHTS_IN_FLIGHT * float(np.max(prof.block_parameter_bytes)) - streamed_weight_bytes(prof, cfg)
+
+
+def weights_host_bytes(prof: Any, cfg: Any) -> float:
+    """Host RAM parameter offload adds: nothing where the weights stream from the fp32 master itself; beside a bf16
+    cast, a gradient stage of their own (``CPUOffloadOptimizer.stream_weights``), 2 bytes a block parameter."""
+    return streamed_weight_bytes(prof, cfg) if cfg.optimizer == "offload-bf16-weights" else 0.0
+
+
+def weights_stall(ctx: Any, prof: Any, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """Seconds a micro-batch waits for block weights under parameter offload, per row (``WeightStreamer``, one block
+    ahead). On CUDA the copies run on a side stream: block i+1's during block i's forward, block i-1's during block
+    i's backward, so only the first block's copy (forward) and the last one's (backward: its copy starts at its own
+    pre-backward hook) and a copy that outlasts the compute beside it are waited for. On a CPU the "copies" are
+    memcpys on the compute thread, all waited for."""
+    dev = ctx.device_profile
+    blocks = np.asarray(prof.block_parameter_bytes, dtype=float)
+    if ctx.device != "cuda":
+        return np.full(fwd.shape[0], 2 * 2 * blocks.sum() / dev.memory_bandwidth)  # read and write, twice a pass
+    copy = blocks / dev.host_to_device
+    forward = copy[0] + np.maximum(0.0, copy[None, 1:] - fwd[:, :-1]).sum(axis=1)
+    backward = copy[-1] + np.maximum(0.0, copy[None, :-1] - bwd[:, 1:]).sum(axis=1)
+    return forward + backward
+
+
+def weights_micro_seconds(ctx: Any, prof: Any, cfg: Any, micro: np.ndarray, fwd: np.ndarray, bwd: np.ndarray,
+                          memo: Callable[[Any, Callable[[], Any]], Any], dev: Any, moved: np.ndarray,
+                          gradient_bytes: float) -> np.ndarray:
+    """A micro-batch's seconds per row with parameter offload's share added (unchanged without it): the waits for
+    the weights (``weights_stall`` of the rows' blocks' forward and backward seconds, ``fwd`` and ``bwd``, computed
+    once a layout through ``memo``), and on CUDA the link shared with the offloaded activations (``moved`` bytes
+    each way) and gradients (``gradient_bytes`` to the host); ``dev``: the device profile at the compute
+    precision."""
+    if not cfg.offload_weights:
+        return micro
+    micro = micro + memo("weights stall", lambda: weights_stall(ctx, prof, fwd, bwd))
+    if ctx.device == "cuda":
+        # The stalls are modelled one stream of copies at a time; together they share the link, so a micro-batch
+        # lasts at least as long as its bytes take over it, each direction.
+        streamed = 2 * streamed_weight_bytes(prof, cfg)
+        micro = np.maximum(micro, np.maximum((moved + streamed) / dev.host_to_device,
+                                             (moved + gradient_bytes) / dev.device_to_host))
+    return micro
 
 
 OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER = Rule(
