@@ -204,11 +204,9 @@ FIELD_USERS_ALLOWED = {
     "memtrain.estimate.streamed_weights": "the estimator's note on a set-up that streams weights it does not model",
     "memtrain.hf_trainer": "MemtrainTrainer applies the loss, activation offload and the moments inside the Trainer",
     "memtrain.planner.apply": "the stages call each implementation with its setting, in order (torchtitan's style)",
-    "memtrain.planner.cost": "the cost model composes the techniques' bytes and seconds",
     "memtrain.planner.devices": "the probe times the host's pure bf16 AdamW (cpu_step_rate's keyword)",
     "memtrain.planner.hint": "the pure bf16 hint searches pure bf16 set-ups beside the plan",
-    "memtrain.planner.reasons": "the weights dtype a plan's profiles were traced in",
-    "memtrain.planner.search": "a kept optimizer's fields fixed; the unbuildable fixed choices named; weights dtypes",
+    "memtrain.planner.search": "its progress line says when it searches pure bf16 set-ups (the hint's)",
     "memtrain.planner.tracing": "the profiles trace the loss whole and chunked (trace's keyword)",
 }
 

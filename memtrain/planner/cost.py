@@ -91,12 +91,6 @@ class Composer:
             self._shares[key] = OptimizerShare(self.ctx, prof, cfg)
         return self._shares[key]
 
-    def optimizer(self, prof: Profiles, cfg: Configuration) -> tuple[Any, np.ndarray, bool]:
-        """The optimizer's bytes (``memtrain.optim.optimizer_memory``), which blocks' gradients leave the device
-        as they land, and whether the head's and embeddings' do: ``share``'s, as a tuple (planner/reasons.py)."""
-        share = self.share(prof, cfg)
-        return share.memory, share.block_leaves, share.other_leaves
-
     def profile(self, optimizer: str, pure_bf16: bool = False) -> Profiles:
         """The profiles of the device weights' dtype: bf16 with an offloaded fp32 master, or pure bf16."""
         return self.profiles[weights_profile(optimizer, pure_bf16)]

@@ -96,7 +96,7 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
     tokens = composer.ctx.global_batch * composer.ctx.seq_len
     for k in table.order[fits[table.order]][:_HINT_TRIES]:
         s = table.settings(int(k))
-        peak = estimate(composer.ctx, composer.profile(s.optimizer, True), s)[0] + correction_bytes
+        peak = estimate(composer.ctx, composer.profile_of(s), s)[0] + correction_bytes
         if usable is None or peak <= usable:
             seconds = float(table.seconds[k])
             return PureBF16Hint(s, peak, float(table.host[k]), seconds, tokens / seconds)

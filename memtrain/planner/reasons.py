@@ -26,6 +26,7 @@ from memtrain.planner.cost import (
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
+from memtrain.techniques import planned_setup
 from memtrain.techniques.optimizer.cost import LEAN_MARGIN
 
 
@@ -297,12 +298,13 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
     fits = (f"budget={_size_up(math.ceil(peak / (1 - margin)))} holds that set-up's peak with the "
             f"{100 * margin:.0f}% margin")
     hints = [f"a larger budget ({fits})"]
-    prof = composer.profile(s.optimizer, s.pure_bf16)
+    prof = composer.profile_of(s)
     shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
     weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
-    memory = composer.optimizer(prof, configuration_of(s))[0]  # its moments' precision, its gradients' life
+    memory = composer.share(prof, configuration_of(s)).memory  # its moments' precision, its gradients' life
     state = weights + (memory.device_state_bytes + memory.device_gradient_peak_bytes) / shards
-    if ctx.device == "cuda" and not s.pure_bf16:  # pure bf16 (only where asked for) does not run under FSDP2
+    # Pure bf16 (only where asked for) does not run under FSDP2.
+    if ctx.device == "cuda" and not techniques.pure_bf16.PURE_BF16_FSDP.refuses(planned_setup(s).with_(fsdp=True)):
         # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
         full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
         room = usable - (peak - state) - 2 * gathered_block_bytes(ctx, prof)

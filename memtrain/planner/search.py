@@ -76,6 +76,7 @@ from memtrain.planner.tracing import build_profiles, step_batch
 from memtrain.quantize import weight_count
 from memtrain.report import format_bytes
 from memtrain.techniques import refuses
+from memtrain.techniques.optimizer.cost import profile_key, space_profiles
 
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
@@ -213,8 +214,7 @@ def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable,
         space.placements = []  # nothing to search
         return composer
     profiles: dict[Any, Profiles] = {}
-    weights = ([None] if not space.pure_bf16 else []) + (
-        ["bf16"] if "offload-bf16-weights" in space.placements or space.pure_bf16 else [])
+    weights = space_profiles(space)
     for i, dtype in enumerate(weights, 1):
         PROGRESS.info(f"plan: tracing a step of each kind of block at micro-batches 1 and 2 ({dtype or 'fp32'} "
                       f"weights on the device, {i} of {len(weights)})")
@@ -265,12 +265,8 @@ def _constraints(ctx: Problem, choices: Choices, allowed: set[str], settings: Pl
     if settings is None:
         fixed, can_use, notes = Fixed.of_choices(choices, n_blocks=len(ctx.block_names), device=ctx.device)
         allowed = allowed & can_use
-    if keep_optimizer is not None:
-        k = keep_optimizer
-        fixed = dataclasses.replace(fixed, optimizer=k.optimizer, state_precision=k.state_precision,
-                                    step_in_backward=k.step_in_backward, offload_fraction=k.offload_fraction,
-                                    pure_bf16=True if k.pure_bf16 else None,  # bf16 weights have no master
-                                    offload_weights=k.offload_weights, optimizer_class=k.optimizer_class)
+    if keep_optimizer is not None:  # what its state depends on, each technique's part (Technique.kept)
+        fixed = dataclasses.replace(fixed, **{k: v for t in techniques.REGISTRY for k, v in t.kept(keep_optimizer).items()})
     return fixed, allowed, notes
 
 
@@ -444,10 +440,9 @@ def composer_for(ctx: Problem, given: Sequence[PlanSettings]) -> Composer:
     flavors = sorted({s.flavor for s in given if "recompute" in s.blocks})
     offload = any("offload" in s.blocks for s in given)
     profiles: dict[Any, Profiles] = {}
-    if any(s.optimizer != "offload-bf16-weights" and not s.pure_bf16 for s in given):
-        profiles[None] = build_profiles(ctx, flavors, offload, None)
-    if any(s.optimizer == "offload-bf16-weights" or s.pure_bf16 for s in given):
-        profiles["bf16"] = build_profiles(ctx, flavors, offload, "bf16")
+    for dtype in (None, "bf16"):  # the device weights' dtypes of the set-ups (optimizer.cost.profile_key)
+        if any(profile_key(s) == dtype for s in given):
+            profiles[dtype] = build_profiles(ctx, flavors, offload, dtype)
     return Composer(ctx, profiles)
 
 
@@ -570,7 +565,7 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
             continue
         s = results.settings(k)
         PROGRESS.info(f"plan: a full estimate of the fastest candidate left ({_setup_line(s)})")
-        peak, t = estimate_of(ctx, composer.profile(s.optimizer, s.pure_bf16), s)
+        peak, t = estimate_of(ctx, composer.profile_of(s), s)
         verified[k] = peak + correction_bytes, t
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
         if usable is None or verified[k][0] <= usable:

@@ -82,6 +82,10 @@ class PureBF16Technique(Technique):
         """No line of its own: its words are the optimizer's (pure bf16 AdamW, as asked)."""
         return []
 
+    def kept(self, kept: Any) -> dict[str, Any]:
+        """Bf16 weights with no master stay so (an fp32 run's plan may still weigh them for its hint: None)."""
+        return {"pure_bf16": True if kept.pure_bf16 else None}
+
     def planned_setup(self, record: Any) -> dict[str, Any]:
         return {"pure_bf16": record.pure_bf16}
 

@@ -94,6 +94,11 @@ class Technique:
         planner's full estimate of it (``block_names``: the model's blocks, in the plan's order)."""
         return {}
 
+    def kept(self, kept: Any) -> dict[str, Any]:
+        """What a plan must keep of its setting where a run's optimizer state exists already (``kept``: the
+        ``PlanSettings`` it was built for), as ``Fixed`` fields: what the state's layout depends on."""
+        return {}
+
     def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
         """Where ``choices`` (a run's ``Choices``; None fields: the run's own) ask for another setting of it than
         ``kept`` (the ``PlanSettings`` of a run whose optimizer state exists already: a resume, a re-plan) holds,

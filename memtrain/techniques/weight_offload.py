@@ -188,6 +188,10 @@ class WeightOffloadTechnique(Technique):
             space.placements = [p for p in space.placements if not OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER.refuses(
                 SetUp(offload_weights=True, placement=p))] or ["offload"]
 
+    def kept(self, kept: Any) -> dict[str, Any]:
+        """Streamed weights stay streamed, and weights on the device stay there (the state holds them so)."""
+        return {"offload_weights": kept.offload_weights}
+
     def planned_setup(self, record: Any) -> dict[str, Any]:
         return {"offload_weights": record.offload_weights}
 

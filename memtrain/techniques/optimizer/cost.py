@@ -62,6 +62,13 @@ def weights_profile(placement: str, pure_bf16: bool) -> str | None:
     return "bf16" if placement == "offload-bf16-weights" or pure_bf16 else None
 
 
+def space_profiles(space: Any) -> list[str | None]:
+    """The profiles the search's ``space`` reads (``weights_profile``): the model's own dtype unless only pure bf16
+    set-ups are searched, and bf16 where a placement keeps bf16 device weights or pure bf16 trains them."""
+    return ([None] if not space.pure_bf16 else []) + (
+        ["bf16"] if "offload-bf16-weights" in space.placements or space.pure_bf16 else [])
+
+
 def profile_key(cfg: Any) -> str | None:
     """``weights_profile`` of a configuration (or ``PlanSettings``)."""
     return weights_profile(cfg.optimizer, cfg.pure_bf16)

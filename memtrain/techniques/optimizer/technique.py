@@ -235,6 +235,12 @@ class OptimizerTechnique(Technique):
         state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
         return f"{o.named.text} {where}, {state}" + (", step in backward" if o.step_in_backward else "")
 
+    def kept(self, kept: Any) -> dict[str, Any]:
+        """The placement, moments, step, offloaded share and class the state was built with."""
+        return {"optimizer": kept.optimizer, "state_precision": kept.state_precision,
+                "step_in_backward": kept.step_in_backward, "offload_fraction": kept.offload_fraction,
+                "optimizer_class": kept.optimizer_class}
+
     def planned_setup(self, record: Any) -> dict[str, Any]:
         """The placement, moments, step and class; a share offloaded only where it is one (0 and out of [0, 1]: none,
         the latter named by ``settings_problems``)."""
