@@ -106,7 +106,8 @@ class Choices:
         ConfigError.raise_if(problems_ + problems(self.setup(**good), CHOICE_TERMS))
 
     def setup(self, **run: Any) -> SetUp:
-        """These choices as the rules read them, with what the run adds (``processes``, ``fsdp``, ``precision``)."""
+        """These choices as the rules read them, with what the run adds (``processes``, ``fsdp``, ``precision``)
+        and the model's facts where a site knows them (``chunkable``, ``has_blocks``)."""
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "optimizer"}
         return self.optimizer.setup().with_(**{**own, **run})
 

@@ -81,7 +81,7 @@ def test_composed_peaks_match_full_estimates_of_mixed_set_ups():
         o = rng.randint(0, 5) if rng.random() < 0.5 else 0
         r = rng.randint(0, 5 - o)
         composed = composer.rows(cfg, o, np.array([r]))[0][0]
-        settings = cfg.settings(5, o, r)
+        settings = cfg.assigned(5, o, r)
         estimated, _ = estimate_of(ctx, composer.profile(cfg.optimizer), settings)
         errors.append((composed / estimated - 1, settings.checkpointing, cfg))
     worst = max(errors, key=lambda e: abs(e[0]))
@@ -106,7 +106,7 @@ def test_composed_peaks_with_accumulation_and_the_chunked_loss_match_the_full_es
                             distribution="none", compile=False, precision="bf16-mixed", state_precision="fp32",
                             step_in_backward=False, offload_fraction=0.0)
         composed = composer.rows(cfg, 0, np.array([0]))[0][0]
-        estimated, _ = estimate_of(ctx, composer.profile(placement), cfg.settings(5, 0, 0))
+        estimated, _ = estimate_of(ctx, composer.profile(placement), cfg.assigned(5, 0, 0))
         assert abs(composed / estimated - 1) <= 0.01, (placement, composed / MiB, estimated / MiB)
 
 

@@ -71,7 +71,7 @@ CHOICES = {
     "named-optimizer-own-state": lambda: OptimizerChoice(name="adafactor", state_precision="bf16"),
     # a run's choices with what its model lacks (train on a model without blocks asks this: tests/test_train.py)
     "offload-weights-blocks": lambda: ConfigError.raise_if(
-        techniques.problems(Choices(offload_weights=True).setup(blocks=False))),
+        techniques.problems(Choices(offload_weights=True).setup(has_blocks=False))),
 }
 
 

@@ -353,3 +353,37 @@ def test_a_plans_record_reads_as_the_rules_set_up_through_each_technique():
                                            state_precision="x"), 1, 1, True, 1, True, "bf16-mixed")
     assert list(info.value.problems[:2]) == ["state_precision='x' is not one of fp32, bf16, int8.",
                                        "offload_fraction=1.5: a share in [0, 1] of a device optimizer's state."]
+
+
+def test_the_searchs_order_is_the_optimizer_then_compile_loss_micro_batch_and_flavor():
+    """The candidates are composed (and tie-ranked) in the old loops' order: the optimizer outermost, the flavor
+    innermost (techniques.SEARCH_ORDER); the registry's order would put the flavor first."""
+    from memtrain.planner.search import _configurations, _SearchRun, _SearchSpace
+    from memtrain.planner.settings import Fixed
+
+    space = _SearchSpace(flavors=["full", "selective"], offload_blocks=False, placements=["device", "offload"],
+                         states=["fp32"], distributions=["none"], losses=[False, True], weights=[False])
+    run = _SearchRun(micros=[1, 2], per_rank=2, compile=False, allowed=frozenset({"step-in-backward"}), cuda=True,
+                     precision="bf16-mixed")
+    found = [(c.optimizer, c.step_in_backward, c.chunked_loss, c.micro_batch_size, c.flavor)
+             for c in _configurations(space, Fixed(), run, 1)]
+    assert found == [(placement, sib, loss, b, flavor)
+                     for placement, sib in (("device", False), ("device", True), ("offload", False))
+                     for loss in (False, True) for b in (1, 2) for flavor in ("full", "selective")
+                     if not (sib and b == 1)]  # a step in backward with accumulation saves nothing
+
+
+def test_the_choices_switches_are_read_from_their_fields():
+    from memtrain.choices import ON_OFF, SWITCHES
+
+    assert SWITCHES == ("offload_activations", "chunked_loss", "offload_weights")  # True, False or None
+    assert ON_OFF == ("compile", "pure_bf16")  # True or False
+
+
+def test_a_plans_words_are_each_techniques_own():
+    from memtrain.planner import PlanSettings
+
+    s = PlanSettings(micro_batch_size=1, accumulation=1, blocks=("recompute", "keep", "offload"), flavor="selective",
+                     distribution="none", chunked_loss=True, offload_fraction=0.25, state_precision="bf16")
+    assert (s.checkpointing, s.loss_text, s.optimizer_text) == (
+        "1 recompute selective, 1 offload, 1 keep of 3", "chunked", "25% offloaded, bf16 moments")

@@ -488,7 +488,7 @@ class CandidateTable:
     def settings(self, k: int) -> PlanSettings:
         if k in self.explicit:
             return self.explicit[k]
-        return self.configs[int(self.config[k])].settings(self.n_blocks, int(self.offload[k]), int(self.recompute[k]))
+        return self.configs[int(self.config[k])].assigned(self.n_blocks, int(self.offload[k]), int(self.recompute[k]))
 
     def column(self, name: str) -> np.ndarray:
         """A field of each row's configuration, e.g. "optimizer"."""

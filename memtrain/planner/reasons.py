@@ -26,7 +26,6 @@ from memtrain.planner.cost import (
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
-from memtrain.techniques import planned_setup
 from memtrain.techniques.optimizer.cost import LEAN_MARGIN
 
 
@@ -59,7 +58,7 @@ def _family_codes(results: CandidateTable) -> np.ndarray:
     optimizer, the micro-batch, the distribution and compile. From the table's columns: the 70B's table has
     millions of rows, too many to build each one's settings."""
     n, ids = results.n_blocks, {}
-    first = [c.settings(n, 0, 0) for c in results.configs]  # the family's fields but the blocks' are the config's
+    first = [c.assigned(n, 0, 0) for c in results.configs]  # the family's fields but the blocks' are the config's
     rest = [(s.loss_text, s.optimizer_text, s.micro_batch_size, s.distribution, s.compile) for s in first]
     flavored = np.array([ids.setdefault((s.flavor, *r), len(ids)) for s, r in zip(first, rest, strict=True)])
     plain = np.array([ids.setdefault(("-", *r), len(ids)) for r in rest])
@@ -303,8 +302,7 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
     weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
     memory = composer.share(prof, configuration_of(s)).memory  # its moments' precision, its gradients' life
     state = weights + (memory.device_state_bytes + memory.device_gradient_peak_bytes) / shards
-    # Pure bf16 (only where asked for) does not run under FSDP2.
-    if ctx.device == "cuda" and not techniques.pure_bf16.PURE_BF16_FSDP.refuses(planned_setup(s).with_(fsdp=True)):
+    if ctx.device == "cuda" and techniques.pure_bf16.fsdp2_shards(s):
         # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
         full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
         room = usable - (peak - state) - 2 * gathered_block_bytes(ctx, prof)

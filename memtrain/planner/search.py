@@ -387,6 +387,8 @@ def _configurations(space: _SearchSpace, fixed: Fixed, run: _SearchRun, world: i
     ``techniques.SEARCH_ORDER``), less what a rule refuses and what a technique skips (``Technique.skips``)."""
     ordered = techniques.SEARCH_ORDER
     axes = [technique.axis(space, fixed, run) for technique in ordered]
+    keys = [k for axis in axes for k in (axis[0] if axis else {})]
+    assert len(keys) == len(set(keys)), f"two techniques' axes give one field: {keys}"
     out = []
     for values in itertools.product(*axes):
         cfg = Configuration(precision=run.precision, **{k: v for part in values for k, v in part.items()})

@@ -51,7 +51,9 @@ class Configuration:
     # search's tables are compared by it): memtrain's AdamW for every configuration of a plan but a named class's.
     optimizer_class: NamedOptimizer = dataclasses.field(default=NamedOptimizer(), repr=False)
 
-    def settings(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
+    def assigned(self, n_blocks: int, offload: int, recompute: int) -> PlanSettings:
+        """This set-up over ``n_blocks`` blocks, the first ``offload`` offloaded, the next ``recompute``
+        recomputed, the rest kept (``_assignment``)."""
         return self.with_blocks(_assignment(n_blocks, offload, recompute))
 
     def with_blocks(self, blocks: tuple[BlockKind, ...]) -> PlanSettings:
@@ -74,17 +76,17 @@ class PlanSettings(Configuration):
     def optimizer_text(self) -> str:
         """The optimizer in words, e.g. "device, int8 moments, step in backward" (the optimizer's, with the
         techniques that change what it keeps: pure bf16, streamed weights)."""
-        return techniques.optimizer.TECHNIQUE.settings_text(self)
+        return techniques.optimizer.TECHNIQUE.planned_text(self)
 
     @property
     def loss_text(self) -> str:
         """The loss in one word: "chunked" (1024 tokens of logits at a time) or "whole"."""
-        return techniques.chunked_loss.TECHNIQUE.settings_text(self)
+        return techniques.chunked_loss.TECHNIQUE.planned_text(self)
 
     @property
     def checkpointing(self) -> str:
         """A short name: none, all, selective, all+offload-inputs, or counts per kind."""
-        return techniques.checkpointing.TECHNIQUE.settings_text(self)
+        return techniques.checkpointing.TECHNIQUE.planned_text(self)
 
     def policies(self, names: Sequence[str]) -> dict[str, BlockKind]:
         """``apply_checkpointing(policies=)`` for the block names (in order)."""
@@ -369,4 +371,6 @@ TECHNIQUES = techniques.SEARCH  # the names plan(techniques=) takes: every techn
 
 
 def configuration_of(s: PlanSettings) -> Configuration:
+    """A plan's set-up less its blocks: the key the composer's caches share across layouts (a PlanSettings
+    compares and hashes with its blocks)."""
     return Configuration(**{f.name: getattr(s, f.name) for f in dataclasses.fields(Configuration)})

@@ -243,7 +243,7 @@ def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: 
     micro = micro or per_rank
     choices = config.choices
     # The rules with what this model lacks: no blocks (parameter offload streams them), a loss that cannot chunk.
-    ConfigError.raise_if(techniques.problems(choices.setup(blocks=False, chunkable=supports_chunked_loss(model))))
+    ConfigError.raise_if(techniques.problems(choices.setup(has_blocks=False, chunkable=supports_chunked_loss(model))))
     # Nothing per block to plan: the policy is moot (whatever it says, no block to apply it to).
     fixed, _, _ = Fixed.of_choices(dataclasses.replace(choices, checkpointing=None), n_blocks=0, device="cuda")
     settings = fixed.settings(micro_batch_size=micro, accumulation=per_rank // micro, blocks=(), flavor="full",

@@ -76,7 +76,7 @@ def planned_options(settings: Any, block_names: Sequence[str]) -> dict[str, Any]
     options: dict[str, Any] = {}
     for technique in REGISTRY:
         own = technique.planned_options(settings, block_names)
-        assert not own.keys() & options.keys(), f"{technique} gives {sorted(own.keys() & options.keys())} again"
+        assert not own.keys() & options.keys(), f"{technique.name} gives {sorted(own.keys() & options.keys())} again"
         options.update(own)
     return options
 
@@ -93,5 +93,5 @@ def left_open(fixed: Any) -> list[str]:
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
-__all__ = ["REGISTRY", "RULES", "SEARCH", "SEARCH_ORDER", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms", "fixed_shares",
-           "left_open", "planned_options", "planned_setup", "problems", "refuses"]
+__all__ = ["REGISTRY", "RULES", "SEARCH", "SEARCH_ORDER", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms",
+           "fixed_shares", "left_open", "planned_options", "planned_setup", "problems", "refuses"]

@@ -28,7 +28,6 @@ class AccumulationTechnique(Technique):
         return [f"micro-batch {s.micro_batch_size} x {s.accumulation} accumulation = {view.per_rank} examples per rank "
                 "per step" + (f", because: {other}" if other else "")]
 
-
     def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
         """Each micro-batch size the search tries, with the micro-batches per step that make the rank's examples."""
         return [{"micro_batch_size": b, "accumulation": run.per_rank // b} for b in run.micros]

@@ -133,9 +133,10 @@ class CheckpointingTechnique(Technique):
             space.flavors = [fixed.flavor]
 
     def setup_text(self, setup: Any) -> str:
+        """The policy (estimate's set-up always has one: its ``checkpointing=`` argument's where unset)."""
         return f"checkpointing {setup.checkpointing}"
 
-    def settings_text(self, settings: Any) -> str:
+    def planned_text(self, settings: Any) -> str:
         """The blocks' kinds in short: none, all, selective, all+offload-inputs, or counts per kind."""
         blocks, n = settings.blocks, len(settings.blocks)
         counts = {kind: blocks.count(kind) for kind in ("keep", "recompute", "offload")}
@@ -166,7 +167,6 @@ class CheckpointingTechnique(Technique):
             f"checkpointing={checkpointing!r} and setup.checkpointing={str(setup.checkpointing)!r} are two different "
             "policies for one step. To resolve this error, pass one of them."]
 
-
     def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
         """Each block's kind (recompute, offload, keep), the recomputed ones in the plan's flavor."""
         options: dict[str, Any] = {"policies": settings.policies(block_names)}
@@ -175,5 +175,6 @@ class CheckpointingTechnique(Technique):
         if settings.flavor == "offload-inputs" and "recompute" in settings.blocks:
             options["offload"] = True
         return {"checkpointing": options}
+
 
 TECHNIQUE = CheckpointingTechnique()

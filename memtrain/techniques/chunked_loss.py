@@ -84,7 +84,7 @@ class ChunkedLossTechnique(Technique):
     def setup_text(self, setup: Any) -> str:
         return "a chunked loss" if setup.chunked_loss else ""
 
-    def settings_text(self, settings: Any) -> str:
+    def planned_text(self, settings: Any) -> str:
         """The loss in one word: "chunked" (1024 tokens of logits at a time) or "whole"."""
         return "chunked" if settings.chunked_loss else "whole"
 
@@ -95,9 +95,9 @@ class ChunkedLossTechnique(Technique):
         """The loss chunked where asked for (None: whole)."""
         return {"chunked_loss": bool(setup.chunked_loss)}, []
 
-
     def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
         """The loss chunked or whole, as planned."""
         return {"chunked_loss": settings.chunked_loss}
+
 
 TECHNIQUE = ChunkedLossTechnique()

@@ -32,7 +32,6 @@ class DistributionTechnique(Technique):
         space.distributions = ["none"] if problem.world == 1 else (
             ["fsdp2"] if problem.fsdp else ["ddp"] if problem.fsdp is False else ["ddp", "fsdp2"])
 
-
     def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
         return [{"distribution": distribution} for distribution in space.distributions]
 

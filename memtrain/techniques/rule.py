@@ -41,7 +41,8 @@ class SetUp:
     processes: the ranks of the run; fsdp: FSDP2 shards it.
     chunked_loss: the loss chunked (True) or whole (False).
     chunkable: a fact of the model where a site knows it: whether ``memtrain.loss`` can chunk its loss.
-    blocks: a fact of the model where a site knows it: whether it has repeated blocks (``find_blocks`` found some).
+    has_blocks: a fact of the model where a site knows it: whether it has repeated blocks (``find_blocks`` found
+        some).
     """
 
     placement: str | None = None
@@ -59,7 +60,7 @@ class SetUp:
     fsdp: bool | None = None
     chunked_loss: bool | None = None
     chunkable: bool | None = None
-    blocks: bool | None = None
+    has_blocks: bool | None = None
 
     @property
     def several_processes(self) -> bool:

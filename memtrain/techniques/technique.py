@@ -67,7 +67,7 @@ class Technique:
         what it takes."""
         return []
 
-    def settings_text(self, settings: Any) -> str:
+    def planned_text(self, settings: Any) -> str:
         """Its part of a plan's one set-up ``settings`` (a ``PlanSettings``) in a few words, for the summary's
         columns ("" where it has none)."""
         return ""

@@ -128,8 +128,8 @@ OFFLOAD_WEIGHTS_BLOCKS = Rule(
     "parameter offload streams the model's repeated blocks one at a time, and auto found none in this model (no "
     "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules).",
     "drop {first}",
-    ("offload_weights", "blocks"),
-    lambda s: bool(s.offload_weights) and s.blocks is False)
+    ("offload_weights", "has_blocks"),
+    lambda s: bool(s.offload_weights) and s.has_blocks is False)
 
 
 class WeightOffloadTechnique(Technique):

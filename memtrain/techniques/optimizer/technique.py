@@ -280,7 +280,7 @@ class OptimizerTechnique(Technique):
         offloaded, its offloaded share on the device."""
         return 1.0 if settings.optimizer != "device" else settings.offload_fraction
 
-    def settings_text(self, settings: Any) -> str:
+    def planned_text(self, settings: Any) -> str:
         """The optimizer in words, e.g. "device, int8 moments, step in backward": its placement (or its offloaded
         share), its class where not AdamW, its moments and step, and what pure bf16 and streamed weights change of
         what it keeps."""
