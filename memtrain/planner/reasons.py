@@ -30,7 +30,7 @@ from memtrain.techniques.optimizer.cost import LEAN_MARGIN
 
 
 def _compared(ratio: float, lean: bool) -> str:
-    """``_slower``, or for lean moments the search passed over by its margin (``cost.LEAN_MARGIN``) how little
+    """``_slower``, or for lean moments the search passed over by its margin (``techniques.optimizer.cost.LEAN_MARGIN``) how little
     faster they are."""
     if lean and ratio <= 0.999:
         return f"{100 * (1 - ratio):.1f}% faster, less than the {100 * LEAN_MARGIN:.0f}% that changing the " \
