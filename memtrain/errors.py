@@ -6,7 +6,10 @@ problem found in one configuration and raises once, so a user fixes them all in 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class MemtrainError(Exception):
@@ -36,6 +39,16 @@ class ConfigError(MemtrainError, ValueError):
             lines = "\n".join(f"  - {p}" for p in self.problems)
             message = f"{len(self.problems)} problems in the configuration:\n{lines}"
         super().__init__(message)
+
+    @staticmethod
+    def gathered(problems: list[str], check: Callable[[], T]) -> T | None:
+        """``check()``'s value; or None, with its ConfigError's problems added to ``problems``: several checks'
+        problems gathered, to be raised at once (``raise_if``)."""
+        try:
+            return check()
+        except ConfigError as e:
+            problems += e.problems
+            return None
 
     @classmethod
     def raise_if(cls, problems: Iterable[str]) -> None:

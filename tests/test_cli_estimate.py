@@ -165,3 +165,17 @@ def test_the_estimate_header_names_streamed_weights_and_their_offloaded_optimize
     assert main(["estimate", "--model", "gpt-tiny", "--micro-batch-size", "2", "--offload-weights"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert "AdamW offloaded" in header and "the blocks' weights streamed from host RAM" in header, header
+
+
+def test_estimate_names_every_problem_of_its_flags_at_once(tmp_path, capsys):
+    """A sequence the model cannot take with a contradiction between the technique flags, or with one between them
+    and the precision: one error naming both (each used to stop the command alone)."""
+    tiny_llama_config(vocab_size=512, max_position_embeddings=128).save_pretrained(tmp_path / "cfg")
+    path = str(tmp_path / "cfg" / "config.json")
+    long = ["estimate", "--hf-config", path, "--seq-len", "1000"]
+    assert main([*long, "--pure-bf16", "--precision", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "--precision 'bf16-mixed'" in err and "--seq-len 128 or less" in err, err
+    assert main([*long, "--no-offload-optimizer", "--offload-optimizer-fraction", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "0.5 contradict" in err and "--seq-len 128 or less" in err, err

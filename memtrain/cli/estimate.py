@@ -22,9 +22,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise ConfigError("--checkpointing auto asks the planner to choose, and memtrain estimate predicts one given "
                           "set-up. To resolve this error, run memtrain plan --budget SIZE (it estimates its choice), "
                           "or pass a policy such as all, every:2 or none.")
-    setup = choices_from_flags(args)
-    ConfigError.raise_if([*lora_flag_problems(args), *setup.precision_problems(args.precision, auto=False)])
-    target, seq_len, name = meta_target(args)
+    problems = list(lora_flag_problems(args))  # every problem of the flags at once
+    setup = ConfigError.gathered(problems, lambda: choices_from_flags(args))
+    problems += setup.precision_problems(args.precision, auto=False) if setup is not None else []
+    target = ConfigError.gathered(problems, lambda: meta_target(args))
+    ConfigError.raise_if(problems)
+    target, seq_len, name = target
     setup = chunked_loss.with_unset_default(setup, supports_chunked_loss(target))
     report = estimate(target, meta_batch(args, args.micro_batch_size, seq_len), device=args.device,
                       precision=args.precision, setup=setup)

@@ -232,15 +232,6 @@ def _check_a_block_fits(ctx: Problem, budget_bytes: int | None) -> None:
                           "pass a larger budget (e.g. the GPU's memory), or shard the model over more GPUs (FSDP2).")
 
 
-def _collected(problems: list[str], check: Callable[[], Any]) -> Any:
-    """``check()``'s value; or None, with its ConfigError's problems added to ``problems``."""
-    try:
-        return check()
-    except ConfigError as e:
-        problems += e.problems
-        return None
-
-
 def _checked_arguments(arguments: dict[str, Any], choices: Any,
                        fsdp: bool | None) -> tuple[tuple[int | None, int | None, set[str], int], Choices, list[str]]:
     """``plan``'s arguments checked (``check_plan_arguments``: the budgets in bytes, the techniques allowed, the
@@ -248,10 +239,10 @@ def _checked_arguments(arguments: dict[str, Any], choices: Any,
     problem known before tracing at once). Raises them at once where the arguments are wrong: the model is not
     built from those."""
     problems: list[str] = []
-    checked = _collected(problems, lambda: check_plan_arguments(**arguments))
+    checked = ConfigError.gathered(problems, lambda: check_plan_arguments(**arguments))
     world = arguments["world_size"]
-    choices = _collected(problems, lambda: check_choices(choices, world_size=world if isinstance(world, int) else 1,
-                                                         fsdp=fsdp)) or Choices()
+    choices = ConfigError.gathered(problems, lambda: check_choices(
+        choices, world_size=world if isinstance(world, int) else 1, fsdp=fsdp)) or Choices()
     if checked is None:
         raise ConfigError(problems)
     return checked, choices, problems
@@ -276,14 +267,14 @@ def _model_problems(ctx: Problem, budget_bytes: int | None, fixed: Fixed, settin
     it cannot take, a sequence longer than its positions."""
     problems: list[str] = []
     n_blocks, cuda, spec = len(ctx.block_names), ctx.device == "cuda", batch_spec(step_batch(ctx, 1), None, None, [])
-    _collected(problems, lambda: _check_a_block_fits(ctx, budget_bytes))
+    ConfigError.gathered(problems, lambda: _check_a_block_fits(ctx, budget_bytes))
     if fixed != Fixed():
-        _collected(problems, lambda: check_fixed(fixed, n_blocks, cuda, ctx.chunkable, ctx.precision))
+        ConfigError.gathered(problems, lambda: check_fixed(fixed, n_blocks, cuda, ctx.chunkable, ctx.precision))
     if settings is not None:
-        _collected(problems, lambda: check_settings(settings, n_blocks, per_rank, cuda, ctx.world, ctx.chunkable,
-                                                    ctx.precision))
+        ConfigError.gathered(problems, lambda: check_settings(settings, n_blocks, per_rank, cuda, ctx.world,
+                                                              ctx.chunkable, ctx.precision))
     if spec is not None:
-        _collected(problems, lambda: check_against_model(ctx.model, spec, False))
+        ConfigError.gathered(problems, lambda: check_against_model(ctx.model, spec, False))
     return problems
 
 
