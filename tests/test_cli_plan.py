@@ -273,3 +273,12 @@ def test_a_plan_shows_its_progress_on_stderr_unless_json_or_no_progress(capsys):
     for quiet in (["--json"], ["--no-progress"]):
         assert main([*argv, *quiet]) == 0
         assert "plan: " not in capsys.readouterr().err, quiet
+
+
+def test_plan_names_every_problem_of_its_flags_at_once(tmp_path, capsys):
+    """A contradiction between the technique flags and a sequence the model cannot take: one error naming both."""
+    tiny_llama_config(vocab_size=512, max_position_embeddings=128).save_pretrained(tmp_path / "cfg")
+    assert main(["plan", "--hf-config", str(tmp_path / "cfg" / "config.json"), "--seq-len", "1000",
+                 "--no-offload-optimizer", "--offload-optimizer-fraction", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "0.5 contradict" in err and "--seq-len 128 or less" in err, err

@@ -17,15 +17,18 @@ from memtrain.planner.search import PROGRESS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    # memtrain plan's --compile fixes nothing: it lets the search weigh compiled set-ups too (plan(compile=)).
-    choices = dataclasses.replace(choices_from_flags(args), compile=False)
     precision_reason = None  # --precision given: the plan says "(requested)"
     if args.precision is None:
         args.precision = PLAN_PRECISION
         precision_reason = (f"{PLAN_PRECISION}, because: memtrain plan's default (a GPU's bf16 autocast; memtrain "
                             "train picks fp32 on a CPU); pass --precision fp32 or fp16-mixed to plan another")
-    ConfigError.raise_if(lora_flag_problems(args))
-    target, seq_len, name = meta_target(args)
+    problems = list(lora_flag_problems(args))  # every problem of the flags at once
+    choices = ConfigError.gathered(problems, lambda: choices_from_flags(args))
+    target = ConfigError.gathered(problems, lambda: meta_target(args))
+    ConfigError.raise_if(problems)
+    target, seq_len, name = target
+    # memtrain plan's --compile fixes nothing: it lets the search weigh compiled set-ups too (plan(compile=)).
+    choices = dataclasses.replace(choices, compile=False)
     # A 4-bit base cannot be sharded (quantize_flag_problems): with --nproc N only DDP is planned for QLoRA.
     # On the CPU the planner always probes; --calibrate probes a GPU now instead of the table of known ones.
     if args.gpu and (args.calibrate or args.device != "cuda"):
