@@ -140,13 +140,13 @@ def test_the_search_never_plans_a_step_in_backward_that_fp16_refuses():
 
     def space(states):
         return _SearchSpace(flavors=[], offload_blocks=False, placements=["device"], states=states,
-                            distributions=["none"], losses=[False], weights=[False])
+                            in_backward=[False, True], distributions=["none"], losses=[False], weights=[False])
 
-    run = _SearchRun(micros=[1], per_rank=1, compile=False, allowed=frozenset({"step-in-backward"}), cuda=True,
-                     precision="fp16-mixed")
-    searched = _configurations(space(["fp32"]), Fixed(optimizer_class=NamedOptimizer.of("adafactor")), run, 1)
+    run = _SearchRun(micros=[1], per_rank=1)
+    adafactor = Fixed(optimizer_class=NamedOptimizer.of("adafactor"))
+    searched = _configurations(space(["fp32"]), adafactor, run, 1, "fp16-mixed")
     assert searched and not any(c.step_in_backward for c in searched), searched
-    adamw = _configurations(space(["fp32", "bf16"]), Fixed(), run, 1)
+    adamw = _configurations(space(["fp32", "bf16"]), Fixed(), run, 1, "fp16-mixed")
     assert {(c.state_precision, c.step_in_backward) for c in adamw} == {("fp32", False), ("fp32", True),
                                                                        ("bf16", False)}
     with torch.device("meta"):

@@ -151,7 +151,7 @@ def _space(problem: SimpleNamespace, fixed, order=None):
 
 
 CUDA = SimpleNamespace(cuda=True, precision="bf16-mixed", world=2, fsdp=None, chunkable=True, blocks_all_train=True,
-                       int8=True)
+                       int8=True, compile=True)
 
 
 def test_the_search_space_is_each_techniques_candidates_narrowed_by_its_fixed_choices():
@@ -161,15 +161,19 @@ def test_the_search_space_is_each_techniques_candidates_narrowed_by_its_fixed_ch
     assert whole == {"flavors": ["full", "selective", "offload-inputs"], "offload_blocks": True,
                      "placements": ["device", "offload", "offload-bf16-weights"], "states": ["fp32", "bf16", "int8"],
                      "distributions": ["ddp", "fsdp2"], "losses": [False, True], "weights": [False, True],
+                     "in_backward": [False, True], "fractions": [0.0, 0.25, 0.5, 0.75], "compiled": [False, True],
                      "pure_bf16": False}
     pure = _space(CUDA, Fixed(pure_bf16=True))  # no master: no bf16 device weights, int8 moments, FSDP2 or streaming
     assert (pure["placements"], pure["states"], pure["distributions"], pure["weights"], pure["pure_bf16"]) == (
         ["device", "offload"], ["fp32", "bf16"], ["ddp"], [False], True)
     streamed = _space(CUDA, Fixed(offload_weights=True))  # streamed weights are the offloaded optimizer's master
     assert streamed["placements"] == ["offload", "offload-bf16-weights"] and streamed["weights"] == [True]
-    cpu = _space(SimpleNamespace(**{**vars(CUDA), "cuda": False, "world": 1, "int8": False}), Fixed())
+    cpu = _space(SimpleNamespace(**{**vars(CUDA), "cuda": False, "world": 1, "int8": False, "compile": False}), Fixed())
     assert (cpu["flavors"], cpu["offload_blocks"], cpu["placements"], cpu["states"], cpu["weights"]) == (
         ["full", "selective"], False, ["device"], ["fp32", "bf16"], [False])
+    assert (cpu["fractions"], cpu["compiled"]) == ([0.0], [False])  # no partial offload on a CPU; eager
+    fixed = _space(CUDA, Fixed(step_in_backward=True, offload_fraction=0.0, compile=False))
+    assert (fixed["in_backward"], fixed["fractions"], fixed["compiled"]) == ([True], [0.0], [False])
 
 
 @pytest.mark.parametrize("fixed", [
@@ -293,10 +297,10 @@ def test_the_search_is_the_cross_product_of_each_techniques_axis(monkeypatch):
 
     assert sorted(t.name for t in techniques.SEARCH_ORDER) == sorted(t.name for t in techniques.REGISTRY)
     space = _SearchSpace(flavors=["full", "selective"], offload_blocks=False, placements=["device", "offload"],
-                         states=["fp32", "bf16"], distributions=["none"], losses=[False, True], weights=[False])
-    run = _SearchRun(micros=[1, 2], per_rank=2, compile=False, allowed=frozenset({"step-in-backward"}), cuda=True,
-                     precision="bf16-mixed")
-    found = _configurations(space, Fixed(), run, 1)
+                         states=["fp32", "bf16"], distributions=["none"], losses=[False, True], weights=[False],
+                         in_backward=[False, True])
+    run = _SearchRun(micros=[1, 2], per_rank=2)
+    found = _configurations(space, Fixed(), run, 1, "bf16-mixed")
     # the rules drop an offloaded optimizer stepping in backward; the optimizer skips a step in backward with
     # accumulation (it saves nothing)
     assert not any(c.optimizer == "offload" and c.step_in_backward for c in found)
@@ -315,7 +319,7 @@ def test_the_search_is_the_cross_product_of_each_techniques_axis(monkeypatch):
             return configuration.chunked_loss
 
     monkeypatch.setattr(techniques, "SEARCH_ORDER", (*techniques.SEARCH_ORDER, Eager()))
-    assert _configurations(space, Fixed(), run, 1) == [c for c in found if not c.chunked_loss]
+    assert _configurations(space, Fixed(), run, 1, "bf16-mixed") == [c for c in found if not c.chunked_loss]
 
 
 def test_a_setups_words_are_each_techniques_own():
@@ -362,11 +366,11 @@ def test_the_searchs_order_is_the_optimizer_then_compile_loss_micro_batch_and_fl
     from memtrain.planner.settings import Fixed
 
     space = _SearchSpace(flavors=["full", "selective"], offload_blocks=False, placements=["device", "offload"],
-                         states=["fp32"], distributions=["none"], losses=[False, True], weights=[False])
-    run = _SearchRun(micros=[1, 2], per_rank=2, compile=False, allowed=frozenset({"step-in-backward"}), cuda=True,
-                     precision="bf16-mixed")
+                         states=["fp32"], distributions=["none"], losses=[False, True], weights=[False],
+                         in_backward=[False, True])
+    run = _SearchRun(micros=[1, 2], per_rank=2)
     found = [(c.optimizer, c.step_in_backward, c.chunked_loss, c.micro_batch_size, c.flavor)
-             for c in _configurations(space, Fixed(), run, 1)]
+             for c in _configurations(space, Fixed(), run, 1, "bf16-mixed")]
     assert found == [(placement, sib, loss, b, flavor)
                      for placement, sib in (("device", False), ("device", True), ("offload", False))
                      for loss in (False, True) for b in (1, 2) for flavor in ("full", "selective")

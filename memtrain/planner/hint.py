@@ -57,7 +57,7 @@ class PureBF16Hint:
 
 
 def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Sequence[int], per_rank: int,
-                        compile: bool, allowed: set[str], host_limit: int | None, usable: int | None,
+                        host_limit: int | None, usable: int | None,
                         faster_than: float | None, correction_bytes: int, *, search: Callable[..., None],
                         estimate: Callable[..., tuple[float, Any]]) -> PureBF16Hint | None:
     """The fastest pure bf16 set-up that fits (and is ``HINT_MIN_GAIN`` faster than ``faster_than`` seconds a step,
@@ -69,19 +69,18 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
     """
     if fixed.pure_bf16 or "bf16" not in composer.profiles or not fixed.optimizer_class.is_adamw:
         return None
-    pure_space = dataclasses.replace(space, flavors=list(space.flavors), placements=list(space.placements),
-                                     states=list(space.states), distributions=list(space.distributions),
-                                     losses=list(space.losses), weights=list(space.weights))
-    pure_fixed = dataclasses.replace(fixed, pure_bf16=True)
+    pure_space = dataclasses.replace(space, **{f.name: list(getattr(space, f.name)) for f in dataclasses.fields(space)
+                                               if isinstance(getattr(space, f.name), list)})
+    # NOTE: no partial offloads for the hint (a quarter of the candidates to compose): the whole optimizer on the
+    # device or on the host, unless the run fixed its share.
+    share = {} if fixed.offload_fraction is not None else {"offload_fraction": 0.0}
+    pure_fixed = dataclasses.replace(fixed, pure_bf16=True, **share)
     for technique in techniques.REGISTRY:  # the space as a run that asks for pure bf16 would have it
         technique.narrow(pure_space, pure_fixed)
     if not (pure_space.placements and pure_space.states and pure_space.distributions):
         return None
     table = CandidateTable(len(composer.ctx.block_names))
-    # NOTE: no partial offloads for the hint (a quarter of the candidates to compose): the whole optimizer on the
-    # device or on the host.
-    narrow = fixed if fixed.offload_fraction is not None else dataclasses.replace(fixed, offload_fraction=0.0)
-    search(composer, table, pure_space, narrow, micros, per_rank, compile, allowed)
+    search(composer, table, pure_space, pure_fixed, micros, per_rank)
     if table.empty:
         return None
     table.finish()

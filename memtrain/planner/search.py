@@ -181,11 +181,11 @@ def _candidates(ctx: Problem, fixed: Fixed, allowed: set[str], settings: PlanSet
                 correction_bytes: int) -> tuple[Composer, CandidateTable, Callable[..., Any]]:
     """Every candidate of the search space (or ``settings`` alone) composed into one ranked table, each peak with
     ``correction_bytes`` added; with the composer and the pure bf16 hint's search (``_search``)."""
-    space = _search_space(ctx, allowed, fsdp, fixed)
+    space = _search_space(ctx, allowed, fsdp, fixed, compile)
     results = CandidateTable(len(ctx.block_names))
     composer = _composer(ctx, space, results, settings)
     micros = [micro_batch_size] if micro_batch_size is not None else divisors(per_rank)
-    pure = _search(composer, results, space, fixed, micros, per_rank, compile, allowed)
+    pure = _search(composer, results, space, fixed, micros, per_rank)
     if results.empty:  # the fixed choices rule out every set-up
         raise ConfigError(techniques.optimizer.TECHNIQUE.unbuildable(fixed, micro_batch_size, ctx.world, fsdp))
     results.finish()
@@ -290,15 +290,19 @@ class _SearchSpace:
     distributions: list[Distribution]
     losses: list[bool]
     weights: list[bool]  # parameter offload off, on
+    in_backward: list[bool] = dataclasses.field(default_factory=lambda: [False])  # the optimizer's step in backward
+    fractions: list[float] = dataclasses.field(default_factory=lambda: [0.0])  # a device optimizer's host share
+    compiled: list[bool] = dataclasses.field(default_factory=lambda: [False])  # eager, compiled
     pure_bf16: bool = False  # only pure bf16 set-ups (fixed): bf16 weights, no master
 
 
-def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fixed) -> _SearchSpace:
-    """The recompute flavors, block offload, optimizer placements and moment precisions, distributions, losses and
-    parameter offload allowed: each technique's candidates, then each narrowed to the fixed choices (checked here)."""
+def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fixed, compile: bool) -> _SearchSpace:
+    """The recompute flavors, block offload, the optimizer's placements, moment precisions, steps and host shares,
+    distributions, losses, parameter offload and compile allowed (``compile``: the run compiles, so compiled set-ups
+    are weighed too): each technique's candidates, then each narrowed to the fixed choices."""
     space = _SearchSpace(flavors=[], offload_blocks=False, placements=["device"], states=["fp32"],
                          distributions=["none"], losses=[False], weights=[False])
-    problem = _SearchProblem(ctx, fsdp)
+    problem = _SearchProblem(ctx, fsdp, compile)
     for technique in techniques.REGISTRY:
         technique.candidates(space, problem, frozenset(allowed))
     for technique in techniques.REGISTRY:
@@ -310,10 +314,10 @@ class _SearchProblem:
     """What the techniques' candidates depend on (``techniques.SearchProblem``); the costlier answers found once,
     where a technique asks."""
 
-    def __init__(self, ctx: Problem, fsdp: bool | None) -> None:
+    def __init__(self, ctx: Problem, fsdp: bool | None, compile: bool) -> None:
         self._ctx = ctx
         self.cuda, self.precision, self.world, self.fsdp = ctx.device == "cuda", ctx.precision, ctx.world, fsdp
-        self.chunkable = ctx.chunkable
+        self.chunkable, self.compile = ctx.chunkable, compile
 
     @functools.cached_property
     def blocks_all_train(self) -> bool:
@@ -330,16 +334,15 @@ def _blocks_all_train(ctx: Problem) -> bool:
 
 
 def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fixed: Fixed, micros: Sequence[int],
-            per_rank: int, compile: bool, allowed: set[str]) -> Callable[..., Any]:
+            per_rank: int) -> Callable[..., Any]:
     """Composes every candidate of the space into ``results``: for each configuration, every count of offloaded
     and recomputed blocks (or the fixed layout). Returns the search of the pure bf16 set-ups for a hint,
     ``(host limit, usable, faster than, correction) -> PureBF16Hint | None``: pure bf16 changes the numerics, so
     it is never chosen unless asked for (``memtrain.planner.hint``)."""
     ctx = composer.ctx
     L, flavors = len(ctx.block_names), space.flavors
-    run = _SearchRun(micros=micros, per_rank=per_rank, compile=compile, allowed=frozenset(allowed),
-                     cuda=ctx.device == "cuda", precision=ctx.precision)
-    configurations = _configurations(space, fixed, run, ctx.world)
+    run = _SearchRun(micros=micros, per_rank=per_rank)
+    configurations = _configurations(space, fixed, run, ctx.world, ctx.precision)
     jobs: list[tuple[Configuration, np.ndarray, np.ndarray]] = []  # composed together, added in this order
     for cfg in configurations:
         if fixed.blocks is not None:
@@ -356,7 +359,7 @@ def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fi
         results.add(cfg, offload, recompute, *figures)
 
     def pure(limit: int | None, usable: int | None, faster_than: float | None, correction_bytes: int) -> Any:
-        return pure_bf16_candidate(composer, space, fixed, micros, per_rank, compile, allowed, limit, usable,
+        return pure_bf16_candidate(composer, space, fixed, micros, per_rank, limit, usable,
                                    faster_than, correction_bytes, search=_search, estimate=estimate_of)
     return pure
 
@@ -367,13 +370,10 @@ class _SearchRun:
 
     micros: Sequence[int]
     per_rank: int
-    compile: bool
-    allowed: frozenset[str]
-    cuda: bool
-    precision: str
 
 
-def _configurations(space: _SearchSpace, fixed: Fixed, run: _SearchRun, world: int) -> list[Configuration]:
+def _configurations(space: _SearchSpace, fixed: Fixed, run: _SearchRun, world: int,
+                    precision: str) -> list[Configuration]:
     """The cross product of every technique's values in the space (``Technique.axis``, in
     ``techniques.SEARCH_ORDER``), less what a rule refuses and what a technique skips (``Technique.skips``)."""
     ordered = techniques.SEARCH_ORDER
@@ -382,8 +382,8 @@ def _configurations(space: _SearchSpace, fixed: Fixed, run: _SearchRun, world: i
     assert len(keys) == len(set(keys)), f"two techniques' axes give one field: {keys}"
     out = []
     for values in itertools.product(*axes):
-        cfg = Configuration(precision=run.precision, **{k: v for part in values for k, v in part.items()})
-        if not (refuses(setup_of(cfg, world, run.precision))
+        cfg = Configuration(precision=precision, **{k: v for part in values for k, v in part.items()})
+        if not (refuses(setup_of(cfg, world, precision))
                 or any(technique.skips(cfg, fixed, run) for technique in ordered)):
             out.append(cfg)
     return out

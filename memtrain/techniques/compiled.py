@@ -9,7 +9,7 @@ from typing import Any
 
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.technique import Technique
-from memtrain.techniques.view import PlanView, SearchRun, SearchSpace
+from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
 
 
 class CompileTechnique(Technique):
@@ -27,11 +27,16 @@ class CompileTechnique(Technique):
         """Nothing to fix where the plan cannot choose: where no plan runs, the step is compiled only where asked."""
         return []
 
-    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
-        """Compiled or eager as fixed; else eager, and compiled too where the run compiles."""
+    def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
+        """Eager, and compiled too where the run compiles."""
+        space.compiled = [False, True] if problem.compile else [False]
+
+    def narrow(self, space: SearchSpace, fixed: Any) -> None:
         if fixed.compile is not None:
-            return [{"compile": fixed.compile}]
-        return [{"compile": compiled} for compiled in ([False, True] if run.compile else [False])]
+            space.compiled = [fixed.compile]
+
+    def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
+        return [{"compile": compiled} for compiled in space.compiled]
 
     def planned_setup(self, record: Any) -> dict[str, Any]:
         return {"compile": record.compile}

@@ -56,7 +56,10 @@ class SearchSpace(Protocol):
     offload_blocks: whether a block may keep every activation in host memory.
     placements, states: the optimizer's placements and AdamW's moment precisions.
     distributions: "none" (one process), "ddp", "fsdp2".
+    in_backward: the optimizer stepping after backward (False) or in it (True); fractions: a device optimizer's
+        shares of state in host RAM (0.0: none).
     losses: the loss whole (False) or chunked (True); weights: parameter offload off (False) or on (True).
+    compiled: eager (False) or compiled (True).
     pure_bf16: only pure bf16 set-ups (fixed).
     """
 
@@ -64,16 +67,20 @@ class SearchSpace(Protocol):
     offload_blocks: bool
     placements: list[str]
     states: list[str]
+    in_backward: list[bool]
+    fractions: list[float]
     distributions: list[str]
     losses: list[bool]
     weights: list[bool]
+    compiled: list[bool]
     pure_bf16: bool
 
 
 class SearchProblem(Protocol):
     """What the search's candidates depend on: the device ("cuda": streams and a link to the host), the compute
     precision, the ranks (``fsdp``: True FSDP2, False DDP, None both), whether the loss can be chunked, whether every
-    block's weights train, and whether bitsandbytes' int8 moments run here."""
+    block's weights train, whether bitsandbytes' int8 moments run here, and whether the run compiles (compiled
+    set-ups are weighed too)."""
 
     cuda: bool
     precision: str
@@ -82,16 +89,12 @@ class SearchProblem(Protocol):
     chunkable: bool
     blocks_all_train: bool
     int8: bool
+    compile: bool
 
 
 class SearchRun(Protocol):
-    """One pass of the search over a space: the micro-batch sizes it tries, the examples each rank takes per step,
-    whether compiled set-ups are weighed (the run compiles), the search names the plan may use, the device ("cuda":
-    streams and a link to the host) and the compute precision."""
+    """One pass of the search over a space: the micro-batch sizes it tries and the examples each rank takes per
+    step."""
 
     micros: Sequence[int]
     per_rank: int
-    compile: bool
-    allowed: frozenset[str]
-    cuda: bool
-    precision: str

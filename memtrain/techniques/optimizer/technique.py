@@ -219,12 +219,18 @@ class OptimizerTechnique(Technique):
         space.states = ["fp32"]
         if "optimizer-state" in allowed:
             space.states += ["bf16", *(["int8"] if problem.int8 else [])]
+        space.in_backward = [False] + ([True] if "step-in-backward" in allowed else [])
+        space.fractions = [0.0] + (list(PARTIAL_FRACTIONS) if problem.cuda and "offload-optimizer" in allowed else [])
 
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
         if fixed.optimizer is not None:
             space.placements = [fixed.optimizer]
         if fixed.state_precision is not None:
             space.states = [fixed.state_precision]
+        if fixed.step_in_backward is not None:
+            space.in_backward = [fixed.step_in_backward]
+        if fixed.offload_fraction is not None:
+            space.fractions = [fixed.offload_fraction]
 
     def setup_text(self, setup: Any) -> str:
         """E.g. "AdamW offloaded, bf16 moments, step in backward": the class, where its state lives (parameter
@@ -300,20 +306,13 @@ class OptimizerTechnique(Technique):
         return ", ".join(parts)
 
     def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
-        """Each placement and moment precision the space keeps, each with a step after backward and in backward
-        (where allowed) and each partial offload (on CUDA, where offloading is allowed), as fixed where fixed; the
+        """Each placement, moment precision, step (after backward, in it) and share offloaded the space keeps; the
         rules then drop what does not go together (an offloaded optimizer neither steps in backward nor offloads a
         share). The run's class, never the search's."""
-        in_backward = [False] + ([True] if "step-in-backward" in run.allowed else [])
-        if fixed.step_in_backward is not None:
-            in_backward = [fixed.step_in_backward]
-        fractions = [0.0] + (list(PARTIAL_FRACTIONS) if run.cuda and "offload-optimizer" in run.allowed else [])
-        if fixed.offload_fraction is not None:
-            fractions = [fixed.offload_fraction]
         return [{"optimizer": placement, "state_precision": state, "step_in_backward": sib, "offload_fraction": fraction,
                  "optimizer_class": fixed.optimizer_class}
-                for placement in space.placements for state in space.states for sib in in_backward
-                for fraction in fractions]
+                for placement in space.placements for state in space.states for sib in space.in_backward
+                for fraction in space.fractions]
 
     def skips(self, configuration: Any, fixed: Any, run: SearchRun) -> bool:
         """Lean moments with FSDP2 (torch's AdamW steps its sharded parameters) or with a partial offload (the
