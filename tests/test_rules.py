@@ -136,10 +136,11 @@ def test_the_search_never_plans_a_step_in_backward_that_fp16_refuses():
     says nothing fits (it used to plan the step in backward, which train then refused)."""
     from memtrain.planner import plan
     from memtrain.planner.devices import known_gpu
-    from memtrain.planner.search import _configurations, _SearchRun, _SearchSpace
+    from memtrain.planner.search import _configurations, _SearchRun
+    from memtrain.techniques.view import SearchSpace
 
     def space(states):
-        return _SearchSpace(flavors=[], offload_blocks=False, placements=["device"], states=states,
+        return SearchSpace(flavors=[], offload_blocks=False, placements=["device"], states=states,
                             in_backward=[False, True], distributions=["none"], losses=[False], weights=[False])
 
     run = _SearchRun(micros=[1], per_rank=1)

@@ -292,11 +292,12 @@ def test_a_plans_estimate_options_are_each_techniques_own(monkeypatch):
 
 
 def test_the_search_is_the_cross_product_of_each_techniques_axis(monkeypatch):
-    from memtrain.planner.search import _configurations, _SearchRun, _SearchSpace
+    from memtrain.planner.search import _configurations, _SearchRun
     from memtrain.planner.settings import Fixed
+    from memtrain.techniques.view import SearchSpace
 
     assert sorted(t.name for t in techniques.SEARCH_ORDER) == sorted(t.name for t in techniques.REGISTRY)
-    space = _SearchSpace(flavors=["full", "selective"], offload_blocks=False, placements=["device", "offload"],
+    space = SearchSpace(flavors=["full", "selective"], offload_blocks=False, placements=["device", "offload"],
                          states=["fp32", "bf16"], distributions=["none"], losses=[False, True], weights=[False],
                          in_backward=[False, True])
     run = _SearchRun(micros=[1, 2], per_rank=2)
@@ -362,10 +363,11 @@ def test_a_plans_record_reads_as_the_rules_set_up_through_each_technique():
 def test_the_searchs_order_is_the_optimizer_then_compile_loss_micro_batch_and_flavor():
     """The candidates are composed (and tie-ranked) in the old loops' order: the optimizer outermost, the flavor
     innermost (techniques.SEARCH_ORDER); the registry's order would put the flavor first."""
-    from memtrain.planner.search import _configurations, _SearchRun, _SearchSpace
+    from memtrain.planner.search import _configurations, _SearchRun
     from memtrain.planner.settings import Fixed
+    from memtrain.techniques.view import SearchSpace
 
-    space = _SearchSpace(flavors=["full", "selective"], offload_blocks=False, placements=["device", "offload"],
+    space = SearchSpace(flavors=["full", "selective"], offload_blocks=False, placements=["device", "offload"],
                          states=["fp32"], distributions=["none"], losses=[False, True], weights=[False],
                          in_backward=[False, True])
     run = _SearchRun(micros=[1, 2], per_rank=2)

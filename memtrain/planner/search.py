@@ -63,13 +63,10 @@ from memtrain.planner.settings import (
     DEFAULT_SAFETY_MARGIN,
     Candidate,
     Configuration,
-    Distribution,
     Fixed,
-    OptimizerPlacement,
     Plan,
     PlanSettings,
     Problem,
-    RecomputeFlavor,
     configuration_of,
 )
 from memtrain.planner.tracing import build_profiles, step_batch
@@ -77,6 +74,7 @@ from memtrain.quantize import weight_count
 from memtrain.report import format_bytes
 from memtrain.techniques import refuses
 from memtrain.techniques.optimizer.cost import profile_key, space_profiles
+from memtrain.techniques.view import SearchSpace
 
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
@@ -204,7 +202,7 @@ def _setup_line(s: PlanSettings) -> str:
             + (", compiled" if s.compile else ""))
 
 
-def _composer(ctx: Problem, space: _SearchSpace, results: CandidateTable,
+def _composer(ctx: Problem, space: SearchSpace, results: CandidateTable,
               settings: PlanSettings | None) -> Composer:
     """The composer for ``plan``: of the space's kinds; or, with ``settings``, of theirs, added to ``results`` (and
     nothing left to search)."""
@@ -278,30 +276,11 @@ def _model_problems(ctx: Problem, budget_bytes: int | None, fixed: Fixed, settin
     return problems
 
 
-@dataclass(kw_only=True)
-class _SearchSpace:
-    """The choices the search goes over, before the micro-batch: what the techniques allowed and ``fixed`` leave
-    (``techniques.SearchSpace``)."""
-
-    flavors: list[RecomputeFlavor]
-    offload_blocks: bool
-    placements: list[OptimizerPlacement]
-    states: list[str]
-    distributions: list[Distribution]
-    losses: list[bool]
-    weights: list[bool]  # parameter offload off, on
-    in_backward: list[bool] = dataclasses.field(default_factory=lambda: [False])  # the optimizer's step in backward
-    fractions: list[float] = dataclasses.field(default_factory=lambda: [0.0])  # a device optimizer's host share
-    compiled: list[bool] = dataclasses.field(default_factory=lambda: [False])  # eager, compiled
-    pure_bf16: bool = False  # only pure bf16 set-ups (fixed): bf16 weights, no master
-
-
-def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fixed, compile: bool) -> _SearchSpace:
+def _search_space(ctx: Problem, allowed: set[str], fsdp: bool | None, fixed: Fixed, compile: bool) -> SearchSpace:
     """The recompute flavors, block offload, the optimizer's placements, moment precisions, steps and host shares,
     distributions, losses, parameter offload and compile allowed (``compile``: the run compiles, so compiled set-ups
     are weighed too): each technique's candidates, then each narrowed to the fixed choices."""
-    space = _SearchSpace(flavors=[], offload_blocks=False, placements=["device"], states=["fp32"],
-                         distributions=["none"], losses=[False], weights=[False])
+    space = SearchSpace()
     problem = _SearchProblem(ctx, fsdp, compile)
     for technique in techniques.REGISTRY:
         technique.candidates(space, problem, frozenset(allowed))
@@ -333,7 +312,7 @@ def _blocks_all_train(ctx: Problem) -> bool:
     return all(p.requires_grad for name in ctx.block_names for p in modules[name].parameters())
 
 
-def _search(composer: Composer, results: CandidateTable, space: _SearchSpace, fixed: Fixed, micros: Sequence[int],
+def _search(composer: Composer, results: CandidateTable, space: SearchSpace, fixed: Fixed, micros: Sequence[int],
             per_rank: int) -> Callable[..., Any]:
     """Composes every candidate of the space into ``results``: for each configuration, every count of offloaded
     and recomputed blocks (or the fixed layout). Returns the search of the pure bf16 set-ups for a hint,
@@ -372,7 +351,7 @@ class _SearchRun:
     per_rank: int
 
 
-def _configurations(space: _SearchSpace, fixed: Fixed, run: _SearchRun, world: int,
+def _configurations(space: SearchSpace, fixed: Fixed, run: _SearchRun, world: int,
                     precision: str) -> list[Configuration]:
     """The cross product of every technique's values in the space (``Technique.axis``, in
     ``techniques.SEARCH_ORDER``), less what a rule refuses and what a technique skips (``Technique.skips``)."""

@@ -9,6 +9,7 @@ the chosen one in its own decision (``column``, ``same``) and says the rest in i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,8 +50,10 @@ class PlanView(Protocol):
         ...
 
 
-class SearchSpace(Protocol):
-    """The values the search goes over before the micro-batch; each technique fills in and narrows its own.
+@dataclass(kw_only=True)
+class SearchSpace:
+    """The values the search goes over before the micro-batch; each technique fills in and narrows its own (the
+    defaults: what a technique that has no say leaves, e.g. one process, eager).
 
     flavors: how recomputed blocks recompute ("full", "selective", "offload-inputs"; none: no recompute).
     offload_blocks: whether a block may keep every activation in host memory.
@@ -63,17 +66,17 @@ class SearchSpace(Protocol):
     pure_bf16: only pure bf16 set-ups (fixed).
     """
 
-    flavors: list[str]
-    offload_blocks: bool
-    placements: list[str]
-    states: list[str]
-    in_backward: list[bool]
-    fractions: list[float]
-    distributions: list[str]
-    losses: list[bool]
-    weights: list[bool]
-    compiled: list[bool]
-    pure_bf16: bool
+    flavors: list[str] = field(default_factory=list)
+    offload_blocks: bool = False
+    placements: list[str] = field(default_factory=lambda: ["device"])
+    states: list[str] = field(default_factory=lambda: ["fp32"])
+    distributions: list[str] = field(default_factory=lambda: ["none"])
+    losses: list[bool] = field(default_factory=lambda: [False])
+    weights: list[bool] = field(default_factory=lambda: [False])
+    in_backward: list[bool] = field(default_factory=lambda: [False])
+    fractions: list[float] = field(default_factory=lambda: [0.0])
+    compiled: list[bool] = field(default_factory=lambda: [False])
+    pure_bf16: bool = False
 
 
 class SearchProblem(Protocol):
