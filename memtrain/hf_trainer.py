@@ -15,6 +15,13 @@ from torch import nn
 
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
+from memtrain.loss import (
+    apply_chunked_loss,
+    chunk_tokens_of,
+    chunked_loss_implementation,
+    output_head,
+    supports_chunked_loss,
+)
 from memtrain.optim import CPUOffloadOptimizer
 from memtrain.techniques import REGISTRY, SetUp, Terms
 from memtrain.techniques import problems as rule_problems
@@ -51,8 +58,6 @@ TRAINER_TERMS = Terms(fixes={"chunked-loss-model": "pass Choices(chunked_loss=Fa
 def _chunked_loss_problems(model: Any, choices: Any) -> list[str]:
     """The chunked-loss rule (``techniques.chunked_loss``) for ``model`` with ``choices`` (an open chunked loss is
     on here: ``trainer_choices``)."""
-    from memtrain.loss import supports_chunked_loss
-
     if not isinstance(choices, Choices) or not isinstance(model, nn.Module):
         return []
     chunked = trainer_choices(choices).chunked_loss
@@ -95,8 +100,6 @@ def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, ch
             ``trainer_problems``, in its module); a model whose loss ``memtrain.loss`` cannot chunk, with
             ``chunked_loss=True``. Every problem at once.
     """
-    from memtrain.loss import apply_chunked_loss, chunk_tokens_of, chunked_loss_implementation, output_head
-
     ConfigError.raise_if(trainer_problems(choices) + _chunked_loss_problems(model, choices))
     choices = trainer_choices(choices)
     inner = unwrap_model(model)
