@@ -153,3 +153,38 @@ def test_named_optimizer_takes_the_short_names_its_message_lists():
     assert NamedOptimizer("SGD").resolve() is torch.optim.SGD
     assert NamedOptimizer("AdamW").is_adamw and NamedOptimizer("AdamW") == NamedOptimizer()
     assert NamedOptimizer("torch.optim.SGD").spelling == "torch.optim.SGD"
+
+
+def test_a_plans_settings_keep_what_was_saved_and_say_what_is_wrong():
+    """The second fuzz run's findings: a saved plan's dict missing a field is refused (a default would change it),
+    a list is not one; a hand-made plan's placement that is none is named; its class prints."""
+    from memtrain.planner import PlanSettings
+    from memtrain.planner.checks import check_settings
+
+    s = PlanSettings(micro_batch_size=2, accumulation=1, blocks=("keep", "keep"), flavor="full",
+                     distribution="none", chunked_loss=True)
+    saved = s.to_dict()
+    assert PlanSettings.from_dict(saved) == s
+    del saved["chunked_loss"]
+    with pytest.raises(ConfigError, match="missing chunked_loss"):
+        PlanSettings.from_dict(saved)
+    with pytest.raises(ConfigError, match="not a mapping"):
+        PlanSettings.from_dict([])
+    with pytest.raises(ConfigError, match=r"optimizer='cpu' is not one of 'device', 'offload'"):
+        check_settings(dataclasses.replace(s, optimizer="cpu"), 2, 2, True, 1, True, "bf16-mixed")
+    assert "optimizer_class=" in repr(dataclasses.replace(s, optimizer_class=NamedOptimizer("torch.optim.SGD")))
+
+
+def test_a_partial_offload_with_lean_moments_is_planned_where_both_are_asked_for():
+    """estimate predicted it and build_optimizer builds it, but the plan refused it (its search's own partial offloads
+    keep fp32 moments); under FSDP2 lean moments are refused with FSDP2's reason only."""
+    from memtrain.planner import known_gpu, plan
+
+    with torch.device("meta"):
+        model = GPT(GPT_PRESETS["gpt-tiny"])
+    common = dict(budget=None, seq_len=32, global_batch_size=4, device="cuda", device_profile=known_gpu("H100"))
+    p = plan(model, **common, choices=Choices(optimizer=OptimizerChoice(offload_fraction=0.5, state_precision="bf16")))
+    assert p.settings.optimizer_text == "50% offloaded, bf16 moments"
+    with pytest.raises(ConfigError) as info:
+        plan(model, **common, world_size=2, fsdp=True, choices=Choices(optimizer=OptimizerChoice(state_precision="bf16")))
+    assert "FSDP2 shards fp32 moments only" in str(info.value) and "step in backward" not in str(info.value)

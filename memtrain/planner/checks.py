@@ -110,8 +110,9 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
         raise ConfigError(f"settings={s!r} must be a PlanSettings (e.g. plan(...).settings, or "
                           "dataclasses.replace of one).")
     if len(s.blocks) != n_blocks or any(k not in ("keep", "recompute", "offload") for k in s.blocks):
-        problems.append(f"settings.blocks has {len(s.blocks)} entries {sorted(set(s.blocks))}: the model has "
-                        f"{n_blocks} blocks, each 'keep', 'recompute' or 'offload'.")
+        problems.append(f"settings.blocks has {len(s.blocks)} entries (of kinds {sorted(set(s.blocks))}): the model "
+                        f"has {n_blocks} blocks, each 'keep', 'recompute' or 'offload'. To resolve this error, give "
+                        "one kind per block, in the model's order.")
     if s.micro_batch_size * s.accumulation != per_rank:
         problems.append(f"micro_batch_size {s.micro_batch_size} x accumulation {s.accumulation} is not the "
                         f"{per_rank} examples each rank takes per step. To resolve this error, pass a micro-batch "
@@ -121,7 +122,7 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
                         "device='cuda'.")
     if (s.distribution == "none") != (world == 1):
         problems.append(f"distribution {s.distribution!r} with world_size={world}: one process is 'none', "
-                        "several 'ddp' or 'fsdp2'.")
+                        "several 'ddp' or 'fsdp2'. To resolve this error, pass the one for this world size.")
     problems += [text for technique in REGISTRY for text in technique.settings_problems(s)]
     problems += rule_problems(setup_of(s, world, precision, chunkable), SETTINGS_TERMS)
     ConfigError.raise_if(problems)
@@ -148,7 +149,7 @@ def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_
     host_budget_bytes = parse_budget(host_budget, "host_budget", problems)
     for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name}={value!r} must be an integer >= 1.")
+            problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass one.")
     if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
                                          or micro_batch_size < 1):
         problems.append(f"micro_batch_size={micro_batch_size!r} must be an integer >= 1, or None to choose it.")

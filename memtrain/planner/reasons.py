@@ -248,8 +248,9 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     clauses, fixes = [], []
     if host_limit is not None and (on_device or not on_host):
         need = int(results.host[h])
-        whose = (f"the set-ups that fit the device (smallest peak {format_bytes(int(peaks[fits_device].min()))} of "
-                 f"{format_bytes(usable)}) need at least" if on_device else "the least any set-up needs is")
+        device = "" if usable is None else f" of {format_bytes(usable)}"  # no budget: every set-up fits the device
+        whose = (f"the set-ups that fit the device (smallest peak {format_bytes(int(peaks[fits_device].min()))}"
+                 f"{device}) need at least" if on_device else "the least any set-up needs is")
         clauses.append(f"{whose} {format_bytes(need)} of host RAM, {format_bytes(need - host_limit)} over the "
                        f"{format_bytes(host_limit)} of {host_of}")
         both = "" if on_device or usable is None else f" with budget={_size_up(math.ceil(peaks[h] / (1 - margin)))}"

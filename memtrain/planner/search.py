@@ -332,8 +332,8 @@ def _search(composer: Composer, results: CandidateTable, space: SearchSpace, fix
             jobs.append((cfg, offload, recompute))
     if jobs:
         PROGRESS.info(f"plan: composing {sum(len(r) for _, _, r in jobs):,} candidates"
-                      f"{' in pure bf16' if space.pure_bf16 else ''} ({len(jobs)} set-ups of "
-                      f"{len(configurations)} configurations)")
+                      f"{' in pure bf16' if space.pure_bf16 else ''} ({len(jobs)} set-ups over {len(micros)} "
+                      "micro-batch sizes)")
     for (cfg, offload, recompute), figures in zip(jobs, composer.compose(jobs), strict=True):
         results.add(cfg, offload, recompute, *figures)
 

@@ -6,7 +6,7 @@ of one planning problem) and a ``Configuration`` (a candidate but for its block 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,6 +71,9 @@ class PlanSettings(Configuration):
     """Every choice of one candidate: what ``apply_plan`` sets up (its ``Configuration`` and each block's kind)."""
 
     blocks: tuple[BlockKind, ...]  # per block, in the model's order
+    # In a plan's repr, unlike a Configuration's (the search's tables are compared by theirs): two plans that differ
+    # in their class read differently.
+    optimizer_class: NamedOptimizer = NamedOptimizer()
 
     @property
     def optimizer_text(self) -> str:
@@ -106,9 +109,16 @@ class PlanSettings(Configuration):
         """The settings ``to_dict`` wrote (e.g. in a run's checkpoint).
 
         Raises:
-            ConfigError: a dictionary that is not one (a missing or unknown field).
+            ConfigError: a dictionary that is not one (not a mapping, or a missing field: a default would change
+                what was saved).
         """
         names = {f.name for f in dataclasses.fields(cls)}
+        # memtrain's AdamW is every plan's but a named class's: to_dict writes the class only otherwise
+        missing = sorted(names - {"optimizer_class"} - set(d)) if isinstance(d, Mapping) else None
+        if missing is None or missing:
+            why = "not a mapping" if missing is None else f"missing {', '.join(missing)}"
+            raise ConfigError(f"{d!r} is not a plan's settings ({why}). To resolve this error, pass what "
+                              "PlanSettings.to_dict() wrote.")
         convert = {"blocks": tuple, "optimizer_class": NamedOptimizer.from_dict}
         try:
             return cls(**{k: convert.get(k, lambda v: v)(v) for k, v in d.items() if k in names})

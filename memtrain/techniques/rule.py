@@ -89,8 +89,8 @@ class Terms:
         label = self.labels.get(name, "world_size" if name == "processes" else name)
         if name in self.values:
             return f"{label}={self.values[name](value)}"
-        if not isinstance(value, (bool, int, float, str)):  # a class's name, a policy: as their spelling
-            return f"{label}={str(value)!r}"
+        if not isinstance(value, (bool, int, float, str)):  # a class's name (as given), a policy: as their spelling
+            return f"{label}={getattr(value, 'spelling', str(value))!r}"
         return f"{label}={value!r}"
 
 

@@ -257,12 +257,15 @@ class OptimizerTechnique(Technique):
 
     def settings_problems(self, settings: Any) -> list[str]:
         problems = []
+        if settings.optimizer not in ("device", *OFFLOADED):
+            problems.append(f"optimizer={settings.optimizer!r} is not one of 'device', {', '.join(map(repr, OFFLOADED))}. "
+                            "To resolve this error, pass one of them.")
         if settings.state_precision not in STATE_PRECISIONS:
             problems.append(f"state_precision={settings.state_precision!r} is not one of "
-                            f"{', '.join(STATE_PRECISIONS)}.")
+                            f"{', '.join(STATE_PRECISIONS)}. To resolve this error, pass one of them.")
         if not 0.0 <= settings.offload_fraction <= 1.0:
             problems.append(f"offload_fraction={settings.offload_fraction!r}: a share in [0, 1] of a device "
-                            "optimizer's state.")
+                            "optimizer's state. To resolve this error, pass one.")
         return problems
 
     def unbuildable(self, fixed: Any, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> str:
@@ -274,11 +277,13 @@ class OptimizerTechnique(Technique):
                                     ("micro_batch_size", micro_batch_size)) if v is not None}
         given = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "the techniques allowed"
         ranks = f" with world_size={world_size}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
-        why = ["a partial offload keeps fp32 moments and steps after backward"]
-        if world_size > 1 or fsdp:
-            why = [f"step_in_backward and offload_fraction: {GRADIENTS_BEFORE_DDP.why.rstrip('.')}", *why,
-                   "FSDP2 shards fp32 moments only"]
-        return (f"no set-up can be built from {given}{ranks}: {', '.join(why)}. To resolve this error, drop one of "
+        lean = fixed.state_precision not in (None, "fp32")
+        why = [text for text, applies in (
+            ("FSDP2 shards fp32 moments only (torch's AdamW steps its sharded parameters)", lean and bool(fsdp)),
+            (f"a step in backward or a partial offload: {GRADIENTS_BEFORE_DDP.why.rstrip('.')}",
+             world_size > 1 and bool(fixed.step_in_backward or fixed.offload_fraction))) if applies]
+        why = why or ["the search's own pruning leaves none of them"]
+        return (f"no set-up can be built from {given}{ranks}: {'; '.join(why)}. To resolve this error, drop one of "
                 "the fixed choices (leave it to the plan).")
 
     def host_fraction(self, settings: Any) -> float:
@@ -315,13 +320,14 @@ class OptimizerTechnique(Technique):
                 for fraction in space.fractions]
 
     def skips(self, configuration: Any, fixed: Any, run: SearchRun) -> bool:
-        """Lean moments with FSDP2 (torch's AdamW steps its sharded parameters) or with a partial offload (the
-        search's partial offloads keep fp32 moments); a step in backward with accumulation, unless asked for: the
-        earlier micro-batches' gradients stay, so it saves no bytes (asked for, it steps in the last micro-batch's
-        backward)."""
+        """Lean moments with FSDP2 (torch's AdamW steps its sharded parameters); lean moments with a partial
+        offload unless both are asked for (the search's own partial offloads keep fp32 moments: a quarter of the
+        candidates); a step in backward with accumulation, unless asked for: the earlier micro-batches' gradients
+        stay, so it saves no bytes (asked for, it steps in the last micro-batch's backward)."""
         c = configuration
         lean = c.state_precision != "fp32"
-        return ((lean and (c.distribution == "fsdp2" or bool(c.offload_fraction)))
+        asked_partial = fixed.offload_fraction is not None and fixed.state_precision is not None
+        return ((lean and (c.distribution == "fsdp2" or (bool(c.offload_fraction) and not asked_partial)))
                 or (c.step_in_backward and c.accumulation > 1 and not fixed.step_in_backward))
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
