@@ -523,7 +523,7 @@ def test_auto_trains_a_model_without_blocks_unchekpointed_and_says_why(tmp_path,
         train(_FlatLM(), _tiny_data(text_file), TrainConfig(max_steps=1, choices=Choices(checkpointing="all"), progress=False))
     # parameter offload streams blocks, and this model has none: its rule says so
     with pytest.raises(ConfigError, match=r"^offload_weights=True: parameter offload streams the model's repeated "
-                                          r"blocks one at a time, and auto found none .* drop offload_weights=True"):
+                                          r"blocks one at a time, and auto found no repeated blocks .* drop offload_weights=True"):
         train(_FlatLM(), _tiny_data(text_file), TrainConfig(max_steps=1, choices=Choices(offload_weights=True),
                                                             progress=False))
 

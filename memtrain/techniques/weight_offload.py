@@ -125,8 +125,8 @@ OFFLOAD_WEIGHTS_ONE_PROCESS = Rule(
     lambda s: bool(s.offload_weights) and (bool(s.fsdp) or s.several_processes))
 OFFLOAD_WEIGHTS_BLOCKS = Rule(
     "offload-weights-blocks",
-    "parameter offload streams the model's repeated blocks one at a time, and auto found none in this model (no "
-    "nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules).",
+    "parameter offload streams the model's repeated blocks one at a time, and auto found no repeated blocks in this "
+    "model (no nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules).",
     "drop {first}",
     ("offload_weights", "has_blocks"),
     lambda s: bool(s.offload_weights) and s.has_blocks is False)
