@@ -9,11 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+from memtrain.message import Message, marked
+
 T = TypeVar("T")
 
 
 class MemtrainError(Exception):
-    """Base class of every error memtrain raises on purpose."""
+    """Base class of every error memtrain raises on purpose. Its ``message`` keeps the arguments it names
+    (``memtrain.message``); ``str()`` is the library's wording."""
+
+    def __init__(self, *args: object):
+        self.message = Message(args[0] if args and isinstance(args[0], str) else "")
+        super().__init__(*((str(self.message), *args[1:]) if args and isinstance(args[0], str) else args))
 
 
 class ConfigError(MemtrainError, ValueError):
@@ -32,13 +39,13 @@ class ConfigError(MemtrainError, ValueError):
     """
 
     def __init__(self, problems: str | Iterable[str]):
-        self.problems: tuple[str, ...] = (problems,) if isinstance(problems, str) else tuple(problems)
+        self.problems: tuple[Message, ...] = tuple(map(Message, (problems,) if isinstance(problems, str) else problems))
         if len(self.problems) == 1:
             message = self.problems[0]
         else:
-            lines = "\n".join(f"  - {p}" for p in self.problems)
+            lines = "\n".join(f"  - {marked(p)}" for p in self.problems)
             message = f"{len(self.problems)} problems in the configuration:\n{lines}"
-        super().__init__(message)
+        super().__init__(marked(message))
 
     @staticmethod
     def gathered(problems: list[str], check: Callable[[], T]) -> T | None:

@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         close_stdout()
         code = EXIT_OK
     except ConfigError as e:
-        print(f"memtrain {args.command}: error: {in_flag_terms(str(e), args.command)}", file=sys.stderr)
+        print(f"memtrain {args.command}: error: {in_flag_terms(e.message, args.command)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except MemtrainError as e:
-        print(f"memtrain {args.command}: error: {in_flag_terms(str(e), args.command)}", file=sys.stderr)
+        print(f"memtrain {args.command}: error: {in_flag_terms(e.message, args.command)}", file=sys.stderr)
         return EXIT_ENVIRONMENT if isinstance(e, RunWriteError) else EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("memtrain: interrupted", file=sys.stderr)

@@ -1,16 +1,17 @@
 """The library's errors in the command's terms: the library names its arguments (``out_dir=``), the command its
-flags (``--out``); one table, ``ARGUMENT_FLAGS`` (``COMMAND_FLAGS`` where one command spells an argument its own
-way), translates them."""
+flags (``--out``). A message keeps the arguments it names as data (``memtrain.message``); each is rendered as its flag:
+a setting's field from its declared flag (``memtrain.setting``), another argument from ``ARGUMENT_FLAGS``
+(``COMMAND_FLAGS`` where one command spells an argument its own way)."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import re
 from typing import Any
 
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
+from memtrain.message import Arg, Message, Words
 from memtrain.setting import flags_of
 
 # The flag behind each library argument, for translating the library's errors into the command's terms.
@@ -24,14 +25,6 @@ ARGUMENT_FLAGS: dict[str, str] = {
     "world_size": "torchrun --nproc_per_node", "budget": "--budget", "host_budget": "--host-budget",
     "log": "--log",
     "max_grad_norm": "--grad-clip",
-}
-# The library's advice that names an argument the command has no flag for, in the command's terms.
-LIBRARY_PHRASES: dict[str, str] = {
-    "or another val_fraction": ("(memtrain train holds out the last 5% of them for validation), or pass "
-                                "--eval-data FILE, with which every document of --data trains"),
-    "or pass a writable cache_dir": "or copy the data to a writable folder (the cache is written beside it)",
-    "or pass device_profile=.": "or pass --gpu with one of the names it knows",
-    "(device_profile=None)": "(memtrain plan --gpu NAME)",
 }
 # Switches: (the flag that makes the argument True, the flag that makes it False); None where the default is.
 ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
@@ -59,79 +52,57 @@ PAIR_FLAGS = {flag.name for _, flag in flags_of(OptimizerChoice) if flag.kind ==
 # Where a command spells an argument its own way: memtrain plan plans --nproc ranks and compares --fsdp / --ddp.
 COMMAND_FLAGS: dict[str, dict[str, str]] = {"plan": {"world_size": "--nproc"}}
 COMMAND_SWITCHES: dict[str, dict[str, tuple[str | None, str | None]]] = {"plan": {"fsdp": ("--fsdp", "--ddp")}}
-_VALUE = r"('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^{}]*\}|[^\s,;)]+)"
-# After "NAME=": no value ("drop optimizer.state_precision=": the argument itself, whatever its value).
-_NO_VALUE = r"(?=[\s,;)]|\.(?:\s|$)|$)"
 
 
 def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str] | None = None) -> str:
-    """A library message in the command's terms: ``out_dir='x'`` -> ``--out 'x'``, ``resume=True`` -> ``--resume``,
-    ``micro_batch_size`` -> ``--micro-batch-size``, ``optimizer.placement='offload'`` -> ``--offload-optimizer``
-    (``world_size=2`` -> ``--nproc 2`` for ``command="plan"``), an argument named without its value
-    (``drop optimizer.state_precision=``) -> its flag (``drop --optimizer-state``);
-    ``extra`` names what an argument means at one call site (``path=`` is --hf-model's folder or --data's file)."""
-    for phrase, words in LIBRARY_PHRASES.items():
-        message = message.replace(phrase, words)
+    """A library message in the command's terms, each argument it names (``memtrain.message.arg``) as its flag:
+    ``out_dir='x'`` -> ``--out 'x'``, ``resume=True`` -> ``--resume``, ``micro_batch_size`` -> ``--micro-batch-size``,
+    ``optimizer.placement='offload'`` -> ``--offload-optimizer`` (``world_size=2`` -> ``--nproc 2`` for
+    ``command="plan"``), an argument whatever its value (``drop optimizer.state_precision=``) -> its flag (``drop
+    --optimizer-state``); ``extra`` names what an argument means at one call site (``path=`` is --hf-model's folder
+    or --data's file). A plain string (no argument kept) is returned as it is."""
     flags = {**ARGUMENT_FLAGS, **COMMAND_FLAGS.get(command or "", {}), **(extra or {})}
     switches = {**ARGUMENT_SWITCHES, **COMMAND_SWITCHES.get(command or "", {})}
+    message = Message(message)
 
-    def switch(match: re.Match[str]) -> str:
-        on, off = switches[match.group(1)]
-        flag = on if match.group(2) == "True" else off
-        return flag if flag is not None else f"without {off if match.group(2) == 'True' else on}"
+    def rendered(part: Arg | Words) -> str:
+        return part.command if isinstance(part, Words) else _flag_text(part, message, flags, switches)
 
-    message = _unvalued(message, flags, switches)
-    values = "|".join(map(re.escape, sorted(ARGUMENT_VALUES, key=len, reverse=True)))
-    message = re.sub(rf"(?<![\w./-])({values})", lambda match: ARGUMENT_VALUES[match.group(1)], message)
-    names = "|".join(map(re.escape, sorted(switches, key=len, reverse=True)))
-    message = re.sub(rf"(?<![\w./-])({names})=(True|False)\b", switch, message)
-    names = "|".join(map(re.escape, sorted(flags, key=len, reverse=True)))
+    return message.render(rendered)
 
-    def valued(match: re.Match[str]) -> str:
-        flag, value = flags[match.group(1)], match.group(2)
+
+def _flag_text(part: Arg, message: Message, flags: dict[str, str],
+               switches: dict[str, tuple[str | None, str | None]]) -> str:
+    """One argument as the command line gives it (its library spelling where the command has no flag for it)."""
+    name, value = part.name, part.value
+    if name in flags:
+        flag = flags[name]
+        if not value:  # the argument itself
+            return flag.removesuffix(" every:")
         if flag in PAIR_FLAGS and value.startswith("{"):  # {'k': v} -> --optimizer-arg k=v
             with contextlib.suppress(ValueError, SyntaxError):
                 pairs = ast.literal_eval(value)
                 if isinstance(pairs, dict):
                     return " ".join(f"{flag} {k}={v!r}" for k, v in pairs.items())
         return f"{flag}{value}" if flag.endswith(":") else f"{flag} {value}"
-
-    message = re.sub(rf"(?<![\w./-])({names})={_VALUE}", valued, message)
-    bare = [n for n in (*flags, *switches) if "_" in n or "." in n]
-    names = "|".join(map(re.escape, sorted(bare, key=len, reverse=True)))
-
-    def named(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name in flags:
-            return flags[name].removesuffix(" every:")
+    if name in switches:
         on, off = switches[name]
+        if value == "True":
+            return on if on is not None else f"without {off}"
+        if value == "False":
+            return off if off is not None else f"without {on}"
+        if value == "":  # the switch whatever its value: as the message gives it elsewhere, else its flag
+            given = [p.value for p in message.parts if isinstance(p, Arg) and p.name == name and p.value]
+            if given:
+                return _flag_text(Arg(name, given[0]), message, flags, switches)
         return on or off or name
-
-    return re.sub(rf"(?<![\w./-])({names})(?![\w=/-])", named, message)
-
-
-def _unvalued(message: str, flags: dict[str, str], switches: dict[str, tuple[str | None, str | None]]) -> str:
-    """``NAME=`` with no value (an argument named whatever its value, e.g. "drop optimizer.state_precision="): a
-    valued argument's flag alone (``--optimizer-state``); a switch, or an argument whose values are flags of their
-    own, as the message gives it elsewhere (``optimizer.placement='device'``, which the next passes turn into
-    ``--no-offload-optimizer``), else its flags."""
-    by_values = {key.partition("=")[0] for key in ARGUMENT_VALUES}
-    names = "|".join(map(re.escape, sorted({*flags, *switches, *by_values}, key=len, reverse=True)))
-
-    def unvalued(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name in flags:
-            return flags[name].removesuffix(" every:")
-        spellings = ([f"{name}=True", f"{name}=False"] if name in switches else
-                     [k for k in ARGUMENT_VALUES if k.startswith(f"{name}=")])
-        given = [s for s in spellings if re.search(rf"(?<![\w./-]){re.escape(s)}(?![\w'])", message)]
-        if given:
-            return given[0]
-        if name in switches:
-            return switches[name][0] or switches[name][1] or name
-        return " or ".join(ARGUMENT_VALUES[s] for s in spellings)
-
-    return re.sub(rf"(?<![\w./-])({names})={_NO_VALUE}", unvalued, message)
+    valued = {key.partition("=")[2]: flag for key, flag in ARGUMENT_VALUES.items() if key.partition("=")[0] == name}
+    if valued:
+        if value in valued:
+            return valued[value]
+        given = [p.value for p in message.parts if isinstance(p, Arg) and p.name == name and p.value in valued]
+        return valued[given[0]] if given else " or ".join(valued.values())
+    return str(part)
 
 
 @contextlib.contextmanager

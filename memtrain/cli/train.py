@@ -150,7 +150,7 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
             data = (tokenized_rows(args.data, tokenizer, seq_len, val_fraction=held_out, progress=progress)
                     if held_out else (file_rows(args.data, tokenizer, seq_len, progress=progress), None))
         for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
-            echo(f"  note: {in_flag_terms(str(warning.message), 'train')}", file=sys.stderr)
+            echo(f"  note: {in_flag_terms(warning.message.args[0], 'train')}", file=sys.stderr)
     # NOTE: not model.to(device): the whole fp32 model would sit on the device before any plan, and a model the
     # plan fits only with bf16 device weights or streamed blocks would run out of memory there.
     model, seq_len = build_language_model(args, device)
