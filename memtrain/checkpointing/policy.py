@@ -14,6 +14,7 @@ from memtrain.checkpointing.blocks import BlockPolicy, find_blocks, no_blocks_fo
 from memtrain.checkpointing.selective import SelectivePolicy, resolve_selective
 from memtrain.checkpointing.wrap import apply_checkpointing, remove_checkpointing
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 from memtrain.offload import ActivationOffloader
 
 CheckpointingMode = Literal["none", "all", "every", "selective", "blocks"]
@@ -129,7 +130,7 @@ class Checkpointing:
         if isinstance(value, int):
             if value >= 1:
                 return cls(mode="every", every=value)
-            raise ConfigError(f"checkpointing={value!r}: an integer K means every:K, so it must be >= 1. To "
+            raise ConfigError(f"{arg('checkpointing', value)}: an integer K means every:K, so it must be >= 1. To "
                               f"resolve this error, pass one of {_SPELLINGS}.")
         if isinstance(value, str):
             text = value.strip().lower().replace(" ", "")
@@ -139,7 +140,7 @@ class Checkpointing:
                 return cls(mode=text, offload_inputs=offload)  # type: ignore[arg-type]
             if match := re.fullmatch(r"every:(\d+)", text):
                 if int(match[1]) < 1:  # in the spelling given, not as the field every= (the CLI takes this one)
-                    raise ConfigError(f"checkpointing={value!r}: every:K recomputes one block in K, so K must be an "
+                    raise ConfigError(f"{arg('checkpointing', value)}: every:K recomputes one block in K, so K must be an "
                                       "integer >= 1. To resolve this error, pass e.g. 'every:2' (one block in two "
                                       "recomputes).")
                 return cls(mode="every", every=int(match[1]), offload_inputs=offload)
@@ -154,14 +155,14 @@ class Checkpointing:
                 others = sorted(set(match[1] or "") - set("rko"))
                 what = (f"{', '.join(map(repr, others))} {'is not a block letter' if len(others) == 1 else 'are not block letters'}"
                         if others else "it names no block")
-                raise ConfigError(f"checkpointing={value!r}: {what}; a block layout takes a letter per block (R "
+                raise ConfigError(f"{arg('checkpointing', value)}: {what}; a block layout takes a letter per block (R "
                                   "recompute, K keep, O offload), in the order find_blocks(model) returns them. To "
                                   "resolve this error, pass e.g. 'blocks(RRK)' for three blocks, or another policy.")
             if text == "auto":
-                raise ConfigError("checkpointing='auto' is not a policy but a request that the planner choose "
+                raise ConfigError(f"{arg('checkpointing', 'auto')} is not a policy but a request that the planner choose "
                                   "one. To resolve this error, let memtrain's planner resolve 'auto' (train does) "
                                   f"and parse its choice, or pass one of {_SPELLINGS}.")
-        raise ConfigError(f"checkpointing={value!r} is not a checkpointing policy. To resolve this error, pass "
+        raise ConfigError(f"{arg('checkpointing', value)} is not a checkpointing policy. To resolve this error, pass "
                           f"one of {_SPELLINGS}.")
 
     def __str__(self) -> str:
@@ -227,7 +228,7 @@ class Checkpointing:
                 raise ConfigError(f"checkpointing {self} gives one policy per detected block, but "
                                   f"{no_blocks_found(model)}. To resolve this error, name the blocks with "
                                   "apply_checkpointing(model, blocks=[...], policies={name: policy}), or pass "
-                                  "checkpointing='none'.")
+                                  f"{arg('checkpointing', 'none')}.")
             if len(names) != len(self.blocks):
                 raise ConfigError(
                     f"checkpointing {self} names {len(self.blocks)} blocks, but {type(model).__name__} has "

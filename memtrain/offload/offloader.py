@@ -47,6 +47,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memtrain.device import accelerator, default_device
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
+from memtrain.message import Message, arg
 from memtrain.offload.host_pool import SLAB_BYTES_DEFAULT, HostPool
 from memtrain.offload.saved import Handle, OffloadStats, Record, derived_from_leaf, find_output_head
 from memtrain.offload.transport import Transport, device_exists, warn_noop
@@ -110,7 +111,7 @@ class ActivationOffloader:
                 host_budget_bytes = free // 2
             elif host_budget_bytes > free:
                 raise MemtrainError(
-                    f"offload_activations: host_budget_bytes={format_bytes(host_budget_bytes)} is more than the "
+                    f"{arg('offload_activations')}: host_budget_bytes={format_bytes(host_budget_bytes)} is more than the "
                     f"{format_bytes(free)} of host memory available now; pinning it would starve the machine. "
                     f"To resolve this error, pass host_budget_bytes <= {format_bytes(free)} (e.g. half of it)."
                 )
@@ -302,17 +303,17 @@ class ActivationOffloader:
             if not self._warned_budget:
                 self._warned_budget = True
                 if pool.pin_error:
-                    message = (f"offload_activations could not pin {format_bytes(pool.slab_bytes)} more host "
+                    message = (f"{arg('offload_activations')} could not pin {format_bytes(pool.slab_bytes)} more host "
                                f"memory ({pool.pin_error}); it keeps using the {format_bytes(pool.reserved_bytes)} "
                                "pinned so far, and tensors that do not fit stay on the device "
                                "(OffloadStats.over_budget_bytes counts them). Hint: free host memory, or pass "
                                "a smaller host_budget_bytes.")
                 else:
-                    message = (f"offload_activations: the host budget of {format_bytes(pool.capacity_bytes)} is "
+                    message = (f"{arg('offload_activations')}: the host budget of {format_bytes(pool.capacity_bytes)} is "
                                f"full ({format_bytes(pool.used_bytes)} in use); tensors that do not fit stay on "
                                "the device (OffloadStats.over_budget_bytes counts them). Hint: raise "
                                "host_budget_bytes, or checkpoint more blocks.")
-                warnings.warn(message, stacklevel=4)
+                warnings.warn(Message(message), stacklevel=4)
             return None
         record = Record(self._epoch_id, len(self._epoch), nbytes, extent)
         record.src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)

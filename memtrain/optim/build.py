@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 from memtrain.optim.composed import ComposedOptimizer
 from memtrain.optim.memory import offloaded_mask
 from memtrain.optim.moments import adamw_8bit_class, check_precision
@@ -19,9 +20,10 @@ from memtrain.techniques.optimizer import NamedOptimizer
 # How build_optimizer's arguments read in the rules' messages: an enabled GradScaler is fp16-mixed's.
 ARGUMENT_TERMS = Terms(labels={"optimizer": "optimizer_class"},
                        values={"precision": lambda v: f"{v!r} (an fp16 GradScaler)"},
-                       fixes={"gradients-before-ddp": "pass step_in_backward=False and offload_fraction=0 under DDP "
+                       fixes={"gradients-before-ddp": f"pass {arg('step_in_backward', False)} and "
+                              f"{arg('offload_fraction', 0)} under DDP "
                               "(or use CPUOffloadOptimizer(offload_gradients=False) directly)",
-                              "pure-bf16-precision": "pass precision='bf16-mixed'"})
+                              "pure-bf16-precision": f"pass {arg('precision', 'bf16-mixed')}"})
 
 
 def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr: float,
@@ -93,8 +95,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         raise ConfigError(
             f"{len(on_device)} trainable parameters are not fp32 ({on_device[:3]}...) and would keep their "
             f"{cls.__name__} state on the device without an fp32 master: updates smaller than their dtype's "
-            "resolution would be lost. To resolve this error, keep trainable weights in fp32 (autocast computes in bf16), or pass "
-            "offload_fraction=1.0 (the host keeps an fp32 master of bf16 weights).")
+            "resolution would be lost. To resolve this error, keep trainable weights in fp32 (autocast computes in bf16), "
+            f"or pass {arg('offload_fraction', 1.0)} (the host keeps an fp32 master of bf16 weights).")
     if state_precision == "int8":
         adamw_8bit_class(params[0][1].device.type)  # raises, naming the fallback, before anything is allocated
     if not named.is_adamw and (any(mask) or params[0][1].device.type == "cpu"):
@@ -113,6 +115,7 @@ def _check_pure_bf16(named: list[tuple[str, nn.Parameter]], state_precision: str
         problems += e.problems
     wrong = [n for n, p in named if p.dtype != torch.bfloat16]
     if wrong:
-        problems.append(f"pure_bf16=True with {len(wrong)} trainable parameters that are not bf16 ({wrong[:3]}). To "
+        problems.append(f"{arg('pure_bf16', True)} with {len(wrong)} trainable parameters that are not bf16 "
+                        f"({wrong[:3]}). To "
                         "resolve this error, cast the model first (model.to(torch.bfloat16)).")
     ConfigError.raise_if(problems)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.message import arg
 from memtrain.optim.in_backward import HyperparameterSync, StepInBackward, step_hook
 from memtrain.optim.moments import (
     BF16StateAdamW,
@@ -192,9 +193,9 @@ class ComposedOptimizer(torch.optim.Optimizer):
                 lands, and no parameter steps once an inf/nan was seen.
         """
         if self._in_backward is None:
-            raise MemtrainError("prepare_backward() on an optimizer built with step_in_backward=False: its step() "
-                                "does the work. To resolve this error, build it with step_in_backward=True or drop "
-                                "the call.")
+            raise MemtrainError(f"prepare_backward() on an optimizer built with {arg('step_in_backward', False)}: "
+                                "its step() does the work. To resolve this error, build it with "
+                                f"{arg('step_in_backward', True)} or drop the call.")
         self._in_backward.prepare(last=last, grad_factor=grad_factor, max_norm=max_norm, scaler=scaler)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ import torch
 from memtrain.device import Accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.measure import available_host_bytes
+from memtrain.message import arg
 from memtrain.optim.moments import BF16StateAdamW
 from memtrain.optim.pure_bf16 import PureBF16AdamW
 from memtrain.report import format_bytes
@@ -446,7 +447,7 @@ def check_bf16_weights(flat: list[torch.Tensor], names: list[str] | None) -> Non
         raise ConfigError(
             f"CPUOffloadOptimizer(pure_bf16=True): {len(wrong)} parameters are not bf16 ({wrong[:3]}): pure bf16 "
             "keeps no fp32 master, so the weights must be bf16 already. To resolve this error, cast the model first "
-            "(model.to(torch.bfloat16)), or pass pure_bf16=False (an fp32 master on the host).")
+            f"(model.to(torch.bfloat16)), or pass {arg('pure_bf16', False)} (an fp32 master on the host).")
 
 
 def probe_class(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],

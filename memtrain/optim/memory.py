@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 from memtrain.optim import host_kernels
 from memtrain.optim.host_buffers import aligned, bucket_runs, sum_stage_numel
 from memtrain.optim.moments import (
@@ -41,8 +42,8 @@ def offloaded_mask(numels: Sequence[int], fraction: float) -> list[bool]:
         ConfigError: ``fraction`` outside [0, 1].
     """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
-        raise ConfigError(f"offload_fraction={fraction!r} must be a number in [0, 1] (0: all state on the device, "
-                          "1: all on the host). To resolve this error, pass e.g. offload_fraction=0.5.")
+        raise ConfigError(f"{arg('offload_fraction', fraction)} must be a number in [0, 1] (0: all state on the device, "
+                          f"1: all on the host). To resolve this error, pass e.g. {arg('offload_fraction', 0.5)}.")
     total = sum(numels)
     mask = [False] * len(numels)
     if fraction <= 0 or total == 0:

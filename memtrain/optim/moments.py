@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.message import arg
 from memtrain.optim import host_kernels
 from memtrain.techniques.optimizer import STATE_PRECISIONS
 
@@ -128,7 +129,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 f"BF16StateAdamW steps fp32 parameters (the master weights), got a {p.dtype} parameter with a "
                 f"{p.grad.dtype} gradient. To resolve this error, keep trainable weights in fp32 (autocast "
                 "computes in bf16), or offload the optimizer (it keeps an fp32 master of bf16 weights).")
-        check_sliceable(p, "BF16StateAdamW", ", or use state_precision='fp32'")
+        check_sliceable(p, "BF16StateAdamW", f", or use {arg('state_precision', 'fp32')}")
         init_rounding_state(self, p, torch.bfloat16)
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
@@ -307,8 +308,8 @@ def adamw_8bit_class(device_type: str = "cpu") -> type[torch.optim.Optimizer]:
     global _ADAMW8BIT
     if device_type not in INT8_DEVICES:
         raise ConfigError(
-            f"state_precision='int8' on a {device_type!r} device: bitsandbytes' 8-bit AdamW runs on "
-            f"{' and '.join(INT8_DEVICES)} only. To resolve this error, pass state_precision='bf16' (4 bytes per "
+            f"{arg('state_precision', 'int8')} on a {device_type!r} device: bitsandbytes' 8-bit AdamW runs on "
+            f"{' and '.join(INT8_DEVICES)} only. To resolve this error, pass {arg('state_precision', 'bf16')} (4 bytes per "
             "parameter, no extra needed) or train on a CUDA device.")
     if _ADAMW8BIT is not None:
         return _ADAMW8BIT
@@ -322,8 +323,9 @@ def adamw_8bit_class(device_type: str = "cpu") -> type[torch.optim.Optimizer]:
             bnb_logger.setLevel(level)
     except ImportError as e:
         raise ConfigError(
-            f"state_precision='int8' needs bitsandbytes, which is not importable here ({e}). To resolve this error, "
-            f"{LOWBIT_EXTRA}, or pass state_precision='bf16' (4 bytes per parameter, no extra needed).") from None
+            f"{arg('state_precision', 'int8')} needs bitsandbytes, which is not importable here ({e}). To resolve "
+            f"this error, {LOWBIT_EXTRA}, or pass {arg('state_precision', 'bf16')} (4 bytes per parameter, no extra "
+            "needed).") from None
 
     class AdamW8bit(bnb.optim.AdamW8bit):
         """bitsandbytes.optim.AdamW8bit whose step() does not synchronise the device after every parameter.
@@ -399,7 +401,7 @@ def state_class(precision: str, device_type: str) -> tuple[type[torch.optim.Opti
 
 def check_precision(state_precision: object) -> None:
     if state_precision not in STATE_PRECISIONS:
-        raise ConfigError(f"state_precision={state_precision!r} is not one of {list(STATE_PRECISIONS)}. To resolve "
+        raise ConfigError(f"{arg('state_precision', state_precision)} is not one of {list(STATE_PRECISIONS)}. To resolve "
                           "this error, pass 'fp32' (8 bytes per parameter), 'bf16' (4) or 'int8' (about 2).")
 
 

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.message import arg
 from memtrain.optim.gradient_landing import GradientLanding
 from memtrain.optim.host_buffers import (
     IMPLEMENTATION_KEYS,
@@ -692,7 +693,7 @@ def _moments_class(optimizer_class: type[torch.optim.Optimizer], state_precision
         raise ConfigError(NAMED_OWN_STATE.message(
             f"CPUOffloadOptimizer(optimizer_class={getattr(optimizer_class, '__name__', optimizer_class)}, "
             f"state_precision={state_precision!r})",
-            "drop optimizer_class (AdamW), or pass state_precision='fp32'"))
+            f"drop optimizer_class (AdamW), or pass {arg('state_precision', 'fp32')}"))
     return state_class(str(state_precision), "cpu")[0]
 
 
@@ -706,6 +707,6 @@ def _pure_bf16_class(optimizer_class: type[torch.optim.Optimizer], state_precisi
             f"CPUOffloadOptimizer(pure_bf16=True) with optimizer_class="
             f"{getattr(optimizer_class, '__name__', optimizer_class)} and device_dtype={device_dtype}: pure bf16 "
             "steps bf16 weights with AdamW (no master to cast from). To resolve this error, drop optimizer_class "
-            "and device_dtype, or pass pure_bf16=False.")
+            f"and device_dtype, or pass {arg('pure_bf16', False)}.")
     optimizer_kwargs["state_precision"] = state_precision
     return PureBF16AdamW

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.message import arg
 from memtrain.optim import host_kernels
 from memtrain.optim.moments import (
     NOISE_OFFSETS,
@@ -138,7 +139,7 @@ class PureBF16AdamW(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if getattr(self, "grad_scale", None) is not None:
             raise MemtrainError("PureBF16AdamW got an fp16 GradScaler's scale: pure bf16 trains under bf16-mixed "
-                                "(no scaler). To resolve this error, pass precision='bf16-mixed'.")
+                                f"(no scaler). To resolve this error, pass {arg('precision', 'bf16-mixed')}.")
         for group in self.param_groups:
             for device, params in with_gradients_by_device(group, self._check).items():
                 self._step_device(group, params, device, found_inf)
@@ -235,10 +236,11 @@ def check_pure_bf16_moments(state_precision: object) -> None:
     """ConfigError for moments pure bf16 cannot keep: int8 (bitsandbytes rounds the bf16 weight to nearest)."""
     if state_precision in PURE_BF16_MOMENTS:
         return
-    fix = ("pass state_precision='bf16' (4 bytes per parameter) or 'fp32' (8) with pure bf16, or drop pure_bf16 (an "
+    fix = (f"pass {arg('state_precision', 'bf16')} (4 bytes per parameter) or 'fp32' (8) with pure bf16, or drop "
+           f"{arg('pure_bf16')} (an "
            "fp32 master with int8 moments)")
     int8 = PURE_BF16_INT8.problem(SetUp(pure_bf16=True, state_precision=state_precision), Terms(fixes={
         PURE_BF16_INT8.name: fix}))
     if int8:
         raise ConfigError(int8)
-    raise ConfigError(f"pure bf16 with state_precision={state_precision!r}: To resolve this error, {fix}.")
+    raise ConfigError(f"pure bf16 with {arg('state_precision', state_precision)}: To resolve this error, {fix}.")
