@@ -20,7 +20,7 @@ def _choices(*argv: str, command: str = "train") -> Choices:
 def _refused(*argv: str, command: str = "train") -> str:
     with pytest.raises(ConfigError) as info:
         _choices(*argv, command=command)
-    return in_flag_terms(str(info.value), command)
+    return in_flag_terms(info.value.message, command)
 
 
 def test_flags_not_given_leave_every_choice_to_the_plan():

@@ -55,3 +55,20 @@ def test_an_argument_named_whatever_its_value_reads_as_the_flag_given():
     assert in_flag_terms(f"{arg('optimizer.kwargs', {'a': 1, 'b': 'x'})}") == "--optimizer-arg a=1 --optimizer-arg b='x'"
     assert in_flag_terms(f"{arg('optimizer.step_in_backward', False)}: drop {arg('optimizer.step_in_backward', WHATEVER)}") == (
         "--no-step-in-backward: drop --no-step-in-backward")
+
+
+def test_every_argument_a_message_names_has_the_commands_words_for_it():
+    """Each ``arg("NAME", ...)`` written in memtrain's messages names an argument the command renders: a declared
+    flag, an argument's flag, or a call site's own (``path`` is --hf-model's folder, ``r`` --lora's rank)."""
+    import pathlib
+    import re
+
+    from memtrain.cli import terms
+
+    known = {*terms.ARGUMENT_FLAGS, *terms.ARGUMENT_SWITCHES, *(key.partition("=")[0] for key in terms.ARGUMENT_VALUES),
+             *terms.HF_MODEL_PATH, *terms.LORA_FLAGS}
+    source = pathlib.Path(terms.__file__).parents[1]
+    named = {(path.relative_to(source.parent).as_posix(), name) for path in source.rglob("*.py")
+             for name in re.findall(r"""\barg\(\s*['"]([\w.]+)['"]""", path.read_text())}
+    assert named, "no message names an argument"
+    assert not {(path, name) for path, name in named if name not in known}, sorted(named)

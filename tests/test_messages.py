@@ -18,7 +18,7 @@ from memtrain.techniques.optimizer import NamedOptimizer
 def _refusal(call) -> str:
     with pytest.raises(ConfigError) as info:
         call()
-    return str(info.value)
+    return info.value.message  # the library's wording, with the arguments it names kept for in_flag_terms
 
 
 def _kept(**fields):
@@ -43,14 +43,6 @@ def test_a_resume_refusal_names_the_flag_to_drop_not_a_field_without_its_value()
     message = _refusal(lambda: check_kept_optimizer(
         Choices(optimizer=OptimizerChoice(step_in_backward=False)), _kept(step_in_backward=True)))
     assert "drop --no-step-in-backward" in in_flag_terms(message, "train"), in_flag_terms(message, "train")
-
-
-def test_a_field_named_without_its_value_reads_as_its_flag():
-    assert in_flag_terms("drop optimizer.state_precision= or start") == "drop --optimizer-state or start"
-    assert in_flag_terms("optimizer.placement='device': drop optimizer.placement=.") == (
-        "--no-offload-optimizer: drop --no-offload-optimizer.")
-    assert in_flag_terms("drop optimizer.name= and optimizer.kwargs=") == "drop --optimizer and --optimizer-arg"
-    assert in_flag_terms("optimizer.kwargs={'a': 1, 'b': 'x'}") == "--optimizer-arg a=1 --optimizer-arg b='x'"
 
 
 def test_optimizer_kwargs_with_adamw_name_the_settings_adamw_takes():

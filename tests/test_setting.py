@@ -49,12 +49,14 @@ def test_the_flags_parse_back_into_the_choice():
 
 
 def test_messages_name_the_declared_flags():
-    assert in_flag_terms("optimizer.state_precision='int8' with optimizer.placement='offload'") == \
-        "--optimizer-state 'int8' with --offload-optimizer"
-    assert in_flag_terms("optimizer.step_in_backward=True and offload_fraction=0.5") == \
+    from memtrain.message import arg
+
+    assert in_flag_terms(f"{arg('optimizer.state_precision', 'int8')} with {arg('optimizer.placement', 'offload')}") \
+        == "--optimizer-state 'int8' with --offload-optimizer"
+    assert in_flag_terms(f"{arg('optimizer.step_in_backward', True)} and {arg('offload_fraction', 0.5)}") == \
         "--step-in-backward and --offload-optimizer-fraction 0.5"
-    assert in_flag_terms("offload_weights=True with pure_bf16=True and chunked_loss=False") == \
-        "--offload-weights with --pure-bf16 and --no-chunked-loss"
+    assert in_flag_terms(f"{arg('offload_weights', True)} with {arg('pure_bf16', True)} and "
+                         f"{arg('chunked_loss', False)}") == "--offload-weights with --pure-bf16 and --no-chunked-loss"
 
 
 def test_no_table_or_parser_call_in_the_cli_spells_a_declared_flag_again():

@@ -6,7 +6,8 @@ a read-only filesystem, stdout closed early) or an internal failure (with its tr
 SIGINT / SIGTERM after its checkpoint (``--resume`` continues it).
 
 The parts, from the bottom up:
-- ``terms``: the library's errors in flag terms (``out_dir=`` -> ``--out``), one table, ``ARGUMENT_FLAGS``.
+- ``terms``: the library's errors in flag terms: each argument a message keeps (``memtrain.message``) as its flag
+  (``out_dir=`` -> ``--out``), from the settings' declared flags and ``ARGUMENT_FLAGS`` for the other arguments.
 - ``console``: the exit codes; output that survives a reader closing stdout early.
 - ``flags``: the parser, the flags' types and checks, ``--config FILE.toml``, the flags given explicitly.
 - ``techniques``: the technique flags as the one ``Choices`` that train, plan and estimate take.

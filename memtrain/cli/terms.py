@@ -116,4 +116,6 @@ def flags_of(extra: dict[str, str]) -> Any:
 
 # What ``path=`` means at the call sites that load --hf-model's folder or read --data's file.
 HF_MODEL_PATH, DATA_PATH = {"path": "--hf-model"}, {"path": "--data"}
+# apply_lora's arguments, at the call site that takes them from --lora, --lora-alpha, --lora-dropout, --lora-targets.
+LORA_FLAGS = {"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout", "target_modules": "--lora-targets"}
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from memtrain.cli.terms import HF_MODEL_PATH, flags_of
+from memtrain.cli.terms import HF_MODEL_PATH, LORA_FLAGS, flags_of
 from memtrain.data.corpus import is_jsonl
 from memtrain.data.documents import separator_note
 from memtrain.errors import ConfigError
@@ -62,8 +62,7 @@ def with_lora(model: Any, args: argparse.Namespace, precision: str | None = None
     if quantize:
         quantize_base(model, quantize, compute_dtype=_AUTOCAST_DTYPES.get(precision or "", torch.float32),
                       device=device)
-    with flags_of({"r": "--lora", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
-                   "target_modules": "--lora-targets"}):
+    with flags_of(LORA_FLAGS):
         lora = apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
                           target_modules=args.lora_targets)
     if quantize:
