@@ -25,6 +25,7 @@ from typing import Any
 
 from memtrain.checkpointing import Checkpointing
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 from memtrain.setting import known_fields, switch_problems
 from memtrain.techniques import (
     SetUp,
@@ -99,6 +100,7 @@ class Choices:
         problems_ += switch_problems(self, SWITCHES)
         for name in ON_OFF:
             if not isinstance(getattr(self, name), bool):
+                # Not kept as an argument: the command line names a switch by its flag, which has no such value.
                 problems_.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, "
                                  "pass one of them.")
         good = {name: getattr(self, name) if isinstance(getattr(self, name), bool) else None
@@ -119,8 +121,8 @@ class Choices:
         """What these choices cannot take of a run's ``precision`` (e.g. pure bf16 computes in bf16, with no fp16
         scaler). ``auto``: the caller takes precision='auto' (a run does; an estimate of one set-up does not)."""
         either = " (or 'auto')" if auto else ""
-        terms = Terms(CHOICE_TERMS.labels, {"pure-bf16-precision": f"pass precision='bf16-mixed'{either}, or drop "
-                                                                   "pure_bf16"})
+        terms = Terms(CHOICE_TERMS.labels, {"pure-bf16-precision": f"pass {arg('precision', 'bf16-mixed')}{either}, "
+                                                                   f"or drop {arg('pure_bf16')}"})
         return problems(self.setup(precision=precision), terms)
 
     def to_dict(self) -> dict[str, Any]:

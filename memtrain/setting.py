@@ -100,7 +100,8 @@ def is_fraction(value: Any) -> bool:
 
 
 def switch_problems(owner: Any, names: tuple[str, ...], prefix: str = "") -> list[str]:
-    """The fields of ``owner`` that are not True, False or None (the plan decides), each with its fix."""
+    """The fields of ``owner`` that are not True, False or None (the plan decides), each with its fix (the field is
+    not kept as an argument: the command line names a switch by its flag, which has no such value)."""
     return [f"{prefix}{name}={getattr(owner, name)!r} must be True, False, or None (the plan decides). To resolve "
             "this error, pass one of them." for name in names
             if getattr(owner, name) is not None and not isinstance(getattr(owner, name), bool)]

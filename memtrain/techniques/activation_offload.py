@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
+from memtrain.message import arg
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
@@ -21,8 +22,8 @@ FIELD = field(default=None, metadata=flag(
 
 CHECKPOINT_OFFLOAD_INPUTS = Rule(
     "checkpoint-offload-inputs",
-    "the policy offloads the recomputed blocks' inputs, but offload_activations=False says not to.",
-    "drop +offload or offload_activations=False",
+    f"the policy offloads the recomputed blocks' inputs, but {arg('offload_activations', False)} says not to.",
+    f"drop +offload or {arg('offload_activations', False)}",
     ("checkpointing", "offload_activations"),
     lambda s: s.checkpointing is not None and s.checkpointing.offload_inputs and s.offload_activations is False,
     shows_false=("offload_activations",))

@@ -13,6 +13,7 @@ from typing import Any
 
 from memtrain.checkpointing import Checkpointing, SelectivePolicy
 from memtrain.errors import ConfigError
+from memtrain.message import Message, arg, marked
 from memtrain.techniques.activation_offload import offloads_layout
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.technique import Technique
@@ -26,23 +27,24 @@ def policy_of(value: Any) -> tuple[Checkpointing | None, list[str]]:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return None, []
     if isinstance(value, (bool, int)):  # parse would read 3 as every:3, True as all: a choice names its policy
-        return None, [f"checkpointing={value!r} is not a policy. To resolve this error, pass 'auto', 'none', 'all', "
-                      "'every:K' (e.g. 'every:2'), 'selective', or a Checkpointing."]
+        return None, [Message(f"{arg('checkpointing', value)} is not a policy. To resolve this error, pass 'auto', "
+                              "'none', 'all', 'every:K' (e.g. 'every:2'), 'selective', or a Checkpointing.")]
     try:
         return Checkpointing.parse(value), []
     except ConfigError as e:
-        return None, [p if p.startswith("checkpointing") else f"checkpointing={value!r}: {p}" for p in e.problems]
+        return None, [p if p.startswith("checkpointing") else Message(f"{arg('checkpointing', value)}: {marked(p)}")
+                      for p in e.problems]
 
 
 def check_selective(policy: Checkpointing) -> None:
     """ConfigError for a selective policy the planner cannot plan: other ops kept, or the inputs offloaded."""
     if policy.selective != SelectivePolicy():
-        raise ConfigError(f"checkpointing={str(policy)!r}: the planner's selective recompute keeps the outputs of "
-                          f"{', '.join(SelectivePolicy().keep)}. To resolve this error, pass "
-                          "checkpointing='selective', or estimate this policy with memtrain estimate.")
+        raise ConfigError(f"{arg('checkpointing', str(policy))}: the planner's selective recompute keeps the outputs "
+                          f"of {', '.join(SelectivePolicy().keep)}. To resolve this error, pass "
+                          f"{arg('checkpointing', 'selective')}, or estimate this policy with memtrain estimate.")
     if policy.offload_inputs:
-        raise ConfigError(f"checkpointing={str(policy)!r}: the planner does not combine a selective recompute with "
-                          "offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")
+        raise ConfigError(f"{arg('checkpointing', str(policy))}: the planner does not combine a selective recompute "
+                          "with offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")
 
 
 def _same_policy(checkpointing: Any, policy: Checkpointing) -> bool:
@@ -96,7 +98,7 @@ class CheckpointingTechnique(Technique):
 
     def left_open(self, fixed: Any) -> list[str]:
         """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
-        return ["checkpointing='none' (or another policy)"] if fixed.blocks is None else []
+        return [Message(f"{arg('checkpointing', 'none')} (or another policy)")] if fixed.blocks is None else []
 
     def reasons(self, view: PlanView) -> list[str]:
         """Which blocks recompute or offload, against keeping every activation and against fewer such blocks."""
@@ -164,8 +166,8 @@ class CheckpointingTechnique(Technique):
         if _same_policy(checkpointing, setup.checkpointing):
             return {"checkpointing": setup.checkpointing}, []
         return {"checkpointing": checkpointing}, [
-            f"checkpointing={checkpointing!r} and setup.checkpointing={str(setup.checkpointing)!r} are two different "
-            "policies for one step. To resolve this error, pass one of them."]
+            Message(f"{arg('checkpointing', checkpointing)} and setup.checkpointing={str(setup.checkpointing)!r} are "
+                    "two different policies for one step. To resolve this error, pass one of them.")]
 
     def planned_options(self, settings: Any, block_names: Sequence[str]) -> dict[str, Any]:
         """Each block's kind (recompute, offload, keep), the recomputed ones in the plan's flavor."""

@@ -11,6 +11,7 @@ from dataclasses import field
 from typing import Any
 
 from memtrain.loss import HF_MODEL_TYPES
+from memtrain.message import Message, arg
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule
@@ -25,7 +26,7 @@ CHUNKED_LOSS_MODEL = Rule(
     "chunked-loss-model",
     "memtrain.loss cannot chunk this model's loss: it chunks memtrain's GPT and the Hugging Face model types whose "
     f"head is a plain linear layer on the last hidden state ({', '.join(sorted(HF_MODEL_TYPES))}).",
-    "pass chunked_loss=False",
+    f"pass {arg('chunked_loss', False)}",
     ("chunked_loss", "chunkable"),
     lambda s: bool(s.chunked_loss) and s.chunkable is False)
 
@@ -59,7 +60,7 @@ class ChunkedLossTechnique(Technique):
 
     def left_open(self, fixed: Any) -> list[str]:
         """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
-        return ["chunked_loss=False"] if fixed.chunked_loss is None else []
+        return [Message(arg("chunked_loss", False))] if fixed.chunked_loss is None else []
 
     def planned_setup(self, record: Any) -> dict[str, Any]:
         return {"chunked_loss": record.chunked_loss}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memtrain.message import Message, arg
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
@@ -58,8 +59,8 @@ class CompileTechnique(Technique):
         """The Trainer compiles the model itself (its own argument)."""
         if not choices.compile:
             return []
-        return ["compile=True: the Trainer compiles the model itself. To resolve this error, drop compile and pass "
-                "TrainingArguments(torch_compile=True)."]
+        return [Message(f"{arg('compile', True)}: the Trainer compiles the model itself. To resolve this error, drop "
+                        "compile and pass TrainingArguments(torch_compile=True).")]
 
 
 TECHNIQUE = CompileTechnique()

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import field
 from typing import Any
 
+from memtrain.message import Message, arg
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp
@@ -25,19 +26,19 @@ PURE_BF16_INT8 = Rule(
     "pure-bf16-int8",
     "bitsandbytes' 8-bit AdamW rounds a bf16 weight's update to nearest, losing updates below half an ulp (pure "
     "bf16 needs stochastic rounding).",
-    "pass state_precision='bf16' or 'fp32', or drop pure_bf16",
+    f"pass {arg('state_precision', 'bf16')} or 'fp32', or drop {arg('pure_bf16')}",
     ("pure_bf16", "state_precision"),
     lambda s: bool(s.pure_bf16) and s.state_precision == "int8")
 PURE_BF16_PRECISION = Rule(
     "pure-bf16-precision",
     "pure bf16 keeps bf16 weights and computes in bf16 (no fp32 master, no fp16 loss scaling).",
-    "pass precision='bf16-mixed', or drop pure_bf16",
+    f"pass {arg('precision', 'bf16-mixed')}, or drop {arg('pure_bf16')}",
     ("pure_bf16", "precision"),
     lambda s: bool(s.pure_bf16) and s.precision in ("fp32", "fp16-mixed"))
 PURE_BF16_FSDP = Rule(
     "pure-bf16-fsdp",
     "PureBF16AdamW slices whole bf16 parameters, not FSDP2's sharded ones.",
-    "drop fsdp=True (DDP or one process), or drop pure_bf16",
+    f"drop {arg('fsdp', True)} (DDP or one process), or drop {arg('pure_bf16')}",
     ("pure_bf16", "fsdp"),
     lambda s: bool(s.pure_bf16) and bool(s.fsdp))
 
@@ -122,16 +123,17 @@ class PureBF16Technique(Technique):
         weights."""
         if not choices.pure_bf16:
             return []
-        return ["pure_bf16=True: MemtrainTrainer trains the model's own weights with the Trainer's AdamW (or "
-                "CPUOffloadOptimizer, with an fp32 master); it builds no bf16-only weights with stochastic rounding "
-                "(PureBF16AdamW). To resolve this error, drop pure_bf16 (bf16=True in the TrainingArguments is bf16 "
-                "autocast over fp32 weights), or train with `memtrain train --pure-bf16`."]
+        return [Message(f"{arg('pure_bf16', True)}: MemtrainTrainer trains the model's own weights with the Trainer's "
+                        "AdamW (or CPUOffloadOptimizer, with an fp32 master); it builds no bf16-only weights with "
+                        f"stochastic rounding (PureBF16AdamW). To resolve this error, drop {arg('pure_bf16')} "
+                        "(bf16=True in the TrainingArguments is bf16 autocast over fp32 weights), or train with "
+                        "`memtrain train --pure-bf16`.")]
 
 
     def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
         """Pure bf16 asked for where the run keeps an fp32 master (False is unset: the run's own)."""
         if choices.pure_bf16 and not kept.pure_bf16:
-            return [("pure_bf16=True", "pure_bf16=True")]
+            return [(Message(arg("pure_bf16", True)), Message(arg("pure_bf16", True)))]
         return []
 
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from memtrain.message import Message, arg, marked
+
 
 @dataclass(frozen=True, kw_only=True)
 class SetUp:
@@ -78,20 +80,21 @@ class SetUp:
 @dataclass(frozen=True)
 class Terms:
     """How one site names a ``SetUp``'s fields in its messages: its labels (e.g. "optimizer.placement" for
-    "placement"), the fixes it words itself (by rule name), and a value's text (by field) where ``repr`` is not it."""
+    "placement"), the fixes it words itself (by rule name; each names its arguments with ``memtrain.message.arg``),
+    and a value's text (by field) where ``repr`` is not it."""
 
     labels: Mapping[str, str] = field(default_factory=dict)
     fixes: Mapping[str, str] = field(default_factory=dict)
     values: Mapping[str, Callable[[Any], str]] = field(default_factory=dict)
 
     def given(self, name: str, value: Any) -> str:
-        """E.g. "optimizer.placement='offload'"."""
+        """E.g. "optimizer.placement='offload'", kept as an argument (``memtrain.message.arg``)."""
         label = self.labels.get(name, "world_size" if name == "processes" else name)
         if name in self.values:
-            return f"{label}={self.values[name](value)}"
+            return arg(label, text=self.values[name](value))
         if not isinstance(value, (bool, int, float, str)):  # a class's name (as given), a policy: as their spelling
-            return f"{label}={getattr(value, 'spelling', str(value))!r}"
-        return f"{label}={value!r}"
+            return arg(label, getattr(value, "spelling", str(value)))
+        return arg(label, value)
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ class Rule:
     planned_only: a rule of what the plan plans, not of the primitives (``build_optimizer`` does not ask it).
 
     ``fix`` may name what was given: "{first}" (the first field the message names), "{rest}" (the others) and
-    "{but_last}" (all but the last).
+    "{but_last}" (all but the last). ``why`` and ``fix`` name arguments with ``memtrain.message.arg``; the rule keeps
+    them as ``Message``s (their strings are the library's words).
     """
 
     name: str
@@ -118,11 +122,15 @@ class Rule:
     shows_false: tuple[str, ...] = ()
     planned_only: bool = False
 
-    def message(self, given: str, fix: str | None = None) -> str:
-        """The problem in words: ``given`` (the site's own arguments and values), the reason, then the fix."""
-        return f"{given}: {self.why} To resolve this error, {fix or self.fix}."
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "why", Message(self.why))
+        object.__setattr__(self, "fix", Message(self.fix))
 
-    def problem(self, setup: SetUp, terms: Terms) -> str | None:
+    def message(self, given: str, fix: str | None = None) -> Message:
+        """The problem in words: ``given`` (the site's own arguments and values), the reason, then the fix."""
+        return Message(f"{marked(given)}: {marked(self.why)} To resolve this error, {marked(fix or self.fix)}.")
+
+    def problem(self, setup: SetUp, terms: Terms) -> Message | None:
         """The refusal of ``setup`` in ``terms``' words, or None where the rule allows it."""
         if not self.refuses(setup):
             return None
@@ -131,12 +139,12 @@ class Rule:
         if not given:  # a rule whose test reads what its message does not name: its own name stands in
             given = [self.name]
         text = given[0] + (f" with {' and '.join(given[1:])}" if len(given) > 1 else "")
-        fix = terms.fixes.get(self.name) or self.fix.format(
+        fix = terms.fixes.get(self.name) or marked(self.fix).format(
             first=given[0], rest=" and ".join(given[1:]), but_last=" and ".join(given[:-1]) or given[0])
         return self.message(text, fix)
 
 
-def problems_of(setup: SetUp, terms: Terms, rules: Iterable[Rule], *, primitives: bool = False) -> list[str]:
+def problems_of(setup: SetUp, terms: Terms, rules: Iterable[Rule], *, primitives: bool = False) -> list[Message]:
     """The refusals of ``setup`` by ``rules``, in ``terms``' words, in the rules' order (``primitives``: only the
     rules of what the primitives can build, not those of what the plan plans)."""
     return [p for rule in rules if not (primitives and rule.planned_only)

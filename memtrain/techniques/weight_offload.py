@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from memtrain.message import Message, arg
 from memtrain.offload import PREFETCH_DEFAULT
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
@@ -120,7 +121,7 @@ OFFLOAD_WEIGHTS_ONE_PROCESS = Rule(
     "offload-weights-one-process",
     "parameter offload streams whole blocks to one device (FSDP2 shards and gathers them itself, and DDP averages "
     "gradients after they left for the host).",
-    "run one process without fsdp=True, or drop {first}",
+    f"run one process without {arg('fsdp', True)}, or drop {{first}}",
     ("offload_weights", "fsdp", "processes"),
     lambda s: bool(s.offload_weights) and (bool(s.fsdp) or s.several_processes))
 OFFLOAD_WEIGHTS_BLOCKS = Rule(
@@ -202,16 +203,17 @@ class WeightOffloadTechnique(Technique):
         """The Trainer moves the whole model to the device: no weights streamed from host memory."""
         if not choices.offload_weights:
             return []
-        return ["offload_weights=True: the Trainer moves the whole model to the device, and MemtrainTrainer does not "
-                "stream the blocks' weights from host memory. To resolve this error, drop offload_weights "
-                "(optimizer=OptimizerChoice(placement='offload') still keeps the optimizer state and master weights "
-                "in host memory), or train with `memtrain train --offload-weights`."]
+        return [Message(f"{arg('offload_weights', True)}: the Trainer moves the whole model to the device, and "
+                        "MemtrainTrainer does not stream the blocks' weights from host memory. To resolve this error, "
+                        f"drop {arg('offload_weights')} (optimizer=OptimizerChoice(placement='offload') still keeps the "
+                        "optimizer state and master weights in host memory), or train with `memtrain train "
+                        "--offload-weights`.")]
 
 
     def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
         """Streamed weights asked for (or refused) where the run keeps the other layout: they are the optimizer's."""
         if choices.offload_weights is not None and choices.offload_weights != kept.offload_weights:
-            given = f"offload_weights={choices.offload_weights!r}"
+            given = Message(arg("offload_weights", choices.offload_weights))
             return [(given, given)]
         return []
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from memtrain.errors import ConfigError
+from memtrain.message import Message, arg, marked
 from memtrain.setting import flag, is_fraction, known_fields, switch_problems
 from memtrain.techniques.optimizer.named import ADAMW, ALIASES, NamedOptimizer
 from memtrain.techniques.optimizer.technique import STATE_PRECISIONS, OptimizerTechnique, StatePrecision
@@ -24,6 +25,17 @@ CHOICE_TERMS = Terms(labels={"placement": "optimizer.placement", "state_precisio
                              "step_in_backward": "optimizer.step_in_backward",
                              "offload_fraction": "optimizer.offload_fraction", "optimizer": "optimizer.name"},
                      values={"optimizer": lambda named: repr(named.spelling)})  # as given: 'lion', not its path
+
+
+def _as_name_field(problem: Message, name: Any) -> Message:
+    """A ``NamedOptimizer`` problem that names the value ``optimizer=``, naming this setting's field instead
+    (``optimizer.name=``, kept as an argument where the value is ``name`` as given)."""
+    given = f"optimizer={name!r}"
+    if problem.startswith(given):
+        return Message(arg("optimizer.name", name) + marked(problem).removeprefix(given))
+    if problem.startswith("optimizer="):  # a value NamedOptimizer.of spells its own way (a NamedOptimizer's class)
+        return Message(f"optimizer.name={marked(problem).removeprefix('optimizer=')}")
+    return problem
 
 
 # -- the setting -------------------------------------------------------------------------------------------------
@@ -97,30 +109,33 @@ class OptimizerChoice:
         """Every bad value and contradiction among the optimizer's choices, in words naming the fix."""
         problems = []
         if self.placement not in (None, *PLACEMENTS):
+            # Not kept as an argument: the command line names a placement by its flag, which has no such value.
             problems.append(f"optimizer.placement={self.placement!r} is not one of 'device', 'offload', or None (the "
                             "plan decides). To resolve this error, pass one of them.")
         if self.state_precision not in (None, *STATE_PRECISIONS):
-            problems.append(f"optimizer.state_precision={self.state_precision!r} is not one of 'fp32', 'bf16', "
-                            "'int8', or None (the plan decides). To resolve this error, pass one of them.")
+            problems.append(Message(f"{arg('optimizer.state_precision', self.state_precision)} is not one of 'fp32', "
+                                    "'bf16', 'int8', or None (the plan decides). To resolve this error, pass one of "
+                                    "them."))
         problems += switch_problems(self, ("step_in_backward",), "optimizer.")
         if self.offload_fraction is not None and not is_fraction(self.offload_fraction):
-            problems.append(f"optimizer.offload_fraction={self.offload_fraction!r} must be a fraction in [0, 1], or "
-                            "None (the plan decides). To resolve this error, pass e.g. offload_fraction=0.5.")
+            problems.append(Message(f"{arg('optimizer.offload_fraction', self.offload_fraction)} must be a fraction "
+                                    "in [0, 1], or None (the plan decides). To resolve this error, pass e.g. "
+                                    f"{arg('offload_fraction', 0.5)}."))
         if self.kwargs is not None and not isinstance(self.kwargs, (Mapping, tuple)):
-            problems.append(f"optimizer.kwargs={self.kwargs!r} is not a mapping of argument names to values. To "
-                            "resolve this error, pass e.g. kwargs={'beta2_decay': -0.8}.")
+            problems.append(Message(f"{arg('optimizer.kwargs', self.kwargs)} is not a mapping of argument names to "
+                                    "values. To resolve this error, pass e.g. kwargs={'beta2_decay': -0.8}."))
         if problems:
             return problems
         if self.kwargs and (self.name is None or isinstance(self.name, str) and self.name.strip().lower() == ADAMW):
-            return [f"optimizer.kwargs={dict(self.kwargs)!r} with memtrain's AdamW: it takes no keyword arguments of "
-                    "its own (its settings are optimizer.state_precision, pure_bf16, adam_betas and adam_eps). To "
-                    "resolve this error, drop optimizer.kwargs, or pass optimizer.name (the class they are for, e.g. "
-                    "'torch.optim.AdamW')."]
+            return [Message(f"{arg('optimizer.kwargs', dict(self.kwargs))} with memtrain's AdamW: it takes no keyword "
+                            f"arguments of its own (its settings are {arg('optimizer.state_precision')}, "
+                            f"{arg('pure_bf16')}, {arg('adam_betas')} and {arg('adam_eps')}). To resolve this error, "
+                            f"drop {arg('optimizer.kwargs')}, or pass {arg('optimizer.name')} (the class they are for, "
+                            "e.g. 'torch.optim.AdamW').")]
         try:
             named = self.named
-        except ConfigError as e:
-            return [f"optimizer.name={p.removeprefix('optimizer=')}" if p.startswith("optimizer=") else p
-                    for p in e.problems]
+        except ConfigError as e:  # NamedOptimizer names its argument optimizer=: here it is this field
+            return [_as_name_field(p, self.name) for p in e.problems]
         return problems_of(self.setup(named), CHOICE_TERMS, OptimizerTechnique.rules)
 
     def setup(self, named: NamedOptimizer | None = None) -> SetUp:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError
+from memtrain.message import arg, marked
 
 ADAMW = "adamw"  # memtrain's AdamW (build_optimizer): state precision, pure bf16, the fused host kernels
 # Short names the CLI and config files take for well-known classes (any dotted path works too).
@@ -77,8 +78,9 @@ class NamedOptimizer:
         if value is None or value is torch.optim.AdamW and not args:
             if args:
                 raise ConfigError(f"optimizer kwargs {dict(args)} with memtrain's AdamW: its settings are "
-                                  "state_precision, pure_bf16 and the training config's betas and eps. To resolve "
-                                  "this error, drop the kwargs, or name a class (e.g. 'torch.optim.AdamW').")
+                                  f"{arg('state_precision')}, {arg('pure_bf16')} and the training config's betas and "
+                                  "eps. To resolve this error, drop the kwargs, or name a class (e.g. "
+                                  "'torch.optim.AdamW').")
             return NamedOptimizer()
         if isinstance(value, type):
             named = NamedOptimizer(_public_path(value), args, value)
@@ -91,7 +93,7 @@ class NamedOptimizer:
         try:
             named.resolve()
         except ConfigError as e:
-            raise ConfigError(f"optimizer={value!r}: {e.problems[0]}") from None
+            raise ConfigError(f"optimizer={value!r}: {marked(e.problems[0])}") from None
         return named
 
     @classmethod

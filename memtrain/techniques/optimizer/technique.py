@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 
 from memtrain.errors import ConfigError
+from memtrain.message import WHATEVER, Message, arg, marked
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.optimizer.named import NamedOptimizer
 from memtrain.techniques.rule import Rule, SetUp
@@ -60,7 +61,7 @@ OFFLOAD_WITH_FRACTION = Rule(
 OFFLOAD_WITH_IN_BACKWARD = Rule(
     "offload-with-step-in-backward",
     "the offloaded optimizer already takes each gradient off the device as it is produced and steps on the host; "
-    "step_in_backward is for the device optimizer.",
+    f"{arg('step_in_backward')} is for the device optimizer.",
     "pass one of them",
     ("placement", "step_in_backward"),
     lambda s: s.placement in OFFLOADED and bool(s.step_in_backward))
@@ -77,7 +78,8 @@ IN_BACKWARD_FP16_SCALER = Rule(
     "step-in-backward-fp16-scaler",
     "an overflow must stop the parameters still to step on a flag read on the device, which only fused AdamW (fp32 "
     "moments) takes, not lean moments or another optimizer class.",
-    "pass bf16-mixed precision (no scaler) or step_in_backward=False, or AdamW with state_precision='fp32'",
+    f"pass bf16-mixed precision (no scaler) or {arg('step_in_backward', False)}, or AdamW with "
+    f"{arg('state_precision', 'fp32')}",
     ("step_in_backward", "precision", "optimizer", "state_precision"),
     lambda s: bool(s.step_in_backward) and s.precision == "fp16-mixed" and (
         s.state_precision not in (None, "fp32") or not s.adamw))
@@ -85,13 +87,13 @@ IN_BACKWARD_PER_PARAMETER = Rule(
     "step-in-backward-per-parameter",
     "its step needs every parameter's gradient (or a closure re-evaluating the loss), so a parameter cannot step "
     "alone as its gradient is final.",
-    "use AdamW (build_optimizer's default) or pass step_in_backward=False",
+    f"use AdamW (build_optimizer's default) or pass {arg('step_in_backward', False)}",
     ("step_in_backward", "optimizer"),
     lambda s: bool(s.step_in_backward) and not _per_parameter(s.optimizer))
 BF16_WEIGHTS_PRECISION = Rule(
     "bf16-device-weights-precision",
     "its device weights are bf16 casts of the host master, which only bf16-mixed computes in.",
-    "pass precision='bf16-mixed', or optimizer 'offload' (fp32 device weights)",
+    f"pass {arg('precision', 'bf16-mixed')}, or optimizer 'offload' (fp32 device weights)",
     ("placement", "precision"),
     lambda s: s.placement == "offload-bf16-weights" and s.precision not in (None, "bf16-mixed"))
 NAMED_OWN_STATE = Rule(
@@ -175,10 +177,11 @@ class OptimizerTechnique(Technique):
         """What fixes the optimizer where the plan cannot choose it (``fixed``: a plan's ``Fixed``): its placement, and
         on the device (or where the plan could put it there) its moments and its step."""
         on_device = fixed.optimizer != "offload"
-        return [text for text, value in (
-            ("optimizer.placement='device'", fixed.optimizer),
-            ("optimizer.state_precision='fp32'", fixed.state_precision if on_device else "fp32"),
-            ("optimizer.step_in_backward=False", fixed.step_in_backward if on_device else False)) if value is None]
+        return [Message(arg(name, value)) for name, value, fixed_value in (
+            ("optimizer.placement", "device", fixed.optimizer),
+            ("optimizer.state_precision", "fp32", fixed.state_precision if on_device else "fp32"),
+            ("optimizer.step_in_backward", False, fixed.step_in_backward if on_device else False))
+            if fixed_value is None]
 
     def reasons(self, view: PlanView) -> list[str]:
         """The optimizer (placement, moments, when it steps), against fused fp32 AdamW on the device, the other
@@ -258,14 +261,14 @@ class OptimizerTechnique(Technique):
     def settings_problems(self, settings: Any) -> list[str]:
         problems = []
         if settings.optimizer not in ("device", *OFFLOADED):
-            problems.append(f"optimizer={settings.optimizer!r} is not one of 'device', {', '.join(map(repr, OFFLOADED))}. "
-                            "To resolve this error, pass one of them.")
+            problems.append(f"optimizer={settings.optimizer!r} is not one of 'device', "
+                            f"{', '.join(map(repr, OFFLOADED))}. To resolve this error, pass one of them.")
         if settings.state_precision not in STATE_PRECISIONS:
-            problems.append(f"state_precision={settings.state_precision!r} is not one of "
-                            f"{', '.join(STATE_PRECISIONS)}. To resolve this error, pass one of them.")
+            problems.append(Message(f"{arg('state_precision', settings.state_precision)} is not one of "
+                                    f"{', '.join(STATE_PRECISIONS)}. To resolve this error, pass one of them."))
         if not 0.0 <= settings.offload_fraction <= 1.0:
-            problems.append(f"offload_fraction={settings.offload_fraction!r}: a share in [0, 1] of a device "
-                            "optimizer's state. To resolve this error, pass one.")
+            problems.append(Message(f"{arg('offload_fraction', settings.offload_fraction)}: a share in [0, 1] of a "
+                                    "device optimizer's state. To resolve this error, pass one."))
         return problems
 
     def unbuildable(self, fixed: Any, micro_batch_size: int | None, world_size: int, fsdp: bool | None) -> str:
@@ -275,16 +278,16 @@ class OptimizerTechnique(Technique):
                                     ("step_in_backward", fixed.step_in_backward),
                                     ("offload_fraction", fixed.offload_fraction),
                                     ("micro_batch_size", micro_batch_size)) if v is not None}
-        given = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "the techniques allowed"
-        ranks = f" with world_size={world_size}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
+        given = ", ".join(arg(k, v) for k, v in chosen.items()) or "the techniques allowed"
+        ranks = f" with {arg('world_size', world_size)}{' (FSDP2)' if fsdp else ''}" if world_size > 1 or fsdp else ""
         lean = fixed.state_precision not in (None, "fp32")
         why = [text for text, applies in (
             ("FSDP2 shards fp32 moments only (torch's AdamW steps its sharded parameters)", lean and bool(fsdp)),
-            (f"a step in backward or a partial offload: {GRADIENTS_BEFORE_DDP.why.rstrip('.')}",
+            (f"a step in backward or a partial offload: {marked(GRADIENTS_BEFORE_DDP.why).rstrip('.')}",
              world_size > 1 and bool(fixed.step_in_backward or fixed.offload_fraction))) if applies]
         why = why or ["the search's own pruning leaves none of them"]
-        return (f"no set-up can be built from {given}{ranks}: {'; '.join(why)}. To resolve this error, drop one of "
-                "the fixed choices (leave it to the plan).")
+        return Message(f"no set-up can be built from {given}{ranks}: {'; '.join(why)}. To resolve this error, drop "
+                       "one of the fixed choices (leave it to the plan).")
 
     def host_fraction(self, settings: Any) -> float:
         """The share of the parameters whose state (and gradients) a plan's set-up keeps in host RAM: all of it
@@ -359,16 +362,16 @@ class OptimizerTechnique(Technique):
                             "or drop placement='offload'.")
         elif (choice.placement == "device" or choice.offload_fraction or choice.step_in_backward) and (
                 optimizer == "adamw-offload"):  # lean moments go with either placement
-            asked = [f"{name}={getattr(choice, name)!r}" for name in ("placement", "state_precision",
-                                                                      "step_in_backward", "offload_fraction")
-                     if getattr(choice, name)]
-            problems.append(f"setup.optimizer {', '.join(asked)} with optimizer='adamw-offload': those choose AdamW "
-                            "on the device, 'adamw-offload' puts all of its state in host RAM. To resolve this error, "
-                            "pass optimizer='adamw', or drop them.")
+            asked = [arg(name, getattr(choice, name)) for name in ("placement", "state_precision", "step_in_backward",
+                                                                   "offload_fraction") if getattr(choice, name)]
+            problems.append(Message(f"setup.optimizer {', '.join(asked)} with optimizer='adamw-offload': those choose "
+                                    "AdamW on the device, 'adamw-offload' puts all of its state in host RAM. To resolve "
+                                    "this error, pass optimizer='adamw', or drop them."))
         elif lean and optimizer not in ("adamw", "adamw-offload"):  # lean moments are the offloaded AdamW's too
-            problems.append(f"setup.optimizer's state_precision, step_in_backward and offload_fraction are options "
-                            f"of AdamW (memtrain.optim), not of optimizer={optimizer!r}. To resolve this error, pass "
-                            "optimizer='adamw', or drop them.")
+            problems.append(Message(f"setup.optimizer's {arg('state_precision')}, {arg('step_in_backward')} and "
+                                    f"{arg('offload_fraction')} are options of AdamW (memtrain.optim), not of "
+                                    f"optimizer={optimizer!r}. To resolve this error, pass optimizer='adamw', or drop "
+                                    "them."))
         if problems:
             options.update(state_precision="fp32", offload_fraction=0.0, step_in_backward=False)
         return options, problems
@@ -390,23 +393,26 @@ class OptimizerTechnique(Technique):
         optimizer = choices.optimizer  # an OptimizerChoice
         problems = []
         if optimizer.state_precision is not None and optimizer.placement != "offload":
-            problems.append(f"optimizer.state_precision={optimizer.state_precision!r}: the Trainer's AdamW keeps its "
-                            "moments in its own dtype; MemtrainTrainer builds memtrain.optim's lean moments only on "
-                            "the host. To resolve this error, add placement='offload' (CPUOffloadOptimizer), drop "
-                            "state_precision (or train with `memtrain train`, which does).")
+            problems.append(Message(f"{arg('optimizer.state_precision', optimizer.state_precision)}: the Trainer's "
+                                    "AdamW keeps its moments in its own dtype; MemtrainTrainer builds memtrain.optim's "
+                                    "lean moments only on the host. To resolve this error, add placement='offload' "
+                                    f"(CPUOffloadOptimizer), drop {arg('state_precision')} (or train with `memtrain "
+                                    "train`, which does)."))
         if not optimizer.named.is_adamw and optimizer.placement != "offload":
-            problems.append(f"optimizer.name={optimizer.named.path!r} on the device: the Trainer builds its own "
-                            "optimizer there. To resolve this error, name it in the TrainingArguments (optim=...) or "
-                            "pass Trainer(optimizers=...), or add placement='offload' (CPUOffloadOptimizer steps the "
-                            "class on the host).")
+            problems.append(Message(f"{arg('optimizer.name', optimizer.named.path)} on the device: the Trainer builds "
+                                    "its own optimizer there. To resolve this error, name it in the TrainingArguments "
+                                    "(optim=...) or pass Trainer(optimizers=...), or add placement='offload' "
+                                    "(CPUOffloadOptimizer steps the class on the host)."))
         if optimizer.step_in_backward:
-            problems.append("optimizer.step_in_backward=True: the Trainer steps after backward and clips through the "
-                            "accelerator; MemtrainTrainer cannot step each parameter inside backward. To resolve this "
-                            "error, drop step_in_backward (or train with `memtrain train`).")
+            problems.append(Message(f"{arg('optimizer.step_in_backward', True)}: the Trainer steps after backward and "
+                                    "clips through the accelerator; MemtrainTrainer cannot step each parameter inside "
+                                    f"backward. To resolve this error, drop {arg('step_in_backward')} (or train with "
+                                    "`memtrain train`)."))
         if optimizer.offload_fraction:
-            problems.append(f"optimizer.offload_fraction={optimizer.offload_fraction}: MemtrainTrainer offloads all "
-                            "of the optimizer state or none. To resolve this error, pass "
-                            "OptimizerChoice(placement='offload') (all of it) or drop offload_fraction.")
+            problems.append(Message(f"{arg('optimizer.offload_fraction', text=str(optimizer.offload_fraction))}: "
+                                    "MemtrainTrainer offloads all of the optimizer state or none. To resolve this "
+                                    "error, pass OptimizerChoice(placement='offload') (all of it) or drop "
+                                    f"{arg('offload_fraction')}."))
         return problems
 
 
@@ -415,15 +421,18 @@ class OptimizerTechnique(Technique):
         placement "offload" too: ``Choices`` cannot name the weights), the moments, the step in backward and the
         share offloaded: another one cannot take the state the run's left."""
         asked = choices.optimizer
-        differ = [(f"optimizer.{name}={value!r}", f"optimizer.{name}=") for name, value, have in (
-            ("placement", asked.placement, "device" if kept.optimizer == "device" else "offload"),
-            ("state_precision", asked.state_precision, kept.state_precision),
-            ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
-            ("offload_fraction", asked.offload_fraction, kept.offload_fraction)) if value is not None and value != have]
+        fields = (("placement", asked.placement, "device" if kept.optimizer == "device" else "offload"),
+                  ("state_precision", asked.state_precision, kept.state_precision),
+                  ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
+                  ("offload_fraction", asked.offload_fraction, kept.offload_fraction))
+        differ = [(Message(arg(f"optimizer.{name}", value)), Message(arg(f"optimizer.{name}", WHATEVER)))
+                  for name, value, have in fields if value is not None and value != have]
         if asked.name is not None and asked.named.path != kept.optimizer_class.path:
-            differ.insert(0, (f"optimizer.name={asked.named.path!r}", "optimizer.name="))
+            differ.insert(0, (Message(arg("optimizer.name", asked.named.path)),
+                              Message(arg("optimizer.name", WHATEVER))))
         elif asked.kwargs is not None and asked.named.kwargs != kept.optimizer_class.kwargs:
-            differ.insert(0, (f"optimizer.kwargs={dict(asked.named.kwargs)!r}", "optimizer.kwargs="))
+            differ.insert(0, (Message(arg("optimizer.kwargs", dict(asked.named.kwargs))),
+                              Message(arg("optimizer.kwargs", WHATEVER))))
         return differ
 
 
