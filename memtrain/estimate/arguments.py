@@ -18,6 +18,7 @@ from memtrain.estimate.fake import batch_spec, max_positions, meta_model
 from memtrain.estimate.optimizer_state import as_optimizer
 from memtrain.estimate.tracker import numel
 from memtrain.loss import chunk_tokens_of, supports_chunked_loss
+from memtrain.message import arg, marked
 from memtrain.techniques import REGISTRY, SetUp
 from memtrain.techniques import problems as rule_problems
 from memtrain.techniques.optimizer import STATE_PRECISIONS, NamedOptimizer
@@ -54,7 +55,7 @@ def _checkpointing_kwargs(checkpointing: Any, problems: list[str]) -> Checkpoint
     try:
         return Checkpointing.parse(checkpointing)
     except ConfigError as e:
-        problems.append(f"{e} (or a dict of apply_checkpointing arguments such as {{'every': 2}})")
+        problems.append(f"{marked(e)} (or a dict of apply_checkpointing arguments such as {{'every': 2}})")
         return None
 
 
@@ -83,7 +84,7 @@ def setup_options(setup: Any, *, checkpointing: Any, optimizer: Any,
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...], problems: list[str]) -> None:
     if value not in allowed:
-        problems.append(f"{name}={value!r} is not known. To resolve this error, pass one of {list(allowed)}.")
+        problems.append(f"{arg(name, value)} is not known. To resolve this error, pass one of {list(allowed)}.")
 
 
 def _check_layers(model: Any, problems: list[str]) -> None:
@@ -130,11 +131,11 @@ def check_arguments(
         device_type = str(device)
     _check_choice("device", device_type, ("cuda", "cpu"), problems)
     if not isinstance(offload_activations, bool):
-        problems.append(f"offload_activations={offload_activations!r} must be True or False. To resolve this "
-                        "error, pass offload_activations=True or False.")
+        problems.append(f"{arg('offload_activations', offload_activations)} must be True or False. To resolve "
+                        f"this error, pass {arg('offload_activations', True)} or False.")
     if not isinstance(chunked_loss, bool):
-        problems.append(f"chunked_loss={chunked_loss!r} must be True or False. To resolve this error, pass "
-                        "chunked_loss=True or False.")
+        problems.append(f"{arg('chunked_loss', chunked_loss)} must be True or False. To resolve this error, pass "
+                        f"{arg('chunked_loss', True)} or False.")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         problems.append(f"accumulation={accumulation!r} must be an integer >= 1 (micro-batches per step). To "
                         "resolve this error, pass e.g. accumulation=1.")
@@ -146,15 +147,15 @@ def check_arguments(
         named = as_optimizer(optimizer)
     except ConfigError as e:
         named = "adamw"
-        problems += [p if p.startswith("optimizer=") else f"optimizer={optimizer!r}: {p}" for p in e.problems]
+        problems += [p if p.startswith("optimizer=") else f"optimizer={optimizer!r}: {marked(p)}" for p in e.problems]
     _check_choice("state_precision", state_precision, STATE_PRECISIONS, problems)
     if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not (
             0.0 <= offload_fraction <= 1.0):
-        problems.append(f"offload_fraction={offload_fraction!r} must be a number in [0, 1]. To resolve this "
-                        "error, pass e.g. offload_fraction=1.0 (every parameter's state on the host) or 0.")
+        problems.append(f"{arg('offload_fraction', offload_fraction)} must be a number in [0, 1]. To resolve this "
+                        f"error, pass e.g. {arg('offload_fraction', 1.0)} (every parameter's state on the host) or 0.")
     if not isinstance(step_in_backward, bool):
-        problems.append(f"step_in_backward={step_in_backward!r} must be True or False. To resolve this error, "
-                        "pass step_in_backward=True or False.")
+        problems.append(f"{arg('step_in_backward', step_in_backward)} must be True or False. To resolve this "
+                        f"error, pass {arg('step_in_backward', True)} or False.")
     lean = state_precision != "fp32" or bool(offload_fraction) or step_in_backward is True or pure_bf16 is True
     if isinstance(named, NamedOptimizer):  # the wrappers take any class; lean moments and pure bf16 are AdamW's
         problems += rule_problems(SetUp(optimizer=named, state_precision=state_precision, pure_bf16=pure_bf16))
@@ -237,7 +238,8 @@ def check_against_model(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...
         tokens = numel(shape)
         if max_pos is not None and shape[1] > max_pos:
             problems.append(f"batch: sequences of {shape[1]} tokens are longer than the model's {max_pos} positions. "
-                            f"To resolve this error, pass seq_len <= {max_pos} or a config with more positions.")
+                            f"To resolve this error, pass {arg('seq_len')} <= {max_pos} or a config with more "
+                            "positions.")
     problems += rule_problems(SetUp(chunked_loss=chunked_loss, chunkable=supports_chunked_loss(meta)))
     chunk_tokens = chunk_tokens_of(meta) or 1024  # the model's own chunk size when its loss is chunked already
     if chunked_loss and tokens > MAX_LOSS_CHUNKS * chunk_tokens:

@@ -19,6 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.errors import ConfigError, describe_exception
+from memtrain.message import arg
 from memtrain.quantize import is_quant_state, meta_stand_ins, quant_state_memo
 from memtrain.unwrap import unwrap_model
 
@@ -146,16 +147,17 @@ def _bad_dimensions(where: str, shape: tuple[Any, ...], problems: list[str]) -> 
 def batch_spec(batch: Any, micro_batch_size: int | None, seq_len: int | None,
                 problems: list[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
     """Named input shapes: ``{"input_ids": ((B, T), long)}`` for tokens, or a dict's entries."""
-    bad = [f"{name}={value!r}" for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len))
+    bad = [arg(name, value) for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len))
            if value is not None and not _is_count(value)]
     if bad:
         problems.append(f"{' and '.join(bad)}: each must be an integer >= 1. To resolve this error, pass e.g. "
-                        "micro_batch_size=4, seq_len=2048.")
+                        f"{arg('micro_batch_size', 4)}, {arg('seq_len', 2048)}.")
         return None
     if batch is None:
         if micro_batch_size is None or seq_len is None:
-            problems.append("estimate needs a batch: none was given, and micro_batch_size and seq_len are not both "
-                            "set. To resolve this error, pass batch=(B, T), a token tensor, or both of them.")
+            problems.append(f"estimate needs a batch: none was given, and {arg('micro_batch_size')} and "
+                            f"{arg('seq_len')} are not both set. To resolve this error, pass batch=(B, T), a token "
+                            "tensor, or both of them.")
             return None
         spec = {"input_ids": ((micro_batch_size, seq_len), torch.long)}
     elif isinstance(batch, Mapping):

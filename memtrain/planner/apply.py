@@ -25,6 +25,7 @@ from memtrain.checkpointing import apply_checkpointing, compile_model, find_bloc
 from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError
 from memtrain.loss import apply_chunked_loss, remove_chunked_loss
+from memtrain.message import arg, marked
 from memtrain.offload import WeightStreamer
 from memtrain.optim import CPUOffloadOptimizer, build_optimizer
 from memtrain.planner.checks import SETTINGS_TERMS, setup_of
@@ -84,11 +85,12 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if (s.distribution == "none") != (world == 1):
         raise ConfigError(f"apply_plan: the plan's distribution is {s.distribution!r}, and this process group has "
-                          f"{world} rank(s). To resolve this error, plan with world_size equal to torchrun's "
+                          f"{world} rank(s). To resolve this error, plan with {arg('world_size')} equal to torchrun's "
                           "--nproc_per_node.")
     # A hand-made set-up is held to the rules a plan obeys: e.g. compiled with streamed weights, it would fail only
     # at the first step, inside torch.compile.
-    ConfigError.raise_if(f"apply_plan: {p}" for p in rule_problems(setup_of(s, world, s.precision), SETTINGS_TERMS))
+    refused = rule_problems(setup_of(s, world, s.precision), SETTINGS_TERMS)
+    ConfigError.raise_if(f"apply_plan: {marked(p)}" for p in refused)
     precision = MixedPrecision(s.precision, acc.device.type)  # type: ignore[arg-type]
     a = Applying(model, s, names, acc=acc, precision=precision, world=world,
                  hyper={"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
@@ -359,8 +361,9 @@ def stream_weights(model: nn.Module, blocks: list[str], optimizer: Any,
         ConfigError: ``optimizer`` is not a ``CPUOffloadOptimizer`` (a plan of another placement).
     """
     if not isinstance(optimizer, CPUOffloadOptimizer):
-        raise ConfigError("apply_plan: offload_weights=True needs the offloaded optimizer, whose host master the "
-                          "blocks' weights stream from. To resolve this error, plan with optimizer 'offload'.")
+        raise ConfigError(f"apply_plan: {arg('offload_weights', True)} needs the offloaded optimizer, whose host "
+                          "master the blocks' weights stream from. To resolve this error, plan with optimizer "
+                          "'offload'.")
     modules = dict(model.named_modules())
     params = [p for name in blocks for p in modules[name].parameters() if p.requires_grad]
     streamer = WeightStreamer(model, blocks=blocks, device=device, host_weights=optimizer.stream_weights(params))

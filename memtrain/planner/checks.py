@@ -10,6 +10,7 @@ from typing import Any
 
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
+from memtrain.message import arg, marked
 from memtrain.planner.settings import TECHNIQUES, Fixed, PlanSettings
 from memtrain.report import parse_bytes
 from memtrain.techniques import REGISTRY, SetUp, Terms, planned_setup
@@ -18,10 +19,10 @@ from memtrain.techniques import problems as rule_problems
 # How the planner's set-ups read in the rules' messages: the placement is "optimizer".
 SETTINGS_TERMS = Terms(labels={"placement": "optimizer", "optimizer": "optimizer_class"}, fixes={
     "offload-weights-device-optimizer": "pass optimizer 'offload' (or 'offload-bf16-weights'), or drop "
-                                        "offload_weights=True"})
+                                        f"{arg('offload_weights', True)}"})
 # And its fixed choices, which the plan may also leave open.
 PLAN_TERMS = Terms(labels=SETTINGS_TERMS.labels, fixes={
-    **SETTINGS_TERMS.fixes, "chunked-loss-model": "pass chunked_loss=False (or leave it to the plan)"})
+    **SETTINGS_TERMS.fixes, "chunked-loss-model": f"pass {arg('chunked_loss', False)} (or leave it to the plan)"})
 
 
 # -- the checks ---------------------------------------------------------------------------------------------
@@ -41,14 +42,14 @@ def parse_budget(value: Any, name: str, problems: list[str]) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool):
-        problems.append(f"{name}={value!r} is not a size. To resolve this error, pass bytes or a size such as "
+        problems.append(f"{arg(name, value)} is not a size. To resolve this error, pass bytes or a size such as "
                         "'24GiB'.")
         return None
     if isinstance(value, (int, float)):
         if value == math.inf:
             return None
         if not math.isfinite(value) or value <= 0:
-            problems.append(f"{name}={value!r} must be a positive number of bytes. To resolve this error, pass "
+            problems.append(f"{arg(name, value)} must be a positive number of bytes. To resolve this error, pass "
                             "e.g. parse_bytes('24GiB'), or None for no limit.")
             return None
         return int(value)
@@ -58,9 +59,9 @@ def parse_budget(value: Any, name: str, problems: list[str]) -> int | None:
         try:
             return parse_bytes(value)
         except ConfigError as e:
-            problems.append(f"{name}: {e}")
+            problems.append(f"{arg(name)}: {marked(e)}")
             return None
-    problems.append(f"{name}={value!r} is not a size. To resolve this error, pass bytes or a size such as '24GiB'.")
+    problems.append(f"{arg(name, value)} is not a size. To resolve this error, pass bytes or a size such as '24GiB'.")
     return None
 
 
@@ -79,7 +80,7 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
                         "'offload'. To resolve this error, give one policy per block, in the model's order.")
     if not cuda and ((f.blocks is not None and "offload" in f.blocks) or f.flavor == "offload-inputs"):
         problems.append("activation offload on a CPU only copies within RAM. To resolve this error, drop it "
-                        "(offload_activations) for a CPU run.")
+                        f"({arg('offload_activations')}) for a CPU run.")
     # NOTE: a fixed optimizer offload is planned on the CPU too (CPUOffloadOptimizer runs there, the same code
     # path as on a GPU); the search never proposes one there.
     problems += rule_problems(planned_setup(f, precision=precision, chunkable=chunkable), PLAN_TERMS)
@@ -114,14 +115,14 @@ def check_settings(s: PlanSettings, n_blocks: int, per_rank: int, cuda: bool, wo
                         f"has {n_blocks} blocks, each 'keep', 'recompute' or 'offload'. To resolve this error, give "
                         "one kind per block, in the model's order.")
     if s.micro_batch_size * s.accumulation != per_rank:
-        problems.append(f"micro_batch_size {s.micro_batch_size} x accumulation {s.accumulation} is not the "
-                        f"{per_rank} examples each rank takes per step. To resolve this error, pass a micro-batch "
+        problems.append(f"{arg('micro_batch_size')} {s.micro_batch_size} x accumulation {s.accumulation} is not "
+                        f"the {per_rank} examples each rank takes per step. To resolve this error, pass a micro-batch "
                         f"among {divisors(per_rank)} with the accumulation that makes {per_rank}.")
     if not cuda and ("offload" in s.blocks or s.flavor == "offload-inputs"):
         problems.append("activation offload on a CPU only copies within RAM. To resolve this error, plan it for "
-                        "device='cuda'.")
+                        f"{arg('device', 'cuda')}.")
     if (s.distribution == "none") != (world == 1):
-        problems.append(f"distribution {s.distribution!r} with world_size={world}: one process is 'none', "
+        problems.append(f"distribution {s.distribution!r} with {arg('world_size', world)}: one process is 'none', "
                         "several 'ddp' or 'fsdp2'. To resolve this error, pass the one for this world size.")
     problems += [text for technique in REGISTRY for text in technique.settings_problems(s)]
     problems += rule_problems(setup_of(s, world, precision, chunkable), SETTINGS_TERMS)
@@ -149,14 +150,14 @@ def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_
     host_budget_bytes = parse_budget(host_budget, "host_budget", problems)
     for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass one.")
+            problems.append(f"{arg(name, value)} must be an integer >= 1. To resolve this error, pass one.")
     if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
                                          or micro_batch_size < 1):
-        problems.append(f"micro_batch_size={micro_batch_size!r} must be an integer >= 1, or None to choose it.")
+        problems.append(f"{arg('micro_batch_size', micro_batch_size)} must be an integer >= 1, or None to choose it.")
     if device not in ("cuda", "cpu"):
-        problems.append(f"device={device!r} is not one of 'cuda', 'cpu'.")
+        problems.append(f"{arg('device', device)} is not one of 'cuda', 'cpu'.")
     if precision not in ("fp32", "bf16-mixed", "fp16-mixed"):
-        problems.append(f"precision={precision!r} is not one of fp32, bf16-mixed, fp16-mixed.")
+        problems.append(f"{arg('precision', precision)} is not one of fp32, bf16-mixed, fp16-mixed.")
     if isinstance(safety_margin, bool) or not isinstance(safety_margin, (int, float)) or not 0 <= safety_margin < 0.9:
         problems.append(f"safety_margin={safety_margin!r} must be a fraction in [0, 0.9), e.g. 0.05.")
     allowed = set(TECHNIQUES if techniques is None else techniques)
@@ -165,10 +166,11 @@ def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_
     ConfigError.raise_if(problems)
     per_rank, remainder = divmod(global_batch_size, world_size)
     if remainder:
-        problems.append(f"global_batch_size={global_batch_size} does not split over world_size={world_size} ranks. "
+        problems.append(f"{arg('global_batch_size', global_batch_size)} does not split over "
+                        f"{arg('world_size', world_size)} ranks. "
                         f"To resolve this error, pass a multiple of {world_size}.")
     elif micro_batch_size is not None and per_rank % micro_batch_size:
-        problems.append(f"micro_batch_size={micro_batch_size} does not divide the {per_rank} examples each rank "
-                        f"takes per step. To resolve this error, pass one of {divisors(per_rank)}.")
+        problems.append(f"{arg('micro_batch_size', micro_batch_size)} does not divide the {per_rank} examples each "
+                        f"rank takes per step. To resolve this error, pass one of {divisors(per_rank)}.")
     ConfigError.raise_if(problems)
     return budget_bytes, host_budget_bytes, allowed, per_rank

@@ -22,6 +22,7 @@ from memtrain.device import Accelerator, accelerator, active_simulation
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write_bytes
 from memtrain.measure import available_host_bytes
+from memtrain.message import words
 from memtrain.optim import cpu_step_rate
 
 
@@ -119,8 +120,8 @@ def known_gpu(name: str, *, memory_bytes: int | None = None, host: DeviceProfile
             )
     known = ", ".join(k for k, _ in _KNOWN_GPUS)
     raise ConfigError(f"the table of known GPUs has no {name!r} (it knows {known}). To resolve this error, run "
-                      "memtrain plan --calibrate on that machine (a few seconds of probes, cached), or pass "
-                      "device_profile=.")
+                      "memtrain plan --calibrate on that machine (a few seconds of probes, cached), "
+                      f"{words('or pass device_profile=.', 'or pass --gpu with one of the names it knows')}")
 
 
 def _cache_path() -> Path:
@@ -170,7 +171,8 @@ def calibrate(device: str | torch.device = "cuda", *, cache: bool = True, refres
                    f"rates: {cpu.source}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("calibrate(device='cuda'), but torch sees no CUDA device. To resolve this error, run it on "
-                          "the GPU machine, or plan with the table of known GPUs (device_profile=None).")
+                          "the GPU machine, or plan with the table of known GPUs "
+                          f"{words('(device_profile=None)', '(memtrain plan --gpu NAME)')}.")
     name = _device_name(device)
     key = f"{name} | torch {torch.__version__}"
     path = _cache_path()

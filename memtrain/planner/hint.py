@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from memtrain import techniques
+from memtrain.message import arg
 from memtrain.models import GPT
 from memtrain.planner.cost import CandidateTable, Composer
 from memtrain.planner.settings import Fixed, PlanSettings, Problem
@@ -45,7 +46,7 @@ class PureBF16Hint:
     def fix(self) -> str:
         """E.g. "pure_bf16=True, which fits in 19.1 GiB per rank with 45.0 GiB of host RAM at 1,234 tokens/s (...)"
         (the CLI says --pure-bf16)."""
-        return self.text("pure_bf16=True")
+        return self.text(arg("pure_bf16", True))
 
     def text(self, option: str) -> str:
         s = self.settings

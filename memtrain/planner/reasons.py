@@ -15,6 +15,7 @@ from memtrain.device import active_simulation
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
+from memtrain.message import arg
 from memtrain.offload import SLAB_BYTES_DEFAULT
 from memtrain.planner.cost import (
     LOADER_BATCHES,
@@ -242,7 +243,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     on_device, on_host = bool(fits_device.any()), bool(fits_host.any())
     # Each figure is stated beside the budget it is over: the least host RAM of the set-ups that fit the device,
     # and the smallest peak of those that fit the host (of all set-ups when none does).
-    host_of = "host_budget" if host_budget is not None else "host RAM available now"
+    host_of = arg("host_budget") if host_budget is not None else "host RAM available now"
     k = int(np.argmin(np.where(fits_host, peaks, np.inf))) if on_host else int(np.argmin(peaks))
     h = int(np.argmin(np.where(fits_device, results.host, np.inf))) if on_device else int(np.argmin(results.host))
     clauses, fixes = [], []
@@ -253,8 +254,9 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                  f"{device}) need at least" if on_device else "the least any set-up needs is")
         clauses.append(f"{whose} {format_bytes(need)} of host RAM, {format_bytes(need - host_limit)} over the "
                        f"{format_bytes(host_limit)} of {host_of}")
-        both = "" if on_device or usable is None else f" with budget={_size_up(math.ceil(peaks[h] / (1 - margin)))}"
-        fixes.append(f"host_budget={_size_up(need)}{both} ({_setup_text(results.settings(h))}: a peak of "
+        both = ("" if on_device or usable is None else
+                f" with {arg('budget', text=_size_up(math.ceil(peaks[h] / (1 - margin))))}")
+        fixes.append(f"{arg('host_budget', text=_size_up(need))}{both} ({_setup_text(results.settings(h))}: a peak of "
                      f"{format_bytes(int(peaks[h]))} per rank)"
                      + ("" if host_budget is not None else " on a machine with that much RAM free"))
     if usable is not None and (on_host or not on_device):
@@ -268,7 +270,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     which = ("both budgets" if on_device and on_host else "the device" if on_host else
              "the host RAM" if on_device else "either budget")
     if which == "either budget":  # each fix needs the other budget raised too: the smallest peak's host RAM
-        fixes[1:] = [f"host_budget={_size_up(int(results.host[k]))} and {fix}" for fix in fixes[1:]]
+        fixes[1:] = [f"{arg('host_budget', text=_size_up(int(results.host[k])))} and {fix}" for fix in fixes[1:]]
     fixes += options or []
     raise ConfigError(f"no set-up fits {which}: {'; '.join(clauses)}. To resolve this error, try "
                       f"{'; or '.join(fixes)}.")
@@ -295,7 +297,7 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
                   margin: float) -> list[str]:
     """What would let set-up ``s``, the smallest peak ``peak``, fit the usable device bytes: a budget that holds
     it, FSDP2 over more ranks, a shorter sequence."""
-    fits = (f"budget={_size_up(math.ceil(peak / (1 - margin)))} holds that set-up's peak with the "
+    fits = (f"{arg('budget', text=_size_up(math.ceil(peak / (1 - margin))))} holds that set-up's peak with the "
             f"{100 * margin:.0f}% margin")
     hints = [f"a larger budget ({fits})"]
     prof = composer.profile_of(s)
@@ -321,14 +323,14 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
                     f"{format_bytes(int(state))} on the device ({fits})")
     elif state + workspace >= usable:
         least = math.ceil(peak / (1 - margin))
-        hints[0] = (f"a budget of at least {_bytes_up(least)} (budget={_size_up(least)}): cuBLAS's fixed "
+        hints[0] = (f"a budget of at least {_bytes_up(least)} ({arg('budget', text=_size_up(least))}): cuBLAS's fixed "
                     f"workspaces alone take {format_bytes(workspace)} (two of 32 MiB, whatever the sequence or batch) "
                     f"beside the model state's {format_bytes(int(state))}")
     elif activations > usable - state and ctx.seq_len > 1:  # not a length: the activations are not linear in it (fixed buffers)
         fixed = f", {format_bytes(workspace)} of it cuBLAS's fixed workspaces" if workspace else ""
         # Worded as a change ("below"): "at seq_len 1024" reads as --seq-len 1024 in the command's terms.
-        hints.append(f"seq_len below {ctx.seq_len} (at {ctx.seq_len} tokens a micro-batch of {s.micro_batch_size} "
-                     f"needs {format_bytes(int(activations))}{fixed} beside the model state's "
+        hints.append(f"{arg('seq_len')} below {ctx.seq_len} (at {ctx.seq_len} tokens a micro-batch of "
+                     f"{s.micro_batch_size} needs {format_bytes(int(activations))}{fixed} beside the model state's "
                      f"{format_bytes(int(state))})")
     else:
         hints[0] = (f"a larger budget: a micro-batch of {s.micro_batch_size} alone needs "

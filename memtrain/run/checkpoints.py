@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 
 from memtrain.errors import MemtrainError
 from memtrain.files import as_os_error, free_bytes, replace_folder, sha256_file, write_fix
+from memtrain.message import arg
 from memtrain.report import format_bytes
 
 CHECKPOINT_FORMAT = 2  # 2: meta.json and tensors.safetensors both listed in SHA256SUMS
@@ -271,7 +272,7 @@ class RunCheckpoints:
     def none_intact(self, skipped: list[str]) -> MemtrainError:
         return MemtrainError(f"no checkpoint in {self.root} can be resumed: {'; '.join(skipped)}. To resolve this "
                              "error, resume with the model and settings of the original run, start a new run in "
-                             "another out_dir, or restore a checkpoint from a backup.")
+                             f"another {arg('out_dir')}, or restore a checkpoint from a backup.")
 
     def clean_temporaries(self) -> tuple[list[str], list[str]]:
         """Removes what writers that died mid-write left under ``checkpoints/`` (only the lock holder may call this:
@@ -319,7 +320,7 @@ def write_fault(error: OSError, path: Path, checkpoints: RunCheckpoints | None, 
              f"{format_bytes(free)} free in {Path(path).parent}" if free is not None else ""]
     sizes_text = "; ".join(s for s in sizes if s)
     return (f"could not write {where} ({error.strerror or error}){f'; {sizes_text}' if sizes_text else ''}: "
-            f"{intact}. To resolve this error, {write_fix(error)}, then continue the run with resume=True.")
+            f"{intact}. To resolve this error, {write_fix(error)}, then continue the run with {arg('resume', True)}.")
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from typing import Any
 
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write_bytes, free_bytes, write_fix
+from memtrain.message import arg
 from memtrain.report import format_bytes
 from memtrain.run.checkpoints import RunCheckpoints, RunWriteError
 
@@ -109,11 +110,11 @@ class RunFolder:
         """Raises one ConfigError if the run may not use this folder; writes nothing."""
         out, shown = self.path, str(self.path)
         if os.path.islink(out) and not os.path.exists(out):
-            raise ConfigError(f"out_dir={shown!r} is a symbolic link to {os.readlink(out)!r}, which does not exist "
-                              "(or is a loop of links). To resolve this error, pass a folder path, or create the "
-                              "link's target.")
+            raise ConfigError(f"{arg('out_dir', shown)} is a symbolic link to {os.readlink(out)!r}, which does not "
+                              "exist (or is a loop of links). To resolve this error, pass a folder path, or create "
+                              "the link's target.")
         if out.exists() and not out.is_dir():
-            raise ConfigError(f"out_dir={shown!r} is a file. To resolve this error, pass a folder path.")
+            raise ConfigError(f"{arg('out_dir', shown)} is a file. To resolve this error, pass a folder path.")
         if self.export and not (out / MARKER).is_file():
             what = f"is not a memtrain run folder (it holds no {MARKER})" if out.exists() else "does not exist"
             raise ConfigError(f"{shown!r} {what}. To resolve this error, "
@@ -121,11 +122,12 @@ class RunFolder:
         if not out.exists():
             self._check_creatable()
             if self.resume:
-                raise ConfigError(f"resume=True: {shown!r} does not exist, so there is no run to continue. To "
-                                  "resolve this error, pass the out_dir of the run to continue, or drop resume=True.")
+                raise ConfigError(f"{arg('resume', True)}: {shown!r} does not exist, so there is no run to continue. "
+                                  f"To resolve this error, pass the {arg('out_dir')} of the run to continue, or drop "
+                                  f"{arg('resume', True)}.")
             return
         if not os.access(out, os.W_OK | os.X_OK):
-            raise ConfigError(f"out_dir={shown!r} is not writable. To resolve this error, pass a folder you can "
+            raise ConfigError(f"{arg('out_dir', shown)} is not writable. To resolve this error, pass a folder you can "
                               "write to.")
         # The lock alone is a run setting the folder up (this one, under lock()), not a foreign file.
         names = sorted(p.name for p in out.iterdir() if not _is_temporary(p.name) and p.name != LOCK)
@@ -134,59 +136,64 @@ class RunFolder:
             self._check_foreign(names)
             return
         if marker is not None and marker.get("format", RUN_FORMAT) > RUN_FORMAT:
-            raise ConfigError(f"out_dir={shown!r} holds a run of a newer memtrain (run format {marker['format']}; "
-                              f"this one reads {RUN_FORMAT}). To resolve this error, upgrade memtrain, or pass "
-                              "another out_dir.")
+            raise ConfigError(f"{arg('out_dir', shown)} holds a run of a newer memtrain (run format "
+                              f"{marker['format']}; this one reads {RUN_FORMAT}). To resolve this error, upgrade "
+                              f"memtrain, or pass another {arg('out_dir')}.")
         existing = [name for name in RUN_FILES if (out / name).exists()]
         if self.export:
             return
         if existing and not (self.overwrite or self.resume):
             raise ConfigError(
-                f"out_dir={shown!r} already holds a run's results ({', '.join(existing)}). To resolve this error, "
-                "pass resume=True to continue it, another out_dir, or overwrite=True to replace it."
+                f"{arg('out_dir', shown)} already holds a run's results ({', '.join(existing)}). To resolve this "
+                f"error, pass {arg('resume', True)} to continue it, another {arg('out_dir')}, or "
+                f"{arg('overwrite', True)} to replace it."
             )
         if self.resume and not RunCheckpoints(out).paths():
             if (out / "model.safetensors").is_file():
                 raise ConfigError(
-                    f"resume=True: the run in {shown!r} finished (its model.safetensors is there) and its "
+                    f"{arg('resume', True)}: the run in {shown!r} finished (its model.safetensors is there) and its "
                     "checkpoints/ is gone, so there is nothing left to train. To resolve this error, keep the run "
                     f"as it is (memtrain export {shown} writes hf/ and sample.txt again from model.safetensors), "
-                    "or start a new run in another out_dir; overwrite=True would delete its model.safetensors.")
-            fix = ("pass overwrite=True to start it again (it stopped before its first checkpoint)" if existing or
-                   marker is not None else "drop resume=True to start a new run there, or pass the out_dir of the "
-                   "run to continue")
-            raise ConfigError(f"resume=True: {shown!r} holds no checkpoint to resume from. To resolve this error, "
-                              f"{fix}.")
+                    f"or start a new run in another {arg('out_dir')}; {arg('overwrite', True)} would delete its "
+                    "model.safetensors.")
+            fix = (f"pass {arg('overwrite', True)} to start it again (it stopped before its first checkpoint)"
+                   if existing or marker is not None else
+                   f"drop {arg('resume', True)} to start a new run there, or pass the {arg('out_dir')} of the run to "
+                   "continue")
+            raise ConfigError(f"{arg('resume', True)}: {shown!r} holds no checkpoint to resume from. To resolve this "
+                              f"error, {fix}.")
 
     def _check_creatable(self) -> None:
         parent = self.path.absolute().parent
         while not parent.exists() and parent != parent.parent:
             if os.path.islink(parent):
-                raise ConfigError(f"out_dir={str(self.path)!r} cannot be created: {str(parent)!r} is a symbolic "
-                                  "link to nothing. To resolve this error, pass another out_dir.")
+                raise ConfigError(f"{arg('out_dir', str(self.path))} cannot be created: {str(parent)!r} is a symbolic "
+                                  f"link to nothing. To resolve this error, pass another {arg('out_dir')}.")
             parent = parent.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"out_dir={str(self.path)!r} cannot be created: {str(parent)!r} is not a writable "
-                              "folder. To resolve this error, pass an out_dir in a folder you can write to.")
+            raise ConfigError(f"{arg('out_dir', str(self.path))} cannot be created: {str(parent)!r} is not a writable "
+                              f"folder. To resolve this error, pass an {arg('out_dir')} in a folder you can write to.")
 
     def _check_foreign(self, names: list[str]) -> None:
         shown = str(self.path)
         listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         if self.resume:
-            raise ConfigError(f"resume=True: {shown!r} is not a memtrain run folder (no {MARKER} marker; it holds "
-                              f"{listed}). To resolve this error, pass the out_dir of the run to continue.")
+            raise ConfigError(f"{arg('resume', True)}: {shown!r} is not a memtrain run folder (no {MARKER} marker; it "
+                              f"holds {listed}). To resolve this error, pass the {arg('out_dir')} of the run to "
+                              "continue.")
         clashes = [name for name in names if name in RUN_OUTPUTS]
         if clashes:
             raise ConfigError(
-                f"out_dir={shown!r} holds {', '.join(clashes)}, which memtrain did not write (the folder has no "
-                f"{MARKER} marker) and a run would replace. To resolve this error, pass another out_dir (a new or "
-                "empty folder); memtrain never replaces files it did not write, even with overwrite=True."
+                f"{arg('out_dir', shown)} holds {', '.join(clashes)}, which memtrain did not write (the folder has no "
+                f"{MARKER} marker) and a run would replace. To resolve this error, pass another {arg('out_dir')} (a "
+                f"new or empty folder); memtrain never replaces files it did not write, even with "
+                f"{arg('overwrite', True)}."
             )
         if not self.overwrite:
             raise ConfigError(
-                f"out_dir={shown!r} is not empty and not a memtrain run folder (no {MARKER} marker; it holds "
-                f"{listed}). To resolve this error, pass a new or empty out_dir, or overwrite=True to write the "
-                "run beside those files (memtrain never deletes what it did not write)."
+                f"{arg('out_dir', shown)} is not empty and not a memtrain run folder (no {MARKER} marker; it holds "
+                f"{listed}). To resolve this error, pass a new or empty {arg('out_dir')}, or {arg('overwrite', True)} "
+                "to write the run beside those files (memtrain never deletes what it did not write)."
             )
 
     def marker(self) -> dict[str, Any] | None:
@@ -218,8 +225,8 @@ class RunFolder:
             self._undo()
             if e.errno in _NO_ROOM:
                 raise self._no_room(e, lock_path) from None
-            raise ConfigError(f"out_dir={str(self.path)!r} cannot be written ({e.strerror}). To resolve this error, "
-                              "pass an out_dir you can write to.") from None
+            raise ConfigError(f"{arg('out_dir', str(self.path))} cannot be written ({e.strerror}). To resolve this "
+                              f"error, pass an {arg('out_dir')} you can write to.") from None
         try:
             self._take(fd, lock_path)
         except BaseException as e:
@@ -296,13 +303,14 @@ class RunFolder:
     def _refuse(self, holder: dict[str, Any], lock_path: Path, *, stale: bool) -> None:
         if stale:
             raise ConfigError(
-                f"out_dir={str(self.path)!r} is locked ({lock_path}): its holder, {_describe(holder)}, is no longer "
-                "running, but a process it started still holds the lock. To resolve this error, end that process "
-                f"(`fuser -v {lock_path}` shows it), or pass another out_dir."
+                f"{arg('out_dir', str(self.path))} is locked ({lock_path}): its holder, {_describe(holder)}, is no "
+                "longer running, but a process it started still holds the lock. To resolve this error, end that "
+                f"process (`fuser -v {lock_path}` shows it), or pass another {arg('out_dir')}."
             )
         raise ConfigError(
-            f"out_dir={str(self.path)!r} is in use by another run: {_describe(holder)} (lock file {lock_path}). To "
-            "resolve this error, wait for that run to end or stop it, or pass another out_dir."
+            f"{arg('out_dir', str(self.path))} is in use by another run: {_describe(holder)} (lock file "
+            f"{lock_path}). To resolve this error, wait for that run to end or stop it, or pass another "
+            f"{arg('out_dir')}."
         )
 
     def commit(self) -> None:

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from memtrain.message import arg
+
 # A dataset without a token stream that is not an in-memory list is hashed through this many evenly spaced
 # examples at most: each is one __getitem__ (which may read a file or tokenise), paid at every start and resume.
 FINGERPRINT_MAX_EXAMPLES = 65536
@@ -196,7 +198,7 @@ RESUME_POLICY: dict[str, str] = {
 def compare_runs(saved: RunIdentity, now: RunIdentity) -> list[str]:
     """One message per run-defining difference between a checkpoint's run and this one (empty: the same run)."""
     problems = []
-    fix = ("To resolve this error, resume with the original {what}, or start a new run in another out_dir.")
+    fix = f"To resolve this error, resume with the original {{what}}, or start a new run in another {arg('out_dir')}."
     saved_values, now_values = saved.to_dict(), now.to_dict()  # the values as the messages show them
     for key in (f.name for f in dataclasses.fields(RunIdentity)):
         if getattr(saved, key) == getattr(now, key) or (key in ("lr", "warmup_steps") and getattr(now, key) is None):
@@ -207,9 +209,9 @@ def compare_runs(saved: RunIdentity, now: RunIdentity) -> list[str]:
             problems.append(_model_difference(saved.model, now.model) + " " + fix.format(what="model"))
         else:
             was, new = saved_values[key], now_values[key]
-            problems.append(f"resume: {key}={new!r} now but {key}={was!r} in the run being resumed. To "
-                            f"resolve this error, pass {key}={was!r} (or leave it out: `memtrain train --resume` "
-                            "reads the run's config), or start a new run in another out_dir.")
+            problems.append(f"resume: {arg(key, new)} now but {arg(key, was)} in the run being resumed. To "
+                            f"resolve this error, pass {arg(key, was)} (or leave it out: `memtrain train --resume` "
+                            f"reads the run's config), or start a new run in another {arg('out_dir')}.")
     return problems
 
 

@@ -28,6 +28,7 @@ from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
+from memtrain.message import WHATEVER, arg, marked
 from memtrain.planner import Plan, PlanSettings, budget_bytes, plan, planning_device
 from memtrain.planner.settings import Fixed
 from memtrain.report import format_bytes, parse_bytes
@@ -118,7 +119,7 @@ def run_budget(config: TrainConfig, model: nn.Module, device: torch.device) -> t
     ram = available_host_bytes()
     if ram is None:
         raise ConfigError("the machine does not say how much RAM is free, so no budget can be inferred. To resolve "
-                          "this error, pass budget= (e.g. '8GiB').")
+                          f"this error, pass {arg('budget', WHATEVER)} (e.g. '8GiB').")
     own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return ram + own, (f"budget {format_bytes(ram + own)}: the RAM available at the start with the model already in "
                        "it (budget= sets one)")
@@ -210,13 +211,13 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
     if settings is not None:
         return PlanInForce(settings, None, None, (f"{why}; the run's settings as saved",), unchecked=unchecked)
     fixed, _, notes = Fixed.of_choices(config.choices, n_blocks=n_blocks, device=planning_device(context.device))
-    missing = fixed.left_open() + (
-        [f"micro_batch_size={context.global_batch // context.world} (or a divisor of it)"] if micro is None else [])
+    per_rank = context.global_batch // context.world
+    missing = fixed.left_open() + ([f"{arg('micro_batch_size', per_rank)} (or a divisor of it)"] if micro is None
+                                   else [])
     if missing:
         raise MemtrainError(f"the planner cannot estimate {type(model).__name__}: {cause}; it needs that estimate "
                             "to choose the techniques left open. To resolve this error, fix every technique: pass "
                             f"{', '.join(missing)}; training then runs as given, without the plan check.")
-    per_rank = context.global_batch // context.world
     assert micro is not None
     chosen = fixed.settings(micro_batch_size=micro, accumulation=per_rank // micro, precision=context.precision,
                             distribution="none" if context.world == 1 else "fsdp2" if config.fsdp else "ddp")
@@ -232,7 +233,7 @@ def check_kept_optimizer(choices: Choices, kept: PlanSettings) -> None:
     if differ:
         raise ConfigError(f"{', '.join(given for given, _ in differ)}: the run's optimizer is {kept.optimizer_text}, "
                           "and its state exists already (a resume or a re-plan keeps it). To resolve this error, drop "
-                          f"{' and '.join(drop for _, drop in differ)} or start a new run (overwrite=True).")
+                          f"{' and '.join(drop for _, drop in differ)} or start a new run ({arg('overwrite', True)}).")
 
 
 def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: int, precision: str,
@@ -312,7 +313,7 @@ def replan(in_force: PlanInForce, model: nn.Module, config: TrainConfig, context
                          f"chose {new.settings.micro_batch_size}")
     except ConfigError as e:
         raise MemtrainError(f"{why}, and no plan fits with the {format_bytes(correction)} the estimate missed "
-                            f"folded in: {e}") from None
+                            f"folded in: {marked(e)}") from None
     return dataclasses.replace(new, reasons=(*notes, *new.reasons))
 
 
@@ -337,13 +338,14 @@ def plan_after_out_of_memory(in_force: PlanInForce, error: str, model: nn.Module
     if context.world > 1:
         raise MemtrainError(f"out of memory at step {step + 1} with a micro-batch of {micro} on one of several "
                             "ranks (the others cannot re-plan in step). To resolve this error, pass a smaller budget "
-                            "(budget=) so that the plan leaves more room, or a smaller micro_batch_size.")
+                            f"({arg('budget', WHATEVER)}) so that the plan leaves more room, or a smaller "
+                            f"{arg('micro_batch_size')}.")
     if in_force.plan is None:
         per_rank = context.global_batch  # one rank
         if micro == 1:
             raise MemtrainError(f"out of memory at step {step + 1} with a micro-batch of 1. To resolve this error, "
-                                "pass optimizer.placement='offload', a shorter "
-                                "seq_len, or a smaller model.")
+                                f"pass {arg('optimizer.placement', 'offload')}, a shorter {arg('seq_len')}, or a "
+                                "smaller model.")
         smaller = next(m for m in range(micro // 2, 0, -1) if per_rank % m == 0)
         s = dataclasses.replace(in_force.settings, micro_batch_size=smaller, accumulation=per_rank // smaller)
         return dataclasses.replace(in_force, settings=s, reasons=(

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from memtrain.message import arg
+
 LOGGERS = ("tensorboard",)  # where a run can log beside metrics.jsonl (TrainConfig.log)
 TENSORBOARD_FOLDER = "tensorboard"  # <run>/tensorboard/: the event files
 MIB = 2**20
@@ -31,14 +33,14 @@ def logger_problems(log: Any) -> list[str]:
     """The problems of ``TrainConfig.log`` (empty: none), the missing ``tensorboard`` package among them, so that a
     run fails at start-up rather than after training."""
     if not isinstance(log, tuple) or not all(isinstance(name, str) for name in log):
-        return [f"log={log!r} must be a tuple of logger names ({', '.join(LOGGERS)}). To resolve this error, pass "
-                "e.g. log=('tensorboard',), or log=() for metrics.jsonl only."]
-    problems = [f"log={name!r} is not a logger memtrain has ({', '.join(LOGGERS)}). To resolve this error, pass one "
-                "of them." for name in log if name not in LOGGERS]
+        return [f"{arg('log', log)} must be a tuple of logger names ({', '.join(LOGGERS)}). To resolve this error, "
+                f"pass e.g. {arg('log', ('tensorboard',))}, or {arg('log', ())} for metrics.jsonl only."]
+    problems = [f"{arg('log', name)} is not a logger memtrain has ({', '.join(LOGGERS)}). To resolve this error, "
+                "pass one of them." for name in log if name not in LOGGERS]
     if "tensorboard" in log and importlib.util.find_spec("tensorboard") is None:
-        problems.append("log='tensorboard' writes TensorBoard event files, and the tensorboard package is not "
-                        "installed. To resolve this error, pip install 'memtrain[tensorboard]' (or tensorboard), or "
-                        "drop log='tensorboard'.")
+        problems.append(f"{arg('log', 'tensorboard')} writes TensorBoard event files, and the tensorboard package "
+                        "is not installed. To resolve this error, pip install 'memtrain[tensorboard]' (or "
+                        f"tensorboard), or drop {arg('log', 'tensorboard')}.")
     return problems
 
 
