@@ -351,7 +351,7 @@ def test_library_errors_reach_the_command_in_flag_terms_not_as_cache_dir_val_fra
     with pytest.raises(MemtrainError) as info:  # the accumulator's own message for a nan gradient norm
         GradientAccumulator._refuse_non_finite(window, float("nan"))
     assert "max_grad_norm" in str(info.value)
-    assert "set --grad-clip, or check" in in_flag_terms(str(info.value), "train")
+    assert "set --grad-clip, or check" in in_flag_terms(info.value.message, "train")
 
 
 # -- issue 33: runs, the run folder, export and the Python API ------------------------------------------------
