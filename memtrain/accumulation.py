@@ -42,6 +42,7 @@ from torch import nn
 
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.message import arg
 from memtrain.optim.contract import OptimizerTraits
 from memtrain.precision import step_with_inf_flag
 from memtrain.unwrap import is_fsdp2, unwrap_model
@@ -121,17 +122,18 @@ def accumulation_steps(micro_batch_size: int, global_batch_size: int, world_size
     for name, value in (("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size),
                         ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass a whole number "
-                             f"of examples, e.g. {name}=8.")
+            problems.append(f"{arg(name, value)} must be an integer >= 1. To resolve this error, pass a whole number "
+                             f"of examples, e.g. {arg(name, 8)}.")
     ConfigError.raise_if(problems)
     per_step = micro_batch_size * world_size
     if global_batch_size % per_step:
         below = max(per_step, global_batch_size // per_step * per_step)
         raise ConfigError(
-            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={micro_batch_size} x "
-            f"world_size={world_size} = {per_step}: accumulation needs a whole number of micro-batches per step. "
-            f"To resolve this error, pass global_batch_size={below} or {below + per_step}, or a "
-            "micro_batch_size that divides it."
+            f"{arg('global_batch_size', global_batch_size)} is not divisible by "
+            f"{arg('micro_batch_size', micro_batch_size)} x {arg('world_size', world_size)} = {per_step}: "
+            "accumulation needs a whole number of micro-batches per step. To resolve this error, pass "
+            f"{arg('global_batch_size', below)} or {below + per_step}, or a {arg('micro_batch_size')} that divides "
+            "it."
         )
     return global_batch_size // per_step
 
@@ -193,8 +195,8 @@ class GradientAccumulator:
                             "resolve this error, pass steps=accumulation_steps(micro_batch_size, global_batch_size, "
                             "world_size).")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
-            problems.append(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None for no clipping. "
-                            "To resolve this error, pass e.g. max_grad_norm=1.0.")
+            problems.append(f"{arg('max_grad_norm', max_grad_norm)} must be a finite number > 0, or None for no "
+                            f"clipping. To resolve this error, pass e.g. {arg('max_grad_norm', 1.0)}.")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             problems.append(f"scaler is a {type(scaler).__name__}, not a torch.amp.GradScaler. To resolve this "
                             "error, pass torch.amp.GradScaler() (fp16 only) or None.")
@@ -560,7 +562,7 @@ class GradientAccumulator:
             f"the gradient norm is {grad_norm} at optimizer step {self.optimizer_steps + 1} and no fp16 scaler "
             "owns overflows: stepping would write nan into the weights, so the step was not taken and the "
             "window's gradients were dropped. To resolve this error, lower the learning rate, set "
-            "max_grad_norm, or check the data of this window for inf/nan."
+            f"{arg('max_grad_norm')}, or check the data of this window for inf/nan."
         )
 
     def _end_window(self, skipped: bool, *, loss: float | None = None, grad_norm: float | None = None,

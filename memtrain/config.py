@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 from memtrain.planner import budget_bytes
 from memtrain.run.tensorboard import logger_problems
 
@@ -94,59 +95,63 @@ class TrainConfig:
         for name in ("eval_every", "eval_batches"):
             value = getattr(self, name)
             if not _is_int(value, 1):
-                problems.append(f"{name}={value!r} must be an integer >= 1. To resolve this error, pass e.g. {name}=1.")
+                problems.append(f"{arg(name, value)} must be an integer >= 1. To resolve this error, pass e.g. "
+                                f"{arg(name, 1)}.")
         for name in ("max_steps", "epochs", "micro_batch_size", "global_batch_size", "save_every"):
             value = getattr(self, name)
             if value is not None and not _is_int(value, 1):
-                problems.append(f"{name}={value!r} must be an integer >= 1, or unset. To resolve this error, pass e.g. {name}=4, or "
-                                "leave it unset.")
+                problems.append(f"{arg(name, value)} must be an integer >= 1, or unset. To resolve this error, pass "
+                                f"e.g. {arg(name, 4)}, or leave it unset.")
         if self.max_steps is not None and self.epochs is not None:
-            problems.append(f"max_steps={self.max_steps} and epochs={self.epochs} both set the run's length. To "
-                            "resolve this error, pass one of them.")
+            problems.append(f"{arg('max_steps', text=str(self.max_steps))} and "
+                            f"{arg('epochs', text=str(self.epochs))} both set the run's length. To resolve this "
+                            "error, pass one of them.")
         if self.micro_batch_size is not None and isinstance(self.global_batch_size, int) \
                 and isinstance(self.micro_batch_size, int) and self.micro_batch_size > self.global_batch_size >= 1:
-            problems.append(f"micro_batch_size={self.micro_batch_size} is more than global_batch_size="
-                            f"{self.global_batch_size}. To resolve this error, pass a micro_batch_size that divides "
-                            "it, or leave micro_batch_size unset for the plan to choose.")
+            problems.append(f"{arg('micro_batch_size', self.micro_batch_size)} is more than "
+                            f"{arg('global_batch_size', self.global_batch_size)}. To resolve this error, pass a "
+                            f"{arg('micro_batch_size')} that divides it, or leave {arg('micro_batch_size')} unset for "
+                            "the plan to choose.")
         return problems
 
     def _optimization_problems(self) -> list[str]:
         """What is computed: the learning rate and its schedule, AdamW's hyper-parameters, clipping, the seed."""
         problems = []
         if self.lr is not None and not (_number(self.lr) and self.lr > 0):
-            problems.append(f"lr={self.lr!r} must be a positive number, or None for the default of the model. To "
-                            "resolve this error, pass e.g. lr=3e-3, or leave it unset.")
+            problems.append(f"{arg('lr', self.lr)} must be a positive number, or None for the default of the model. "
+                            f"To resolve this error, pass e.g. {arg('lr', text='3e-3')}, or leave it unset.")
         if self.lr_schedule not in LR_SCHEDULES:
-            problems.append(f"lr_schedule={self.lr_schedule!r} is not one of cosine, linear, constant. To resolve "
-                            "this error, pass one of them.")
+            problems.append(f"{arg('lr_schedule', self.lr_schedule)} is not one of cosine, linear, constant. To "
+                            "resolve this error, pass one of them.")
         betas = self.adam_betas
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
-            problems.append(f"adam_betas={betas!r} must be two numbers in [0, 1) (beta1, beta2). To resolve this "
-                            "error, pass e.g. adam_betas=(0.9, 0.999).")
+            problems.append(f"{arg('adam_betas', betas)} must be two numbers in [0, 1) (beta1, beta2). To resolve this "
+                            f"error, pass e.g. {arg('adam_betas', (0.9, 0.999))}.")
         if not (_number(self.adam_eps) and self.adam_eps > 0):
-            problems.append(f"adam_eps={self.adam_eps!r} must be a number > 0. To resolve this error, pass e.g. "
-                            "adam_eps=1e-8.")
+            problems.append(f"{arg('adam_eps', self.adam_eps)} must be a number > 0. To resolve this error, pass e.g. "
+                            f"{arg('adam_eps', text='1e-8')}.")
         if self.warmup_steps is not None and not _is_int(self.warmup_steps, 0):
-            problems.append(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0, or None for "
-                            "the default. To resolve this error, pass e.g. warmup_steps=10, or leave it "
+            problems.append(f"{arg('warmup_steps', self.warmup_steps)} must be an integer >= 0, or None for "
+                            f"the default. To resolve this error, pass e.g. {arg('warmup_steps', 10)}, or leave it "
                             "unset.")
         elif (isinstance(self.warmup_steps, int) and isinstance(self.max_steps, int)
               and self.warmup_steps > self.max_steps >= 1):
-            problems.append(f"warmup_steps={self.warmup_steps} is more than max_steps={self.max_steps}: the learning "
-                            f"rate would never reach lr. To resolve this error, pass warmup_steps={self.max_steps // 10}"
-                            " or fewer, or leave it unset.")
+            problems.append(f"{arg('warmup_steps', self.warmup_steps)} is more than "
+                            f"{arg('max_steps', self.max_steps)}: the learning rate would never reach lr. To resolve "
+                            "this error, pass "
+                            f"{arg('warmup_steps', self.max_steps // 10)} or fewer, or leave it unset.")
         if not _is_int(self.seed, 0) or self.seed >= MAX_SEED:
-            problems.append(f"seed={self.seed!r} must be an integer in [0, 2**63). To resolve this error, pass e.g. "
-                            "seed=0.")
+            problems.append(f"{arg('seed', self.seed)} must be an integer in [0, 2**63). To resolve this error, pass "
+                            f"e.g. {arg('seed', 0)}.")
         if not (_number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
             problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be a number in [0, 1]. To resolve this error, pass e.g. "
                             "min_lr_ratio=0.1.")
         if not (_number(self.weight_decay) and self.weight_decay >= 0):
-            problems.append(f"weight_decay={self.weight_decay!r} must be a number >= 0. To resolve this error, pass e.g. "
-                            "weight_decay=0.1.")
+            problems.append(f"{arg('weight_decay', self.weight_decay)} must be a number >= 0. To resolve this "
+                            f"error, pass e.g. {arg('weight_decay', 0.1)}.")
         if self.grad_clip is not None and not (_number(self.grad_clip) and self.grad_clip > 0):
-            problems.append(f"grad_clip={self.grad_clip!r} must be a number > 0, or None for no clipping. To resolve this error, "
-                            "pass e.g. grad_clip=1.0.")
+            problems.append(f"{arg('grad_clip', self.grad_clip)} must be a number > 0, or None for no clipping. To "
+                            f"resolve this error, pass e.g. {arg('grad_clip', 1.0)}.")
         return problems
 
     def _memory_problems(self) -> list[str]:
@@ -161,7 +166,7 @@ class TrainConfig:
             problems.append(f"safety_margin={self.safety_margin!r} must be a fraction in [0, 0.9). To resolve this error, "
                             "pass e.g. safety_margin=0.05.")
         if self.precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed"):
-            problems.append(f"precision={self.precision!r} is not one of auto, fp32, bf16-mixed, fp16-mixed. "
+            problems.append(f"{arg('precision', self.precision)} is not one of auto, fp32, bf16-mixed, fp16-mixed. "
                             "To resolve this error, pass one of them.")
         if not isinstance(self.fsdp, bool):
             problems.append(f"fsdp={self.fsdp!r} must be True or False. To resolve this error, pass one of them.")
@@ -185,14 +190,15 @@ class TrainConfig:
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be True or False. To resolve this error, pass one of them.")
         if self.overwrite is True and self.resume is True:
-            problems.append("overwrite=True and resume=True contradict each other. To resolve this error, pass "
-                            "resume=True to continue the run in out_dir, or overwrite=True to start it again.")
+            problems.append(f"{arg('overwrite', True)} and {arg('resume', True)} contradict each other. To resolve "
+                            f"this error, pass {arg('resume', True)} to continue the run in {arg('out_dir')}, or "
+                            f"{arg('overwrite', True)} to start it again.")
         if (self.overwrite is True or self.resume is True) and not self.out_dir:
-            problems.append("overwrite=True and resume=True need a run folder. To resolve this error, pass "
-                            "out_dir='DIR'.")
+            problems.append(f"{arg('overwrite', True)} and {arg('resume', True)} need a run folder. To resolve this "
+                            f"error, pass {arg('out_dir', 'DIR')}.")
         if self.merge_lora is True and not self.out_dir:
-            problems.append("merge_lora=True writes the merged weights into the run folder's hf/. To resolve this "
-                            "error, pass out_dir='DIR'.")
+            problems.append(f"{arg('merge_lora', True)} writes the merged weights into the run folder's hf/. To "
+                            f"resolve this error, pass {arg('out_dir', 'DIR')}.")
         if not _is_int(self.sample_bytes, 0):
             problems.append(f"sample_bytes={self.sample_bytes!r} must be an integer >= 0. To resolve this error, pass "
                             "e.g. sample_bytes=240, or 0 for no sample.")

@@ -60,6 +60,7 @@ from memtrain.hf_trainer import (
     trainer_choices,
     trainer_problems,
 )
+from memtrain.message import arg
 from memtrain.unwrap import unwrap_model
 
 # Checkpoint formats that are pickles: loading one runs whatever code it holds.
@@ -97,7 +98,7 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise ConfigError(f"path={str(path)!r}: no such folder. To resolve this error, pass a local folder "
+        raise ConfigError(f"{arg('path', str(path))}: no such folder. To resolve this error, pass a local folder "
                           "holding config.json and *.safetensors weights (e.g. one written by save_pretrained).")
     problems = []
     if not (folder / "config.json").is_file():
@@ -314,8 +315,8 @@ def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None
                               "holds them. To resolve this error, set them on the LoraConfig only.")
     else:
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ConfigError(f"r={r!r}: the LoRA rank must be an integer >= 1. To resolve this error, pass "
-                              "e.g. r=8.")
+            raise ConfigError(f"{arg('r', r)}: the LoRA rank must be an integer >= 1. To resolve this error, pass "
+                              f"e.g. {arg('r', 8)}.")
         config = None
     if is_lora(model):
         raise ConfigError(f"{type(model).__name__} already has LoRA adapters. To resolve this error, apply LoRA "
@@ -324,9 +325,9 @@ def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None
         _check_lora_options(model, alpha, dropout, target_modules)
     targets = list(target_modules) if target_modules is not None else lora_targets(model)
     if config is None and not targets:
-        raise ConfigError(f"r={r}: {type(model).__name__} has no linear layer to adapt (LoRA adds low-rank "
+        raise ConfigError(f"{arg('r', r)}: {type(model).__name__} has no linear layer to adapt (LoRA adds low-rank "
                           "updates to nn.Linear weights; the output head is left out). To resolve this error, "
-                          "train the whole model without LoRA, or pass target_modules naming its layers.")
+                          f"train the whole model without LoRA, or pass {arg('target_modules')} naming its layers.")
     if config is None:
         config = peft.LoraConfig(r=r, target_modules=targets, lora_dropout=dropout,
                                  task_type="CAUSAL_LM" if _is_hf_causal_lm(model) else None,
@@ -335,7 +336,7 @@ def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None
         lora = peft.get_peft_model(model, config)
     except ValueError as e:
         raise ConfigError(f"peft could not add adapters to {type(model).__name__}: {e}. To resolve this error, "
-                          "pass target_modules naming its nn.Linear layers.") from None
+                          f"pass {arg('target_modules')} naming its nn.Linear layers.") from None
     if getattr(getattr(model, "config", None), "use_cache", None):
         model.config.use_cache = False
     return lora
@@ -347,11 +348,11 @@ def _check_lora_options(model: nn.Module, alpha: float | None, dropout: float,
     of ``model`` as PEFT matches it (the full name, or its end after a dot)."""
     problems = []
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0):
-        problems.append(f"alpha={alpha!r}: LoRA's scaling numerator must be a number > 0. To resolve this error, "
-                        "pass e.g. alpha=16 (the update is scaled by alpha / r).")
+        problems.append(f"{arg('alpha', alpha)}: LoRA's scaling numerator must be a number > 0. To resolve this "
+                        f"error, pass e.g. {arg('alpha', 16)} (the update is scaled by alpha / r).")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        problems.append(f"dropout={dropout!r}: the adapters' input dropout must be in [0, 1). To resolve this "
-                        "error, pass e.g. dropout=0.05.")
+        problems.append(f"{arg('dropout', dropout)}: the adapters' input dropout must be in [0, 1). To resolve this "
+                        f"error, pass e.g. {arg('dropout', 0.05)}.")
     if target_modules is not None:
         if isinstance(target_modules, str):
             target_modules = [target_modules]
@@ -359,8 +360,8 @@ def _check_lora_options(model: nn.Module, alpha: float | None, dropout: float,
         missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
         if missing or not target_modules:
             linear = sorted({name.rsplit(".", 1)[-1] for name in lora_targets(model)})
-            problems.append(f"target_modules={list(target_modules)!r}: {type(model).__name__} has no module named "
-                            f"{', '.join(map(repr, missing)) or 'at all'}; its linear layers are named "
+            problems.append(f"{arg('target_modules', list(target_modules))}: {type(model).__name__} has no module "
+                            f"named {', '.join(map(repr, missing)) or 'at all'}; its linear layers are named "
                             f"{', '.join(linear) or '(none)'}. To resolve this error, pass some of those names.")
     ConfigError.raise_if(problems)
 

@@ -22,6 +22,7 @@ from memtrain.loss import (
     output_head,
     supports_chunked_loss,
 )
+from memtrain.message import arg
 from memtrain.optim import CPUOffloadOptimizer
 from memtrain.techniques import REGISTRY, SetUp, Terms
 from memtrain.techniques import problems as rule_problems
@@ -143,7 +144,7 @@ def _refuse_fp16_with_offload(args: Any, offloaded: bool) -> None:
         raise ConfigError("MemtrainTrainer: fp16=True with CPUOffloadOptimizer: the Trainer's GradScaler "
                           "would unscale gradients that are already on the host. To resolve this error, "
                           "pass bf16=True (no scaler needed), or keep the optimizer on the device (drop "
-                          "optimizer.placement='offload').")
+                          f"{arg('optimizer.placement', 'offload')}).")
 
 
 def _clip_through_the_optimizer(trainer: Any) -> None:

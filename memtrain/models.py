@@ -16,6 +16,7 @@ from torch import nn
 
 import memtrain.loss
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 
 
 # -- GPT ----------------------------------------------------------------------------------------------------
@@ -160,8 +161,9 @@ class GPT(nn.Module):
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.config.seq_len:
-            raise ConfigError(f"sequence of {T} tokens is longer than the model's seq_len={self.config.seq_len}. "
-                              "To resolve this error, build the model with a larger seq_len or cut the input.")
+            raise ConfigError(f"sequence of {T} tokens is longer than the model's "
+                              f"{arg('seq_len', text=str(self.config.seq_len))}. To resolve this error, build the "
+                              f"model with a larger {arg('seq_len')} or cut the input.")
         if segments is None:
             pos, mask = torch.arange(T, device=idx.device), None
         else:

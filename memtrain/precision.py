@@ -18,6 +18,7 @@ import torch
 
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -29,7 +30,7 @@ def _device_type(device: torch.device | str) -> str:
     try:
         return torch.device(device).type
     except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device={device!r} is not a torch device ({e}). To resolve this error, pass e.g. "
+        raise ConfigError(f"{arg('device', device)} is not a torch device ({e}). To resolve this error, pass e.g. "
                           "'cuda', 'cuda:1' or 'cpu'.") from None
 
 
@@ -64,17 +65,17 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         problems = []
         if self.mode not in PRECISIONS:
-            problems.append(f"precision={self.mode!r} is not one of {', '.join(PRECISIONS)}. To resolve this "
-                            "error, pass precision='fp32', 'bf16-mixed' or 'fp16-mixed'.")
+            problems.append(f"{arg('precision', self.mode)} is not one of {', '.join(PRECISIONS)}. To resolve this "
+                            f"error, pass {arg('precision', 'fp32')}, 'bf16-mixed' or 'fp16-mixed'.")
         if not isinstance(self.device_type, str) or ":" in self.device_type:
             problems.append(f"device_type={self.device_type!r} must be a device type such as 'cuda' or 'cpu' "
                             "(no index). To resolve this error, pass torch.device(d).type.")
         elif self.mode != "fp32" and not torch.amp.autocast_mode.is_autocast_available(self.device_type):
-            problems.append(f"precision={self.mode!r}: torch has no autocast for device type "
-                            f"{self.device_type!r}. To resolve this error, pass precision='fp32'.")
+            problems.append(f"{arg('precision', self.mode)}: torch has no autocast for device type "
+                            f"{self.device_type!r}. To resolve this error, pass {arg('precision', 'fp32')}.")
         elif self.mode != "fp32" and self.device_type == "cuda" and not torch.cuda.is_available():
             # torch would only warn and run autocast and the scaler disabled: a silent switch to fp32.
-            problems.append(f"precision={self.mode!r} on device type 'cuda', but torch sees no CUDA device. To "
+            problems.append(f"{arg('precision', self.mode)} on device type 'cuda', but torch sees no CUDA device. To "
                             "resolve this error, train on the CPU (device_type='cpu') or install a CUDA build.")
         ConfigError.raise_if(problems)
         if self.mode == "fp16-mixed":
@@ -132,8 +133,8 @@ def resolve_precision(device: torch.device | str, requested: Precision | Literal
         return requested, f"{requested}, because: {because}{hint}"
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"device={str(device)!r} is CUDA but torch sees no CUDA device. To resolve this "
-                              "error, pass device='cpu' or install a CUDA build of torch.")
+            raise ConfigError(f"{arg('device', str(device))} is CUDA but torch sees no CUDA device. To resolve this "
+                              f"error, pass {arg('device', 'cpu')} or install a CUDA build of torch.")
         if _cuda_native_bf16(device):
             return "bf16-mixed", f"bf16-mixed, because: {_cuda_name(device)} supports bf16"
         return "fp16-mixed", (f"fp16-mixed, because: {_cuda_name(device)} has no native bf16 (needs SM 8.0+), "

@@ -16,6 +16,7 @@ from torch import nn
 from memtrain.config import TrainConfig
 from memtrain.errors import ConfigError
 from memtrain.hf import is_hf_model, is_lora
+from memtrain.message import arg
 from memtrain.unwrap import unwrap_model
 
 # The peak learning rates train() picks when TrainConfig.lr is None (memtrain train without --lr).
@@ -95,9 +96,9 @@ def resolve_schedule(config: TrainConfig, model: nn.Module, examples: int, globa
         warmup, warmup_why = default_warmup(config, pretrained_source(model) is not None)
         config = replace(config, warmup_steps=warmup)
     if config.warmup_steps > config.max_steps:
-        raise ConfigError(f"warmup_steps={config.warmup_steps} is more than the {config.max_steps} steps of "
-                          f"epochs={config.epochs}: the learning rate would never reach lr. To resolve this error, "
-                          f"pass warmup_steps={config.max_steps // 10} or fewer, or more epochs.")
+        raise ConfigError(f"{arg('warmup_steps', config.warmup_steps)} is more than the {config.max_steps} steps of "
+                          f"{arg('epochs', config.epochs)}: the learning rate would never reach lr. To resolve this "
+                          f"error, pass {arg('warmup_steps', config.max_steps // 10)} or fewer, or more epochs.")
     reasons.append(f"lr {config.lr:g}, because: {lr_why}")
     reasons.append(schedule_text(config) + f" (warm-up: {warmup_why})")
     return config, reasons, auto

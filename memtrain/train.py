@@ -37,6 +37,7 @@ from memtrain.device import accelerator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import language_model_loss
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
+from memtrain.message import WHATEVER, arg, marked
 from memtrain.planner import AppliedPlan, PlanSettings, apply_plan, configure_model
 from memtrain.precision import MixedPrecision, resolve_precision
 from memtrain.report import format_bytes
@@ -317,7 +318,7 @@ def _take_folder(folder: RunFolder | None, rank: int, world: int, device: torch.
         except (ConfigError, RunWriteError) as e:  # a bad folder, or a disk with no room for the lock
             error = e
     if world > 1:
-        box = [str(error) if error is not None else None]
+        box = [marked(error) if error is not None else None]
         dist.broadcast_object_list(box, src=0, device=device if dist.get_backend() == "nccl" else None)
         if box[0] is not None and error is None:
             raise ConfigError(box[0])
@@ -403,17 +404,17 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
 def _global_batch(config: TrainConfig, world: int, examples: int) -> int:
     """The examples per optimizer step over all ranks, checked against the ranks and the data."""
     if config.fsdp and world == 1:
-        raise ConfigError("fsdp=True needs several processes (torch.distributed with a world size > 1). To "
-                          "resolve this error, launch under torchrun --nproc_per_node N, or drop fsdp=True.")
+        raise ConfigError(f"{arg('fsdp', True)} needs several processes (torch.distributed with a world size > 1). To "
+                          f"resolve this error, launch under torchrun --nproc_per_node N, or drop {arg('fsdp', True)}.")
     global_batch = config.global_batch_size or default_global_batch(world, config.micro_batch_size)
     if config.micro_batch_size is not None:
         accumulation_steps(config.micro_batch_size, global_batch, world)  # a clear error when it does not divide
     elif global_batch % world:
-        raise ConfigError(f"global_batch_size={global_batch} does not split over {world} ranks. To resolve this "
-                          f"error, pass a multiple of {world}.")
+        raise ConfigError(f"{arg('global_batch_size', global_batch)} does not split over {world} ranks. To resolve "
+                          f"this error, pass a multiple of {world}.")
     if examples < global_batch:
         raise ConfigError(f"the training data holds {examples} examples, fewer than one global batch of "
-                          f"{global_batch}. To resolve this error, lower global_batch_size or use more data.")
+                          f"{global_batch}. To resolve this error, lower {arg('global_batch_size')} or use more data.")
     return global_batch
 
 
@@ -450,8 +451,8 @@ def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunConte
     def restore(step: int, state: dict[str, Any]) -> None:
         if step >= config.max_steps:
             raise ConfigError(f"resume: the run in {str(checkpoints.root.parent)!r} already reached step {step} "
-                              f"of max_steps={config.max_steps}. To resolve this error, pass a larger max_steps to "
-                              "continue it.")
+                              f"of {arg('max_steps', config.max_steps)}. To resolve this error, pass a larger "
+                              f"{arg('max_steps')} to continue it.")
         restore_run_state(step, state, model, s.optimizer, s.scheduler, s.precision.scaler, s.acc,
                           device=context.device)
 
@@ -594,14 +595,15 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
                 f"out of memory at step {step + 1} after some parameters had already been updated "
                 f"(optimizer {s.in_force.settings.optimizer_text}: stepping in backward, or inside the "
                 "optimizer step): a retry would apply this step twice to them; checkpoints already written are "
-                "intact. To resolve this error, resume from the last (resume=True) with a smaller budget= "
-                "or optimizer.step_in_backward=False.")
+                f"intact. To resolve this error, resume from the last ({arg('resume', True)}) with a smaller "
+                f"{arg('budget', WHATEVER)} or {arg('optimizer.step_in_backward', False)}.")
         _release_step(s, device)
         if attempt == MAX_REPLANS_PER_STEP:
             raise MemtrainError(f"out of memory at step {step + 1} after {attempt} re-plans (the last: "
                                 f"micro-batch {s.micro}, checkpointing {s.in_force.settings.checkpointing}). "
-                                "To resolve this error, pass a smaller budget= (the plan then leaves "
-                                "more room), optimizer.placement='offload', or a shorter seq_len.")
+                                f"To resolve this error, pass a smaller {arg('budget', WHATEVER)} (the plan then "
+                                f"leaves more room), {arg('optimizer.placement', 'offload')}, or a shorter "
+                                f"{arg('seq_len')}.")
         new = plan_after_out_of_memory(s.in_force, error, s.model, config, context, step, measured_peak)
         _log(f"out of memory at step {step + 1} with micro-batch {s.micro}: " + "; ".join(new.reasons[:2])
              + f"; now micro-batch {new.settings.micro_batch_size} x {new.settings.accumulation}, "

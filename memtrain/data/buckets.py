@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Sampler
 
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 
 
 def _distributed_rank_and_size() -> tuple[int, int]:
@@ -62,11 +63,11 @@ class LengthBucketSampler(Sampler[list[int]]):
         for name, value, low in (("batch_size", batch_size, 1), ("mega_batch_factor", mega_batch_factor, 1),
                                  ("world_size", world_size, 1), ("rank", rank, 0), ("seed", seed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                problems.append(f"{name}={value!r} must be an integer >= {low}. To resolve this error, pass e.g. "
-                                f"{name}={max(low, 1)}.")
+                problems.append(f"{arg(name, value)} must be an integer >= {low}. To resolve this error, pass e.g. "
+                                f"{arg(name, max(low, 1))}.")
         if not problems and rank >= world_size:
-            problems.append(f"rank={rank} must be below world_size={world_size}. To resolve this error, pass the "
-                            "rank and world size of torch.distributed (or leave both None to read them).")
+            problems.append(f"rank={rank} must be below {arg('world_size', world_size)}. To resolve this error, pass "
+                            "the rank and world size of torch.distributed (or leave both None to read them).")
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
             problems.append(f"lengths has shape {self.lengths.shape}; it must list one length per example. To "
                             "resolve this error, pass a flat array of len(dataset) lengths.")

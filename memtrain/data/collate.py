@@ -13,6 +13,7 @@ import torch
 
 from memtrain.data.documents import Document
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 
 
 class TokenBatch(NamedTuple):
@@ -123,8 +124,8 @@ class PackCollate:
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ConfigError(f"PackCollate(seq_len={self.seq_len!r}): seq_len must be an integer >= 1, the "
-                              "model's sequence length. To resolve this error, pass e.g. seq_len=256.")
+            raise ConfigError(f"PackCollate(seq_len={self.seq_len!r}): {arg('seq_len')} must be an integer >= 1, the "
+                              f"model's sequence length. To resolve this error, pass e.g. {arg('seq_len', 256)}.")
 
     def __call__(self, examples: Sequence[torch.Tensor | np.ndarray | Document]) -> PackedBatch:
         docs, labels = _tokens_and_labels(examples)

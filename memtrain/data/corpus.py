@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 
 # Trees of the standard library that are not library code (tests, vendored packages, the IDE).
 _SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"})
@@ -63,7 +64,7 @@ def data_file(path: str | os.PathLike[str], kind: str) -> Path:
         return p
     what = ("is a directory" if p.is_dir() else "is not a regular file (a FIFO, socket or device)" if p.exists()
             else "no such file")
-    raise ConfigError(f"path={str(path)!r}: {what}. To resolve this error, pass the path of {kind}.")
+    raise ConfigError(f"{arg('path', str(path))}: {what}. To resolve this error, pass the path of {kind}.")
 
 
 def is_jsonl(path: str | os.PathLike[str]) -> bool:
@@ -77,8 +78,8 @@ def text_file_tokens(path: str | os.PathLike[str]) -> np.ndarray:
     p = data_file(path, "a text file")
     tokens = np.fromfile(p, dtype=np.uint8)
     if tokens.size < 2:
-        raise ConfigError(f"path={str(path)!r} holds {tokens.size} bytes; at least two windows of text are needed. "
-                          "To resolve this error, pass a longer text file.")
+        raise ConfigError(f"{arg('path', str(path))} holds {tokens.size} bytes; at least two windows of text are "
+                          "needed. To resolve this error, pass a longer text file.")
     return tokens
 
 
@@ -93,8 +94,8 @@ class ByteWindows(Dataset):
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         if seq_len < 1:
-            raise ConfigError(f"seq_len={seq_len} must be >= 1. To resolve this error, pass the model's sequence "
-                              "length, e.g. seq_len=256.")
+            raise ConfigError(f"{arg('seq_len', text=str(seq_len))} must be >= 1. To resolve this error, pass the "
+                              f"model's sequence length, e.g. {arg('seq_len', 256)}.")
         self.tokens = tokens
         self.seq_len = seq_len
 
@@ -118,7 +119,7 @@ def split_windows(tokens: np.ndarray, seq_len: int, *, val_fraction: float = 0.0
     train, val = ByteWindows(tokens[:cut], seq_len), ByteWindows(tokens[cut:], seq_len)
     if len(train) == 0 or len(val) == 0:
         raise ConfigError(f"{len(tokens)} tokens make {len(train)} training and {len(val)} validation windows of "
-                          f"{seq_len} tokens. To resolve this error, use more text or a shorter seq_len.")
+                          f"{seq_len} tokens. To resolve this error, use more text or a shorter {arg('seq_len')}.")
     return train, val
 
 

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 
 from memtrain.data.corpus import data_file, is_jsonl, stdlib_corpus, text_file_tokens
 from memtrain.errors import ConfigError
+from memtrain.message import words
 
 # A blank line: a newline, then lines holding only whitespace, then a newline.
 # What separates two documents of a text file: a blank line (or several; spaces and tabs count as blank). One
@@ -166,6 +167,11 @@ class TokenDocuments(Dataset):
         return cls.from_texts([text for _, text in records], max_len=max_len, min_len=min_len)
 
 
+# The advice to hold out another fraction, in the command's terms (memtrain train holds out a fixed 5%).
+_EVAL_DATA_INSTEAD = ("(memtrain train holds out the last 5% of them for validation), or pass --eval-data FILE, "
+                      "with which every document of --data trains")
+
+
 def held_out_cut(documents: int, val_fraction: float) -> int:
     """How many of ``documents`` train when the last ``val_fraction`` of them are held out (``split``'s rule),
     checked: both parts must hold a document. ``tokenize_file`` asks it before tokenising, so a file that cannot be
@@ -181,7 +187,8 @@ def held_out_cut(documents: int, val_fraction: float) -> int:
     if cut == 0 or cut == documents:
         raise ConfigError(f"{documents} documents make {cut} training and {documents - cut} validation "
                           "documents. To resolve this error, use more documents (a .txt file's documents are "
-                          "separated by blank lines, a .jsonl file's are its lines) or another val_fraction.")
+                          "separated by blank lines, a .jsonl file's are its lines) "
+                          f"{words('or another val_fraction', _EVAL_DATA_INSTEAD)}.")
     return cut
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 
 Auto = Literal["auto"]
 MAX_AUTO_WORKERS = 8  # beyond this, workers mostly add memory (a copy of the process each) and start-up time
@@ -64,7 +65,7 @@ def parse_device(device: torch.device | str, problems: list[str]) -> torch.devic
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
-        problems.append(f"device={device!r} is not a torch device. To resolve this error, pass e.g. 'cuda', "
+        problems.append(f"{arg('device', device)} is not a torch device. To resolve this error, pass e.g. 'cuda', "
                         "'cuda:0' or 'cpu'.")
         return torch.device("cpu")
 
@@ -163,8 +164,9 @@ def _resolve_pin_memory(pin_memory: bool | Auto, device: torch.device | str | No
     """pin_memory: it only helps a host -> accelerator copy."""
     target = parse_device(device, notes.problems) if device is not None else None
     if target is not None and target.type not in ("cpu", "meta") and target.type != machine.accelerator:
-        notes.problems.append(f"device={str(target)!r}, but this machine's accelerator is {machine.accelerator}. To "
-                              "resolve this error, pass a device that exists here, e.g. 'cpu'.")
+        notes.problems.append(f"{arg('device', str(target))}, but this machine's accelerator is "
+                              f"{machine.accelerator}. To resolve this error, pass a device that exists here, e.g. "
+                              "'cpu'.")
     to_accelerator = machine.accelerator is not None and (target is None or target.type == machine.accelerator)
     where = (f"batches go to {target}" if target is not None else
              f"a {machine.accelerator} accelerator is present" if machine.accelerator else "no accelerator is present")
@@ -277,8 +279,8 @@ def make_loader(dataset: Dataset, *, batch_size: int | None = None, num_workers:
         problems.append("an IterableDataset decides its own order, so shuffle, sampler and batch_sampler cannot "
                         "apply. To resolve this error, drop them, or use a map-style Dataset.")
     if seed is not None and (not _is_int(seed) or seed < 0):
-        problems.append(f"seed={seed!r} must be an integer >= 0, or None. To resolve this error, pass e.g. "
-                            "seed=0.")
+        problems.append(f"{arg('seed', seed)} must be an integer >= 0, or None. To resolve this error, pass e.g. "
+                        f"{arg('seed', 0)}.")
     try:
         settings = resolve_loader_settings(num_workers=num_workers, pin_memory=pin_memory,
                                            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,

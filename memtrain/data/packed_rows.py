@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from memtrain.data.documents import TokenDocuments
 from memtrain.data.token_cache import tokenize_file
 from memtrain.errors import ConfigError
+from memtrain.message import arg
 
 
 class PackedRow(NamedTuple):
@@ -49,8 +50,8 @@ class PackedRows(Dataset):
 
     def __init__(self, documents: TokenDocuments, seq_len: int, *, pad_id: int = 0, ignore_index: int = -100):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ConfigError(f"PackedRows(seq_len={seq_len!r}): seq_len must be an integer >= 1, the model's "
-                              "sequence length. To resolve this error, pass e.g. seq_len=256.")
+            raise ConfigError(f"PackedRows(seq_len={seq_len!r}): {arg('seq_len')} must be an integer >= 1, the model's "
+                              f"sequence length. To resolve this error, pass e.g. {arg('seq_len', 256)}.")
         self.documents, self.seq_len, self.pad_id, self.ignore_index = documents, seq_len, pad_id, ignore_index
         pieces = TokenDocuments.from_spans(documents.tokens, documents.starts, documents.starts + documents.lengths,
                                            max_len=seq_len + 1, loss_mask=documents.loss_mask)
@@ -62,10 +63,10 @@ class PackedRows(Dataset):
             keep = targets > 0
             self.skipped_pieces = int((~keep).sum())
             if not keep.any():
-                raise ConfigError(f"every one of the {len(keep)} pieces of at most seq_len={seq_len} tokens holds "
-                                  "only prompt tokens (the prompts are longer than seq_len): there is no completion "
-                                  "token to learn. To resolve this error, pass a longer seq_len (up to the model's "
-                                  "positions), or shorten the prompts.")
+                raise ConfigError(f"every one of the {len(keep)} pieces of at most {arg('seq_len', seq_len)} tokens "
+                                  f"holds only prompt tokens (the prompts are longer than {arg('seq_len')}): there is "
+                                  "no completion token to learn. To resolve this error, pass a longer "
+                                  f"{arg('seq_len')} (up to the model's positions), or shorten the prompts.")
             self.piece_starts, pairs = self.piece_starts[keep], pairs[keep]
         # Best-fit decreasing: each piece, longest first, into the fullest row it fits (bisect over free space).
         order = np.argsort(-pairs, kind="stable")

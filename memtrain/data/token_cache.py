@@ -20,6 +20,7 @@ from memtrain.data.corpus import data_file, is_jsonl
 from memtrain.data.documents import TokenDocuments, held_out_cut, jsonl_records, text_documents
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write, free_bytes, sha256_file
+from memtrain.message import Message, words
 from memtrain.report import format_bytes
 
 TOKEN_CACHE_VERSION = 1  # bump when the tokenisation below changes: old caches then miss instead of lying
@@ -77,8 +78,8 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
         try:
             return _read_token_cache(cache)
         except _CACHE_DAMAGE as e:  # truncated, overwritten, or not memtrain's: tokenised again and rewritten
-            warnings.warn(f"the token cache {cache} is damaged ({type(e).__name__}: {str(e)[:120]}): tokenising "
-                          f"{p.name} again and rewriting it", stacklevel=2)
+            warnings.warn(Message(f"the token cache {cache} is damaged ({type(e).__name__}: {str(e)[:120]}): "
+                                  f"tokenising {p.name} again and rewriting it"), stacklevel=2)
     records = jsonl_records(p) if is_jsonl(p) else text_documents(p)
     if hold_out is not None:
         held_out_cut(len(records), hold_out)
@@ -112,6 +113,8 @@ def tokenize_file(path: str | os.PathLike[str], tokenizer: Any, *, cache_dir: st
     return docs
 
 
+# The advice to cache elsewhere, in the command's terms: it has no cache_dir, the cache is written beside the data.
+_WRITABLE_FOLDER = "or copy the data to a writable folder (the cache is written beside it)"
 # What reading a damaged cache raises: a bad zip or header, a missing array, arrays that disagree (ConfigError).
 _CACHE_DAMAGE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error)
 
@@ -137,6 +140,6 @@ def _write_token_cache(cache: Path, docs: TokenDocuments) -> None:
             docs.loss_mask.nbytes if docs.loss_mask is not None else 0)
         free = free_bytes(cache.parent)
         room = f"; it needs about {format_bytes(needed)}, {format_bytes(free)} free there" if free is not None else ""
-        warnings.warn(f"could not cache the tokenised data at {cache} ({e.strerror or e}{room}); the run goes on, and "
-                      "the next one tokenises again. To keep the cache, free space there or pass a writable "
-                      "cache_dir.", stacklevel=3)
+        warnings.warn(Message(f"could not cache the tokenised data at {cache} ({e.strerror or e}{room}); the run goes "
+                              "on, and the next one tokenises again. To keep the cache, free space there "
+                              f"{words('or pass a writable cache_dir', _WRITABLE_FOLDER)}."), stacklevel=3)
