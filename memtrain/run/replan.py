@@ -217,7 +217,7 @@ def without_estimate(model: nn.Module, config: TrainConfig, context: RunContext,
     if missing:
         raise MemtrainError(f"the planner cannot estimate {type(model).__name__}: {cause}; it needs that estimate "
                             "to choose the techniques left open. To resolve this error, fix every technique: pass "
-                            f"{', '.join(missing)}; training then runs as given, without the plan check.")
+                            f"{', '.join(map(marked, missing))}; training then runs as given, without the plan check.")
     assert micro is not None
     chosen = fixed.settings(micro_batch_size=micro, accumulation=per_rank // micro, precision=context.precision,
                             distribution="none" if context.world == 1 else "fsdp2" if config.fsdp else "ddp")
@@ -231,9 +231,9 @@ def check_kept_optimizer(choices: Choices, kept: PlanSettings) -> None:
     optimizer's), naming each field that differs."""
     differ = [d for technique in techniques.REGISTRY for d in technique.kept_differences(choices, kept)]
     if differ:
-        raise ConfigError(f"{', '.join(given for given, _ in differ)}: the run's optimizer is {kept.optimizer_text}, "
+        raise ConfigError(f"{', '.join(marked(given) for given, _ in differ)}: the run's optimizer is {kept.optimizer_text}, "
                           "and its state exists already (a resume or a re-plan keeps it). To resolve this error, drop "
-                          f"{' and '.join(drop for _, drop in differ)} or start a new run ({arg('overwrite', True)}).")
+                          f"{' and '.join(marked(drop) for _, drop in differ)} or start a new run ({arg('overwrite', True)}).")
 
 
 def _unplanned(model: nn.Module, config: TrainConfig, global_batch: int, world: int, precision: str,
