@@ -1,12 +1,14 @@
-"""The Hugging Face Trainer with memtrain's memory techniques: ``prepare_model`` applies the checkpointing policy
-and the chunked loss to the model, ``MemtrainTrainer`` (built by ``build_trainer_class``) the optimizer placement and
-activation offload to the step. Both are imported from ``memtrain.hf``, whose docstring shows the recipe.
+"""The Hugging Face Trainer with memtrain's memory techniques: ``prepare_model`` applies those that change the model
+(each technique's ``prepare_model``: the checkpointing policy, the chunked loss), ``MemtrainTrainer`` (built by
+``build_trainer_class``) those that act on the step (each one's ``trainer_step``: activation offload) and the
+offloaded optimizer (the optimizer technique's ``trainer_host_optimizer``); what the Trainer is given open, each
+technique's ``trainer_default`` fills in. Both are imported from ``memtrain.hf``, whose docstring shows the recipe.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,32 +17,26 @@ from torch import nn
 
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
-from memtrain.loss import (
-    apply_chunked_loss,
-    chunk_tokens_of,
-    chunked_loss_implementation,
-    output_head,
-    supports_chunked_loss,
-)
+from memtrain.loss import chunk_tokens_of, supports_chunked_loss
 from memtrain.message import arg
 from memtrain.optim import CPUOffloadOptimizer
-from memtrain.techniques import REGISTRY, SetUp, Terms
+from memtrain.techniques import REGISTRY, Terms
+from memtrain.techniques import optimizer as optimizer_technique
 from memtrain.techniques import problems as rule_problems
 from memtrain.unwrap import unwrap_model
 
-# What MemtrainTrainer does when not told: every decoder layer recomputed in backward, the loss's fp32 logits
-# chunk_tokens at a time (the rest off: the Trainer's own AdamW on the device, activations on the device).
-HF_DEFAULT_CHOICES = Choices(checkpointing="all", chunked_loss=True)
-
 
 def trainer_choices(choices: Choices) -> Choices:
-    """``choices`` with what it leaves open (None) taken from ``HF_DEFAULT_CHOICES``: there is no planner here, so
-    an open checkpointing policy is "all" and an open chunked loss is on; ``checkpointing="none"`` and
-    ``chunked_loss=False`` turn them off."""
-    return dataclasses.replace(
-        choices,
-        checkpointing=HF_DEFAULT_CHOICES.checkpointing if choices.checkpointing is None else choices.checkpointing,
-        chunked_loss=HF_DEFAULT_CHOICES.chunked_loss if choices.chunked_loss is None else choices.chunked_loss)
+    """``choices`` with what it leaves open (None) as each technique's ``trainer_default`` fills it in: there is no
+    planner here, so an open checkpointing policy is "all" and an open chunked loss is on; ``checkpointing="none"``
+    and ``chunked_loss=False`` turn them off."""
+    return dataclasses.replace(choices, **{name: value for technique in REGISTRY
+                                           for name, value in technique.trainer_default(choices).items()})
+
+
+# What MemtrainTrainer does when not told: every decoder layer recomputed in backward, the loss's fp32 logits
+# chunk_tokens at a time (the rest off: the Trainer's own AdamW on the device, activations on the device).
+HF_DEFAULT_CHOICES = trainer_choices(Choices())
 
 
 def trainer_problems(choices: Any) -> list[str]:
@@ -57,12 +53,11 @@ TRAINER_TERMS = Terms(fixes={"chunked-loss-model": "pass Choices(chunked_loss=Fa
 
 
 def _chunked_loss_problems(model: Any, choices: Any) -> list[str]:
-    """The chunked-loss rule (``techniques.chunked_loss``) for ``model`` with ``choices`` (an open chunked loss is
-    on here: ``trainer_choices``)."""
+    """The rules with what ``model`` is (``techniques.chunked_loss``'s: a loss memtrain.loss cannot chunk) for
+    ``choices`` as the Trainer helper fills them in (``trainer_choices``: an open chunked loss is on)."""
     if not isinstance(choices, Choices) or not isinstance(model, nn.Module):
         return []
-    chunked = trainer_choices(choices).chunked_loss
-    return rule_problems(SetUp(chunked_loss=chunked, chunkable=chunked and supports_chunked_loss(unwrap_model(model))),
+    return rule_problems(trainer_choices(choices).setup(chunkable=supports_chunked_loss(unwrap_model(model))),
                          TRAINER_TERMS)
 
 
@@ -107,17 +102,14 @@ def prepare_model(model: nn.Module, choices: Choices = HF_DEFAULT_CHOICES, *, ch
     config = getattr(inner, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
-    reasons = []
-    blocks: list[str] = []
-    if choices.checkpointing is not None:
-        blocks = choices.checkpointing.apply(inner)
-        reasons.append(f"checkpointing {str(choices.checkpointing)!r}: {len(blocks)} blocks checkpointed "
-                       "(recomputed in backward as the policy says)")
-    if choices.chunked_loss:
-        apply_chunked_loss(inner, chunk_tokens=chunk_tokens)
-        kind, why = chunked_loss_implementation(output_head(inner))
-        reasons.append(f"loss: {chunk_tokens} tokens of logits at a time with {kind}'s kernel, because: {why}")
-    return Prepared(tuple(blocks), chunk_tokens_of(inner), tuple(reasons))
+    reasons: list[str] = []
+    checkpointed: tuple[str, ...] = ()
+    for technique in REGISTRY:  # in the registry's order: the policy wraps the blocks before the loss is chunked
+        part = technique.prepare_model(inner, choices, chunk_tokens=chunk_tokens)
+        reasons += part.pop("reasons", [])
+        checkpointed = part.pop("checkpointed", checkpointed)
+        assert not part, f"{technique}: Prepared has no {sorted(part)}"
+    return Prepared(checkpointed, chunk_tokens_of(inner), tuple(reasons))
 
 
 def _inner_optimizer(optimizer: Any) -> Any:
@@ -125,17 +117,6 @@ def _inner_optimizer(optimizer: Any) -> Any:
     while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def _refuse_double_checkpointing(memory: Choices, args: Any) -> None:
-    """ConfigError where the TrainingArguments checkpoint the layers that ``memory``'s policy checkpoints too."""
-    policy = memory.checkpointing
-    if policy is not None and policy.mode != "none" and getattr(args, "gradient_checkpointing", False):
-        raise ConfigError("MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and "
-                          f"Choices(checkpointing={str(policy)!r}) would checkpoint every layer twice "
-                          "that the policy checkpoints (each recompute recomputed again). To resolve this "
-                          "error, drop gradient_checkpointing from the TrainingArguments (memtrain's "
-                          "checkpointing replaces it).")
 
 
 def _refuse_fp16_with_offload(args: Any, offloaded: bool) -> None:
@@ -162,23 +143,23 @@ def _clip_through_the_optimizer(trainer: Any) -> None:
     trainer.accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-def _offloaded_optimizer(trainer: Any, model: nn.Module) -> torch.optim.Optimizer:
-    """``CPUOffloadOptimizer`` over AdamW (or the class ``memory`` names) with ``trainer``'s hyperparameters and its two groups (weight decay on
-    the parameters the Trainer decays, none on the others)."""
+def _offloaded_optimizer(trainer: Any, model: nn.Module, host: tuple[Any, dict[str, Any]]) -> torch.optim.Optimizer:
+    """``CPUOffloadOptimizer`` over ``host`` (the optimizer technique's ``trainer_host_optimizer``: AdamW, or the
+    class the run names, with what it takes of the choices) with ``trainer``'s hyperparameters and its two groups
+    (weight decay on the parameters the Trainer decays, none on the others)."""
     decay = set(trainer.get_decay_parameter_names(model))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": trainer.args.weight_decay},
               {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
-    named = trainer.memory.optimizer.named
+    groups = [g for g in groups if g["params"]]
+    named, options = host
     if not named.is_adamw:  # the run's class: the Trainer's learning rate, the groups' weight decay, its own kwargs
         hyper = named.hyperparameters(lr=trainer.args.learning_rate, weight_decay=trainer.args.weight_decay,
                                       betas=(trainer.args.adam_beta1, trainer.args.adam_beta2),
                                       eps=trainer.args.adam_epsilon)
-        return CPUOffloadOptimizer([g for g in groups if g["params"]], named.resolve(), **hyper)
-    return CPUOffloadOptimizer(
-        [g for g in groups if g["params"]], torch.optim.AdamW, lr=trainer.args.learning_rate,
-        state_precision=trainer.memory.optimizer.state_precision or "fp32",
-        betas=(trainer.args.adam_beta1, trainer.args.adam_beta2), eps=trainer.args.adam_epsilon)
+        return CPUOffloadOptimizer(groups, named.resolve(), **hyper, **options)
+    return CPUOffloadOptimizer(groups, torch.optim.AdamW, lr=trainer.args.learning_rate, **options,
+                               betas=(trainer.args.adam_beta1, trainer.args.adam_beta2), eps=trainer.args.adam_epsilon)
 
 
 def build_trainer_class(transformers: Any) -> type:
@@ -196,9 +177,11 @@ def build_trainer_class(transformers: Any) -> type:
         """``transformers.Trainer`` with memtrain's memory savings: ``memory``, a ``memtrain.choices.Choices`` (by
         default ``HF_DEFAULT_CHOICES``: every layer checkpointed, the loss chunked; what it leaves open is taken from
         there), applied by ``prepare_model`` (checkpointing policy, chunked loss of ``chunk_tokens``) and here
-        (optimizer placement, activation offload). What the Trainer cannot do (``optimizer.state_precision`` on the device: lean moments
-        need placement "offload"; ``step_in_backward``, ``offload_fraction``, ``compile``, ``pure_bf16``,
-        ``offload_weights``), and a model on the meta device, is one ConfigError naming the fix.
+        (optimizer placement, activation offload). What the Trainer cannot do (each technique's
+        ``trainer_problems``: ``optimizer.state_precision`` on the device, since lean moments need placement
+        "offload"; ``step_in_backward``, ``offload_fraction``, ``compile``, ``pure_bf16``, ``offload_weights``),
+        what contradicts the TrainingArguments (``trainer_arguments_problems``: their own gradient checkpointing
+        with a policy), and a model on the meta device, is one ConfigError naming the fix.
 
         Differences from the plain Trainer, each needed for correctness:
 
@@ -223,28 +206,30 @@ def build_trainer_class(transformers: Any) -> type:
             ConfigError.raise_if(trainer_problems(memory) + _trainer_model_problems(model)
                                  + _chunked_loss_problems(model, memory))
             memory = trainer_choices(memory)
-            _refuse_double_checkpointing(memory, args)
+            ConfigError.raise_if([text for technique in REGISTRY
+                                  for text in technique.trainer_arguments_problems(memory, args)])
             self.memory = memory
             self.prepared = prepare_model(model, memory, chunk_tokens=chunk_tokens)
             super().__init__(model=model, args=args, **trainer_kwargs)
-            _refuse_fp16_with_offload(self.args, memory.optimizer.placement == "offload"
+            self._host_optimizer = optimizer_technique.TECHNIQUE.trainer_host_optimizer(memory)
+            _refuse_fp16_with_offload(self.args, self._host_optimizer is not None
                                       or isinstance(_inner_optimizer(self.optimizer), CPUOffloadOptimizer))
-            self._offloader = None
-            if memory.offload_activations:
-                from memtrain.offload import offload_activations
-
-                self._offloader = offload_activations(model=unwrap_model(model))
+            # What each step runs inside (activation offload's offloader), built once: pool and order persist.
+            steps = (technique.trainer_step(unwrap_model(model), memory) for technique in REGISTRY)
+            self._step_contexts = [context for context in steps if context is not None]
             self.add_callback(_ZeroHostGradients())
             _clip_through_the_optimizer(self)
 
         def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-            if self.optimizer is not None or self.memory.optimizer.placement != "offload":
+            if self.optimizer is not None or self._host_optimizer is None:
                 return super().create_optimizer(*([] if model is None else [model]))
-            self.optimizer = _offloaded_optimizer(self, self.model if model is None else model)
+            self.optimizer = _offloaded_optimizer(self, self.model if model is None else model, self._host_optimizer)
             return self.optimizer
 
         def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            with self._offloader if self._offloader is not None else contextlib.nullcontext():
+            with ExitStack() as stack:
+                for context in self._step_contexts:
+                    stack.enter_context(context)
                 return super().training_step(*args, **kwargs)
 
     return MemtrainTrainer

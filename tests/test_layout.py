@@ -202,7 +202,6 @@ FIELD_USERS_ALLOWED = {
     "memtrain.estimate.prepare": "the estimator's step: the chunked loss and activation offload it traces",
     "memtrain.estimate.step": "trace's keywords: one per technique it models (as build_optimizer's are)",
     "memtrain.estimate.streamed_weights": "the estimator's note on a set-up that streams weights it does not model",
-    "memtrain.hf_trainer": "MemtrainTrainer applies the loss, activation offload and the moments inside the Trainer",
     "memtrain.planner.apply": "the stages call each implementation with its setting, in order (torchtitan's style)",
     "memtrain.planner.devices": "the probe times the host's pure bf16 AdamW (cpu_step_rate's keyword)",
     "memtrain.planner.hint": "the pure bf16 hint searches pure bf16 set-ups beside the plan",

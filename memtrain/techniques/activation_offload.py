@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
+import memtrain.offload
 from memtrain.message import arg
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
@@ -77,6 +78,10 @@ class ActivationOffloadTechnique(Technique):
         """A block may keep every activation in pinned host memory (CUDA only: a CPU has no device memory to save).
         The recomputed blocks' offloaded inputs are checkpointing's flavor."""
         space.offload_blocks = problem.cuda and "offload-activations" in allowed
+
+    def trainer_step(self, model: Any, choices: Any) -> Any:
+        """Each training step's forward and backward inside ``offload_activations(model=...)``."""
+        return memtrain.offload.offload_activations(model=model) if choices.offload_activations else None
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         """Every saved activation offloaded where asked for (a "+offload" policy is checkpointing's to trace)."""

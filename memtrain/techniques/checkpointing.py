@@ -158,6 +158,29 @@ class CheckpointingTechnique(Technique):
         """Each way recomputed blocks recompute (one, "full", where no block recomputes)."""
         return [{"flavor": flavor} for flavor in space.flavors or ["full"]]
 
+    def trainer_default(self, choices: Any) -> dict[str, Any]:
+        """Every block recomputed where the policy is open (the Trainer helper runs no plan)."""
+        return {"checkpointing": Checkpointing(mode="all")} if choices.checkpointing is None else {}
+
+    def trainer_arguments_problems(self, choices: Any, arguments: Any) -> list[str]:
+        """The Trainer's own ``gradient_checkpointing`` would checkpoint again each block the policy checkpoints."""
+        policy = choices.checkpointing
+        if policy is None or policy.mode == "none" or not getattr(arguments, "gradient_checkpointing", False):
+            return []
+        return [f"MemtrainTrainer: TrainingArguments(gradient_checkpointing=True) and Choices(checkpointing="
+                f"{str(policy)!r}) would checkpoint every layer twice that the policy checkpoints (each recompute "
+                "recomputed again). To resolve this error, drop gradient_checkpointing from the TrainingArguments "
+                "(memtrain's checkpointing replaces it)."]
+
+    def prepare_model(self, model: Any, choices: Any, *, chunk_tokens: int) -> dict[str, Any]:
+        """The policy applied to the model's blocks: the blocks it checkpoints."""
+        if choices.checkpointing is None:
+            return {}
+        blocks = choices.checkpointing.apply(model)
+        return {"checkpointed": tuple(blocks),
+                "reasons": [f"checkpointing {str(choices.checkpointing)!r}: {len(blocks)} blocks checkpointed "
+                            "(recomputed in backward as the policy says)"]}
+
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         """The set-up's policy where the ``checkpointing=`` argument leaves it to it or names the same one; two
         different policies are a problem (the argument is kept, so it is still checked)."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import field
 from typing import Any
 
-from memtrain.loss import HF_MODEL_TYPES
+from memtrain.loss import HF_MODEL_TYPES, apply_chunked_loss, chunked_loss_implementation, output_head
 from memtrain.message import Message, arg
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
@@ -91,6 +91,18 @@ class ChunkedLossTechnique(Technique):
 
     def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
         return [{"chunked_loss": chunked} for chunked in space.losses]
+
+    def trainer_default(self, choices: Any) -> dict[str, Any]:
+        """The loss chunked where the choice is open (the Trainer helper runs no plan)."""
+        return {"chunked_loss": True} if choices.chunked_loss is None else {}
+
+    def prepare_model(self, model: Any, choices: Any, *, chunk_tokens: int) -> dict[str, Any]:
+        """The model's loss chunked, ``chunk_tokens`` tokens of logits at a time, with the kernel it takes."""
+        if not choices.chunked_loss:
+            return {}
+        apply_chunked_loss(model, chunk_tokens=chunk_tokens)
+        kind, why = chunked_loss_implementation(output_head(model))
+        return {"reasons": [f"loss: {chunk_tokens} tokens of logits at a time with {kind}'s kernel, because: {why}"]}
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         """The loss chunked where asked for (None: whole)."""

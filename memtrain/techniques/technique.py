@@ -1,6 +1,6 @@
 """A technique's part in memtrain, as one object: the ``Choices`` fields it owns, its rules with the others, what its
 setting fixes in a plan, its values in the search, its reason line, its part of an estimate's set-up, what the
-Hugging Face Trainer helper cannot do of it, and what a resumed run cannot change of it. Each technique's module
+Hugging Face Trainer helper cannot do of it and how it applies it there, and what a resumed run cannot change of it. Each technique's module
 subclasses ``Technique`` once (``TECHNIQUE``) and overrides what the technique has; ``memtrain.techniques.REGISTRY``
 lists them, and the planner, the checks, the reasons, the estimator, the Trainer helper and resume loop over it.
 """
@@ -82,6 +82,27 @@ class Technique:
         do of its setting in ``choices`` (a ``Choices``), in words naming the fix (none: it applies it, or it is
         off)."""
         return []
+
+    def trainer_default(self, choices: Any) -> dict[str, Any]:
+        """Its fields' values where ``choices`` (a ``Choices``) leaves them open, for the Hugging Face Trainer helper:
+        no plan runs there (none: open is off)."""
+        return {}
+
+    def trainer_arguments_problems(self, choices: Any, arguments: Any) -> list[str]:
+        """What its setting in ``choices`` contradicts in the Trainer's ``arguments`` (its ``TrainingArguments``), in
+        words naming the fix."""
+        return []
+
+    def prepare_model(self, model: Any, choices: Any, *, chunk_tokens: int) -> dict[str, Any]:
+        """Applies its setting in ``choices`` to a Hugging Face causal LM ``model`` (unwrapped), in place, for the
+        Trainer helper's ``prepare_model``: its part of what that returns (``Prepared``'s fields; ``reasons``: its
+        lines), empty where it changes nothing of the model."""
+        return {}
+
+    def trainer_step(self, model: Any, choices: Any) -> Any:
+        """The context each of the Trainer helper's training steps runs in for its setting in ``choices`` (``model``:
+        the unwrapped model), or None."""
+        return None
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         """Its part of ``estimate``'s one set-up ``setup`` (a ``Choices``; None fields: off) as ``trace``'s keyword

@@ -387,6 +387,17 @@ class OptimizerTechnique(Technique):
         return {"optimizer": optimizer, "state_precision": settings.state_precision, "offload_fraction": fraction,
                 "step_in_backward": settings.step_in_backward, "weights_dtype": "bf16" if bf16 else None}
 
+    def trainer_host_optimizer(self, choices: Any) -> tuple[NamedOptimizer, dict[str, Any]] | None:
+        """Where the Trainer helper builds ``CPUOffloadOptimizer`` (placement "offload"; None: the Trainer's own
+        optimizer): the class it steps on the host, and the keyword arguments it takes of ``choices`` (AdamW's lean
+        moments; a named class takes its own)."""
+        optimizer = choices.optimizer
+        if optimizer.placement != "offload":
+            return None
+        if not optimizer.named.is_adamw:
+            return optimizer.named, {}
+        return optimizer.named, {"state_precision": optimizer.state_precision or "fp32"}
+
     def trainer_problems(self, choices: Any) -> list[str]:
         """The Trainer builds its own AdamW on the device and steps after backward: lean moments and another class
         only offloaded (``CPUOffloadOptimizer``), no step in backward, no partial offload."""
