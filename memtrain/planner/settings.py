@@ -127,27 +127,15 @@ class PlanSettings(Configuration):
                               "PlanSettings.to_dict() wrote.") from None
 
 
-@dataclass(frozen=True, kw_only=True)
-class Fixed:
-    """Choices a plan keeps as given, in the search's terms (``of_choices`` makes them from a run's ``Choices``);
-    None leaves that choice to the search."""
+# The run's shape: what a plan sets beside its techniques' settings, never a choice a run fixes for the search.
+RUN_SHAPE = ("micro_batch_size", "accumulation", "distribution", "precision")
 
-    blocks: tuple[BlockKind, ...] | None = None  # the checkpointing layout, one kind per block
-    flavor: RecomputeFlavor | None = None  # how the recomputed blocks recompute
-    chunked_loss: bool | None = None
-    optimizer: OptimizerPlacement | None = None
-    state_precision: str | None = None
-    step_in_backward: bool | None = None
-    offload_fraction: float | None = None
-    compile: bool | None = None  # torch.compile the step (True), or not (False)
-    # True: only pure bf16 set-ups (bf16 weights, no fp32 master); None: none (the plan computes them for a hint
-    # only: it changes the numerics, so the plan never picks it).
-    pure_bf16: bool | None = None
-    offload_weights: bool | None = None  # parameter offload (True), or not (False)
-    optimizer_class: NamedOptimizer = NamedOptimizer()  # the run's optimizer: never the search's to choose
+
+class _FixedChoices:
+    """``Fixed``'s methods (its fields are ``PlanSettings``'s, below)."""
 
     @classmethod
-    def of_choices(cls, choices: Choices, *, n_blocks: int, device: str) -> tuple[Fixed, frozenset[str], list[str]]:
+    def of_choices(cls, choices: Choices, *, n_blocks: int, device: str) -> tuple[Any, frozenset[str], list[str]]:
         """A run's ``Choices`` (a ``TrainConfig``'s, a command's flags; None: the plan's) as the constraints of a plan:
         each technique's share (``memtrain.techniques.fixed_shares``), the one translation of choices into what the
         search keeps.
@@ -178,6 +166,21 @@ class Fixed:
         given.update(blocks=self.blocks if blocks is None else blocks, flavor=self.flavor if flavor is None else flavor)
         return PlanSettings(micro_batch_size=micro_batch_size, accumulation=accumulation, distribution=distribution,
                             precision=precision, **given)
+
+
+# Choices a plan keeps as given, in the search's terms (``of_choices`` makes them from a run's ``Choices``): each of
+# ``PlanSettings``'s fields but the run's shape, declared there once; None leaves that choice to the search. The
+# optimizer's class is the run's (never the search's to choose); ``pure_bf16=True`` keeps only pure bf16 set-ups,
+# None none (the plan computes them for a hint only: pure bf16 changes the numerics, so the plan never picks it).
+Fixed = dataclasses.make_dataclass(
+    "Fixed",
+    [(f.name, f"{f.type} | None", dataclasses.field(default=None)) if f.name != "optimizer_class"
+     else (f.name, f.type, dataclasses.field(default=NamedOptimizer()))
+     for f in dataclasses.fields(PlanSettings) if f.name not in RUN_SHAPE],
+    bases=(_FixedChoices,), frozen=True, kw_only=True)
+Fixed.__module__, Fixed.__doc__ = __name__, ("Choices a plan keeps as given, in the search's terms (``of_choices`` makes them from a run's "
+                 "``Choices``): ``PlanSettings``'s fields but the run's shape (``RUN_SHAPE``); None leaves that choice "
+                 "to the search.")
 
 
 @dataclass(frozen=True)
