@@ -19,8 +19,9 @@ class MemtrainError(Exception):
     (``memtrain.message``); ``str()`` is the library's wording."""
 
     def __init__(self, *args: object):
-        self.message = Message(args[0] if args and isinstance(args[0], str) else "")
-        super().__init__(*((str(self.message), *args[1:]) if args and isinstance(args[0], str) else args))
+        text = args[0] if args and isinstance(args[0], str) else None
+        super().__init__(*((str(Message(text)), *args[1:]) if text is not None else args))
+        self.message = Message(text if text is not None else str(self))
 
 
 class ConfigError(MemtrainError, ValueError):

@@ -15,12 +15,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# Private-use characters mark a named argument inside a message's text until ``Message`` reads it: never a
-# user's text, and never printed (a ``Message``'s string has none).
-_ARG, _WORDS, _VALUE, _END = "\ue000", "\ue001", "\ue002", "\ue003"
+# Pairs of private-use characters mark a named argument inside a message's text until ``Message`` reads it: never
+# printed (a ``Message``'s string has none), and no user's text (a path, another library's error) holds the pairs; a
+# mark left open is read as text.
+_ARG, _WORDS, _VALUE, _END = "\ue000\ue0a0", "\ue000\ue0a1", "\ue000\ue0a2", "\ue000\ue0a3"
 
 
 class _Whatever:
@@ -93,7 +95,7 @@ class Message(str):
         message.parts, message.marked = parts, str(text)
         return message
 
-    def render(self, name_of: Any) -> str:
+    def render(self, name_of: Callable[[Arg | Words], str]) -> str:
         """The message with each ``Arg`` and ``Words`` as ``name_of(part)`` gives it (text parts as they are)."""
         return "".join(part if isinstance(part, str) else name_of(part) for part in self.parts)
 
@@ -107,18 +109,20 @@ def marked(text: str | BaseException) -> str:
 
 
 def _parts(text: str) -> list[str | Arg | Words]:
+    """``text``'s parts: the text between marks, and each mark read back (a mark left open stays text)."""
     parts: list[str | Arg | Words] = []
     while True:
         start = min((i for i in (text.find(_ARG), text.find(_WORDS)) if i >= 0), default=-1)
-        if start < 0:
+        end = text.find(_END, start) if start >= 0 else -1
+        if end < 0:
             return parts + ([text] if text else [])
-        end = text.index(_END, start)
         if start:
             parts.append(text[:start])
-        body = text[start + 1:end]
-        if text[start] == _WORDS:
-            parts.append(Words(*body.split(_VALUE, 1)))
+        body = text[start + len(_ARG):end]
+        if text.startswith(_WORDS, start):
+            library, _, command = body.partition(_VALUE)
+            parts.append(Words(library, command))
         else:
             name, sep, value = body.partition(_VALUE)
             parts.append(Arg(name, value if sep else None))
-        text = text[end + 1:]
+        text = text[end + len(_END):]

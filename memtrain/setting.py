@@ -69,12 +69,12 @@ class Flag:
         return given
 
     def argument_terms(self, field: str) -> tuple[dict[str, str], dict[str, tuple[str | None, str | None]],
-                                                 dict[str, str]]:
+                                                 dict[str, dict[str, str]]]:
         """How messages that name ``field`` (an argument, ``field=value``) read in flag terms: the flag of a
-        value, the two flags of a switch, the flag a switch's value stands for."""
+        value, the two flags of a switch, the flag each value of a two-valued switch stands for (by its ``repr``)."""
         if self.kind == "switch" and self.values is not None:
             on, off = self.values
-            return {}, {}, {f"{field}={on!r}": self.name, f"{field}={off!r}": f"--no-{self.name[2:]}"}
+            return {}, {}, {field: {repr(on): self.name, repr(off): f"--no-{self.name[2:]}"}}
         if self.kind == "switch":
             return {}, {field: (self.name, f"--no-{self.name[2:]}")}, {}
         if self.kind == "on":

@@ -65,10 +65,30 @@ def test_every_argument_a_message_names_has_the_commands_words_for_it():
 
     from memtrain.cli import terms
 
-    known = {*terms.ARGUMENT_FLAGS, *terms.ARGUMENT_SWITCHES, *(key.partition("=")[0] for key in terms.ARGUMENT_VALUES),
+    known = {*terms.ARGUMENT_FLAGS, *terms.ARGUMENT_SWITCHES, *terms.ARGUMENT_VALUES,
              *terms.HF_MODEL_PATH, *terms.LORA_FLAGS}
     source = pathlib.Path(terms.__file__).parents[1]
     named = {(path.relative_to(source.parent).as_posix(), name) for path in source.rglob("*.py")
              for name in re.findall(r"""\barg\(\s*['"]([\w.]+)['"]""", path.read_text())}
     assert named, "no message names an argument"
     assert not {(path, name) for path, name in named if name not in known}, sorted(named)
+
+
+def test_a_value_the_command_has_no_flag_for_is_named_as_the_library_writes_it():
+    assert in_flag_terms(f"{arg('chunked_loss', 1)} must be True or False") == "chunked_loss=1 must be True or False"
+    assert in_flag_terms(f"{arg('optimizer.placement', 'host')} is not a placement") == (
+        "optimizer.placement='host' is not a placement")
+    assert in_flag_terms(f"drop {arg('optimizer.placement', WHATEVER)}") == (
+        "drop --offload-optimizer or --no-offload-optimizer")
+
+
+def test_a_call_sites_arguments_are_its_flags_and_the_others_stay_for_the_command():
+    import pytest
+
+    from memtrain.cli.terms import HF_MODEL_PATH, call_site_flags
+    from memtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info, call_site_flags(HF_MODEL_PATH):
+        raise ConfigError(f"{arg('path', '/m')} has no config.json; {arg('world_size', 2)} ranks")
+    assert str(info.value) == "path='/m' has no config.json; world_size=2 ranks"  # the library's words kept
+    assert in_flag_terms(info.value.message, "plan") == "--hf-model '/m' has no config.json; --nproc 2 ranks"

@@ -14,7 +14,7 @@ import torch
 
 from memtrain.cli.console import EXIT_OK, echo, log, third_party_progress
 from memtrain.cli.flags import build_parser, subparser
-from memtrain.cli.terms import HF_MODEL_PATH, flags_of
+from memtrain.cli.terms import HF_MODEL_PATH, call_site_flags
 from memtrain.cli.workloads import build_language_model
 from memtrain.errors import ConfigError
 from memtrain.hf import load_tokenizer
@@ -65,7 +65,7 @@ def export_run(run_dir: str | os.PathLike[str], *,
         model, seq_len = build_language_model(args)
         tokenizer = None
         if args.hf_model:
-            with flags_of(HF_MODEL_PATH):
+            with call_site_flags(HF_MODEL_PATH):
                 tokenizer = load_tokenizer(args.hf_model, needed_for="the run's hf/ folder and sample.txt")
         load_weights(model, state, str(folder / source) if source == "model.safetensors" else f"{source} of {folder}")
         written = export_results(folder, model, None, tokenizer, seq_len=seq_len,

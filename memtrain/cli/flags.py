@@ -15,6 +15,7 @@ from memtrain import __version__
 from memtrain.checkpointing import Checkpointing
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.cli.console import EXIT_BAD_INPUT, EXIT_CODES_HELP
+from memtrain.cli.terms import in_flag_terms
 from memtrain.cli.workloads import HF_SEQ_LEN
 from memtrain.config import LR_SCHEDULES
 from memtrain.errors import ConfigError
@@ -117,8 +118,8 @@ def _checkpointing(text: str) -> str:
     except ConfigError as e:
         spellings = ("auto (the planner chooses), none, all, every:K (K >= 1), selective, selective(matmul,attention), "
                      "blocks(RKO...) (one letter per block: recompute, keep, offload), each with an optional +offload")
-        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy ({e}); the spellings are "
-                                         f"{spellings}") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy ({in_flag_terms(e.message)}); the "
+                                         f"spellings are {spellings}") from None
 
 
 def _optimizer_arg(text: str) -> tuple[str, Any]:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
-from typing import Any
+from collections.abc import Iterator
 
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
-from memtrain.message import Arg, Message, Words
+from memtrain.message import Arg, Message, Words, arg, words
 from memtrain.setting import flags_of
 
 # The flag behind each library argument, for translating the library's errors into the command's terms.
@@ -34,8 +34,9 @@ ARGUMENT_SWITCHES: dict[str, tuple[str | None, str | None]] = {
     "progress": (None, "--no-progress"),
     "merge_lora": ("--merge-lora", None), "quiet": ("--quiet", None),
 }
-# Arguments whose value has a flag of its own (``Choices``'s optimizer placement is --[no-]offload-optimizer).
-ARGUMENT_VALUES: dict[str, str] = {}
+# Arguments whose values each have a flag of their own, by the value's repr (``Choices``'s optimizer placement:
+# 'offload' is --offload-optimizer, 'device' --no-offload-optimizer).
+ARGUMENT_VALUES: dict[str, dict[str, str]] = {}
 # A setting type's fields declare their flags (memtrain.setting): their terms come from there, as
 # "optimizer.state_precision" (a field of Choices.optimizer) and as the bare "state_precision" (the same argument of
 # build_optimizer, estimate, CPUOffloadOptimizer).
@@ -73,8 +74,10 @@ def in_flag_terms(message: str, command: str | None = None, extra: dict[str, str
 
 def _flag_text(part: Arg, message: Message, flags: dict[str, str],
                switches: dict[str, tuple[str | None, str | None]]) -> str:
-    """One argument as the command line gives it (its library spelling where the command has no flag for it)."""
+    """One argument as the command line gives it: its flag, with the value where the flag takes one; the library's
+    spelling where the command has no flag for it, or no flag for the value given (a switch given 1)."""
     name, value = part.name, part.value
+    given = [p.value for p in message.parts if isinstance(p, Arg) and p.name == name and p.value]
     if name in flags:
         flag = flags[name]
         if not value:  # the argument itself
@@ -87,31 +90,43 @@ def _flag_text(part: Arg, message: Message, flags: dict[str, str],
         return f"{flag}{value}" if flag.endswith(":") else f"{flag} {value}"
     if name in switches:
         on, off = switches[name]
+        if value == "" and given:  # the switch whatever its value: as the message gives it elsewhere
+            value = given[0]
         if value == "True":
             return on if on is not None else f"without {off}"
         if value == "False":
             return off if off is not None else f"without {on}"
-        if value == "":  # the switch whatever its value: as the message gives it elsewhere, else its flag
-            given = [p.value for p in message.parts if isinstance(p, Arg) and p.name == name and p.value]
-            if given:
-                return _flag_text(Arg(name, given[0]), message, flags, switches)
-        return on or off or name
-    valued = {key.partition("=")[2]: flag for key, flag in ARGUMENT_VALUES.items() if key.partition("=")[0] == name}
-    if valued:
+        return on or off or name if not value else str(part)
+    if name in ARGUMENT_VALUES:
+        valued = ARGUMENT_VALUES[name]
+        if value == "" and given:
+            value = given[0]
         if value in valued:
             return valued[value]
-        given = [p.value for p in message.parts if isinstance(p, Arg) and p.name == name and p.value in valued]
-        return valued[given[0]] if given else " or ".join(valued.values())
+        return " or ".join(valued.values()) if not value else str(part)
     return str(part)
 
 
 @contextlib.contextmanager
-def flags_of(extra: dict[str, str]) -> Any:
-    """Library errors raised inside, with the arguments of this call site named as their flags."""
+def call_site_flags(extra: dict[str, str]) -> Iterator[None]:
+    """Library errors raised inside, with the arguments of this call site (``extra``: e.g. ``path`` is --hf-model's
+    folder) as their flags; the other arguments stay kept, for the command to name."""
     try:
         yield
     except ConfigError as e:
-        raise ConfigError([in_flag_terms(p, extra=extra) for p in e.problems]) from None
+        raise ConfigError([_at_call_site(p, extra) for p in e.problems]) from None
+
+
+def _at_call_site(message: Message, extra: dict[str, str]) -> str:
+    """``message``'s marked text with the arguments ``extra`` names worded both ways (the library's, the flag)."""
+    def part_text(part: str | Arg | Words) -> str:
+        if isinstance(part, Words):
+            return words(part.library, part.command)
+        if isinstance(part, Arg) and part.name in extra:
+            return words(str(part), _flag_text(part, message, extra, {}))
+        return arg(part.name, text=part.value) if isinstance(part, Arg) else part
+
+    return "".join(map(part_text, message.parts))
 
 
 # What ``path=`` means at the call sites that load --hf-model's folder or read --data's file.

@@ -21,7 +21,7 @@ from memtrain.cli.export import export_finished_run
 from memtrain.cli.launch import distributed_group, nproc_problems
 from memtrain.cli.resume import command_record, held_out_fraction, resume_flags
 from memtrain.cli.techniques import choices_from_flags
-from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, flags_of, in_flag_terms
+from memtrain.cli.terms import DATA_PATH, HF_MODEL_PATH, call_site_flags, in_flag_terms
 from memtrain.cli.workloads import (
     build_language_model,
     check_data_path,
@@ -117,14 +117,14 @@ def _check_before_set_up(args: argparse.Namespace, parser: argparse.ArgumentPars
     ConfigError.raise_if(problems)
     tokenizer = None
     if args.hf_model:
-        with flags_of(HF_MODEL_PATH):
+        with call_site_flags(HF_MODEL_PATH):
             safetensors_files(args.hf_model)  # config.json and safetensors weights, before anything is loaded
             hf_seq_len(hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
         if not args.data:
             raise ConfigError(f"--hf-model {args.hf_model!r} without --data: the built-in corpus is read as bytes, "
                               "not with the model's tokenizer. To resolve this error, pass --data PATH (a .txt "
                               "file, documents split on blank lines, or a .jsonl file with a \"text\" field).")
-        with flags_of(HF_MODEL_PATH):
+        with call_site_flags(HF_MODEL_PATH):
             tokenizer = load_tokenizer(args.hf_model, needed_for=f"--data {args.data!r} (and the run's hf/ folder)")
         check_vocabulary(args.hf_model, len(tokenizer))
     if args.data:
@@ -145,12 +145,12 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
         seq_len = hf_seq_len(hf_folder_config(args.hf_model), args.seq_len, "--hf-model")
         progress = False if args.no_progress else None
         # Tokenised (or read from the cache beside the data) before the model loads: a bad line fails fast.
-        with flags_of(DATA_PATH), warnings.catch_warnings(record=True) as caught:
+        with call_site_flags(DATA_PATH), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             data = (tokenized_rows(args.data, tokenizer, seq_len, val_fraction=held_out, progress=progress)
                     if held_out else (file_rows(args.data, tokenizer, seq_len, progress=progress), None))
         for warning in caught:  # a damaged or unwritable token cache: one line in the command's terms
-            echo(f"  note: {in_flag_terms(warning.message.args[0], 'train')}", file=sys.stderr)
+            echo(f"  note: {in_flag_terms(next(iter(warning.message.args), str(warning.message)), 'train')}", file=sys.stderr)
     # NOTE: not model.to(device): the whole fp32 model would sit on the device before any plan, and a model the
     # plan fits only with bf16 device weights or streamed blocks would run out of memory there.
     model, seq_len = build_language_model(args, device)
@@ -188,7 +188,7 @@ def _all_rows(rows: ByteWindows, what: str, seq_len: int) -> ByteWindows:
 
 def _eval_rows(args: argparse.Namespace, tokenizer: Any, seq_len: int) -> Any:
     """--eval-data's rows, read as --data's are (tokenised and packed, or byte windows); all of them held out."""
-    with flags_of({"path": "--eval-data"}):
+    with call_site_flags({"path": "--eval-data"}):
         rows = file_rows(args.eval_data, tokenizer, seq_len) if tokenizer is not None \
             else ByteWindows(text_file_tokens(args.eval_data), seq_len)
     if len(rows) == 0:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from memtrain.cli.terms import HF_MODEL_PATH, LORA_FLAGS, flags_of
+from memtrain.cli.terms import HF_MODEL_PATH, LORA_FLAGS, call_site_flags
 from memtrain.data.corpus import is_jsonl
 from memtrain.data.documents import separator_note
 from memtrain.errors import ConfigError
@@ -31,7 +31,7 @@ def build_language_model(args: argparse.Namespace, device: torch.device | None =
     if args.hf_model:
         # fp32 weights whatever the checkpoint holds: the master weights of mixed precision (autocast computes in
         # bf16), which the optimizer needs; the plan may still put bf16 copies on the device (offloaded master).
-        with flags_of(HF_MODEL_PATH):
+        with call_site_flags(HF_MODEL_PATH):
             model = load_pretrained(args.hf_model)
         seq_len = hf_seq_len(model.config, args.seq_len, "--hf-model")
     elif args.hf_config:
@@ -62,7 +62,7 @@ def with_lora(model: Any, args: argparse.Namespace, precision: str | None = None
     if quantize:
         quantize_base(model, quantize, compute_dtype=_AUTOCAST_DTYPES.get(precision or "", torch.float32),
                       device=device)
-    with flags_of(LORA_FLAGS):
+    with call_site_flags(LORA_FLAGS):
         lora = apply_lora(model, args.lora, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0,
                           target_modules=args.lora_targets)
     if quantize:

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
 from memtrain.errors import ConfigError
-from memtrain.message import arg
+from memtrain.message import Message, arg
 
 Auto = Literal["auto"]
 MAX_AUTO_WORKERS = 8  # beyond this, workers mostly add memory (a copy of the process each) and start-up time
@@ -65,8 +65,8 @@ def parse_device(device: torch.device | str, problems: list[str]) -> torch.devic
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
-        problems.append(f"{arg('device', device)} is not a torch device. To resolve this error, pass e.g. 'cuda', "
-                        "'cuda:0' or 'cpu'.")
+        problems.append(Message(f"{arg('device', device)} is not a torch device. To resolve this error, pass e.g. "
+                                "'cuda', 'cuda:0' or 'cpu'."))
         return torch.device("cpu")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
-from memtrain.message import arg, marked
+from memtrain.message import Message, arg, marked
 from memtrain.planner.settings import TECHNIQUES, Fixed, PlanSettings
 from memtrain.report import parse_bytes
 from memtrain.techniques import REGISTRY, SetUp, Terms, planned_setup
@@ -42,15 +42,15 @@ def parse_budget(value: Any, name: str, problems: list[str]) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool):
-        problems.append(f"{arg(name, value)} is not a size. To resolve this error, pass bytes or a size such as "
-                        "'24GiB'.")
+        problems.append(Message(f"{arg(name, value)} is not a size. To resolve this error, pass bytes or a size "
+                                "such as '24GiB'."))
         return None
     if isinstance(value, (int, float)):
         if value == math.inf:
             return None
         if not math.isfinite(value) or value <= 0:
-            problems.append(f"{arg(name, value)} must be a positive number of bytes. To resolve this error, pass "
-                            "e.g. parse_bytes('24GiB'), or None for no limit.")
+            problems.append(Message(f"{arg(name, value)} must be a positive number of bytes. To resolve this "
+                                    "error, pass e.g. parse_bytes('24GiB'), or None for no limit."))
             return None
         return int(value)
     if isinstance(value, str):
@@ -59,9 +59,10 @@ def parse_budget(value: Any, name: str, problems: list[str]) -> int | None:
         try:
             return parse_bytes(value)
         except ConfigError as e:
-            problems.append(f"{arg(name)}: {marked(e)}")
+            problems.append(Message(f"{arg(name)}: {marked(e)}"))
             return None
-    problems.append(f"{arg(name, value)} is not a size. To resolve this error, pass bytes or a size such as '24GiB'.")
+    problems.append(Message(f"{arg(name, value)} is not a size. To resolve this error, pass bytes or a size such as "
+                            "'24GiB'."))
     return None
 
 

@@ -45,7 +45,7 @@ class PureBF16Hint:
     @property
     def fix(self) -> str:
         """E.g. "pure_bf16=True, which fits in 19.1 GiB per rank with 45.0 GiB of host RAM at 1,234 tokens/s (...)"
-        (the CLI says --pure-bf16)."""
+        (the CLI says --pure-bf16): marked text, a part of the nothing-fits message (``memtrain.message``)."""
         return self.text(arg("pure_bf16", True))
 
     def text(self, option: str) -> str:

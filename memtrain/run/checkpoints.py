@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 
 from memtrain.errors import MemtrainError
 from memtrain.files import as_os_error, free_bytes, replace_folder, sha256_file, write_fix
-from memtrain.message import arg
+from memtrain.message import Message, arg
 from memtrain.report import format_bytes
 
 CHECKPOINT_FORMAT = 2  # 2: meta.json and tensors.safetensors both listed in SHA256SUMS
@@ -319,8 +319,9 @@ def write_fault(error: OSError, path: Path, checkpoints: RunCheckpoints | None, 
     sizes = [f"it needs about {format_bytes(needed_bytes)}" if needed_bytes is not None else "",
              f"{format_bytes(free)} free in {Path(path).parent}" if free is not None else ""]
     sizes_text = "; ".join(s for s in sizes if s)
-    return (f"could not write {where} ({error.strerror or error}){f'; {sizes_text}' if sizes_text else ''}: "
-            f"{intact}. To resolve this error, {write_fix(error)}, then continue the run with {arg('resume', True)}.")
+    return Message(f"could not write {where} ({error.strerror or error}){f'; {sizes_text}' if sizes_text else ''}: "
+                   f"{intact}. To resolve this error, {write_fix(error)}, then continue the run with "
+                   f"{arg('resume', True)}.")
 
 
 @contextlib.contextmanager

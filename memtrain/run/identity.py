@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from memtrain.message import arg
+from memtrain.message import Message, arg
 
 # A dataset without a token stream that is not an in-memory list is hashed through this many evenly spaced
 # examples at most: each is one __getitem__ (which may read a file or tokenise), paid at every start and resume.
@@ -204,14 +204,15 @@ def compare_runs(saved: RunIdentity, now: RunIdentity) -> list[str]:
         if getattr(saved, key) == getattr(now, key) or (key in ("lr", "warmup_steps") and getattr(now, key) is None):
             continue
         if key == "data":
-            problems.append(_data_difference(saved.data, now.data) + " " + fix.format(what="data"))
+            problems.append(Message(_data_difference(saved.data, now.data) + " " + fix.format(what="data")))
         elif key == "model":
-            problems.append(_model_difference(saved.model, now.model) + " " + fix.format(what="model"))
+            problems.append(Message(_model_difference(saved.model, now.model) + " " + fix.format(what="model")))
         else:
             was, new = saved_values[key], now_values[key]
-            problems.append(f"resume: {arg(key, new)} now but {arg(key, was)} in the run being resumed. To "
-                            f"resolve this error, pass {arg(key, was)} (or leave it out: `memtrain train --resume` "
-                            f"reads the run's config), or start a new run in another {arg('out_dir')}.")
+            problems.append(Message(f"resume: {arg(key, new)} now but {arg(key, was)} in the run being resumed. "
+                                    f"To resolve this error, pass {arg(key, was)} (or leave it out: `memtrain train "
+                                    f"--resume` reads the run's config), or start a new run in another "
+                                    f"{arg('out_dir')}."))
     return problems
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from memtrain.message import arg
+from memtrain.message import Message, arg
 
 LOGGERS = ("tensorboard",)  # where a run can log beside metrics.jsonl (TrainConfig.log)
 TENSORBOARD_FOLDER = "tensorboard"  # <run>/tensorboard/: the event files
@@ -33,15 +33,15 @@ def logger_problems(log: Any) -> list[str]:
     """The problems of ``TrainConfig.log`` (empty: none), the missing ``tensorboard`` package among them, so that a
     run fails at start-up rather than after training."""
     if not isinstance(log, tuple) or not all(isinstance(name, str) for name in log):
-        return [f"{arg('log', log)} must be a tuple of logger names ({', '.join(LOGGERS)}). To resolve this error, "
-                f"pass e.g. {arg('log', ('tensorboard',))}, or {arg('log', ())} for metrics.jsonl only."]
+        return [Message(f"{arg('log', log)} must be a tuple of logger names ({', '.join(LOGGERS)}). To resolve this error, "
+                f"pass e.g. {arg('log', ('tensorboard',))}, or {arg('log', ())} for metrics.jsonl only.")]
     problems = [f"{arg('log', name)} is not a logger memtrain has ({', '.join(LOGGERS)}). To resolve this error, "
                 "pass one of them." for name in log if name not in LOGGERS]
     if "tensorboard" in log and importlib.util.find_spec("tensorboard") is None:
         problems.append(f"{arg('log', 'tensorboard')} writes TensorBoard event files, and the tensorboard package "
                         "is not installed. To resolve this error, pip install 'memtrain[tensorboard]' (or "
                         f"tensorboard), or drop {arg('log', 'tensorboard')}.")
-    return problems
+    return list(map(Message, problems))
 
 
 def host_resident_bytes() -> int | None:

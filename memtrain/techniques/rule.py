@@ -88,7 +88,8 @@ class Terms:
     values: Mapping[str, Callable[[Any], str]] = field(default_factory=dict)
 
     def given(self, name: str, value: Any) -> str:
-        """E.g. "optimizer.placement='offload'", kept as an argument (``memtrain.message.arg``)."""
+        """E.g. "optimizer.placement='offload'", kept as an argument: marked text (``memtrain.message.arg``), a part
+        of a message, which a ``Message`` reads (not for printing alone)."""
         label = self.labels.get(name, "world_size" if name == "processes" else name)
         if name in self.values:
             return arg(label, text=self.values[name](value))
