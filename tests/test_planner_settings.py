@@ -138,3 +138,19 @@ def test_every_optimizer_choice_is_translated():
         assert ("offload-optimizer" in allowed, "bf16-weights" in allowed) == (not off, not off), given
         assert allowed | {"offload-optimizer", "bf16-weights"} == set(TECHNIQUES)
     assert built == 88, built  # of 144: 3 placements x 4 precisions x 3 switches x 4 fractions
+
+
+@pytest.mark.parametrize(("field", "value", "kind"), [
+    ("micro_batch_size", "4", "an integer"), ("accumulation", 1.5, "an integer"), ("chunked_loss", 1, "True or False"),
+    ("optimizer", "host", "one of 'device', 'offload'"), ("offload_fraction", True, "a number"),
+    ("blocks", ["keep", "nope"], "a list of one of 'keep'"), ("blocks", "keep", "a list of"),
+    ("flavor", None, "one of 'full'")])
+def test_a_saved_plans_value_of_the_wrong_kind_is_refused_naming_the_field(field, value, kind):
+    """A plan read back from a checkpoint's dict: each field of the kind its type declares (a string "4" for an
+    integer was taken as it was, to fail later where it was used)."""
+    saved = PlanSettings(micro_batch_size=1, accumulation=2, blocks=("keep", "recompute"), flavor="full",
+                         distribution="none").to_dict()
+    assert PlanSettings.from_dict(saved).to_dict() == saved
+    with pytest.raises(ConfigError) as info:
+        PlanSettings.from_dict({**saved, field: value})
+    assert f"{field}=" in str(info.value) and f"(not {kind}" in str(info.value), str(info.value)

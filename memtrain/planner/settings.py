@@ -6,6 +6,7 @@ of one planning problem) and a ``Configuration`` (a candidate but for its block 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -119,12 +120,48 @@ class PlanSettings(Configuration):
             why = "not a mapping" if missing is None else f"missing {', '.join(missing)}"
             raise ConfigError(f"{d!r} is not a plan's settings ({why}). To resolve this error, pass what "
                               "PlanSettings.to_dict() wrote.")
-        convert = {"blocks": tuple, "optimizer_class": NamedOptimizer.from_dict}
+        convert = {"blocks": lambda v: tuple(v) if isinstance(v, (list, tuple)) else v,
+                   "optimizer_class": NamedOptimizer.from_dict}
         try:
-            return cls(**{k: convert.get(k, lambda v: v)(v) for k, v in d.items() if k in names})
+            settings = cls(**{k: convert.get(k, lambda v: v)(v) for k, v in d.items() if k in names})
         except TypeError as e:
             raise ConfigError(f"{d!r} is not a plan's settings ({e}). To resolve this error, pass what "
                               "PlanSettings.to_dict() wrote.") from None
+        wrong = kind_problems(settings)
+        if wrong:
+            raise ConfigError(f"a plan's settings with {'; '.join(wrong)}. To resolve this error, pass what "
+                              "PlanSettings.to_dict() wrote.")
+        return settings
+
+
+def kind_problems(record: Any) -> list[str]:
+    """Each field of the dataclass ``record`` whose value is not of the kind its annotation declares (a ``Literal``'s
+    values, a bool, an int, a number, a string, a tuple of a kind, a class), e.g. "micro_batch_size='4' (an int)"."""
+    hints = typing.get_type_hints(type(record))
+    return [f"{f.name}={getattr(record, f.name)!r} (not {_kind_text(hints[f.name])})"
+            for f in dataclasses.fields(record) if not _is_kind(getattr(record, f.name), hints[f.name])]
+
+
+def _is_kind(value: Any, kind: Any) -> bool:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Literal:
+        return isinstance(value, str) and value in args
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_is_kind(v, args[0]) for v in value)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _kind_text(kind: Any) -> str:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin is tuple:
+        return f"a list of {_kind_text(args[0])}"
+    return {bool: "True or False", int: "an integer", float: "a number", str: "a string"}.get(kind, kind.__name__)
 
 
 # The run's shape: what a plan sets beside its techniques' settings, never a choice a run fixes for the search.
