@@ -30,33 +30,3 @@ def llama():
     """The planner tests' Llama config (``helpers.planner_llama``)."""
     return planner_llama()
 
-
-# -- transition oracle (issue 30): every message the suite builds, rendered by the old regex rewrite layer and by
-# the new data-driven one; MEMTRAIN_MESSAGE_ORACLE=FILE writes each difference as a JSON line. Removed when every
-# message keeps its arguments as data.
-def pytest_configure(config):
-    import json
-    import os
-
-    path = os.environ.get("MEMTRAIN_MESSAGE_ORACLE")
-    if not path:
-        return
-    import legacy_terms
-
-    import memtrain.message as message_module
-    from memtrain.cli.terms import in_flag_terms
-
-    original = message_module.Message.__new__
-
-    def logged(cls, text):
-        message = original(cls, text)
-        if message is text:
-            return message
-        old, new = legacy_terms.in_flag_terms(str(message)), in_flag_terms(message)
-        if old != new:
-            with open(path, "a") as out:
-                out.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "library": str(message),
-                                      "old": old, "new": new}) + "\n")
-        return message
-
-    message_module.Message.__new__ = logged
