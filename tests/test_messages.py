@@ -180,3 +180,43 @@ def test_a_partial_offload_with_lean_moments_is_planned_where_both_are_asked_for
     with pytest.raises(ConfigError) as info:
         plan(model, **common, world_size=2, fsdp=True, choices=Choices(optimizer=OptimizerChoice(state_precision="bf16")))
     assert "FSDP2 shards fp32 moments only" in str(info.value) and "step in backward" not in str(info.value)
+
+
+def test_the_third_fuzz_runs_messages_name_the_flags_and_fixes_the_command_takes(tmp_path, capsys):
+    """The third fuzz run's findings (issue 30): --data's too-short text on the byte path named path=; the optimizer
+    probe's "fix its kwargs" and the checkpointing spellings only Python takes (an integer K, True, a Checkpointing:
+    refused by --checkpointing and a --config file) reached the command; a layout's 'O' blocks on a CPU were to be
+    dropped with --offload-activations, which they do not come from; export's folder is RUN_DIR, not --out; a LoRA
+    option without --lora read "no adapters to -lora"."""
+    from memtrain.checkpointing.policy import Checkpointing
+    from memtrain.cli import main
+    from memtrain.optim import probe
+
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"x")
+    assert main(["train", "--model", "gpt-tiny", "--max-steps", "1", "--data", str(short),
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {str(short)!r} holds 1 bytes" in err and "path=" not in err, err
+
+    message = _refusal(lambda: probe.state_sizes(torch.optim.SGD, (("nokey", 1),), (4,), torch.float32))
+    assert message.endswith("or fix its kwargs."), message
+    assert in_flag_terms(message, "train").endswith("or fix its --optimizer-arg values."), message
+
+    message = _refusal(lambda: Checkpointing.parse("bogus"))
+    assert "True (all)" in message and "or a Checkpointing" in message, message
+    rendered = in_flag_terms(message, "train")
+    assert "True (all)" not in rendered and "Checkpointing." not in rendered and "'+offload'" in rendered, rendered
+
+    assert main(["plan", "--model", "gpt-tiny", "--device", "cpu", "--checkpointing", "blocks(OK)",
+                 "--no-offload-activations"]) == 2
+    err = capsys.readouterr().err
+    assert "the 'O' blocks of --checkpointing" in err and "(--offload-activations)" not in err, err
+
+    assert main(["export", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert f"RUN_DIR {str(short)!r} is a file" in err and "--out" not in err, err
+
+    assert main(["train", "--model", "gpt-tiny", "--merge-lora", "--lora-targets", "q"]) == 2
+    err = capsys.readouterr().err
+    assert "no adapters to merge" in err and "no adapters to place" in err and "to -lora" not in err, err

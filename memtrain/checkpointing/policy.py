@@ -14,7 +14,7 @@ from memtrain.checkpointing.blocks import BlockPolicy, find_blocks, no_blocks_fo
 from memtrain.checkpointing.selective import SelectivePolicy, resolve_selective
 from memtrain.checkpointing.wrap import apply_checkpointing, remove_checkpointing
 from memtrain.errors import ConfigError
-from memtrain.message import arg
+from memtrain.message import arg, words
 from memtrain.offload import ActivationOffloader
 
 CheckpointingMode = Literal["none", "all", "every", "selective", "blocks"]
@@ -22,8 +22,9 @@ CheckpointingMode = Literal["none", "all", "every", "selective", "blocks"]
 _LETTERS: dict[BlockPolicy, str] = {"recompute": "R", "keep": "K", "offload": "O"}
 _SPELLINGS = ("'none', 'all', 'every:K' (K >= 1), 'selective' or e.g. 'selective(matmul,attention)', "
               "'blocks(RKO...)' (a letter per block: R recompute, K keep, O offload), each optionally followed by "
-              "'+offload' (the recomputed blocks' inputs in host memory); an integer K (every:K); True (all); "
-              "False or None (none); or a Checkpointing")
+              "'+offload' (the recomputed blocks' inputs in host memory)"
+              # Python's spellings only: the command line's flag and --config file take the text ones.
+              + words("; an integer K (every:K); True (all); False or None (none); or a Checkpointing", ""))
 
 
 @dataclass(frozen=True)

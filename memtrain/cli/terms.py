@@ -50,8 +50,9 @@ for _field, _flag in flags_of(OptimizerChoice):
         ARGUMENT_VALUES.update(_valued if _name.startswith("optimizer.") else {})
 # Flags given once per pair (--optimizer-arg KEY=VALUE): a mapping's value reads as the flag once per key.
 PAIR_FLAGS = {flag.name for _, flag in flags_of(OptimizerChoice) if flag.kind == "pairs"}
-# Where a command spells an argument its own way: memtrain plan plans --nproc ranks and compares --fsdp / --ddp.
-COMMAND_FLAGS: dict[str, dict[str, str]] = {"plan": {"world_size": "--nproc"}}
+# Where a command spells an argument its own way: memtrain plan plans --nproc ranks and compares --fsdp / --ddp;
+# memtrain export reads the run folder RUN_DIR (it has no --out).
+COMMAND_FLAGS: dict[str, dict[str, str]] = {"plan": {"world_size": "--nproc"}, "export": {"out_dir": "RUN_DIR"}}
 COMMAND_SWITCHES: dict[str, dict[str, tuple[str | None, str | None]]] = {"plan": {"fsdp": ("--fsdp", "--ddp")}}
 
 

@@ -160,7 +160,8 @@ def _model_and_data(args: argparse.Namespace, tokenizer: Any, device: torch.devi
                   + (f"; {skipped} pieces of prompts longer than --seq-len {seq_len} skipped: no completion token "
                      "in them" if skipped else "") + ")")
     else:
-        tokens = text_file_tokens(args.data) if args.data else stdlib_corpus()
+        with call_site_flags(DATA_PATH):
+            tokens = text_file_tokens(args.data) if args.data else stdlib_corpus()
         data = split_windows(tokens, seq_len, val_fraction=held_out) if held_out else (
             _all_rows(ByteWindows(tokens, seq_len), "--data" if args.data else "the built-in corpus", seq_len), None)
         source = args.data or "the Python standard library's source (built-in corpus)"

@@ -110,10 +110,13 @@ def start_up_notes(args: argparse.Namespace, tokenizer: Any) -> list[str]:
 def lora_flag_problems(args: argparse.Namespace) -> list[str]:
     """One problem per LoRA option given without --lora (nothing to apply it to)."""
     problems = []
-    for dest in ("merge_lora", "lora_alpha", "lora_dropout", "lora_targets"):
+    # What each option would do to the adapters (a flag's own words read "no adapters to -lora", "to targets").
+    verbs = {"merge_lora": "merge", "lora_alpha": "scale", "lora_dropout": "apply dropout to",
+             "lora_targets": "place"}
+    for dest, verb in verbs.items():
         if getattr(args, dest, None) not in (None, False) and not args.lora:
             flag = "--" + dest.replace("_", "-")
-            problems.append(f"{flag} without --lora: there are no adapters to {flag[7:]}. To resolve this error, "
+            problems.append(f"{flag} without --lora: there are no adapters to {verb}. To resolve this error, "
                             f"pass --lora R (e.g. --lora 8), or drop {flag}.")
     return problems + quantize_flag_problems(args)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from memtrain.errors import ConfigError
+from memtrain.message import words
 
 PROBE_NUMEL = 1 << 20  # elements a probe step allocates at most per parameter (4 MiB in fp32)
 _FIT_SIDE = 256  # the smaller side of the shapes a large parameter's state is fitted from
@@ -73,7 +74,7 @@ def _stepped(cls: type, kwargs: tuple[tuple[str, Any], ...], shape: tuple[int, .
         raise ConfigError(f"{cls.__module__}.{cls.__qualname__}({dict(kwargs)}) cannot step a {dtype} CPU tensor of "
                           f"shape {shape}: {type(e).__name__}: {e}. memtrain measures an optimizer's state by a probe "
                           "step on the CPU, and the host offload steps there. To resolve this error, pick a class "
-                          "with a CPU implementation, or fix its kwargs.") from None
+                          f"with a CPU implementation, or {words('fix its kwargs', 'fix its --optimizer-arg values')}.") from None
     return opt, p
 
 

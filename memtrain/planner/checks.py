@@ -79,7 +79,10 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
         problems.append(f"the checkpointing layout names {len(f.blocks)} blocks, not {n_blocks} "
                         f"({sorted(set(f.blocks))}): the model has {n_blocks} blocks, each 'keep', 'recompute' or "
                         "'offload'. To resolve this error, give one policy per block, in the model's order.")
-    if not cuda and ((f.blocks is not None and "offload" in f.blocks) or f.flavor == "offload-inputs"):
+    if not cuda and f.blocks is not None and "offload" in f.blocks:  # a layout's 'O' blocks: checkpointing's
+        problems.append("activation offload on a CPU only copies within RAM. To resolve this error, drop it "
+                        f"(the 'O' blocks of {arg('checkpointing')}) for a CPU run.")
+    elif not cuda and f.flavor == "offload-inputs":
         problems.append("activation offload on a CPU only copies within RAM. To resolve this error, drop it "
                         f"({arg('offload_activations')}) for a CPU run.")
     # NOTE: a fixed optimizer offload is planned on the CPU too (CPUOffloadOptimizer runs there, the same code
