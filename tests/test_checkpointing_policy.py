@@ -12,13 +12,15 @@ from torch import nn
 from memtrain import (
     ConfigError,
     apply_checkpointing,
+    measure,
 )
 from memtrain.checkpointing import checkpointed_blocks
 
 
 @pytest.mark.parametrize("value", ["none", "all", "every:3", "selective", "selective(matmul)",
                                    "selective(matmul,attention,conv)", "blocks(RRKO)", "all+offload",
-                                   "every:2+offload", "blocks(ROK)+offload", True, False, None, 4])
+                                   "every:2+offload", "blocks(ROK)+offload", "blocks(RRK)+selective",
+                                   "blocks(RKO)+selective(matmul)+offload", True, False, None, 4])
 def test_checkpointing_parse_round_trips_its_str(value):
     from memtrain.checkpointing import Checkpointing
 
@@ -53,6 +55,9 @@ _POLICY_CASES = {
     "blocks+offload": ({"policies": {f"blocks.{i}": p for i, p in enumerate("recompute keep offload keep recompute"
                                                                              .split())}, "offload": True},
                        "blocks(RKOKR)+offload"),
+    "blocks+selective": ({"policies": {f"blocks.{i}": p for i, p in enumerate("recompute keep offload keep recompute"
+                                                                               .split())}, "selective": ("matmul",)},
+                         "blocks(RKOKR)+selective(matmul)"),
 }
 
 
@@ -90,10 +95,26 @@ def test_checkpointing_apply_matches_apply_checkpointing(case):
 
 
 
+def test_a_layout_recomputed_selectively_trains_as_plain_training():
+    """A plan's mixed layout with its selective flavor, written as a policy: gradients bit-equal to no checkpointing
+    (dropout included: the recompute replays the RNG), and fewer bytes saved than keeping every block."""
+    from memtrain.checkpointing import Checkpointing
+
+    plain, layout = tiny_gpt(4, seq_len=64, dropout=0.1, seed=0), tiny_gpt(4, seq_len=64, dropout=0.1, seed=0)
+    Checkpointing.parse("blocks(RRKK)+selective").apply(layout)
+    saved = {}
+    for name, model in (("plain", plain), ("layout", layout)):
+        torch.manual_seed(1)
+        saved[name] = measure(lambda m=model: gpt_step(m), model=model).activation_bytes
+    assert_grads_equal(plain, layout)
+    assert saved["layout"] < saved["plain"], saved
+
+
 @pytest.mark.parametrize("value, match", [
     ("every:0", "every:K recomputes one block in K"), ("sometimes", "not a checkpointing policy"), (0, "must be >= 1"),
     (2.5, "not a checkpointing policy"), ("auto", "planner"), ("blocks(RX)", "'x' is not a block letter"),
     ("selective(softmax)", "unknown op kinds"), ("none+offload", "offload_inputs=True with mode='none'"),
+    ("blocks(RK)+selective(softmax)", "unknown op kinds"),
 ])
 def test_checkpointing_parse_errors_name_the_accepted_spellings(value, match):
     from memtrain.checkpointing import Checkpointing

@@ -31,7 +31,7 @@ def test_the_rules_are_listed_once_each():
         "gradients-before-ddp", "offload-optimizer-fsdp", "offload-with-fraction", "offload-with-step-in-backward",
         "step-in-backward-with-fraction", "step-in-backward-fp16-scaler", "step-in-backward-per-parameter",
         "bf16-device-weights-precision", "named-optimizer-own-state",
-        "pure-bf16-int8", "pure-bf16-precision", "pure-bf16-fsdp",
+        "pure-bf16-int8", "pure-bf16-precision", "pure-bf16-fsdp", "pure-bf16-cast-weights",
         "offload-weights-device-optimizer", "offload-weights-compile", "offload-weights-pure-bf16",
         "offload-weights-one-process", "offload-weights-blocks",
     ]
@@ -56,6 +56,8 @@ CHOICES = {
     "pure-bf16-int8": lambda: Choices(pure_bf16=True, optimizer=OptimizerChoice(state_precision="int8")),
     "pure-bf16-precision": lambda: ConfigError.raise_if(Choices(pure_bf16=True).precision_problems("fp16-mixed")),
     "pure-bf16-fsdp": lambda: Choices(pure_bf16=True).check_run(world_size=2, fsdp=True),
+    "pure-bf16-cast-weights": lambda: Choices(pure_bf16=True, optimizer=OptimizerChoice(
+        placement="offload-bf16-weights")),
     "gradients-before-ddp": lambda: Choices(optimizer=OptimizerChoice(step_in_backward=True)).check_run(world_size=2),
     "offload-optimizer-fsdp": lambda: Choices(optimizer=OptimizerChoice(placement="offload")).check_run(
         world_size=2, fsdp=True),

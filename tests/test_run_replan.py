@@ -84,9 +84,14 @@ def test_a_kept_optimizer_admits_only_itself():
                                           r"run's optimizer is"):
         check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="device", state_precision="bf16")),
                              replace(kept, optimizer="offload"))
-    # The offloaded optimizer with bf16 device weights is placement "offload" too (Choices cannot name the weights).
-    check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload")),
-                         replace(kept, optimizer="offload-bf16-weights"))
+    # Placement "offload" takes a run whose device weights are bf16 casts of the host master (the state is the
+    # same); "offload-bf16-weights" names them, and takes only such a run.
+    bf16_weights = replace(kept, optimizer="offload-bf16-weights")
+    check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload")), bf16_weights)
+    check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")), bf16_weights)
+    with pytest.raises(ConfigError, match=r"optimizer.placement='offload-bf16-weights': the run's optimizer is"):
+        check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")),
+                             replace(kept, optimizer="offload"))
 
 
 def test_a_resume_that_asks_for_another_weight_layout_is_refused_not_ignored():

@@ -1,5 +1,6 @@
 """``Checkpointing``: the one typed value naming a checkpointing policy, its spellings (none / all / every:K /
-selective(...) / blocks(RKO...), each with an optional +offload) and what it does to a model."""
+selective(...) / blocks(RKO...), a layout's recomputed blocks optionally +selective(...), each with an optional
++offload) and what it does to a model."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ CheckpointingMode = Literal["none", "all", "every", "selective", "blocks"]
 
 _LETTERS: dict[BlockPolicy, str] = {"recompute": "R", "keep": "K", "offload": "O"}
 _SPELLINGS = ("'none', 'all', 'every:K' (K >= 1), 'selective' or e.g. 'selective(matmul,attention)', "
-              "'blocks(RKO...)' (a letter per block: R recompute, K keep, O offload), each optionally followed by "
-              "'+offload' (the recomputed blocks' inputs in host memory)"
+              "'blocks(RKO...)' (a letter per block: R recompute, K keep, O offload; '+selective' after it "
+              "recomputes the R blocks selectively), each optionally followed by '+offload' (the recomputed blocks' "
+              "inputs in host memory)"
               # Python's spellings only: the command line's flag and --config file take the text ones.
               + words("; an integer K (every:K); True (all); False or None (none); or a Checkpointing", ""))
 
@@ -41,7 +43,8 @@ class Checkpointing:
         mode: "none" (no block recomputes), "all", "every" (one block in ``every``), "selective" (every block,
             keeping the outputs of the op kinds in ``selective``), "blocks" (one policy per block: ``blocks``).
         every: with mode="every": blocks 0, every, 2*every, ... recompute, the others keep.
-        selective: with mode="selective": the op kinds kept (default ``SelectivePolicy()``: matmul, attention).
+        selective: with mode="selective": the op kinds kept (default ``SelectivePolicy()``: matmul, attention); with
+            mode="blocks": the recomputed blocks recompute selectively, keeping these (None: they recompute whole).
         blocks: with mode="blocks": "keep" / "recompute" / "offload" for each detected block, in order.
         offload_inputs: the recomputed blocks' saved inputs wait in pinned host memory (a no-op without CUDA).
 
@@ -56,6 +59,8 @@ class Checkpointing:
         'blocks(RKO)'
         >>> Checkpointing.parse("all+offload").block_policies(3)
         ('recompute', 'recompute', 'recompute')
+        >>> str(Checkpointing.parse("blocks(RRK)+selective"))
+        'blocks(RRK)+selective(matmul,attention)'
     """
 
     mode: CheckpointingMode = "all"
@@ -78,10 +83,10 @@ class Checkpointing:
                             "resolve this error, pass mode='every', or leave every at 1.")
         selective = self.selective
         if selective is not None:
-            if self.mode != "selective":
-                problems.append(f"selective={selective!r} applies only with mode='selective', not "
-                                f"mode={self.mode!r}. To resolve this error, pass mode='selective' or "
-                                "selective=None.")
+            if self.mode not in ("selective", "blocks"):
+                problems.append(f"selective={selective!r} applies only with mode='selective' (or 'blocks': its "
+                                f"recomputed blocks), not mode={self.mode!r}. To resolve this error, pass "
+                                "mode='selective' or selective=None.")
             selective = resolve_selective(selective, problems)
             if selective is not None:  # a hashable policy: SelectivePolicy(keep=[...]) holds a list
                 selective = SelectivePolicy(keep=tuple(selective.keep))
@@ -149,9 +154,12 @@ class Checkpointing:
                 keep = tuple(match[1].split(",")) if match[1] is not None else None
                 return cls(mode="selective", offload_inputs=offload,
                            selective=SelectivePolicy(keep=keep) if keep is not None else None)  # type: ignore[arg-type]
-            if match := re.fullmatch(r"blocks\(([rko]+)\)", text):
+            if match := re.fullmatch(r"blocks\(([rko]+)\)(\+selective(?:\(([a-z_,]*)\))?)?", text):
                 by_letter = {letter.lower(): policy for policy, letter in _LETTERS.items()}
-                return cls(mode="blocks", blocks=tuple(by_letter[c] for c in match[1]), offload_inputs=offload)
+                keep = tuple(match[3].split(",")) if match[3] is not None else None
+                selective = None if match[2] is None else SelectivePolicy(keep=keep) if keep else SelectivePolicy()
+                return cls(mode="blocks", blocks=tuple(by_letter[c] for c in match[1]), selective=selective,
+                           offload_inputs=offload)
             if match := re.fullmatch(r"blocks(?:\((.*)\))?", text):
                 others = sorted(set(match[1] or "") - set("rko"))
                 what = (f"{', '.join(map(repr, others))} {'is not a block letter' if len(others) == 1 else 'are not block letters'}"
@@ -173,6 +181,8 @@ class Checkpointing:
             text = f"selective({','.join(self.selective.keep)})"  # type: ignore[union-attr]
         elif self.mode == "blocks":
             text = f"blocks({''.join(_LETTERS[b] for b in self.blocks)})"
+            if self.selective is not None:
+                text += f"+selective({','.join(self.selective.keep)})"
         else:
             text = self.mode
         return text + ("+offload" if self.offload_inputs else "")
@@ -237,4 +247,5 @@ class Checkpointing:
                     "in the order find_blocks(model) returns them."
                 )
             kwargs["policies"] = dict(zip(names, self.blocks, strict=True))
+            kwargs["selective"] = self.selective
         return kwargs

@@ -155,6 +155,14 @@ def _setup_keywords(setup: Choices | None, model: Any, batch: Any, arguments: di
     before tracing, at once)."""
     options, problems = setup_options(setup, checkpointing=checkpointing, optimizer=optimizer,
                                       precision=arguments["precision"])
+    dtype = options.pop("weights_dtype", None)  # the set-up's device weights (an offloaded master's bf16 casts)
+    if dtype is not None and arguments["weights_dtype"] not in (None, dtype):
+        # Python's argument only (the command line has no such flag): not kept as an argument
+        problems.append(f"weights_dtype={arguments['weights_dtype']!r} with setup.optimizer.placement="
+                        f"'offload-bf16-weights': its device weights are {dtype}. To resolve this error, drop "
+                        f"weights_dtype or pass weights_dtype={dtype!r}.")
+    elif dtype is not None:
+        arguments["weights_dtype"] = dtype
     ConfigError.raise_if(problems_before_tracing(model, batch, problems, **arguments, **options))
     return options
 

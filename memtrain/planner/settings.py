@@ -76,6 +76,13 @@ class PlanSettings(Configuration):
     # in their class read differently.
     optimizer_class: NamedOptimizer = NamedOptimizer()
 
+    def __post_init__(self) -> None:
+        # Where no block recomputes, every flavor is one set-up (the search keeps its first flavor's rows): written
+        # "full", so that one set-up has one record (``choices`` names no flavor there).
+        flavors = ("selective", "offload-inputs")
+        if isinstance(self.blocks, tuple) and "recompute" not in self.blocks and self.flavor in flavors:
+            object.__setattr__(self, "flavor", "full")
+
     @property
     def optimizer_text(self) -> str:
         """The optimizer in words, e.g. "device, int8 moments, step in backward" (the optimizer's, with the
@@ -91,6 +98,23 @@ class PlanSettings(Configuration):
     def checkpointing(self) -> str:
         """A short name: none, all, selective, all+offload-inputs, or counts per kind."""
         return techniques.checkpointing.TECHNIQUE.planned_text(self)
+
+    @property
+    def choices(self) -> Choices:
+        """This set-up in the user's setting type: the ``Choices`` that fix every technique as it is here (each
+        technique's part, ``Technique.chosen``). A run given them, with this run shape, gets this set-up again
+        (``PlanSettings.of_choices``): ``TrainConfig(choices=plan.settings.choices)``, ``plan(choices=...)``."""
+        return Choices(**techniques.chosen(self))
+
+    @classmethod
+    def of_choices(cls, choices: Choices, *, micro_batch_size: int, accumulation: int, distribution: Distribution,
+                   precision: str, n_blocks: int, device: str = "cuda") -> PlanSettings:
+        """The one set-up ``choices`` fix (every technique fixed, as ``choices`` returns them) for this run shape,
+        over ``n_blocks`` blocks on ``device``: the inverse of ``choices``, through ``Fixed.of_choices``, the one
+        translation of a run's choices into a plan's terms (what they leave open, plain: ``Fixed.settings``)."""
+        fixed, _, _ = Fixed.of_choices(choices, n_blocks=n_blocks, device=device)
+        return fixed.settings(micro_batch_size=micro_batch_size, accumulation=accumulation, distribution=distribution,
+                              precision=precision)
 
     def policies(self, names: Sequence[str]) -> dict[str, BlockKind]:
         """``apply_checkpointing(policies=)`` for the block names (in order)."""

@@ -88,10 +88,21 @@ def planned_setup(record: Any, **run: Any) -> SetUp:
     return SetUp(**{k: v for technique in REGISTRY for k, v in technique.planned_setup(record).items()}, **run)
 
 
+def chosen(settings: Any) -> dict[str, Any]:
+    """A plan's one set-up ``settings`` (a ``PlanSettings``) as ``Choices``' keyword arguments that fix it: every
+    technique's part (``Technique.chosen``), each field given by one technique."""
+    fields: dict[str, Any] = {}
+    for technique in REGISTRY:
+        own = technique.chosen(settings)
+        assert not own.keys() & fields.keys(), f"{technique.name} gives {sorted(own.keys() & fields.keys())} again"
+        fields.update(own)
+    return fields
+
+
 def left_open(fixed: Any) -> list[str]:
     """The arguments that fix what a plan's ``Fixed`` leaves to the search, where no search runs."""
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
 __all__ = ["REGISTRY", "RULES", "SEARCH", "SEARCH_ORDER", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms",
-           "fixed_shares", "left_open", "planned_options", "planned_setup", "problems", "refuses"]
+           "chosen", "fixed_shares", "left_open", "planned_options", "planned_setup", "problems", "refuses"]

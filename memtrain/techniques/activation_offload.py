@@ -67,6 +67,12 @@ class ActivationOffloadTechnique(Technique):
         asked for."""
         return []
 
+    def chosen(self, settings: Any) -> dict[str, Any]:
+        """Refused where the set-up offloads nothing; otherwise the layout's (its "O" blocks, its "+offload")."""
+        offloads = "offload" in settings.blocks or (
+            settings.flavor == "offload-inputs" and "recompute" in settings.blocks)
+        return {"offload_activations": None if offloads else False}
+
     def setup_text(self, setup: Any) -> str:
         return "activations offloaded to host RAM" if setup.offload_activations else ""
 

@@ -1,8 +1,8 @@
 """Activation checkpointing: the blocks that keep only their input and recompute the rest in backward (about one
 extra forward of each such block), by a policy ("none", "all", "every:K", "selective", "blocks(RKO...)",
-"...+offload") or, left ``None``, the plan's per-block keep / recompute / offload. Its setting is
-``Choices.checkpointing`` (a ``Checkpointing``); its flag is each command's own (each parses and defaults it its
-way). Its rule with activation offload is activation offload's.
+"blocks(RKO...)+selective", "...+offload") or, left ``None``, the plan's per-block keep / recompute / offload. Its
+setting is ``Choices.checkpointing`` (a ``Checkpointing``); its flag is each command's own (each parses and defaults
+it its way). Its rule with activation offload is activation offload's.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class CheckpointingTechnique(Technique):
             ConfigError: a selective policy the planner cannot plan.
         """
         policy = choices.checkpointing
-        if policy is not None and policy.mode == "selective":
+        if policy is not None and policy.selective is not None:
             check_selective(policy)
         offload = offloads_layout(choices, device)  # True: what the layout keeps goes to the host too
         if policy is not None and device != "cuda":
@@ -88,7 +88,7 @@ class CheckpointingTechnique(Technique):
         if policy is not None:
             # A layout of the wrong length is named by the planner's check of the fixed choices, which knows the model.
             blocks = policy.blocks if policy.mode == "blocks" else policy.block_policies(n_blocks)
-            flavor = ("selective" if policy.mode == "selective" else
+            flavor = ("selective" if policy.selective is not None else
                       "offload-inputs" if policy.offload_inputs or offload else "full")
             if offload:
                 blocks = tuple("offload" if kind == "keep" else kind for kind in blocks)
@@ -99,6 +99,20 @@ class CheckpointingTechnique(Technique):
     def left_open(self, fixed: Any) -> list[str]:
         """What fixes this technique where the plan cannot choose it (``fixed``: a plan's ``Fixed``)."""
         return [Message(f"{arg('checkpointing', 'none')} (or another policy)")] if fixed.blocks is None else []
+
+    def chosen(self, settings: Any) -> dict[str, Any]:
+        """The layout as a policy: "none", "all" ("+offload"), "selective", or one letter per block (the recomputed
+        ones "+selective" or "+offload" as the flavor has them)."""
+        blocks, recomputes = settings.blocks, "recompute" in settings.blocks
+        selective = SelectivePolicy() if recomputes and settings.flavor == "selective" else None
+        offload_inputs = recomputes and settings.flavor == "offload-inputs"
+        if set(blocks) <= {"keep"}:
+            return {"checkpointing": Checkpointing(mode="none")}
+        if set(blocks) == {"recompute"}:
+            return {"checkpointing": Checkpointing(mode="selective") if selective else
+                    Checkpointing(mode="all", offload_inputs=offload_inputs)}
+        return {"checkpointing": Checkpointing(mode="blocks", blocks=blocks, selective=selective,
+                                               offload_inputs=offload_inputs)}
 
     def reasons(self, view: PlanView) -> list[str]:
         """Which blocks recompute or offload, against keeping every activation and against fewer such blocks."""

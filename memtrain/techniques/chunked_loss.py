@@ -65,6 +65,9 @@ class ChunkedLossTechnique(Technique):
     def planned_setup(self, record: Any) -> dict[str, Any]:
         return {"chunked_loss": record.chunked_loss}
 
+    def chosen(self, settings: Any) -> dict[str, Any]:
+        return {"chunked_loss": settings.chunked_loss}
+
     def reasons(self, view: PlanView) -> list[str]:
         """The loss whole or chunked, against the other."""
         if not view.chunkable:

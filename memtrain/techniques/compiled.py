@@ -42,6 +42,9 @@ class CompileTechnique(Technique):
     def planned_setup(self, record: Any) -> dict[str, Any]:
         return {"compile": record.compile}
 
+    def chosen(self, settings: Any) -> dict[str, Any]:
+        return {"compile": settings.compile}
+
     def reasons(self, view: PlanView) -> list[str]:
         """torch.compile or eager against the other, where compiled set-ups were searched or chosen."""
         s = view.settings

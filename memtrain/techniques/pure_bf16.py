@@ -42,6 +42,14 @@ PURE_BF16_FSDP = Rule(
     ("pure_bf16", "fsdp"),
     lambda s: bool(s.pure_bf16) and bool(s.fsdp))
 
+PURE_BF16_CAST_WEIGHTS = Rule(
+    "pure-bf16-cast-weights",
+    "pure bf16 has no fp32 master to cast the device's weights from: its weights are bf16 already.",
+    f"pass {arg('optimizer.placement', 'offload')} (pure bf16's weights and state in host RAM), or drop "
+    f"{arg('pure_bf16')}",
+    ("pure_bf16", "placement"),
+    lambda s: bool(s.pure_bf16) and s.placement == "offload-bf16-weights")
+
 
 def asked_precision(choices: Any, precision: str) -> tuple[str, str]:
     """The precision a run asks for, and why: bf16-mixed where pure bf16 is on and the run leaves the precision
@@ -74,7 +82,7 @@ class PureBF16Technique(Technique):
 
     name = "pure bf16"
     fields = ("pure_bf16",)
-    rules = (PURE_BF16_INT8, PURE_BF16_PRECISION, PURE_BF16_FSDP)
+    rules = (PURE_BF16_INT8, PURE_BF16_PRECISION, PURE_BF16_FSDP, PURE_BF16_CAST_WEIGHTS)
     search = ()  # never the search's: it changes the numerics
 
     def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
@@ -95,6 +103,9 @@ class PureBF16Technique(Technique):
 
     def planned_setup(self, record: Any) -> dict[str, Any]:
         return {"pure_bf16": record.pure_bf16}
+
+    def chosen(self, settings: Any) -> dict[str, Any]:
+        return {"pure_bf16": settings.pure_bf16}
 
     def narrow(self, space: SearchSpace, fixed: Any) -> None:
         """Asked for: only pure bf16 set-ups (parameter offload's rule with it is parameter offload's to obey)."""

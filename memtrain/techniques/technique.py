@@ -62,6 +62,11 @@ class Technique:
         "not fixed") as the rules' ``SetUp`` reads them."""
         return {}
 
+    def chosen(self, settings: Any) -> dict[str, Any]:
+        """Its ``Choices`` fields that fix it as a plan's one set-up ``settings`` (a ``PlanSettings``) has it: a run
+        given them gets that set-up again (``PlanSettings.choices``; ``Fixed.of_choices`` reads them back)."""
+        return {}
+
     def settings_problems(self, settings: Any) -> list[str]:
         """What is wrong with its values in a hand-made ``PlanSettings`` (a value it has no meaning for), each with
         what it takes."""

@@ -27,12 +27,6 @@ FIELD = field(default=None, metadata=flag(
 
 
 
-def offloads_optimizer(placement: str | None, offload_weights: bool | None) -> bool:
-    """Whether the optimizer's state lives in host RAM: placed there, or left open with parameter offload, which
-    streams the weights from the offloaded optimizer's master and so implies it."""
-    return placement == "offload" or (placement is None and bool(offload_weights))
-
-
 # -- its share of a candidate's bytes and seconds (the planner's cost model composes them) -------------------------
 WEIGHTS_IN_FLIGHT = 1 + PREFETCH_DEFAULT  # the block in use and the one copying ahead of it
 
@@ -195,6 +189,9 @@ class WeightOffloadTechnique(Technique):
 
     def planned_setup(self, record: Any) -> dict[str, Any]:
         return {"offload_weights": record.offload_weights}
+
+    def chosen(self, settings: Any) -> dict[str, Any]:
+        return {"offload_weights": settings.offload_weights}
 
     def setup_text(self, setup: Any) -> str:
         return "the blocks' weights streamed from host RAM" if setup.offload_weights else ""

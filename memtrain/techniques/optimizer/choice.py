@@ -16,8 +16,8 @@ from memtrain.techniques.optimizer.named import ADAMW, ALIASES, NamedOptimizer
 from memtrain.techniques.optimizer.technique import STATE_PRECISIONS, OptimizerTechnique, StatePrecision
 from memtrain.techniques.rule import SetUp, Terms, problems_of
 
-Placement = Literal["device", "offload"]
-PLACEMENTS: tuple[Placement, ...] = ("device", "offload")
+Placement = Literal["device", "offload", "offload-bf16-weights"]
+PLACEMENTS: tuple[Placement, ...] = ("device", "offload", "offload-bf16-weights")
 
 SETTING_FIELDS = ("placement", "state_precision", "step_in_backward", "offload_fraction", "name", "kwargs")
 # How ``Choices`` (and ``OptimizerChoice``) name these fields in messages.
@@ -43,9 +43,11 @@ def _as_name_field(problem: Message, name: Any) -> Message:
 class OptimizerChoice:
     """The optimizer, its placement and state; None leaves a field to the plan (the optimizer itself never is).
 
-    placement: "device" (state on the device; with ``offload_fraction`` a share of it in host RAM) or "offload"
+    placement: "device" (state on the device; with ``offload_fraction`` a share of it in host RAM), "offload"
         (``CPUOffloadOptimizer``: fp32 master weights and AdamW state in host RAM, 12 fewer device bytes a
-        parameter, gradients streamed there during backward).
+        parameter, gradients streamed there during backward) or "offload-bf16-weights" (the same, with the device's
+        weights bf16 casts of the host master: 2 more bytes a parameter off the device; bf16-mixed only; Python and
+        config files, not a flag of its own).
     state_precision: AdamW's moments, where the state lives (the device, or host RAM with "offload"): "fp32" (8
         bytes a parameter), "bf16" (4), "int8" (about 2). The master weights stay fp32 either way.
     step_in_backward: each parameter steps as its gradient is final, which is freed at once (no gradient buffers).
@@ -110,8 +112,9 @@ class OptimizerChoice:
         problems = []
         if self.placement not in (None, *PLACEMENTS):
             # Not kept as an argument: the command line names a placement by its flag, which has no such value.
-            problems.append(f"optimizer.placement={self.placement!r} is not one of 'device', 'offload', or None (the "
-                            "plan decides). To resolve this error, pass one of them.")
+            problems.append(f"optimizer.placement={self.placement!r} is not one of 'device', 'offload', "
+                            "'offload-bf16-weights', or None (the plan decides). To resolve this error, pass one of "
+                            "them.")
         if self.state_precision not in (None, *STATE_PRECISIONS):
             problems.append(Message(f"{arg('optimizer.state_precision', self.state_precision)} is not one of 'fp32', "
                                     "'bf16', 'int8', or None (the plan decides). To resolve this error, pass one of "

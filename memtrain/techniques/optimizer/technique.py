@@ -18,12 +18,17 @@ from memtrain.techniques.optimizer.named import NamedOptimizer
 from memtrain.techniques.rule import Rule, SetUp
 from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
-from memtrain.techniques.weight_offload import offloads_optimizer
 
 StatePrecision = Literal["fp32", "bf16", "int8"]
 STATE_PRECISIONS: tuple[StatePrecision, ...] = ("fp32", "bf16", "int8")
 PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # the shares of a device optimizer's state the search tries in host RAM
-OFFLOADED = ("offload", "offload-bf16-weights")  # the planner's placements that keep all of the state in host RAM
+OFFLOADED = ("offload", "offload-bf16-weights")  # the placements that keep all of the state in host RAM
+
+
+def offloads_optimizer(placement: str | None, offload_weights: bool | None) -> bool:
+    """Whether the optimizer's state lives in host RAM: placed there, or left open with parameter offload, which
+    streams the weights from the offloaded optimizer's master and so implies it."""
+    return placement in OFFLOADED or (placement is None and bool(offload_weights))
 # Classes whose step needs every gradient at once (or a closure), so a parameter cannot step alone in backward.
 NOT_PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.LBFGS,)
 
@@ -93,7 +98,7 @@ IN_BACKWARD_PER_PARAMETER = Rule(
 BF16_WEIGHTS_PRECISION = Rule(
     "bf16-device-weights-precision",
     "its device weights are bf16 casts of the host master, which only bf16-mixed computes in.",
-    f"pass {arg('precision', 'bf16-mixed')}, or optimizer 'offload' (fp32 device weights)",
+    f"pass {arg('precision', 'bf16-mixed')}, or {arg('optimizer.placement', 'offload')} (fp32 device weights)",
     ("placement", "precision"),
     lambda s: s.placement == "offload-bf16-weights" and s.precision not in (None, "bf16-mixed"))
 NAMED_OWN_STATE = Rule(
@@ -176,7 +181,7 @@ class OptimizerTechnique(Technique):
     def left_open(self, fixed: Any) -> list[str]:
         """What fixes the optimizer where the plan cannot choose it (``fixed``: a plan's ``Fixed``): its placement, and
         on the device (or where the plan could put it there) its moments and its step."""
-        on_device = fixed.optimizer != "offload"
+        on_device = fixed.optimizer not in OFFLOADED
         return [Message(arg(name, value)) for name, value, fixed_value in (
             ("optimizer.placement", "device", fixed.optimizer),
             ("optimizer.state_precision", "fp32", fixed.state_precision if on_device else "fp32"),
@@ -243,6 +248,16 @@ class OptimizerTechnique(Technique):
                  f"{100 * o.offload_fraction:.0f}% offloaded" if o.offload_fraction else "on the device")
         state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
         return f"{o.named.text} {where}, {state}" + (", step in backward" if o.step_in_backward else "")
+
+    def chosen(self, settings: Any) -> dict[str, Any]:
+        """The class, placement, moments, step and share offloaded, as an ``OptimizerChoice``'s fields (a named class:
+        its own state; offloaded: no share)."""
+        named = settings.optimizer_class
+        return {"optimizer": {
+            "placement": settings.optimizer, "state_precision": settings.state_precision if named.is_adamw else None,
+            "step_in_backward": settings.step_in_backward,
+            "offload_fraction": settings.offload_fraction if settings.optimizer == "device" else None,
+            "name": None if named.is_adamw else named.cls or named.path, "kwargs": dict(named.kwargs) or None}}
 
     def kept(self, kept: Any) -> dict[str, Any]:
         """The placement, moments, step, offloaded share and class the state was built with."""
@@ -356,6 +371,8 @@ class OptimizerTechnique(Technique):
                 options["offload_fraction"] = 1.0
         elif offloaded and optimizer == "adamw":
             options["optimizer"] = "adamw-offload"
+            if choice.placement == "offload-bf16-weights":  # the device's weights: bf16 casts of the host master
+                options["weights_dtype"] = "bf16"
         elif offloaded and optimizer != "adamw-offload":
             problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded "
                             "optimizer is AdamW (CPUOffloadOptimizer). To resolve this error, pass optimizer='adamw', "
@@ -392,7 +409,7 @@ class OptimizerTechnique(Technique):
         optimizer): the class it steps on the host, and the keyword arguments it takes of ``choices`` (AdamW's lean
         moments; a named class takes its own)."""
         optimizer = choices.optimizer
-        if optimizer.placement != "offload":
+        if optimizer.placement not in OFFLOADED:
             return None
         if not optimizer.named.is_adamw:
             return optimizer.named, {}
@@ -403,13 +420,18 @@ class OptimizerTechnique(Technique):
         only offloaded (``CPUOffloadOptimizer``), no step in backward, no partial offload."""
         optimizer = choices.optimizer  # an OptimizerChoice
         problems = []
-        if optimizer.state_precision is not None and optimizer.placement != "offload":
+        if optimizer.placement == "offload-bf16-weights":
+            problems.append(Message(f"{arg('optimizer.placement', 'offload-bf16-weights')}: MemtrainTrainer trains the "
+                                    "model's own weights (CPUOffloadOptimizer copies the fp32 master back into them). "
+                                    f"To resolve this error, pass {arg('optimizer.placement', 'offload')} (or train "
+                                    "with `memtrain train`, which does)."))
+        elif optimizer.state_precision is not None and optimizer.placement != "offload":
             problems.append(Message(f"{arg('optimizer.state_precision', optimizer.state_precision)}: the Trainer's "
                                     "AdamW keeps its moments in its own dtype; MemtrainTrainer builds memtrain.optim's "
                                     "lean moments only on the host. To resolve this error, add placement='offload' "
                                     f"(CPUOffloadOptimizer), drop {arg('state_precision')} (or train with `memtrain "
                                     "train`, which does)."))
-        if not optimizer.named.is_adamw and optimizer.placement != "offload":
+        if not optimizer.named.is_adamw and optimizer.placement not in OFFLOADED:
             problems.append(Message(f"{arg('optimizer.name', optimizer.named.path)} on the device: the Trainer builds "
                                     "its own optimizer there. To resolve this error, name it in the TrainingArguments "
                                     "(optim=...) or pass Trainer(optimizers=...), or add placement='offload' "
@@ -428,11 +450,12 @@ class OptimizerTechnique(Technique):
 
 
     def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
-        """The class (its name, else its kwargs), the placement (the offloaded optimizer with bf16 device weights is
-        placement "offload" too: ``Choices`` cannot name the weights), the moments, the step in backward and the
-        share offloaded: another one cannot take the state the run's left."""
+        """The class (its name, else its kwargs), the placement (placement "offload" takes a run whose device weights
+        are bf16 too: its state is the same), the moments, the step in backward and the share offloaded: another one
+        cannot take the state the run's left."""
         asked = choices.optimizer
-        fields = (("placement", asked.placement, "device" if kept.optimizer == "device" else "offload"),
+        have = "offload" if asked.placement == "offload" and kept.optimizer in OFFLOADED else kept.optimizer
+        fields = (("placement", asked.placement, have),
                   ("state_precision", asked.state_precision, kept.state_precision),
                   ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
                   ("offload_fraction", asked.offload_fraction, kept.offload_fraction))

@@ -1,0 +1,175 @@
+"""A plan's one set-up is the user's own setting type: ``PlanSettings.choices`` is the ``Choices`` that fix every
+technique as the plan has it, and ``PlanSettings.of_choices`` (through ``Fixed.of_choices``, the one translation of
+a run's choices) gives the same set-up back. So ``plan(choices=p.settings.choices)`` and
+``TrainConfig(choices=p.settings.choices)`` reproduce a plan, and a checkpointing layout, a recompute flavor and an
+optimizer placement the plan can choose are each one a user can write."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+from helpers import code_windows, h100, planner_llama, quick_run_config, tiny_gpt
+
+from memtrain import estimate, techniques, train
+from memtrain.checkpointing import Checkpointing, SelectivePolicy
+from memtrain.choices import Choices, OptimizerChoice
+from memtrain.device import simulate
+from memtrain.errors import ConfigError
+from memtrain.models import GPT, GPTConfig
+from memtrain.planner import plan
+from memtrain.planner.settings import PlanSettings
+from memtrain.techniques.optimizer import NamedOptimizer
+
+SAVED = Path(__file__).resolve().parent / "data" / "plan_identity.json"
+
+
+def _round_trip(settings: PlanSettings) -> PlanSettings:
+    return PlanSettings.of_choices(settings.choices, micro_batch_size=settings.micro_batch_size,
+                                   accumulation=settings.accumulation, distribution=settings.distribution,
+                                   precision=settings.precision, n_blocks=len(settings.blocks))
+
+
+def test_every_saved_plan_and_runner_up_is_its_own_choices():
+    """The README's and the design's plans (tests/test_plan_identity.py's), their runners-up too: 81 set-ups."""
+    saved = json.loads(SAVED.read_text())
+    settings = [PlanSettings.from_dict(s) for entry in saved.values()
+                for s in (entry["plan"]["plan"], *(c["settings"] for c in entry["plan"]["candidates"]))]
+    assert len(settings) > 50
+    for s in settings:
+        assert _round_trip(s) == s, (s, s.choices)
+
+
+def _layouts(n: int) -> list[tuple[str, ...]]:
+    return [tuple(kinds) for kinds in itertools.product(("keep", "recompute", "offload"), repeat=n)]
+
+
+def _allowed(s: PlanSettings) -> bool:
+    """Whether a hand-made set-up is one a run can take (no rule refuses it, each value has its meaning)."""
+    run = dict(precision=s.precision, processes=1 if s.distribution == "none" else 2, fsdp=s.distribution == "fsdp2")
+    problems = [p for t in techniques.REGISTRY for p in t.settings_problems(s)]
+    return not problems and not techniques.refuses(techniques.planned_setup(s, **run))
+
+
+def test_every_set_up_no_rule_refuses_is_its_own_choices():
+    """Every layout of three blocks in every flavor, and a seeded sample of the other techniques' values (placements
+    with bf16 device weights, moments, the step in backward, a share offloaded, a named class, pure bf16, parameter
+    offload, compile, the loss, DDP and FSDP2, the precisions): each one a rule allows comes back as itself."""
+    base = dict(micro_batch_size=2, accumulation=3, distribution="none", precision="bf16-mixed")
+    for blocks, flavor in itertools.product(_layouts(3), ("full", "selective", "offload-inputs")):
+        s = PlanSettings(blocks=blocks, flavor=flavor, **base)
+        assert _round_trip(s) == s, (s, s.choices)
+    values = dict(optimizer=("device", "offload", "offload-bf16-weights"), state_precision=("fp32", "bf16", "int8"),
+                  step_in_backward=(False, True), offload_fraction=(0.0, 0.5), chunked_loss=(False, True),
+                  compile=(False, True), pure_bf16=(False, True), offload_weights=(False, True),
+                  optimizer_class=(NamedOptimizer(), NamedOptimizer.of("torch.optim.Adafactor")),
+                  distribution=("none", "ddp", "fsdp2"), precision=("bf16-mixed", "fp32", "fp16-mixed"),
+                  flavor=("full", "selective", "offload-inputs"))
+    rng, layouts = random.Random(30), _layouts(4)
+    sampled = 0
+    for _ in range(10_000):
+        fields = {name: rng.choice(options) for name, options in values.items()}
+        s = PlanSettings(**{**base, **fields, "blocks": rng.choice(layouts)})
+        if _allowed(s):
+            assert _round_trip(s) == s, (s, s.choices)
+            sampled += 1
+    assert sampled > 300, sampled  # most combinations are refused by a rule: enough are not
+
+
+def test_the_choices_read_as_a_user_writes_them():
+    s = PlanSettings(micro_batch_size=1, accumulation=1, distribution="none", precision="bf16-mixed",
+                     blocks=("recompute", "recompute", "keep", "offload"), flavor="selective",
+                     optimizer="offload-bf16-weights", chunked_loss=True)
+    choices = s.choices
+    assert str(choices.checkpointing) == "blocks(RRKO)+selective(matmul,attention)"
+    assert choices.optimizer == OptimizerChoice(placement="offload-bf16-weights", state_precision="fp32",
+                                                step_in_backward=False)
+    assert choices.chunked_loss and choices.offload_activations is None  # the layout's "O" block says it
+    # Its JSON is a config's: read back, the same choices.
+    assert Choices.from_dict(json.loads(json.dumps(choices.to_dict()))) == choices
+    plain = dataclasses.replace(s, blocks=("keep",) * 4, flavor="full", optimizer="device", offload_fraction=0.25)
+    assert str(plain.choices.checkpointing) == "none" and plain.choices.offload_activations is False
+    assert plain.choices.optimizer.offload_fraction == 0.25
+    assert str(dataclasses.replace(plain, blocks=("recompute",) * 4).choices.checkpointing) == "all"
+    assert str(dataclasses.replace(plain, blocks=("recompute",) * 4, flavor="offload-inputs").choices.checkpointing) \
+        == "all+offload"
+
+
+def test_a_flavor_without_a_recomputed_block_is_one_set_up():
+    """Where no block recomputes, "selective" and "offload-inputs" recompute nothing: the record says "full"."""
+    s = PlanSettings(micro_batch_size=1, accumulation=1, distribution="none", precision="bf16-mixed",
+                     blocks=("keep", "offload"), flavor="offload-inputs")
+    assert s.flavor == "full" and s == dataclasses.replace(s, flavor="selective")
+    with pytest.raises(ConfigError, match="flavor='bogus'"):  # not a flavor: still named, not rewritten
+        PlanSettings.from_dict({**s.to_dict(), "flavor": "bogus"})
+
+
+@pytest.mark.parametrize("budget", ["400MiB", "150MiB", "110MiB"])
+def test_a_plan_given_its_own_choices_plans_the_same_set_up(budget):
+    """Roomy, tight and tighter (recomputed and offloaded blocks, the optimizer on the host, streamed weights): the
+    plan of a run that fixes every technique as the first plan chose is the first plan's set-up, predicted alike."""
+    model = planner_llama(layers=6, hidden=512)
+    common = dict(seq_len=256, global_batch_size=4, device="cuda", device_profile=h100(), host_budget="8GiB",
+                  budget=budget)
+    first = plan(model, **common)
+    again = plan(model, **common, choices=first.settings.choices, micro_batch_size=first.settings.micro_batch_size)
+    assert again.settings == first.settings, (first.summary(), again.summary())
+    assert (again.peak_bytes, again.host_bytes, again.step_seconds) == (
+        first.peak_bytes, first.host_bytes, first.step_seconds)
+
+
+def test_a_selective_layout_and_bf16_device_weights_are_choices_a_plan_keeps():
+    model = planner_llama(layers=4, hidden=256)
+    common = dict(seq_len=128, global_batch_size=2, device="cuda", device_profile=h100(), host_budget="8GiB",
+                  budget=None)
+    choices = Choices(checkpointing="blocks(RRKK)+selective",
+                      optimizer=OptimizerChoice(placement="offload-bf16-weights"))
+    s = plan(model, **common, choices=choices).settings
+    assert (s.blocks, s.flavor, s.optimizer) == (("recompute",) * 2 + ("keep",) * 2, "selective",
+                                                 "offload-bf16-weights")
+    with pytest.raises(ConfigError, match="offload-bf16-weights' with precision='fp32'"):
+        plan(model, **common, precision="fp32", choices=choices)
+    gpt = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, seq_len=16))
+    arguments = Checkpointing.parse("blocks(RRKK)+selective").arguments(gpt)
+    assert arguments["selective"] == SelectivePolicy() and list(arguments["policies"].values())[:3] == [
+        "recompute", "recompute", "keep"]
+
+
+def test_a_run_given_a_plans_choices_trains_that_set_up_on_the_simulated_device(tmp_path):
+    """The choices a plan can return that no flag had before (a mixed layout recomputed selectively, bf16 device
+    weights from the host master) are a run's ``Choices``: the simulated device trains them, the plan in force is
+    theirs, and its own ``choices`` are the ones given."""
+    given = Choices(checkpointing="blocks(RRKK)+selective", optimizer=OptimizerChoice(
+        placement="offload-bf16-weights", state_precision="bf16", step_in_backward=False), chunked_loss=False,
+                    offload_activations=False, offload_weights=False)
+    config = quick_run_config(tmp_path, max_steps=2, global_batch_size=4, precision="bf16-mixed", budget="8MiB",
+                              choices=given)
+    with simulate("8MiB"):
+        result = train(tiny_gpt(4, seq_len=32, seed=0), code_windows(32), config)
+    settings = PlanSettings.from_dict(result.plan["settings"])
+    assert (settings.blocks, settings.flavor, settings.optimizer, settings.state_precision) == (
+        ("recompute",) * 2 + ("keep",) * 2, "selective", "offload-bf16-weights", "bf16"), settings
+    assert settings.choices == given
+    assert result.steps == 2 and result.peak_bytes is not None and result.peak_bytes <= 8 * 2**20
+
+
+def test_bf16_device_weights_are_estimated_and_refused_where_they_cannot_run():
+    """``estimate`` traces the set-up's bf16 device weights (the plan's figure for them), a ``weights_dtype=`` that
+    contradicts them is named, and the Trainer helper, which trains the model's own weights, refuses them."""
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, seq_len=32))
+    common = dict(device="cuda", precision="bf16-mixed", micro_batch_size=2, seq_len=32)
+
+    def peak(placement, **extra):
+        return estimate(model, **common, **extra, setup=Choices(optimizer=OptimizerChoice(placement=placement))
+                        ).peak_bytes
+
+    assert peak("offload-bf16-weights") == peak("offload", weights_dtype="bf16") < peak("offload")
+    with pytest.raises(ConfigError, match="weights_dtype='fp32' with setup.optimizer.placement='offload-bf16-weights'"):
+        peak("offload-bf16-weights", weights_dtype="fp32")
+    problems = techniques.optimizer.TECHNIQUE.trainer_problems(
+        Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")))
+    assert len(problems) == 1 and "MemtrainTrainer trains the model's own weights" in problems[0], problems
