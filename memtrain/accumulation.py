@@ -128,9 +128,10 @@ def accumulation_steps(micro_batch_size: int, global_batch_size: int, world_size
     per_step = micro_batch_size * world_size
     if global_batch_size % per_step:
         below = max(per_step, global_batch_size // per_step * per_step)
+        by = (f"{arg('micro_batch_size', micro_batch_size)} x {arg('world_size', world_size)} = {per_step}"
+              if world_size > 1 else arg("micro_batch_size", micro_batch_size))  # one process: no ranks to name
         raise ConfigError(
-            f"{arg('global_batch_size', global_batch_size)} is not divisible by "
-            f"{arg('micro_batch_size', micro_batch_size)} x {arg('world_size', world_size)} = {per_step}: "
+            f"{arg('global_batch_size', global_batch_size)} is not divisible by {by}: "
             "accumulation needs a whole number of micro-batches per step. To resolve this error, pass "
             f"{arg('global_batch_size', below)} or {below + per_step}, or a {arg('micro_batch_size')} that divides "
             "it."

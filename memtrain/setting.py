@@ -33,6 +33,8 @@ class Flag:
         kind: "value" (``--flag VALUE``), "switch" (``--flag`` / ``--no-flag`` / neither: True, False, None), "on"
             (``--flag`` or not: True or False) or "pairs" (``--flag KEY=VALUE``, repeatable: a mapping).
         values: a switch whose field holds two values, not True and False: (the ``--flag`` one, the ``--no-flag`` one).
+        more: such a switch's further values, each with the word its flag takes for it: ``(("offload-bf16-weights",
+            "bf16-weights"),)`` is ``--offload-optimizer bf16-weights``.
         choices: the values a "value" flag takes.
         metavar: the value's name in the help.
         parse: the command line's parser of the value, by name (e.g. "fraction"), where the text is not the value.
@@ -43,6 +45,7 @@ class Flag:
     help: str
     kind: FlagKind = "value"
     values: tuple[Any, Any] | None = None
+    more: tuple[tuple[Any, str], ...] = ()
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     parse: str | None = None
@@ -63,10 +66,28 @@ class Flag:
         if given is None:
             return None
         if self.kind == "switch" and self.values is not None:
+            if isinstance(given, str):  # one of ``more``'s words (the command line took no other)
+                return next(value for value, word in self.more if word == given)
             return self.values[0] if given else self.values[1]
         if self.kind == "pairs":
             return dict(given)
         return given
+
+    def words_for(self, value: Any) -> list[str]:
+        """The command-line words that give the field ``value`` (``value_of``'s inverse; none: the flag left out),
+        e.g. ``["--optimizer-state", "bf16"]``, ``["--no-chunked-loss"]``, ``["--offload-optimizer",
+        "bf16-weights"]``."""
+        if value is None or self.kind == "on" and not value:
+            return []
+        if self.kind in ("switch", "on") and self.values is None:
+            return [self.name if value else f"--no-{self.name[2:]}"]
+        if self.kind == "switch":
+            more = dict(self.more)
+            return ([self.name, more[value]] if value in more else
+                    [self.name if value == self.values[0] else f"--no-{self.name[2:]}"])
+        if self.kind == "pairs":
+            return [word for key, v in dict(value).items() for word in (self.name, f"{key}={v!r}")]
+        return [self.name, str(value)]
 
     def argument_terms(self, field: str) -> tuple[dict[str, str], dict[str, tuple[str | None, str | None]],
                                                  dict[str, dict[str, str]]]:
@@ -74,7 +95,8 @@ class Flag:
         value, the two flags of a switch, the flag each value of a two-valued switch stands for (by its ``repr``)."""
         if self.kind == "switch" and self.values is not None:
             on, off = self.values
-            return {}, {}, {field: {repr(on): self.name, repr(off): f"--no-{self.name[2:]}"}}
+            return {}, {}, {field: {repr(on): self.name, repr(off): f"--no-{self.name[2:]}",
+                                    **{repr(value): f"{self.name} {word}" for value, word in self.more}}}
         if self.kind == "switch":
             return {}, {field: (self.name, f"--no-{self.name[2:]}")}, {}
         if self.kind == "on":

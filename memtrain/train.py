@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Dataset, Subset
 from tqdm import tqdm
 
+from memtrain import techniques
 from memtrain.accumulation import GradientAccumulator, accumulation_steps
 from memtrain.checkpointing import checkpoint_spec, compile_model
 from memtrain.choices import default_global_batch
@@ -77,7 +78,6 @@ from memtrain.run.replan import (
 from memtrain.run.report import plan_summary, write_run_report
 from memtrain.run.state import CheckpointExtra, PlanCheck
 from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule, resumed_reasons
-from memtrain.techniques import pure_bf16
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
 
@@ -354,7 +354,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     model.train()
 
     # Plan: every choice the config leaves open, to fit the budget; each with its reason.
-    asked, because = pure_bf16.asked_precision(config.choices, config.precision)
+    asked, because = techniques.asked_precision(config.choices, config.precision)
     precision_name, precision_reason = resolve_precision(device, asked, because=because)
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
                          precision=precision_name, packed=len(train_data[0]) > 2,  # PackedRow: position_ids

@@ -76,3 +76,25 @@ def test_every_contradiction_is_named_at_once():
     line = _refused("--offload-optimizer", "--offload-optimizer-fraction", "0.5", "--step-in-backward",
                     "--checkpointing", "every:2+offload", "--no-offload-activations")
     assert "--offload-optimizer-fraction 0.5" in line and "--step-in-backward is for" in line and "says not to" in line, line
+
+
+def test_bf16_device_weights_are_a_word_of_the_offload_flag(tmp_path, capsys):
+    """--offload-optimizer takes an optional word for the plan's third placement (bf16 device weights cast from
+    the host master); --no-offload-optimizer takes none; a config file writes the word as the key's value."""
+    for words, placement in ((["--offload-optimizer", "bf16-weights"], "offload-bf16-weights"),
+                             (["--offload-optimizer", "--budget", "1GiB"], "offload"),
+                             (["--no-offload-optimizer"], "device"), ([], None)):
+        assert _choices(*words).optimizer.placement == placement, words
+    parser = build_parser()
+    for words, error in ((["--offload-optimizer", "gpu"], "invalid choice: 'gpu'"),
+                         (["--no-offload-optimizer", "bf16-weights"], "takes no value")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["train", *words])
+        assert error in capsys.readouterr().err, words
+    (tmp_path / "run.toml").write_text('offload-optimizer = "bf16-weights"\n')
+    argv = ["train", "--config", str(tmp_path / "run.toml")]
+    apply_config_file(parser, argv)
+    assert choices_from_flags(parser.parse_args(argv)).optimizer.placement == "offload-bf16-weights"
+    (tmp_path / "bad.toml").write_text('offload-optimizer = "gpu"\n')
+    with pytest.raises(ConfigError, match="= 'gpu' must be true or false or 'bf16-weights'"):
+        apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "bad.toml")])

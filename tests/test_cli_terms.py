@@ -80,6 +80,8 @@ def test_a_value_the_command_has_no_flag_for_is_named_as_the_library_writes_it()
         "optimizer.placement='host' is not a placement")
     assert in_flag_terms(f"drop {arg('optimizer.placement', WHATEVER)}") == (
         "drop --offload-optimizer or --no-offload-optimizer")
+    assert in_flag_terms(f"{arg('optimizer.placement', 'offload-bf16-weights')} with {arg('precision', 'fp32')}") == (
+        "--offload-optimizer bf16-weights with --precision 'fp32'")
 
 
 def test_a_call_sites_arguments_are_its_flags_and_the_others_stay_for_the_command():

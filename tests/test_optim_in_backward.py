@@ -176,7 +176,7 @@ def test_step_in_backward_refuses_what_cannot_step_per_parameter() -> None:
 def test_step_in_backward_under_running_ranks_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
-    with pytest.raises(ConfigError, match="world_size=4: DDP averages gradients after the hooks"):
+    with pytest.raises(ConfigError, match="world_size=4: DDP and FSDP2 reduce gradients over the ranks after"):
         build_optimizer(make_model().named_parameters(), lr=1e-3, step_in_backward=True)
 
 

@@ -18,6 +18,8 @@ from helpers import code_windows, h100, planner_llama, quick_run_config, tiny_gp
 from memtrain import estimate, techniques, train
 from memtrain.checkpointing import Checkpointing, SelectivePolicy
 from memtrain.choices import Choices, OptimizerChoice
+from memtrain.cli.flags import build_parser
+from memtrain.cli.techniques import choices_from_flags, flags_for
 from memtrain.device import simulate
 from memtrain.errors import ConfigError
 from memtrain.models import GPT, GPTConfig
@@ -93,7 +95,7 @@ def test_the_choices_read_as_a_user_writes_them():
     assert Choices.from_dict(json.loads(json.dumps(choices.to_dict()))) == choices
     plain = dataclasses.replace(s, blocks=("keep",) * 4, flavor="full", optimizer="device", offload_fraction=0.25)
     assert str(plain.choices.checkpointing) == "none" and plain.choices.offload_activations is False
-    assert plain.choices.optimizer.offload_fraction == 0.25
+    assert plain.choices.optimizer.offload_fraction == 0.25 and plain.choices.optimizer.placement is None  # implied
     assert str(dataclasses.replace(plain, blocks=("recompute",) * 4).choices.checkpointing) == "all"
     assert str(dataclasses.replace(plain, blocks=("recompute",) * 4, flavor="offload-inputs").choices.checkpointing) \
         == "all+offload"
@@ -146,8 +148,8 @@ def test_a_run_given_a_plans_choices_trains_that_set_up_on_the_simulated_device(
     given = Choices(checkpointing="blocks(RRKK)+selective", optimizer=OptimizerChoice(
         placement="offload-bf16-weights", state_precision="bf16", step_in_backward=False), chunked_loss=False,
                     offload_activations=False, offload_weights=False)
-    config = quick_run_config(tmp_path, max_steps=2, global_batch_size=4, precision="bf16-mixed", budget="8MiB",
-                              choices=given)
+    # precision "auto" (TrainConfig's default): the bf16 device weights compute in bf16-mixed
+    config = quick_run_config(tmp_path, max_steps=2, global_batch_size=4, budget="8MiB", choices=given)
     with simulate("8MiB"):
         result = train(tiny_gpt(4, seq_len=32, seed=0), code_windows(32), config)
     settings = PlanSettings.from_dict(result.plan["settings"])
@@ -155,6 +157,7 @@ def test_a_run_given_a_plans_choices_trains_that_set_up_on_the_simulated_device(
         ("recompute",) * 2 + ("keep",) * 2, "selective", "offload-bf16-weights", "bf16"), settings
     assert settings.choices == given
     assert result.steps == 2 and result.peak_bytes is not None and result.peak_bytes <= 8 * 2**20
+    assert result.precision == "bf16-mixed" and any("bf16 device weights compute in bf16" in r for r in result.reasons)
 
 
 def test_bf16_device_weights_are_estimated_and_refused_where_they_cannot_run():
@@ -163,13 +166,46 @@ def test_bf16_device_weights_are_estimated_and_refused_where_they_cannot_run():
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, seq_len=32))
     common = dict(device="cuda", precision="bf16-mixed", micro_batch_size=2, seq_len=32)
 
-    def peak(placement, **extra):
-        return estimate(model, **common, **extra, setup=Choices(optimizer=OptimizerChoice(placement=placement))
-                        ).peak_bytes
+    def peak(placement, name=None, **extra):
+        return estimate(model, **common, **extra, setup=Choices(optimizer=OptimizerChoice(placement=placement,
+                                                                                          name=name))).peak_bytes
 
-    assert peak("offload-bf16-weights") == peak("offload", weights_dtype="bf16") < peak("offload")
+    for name in (None, "torch.optim.Adafactor"):  # memtrain's AdamW and a named class alike
+        assert peak("offload-bf16-weights", name) == peak("offload", name, weights_dtype="bf16") < peak(
+            "offload", name), name
+    assert peak("offload-bf16-weights", optimizer="adamw-offload") == peak("offload-bf16-weights")
     with pytest.raises(ConfigError, match="weights_dtype='fp32' with setup.optimizer.placement='offload-bf16-weights'"):
         peak("offload-bf16-weights", weights_dtype="fp32")
     problems = techniques.optimizer.TECHNIQUE.trainer_problems(
         Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")))
     assert len(problems) == 1 and "MemtrainTrainer trains the model's own weights" in problems[0], problems
+
+
+def test_a_plans_choices_are_the_flags_that_fix_it():
+    """Each saved plan's and runner-up's choices, written as the command's flags (from the fields' flag
+    declarations) and read back by the command's parser, are the same choices: a plan is a command line."""
+    saved = json.loads(SAVED.read_text())
+    parser = build_parser()
+    seen = set()
+    for entry in saved.values():
+        for s in (entry["plan"]["plan"], *(c["settings"] for c in entry["plan"]["candidates"])):
+            choices = PlanSettings.from_dict(s).choices
+            words = flags_for(choices)
+            args = parser.parse_args(["train", *words])
+            assert choices_from_flags(args) == choices, (words, choices)
+            seen.update(w for w in words if w.startswith("--"))
+    assert {"--checkpointing", "--offload-optimizer", "--optimizer-state", "--no-chunked-loss",
+            "--offload-weights"} <= seen, seen
+    named = Choices(optimizer=OptimizerChoice(name="torch.optim.Adafactor", kwargs={"beta2_decay": -0.8}),
+                    pure_bf16=False, compile=True, checkpointing="blocks(RRK)+selective")
+    assert choices_from_flags(parser.parse_args(["train", *flags_for(named)])) == named, flags_for(named)
+
+
+def test_a_runs_auto_precision_is_the_one_its_techniques_compute_in():
+    bf16_weights = Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights"))
+    assert techniques.asked_precision(bf16_weights, "auto") == (
+        "bf16-mixed", "the offloaded optimizer's bf16 device weights compute in bf16")
+    assert techniques.asked_precision(Choices(pure_bf16=True), "auto")[0] == "bf16-mixed"
+    assert techniques.asked_precision(Choices(), "auto") == ("auto", "requested")
+    assert techniques.asked_precision(bf16_weights, "fp32") == ("fp32", "requested")  # refused by its rule, named
+    assert bf16_weights.precision_problems("auto") == [] and bf16_weights.precision_problems("fp32")

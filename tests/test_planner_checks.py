@@ -26,7 +26,7 @@ CPU = fixed_cpu_profile()
     ({}, dict(placement="device", step_in_backward=True, offload_fraction=0.5),
      "a partial offload steps after backward"),
     ({"world_size": 2}, dict(placement="device", step_in_backward=True),
-     "optimizer.step_in_backward=True with world_size=2: DDP averages gradients"),
+     "optimizer.step_in_backward=True with world_size=2: DDP and FSDP2 reduce gradients"),
     ({"world_size": 2, "fsdp": True}, dict(placement="device", state_precision="int8"), "no set-up can be built"),
     ({"world_size": 2, "fsdp": True}, dict(placement="offload"), "placement='offload' with fsdp=True: FSDP2 shards"),
 ])

@@ -108,6 +108,10 @@ class Checkpointing:
             problems.append("mode='blocks' needs one policy per block, and blocks=() gives none. To resolve this "
                             "error, pass e.g. blocks=('recompute', 'recompute', 'keep') (spelled 'blocks(RRK)': a "
                             "letter per block, R recompute, K keep, O offload), or another mode.")
+        elif self.mode == "blocks" and selective is not None and "recompute" not in blocks:
+            problems.append(f"checkpointing blocks({''.join(_LETTERS.get(b, '?') for b in blocks)}) with selective: "
+                            "no block recomputes (no R), so nothing recomputes selectively. To resolve this error, "
+                            "drop +selective, or make some blocks R.")
         elif self.mode != "blocks" and blocks:
             problems.append(f"blocks={blocks!r} applies only with mode='blocks', not mode={self.mode!r}. To "
                             "resolve this error, pass mode='blocks' or blocks=().")

@@ -117,7 +117,8 @@ def _checkpointing(text: str) -> str:
         return str(Checkpointing.parse(text))
     except ConfigError as e:
         spellings = ("auto (the planner chooses), none, all, every:K (K >= 1), selective, selective(matmul,attention), "
-                     "blocks(RKO...) (one letter per block: recompute, keep, offload), each with an optional +offload")
+                     "blocks(RKO...) (one letter per block: recompute, keep, offload; +selective after it recomputes "
+                     "the R blocks selectively), each with an optional +offload")
         raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy ({in_flag_terms(e.message)}); the "
                                          f"spellings are {spellings}") from None
 
@@ -140,6 +141,30 @@ class _Pairs(argparse.Action):
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
         current = getattr(namespace, self.dest, None)
         setattr(namespace, self.dest, (*(current if isinstance(current, tuple) else ()), values))
+
+
+class _SwitchWords(argparse.BooleanOptionalAction):
+    """A switch that also takes a word for each of its field's further values (``Flag.more``): ``--offload-optimizer``,
+    ``--offload-optimizer bf16-weights``, ``--no-offload-optimizer`` (which takes none)."""
+
+    def __init__(self, option_strings: list[str], dest: str, words: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.nargs, self.words = "?", words
+        self.metavar = "|".join(words)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        if option_string is not None and option_string.startswith("--no-"):
+            if values is not None:
+                parser.error(f"argument {option_string}: takes no value (got {values!r})")
+            setattr(namespace, self.dest, False)
+        elif values is None or values in self.words:
+            setattr(namespace, self.dest, values or True)
+        else:
+            parser.error(f"argument {option_string}: invalid choice: {values!r} (choose from "
+                         f"{', '.join(map(repr, self.words))}, or give the flag alone)")
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
 
 
 def _config_pairs(value: Any) -> tuple[tuple[str, Any], ...]:
@@ -420,8 +445,9 @@ def _add_model_flags(groups: dict[str, Any], *, micro_batch_default: int | None 
         f"examples per forward (default {micro_batch_default})" if micro_batch_default else
         "examples per forward (default: the plan picks it; given, it is fixed)"))
     groups["techniques"].add_argument("--checkpointing", type=_checkpointing, default=checkpointing_default, help=(
-        "none | all | every:K | selective | blocks(RKO..) (per block: recompute, keep, offload), each with an "
-        "optional +offload (the recomputed blocks' inputs in host memory)"
+        "none | all | every:K | selective | blocks(RKO..) (per block: recompute, keep, offload; "
+        "blocks(RKO..)+selective recomputes the R blocks selectively), each with an optional +offload (the recomputed blocks' inputs in host "
+        "memory)"
         + (" | auto: the planner chooses (default)" if checkpointing_default == "auto"
            else f" (default {checkpointing_default})")))
     _add_technique_flags(groups["techniques"], planned=checkpointing_default == "auto")
@@ -442,7 +468,9 @@ def _add_setting_flags(parser: Any, setting: type, *, planned: bool) -> None:
     """The flags a setting type declares on its fields (``memtrain.setting.Flag``), with their help."""
     for _, f in flags_of(setting):
         options: dict[str, Any] = {"default": None, "help": f.help_text(planned=planned)}
-        if f.kind == "switch":
+        if f.kind == "switch" and f.more:
+            options.update(action=_SwitchWords, words=tuple(word for _, word in f.more))
+        elif f.kind == "switch":
             options["action"] = argparse.BooleanOptionalAction
         elif f.kind == "on":
             options.update(action="store_true", default=False)
@@ -514,9 +542,13 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> set[s
                             "micro_batch_size = 4).")
             continue
         key = name
+        if isinstance(action, _SwitchWords) and key not in negated and value in action.words:
+            defaults[action.dest] = value  # offload-optimizer = "bf16-weights"
+            continue
         if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):  # noqa: SLF001
             if not isinstance(value, bool):
-                problems.append(f"--config: {key} = {value!r} must be true or false.")
+                words = "".join(f" or {word!r}" for word in getattr(action, "words", ()))
+                problems.append(f"--config: {key} = {value!r} must be true or false{words}.")
                 continue
             defaults[action.dest] = value if key not in negated else not value
             continue

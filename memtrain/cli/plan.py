@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 
 from memtrain.choices import default_global_batch
 from memtrain.cli.console import EXIT_OK, echo, progress_lines
 from memtrain.cli.flags import PLAN_PRECISION, UNLIMITED
-from memtrain.cli.techniques import choices_from_flags
+from memtrain.cli.techniques import choices_from_flags, flags_for
 from memtrain.cli.workloads import lora_flag_problems, lora_text, meta_target, trains_packed_rows
 from memtrain.errors import ConfigError
 from memtrain.planner import known_gpu, plan
@@ -54,6 +55,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         echo(json.dumps(p.to_dict()))
     else:
         echo(f"{name}: {p.summary()}")
+        # The plan's set-up as the flags that fix it: memtrain train with them (and the same model, batch and
+        # budget) trains exactly this set-up.
+        fixing = ["--micro-batch-size", str(p.settings.micro_batch_size), *flags_for(p.settings.choices)]
+        echo(f"  as flags: {shlex.join(fixing)}")
         echo(f"  planned in {p.plan_seconds:.1f} s")
     return EXIT_OK
 

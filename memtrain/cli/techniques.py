@@ -11,6 +11,22 @@ from memtrain.errors import ConfigError
 from memtrain.setting import flags_of
 
 
+def flags_for(choices: Choices) -> list[str]:
+    """The technique flags that give ``choices`` back (``choices_from_flags``' inverse: each field's words from its
+    flag's declaration, ``Flag.words_for``; a None field: no flag, the plan's), e.g. a plan's set-up
+    (``PlanSettings.choices``) as the flags that fix it: ``["--checkpointing", "blocks(RRKK)+selective(...)",
+    "--offload-optimizer", "bf16-weights", ...]``."""
+    words = [] if choices.checkpointing is None else ["--checkpointing", str(choices.checkpointing)]
+    words += ["--compile"] if choices.compile else []
+    for setting, owner in ((Choices, choices), (OptimizerChoice, choices.optimizer)):
+        for name, f in flags_of(setting):
+            value = getattr(owner, name)
+            if name == "name" and value is not None:  # the class by its dotted path (a class object's too)
+                value = None if owner.named.is_adamw else owner.named.path
+            words += f.words_for(value)
+    return words
+
+
 def choices_from_flags(args: argparse.Namespace) -> Choices:
     """The technique flags as ``Choices`` (a flag not given: the plan's, or off for memtrain estimate).
 

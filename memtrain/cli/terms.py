@@ -104,7 +104,8 @@ def _flag_text(part: Arg, message: Message, flags: dict[str, str],
             value = given[0]
         if value in valued:
             return valued[value]
-        return " or ".join(valued.values()) if not value else str(part)
+        # Whatever value: each flag once ("--offload-optimizer bf16-weights" is --offload-optimizer's)
+        return " or ".join(dict.fromkeys(text.split(" ")[0] for text in valued.values())) if not value else str(part)
     return str(part)
 
 

@@ -43,7 +43,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr:
         offload_fraction: share of the parameters (elements) whose fp32 master and state live in host RAM.
         step_in_backward: step each device parameter in backward as its gradient is final, freeing it at once.
         grad_scaler: the fp16 GradScaler in use (needed with offload_fraction > 0 or step_in_backward).
-        world_size: ranks training together; step-in-backward needs 1 (DDP averages gradients after the hooks).
+        world_size: ranks training together; step-in-backward needs 1 (DDP and FSDP2 reduce gradients over the ranks
+            after the hooks).
         optimizer_class: AdamW (memtrain's, with a state precision and pure bf16), or any other
             ``torch.optim.Optimizer`` class, short name or dotted path (``NamedOptimizer.of``): it gets ``lr`` and
             ``weight_decay`` where it takes them, and ``optimizer_kwargs``; its state is its own (state_precision

@@ -15,14 +15,15 @@ from memtrain.planner.settings import TECHNIQUES, Fixed, PlanSettings
 from memtrain.report import parse_bytes
 from memtrain.techniques import REGISTRY, SetUp, Terms, planned_setup
 from memtrain.techniques import problems as rule_problems
+from memtrain.techniques.optimizer import CHOICE_TERMS
 
 # How the planner's set-ups read in the rules' messages: the placement is "optimizer".
 SETTINGS_TERMS = Terms(labels={"placement": "optimizer", "optimizer": "optimizer_class"}, fixes={
     "offload-weights-device-optimizer": "pass optimizer 'offload' (or 'offload-bf16-weights'), or drop "
                                         f"{arg('offload_weights', True)}"})
-# And its fixed choices, which the plan may also leave open.
-PLAN_TERMS = Terms(labels=SETTINGS_TERMS.labels, fixes={
-    **SETTINGS_TERMS.fixes, "chunked-loss-model": f"pass {arg('chunked_loss', False)} (or leave it to the plan)"})
+# And its fixed choices, which the plan may also leave open: a run's ``Choices``, named as it writes them.
+PLAN_TERMS = Terms(labels=CHOICE_TERMS.labels, values=CHOICE_TERMS.values, fixes={
+    "chunked-loss-model": f"pass {arg('chunked_loss', False)} (or leave it to the plan)"})
 
 
 # -- the checks ---------------------------------------------------------------------------------------------

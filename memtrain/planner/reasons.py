@@ -61,7 +61,8 @@ def _family_codes(results: CandidateTable) -> np.ndarray:
     n, ids = results.n_blocks, {}
     first = [c.assigned(n, 0, 0) for c in results.configs]  # the family's fields but the blocks' are the config's
     rest = [(s.loss_text, s.optimizer_text, s.micro_batch_size, s.distribution, s.compile) for s in first]
-    flavored = np.array([ids.setdefault((s.flavor, *r), len(ids)) for s, r in zip(first, rest, strict=True)])
+    # The flavor is the configuration's (an all-kept layout's settings write "full": no block recomputes there)
+    flavored = np.array([ids.setdefault((c.flavor, *r), len(ids)) for c, r in zip(results.configs, rest, strict=True)])
     plain = np.array([ids.setdefault(("-", *r), len(ids)) for r in rest])
     recomputes = results.recompute > 0
     config = np.where(recomputes, flavored[results.config], plain[results.config])

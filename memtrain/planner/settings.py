@@ -390,6 +390,7 @@ class Plan:
         """JSON-ready: ``plan`` (the settings), the predictions, ``candidates``, reasons and assumptions."""
         return {
             "plan": self.settings.to_dict(),
+            "choices": self.settings.choices.to_dict(),  # the same set-up as the Choices that fix it
             "peak_bytes": self.peak_bytes,
             "host_bytes": self.host_bytes,
             "activation_bytes": self.activation_bytes,

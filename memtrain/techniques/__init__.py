@@ -99,10 +99,21 @@ def chosen(settings: Any) -> dict[str, Any]:
     return fields
 
 
+def asked_precision(choices: Any, precision: str) -> tuple[str, str]:
+    """The precision a run asks for, and why: where it leaves the precision "auto" and a technique computes in one
+    only (``Technique.computes_in``: pure bf16, bf16 device weights), that one; else the run's own ("requested")."""
+    if precision == "auto":
+        for technique in REGISTRY:
+            if (one := technique.computes_in(choices)) is not None:
+                return one
+    return precision, "requested"
+
+
 def left_open(fixed: Any) -> list[str]:
     """The arguments that fix what a plan's ``Fixed`` leaves to the search, where no search runs."""
     return [text for technique in REGISTRY for text in technique.left_open(fixed)]
 
 
-__all__ = ["REGISTRY", "RULES", "SEARCH", "SEARCH_ORDER", "Fixing", "PlanView", "Rule", "SetUp", "Technique", "Terms",
-           "chosen", "fixed_shares", "left_open", "planned_options", "planned_setup", "problems", "refuses"]
+__all__ = ["REGISTRY", "RULES", "SEARCH", "SEARCH_ORDER", "Fixing", "PlanView", "Rule", "SetUp", "Technique",
+           "Terms", "asked_precision", "chosen", "fixed_shares", "left_open", "planned_options",
+           "planned_setup", "problems", "refuses"]

@@ -39,12 +39,17 @@ def policy_of(value: Any) -> tuple[Checkpointing | None, list[str]]:
 def check_selective(policy: Checkpointing) -> None:
     """ConfigError for a selective policy the planner cannot plan: other ops kept, or the inputs offloaded."""
     if policy.selective != SelectivePolicy():
+        planned = dataclasses.replace(policy, selective=SelectivePolicy())
         raise ConfigError(f"{arg('checkpointing', str(policy))}: the planner's selective recompute keeps the outputs "
                           f"of {', '.join(SelectivePolicy().keep)}. To resolve this error, pass "
-                          f"{arg('checkpointing', 'selective')}, or estimate this policy with memtrain estimate.")
+                          f"{arg('checkpointing', str(planned))}, or estimate this policy with memtrain estimate.")
     if policy.offload_inputs:
+        whole = (Checkpointing(mode="all", offload_inputs=True) if policy.mode == "selective" else
+                 dataclasses.replace(policy, selective=None))  # the recomputed blocks whole, their inputs offloaded
+        either = (dataclasses.replace(policy, offload_inputs=False), whole)
         raise ConfigError(f"{arg('checkpointing', str(policy))}: the planner does not combine a selective recompute "
-                          "with offloaded inputs. To resolve this error, pass 'selective' or 'all+offload'.")
+                          f"with offloaded inputs. To resolve this error, pass {str(either[0])!r} or "
+                          f"{str(either[1])!r}.")
 
 
 def _same_policy(checkpointing: Any, policy: Checkpointing) -> bool:

@@ -51,14 +51,6 @@ PURE_BF16_CAST_WEIGHTS = Rule(
     lambda s: bool(s.pure_bf16) and s.placement == "offload-bf16-weights")
 
 
-def asked_precision(choices: Any, precision: str) -> tuple[str, str]:
-    """The precision a run asks for, and why: bf16-mixed where pure bf16 is on and the run leaves the precision
-    "auto" (it computes in bf16), else the run's own ("requested")."""
-    if choices.pure_bf16 and precision == "auto":
-        return "bf16-mixed", "pure bf16 (bf16 weights, no fp32 master) computes in bf16"
-    return precision, "requested"
-
-
 def fsdp2_shards(record: Any) -> bool:
     """Whether FSDP2 could shard a plan's set-up as far as pure bf16 goes (its rule with FSDP2: PureBF16AdamW
     slices whole parameters)."""
@@ -96,6 +88,11 @@ class PureBF16Technique(Technique):
     def reasons(self, view: PlanView) -> list[str]:
         """No line of its own: its words are the optimizer's (pure bf16 AdamW, as asked)."""
         return []
+
+    def computes_in(self, choices: Any) -> tuple[str, str] | None:
+        if not choices.pure_bf16:
+            return None
+        return "bf16-mixed", "pure bf16 (bf16 weights, no fp32 master) computes in bf16"
 
     def kept(self, kept: Any) -> dict[str, Any]:
         """Bf16 weights with no master stay so (an fp32 run's plan may still weigh them for its hint: None)."""

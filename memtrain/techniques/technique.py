@@ -62,6 +62,11 @@ class Technique:
         "not fixed") as the rules' ``SetUp`` reads them."""
         return {}
 
+    def computes_in(self, choices: Any) -> tuple[str, str] | None:
+        """The one precision its setting in ``choices`` (a ``Choices``) computes in, with why (a run's precision
+        "auto" resolves to it); None: it takes any."""
+        return None
+
     def chosen(self, settings: Any) -> dict[str, Any]:
         """Its ``Choices`` fields that fix it as a plan's one set-up ``settings`` (a ``PlanSettings``) has it: a run
         given them gets that set-up again (``PlanSettings.choices``; ``Fixed.of_choices`` reads them back)."""

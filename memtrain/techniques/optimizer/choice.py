@@ -46,8 +46,8 @@ class OptimizerChoice:
     placement: "device" (state on the device; with ``offload_fraction`` a share of it in host RAM), "offload"
         (``CPUOffloadOptimizer``: fp32 master weights and AdamW state in host RAM, 12 fewer device bytes a
         parameter, gradients streamed there during backward) or "offload-bf16-weights" (the same, with the device's
-        weights bf16 casts of the host master: 2 more bytes a parameter off the device; bf16-mixed only; Python and
-        config files, not a flag of its own).
+        weights bf16 casts of the host master: 2 more bytes a parameter off the device; bf16-mixed only;
+        ``--offload-optimizer bf16-weights``).
     state_precision: AdamW's moments, where the state lives (the device, or host RAM with "offload"): "fp32" (8
         bytes a parameter), "bf16" (4), "int8" (about 2). The master weights stay fp32 either way.
     step_in_backward: each parameter steps as its gradient is final, which is freed at once (no gradient buffers).
@@ -62,7 +62,9 @@ class OptimizerChoice:
 
     placement: Placement | None = field(default=None, metadata=flag(
         "--offload-optimizer", "fp32 master weights and the optimizer state (AdamW's moments as --optimizer-state) in "
-        "host RAM, 8-12 bytes per parameter off the device ({unset})", kind="switch", values=("offload", "device")))
+        "host RAM, 8-12 bytes per parameter off the device; --offload-optimizer bf16-weights: the device's weights "
+        "bf16 casts of that master, 2 bytes per parameter less again (bf16-mixed only) ({unset})", kind="switch",
+        values=("offload", "device"), more=(("offload-bf16-weights", "bf16-weights"),)))
     state_precision: StatePrecision | None = field(default=None, metadata=flag(
         "--optimizer-state", "AdamW's moments, on the device or (--offload-optimizer) in host RAM: fp32 (8 bytes per "
         "parameter), bf16 (4) or int8 (about 2; needs bitsandbytes) ({unset})", choices=STATE_PRECISIONS,

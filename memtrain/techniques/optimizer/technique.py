@@ -46,8 +46,9 @@ def _per_parameter(named: NamedOptimizer | None) -> bool:
 # -- the rules ---------------------------------------------------------------------------------------------------
 GRADIENTS_BEFORE_DDP = Rule(
     "gradients-before-ddp",
-    "DDP averages gradients after the hooks that act on them (a step in backward, a partial offload, gradients "
-    "offloaded as produced), so each rank would step on its own gradient and the ranks' weights would drift apart.",
+    "DDP and FSDP2 reduce gradients over the ranks after the hooks that act on them (a step in backward, a partial "
+    "offload, gradients offloaded as produced), so each rank would step on its own gradient and the ranks' weights "
+    "would drift apart.",
     "drop {but_last}, or run one process",
     ("step_in_backward", "offload_fraction", "processes"),
     lambda s: s.several_processes and bool(s.step_in_backward or s.offload_fraction))
@@ -100,7 +101,7 @@ BF16_WEIGHTS_PRECISION = Rule(
     "its device weights are bf16 casts of the host master, which only bf16-mixed computes in.",
     f"pass {arg('precision', 'bf16-mixed')}, or {arg('optimizer.placement', 'offload')} (fp32 device weights)",
     ("placement", "precision"),
-    lambda s: s.placement == "offload-bf16-weights" and s.precision not in (None, "bf16-mixed"))
+    lambda s: s.placement == "offload-bf16-weights" and s.precision not in (None, "auto", "bf16-mixed"))
 NAMED_OWN_STATE = Rule(
     "named-optimizer-own-state",
     "lean moments and pure bf16 are memtrain's AdamW's; another optimizer class keeps its own state.",
@@ -251,13 +252,20 @@ class OptimizerTechnique(Technique):
 
     def chosen(self, settings: Any) -> dict[str, Any]:
         """The class, placement, moments, step and share offloaded, as an ``OptimizerChoice``'s fields (a named class:
-        its own state; offloaded: no share)."""
-        named = settings.optimizer_class
+        its own state; offloaded: no share; a share on the host implies the device placement, which the command
+        line's --no-offload-optimizer would contradict: left to it)."""
+        named, fraction = settings.optimizer_class, settings.offload_fraction
+        placement = None if settings.optimizer == "device" and fraction else settings.optimizer
         return {"optimizer": {
-            "placement": settings.optimizer, "state_precision": settings.state_precision if named.is_adamw else None,
+            "placement": placement, "state_precision": settings.state_precision if named.is_adamw else None,
             "step_in_backward": settings.step_in_backward,
             "offload_fraction": settings.offload_fraction if settings.optimizer == "device" else None,
             "name": None if named.is_adamw else named.cls or named.path, "kwargs": dict(named.kwargs) or None}}
+
+    def computes_in(self, choices: Any) -> tuple[str, str] | None:
+        if choices.optimizer.placement == "offload-bf16-weights":
+            return "bf16-mixed", "the offloaded optimizer's bf16 device weights compute in bf16"
+        return None
 
     def kept(self, kept: Any) -> dict[str, Any]:
         """The placement, moments, step, offloaded share and class the state was built with."""
@@ -362,6 +370,8 @@ class OptimizerTechnique(Technique):
         lean = choice.state_precision not in (None, "fp32") or bool(choice.offload_fraction) or bool(
             choice.step_in_backward)  # memtrain.optim's AdamW rather than torch's
         offloaded = offloads_optimizer(choice.placement, setup.offload_weights)
+        if choice.placement == "offload-bf16-weights":  # the device's weights: bf16 casts of the host master
+            options["weights_dtype"] = "bf16"
         if not choice.named.is_adamw:  # a named class, wrapped as memtrain's AdamW is (offloaded: all of its state)
             if optimizer != "adamw":
                 problems.append(f"setup.optimizer.name={choice.named.path!r} with optimizer={optimizer!r}: two "
@@ -371,12 +381,11 @@ class OptimizerTechnique(Technique):
                 options["offload_fraction"] = 1.0
         elif offloaded and optimizer == "adamw":
             options["optimizer"] = "adamw-offload"
-            if choice.placement == "offload-bf16-weights":  # the device's weights: bf16 casts of the host master
-                options["weights_dtype"] = "bf16"
         elif offloaded and optimizer != "adamw-offload":
-            problems.append(f"setup.optimizer.placement='offload' with optimizer={optimizer!r}: the offloaded "
+            placed = choice.placement or "offload"  # None: parameter offload's
+            problems.append(f"setup.optimizer.placement={placed!r} with optimizer={optimizer!r}: the offloaded "
                             "optimizer is AdamW (CPUOffloadOptimizer). To resolve this error, pass optimizer='adamw', "
-                            "or drop placement='offload'.")
+                            f"or drop placement={placed!r}.")
         elif (choice.placement == "device" or choice.offload_fraction or choice.step_in_backward) and (
                 optimizer == "adamw-offload"):  # lean moments go with either placement
             asked = [arg(name, getattr(choice, name)) for name in ("placement", "state_precision", "step_in_backward",
@@ -462,7 +471,9 @@ class OptimizerTechnique(Technique):
         differ = [(Message(arg(f"optimizer.{name}", value)), Message(arg(f"optimizer.{name}", WHATEVER)))
                   for name, value, have in fields if value is not None and value != have]
         if asked.name is not None and asked.named.path != kept.optimizer_class.path:
-            differ.insert(0, (Message(arg("optimizer.name", asked.named.path)),
+            # As the run was given it ('sgd', a dotted path; a class: its path)
+            given = asked.name if isinstance(asked.name, str) else asked.named.path
+            differ.insert(0, (Message(arg("optimizer.name", given)),
                               Message(arg("optimizer.name", WHATEVER))))
         elif asked.kwargs is not None and asked.named.kwargs != kept.optimizer_class.kwargs:
             differ.insert(0, (Message(arg("optimizer.kwargs", dict(asked.named.kwargs))),
