@@ -46,7 +46,7 @@ def test_a_resume_keeps_the_runs_optimizer_and_refuses_another(tmp_path, text_fi
     assert result["resumed_from"] == 3 and result["plan"]["settings"]["optimizer_class"]["path"] == "pytorch_optimizer.Lion"
     assert main(["train", "--out", str(out), "--resume", "--max-steps", "5", "--optimizer", "adafactor"]) == 2
     err = capsys.readouterr().err
-    assert "torch.optim.Adafactor" in err and "To resolve this error" in err, err
+    assert "--optimizer 'adafactor': the run's optimizer is Lion" in err and "To resolve this error" in err, err
 
 
 def test_plan_and_estimate_count_a_named_optimizers_own_state(capsys):

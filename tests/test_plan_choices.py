@@ -155,7 +155,7 @@ def test_a_run_given_a_plans_choices_trains_that_set_up_on_the_simulated_device(
     settings = PlanSettings.from_dict(result.plan["settings"])
     assert (settings.blocks, settings.flavor, settings.optimizer, settings.state_precision) == (
         ("recompute",) * 2 + ("keep",) * 2, "selective", "offload-bf16-weights", "bf16"), settings
-    assert settings.choices == given
+    assert settings.choices == given == Choices.from_dict(result.plan["choices"])  # the run's report says them too
     assert result.steps == 2 and result.peak_bytes is not None and result.peak_bytes <= 8 * 2**20
     assert result.precision == "bf16-mixed" and any("bf16 device weights compute in bf16" in r for r in result.reasons)
 

@@ -59,7 +59,7 @@ def test_a_message_names_only_what_was_given_and_the_fix_names_it_back():
 def test_a_sites_terms_label_its_fields_and_word_its_fixes():
     terms = Terms(labels={"processes": "nproc"}, fixes={"gradients-before-ddp": "run one process"})
     (message,) = problems(SetUp(step_in_backward=True, processes=4), terms)
-    assert message.startswith("step_in_backward=True with nproc=4: DDP averages"), message
+    assert message.startswith("step_in_backward=True with nproc=4: DDP and FSDP2 reduce"), message
     assert message.endswith("To resolve this error, run one process."), message
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memtrain.accumulation import GradientAccumulator
-from memtrain.checkpointing import apply_checkpointing, compile_model, find_blocks, remove_checkpointing
+from memtrain.checkpointing import compile_model, find_blocks
 from memtrain.device import Accelerator, accelerator
 from memtrain.errors import ConfigError
 from memtrain.loss import apply_chunked_loss, remove_chunked_loss
@@ -167,15 +167,10 @@ APPLIED_BY = {"activation offload": "activation checkpointing"}
 def activation_checkpointing(a: Applying) -> None:
     """Wraps each block as its kind says (recompute, or offload its saved activations: activation offload), the
     recomputed ones in the plan's flavor (full, selective, or their inputs offloaded), undoing an earlier plan's
-    wrappers first. First: the blocks are wrapped before anything compiles or shards them."""
-    s = a.settings
-    if s.blocks:  # no blocks detected: checkpointing the user applied by hand stays
-        remove_checkpointing(a.model)
-    if "recompute" in s.blocks or "offload" in s.blocks:
-        a.wrapped = apply_checkpointing(
-            a.model, policies=s.policies(a.names),
-            selective=("matmul", "attention") if s.flavor == "selective" else None,
-            offload=s.flavor == "offload-inputs")
+    wrappers first: the plan's policy as a user writes it (``settings.choices.checkpointing``, a ``Checkpointing``),
+    applied as a user's is. First: the blocks are wrapped before anything compiles or shards them."""
+    if a.settings.blocks:  # no blocks detected: checkpointing the user applied by hand stays
+        a.wrapped = a.settings.choices.checkpointing.apply(a.model)
 
 
 def chunked_loss(a: Applying) -> None:
