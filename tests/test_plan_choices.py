@@ -179,6 +179,8 @@ def test_bf16_device_weights_are_estimated_and_refused_where_they_cannot_run():
     problems = techniques.optimizer.TECHNIQUE.trainer_problems(
         Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")))
     assert len(problems) == 1 and "MemtrainTrainer trains the model's own weights" in problems[0], problems
+    assert techniques.optimizer.TECHNIQUE.setup_text(Choices(optimizer=OptimizerChoice(
+        placement="offload-bf16-weights"))) == "AdamW offloaded, bf16 device weights, fp32 moments"  # estimate's header
 
 
 def test_a_plans_choices_are_the_flags_that_fix_it():

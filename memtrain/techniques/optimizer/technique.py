@@ -248,7 +248,8 @@ class OptimizerTechnique(Technique):
         where = ("offloaded" if offloads_optimizer(o.placement, setup.offload_weights) else
                  f"{100 * o.offload_fraction:.0f}% offloaded" if o.offload_fraction else "on the device")
         state = f"{o.state_precision or 'fp32'} moments" if o.named.is_adamw else "its own state"
-        return f"{o.named.text} {where}, {state}" + (", step in backward" if o.step_in_backward else "")
+        weights = ", bf16 device weights" if o.placement == "offload-bf16-weights" else ""
+        return f"{o.named.text} {where}{weights}, {state}" + (", step in backward" if o.step_in_backward else "")
 
     def chosen(self, settings: Any) -> dict[str, Any]:
         """The class, placement, moments, step and share offloaded, as an ``OptimizerChoice``'s fields (a named class:
