@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import random
+import shlex
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,25 @@ def test_a_runs_auto_precision_is_the_one_its_techniques_compute_in():
     assert techniques.asked_precision(Choices(), "auto") == ("auto", "requested")
     assert techniques.asked_precision(bf16_weights, "fp32") == ("fp32", "requested")  # refused by its rule, named
     assert bf16_weights.precision_problems("auto") == [] and bf16_weights.precision_problems("fp32")
+
+
+def test_the_plans_flags_keep_its_global_batch(capsys):
+    """memtrain plan's "as flags:" line, given to memtrain plan again, plans the same set-up: where the plan
+    accumulates, --micro-batch-size alone would shrink the default global batch to one micro-batch per rank, so the
+    line names --global-batch-size too."""
+    from helpers import run_cli
+
+    first = ["plan", "--model", "gpt-tiny", "--gpu", "H100", "--budget", "68MiB", "--no-progress"]
+
+    def lines(argv):
+        code, errors, text = run_cli(argv, capsys)
+        assert code == 0, errors
+        return {k: line.split(k, 1)[1].strip() for line in text.splitlines() for k in ("choice:", "predicted:",
+                                                                                       "as flags:") if k in line}
+
+    one = lines(first)
+    assert "accumulation" in one["choice:"] and not one["choice:"].startswith("micro-batch 16 x 1"), one
+    flags = shlex.split(one["as flags:"])
+    assert "--global-batch-size" in flags, flags
+    two = lines([*first, *flags])
+    assert (two["choice:"], two["predicted:"]) == (one["choice:"], one["predicted:"]), (one, two)

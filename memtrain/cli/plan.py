@@ -58,6 +58,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # The plan's set-up as the flags that fix it: memtrain train with them (and the same model, batch and
         # budget) trains exactly this set-up.
         fixing = ["--micro-batch-size", str(p.settings.micro_batch_size), *flags_for(p.settings.choices)]
+        if p.global_batch_size != default_global_batch(args.nproc, p.settings.micro_batch_size):
+            # --micro-batch-size alone would make the global batch micro-batch x --nproc (no accumulation)
+            fixing[2:2] = ["--global-batch-size", str(p.global_batch_size)]
         echo(f"  as flags: {shlex.join(fixing)}")
         echo(f"  planned in {p.plan_seconds:.1f} s")
     return EXIT_OK
