@@ -234,3 +234,18 @@ def test_the_plans_flags_keep_its_global_batch(capsys):
     assert "--global-batch-size" in flags, flags
     two = lines([*first, *flags])
     assert (two["choice:"], two["predicted:"]) == (one["choice:"], one["predicted:"]), (one, two)
+
+
+@pytest.mark.parametrize(("argv", "precision"), [(["--device", "cpu"], "bf16-mixed"),
+                                                 (["--gpu", "H100", "--precision", "fp32"], "fp32"),
+                                                 (["--gpu", "H100"], "auto")])
+def test_the_plans_flags_keep_its_precision(capsys, argv, precision):
+    """memtrain plan plans bf16-mixed by default, memtrain train's "auto" is fp32 on a CPU: a plan whose precision
+    is not the one memtrain train would pick there names --precision in its "as flags:" line (a CPU plan at 800 KiB
+    given to memtrain train without it was refused: fp32's peak does not fit)."""
+    from helpers import run_cli
+
+    code, errors, text = run_cli(["plan", "--model", "gpt-tiny", "--no-progress", *argv], capsys)
+    assert code == 0, errors
+    flags = shlex.split(next(line for line in text.splitlines() if "as flags:" in line).split("as flags:", 1)[1])
+    assert build_parser().parse_args(["train", *flags]).precision == precision, flags
