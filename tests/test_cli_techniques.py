@@ -98,3 +98,13 @@ def test_bf16_device_weights_are_a_word_of_the_offload_flag(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text('offload-optimizer = "gpu"\n')
     with pytest.raises(ConfigError, match="= 'gpu' must be true or false or 'bf16-weights'"):
         apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "bad.toml")])
+
+
+def test_a_config_files_negated_switch_does_not_offer_the_word_it_refuses(tmp_path):
+    """no-offload-optimizer = "bf16-weights" was refused as "must be true or false or 'bf16-weights'": the word is
+    offload-optimizer's, so the fix names that key."""
+    (tmp_path / "run.toml").write_text('no-offload-optimizer = "bf16-weights"\n')
+    with pytest.raises(ConfigError) as info:
+        apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "run.toml")])
+    assert info.value.message == ("--config: no-offload-optimizer = 'bf16-weights' must be true or false. To resolve "
+                                  "this error, write offload-optimizer = 'bf16-weights'."), info.value.message

@@ -547,7 +547,13 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> set[s
             continue
         if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):  # noqa: SLF001
             if not isinstance(value, bool):
-                words = "".join(f" or {word!r}" for word in getattr(action, "words", ()))
+                words = getattr(action, "words", ())
+                if key in negated:  # no-offload-optimizer = "bf16-weights": the word is the positive key's
+                    whose = action.option_strings[0][2:]
+                    hint = f". To resolve this error, write {whose} = {value!r}" if value in words else ""
+                    problems.append(f"--config: {key} = {value!r} must be true or false{hint}.")
+                    continue
+                words = "".join(f" or {word!r}" for word in words)
                 problems.append(f"--config: {key} = {value!r} must be true or false{words}.")
                 continue
             defaults[action.dest] = value if key not in negated else not value
