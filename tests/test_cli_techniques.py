@@ -108,3 +108,13 @@ def test_a_config_files_negated_switch_does_not_offer_the_word_it_refuses(tmp_pa
         apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "run.toml")])
     assert info.value.message == ("--config: no-offload-optimizer = 'bf16-weights' must be true or false. To resolve "
                                   "this error, write offload-optimizer = 'bf16-weights'."), info.value.message
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "estimate"])
+def test_the_help_offers_the_word_to_the_offload_flag_only(command, capsys):
+    """--help listed "--no-offload-optimizer [bf16-weights]", a value that flag refuses."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = capsys.readouterr().out
+    assert "--offload-optimizer [bf16-weights], --no-offload-optimizer\n" in text, text
+    assert "--no-offload-optimizer [" not in text

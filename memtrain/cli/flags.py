@@ -24,7 +24,19 @@ from memtrain.run.tensorboard import LOGGERS
 from memtrain.setting import flags_of
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, _SwitchWords):  # the word after --offload-optimizer only: --no-offload-optimizer takes none
+            on, *off = action.option_strings
+            return ", ".join([f"{on} [{action.metavar}]", *off])
+        return super()._format_action_invocation(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # argparse's own exit code is 2 as well; keep one message format
         self.print_usage(sys.stderr)
         print(f"memtrain: error: {message}", file=sys.stderr)
