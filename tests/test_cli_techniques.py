@@ -118,3 +118,32 @@ def test_the_help_offers_the_word_to_the_offload_flag_only(command, capsys):
     text = capsys.readouterr().out
     assert "--offload-optimizer [bf16-weights], --no-offload-optimizer\n" in text, text
     assert "--no-offload-optimizer [" not in text
+
+
+@pytest.mark.parametrize(("command", "layout", "expected"), [
+    ("estimate", "blocks(RRR)+selective", "--checkpointing 'blocks(RRR)+selective(matmul,attention)' names 3 blocks, "
+     "but GPT has 2 (blocks.0 ... blocks.1). To resolve this error, give one letter per block, 2 in all"),
+    ("plan", "blocks(RRR)+selective", "--checkpointing's layout blocks(RRR) names 3 blocks, not 2: a layout has a "
+     "letter per block of the model. To resolve this error, give 2 letters"),
+    ("plan", "blocks(R)", "--checkpointing's layout blocks(R) names 1 block, not 2"),
+])
+def test_a_layouts_wrong_block_count_is_told_in_letters(command, layout, expected, capsys):
+    """A layout with the wrong number of letters was told "names 1 blocks", "(['recompute'])", "in the order
+    find_blocks(model) returns them": the command's words are its flag and its letters."""
+    from helpers import run_cli
+
+    code, errors, text = run_cli([command, "--model", "gpt-tiny", "--gpu" if command == "plan" else "--device",
+                                  "H100" if command == "plan" else "cuda", "--checkpointing", layout], capsys)
+    assert code == 2 and len(errors) == 1 and expected in errors[0], text
+    assert "find_blocks" not in text and "['recompute']" not in text, text
+
+
+def test_a_checkpointing_spelling_that_is_none_is_told_once(capsys):
+    """'blocks(RK)+offload+selective' was "not a checkpointing policy (--checkpointing ... is not a checkpointing
+    policy. To resolve this error, pass one of <the spellings>); the spellings are <the spellings>"."""
+    from helpers import run_cli
+
+    code, errors, _ = run_cli(["estimate", "--checkpointing", "blocks(RK)+offload+selective"], capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].count("is not a checkpointing policy") == 1 and errors[0].count("recomputes the R blocks") == 1, (
+        errors[0])

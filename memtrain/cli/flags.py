@@ -131,8 +131,11 @@ def _checkpointing(text: str) -> str:
         spellings = ("auto (the planner chooses), none, all, every:K (K >= 1), selective, selective(matmul,attention), "
                      "blocks(RKO...) (one letter per block: recompute, keep, offload; +selective after it recomputes "
                      "the R blocks selectively), each with an optional +offload")
-        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy ({in_flag_terms(e.message)}); the "
-                                         f"spellings are {spellings}") from None
+        why = in_flag_terms(e.message)
+        # Checkpointing.parse's catch-all says what this one does and lists the spellings: said once, not twice
+        why = "" if why.startswith(f"--checkpointing {text!r} is not a checkpointing policy.") else f" ({why})"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy{why}; the spellings are "
+                                         f"{spellings}") from None
 
 
 def _optimizer_arg(text: str) -> tuple[str, Any]:
