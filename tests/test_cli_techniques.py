@@ -98,3 +98,52 @@ def test_bf16_device_weights_are_a_word_of_the_offload_flag(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text('offload-optimizer = "gpu"\n')
     with pytest.raises(ConfigError, match="= 'gpu' must be true or false or 'bf16-weights'"):
         apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "bad.toml")])
+
+
+def test_a_config_files_negated_switch_does_not_offer_the_word_it_refuses(tmp_path):
+    """no-offload-optimizer = "bf16-weights" was refused as "must be true or false or 'bf16-weights'": the word is
+    offload-optimizer's, so the fix names that key."""
+    (tmp_path / "run.toml").write_text('no-offload-optimizer = "bf16-weights"\n')
+    with pytest.raises(ConfigError) as info:
+        apply_config_file(build_parser(), ["train", "--config", str(tmp_path / "run.toml")])
+    assert info.value.message == ("--config: no-offload-optimizer = 'bf16-weights' must be true or false. To resolve "
+                                  "this error, write offload-optimizer = 'bf16-weights'."), info.value.message
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "estimate"])
+def test_the_help_offers_the_word_to_the_offload_flag_only(command, capsys):
+    """--help listed "--no-offload-optimizer [bf16-weights]", a value that flag refuses."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = capsys.readouterr().out
+    assert "--offload-optimizer [bf16-weights], --no-offload-optimizer\n" in text, text
+    assert "--no-offload-optimizer [" not in text
+
+
+@pytest.mark.parametrize(("command", "layout", "expected"), [
+    ("estimate", "blocks(RRR)+selective", "--checkpointing 'blocks(RRR)+selective(matmul,attention)' names 3 blocks, "
+     "but GPT has 2 (blocks.0 ... blocks.1). To resolve this error, give one letter per block, 2 in all"),
+    ("plan", "blocks(RRR)+selective", "--checkpointing's layout blocks(RRR) names 3 blocks, not 2: a layout has a "
+     "letter per block of the model. To resolve this error, give 2 letters"),
+    ("plan", "blocks(R)", "--checkpointing's layout blocks(R) names 1 block, not 2"),
+])
+def test_a_layouts_wrong_block_count_is_told_in_letters(command, layout, expected, capsys):
+    """A layout with the wrong number of letters was told "names 1 blocks", "(['recompute'])", "in the order
+    find_blocks(model) returns them": the command's words are its flag and its letters."""
+    from helpers import run_cli
+
+    code, errors, text = run_cli([command, "--model", "gpt-tiny", "--gpu" if command == "plan" else "--device",
+                                  "H100" if command == "plan" else "cuda", "--checkpointing", layout], capsys)
+    assert code == 2 and len(errors) == 1 and expected in errors[0], text
+    assert "find_blocks" not in text and "['recompute']" not in text, text
+
+
+def test_a_checkpointing_spelling_that_is_none_is_told_once(capsys):
+    """'blocks(RK)+offload+selective' was "not a checkpointing policy (--checkpointing ... is not a checkpointing
+    policy. To resolve this error, pass one of <the spellings>); the spellings are <the spellings>"."""
+    from helpers import run_cli
+
+    code, errors, _ = run_cli(["estimate", "--checkpointing", "blocks(RK)+offload+selective"], capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].count("is not a checkpointing policy") == 1 and errors[0].count("recomputes the R blocks") == 1, (
+        errors[0])

@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import random
+import shlex
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,40 @@ def test_a_runs_auto_precision_is_the_one_its_techniques_compute_in():
     assert techniques.asked_precision(Choices(), "auto") == ("auto", "requested")
     assert techniques.asked_precision(bf16_weights, "fp32") == ("fp32", "requested")  # refused by its rule, named
     assert bf16_weights.precision_problems("auto") == [] and bf16_weights.precision_problems("fp32")
+
+
+def test_the_plans_flags_keep_its_global_batch(capsys):
+    """memtrain plan's "as flags:" line, given to memtrain plan again, plans the same set-up: where the plan
+    accumulates, --micro-batch-size alone would shrink the default global batch to one micro-batch per rank, so the
+    line names --global-batch-size too."""
+    from helpers import run_cli
+
+    first = ["plan", "--model", "gpt-tiny", "--gpu", "H100", "--budget", "68MiB", "--no-progress"]
+
+    def lines(argv):
+        code, errors, text = run_cli(argv, capsys)
+        assert code == 0, errors
+        return {k: line.split(k, 1)[1].strip() for line in text.splitlines() for k in ("choice:", "predicted:",
+                                                                                       "as flags:") if k in line}
+
+    one = lines(first)
+    assert "accumulation" in one["choice:"] and not one["choice:"].startswith("micro-batch 16 x 1"), one
+    flags = shlex.split(one["as flags:"])
+    assert "--global-batch-size" in flags, flags
+    two = lines([*first, *flags])
+    assert (two["choice:"], two["predicted:"]) == (one["choice:"], one["predicted:"]), (one, two)
+
+
+@pytest.mark.parametrize(("argv", "precision"), [(["--device", "cpu"], "bf16-mixed"),
+                                                 (["--gpu", "H100", "--precision", "fp32"], "fp32"),
+                                                 (["--gpu", "H100"], "auto")])
+def test_the_plans_flags_keep_its_precision(capsys, argv, precision):
+    """memtrain plan plans bf16-mixed by default, memtrain train's "auto" is fp32 on a CPU: a plan whose precision
+    is not the one memtrain train would pick there names --precision in its "as flags:" line (a CPU plan at 800 KiB
+    given to memtrain train without it was refused: fp32's peak does not fit)."""
+    from helpers import run_cli
+
+    code, errors, text = run_cli(["plan", "--model", "gpt-tiny", "--no-progress", *argv], capsys)
+    assert code == 0, errors
+    flags = shlex.split(next(line for line in text.splitlines() if "as flags:" in line).split("as flags:", 1)[1])
+    assert build_parser().parse_args(["train", *flags]).precision == precision, flags

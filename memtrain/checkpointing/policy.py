@@ -29,6 +29,10 @@ _SPELLINGS = ("'none', 'all', 'every:K' (K >= 1), 'selective' or e.g. 'selective
               + words("; an integer K (every:K); True (all); False or None (none); or a Checkpointing", ""))
 
 
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
 @dataclass(frozen=True)
 class Checkpointing:
     """Which blocks recompute in backward, which keep their activations, which offload them.
@@ -202,7 +206,7 @@ class Checkpointing:
             return tuple("recompute" if i % self.every == 0 else "keep" for i in range(n_blocks))
         if self.mode == "blocks":
             if len(self.blocks) != n_blocks:
-                raise ConfigError(f"checkpointing {self} names {len(self.blocks)} blocks, not {n_blocks}. To "
+                raise ConfigError(f"checkpointing {self} names {_blocks(len(self.blocks))}, not {n_blocks}. To "
                                   "resolve this error, give one policy per block, in the model's order.")
             return self.blocks
         return ("recompute",) * n_blocks
@@ -246,9 +250,10 @@ class Checkpointing:
                                   f"{arg('checkpointing', 'none')}.")
             if len(names) != len(self.blocks):
                 raise ConfigError(
-                    f"checkpointing {self} names {len(self.blocks)} blocks, but {type(model).__name__} has "
-                    f"{len(names)} ({names[0]} ... {names[-1]}). To resolve this error, give one policy per block, "
-                    "in the order find_blocks(model) returns them."
+                    f"{arg('checkpointing', str(self))} names {_blocks(len(self.blocks))}, but "
+                    f"{type(model).__name__} has {len(names)} ({names[0]} ... {names[-1]}). To resolve this error, "
+                    "give one " + words("policy per block, in the order find_blocks(model) returns them",
+                                        f"letter per block, {len(names)} in all (R recompute, K keep, O offload)") + "."
                 )
             kwargs["policies"] = dict(zip(names, self.blocks, strict=True))
             kwargs["selective"] = self.selective

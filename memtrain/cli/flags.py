@@ -24,7 +24,19 @@ from memtrain.run.tensorboard import LOGGERS
 from memtrain.setting import flags_of
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, _SwitchWords):  # the word after --offload-optimizer only: --no-offload-optimizer takes none
+            on, *off = action.option_strings
+            return ", ".join([f"{on} [{action.metavar}]", *off])
+        return super()._format_action_invocation(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # argparse's own exit code is 2 as well; keep one message format
         self.print_usage(sys.stderr)
         print(f"memtrain: error: {message}", file=sys.stderr)
@@ -119,8 +131,11 @@ def _checkpointing(text: str) -> str:
         spellings = ("auto (the planner chooses), none, all, every:K (K >= 1), selective, selective(matmul,attention), "
                      "blocks(RKO...) (one letter per block: recompute, keep, offload; +selective after it recomputes "
                      "the R blocks selectively), each with an optional +offload")
-        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy ({in_flag_terms(e.message)}); the "
-                                         f"spellings are {spellings}") from None
+        why = in_flag_terms(e.message)
+        # Checkpointing.parse's catch-all says what this one does and lists the spellings: said once, not twice
+        why = "" if why.startswith(f"--checkpointing {text!r} is not a checkpointing policy.") else f" ({why})"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpointing policy{why}; the spellings are "
+                                         f"{spellings}") from None
 
 
 def _optimizer_arg(text: str) -> tuple[str, Any]:
@@ -547,7 +562,13 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> set[s
             continue
         if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):  # noqa: SLF001
             if not isinstance(value, bool):
-                words = "".join(f" or {word!r}" for word in getattr(action, "words", ()))
+                words = getattr(action, "words", ())
+                if key in negated:  # no-offload-optimizer = "bf16-weights": the word is the positive key's
+                    whose = action.option_strings[0][2:]
+                    hint = f". To resolve this error, write {whose} = {value!r}" if value in words else ""
+                    problems.append(f"--config: {key} = {value!r} must be true or false{hint}.")
+                    continue
+                words = "".join(f" or {word!r}" for word in words)
                 problems.append(f"--config: {key} = {value!r} must be true or false{words}.")
                 continue
             defaults[action.dest] = value if key not in negated else not value

@@ -57,7 +57,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         echo(f"{name}: {p.summary()}")
         # The plan's set-up as the flags that fix it: memtrain train with them (and the same model, batch and
         # budget) trains exactly this set-up.
-        fixing = ["--micro-batch-size", str(p.settings.micro_batch_size), *flags_for(p.settings.choices)]
+        fixing = ["--micro-batch-size", str(p.settings.micro_batch_size)]
+        if p.global_batch_size != default_global_batch(args.nproc, p.settings.micro_batch_size):
+            # --micro-batch-size alone would make the global batch micro-batch x --nproc (no accumulation)
+            fixing += ["--global-batch-size", str(p.global_batch_size)]
+        if p.settings.precision != ("fp32" if args.device == "cpu" else "bf16-mixed"):
+            # not what memtrain train's --precision auto picks there (fp32 on a CPU, bf16-mixed on a GPU)
+            fixing += ["--precision", p.settings.precision]
+        fixing += flags_for(p.settings.choices)
         echo(f"  as flags: {shlex.join(fixing)}")
         echo(f"  planned in {p.plan_seconds:.1f} s")
     return EXIT_OK

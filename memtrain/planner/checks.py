@@ -75,11 +75,17 @@ def check_fixed(f: Fixed, n_blocks: int, cuda: bool, chunkable: bool, precision:
     """ConfigError for fixed choices this model, device or precision cannot take (the rules between the choices
     themselves are ``Choices``')."""
     problems = []
-    if f.blocks is not None and (len(f.blocks) != n_blocks or any(k not in ("keep", "recompute", "offload")
-                                                                  for k in f.blocks)):
-        problems.append(f"the checkpointing layout names {len(f.blocks)} blocks, not {n_blocks} "
-                        f"({sorted(set(f.blocks))}): the model has {n_blocks} blocks, each 'keep', 'recompute' or "
-                        "'offload'. To resolve this error, give one policy per block, in the model's order.")
+    letters = {"recompute": "R", "keep": "K", "offload": "O"}
+    if f.blocks is not None and any(k not in letters for k in f.blocks):
+        problems.append(f"the checkpointing layout names {sorted(set(f.blocks) - set(letters))}: each block is "
+                        "'keep', 'recompute' or 'offload'. To resolve this error, give one policy per block, in the "
+                        "model's order.")
+    elif f.blocks is not None and len(f.blocks) != n_blocks:
+        given = "".join(letters[k] for k in f.blocks)
+        problems.append(f"{arg('checkpointing')}'s layout blocks({given}) names {len(f.blocks)} "
+                        f"block{'s' if len(f.blocks) != 1 else ''}, not {n_blocks}: a layout has a letter per block of "
+                        f"the model. To resolve this error, give {n_blocks} letters, in the model's order (R recompute, "
+                        "K keep, O offload).")
     if not cuda and f.blocks is not None and "offload" in f.blocks:  # a layout's 'O' blocks: checkpointing's
         problems.append("activation offload on a CPU only copies within RAM. To resolve this error, drop it "
                         f"(the 'O' blocks of {arg('checkpointing')}) for a CPU run.")
