@@ -27,7 +27,7 @@ HYPER = dict(lr=1e-3)
 
 def test_the_rules_are_listed_once_each():
     assert [r.name for r in techniques.RULES] == [
-        "checkpoint-offload-inputs", "chunked-loss-model",
+        "checkpoint-offload-inputs", "checkpoint-offload-blocks", "chunked-loss-model",
         "gradients-before-ddp", "offload-optimizer-fsdp", "offload-with-fraction", "offload-with-step-in-backward",
         "step-in-backward-with-fraction", "step-in-backward-fp16-scaler", "step-in-backward-per-parameter",
         "bf16-device-weights-precision", "named-optimizer-own-state",
@@ -70,6 +70,7 @@ CHOICES = {
     "offload-weights-pure-bf16": lambda: Choices(offload_weights=True, pure_bf16=True),
     "offload-weights-one-process": lambda: Choices(offload_weights=True).check_run(world_size=2),
     "checkpoint-offload-inputs": lambda: Choices(checkpointing="all+offload", offload_activations=False),
+    "checkpoint-offload-blocks": lambda: Choices(checkpointing="blocks(RO)", offload_activations=False),
     "named-optimizer-own-state": lambda: OptimizerChoice(name="adafactor", state_precision="bf16"),
     # a run's choices with what its model lacks (train on a model without blocks asks this: tests/test_train.py)
     "offload-weights-blocks": lambda: ConfigError.raise_if(

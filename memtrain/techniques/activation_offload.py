@@ -29,6 +29,15 @@ CHECKPOINT_OFFLOAD_INPUTS = Rule(
     lambda s: s.checkpointing is not None and s.checkpointing.offload_inputs and s.offload_activations is False,
     shows_false=("offload_activations",))
 
+CHECKPOINT_OFFLOAD_BLOCKS = Rule(
+    "checkpoint-offload-blocks",
+    f"the layout's O blocks keep their activations in pinned host memory, but {arg('offload_activations', False)} "
+    "says not to.",
+    f"make those blocks K or R, or drop {arg('offload_activations', False)}",
+    ("checkpointing", "offload_activations"),
+    lambda s: s.checkpointing is not None and "offload" in s.checkpointing.blocks and s.offload_activations is False,
+    shows_false=("offload_activations",))
+
 CPU_NOTE = "activation offload has no effect on a CPU-only run (no device memory to save): off"
 
 
@@ -53,7 +62,7 @@ class ActivationOffloadTechnique(Technique):
 
     name = "activation offload"
     fields = ("offload_activations",)
-    rules = (CHECKPOINT_OFFLOAD_INPUTS,)
+    rules = (CHECKPOINT_OFFLOAD_INPUTS, CHECKPOINT_OFFLOAD_BLOCKS)
     search = ("offload-activations",)  # the plan offloads the blocks' saved activations, or their inputs
 
     def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
