@@ -249,3 +249,34 @@ def test_the_plans_flags_keep_its_precision(capsys, argv, precision):
     assert code == 0, errors
     flags = shlex.split(next(line for line in text.splitlines() if "as flags:" in line).split("as flags:", 1)[1])
     assert build_parser().parse_args(["train", *flags]).precision == precision, flags
+
+
+def test_a_reason_compares_a_layout_without_recompute_with_its_own_flavors_rows(capsys):
+    """A plan with no recomputed block writes its flavor "full" while its table's rows keep the search's (fixed to
+    offloaded inputs by --offload-activations): the checkpointing reason still names the fewer-blocks alternative."""
+    from helpers import run_cli
+
+    code, errors, text = run_cli(["plan", "--budget", "100MiB", "--offload-activations", "--no-progress"], capsys)
+    assert code == 0, errors
+    reason = next(line for line in text.splitlines() if "- checkpointing:" in line)
+    assert "with every activation in pinned host memory" in reason and "fewer blocks would peak at" in reason, reason
+
+
+def test_the_plans_flags_name_fsdp_where_it_shards(capsys):
+    from helpers import run_cli
+
+    code, errors, text = run_cli(["plan", "--budget", "100MiB", "--nproc", "2", "--fsdp", "--no-progress"], capsys)
+    assert code == 0 and "fsdp2" in text, errors
+    flags = shlex.split(next(line for line in text.splitlines() if "as flags:" in line).split("as flags:", 1)[1])
+    assert build_parser().parse_args(["train", *flags]).fsdp, flags
+
+
+def test_configure_model_applies_a_hand_made_layout_whatever_its_other_fields():
+    """The model's stage applies the layout alone: the rules between the other techniques are apply_plan's to
+    check (a re-plan's configure_model never refused a set-up for them)."""
+    from memtrain.planner import configure_model
+
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16))
+    s = PlanSettings(micro_batch_size=1, accumulation=1, distribution="none", precision="bf16-mixed",
+                     blocks=("recompute", "keep"), flavor="selective", offload_weights=True, optimizer="device")
+    assert configure_model(model, s) == ["blocks.0"]

@@ -84,10 +84,11 @@ def test_a_kept_optimizer_admits_only_itself():
                                           r"run's optimizer is"):
         check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="device", state_precision="bf16")),
                              replace(kept, optimizer="offload"))
-    # Placement "offload" takes a run whose device weights are bf16 casts of the host master (the state is the
-    # same); "offload-bf16-weights" names them, and takes only such a run.
+    # Bf16 device weights (the host master's casts) are a placement of their own: each takes only its own run. The
+    # plan keeps the run's (keep_optimizer), so "offload" over a bf16-weights run would have been ignored.
     bf16_weights = replace(kept, optimizer="offload-bf16-weights")
-    check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload")), bf16_weights)
+    with pytest.raises(ConfigError, match=r"optimizer.placement='offload': the run's optimizer is"):
+        check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload")), bf16_weights)
     check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")), bf16_weights)
     with pytest.raises(ConfigError, match=r"optimizer.placement='offload-bf16-weights': the run's optimizer is"):
         check_kept_optimizer(Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")),

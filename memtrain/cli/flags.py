@@ -178,9 +178,6 @@ class _SwitchWords(argparse.BooleanOptionalAction):
             parser.error(f"argument {option_string}: invalid choice: {values!r} (choose from "
                          f"{', '.join(map(repr, self.words))}, or give the flag alone)")
 
-    def format_usage(self) -> str:
-        return " | ".join(self.option_strings)
-
 
 def _config_pairs(value: Any) -> tuple[tuple[str, Any], ...]:
     """A config file's --optimizer-arg: a table (beta2_decay = -0.8, ...), a "KEY=VALUE" string, or a list of them."""

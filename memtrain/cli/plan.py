@@ -64,6 +64,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if p.settings.precision != ("fp32" if args.device == "cpu" else "bf16-mixed"):
             # not what memtrain train's --precision auto picks there (fp32 on a CPU, bf16-mixed on a GPU)
             fixing += ["--precision", p.settings.precision]
+        if p.settings.distribution == "fsdp2":  # memtrain train's ranks are DDP unless --fsdp
+            fixing.append("--fsdp")
         fixing += flags_for(p.settings.choices)
         echo(f"  as flags: {shlex.join(fixing)}")
         echo(f"  planned in {p.plan_seconds:.1f} s")

@@ -12,9 +12,10 @@ from memtrain.setting import flags_of
 
 
 def flags_for(choices: Choices) -> list[str]:
-    """The technique flags that give ``choices`` back (``choices_from_flags``' inverse: each field's words from its
-    flag's declaration, ``Flag.words_for``; a None field: no flag, the plan's), e.g. a plan's set-up
-    (``PlanSettings.choices``) as the flags that fix it: ``["--checkpointing", "blocks(RRKK)+selective(...)",
+    """The technique flags that give ``choices`` back (each field's words from its flag's declaration,
+    ``Flag.words_for``; a None field: no flag, the plan's): ``choices_from_flags``' inverse for a plan's set-up
+    (``PlanSettings.choices``: a share of the state on the host leaves the device placement implied, which the
+    command line's --no-offload-optimizer would contradict), as the flags that fix it: ``["--checkpointing", "blocks(RRKK)+selective(...)",
     "--offload-optimizer", "bf16-weights", ...]``."""
     words = [] if choices.checkpointing is None else ["--checkpointing", str(choices.checkpointing)]
     words += ["--compile"] if choices.compile else []

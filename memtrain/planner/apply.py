@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from memtrain import techniques
 from memtrain.accumulation import GradientAccumulator
 from memtrain.checkpointing import compile_model, find_blocks
 from memtrain.device import Accelerator, accelerator
@@ -167,10 +168,11 @@ APPLIED_BY = {"activation offload": "activation checkpointing"}
 def activation_checkpointing(a: Applying) -> None:
     """Wraps each block as its kind says (recompute, or offload its saved activations: activation offload), the
     recomputed ones in the plan's flavor (full, selective, or their inputs offloaded), undoing an earlier plan's
-    wrappers first: the plan's policy as a user writes it (``settings.choices.checkpointing``, a ``Checkpointing``),
-    applied as a user's is. First: the blocks are wrapped before anything compiles or shards them."""
+    wrappers first: the plan's policy as a user writes it (its part of ``settings.choices``, a ``Checkpointing``; the
+    other techniques' rules are apply_plan's to check), applied as a user's is. First: the blocks are wrapped
+    before anything compiles or shards them."""
     if a.settings.blocks:  # no blocks detected: checkpointing the user applied by hand stays
-        a.wrapped = a.settings.choices.checkpointing.apply(a.model)
+        a.wrapped = techniques.checkpointing.TECHNIQUE.chosen(a.settings)["checkpointing"].apply(a.model)
 
 
 def chunked_loss(a: Applying) -> None:

@@ -174,8 +174,9 @@ class _View:
 
     def same(self, *names: str) -> np.ndarray:
         mask = np.ones(len(self.offload), dtype=bool)
-        for name in names:
-            mask &= self.column(name) == getattr(self.settings, name)
+        for name in names:  # the chosen row's own value: its configuration's (a flavor without a recomputed block
+            column = self.column(name)  # is its configuration's in the table, "full" in the settings)
+            mask &= column == column[self.chosen]
         return mask
 
 

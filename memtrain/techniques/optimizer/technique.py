@@ -29,6 +29,8 @@ def offloads_optimizer(placement: str | None, offload_weights: bool | None) -> b
     """Whether the optimizer's state lives in host RAM: placed there, or left open with parameter offload, which
     streams the weights from the offloaded optimizer's master and so implies it."""
     return placement in OFFLOADED or (placement is None and bool(offload_weights))
+
+
 # Classes whose step needs every gradient at once (or a closure), so a parameter cannot step alone in backward.
 NOT_PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.LBFGS,)
 
@@ -460,12 +462,11 @@ class OptimizerTechnique(Technique):
 
 
     def kept_differences(self, choices: Any, kept: Any) -> list[tuple[str, str]]:
-        """The class (its name, else its kwargs), the placement (placement "offload" takes a run whose device weights
-        are bf16 too: its state is the same), the moments, the step in backward and the share offloaded: another one
-        cannot take the state the run's left."""
+        """The class (its name, else its kwargs), the placement (bf16 device weights included: the plan keeps the
+        run's), the moments, the step in backward and the share offloaded: another one cannot take the state the
+        run's left."""
         asked = choices.optimizer
-        have = "offload" if asked.placement == "offload" and kept.optimizer in OFFLOADED else kept.optimizer
-        fields = (("placement", asked.placement, have),
+        fields = (("placement", asked.placement, kept.optimizer),
                   ("state_precision", asked.state_precision, kept.state_precision),
                   ("step_in_backward", asked.step_in_backward, kept.step_in_backward),
                   ("offload_fraction", asked.offload_fraction, kept.offload_fraction))
