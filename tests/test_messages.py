@@ -208,8 +208,7 @@ def test_the_third_fuzz_runs_messages_name_the_flags_and_fixes_the_command_takes
     rendered = in_flag_terms(message, "train")
     assert "True (all)" not in rendered and "Checkpointing." not in rendered and "'+offload'" in rendered, rendered
 
-    assert main(["plan", "--model", "gpt-tiny", "--device", "cpu", "--checkpointing", "blocks(OK)",
-                 "--no-offload-activations"]) == 2
+    assert main(["plan", "--model", "gpt-tiny", "--device", "cpu", "--checkpointing", "blocks(OK)"]) == 2
     err = capsys.readouterr().err
     assert "the 'O' blocks of --checkpointing" in err and "(--offload-activations)" not in err, err
 

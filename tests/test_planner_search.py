@@ -131,7 +131,7 @@ def test_fixed_choices_are_kept_and_the_rest_is_searched(llama):
                              optimizer=OptimizerChoice(placement="offload")))
     assert (p.settings.blocks, p.settings.chunked_loss, p.settings.optimizer) == (layout, True, "offload")
     assert p.settings.micro_batch_size == 4  # searched: the fastest, with no budget
-    with pytest.raises(ConfigError, match="4 blocks"):
+    with pytest.raises(ConfigError, match="names 3 blocks, not 4"):
         plan(llama, budget=None, seq_len=1024, global_batch_size=4, device_profile=H100,
              choices=Choices(checkpointing="blocks(KKK)"))
 
