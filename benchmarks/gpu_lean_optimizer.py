@@ -89,7 +89,8 @@ def master_text(plan: dict[str, Any]) -> str:
     """Where the plan keeps AdamW's fp32 master weights (every placement keeps one: build_optimizer refuses
     non-fp32 device weights, and the offloaded optimizers hold the master in host RAM)."""
     return {"device": "fp32 weights on the device", "offload": "fp32 master in host RAM, fp32 device weights",
-            "offload-bf16-weights": "fp32 master in host RAM, bf16 device weights"}[plan["optimizer"]]
+            "offload-bf16-weights": "fp32 master in host RAM, bf16 device weights"}[
+        plan["choices"]["optimizer"]["placement"]]
 
 
 def lean_row(args: argparse.Namespace, shape_name: str, device: torch.device) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def lean_row(args: argparse.Namespace, shape_name: str, device: torch.device) ->
     row.update(role="lean", shape=shape_name, parameters=shape.parameters)
     if "plan" in row:
         row["master"] = master_text(row["plan"])
-        row["moments"] = row["plan"]["state_precision"]
+        row["moments"] = row["plan"]["choices"]["optimizer"]["state_precision"]
     return row
 
 

@@ -117,6 +117,24 @@ def fixed_cpu_profile() -> Any:
                          asynchronous=False)
 
 
+def fields_form(settings: Any) -> dict[str, Any]:
+    """A ``PlanSettings`` in the form a memtrain before the choices saved it (each field its own key, the layout as a
+    list of kinds): what a checkpoint of an earlier run holds, and ``PlanSettings.from_dict`` still reads."""
+    import dataclasses
+
+    out = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name != "optimizer_class"}
+    if not settings.optimizer_class.is_adamw:
+        out["optimizer_class"] = settings.optimizer_class.to_dict()
+    return {**out, "blocks": list(settings.blocks), "checkpointing": settings.checkpointing}
+
+
+def saved_settings(saved: Any) -> Any:
+    """The ``PlanSettings`` a plan's JSON (``plan --json``'s "plan", a report's "settings") stores."""
+    from memtrain.planner.settings import PlanSettings
+
+    return PlanSettings.from_dict(saved)
+
+
 # -- a short training run in a folder -----------------------------------------------------------------------------
 CODE_TEXT = b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300
 

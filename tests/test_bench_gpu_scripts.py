@@ -82,8 +82,8 @@ def test_gpu_plan_small_plans_applies_and_trains_every_budget(gpu_plan, tmp_path
         assert s["micro_batch_size"] * s["accumulation"] == 8, s
         assert len(row["losses"]) == 3, row["losses"]
     # The larger budget is the unconstrained one: nothing recomputed, and never predicted slower.
-    assert rows["1.11x"]["plan"]["checkpointing"] == "none", rows["1.11x"]["plan"]
-    assert rows["0.45x"]["plan"]["checkpointing"] != "none", rows["0.45x"]["plan"]
+    assert rows["1.11x"]["plan"]["choices"]["checkpointing"] == "none", rows["1.11x"]["plan"]
+    assert rows["0.45x"]["plan"]["choices"]["checkpointing"] != "none", rows["0.45x"]["plan"]
     assert rows["1.11x"]["predicted_tokens_per_s"] >= rows["0.45x"]["predicted_tokens_per_s"]
     assert doc["shape"]["parameters"] == sum(p.numel() for p in gpu_plan.meta_llama(gpu_plan.SHAPES["tiny"], 8)
                                              .parameters())
@@ -177,8 +177,9 @@ def test_lean_small_runs_the_lean_plan_and_the_baseline(lean, tmp_path):
     assert lean_row["moments"] in ("fp32", "bf16", "int8"), lean_row["moments"]
     # The pretend device holds the smaller shape only: the larger was estimated, found too big, and skipped.
     assert base["shape"] == "tiny" and all(not e["fits"] for e in base["estimates"] if e["shape"] == "tiny-wide")
-    assert base["plan"]["checkpointing"] == "none" and base["plan"]["optimizer"] == "device"
-    assert not base["plan"]["chunked_loss"] and base["plan"]["accumulation"] == 1, base["plan"]
+    chosen = base["plan"]["choices"]
+    assert chosen["checkpointing"] == "none" and chosen["optimizer"]["placement"] == "device", chosen
+    assert not chosen["chunked_loss"] and base["plan"]["accumulation"] == 1, base["plan"]
     expected = (lean_row["tokens_per_s"] * lean_row["parameters"]) / (base["tokens_per_s"] * base["parameters"])
     assert doc["ratio"] == pytest.approx(expected), (doc["ratio"], expected)
     assert doc["target_met"] == (doc["ratio"] >= 0.5) and doc["fits"] is None

@@ -27,8 +27,8 @@ def test_train_takes_a_named_optimizer(extra, tmp_path, text_file, capsys):
             "beta2_decay=-0.5", *extra, "--out", str(out), "--json"]
     assert main(argv) == 0, capsys.readouterr().err
     result = json.loads(capsys.readouterr().out)
-    settings = result["plan"]["settings"]
-    assert settings["optimizer_class"] == {"path": "torch.optim.Adafactor", "kwargs": {"beta2_decay": -0.5}}
+    chosen = result["plan"]["settings"]["choices"]["optimizer"]
+    assert (chosen["name"], chosen["kwargs"]) == ("torch.optim.Adafactor", {"beta2_decay": -0.5}), chosen
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     # Adafactor's factored state: far below AdamW's 8 bytes a parameter (what the run measured).
@@ -43,7 +43,7 @@ def test_a_resume_keeps_the_runs_optimizer_and_refuses_another(tmp_path, text_fi
     capsys.readouterr()
     assert main(["train", "--out", str(out), "--resume", "--max-steps", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["resumed_from"] == 3 and result["plan"]["settings"]["optimizer_class"]["path"] == "pytorch_optimizer.Lion"
+    assert result["resumed_from"] == 3 and result["plan"]["settings"]["choices"]["optimizer"]["name"] == "pytorch_optimizer.Lion"
     assert main(["train", "--out", str(out), "--resume", "--max-steps", "5", "--optimizer", "adafactor"]) == 2
     err = capsys.readouterr().err
     assert "--optimizer 'adafactor': the run's optimizer is Lion" in err and "To resolve this error" in err, err
@@ -61,7 +61,7 @@ def test_plan_and_estimate_count_a_named_optimizers_own_state(capsys):
     assert main(["plan", "--model", "gpt-small", "--seq-len", "256", "--global-batch-size", "8", "--budget", "2GiB",
                  "--optimizer", "lion", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
-    assert planned["plan"]["optimizer_class"]["path"] == "pytorch_optimizer.Lion"
+    assert planned["plan"]["choices"]["optimizer"]["name"] == "pytorch_optimizer.Lion"
 
 
 def test_bad_optimizer_flags_exit_2_naming_the_fix(capsys):

@@ -11,7 +11,7 @@ import json
 import re
 
 import pytest
-from helpers import planner_llama, tiny_llama_config
+from helpers import planner_llama, saved_settings, tiny_llama_config
 
 from memtrain.cli import main
 
@@ -51,8 +51,8 @@ def test_a_gpt_preset_fits_each_budget_and_more_budget_is_never_slower(capsys):
     speeds = [plans[b]["tokens_per_s"] for b in ("1MiB", "2MiB", "8MiB", "unlimited")]
     assert speeds == sorted(speeds), f"a larger budget planned slower: {speeds} tokens/s"
     assert plans["unlimited"]["budget_bytes"] is None
-    assert plans["unlimited"]["plan"]["checkpointing"] == "none", "no limit: nothing recomputed"
-    assert plans["1MiB"]["plan"]["checkpointing"] != "none", "1 MiB cannot keep every activation"
+    assert plans["unlimited"]["plan"]["choices"]["checkpointing"] == "none", "no limit: nothing recomputed"
+    assert plans["1MiB"]["plan"]["choices"]["checkpointing"] != "none", "1 MiB cannot keep every activation"
     # The text form is Plan.summary(): the choice, the reasons and the runners-up.
     assert main(["plan", *TINY, "--device", "cpu", "--budget", "2MiB"]) == 0
     text = capsys.readouterr().out
@@ -75,7 +75,7 @@ def test_a_hugging_face_config_fits_each_budget_on_cuda(capsys, llama_folder):
         assert p["seq_len"] == 128 and p["blocks"] == ["model.layers.0", "model.layers.1"]
         assert "H100" in p["device_profile"]["name"] or p["device_profile"]["source"] != "table"
     assert tight["tokens_per_s"] <= roomy["tokens_per_s"], (tight["tokens_per_s"], roomy["tokens_per_s"])
-    assert tight["plan"]["checkpointing"] != "none" and roomy["plan"]["checkpointing"] == "none"
+    assert tight["plan"]["choices"]["checkpointing"] != "none" and roomy["plan"]["choices"]["checkpointing"] == "none"
     # Nothing fits: the planner's message names the smallest peak it found and what would make it fit.
     line = _fails(capsys, "--hf-model", str(llama_folder), *common, "--budget", "66MiB")
     assert "no set-up fits the device: the smallest predicted peak is" in line and "To resolve this error" in line, line
@@ -104,19 +104,21 @@ def test_nothing_fits_names_the_smallest_peak_and_a_fixed_micro_batch_is_kept(ca
 def test_fixed_flags_are_kept_as_given(capsys):
     p = _plan(capsys, *TINY, "--device", "cpu", "--checkpointing", "every:2", "--no-chunked-loss",
               "--optimizer-state", "fp32", "--no-step-in-backward", "--micro-batch-size", "4")
-    s = p["plan"]
-    assert (s["blocks"], s["chunked_loss"], s["state_precision"], s["step_in_backward"], s["micro_batch_size"]) == (
-        ["recompute", "keep"], False, "fp32", False, 4), s
-    assert all(c["settings"]["blocks"] == ["recompute", "keep"] for c in p["candidates"]), "a runner-up moved it"
+    s = saved_settings(p["plan"])
+    assert (s.blocks, s.chunked_loss, s.state_precision, s.step_in_backward, s.micro_batch_size) == (
+        ("recompute", "keep"), False, "fp32", False, 4), s
+    assert all(saved_settings(c["settings"]).blocks == ("recompute", "keep") for c in p["candidates"]), "it moved"
     # Offload forbidden by flag: neither the choice nor any runner-up offloads, even where it would be faster.
     p = _plan(capsys, *TINY, "--budget", "70MiB", "--no-offload-optimizer", "--no-offload-activations")
-    for s in [p["plan"], *(c["settings"] for c in p["candidates"])]:
-        assert s["optimizer"] == "device" and s["offload_fraction"] == 0 and "offload" not in s["blocks"], s
-        assert s["flavor"] != "offload-inputs" or "recompute" not in s["blocks"], s
+    for s in map(saved_settings, [p["plan"], *(c["settings"] for c in p["candidates"])]):
+        assert s.optimizer == "device" and s.offload_fraction == 0 and "offload" not in s.blocks, s
+        assert s.flavor != "offload-inputs" or "recompute" not in s.blocks, s
     p = _plan(capsys, *TINY, "--budget", "200MiB", "--offload-optimizer", "--checkpointing", "all")
-    assert p["plan"]["optimizer"] == "offload" and p["plan"]["blocks"] == ["recompute", "recompute"], p["plan"]
+    s = saved_settings(p["plan"])
+    assert s.optimizer == "offload" and s.blocks == ("recompute", "recompute"), s
     p = _plan(capsys, *TINY, "--budget", "200MiB", "--offload-optimizer-fraction", "0.5")
-    assert (p["plan"]["optimizer"], p["plan"]["offload_fraction"]) == ("device", 0.5), p["plan"]
+    s = saved_settings(p["plan"])
+    assert (s.optimizer, s.offload_fraction) == ("device", 0.5), p["plan"]
 
 
 def test_nproc_plans_per_rank_and_compares_ddp_with_fsdp(capsys):

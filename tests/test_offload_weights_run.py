@@ -106,7 +106,7 @@ def test_train_resumes_and_exports_from_the_host_weights(tmp_path, capsys):
     code, out = _train(tmp_path, "run", *common, "--max-steps", "2", "--save-every", "1")
     assert code == 0, capsys.readouterr().err
     config = json.loads((out / "config.json").read_text())
-    assert config["plan"]["offload_weights"] is True
+    assert config["plan"]["choices"]["offload_weights"] is True
     code, _ = _train(tmp_path, "run", "--resume", "--max-steps", "3")  # --resume needs no other flag
     assert code == 0, capsys.readouterr().err
     code, straight = _train(tmp_path, "straight", *common, "--max-steps", "3")
@@ -182,7 +182,7 @@ def test_the_gpu_script_runs_its_path_on_the_cpu(tmp_path):
     out = tmp_path / "row.json"
     assert module.main(["--small", "--steps", "2", "--out", str(out)]) == 0
     row = json.loads(out.read_text())
-    assert row["plan"]["offload_weights"] is True and row["peak_allocated_bytes"] is None and not row["fits"]
+    assert row["plan"]["choices"]["offload_weights"] is True and row["peak_allocated_bytes"] is None and not row["fits"]
     assert row["losses"][-1] < row["losses"][0], row["losses"]
 
 

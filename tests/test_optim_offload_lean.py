@@ -148,8 +148,8 @@ def test_cli_trains_with_the_optimizer_offloaded_and_int8_moments(tmp_path, caps
     assert main(["train", "--model", "gpt-tiny", "--max-steps", "3", "--micro-batch-size", "4", "--no-progress",
                  "--offload-optimizer", "--optimizer-state", "int8", "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    settings = result["plan"]["settings"]
-    assert (settings["optimizer"], settings["state_precision"], result["steps"]) == ("offload", "int8", 3), result
+    chosen = result["plan"]["settings"]["choices"]["optimizer"]
+    assert (chosen["placement"], chosen["state_precision"], result["steps"]) == ("offload", "int8", 3), result
     with safe_open(out / "checkpoints" / "step-0000003" / "tensors.safetensors", "pt") as f:
         codes = {f.get_tensor(k).dtype for k in f.keys() if k.startswith("/optimizer/state/") and "state1" in k}
     assert torch.uint8 in codes, codes  # the embedding's 8,192 elements: 8-bit moments saved as they are

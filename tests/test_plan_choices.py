@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from helpers import code_windows, h100, planner_llama, quick_run_config, tiny_gpt
+from helpers import code_windows, fields_form, h100, planner_llama, quick_run_config, tiny_gpt
 
 from memtrain import estimate, techniques, train
 from memtrain.checkpointing import Checkpointing, SelectivePolicy
@@ -108,7 +108,7 @@ def test_a_flavor_without_a_recomputed_block_is_one_set_up():
                      blocks=("keep", "offload"), flavor="offload-inputs")
     assert s.flavor == "full" and s == dataclasses.replace(s, flavor="selective")
     with pytest.raises(ConfigError, match="flavor='bogus'"):  # not a flavor: still named, not rewritten
-        PlanSettings.from_dict({**s.to_dict(), "flavor": "bogus"})
+        PlanSettings.from_dict({**fields_form(s), "flavor": "bogus"})  # the form of each field (earlier runs')
 
 
 @pytest.mark.parametrize("budget", ["400MiB", "150MiB", "110MiB"])
@@ -156,7 +156,7 @@ def test_a_run_given_a_plans_choices_trains_that_set_up_on_the_simulated_device(
     settings = PlanSettings.from_dict(result.plan["settings"])
     assert (settings.blocks, settings.flavor, settings.optimizer, settings.state_precision) == (
         ("recompute",) * 2 + ("keep",) * 2, "selective", "offload-bf16-weights", "bf16"), settings
-    assert settings.choices == given == Choices.from_dict(result.plan["choices"])  # the run's report says them too
+    assert settings.choices == given == Choices.from_dict(result.plan["settings"]["choices"])  # the report's form
     assert result.steps == 2 and result.peak_bytes is not None and result.peak_bytes <= 8 * 2**20
     assert result.precision == "bf16-mixed" and any("bf16 device weights compute in bf16" in r for r in result.reasons)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
 import torch
-from helpers import MiB, h100
+from helpers import MiB, fields_form, h100
 
 from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
@@ -141,10 +142,8 @@ def test_every_optimizer_choice_is_translated():
 
 
 @pytest.mark.parametrize(("field", "value", "kind"), [
-    ("micro_batch_size", "4", "an integer"), ("accumulation", 1.5, "an integer"), ("chunked_loss", 1, "True or False"),
-    ("optimizer", "host", "one of 'device', 'offload'"), ("offload_fraction", True, "a number"),
-    ("blocks", ["keep", "nope"], "a list of one of 'keep'"), ("blocks", "keep", "a list of"),
-    ("flavor", None, "one of 'full'")])
+    ("micro_batch_size", "4", "an integer"), ("accumulation", 1.5, "an integer"),
+    ("distribution", "mpi", "one of 'none'"), ("precision", None, "a string")])
 def test_a_saved_plans_value_of_the_wrong_kind_is_refused_naming_the_field(field, value, kind):
     """A plan read back from a checkpoint's dict: each field of the kind its type declares (a string "4" for an
     integer was taken as it was, to fail later where it was used)."""
@@ -153,4 +152,36 @@ def test_a_saved_plans_value_of_the_wrong_kind_is_refused_naming_the_field(field
     assert PlanSettings.from_dict(saved).to_dict() == saved
     with pytest.raises(ConfigError) as info:
         PlanSettings.from_dict({**saved, field: value})
+    assert f"{field}=" in str(info.value) and f"(not {kind}" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"n_blocks": "2"}, "n_blocks='2' (not a count of blocks)"), ({"n_blocks": -1}, "n_blocks=-1"),
+    ({"choices": "none"}, "choices='none' (not a mapping)"), ({"choices": None}, "choices=None"),
+    ({"choices": {"chunked_loss": 1}}, "chunked_loss=1"), ({"choices": {"checkpointing": "bogus"}}, "bogus"),
+    ({"choices": {"optimiser": {}}}, "optimiser"), ({"n_blocks": None}, "n_blocks=None")])
+def test_a_saved_plans_choices_or_block_count_that_are_not_ones_are_refused_naming_them(change, named):
+    """The saved choices are read as a config file's (every bad value named), the block count as a count."""
+    saved = PlanSettings(micro_batch_size=1, accumulation=2, blocks=("keep", "recompute"), flavor="full",
+                         distribution="none").to_dict()
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        PlanSettings.from_dict({**saved, **change})
+    missing = {k: v for k, v in saved.items() if k != "n_blocks"}
+    with pytest.raises(ConfigError, match="not a plan's settings \\(missing n_blocks\\)"):
+        PlanSettings.from_dict(missing)
+
+
+@pytest.mark.parametrize(("field", "value", "kind"), [
+    ("micro_batch_size", "4", "an integer"), ("accumulation", 1.5, "an integer"), ("chunked_loss", 1, "True or False"),
+    ("optimizer", "host", "one of 'device', 'offload'"), ("offload_fraction", True, "a number"),
+    ("blocks", ["keep", "nope"], "a list of one of 'keep'"), ("blocks", "keep", "a list of"),
+    ("flavor", None, "one of 'full'")])
+def test_a_plan_saved_field_by_field_reads_back_and_its_wrong_kinds_are_refused(field, value, kind):
+    """The form each field its own key (a checkpoint of an earlier memtrain) reads as the same set-up, and a value
+    of the wrong kind is named as it was."""
+    settings = PlanSettings(micro_batch_size=1, accumulation=2, blocks=("keep", "recompute"), flavor="full",
+                            distribution="none")
+    assert PlanSettings.from_dict(fields_form(settings)) == settings
+    with pytest.raises(ConfigError) as info:
+        PlanSettings.from_dict({**fields_form(settings), field: value})
     assert f"{field}=" in str(info.value) and f"(not {kind}" in str(info.value), str(info.value)

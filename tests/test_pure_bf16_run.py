@@ -60,7 +60,7 @@ def test_the_plan_takes_pure_bf16_only_when_asked() -> None:
     assert not plain.settings.pure_bf16 and not any(c.settings.pure_bf16 for c in plain.candidates)
     pure = plan(planner_gpt(), **kwargs, choices=Choices(pure_bf16=True))
     assert pure.settings.pure_bf16 and all(c.settings.pure_bf16 for c in pure.candidates), pure.summary()
-    assert pure.to_dict()["plan"]["pure_bf16"] is True
+    assert pure.to_dict()["plan"]["choices"]["pure_bf16"] is True
     # bf16 weights and gradients, no master: 2 + 2 bytes a parameter less than fp32 weights and gradients.
     assert pure.report.parameter_bytes * 2 == plain.report.parameter_bytes
     with pytest.raises(ConfigError, match="precision='bf16-mixed'"):
@@ -109,7 +109,7 @@ def test_a_pure_bf16_run_checks_its_plan_saves_bf16_weights_and_resumes_bit_iden
     from safetensors.torch import load_file
 
     straight = _run(tmp_path / "straight", "--max-steps", "4")
-    assert straight["plan"]["plan"]["pure_bf16"] is True, straight["plan"]
+    assert straight["plan"]["plan"]["choices"]["pure_bf16"] is True, straight["plan"]
     # Precision "auto" with pure bf16: bf16-mixed because of the weights, not "requested" (nobody asked for it).
     assert any(r.startswith("precision bf16-mixed, because: pure bf16") for r in straight["plan"]["reasons"]), \
         straight["plan"]["reasons"]

@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers import saved_settings
 
 from memtrain.cli import main
 
@@ -41,8 +42,8 @@ def test_each_plan_of_the_section_prints_its_rows_figures(index, capsys, monkeyp
     _, budget, peak, host, tokens, chose = ROWS[index]
     assert f"--budget {budget.replace(' ', '')}" in COMMANDS[index], (budget, COMMANDS[index])
     assert (peak, host, tokens) == (_gib(p["peak_bytes"]), _gib(p["host_bytes"]), f"{p['tokens_per_s']:,.0f}"), p
-    s = p["plan"]
-    assert s["pure_bf16"] == ("pure bf16" in chose) and s["offload_weights"] == ("weights streamed" in chose), s
-    assert f"{s['micro_batch_size']} x {s['accumulation']}" in chose and f"{s['state_precision']} moments" in chose, s
-    if s["offload_weights"]:  # the 13B and the 70B: their weights alone do not fit the device
+    s = saved_settings(p["plan"])
+    assert s.pure_bf16 == ("pure bf16" in chose) and s.offload_weights == ("weights streamed" in chose), s
+    assert f"{s.micro_batch_size} x {s.accumulation}" in chose and f"{s.state_precision} moments" in chose, s
+    if s.offload_weights:  # the 13B and the 70B: their weights alone do not fit the device
         assert any("because: the weights on the device would peak at" in r for r in p["reasons"]), p["reasons"]

@@ -44,6 +44,14 @@ EXTRA_JSON = (
     '"chunked_loss": null, "compile": false, "pure_bf16": false, "offload_weights": null}}, "correction_bytes": 0, '
     '"replans": [{"step": 3, "why": "out of memory", "settings": ' + _SETTINGS_JSON + ', "correction_bytes": 1024, '
     '"estimated_peak_before": 2000000, "estimated_peak_after": 1000000}]}')
+# The same bookkeeping as a checkpoint holds it now: the plan in force as its run shape, block count and the Choices
+# that fix it (PlanSettings.to_dict). A replan's record is kept as it was written.
+_CHOICES_SETTINGS_JSON = (
+    '{"micro_batch_size": 4, "accumulation": 1, "distribution": "none", "precision": "fp32", "n_blocks": 2, '
+    '"choices": {"checkpointing": "none", "offload_activations": false, "optimizer": {"placement": "device", '
+    '"state_precision": "fp32", "step_in_backward": false, "offload_fraction": 0.0, "name": null, "kwargs": null}, '
+    '"chunked_loss": true, "compile": false, "pure_bf16": false, "offload_weights": false}}')
+EXTRA_JSON_NOW = EXTRA_JSON.replace('"plan_settings": ' + _SETTINGS_JSON, '"plan_settings": ' + _CHOICES_SETTINGS_JSON)
 
 
 def _two_checkpoints(root: Path) -> RunCheckpoints:
@@ -74,7 +82,9 @@ def test_a_checkpoint_whose_state_does_not_load_is_skipped(tmp_path):
 def test_the_json_of_a_checkpoint_reads_as_types_and_writes_back_byte_for_byte():
     run, extra = RunIdentity.from_dict(json.loads(RUN_JSON)), CheckpointExtra.from_dict(json.loads(EXTRA_JSON))
     assert json.dumps(run.to_dict()) == RUN_JSON, run.to_dict()
-    assert json.dumps(extra.to_dict()) == EXTRA_JSON, extra.to_dict()
+    # The plan of then reads as the same set-up, written now as the choices that fix it.
+    assert EXTRA_JSON_NOW != EXTRA_JSON and json.dumps(extra.to_dict()) == EXTRA_JSON_NOW, extra.to_dict()
+    assert CheckpointExtra.from_dict(json.loads(EXTRA_JSON_NOW)) == extra
     assert run.data.examples == 59 and run.model.shapes["wte.weight"] == (256, 32) and run.adam_betas == (0.9, 0.95)
     assert extra.plan_settings.micro_batch_size == 4 and extra.replans[0]["why"] == "out of memory"
     with pytest.raises(TypeError, match="seed"):
@@ -97,7 +107,7 @@ def test_a_checkpoint_written_before_the_types_resumes_and_refuses_another_run(t
     assert "pass seed=0" in info.value.problems[0] and "SHA-256 of the token stream 000000000000 now" in str(info.value)
 
 
-def test_save_run_state_writes_the_types_as_the_json_of_then(tmp_path):
+def test_save_run_state_writes_the_types_as_the_json_of_now(tmp_path):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -105,7 +115,7 @@ def test_save_run_state_writes_the_types_as_the_json_of_then(tmp_path):
                               CheckpointExtra.from_dict(json.loads(EXTRA_JSON))),):
         save_run_state(RunCheckpoints(root), 1, 2, model, optimizer, scheduler, None, _Counters(), run, extra)
         meta = json.loads((root / "checkpoints" / "step-0000001" / "meta.json").read_text())
-        assert json.dumps(meta["state"]["run"]) == RUN_JSON and json.dumps(meta["state"]["extra"]) == EXTRA_JSON
+        assert json.dumps(meta["state"]["run"]) == RUN_JSON and json.dumps(meta["state"]["extra"]) == EXTRA_JSON_NOW
 
 
 # -- the random generators: each rank's own, the device it computes on --------------------------------------------

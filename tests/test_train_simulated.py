@@ -69,8 +69,8 @@ def check_fits_as_planned(code: int, out: Path, log: str) -> dict[str, int]:
     assert max(peaks) <= budget, f"a step's peak is over the budget: {figures}, peaks {peaks}"
     for peak in [measured, *peaks]:
         assert abs(peak / predicted - 1) <= TOLERANCE, f"measured {peak} vs predicted {predicted}: {figures}"
-    settings = report["plan"]["plan"]
-    assert settings["optimizer"] == "offload-bf16-weights", settings  # the fp32 weights cannot be on the device
+    settings = report["plan"]["plan"]["choices"]
+    assert settings["optimizer"]["placement"] == "offload-bf16-weights", settings  # the fp32 weights cannot be on the device
     return figures
 
 

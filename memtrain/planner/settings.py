@@ -121,36 +121,78 @@ class PlanSettings(Configuration):
         return dict(zip(names, self.blocks, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["blocks"] = list(self.blocks)
-        out["checkpointing"] = self.checkpointing
-        named = out.pop("optimizer_class")
-        if not named.is_adamw:  # memtrain's AdamW is every plan's but a named class's: written only otherwise
-            out["optimizer_class"] = named.to_dict()
+        """What a checkpoint, a run's config.json and ``plan --json`` store of this set-up: the run's shape
+        (``RUN_SHAPE``), the block count and the ``Choices`` that fix every technique (``choices.to_dict()``), the
+        user's own setting type; ``from_dict`` reads it back through ``of_choices``.
+
+        Raises:
+            ValueError: settings the choices do not give back (a set-up no rule allows, made by hand): written, they
+                would read back as another.
+        """
+        out: dict[str, Any] = {name: getattr(self, name) for name in RUN_SHAPE}
+        out.update(n_blocks=len(self.blocks), choices=self.choices.to_dict())
+        if self._of_saved(out) != self:
+            raise ValueError(f"{self!r} is not the set-up its choices fix ({self.choices!r}): it has no saved form")
         return out
 
     @classmethod
+    def _of_saved(cls, d: Mapping[str, Any]) -> PlanSettings:
+        # The saved set-up was resolved for its device: read on "cuda", where every choice is kept as it is.
+        return cls.of_choices(Choices.from_dict(d["choices"]), **{name: d[name] for name in RUN_SHAPE},
+                              n_blocks=d["n_blocks"], device="cuda")
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PlanSettings:
-        """The settings ``to_dict`` wrote (e.g. in a run's checkpoint).
+        """The settings ``to_dict`` wrote (e.g. in a run's checkpoint), or the flat form of each field a memtrain
+        before the choices wrote (``_from_fields``).
 
         Raises:
-            ConfigError: a dictionary that is not one (not a mapping, or a missing field: a default would change
-                what was saved).
+            ConfigError: a dictionary that is not one (not a mapping, a missing field, a value of the wrong kind,
+                choices a run cannot take).
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        # memtrain's AdamW is every plan's but a named class's: to_dict writes the class only otherwise
-        missing = sorted(names - {"optimizer_class"} - set(d)) if isinstance(d, Mapping) else None
+        if isinstance(d, Mapping) and "choices" not in d and "blocks" in d:
+            return cls._from_fields(d)
+        missing = sorted({*RUN_SHAPE, "n_blocks", "choices"} - set(d)) if isinstance(d, Mapping) else None
         if missing is None or missing:
             why = "not a mapping" if missing is None else f"missing {', '.join(missing)}"
             raise ConfigError(f"{d!r} is not a plan's settings ({why}). To resolve this error, pass what "
                               "PlanSettings.to_dict() wrote.")
+        n_blocks = d["n_blocks"]
+        if not isinstance(n_blocks, int) or isinstance(n_blocks, bool) or n_blocks < 0:
+            raise ConfigError(f"a plan's settings with n_blocks={n_blocks!r} (not a count of blocks). To resolve this "
+                              "error, pass what PlanSettings.to_dict() wrote.")
+        if not isinstance(d["choices"], Mapping):
+            raise ConfigError(f"a plan's settings with choices={d['choices']!r} (not a mapping). To resolve this "
+                              "error, pass what PlanSettings.to_dict() wrote.")
+        settings = cls._checked(cls._of_saved(d))
+        given = Choices.from_dict(d["choices"])
+        unfixed = [f.name for f in dataclasses.fields(Choices) if getattr(given, f.name) != getattr(settings.choices, f.name)]
+        if unfixed:  # a choice left to a plan (a missing key, None) would read as its plain default
+            raise ConfigError(f"a plan's settings whose choices do not fix {', '.join(unfixed)} (saved "
+                              f"{given!r}; the set-up they give is {settings.choices!r}). To resolve this error, pass "
+                              "what PlanSettings.to_dict() wrote.")
+        return settings
+
+    @classmethod
+    def _from_fields(cls, d: Mapping[str, Any]) -> PlanSettings:
+        """Each field as its own key (what ``to_dict`` wrote before the choices: a checkpoint of an earlier run)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        # memtrain's AdamW is every plan's but a named class's: that form wrote the class only otherwise
+        missing = sorted(names - {"optimizer_class"} - set(d))
+        if missing:
+            raise ConfigError(f"{dict(d)!r} is not a plan's settings (missing {', '.join(missing)}). To resolve this "
+                              "error, pass what PlanSettings.to_dict() wrote.")
         convert = {"blocks": lambda v: tuple(v) if isinstance(v, (list, tuple)) else v,
                    "optimizer_class": NamedOptimizer.from_dict}
         try:
             settings = cls(**{k: convert.get(k, lambda v: v)(v) for k, v in d.items() if k in names})
         except TypeError as e:
-            raise ConfigError(f"{d!r} is not a plan's settings ({e}). To resolve this error, pass what "
+            raise ConfigError(f"{dict(d)!r} is not a plan's settings ({e}). To resolve this error, pass what "
                               "PlanSettings.to_dict() wrote.") from None
+        return cls._checked(settings)
+
+    @classmethod
+    def _checked(cls, settings: PlanSettings) -> PlanSettings:
         wrong = kind_problems(settings)
         if wrong:
             raise ConfigError(f"a plan's settings with {'; '.join(wrong)}. To resolve this error, pass what "
@@ -387,10 +429,9 @@ class Plan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``plan`` (the settings), the predictions, ``candidates``, reasons and assumptions."""
+        """JSON-ready: ``plan`` (the settings: ``PlanSettings.to_dict``), the predictions, ``candidates``, reasons and assumptions."""
         return {
-            "plan": self.settings.to_dict(),
-            "choices": self.settings.choices.to_dict(),  # the same set-up as the Choices that fix it
+            "plan": self.settings.to_dict(),  # the run's shape and the Choices that fix the set-up
             "peak_bytes": self.peak_bytes,
             "host_bytes": self.host_bytes,
             "activation_bytes": self.activation_bytes,

@@ -53,11 +53,10 @@ class PlanInForce:
     unchecked: str = ""  # why a plan of a model with blocks is None: the estimate could not run (the plan check is off)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings (and as the ``Choices`` that fix them) and the predictions (the compact form of
-        ``TrainResult.plan``)."""
+        """The settings (the run's shape and the ``Choices`` that fix them: ``PlanSettings.to_dict``) and the
+        predictions (the compact form of ``TrainResult.plan``)."""
         p = self.plan
-        return {"settings": self.settings.to_dict(), "choices": self.settings.choices.to_dict(),
-                "budget_bytes": self.budget_bytes,
+        return {"settings": self.settings.to_dict(), "budget_bytes": self.budget_bytes,
                 "usable_bytes": p.usable_bytes if p else None, "correction_bytes": self.correction_bytes,
                 "peak_bytes": p.peak_bytes if p else None, "activation_bytes": p.activation_bytes if p else None,
                 "host_bytes": p.host_bytes if p else None, "step_seconds": p.step_seconds if p else None,
