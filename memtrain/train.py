@@ -35,6 +35,7 @@ from memtrain.choices import default_global_batch
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import DevicePrefetcher, StepBatches, make_loader, map_tensors
 from memtrain.device import accelerator
+from memtrain.device.allocator import allocator_reason, configure_allocator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import language_model_loss
 from memtrain.measure import MemoryMeter, optimizer_state_bytes
@@ -294,6 +295,8 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                           "train. To resolve this error, unfreeze some (e.g. apply_lora(model, r=8) adds adapters).")
     rank, world = _distributed()
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    if device.type == "cuda":
+        configure_allocator()  # before anything starts CUDA: the allocator reads its settings then
     folder = None
     if config.out_dir:
         folder = RunFolder(config.out_dir, overwrite=config.overwrite, resume=config.resume)
@@ -428,7 +431,8 @@ def _reasons(in_force: PlanInForce, precision_reason: str, schedule_reasons: lis
     """The lines the run logs at its start: the precision, the plan, the batch, the learning rate and the
     evaluation."""
     s = in_force.settings
-    reasons = [precision_reason, *in_force.reasons,
+    allocator = allocator_reason() if context.device.type == "cuda" else None
+    reasons = [precision_reason, *([allocator] if allocator else []), *in_force.reasons,
                f"global batch {context.global_batch} = micro-batch {s.micro_batch_size} x {s.accumulation} "
                f"accumulation x {context.world} rank(s)", *schedule_reasons]
     if val_data is not None:  # spread: a held-out part's first examples are one stretch of text, easier or not

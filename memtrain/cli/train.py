@@ -37,6 +37,7 @@ from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import ByteWindows, split_windows, stdlib_corpus, text_file_tokens, tokenized_rows
 from memtrain.data.packed_rows import file_rows
 from memtrain.device import accelerator
+from memtrain.device.allocator import configure_allocator
 from memtrain.errors import ConfigError
 from memtrain.hf import load_tokenizer, safetensors_files
 from memtrain.report import format_bytes
@@ -63,6 +64,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, explici
     )
     config.validate()
     RunFolder(out, overwrite=args.overwrite, resume=args.resume).check()
+    configure_allocator()  # before CUDA starts (joining the group may start it): expandable segments
     with distributed_group() as (rank, world, device), third_party_progress(enabled=not args.no_progress):
         global_batch = args.global_batch_size or default_global_batch(world, args.micro_batch_size)
         if args.micro_batch_size is not None:  # else the plan picks one that divides the global batch

@@ -1,0 +1,66 @@
+"""The CUDA caching allocator's settings: expandable segments, unless the user chose the allocator's settings.
+
+What runs out on a GPU is reserved memory, not allocated memory: the caching allocator keeps freed blocks in
+segments of the sizes first asked for, and a later request of another size may find no free block large enough
+while the free bytes would hold it. With ``expandable_segments:True`` a segment grows by mapping more pages, so
+freed memory is reused across sizes (torchtune#1185: an 8B QLoRA's peak reserved fell from 16.39 to 10.83 GiB).
+
+The allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` (``PYTORCH_ALLOC_CONF`` from torch 2.9) when CUDA starts, so
+``configure_allocator`` sets it before that: ``memtrain train`` first of all, ``train()`` where CUDA has not
+started yet. A value the user set is kept as it is. ``allocator_reason`` says, in a run's reasons, which it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+import torch
+
+ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch 2.9 reads the second too
+EXPANDABLE = "expandable_segments:True"
+
+_decision: str | None = None  # the first decision of this process: the allocator has one set of settings
+
+
+def configure_allocator(environ: MutableMapping[str, str] | None = None) -> str:
+    """Sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where the user set neither variable and CUDA has
+    not started; returns what was decided, once per process (later calls return the first decision).
+
+    Returns:
+        "memtrain" (set here), "user" (the user's kept), "started" (CUDA had started before: too late to set it)
+        or "no cuda" (no CUDA device: nothing to set).
+    """
+    global _decision
+    environ = os.environ if environ is None else environ
+    if _decision is not None and _decision != "no cuda":
+        return _decision
+    if any(name in environ for name in ENV_NAMES):
+        _decision = "user"
+    elif not torch.cuda.is_available():
+        _decision = "no cuda"
+    elif torch.cuda.is_initialized():
+        _decision = "started"
+    else:
+        environ[ENV_NAMES[0]] = EXPANDABLE
+        _decision = "memtrain"
+    return _decision
+
+
+def allocator_reason(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """The run's reason line for the allocator's settings (None without CUDA): expandable segments set by memtrain,
+    the user's own settings kept, or the defaults because CUDA started first."""
+    environ = os.environ if environ is None else environ
+    decision = configure_allocator(environ)
+    if decision == "no cuda":
+        return None
+    if decision == "memtrain":
+        return (f"allocator: expandable segments ({ENV_NAMES[0]}={EXPANDABLE}, set by memtrain before CUDA "
+                "started): freed memory is reused across sizes, so fragmentation does not end the run before its "
+                f"budget; set {ENV_NAMES[0]} yourself to choose other settings")
+    if decision == "user":
+        name = next(n for n in ENV_NAMES if n in environ)
+        return f"allocator: {name}={environ[name]!r}, as you set it (memtrain sets {EXPANDABLE} only where it is unset)"
+    return (f"allocator: CUDA's defaults, without expandable segments: CUDA had started before memtrain could set "
+            f"them. To use them, set {ENV_NAMES[0]}={EXPANDABLE} before your script first uses CUDA (memtrain "
+            "train sets it itself)")

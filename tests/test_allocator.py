@@ -1,0 +1,83 @@
+"""The CUDA allocator's settings: expandable segments set before CUDA starts, unless the user set the allocator's
+variable (kept as it is, and said), or CUDA had started (said, with the fix). No CUDA here: torch's two queries
+are stood in for, and the environment is a dict or monkeypatched."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from memtrain.cli import main
+from memtrain.device import allocator
+from memtrain.device.allocator import EXPANDABLE, allocator_reason, configure_allocator
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """A process with CUDA available and not started (``started`` flips the second), no decision made yet."""
+    state = {"started": False}
+    monkeypatch.setattr(allocator, "_decision", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["started"])
+    return state
+
+
+def test_expandable_segments_are_set_where_the_user_set_nothing(cuda):
+    environ: dict[str, str] = {}
+    assert configure_allocator(environ) == "memtrain" and environ == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
+    reason = allocator_reason(environ)
+    assert reason.startswith("allocator: expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+                             "set by memtrain before CUDA started)"), reason
+    # One decision per process: the allocator has one set of settings.
+    assert configure_allocator({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}) == "memtrain"
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+@pytest.mark.parametrize("value", ["max_split_size_mb:128", "expandable_segments:False", ""])
+def test_the_users_settings_are_kept_and_said(cuda, name, value):
+    environ = {name: value}
+    assert configure_allocator(environ) == "user" and environ == {name: value}
+    assert allocator_reason(environ) == (f"allocator: {name}={value!r}, as you set it (memtrain sets "
+                                         "expandable_segments:True only where it is unset)")
+
+
+def test_cuda_started_first_is_said_with_the_fix(cuda):
+    cuda["started"] = True
+    environ: dict[str, str] = {}
+    assert configure_allocator(environ) == "started" and environ == {}
+    reason = allocator_reason(environ)
+    assert "CUDA had started before memtrain could set them" in reason, reason
+    assert "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before your script first uses CUDA" in reason
+
+
+def test_without_cuda_nothing_is_set_or_said(monkeypatch):
+    monkeypatch.setattr(allocator, "_decision", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    environ: dict[str, str] = {}
+    assert configure_allocator(environ) == "no cuda" and allocator_reason(environ) is None and environ == {}
+
+
+def test_memtrain_train_sets_it_before_joining_the_group(cuda, monkeypatch, tmp_path, capsys):
+    """Joining the torchrun group sets the device (CUDA starts): the variable must be set before it."""
+    import memtrain.cli.train as cli_train
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    seen = []
+    group = cli_train.distributed_group
+
+    @contextlib.contextmanager
+    def watched():
+        seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the run itself on this machine's CPU
+        with group() as joined:
+            yield joined
+
+    monkeypatch.setattr(cli_train, "distributed_group", watched)
+    argv = ["train", "--model", "gpt-tiny", "--max-steps", "1", "--micro-batch-size", "4", "--no-progress",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert seen == [EXPANDABLE]
