@@ -58,6 +58,16 @@ def _chosen(p: dict[str, Any]) -> dict[str, Any]:
     return {k: p[k] for k in ("plan", "peak_bytes", "host_bytes", "step_seconds", "tokens_per_s")}
 
 
+def _same_choice(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two revisions' plans are the same set-up with the same predictions: the settings read by this
+    revision's ``PlanSettings.from_dict``, which reads an older revision's form too (each field its own key)."""
+    from memtrain.planner.settings import PlanSettings
+
+    rest = [k for k in a if k != "plan"]
+    return PlanSettings.from_dict(a["plan"]) == PlanSettings.from_dict(b["plan"]) and \
+        [a[k] for k in rest] == [b.get(k) for k in rest]
+
+
 def time_plans(names: list[str], repeats: int) -> dict[str, Any]:
     """CPU seconds of the start-up and of each plan (each ``repeats`` times), with each plan's choice."""
     import transformers.models.llama.modeling_llama  # noqa: F401 - the start-up: the Llama's code, imported once
@@ -115,7 +125,7 @@ def table(here: dict[str, Any], other: dict[str, Any] | None, names: list[str]) 
         if other is not None:
             theirs = other["plans"][name]
             row += [f"{theirs['median_s']:.2f}", f"{theirs['median_s'] / mine['median_s']:.1f}x",
-                    "yes" if theirs["chosen"] == mine["chosen"] else "NO"]
+                    "yes" if _same_choice(theirs["chosen"], mine["chosen"]) else "NO"]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["== plan speed: CPU seconds (user + system) of each `memtrain plan`, in one process =="]

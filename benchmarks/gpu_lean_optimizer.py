@@ -69,6 +69,7 @@ from gpu_plan import (  # noqa: E402
 )
 
 from memtrain.errors import ConfigError  # noqa: E402
+from memtrain.planner.settings import PlanSettings  # noqa: E402
 from memtrain.report import format_bytes, parse_bytes  # noqa: E402
 
 # The lean run's budget per shape (issue 14: the 7B in 24 GiB, or the 1.1B in 4 GiB), and --small's.
@@ -88,9 +89,9 @@ def parameters(shape_name: str) -> int:
 def master_text(plan: dict[str, Any]) -> str:
     """Where the plan keeps AdamW's fp32 master weights (every placement keeps one: build_optimizer refuses
     non-fp32 device weights, and the offloaded optimizers hold the master in host RAM)."""
+    placement = PlanSettings.from_dict(plan).optimizer
     return {"device": "fp32 weights on the device", "offload": "fp32 master in host RAM, fp32 device weights",
-            "offload-bf16-weights": "fp32 master in host RAM, bf16 device weights"}[
-        plan["choices"]["optimizer"]["placement"]]
+            "offload-bf16-weights": "fp32 master in host RAM, bf16 device weights"}[placement]
 
 
 def lean_row(args: argparse.Namespace, shape_name: str, device: torch.device) -> dict[str, Any]:
@@ -108,7 +109,7 @@ def lean_row(args: argparse.Namespace, shape_name: str, device: torch.device) ->
     row.update(role="lean", shape=shape_name, parameters=shape.parameters)
     if "plan" in row:
         row["master"] = master_text(row["plan"])
-        row["moments"] = row["plan"]["choices"]["optimizer"]["state_precision"]
+        row["moments"] = PlanSettings.from_dict(row["plan"]).state_precision
     return row
 
 

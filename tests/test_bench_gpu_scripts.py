@@ -319,3 +319,23 @@ def test_gpu_tests_conftest_fails_a_test_past_its_limit_and_runs_the_next(tmp_pa
     assert run.returncode == 1, run.stdout + run.stderr
     assert "1 failed, 2 passed" in run.stdout, run.stdout
     assert "GPUTestTimeout" in run.stdout and "test_hangs ran past its 1 s limit" in run.stdout, run.stdout
+
+
+def test_the_benchmarks_read_a_stored_plan_through_its_settings(lean):
+    """A plan is stored as its run shape and choices: a device optimizer with a share offloaded saves no placement
+    (the share says it), and a plan of an older revision (each field its own key) is the same set-up as this one's."""
+    from helpers import fields_form
+
+    from memtrain.planner.settings import PlanSettings
+
+    shared = PlanSettings(micro_batch_size=2, accumulation=1, blocks=("recompute", "keep"), flavor="full",
+                          distribution="none", offload_fraction=0.5, state_precision="bf16")
+    assert shared.to_dict()["choices"]["optimizer"]["placement"] is None  # what master_text once indexed
+    assert lean.master_text(shared.to_dict()) == "fp32 weights on the device"
+    speed = _load("bench_plan_speed")
+    mine = {"plan": shared.to_dict(), "peak_bytes": 1, "host_bytes": 2, "step_seconds": 0.5, "tokens_per_s": 9.0}
+    older = {**mine, "plan": fields_form(shared)}
+    assert speed._same_choice(older, mine) and not speed._same_choice({**older, "peak_bytes": 3}, mine)
+    other = PlanSettings(**{**{f: getattr(shared, f) for f in ("micro_batch_size", "accumulation", "flavor",
+                                                             "distribution")}, "blocks": ("keep", "keep")})
+    assert not speed._same_choice({**mine, "plan": fields_form(other)}, mine)

@@ -158,7 +158,7 @@ def test_a_plans_settings_keep_what_was_saved_and_say_what_is_wrong():
     saved = s.to_dict()
     assert PlanSettings.from_dict(saved) == s
     del saved["choices"]["chunked_loss"]  # None, the plan's: read as the plain loss, it would be another set-up
-    with pytest.raises(ConfigError, match="whose choices do not fix chunked_loss"):
+    with pytest.raises(ConfigError, match=r"whose choices leave chunked_loss to a plan \(None\)"):
         PlanSettings.from_dict(saved)
     del saved["n_blocks"]
     with pytest.raises(ConfigError, match=r"not a plan's settings \(missing n_blocks\)"):

@@ -14,6 +14,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import code_windows, fields_form, h100, planner_llama, quick_run_config, tiny_gpt
 
 from memtrain import estimate, techniques, train
@@ -280,3 +281,22 @@ def test_configure_model_applies_a_hand_made_layout_whatever_its_other_fields():
     s = PlanSettings(micro_batch_size=1, accumulation=1, distribution="none", precision="bf16-mixed",
                      blocks=("recompute", "keep"), flavor="selective", offload_weights=True, optimizer="device")
     assert configure_model(model, s) == ["blocks.0"]
+
+
+def test_a_run_whose_optimizer_class_has_no_import_path_trains_and_stores_its_plan(tmp_path):
+    """A class made inside a function (the design's "in Python, the class itself") has no path to import it by:
+    storing the plan checks its choices as objects, never by importing the class back (the first form of the
+    stored choices refused such a run at its start, or after its last step without a folder)."""
+
+    def local_class():
+        class LocalSGD(torch.optim.SGD):
+            pass
+        return LocalSGD
+
+    choices = Choices(optimizer=OptimizerChoice(name=local_class(), kwargs={"momentum": 0.9}), checkpointing="none")
+    for out in (tmp_path / "run", None):
+        config = quick_run_config(tmp_path, max_steps=2, global_batch_size=4, choices=choices, out_dir=out and str(out))
+        result = train(tiny_gpt(2, seq_len=32, seed=0), code_windows(32), config)
+        assert result.steps == 2 and result.plan["settings"]["choices"]["optimizer"]["name"].endswith("LocalSGD")
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["plan"]
+    assert saved["choices"]["optimizer"]["kwargs"] == {"momentum": 0.9}, saved

@@ -159,11 +159,29 @@ def test_a_saved_plans_value_of_the_wrong_kind_is_refused_naming_the_field(field
     ({"n_blocks": "2"}, "n_blocks='2' (not a count of blocks)"), ({"n_blocks": -1}, "n_blocks=-1"),
     ({"choices": "none"}, "choices='none' (not a mapping)"), ({"choices": None}, "choices=None"),
     ({"choices": {"chunked_loss": 1}}, "chunked_loss=1"), ({"choices": {"checkpointing": "bogus"}}, "bogus"),
-    ({"choices": {"optimiser": {}}}, "optimiser"), ({"n_blocks": None}, "n_blocks=None")])
+    ({"choices": {"optimiser": {}}}, "optimiser"), ({"n_blocks": None}, "n_blocks=None"),
+    # the layout's letters are the block count: another count is another model
+    ({"n_blocks": 3}, "n_blocks=3 and choices.checkpointing='blocks(RK)', a layout of 2 blocks"),
+    # in the saved form's terms (the user passed no --checkpointing)
+    ({"choices": {"checkpointing": "blocks(RX)"}}, "a plan's saved choices: checkpointing='blocks(RX)'"),
+    # None is a plan's to choose: read as the plain default it would be another set-up
+    ({"choices": {"checkpointing": None}}, "leave checkpointing to a plan (None)"),
+    ({"choices": {"optimizer": {"placement": None}}},
+     "leave optimizer.placement, optimizer.state_precision, optimizer.step_in_backward, optimizer.offload_fraction "
+     "to a plan"),
+    ({"choices": {"chunked_loss": None, "offload_weights": None}}, "leave chunked_loss, offload_weights to a plan"),
+    ({"micro_batch_size": 0}, "micro_batch_size=0 (not >= 1)"), ({"accumulation": -1}, "accumulation=-1 (not >= 1)"),
+    ({"precision": "bf16"}, "precision='bf16' (not one of 'fp32', 'bf16-mixed', 'fp16-mixed')"),
+    ({"precision": "fp16-mixed", "choices": {"pure_bf16": True}},
+     "that no run can take: pure_bf16=True with precision='fp16-mixed'")])
 def test_a_saved_plans_choices_or_block_count_that_are_not_ones_are_refused_naming_them(change, named):
     """The saved choices are read as a config file's (every bad value named), the block count as a count."""
-    saved = PlanSettings(micro_batch_size=1, accumulation=2, blocks=("keep", "recompute"), flavor="full",
+    saved = PlanSettings(micro_batch_size=1, accumulation=2, blocks=("recompute", "keep"), flavor="full",
                          distribution="none").to_dict()
+    assert PlanSettings.from_dict({**saved, "choices": {**saved["choices"], "checkpointing": "every:2"}}) == \
+        PlanSettings.from_dict(saved) == PlanSettings.from_dict(json.loads(json.dumps(saved)))  # another spelling
+    if isinstance(change.get("choices"), dict):  # these choices changed, the others as saved
+        change = {**change, "choices": {**saved["choices"], **change["choices"]}}
     with pytest.raises(ConfigError, match=re.escape(named)):
         PlanSettings.from_dict({**saved, **change})
     missing = {k: v for k, v in saved.items() if k != "n_blocks"}
@@ -185,3 +203,16 @@ def test_a_plan_saved_field_by_field_reads_back_and_its_wrong_kinds_are_refused(
     with pytest.raises(ConfigError) as info:
         PlanSettings.from_dict({**fields_form(settings), field: value})
     assert f"{field}=" in str(info.value) and f"(not {kind}" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"optimizer_class": 5}, "is not a plan's settings (AttributeError"),
+    ({"offload_weights": True}, "that no run can take: offload_weights=True with optimizer.placement='device'"),
+    ({"pure_bf16": True, "precision": "fp32"}, "that no run can take: pure_bf16=True with precision='fp32'")])
+def test_a_plan_saved_field_by_field_that_no_run_can_take_is_refused(change, named):
+    """The earlier form read field by field: a value no reader takes, or a set-up a rule refuses (it would not be
+    written back), is one ConfigError, never a raw traceback."""
+    settings = PlanSettings(micro_batch_size=1, accumulation=2, blocks=("keep", "recompute"), flavor="full",
+                            distribution="none")
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        PlanSettings.from_dict({**fields_form(settings), **change})

@@ -15,6 +15,7 @@ from memtrain import techniques
 from memtrain.choices import Choices
 from memtrain.errors import ConfigError
 from memtrain.planner.devices import DeviceProfile
+from memtrain.precision import PRECISIONS
 from memtrain.report import MemoryReport, format_bytes
 from memtrain.techniques.optimizer import NamedOptimizer
 
@@ -129,49 +130,54 @@ class PlanSettings(Configuration):
             ValueError: settings the choices do not give back (a set-up no rule allows, made by hand): written, they
                 would read back as another.
         """
-        out: dict[str, Any] = {name: getattr(self, name) for name in RUN_SHAPE}
-        out.update(n_blocks=len(self.blocks), choices=self.choices.to_dict())
-        if self._of_saved(out) != self:
-            raise ValueError(f"{self!r} is not the set-up its choices fix ({self.choices!r}): it has no saved form")
-        return out
-
-    @classmethod
-    def _of_saved(cls, d: Mapping[str, Any]) -> PlanSettings:
-        # The saved set-up was resolved for its device: read on "cuda", where every choice is kept as it is.
-        return cls.of_choices(Choices.from_dict(d["choices"]), **{name: d[name] for name in RUN_SHAPE},
-                              n_blocks=d["n_blocks"], device="cuda")
+        choices = self.choices
+        # The set-up was resolved for its device: on "cuda" every choice is kept as it is.
+        back = self.of_choices(choices, **{name: getattr(self, name) for name in RUN_SHAPE},
+                               n_blocks=len(self.blocks), device="cuda")
+        if back != self:
+            raise ValueError(f"{self!r} is not the set-up its choices fix ({choices!r}): it has no saved form")
+        return {**{name: getattr(self, name) for name in RUN_SHAPE}, "n_blocks": len(self.blocks),
+                "choices": choices.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PlanSettings:
-        """The settings ``to_dict`` wrote (e.g. in a run's checkpoint), or the flat form of each field a memtrain
-        before the choices wrote (``_from_fields``).
+        """The settings ``to_dict`` wrote (e.g. in a run's checkpoint), or the form of each field its own key that a
+        memtrain before the choices wrote (``_from_fields``).
 
         Raises:
             ConfigError: a dictionary that is not one (not a mapping, a missing field, a value of the wrong kind,
-                choices a run cannot take).
+                choices that leave a technique to a plan, a block count the layout does not have), or a set-up a run
+                cannot take.
         """
         if isinstance(d, Mapping) and "choices" not in d and "blocks" in d:
-            return cls._from_fields(d)
+            return cls._runnable(cls._from_fields(d))
         missing = sorted({*RUN_SHAPE, "n_blocks", "choices"} - set(d)) if isinstance(d, Mapping) else None
         if missing is None or missing:
             why = "not a mapping" if missing is None else f"missing {', '.join(missing)}"
-            raise ConfigError(f"{d!r} is not a plan's settings ({why}). To resolve this error, pass what "
-                              "PlanSettings.to_dict() wrote.")
-        n_blocks = d["n_blocks"]
+            raise ConfigError(f"{d!r} is not a plan's settings ({why}). {_PASS_SAVED}")
+        n_blocks, saved = d["n_blocks"], d["choices"]
         if not isinstance(n_blocks, int) or isinstance(n_blocks, bool) or n_blocks < 0:
-            raise ConfigError(f"a plan's settings with n_blocks={n_blocks!r} (not a count of blocks). To resolve this "
-                              "error, pass what PlanSettings.to_dict() wrote.")
-        if not isinstance(d["choices"], Mapping):
-            raise ConfigError(f"a plan's settings with choices={d['choices']!r} (not a mapping). To resolve this "
-                              "error, pass what PlanSettings.to_dict() wrote.")
-        settings = cls._checked(cls._of_saved(d))
-        given = Choices.from_dict(d["choices"])
-        unfixed = [f.name for f in dataclasses.fields(Choices) if getattr(given, f.name) != getattr(settings.choices, f.name)]
-        if unfixed:  # a choice left to a plan (a missing key, None) would read as its plain default
-            raise ConfigError(f"a plan's settings whose choices do not fix {', '.join(unfixed)} (saved "
-                              f"{given!r}; the set-up they give is {settings.choices!r}). To resolve this error, pass "
-                              "what PlanSettings.to_dict() wrote.")
-        return settings
+            raise ConfigError(f"a plan's settings with n_blocks={n_blocks!r} (not a count of blocks). {_PASS_SAVED}")
+        if not isinstance(saved, Mapping):
+            raise ConfigError(f"a plan's settings with choices={saved!r} (not a mapping). {_PASS_SAVED}")
+        try:
+            given = Choices.from_dict(saved)
+        except ConfigError as e:  # in the saved form's terms: the user passed no flag
+            raise ConfigError([f"a plan's saved choices: {problem}" for problem in e.problems]) from None
+        if given.checkpointing is None:
+            raise ConfigError(f"a plan's settings whose choices leave checkpointing to a plan (None): a saved plan "
+                              f"fixes each block. {_PASS_SAVED}")
+        settings = cls._checked(cls.of_choices(given, **{name: d[name] for name in RUN_SHAPE}, n_blocks=n_blocks,
+                                               device="cuda"))
+        if len(settings.blocks) != n_blocks:
+            raise ConfigError(f"a plan's settings with n_blocks={n_blocks} and choices.checkpointing="
+                              f"{str(given.checkpointing)!r}, a layout of {len(settings.blocks)} blocks. "
+                              f"{_PASS_SAVED}")
+        left = _left_open(given.to_dict(), settings.choices.to_dict())
+        if left:  # read as its plain default, a choice left to a plan would change the set-up
+            raise ConfigError(f"a plan's settings whose choices leave {', '.join(left)} to a plan (None): a saved "
+                              f"plan fixes each. {_PASS_SAVED}")
+        return cls._runnable(settings)
 
     @classmethod
     def _from_fields(cls, d: Mapping[str, Any]) -> PlanSettings:
@@ -180,24 +186,58 @@ class PlanSettings(Configuration):
         # memtrain's AdamW is every plan's but a named class's: that form wrote the class only otherwise
         missing = sorted(names - {"optimizer_class"} - set(d))
         if missing:
-            raise ConfigError(f"{dict(d)!r} is not a plan's settings (missing {', '.join(missing)}). To resolve this "
-                              "error, pass what PlanSettings.to_dict() wrote.")
+            raise ConfigError(f"{dict(d)!r} is not a plan's settings (missing {', '.join(missing)}). {_PASS_SAVED}")
         convert = {"blocks": lambda v: tuple(v) if isinstance(v, (list, tuple)) else v,
                    "optimizer_class": NamedOptimizer.from_dict}
         try:
             settings = cls(**{k: convert.get(k, lambda v: v)(v) for k, v in d.items() if k in names})
-        except TypeError as e:
-            raise ConfigError(f"{dict(d)!r} is not a plan's settings ({e}). To resolve this error, pass what "
-                              "PlanSettings.to_dict() wrote.") from None
+        except (TypeError, AttributeError, KeyError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{dict(d)!r} is not a plan's settings ({type(e).__name__}: {e}). {_PASS_SAVED}") \
+                from None
         return cls._checked(settings)
 
     @classmethod
     def _checked(cls, settings: PlanSettings) -> PlanSettings:
+        """``settings`` whose every field is of its kind, and the run's shape counts of at least one."""
         wrong = kind_problems(settings)
+        wrong += [f"{name}={getattr(settings, name)!r} (not >= 1)" for name in ("micro_batch_size", "accumulation")
+                  if not any(name in w for w in wrong) and getattr(settings, name) < 1]
+        if settings.precision not in PRECISIONS:
+            wrong.append(f"precision={settings.precision!r} (not one of {', '.join(map(repr, PRECISIONS))})")
         if wrong:
-            raise ConfigError(f"a plan's settings with {'; '.join(wrong)}. To resolve this error, pass what "
-                              "PlanSettings.to_dict() wrote.")
+            raise ConfigError(f"a plan's settings with {'; '.join(wrong)}. {_PASS_SAVED}")
         return settings
+
+    @classmethod
+    def _runnable(cls, settings: PlanSettings) -> PlanSettings:
+        """``settings`` that a run can take (the techniques' rules, with its precision and processes) and that
+        ``to_dict`` writes back as themselves."""
+        try:
+            choices = settings.choices
+            choices.check_run(world_size=1 if settings.distribution == "none" else 2,
+                              fsdp=settings.distribution == "fsdp2")
+            ConfigError.raise_if(choices.precision_problems(settings.precision, auto=False))
+            settings.to_dict()
+        except (ConfigError, ValueError) as e:
+            problems = e.problems if isinstance(e, ConfigError) else (str(e),)
+            raise ConfigError([f"a plan's saved settings that no run can take: {p}" for p in problems]) from None
+        return settings
+
+
+_PASS_SAVED = "To resolve this error, pass what PlanSettings.to_dict() wrote."
+
+
+def _left_open(given: Mapping[str, Any], chosen: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The names (``optimizer.placement``) of the choices ``given`` leaves None where ``chosen`` fixes them."""
+    names = []
+    for name, value in chosen.items():
+        if isinstance(value, Mapping):
+            names += _left_open(given.get(name) or {}, value, f"{prefix}{name}.")
+        elif value is not None and given.get(name) is None:
+            names.append(prefix + name)
+    return names
 
 
 def kind_problems(record: Any) -> list[str]:
