@@ -10,7 +10,11 @@ layer of a language model computes it:
 - ``memtrain chunked``: ``implementation="memtrain"``: chunks recomputed in backward, each writing its rows of
   one preallocated gradient;
 - ``memtrain chunked, before``: the kernel memtrain had before (a non-reentrant checkpoint per slice of ``h``:
-  each slice's backward allocates a zero-filled gradient of the whole ``h``), kept here for the comparison.
+  each slice's backward allocates a zero-filled gradient of the whole ``h``), kept here for the comparison;
+- with ``--prompt-share F`` the first F of every 512-token row is a prompt (labels -100), as in prompt/completion
+  data, and two more cases pass ``kept=`` (the labels that count, counted on the host as the training loop does):
+  ``torch chunked, prompt skipped`` and ``memtrain chunked, prompt skipped`` gather only the completion's positions
+  before the head's matmul (the others run it over every position and ignore the prompt's losses).
 
 ``peak_bytes`` is the most memory the CPU allocator held at once during one step, above what existed before it
 (the hidden states and the head's weight), read from ``torch.profiler``'s allocation events in an untimed step.
@@ -18,7 +22,8 @@ layer of a language model computes it:
 the largest gradient difference over the largest gradient entry.
 
 Run: ``.venv/bin/python benchmarks/bench_loss.py`` (issue 12's shape: 8192 tokens, hidden 512, vocabulary 32000,
-fp32; about 3 minutes on 2 CPUs) or ``memtrain bench loss``; ``--precision bf16`` runs under bf16 autocast.
+fp32; about 3 minutes on 2 CPUs) or ``memtrain bench loss``; ``--precision bf16`` runs under bf16 autocast;
+``--prompt-share 0.5`` adds the skipped-prompt cases (issue 32: the loss's time falls by the prompt's share).
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ def before(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk: i
     return total
 
 
+PROMPT_ROW = 512  # --prompt-share: a row's first tokens are its prompt
+
+
 def main(argv: list[str] | None = None) -> list[Any]:
     parser = common_args(__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -60,13 +68,20 @@ def main(argv: list[str] | None = None) -> list[Any]:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (both chunked kernels)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--prompt-share", type=float, default=0.0, metavar="F",
+                        help="the share of each 512-token row labelled -100 (a prompt), in [0, 1)")
     parser.set_defaults(repeats=5, warmup=1)
     args = parser.parse_args(argv)
     device = args.device
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.tokens, args.hidden, generator=generator).to(device).requires_grad_()
     head = nn.Linear(args.hidden, args.vocab, bias=False).to(device)
-    labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator).to(device)
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
+    if not 0 <= args.prompt_share < 1:
+        parser.error(f"--prompt-share {args.prompt_share} must be in [0, 1)")
+    labels[torch.arange(args.tokens) % PROMPT_ROW < int(args.prompt_share * PROMPT_ROW)] = -100
+    kept = int((labels != -100).sum())  # on the host, before the copy: as the training loop counts
+    labels = labels.to(device)
     autocast = (torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if args.precision == "bf16"
                 else contextlib.nullcontext())
     losses = {
@@ -77,6 +92,11 @@ def main(argv: list[str] | None = None) -> list[Any]:
                                                           implementation="memtrain"),
         "memtrain chunked, before": lambda: before(hidden, head, labels, args.chunk),
     }
+    if args.prompt_share:
+        losses["torch chunked, prompt skipped"] = lambda: chunked_cross_entropy(
+            hidden, head, labels, chunk_tokens=args.chunk, implementation="torch", kept=kept)
+        losses["memtrain chunked, prompt skipped"] = lambda: chunked_cross_entropy(
+            hidden, head, labels, chunk_tokens=args.chunk, implementation="memtrain", kept=kept)
     reference: dict[str, torch.Tensor] = {}
 
     def run(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[Any]:
             return step
         return Case(name, setup)
 
-    title = f"loss-{args.precision}"
+    title = f"loss-{args.precision}" + (f"-prompt{args.prompt_share:g}" if args.prompt_share else "")
     path = args.out or Path("bench-results") / f"{title}.json"
     results = run_side_by_side([case(name) for name in losses], title=title, repeats=args.repeats,
                                warmup=args.warmup, device=device, json_path=path, tokens_per_step=args.tokens)

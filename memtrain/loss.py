@@ -14,7 +14,10 @@ whose head is a plain linear layer on the last hidden state (see ``HF_MODEL_TYPE
 chunked returns no logits when it is given labels (``outputs.logits`` is ``None``): not holding them is the point.
 Without labels, or with gradients off (evaluation, generation), the model's own forward runs unchanged.
 
-``language_model_loss(model, x, y)`` is the training loop's loss for any of these models, chunked or not.
+``language_model_loss(model, x, y)`` is the training loop's loss for any of these models, chunked or not. Given
+``kept`` (the labels that are not -100, which the loop counts on the host before a batch's copy to the device), the
+chunked loss gathers only those positions before the head (``kept_positions``): a prompt or padding then costs no
+matmul of the head and no logits, with no wait for the device (``torch.nonzero_static`` of the host's count).
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor], *,
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], labels: torch.Tensor,
                           *, chunk_tokens: int = 1024, ignore_index: int = -100,
-                          implementation: LossImplementation | Literal["auto"] = "auto") -> torch.Tensor:
+                          implementation: LossImplementation | Literal["auto"] = "auto",
+                          kept: int | None = None) -> torch.Tensor:
     """The summed cross-entropy of ``head(hidden)`` against ``labels``, ``chunk_tokens`` positions at a time.
 
     Equals ``F.cross_entropy(head(hidden).float().flatten(0, -2), labels.flatten(), reduction="sum")`` (fp32:
@@ -123,10 +127,16 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
         labels: (...) target ids, ``ignore_index`` where no loss is wanted; already aligned with ``hidden``.
         chunk_tokens: positions per chunk: smaller holds less at once, larger runs fewer, bigger matmuls.
         implementation: ``"auto"`` (``chunked_loss_implementation``), ``"torch"`` or ``"memtrain"``.
+        kept: the number of labels that are not ``ignore_index``, counted on the host (a training loop counts a
+            batch's before copying it to the device). Given, only those positions reach the head: the ignored ones
+            (a prompt, padding) cost no matmul, no logits and no saved hidden state. It must be the count: the
+            positions are gathered by ``torch.nonzero_static`` of that size, which needs no wait for the device
+            (a device-side count would stall the host until the forward had run). Ignored under
+            ``torch.compile`` (a size that changes with each batch would recompile the graph).
 
     Raises:
-        ConfigError: a bad ``chunk_tokens``, shapes that do not match, or ``implementation="torch"`` where torch's
-            op cannot run (no ``F.linear_cross_entropy``, or a head that is not an ``nn.Linear``).
+        ConfigError: a bad ``chunk_tokens`` or ``kept``, shapes that do not match, or ``implementation="torch"``
+            where torch's op cannot run (no ``F.linear_cross_entropy``, or a head that is not an ``nn.Linear``).
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ConfigError(f"chunk_tokens={chunk_tokens!r} must be an integer >= 1. To resolve this error, pass "
@@ -138,6 +148,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
         raise ConfigError(f"implementation={implementation!r} must be 'auto', 'torch' or 'memtrain'. To resolve "
                           "this error, pass implementation='auto' (chunked_loss_implementation says which runs).")
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if kept is not None and not torch.compiler.is_compiling():
+        flat_hidden, flat_labels = kept_positions(flat_hidden, flat_labels, kept, ignore_index)
     if flat_labels.numel() == 0:  # an empty batch: a zero loss that backward can still run through
         return head(flat_hidden).float().sum() * 0
     if implementation == "auto":
@@ -155,6 +167,24 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
         return total
     params = [p for p in head.parameters()] if isinstance(head, nn.Module) else []
     return _ChunkedCrossEntropy.apply(flat_hidden, flat_labels, head, chunk_tokens, ignore_index, *params)
+
+
+def kept_positions(hidden: torch.Tensor, labels: torch.Tensor, kept: int, ignore_index: int = -100
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``hidden`` (tokens, hidden) and ``labels`` (tokens,) whose label is not ``ignore_index``, in
+    order: ``kept`` of them, counted on the host, so that gathering them needs no wait for the device.
+
+    Raises:
+        ConfigError: ``kept`` not a count in [0, tokens].
+    """
+    if isinstance(kept, bool) or not isinstance(kept, int) or not 0 <= kept <= labels.numel():
+        raise ConfigError(f"kept={kept!r} must be the number of labels that are not ignore_index, in [0, "
+                          f"{labels.numel()}]. To resolve this error, pass int((labels != ignore_index).sum()) "
+                          "counted before the batch goes to the device, or kept=None.")
+    if kept == labels.numel():
+        return hidden, labels
+    index = torch.nonzero_static(labels != ignore_index, size=kept).squeeze(1)
+    return hidden.index_select(0, index), labels.index_select(0, index)
 
 
 def _torch_chunked(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk_tokens: int,
@@ -266,6 +296,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 # Arguments of a Hugging Face causal LM's forward that belong to its loss or its logits, not to its decoder.
 _LOSS_ARGUMENTS = ("num_items_in_batch", "shift_labels", "ignore_index")
+KEPT_ARGUMENT = "kept_labels"  # memtrain's own: chunked_cross_entropy's kept (never passed to the model's forward)
 _LOGITS_ARGUMENTS = ("logits_to_keep", "num_logits_to_keep")
 
 
@@ -289,6 +320,7 @@ class _HFChunkedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The loss's own arguments (Hugging Face passes its **kwargs to both the decoder and the loss).
         loss_arguments = {name: kwargs.pop(name) for name in _LOSS_ARGUMENTS if name in kwargs}
+        kept = kwargs.pop(KEPT_ARGUMENT, None)
         try:
             arguments = dict(self._signature.bind(*args, **kwargs).arguments)
         except TypeError:  # arguments the model's forward does not take: its own error says which
@@ -311,7 +343,7 @@ class _HFChunkedForward:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = outputs.last_hidden_state
         total = chunked_cross_entropy(hidden, output_head(model), shift_labels.to(hidden.device),
-                                      chunk_tokens=self.chunk_tokens, ignore_index=ignore_index)
+                                      chunk_tokens=self.chunk_tokens, ignore_index=ignore_index, kept=kept)
         num_items = loss_arguments.get("num_items_in_batch")
         if num_items is None:
             num_items = (shift_labels != ignore_index).sum()
@@ -448,19 +480,22 @@ def remove_chunked_loss(model: nn.Module) -> bool:
 
 
 def language_model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                        position_ids: torch.Tensor | None = None, *, kept: int | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy on fp32 logits (labels of -100 ignored); memtrain GPT or Hugging Face.
 
     ``y`` is already shifted (``y[t]`` follows ``x[t]``). A model with ``apply_chunked_loss`` computes it from its
-    hidden states a chunk of tokens at a time, never holding the whole batch's logits. ``position_ids`` (packed
-    rows, ``memtrain.data.PackedRows``) restart at each document, so a Hugging Face model attends within it.
+    hidden states a chunk of tokens at a time, never holding the whole batch's logits; given ``kept`` (the labels
+    that are not -100, counted on the host: ``chunked_cross_entropy``), only those positions reach its head.
+    ``position_ids`` (packed rows, ``memtrain.data.PackedRows``) restart at each document, so a Hugging Face model
+    attends within it.
     """
     kind = chunked_loss_kind(model)  # it looks inside DDP's and torch.compile's wrappers
     if kind == "gpt":
-        return model(x, y, reduction="sum")
+        return model(x, y, reduction="sum") if kept is None else model(x, y, reduction="sum", kept=kept)
     positions = {} if position_ids is None else {"position_ids": position_ids}
     if kind == "hf" and torch.is_grad_enabled():
-        return model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=1, **positions).loss
+        counted = {} if kept is None else {KEPT_ARGUMENT: kept}
+        return model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=1, **positions, **counted).loss
     out = model(x, **positions)
     logits = getattr(out, "logits", out)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")

@@ -158,7 +158,7 @@ class GPT(nn.Module):
         return cls(replace(GPT_PRESETS[name], **overrides))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean",
-                segments: torch.Tensor | None = None) -> torch.Tensor:
+                segments: torch.Tensor | None = None, kept: int | None = None) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.config.seq_len:
             raise ConfigError(f"sequence of {T} tokens is longer than the model's "
@@ -174,8 +174,9 @@ class GPT(nn.Module):
         if targets is not None and self.loss_chunk_tokens is not None and reduction in ("sum", "mean") \
                 and torch.is_grad_enabled():
             # memtrain.loss's at call time, as before the top-level import (tests replace it there)
+            # kept: the targets that are not -100, counted on the host (only those reach the head)
             total = memtrain.loss.chunked_cross_entropy(self.ln_f(x), self.head, targets,
-                                                        chunk_tokens=self.loss_chunk_tokens)
+                                                        chunk_tokens=self.loss_chunk_tokens, kept=kept)
             return total if reduction == "sum" else total / (targets != -100).sum()
         logits = self.head(self.ln_f(x))
         if targets is None:

@@ -18,7 +18,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from memtrain import techniques
 from memtrain.accumulation import GradientAccumulator, accumulation_steps
-from memtrain.checkpointing import checkpoint_spec, compile_model
+from memtrain.checkpointing import compile_model
 from memtrain.choices import default_global_batch
 from memtrain.config import TrainConfig, TrainResult
 from memtrain.data import DevicePrefetcher, StepBatches, make_loader, map_tensors
@@ -38,7 +38,6 @@ from memtrain.device import accelerator
 from memtrain.device.allocator import allocator_reason, configure_allocator
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.loss import language_model_loss
-from memtrain.measure import MemoryMeter, optimizer_state_bytes
 from memtrain.message import WHATEVER, arg, marked
 from memtrain.planner import AppliedPlan, PlanSettings, apply_plan, configure_model
 from memtrain.precision import MixedPrecision, resolve_precision
@@ -78,6 +77,7 @@ from memtrain.run.replan import (
 )
 from memtrain.run.report import plan_summary, write_run_report
 from memtrain.run.state import CheckpointExtra, PlanCheck
+from memtrain.run.step import CountedBatches, StepFigures, one_step, unpack_batch
 from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule, resumed_reasons
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
@@ -110,7 +110,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig, device: to
                          seed=config.seed)
     total, count = 0.0, 0
     for batch in loader:
-        x, y, positions = _unpack(map_tensors(acc.to_device, batch))
+        x, y, positions = unpack_batch(map_tensors(acc.to_device, batch))
         with acc.compute(), precision.autocast():  # the device's work, as a training step's
             total += language_model_loss(model, x, y, positions).item()
         count += int((y != -100).sum())
@@ -118,43 +118,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig, device: to
     return total / max(1, count)
 
 
-def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(inputs, targets, position ids or None) of a batch of windows ``(x, y)`` or packed rows."""
-    x, y, *rest = batch
-    return x, y, (rest[0] if rest else None)
-
-
 # -- what the loop changes as it goes -----------------------------------------------------------------------
-@dataclass
-class StepFigures:
-    """One optimizer step's figures: its line of metrics.jsonl (``to_dict``), the plan check's measurement and
-    the progress bar's text."""
-
-    step: int  # counted from 1
-    loss: float
-    grad_norm: float
-    skipped: bool
-    tokens: int  # this rank's tokens in the step (the line holds tokens_per_s instead)
-    seconds: float  # the step's time (forward, backward, optimizer; the line holds tokens_per_s instead)
-    activation_bytes: int | None  # saved for backward in the first micro-batch (None: not measured)
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_state_bytes: int
-    model_state_bytes: int
-    peak_bytes: int | None  # the accelerator allocator's peak over the step (a simulated one's too; None on the CPU)
-    tokens_per_s: float = 0.0  # all ranks' tokens over the step's time
-    lr: float = 0.0  # the learning rate the step used
-    eval_loss: float | None = None  # on the steps that evaluate (the line has no eval_loss on the others)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The line of metrics.jsonl: every figure but ``tokens`` and ``seconds``, ``eval_loss`` where it was
-        measured."""
-        line = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("tokens", "seconds", "eval_loss")}
-        if self.eval_loss is not None:
-            line["eval_loss"] = self.eval_loss
-        return line
-
-
 class Session:
     """The run's mutable state: the plan it follows now and what follows from it (the training model and its
     checkpointed blocks, the micro-batch, the accumulation, the accumulator, the batches), with the plan check
@@ -199,7 +163,7 @@ class Session:
         # does not).
         loader = make_loader(self._train_data, batch_sampler=sampler, device=c.device, num_workers=0,
                              seed=self._config.seed)
-        self.batches = iter(DevicePrefetcher(loader, c.device))
+        self.batches = iter(DevicePrefetcher(CountedBatches(loader), c.device))
         return loader.memtrain_settings.summary()
 
 
@@ -591,7 +555,7 @@ def _step_retrying_out_of_memory(s: Session, step: int, watch: OptimizerStepWatc
     for attempt in itertools.count():
         watch.began = False
         try:
-            return _one_step(s, step, device, check_stop)
+            return one_step(s, step, device, check_stop)
         except torch.OutOfMemoryError as e:
             error = str(e)  # the message only: the traceback would pin the step's tensors
         measured_peak = acc.max_memory_allocated() if acc.tracks_memory else None
@@ -739,61 +703,3 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _one_step(s: Session, step: int, device: torch.device, check_stop: Callable[[], None]) -> StepFigures:
-    """One optimizer step: ``s.accumulation`` micro-batches, then the accumulator's boundary. The first
-    micro-batch's saved bytes are counted (not while activations are offloaded: saved-tensor hooks do not stack,
-    so the meter stays out; on an accelerator the allocator peak is the figure then).
-
-    On an accelerator the step waits for the device once, at its end (its time must include the optimizer's
-    kernels); the peak is read from the allocator's counters, which need no wait. The step runs inside
-    ``acc.compute()``: what a simulated device counts as its work (a no-op on a real one).
-    """
-    acc = accelerator(device)
-    measuring = not _offloads_blocks(s.model)
-    t0 = time.perf_counter()
-    if acc.tracks_memory:
-        acc.reset_peak_memory_stats()
-    tokens = 0
-    # synchronize=False: the meter must not stall the queue twice per step; it counts saved bytes on the host.
-    meter = MemoryMeter(s.model, s.optimizer, synchronize=False)
-    with acc.compute():
-        for i in range(s.accumulation):
-            check_stop()  # a stop asked for now abandons the step here, between micro-batches
-            # Already on the device: DevicePrefetcher copied it during the previous compute. The loader's own work
-            # (sampling, collating) is host memory.
-            with acc.host():
-                x, y, positions = _unpack(next(s.batches))
-            with s.acc.micro_batch(is_last=i == s.accumulation - 1):
-                # The meter counts what autograd saves in the first micro-batch: the figure checkpointing cuts.
-                with meter if i == 0 and measuring else contextlib.nullcontext(), s.precision.autocast():
-                    loss = language_model_loss(s.train_model, x, y, positions)
-                items = (y != -100).sum()
-                s.acc.backward(loss, reduction="sum", items=items)  # token-count-correct over the window and ranks
-            tokens += y.numel()
-        report = meter.report()
-        result = s.acc.step()  # unscale -> clip -> optimizer step -> scheduler -> zero_grad, once
-    if acc.has_streams:
-        acc.synchronize()  # the step's one wait: its time includes the optimizer's kernels
-    seconds = time.perf_counter() - t0
-    state_bytes = optimizer_state_bytes(s.optimizer)
-    return StepFigures(
-        step=step + 1,
-        loss=result.loss,
-        grad_norm=result.grad_norm,
-        skipped=result.skipped,
-        tokens=tokens,
-        seconds=seconds,
-        activation_bytes=report.activation_bytes if measuring else None,
-        parameter_bytes=report.parameter_bytes,
-        gradient_bytes=report.gradient_bytes,
-        optimizer_state_bytes=state_bytes,
-        model_state_bytes=report.parameter_bytes + report.gradient_bytes + state_bytes,
-        peak_bytes=acc.max_memory_allocated() if acc.tracks_memory else None,
-    )
-
-
-def _offloads_blocks(model: nn.Module) -> bool:
-    spec_offloaders = [checkpoint_spec(m) for m in model.modules()]
-    return any(spec is not None and spec.offloader is not None and spec.offloader.enabled for spec in spec_offloaders)

@@ -147,16 +147,16 @@ def test_out_of_memory_re_plans_with_the_shortfall_and_keeps_the_data_order(tmp_
     a smaller peak than the one that failed. With checkpointing and the loss fixed, only the micro-batch can
     shrink (8 -> 4 -> 2 here), and the run ends with the weights of a run at micro-batch 2 (bit for bit: the same
     examples per step, the same order)."""
-    train_module = importlib.import_module("memtrain.train")
+    train_module = importlib.import_module("memtrain.run.step")  # where the step calls the loss
 
     real_loss = train_module.language_model_loss
     failures = []
 
-    def loss_that_runs_out_of_memory(model, x, y, positions=None):
+    def loss_that_runs_out_of_memory(model, x, y, positions=None, **kwargs):
         if x.shape[0] > 2:  # pretend a micro-batch above 2 does not fit
             failures.append(x.shape[0])
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 100.00 KiB (injected)")
-        return real_loss(model, x, y, positions)
+        return real_loss(model, x, y, positions, **kwargs)
 
     monkeypatch.setattr(train_module, "language_model_loss", loss_that_runs_out_of_memory)
     fixed = {"choices": Choices(checkpointing="none", chunked_loss=False,
@@ -182,15 +182,15 @@ def test_out_of_memory_re_plans_with_the_shortfall_and_keeps_the_data_order(tmp_
 def test_out_of_memory_re_plans_with_every_technique_open(tmp_path, text_file, monkeypatch):
     """With nothing fixed the re-plan may recompute blocks instead of shrinking the micro-batch; whatever it
     picks predicts a lower peak, and the run trains on."""
-    train_module = importlib.import_module("memtrain.train")
+    train_module = importlib.import_module("memtrain.run.step")  # where the step calls the loss
     real_loss = train_module.language_model_loss
     calls = []
 
-    def first_step_runs_out(model, x, y, positions=None):
+    def first_step_runs_out(model, x, y, positions=None, **kwargs):
         calls.append(x.shape[0])
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return real_loss(model, x, y, positions)
+        return real_loss(model, x, y, positions, **kwargs)
 
     monkeypatch.setattr(train_module, "language_model_loss", first_step_runs_out)
     result = train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=2, global_batch_size=8, progress=False,
@@ -201,9 +201,9 @@ def test_out_of_memory_re_plans_with_every_technique_open(tmp_path, text_file, m
 
 
 def test_out_of_memory_with_nothing_left_to_shrink_is_a_clear_error(tmp_path, text_file, monkeypatch):
-    train_module = importlib.import_module("memtrain.train")
+    train_module = importlib.import_module("memtrain.run.step")  # where the step calls the loss
 
-    def always_oom(model, x, y, positions=None):
+    def always_oom(model, x, y, positions=None, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     monkeypatch.setattr(train_module, "language_model_loss", always_oom)

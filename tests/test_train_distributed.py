@@ -50,15 +50,15 @@ def _worker(rank: int, init_file: str, folder: str) -> None:
         from memtrain.data import split_windows
         from memtrain.models import GPT, GPTConfig
 
-        train_module = importlib.import_module("memtrain.train")  # the module: memtrain.train is also the function
+        train_module = importlib.import_module("memtrain.run.step")  # the module whose step calls the loss
         real_loss = train_module.language_model_loss
         forwards = {"n": 0}
 
-        def loss(model, x, y, position_ids=None):  # one micro-batch per rank and step: the n-th forward is step n's
+        def loss(model, x, y, position_ids=None, **kwargs):  # one micro-batch per rank and step: step n's
             forwards["n"] += 1
             if rank == SIGNALLED_RANK and forwards["n"] == SIGNALLED_AT_STEP:
                 os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler preempting this rank's host would
-            return real_loss(model, x, y, position_ids)
+            return real_loss(model, x, y, position_ids, **kwargs)
 
         train_module.language_model_loss = loss
         torch.manual_seed(0)
@@ -104,7 +104,7 @@ def _abandoning_worker(rank: int, init_file: str, folder: str) -> None:
     from memtrain.data import split_windows
     from memtrain.models import GPT, GPTConfig
 
-    train_module = importlib.import_module("memtrain.train")
+    train_module = importlib.import_module("memtrain.run.step")  # the module whose step calls the loss
     real_loss = train_module.language_model_loss
     forwards = {"n": 0}
 
@@ -120,9 +120,9 @@ def _abandoning_worker(rank: int, init_file: str, folder: str) -> None:
             time.sleep(600)
             return grad
 
-    def loss(model, x, y, position_ids=None):
+    def loss(model, x, y, position_ids=None, **kwargs):
         forwards["n"] += 1
-        out = real_loss(model, x, y, position_ids)
+        out = real_loss(model, x, y, position_ids, **kwargs)
         return SignalledBackward.apply(out) if rank == SIGNALLED_RANK and forwards["n"] == 2 else out
 
     train_module.language_model_loss = loss
