@@ -245,3 +245,5 @@ class TrainResult:
     step_seconds: float = 0.0
     plan: dict[str, Any] | None = None  # the plan at the end: its settings and predictions (PlanInForce.to_dict())
     replans: int = 0  # plans made again because the device disagreed (a peak over the budget, out of memory)
+    # The allocator's reserved peak over the last step, its cache included: what runs out (None on the CPU)
+    peak_reserved_bytes: int | None = None

@@ -641,6 +641,7 @@ def _finish(s: Session, tally: Tally, config: TrainConfig, context: RunContext, 
         model_state_bytes=last.model_state_bytes, peak_bytes=last.peak_bytes, skipped_steps=s.acc.skipped_steps,
         resumed_from=resumed_from, stopped_by=tally.stopped_by, out_dir=str(out) if out is not None else None,
         reasons=tuple(reasons), step_seconds=tally.step_seconds, plan=s.in_force.to_dict(), replans=len(s.replans),
+        peak_reserved_bytes=last.peak_reserved_bytes,
     )
 
 

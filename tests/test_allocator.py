@@ -81,3 +81,25 @@ def test_memtrain_train_sets_it_before_joining_the_group(cuda, monkeypatch, tmp_
             "--out", str(tmp_path / "run")]
     assert main(argv) == 0, capsys.readouterr().err
     assert seen == [EXPANDABLE]
+
+
+def test_a_run_reports_the_reserved_peak_beside_the_allocated_one(tmp_path):
+    """metrics.jsonl and the result carry the allocator's reserved peak (what runs out: its cache included) beside
+    the allocated one, on an accelerator (the simulated one here); neither on the CPU."""
+    import json
+
+    from helpers import code_windows, quick_run_config, tiny_gpt
+
+    from memtrain import train
+    from memtrain.device import simulate
+
+    with simulate("64MiB"):
+        result = train(tiny_gpt(2, seq_len=32, seed=0), code_windows(32),
+                       quick_run_config(tmp_path / "sim", max_steps=2, global_batch_size=4))
+    lines = [json.loads(line) for line in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["peak_bytes"] <= m["peak_reserved_bytes"] <= 64 * 2**20 for m in lines), lines
+    assert result.peak_reserved_bytes == lines[-1]["peak_reserved_bytes"] > 0
+    cpu = train(tiny_gpt(2, seq_len=32, seed=0), code_windows(32),
+                quick_run_config(tmp_path / "cpu", max_steps=1, global_batch_size=4))
+    line = json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text())
+    assert cpu.peak_reserved_bytes is None and line["peak_reserved_bytes"] is None and line["peak_bytes"] is None

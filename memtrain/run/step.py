@@ -68,6 +68,8 @@ class StepFigures:
     optimizer_state_bytes: int
     model_state_bytes: int
     peak_bytes: int | None  # the accelerator allocator's peak over the step (a simulated one's too; None on the CPU)
+    # What the allocator held at most over the step, its cache included: what runs out on a GPU (None on the CPU)
+    peak_reserved_bytes: int | None = None
     tokens_per_s: float = 0.0  # all ranks' tokens over the step's time
     lr: float = 0.0  # the learning rate the step used
     eval_loss: float | None = None  # on the steps that evaluate (the line has no eval_loss on the others)
@@ -136,6 +138,7 @@ def one_step(s: Any, step: int, device: torch.device, check_stop: Callable[[], N
         optimizer_state_bytes=state_bytes,
         model_state_bytes=report.parameter_bytes + report.gradient_bytes + state_bytes,
         peak_bytes=acc.max_memory_allocated() if acc.tracks_memory else None,
+        peak_reserved_bytes=acc.max_memory_reserved() if acc.tracks_memory else None,
     )
 
 
