@@ -259,8 +259,7 @@ def train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tra
                           "train. To resolve this error, unfreeze some (e.g. apply_lora(model, r=8) adds adapters).")
     rank, world = _distributed()
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    if device.type == "cuda":
-        configure_allocator()  # before anything starts CUDA: the allocator reads its settings then
+    configure_allocator(device)  # before anything starts CUDA: the allocator reads its settings then
     folder = None
     if config.out_dir:
         folder = RunFolder(config.out_dir, overwrite=config.overwrite, resume=config.resume)
@@ -395,7 +394,7 @@ def _reasons(in_force: PlanInForce, precision_reason: str, schedule_reasons: lis
     """The lines the run logs at its start: the precision, the plan, the batch, the learning rate and the
     evaluation."""
     s = in_force.settings
-    allocator = allocator_reason() if context.device.type == "cuda" else None
+    allocator = allocator_reason(context.device)
     reasons = [precision_reason, *([allocator] if allocator else []), *in_force.reasons,
                f"global batch {context.global_batch} = micro-batch {s.micro_batch_size} x {s.accumulation} "
                f"accumulation x {context.world} rank(s)", *schedule_reasons]

@@ -27,28 +27,31 @@ def cuda(monkeypatch):
 
 def test_expandable_segments_are_set_where_the_user_set_nothing(cuda):
     environ: dict[str, str] = {}
-    assert configure_allocator(environ) == "memtrain" and environ == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
-    reason = allocator_reason(environ)
+    assert configure_allocator(environ=environ) == "memtrain" and environ == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
+    reason = allocator_reason(environ=environ)
     assert reason.startswith("allocator: expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
                              "set by memtrain before CUDA started)"), reason
     # One decision per process: the allocator has one set of settings.
-    assert configure_allocator({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}) == "memtrain"
+    assert configure_allocator(environ={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}) == "memtrain"
+    # A run on another device needs nothing, and says nothing.
+    assert configure_allocator("cpu") == "no cuda" and allocator_reason("cpu") is None
+    assert allocator_reason("cuda:0", environ=environ) == reason
 
 
 @pytest.mark.parametrize("name", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 @pytest.mark.parametrize("value", ["max_split_size_mb:128", "expandable_segments:False", ""])
 def test_the_users_settings_are_kept_and_said(cuda, name, value):
     environ = {name: value}
-    assert configure_allocator(environ) == "user" and environ == {name: value}
-    assert allocator_reason(environ) == (f"allocator: {name}={value!r}, as you set it (memtrain sets "
+    assert configure_allocator(environ=environ) == "user" and environ == {name: value}
+    assert allocator_reason(environ=environ) == (f"allocator: {name}={value!r}, as you set it (memtrain sets "
                                          "expandable_segments:True only where it is unset)")
 
 
 def test_cuda_started_first_is_said_with_the_fix(cuda):
     cuda["started"] = True
     environ: dict[str, str] = {}
-    assert configure_allocator(environ) == "started" and environ == {}
-    reason = allocator_reason(environ)
+    assert configure_allocator(environ=environ) == "started" and environ == {}
+    reason = allocator_reason(environ=environ)
     assert "CUDA had started before memtrain could set them" in reason, reason
     assert "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before your script first uses CUDA" in reason
 
@@ -57,7 +60,7 @@ def test_without_cuda_nothing_is_set_or_said(monkeypatch):
     monkeypatch.setattr(allocator, "_decision", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     environ: dict[str, str] = {}
-    assert configure_allocator(environ) == "no cuda" and allocator_reason(environ) is None and environ == {}
+    assert configure_allocator(environ=environ) == "no cuda" and allocator_reason(environ=environ) is None and environ == {}
 
 
 def test_memtrain_train_sets_it_before_joining_the_group(cuda, monkeypatch, tmp_path, capsys):

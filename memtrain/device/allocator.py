@@ -23,9 +23,13 @@ EXPANDABLE = "expandable_segments:True"
 _decision: str | None = None  # the first decision of this process: the allocator has one set of settings
 
 
-def configure_allocator(environ: MutableMapping[str, str] | None = None) -> str:
+def configure_allocator(device: torch.device | str | None = None, environ: MutableMapping[str, str] | None = None
+                        ) -> str:
     """Sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where the user set neither variable and CUDA has
     not started; returns what was decided, once per process (later calls return the first decision).
+
+    ``device``: the run's (a device that is not CUDA's needs nothing: "no cuda"); None: this machine's, asked
+    before anything starts CUDA (``memtrain train``).
 
     Returns:
         "memtrain" (set here), "user" (the user's kept), "started" (CUDA had started before: too late to set it)
@@ -33,6 +37,8 @@ def configure_allocator(environ: MutableMapping[str, str] | None = None) -> str:
     """
     global _decision
     environ = os.environ if environ is None else environ
+    if device is not None and torch.device(device).type != "cuda":
+        return "no cuda"
     if _decision is not None and _decision != "no cuda":
         return _decision
     if any(name in environ for name in ENV_NAMES):
@@ -47,11 +53,13 @@ def configure_allocator(environ: MutableMapping[str, str] | None = None) -> str:
     return _decision
 
 
-def allocator_reason(environ: MutableMapping[str, str] | None = None) -> str | None:
-    """The run's reason line for the allocator's settings (None without CUDA): expandable segments set by memtrain,
-    the user's own settings kept, or the defaults because CUDA started first."""
+def allocator_reason(device: torch.device | str | None = None, environ: MutableMapping[str, str] | None = None
+                     ) -> str | None:
+    """The run's reason line for the allocator's settings (None where ``device`` is not CUDA's, or without CUDA):
+    expandable segments set by memtrain, the user's own settings kept, or the defaults because CUDA started
+    first."""
     environ = os.environ if environ is None else environ
-    decision = configure_allocator(environ)
+    decision = configure_allocator(device, environ)
     if decision == "no cuda":
         return None
     if decision == "memtrain":
