@@ -131,8 +131,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
             batch's before copying it to the device). Given, only those positions reach the head: the ignored ones
             (a prompt, padding) cost no matmul, no logits and no saved hidden state. It must be the count: the
             positions are gathered by ``torch.nonzero_static`` of that size, which needs no wait for the device
-            (a device-side count would stall the host until the forward had run). Ignored under
-            ``torch.compile`` (a size that changes with each batch would recompile the graph).
+            (a device-side count would stall the host until the forward had run), and which is not checked (a
+            check would read the device): a smaller count drops kept rows from the loss, a larger one fails to
+            index. Ignored under ``torch.compile`` (a size that changes with each batch would recompile the graph).
 
     Raises:
         ConfigError: a bad ``chunk_tokens`` or ``kept``, shapes that do not match, or ``implementation="torch"``

@@ -27,7 +27,8 @@ def cuda(monkeypatch):
 
 def test_expandable_segments_are_set_where_the_user_set_nothing(cuda):
     environ: dict[str, str] = {}
-    assert configure_allocator(environ=environ) == "memtrain" and environ == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
+    assert configure_allocator(environ=environ) == "memtrain"
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE, "MEMTRAIN_SET_ALLOC_CONF": EXPANDABLE}
     reason = allocator_reason(environ=environ)
     assert reason.startswith("allocator: expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
                              "set by memtrain before CUDA started)"), reason
@@ -45,6 +46,25 @@ def test_the_users_settings_are_kept_and_said(cuda, name, value):
     assert configure_allocator(environ=environ) == "user" and environ == {name: value}
     assert allocator_reason(environ=environ) == (f"allocator: {name}={value!r}, as you set it (memtrain sets "
                                          "expandable_segments:True only where it is unset)")
+
+
+def test_a_process_started_from_a_memtrain_run_says_the_setting_is_memtrains(cuda, monkeypatch):
+    """A child inherits the variable and the mark beside it: memtrain's, not the user's; a value the user changed
+    since is the user's."""
+    inherited = {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE, "MEMTRAIN_SET_ALLOC_CONF": EXPANDABLE}
+    assert configure_allocator(environ=dict(inherited)) == "memtrain"
+    monkeypatch.setattr(allocator, "_decision", None)
+    assert configure_allocator(environ={**inherited, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}) == "user"
+
+
+def test_torch_before_2_9_reads_only_the_cuda_variable(cuda, monkeypatch):
+    """``PYTORCH_ALLOC_CONF`` is the allocator's from torch 2.9: before, a value there sets nothing, so memtrain
+    sets its own (it never says an ignored value is in force)."""
+    assert allocator.read_names("2.8.0+cu126") == ("PYTORCH_CUDA_ALLOC_CONF",)
+    assert allocator.read_names("2.9.0") == allocator.read_names("2.13.0+cpu") == allocator.ENV_NAMES
+    monkeypatch.setattr(allocator, "read_names", lambda: ("PYTORCH_CUDA_ALLOC_CONF",))
+    environ = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}
+    assert configure_allocator(environ=environ) == "memtrain" and environ["PYTORCH_CUDA_ALLOC_CONF"] == EXPANDABLE
 
 
 def test_cuda_started_first_is_said_with_the_fix(cuda):
@@ -67,8 +87,9 @@ def test_memtrain_train_sets_it_before_joining_the_group(cuda, monkeypatch, tmp_
     """Joining the torchrun group sets the device (CUDA starts): the variable must be set before it."""
     import memtrain.cli.train as cli_train
 
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "MEMTRAIN_SET_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")  # recorded, so that what the run sets is undone after the test
+        monkeypatch.delenv(name)
     seen = []
     group = cli_train.distributed_group
 

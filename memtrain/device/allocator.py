@@ -19,6 +19,16 @@ import torch
 
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch 2.9 reads the second too
 EXPANDABLE = "expandable_segments:True"
+# Set beside the variable when memtrain set it: a process started from this one (a notebook's `!memtrain train`, a
+# benchmark's runs) inherits both, and says the setting is memtrain's, not the user's.
+SET_BY_MEMTRAIN = "MEMTRAIN_SET_ALLOC_CONF"
+
+
+def read_names(version: str = torch.__version__) -> tuple[str, ...]:
+    """The variables the installed torch reads: ``PYTORCH_ALLOC_CONF`` only from torch 2.9 (before, a value there
+    is no setting of the allocator's)."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    return ENV_NAMES if (major, minor) >= (2, 9) else ENV_NAMES[:1]
 
 _decision: str | None = None  # the first decision of this process: the allocator has one set of settings
 
@@ -41,14 +51,14 @@ def configure_allocator(device: torch.device | str | None = None, environ: Mutab
         return "no cuda"
     if _decision is not None and _decision != "no cuda":
         return _decision
-    if any(name in environ for name in ENV_NAMES):
-        _decision = "user"
+    if any(name in environ for name in read_names()):
+        _decision = "memtrain" if environ.get(SET_BY_MEMTRAIN) == environ.get(ENV_NAMES[0]) == EXPANDABLE else "user"
     elif not torch.cuda.is_available():
         _decision = "no cuda"
     elif torch.cuda.is_initialized():
         _decision = "started"
     else:
-        environ[ENV_NAMES[0]] = EXPANDABLE
+        environ[ENV_NAMES[0]] = environ[SET_BY_MEMTRAIN] = EXPANDABLE
         _decision = "memtrain"
     return _decision
 
@@ -67,8 +77,8 @@ def allocator_reason(device: torch.device | str | None = None, environ: MutableM
                 "started): freed memory is reused across sizes, so fragmentation does not end the run before its "
                 f"budget; set {ENV_NAMES[0]} yourself to choose other settings")
     if decision == "user":
-        name = next(n for n in ENV_NAMES if n in environ)
-        return f"allocator: {name}={environ[name]!r}, as you set it (memtrain sets {EXPANDABLE} only where it is unset)"
+        given = ", ".join(f"{name}={environ[name]!r}" for name in read_names() if name in environ)
+        return f"allocator: {given}, as you set it (memtrain sets {EXPANDABLE} only where it is unset)"
     return (f"allocator: CUDA's defaults, without expandable segments: CUDA had started before memtrain could set "
             f"them. To use them, set {ENV_NAMES[0]}={EXPANDABLE} before your script first uses CUDA (memtrain "
             "train sets it itself)")
