@@ -577,10 +577,11 @@ def test_the_training_step_does_not_stall_the_device_queue_to_measure(tmp_path, 
     monkeypatch.setattr(SimulatedAccelerator, "reset_peak_memory_stats", counted("reset"))
     with simulate("64MiB"):
         train(_tiny_model(), _tiny_data(text_file), TrainConfig(max_steps=3, micro_batch_size=2, progress=False))
-    # The step's own wait at its end and its peak reset, the meter's reset (it reads the peak without waiting).
-    assert calls.count(("synchronize", "train.py")) == 3, calls
+    # The step's own wait at its end and its peak reset (memtrain/run/step.py), the meter's reset (it reads the peak
+    # without waiting).
+    assert calls.count(("synchronize", "step.py")) == 3, calls
     assert not [c for c in calls if c[1] == "measure.py" and c[0] == "synchronize"], calls
-    assert calls.count(("reset", "measure.py")) == 3 and calls.count(("reset", "train.py")) == 3, calls
+    assert calls.count(("reset", "measure.py")) == 3 and calls.count(("reset", "step.py")) == 3, calls
 
 
 def _rewrite_checkpoint(folder: Path, change) -> None:
