@@ -13,7 +13,7 @@ Example:
 'state_precision': 'bf16', 'step_in_backward': None, 'offload_fraction': None, 'name': None, 'kwargs': None}, \
 'chunked_loss': None, 'compile': False, \
 'pure_bf16': False, \
-'offload_weights': None}
+'offload_weights': None, 'tiled_mlp': None}
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from memtrain.techniques import (
     chunked_loss,
     problems,
     pure_bf16,
+    tiled_mlp,
     weight_offload,
 )
 from memtrain.techniques.checkpointing import policy_of
@@ -71,6 +72,8 @@ class Choices:
             master or its bf16 cast) and reach the device one block ahead of use, in forward and again in backward;
             the device holds the other parameters and two blocks' weights (True reduces memory: the weights that do
             not fit the device). Needs the offloaded optimizer; one process, eager.
+        tiled_mlp: each block's MLP over tiles of tokens (the hidden size's count), never its whole intermediate:
+            one more forward of the MLP for the long-sequence transient it removes (True reduces memory). Eager.
 
     Raises:
         ConfigError: every bad value and contradiction at once, each naming the fix.
@@ -83,6 +86,7 @@ class Choices:
     compile: bool = False  # --compile: train compiles the step, plan also considers compiled set-ups
     pure_bf16: bool = pure_bf16.FIELD  # True: no fp32 master (6 bytes/param less offloaded, 2 on the device)
     offload_weights: bool | None = weight_offload.FIELD
+    tiled_mlp: bool | None = tiled_mlp.FIELD
 
     def __post_init__(self) -> None:
         policy, problems_ = policy_of(self.checkpointing)

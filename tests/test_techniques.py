@@ -41,7 +41,7 @@ def test_a_fields_flag_is_declared_once_in_its_techniques_module():
             (name,) = technique.fields
             assert by_name[name].metadata is _module(technique).FIELD.metadata, name
     assert [name for name, _ in flags_of(Choices)] == ["offload_activations", "chunked_loss", "pure_bf16",
-                                                       "offload_weights"]
+                                                       "offload_weights", "tiled_mlp"]
 
 
 def test_a_message_names_only_what_was_given_and_the_fix_names_it_back():
@@ -87,13 +87,13 @@ def test_each_technique_is_one_module_with_one_technique_object():
     assert all(isinstance(t, techniques.Technique) and t.name for t in techniques.REGISTRY)
     from memtrain.planner import TECHNIQUES
 
-    assert TECHNIQUES == ("checkpointing", "selective", "offload-activations", "chunked-loss", "offload-optimizer",
-                          "bf16-weights", "optimizer-state", "step-in-backward", "offload-weights")
+    assert TECHNIQUES == ("checkpointing", "selective", "offload-activations", "chunked-loss", "tiled-mlp",
+                          "offload-optimizer", "bf16-weights", "optimizer-state", "step-in-backward", "offload-weights")
 
 
 NOTHING_FIXED = {"blocks": None, "flavor": None, "chunked_loss": None, "optimizer": None, "state_precision": None,
                  "step_in_backward": None, "offload_fraction": None, "compile": None, "pure_bf16": None,
-                 "offload_weights": None}
+                 "offload_weights": None, "tiled_mlp": None}
 CPU_NOTE = "activation offload has no effect on a CPU-only run (no device memory to save): off"
 
 
@@ -141,7 +141,7 @@ def test_a_selective_policy_the_planner_cannot_plan_is_refused_by_checkpointings
 
 def _space(problem: SimpleNamespace, fixed, order=None):
     space = SimpleNamespace(flavors=[], offload_blocks=False, placements=["device"], states=["fp32"],
-                            distributions=["none"], losses=[False], weights=[False], pure_bf16=False)
+                            distributions=["none"], losses=[False], weights=[False], tiled=[False], pure_bf16=False)
     registry = list(order or techniques.REGISTRY)
     for technique in registry:
         technique.candidates(space, problem, frozenset(techniques.SEARCH))
@@ -151,7 +151,7 @@ def _space(problem: SimpleNamespace, fixed, order=None):
 
 
 CUDA = SimpleNamespace(cuda=True, precision="bf16-mixed", world=2, fsdp=None, chunkable=True, blocks_all_train=True,
-                       int8=True, compile=True)
+                       int8=True, compile=True, mlp_tiles=8)
 
 
 def test_the_search_space_is_each_techniques_candidates_narrowed_by_its_fixed_choices():
@@ -162,7 +162,7 @@ def test_the_search_space_is_each_techniques_candidates_narrowed_by_its_fixed_ch
                      "placements": ["device", "offload", "offload-bf16-weights"], "states": ["fp32", "bf16", "int8"],
                      "distributions": ["ddp", "fsdp2"], "losses": [False, True], "weights": [False, True],
                      "in_backward": [False, True], "fractions": [0.0, 0.25, 0.5, 0.75], "compiled": [False, True],
-                     "pure_bf16": False}
+                     "tiled": [False, True], "pure_bf16": False}
     pure = _space(CUDA, Fixed(pure_bf16=True))  # no master: no bf16 device weights, int8 moments, FSDP2 or streaming
     assert (pure["placements"], pure["states"], pure["distributions"], pure["weights"], pure["pure_bf16"]) == (
         ["device", "offload"], ["fp32", "bf16"], ["ddp"], [False], True)
@@ -174,6 +174,9 @@ def test_the_search_space_is_each_techniques_candidates_narrowed_by_its_fixed_ch
     assert (cpu["fractions"], cpu["compiled"]) == ([0.0], [False])  # no partial offload on a CPU; eager
     fixed = _space(CUDA, Fixed(step_in_backward=True, offload_fraction=0.0, compile=False))
     assert (fixed["in_backward"], fixed["fractions"], fixed["compiled"]) == ([True], [0.0], [False])
+    # the tiled MLP: weighed where a sequence spans 4 tiles or more, fixed where given
+    short = _space(SimpleNamespace(**{**vars(CUDA), "mlp_tiles": 3}), Fixed())
+    assert (short["tiled"], _space(CUDA, Fixed(tiled_mlp=True))["tiled"]) == ([False], [True])
 
 
 @pytest.mark.parametrize("fixed", [
@@ -222,7 +225,7 @@ def test_an_estimates_options_are_each_techniques_own():
     parts = [t.trace_options(Choices(offload_weights=True), checkpointing="none", optimizer="adamw")[0]
              for t in techniques.REGISTRY]
     keys = [k for part in parts for k in part]
-    assert len(keys) == len(set(keys)) == 8, keys  # each option given by one technique
+    assert len(keys) == len(set(keys)) == 9, keys  # each option given by one technique
     # parameter offload streams the offloaded optimizer's master: the optimizer's options trace it offloaded
     assert techniques.optimizer.TECHNIQUE.trace_options(
         Choices(offload_weights=True), checkpointing="none", optimizer="adamw")[0]["optimizer"] == "adamw-offload"
@@ -266,7 +269,8 @@ def test_a_plans_estimate_options_are_each_techniques_own(monkeypatch):
     assert techniques.planned_options(s, names) == {
         "checkpointing": {"policies": {"b0": "offload", "b1": "recompute", "b2": "keep"}, "selective": ("matmul", "attention")},
         "chunked_loss": True, "optimizer": "adamw-offload", "state_precision": "bf16", "offload_fraction": 0.0,
-        "step_in_backward": False, "weights_dtype": "bf16", "pure_bf16": False, "accumulation": 4}
+        "step_in_backward": False, "weights_dtype": "bf16", "pure_bf16": False, "accumulation": 4,
+        "tiled_mlp": False}
     # inputs offloaded only where a block recomputes; a named class offloaded keeps all of its state on the host
     named = NamedOptimizer("torch.optim.SGD")
     s = dataclasses.replace(s, blocks=("keep",) * 3, flavor="offload-inputs", optimizer="offload",
@@ -349,7 +353,7 @@ def test_a_plans_record_reads_as_the_rules_set_up_through_each_technique():
     assert setup_of(s, 2, "bf16-mixed", chunkable=False) == SetUp(
         placement="offload", state_precision="bf16", step_in_backward=False, offload_fraction=None,
         optimizer=s.optimizer_class, pure_bf16=False, offload_weights=False, compile=False, chunked_loss=True,
-        precision="bf16-mixed", processes=2, fsdp=False, chunkable=False)
+        precision="bf16-mixed", processes=2, fsdp=False, chunkable=False, tiled_mlp=False)
     # a share offloaded is one only in (0, 1]: out of it, the optimizer names the value instead
     assert techniques.planned_setup(dataclasses.replace(s, offload_fraction=0.5)).offload_fraction == 0.5
     assert techniques.planned_setup(Fixed()) == SetUp(optimizer=Fixed().optimizer_class)  # nothing fixed
@@ -383,7 +387,7 @@ def test_the_searchs_order_is_the_optimizer_then_compile_loss_micro_batch_and_fl
 def test_the_choices_switches_are_read_from_their_fields():
     from memtrain.choices import ON_OFF, SWITCHES
 
-    assert SWITCHES == ("offload_activations", "chunked_loss", "offload_weights")  # True, False or None
+    assert SWITCHES == ("offload_activations", "chunked_loss", "offload_weights", "tiled_mlp")  # True, False or None
     assert ON_OFF == ("compile", "pure_bf16")  # True or False
 
 

@@ -6,8 +6,10 @@ so the recompute draws what forward drew.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -130,7 +132,24 @@ def _consumes_rng(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> 
 
 
 def _keeps(ops: frozenset[Any], op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    return getattr(op, "overloadpacket", None) in ops and not _consumes_rng(op, args, kwargs)
+    # A tiled MLP keeps its input and recomputes its tiles itself: keeping its matmuls would hold the whole
+    # intermediate it exists not to hold (it runs again whole in the block's recompute, keeping its input again).
+    return (getattr(op, "overloadpacket", None) in ops and not _consumes_rng(op, args, kwargs)
+            and not getattr(_region, "keeping_nothing", 0))
+
+
+_region = threading.local()
+
+
+@contextlib.contextmanager
+def keeping_nothing() -> Iterator[None]:
+    """A stretch of forward whose outputs a selective checkpoint keeps none of, whatever its policy: code that keeps
+    what it needs itself and recomputes the rest (the tiled MLP, ``memtrain.tiled_mlp``)."""
+    _region.keeping_nothing = getattr(_region, "keeping_nothing", 0) + 1
+    try:
+        yield
+    finally:
+        _region.keeping_nothing -= 1
 
 
 def keep_policy(ops: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -22,6 +22,7 @@ from memtrain.message import arg, marked
 from memtrain.techniques import REGISTRY, SetUp
 from memtrain.techniques import problems as rule_problems
 from memtrain.techniques.optimizer import STATE_PRECISIONS, NamedOptimizer
+from memtrain.tiled_mlp import supports_tiled_mlp
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 # memtrain's AdamW on the device or offloaded, estimate's names for torch's optimizers (as_optimizer), or any other
@@ -117,6 +118,7 @@ def check_arguments(
     accumulation: int,
     weights_dtype: str | None,
     pure_bf16: bool = False,
+    tiled_mlp: bool = False,
 ) -> tuple[str, bool, Checkpointing | dict[str, Any] | None, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
     """``trace``'s arguments checked before anything is built: (device type, whether AdamW is memtrain.optim's
     lean one, the checkpointing asked for, the batch's named shapes).
@@ -136,6 +138,9 @@ def check_arguments(
     if not isinstance(chunked_loss, bool):
         problems.append(f"{arg('chunked_loss', chunked_loss)} must be True or False. To resolve this error, pass "
                         f"{arg('chunked_loss', True)} or False.")
+    if not isinstance(tiled_mlp, bool):
+        problems.append(f"{arg('tiled_mlp', tiled_mlp)} must be True or False. To resolve this error, pass "
+                        f"{arg('tiled_mlp', True)} or False.")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         problems.append(f"accumulation={accumulation!r} must be an integer >= 1 (micro-batches per step). To "
                         "resolve this error, pass e.g. accumulation=1.")
@@ -192,7 +197,8 @@ def _model_problems(model: Any, batch: Any, arguments: Mapping[str, Any]) -> lis
     if spec is None or scratch:
         return []  # check_arguments named what is wrong with them
     try:
-        check_against_model(meta_model(model), spec, arguments.get("chunked_loss") is True)
+        check_against_model(meta_model(model), spec, arguments.get("chunked_loss") is True,
+                            tiled_mlp=arguments.get("tiled_mlp") is True)
     except ConfigError as e:
         return list(e.problems)
     except Exception:  # noqa: BLE001 - the trace names a model that fails to build, once the rest is fixed
@@ -223,7 +229,7 @@ def _unknown_or(value: Any, test: Callable[[torch.Tensor], torch.Tensor]) -> boo
 
 
 def check_against_model(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                        chunked_loss: bool) -> int:
+                        chunked_loss: bool, *, tiled_mlp: bool = False) -> int:
     """The batch checked against the model built from the config: positions, and a chunked loss it supports in
     bounded time. Returns the loss's chunk size in tokens (the model's own when its loss is chunked already).
 
@@ -240,7 +246,8 @@ def check_against_model(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...
             problems.append(f"batch: sequences of {shape[1]} tokens are longer than the model's {max_pos} positions. "
                             f"To resolve this error, pass {arg('seq_len')} <= {max_pos} or a config with more "
                             "positions.")
-    problems += rule_problems(SetUp(chunked_loss=chunked_loss, chunkable=supports_chunked_loss(meta)))
+    problems += rule_problems(SetUp(chunked_loss=chunked_loss, chunkable=supports_chunked_loss(meta),
+                                    tiled_mlp=tiled_mlp, tileable=supports_tiled_mlp(meta) if tiled_mlp else None))
     chunk_tokens = chunk_tokens_of(meta) or 1024  # the model's own chunk size when its loss is chunked already
     if chunked_loss and tokens > MAX_LOSS_CHUNKS * chunk_tokens:
         problems.append(f"batch: {tokens:,} tokens per micro-batch make {tokens // chunk_tokens:,} loss chunks of "

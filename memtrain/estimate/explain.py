@@ -54,7 +54,7 @@ def explain_peak(tracker: LiveTracker, peak_live: dict[int, tuple[int, tuple[Any
 def assumptions_of(*, keep_output: bool, optimizer_note: str, by_category: dict[str, int], accumulation: int,
                    streamed: bool, weights_dtype: str | None, on_cuda: bool, checkpointing: dict[str, Any] | None,
                    chunked_loss: bool, chunk_tokens: int, offload: SimulatedOffload | None,
-                   offloaded_bytes: int) -> list[str]:
+                   offloaded_bytes: int, tile_tokens: int | None = None) -> list[str]:
     """The assumptions a traced step's figures rest on, one sentence each."""
     assumptions = [
         "steady-state step (optimizer state allocated); forward with labels, backward, optimizer step, "
@@ -82,6 +82,9 @@ def assumptions_of(*, keep_output: bool, optimizer_note: str, by_category: dict[
     if chunked_loss:
         assumptions.append(f"loss: apply_chunked_loss ({chunk_tokens} tokens of fp32 logits at a time, recomputed "
                            "in backward)")
+    if tile_tokens is not None:
+        assumptions.append(f"MLP: apply_tiled_mlp ({tile_tokens or 'the hidden size of'} tokens a tile, in forward and "
+                           "again in backward, one tile at a time)")
     if offload is not None:
         assumptions.append(
             f"activation offload: {format_bytes(offloaded_bytes)} of saved activations ({len(offload.records)} "

@@ -28,6 +28,7 @@ from memtrain.estimate.simulated_offload import SimulatedOffload, simulate_offlo
 from memtrain.estimate.tracker import LiveTracker
 from memtrain.loss import apply_chunked_loss, output_head, remove_chunked_loss
 from memtrain.offload import ActivationOffloader, find_output_head
+from memtrain.tiled_mlp import TiledForward, apply_tiled_mlp
 
 
 @dataclass
@@ -62,7 +63,7 @@ class NullContext:
 # -- the model and its inputs ---------------------------------------------------------------------------------
 def prepare_model(model: Any, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                    ckpt: Checkpointing | dict[str, Any] | None, *, weights_dtype: str | None, chunked_loss: bool,
-                   offload_activations: bool) -> tuple[nn.Module, dict[str, Any] | None, bool, int]:
+                   offload_activations: bool, tiled_mlp: bool = False) -> tuple[nn.Module, dict[str, Any] | None, bool, int]:
     """A meta copy of ``model`` in training mode, checked against the batch, with the checkpointing and the loss
     asked for applied. Returns (it, the ``apply_checkpointing`` arguments, whether anything offloads, the loss's
     chunk size)."""
@@ -72,7 +73,7 @@ def prepare_model(model: Any, spec: Mapping[str, tuple[tuple[int, ...], torch.dt
         meta.config.use_cache = False  # as memtrain trains: a KV cache only holds memory in a training step
     if WEIGHT_DTYPES[weights_dtype] is not None:
         convert_weights(meta, WEIGHT_DTYPES[weights_dtype])
-    chunk_tokens = check_against_model(meta, spec, chunked_loss)
+    chunk_tokens = check_against_model(meta, spec, chunked_loss, tiled_mlp=tiled_mlp)
     remove_checkpointing(meta)
     kwargs = ckpt.arguments(meta) if isinstance(ckpt, Checkpointing) else ckpt
     offloads = offload_activations or "offload" in ((kwargs or {}).get("policies") or {}).values()
@@ -86,6 +87,8 @@ def prepare_model(model: Any, spec: Mapping[str, tuple[tuple[int, ...], torch.dt
     remove_chunked_loss(meta)
     if chunked_loss:
         apply_chunked_loss(meta, chunk_tokens=chunk_tokens)
+    if tiled_mlp:  # check_against_model refused a model with no MLP to tile
+        apply_tiled_mlp(meta)
     return meta, kwargs, offloads, chunk_tokens
 
 
@@ -174,6 +177,10 @@ def _cuda_rules(meta: nn.Module, where: Where, tracker: LiveTracker, autocast_dt
             if rules is not None:
                 wrapped.original = rules.around_recompute(wrapped.original)
     if rules is not None:
+        for module in meta.modules():  # each tile is recomputed in backward: under the same rules
+            tiled = module.__dict__.get("forward")
+            if isinstance(tiled, TiledForward):
+                tiled.untiled = rules.around_recompute(tiled.untiled)
         rules.tracker = tracker
         if chunked_loss:  # each chunk's logits are recomputed in backward: under the same rules
             head = output_head(meta)

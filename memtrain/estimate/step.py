@@ -39,6 +39,7 @@ from memtrain.estimate.tracker import LiveTracker, Run
 from memtrain.measure import as_loss
 from memtrain.offload import MIN_BYTES_DEFAULT
 from memtrain.report import MemoryReport
+from memtrain.tiled_mlp import tiled_mlp_tokens
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def estimate(
             ``setup.optimizer.placement="offload"`` makes ``"adamw"`` ``"adamw-offload"``.
         setup: the one set-up the step runs with (``memtrain.choices.Choices``; a None in it means off, fp32
             moments, no offload: there is no planner here). Its ``offload_activations``, ``chunked_loss``,
-            ``pure_bf16`` and ``optimizer``'s ``state_precision``, ``offload_fraction`` and ``step_in_backward`` are
+            ``pure_bf16``, ``tiled_mlp`` and ``optimizer``'s ``state_precision``, ``offload_fraction`` and ``step_in_backward`` are
             ``trace``'s keywords of those names (what each does to the step is said there); ``compile``: the
             prediction is still the eager step's, and the report's assumptions say so; ``offload_weights``: the
             blocks' weights streamed from host RAM (implies the offloaded optimizer).
@@ -189,6 +190,7 @@ def trace(
     runs: bool = False,
     offload_min_bytes: int = MIN_BYTES_DEFAULT,
     no_gradient: frozenset[str] = frozenset(), pure_bf16: bool = False,  # pure: bf16 weights, no master
+    tiled_mlp: bool = False,
 ) -> Trace:
     """``estimate``'s step, with what the planner composes plans from: the bytes and work of every block's
     forward and backward.
@@ -209,6 +211,8 @@ def trace(
             its loss is chunked already, else 1024 tokens of logits at a time) instead of on the whole batch's fp32
             logits; applied to a copy of the model.
         pure_bf16: bf16 weights with no fp32 master anywhere (pure bf16 AdamW).
+        tiled_mlp: each block's MLP over tiles of tokens (``memtrain.tiled_mlp.apply_tiled_mlp``, a tile the hidden
+            size's count), applied to the copy of the model; the model's own tiling stays where it has one.
         runs: record the runs (``Trace.runs``; empty otherwise).
         offload_min_bytes: the smallest storage the simulated offloader moves (the real one's by default).
         no_gradient: trainable parameters given no gradient, so no optimizer state: those the loss does not reach
@@ -221,12 +225,14 @@ def trace(
         model, batch, device=device, precision=precision, checkpointing=checkpointing,
         offload_activations=offload_activations, optimizer=optimizer, state_precision=state_precision,
         offload_fraction=offload_fraction, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
-        micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation, weights_dtype=weights_dtype)
+        micro_batch_size=micro_batch_size, seq_len=seq_len, accumulation=accumulation, weights_dtype=weights_dtype,
+        tiled_mlp=tiled_mlp)
     step = _set_up(model, spec, ckpt, isinstance(batch, Mapping), device_type=device_type, precision=precision,
                    lean=lean, optimizer=optimizer, state_precision=state_precision, offload_fraction=offload_fraction,
                    step_in_backward=step_in_backward, chunked_loss=chunked_loss, accumulation=accumulation,
                    weights_dtype=weights_dtype, offload_activations=offload_activations, replay=replay, runs=runs,
-                   offload_min_bytes=offload_min_bytes, no_gradient=no_gradient, pure_bf16=pure_bf16)
+                   offload_min_bytes=offload_min_bytes, no_gradient=no_gradient, pure_bf16=pure_bf16,
+                   tiled_mlp=tiled_mlp)
     ran = _run_step(step, batch, keep_output, no_gradient)
     if ran.unreached:  # as the optimizers do, no state for them: the step again (outside this one's modes) without it
         return trace(**{**arguments, "no_gradient": no_gradient | ran.unreached})
@@ -263,14 +269,15 @@ def _set_up(model: Any, spec: Any, ckpt: Any, named_inputs: bool, *, device_type
             lean: bool, optimizer: OptimizerKind, state_precision: str, offload_fraction: float,
             step_in_backward: bool, chunked_loss: bool, accumulation: int, weights_dtype: str | None,
             offload_activations: bool, replay: bool, runs: bool, offload_min_bytes: int,
-            no_gradient: frozenset[str], pure_bf16: bool) -> _Step:
+            no_gradient: frozenset[str], pure_bf16: bool, tiled_mlp: bool) -> _Step:
     """The model's meta copy with the set-up applied (``prepare_model``), its fake inputs, the optimizer's state
     figures and the watchers of the step (allocations, runs, the simulated offloader)."""
     on_cuda = device_type == "cuda" and active_simulation() is None  # simulated: the CPU's kernels, no cuBLAS
     round_to = CUDA_BLOCK if device_type == "cuda" else 1  # a simulated device's allocator is CUDA's
     meta, kwargs, offloads, chunk_tokens = prepare_model(model, spec, ckpt, chunked_loss=chunked_loss,
                                                          weights_dtype="bf16" if pure_bf16 else weights_dtype,
-                                                         offload_activations=offload_activations)
+                                                         offload_activations=offload_activations,
+                                                         tiled_mlp=tiled_mlp)
     fake_mode, inputs = fake_inputs(meta, spec, on_cuda)
     run = call_convention(meta, spec, named_inputs)
 
@@ -438,7 +445,8 @@ def _report_of(step: _Step, ran: _Ran, *, device_type: str, keep_output: bool, a
     assumptions = assumptions_of(keep_output=keep_output, optimizer_note=optim.note, by_category=by_category,
                                  accumulation=accumulation, streamed=bool(optim.leaving), weights_dtype=weights_dtype,
                                  on_cuda=step.on_cuda, checkpointing=step.checkpointing, chunked_loss=chunked_loss,
-                                 chunk_tokens=step.chunk_tokens, offload=offload, offloaded_bytes=offloaded_bytes)
+                                 chunk_tokens=step.chunk_tokens, offload=offload, offloaded_bytes=offloaded_bytes,
+                                 tile_tokens=tiled_mlp_tokens(step.meta))
     assumptions += _no_gradient_note(no_gradient)
     return MemoryReport(
         parameter_bytes=sum(p.numel() * p.element_size() for p in step.params),

@@ -34,6 +34,7 @@ from memtrain.planner.cost import fsdp2_param_dtype
 from memtrain.planner.settings import Plan, PlanSettings
 from memtrain.precision import MixedPrecision
 from memtrain.techniques import problems as rule_problems
+from memtrain.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 
 
 # -- apply_plan ---------------------------------------------------------------------------------------------
@@ -183,6 +184,14 @@ def chunked_loss(a: Applying) -> None:
         apply_chunked_loss(a.model)
 
 
+def tiled_mlp(a: Applying) -> None:
+    """Each block's MLP over tiles of tokens, or whole again. A model stage: before the model is wrapped, sharded
+    or compiled (the blocks' own MLPs are tiled, whichever wrapper calls them)."""
+    remove_tiled_mlp(a.model)
+    if a.settings.tiled_mlp:
+        apply_tiled_mlp(a.model)
+
+
 def kv_cache_off(a: Applying) -> None:
     """Turns the model's KV cache off (``config.use_cache``): it only holds memory in training, and the plan's
     estimate has none. A model stage, so a re-plan's model has it off too."""
@@ -309,6 +318,7 @@ def gradient_accumulation(a: Applying) -> None:
 MODEL_STAGES: tuple[Stage, ...] = (
     Stage("activation checkpointing", activation_checkpointing),
     Stage("chunked loss", chunked_loss),
+    Stage("tiled MLP", tiled_mlp),
     Stage("KV cache", kv_cache_off),
 )
 STAGES: tuple[Stage, ...] = (

@@ -27,6 +27,7 @@ from memtrain.techniques.optimizer.cost import (
     step_temp_after_backward,
     weights_profile,
 )
+from memtrain.techniques.tiled_mlp import profile_kind
 from memtrain.techniques.weight_offload import (
     streamed_weight_bytes,
     weights_host_bytes,
@@ -145,9 +146,9 @@ class Composer:
         ``is_off``, the recomputed kind's where ``is_rec``, the kept kind's elsewhere."""
         b, prof = cfg.micro_batch_size, self.profile_of(cfg)
         # Blocks compiled one by one run their own code compiled whatever the set-up (see compile_model).
-        keep = self.arrays(prof, "keep", b, cfg.compile)
-        rec = self.arrays(prof, cfg.flavor, b, cfg.compile) if is_rec.any() else keep
-        off = self.arrays(prof, "offload", b, cfg.compile) if is_off.any() else keep
+        keep = self.arrays(prof, profile_kind("keep", cfg), b, cfg.compile)
+        rec = self.arrays(prof, profile_kind(cfg.flavor, cfg), b, cfg.compile) if is_rec.any() else keep
+        off = self.arrays(prof, profile_kind("offload", cfg), b, cfg.compile) if is_off.any() else keep
 
         def pick(name: str) -> np.ndarray:
             return np.where(is_off, getattr(off, name), np.where(is_rec, getattr(rec, name), getattr(keep, name)))
@@ -178,7 +179,7 @@ class Composer:
         the optimizer) share a ``Layout``, so its blocks' figures are picked and summed once."""
         groups: dict[tuple[Any, ...], list[int]] = {}
         for k, (cfg, offload, recompute) in enumerate(jobs):
-            key = (id(self.profile_of(cfg)), cfg.micro_batch_size, cfg.compile, cfg.flavor,
+            key = (id(self.profile_of(cfg)), cfg.micro_batch_size, cfg.compile, profile_kind(cfg.flavor, cfg),
                    offload.tobytes(), recompute.tobytes())
             groups.setdefault(key, []).append(k)
         out: list[tuple[np.ndarray, ...]] = [()] * len(jobs)

@@ -282,7 +282,7 @@ def tail_profile(t1: Trace, t2: Trace) -> TailProfile:
 class Profiles:
     """Everything composition needs, for one weights dtype."""
 
-    kinds: dict[str, KindProfile]  # "keep", "full", "selective", "offload-inputs", "offload"
+    kinds: dict[str, KindProfile]  # "keep", "full", "selective", "offload-inputs", "offload"; each "+tiled" too
     tails: dict[bool, TailProfile]  # chunked loss or not
     fixed_bytes: int  # the traced fixed bytes (parameters, buffers, inputs at b=1, AdamW state, workspaces)
     input_bytes: tuple[float, float]  # the batch's own bytes, affine in b

@@ -75,6 +75,7 @@ from memtrain.report import format_bytes
 from memtrain.techniques import refuses
 from memtrain.techniques.optimizer.cost import profile_key, space_profiles
 from memtrain.techniques.view import SearchSpace
+from memtrain.tiled_mlp import mlp_width
 
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
@@ -216,7 +217,7 @@ def _composer(ctx: Problem, space: SearchSpace, results: CandidateTable,
     for i, dtype in enumerate(weights, 1):
         PROGRESS.info(f"plan: tracing a step of each kind of block at micro-batches 1 and 2 ({dtype or 'fp32'} "
                       f"weights on the device, {i} of {len(weights)})")
-        profiles[dtype] = build_profiles(ctx, space.flavors, space.offload_blocks, dtype)
+        profiles[dtype] = build_profiles(ctx, space.flavors, space.offload_blocks, dtype, tiled=True in space.tiled)
     return Composer(ctx, profiles)
 
 
@@ -305,6 +306,11 @@ class _SearchProblem:
     @functools.cached_property
     def int8(self) -> bool:
         return _int8_runs(self._ctx.device)
+
+    @functools.cached_property
+    def mlp_tiles(self) -> int:
+        width = mlp_width(self._ctx.model)
+        return self._ctx.seq_len // width if width else 0
 
 
 def _blocks_all_train(ctx: Problem) -> bool:
@@ -414,7 +420,7 @@ def composer_for(ctx: Problem, given: Sequence[PlanSettings]) -> Composer:
     profiles: dict[Any, Profiles] = {}
     for dtype in (None, "bf16"):  # the device weights' dtypes of the set-ups (optimizer.cost.profile_key)
         if any(profile_key(s) == dtype for s in given):
-            profiles[dtype] = build_profiles(ctx, flavors, offload, dtype)
+            profiles[dtype] = build_profiles(ctx, flavors, offload, dtype, tiled=any(s.tiled_mlp for s in given))
     return Composer(ctx, profiles)
 
 

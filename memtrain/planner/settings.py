@@ -49,6 +49,7 @@ class Configuration:
     pure_bf16: bool = False  # bf16 weights, no fp32 master, updates rounded stochastically (only when asked for)
     # Parameter offload: the blocks' weights in host RAM (the offloaded optimizer's), streamed one block ahead
     offload_weights: bool = False
+    tiled_mlp: bool = False  # each block's MLP over tiles of tokens (memtrain.tiled_mlp)
     # The optimizer's class: memtrain's AdamW, or one the run names (never the plan's choice). Out of the repr (the
     # search's tables are compared by it): memtrain's AdamW for every configuration of a plan but a named class's.
     optimizer_class: NamedOptimizer = dataclasses.field(default=NamedOptimizer(), repr=False)
@@ -94,6 +95,12 @@ class PlanSettings(Configuration):
     def loss_text(self) -> str:
         """The loss in one word: "chunked" (1024 tokens of logits at a time) or "whole"."""
         return techniques.chunked_loss.TECHNIQUE.planned_text(self)
+
+    @property
+    def mlp_text(self) -> str:
+        """", tiled MLP" where the blocks' MLPs are tiled, else "" (to follow the loss in a set-up's words)."""
+        text = techniques.tiled_mlp.TECHNIQUE.planned_text(self)
+        return f", {text}" if text else ""
 
     @property
     def checkpointing(self) -> str:
@@ -445,7 +452,7 @@ class Plan:
             f"plan for {self.parameters / 1e6:.1f}M parameters, {self.global_batch_size} x {self.seq_len} tokens per "
             f"step, {self.precision}, on {self.device_profile.name} x {self.world_size}; budget {budget}",
             f"  choice: micro-batch {s.micro_batch_size} x {s.accumulation} accumulation, checkpointing "
-            f"{s.checkpointing}, loss {s.loss_text}, optimizer {s.optimizer_text}, "
+            f"{s.checkpointing}, loss {s.loss_text}{s.mlp_text}, optimizer {s.optimizer_text}, "
             f"{s.distribution if self.world_size > 1 else 'one process'}{', compiled' if s.compile else ''}",
             f"  predicted: peak {format_bytes(self.peak_bytes)} per rank, host {format_bytes(self.host_bytes)}, "
             f"step {self.step_seconds * 1e3:.1f} ms, {self.tokens_per_s:,.0f} tokens/s",
@@ -458,7 +465,7 @@ class Plan:
             for c in self.candidates:
                 cs = c.settings
                 rows.append((f"{cs.micro_batch_size} x {cs.accumulation}", cs.checkpointing,
-                             cs.loss_text,
+                             cs.loss_text + cs.mlp_text,
                              cs.optimizer_text + (" +compile" if cs.compile else ""), cs.distribution,
                              format_bytes(c.peak_bytes) + ("" if c.verified else "*"), f"{c.tokens_per_s:,.0f}",
                              c.lost_because))

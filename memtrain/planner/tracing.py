@@ -25,6 +25,7 @@ from memtrain.planner.profiles import (
     tail_profile,
 )
 from memtrain.planner.settings import Problem
+from memtrain.techniques.tiled_mlp import kind_name
 
 # -- the step traced with every block of one kind ----------------------------------------------------------
 _KIND_CHECKPOINTING: dict[str, Any] = {
@@ -122,38 +123,44 @@ def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cu
     }
 
 
-def build_profiles(ctx: Problem, flavors: Sequence[str], offload: bool, weights: str | None) -> Profiles:
+def build_profiles(ctx: Problem, flavors: Sequence[str], offload: bool, weights: str | None,
+                   tiled: bool = False) -> Profiles:
     """Traces the step with every block of one kind, at micro-batches 1 and 2, and cuts the traces into
-    per-block profiles (two traces a kind). Identical blocks are traced three of them (see truncated_copy)."""
+    per-block profiles (two traces a kind; ``tiled``: each kind again with its MLP tiled, ``kind_name``).
+    Identical blocks are traced three of them (see truncated_copy)."""
     truncated = truncated_copy(ctx.model, ctx.block_names)
     if truncated is not None:
         try:
-            return profiles_from_traces(ctx, flavors, offload, weights, truncated)
+            return profiles_from_traces(ctx, flavors, offload, weights, truncated, tiled)
         except MemtrainError:
             # A model whose forward needs every block (it indexes them by its config), or whose interior blocks
             # do not profile alike: trace it whole.
             pass
-    return profiles_from_traces(ctx, flavors, offload, weights, None)
+    return profiles_from_traces(ctx, flavors, offload, weights, None, tiled)
 
 
 def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, weights: str | None,
-                     truncated: tuple[nn.Module, list[int]] | None) -> Profiles:
+                     truncated: tuple[nn.Module, list[int]] | None, tiled: bool = False) -> Profiles:
     traced_model, index = truncated if truncated is not None else (ctx.model, list(range(len(ctx.block_names))))
 
     traced_blocks = find_blocks(traced_model)
     kinds = {k: _KIND_CHECKPOINTING[k] for k in ("keep", *flavors)}
     if offload:
         kinds["offload"] = {"policies": dict.fromkeys(traced_blocks, "offload")}
+    block_kinds = list(kinds)
     if ctx.chunkable and not flavors:
         kinds["keep-chunked"] = "none"  # no recomputed kind to carry the chunked loss: a trace of its own for it
+    if tiled:  # the blocks' kinds again with the MLP tiled (the loss's figures are the untiled traces')
+        kinds.update({kind_name(k, True): kinds[k] for k in block_kinds})
     traces: dict[str, tuple[Trace, Trace]] = {}
     for kind, checkpointing in kinds.items():
         # The kept and offloaded traces carry the whole loss, the others the chunked one (where the model has it):
         # the loss's own figures do not depend on the blocks' kind.
-        chunked = ctx.chunkable and kind not in ("keep", "offload")
+        chunked = ctx.chunkable and kind.removesuffix("+tiled") not in ("keep", "offload")
         first, second = (trace(traced_model, step_batch(ctx, b), device=ctx.device, precision=ctx.precision,
                                checkpointing=checkpointing, chunked_loss=chunked, optimizer="adamw",
-                               weights_dtype=weights, runs=True, offload_min_bytes=0) for b in (1, 2))
+                               weights_dtype=weights, runs=True, offload_min_bytes=0,
+                               tiled_mlp=kind.endswith("+tiled")) for b in (1, 2))
         # offload_min_bytes=0: every storage the offloader could move is recorded with its size, and offloader_bytes keeps
         # those at least its threshold at the candidate's micro-batch.
         traces[kind] = (first, second)

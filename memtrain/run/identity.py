@@ -190,7 +190,7 @@ RESUME_POLICY: dict[str, str] = {
     **dict.fromkeys(("seed", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "precision",
                      "offload_optimizer", "fsdp"), "refuse"),
     **dict.fromkeys(("max_steps", "save_every", "eval_every", "eval_batches", "progress", "sample_bytes",
-                     "micro_batch_size", "checkpointing", "offload_activations", "chunked_loss",
+                     "micro_batch_size", "checkpointing", "offload_activations", "chunked_loss", "tiled_mlp",
                      "compile"), "apply"),
 }
 

@@ -30,6 +30,7 @@ from memtrain.techniques import (
     distribution,
     optimizer,
     pure_bf16,
+    tiled_mlp,
     weight_offload,
 )
 from memtrain.techniques.fixing import Fixing
@@ -40,13 +41,13 @@ from memtrain.techniques.view import PlanView
 # In the order a plan's reasons name them, which is also the order the search space is narrowed in: the optimizer's
 # fixed placement before pure bf16 narrows the placements, and pure bf16 before parameter offload drops it.
 REGISTRY: tuple[Technique, ...] = tuple(module.TECHNIQUE for module in (
-    checkpointing, activation_offload, chunked_loss, optimizer, pure_bf16, weight_offload, accumulation, distribution,
-    compiled))
+    checkpointing, activation_offload, chunked_loss, tiled_mlp, optimizer, pure_bf16, weight_offload, accumulation,
+    distribution, compiled))
 # The search's cross product, outermost first (each technique's ``Technique.axis``): the order its candidates are
 # composed and ranked in where two tie, so that a plan does not depend on the registry's order.
 SEARCH_ORDER: tuple[Technique, ...] = tuple(module.TECHNIQUE for module in (
-    distribution, optimizer, pure_bf16, compiled, chunked_loss, accumulation, checkpointing, weight_offload,
-    activation_offload))
+    distribution, optimizer, pure_bf16, compiled, chunked_loss, tiled_mlp, accumulation, checkpointing,
+    weight_offload, activation_offload))
 RULES: tuple[Rule, ...] = tuple(rule for technique in REGISTRY for rule in technique.rules)
 SEARCH: tuple[str, ...] = tuple(name for technique in REGISTRY for name in technique.search)
 

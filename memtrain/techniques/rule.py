@@ -45,6 +45,8 @@ class SetUp:
     chunkable: a fact of the model where a site knows it: whether ``memtrain.loss`` can chunk its loss.
     has_blocks: a fact of the model where a site knows it: whether it has repeated blocks (``find_blocks`` found
         some).
+    tiled_mlp: the blocks' MLPs computed over tiles of tokens (True) or whole (False).
+    tileable: a fact of the model where a site knows it: whether ``memtrain.tiled_mlp`` finds an MLP to tile.
     """
 
     placement: str | None = None
@@ -63,6 +65,8 @@ class SetUp:
     chunked_loss: bool | None = None
     chunkable: bool | None = None
     has_blocks: bool | None = None
+    tiled_mlp: bool | None = None
+    tileable: bool | None = None
 
     @property
     def several_processes(self) -> bool:

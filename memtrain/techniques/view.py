@@ -62,6 +62,7 @@ class SearchSpace:
     in_backward: the optimizer stepping after backward (False) or in it (True); fractions: a device optimizer's
         shares of state in host RAM (0.0: none).
     losses: the loss whole (False) or chunked (True); weights: parameter offload off (False) or on (True).
+    tiled: the blocks' MLPs whole (False) or over tiles of tokens (True).
     compiled: eager (False) or compiled (True).
     pure_bf16: only pure bf16 set-ups (fixed).
     """
@@ -72,6 +73,7 @@ class SearchSpace:
     states: list[str] = field(default_factory=lambda: ["fp32"])
     distributions: list[str] = field(default_factory=lambda: ["none"])
     losses: list[bool] = field(default_factory=lambda: [False])
+    tiled: list[bool] = field(default_factory=lambda: [False])
     weights: list[bool] = field(default_factory=lambda: [False])
     in_backward: list[bool] = field(default_factory=lambda: [False])
     fractions: list[float] = field(default_factory=lambda: [0.0])
@@ -83,7 +85,7 @@ class SearchProblem(Protocol):
     """What the search's candidates depend on: the device ("cuda": streams and a link to the host), the compute
     precision, the ranks (``fsdp``: True FSDP2, False DDP, None both), whether the loss can be chunked, whether every
     block's weights train, whether bitsandbytes' int8 moments run here, and whether the run compiles (compiled
-    set-ups are weighed too)."""
+    set-ups are weighed too); and how many tiles of a tiled MLP a sequence spans (0: the model has none)."""
 
     cuda: bool
     precision: str
@@ -93,6 +95,7 @@ class SearchProblem(Protocol):
     blocks_all_train: bool
     int8: bool
     compile: bool
+    mlp_tiles: int
 
 
 class SearchRun(Protocol):
