@@ -32,7 +32,8 @@ def _lines(fig):
 
 
 def _metrics(peaks):
-    return [{"step": i + 1, "peak_bytes": peak, "activation_bytes": (30 + i) * MIB, "model_state_bytes": 100 * MIB,
+    return [{"step": i + 1, "peak_bytes": peak, "peak_reserved_bytes": peak and peak + 64 * MIB,
+             "activation_bytes": (30 + i) * MIB, "model_state_bytes": 100 * MIB,
              "parameter_bytes": 25 * MIB, "gradient_bytes": 25 * MIB, "optimizer_state_bytes": 50 * MIB}
             for i, peak in enumerate(peaks)]
 
@@ -41,11 +42,13 @@ def test_memory_figure_draws_the_budget_the_predicted_and_measured_peak_and_each
     metrics = _metrics([280 * MIB, 310 * MIB, 290 * MIB, 295 * MIB])
     fig = memory_figure(BARS, metrics, _run_plan(), [{"step": 3}])
     steps_ax, lines = _lines(fig)
-    assert set(lines) == {"allocator peak", "saved activations", "model state", "budget 1.00 GiB",
+    assert set(lines) == {"allocator peak reserved", "allocator peak", "saved activations", "model state",
+                          "budget 1.00 GiB",
                           "predicted peak 300.00 MiB", "measured peak 310.00 MiB",
                           "predicted saved activations 40.00 MiB", "re-plan at step 3"}, sorted(lines)
     assert list(lines["allocator peak"].get_xdata()) == [1, 2, 3, 4]
     assert list(lines["allocator peak"].get_ydata()) == [280, 310, 290, 295]  # MiB, per step
+    assert list(lines["allocator peak reserved"].get_ydata()) == [344, 374, 354, 359]  # held from the driver
     assert list(lines["saved activations"].get_ydata()) == [30, 31, 32, 33]
     assert list(lines["budget 1.00 GiB"].get_ydata()) == [1024, 1024]  # a horizontal line at the budget
     assert list(lines["predicted peak 300.00 MiB"].get_ydata()) == [300, 300]

@@ -58,7 +58,8 @@ def write_run_report(out: Path, metrics: list[dict[str, Any]], in_force: PlanInF
 
 
 # memory.png's timeline: metrics.jsonl's memory figures of each step.
-TIMELINE = (("peak_bytes", "allocator peak", "tab:purple"), ("activation_bytes", "saved activations", "tab:blue"),
+TIMELINE = (("peak_reserved_bytes", "allocator peak reserved", "tab:pink"),
+            ("peak_bytes", "allocator peak", "tab:purple"), ("activation_bytes", "saved activations", "tab:blue"),
             ("model_state_bytes", "model state", "tab:green"))
 
 
@@ -67,7 +68,8 @@ def memory_figure(bars: dict[str, dict[str, int]], metrics: list[dict[str, Any]]
     """memory.png's figure (a ``matplotlib.figure.Figure``): on the left each category's bytes, ``bars`` side by
     side; on the right the memory of each optimizer step (the allocator's peak, CUDA only; the bytes saved for
     backward; the model state) on a log scale, against the budget, the predicted peak and saved activations of
-    the plan at the end, the measured peak (the highest step's) and the steps that re-planned."""
+    the plan at the end, the measured peak (the highest step's) and the steps that re-planned. The allocator's
+    reserved peak (CUDA: what it holds from the driver, fragmentation included) is drawn above its allocated one."""
     from matplotlib.figure import Figure  # no pyplot: no global figure registry, no GUI backend
     from matplotlib.ticker import MaxNLocator
 

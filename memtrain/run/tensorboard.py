@@ -22,7 +22,8 @@ MIB = 2**20
 SCALARS: dict[str, tuple[str, int]] = {
     "loss": ("train/loss", 1), "eval_loss": ("eval/loss", 1), "lr": ("train/lr", 1),
     "tokens_per_s": ("train/tokens_per_s", 1), "grad_norm": ("train/grad_norm", 1),
-    "peak_bytes": ("memory/peak_MiB", MIB), "activation_bytes": ("memory/saved_activations_MiB", MIB),
+    "peak_bytes": ("memory/peak_MiB", MIB), "peak_reserved_bytes": ("memory/peak_reserved_MiB", MIB),
+    "activation_bytes": ("memory/saved_activations_MiB", MIB),
     "model_state_bytes": ("memory/model_state_MiB", MIB),
 }
 HOST_TAG = "memory/host_resident_MiB"  # the process's resident host memory when the step was logged
