@@ -206,6 +206,7 @@ class MemoryMeter:
         self._state_keys: dict[int, int] = {}
         self._saved: dict[int, int] = {}
         self._phases: list[tuple[str, int, int]] = []  # (phase, allocated, running max) on an accelerator
+        self._peak_reserved: int | None = None  # the allocator's peak reserved at the last phase boundary
         self._gradient_bytes: int | None = None
         self._hooks: contextlib.AbstractContextManager | None = None
         self._acc: Accelerator | None = None  # the device seam whose allocator counts (None: no allocator peak)
@@ -267,6 +268,7 @@ class MemoryMeter:
             self._acc.reset_peak_memory_stats()
         self._saved.clear()
         self._phases.clear()
+        self._peak_reserved = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         _ACTIVE_METERS.append(self)
@@ -288,6 +290,7 @@ class MemoryMeter:
             if self.synchronize:
                 self._acc.synchronize()
             self._phases.append((phase, self._acc.memory_allocated(), self._acc.max_memory_allocated()))
+            self._peak_reserved = self._acc.max_memory_reserved()
 
     # -- results ----------------------------------------------------------------------------------------
     @property
@@ -327,6 +330,7 @@ class MemoryMeter:
             peak_bytes=peak_bytes,
             peak_phase=peak_phase,
             phase_bytes=phase_bytes,
+            reserved_bytes=self._peak_reserved if self._phases else None,
         )
 
 

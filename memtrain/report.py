@@ -61,7 +61,9 @@ class MemoryReport:
     ``activation_bytes`` counts the tensors autograd saved for backward, each storage once (views and tensors
     saved twice count once); parameters and buffers that ops save are model state, not activations.
     ``peak_bytes`` is the device allocator's peak (CUDA) or a prediction (``source == "estimated"``); it is
-    ``None`` where nothing can measure it (a CPU run).
+    ``None`` where nothing can measure it (a CPU run). ``reserved_bytes`` is the allocator's peak reserved (what
+    it held from the driver: the peak plus its segments' free room), measured or, for an estimate on CUDA,
+    predicted by the caching allocator's rules (``memtrain.device.segments``); ``None`` elsewhere.
     """
 
     parameter_bytes: int
@@ -76,6 +78,7 @@ class MemoryReport:
     phase_bytes: tuple[tuple[str, int], ...] = ()
     host_bytes: int = 0
     assumptions: tuple[str, ...] = field(default_factory=tuple)
+    reserved_bytes: int | None = None
 
     @property
     def model_state_bytes(self) -> int:
@@ -109,6 +112,8 @@ class MemoryReport:
         ]
         if self.peak_bytes is not None:
             rows.append((f"{self.device} peak", self.peak_bytes))
+        if self.reserved_bytes is not None:
+            rows.append((f"{self.device} peak reserved", self.reserved_bytes))
         rows += [(f"allocated after {phase}", n) for phase, n in self.phase_bytes]
         if self.host_bytes:
             rows.append(("host (CPU) memory", self.host_bytes))

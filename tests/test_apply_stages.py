@@ -16,13 +16,14 @@ from memtrain.planner.apply import APPLIED_BY, MODEL_STAGES, NOT_TECHNIQUES, STA
 from memtrain.techniques import REGISTRY
 
 # The order the module's and apply_plan's docstrings say, by stage.
-DOCUMENTED = ("activation_checkpointing", "chunked_loss", "kv_cache_off", "pure_bf16", "offloaded_optimizer",
-              "placement", "parameter_offload", "data_parallelism", "torch_compile", "device_optimizer",
+DOCUMENTED = ("activation_checkpointing", "chunked_loss", "tiled_mlp", "kv_cache_off", "pure_bf16",
+              "offloaded_optimizer", "placement", "parameter_offload", "data_parallelism", "torch_compile", "device_optimizer",
               "gradient_accumulation")
 # Each constraint of the order: (this stage, before that one, why).
 BEFORE = (
     ("activation_checkpointing", "torch_compile", "compile takes the wrapped blocks (per block where they offload)"),
     ("chunked_loss", "torch_compile", "compile takes the chunked head as it is"),
+    ("tiled_mlp", "data_parallelism", "DDP and FSDP2 wrap the blocks whose MLPs are tiled"),
     ("activation_checkpointing", "data_parallelism", "FSDP2 shards the blocks as they are wrapped"),
     ("pure_bf16", "offloaded_optimizer", "pure bf16's optimizer keeps no master: the bf16 weights are its own"),
     ("pure_bf16", "placement", "the device never holds pure bf16's weights in fp32"),
@@ -97,7 +98,7 @@ def test_apply_plan_runs_every_stage_once_in_order_and_configure_model_the_model
     assert tuple(ran) == DOCUMENTED, ran
     ran.clear()
     assert configure_model(model, _settings()) == [f"blocks.{i}" for i in range(4)]
-    assert tuple(ran) == DOCUMENTED[:3], ran
+    assert tuple(ran) == DOCUMENTED[:4], ran
 
 
 def test_a_stage_with_nothing_to_do_leaves_the_model_as_it_is():

@@ -84,15 +84,19 @@ def accelerator(device: torch.device | str | None = None) -> Accelerator:
 
 
 @contextmanager
-def simulate(capacity: int | str, *, lag: int | None = 1, host_capacity: int | str | None = None
-             ) -> Iterator[SimulatedAccelerator]:
-    """A simulated accelerator of ``capacity`` bytes for the calling thread's ops, until the block ends."""
+def simulate(capacity: int | str, *, lag: int | None = 1, host_capacity: int | str | None = None,
+             segments: bool = False) -> Iterator[SimulatedAccelerator]:
+    """A simulated accelerator of ``capacity`` bytes for the calling thread's ops, until the block ends.
+    ``segments``: its reserved memory is the caching allocator's segments (``memtrain.device.segments``: 2 and 20
+    MiB segments, expandable ones where the allocator's settings ask for them), which a capacity of a few MiB does
+    not hold; otherwise the allocated bytes and the blocks held by recorded uses, with no fragmentation."""
     global _ACTIVE
     if _ACTIVE is not None:
         raise ConfigError("simulate(): a simulated accelerator is already active. To resolve this error, end the "
                           f"other simulate() block (or unset {ENV}) first.")
     sim = SimulatedAccelerator(_bytes(capacity), lag=lag,
-                               host_capacity=_bytes(host_capacity) if host_capacity is not None else None)
+                               host_capacity=_bytes(host_capacity) if host_capacity is not None else None,
+                               segments=segments)
     with sim.mode:
         _ACTIVE = sim
         try:

@@ -30,6 +30,17 @@ def read_names(version: str = torch.__version__) -> tuple[str, ...]:
     major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
     return ENV_NAMES if (major, minor) >= (2, 9) else ENV_NAMES[:1]
 
+
+def expandable_segments(environ: MutableMapping[str, str] | None = None, *, default: bool = False) -> bool:
+    """Whether the allocator's settings (the variables the installed torch reads) ask for expandable segments;
+    ``default`` where neither is set (torch's: False; a memtrain run's on CUDA: True, ``configure_allocator``)."""
+    environ = os.environ if environ is None else environ
+    given = [environ[name] for name in read_names() if name in environ]
+    if not given:
+        return default
+    return any("expandable_segments:true" in value.replace(" ", "").lower() for value in given)
+
+
 _decision: str | None = None  # the first decision of this process: the allocator has one set of settings
 
 

@@ -4,10 +4,11 @@ rules, and the pinned host memory, counted with the host allocator's.
 A storage is on the device when the seam placed or allocated it there, or when an op on the loop's thread made it
 from device inputs (or from none, inside ``compute()``, e.g. a mask built in forward); everything else is host
 memory. Like torch's caching allocator: each storage takes a multiple of 512 bytes; a freed storage with a use
-recorded on another stream (``record_stream``) stays reserved until that stream passed the use; an allocation that
-does not fit first synchronizes and frees such blocks (``num_alloc_retries``), then raises
-``torch.OutOfMemoryError``. Reserved bytes are the allocated ones plus those blocks (a free block is reused at
-once: no fragmentation is modelled).
+recorded on another stream (``record_stream``) stays reserved until that stream passed the use. Reserved bytes are
+the allocated ones and those blocks; with ``segments``, the caching allocator's segments holding them
+(``memtrain.device.segments``: 2 MiB and 20 MiB segments, or expandable ones where ``PYTORCH_CUDA_ALLOC_CONF`` asks
+for them, as torch reads it). An allocation that would not fit the capacity first synchronizes, frees such blocks
+and gives the free segments back (``num_alloc_retries``), then raises ``torch.OutOfMemoryError``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from memtrain.device.allocator import expandable_segments
+from memtrain.device.segments import SegmentModel
 
 BLOCK = 512  # the CUDA caching allocator's rounding
 _ITEM = torch.ops.aten._local_scalar_dense.default  # .item(): the host reads a device value (waits for compute)
@@ -49,10 +53,33 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+class _Blocks:
+    """Reserved bytes without segments: every block's own (512-byte) size, reused at once (``SegmentModel``'s
+    interface)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.reserved = self.peak_reserved = 0
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        self.live[key] = round_up(nbytes, BLOCK)
+        self.reserved += self.live[key]
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, key: int) -> None:
+        self.reserved -= self.live.pop(key, 0)
+
+    def growth(self, nbytes: int) -> int:
+        return round_up(nbytes, BLOCK)
+
+    def release(self) -> None:
+        return None
+
+
 class DeviceLedger:
     """Device bytes: live storages, blocks held by a recorded use, peaks, the capacity."""
 
-    def __init__(self, capacity: int, *, synchronize: Callable[[], None]):
+    def __init__(self, capacity: int, *, synchronize: Callable[[], None], segments: bool = False):
         self.capacity = capacity
         self._synchronize = synchronize
         self.lock = threading.RLock()
@@ -61,9 +88,11 @@ class DeviceLedger:
         self.uses: dict[int, list[Any]] = {}  # storage key -> the streams recorded as using it
         self.written: dict[int, int] = {}  # storage key -> compute clock of its last write (race checks)
         self.read: dict[int, int] = {}  # storage key -> compute clock of its last read by compute
-        self.held: list[tuple[int, list[tuple[Any, int]]]] = []  # freed blocks waiting for recorded uses
+        self.held: list[tuple[int, list[tuple[Any, int]]]] = []  # freed blocks (their ids) waiting for recorded uses
         self.allocated = self.peak_allocated = 0
-        self.peak_reserved = 0
+        self.segments = SegmentModel(expandable=expandable_segments()) if segments else _Blocks()
+        self.blocks: dict[int, int] = {}  # storage key -> its block's id in the segments (keys are reused, ids not)
+        self._blocks = 0
         self.retries = self.ooms = 0
 
     # -- counting ---------------------------------------------------------------------------------------------
@@ -81,7 +110,7 @@ class DeviceLedger:
             self._make_room(nbytes)
             self.live[key] = nbytes
             self._refs[key] = weakref.ref(storage, lambda _r, key=key: self._free(key))
-            self._grow(nbytes)
+            self._grow(key, nbytes)
 
     def resized(self, t: torch.Tensor, old_nbytes: int) -> None:
         """``t``'s storage changed size (``resize_``): a resize to 0 frees its block, a resize up allocates one."""
@@ -97,7 +126,7 @@ class DeviceLedger:
             if new:
                 self._make_room(new)
                 self.live[key] = new
-                self._grow(new)
+                self._grow(key, new)
 
     def record_use(self, t: torch.Tensor, stream: Any) -> None:
         with self.lock:
@@ -116,42 +145,70 @@ class DeviceLedger:
 
     def _release(self, key: int, nbytes: int) -> None:
         self.allocated -= nbytes
+        block = self.blocks.pop(key, None)
+        if block is None:
+            return
         # As the caching allocator does: an event on each recorded stream at the free, the block reusable once
         # every one completed.
         pending = [(s, s.position) for s in self.uses.pop(key, []) if not s.passed(s.position)]
-        if pending and nbytes:
-            self.held.append((nbytes, pending))
+        if pending:
+            self.held.append((block, pending))
+        else:
+            self.segments.free(block)
 
-    def _grow(self, nbytes: int) -> None:
+    def _grow(self, key: int, nbytes: int) -> None:
         self.allocated += nbytes
         self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if nbytes:  # a storage of no bytes takes no block
+            self._blocks += 1
+            self.blocks[key] = self._blocks
+            self.segments.malloc(self._blocks, nbytes)
 
     @property
     def reserved(self) -> int:
-        self.held = [(n, uses) for n, uses in self.held if not all(s.passed(p) for s, p in uses)]
-        return self.allocated + sum(n for n, _ in self.held)
+        self._free_passed()
+        return self.segments.reserved
+
+    @property
+    def peak_reserved(self) -> int:
+        return self.segments.peak_reserved
+
+    def _free_passed(self, everything: bool = False) -> None:
+        """Frees the held blocks whose recorded uses the streams passed (``everything``: after a synchronize)."""
+        keep = []
+        for block, uses in self.held:
+            if everything or all(s.passed(p) for s, p in uses):
+                self.segments.free(block)
+            else:
+                keep.append((block, uses))
+        self.held = keep
 
     def _make_room(self, nbytes: int) -> None:
-        if self.reserved + nbytes <= self.capacity:
+        self._free_passed()
+        if self.segments.reserved + self.segments.growth(nbytes) <= self.capacity:
             return
-        if self.held:  # the caching allocator's retry: synchronize, free the blocks the streams passed
-            self.retries += 1
+        # The caching allocator's retry: synchronize, free the blocks the streams passed, give the free segments
+        # back to the driver (a retry where that freed anything).
+        before, held = self.segments.reserved, bool(self.held)
+        if held:
             self._synchronize()
-            self.held = []
-        if self.allocated + nbytes > self.capacity:
+            self._free_passed(everything=True)
+        self.segments.release()
+        self.retries += held or self.segments.reserved < before
+        if self.segments.reserved + self.segments.growth(nbytes) > self.capacity:
             self.ooms += 1
             mib = 2**20
             raise torch.OutOfMemoryError(
                 f"simulated device out of memory. Tried to allocate {nbytes / mib:.2f} MiB with "
-                f"{self.allocated / mib:.2f} MiB allocated of {self.capacity / mib:.2f} MiB. To resolve this error, "
+                f"{self.allocated / mib:.2f} MiB allocated and {self.segments.reserved / mib:.2f} MiB reserved (the "
+                f"caching allocator's segments) of {self.capacity / mib:.2f} MiB. To resolve this error, "
                 "plan for that capacity (memtrain train --budget) or simulate a larger device "
                 "(MEMTRAIN_SIMULATED_DEVICE).")
 
     def reset_peaks(self) -> None:
         with self.lock:
             self.peak_allocated = self.allocated
-            self.peak_reserved = self.reserved
+            self.segments.peak_reserved = self.reserved
 
     def stats(self) -> dict[str, int]:
         return {"allocated_bytes.all.current": self.allocated, "allocated_bytes.all.peak": self.peak_allocated,

@@ -172,7 +172,8 @@ class SimulatedAccelerator(Accelerator):
     has_streams = True
     tracks_memory = True
 
-    def __init__(self, capacity: int, *, lag: int | None = 1, host_capacity: int | None = None):
+    def __init__(self, capacity: int, *, lag: int | None = 1, host_capacity: int | None = None,
+                 segments: bool = False):
         super().__init__(torch.device("cpu"))
         self.kind = "simulated"
         if lag is not None and lag < 0:
@@ -181,7 +182,7 @@ class SimulatedAccelerator(Accelerator):
         self.capacity = capacity
         self.lag = lag
         self.lock = threading.RLock()
-        self.ledger = DeviceLedger(capacity, synchronize=self.synchronize)
+        self.ledger = DeviceLedger(capacity, synchronize=self.synchronize, segments=segments)
         self.host_ledger = HostLedger(host_capacity)
         self.mode = LedgerMode(self)
         self.compute_stream = ComputeStream(self)

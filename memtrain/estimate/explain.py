@@ -74,7 +74,8 @@ def assumptions_of(*, keep_output: bool, optimizer_note: str, by_category: dict[
         assumptions.append(
             "CUDA rules: autocast op lists, the attention kernel CUDA picks on sm90 (flash for fp16/bf16 without a "
             "mask, memory-efficient for fp32 without grouped-query heads, else the math kernel), allocations "
-            "rounded to 512-byte blocks (memory_allocated, not reserved: add allocator fragmentation on top)"
+            "rounded to 512-byte blocks (the peak is memory_allocated's; the peak reserved replays the same "
+            "allocations through the caching allocator's segments, one stream)"
         )
     if checkpointing is not None:
         shown = {k: v for k, v in checkpointing.items() if k != "offloader"}

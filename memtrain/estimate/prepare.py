@@ -109,9 +109,11 @@ def fake_inputs(meta: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch
 
 # -- what watches the step ------------------------------------------------------------------------------------
 def _start_tracker(meta: nn.Module, inputs: Mapping[str, torch.Tensor], where: Where, round_to: int,
-                   state_bytes: int, *, record: bool, replay: bool, on_cuda: bool) -> tuple[LiveTracker, int]:
+                   state_bytes: int, *, record: bool, replay: bool, on_cuda: bool,
+                   trainable: list[nn.Parameter] = ()) -> tuple[LiveTracker, int]:
     """A tracker holding what is alive before forward: parameters, buffers, inputs, the optimizer state and (CUDA)
-    the cuBLAS workspaces. Returns it and the workspaces' bytes."""
+    the cuBLAS workspaces. Returns it and the workspaces' bytes. The state is given blocks as AdamW allocates it
+    (two moments per trainable parameter, its share of the bytes by its size), for the allocator's segments."""
     tracker = LiveTracker(round_to, where)
     tracker.cuda_workspaces = on_cuda  # CUDA's kernels' (an embedding backward's), not a simulated device's
     tracker.recording = record
@@ -123,9 +125,14 @@ def _start_tracker(meta: nn.Module, inputs: Mapping[str, torch.Tensor], where: W
         tracker.add(b, ("state", name, "buffer", tuple(b.shape), b.dtype))
     for name, t in inputs.items():
         tracker.add(t, ("input", name, "input", tuple(t.shape), t.dtype))
-    tracker.add_bytes(state_bytes)
+    numels = [p.numel() for p in trainable]
+    total = sum(numels)
+    shares = [state_bytes * n // (2 * total) for n in numels for _ in range(2)] if total and state_bytes else []
+    for nbytes in shares:
+        tracker.add_block(nbytes)
+    tracker.add_block(state_bytes - sum(shares))  # what the shares round away (none or a few bytes)
     workspace = CUDA_WORKSPACE_BYTES if on_cuda else 0
-    tracker.add_bytes(workspace)
+    tracker.add_block(workspace)
     return tracker, workspace
 
 
@@ -216,7 +223,7 @@ def watch_step(meta: nn.Module, inputs: Mapping[str, torch.Tensor], params: list
     streamed = bool(optim.leaving)
     where = Where(meta)
     tracker, workspace = _start_tracker(meta, inputs, where, round_to, optim.state_bytes, record=record,
-                                        replay=replay, on_cuda=on_cuda)
+                                        replay=replay, on_cuda=on_cuda, trainable=trainable)
     hooks, landed = _gradient_hooks(tracker, fake_mode, trainable, optim.leaving, accumulation,
                                     note_landings=record and not streamed and accumulation == 1)
     fixed_bytes = tracker.current

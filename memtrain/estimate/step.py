@@ -414,7 +414,7 @@ def _optimizer_step(watch: Watch, meta: nn.Module, step_temp_bytes: int) -> dict
     grad_names = {tracker.live[k][2]: name for name, k in (
         (name, p.grad.untyped_storage()._cdata) for name, p in meta.named_parameters() if p.grad is not None
     ) if k in tracker.live}
-    tracker.add_bytes(step_temp_bytes)
+    tracker.add_block(step_temp_bytes)
     tracker.snapshot()
     watch.phase_bytes.append(("step", tracker.current))
     return grad_names
@@ -461,6 +461,7 @@ def _report_of(step: _Step, ran: _Ran, *, device_type: str, keep_output: bool, a
         phase_bytes=tuple(watch.phase_bytes),
         host_bytes=optim.host_bytes + offloaded_bytes,
         assumptions=tuple(assumptions),
+        reserved_bytes=tracker.segments.peak_reserved if tracker.segments is not None else None,
     )
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memtrain.device.allocator import expandable_segments
+from memtrain.device.segments import SegmentModel
 from memtrain.estimate.fake import grouped_mm_output, needs_own_kernel
 from memtrain.estimate.values import KnownValues
 
@@ -195,6 +197,9 @@ class LiveTracker(TorchDispatchMode):
         self.recording = False  # runs are recorded between start_runs() and stop_runs()
         self._log_levels: list[int] = []  # torch's fake-tensor log level before each entry
         self.known = KnownValues()  # constants' real values, for a module that reads one (.item())
+        # CUDA's caching allocator's segments over the same allocations: the reserved bytes (expandable segments
+        # unless the allocator's settings say otherwise: a memtrain run sets them where the user did not).
+        self.segments = SegmentModel(expandable=expandable_segments(default=True)) if round_to > 1 else None
 
     def __enter__(self) -> LiveTracker:
         # torch logs the traceback of a meta kernel that fails; the trace's own error says it in one line.
@@ -215,6 +220,15 @@ class LiveTracker(TorchDispatchMode):
         self.serial += 1
         self.live[key] = (nbytes, label, self.serial)
         self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
+        if self.segments is not None and nbytes:
+            self.segments.malloc(self.serial, nbytes)
+        self.add_bytes(nbytes)
+
+    def add_block(self, nbytes: int) -> None:
+        """An allocation that stays (the optimizer's state, workspaces): counted, and given a block."""
+        self.serial += 1
+        if self.segments is not None and nbytes:
+            self.segments.malloc(-self.serial, nbytes)
         self.add_bytes(nbytes)
 
     def mark_saved(self, t: torch.Tensor) -> None:
@@ -267,6 +281,8 @@ class LiveTracker(TorchDispatchMode):
         entry = self.live.pop(key, None)
         self._refs.pop(key, None)
         if entry is not None:
+            if self.segments is not None:
+                self.segments.free(entry[2])
             self.current -= entry[0]
             if self.recording and self.runs:
                 self.runs[-1].curve.append(self.current)
@@ -282,6 +298,8 @@ class LiveTracker(TorchDispatchMode):
         self.serial += 1
         key = -self.serial
         self.live[key] = (round_up(nbytes, self.round_to), label, self.serial)
+        if self.segments is not None and nbytes:
+            self.segments.malloc(self.serial, self.live[key][0])
         self.add_bytes(self.live[key][0])
         self._free(key, None)  # type: ignore[arg-type]
 

@@ -4,7 +4,7 @@ after it and keyed by its name in ``memtrain.techniques.REGISTRY``. The only par
 techniques.
 
 The order is the techniques' constraints on each other (each stage's docstring says why it sits where it does):
-checkpointing, the chunked loss and the KV cache (the model's stages, ``MODEL_STAGES``, which a re-plan runs again
+checkpointing, the chunked loss, the tiled MLP and the KV cache (the model's stages, ``MODEL_STAGES``, which a re-plan runs again
 through ``configure_model``); pure bf16's cast and the offloaded optimizer (which takes its fp32 master from the host
 weights) before the placement; the placement; parameter offload (from that optimizer's host weights); DDP or FSDP2
 (which places while it shards); ``torch.compile`` over the wrapped module; a device optimizer over the parameters as
@@ -105,7 +105,7 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
 
 def configure_model(model: nn.Module, settings: PlanSettings) -> list[str]:
     """The model's part of ``apply_plan`` (``MODEL_STAGES``), in place: checkpointing per block (recompute /
-    offload, the flavor), the chunked loss, no KV cache. Undoes what an earlier plan set, so a re-plan calls it
+    offload, the flavor), the chunked loss, the tiled MLP, no KV cache. Undoes what an earlier plan set, so a re-plan calls it
     again. Returns the wrapped blocks' names.
 
     Raises:

@@ -443,6 +443,12 @@ class Plan:
     def accumulation(self) -> int:
         return self.settings.accumulation
 
+    @property
+    def _reserved_text(self) -> str:
+        """" (reserved X)": the allocator's predicted peak reserved, where one process's estimate has it."""
+        reserved = self.report.reserved_bytes if self.world_size == 1 else None
+        return f" (reserved {format_bytes(reserved)})" if reserved is not None else ""
+
     def summary(self) -> str:
         """The choice, its predictions and reasons, and the runners-up, as a table (returned, not printed)."""
         s = self.settings
@@ -454,7 +460,8 @@ class Plan:
             f"  choice: micro-batch {s.micro_batch_size} x {s.accumulation} accumulation, checkpointing "
             f"{s.checkpointing}, loss {s.loss_text}{s.mlp_text}, optimizer {s.optimizer_text}, "
             f"{s.distribution if self.world_size > 1 else 'one process'}{', compiled' if s.compile else ''}",
-            f"  predicted: peak {format_bytes(self.peak_bytes)} per rank, host {format_bytes(self.host_bytes)}, "
+            f"  predicted: peak {format_bytes(self.peak_bytes)} per rank{self._reserved_text}, host "
+            f"{format_bytes(self.host_bytes)}, "
             f"step {self.step_seconds * 1e3:.1f} ms, {self.tokens_per_s:,.0f} tokens/s",
             *([f"  host link per step: {self.host_link.text()}"] if self.host_link.total else []),
             "  because:",
