@@ -10,9 +10,11 @@ keeps only the final hidden states and recomputes one chunk's logits at a time i
 more matmul of the head), for heads torch's op cannot take and under ``torch.compile``.
 
 ``apply_chunked_loss(model)`` switches a model's loss to it: memtrain's ``GPT`` and the Hugging Face causal LMs
-whose head is a plain linear layer on the last hidden state (see ``HF_MODEL_TYPES``). A model whose loss is
-chunked returns no logits when it is given labels (``outputs.logits`` is ``None``): not holding them is the point.
-Without labels, or with gradients off (evaluation, generation), the model's own forward runs unchanged.
+whose head is a plain linear layer on the last hidden state, its logits then scaled or soft-capped or neither
+(``HF_LOGIT_STEPS``: Gemma-2/3, Cohere, Granite; applied to each chunk's logits, in forward and in the recompute,
+by a ``LogitsHead``, which takes memtrain's kernel). A model whose loss is chunked returns no logits when it is
+given labels (``outputs.logits`` is ``None``): not holding them is the point. Without labels, or with gradients off
+(evaluation, generation), the model's own forward runs unchanged.
 
 ``language_model_loss(model, x, y)`` is the training loop's loss for any of these models, chunked or not. Given
 ``kept`` (the labels that are not -100, which the loop counts on the host before a batch's copy to the device), the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -36,9 +39,74 @@ from torch.utils.checkpoint import checkpoint
 from memtrain.errors import ConfigError
 from memtrain.unwrap import unwrap_model
 
-# Hugging Face model types whose causal-LM forward is: decoder -> lm_head(last hidden state) -> ForCausalLMLoss,
-# with no logit scaling or soft-capping in between. Parity with each is tested (tests/test_loss.py).
-HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+LogitOp = Literal["multiply", "divide", "softcap"]
+
+_SOFTCAP = (("softcap", "config.final_logit_softcapping"),)
+# Hugging Face model types whose causal-LM forward is: decoder -> lm_head(last hidden state) -> these steps on the
+# logits, in this order -> ForCausalLMLoss (fp32 cross-entropy), and nothing else; each step is (what it does, the
+# attribute of the model its value is read from, as the forward reads it: Cohere's forward multiplies by the
+# model's logit_scale, copied from the config at construction). Read in each XForCausalLM.forward of transformers
+# 5.25; parity with each is tested (tests/test_loss.py).
+HF_LOGIT_STEPS: dict[str, tuple[tuple[LogitOp, str], ...]] = {
+    "llama": (), "mistral": (), "qwen2": (), "qwen3": (), "gpt2": (),
+    # logits = tanh(logits / cap) * cap, skipped where the config's cap is None
+    "gemma2": _SOFTCAP, "gemma3_text": _SOFTCAP, "vaultgemma": _SOFTCAP, "nanochat": _SOFTCAP,
+    "cohere": (("multiply", "logit_scale"),), "cohere2": (("multiply", "logit_scale"),),
+    # the same config field, two meanings: Granite divides by it, HyperCLOVA X multiplies
+    "granite": (("divide", "config.logits_scaling"),),
+    "hyperclovax": (("multiply", "config.logits_scaling"),),
+}
+HF_MODEL_TYPES = frozenset(HF_LOGIT_STEPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitTransform:
+    """What a causal LM does to its head's logits before the loss, step by step in its forward's order and with its
+    forward's ops (so that each chunk's logits round as the whole logits do): ``("multiply", s)`` is ``logits * s``,
+    ``("divide", s)`` ``logits / s``, ``("softcap", c)`` ``tanh(logits / c) * c``.
+
+    Example:
+        >>> LogitTransform((("softcap", 30.0, "config.final_logit_softcapping"),))(torch.tensor([60.0]))
+        tensor([28.9208])
+    """
+
+    steps: tuple[tuple[LogitOp, float, str], ...]  # (op, value, where the model reads the value: for reasons)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        for op, value, _ in self.steps:
+            if op == "multiply":
+                logits = logits * value
+            elif op == "divide":
+                logits = logits / value
+            else:
+                logits = torch.tanh(logits / value) * value
+        return logits
+
+    def __str__(self) -> str:
+        text = {"multiply": "logits * {v}", "divide": "logits / {v}", "softcap": "tanh(logits / {v}) * {v}"}
+        return ", then ".join(f"{text[op].format(v=value)} ({source})" for op, value, source in self.steps)
+
+
+class LogitsHead(nn.Module):
+    """An output layer followed by its model's ``LogitTransform``: the head ``chunked_cross_entropy`` calls (and
+    recomputes in backward) for a model that scales or soft-caps its logits. Its parameters are the layer's."""
+
+    def __init__(self, head: nn.Module, transform: LogitTransform):
+        super().__init__()
+        self.head, self.transform = head, transform
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.transform(self.head(hidden))
+
+
+def logit_transform(model: nn.Module) -> LogitTransform | None:
+    """What a Hugging Face causal LM of a type in ``HF_MODEL_TYPES`` does to its logits between the head and the
+    loss, read from the model as its forward reads it; None when nothing (or for another model)."""
+    model = unwrap_model(model, peft=True)
+    steps = HF_LOGIT_STEPS.get(getattr(getattr(model, "config", None), "model_type", None), ())
+    found = tuple((op, value, source) for op, source in steps
+                  if (value := operator.attrgetter(source)(model)) is not None)  # None: the forward skips it
+    return LogitTransform(found) if found else None
 
 
 LossImplementation = Literal["torch", "memtrain"]
@@ -61,7 +129,8 @@ def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor], *,
 
     torch's op is used where it gives the same result at no extra cost: eagerly, for a plain ``nn.Linear`` head
     without forward hooks (a LoRA head, a quantised linear or an activation offloader's hook on the head need the
-    head's own forward to run), except with bf16/fp16 inputs on the CPU. Measured on this CPU
+    head's own forward to run; a ``LogitsHead``'s scaling or soft-capping of the logits is no part of torch's op),
+    except with bf16/fp16 inputs on the CPU. Measured on this CPU
     (``benchmarks/bench_loss.py``, 8192 tokens, hidden 512, vocabulary 32000): in fp32 torch's took 0.85x the
     whole-logits loss's time at 206 MiB, memtrain's 1.33x at 268 MiB; under bf16 autocast torch's took 2.8x
     (its per-token path recomputes in backward, and CPU half matmuls are emulated) against memtrain's 1.3x. Under
@@ -74,6 +143,9 @@ def chunked_loss_implementation(head: Callable[[torch.Tensor], torch.Tensor], *,
         dtype: the dtype of the head's matmul; default: autocast's where it is on for the head's device (it is
             inside the training step), else the weight's. A run's reasons pass its autocast dtype.
     """
+    if isinstance(head, LogitsHead):
+        return "memtrain", (f"the model transforms its logits after the head: {head.transform}; torch's op computes "
+                            "the cross-entropy of the head's own logits and cannot apply it")
     if not hasattr(F, "linear_cross_entropy") or not hasattr(nn, "LinearCrossEntropyOptions"):
         return "memtrain", f"torch {torch.__version__} has no chunked F.linear_cross_entropy (torch >= 2.13 has)"
     if torch.compiler.is_compiling():
@@ -123,7 +195,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
 
     Args:
         hidden: (..., hidden) final hidden states.
-        head: maps hidden states to logits, e.g. the model's output ``nn.Linear``.
+        head: maps hidden states to logits, e.g. the model's output ``nn.Linear``, or a ``LogitsHead`` of it for
+            a model that scales or soft-caps its logits (the loss is then that of the transformed logits).
         labels: (...) target ids, ``ignore_index`` where no loss is wanted; already aligned with ``hidden``.
         chunk_tokens: positions per chunk: smaller holds less at once, larger runs fewer, bigger matmuls.
         implementation: ``"auto"`` (``chunked_loss_implementation``), ``"torch"`` or ``"memtrain"``.
@@ -308,6 +381,7 @@ class _HFChunkedForward:
                  chunk_tokens: int):
         self.model, self.original = model, original
         self.had_instance_forward, self.chunk_tokens = had_instance_forward, chunk_tokens
+        self._logits_head: LogitsHead | None = None
         self.__wrapped__ = original  # inspect.signature(model.forward) shows the model's own arguments
         self._signature = inspect.signature(original)
         from transformers import modeling_outputs
@@ -343,7 +417,7 @@ class _HFChunkedForward:
             # Hugging Face's ForCausalLMLoss: position t predicts label t + 1; the last position predicts nothing.
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = outputs.last_hidden_state
-        total = chunked_cross_entropy(hidden, output_head(model), shift_labels.to(hidden.device),
+        total = chunked_cross_entropy(hidden, self.loss_head(), shift_labels.to(hidden.device),
                                       chunk_tokens=self.chunk_tokens, ignore_index=ignore_index, kept=kept)
         num_items = loss_arguments.get("num_items_in_batch")
         if num_items is None:
@@ -353,6 +427,18 @@ class _HFChunkedForward:
         cls = cross if hasattr(outputs, "cross_attentions") else past
         result = cls(loss=loss, logits=None, **{name: getattr(outputs, name, None) for name in self._outputs[cls]})
         return result.to_tuple() if return_dict is False else result
+
+    def loss_head(self) -> nn.Module:
+        """The model's output layer, or for a model that transforms its logits a ``LogitsHead`` of it, read from
+        the model at each call as its forward reads them (an adapter put on the head later is the one that runs).
+        The same ``LogitsHead`` while neither changes: an estimate wraps its forward once, then runs the step."""
+        head, transform = self.model.get_output_embeddings(), logit_transform(self.model)
+        if transform is None:
+            return head
+        cached = self._logits_head
+        if cached is None or cached.head is not head or cached.transform != transform:
+            self._logits_head = cached = LogitsHead(head, transform)
+        return cached
 
 
 def output_embeddings(model: nn.Module) -> nn.Module | None:
@@ -374,8 +460,16 @@ def _hf_problems(model: nn.Module) -> list[str]:
     problems = []
     if model_type not in HF_MODEL_TYPES:
         problems.append(f"apply_chunked_loss does not know Hugging Face model type {model_type!r}: its forward may "
-                        "scale or cap the logits before the loss. To resolve this error, use one of "
+                        "do more between its decoder and its loss than a linear head and a scaling or soft-capping "
+                        "of the logits (memtrain checks each type's). To resolve this error, use one of "
                         f"{sorted(HF_MODEL_TYPES)}, or compute the loss with chunked_cross_entropy yourself.")
+    for _, source in HF_LOGIT_STEPS.get(model_type, ()):
+        try:
+            operator.attrgetter(source)(model)
+        except AttributeError:
+            problems.append(f"{type(model).__name__} has no {source}, by which its forward in transformers 5.25 "
+                            "(the one memtrain checked) scales or caps the logits. To resolve this error, install "
+                            "transformers 5.25, or train without a chunked loss.")
     if not isinstance(head, nn.Linear):
         problems.append(f"{type(model).__name__} has no linear output head (get_output_embeddings() gave "
                         f"{type(head).__name__}). To resolve this error, pass a causal language model "
@@ -400,9 +494,15 @@ def _is_gpt(model: nn.Module) -> bool:
 
 def output_head(model: nn.Module) -> nn.Module:
     """The module ``chunked_cross_entropy`` recomputes in backward: GPT's ``head``, a Hugging Face model's
-    output embeddings."""
+    output embeddings, or a ``LogitsHead`` of them where the model scales or soft-caps its logits."""
     model = unwrap_model(model, peft=True)
-    return model.head if _is_gpt(model) else model.get_output_embeddings()
+    if _is_gpt(model):
+        return model.head
+    forward = model.__dict__.get("forward")
+    if isinstance(forward, _HFChunkedForward):
+        return forward.loss_head()
+    head, transform = model.get_output_embeddings(), logit_transform(model)
+    return head if transform is None else LogitsHead(head, transform)
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
@@ -435,9 +535,10 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
     With every block checkpointed, this is what is left to cut: on the 8-layer Llama of
     ``benchmarks/bench_checkpointing.py`` (batch 8 x 256, vocabulary 2048) the saved bytes fall from 8.9x fewer than
     no checkpointing to 15x fewer (``pytest tests/test_loss.py -k ten_x -s``). The loss and gradients equal the
-    model's own within float rounding. Given labels, the model returns no logits (``None``); without labels or
-    with gradients off it runs its own forward. Calling again changes ``chunk_tokens``;
-    ``remove_chunked_loss(model)`` undoes it.
+    model's own within float rounding; a model that scales or soft-caps its logits (``HF_LOGIT_STEPS``) has them
+    transformed a chunk at a time, as its forward reads them, by memtrain's kernel. Given labels, the model returns
+    no logits (``None``); without labels or with gradients off it runs its own forward. Calling again changes
+    ``chunk_tokens``; ``remove_chunked_loss(model)`` undoes it.
 
     Args:
         model: memtrain's ``GPT``, or a Hugging Face causal LM of a type in ``HF_MODEL_TYPES``.

@@ -10,11 +10,17 @@ from torch import nn
 from memtrain import ConfigError, MemoryMeter, apply_checkpointing
 from memtrain.choices import Choices
 from memtrain.loss import (
+    HF_LOGIT_STEPS,
     HF_MODEL_TYPES,
+    LogitsHead,
+    LogitTransform,
     apply_chunked_loss,
     chunked_cross_entropy,
     chunked_loss_implementation,
     chunked_loss_kind,
+    language_model_loss,
+    logit_transform,
+    output_head,
     remove_chunked_loss,
     supports_chunked_loss,
 )
@@ -28,20 +34,36 @@ transformers = pytest.importorskip("transformers")
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+# The models that transform their logits (HF_LOGIT_STEPS), with values that change the loss: the softcap at 2 and
+# weights initialised at std 0.5 (logits of a few units: tanh is far from linear there), scales of 4x.
+_SOFTCAPPED = {"final_logit_softcapping": 2.0, "head_dim": 8, "sliding_window": 8}
+TRANSFORMED = {"gemma2": ("Gemma2Config", _SOFTCAPPED), "gemma3_text": ("Gemma3TextConfig", _SOFTCAPPED),
+               "vaultgemma": ("VaultGemmaConfig", _SOFTCAPPED),
+               "nanochat": ("NanoChatConfig", {"final_logit_softcapping": 2.0}),
+               "cohere": ("CohereConfig", {"logit_scale": 0.25}),
+               "cohere2": ("Cohere2Config", {"logit_scale": 0.25, "sliding_window": 8}),
+               "granite": ("GraniteConfig", {"logits_scaling": 4.0}),
+               "hyperclovax": ("HyperCLOVAXConfig", {"logits_scaling": 0.25})}
+
+
 def hf_model(kind: str, *, layers: int = 2, hidden: int = 32, intermediate: int = 64, vocab: int = 128,
              positions: int = 64) -> nn.Module:
     torch.manual_seed(0)
+    size = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions)
     if kind == "gpt2":
         config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab,
                                          n_positions=positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          bos_token_id=0, eos_token_id=0)
+    elif kind in TRANSFORMED:
+        name, transform = TRANSFORMED[kind]
+        config = getattr(transformers, name)(**size, **transform, initializer_range=0.5, bos_token_id=0,
+                                             eos_token_id=0, pad_token_id=0)
     else:
         config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                         "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[kind]
-        config = config_class(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                              num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                              max_position_embeddings=positions)
-    config._attn_implementation = "sdpa"
+        config = config_class(**size)
+    config._attn_implementation = "eager" if "gemma" in kind else "sdpa"  # Gemma-2's attention has no sdpa
     config.use_cache = False
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
@@ -167,6 +189,135 @@ def test_hugging_face_models_with_a_chunked_loss_give_the_same_loss_and_gradient
     with torch.no_grad():
         assert model(input_ids, labels=labels).logits is not None  # evaluation: the model's own forward
     assert remove_chunked_loss(model) and model.forward == plain_forward
+
+
+# -- models that scale or soft-cap their logits (Gemma-2/3, Cohere, Granite, ...) --------------------------------
+def test_every_model_type_whose_logits_are_transformed_is_tested():
+    """TRANSFORMED builds a tiny model of each type whose HF_LOGIT_STEPS has a step, so the parity tests below
+    cover every transform memtrain applies."""
+    assert set(TRANSFORMED) == {kind for kind, steps in HF_LOGIT_STEPS.items() if steps}
+    assert set(TRANSFORMED) <= HF_MODEL_TYPES
+
+
+@pytest.mark.parametrize("ignored", [False, True], ids=["all-labels", "ignored-labels"])
+@pytest.mark.parametrize("kind", sorted(HF_MODEL_TYPES))
+def test_the_training_loops_chunked_loss_equals_the_models_own(kind, ignored):
+    """As memtrain's loop calls it (``language_model_loss``: labels already shifted, the loss summed, ``kept=`` the
+    host's count, so the ignored positions never reach the head): the model's own loss and gradients, within TOL and
+    1e-5 of each gradient's largest entry, with its logits' scaling or soft-capping applied to each chunk. A
+    transform that matters: the head's plain logits would give a loss 30% or more away."""
+    model = hf_model(kind)
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    y = x.roll(-1, dims=1)
+    if ignored:
+        y[0, :10] = -100  # a prompt
+        y[1, 20:] = -100  # padding
+    kept = int((y != -100).sum())
+    want = loss_and_grads(model, lambda m: m(x, labels=y, shift_labels=y, num_items_in_batch=1).loss)
+    if kind in TRANSFORMED:
+        with torch.no_grad():
+            hidden = getattr(model, model.base_model_prefix)(x).last_hidden_state
+            plain = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), y.flatten(), reduction="sum")
+        assert logit_transform(model) is not None and abs(plain - want[0]) > 0.3 * want[0], (plain, want[0])
+    apply_checkpointing(model)
+    apply_chunked_loss(model, chunk_tokens=5)
+    assert_same(loss_and_grads(model, lambda m: language_model_loss(m, x, y, kept=kept)), want)
+    assert_same(loss_and_grads(model, lambda m: language_model_loss(m, x, y)), want)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+def test_a_model_that_transforms_its_logits_takes_memtrains_kernel_and_says_why(kind, monkeypatch):
+    """torch's F.linear_cross_entropy takes the head's weight and computes the cross-entropy of its plain logits:
+    for a model that scales or soft-caps them, auto picks memtrain's kernel, and the run's reason names the
+    transform and the config field it comes from."""
+    from memtrain.techniques.chunked_loss import TECHNIQUE
+
+    model = hf_model(kind)
+    reasons = TECHNIQUE.prepare_model(model, Choices(chunked_loss=True), chunk_tokens=8)["reasons"]
+    transform = {"gemma2": "tanh(logits / 2.0) * 2.0 (config.final_logit_softcapping)",
+                 "cohere": "logits * 0.25 (logit_scale)", "granite": "logits / 4.0 (config.logits_scaling)"}[kind]
+    head = output_head(model)
+    assert isinstance(head, LogitsHead) and head.head is model.lm_head and str(head.transform) == transform
+    implementation, why = chunked_loss_implementation(head)
+    assert implementation == "memtrain" and transform in why and "cannot apply it" in why, why
+    assert reasons == [f"loss: 8 tokens of logits at a time with memtrain's kernel, because: {why}"], reasons
+    if hasattr(F, "linear_cross_entropy"):  # and torch's op never runs
+        monkeypatch.setattr(F, "linear_cross_entropy", lambda *args, **kwargs: pytest.fail("torch's op ran"))
+    x = torch.randint(0, 128, (2, 16))
+    model(x, labels=x).loss.backward()
+    assert model.lm_head.weight.grad is not None
+    with pytest.raises(ConfigError, match="nn.Linear head"):
+        chunked_cross_entropy(torch.randn(4, 32), head, torch.zeros(4, dtype=torch.long), implementation="torch")
+
+
+@pytest.mark.parametrize("steps", [
+    (("softcap", 1.0, "cap"),),
+    (("multiply", 2.0, "scale"), ("softcap", 1.5, "cap")),
+    (("divide", 0.5, "scale"), ("softcap", 1.5, "cap")),
+], ids=["softcap", "scale-then-softcap", "divide-then-softcap"])
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_logits_head_equals_the_transformed_whole_logits_loss(steps, kept):
+    """chunked_cross_entropy of a LogitsHead: the transform on each chunk's logits in forward and in backward's
+    recompute, the ignored positions skipped before the head where ``kept`` is given; fp32: the loss within 1e-6,
+    the gradients within 1e-5 of their largest entry."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 50)
+    hidden = (torch.randn(3, 21, 16) * 5).requires_grad_()
+    labels = torch.randint(0, 50, (3, 21))
+    labels[0, :5] = -100
+    transform = LogitTransform(steps)
+    params = (hidden, *linear.parameters())
+    whole = F.cross_entropy(transform(linear(hidden)).flatten(0, 1), labels.flatten(), reduction="sum")
+    want = torch.autograd.grad(whole, params)
+    count = int((labels != -100).sum()) if kept else None
+    loss = chunked_cross_entropy(hidden, LogitsHead(linear, transform), labels, chunk_tokens=7, kept=count)
+    got = torch.autograd.grad(loss, params)
+    assert abs(loss.item() - whole.item()) <= 1e-6 * whole.item(), (loss.item(), whole.item())
+    for g, w in zip(got, want, strict=True):
+        diff, scale = (g - w).abs().max().item(), w.abs().max().item()
+        assert diff <= 1e-5 * scale, f"max abs diff {diff:.3g} > 1e-5 x {scale:.3g}"
+    plain = F.cross_entropy(linear(hidden).flatten(0, 1), labels.flatten(), reduction="sum")
+    assert abs(plain.item() - whole.item()) > 0.1 * whole.item()  # the transform changes the loss
+
+
+def test_the_estimate_of_a_softcapped_gemma2_equals_the_measurement():
+    """The estimator traces the chunked loss with its soft-capping: on the CPU its saved bytes equal the meter's
+    (memtrain's kernel: the hidden states and the labels), fewer than the whole-logits loss's."""
+    from memtrain import estimate
+
+    model = hf_model("gemma2")
+    input_ids = torch.randint(0, 128, (4, 32))
+    apply_checkpointing(model)
+    apply_chunked_loss(model, chunk_tokens=16)
+    with MemoryMeter(model) as meter:
+        loss = model(input_ids, labels=input_ids.clone()).loss
+    loss.backward()
+    predicted = estimate(model, input_ids, device="cpu", checkpointing="all", setup=Choices(chunked_loss=True))
+    whole = estimate(model, input_ids, device="cpu", checkpointing="all")
+    assert predicted.activation_bytes == meter.activation_bytes < whole.activation_bytes, (
+        predicted.activation_bytes, meter.activation_bytes, whole.activation_bytes)
+
+
+def test_a_model_whose_forward_is_not_checked_is_refused_even_with_a_known_transform():
+    """GraniteMoe divides its logits as Granite does, but its forward can add a router loss to the cross-entropy
+    (output_router_logits): a type memtrain has not checked is refused, naming the fix. So is a checked type whose
+    scale is not where its forward reads it (an older or edited model)."""
+    config = transformers.GraniteMoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+                                           num_local_experts=2, num_experts_per_tok=1, logits_scaling=4.0)
+    model = transformers.GraniteMoeForCausalLM(config)
+    assert "granitemoe" not in HF_MODEL_TYPES and not supports_chunked_loss(model)
+    assert logit_transform(model) is None
+    with pytest.raises(ConfigError, match="does not know Hugging Face model type 'granitemoe'.*To resolve this error"):
+        apply_chunked_loss(model)
+    from memtrain import estimate
+
+    with pytest.raises(ConfigError, match="pass chunked_loss=False"):
+        estimate(config, (1, 8), setup=Choices(chunked_loss=True))
+    cohere = hf_model("cohere")  # a checked type whose scale is not where its forward reads it: refused too
+    del cohere.logit_scale
+    with pytest.raises(ConfigError, match="CohereForCausalLM has no logit_scale, by which its forward"):
+        apply_chunked_loss(cohere)
 
 
 def test_checkpointing_plus_a_chunked_loss_cuts_the_llama_benchmark_saved_bytes_ten_x():
