@@ -165,3 +165,31 @@ def test_the_training_loop_passes_each_micro_batchs_count(tmp_path, monkeypatch)
                               choices=Choices(chunked_loss=True, checkpointing="none"))
     assert train(tiny_gpt(2, seq_len=32, seed=0), code_windows(32), config).steps == 2
     assert len(seen) == 4 and all(kept == count for kept, count in seen), seen
+
+
+def test_the_estimate_follows_the_kept_positions_of_a_dict_batchs_labels():
+    """A dict batch whose labels mask the prompt (-100): with the chunked loss the estimate passes the count the loop
+    passes, so the loss's saved bytes are those of the kept positions, equal to a measurement of that call; with
+    every label kept, more."""
+    from test_loss import hf_model
+
+    from memtrain import estimate
+    from memtrain.checkpointing import apply_checkpointing
+    from memtrain.loss import KEPT_ARGUMENT
+    from memtrain.measure import MemoryMeter
+
+    model = hf_model("llama", vocab=512)
+    x = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    labels = x.clone()
+    labels[:, :24] = -100  # the prompt: half of each row
+    kept = int((labels[:, 1:] != -100).sum())
+    apply_checkpointing(model)
+    apply_chunked_loss(model, chunk_tokens=16)
+    with MemoryMeter(model) as meter:
+        loss = model(input_ids=x, labels=labels, **{KEPT_ARGUMENT: kept}).loss
+    loss.backward()
+    setup = Choices(chunked_loss=True)
+    prompted = estimate(model, {"input_ids": x, "labels": labels}, device="cpu", checkpointing="all", setup=setup)
+    whole = estimate(model, {"input_ids": x, "labels": x.clone()}, device="cpu", checkpointing="all", setup=setup)
+    assert prompted.activation_bytes == meter.activation_bytes, (prompted.activation_bytes, meter.activation_bytes)
+    assert prompted.activation_bytes < whole.activation_bytes  # the kept positions' gathered hidden states

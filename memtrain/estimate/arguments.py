@@ -206,6 +206,17 @@ def _model_problems(model: Any, batch: Any, arguments: Mapping[str, Any]) -> lis
     return []
 
 
+def kept_labels(batch: Any) -> int | None:
+    """The positions of a dict batch whose label counts (not -100, after the shift by one a causal LM's loss makes),
+    where its ``labels`` are a tensor with values: what memtrain's loop counts on the host and passes the chunked
+    loss (``memtrain.loss.kept_positions``), so that a prompt or padding costs no matmul of the head. None: every
+    position counts (no labels given, or given as a shape)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.device.type == "meta" or labels.dim() < 1:
+        return None
+    return int((labels[..., 1:] != -100).sum())
+
+
 def batch_values(batch: Any) -> tuple[bool, bool]:
     """What the values of a dict batch say that its shapes do not, as (packed, padded).
 

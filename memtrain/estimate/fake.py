@@ -19,6 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.errors import ConfigError, describe_exception
+from memtrain.loss import KEPT_ARGUMENT, chunk_tokens_of
 from memtrain.message import arg
 from memtrain.quantize import is_quant_state, meta_stand_ins, quant_state_memo
 from memtrain.unwrap import unwrap_model
@@ -200,17 +201,20 @@ def max_positions(model: nn.Module) -> int | None:
 
 
 def call_convention(model: nn.Module, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                     explicit_dict: bool) -> Callable[[dict[str, torch.Tensor]], Any]:
+                     explicit_dict: bool, kept: int | None = None) -> Callable[[dict[str, torch.Tensor]], Any]:
     """How to run a training forward: HF ``model(input_ids=, labels=)``, memtrain ``GPT(idx, targets)``, or
     ``model(x)``; read from the innermost model's forward (a PEFT model's, torch.compile's and DDP's take
-    ``*args, **kwargs`` and pass them on: a LoRA GPT still takes its targets, and computes its loss)."""
+    ``*args, **kwargs`` and pass them on: a LoRA GPT still takes its targets, and computes its loss). ``kept``: the
+    positions whose label counts, which a dict batch's chunked loss is told as the loop tells it (only those reach
+    the head)."""
     try:
         params = inspect.signature(unwrap_model(model, peft=True).forward).parameters
     except (TypeError, ValueError):
         params = {}
     if explicit_dict:
         add_labels = "labels" in params and "labels" not in spec and "input_ids" in spec
-        return lambda t: model(**t, **({"labels": t["input_ids"].clone()} if add_labels else {}))
+        counted = {KEPT_ARGUMENT: kept} if kept is not None and chunk_tokens_of(model) is not None else {}
+        return lambda t: model(**t, **({"labels": t["input_ids"].clone()} if add_labels else {}), **counted)
     if "labels" in params and "input_ids" in params:
         return lambda t: model(input_ids=t["input_ids"], labels=t["input_ids"].clone())
     if "targets" in params:

@@ -25,6 +25,7 @@ from memtrain.estimate.arguments import (
     Precision,
     batch_values,
     check_arguments,
+    kept_labels,
     problems_before_tracing,
     setup_options,
 )
@@ -90,7 +91,9 @@ def estimate(
             ``.loss`` (a base model such as ``BertModel``, a tensor, a tuple), the sum of its first tensor stands
             for the loss: the same saved tensors as a loss on it (``memtrain.measure.as_loss``, as ``measure``).
         batch: a token tensor (any device), a shape such as ``(4, 2048)``, a dict of model inputs (tensors or
-            shapes: packed rows' ``position_ids`` and a padded ``attention_mask`` included, see ``batch_values``),
+            shapes: packed rows' ``position_ids`` and a padded ``attention_mask`` included, see ``batch_values``;
+            ``labels`` with values: with the chunked loss, only the positions they count reach the head, as in
+            memtrain's loop, see ``kept_labels``),
             or ``None``: ``(micro_batch_size, seq_len)``.
         device: ``"cuda"`` (CUDA autocast lists and attention kernels, 512-byte allocator blocks, cuBLAS
             workspaces) or ``"cpu"`` (the CPU's own kernels, as ``measure`` sees them).
@@ -232,7 +235,7 @@ def trace(
                    step_in_backward=step_in_backward, chunked_loss=chunked_loss, accumulation=accumulation,
                    weights_dtype=weights_dtype, offload_activations=offload_activations, replay=replay, runs=runs,
                    offload_min_bytes=offload_min_bytes, no_gradient=no_gradient, pure_bf16=pure_bf16,
-                   tiled_mlp=tiled_mlp)
+                   tiled_mlp=tiled_mlp, kept=kept_labels(batch))
     ran = _run_step(step, batch, keep_output, no_gradient)
     if ran.unreached:  # as the optimizers do, no state for them: the step again (outside this one's modes) without it
         return trace(**{**arguments, "no_gradient": no_gradient | ran.unreached})
@@ -269,7 +272,7 @@ def _set_up(model: Any, spec: Any, ckpt: Any, named_inputs: bool, *, device_type
             lean: bool, optimizer: OptimizerKind, state_precision: str, offload_fraction: float,
             step_in_backward: bool, chunked_loss: bool, accumulation: int, weights_dtype: str | None,
             offload_activations: bool, replay: bool, runs: bool, offload_min_bytes: int,
-            no_gradient: frozenset[str], pure_bf16: bool, tiled_mlp: bool) -> _Step:
+            no_gradient: frozenset[str], pure_bf16: bool, tiled_mlp: bool, kept: int | None) -> _Step:
     """The model's meta copy with the set-up applied (``prepare_model``), its fake inputs, the optimizer's state
     figures and the watchers of the step (allocations, runs, the simulated offloader)."""
     on_cuda = device_type == "cuda" and active_simulation() is None  # simulated: the CPU's kernels, no cuBLAS
@@ -279,7 +282,7 @@ def _set_up(model: Any, spec: Any, ckpt: Any, named_inputs: bool, *, device_type
                                                          offload_activations=offload_activations,
                                                          tiled_mlp=tiled_mlp)
     fake_mode, inputs = fake_inputs(meta, spec, on_cuda)
-    run = call_convention(meta, spec, named_inputs)
+    run = call_convention(meta, spec, named_inputs, kept)
 
     params = list(dict.fromkeys(p for p in meta.parameters()))
     # Not frozen (forward saves for them as in the real step), but without gradient or optimizer state.
