@@ -23,6 +23,7 @@ from memtrain.optim import CPUOffloadOptimizer
 from memtrain.techniques import REGISTRY, Terms
 from memtrain.techniques import optimizer as optimizer_technique
 from memtrain.techniques import problems as rule_problems
+from memtrain.tiled_mlp import supports_tiled_mlp
 from memtrain.unwrap import unwrap_model
 
 
@@ -49,16 +50,20 @@ def trainer_problems(choices: Any) -> list[str]:
 
 # The chunked-loss rule in the Trainer helper's words: its default choices chunk the loss, so the fix is to say not to.
 TRAINER_TERMS = Terms(fixes={"chunked-loss-model": "pass Choices(chunked_loss=False) (the default choices, "
-                                                  "HF_DEFAULT_CHOICES, chunk the loss)"})
+                                                  "HF_DEFAULT_CHOICES, chunk the loss)",
+                             "tiled-mlp-model": "pass Choices(tiled_mlp=False) (or leave it unset)"})
 
 
 def _chunked_loss_problems(model: Any, choices: Any) -> list[str]:
-    """The rules with what ``model`` is (``techniques.chunked_loss``'s: a loss memtrain.loss cannot chunk) for
-    ``choices`` as the Trainer helper fills them in (``trainer_choices``: an open chunked loss is on)."""
+    """The rules with what ``model`` is (a loss memtrain.loss cannot chunk, an MLP memtrain.tiled_mlp cannot tile)
+    for ``choices`` as the Trainer helper fills them in (``trainer_choices``: an open chunked loss is on), checked
+    before anything of the model changes."""
     if not isinstance(choices, Choices) or not isinstance(model, nn.Module):
         return []
-    return rule_problems(trainer_choices(choices).setup(chunkable=supports_chunked_loss(unwrap_model(model))),
-                         TRAINER_TERMS)
+    inner = unwrap_model(model)
+    return rule_problems(trainer_choices(choices).setup(
+        chunkable=supports_chunked_loss(inner), tileable=supports_tiled_mlp(inner) if choices.tiled_mlp else None),
+        TRAINER_TERMS)
 
 
 def _trainer_model_problems(model: Any) -> list[str]:

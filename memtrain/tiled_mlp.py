@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 from memtrain.checkpointing import find_blocks
 from memtrain.checkpointing.selective import keeping_nothing
 from memtrain.errors import ConfigError, MemtrainError
+from memtrain.message import arg
 from memtrain.unwrap import unwrap_model
 
 # A block's MLP by its attribute name (memtrain's GPT and the Hugging Face decoder layers name it so).
@@ -61,7 +63,8 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tiled: TiledForward, tile_tokens: int, x: torch.Tensor,
                 *params: torch.Tensor) -> torch.Tensor:
-        ctx.tiled, ctx.tile_tokens, ctx.n_params = tiled, tile_tokens, len(params)
+        # Forward's own weights (leaves: no cycle through the graph), so that backward's gradients are theirs
+        ctx.tiled, ctx.tile_tokens, ctx.params = tiled, tile_tokens, params
         ctx.autocast = _autocast_states(x)
         ctx.random = _RandomState(x)
         ctx.save_for_backward(x)
@@ -72,11 +75,10 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
-        params = ctx.tiled.trainable()
-        assert len(params) == ctx.n_params, "a tiled MLP's trainable weights changed between forward and backward"
+        params = ctx.params
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[2] else None
         grads: list[torch.Tensor | None] = [None] * len(params)
-        wanted = [i for i, p in enumerate(params) if p.requires_grad]
+        wanted = [i for i in range(len(params)) if ctx.needs_input_grad[3 + i]]
         # Tiles in forward's order from forward's random state: each draws what it drew then (dropout's masks).
         with ctx.random.restored():
             # The tiles' saved tensors are autograd's own, used at once below: no outer saved-tensors hook (an
@@ -98,10 +100,13 @@ class _TiledMLP(torch.autograd.Function):
                         if g is None:
                             continue
                         if grads[i] is None:
-                            grads[i] = g
+                            # 16-bit gradients are summed in fp32, as one untiled matmul accumulates them, and
+                            # rounded once at the end: adding bf16 tiles would round once per tile.
+                            grads[i] = g.float() if g.dtype in (torch.bfloat16, torch.float16) else g
                         else:
                             grads[i].add_(g)  # type: ignore[union-attr]
                     start += tile.shape[0]
+        grads = [g.to(p.dtype) if g is not None and g.dtype != p.dtype else g for g, p in zip(grads, params, strict=True)]
         return (None, None, grad_x, *grads)
 
 
@@ -159,14 +164,17 @@ class TiledForward:
             got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"shape {tuple(out.shape)}"
             raise MemtrainError(f"tiled MLP: {type(self.module).__name__} returned {got} for an input of shape "
                                 f"{tuple(tile.shape)}; a tiled MLP must map each token to one output of its own. To "
-                                "resolve this error, pass tiled_mlp=False for this model.")
+                                f"resolve this error, pass {arg('tiled_mlp', False)} for this model (or "
+                                "remove_tiled_mlp(model)).")
         return out
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
-            raise MemtrainError(f"tiled MLP: {type(self.module).__name__} was called with more than one tensor of tokens x "
-                                "hidden; a tiled MLP takes that alone. To resolve this error, pass tiled_mlp=False "
-                                "for this model.")
+            given = "more than one argument" if args or kwargs else (
+                f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+            raise MemtrainError(f"tiled MLP: {type(self.module).__name__} was called with {given}; a tiled MLP takes "
+                                f"one tensor of tokens x hidden alone. To resolve this error, pass "
+                                f"{arg('tiled_mlp', False)} for this model (or remove_tiled_mlp(model)).")
         rows = x.reshape(-1, x.shape[-1])
         tile_tokens = self.tile_tokens or x.shape[-1]
         if not torch.is_grad_enabled() or rows.shape[0] <= tile_tokens:
@@ -189,11 +197,25 @@ def tileable_mlps(model: nn.Module) -> list[str]:
             if mlp is None:
                 continue
             parts = {part.lower() for sub, _ in mlp.named_modules() for part in sub.split(".")}
-            if any(word in part for part in parts for word in _NOT_POSITIONWISE) or "moe" in type(mlp).__name__.lower():
+            mixes = any(word in part for part in parts for word in _NOT_POSITIONWISE)
+            if mixes or "moe" in type(mlp).__name__.lower() or not _takes_one_tensor(mlp):
                 continue
             names.append(name)
             break
     return names
+
+
+def _takes_one_tensor(mlp: nn.Module) -> bool:
+    """Whether ``mlp``'s forward takes one argument and nothing else: a forward with a residual (Bloom, MPT) or a
+    state (RWKV's time-shifting feed-forward) is not a map of each token alone."""
+    forward = mlp.__dict__.get("forward")
+    forward = forward.untiled if isinstance(forward, TiledForward) else mlp.forward  # tiled already: its own
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(parameters) == 1 and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                           inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def mlp_width(model: nn.Module) -> int | None:
@@ -201,10 +223,11 @@ def mlp_width(model: nn.Module) -> int | None:
     it has none."""
     modules = dict(unwrap_model(model, peft=True).named_modules())
     for name in tileable_mlps(model):
-        width = next((m.in_features for m in modules[name].modules() if isinstance(getattr(m, "in_features", None), int)),
-                     None)
-        if width:
-            return width
+        for m in modules[name].modules():
+            # nn.Linear's in_features; transformers' Conv1D (GPT-2) names it nx
+            width = getattr(m, "in_features", None) or getattr(m, "nx", None)
+            if isinstance(width, int) and width > 0:
+                return width
     return None
 
 
@@ -235,8 +258,9 @@ def apply_tiled_mlp(model: nn.Module, *, tile_tokens: int | None = None) -> int:
     names = tileable_mlps(model)
     if not names:
         raise ConfigError(f"apply_tiled_mlp: {type(unwrap_model(model, peft=True)).__name__} has no repeated block "
-                          f"with a position-wise MLP (a child named {' / '.join(MLP_NAMES)}, no experts) to tile. "
-                          "To resolve this error, pass tiled_mlp=False for this model.")
+                          f"with a position-wise MLP (a child named {' / '.join(MLP_NAMES)} whose forward takes one "
+                          f"tensor, no experts) to tile. To resolve this error, tile no MLP of this model "
+                          f"({arg('tiled_mlp', False)}).")
     remove_tiled_mlp(model)
     modules = dict(unwrap_model(model, peft=True).named_modules())
     for name in names:

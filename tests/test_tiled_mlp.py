@@ -146,7 +146,7 @@ def test_a_model_without_an_mlp_to_tile_is_refused_naming_the_fix():
         apply_tiled_mlp(ResNet(layers=(1, 1, 1, 1), width=8))
     with pytest.raises(ConfigError, match=r"tile_tokens=0 must be an integer >= 1"):
         apply_tiled_mlp(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16)), tile_tokens=0)
-    with pytest.raises(ConfigError, match=r"tiled_mlp=True with compile=True.*torch.compile does not trace"):
+    with pytest.raises(ConfigError, match=r"tiled_mlp=True with compile=True.*torch.compile breaks its graph"):
         Choices(tiled_mlp=True, compile=True)
 
 
@@ -210,7 +210,9 @@ def test_selective_checkpointing_keeps_none_of_the_tiled_mlps_matmuls():
 def test_at_8192_tokens_a_tiled_llama_step_peaks_under_half_and_the_estimate_follows():
     """A checkpointed one-block Llama (hidden 128, MLP 448) at 8,192 tokens: the step's measured peak (the CPU
     allocator's, torch.profiler) with the MLP tiled is at most half the untiled one's; the estimator predicts the
-    saving to the byte, and each peak within 64 KiB (its peak also counts the batch's ids, alive in both)."""
+    saving to the byte, and each peak within 64 KiB (its peak also counts the batch's ids, alive in both). NOTE: at
+    this shape the MLP sets the peak; where the CPU's flash-attention backward sets the tiled peak (hidden 64), its
+    scratch, which the estimator does not model, leaves the estimate up to 12% low, tiled or not."""
     seq = 8192
     model = hf_model("llama", layers=1, hidden=128, intermediate=448, positions=seq)
     x = torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(1))
@@ -226,12 +228,72 @@ def test_at_8192_tokens_a_tiled_llama_step_peaks_under_half_and_the_estimate_fol
         return report.peak_bytes - report.parameter_bytes
 
     measured()  # warm-up
-    whole, predicted_whole = measured(), estimated(False)
+    whole, predicted_whole, predicted_tiled = measured(), estimated(False), estimated(True)
     apply_tiled_mlp(model)
-    tiled, predicted_tiled = measured(), estimated(False)
+    tiled = measured()
+    # a model tiled by hand: tiled_mlp=True keeps its tiling, False estimates it whole (as apply_plan leaves it)
+    assert (estimated(True), estimated(False)) == (predicted_tiled, predicted_whole)
     remove_tiled_mlp(model)
-    assert estimated(True) == predicted_tiled  # estimate's tiled_mlp=True is the model tiled by hand
     assert tiled <= 0.5 * whole, (tiled, whole)
     assert predicted_whole - predicted_tiled == whole - tiled, (predicted_whole - predicted_tiled, whole - tiled)
     for got, want in ((predicted_whole, whole), (predicted_tiled, tiled)):
         assert 0 <= got - want <= 64 * 2**10, (got, want)
+
+
+def test_an_mlp_called_with_more_than_its_tokens_is_not_tileable():
+    """Bloom's MLP takes the residual beside the hidden states: no MLP to tile, so a plan never weighs tiling it
+    (before, the plan's tiled trace failed and so did the run); GPT-2's Conv1D MLP is tileable, its width read."""
+    import transformers
+
+    bloom = transformers.AutoModelForCausalLM.from_config(transformers.BloomConfig(
+        hidden_size=32, n_layer=2, n_head=4, vocab_size=64))
+    assert tileable_mlps(bloom) == [] and mlp_width(bloom) is None
+    gpt2 = hf_model("gpt2", positions=256)
+    assert len(tileable_mlps(gpt2)) == 2 and mlp_width(gpt2) == 32
+
+
+def test_16_bit_weights_gradients_are_summed_in_fp32():
+    """bf16 weights (pure bf16, bf16 device weights, FSDP2's gathered ones): the tiles' weight gradients are summed
+    in fp32 and rounded once, so 64 tiles are no further from the fp64 gradient than the untiled bf16 step is
+    (within 1.25x of its error; summed in bf16 they were 1.7x at 32 tiles, 3x at 128)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, seq_len=512))
+    x = torch.randint(0, 256, (4, 512), generator=torch.Generator().manual_seed(1))
+    exact = copy.deepcopy(model).double()
+    _, want = _step(exact, x, hf=False)
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    tiled = copy.deepcopy(low)
+    apply_tiled_mlp(tiled, tile_tokens=32)
+    (_, whole), (_, got) = _step(low, x, hf=False), _step(tiled, x, hf=False)
+    def error(grads, name: str) -> float:
+        return ((grads[name].double() - want[name]).norm() / want[name].norm()).item()
+
+    for name in (n for n in want if ".mlp." in n and n.endswith("weight")):
+        assert got[name].dtype == torch.bfloat16
+        assert error(got, name) <= 1.25 * error(whole, name), (name, error(got, name), error(whole, name))
+
+
+def test_a_resume_that_changes_the_tiled_mlp_logs_it():
+    from memtrain.run.identity import applied_changes
+    from memtrain.run.replan import flat_settings
+
+    saved = {"choices": Choices(tiled_mlp=True).to_dict()}
+    now = {"choices": Choices(tiled_mlp=False).to_dict()}
+    assert applied_changes(flat_settings(saved), flat_settings(now)) == [
+        "resume: tiled_mlp=False applied (the run had tiled_mlp=True)"]
+
+
+def test_the_trainer_helper_refuses_an_mlp_it_cannot_tile_before_changing_the_model():
+    import transformers
+
+    from memtrain.hf_trainer import prepare_model
+
+    config = transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=64, num_experts=4, num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=r"tiled_mlp=True.*Choices\(tiled_mlp=False\)"):
+        prepare_model(model, Choices(checkpointing="all", tiled_mlp=True, chunked_loss=False))
+    from memtrain.checkpointing import checkpoint_spec
+
+    assert all(checkpoint_spec(m) is None for m in model.modules())  # nothing applied

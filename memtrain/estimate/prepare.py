@@ -28,7 +28,7 @@ from memtrain.estimate.simulated_offload import SimulatedOffload, simulate_offlo
 from memtrain.estimate.tracker import LiveTracker
 from memtrain.loss import apply_chunked_loss, output_head, remove_chunked_loss
 from memtrain.offload import ActivationOffloader, find_output_head
-from memtrain.tiled_mlp import TiledForward, apply_tiled_mlp
+from memtrain.tiled_mlp import TiledForward, apply_tiled_mlp, remove_tiled_mlp, tiled_mlp_tokens
 
 
 @dataclass
@@ -63,7 +63,8 @@ class NullContext:
 # -- the model and its inputs ---------------------------------------------------------------------------------
 def prepare_model(model: Any, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                    ckpt: Checkpointing | dict[str, Any] | None, *, weights_dtype: str | None, chunked_loss: bool,
-                   offload_activations: bool, tiled_mlp: bool = False) -> tuple[nn.Module, dict[str, Any] | None, bool, int]:
+                   offload_activations: bool, tiled_mlp: bool = False
+                   ) -> tuple[nn.Module, dict[str, Any] | None, bool, int]:
     """A meta copy of ``model`` in training mode, checked against the batch, with the checkpointing and the loss
     asked for applied. Returns (it, the ``apply_checkpointing`` arguments, whether anything offloads, the loss's
     chunk size)."""
@@ -87,8 +88,12 @@ def prepare_model(model: Any, spec: Mapping[str, tuple[tuple[int, ...], torch.dt
     remove_chunked_loss(meta)
     if chunked_loss:
         apply_chunked_loss(meta, chunk_tokens=chunk_tokens)
-    if tiled_mlp:  # check_against_model refused a model with no MLP to tile
-        apply_tiled_mlp(meta)
+    # As apply_plan's stage does: the model's own tiling undone, then applied where asked (at the model's own tile
+    # size where it has one; check_against_model refused a model with no MLP to tile).
+    own_tile = tiled_mlp_tokens(meta)
+    remove_tiled_mlp(meta)
+    if tiled_mlp:
+        apply_tiled_mlp(meta, tile_tokens=own_tile or None)
     return meta, kwargs, offloads, chunk_tokens
 
 

@@ -214,8 +214,9 @@ def trace(
             its loss is chunked already, else 1024 tokens of logits at a time) instead of on the whole batch's fp32
             logits; applied to a copy of the model.
         pure_bf16: bf16 weights with no fp32 master anywhere (pure bf16 AdamW).
-        tiled_mlp: each block's MLP over tiles of tokens (``memtrain.tiled_mlp.apply_tiled_mlp``, a tile the hidden
-            size's count), applied to the copy of the model; the model's own tiling stays where it has one.
+        tiled_mlp: each block's MLP over tiles of tokens (``memtrain.tiled_mlp.apply_tiled_mlp``: the model's own
+            tile size where it has one, else the hidden size), applied to the copy of the model; False: whole, as
+            ``apply_plan`` leaves a model whose plan says so.
         runs: record the runs (``Trace.runs``; empty otherwise).
         offload_min_bytes: the smallest storage the simulated offloader moves (the real one's by default).
         no_gradient: trainable parameters given no gradient, so no optimizer state: those the loss does not reach

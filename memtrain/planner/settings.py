@@ -445,9 +445,12 @@ class Plan:
 
     @property
     def _reserved_text(self) -> str:
-        """" (reserved X)": the allocator's predicted peak reserved, where one process's estimate has it."""
-        reserved = self.report.reserved_bytes if self.world_size == 1 else None
-        return f" (reserved {format_bytes(reserved)})" if reserved is not None else ""
+        """" (reserved X)": the allocator's predicted peak reserved per rank, where the estimate has it (shifted as
+        the peak is from the traced step: the ranks' shards, the streamed weights)."""
+        reserved = self.report.reserved_bytes
+        if reserved is None:
+            return ""
+        return f" (reserved {format_bytes(reserved + self.peak_bytes - (self.report.peak_bytes or 0))})"
 
     def summary(self) -> str:
         """The choice, its predictions and reasons, and the runners-up, as a table (returned, not printed)."""

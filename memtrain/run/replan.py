@@ -91,7 +91,7 @@ def read_plan_request(saved: Any) -> dict[str, Any] | None:
 
 def flat_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     """A saved config (``TrainConfig.to_dict``) with its choices' run-level fields at the top (checkpointing,
-    offload_activations, chunked_loss, compile), as a resume's log compares them."""
+    offload_activations, chunked_loss, tiled_mlp, compile), as a resume's log compares them."""
     out = {k: v for k, v in values.items() if k != "choices"}
     saved = values.get("choices")
     try:
@@ -99,7 +99,8 @@ def flat_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     except ConfigError:
         return out
     top = {**choices.to_dict(), "checkpointing": str(choices.checkpointing or "auto")}  # None: the plan's, "auto"
-    return {**out, **{name: top[name] for name in ("checkpointing", "offload_activations", "chunked_loss", "compile")}}
+    return {**out, **{name: top[name] for name in ("checkpointing", "offload_activations", "chunked_loss", "tiled_mlp",
+                                                   "compile")}}
 
 
 def run_budget(config: TrainConfig, model: nn.Module, device: torch.device) -> tuple[int, str]:

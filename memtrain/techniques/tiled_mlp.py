@@ -35,8 +35,8 @@ TILED_MLP_MODEL = Rule(
 
 TILED_MLP_COMPILE = Rule(
     "tiled-mlp-compile",
-    "a tiled MLP's backward differentiates each tile itself (torch.autograd.grad inside backward), which "
-    "torch.compile does not trace.",
+    "a tiled MLP's backward differentiates each tile itself (torch.autograd.grad inside backward): torch.compile "
+    "breaks its graph there, and the compiled step peaks higher than the untiled one.",
     "drop {rest}, or pass " + arg("tiled_mlp", False),
     ("tiled_mlp", "compile"),
     lambda s: bool(s.tiled_mlp and s.compile))
@@ -112,7 +112,7 @@ class TiledMLPTechnique(Technique):
             return {}  # an MLP the user tiled by hand stays tiled
         count = apply_tiled_mlp(model)
         return {"reasons": [f"MLP: {count} blocks' MLPs over tiles of the hidden size's count of tokens, because: "
-                            f"{arg('tiled_mlp', True)}"]}
+                            "Choices(tiled_mlp=True)"]}
 
     def trace_options(self, setup: Any, *, checkpointing: Any, optimizer: Any) -> tuple[dict[str, Any], list[str]]:
         return {"tiled_mlp": bool(setup.tiled_mlp)}, []
