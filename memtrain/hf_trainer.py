@@ -62,7 +62,7 @@ def _chunked_loss_problems(model: Any, choices: Any) -> list[str]:
         return []
     inner = unwrap_model(model)
     return rule_problems(trainer_choices(choices).setup(
-        chunkable=supports_chunked_loss(inner), tileable=supports_tiled_mlp(inner) if choices.tiled_mlp else None),
+        chunkable=supports_chunked_loss(inner), tileable=supports_tiled_mlp(inner)),
         TRAINER_TERMS)
 
 

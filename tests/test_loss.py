@@ -286,6 +286,16 @@ def test_the_estimate_of_a_softcapped_gemma2_equals_the_measurement():
     from memtrain import estimate
 
     model = hf_model("gemma2")
+    measured, predicted, input_ids = _chunked_saved_bytes(model)
+    whole = estimate(model, input_ids, device="cpu", checkpointing="all")
+    assert predicted == measured < whole.activation_bytes, (predicted, measured, whole.activation_bytes)
+
+
+def _chunked_saved_bytes(model: nn.Module) -> tuple[int, int, torch.Tensor]:
+    """A checkpointed step of ``model`` with the chunked loss (16 tokens a chunk): the meter's saved bytes, the
+    estimate's, and the batch."""
+    from memtrain import estimate
+
     input_ids = torch.randint(0, 128, (4, 32))
     apply_checkpointing(model)
     apply_chunked_loss(model, chunk_tokens=16)
@@ -293,9 +303,7 @@ def test_the_estimate_of_a_softcapped_gemma2_equals_the_measurement():
         loss = model(input_ids, labels=input_ids.clone()).loss
     loss.backward()
     predicted = estimate(model, input_ids, device="cpu", checkpointing="all", setup=Choices(chunked_loss=True))
-    whole = estimate(model, input_ids, device="cpu", checkpointing="all")
-    assert predicted.activation_bytes == meter.activation_bytes < whole.activation_bytes, (
-        predicted.activation_bytes, meter.activation_bytes, whole.activation_bytes)
+    return meter.activation_bytes, predicted.activation_bytes, input_ids
 
 
 def test_a_model_whose_forward_is_not_checked_is_refused_even_with_a_known_transform():
@@ -586,18 +594,10 @@ def test_memtrains_backward_allocates_one_gradient_of_the_hidden_states_not_one_
 def test_estimate_traces_the_kernel_the_cpu_run_takes(monkeypatch):
     """memtrain's kernel on a Llama (the auto choice there is torch's, covered above): estimate == measure."""
     import memtrain.loss
-    from memtrain import estimate
 
     monkeypatch.setattr(memtrain.loss, "chunked_loss_implementation", lambda head: ("memtrain", "test"))
-    model = hf_model("llama")
-    input_ids = torch.randint(0, 128, (4, 32))
-    apply_checkpointing(model)
-    apply_chunked_loss(model, chunk_tokens=16)
-    with MemoryMeter(model) as meter:
-        loss = model(input_ids, labels=input_ids.clone()).loss
-    loss.backward()
-    predicted = estimate(model, input_ids, device="cpu", checkpointing="all", setup=Choices(chunked_loss=True))
-    assert predicted.activation_bytes == meter.activation_bytes, (predicted.activation_bytes, meter.activation_bytes)
+    measured, predicted, _ = _chunked_saved_bytes(hf_model("llama"))
+    assert predicted == measured, (predicted, measured)
 
 
 def test_activation_offload_keeps_the_loss_tail_on_the_device_with_memtrains_kernel():

@@ -195,10 +195,7 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
         f"{dev.half_efficiency_tokens:.0f} tokens), attention {_flops(dev.attention_flops)}, memory "
         f"{dev.memory_bandwidth / 1e9:.1f} GB/s, {dev.op_overhead_s * 1e6:.1f} us per op, host link "
         f"{dev.host_to_device / 1e9:.1f} GB/s, CPU AdamW {dev.cpu_adamw / 1e9:.2f} G params/s",
-        f"safety margin {100 * margin:.0f}% of the budget for the allocator's fragmentation"
-        + (", and the chosen set-up's predicted peak reserved (its allocations through the caching allocator's "
-           "segments, expandable ones unless PYTORCH_CUDA_ALLOC_CONF says otherwise) within the whole budget"
-           if ctx.device == "cuda" else ""),
+        f"safety margin {100 * margin:.0f}% of the budget for the allocator's fragmentation",
         "the runners-up's peaks are composed from per-block profiles (marked *); the chosen peak is a full estimate",
         "step time: matmul and attention FLOPs at the rates above, other ops by their memory traffic, a fixed cost "
         "per op; offloaded activations queue on the host link; the offloaded optimizer steps after backward",
@@ -260,8 +257,8 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
         clauses.append(f"{whose} {format_bytes(need)} of host RAM, {format_bytes(need - host_limit)} over the "
                        f"{format_bytes(host_limit)} of {host_of}")
         both = ("" if on_device or usable is None else
-                f" with {arg('budget', text=size_up(math.ceil(peaks[h] / (1 - margin))))}")
-        fixes.append(f"{arg('host_budget', text=size_up(need))}{both} ({_setup_text(results.settings(h))}: a peak of "
+                f" with {arg('budget', text=_size_up(math.ceil(peaks[h] / (1 - margin))))}")
+        fixes.append(f"{arg('host_budget', text=_size_up(need))}{both} ({_setup_text(results.settings(h))}: a peak of "
                      f"{format_bytes(int(peaks[h]))} per rank)"
                      + ("" if host_budget is not None else " on a machine with that much RAM free"))
     if usable is not None and (on_host or not on_device):
@@ -275,7 +272,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     which = ("both budgets" if on_device and on_host else "the device" if on_host else
              "the host RAM" if on_device else "either budget")
     if which == "either budget":  # each fix needs the other budget raised too: the smallest peak's host RAM
-        fixes[1:] = [f"{arg('host_budget', text=size_up(int(results.host[k])))} and {fix}" for fix in fixes[1:]]
+        fixes[1:] = [f"{arg('host_budget', text=_size_up(int(results.host[k])))} and {fix}" for fix in fixes[1:]]
     fixes += options or []
     raise ConfigError(f"no set-up fits {which}: {'; '.join(clauses)}. To resolve this error, try "
                       f"{'; or '.join(fixes)}.")
@@ -286,7 +283,7 @@ def _setup_text(s: PlanSettings) -> str:
             f"{s.loss_text}, optimizer {s.optimizer_text}")
 
 
-def size_up(n: int) -> str:
+def _size_up(n: int) -> str:
     """A size of at least ``n`` bytes, as a flag takes it: whole GiB, or whole MiB below 1 GiB."""
     return f"{math.ceil(n / 2**30)}GiB" if n >= 2**30 else f"{math.ceil(n / 2**20)}MiB"
 
@@ -302,7 +299,7 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
                   margin: float) -> list[str]:
     """What would let set-up ``s``, the smallest peak ``peak``, fit the usable device bytes: a budget that holds
     it, FSDP2 over more ranks, a shorter sequence."""
-    fits = (f"{arg('budget', text=size_up(math.ceil(peak / (1 - margin))))} holds that set-up's peak with the "
+    fits = (f"{arg('budget', text=_size_up(math.ceil(peak / (1 - margin))))} holds that set-up's peak with the "
             f"{100 * margin:.0f}% margin")
     hints = [f"a larger budget ({fits})"]
     prof = composer.profile_of(s)
@@ -328,7 +325,7 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
                     f"{format_bytes(int(state))} on the device ({fits})")
     elif state + workspace >= usable:
         least = math.ceil(peak / (1 - margin))
-        hints[0] = (f"a budget of at least {_bytes_up(least)} ({arg('budget', text=size_up(least))}): cuBLAS's fixed "
+        hints[0] = (f"a budget of at least {_bytes_up(least)} ({arg('budget', text=_size_up(least))}): cuBLAS's fixed "
                     f"workspaces alone take {format_bytes(workspace)} (two of 32 MiB, whatever the sequence or batch) "
                     f"beside the model state's {format_bytes(int(state))}")
     elif activations > usable - state and ctx.seq_len > 1:  # not a length: the activations are not linear in it (fixed buffers)

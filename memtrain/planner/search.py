@@ -28,7 +28,6 @@ import functools
 import importlib.util
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -46,7 +45,6 @@ from memtrain.estimate.arguments import check_against_model
 from memtrain.estimate.fake import batch_spec
 from memtrain.loss import supports_chunked_loss
 from memtrain.measure import available_host_bytes
-from memtrain.message import arg
 from memtrain.optim import INT8_DEVICES
 from memtrain.planner.checks import (
     check_choices,
@@ -60,7 +58,7 @@ from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.hint import hint_lines, pure_bf16_candidate, size_hints
 from memtrain.planner.profiles import Profiles
-from memtrain.planner.reasons import plan_assumptions, plan_reasons, raise_nothing_fits, runners_up, size_up
+from memtrain.planner.reasons import plan_assumptions, plan_reasons, raise_nothing_fits, runners_up
 from memtrain.planner.settings import (
     DEFAULT_SAFETY_MARGIN,
     Candidate,
@@ -483,12 +481,10 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
-    chosen, verified = _verified_fastest(ctx, composer, results, fits, fits_host, usable, correction_bytes,
-                                         budget_bytes)
+    chosen, verified = _verified_fastest(ctx, composer, results, fits, fits_host, usable, correction_bytes)
     faster_than = None if chosen is None else float(results.seconds[chosen])
     hint = pure(host_limit, usable, faster_than, correction_bytes) if pure is not None else None
     if chosen is None:
-        _raise_reserved_over(verified, fits_host, budget_bytes, usable)
         raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
                             fits_host, [hint.fix] if hint is not None else [])
     s = results.settings(chosen)
@@ -496,8 +492,8 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     tokens_per_step = ctx.global_batch * ctx.seq_len
     seconds = float(results.seconds[chosen])
     fits_verified = fits.copy()
-    for k, (p, t) in verified.items():
-        fits_verified[k] = usable is None or (p <= usable and _reserved_fits(p, t, budget_bytes))
+    for k, (p, _) in verified.items():
+        fits_verified[k] = usable is None or p <= usable
     return Plan(
         settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
         peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
@@ -515,43 +511,11 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     )
 
 
-def _raise_reserved_over(verified: dict[int, tuple[float, Trace]], fits_host: np.ndarray, budget: int | None,
-                         usable: int | None) -> None:
-    """The ConfigError where set-ups fit the usable bytes and the host but none's predicted reserved bytes fit the
-    budget: the allocator's segments (fragmentation) are what is short, and the budget that holds the least."""
-    over = [(_reserved_of(p, t), p) for k, (p, t) in verified.items()
-            if fits_host[k] and usable is not None and p <= usable and not _reserved_fits(p, t, budget)]
-    if not over or budget is None:
-        return
-    reserved, peak = min(over)
-    raise ConfigError(
-        f"no set-up fits the budget: the set-ups whose peak fits the usable {format_bytes(usable)} reserve more than "
-        f"the budget of {format_bytes(budget)} (the least: a peak of {format_bytes(int(peak))} per rank reserves "
-        f"{format_bytes(int(reserved))} in the caching allocator's segments). To resolve this error, pass "
-        f"{arg('budget', text=size_up(math.ceil(reserved)))} or more, or let the allocator use expandable "
-        "segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; memtrain train sets it where you did not).")
-
-
-def _reserved_of(peak: float, t: Trace) -> float:
-    """A set-up's predicted peak reserved bytes per rank (shifted as its peak is for the ranks)."""
-    return (t.report.reserved_bytes or 0) + (peak - (t.report.peak_bytes or 0))
-
-
-def _reserved_fits(peak: float, t: Trace, budget: int | None) -> bool:
-    """Whether a set-up's predicted peak reserved (the caching allocator's segments over its full estimate's
-    allocations, shifted as its peak is for the ranks) fits the whole ``budget``: what runs out on a GPU. None of
-    it predicted (a CPU plan), or no budget: it fits."""
-    if budget is None or t.report.reserved_bytes is None:
-        return True
-    return _reserved_of(peak, t) <= budget
-
-
 def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable, fits: np.ndarray,
                       fits_host: np.ndarray, usable: int | None,
-                      correction_bytes: int, budget: int | None = None) -> tuple[int | None, dict[int, tuple[float, Trace]]]:
-    """The fastest row whose full estimate fits ``usable`` and whose predicted reserved bytes fit ``budget``
-    (``_reserved_fits``; None: none did, within the tries), and every row estimated in full (its peak with
-    ``correction_bytes``, its trace), fastest first."""
+                      correction_bytes: int) -> tuple[int | None, dict[int, tuple[float, Trace]]]:
+    """The fastest row whose full estimate fits ``usable`` (None: none did, within the tries), and every row
+    estimated in full (its peak with ``correction_bytes``, its trace), fastest first."""
     streamed = results.column("offload_weights").astype(bool)
     # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
     # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
@@ -582,7 +546,7 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
         peak, t = estimate_of(ctx, composer.profile_of(s), s)
         verified[k] = peak + correction_bytes, t
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
-        if usable is None or (verified[k][0] <= usable and _reserved_fits(*verified[k], budget)):
+        if usable is None or verified[k][0] <= usable:
             chosen = k
             break
         deficit[shape] = max(deficit.get(shape, 0.0), verified[k][0] - results.peak[k])
