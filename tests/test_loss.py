@@ -29,6 +29,11 @@ from memtrain.models import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
 
+# torch's chunked kernel (F.linear_cross_entropy) is torch >= 2.13's; on older torch only memtrain's kernel runs.
+TORCHS_OP = hasattr(F, "linear_cross_entropy") and hasattr(nn, "LinearCrossEntropyOptions")
+TORCH_KERNEL = pytest.param("torch", marks=pytest.mark.skipif(
+    not TORCHS_OP, reason=f"torch {torch.__version__} has no F.linear_cross_entropy (torch >= 2.13 has)"))
+
 # fp32 on CPU: chunking changes only the order of the sums. Gradients are compared within 1e-5 of their
 # largest entry (a summed loss's gradients reach 10 and more, so float rounding there is ~1e-6 in absolute terms).
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -101,7 +106,7 @@ def test_chunked_cross_entropy_equals_the_whole_logits_loss(chunk_tokens):
         torch.testing.assert_close(g, w, **TOL)
 
 
-@pytest.mark.parametrize("implementation", ["memtrain", "torch"])
+@pytest.mark.parametrize("implementation", ["memtrain", TORCH_KERNEL])
 def test_only_the_hidden_states_are_saved(implementation):
     """memtrain's kernel saves the hidden states and labels; torch's saves nothing through saved_tensors_hooks
     (it holds the gradients it computed in forward instead, which the hooks cannot see)."""
@@ -489,7 +494,7 @@ def test_models_it_cannot_chunk_are_refused_with_the_fix():
 
 
 # -- the two kernels: torch's F.linear_cross_entropy and memtrain's --------------------------------------------
-@pytest.mark.parametrize("implementation", ["torch", "memtrain"])
+@pytest.mark.parametrize("implementation", [TORCH_KERNEL, "memtrain"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_both_kernels_equal_the_whole_logits_loss_in_fp32(implementation, bias):
     """fp32: the loss within rtol 1e-5, every gradient within 1e-5 of its largest entry (chunking reorders sums)."""
@@ -509,7 +514,7 @@ def test_both_kernels_equal_the_whole_logits_loss_in_fp32(implementation, bias):
         assert diff <= 1e-5 * scale, f"{implementation}: max abs diff {diff:.3g} > 1e-5 x {scale:.3g}"
 
 
-@pytest.mark.parametrize("implementation", ["torch", "memtrain"])
+@pytest.mark.parametrize("implementation", [TORCH_KERNEL, "memtrain"])
 def test_both_kernels_round_like_the_whole_logits_loss_under_bf16_autocast(implementation):
     """bf16 autocast: the whole-logits loss rounds the logits to bf16 (8 bits of mantissa); torch's kernel keeps
     them in fp32 and rounds each token's loss to bf16 instead. Loss within 2e-3 relative, gradients within 2e-2
@@ -530,6 +535,8 @@ def test_both_kernels_round_like_the_whole_logits_loss_under_bf16_autocast(imple
         assert diff <= 2e-2 * scale, f"{implementation}: max abs diff {diff:.3g} > 2e-2 x {scale:.3g}"
 
 
+@pytest.mark.skipif(not TORCHS_OP, reason=f"torch {torch.__version__} has no F.linear_cross_entropy (torch >= 2.13 "
+                    "has): every head takes memtrain's kernel, as the next test checks")
 def test_the_choice_of_kernel_and_its_reason():
     kind, reason = chunked_loss_implementation(nn.Linear(4, 8))
     assert kind == "torch" and "linear_cross_entropy" in reason
@@ -556,6 +563,20 @@ def test_the_choice_of_kernel_and_its_reason():
                                F.cross_entropy(head(hidden), labels, reduction="sum"), **TOL)
     with pytest.raises(ConfigError, match="nn.Linear head"):
         chunked_cross_entropy(hidden, lambda h: h, labels, implementation="torch")
+
+
+def test_without_torchs_op_every_head_takes_memtrains_kernel_and_the_reason_says_why(monkeypatch):
+    """torch < 2.13 has no F.linear_cross_entropy (hidden here, so that every torch runs this): "auto" takes
+    memtrain's kernel, the reason names the torch version, and asking for torch's kernel is the error that says so."""
+    monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
+    head = nn.Linear(4, 8)
+    kind, reason = chunked_loss_implementation(head)
+    assert kind == "memtrain" and f"torch {torch.__version__} has no chunked F.linear_cross_entropy" in reason, reason
+    hidden, labels = torch.randn(10, 4), torch.randint(0, 8, (10,))
+    torch.testing.assert_close(chunked_cross_entropy(hidden, head, labels, chunk_tokens=3),
+                               F.cross_entropy(head(hidden), labels, reduction="sum"), **TOL)
+    with pytest.raises(ConfigError, match=r"needs torch >= 2\.13's F\.linear_cross_entropy"):
+        chunked_cross_entropy(hidden, head, labels, implementation="torch")
 
 
 class _FullSizeAllocations(torch.utils._python_dispatch.TorchDispatchMode):
@@ -653,7 +674,7 @@ def test_memtrains_kernel_holds_one_chunk_of_logits_and_two_head_gradients_at_it
 
 
 # -- labels: an ignore_index that is a valid or out-of-range id, and out-of-range labels ------------------------
-@pytest.mark.parametrize("implementation", ["torch", "memtrain"])
+@pytest.mark.parametrize("implementation", [TORCH_KERNEL, "memtrain"])
 def test_an_ignore_index_equal_to_the_vocabulary_size_is_ignored_as_torch_does(implementation):
     """ignore_index = vocab (not negative, one past the last id): the ignored rows carry no loss and no gradient.
 
@@ -680,7 +701,7 @@ def test_an_ignore_index_equal_to_the_vocabulary_size_is_ignored_as_torch_does(i
     assert got[0][1, 30:].abs().max().item() == 0, "ignored positions must get a zero gradient"
 
 
-@pytest.mark.parametrize("implementation", ["torch", "memtrain"])
+@pytest.mark.parametrize("implementation", [TORCH_KERNEL, "memtrain"])
 @pytest.mark.parametrize("bad_label", [300, 1000, -5])
 def test_labels_outside_the_vocabulary_that_are_not_ignored_are_an_error(implementation, bad_label):
     """A label outside [0, vocab) that is not ignore_index is a bug in the data: an error, never a silent loss."""

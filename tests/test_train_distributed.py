@@ -34,6 +34,11 @@ import torch.multiprocessing as mp
 WORLD = 2
 SIGNALLED_RANK, SIGNALLED_AT_STEP = 1, 3
 TIMEOUT = timedelta(seconds=30)  # a deadlocked collective fails the test instead of hanging it
+# The torch.distributed functions FSDP2 gathers parameters and reduce-scatters gradients with: torch 2.13's calls
+# all_gather_single / reduce_scatter_single; torch 2.11's, which has neither, the *_tensor ones.
+COLLECTIVES = ({"all-gather": "all_gather_single", "reduce-scatter": "reduce_scatter_single"}
+               if hasattr(dist, "all_gather_single") else
+               {"all-gather": "all_gather_into_tensor", "reduce-scatter": "reduce_scatter_tensor"})
 TEXT = (b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300)
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -263,15 +268,15 @@ def _planned_worker(rank: int, init_file: str, folder: str) -> None:
 
         # Every collective FSDP2 issues, with its dtype and bytes (it calls these through torch.distributed).
         collectives: list[tuple[str, str, int]] = []
-        def counting(name, real):
+        def counting(kind, real):
             def counted(*args, **kwargs):
                 tensor = kwargs["input"] if "input" in kwargs else kwargs.get("input_tensor", args[1])
-                collectives.append((name, str(tensor.dtype), tensor.numel() * tensor.element_size()))
+                collectives.append((kind, str(tensor.dtype), tensor.numel() * tensor.element_size()))
                 return real(*args, **kwargs)
             return counted
 
-        for name in ("all_gather_single", "reduce_scatter_single"):
-            setattr(dist, name, counting(name, getattr(dist, name)))
+        for kind, name in COLLECTIVES.items():
+            setattr(dist, name, counting(kind, getattr(dist, name)))
         out["fsdp2_bf16_params"] = _train_planned(_settings("fsdp2", "bf16-mixed"), mine, setup=watch_blocks,
                                                   before_step=first_grads("fsdp2_bf16"))
         out["forward"] = sorted(forward)
@@ -318,8 +323,8 @@ def test_fsdp2_under_bf16_mixed_gathers_bf16_and_reduces_fp32_gradients(planned)
         # The blocks compute with bf16 parameters (and return bf16); the gradients the optimizer sees are fp32.
         assert result["forward"] == ["output torch.bfloat16", "parameter torch.bfloat16"], result["forward"]
         assert result["fsdp2_bf16_dtypes"] == ["torch.float32"], result["fsdp2_bf16_dtypes"]
-        gathers = {dtype for kind, dtype, _ in result["collectives"] if kind == "all_gather_single"}
-        reduces = [(dtype, n) for kind, dtype, n in result["collectives"] if kind == "reduce_scatter_single"]
+        gathers = {dtype for kind, dtype, _ in result["collectives"] if kind == "all-gather"}
+        reduces = [(dtype, n) for kind, dtype, n in result["collectives"] if kind == "reduce-scatter"]
         assert gathers == {"torch.bfloat16"}, result["collectives"]
         # Three groups (two blocks, the root) reduce-scatter once a window, in fp32: 4 bytes a parameter.
         numel = sum(p.numel() for p in result["fsdp2_bf16_params"].values())
