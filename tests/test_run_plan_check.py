@@ -42,7 +42,8 @@ def _train(hf_model_dir: Path, data: Path, out: Path, *extra: str, steps: int = 
 
 def _tokens_only(monkeypatch) -> None:
     """The planner as it was before it traced packed rows: token ids only, so it misses the attention mask that
-    packed rows make Hugging Face build (about a fifth of the saved bytes here)."""
+    packed rows make Hugging Face build (11% of the saved bytes here on torch 2.13, 9% on torch 2.11, whose plan
+    keeps the whole logits: it has no F.linear_cross_entropy, and memtrain's chunked kernel is slower here)."""
     from memtrain.planner import search, tracing
 
     def tokens_only(ctx, micro_batch_size):
@@ -59,7 +60,8 @@ def probe(hf_model_dir, pairs, tmp_path_factory) -> tuple[int, int]:
         _tokens_only(monkeypatch)
         report = _train(hf_model_dir, pairs, tmp_path_factory.mktemp("probe"))
     missed = report["measurement"]["measured_bytes"] - report["measurement"]["predicted_bytes"]
-    assert missed > 0.1 * report["measurement"]["measured_bytes"], report["measurement"]  # it under-predicts
+    # It under-predicts by more than the safety margin: a budget fits between its peak and the real one.
+    _budget_between(report["prediction"]["peak_bytes"], missed)
     return report["prediction"]["peak_bytes"], missed
 
 
@@ -89,7 +91,7 @@ def test_packed_hf_model_run_predicts_its_saved_bytes(hf_model_dir, pairs, tmp_p
 
 
 def test_cpu_step_over_the_budget_replans(unpacked_planner, hf_model_dir, pairs, tmp_path, capsys):
-    """An estimate that misses a fifth of the saved bytes, a budget between its peak and the real one: the step-2
+    """An estimate that misses a tenth of the saved bytes, a budget between its peak and the real one: the step-2
     check sees the peak over the budget and re-plans with the shortfall folded in (it used to print only)."""
     predicted_peak, missed = unpacked_planner
     capsys.readouterr()
