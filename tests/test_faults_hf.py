@@ -187,7 +187,7 @@ def test_every_choices_field_is_honoured_or_refused_by_the_trainer():
     # What MemtrainTrainer applies (prepare_model, create_optimizer, training_step), as tests/test_hf.py checks.
     # A named optimizer class (and its kwargs) is honoured offloaded (CPUOffloadOptimizer steps it on the host) and
     # refused on the device, where the Trainer builds its own optimizer.
-    honoured = {"checkpointing", "offload_activations", "chunked_loss", "optimizer.placement",
+    honoured = {"checkpointing", "offload_activations", "chunked_loss", "tiled_mlp", "optimizer.placement",
                 "optimizer.state_precision", "optimizer.kwargs"}
     on = {"compile": True, "pure_bf16": True, "offload_weights": True, "optimizer.step_in_backward": True,
           "optimizer.offload_fraction": 0.5, "optimizer.name": "adafactor"}

@@ -149,7 +149,7 @@ def test_a_run_given_a_plans_choices_trains_that_set_up_on_the_simulated_device(
     theirs, and its own ``choices`` are the ones given."""
     given = Choices(checkpointing="blocks(RRKK)+selective", optimizer=OptimizerChoice(
         placement="offload-bf16-weights", state_precision="bf16", step_in_backward=False), chunked_loss=False,
-                    offload_activations=False, offload_weights=False)
+                    offload_activations=False, offload_weights=False, tiled_mlp=False)
     # precision "auto" (TrainConfig's default): the bf16 device weights compute in bf16-mixed
     config = quick_run_config(tmp_path, max_steps=2, global_batch_size=4, budget="8MiB", choices=given)
     with simulate("8MiB"):

@@ -27,8 +27,8 @@ HYPER = dict(lr=1e-3)
 
 def test_the_rules_are_listed_once_each():
     assert [r.name for r in techniques.RULES] == [
-        "checkpoint-offload-inputs", "checkpoint-offload-blocks", "chunked-loss-model",
-        "gradients-before-ddp", "offload-optimizer-fsdp", "offload-with-fraction", "offload-with-step-in-backward",
+        "checkpoint-offload-inputs", "checkpoint-offload-blocks", "chunked-loss-model", "tiled-mlp-model",
+        "tiled-mlp-compile", "gradients-before-ddp", "offload-optimizer-fsdp", "offload-with-fraction", "offload-with-step-in-backward",
         "step-in-backward-with-fraction", "step-in-backward-fp16-scaler", "step-in-backward-per-parameter",
         "bf16-device-weights-precision", "named-optimizer-own-state",
         "pure-bf16-int8", "pure-bf16-precision", "pure-bf16-fsdp", "pure-bf16-cast-weights",
@@ -75,6 +75,10 @@ CHOICES = {
     # a run's choices with what its model lacks (train on a model without blocks asks this: tests/test_train.py)
     "offload-weights-blocks": lambda: ConfigError.raise_if(
         techniques.problems(Choices(offload_weights=True).setup(has_blocks=False))),
+    "tiled-mlp-compile": lambda: Choices(tiled_mlp=True, compile=True),
+    # a model with no MLP to tile (the estimate asks this of the model: tests/test_tiled_mlp.py)
+    "tiled-mlp-model": lambda: ConfigError.raise_if(
+        techniques.problems(Choices(tiled_mlp=True).setup(tileable=False))),
 }
 
 

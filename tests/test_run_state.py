@@ -50,7 +50,7 @@ _CHOICES_SETTINGS_JSON = (
     '{"micro_batch_size": 4, "accumulation": 1, "distribution": "none", "precision": "fp32", "n_blocks": 2, '
     '"choices": {"checkpointing": "none", "offload_activations": false, "optimizer": {"placement": "device", '
     '"state_precision": "fp32", "step_in_backward": false, "offload_fraction": 0.0, "name": null, "kwargs": null}, '
-    '"chunked_loss": true, "compile": false, "pure_bf16": false, "offload_weights": false}}')
+    '"chunked_loss": true, "compile": false, "pure_bf16": false, "offload_weights": false, "tiled_mlp": false}}')
 EXTRA_JSON_NOW = EXTRA_JSON.replace('"plan_settings": ' + _SETTINGS_JSON, '"plan_settings": ' + _CHOICES_SETTINGS_JSON)
 
 

@@ -190,8 +190,9 @@ class PlanSettings(Configuration):
     def _from_fields(cls, d: Mapping[str, Any]) -> PlanSettings:
         """Each field as its own key (what ``to_dict`` wrote before the choices: a checkpoint of an earlier run)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        # memtrain's AdamW is every plan's but a named class's: that form wrote the class only otherwise
-        missing = sorted(names - {"optimizer_class"} - set(d))
+        # memtrain's AdamW is every plan's but a named class's: that form wrote the class only otherwise; the tiled
+        # MLP came after that form (its runs' MLPs were whole: the field's default)
+        missing = sorted(names - {"optimizer_class", "tiled_mlp"} - set(d))
         if missing:
             raise ConfigError(f"{dict(d)!r} is not a plan's settings (missing {', '.join(missing)}). {_PASS_SAVED}")
         convert = {"blocks": lambda v: tuple(v) if isinstance(v, (list, tuple)) else v,
