@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +31,13 @@ from torch.utils.checkpoint import checkpoint
 from memtrain.checkpointing.selective import SelectivePolicy, selective_contexts
 from memtrain.errors import ConfigError
 from memtrain.offload import ActivationOffloader
+
+# torch >= 2.14 asks whether a selective region's kept outputs go through the saved-tensor hooks around it (its
+# default, None, warns while a hook is active: memtrain's meter and activation offloader are such hooks). They stay
+# in checkpoint's cache, as on every torch before: the meter counts them from memtrain's caching mode (through the
+# hooks too, they would count twice) and the offloader moves only what autograd saves (they would cross the link).
+_KEPT_OUTSIDE_HOOKS = ({"respect_saved_tensors_hooks": False}
+                       if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,8 @@ def checkpointed_call(
     run, args, kwargs = _keyword_tensors_positional(run, args, kwargs)
     # Non-reentrant checkpoint saves the block inputs through the outer saved-tensor hooks (the block's own
     # activations go through its inner ones), so an offloader entered around this call moves exactly the inputs.
-    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **checkpoint_kwargs, **kwargs)
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **_KEPT_OUTSIDE_HOOKS,
+                      **checkpoint_kwargs, **kwargs)
 
 
 def _keyword_tensors_positional(
