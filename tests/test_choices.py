@@ -73,8 +73,9 @@ def test_unknown_fields_name_the_known_ones():
 
 def test_a_run_of_several_processes_refuses_what_it_cannot_take():
     Choices(optimizer=OptimizerChoice(placement="offload")).check_run(world_size=2)
-    with pytest.raises(ConfigError, match="FSDP2 shards the optimizer state itself"):
-        Choices(optimizer=OptimizerChoice(placement="offload")).check_run(world_size=2, fsdp=True)
+    Choices(optimizer=OptimizerChoice(placement="offload")).check_run(world_size=2, fsdp=True)  # CPUOffloadPolicy
+    with pytest.raises(ConfigError, match="FSDP2 offloads its shards as they are stored"):
+        Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")).check_run(world_size=2, fsdp=True)
     with pytest.raises(ConfigError, match="optimizer.step_in_backward=True with world_size=2"):
         Choices(optimizer=OptimizerChoice(step_in_backward=True)).check_run(world_size=2)
     Choices(optimizer=OptimizerChoice(step_in_backward=True)).check_run(world_size=1)

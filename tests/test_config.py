@@ -36,13 +36,14 @@ def test_every_train_config_problem_says_how_to_resolve_it():
 
 def test_train_config_errors_name_arguments_and_suggest_only_what_it_accepts():
     bad = TrainConfig(max_steps=0, lr=float("nan"), seed=-1, precision="fp8", overwrite=True, resume=True,
-                      choices=Choices(optimizer=OptimizerChoice(placement="offload")), fsdp=True, warmup_steps=-1)
+                      choices=Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")), fsdp=True,
+                      warmup_steps=-1)
     with pytest.raises(ConfigError) as info:
         bad.validate()
     problems = info.value.problems
     assert not [p for p in problems if "--" in p], problems  # flags are the CLI's words, not the library's
     assert any("out_dir='DIR'" in p for p in problems), problems
-    assert any("optimizer.placement='offload' with fsdp=True" in p for p in problems), problems
+    assert any("optimizer.placement='offload-bf16-weights' with fsdp=True" in p for p in problems), problems
     with pytest.raises(ConfigError) as info:
         Choices(checkpointing="sometimes")
     checkpointing = next(p for p in info.value.problems if p.startswith("checkpointing="))

@@ -28,11 +28,11 @@ def test_choices_that_contradict_parameter_offload_name_the_fix(kwargs, fragment
     assert fragment in str(e.value)
 
 
-@pytest.mark.parametrize("run", [dict(fsdp=True), dict(world_size=2)])
-def test_a_run_that_shards_or_replicates_is_refused(run):
-    with pytest.raises(ConfigError, match="run one process"):
-        Choices(offload_weights=True).check_run(**run)
-    Choices(offload_weights=False).check_run(**run)
+def test_a_run_that_replicates_is_refused_and_one_that_shards_streams_its_shards():
+    with pytest.raises(ConfigError, match="run one process"):  # DDP
+        Choices(offload_weights=True).check_run(world_size=2)
+    Choices(offload_weights=False).check_run(world_size=2)
+    Choices(offload_weights=True).check_run(world_size=2, fsdp=True)  # FSDP2's CPUOffloadPolicy
 
 
 def test_choices_round_trip_through_a_dict():
@@ -41,7 +41,7 @@ def test_choices_round_trip_through_a_dict():
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (["train", "--fsdp"], "--offload-weights with --fsdp"),
+    (["plan", "--nproc", "2", "--ddp"], "--offload-weights with --nproc 2"),
     (["train", "--no-offload-optimizer"], "drop --no-offload-optimizer"),
     (["plan", "--compile"], "drop --compile or --offload-weights"),
     (["estimate", "--step-in-backward"], "drop --step-in-backward"),

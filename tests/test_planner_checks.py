@@ -28,7 +28,8 @@ CPU = fixed_cpu_profile()
     ({"world_size": 2}, dict(placement="device", step_in_backward=True),
      "optimizer.step_in_backward=True with world_size=2: DDP and FSDP2 reduce gradients"),
     ({"world_size": 2, "fsdp": True}, dict(placement="device", state_precision="int8"), "no set-up can be built"),
-    ({"world_size": 2, "fsdp": True}, dict(placement="offload"), "placement='offload' with fsdp=True: FSDP2 shards"),
+    ({"world_size": 2, "fsdp": True}, dict(placement="offload-bf16-weights"),
+     "placement='offload-bf16-weights' with fsdp=True: FSDP2 offloads"),
 ])
 def test_fixed_optimizer_choices_that_cannot_go_together_are_one_clear_error(kwargs, optimizer, match):
     with pytest.raises(ConfigError, match=match) as info:  # was a raw ValueError, or a silent fp32 optimizer

@@ -123,8 +123,10 @@ def test_an_fsdp2_rank_holds_every_saved_activation_beside_its_shard_of_the_stat
 
 @pytest.mark.parametrize("precision, gathered_bytes", [("bf16-mixed", 2), ("fp32", 4)])
 def test_fsdp2_gathers_blocks_in_bf16_under_bf16_mixed(precision, gathered_bytes):
-    """A rank holds its shard of the weights and AdamW's state and two blocks gathered whole (the one computing,
-    the next one prefetched): in bf16 under bf16-mixed (FSDP2's MixedPrecisionPolicy), 2 bytes a parameter."""
+    """A rank holds its shard of the weights and AdamW's state, two blocks gathered whole (the one computing, the
+    next one prefetched) and the root's parameters (embeddings, last norm, head) gathered from its forward to the end
+    of backward (the root does not reshard after forward): in bf16 under bf16-mixed (FSDP2's MixedPrecisionPolicy),
+    2 bytes a parameter."""
     from memtrain.planner.tracing import state_bytes
 
     config = planner_llama(layers=4, hidden=256, vocab_size=1024)
@@ -138,9 +140,49 @@ def test_fsdp2_gathers_blocks_in_bf16_under_bf16_mixed(precision, gathered_bytes
     ranks, one = _per_rank_and_one_process(config, settings, world)
     state = state_bytes(model, blocks, None, cuda=True)
     block_numel = max(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
-    expected = -(state["parameters"] + state["state"]) * (1 - 1 / world) + 2 * gathered_bytes * block_numel
+    root_numel = sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for b in blocks for p in model.get_submodule(b).parameters())
+    expected = (-(state["parameters"] + state["state"]) * (1 - 1 / world)
+                + gathered_bytes * (2 * block_numel + root_numel))
     assert ranks.peak_bytes - one.peak_bytes == pytest.approx(expected, abs=1), (
         (ranks.peak_bytes - one.peak_bytes) / MiB, expected / MiB)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_fsdp2_with_the_optimizer_offloaded_keeps_every_shard_in_host_ram(accumulation):
+    """FSDP2's host offload (CPUOffloadPolicy): the device holds no parameter and no state, only two blocks and the
+    root gathered in bf16 (and, while a window accumulates, the unsharded fp32 gradients); each rank's host RAM holds
+    its shard of the fp32 weights, of their fp32 gradients and of AdamW's moments; per micro-batch each rank copies
+    its fp32 shard of every block in forward and again in backward and the root's once, and its gradients' shard
+    once a step."""
+    from memtrain.planner import predictions
+
+    config = planner_llama(layers=4, hidden=256, vocab_size=1024)
+    model = meta_model(config)
+    blocks = [f"model.layers.{i}" for i in range(4)]
+    numel = sum(p.numel() for p in model.parameters())
+    block_numel = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks]
+    root_numel = numel - sum(block_numel)
+    world = 4
+    host = PlanSettings(micro_batch_size=1, accumulation=accumulation, blocks=("recompute",) * 4, flavor="full",
+                        chunked_loss=False, optimizer="offload", distribution="fsdp2", compile=False,
+                        precision="bf16-mixed", offload_weights=True)
+    ranks, _ = _per_rank_and_one_process(config, host, world)
+    # One process of the same optimizer with its weights on the device (its own parameter offload streams them).
+    one = plan(config, budget=None, seq_len=64, device_profile=H100, precision=host.precision,
+               global_batch_size=accumulation,
+               settings=dataclasses.replace(host, distribution="none", offload_weights=False))
+    expected = -4 * numel + 2 * (2 * max(block_numel) + root_numel) + (4 * numel if accumulation > 1 else 0)
+    assert ranks.peak_bytes - one.peak_bytes == pytest.approx(expected, abs=1), (
+        (ranks.peak_bytes - one.peak_bytes) / MiB, expected / MiB)
+    (c,) = predictions(config, [host], seq_len=64, global_batch_size=world * accumulation, device="cuda",
+                       world_size=world, device_profile=H100)
+    link = c.host_link
+    assert link.weights_to_device == 4 * (2 * sum(block_numel) + root_numel) / world * accumulation
+    assert link.optimizer_to_host == 4 * numel / world and link.optimizer_to_device == 0, link
+    # Host RAM: 4 + 4 + 8 bytes a parameter over the ranks (and the step counters), for each rank of the node.
+    optimizer_host = c.host_bytes / min(world, 8) - 16 * numel / world
+    assert 0 <= optimizer_host < 4 * MiB, optimizer_host / MiB  # the loader's pinned batches, the counters
 
 
 def test_fsdp2_all_gathers_in_bf16_and_reduce_scatters_in_fp32():

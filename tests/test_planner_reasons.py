@@ -7,7 +7,7 @@ import re
 import pytest
 from helpers import MiB, h100, planner_llama
 
-from memtrain.choices import Choices
+from memtrain.choices import Choices, OptimizerChoice
 from memtrain.errors import ConfigError
 from memtrain.planner import (
     PlanSettings,
@@ -32,7 +32,11 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit(llama):
 
 def test_nothing_fits_over_fsdp2_ranks_names_a_rank_count_that_fits():
     config = planner_llama(layers=4, hidden=1024, vocab_size=8192)
-    kwargs = dict(budget=400 * MiB, seq_len=128, fsdp=True, device_profile=H100)
+    # The optimizer on the device: FSDP2's host offload would fit 2 ranks (its shards in host RAM).
+    device = Choices(optimizer=OptimizerChoice(placement="device"))
+    assert plan(config, budget=400 * MiB, seq_len=128, fsdp=True, device_profile=H100, global_batch_size=2,
+                world_size=2).settings.optimizer == "offload"
+    kwargs = dict(budget=400 * MiB, seq_len=128, fsdp=True, device_profile=H100, choices=device)
     with pytest.raises(ConfigError) as info:  # the model state alone is 415 MB a rank over 2 ranks
         plan(config, global_batch_size=2, world_size=2, **kwargs)
     found = re.search(r"FSDP2 over at least (\d+) GPUs", str(info.value))

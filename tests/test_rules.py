@@ -28,12 +28,13 @@ HYPER = dict(lr=1e-3)
 def test_the_rules_are_listed_once_each():
     assert [r.name for r in techniques.RULES] == [
         "checkpoint-offload-inputs", "checkpoint-offload-blocks", "chunked-loss-model", "tiled-mlp-model",
-        "tiled-mlp-compile", "gradients-before-ddp", "offload-optimizer-fsdp", "offload-with-fraction", "offload-with-step-in-backward",
+        "tiled-mlp-compile", "gradients-before-ddp", "offload-optimizer-fsdp", "offload-optimizer-fsdp-moments",
+        "offload-with-fraction", "offload-with-step-in-backward",
         "step-in-backward-with-fraction", "step-in-backward-fp16-scaler", "step-in-backward-per-parameter",
         "bf16-device-weights-precision", "named-optimizer-own-state",
         "pure-bf16-int8", "pure-bf16-precision", "pure-bf16-fsdp", "pure-bf16-cast-weights",
         "offload-weights-device-optimizer", "offload-weights-compile", "offload-weights-pure-bf16",
-        "offload-weights-one-process", "offload-weights-blocks",
+        "offload-weights-one-process", "fsdp-offload-streams-weights", "offload-weights-blocks",
     ]
     for technique in techniques.REGISTRY:  # each module's rules are all its technique's, and no rule is elsewhere
         module = sys.modules[type(technique).__module__]
@@ -59,8 +60,12 @@ CHOICES = {
     "pure-bf16-cast-weights": lambda: Choices(pure_bf16=True, optimizer=OptimizerChoice(
         placement="offload-bf16-weights")),
     "gradients-before-ddp": lambda: Choices(optimizer=OptimizerChoice(step_in_backward=True)).check_run(world_size=2),
-    "offload-optimizer-fsdp": lambda: Choices(optimizer=OptimizerChoice(placement="offload")).check_run(
+    "offload-optimizer-fsdp": lambda: Choices(optimizer=OptimizerChoice(placement="offload-bf16-weights")).check_run(
         world_size=2, fsdp=True),
+    "offload-optimizer-fsdp-moments": lambda: Choices(optimizer=OptimizerChoice(
+        placement="offload", state_precision="bf16")).check_run(world_size=2, fsdp=True),
+    "fsdp-offload-streams-weights": lambda: Choices(offload_weights=False, optimizer=OptimizerChoice(
+        placement="offload")).check_run(world_size=2, fsdp=True),
     "offload-with-fraction": lambda: OptimizerChoice(placement="offload", offload_fraction=0.5),
     "offload-with-step-in-backward": lambda: OptimizerChoice(placement="offload", step_in_backward=True),
     "step-in-backward-with-fraction": lambda: OptimizerChoice(step_in_backward=True, offload_fraction=0.5),
@@ -171,7 +176,13 @@ def test_the_searchs_pruning_obeys_the_rules():
     assert not refuses(SetUp(step_in_backward=True)) and not refuses(ddp.with_(step_in_backward=False))
     assert refuses(SetUp(step_in_backward=True, offload_fraction=0.25))
     assert not refuses(SetUp(step_in_backward=True, offload_fraction=0.0))
-    assert refuses(SetUp(placement="offload", fsdp=True)) and not refuses(SetUp(placement="offload", fsdp=False))
+    # FSDP2 offloads its own shards (CPUOffloadPolicy): fp32 moments, the weights streamed with them.
+    assert refuses(SetUp(placement="offload-bf16-weights", fsdp=True))
+    assert not refuses(SetUp(placement="offload-bf16-weights", fsdp=False))
+    assert not refuses(SetUp(placement="offload", fsdp=True, offload_weights=True, processes=2))
+    assert refuses(SetUp(placement="offload", fsdp=True, offload_weights=False, processes=2))
+    assert refuses(SetUp(placement="offload", fsdp=True, offload_weights=True, state_precision="bf16", processes=2))
+    assert refuses(SetUp(placement="offload", fsdp=False, offload_weights=True, processes=2))  # DDP streams nothing
 
 
 def test_every_site_asks_the_registry_and_no_other_module_tests_a_rule():

@@ -179,12 +179,12 @@ def _plan_model():
 
 
 def _settings(distribution: str, precision: str, micro: int = MICRO, accumulation: int = ACCUMULATION,
-              optimizer: str = "device"):
+              optimizer: str = "device", offload_weights: bool = False):
     from memtrain.planner import PlanSettings
 
     return PlanSettings(micro_batch_size=micro, accumulation=accumulation, blocks=("keep", "keep"), flavor="full",
                         chunked_loss=True, optimizer=optimizer, distribution=distribution, compile=False,
-                        precision=precision)
+                        precision=precision, offload_weights=offload_weights)
 
 
 def _plan_batch(step: int, rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,6 +245,20 @@ def _planned_worker(rank: int, init_file: str, folder: str) -> None:
                                          before_step=bucket_views)
         # CPUOffloadOptimizer under DDP: it copies the (clipped) bucket views to the host at the step.
         out["ddp_offload_fp32"] = _train_planned(_settings("ddp", "fp32", optimizer="offload"), mine)
+
+        # FSDP2's host offload: every group under CPUOffloadPolicy, the optimizer's state where the shards are.
+        def offloaded(run, step):
+            states = [m._get_fsdp_state()._fsdp_param_group for m in run.model.modules()
+                      if hasattr(m, "_get_fsdp_state")]
+            out["offload_policies"] = sorted({type(g.offload_policy).__name__ for g in states})
+            out["optimizer"] = type(run.optimizer).__name__
+            moments = [(v, p) for p in run.model.parameters() for v in run.optimizer.state[p].values() if v.dim()]
+            out["moments"] = (len(moments), 2 * len(list(run.model.parameters())))  # none before the first step
+            out["state_on_shards"] = all(v.to_local().device == p.to_local().device
+                                         and v.to_local().shape == p.to_local().shape for v, p in moments)
+
+        out["fsdp2_offload_fp32"] = _train_planned(
+            _settings("fsdp2", "fp32", optimizer="offload", offload_weights=True), mine, before_step=offloaded)
 
         # DDP and FSDP2 under bf16-mixed: the first window's gradients (before the boundary scales and clips them).
         def first_grads(key):
@@ -311,10 +325,21 @@ def test_ddp_gradients_are_views_into_its_buckets_and_training_equals_one_proces
         # bucket), not in one storage per parameter as with gradient_as_bucket_view=False.
         assert result["views"] == [True] * STEPS, (rank, result["views"], result["storages"], result["buckets"])
         assert result["storages"] == result["buckets"], (result["storages"], result["buckets"])
-        for key in ("ddp_fp32", "ddp_offload_fp32"):
+        for key in ("ddp_fp32", "ddp_offload_fp32", "fsdp2_offload_fp32"):
             diffs = {n: (result[key][n] - p).abs().max().item() for n, p in union.items()}
             worst = max(diffs, key=diffs.get)
             assert diffs[worst] <= FP32_TOL, f"{key} rank {rank}: {worst} differs from one process by {diffs[worst]:.3e}"
+
+
+@pytest.mark.slow
+def test_fsdp2_with_the_optimizer_offloaded_steps_each_ranks_shard_where_cpu_offload_policy_keeps_it(planned):
+    """--fsdp --offload-optimizer: FSDP2's CPUOffloadPolicy on every group (the blocks and the root), torch's fused
+    AdamW over the shards, its moments beside them (the same local shape and device); its training equals one
+    process's within fp32 rounding (test_ddp_gradients_are_views_into_its_buckets_and_training_equals_one_process)."""
+    for rank, result in enumerate(planned):
+        assert result["offload_policies"] == ["CPUOffloadPolicy"], (rank, result["offload_policies"])
+        assert result["optimizer"] == "AdamW" and result["state_on_shards"], (rank, result["optimizer"])
+        assert result["moments"][0] == result["moments"][1], (rank, result["moments"])  # at the second step
 
 
 @pytest.mark.slow
@@ -354,8 +379,8 @@ def export_docs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper,lora", [("--fsdp", False), ("--fsdp", True), ("", False)],
-                         ids=["fsdp", "fsdp-lora", "ddp"])
+@pytest.mark.parametrize("wrapper,lora", [("--fsdp", False), ("--fsdp", True), ("--fsdp --offload-optimizer", False),
+                                          ("", False)], ids=["fsdp", "fsdp-lora", "fsdp-offload", "ddp"])
 def test_a_two_rank_run_writes_the_hf_folder_and_sample_of_the_one_process_run(hf_model_dir, export_docs, tmp_path,
                                                                                wrapper, lora):
     import subprocess
@@ -371,7 +396,7 @@ def test_a_two_rank_run_writes_the_hf_folder_and_sample_of_the_one_process_run(h
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     # --standalone: torchrun picks a free port, so parallel test runs do not meet on one.
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(WORLD), "-m", "memtrain", *flags, *([wrapper] if wrapper else []),
+                           str(WORLD), "-m", "memtrain", *flags, *wrapper.split(),
                            "--out", str(tmp_path / "fsdp")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -409,7 +434,7 @@ def test_every_readme_torchrun_command_reaches_memtrain_with_all_its_flags():
     from torch.distributed.run import get_args_parser
 
     lines = _readme_torchrun_lines()
-    assert len(lines) == 2 and all(" --nproc " in line or " --log " in line for line in lines), lines
+    assert len(lines) == 3 and all(" --nproc " in line or " --log " in line for line in lines), lines
     for line in lines:
         argv = shlex.split(line.replace("[--fsdp]", "--fsdp"))[1:]
         parsed = get_args_parser().parse_args(argv)  # exits 2 on "ambiguous option"

@@ -34,6 +34,7 @@ from memtrain.planner.cost import fsdp2_param_dtype
 from memtrain.planner.settings import Plan, PlanSettings
 from memtrain.precision import MixedPrecision
 from memtrain.techniques import problems as rule_problems
+from memtrain.techniques.distribution import shards_on_host
 from memtrain.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 
 
@@ -218,7 +219,7 @@ def offloaded_optimizer(a: Applying) -> None:
     then makes the device copies bf16 where the plan says (offload-bf16-weights), so that the device never holds
     them in fp32; and before DDP, which buckets the weights as they are then."""
     s = a.settings
-    if s.optimizer == "device":
+    if s.optimizer == "device" or shards_on_host(s):
         return
     # NOTE: under DDP, gradients stay on the device until the step: DDP averages them after the hooks that would
     # have copied them to the host. In one process they stream to the host during backward.
@@ -250,7 +251,7 @@ def placement(a: Applying) -> None:
 def parameter_offload(a: Applying) -> None:
     """Parameter offload: the blocks' weights stream from the offloaded optimizer's host weights (``stream_weights``),
     which therefore comes first; after the placement, which left them in host memory."""
-    if a.settings.offload_weights:
+    if a.settings.offload_weights and not shards_on_host(a.settings):
         a.weights = stream_weights(a.model, a.names, a.optimizer, a.device)
 
 
@@ -262,16 +263,20 @@ def data_parallelism(a: Applying) -> None:
     s = a.settings
     if s.distribution == "fsdp2":
         # Imported here: only an FSDP2 run needs torch.distributed's FSDP (not every torch build has it).
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         # bf16-mixed: blocks gathered (and computed) in bf16, gradients reduce-scattered in fp32 into the fp32
         # shards the optimizer steps; autocast still runs the fp32 ops (norms, softmax, the loss) in fp32.
         gathered = fsdp2_param_dtype(s.precision)
         policy = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32 if gathered else None)
+        # The optimizer offloaded: each rank's shards (the fp32 master) and their gradients live in host RAM
+        # (pinned where the device copies from it asynchronously), the step runs there (sharded_host_optimizer),
+        # and each block is copied to the device and gathered as it runs.
+        offload = CPUOffloadPolicy(pin_memory=a.acc.kind == "cuda") if shards_on_host(s) else OffloadPolicy()
         modules = dict(a.model.named_modules())
         for name in a.names:
-            fully_shard(modules[name], mp_policy=policy)
-        fully_shard(a.model, mp_policy=policy)
+            fully_shard(modules[name], mp_policy=policy, offload_policy=offload)
+        fully_shard(a.model, mp_policy=policy, offload_policy=offload)
     elif s.distribution == "ddp":
         ids = [a.device.index] if a.acc.kind not in ("cpu", "simulated") else None
         # Each p.grad is a view into DDP's all-reduce bucket: one copy of the gradients, not two.
@@ -290,6 +295,9 @@ def device_optimizer(a: Applying) -> None:
     run's named class, or ``build_optimizer``'s lean variants (low-precision moments, a share offloaded, step in
     backward, pure bf16). After FSDP2, whose sharded parameters it must hold."""
     s = a.settings
+    if shards_on_host(s):
+        sharded_host_optimizer(a)
+        return
     if s.optimizer != "device":
         return
     trainable, named = _trainable(a.model), s.optimizer_class
@@ -302,6 +310,20 @@ def device_optimizer(a: Applying) -> None:
     a.optimizer = build_optimizer(trainable, state_precision=s.state_precision, offload_fraction=s.offload_fraction,
                                   step_in_backward=s.step_in_backward, grad_scaler=a.precision.scaler,
                                   world_size=a.world, pure_bf16=s.pure_bf16, optimizer_class=named, **a.hyper)
+
+
+def sharded_host_optimizer(a: Applying) -> None:
+    """The optimizer over FSDP2's shards in host RAM (``CPUOffloadPolicy``): torch's fused AdamW on the CPU (the
+    kernel the offloaded optimizer's host step runs for fp32 moments) or the run's named class, over each rank's
+    shard of the fp32 master; the gradients arrive there reduce-scattered. Called by the device optimizer's stage:
+    after FSDP2, whose shards it holds."""
+    trainable, named = _trainable(a.model), a.settings.optimizer_class
+    params = [p for _, p in trainable]
+    if named.is_adamw:
+        a.optimizer = torch.optim.AdamW(params, fused=True, **a.hyper)
+    else:
+        named.state_sizes((1,), torch.float32)  # a class that cannot step on the host: one clear error, now
+        a.optimizer = named.resolve()(params, **named.hyperparameters(**a.hyper))
 
 
 def gradient_accumulation(a: Applying) -> None:

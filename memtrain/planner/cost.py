@@ -19,6 +19,13 @@ from memtrain.planner.devices import DeviceProfile
 from memtrain.planner.profiles import Profiles, affine_at, offloader_bytes
 from memtrain.planner.settings import Configuration, HostLink, PlanSettings, Problem, configuration_of
 from memtrain.techniques.chunked_loss import loss_tail
+from memtrain.techniques.distribution import (
+    root_parameter_bytes,
+    sharded_host_bytes,
+    sharded_host_copies,
+    sharded_host_micro_seconds,
+    shards_on_host,
+)
 from memtrain.techniques.optimizer.cost import (
     OptimizerShare,
     full_state_bytes,
@@ -168,6 +175,10 @@ class Composer:
         activations = float(self.offloaded(cfg, self.picker(cfg, kinds == "offload", kinds == "recompute")).sum())
         prof = self.profile_of(cfg)
         gradients, weights = self.share(prof, cfg).link(self._shards(cfg))
+        if shards_on_host(cfg):  # the gradients' shards once a window; the weights' in each micro-batch
+            copies, _ = sharded_host_copies(prof, self.ctx.world)
+            return HostLink(round(activations * cfg.accumulation), round(activations * cfg.accumulation),
+                            round(gradients), 0, round(copies * cfg.accumulation))
         streamed = streamed_weight_bytes(prof, cfg)
         return HostLink(round(activations * cfg.accumulation), round(activations * cfg.accumulation),
                         round(gradients * cfg.accumulation), round(weights - streamed),
@@ -204,9 +215,17 @@ class Composer:
         # -- host bytes (one node: every rank's share)
         offloaded = layout.memo("offloaded over the link", lambda: self.offloaded(cfg, layout))
         moved = layout.memo(("total", "offloaded over the link"), lambda: offloaded.sum(axis=1))
-        host = (host_pool_bytes(moved) + self.share(prof, cfg).host_bytes + loader_host_bytes(ctx, b)
+        host = (host_pool_bytes(moved) + self._optimizer_host_bytes(prof, cfg) + loader_host_bytes(ctx, b)
                 + weights_host_bytes(prof, cfg)) * ranks_per_node(ctx.world)
         return peak, host, self._seconds(cfg, prof, layout, offloaded, moved)
+
+    def _optimizer_host_bytes(self, prof: Profiles, cfg: Configuration) -> float:
+        """One rank's host RAM for the optimizer: the offloaded optimizer's, or under FSDP2's host offload its
+        shards of the weights, gradients and state."""
+        if shards_on_host(cfg):
+            state = full_state_bytes(prof, cfg.optimizer_class, "cpu")
+            return sharded_host_bytes(prof, state, self.ctx.world)
+        return self.share(prof, cfg).host_bytes
 
     def _peak(self, cfg: Configuration, prof: Profiles, layout: Layout) -> np.ndarray:
         """The device's peak per row: forward block by block, the head and loss, backward from the last block to
@@ -275,6 +294,8 @@ class Composer:
         optimizer, shards = self.share(prof, cfg), self._shards(cfg)
         micro = weights_micro_seconds(ctx, prof, cfg, micro, fwd, bwd, layout.memo, dev, moved,
                                       optimizer.link(shards)[0])
+        if shards_on_host(cfg) and ctx.device == "cuda":
+            micro = sharded_host_micro_seconds(prof, ctx.world, micro, moved, dev.host_to_device)
         backward = layout.total("backward_s")
         seconds = (micro * cfg.accumulation + optimizer.step_seconds(backward, shards)
                    + _communication_seconds(ctx, prof, cfg, backward + layout.total("forward_s")))
@@ -414,10 +435,16 @@ def _distributed_shift(ctx: Problem, prof: Profiles, cfg: Configuration | PlanSe
         # views each step, so a window's earlier micro-batches (no sync) accumulate into tensors of their own:
         # a device optimizer's trace counts those already; an offloaded one's streams them, but not under DDP.
         return grads * (2 if cfg.optimizer != "device" and cfg.accumulation > 1 else 1)
-    # FSDP2: parameters and state sharded, the block computed and the next one (prefetched) gathered whole.
+    # FSDP2: the block computed and the next one (prefetched) gathered whole, and the root's parameters (the
+    # embeddings, the head) gathered from its forward to the end of backward (the root does not reshard).
+    gathered = 2 * gathered_block_bytes(ctx, prof) + root_parameter_bytes(prof) * _gathered_ratio(ctx, prof)
+    if shards_on_host(cfg):
+        # Every shard in host RAM (the offloaded optimizer's trace keeps no state on the device); between the
+        # micro-batches of a window the unsharded gradients stay on the device (reduce-scattered at its end).
+        return -prof.parameter_bytes + gathered + (prof.trainable_bytes if cfg.accumulation > 1 else 0)
+    # Parameters and state sharded.
     state = full_state_bytes(prof, cfg.optimizer_class, ctx.device)
-    shift = -(prof.parameter_bytes + state) * (1 - 1 / n)
-    return shift + 2 * gathered_block_bytes(ctx, prof)
+    return -(prof.parameter_bytes + state) * (1 - 1 / n) + gathered
 
 
 def gradient_shard(ctx: Problem, cfg: Configuration | PlanSettings) -> float:
@@ -425,7 +452,7 @@ def gradient_shard(ctx: Problem, cfg: Configuration | PlanSettings) -> float:
     ``_distributed_shift`` adds: FSDP2 reduce-scatters each block's as it lands, unless accumulation keeps them
     unsharded between micro-batches; under DDP, in the backward that syncs, each one becomes a view into the
     buckets the shift counts (an offloaded optimizer's trace never holds them)."""
-    if ctx.world == 1 or cfg.accumulation > 1:
+    if ctx.world == 1 or cfg.accumulation > 1 or shards_on_host(cfg):  # the last: they leave as they land
         return 0.0
     if cfg.distribution == "ddp":
         return 1.0 if cfg.optimizer == "device" else 0.0

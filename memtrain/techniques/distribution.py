@@ -1,15 +1,59 @@
 """Data parallelism over several ranks: DDP (every rank holds the whole model, gradients all-reduced) or FSDP2
-(parameters, gradients and the optimizer state sharded, blocks gathered as they run). ``TrainConfig.fsdp`` (and
-``plan(fsdp=)``) chooses it, or the plan compares the two; it has no ``Choices`` field, and its rules with the other
-techniques are theirs (the optimizer's, pure bf16's, parameter offload's).
+(parameters, gradients and the optimizer state sharded, blocks gathered as they run; with the optimizer offloaded,
+the shards in host RAM: ``shards_on_host``). ``TrainConfig.fsdp`` (and ``plan(fsdp=)``) chooses it, or the plan
+compares the two; it has no ``Choices`` field, and its rules with the other techniques are theirs (the optimizer's,
+pure bf16's, parameter offload's).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from memtrain.techniques.technique import Technique
 from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchSpace
+
+
+def shards_on_host(s: Any) -> bool:
+    """Whether FSDP2 keeps each rank's shards in host RAM and the optimizer steps them there (``CPUOffloadPolicy``):
+    the optimizer offloaded under FSDP2, whose weights are then streamed (``FSDP_OFFLOAD_STREAMS``). ``s``: a plan's
+    settings or a configuration."""
+    return s.distribution == "fsdp2" and s.optimizer == "offload"
+
+
+# -- FSDP2's host offload: its share of a candidate's bytes and seconds (the planner's cost model composes them) ---
+def root_parameter_bytes(prof: Any) -> float:
+    """The parameters outside the blocks (embeddings, the last norm, the head) as traced: FSDP2's root group, which
+    it gathers in forward and keeps gathered to the end of backward (the root does not reshard after forward)."""
+    return float(prof.parameter_bytes - np.sum(prof.block_parameter_bytes))
+
+
+def sharded_host_bytes(prof: Any, state_bytes: float, world: int) -> float:
+    """One rank's host RAM under FSDP2's host offload: its shard of every parameter as stored (the fp32 master; a
+    frozen one too), of the gradients (reduce-scattered in fp32, then copied there) and of the optimizer's state
+    (``state_bytes``: the whole state)."""
+    return (prof.parameter_bytes + prof.trainable_bytes + state_bytes) / world
+
+
+def sharded_host_copies(prof: Any, world: int) -> tuple[float, float]:
+    """(bytes to the device per micro-batch, those waited for before the first block runs), per rank, under FSDP2's
+    host offload: FSDP2 copies each rank's shard as it is stored (4 bytes a parameter for an fp32 master; the
+    offloaded optimizer's own bf16 device copies would take 2) before gathering it: each block's in forward and
+    again in backward (blocks reshard after forward), the root's once."""
+    blocks = float(np.sum(prof.block_parameter_bytes)) / world
+    root = root_parameter_bytes(prof) / world
+    return 2 * blocks + root, root + float(prof.block_parameter_bytes[0]) / world
+
+
+def sharded_host_micro_seconds(prof: Any, world: int, micro: np.ndarray, moved: np.ndarray,
+                               host_to_device: float) -> np.ndarray:
+    """A micro-batch's seconds per row under FSDP2's host offload on CUDA: the shards' copies run ahead of the
+    compute (FSDP2 prefetches the next block's), sharing the link with the offloaded activations (``moved`` bytes
+    each way), so a micro-batch lasts as long as the longer of the two, plus the first copies, which nothing
+    hides."""
+    copies, first = sharded_host_copies(prof, world)
+    return np.maximum(micro, (copies + moved) / host_to_device) + first / host_to_device
 
 
 class DistributionTechnique(Technique):

@@ -15,6 +15,7 @@ import numpy as np
 from memtrain.message import Message, arg
 from memtrain.offload import PREFETCH_DEFAULT
 from memtrain.setting import flag
+from memtrain.techniques.distribution import shards_on_host
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.rule import Rule, SetUp
 from memtrain.techniques.technique import Technique
@@ -23,7 +24,8 @@ from memtrain.techniques.view import PlanView, SearchProblem, SearchRun, SearchS
 FIELD = field(default=None, metadata=flag(
     "--offload-weights", "parameter offload: the blocks' weights in host RAM (the offloaded optimizer's master), "
     "each on the device only while in use, one block ahead; for weights that do not fit the device. Needs "
-    "--offload-optimizer, one process, no --compile ({unset})", kind="switch"))
+    "--offload-optimizer, one process or --fsdp (FSDP2's CPUOffloadPolicy: each rank's shard), no --compile "
+    "({unset})", kind="switch"))
 
 
 
@@ -31,16 +33,22 @@ FIELD = field(default=None, metadata=flag(
 WEIGHTS_IN_FLIGHT = 1 + PREFETCH_DEFAULT  # the block in use and the one copying ahead of it
 
 
+def streams(cfg: Any) -> bool:
+    """Whether memtrain's ``WeightStreamer`` streams ``cfg``'s blocks: parameter offload in one process. Under FSDP2
+    its host offload streams each rank's shards (its share: ``memtrain.techniques.distribution``)."""
+    return bool(cfg.offload_weights) and not shards_on_host(cfg)
+
+
 def streamed_weight_bytes(prof: Any, cfg: Any) -> float:
     """Bytes of the blocks' weights (the device dtype) that parameter offload keeps in host RAM; 0 without it."""
-    return float(np.sum(prof.block_parameter_bytes)) if cfg.offload_weights else 0.0
+    return float(np.sum(prof.block_parameter_bytes)) if streams(cfg) else 0.0
 
 
 def weights_shift(prof: Any, cfg: Any) -> float:
     """What parameter offload changes at every moment of the step, on the device: the blocks' weights are gone but
     for ``WEIGHTS_IN_FLIGHT`` of the largest (the block in use and the next one copying; their gradients are the
     offloaded optimizer's, streamed to the host as they land, which the trace already counts)."""
-    if not cfg.offload_weights:
+    if not streams(cfg):
         return 0.0
     return WEIGHTS_IN_FLIGHT * float(np.max(prof.block_parameter_bytes)) - streamed_weight_bytes(prof, cfg)
 
@@ -75,7 +83,7 @@ def weights_micro_seconds(ctx: Any, prof: Any, cfg: Any, micro: np.ndarray, fwd:
     once a layout through ``memo``), and on CUDA the link shared with the offloaded activations (``moved`` bytes
     each way) and gradients (``gradient_bytes`` to the host); ``dev``: the device profile at the compute
     precision."""
-    if not cfg.offload_weights:
+    if not streams(cfg):
         return micro
     micro = micro + memo("weights stall", lambda: weights_stall(ctx, prof, fwd, bwd))
     if ctx.device == "cuda":
@@ -113,11 +121,18 @@ OFFLOAD_WEIGHTS_PURE_BF16 = Rule(
     lambda s: bool(s.offload_weights) and bool(s.pure_bf16))
 OFFLOAD_WEIGHTS_ONE_PROCESS = Rule(
     "offload-weights-one-process",
-    "parameter offload streams whole blocks to one device (FSDP2 shards and gathers them itself, and DDP averages "
-    "gradients after they left for the host).",
-    f"run one process without {arg('fsdp', True)}, or drop {{first}}",
-    ("offload_weights", "fsdp", "processes"),
-    lambda s: bool(s.offload_weights) and (bool(s.fsdp) or s.several_processes))
+    "parameter offload streams whole blocks to one device, and DDP averages gradients after they left for the host.",
+    f"pass {arg('fsdp', True)} (FSDP2 streams each rank's shard from host RAM), run one process, or drop {{first}}",
+    ("offload_weights", "processes"),
+    lambda s: bool(s.offload_weights) and s.several_processes and not s.fsdp)
+FSDP_OFFLOAD_STREAMS = Rule(
+    "fsdp-offload-streams-weights",
+    "FSDP2 keeps each rank's shards in host RAM, where the offloaded optimizer steps them, and copies each block to "
+    "the device as it gathers it (CPUOffloadPolicy): the weights are streamed.",
+    f"pass {arg('offload_weights', True)} or leave it to the plan, or drop one of {{rest}}",
+    ("offload_weights", "placement", "fsdp"),
+    lambda s: s.offload_weights is False and s.placement == "offload" and bool(s.fsdp),
+    shows_false=("offload_weights",))
 OFFLOAD_WEIGHTS_BLOCKS = Rule(
     "offload-weights-blocks",
     "parameter offload streams the model's repeated blocks one at a time, and auto found no repeated blocks in this "
@@ -133,7 +148,7 @@ class WeightOffloadTechnique(Technique):
     name = "parameter offload"
     fields = ("offload_weights",)
     rules = (OFFLOAD_WEIGHTS_DEVICE_OPTIMIZER, OFFLOAD_WEIGHTS_COMPILE, OFFLOAD_WEIGHTS_PURE_BF16,
-                           OFFLOAD_WEIGHTS_ONE_PROCESS, OFFLOAD_WEIGHTS_BLOCKS)
+                           OFFLOAD_WEIGHTS_ONE_PROCESS, FSDP_OFFLOAD_STREAMS, OFFLOAD_WEIGHTS_BLOCKS)
     search = ("offload-weights",)
 
     def fixed(self, choices: Any, *, device: str, n_blocks: int) -> Fixing:
@@ -150,9 +165,12 @@ class WeightOffloadTechnique(Technique):
         streamed = view.column("offload_weights").astype(bool)
         if view.settings.offload_weights:
             other = view.alternative(~streamed, "the weights on the device")
-            return ["parameter offload: the blocks' weights in host RAM (the optimizer's), two blocks on the device at "
-                    "a time, copied one block ahead in forward and again in backward"
-                    + (f", because: {other}" if other else " (as asked)")]
+            what = ("each rank's shard of the weights in host RAM (FSDP2's, which the optimizer steps there), each "
+                    "block copied to the device and gathered as it runs, in forward and again in backward"
+                    if shards_on_host(view.settings) else
+                    "the blocks' weights in host RAM (the optimizer's), two blocks on the device at a time, copied "
+                    "one block ahead in forward and again in backward")
+            return [f"parameter offload: {what}" + (f", because: {other}" if other else " (as asked)")]
         if streamed.any():
             return ["the weights on the device, because: they fit (parameter offload, the blocks' weights streamed "
                     "from host RAM, is tried only when no other set-up fits)"]
@@ -161,9 +179,12 @@ class WeightOffloadTechnique(Technique):
     def candidates(self, space: SearchSpace, problem: SearchProblem, allowed: frozenset[str]) -> None:
         """Parameter offload streams the weights from the offloaded optimizer's master: tried only beside it, on CUDA
         (on a CPU it saves nothing), and where the blocks' weights all train (a frozen base, LoRA's or a 4-bit one,
-        stays on the device: streaming the adapters alone saves next to nothing), unless it is asked for."""
-        space.weights = [False, True] if (problem.cuda and {"offload-optimizer", "offload-weights"} <= allowed
-                                          and problem.blocks_all_train) else [False]
+        stays on the device: streaming the adapters alone saves next to nothing), unless it is asked for. Under
+        FSDP2 on any device: there the offloaded optimizer streams the weights (``FSDP_OFFLOAD_STREAMS``; the
+        optimizer's placements on a CPU are the device alone unless the offloaded one is asked for)."""
+        sharded = problem.world > 1 and problem.fsdp is not False
+        space.weights = [False, True] if ({"offload-optimizer", "offload-weights"} <= allowed and (
+            sharded or problem.cuda and problem.blocks_all_train)) else [False]
 
     def axis(self, space: SearchSpace, fixed: Any, run: SearchRun) -> list[dict[str, Any]]:
         """Parameter offload off, and on where the space keeps it (its rules with the optimizer's placement, compile

@@ -13,6 +13,7 @@ import torch
 
 from memtrain.errors import ConfigError
 from memtrain.message import WHATEVER, Message, arg, marked
+from memtrain.techniques.distribution import shards_on_host
 from memtrain.techniques.fixing import Fixing
 from memtrain.techniques.optimizer.named import NamedOptimizer
 from memtrain.techniques.rule import Rule, SetUp
@@ -56,10 +57,19 @@ GRADIENTS_BEFORE_DDP = Rule(
     lambda s: s.several_processes and bool(s.step_in_backward or s.offload_fraction))
 OFFLOAD_OPTIMIZER_FSDP = Rule(
     "offload-optimizer-fsdp",
-    "FSDP2 shards the optimizer state itself and CPUOffloadOptimizer needs whole parameters.",
-    "drop one of {first} and {rest} (the optimizer on the device with FSDP2, or offloaded with DDP)",
+    "FSDP2 offloads its shards as they are stored (CPUOffloadPolicy: the fp32 master in host RAM, copied to the "
+    "device as each block is gathered), and bf16 device weights beside a host master are CPUOffloadOptimizer's, "
+    "which needs whole parameters.",
+    f"pass {arg('optimizer.placement', 'offload')} (FSDP2's host offload), or drop {{rest}} (DDP)",
     ("placement", "fsdp"),
-    lambda s: s.placement in OFFLOADED and bool(s.fsdp))
+    lambda s: s.placement == "offload-bf16-weights" and bool(s.fsdp))
+OFFLOAD_OPTIMIZER_FSDP_MOMENTS = Rule(
+    "offload-optimizer-fsdp-moments",
+    "FSDP2's host step is torch's fused AdamW over each rank's shard (fp32 moments); memtrain's lean moments step "
+    "whole tensors.",
+    f"pass {arg('optimizer.state_precision', 'fp32')}, or drop one of {{rest}}",
+    ("state_precision", "placement", "fsdp"),
+    lambda s: s.placement == "offload" and bool(s.fsdp) and s.adamw and s.state_precision not in (None, "fp32"))
 OFFLOAD_WITH_FRACTION = Rule(
     "offload-with-fraction",
     "the first puts all of the optimizer state in host RAM, the second a share of a device optimizer's.",
@@ -117,6 +127,8 @@ NAMED_OWN_STATE = Rule(
 PLACEMENT_TEXT = {"device": "AdamW on the device",
                   "offload": "AdamW on the CPU (CPUOffloadOptimizer: fp32 master and state in host RAM)",
                   "offload-bf16-weights": "AdamW on the CPU with bf16 weights on the device (fp32 master in host RAM)"}
+SHARDED_ON_HOST_TEXT = ("AdamW on the CPU (FSDP2's CPUOffloadPolicy: each rank's shard of the fp32 master, of the "
+                        "gradients and of the state in host RAM)")
 
 
 def _named(name: str, pure_bf16: bool, named: NamedOptimizer | None = None) -> str:
@@ -133,7 +145,8 @@ def _named(name: str, pure_bf16: bool, named: NamedOptimizer | None = None) -> s
 def _chosen_text(view: PlanView, s: Any) -> str:
     """The chosen optimizer in words: its placement, then its moments, its step in backward and its offloaded
     share where they are not the plain ones."""
-    text = _named(PLACEMENT_TEXT[s.optimizer], s.pure_bf16, s.optimizer_class)
+    text = _named(SHARDED_ON_HOST_TEXT if shards_on_host(s) else PLACEMENT_TEXT[s.optimizer], s.pure_bf16,
+                  s.optimizer_class)
     details = []
     if s.state_precision != "fp32":
         details.append(f"{s.state_precision} moments ({ {'bf16': 4, 'int8': 2}[s.state_precision]} bytes/param, "
@@ -158,7 +171,7 @@ class OptimizerTechnique(Technique):
 
     name = "optimizer"
     fields = ("optimizer",)  # the Choices field this technique owns: an OptimizerChoice, of SETTING_FIELDS
-    rules = (GRADIENTS_BEFORE_DDP, OFFLOAD_OPTIMIZER_FSDP, OFFLOAD_WITH_FRACTION, OFFLOAD_WITH_IN_BACKWARD,
+    rules = (GRADIENTS_BEFORE_DDP, OFFLOAD_OPTIMIZER_FSDP, OFFLOAD_OPTIMIZER_FSDP_MOMENTS, OFFLOAD_WITH_FRACTION, OFFLOAD_WITH_IN_BACKWARD,
              IN_BACKWARD_WITH_FRACTION, IN_BACKWARD_FP16_SCALER, IN_BACKWARD_PER_PARAMETER, BF16_WEIGHTS_PRECISION,
              NAMED_OWN_STATE)
     search = ("offload-optimizer", "bf16-weights", "optimizer-state", "step-in-backward")
