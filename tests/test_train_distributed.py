@@ -434,7 +434,7 @@ def test_every_readme_torchrun_command_reaches_memtrain_with_all_its_flags():
     from torch.distributed.run import get_args_parser
 
     lines = _readme_torchrun_lines()
-    assert len(lines) == 3 and all(" --nproc " in line or " --log " in line for line in lines), lines
+    assert len(lines) == 4 and all(" --nproc " in line or " --log " in line for line in lines), lines
     for line in lines:
         argv = shlex.split(line.replace("[--fsdp]", "--fsdp"))[1:]
         parsed = get_args_parser().parse_args(argv)  # exits 2 on "ambiguous option"
@@ -454,6 +454,8 @@ def test_the_readme_torchrun_commands_run_as_written(hf_model_dir, export_docs, 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     names = {"my-llama": str(hf_model_dir), "docs.jsonl": str(export_docs)}
     for i, line in enumerate(_readme_torchrun_lines()):
+        if " --nnodes " in line:  # two agents: test_the_readme_multi_node_command_...
+            continue
         argv = [names.get(a, a) for a in shlex.split(line.replace(" [--fsdp]", ""))]
         if "--max-steps" in argv:
             argv[argv.index("--max-steps") + 1] = "2"
@@ -471,3 +473,52 @@ def test_the_readme_torchrun_commands_run_as_written(hf_model_dir, export_docs, 
         assert len((tmp_path / f"run{i}" / "metrics.jsonl").read_text().splitlines()) == 2, line
         if "--log" in argv:
             assert any((tmp_path / f"run{i}" / "tensorboard").iterdir()), line
+
+
+# -- several nodes: torchrun's c10d rendezvous, two agents on this machine ---------------------------------------
+@pytest.mark.slow
+def test_the_readme_multi_node_command_trains_and_only_the_global_rank_0_writes_the_run_folder(tmp_path):
+    """The README's --nnodes 2 line as written (its port a free one), started twice, each agent in a directory of its
+    own standing for a node's disk: exactly one of them holds the run folder (the global rank 0's, whichever node
+    the rendezvous made it), the other nothing; its weights equal, bit for bit, those of a one-node run of the same
+    2 processes (--standalone): the same ranks, data and collectives. One thread a process in both: torchrun sets
+    OMP_NUM_THREADS=1 only where a node runs several processes, and other thread counts sum the matmuls in another
+    order (4e-7 apart after 2 steps)."""
+    import shlex
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    (line,) = [line for line in _readme_torchrun_lines() if " --nnodes " in line]
+    with socket.socket() as sock:  # a free port for the rendezvous (the README's 29500 may be taken)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = shlex.split(line.replace(":29500", f":{port}"))[1:]
+    out = argv[argv.index("--out") + 1]
+    small = ["--model", "gpt-tiny", "--seq-len", "32", "--global-batch-size", "4", "--max-steps", "2", "--no-progress"]
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    agents = []
+    for node in nodes:
+        node.mkdir()
+        agents.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv, *small], cwd=node,
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errors = [agent.communicate(timeout=600)[1] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(e[-3000:] for e in errors)
+    written = [node for node in nodes if any(node.iterdir())]
+    assert len(written) == 1 and [p.name for p in written[0].iterdir()] == [Path(out).parts[0]], (
+        [sorted(str(p.relative_to(tmp_path)) for p in node.rglob("*")) for node in nodes])
+    one_node = tmp_path / "one-node"
+    launcher = argv[:argv.index("-m")]  # torchrun's own options: --nnodes 2 and the rendezvous go
+    standalone = ["--nproc_per_node", "2", *argv[len(launcher):]]
+    assert launcher[launcher.index("--nproc_per_node") + 1] == "1" and launcher.count("--nnodes") == 1, launcher
+    one_node.mkdir()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *standalone, *small],
+                          cwd=one_node, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got, want = load_file(written[0] / out / "model.safetensors"), load_file(one_node / out / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
