@@ -433,6 +433,9 @@ def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunConte
         group["lr"] = base * lr_at(s.scheduler.last_epoch, config) / config.lr
     notes += [f"skipped a damaged checkpoint: {problem}; using the previous one" for problem in skipped]
     notes += applied_changes(flat_settings(state.get("config", {})), flat_settings(config.to_dict()))
+    if state["run"].get("world_size") != run.world_size:  # RESHARDED: the same examples at each step
+        notes.append(f"resume: {run.world_size} rank(s) now, {state['run'].get('world_size')} in the run being resumed "
+                     f"(its state read onto this layout; each step's {run.global_batch_size} examples the same)")
     extra = CheckpointExtra.from_dict(state["extra"])
     s.plan_check, s.replans = extra.plan_check, list(extra.replans)
     left = extra.plan_settings

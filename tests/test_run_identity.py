@@ -82,3 +82,21 @@ def test_a_new_max_steps_names_the_runs_own_schedule(schedule, note):
 
     saved, now = {"max_steps": 2, "lr_schedule": schedule}, {"max_steps": 3, "lr_schedule": schedule}
     assert applied_changes(saved, now) == [f"resume: max_steps=3 applied (the run had max_steps=2) {note}"]
+
+
+def test_a_resume_on_other_ranks_or_without_fsdp_is_the_same_run_and_another_global_batch_is_not():
+    """The checkpoint's state reads onto any number of ranks (FSDP2's shards resharded) and a step's examples are
+    the global batch's whatever the ranks: the ranks and FSDP2 may change on resume, the global batch may not."""
+    import dataclasses
+
+    from memtrain.run.identity import DataFingerprint, ModelFingerprint, RunIdentity, compare_runs
+
+    run = RunIdentity(seed=0, global_batch_size=32, world_size=2, seq_len=16,
+                      data=DataFingerprint(examples=10, sha256="ab", of="token stream"),
+                      model=ModelFingerprint(class_name="GPT", shapes={"w": (2, 2)}), precision="fp32",
+                      min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0, fsdp=True, lr_schedule="cosine",
+                      adam_betas=(0.9, 0.95), adam_eps=1e-8, offload_optimizer=False, optimizer="AdamW")
+    assert compare_runs(run, dataclasses.replace(run, world_size=1, fsdp=False)) == []
+    assert compare_runs(run, dataclasses.replace(run, world_size=4)) == []
+    (problem,) = compare_runs(run, dataclasses.replace(run, world_size=1, fsdp=False, global_batch_size=16))
+    assert "global_batch_size=16 now but global_batch_size=32" in problem, problem

@@ -282,3 +282,21 @@ def test_under_torchrun_each_rank_restores_its_own_generators(tmp_path):
     mp.spawn(_each_rank_restores_its_own, args=(str(tmp_path / "init"), str(tmp_path / "run"), results),
              nprocs=WORLD, join=True)
     assert dict(results) == {0: True, 1: True}, dict(results)
+
+
+def test_a_rank_the_checkpoint_has_no_generators_for_keeps_its_own(monkeypatch):
+    """A resume on more ranks than the run had (the identity allows it: the state reshards): rank 1 of a one-rank
+    checkpoint keeps the generators the run seeded it with, and rank 0 gets the checkpoint's."""
+    torch.manual_seed(5)
+    saved = {"ranks": [rng_state(torch.device("cpu"))]}
+    expected = torch.rand(3)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    torch.manual_seed(7)
+    own = torch.rand(3)
+    torch.manual_seed(7)
+    restore_rng(saved, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), own)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    restore_rng(saved, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected)

@@ -314,7 +314,9 @@ def _add_train_parser(sub: Any) -> None:
                           "checkpoint, with the flags it started with (flags given now are checked against them)")
     g["run"].add_argument("--overwrite", action="store_true", help="replace another run's results in --out "
                           "(memtrain's files only: it never deletes what it did not write)")
-    g["distributed"].add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
+    g["distributed"].add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
+                                  help="shard with FSDP2 instead of DDP (--no-fsdp: DDP or one process, e.g. to "
+                                  "resume an FSDP2 run on other ranks: its checkpoint reshards)")
     g["techniques"].add_argument("--compile", action="store_true", help="torch.compile the training step (after "
                                  "checkpointing and the DDP/FSDP2 wrapper)")
     _add_logging_flags(g["logging"])

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from memtrain.choices import default_global_batch
 from memtrain.cli.flags import subparser
 from memtrain.cli.workloads import hf_folder_config, hf_seq_len
 from memtrain.errors import ConfigError
@@ -94,9 +95,17 @@ def resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, expl
             setattr(args, dest, tuple(value) if isinstance(value, list) else value)
     if HELD_OUT_KEY not in saved:  # recorded before --eval-data let all of --data train: 5% was held out
         setattr(args, HELD_OUT_KEY, HELD_OUT_WITHOUT_EVAL_DATA)
-    return [f"--resume: the flags of the run in {args.out} (config.json)"
-            + (f", with {', '.join('--' + d.replace('_', '-') for d in sorted(explicit & set(now)))} given now"
-               if explicit & set(now) else "")]
+    notes = [f"--resume: the flags of the run in {args.out} (config.json)"
+             + (f", with {', '.join('--' + d.replace('_', '-') for d in sorted(explicit & set(now)))} given now"
+                if explicit & set(now) else "")]
+    ranks = saved.get("nproc")
+    if args.global_batch_size is None and isinstance(ranks, int) and ranks != args.nproc:
+        # The run's default global batch was its ranks' share each: on other ranks it stays the run's (its steps'
+        # examples), which the checkpoint reshards onto them.
+        args.global_batch_size = default_global_batch(ranks, args.micro_batch_size)
+        notes.append(f"--resume: --global-batch-size {args.global_batch_size}, the run's (its default over "
+                     f"its {ranks} ranks), on {args.nproc} now")
+    return notes
 
 
 

@@ -3,7 +3,8 @@ checkpoint.
 
 Every file is written to a temporary name in the same folder, fsynced, then renamed over the old one: a crash
 leaves the old file or the new one, never half of either. A checkpoint is a folder holding the tensors
-(safetensors), a JSON document with everything else, and a ``SHA256SUMS`` of both (``sha256sum -c`` checks it);
+(safetensors), a JSON document with everything else, under FSDP2 each rank's shards of the weights and the
+optimizer state (``SHARDS``), and a ``SHA256SUMS`` of every file (``sha256sum -c`` checks it);
 it is assembled under a temporary name and renamed into place only when complete. A checkpoint that cannot be
 read whole is skipped for the previous one, saying why. Resuming never unpickles anything.
 """
@@ -35,6 +36,9 @@ _CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 _CHECKPOINT_TEMPORARY = re.compile(r"\.step-(\d+)\.(.+)")  # .step-0000004.<random>.tmp, .step-0000004.old
 SUMS = "SHA256SUMS"
 CHECKPOINT_FILES = ("meta.json", "tensors.safetensors")
+# A sharded checkpoint's folder of shards (torch.distributed.checkpoint's: .metadata and each rank's files), listed in
+# SUMS too; its state's SHARDS key names it (the path, once read).
+SHARDS = "shards"
 
 
 class RunWriteError(MemtrainError):
@@ -138,12 +142,34 @@ class RunCheckpoints:
         Raises:
             RunWriteError: a file could not be written (the checkpoints already there are untouched).
         """
+        return self.finish(step, self.begin(step), state)
+
+    def begin(self, step: int) -> Path:
+        """The temporary folder the checkpoint of ``step`` is assembled in (``finish`` renames it into place): a
+        sharded checkpoint's ranks write their shards into its ``SHARDS`` folder first.
+
+        Raises:
+            RunWriteError: the folder could not be made.
+        """
         final = self.root / f"{CHECKPOINT_PREFIX}{step:07d}"
-        tmp = None
-        needed = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=self.root))
+            return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=self.root))
+        except OSError as e:
+            raise RunWriteError(write_fault(e, final, self, exclude=final)) from None
+
+    def finish(self, step: int, tmp: Path, state: dict[str, Any], shard_sums: dict[str, str] | None = None) -> Path:
+        """Writes ``state`` into ``tmp`` (from ``begin``) beside the shards already there (``shard_sums``: their
+        SHA-256 by path in the checkpoint, every rank's), lists every file in ``SUMS`` and renames the folder into
+        place as the checkpoint of ``step``; ones older than the ``keep`` newest intact are removed after. ``tmp`` is
+        removed where anything fails.
+
+        Raises:
+            RunWriteError: a file could not be written (the checkpoints already there are untouched).
+        """
+        final = self.root / f"{CHECKPOINT_PREFIX}{step:07d}"
+        needed = None
+        try:
             tensors: dict[str, torch.Tensor] = {}
             skeleton = flatten_state(state, tensors)
             meta_text = json.dumps({"format": CHECKPOINT_FORMAT, "step": step, "state": skeleton})
@@ -151,18 +177,17 @@ class RunCheckpoints:
             safetensors.torch.save_file(tensors, str(tmp / "tensors.safetensors"))
             (tmp / "meta.json").write_text(meta_text)
             # The sums list every file: an edit of meta.json (e.g. the scheduler's last_epoch) is damage too.
-            (tmp / SUMS).write_text("".join(f"{sha256_file(tmp / name)}  {name}\n" for name in CHECKPOINT_FILES))
+            sums = {name: sha256_file(tmp / name) for name in CHECKPOINT_FILES} | dict(sorted((shard_sums or {}).items()))
+            (tmp / SUMS).write_text("".join(f"{digest}  {name}\n" for name, digest in sums.items()))
             replace_folder(tmp, final)  # the same step saved again (after a resume) is swapped
         except (OSError, SafetensorError) as e:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             os_error = as_os_error(e, final)
             if os_error is None:
                 raise
             raise RunWriteError(write_fault(os_error, final, self, exclude=final, needed_bytes=needed)) from None
         except BaseException:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._prune(final)
         return final
@@ -213,6 +238,7 @@ class RunCheckpoints:
         for name in CHECKPOINT_FILES:
             if name not in sums:
                 return f"{SUMS} does not list {name}"
+        for name in sums:  # a sharded checkpoint's shards too
             if not (path / name).is_file():
                 return f"{name} missing"
             if sha256_file(path / name) != sums[name]:
@@ -233,6 +259,10 @@ class RunCheckpoints:
             state = unflatten_state(meta["state"], safetensors.torch.load_file(str(path / "tensors.safetensors")))
         except CHECKPOINT_DAMAGE as e:
             raise CheckpointDamaged(f"tensors.safetensors cannot be decoded ({type(e).__name__}: {e})") from None
+        if state.get(SHARDS) is not None:  # the weights and optimizer state are each rank's shards, read on restore
+            if f"{state[SHARDS]}/.metadata" not in (path / SUMS).read_text():
+                raise CheckpointDamaged(f"{SUMS} does not list the shards' {state[SHARDS]}/.metadata")
+            state[SHARDS] = path / state[SHARDS]
         return step, state
 
     def _read_meta(self, path: Path) -> tuple[int, dict[str, Any]]:

@@ -25,7 +25,8 @@ from memtrain.errors import ConfigError, MemtrainError
 from memtrain.files import atomic_write_bytes
 from memtrain.hf import is_hf_model, is_lora, merge_lora, save_hf
 from memtrain.models import GPT, sample_text
-from memtrain.run.checkpoints import RunCheckpoints, write_faults
+from memtrain.run.checkpoints import SHARDS, RunCheckpoints, write_faults
+from memtrain.run.shards import shard_weights
 from memtrain.run.state import tied_duplicates
 from memtrain.unwrap import is_fsdp2, unwrap_model
 
@@ -158,7 +159,8 @@ def run_weights(folder: str | Path) -> tuple[dict[str, torch.Tensor], str, str |
                           "yet. To resolve this error, resume it (memtrain train --out DIR --resume) or pass "
                           "another run folder.")
     step, state, _ = latest
-    return state["model"], f"the checkpoint of step {step}", damage
+    weights = state["model"] if state.get(SHARDS) is None else shard_weights(state[SHARDS])  # FSDP2's: its shards
+    return weights, f"the checkpoint of step {step}", damage
 
 
 def newest_checkpoint_step(folder: str | Path) -> int | None:

@@ -188,11 +188,15 @@ class RunIdentity:
 # not what, is computed (or extends the schedule), and is applied with a logged line.
 RESUME_POLICY: dict[str, str] = {
     **dict.fromkeys(("seed", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "precision",
-                     "offload_optimizer", "fsdp"), "refuse"),
+                     "offload_optimizer"), "refuse"),
     **dict.fromkeys(("max_steps", "save_every", "eval_every", "eval_batches", "progress", "sample_bytes",
                      "micro_batch_size", "checkpointing", "offload_activations", "chunked_loss", "tiled_mlp",
-                     "compile"), "apply"),
+                     "compile", "fsdp"), "apply"),
 }
+# The identity's fields a resume may change: a checkpoint's state loads onto any number of ranks (a whole one on
+# every rank; FSDP2's shards resharded as they are read, memtrain.run.shards), and a step's examples are the same
+# whatever the ranks (StepBatches: the global batch, compared, is cut into the ranks' shares).
+RESHARDED = ("world_size", "fsdp")
 
 
 def compare_runs(saved: RunIdentity, now: RunIdentity) -> list[str]:
@@ -201,7 +205,8 @@ def compare_runs(saved: RunIdentity, now: RunIdentity) -> list[str]:
     fix = f"To resolve this error, resume with the original {{what}}, or start a new run in another {arg('out_dir')}."
     saved_values, now_values = saved.to_dict(), now.to_dict()  # the values as the messages show them
     for key in (f.name for f in dataclasses.fields(RunIdentity)):
-        if getattr(saved, key) == getattr(now, key) or (key in ("lr", "warmup_steps") and getattr(now, key) is None):
+        if getattr(saved, key) == getattr(now, key) or (key in ("lr", "warmup_steps") and getattr(now, key) is None) \
+                or key in RESHARDED:
             continue
         if key == "data":
             problems.append(Message(_data_difference(saved.data, now.data) + " " + fix.format(what="data")))

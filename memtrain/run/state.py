@@ -19,8 +19,9 @@ from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write
 from memtrain.planner.settings import PlanSettings
-from memtrain.run.checkpoints import CHECKPOINT_DAMAGE, RunCheckpoints
+from memtrain.run.checkpoints import CHECKPOINT_DAMAGE, SHARDS, RunCheckpoints
 from memtrain.run.identity import RunIdentity, compare_runs
+from memtrain.run.shards import load_shards, save_shards
 from memtrain.unwrap import is_fsdp2
 
 
@@ -108,14 +109,15 @@ def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, mo
     scaler, accumulator counters, the data position (the step) and each rank's random generators (``rng_state``:
     the next dropout masks). Collective under torch.distributed: every rank calls it, rank 0 (the one with
     ``checkpoints``) writes. ``device``: the one the run computes on (None: the current accelerator device)."""
+    sharded = is_fsdp2(model)  # each rank writes its shards (memtrain.run.shards): no rank holds the whole state
     state = {
         "step": step,
         "micro_batch_size": micro,
         "run": run.to_dict(),  # what defines the run: a resume must match it to be the same run
         "config": dict(config or {}),  # the settings a resume may change (RESUME_POLICY "apply"), for its log
         "extra": extra.to_dict(),  # the loop's own bookkeeping, handed back on resume
-        "model": model_state_dict(model),
-        "optimizer": _optimizer_state(model, optimizer),
+        "model": None if sharded else model.state_dict(),
+        "optimizer": None if sharded else optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "accumulator": accumulator.state_dict(),
@@ -123,7 +125,9 @@ def save_run_state(checkpoints: RunCheckpoints | None, step: int, micro: int, mo
         # own device, so a resume gives each rank back what it had, not rank 0's.
         "rng": {"ranks": _every_rank(rng_state(device))},
     }
-    if checkpoints is not None:
+    if sharded:
+        save_shards(checkpoints, step, state, model, optimizer, device)
+    elif checkpoints is not None:
         checkpoints.save(step, state)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank runs ahead of a checkpoint that is still being written
@@ -147,16 +151,6 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return model.state_dict()
-
-
-def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    if is_fsdp2(model):
-        # Imported here: only FSDP2 runs need it, and it takes about 0.6 s to import.
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return optimizer.state_dict()
 
 
 def resume_run(checkpoints: RunCheckpoints, run: RunIdentity,
@@ -199,8 +193,11 @@ def resume_run(checkpoints: RunCheckpoints, run: RunIdentity,
 def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
                       scheduler: Any, scaler: Any, accumulator: Any, device: torch.device | None = None) -> None:
     """Loads a checkpoint's state into the run's objects (raises what the objects raise on a state that does not
-    fit them); ``device``: the one the run computes on, whose generator it restores (None: the current one)."""
-    if is_fsdp2(model):
+    fit them); ``device``: the one the run computes on, whose generator it restores (None: the current one). A
+    sharded checkpoint's weights and optimizer state are read from its shards into the layout the run has now."""
+    if state.get(SHARDS) is not None:
+        load_shards(state[SHARDS], model, optimizer)
+    elif is_fsdp2(model):
         # Imported here: only FSDP2 runs need it, and it takes about 0.6 s to import.
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -248,18 +245,13 @@ def restore_rng(rng: Mapping[str, Any], device: torch.device | None = None) -> N
     A checkpoint written before the generators were saved per rank gives every rank its one state (as it did).
 
     A state saved on an accelerator this machine does not have is not set: nothing here draws from it (the run
-    computes on another device, whose draws differ anyway).
-
-    Raises:
-        ConfigError: the checkpoint holds the generators of fewer ranks than this one's index (a resume under
-            another world size; the run's identity refuses it first).
+    computes on another device, whose draws differ anyway). A rank the checkpoint holds no generators for (a
+    resume on more ranks than the run had) keeps its own, as the run seeded them: its dropout masks are new ones.
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     ranks = rng["ranks"] if "ranks" in rng else [_one_rank_of_format_1(rng, device)] * (rank + 1)
     if rank >= len(ranks):
-        raise ConfigError(f"resume: the checkpoint holds the random generators of {len(ranks)} rank(s), and this is "
-                          f"rank {rank}: the run was started with another number of processes. To resolve this "
-                          f"error, resume with torchrun --nproc_per_node {len(ranks)} (or without torchrun for 1).")
+        return
     mine = ranks[rank]
     torch.set_rng_state(mine["torch"])
     random.setstate(_as_tuples(mine["python"]))

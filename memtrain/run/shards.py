@@ -1,0 +1,118 @@
+"""Sharded checkpoints: under FSDP2 each rank writes its own shards of the weights and the optimizer state
+(``torch.distributed.checkpoint``, DCP) into the checkpoint being assembled, so no rank ever holds the whole state;
+a restore reads them into whatever layout the run has now (FSDP2 over any number of ranks, DDP, one process), DCP
+resharding as it reads.
+
+The checkpoint stays one folder, renamed into place when complete and checksummed file by file
+(``memtrain.run.checkpoints``): rank 0 makes the temporary folder and tells the others its path, every rank writes
+and hashes its shards, rank 0 writes the rest and the sums of all of them. The run folder must therefore be one
+folder for every rank: on several nodes, shared storage.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memtrain.errors import ConfigError, MemtrainError
+from memtrain.files import sha256_file
+from memtrain.message import arg
+from memtrain.run.checkpoints import SHARDS, CheckpointDamaged, RunCheckpoints, RunWriteError
+
+
+def save_shards(checkpoints: RunCheckpoints | None, step: int, state: dict[str, Any], model: nn.Module,
+                optimizer: torch.optim.Optimizer, device: torch.device | None) -> None:
+    """Writes the checkpoint of ``step``: each rank's shards of ``model`` and ``optimizer`` (collective: every rank
+    calls it), and ``state``'s other entries by rank 0, the one with ``checkpoints``. ``device``: the one the run
+    computes on (NCCL's objects travel through it).
+
+    Raises:
+        RunWriteError: the checkpoint's folder or a file of it could not be written, on every rank (the
+            checkpoints already there are untouched).
+    """
+    # Imported here: only FSDP2 runs need it, and it takes about 0.6 s to import.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    box: list[Any] = [None]
+    if checkpoints is not None:
+        try:
+            box = [str(checkpoints.begin(step))]
+        except RunWriteError as e:
+            box = [e]
+    dist.broadcast_object_list(box, src=0, device=device if dist.get_backend() == "nccl" else None)
+    if isinstance(box[0], RunWriteError):
+        raise box[0]
+    tmp = Path(box[0])
+    try:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDS)
+        del model_state, optimizer_state
+        rank = dist.get_rank()
+        # Each rank hashes what it wrote (its __<rank>_*.distcp; rank 0 the .metadata too), so no rank reads all.
+        mine = {f"{SHARDS}/{p.name}": sha256_file(p) for p in sorted((tmp / SHARDS).iterdir())
+                if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")}
+        sums: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(sums, mine)
+        if checkpoints is not None:
+            checkpoints.finish(step, tmp, {**state, SHARDS: SHARDS}, {k: v for part in sums for k, v in part.items()})
+    except BaseException:
+        if checkpoints is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_shards(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Reads a sharded checkpoint's weights and optimizer state (its ``SHARDS`` folder, ``path``) into ``model`` and
+    ``optimizer`` as they are laid out now: FSDP2 over any number of ranks, DDP or one process (collective under
+    torch.distributed).
+
+    Raises:
+        ConfigError: the optimizer keeps its state in a layout of its own (memtrain's CPUOffloadOptimizer, one
+            process's offloaded optimizer), which the shards of a torch optimizer do not fill.
+        CheckpointDamaged: the shards do not read into the model (damaged, or another model's).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from memtrain.optim import CPUOffloadOptimizer
+
+    if isinstance(optimizer, CPUOffloadOptimizer):
+        raise ConfigError(f"resume: the checkpoint holds FSDP2's shards of a torch optimizer's state, and this run's "
+                          f"optimizer is memtrain's CPUOffloadOptimizer (one process, {arg('offload_optimizer', True)}), "
+                          f"whose state has its own layout. To resolve this error, resume with {arg('fsdp', True)} "
+                          f"under torchrun, as the run was started.")
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # the optimizer's state made, to be filled
+    shards = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        dcp.load(shards, checkpoint_id=path)
+    except (CheckpointException, MemtrainError, OSError, RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointDamaged(f"its shards do not read ({type(e).__name__}: {str(e)[:300]})") from None
+    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+
+
+def shard_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole weights a sharded checkpoint's shards (its ``SHARDS`` folder, ``path``) hold, read in one process
+    (``memtrain export`` of a run that has no model.safetensors yet), by parameter name.
+
+    Raises:
+        CheckpointDamaged: the shards do not read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        weights = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+                   for key, m in metadata.items() if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        dcp.load({"model": weights}, checkpoint_id=path)
+    except (CheckpointException, OSError, RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointDamaged(f"its shards do not read ({type(e).__name__}: {str(e)[:300]})") from None
+    return weights
