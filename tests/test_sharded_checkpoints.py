@@ -92,6 +92,12 @@ def test_a_killed_fsdp2_run_resumes_bit_exact_on_its_ranks_and_resharded_on_one_
                           "tensors.safetensors"], (path.name, listed)
     one = tmp_path / "one"
     shutil.copytree(tmp_path / "killed", one)
+    # memtrain export of the killed run (no model.safetensors): its newest checkpoint's weights, read from its shards.
+    exported = subprocess.run([sys.executable, "-m", "memtrain", "export", str(one)], env=ENV, capture_output=True,
+                              text=True, timeout=600)
+    assert exported.returncode == 0 and (one / "sample.txt").read_text(), exported.stderr[-3000:]
+    assert f"the checkpoint of step {int(kept[-1].name[5:])}" in exported.stdout + exported.stderr, exported.stdout
+    (one / "sample.txt").unlink()  # the resume below writes it again
 
     # The same 2 ranks: bit for bit the uninterrupted run.
     _finish(_torchrun(tmp_path / "killed", "--resume"))
