@@ -4,6 +4,9 @@ that the meter counts what it keeps."""
 from __future__ import annotations
 
 import copy
+import inspect
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +190,31 @@ def test_the_meter_counts_what_selective_checkpointing_keeps_on_torch_without_op
     apply_checkpointing(selective, selective=("matmul", "attention"))
     got = step(selective)
     assert got == expected, f"selective checkpointing measured {got / 2**20:.2f} MiB, expected {expected / 2**20:.2f} MiB"
+
+
+@pytest.mark.skipif("respect_saved_tensors_hooks" not in inspect.signature(checkpoint).parameters,
+                    reason="this torch's checkpoint routes no selective region's kept outputs through the hooks "
+                           "(torch < 2.14.1), and asks nothing")
+def test_selective_checkpointing_under_a_saved_tensors_hook_keeps_its_outputs_and_does_not_warn():
+    """torch >= 2.14.1 warns (a FutureWarning, once a process: hence a process of its own) where a selective region
+    runs inside saved-tensor hooks (memtrain's meter and activation offloader) and its checkpoint is not told where
+    the kept outputs go; memtrain tells it (respect_saved_tensors_hooks=False: they stay in checkpoint's cache)."""
+    import subprocess
+    import sys
+
+    code = "\n".join([
+        "import torch",
+        "from memtrain.checkpointing import Checkpointing",
+        "from memtrain.models import GPT, GPTConfig",
+        "model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, dropout=0.0))",
+        "Checkpointing.parse('selective').apply(model)",
+        "x = torch.randint(0, 256, (2, 16))",
+        "with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):",
+        "    loss = model(x, x)",
+        "loss.backward()",
+    ])
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
