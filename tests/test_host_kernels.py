@@ -287,3 +287,21 @@ def test_the_host_step_benchmark_prints_every_case_beside_torchs(tmp_path) -> No
     assert done.returncode == 0, done.stderr[-2000:]
     summary = done.stdout.split("GB/s moved", 1)[1].strip().splitlines()
     assert len(summary) == 9 and all("x " in line and "failed" not in line for line in summary), done.stdout
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_is_waited_for(tmp_path, caplog):
+    """torch's extension build waits, forever, for its folder's lock to go: a process killed while building left
+    one that hung every later run (a suite under torch 2.11 waited 20 minutes). A lock older than any build is
+    removed, saying so; a fresh one (a build under way) stays."""
+    from memtrain.optim import host_kernels
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    host_kernels._clear_stale_lock(lock)
+    assert lock.exists()  # a build under way: torch waits for it
+    old = host_kernels.STALE_LOCK_S + 60
+    os.utime(lock, (lock.stat().st_atime - old, lock.stat().st_mtime - old))
+    with caplog.at_level(logging.WARNING, logger="memtrain"):
+        host_kernels._clear_stale_lock(lock)
+    assert not lock.exists() and "did not finish" in caplog.text, caplog.text
+    host_kernels._clear_stale_lock(lock)  # none: nothing to do

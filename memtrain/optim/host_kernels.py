@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,10 +131,32 @@ def _build() -> Any:
     path = os.environ.get("PATH", "")
     if bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
-    # Named after the source's digest: two checkouts (or versions) of memtrain never rebuild each other's kernel.
+    # Named after the source's digest: two checkouts (or versions) of memtrain never rebuild each other's kernel;
+    # and built in a folder of this torch's: two torches (two venvs) never rebuild each other's either.
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
-    return cpp_extension.load(name=f"memtrain_host_adamw_{capability.lower()}_{digest}", sources=[str(_SOURCE)],
-                              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    name = f"memtrain_host_adamw_{capability.lower()}_{digest}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    build = root / ("torch-" + re.sub(r"[^0-9A-Za-z.]+", "_", torch.__version__)) / name
+    build.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build / "lock")
+    return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              build_directory=str(build), verbose=False)
+
+
+STALE_LOCK_S = 600  # a build takes about a minute: a lock this old was left by a process killed while building
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Removes the build's lock where the process that took it died while building (a kill -9, an out-of-memory
+    kill): torch's build waits for a lock to go away, forever, and knows no owner to check."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("memtrain: removing %s, left %.0f s ago by a build of the host kernels that did not finish "
+                       "(its process was killed)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def as_flag(t: torch.Tensor | None) -> torch.Tensor | None:
