@@ -659,7 +659,7 @@ def _valid_items(items: object) -> bool:
 
 def _collective_device() -> torch.device:
     # gloo reduces CPU tensors, NCCL reduces CUDA tensors.
-    if dist.get_backend() == "nccl":
+    if "nccl" in dist.get_backend():
         return accelerator().device  # this rank's current device
     return torch.device("cpu")
 

@@ -174,6 +174,10 @@ def step_with_inf_flag(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor
     if found_inf is None:
         optimizer.step()
         return
+    device = next((p.device for group in optimizer.param_groups for p in group["params"]), found_inf.device)
+    if found_inf.device != device:  # FSDP2's host offload: the step runs where the shards are, on the host
+        found_inf = found_inf.to(device)
+        grad_scale = grad_scale.to(device) if grad_scale is not None else None
     optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
     try:
         optimizer.step()

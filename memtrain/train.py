@@ -286,7 +286,7 @@ def _take_folder(folder: RunFolder | None, rank: int, world: int, device: torch.
     if world > 1:
         # Each problem with the arguments it names kept, so that every rank raises rank 0's error as it is.
         box = [None if error is None else [marked(p) for p in getattr(error, "problems", [error.message])]]
-        dist.broadcast_object_list(box, src=0, device=device if dist.get_backend() == "nccl" else None)
+        dist.broadcast_object_list(box, src=0, device=device if "nccl" in dist.get_backend() else None)
         if box[0] is not None and error is None:
             raise ConfigError(box[0])
     if error is not None:

@@ -217,3 +217,16 @@ def test_rank_0_saves_an_fsdp2_checkpoint_holding_its_shard_not_the_whole_state(
     assert r["sharded"] < r["full"] / 2, {k: v / 2**20 for k, v in r.items()}
     print({k: f"{v / 2**20:.1f} MiB" for k, v in r.items()})
     assert r["gathered"] >= r["full"] / 4 * 0.9, {k: v / 2**20 for k, v in r.items()}  # the check can fail
+
+
+@pytest.mark.slow
+def test_a_whole_checkpoint_resumed_under_fsdp2_is_refused_naming_fsdp(tmp_path):
+    """A one-process run's checkpoint holds its optimizer state by parameter index, which FSDP2's shards do not read:
+    its resume with --fsdp is one clear error (it was every checkpoint "damaged", a KeyError each)."""
+    out = tmp_path / "one"
+    done = subprocess.run([sys.executable, "-m", "memtrain", *FLAGS[:FLAGS.index("--max-steps")], "--max-steps", "2",
+                           "--out", str(out)], env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = _torchrun(out, "--resume", "--max-steps", "3")
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode != 0 and "does not read into FSDP2's shards" in err and "damaged" not in err, err[-3000:]

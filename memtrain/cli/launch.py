@@ -103,7 +103,9 @@ def distributed_group() -> Iterator[tuple[int, int, Any]]:
     if opened:
         if real:
             torch.accelerator.set_device_index(local_rank)
-        _join_group("nccl" if acc.kind == "cuda" else "gloo", world)
+        # CUDA tensors over NCCL, host tensors over gloo: FSDP2's host offload reduces its host shards' gradient
+        # norm, which NCCL alone cannot (torchtitan and torchtune open the same pair).
+        _join_group("cpu:gloo,cuda:nccl" if acc.kind == "cuda" else "gloo", world)
     try:
         yield (dist.get_rank() if dist.is_initialized() else 0), world, device
         if opened:

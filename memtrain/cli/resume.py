@@ -102,7 +102,7 @@ def resume_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, expl
     if args.global_batch_size is None and isinstance(ranks, int) and ranks != args.nproc:
         # The run's default global batch was its ranks' share each: on other ranks it stays the run's (its steps'
         # examples), which the checkpoint reshards onto them.
-        args.global_batch_size = default_global_batch(ranks, args.micro_batch_size)
+        args.global_batch_size = default_global_batch(ranks, saved.get("micro_batch_size"))
         notes.append(f"--resume: --global-batch-size {args.global_batch_size}, the run's (its default over "
                      f"its {ranks} ranks), on {args.nproc} now")
     return notes

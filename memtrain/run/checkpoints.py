@@ -169,6 +169,13 @@ class RunCheckpoints:
         """
         final = self.root / f"{CHECKPOINT_PREFIX}{step:07d}"
         needed = None
+        missing = [name for name in shard_sums or {} if not (tmp / name).is_file()]
+        if missing:  # written by a rank on another node, into a folder of the same name on its own disk
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RunWriteError(f"the checkpoint of step {step} lacks {', '.join(missing[:3])} here, which other "
+                                f"ranks wrote: under FSDP2 every rank writes its shards into the run folder. To "
+                                f"resolve this error, put {arg('out_dir')} on storage every node shares (the same "
+                                f"path on each), then continue the run with {arg('resume', True)}.")
         try:
             tensors: dict[str, torch.Tensor] = {}
             skeleton = flatten_state(state, tensors)

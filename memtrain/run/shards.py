@@ -45,7 +45,7 @@ def save_shards(checkpoints: RunCheckpoints | None, step: int, state: dict[str, 
             box = [str(checkpoints.begin(step))]
         except RunWriteError as e:
             box = [e]
-    dist.broadcast_object_list(box, src=0, device=device if dist.get_backend() == "nccl" else None)
+    dist.broadcast_object_list(box, src=0, device=device if "nccl" in dist.get_backend() else None)
     if isinstance(box[0], RunWriteError):
         raise box[0]
     tmp = Path(box[0])
@@ -59,12 +59,24 @@ def save_shards(checkpoints: RunCheckpoints | None, step: int, state: dict[str, 
                 if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")}
         sums: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(sums, mine)
-        if checkpoints is not None:
-            checkpoints.finish(step, tmp, {**state, SHARDS: SHARDS}, {k: v for part in sums for k, v in part.items()})
     except BaseException:
         if checkpoints is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # Rank 0 writes the rest and renames the folder into place; every rank learns how that went, so that a failure
+    # there stops them all alike (the others would wait for rank 0 in the next collective).
+    outcome: list[Any] = [None]
+    failure = None
+    if checkpoints is not None:
+        try:
+            checkpoints.finish(step, tmp, {**state, SHARDS: SHARDS}, {k: v for part in sums for k, v in part.items()})
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others are told
+            failure, outcome = e, [f"rank 0 could not finish the checkpoint of step {step}: {e}"]
+    dist.broadcast_object_list(outcome, src=0, device=device if "nccl" in dist.get_backend() else None)
+    if failure is not None:
+        raise failure
+    if outcome[0] is not None:
+        raise RunWriteError(outcome[0])
 
 
 def load_shards(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -276,7 +276,7 @@ def agree_on_stop(received: str | None, device: torch.device) -> str | None:
     step's. One all-reduce of one number per step, only under torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return received
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    on = device if "nccl" in dist.get_backend() else torch.device("cpu")
     code = torch.tensor([signal.Signals[received].value if received else 0], device=on)
     dist.all_reduce(code, op=dist.ReduceOp.MAX)
     value = int(code.item())

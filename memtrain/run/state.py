@@ -18,6 +18,7 @@ from torch import nn
 from memtrain.device import accelerator
 from memtrain.errors import ConfigError
 from memtrain.files import atomic_write
+from memtrain.message import arg
 from memtrain.planner.settings import PlanSettings
 from memtrain.run.checkpoints import CHECKPOINT_DAMAGE, SHARDS, RunCheckpoints
 from memtrain.run.identity import RunIdentity, compare_runs
@@ -205,6 +206,10 @@ def restore_run_state(step: int, state: dict[str, Any], model: nn.Module, optimi
             set_optimizer_state_dict,
         )
 
+        if any(isinstance(key, int) for key in state["optimizer"].get("state", {})):
+            raise ConfigError("resume: the checkpoint holds the whole optimizer state of a run without FSDP2 (by "
+                              "parameter index), which does not read into FSDP2's shards. To resolve this error, "
+                              f"resume without {arg('fsdp', True)}, as the run was started.")
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, state["model"], options=options)
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)

@@ -111,7 +111,7 @@ OFFLOAD_WEIGHTS_COMPILE = Rule(
     "parameter offload moves each block's weights in module hooks, which torch.compile would break the graph at.",
     "drop {rest} or {first}",
     ("offload_weights", "compile"),
-    lambda s: bool(s.offload_weights) and bool(s.compile))
+    lambda s: bool(s.offload_weights) and bool(s.compile) and not s.fsdp)  # FSDP2's own hooks compose with it
 OFFLOAD_WEIGHTS_PURE_BF16 = Rule(
     "offload-weights-pure-bf16",
     "parameter offload streams the offloaded optimizer's fp32 master (or its bf16 cast), and pure bf16 keeps no "
@@ -139,7 +139,7 @@ OFFLOAD_WEIGHTS_BLOCKS = Rule(
     "model (no nn.ModuleList/nn.Sequential of one module type, no Hugging Face _no_split_modules).",
     "drop {first}",
     ("offload_weights", "has_blocks"),
-    lambda s: bool(s.offload_weights) and s.has_blocks is False)
+    lambda s: bool(s.offload_weights) and s.has_blocks is False and not s.fsdp)  # FSDP2 offloads the root too
 
 
 class WeightOffloadTechnique(Technique):
