@@ -230,3 +230,25 @@ def test_a_whole_checkpoint_resumed_under_fsdp2_is_refused_naming_fsdp(tmp_path)
     resumed = _torchrun(out, "--resume", "--max-steps", "3")
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode != 0 and "does not read into FSDP2's shards" in err and "damaged" not in err, err[-3000:]
+
+
+class _Calls:
+    """Unpickles as a call of os.getcwd: what a crafted .metadata could make torch's own reader run."""
+
+    def __reduce__(self):
+        return os.getcwd, ()
+
+
+def test_a_shards_metadata_naming_anything_but_dcps_records_is_not_unpickled(tmp_path):
+    """torch's DCP reader pickle.loads shards/.metadata and torch.loads the non-tensor entries with
+    weights_only=False; memtrain's reads build nothing but DCP's own records (its checksums only show damage)."""
+    import pickle
+
+    from memtrain.run.checkpoints import CheckpointDamaged
+    from memtrain.run.shards import shard_weights
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / ".metadata").write_bytes(pickle.dumps(_Calls()))
+    with pytest.raises(CheckpointDamaged, match="names posix.getcwd, which is no part of DCP.s metadata"):
+        shard_weights(shards)

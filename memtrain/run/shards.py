@@ -11,6 +11,8 @@ folder for every rank: on several nodes, shared storage.
 
 from __future__ import annotations
 
+import functools
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -102,9 +104,11 @@ def load_shards(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) 
                           f"under torchrun, as the run was started.")
     model_state, optimizer_state = get_state_dict(model, optimizer)  # the optimizer's state made, to be filled
     shards = {"model": model_state, "optimizer": optimizer_state}
+    reader, planner = _unpickling_nothing()
     try:
-        dcp.load(shards, checkpoint_id=path)
-    except (CheckpointException, MemtrainError, OSError, RuntimeError, KeyError, ValueError) as e:
+        dcp.load(shards, storage_reader=reader(path), planner=planner())
+    except (CheckpointException, MemtrainError, OSError, RuntimeError, KeyError, ValueError,
+            pickle.UnpicklingError) as e:
         raise CheckpointDamaged(f"its shards do not read ({type(e).__name__}: {str(e)[:300]})") from None
     set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
 
@@ -120,11 +124,57 @@ def shard_weights(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    reader, planner = _unpickling_nothing()
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = reader(path).read_metadata().state_dict_metadata
         weights = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
                    for key, m in metadata.items() if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        dcp.load({"model": weights}, checkpoint_id=path)
-    except (CheckpointException, OSError, RuntimeError, KeyError, ValueError) as e:
+        dcp.load({"model": weights}, storage_reader=reader(path), planner=planner())
+    except (CheckpointException, OSError, RuntimeError, KeyError, ValueError, pickle.UnpicklingError) as e:
         raise CheckpointDamaged(f"its shards do not read ({type(e).__name__}: {str(e)[:300]})") from None
     return weights
+
+
+# -- reading without unpickling anything but DCP's own records -----------------------------------------------------
+# What DCP's .metadata pickles (torch 2.11-2.14): its metadata classes, the file map's entries, sizes, dtypes and
+# layouts. Nothing else is built from a checkpoint: its files may come from anywhere (checksums only show damage).
+_METADATA_CLASSES = {("torch", "Size"), ("pathlib", "PosixPath"), ("torch.serialization", "_get_layout"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or module == "torch.distributed.checkpoint.metadata" or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a checkpoint's shards/.metadata names {module}.{name}, which is no part of "
+                                     "DCP's metadata: it is not loaded")
+
+
+@functools.cache
+def _unpickling_nothing() -> tuple[type, type]:
+    """(a storage reader, a load planner) of torch's DCP that build nothing from a checkpoint but its own records:
+    the metadata through ``_MetadataUnpickler`` (torch's reader ``pickle.load``s it), the non-tensor entries (the
+    optimizer's hyper-parameters) with ``weights_only=True`` (torch's planner loads them with ``False``)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return Reader, Planner
