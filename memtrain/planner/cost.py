@@ -224,7 +224,7 @@ class Composer:
         shards of the weights, gradients and state."""
         if shards_on_host(cfg):
             state = full_state_bytes(prof, cfg.optimizer_class, "cpu")
-            return sharded_host_bytes(prof, state, self.ctx.world)
+            return sharded_host_bytes(prof, state, self.ctx.world, pinned=self.ctx.device == "cuda")
         return self.share(prof, cfg).host_bytes
 
     def _peak(self, cfg: Configuration, prof: Profiles, layout: Layout) -> np.ndarray:

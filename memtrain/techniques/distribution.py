@@ -29,11 +29,22 @@ def root_parameter_bytes(prof: Any) -> float:
     return float(prof.parameter_bytes - np.sum(prof.block_parameter_bytes))
 
 
-def sharded_host_bytes(prof: Any, state_bytes: float, world: int) -> float:
+def sharded_host_bytes(prof: Any, state_bytes: float, world: int, pinned: bool) -> float:
     """One rank's host RAM under FSDP2's host offload: its shard of every parameter as stored (the fp32 master; a
     frozen one too), of the gradients (reduce-scattered in fp32, then copied there) and of the optimizer's state
-    (``state_bytes``: the whole state)."""
-    return (prof.parameter_bytes + prof.trainable_bytes + state_bytes) / world
+    (``state_bytes``: the whole state). ``pinned`` (CUDA): each trainable parameter's shard and its gradient's are
+    pinned, which torch's host allocator rounds up to a power of two (and keeps); the state is plain memory."""
+    if not pinned:
+        return (prof.parameter_bytes + prof.trainable_bytes + state_bytes) / world
+    key = ("pinned shards", world)
+    if key not in prof.memo:
+        prof.memo[key] = float(sum(_power_of_two(-(-n // world) * d.itemsize) for n, d in prof.trainable_params))
+    frozen = prof.parameter_bytes - prof.trainable_bytes
+    return 2 * prof.memo[key] + (frozen + state_bytes) / world
+
+
+def _power_of_two(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def sharded_host_copies(prof: Any, world: int) -> tuple[float, float]:
