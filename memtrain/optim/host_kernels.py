@@ -69,9 +69,10 @@ def multi_tensor_path() -> Iterator[None]:
 
 
 def runs_fused(p: torch.Tensor) -> bool:
-    """Whether ``p``'s AdamW step takes the fused host kernel: a host tensor (not the simulated device's memory, which
-    steps as a GPU would), the kernels built, and not inside ``multi_tensor_path``."""
-    if _off or p.device.type != "cpu":
+    """Whether ``p``'s AdamW step takes the fused host kernel: a plain host tensor (not the simulated device's memory,
+    which steps as a GPU would; not a tensor subclass such as FSDP2's DTensor shards, whose storage the kernels
+    cannot address: they take torch's multi-tensor ops), the kernels built, and not inside ``multi_tensor_path``."""
+    if _off or p.device.type != "cpu" or type(p) not in (torch.Tensor, torch.nn.Parameter):
         return False
     sim = active_simulation()
     if sim is not None and sim.holds(p):
