@@ -439,9 +439,13 @@ def _distributed_shift(ctx: Problem, prof: Profiles, cfg: Configuration | PlanSe
     # embeddings, the head) gathered from its forward to the end of backward (the root does not reshard).
     gathered = 2 * gathered_block_bytes(ctx, prof) + root_parameter_bytes(prof) * _gathered_ratio(ctx, prof)
     if shards_on_host(cfg):
-        # Every shard in host RAM (the offloaded optimizer's trace keeps no state on the device); between the
-        # micro-batches of a window the unsharded gradients stay on the device (reduce-scattered at its end).
-        return -prof.parameter_bytes + gathered + (prof.trainable_bytes if cfg.accumulation > 1 else 0)
+        # Every shard in host RAM (the offloaded optimizer's trace keeps no state on the device, and streams every
+        # gradient away as it lands); between the micro-batches of a window the unsharded gradients stay on the
+        # device (reduce-scattered at its end). The root's are reduce-scattered only at the end of backward: held
+        # from the head's backward on in the gathered dtype, then cast into an fp32 reduce-scatter input beside them.
+        root_gradients = root_parameter_bytes(prof) * (_gathered_ratio(ctx, prof) + 1)
+        return (-prof.parameter_bytes + gathered + root_gradients
+                + (prof.trainable_bytes if cfg.accumulation > 1 else 0))
     # Parameters and state sharded.
     state = full_state_bytes(prof, cfg.optimizer_class, ctx.device)
     return -(prof.parameter_bytes + state) * (1 - 1 / n) + gathered
