@@ -23,6 +23,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 
 from memtrain.errors import MemtrainError
@@ -233,32 +234,46 @@ class RunCheckpoints:
             self._verified[path.name] = signature
         return True
 
-    def verify(self, path: Path) -> str | None:
-        """None if the checkpoint at ``path`` is complete and matches its checksums, else what is wrong with it."""
+    def verify(self, path: Path, *, collective: bool = False) -> str | None:
+        """None if the checkpoint at ``path`` is complete and matches its checksums, else what is wrong with it.
+
+        ``collective``: every rank of torch.distributed verifies the same checkpoint; each hashes its share of the
+        files and all learn every rank's verdict, so no rank reads a whole sharded checkpoint to check it.
+        """
+        problem = self._problem(path, collective)
+        if collective:
+            verdicts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, problem)
+            problem = next((v for v in verdicts if v is not None), None)
+        return problem
+
+    def _problem(self, path: Path, collective: bool) -> str | None:
         try:
             lines = (path / SUMS).read_text().splitlines()
         except FileNotFoundError:
             return f"{SUMS} missing (an incomplete checkpoint, or one written by an older memtrain)"
         except (OSError, UnicodeDecodeError) as e:
             return f"{SUMS} unreadable ({e})"
-        sums = dict(reversed(line.split(None, 1)) for line in lines if len(line.split(None, 1)) == 2)
+        sums = _listed(lines)
         for name in CHECKPOINT_FILES:
             if name not in sums:
                 return f"{SUMS} does not list {name}"
         for name in sums:  # a sharded checkpoint's shards too
             if not (path / name).is_file():
                 return f"{name} missing"
+        names = list(sums)
+        for name in names[dist.get_rank()::dist.get_world_size()] if collective else names:
             if sha256_file(path / name) != sums[name]:
                 return f"{name} does not match its checksum (edited, truncated or corrupt)"
         return None
 
-    def read(self, path: Path) -> tuple[int, dict[str, Any]]:
-        """The (step, state) of one checkpoint.
+    def read(self, path: Path, *, collective: bool = False) -> tuple[int, dict[str, Any]]:
+        """The (step, state) of one checkpoint (``collective``: every rank reads it, see ``verify``).
 
         Raises:
             CheckpointDamaged: it is incomplete, fails its checksums, or its contents cannot be decoded.
         """
-        problem = self.verify(path)
+        problem = self.verify(path, collective=collective)
         if problem is not None:
             raise CheckpointDamaged(problem)
         step, meta = self._read_meta(path)
@@ -267,7 +282,7 @@ class RunCheckpoints:
         except CHECKPOINT_DAMAGE as e:
             raise CheckpointDamaged(f"tensors.safetensors cannot be decoded ({type(e).__name__}: {e})") from None
         if state.get(SHARDS) is not None:  # the weights and optimizer state are each rank's shards, read on restore
-            if f"{state[SHARDS]}/.metadata" not in (path / SUMS).read_text():
+            if f"{state[SHARDS]}/.metadata" not in _listed((path / SUMS).read_text().splitlines()):
                 raise CheckpointDamaged(f"{SUMS} does not list the shards' {state[SHARDS]}/.metadata")
             state[SHARDS] = path / state[SHARDS]
         return step, state
@@ -284,11 +299,12 @@ class RunCheckpoints:
             raise CheckpointDamaged(f"meta.json does not describe the checkpoint of step {step}")
         return step, meta
 
-    def readable(self) -> Iterator[tuple[Path, int | None, dict[str, Any] | str]]:
-        """Each checkpoint, newest first, as (path, step, state) or (path, None, what is wrong with it)."""
+    def readable(self, *, collective: bool = False) -> Iterator[tuple[Path, int | None, dict[str, Any] | str]]:
+        """Each checkpoint, newest first, as (path, step, state) or (path, None, what is wrong with it)
+        (``collective``: every rank reads them, see ``verify``)."""
         for path in self.paths():
             try:
-                step, state = self.read(path)
+                step, state = self.read(path, collective=collective)
             except CheckpointDamaged as e:
                 yield path, None, str(e)
                 continue
@@ -336,11 +352,18 @@ class RunCheckpoints:
         return removed, restored
 
 
+def _listed(lines: list[str]) -> dict[str, str]:
+    """A ``SUMS`` file's lines as {file name: SHA-256}."""
+    return dict(reversed(line.split(None, 1)) for line in lines if len(line.split(None, 1)) == 2)
+
+
 def _signature(path: Path) -> tuple[tuple[int, int], ...] | None:
-    """(size, mtime_ns) of each file of a checkpoint: what an edit or a rewrite changes; None if one is missing."""
+    """(size, mtime_ns) of each file of a checkpoint (a sharded one's shards too): what an edit or a rewrite
+    changes; None if one is missing."""
     try:
-        return tuple((st.st_size, st.st_mtime_ns) for st in (os.stat(path / n) for n in (*CHECKPOINT_FILES, SUMS)))
-    except OSError:
+        names = {*CHECKPOINT_FILES, SUMS, *_listed((path / SUMS).read_text().splitlines())}
+        return tuple((st.st_size, st.st_mtime_ns) for st in (os.stat(path / n) for n in sorted(names)))
+    except (OSError, UnicodeDecodeError):
         return None
 
 

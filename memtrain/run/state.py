@@ -170,7 +170,8 @@ def resume_run(checkpoints: RunCheckpoints, run: RunIdentity,
     """
     now = run
     skipped: list[str] = []
-    for path, step, state in checkpoints.readable():
+    # Every rank reads the checkpoints: each hashes its share of a checkpoint's files (a sharded one's are many).
+    for path, step, state in checkpoints.readable(collective=dist.is_available() and dist.is_initialized()):
         if step is None:
             skipped.append(f"{path.name}: {state}")
             continue
