@@ -21,6 +21,7 @@ class Accelerator:
     kind = "cpu"
     has_streams = False
     tracks_memory = False  # whether memory_allocated() and the peaks mean anything
+    pins_host_memory = False  # whether page-locked host memory exists to copy from (torch's pin_memory())
 
     def __init__(self, device: torch.device | None = None):
         self.device = device if device is not None else torch.device("cpu")

@@ -25,6 +25,7 @@ class RealAccelerator(Accelerator):
 
     has_streams = True
     tracks_memory = True
+    pins_host_memory = True
 
     def __init__(self, device: torch.device):
         module = torch.get_device_module(device.type)
@@ -192,6 +193,7 @@ class StreamlessAccelerator(RealAccelerator):
 
     has_streams = False
     tracks_memory = False  # torch.mps names its statistics otherwise; memtrain reports no allocator peak there
+    pins_host_memory = False
 
     def __init__(self, device: torch.device):
         module = torch.get_device_module(device.type)

@@ -272,7 +272,7 @@ def data_parallelism(a: Applying) -> None:
         # The optimizer offloaded: each rank's shards (the fp32 master) and their gradients live in host RAM
         # (pinned where the device copies from it asynchronously), the step runs there (sharded_host_optimizer),
         # and each block is copied to the device and gathered as it runs.
-        offload = CPUOffloadPolicy(pin_memory=a.acc.kind == "cuda") if shards_on_host(s) else OffloadPolicy()
+        offload = CPUOffloadPolicy(pin_memory=a.acc.pins_host_memory) if shards_on_host(s) else OffloadPolicy()
         modules = dict(a.model.named_modules())
         for name in a.names:
             fully_shard(modules[name], mp_policy=policy, offload_policy=offload)
