@@ -125,7 +125,8 @@ def nproc_problems(nproc: int) -> list[str]:
         return [f"--nproc {nproc}: this is one process, not started by torchrun (memtrain train starts no "
                 "processes itself). To resolve this error, launch torchrun --nproc_per_node "
                 f"{nproc} -m memtrain -- train --nproc {nproc} ... (memtrain's flags after --: torchrun would read "
-                "--nproc as an abbreviation of its own --nproc-per-node), or drop --nproc."]
+                "--nproc as an abbreviation of its own --nproc-per-node), or drop --nproc (with --resume, which "
+                "reads it from the run: pass --nproc 1, and --no-fsdp for an FSDP2 run; its checkpoint reshards)."]
     return [f"--nproc {nproc}, but torchrun started WORLD_SIZE={world} processes. To resolve this error, pass "
             f"--nproc {world} (or drop it), or launch torchrun --nproc_per_node {nproc}."]
 
