@@ -7,7 +7,8 @@
 #                                     # and 24 GiB (compiled); one activation-offload and one optimizer-offload
 #                                     # comparison; gpu_paths.py: parameter offload (1.1B in 4 GiB), pure bf16,
 #                                     # the delayed update with bf16 weights over 2 micro-batches, `memtrain train`
-#                                     # under a budget below its fp32 weights, QLoRA                 (<= 8 min)
+#                                     # under a budget below its fp32 weights, QLoRA, and FSDP2's host
+#                                     # offload on one rank where the deadline leaves time           (<= 8 min)
 #   benchmarks/gpu_check.sh --dry-run quick   # each step, its limit and files; last line `total <N>s`
 #
 # What quick leaves to the longer stages (issue 28 made room for gpu_paths.py): the plans at 24 GiB eager and
@@ -23,7 +24,8 @@
 #
 # The older, longer stages (one per command, most important first; `all` runs every one, with no lease limit):
 #
-#   benchmarks/gpu_check.sh tests     # tests/gpu, every test: parity, peaks, races, estimate within 5%
+#   benchmarks/gpu_check.sh tests     # tests/gpu, every test: parity, peaks, races, estimate within 5%; FSDP2's
+#                                     # host offload on one rank (gpu_paths.py's fsdp-offload case)
 #   benchmarks/gpu_check.sh plan      # 1.1B Llama: plans for 8/16/24/40 GiB and 8/24 GiB compiled, 5 steps
 #   benchmarks/gpu_check.sh lean      # 7B Llama in 24 GiB (or 1.1B in 4 GiB) vs no technique
 #   benchmarks/gpu_check.sh bench     # 1.1B Llama: checkpointing table, activation offload table
@@ -116,11 +118,14 @@ if [ "$stage" = quick ]; then
     # Issue 28: the paths no step above runs, each case in a fresh process, one JSON (qlora skipped, with a line
     # saying so, without bitsandbytes: see the header).
     step 145 paths gpu_paths.json "$py" benchmarks/gpu_paths.py \
-        --cases param-offload,memtrain-train,pure-bf16,delayed-bf16-accumulation,qlora --deadline 128 \
+        --cases param-offload,memtrain-train,pure-bf16,delayed-bf16-accumulation,qlora,fsdp-offload --deadline 128 \
         --out "$out/gpu_paths.json"
 fi
 if runs tests; then
     step 240 pytest-gpu - "$py" -m pytest -q -p no:cacheprovider tests/gpu -s
+    # Issue 31: FSDP2's host offload on one rank (quick's paths step runs it last, where its deadline leaves time).
+    step 90 fsdp-offload gpu_paths-fsdp.json "$py" benchmarks/gpu_paths.py --cases fsdp-offload --deadline 85 \
+        --out "$out/gpu_paths-fsdp.json"
 fi
 if runs plan; then
     # Issue 11: each budget in a fresh process (peaks do not add up); --deadline skips what would not finish, so

@@ -28,6 +28,10 @@ important first, since a case the deadline leaves no time for is skipped):
   process's allocated peak <= budget, no retry. A run that first puts the whole fp32 model on the device fails here.
 - ``qlora``: the same command with ``--lora 16 --quantize-base nf4 --budget 512MiB``; skipped, with a line saying
   so, where bitsandbytes is not importable (``gpu_check.sh``'s header says how to carry its wheel).
+- ``fsdp-offload``: ``--fsdp --offload-optimizer`` on one rank (issue 31): a process group of one, opened as memtrain
+  train opens it on CUDA (cpu:gloo,cuda:nccl), ``apply_plan`` of FSDP2 with CPUOffloadPolicy over the 1.1B's layers
+  (8 of 22, batch 4 x 2048), 3 steps clipped and 3 not (the skip flag). Checks: every shard and moment on the host,
+  the shards pinned, the allocated peak below the fp32 weights, no retry, the loss finite and falling in both runs.
 
 Run on a GPU: ``python benchmarks/gpu_paths.py --out bench-results/gpu_paths.json`` (about 2 minutes; the 1.1B
 cases need about 25 GB of host RAM). Run anywhere: ``--small`` (tiny Llamas on this machine's CPU: every case end to
@@ -76,10 +80,10 @@ from gpu_plan import (  # noqa: E402
 from memtrain.report import format_bytes, parse_bytes  # noqa: E402
 
 # Most important first: a case the deadline leaves no time for is skipped (and recorded).
-CASES = ("param-offload", "memtrain-train", "pure-bf16", "delayed-bf16-accumulation", "qlora")
+CASES = ("param-offload", "memtrain-train", "pure-bf16", "delayed-bf16-accumulation", "qlora", "fsdp-offload")
 # Seconds each case's process may take at most (start-up, planning and building the 1.1B included).
 CASE_LIMIT_S = {"param-offload": 70.0, "pure-bf16": 45.0, "delayed-bf16-accumulation": 45.0,
-                "memtrain-train": 60.0, "qlora": 50.0}
+                "memtrain-train": 60.0, "qlora": 50.0, "fsdp-offload": 80.0}
 MIN_CASE_S = 20.0  # a case that would start with less time left is skipped (recorded as such)
 DELAYED_TOLERANCE = 0.10  # the delayed case's limit over the planner's peak for its set-up
 # The delayed case's model: the 1.1B's layers, 8 of its 22 (0.5B parameters: less host RAM to pin, sooner built).
@@ -362,12 +366,94 @@ def run_folder_figures(run_dir: Path) -> dict[str, Any]:
     return out
 
 
+# -- FSDP2's host offload on one rank ---------------------------------------------------------------------------
+def case_fsdp_offload(small: bool) -> dict[str, Any]:
+    """``--fsdp --offload-optimizer`` on the one GPU there is: a process group of one rank, opened as ``memtrain
+    train`` opens it on CUDA (cpu:gloo,cuda:nccl), and ``apply_plan`` of FSDP2 with the optimizer offloaded
+    (CPUOffloadPolicy, pinned shards, torch's fused AdamW on the host). The 1.1B's layers (8 of 22) at 4 x 2048,
+    every block recomputed, 3 steps clipped, then 3 unclipped (the step's skip flag, made on the device, read by
+    the host step). Checks: every shard and its moments on the host (pinned on CUDA), the device's allocated peak
+    below the fp32 weights it no longer holds, no retry, the loss finite and falling in both runs."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    device = _device(small)
+    shape, seq_len, batch = _workload(small)
+    shape = shape if small else DELAYED_SHAPE
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    row: dict[str, Any] = {}
+    try:
+        before = alloc_retries(device)
+        _run_into(row, lambda: train_fsdp_offload(shape, seq_len, batch, device, row), device, before)
+    finally:
+        dist.destroy_process_group()
+    return finish(row, {**peak_checks(row, row.get("fp32_weight_bytes"), reserved=False),
+                        "shards and moments on the host": row.get("on_host"),
+                        "shards pinned": row.get("pinned") if device.type == "cuda" else None,
+                        "loss finite and falling (clipped)": losses_fall(row.get("losses") or []),
+                        "loss finite and falling (skip flag)": losses_fall(row.get("losses_unclipped") or [])})
+
+
+def train_fsdp_offload(shape: Any, seq_len: int, batch: int, device: torch.device,
+                       row: dict[str, Any]) -> dict[str, Any]:
+    """Two runs of 3 steps (clipped, then not) under ``apply_plan`` of FSDP2 with the optimizer offloaded; what
+    they measured goes into ``row`` too (where the shards are, the fp32 weights' bytes)."""
+    from memtrain.loss import language_model_loss
+    from memtrain.planner import PlanSettings, apply_plan
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    settings = PlanSettings(micro_batch_size=batch, accumulation=1, blocks=("recompute",) * shape.layers,
+                            flavor="full", chunked_loss=True, optimizer="offload", distribution="fsdp2",
+                            compile=False, precision="bf16-mixed" if device.type == "cuda" else "fp32",
+                            offload_weights=True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, shape.vocab, (batch, seq_len), generator=g).to(device)
+    y = torch.randint(0, shape.vocab, (batch, seq_len), generator=g).to(device)
+    out: dict[str, Any] = {}
+    for key, clip in (("losses", 1.0), ("losses_unclipped", None)):
+        model = build_llama(shape, seq_len, "cpu")  # on the host: FSDP2 places each block as it shards it
+        row["fp32_weight_bytes"] = 4 * sum(p.numel() for p in model.parameters())
+        run = apply_plan(model, settings, lr=1e-4, max_grad_norm=clip, device=device)
+        losses, seconds = [], []
+        for _ in range(3):
+            _sync(device)
+            t0 = time.perf_counter()
+            with run.accumulator.micro_batch(is_last=True):
+                with run.precision.autocast():
+                    loss = language_model_loss(run.train_model, x, y)
+                run.accumulator.backward(loss, reduction="sum", items=y.numel())
+            losses.append(run.accumulator.step().loss)
+            _sync(device)
+            seconds.append(time.perf_counter() - t0)
+        out[key] = losses
+        if clip is not None:
+            out["median_s"] = statistics.median(seconds[1:])
+            out["tokens_per_s"] = batch * seq_len / out["median_s"]
+            shards = [p.to_local() for p in model.parameters()]
+            moments = [v.to_local() for p in model.parameters() for v in run.optimizer.state[p].values() if v.dim()]
+            row["on_host"] = bool(moments) and all(t.device.type == "cpu" for t in shards + moments)
+            row["pinned"] = all(t.is_pinned() for t in shards)
+        del run, model
+    row["losses_unclipped"] = out.pop("losses_unclipped")
+    out["run_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    out["run_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    return out
+
+
 CASE_FUNCTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "param-offload": case_param_offload,
     "pure-bf16": case_pure_bf16,
     "delayed-bf16-accumulation": case_delayed,
     "memtrain-train": case_memtrain_train,
     "qlora": lambda small: case_memtrain_train(small, "qlora"),
+    "fsdp-offload": case_fsdp_offload,
 }
 
 

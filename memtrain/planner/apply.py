@@ -86,7 +86,9 @@ def apply_plan(model: nn.Module, plan: Plan | PlanSettings, *, lr: float = 3e-4,
     names = _check_blocks(model, s, plan.block_names if isinstance(plan, Plan) else None)
     acc = accelerator(torch.device(device) if device is not None else next(model.parameters()).device)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if (s.distribution == "none") != (world == 1):
+    # FSDP2 takes a group of one rank too (its host offload on the one GPU there is: the device check's case).
+    one_rank_fsdp2 = s.distribution == "fsdp2" and torch.distributed.is_initialized()
+    if (s.distribution == "none") != (world == 1) and not one_rank_fsdp2:
         raise ConfigError(f"apply_plan: the plan's distribution is {s.distribution!r}, and this process group has "
                           f"{world} rank(s). To resolve this error, plan with {arg('world_size')} equal to torchrun's "
                           "--nproc_per_node.")
