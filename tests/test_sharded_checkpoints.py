@@ -252,3 +252,19 @@ def test_a_shards_metadata_naming_anything_but_dcps_records_is_not_unpickled(tmp
     (shards / ".metadata").write_bytes(pickle.dumps(_Calls()))
     with pytest.raises(CheckpointDamaged, match="names posix.getcwd, which is no part of DCP.s metadata"):
         shard_weights(shards)
+
+
+def test_a_sharded_state_is_refused_by_the_one_process_offloaded_optimizer_naming_fsdp(tmp_path):
+    """FSDP2's shards hold a torch optimizer's state; memtrain's CPUOffloadOptimizer (one process's offloaded
+    optimizer) keeps its own layout: a resume there is one clear error naming --fsdp, read before any shard."""
+    from memtrain.errors import ConfigError
+    from memtrain.optim import CPUOffloadOptimizer
+    from memtrain.run.shards import load_shards
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = CPUOffloadOptimizer(model.named_parameters(), lr=1e-3)
+    try:
+        with pytest.raises(ConfigError, match="CPUOffloadOptimizer.*To resolve this error, resume with fsdp=True"):
+            load_shards(tmp_path / "shards", model, optimizer)
+    finally:
+        optimizer.close()
