@@ -268,3 +268,46 @@ def test_a_sharded_state_is_refused_by_the_one_process_offloaded_optimizer_namin
             load_shards(tmp_path / "shards", model, optimizer)
     finally:
         optimizer.close()
+
+
+def test_a_full_disk_while_the_shards_are_written_is_one_write_fault_naming_the_last_good_checkpoint(tmp_path,
+                                                                                                      monkeypatch):
+    """DCP gathers every rank's failure into one CheckpointException (a trace, exit 1 as an internal error); a full
+    disk is an environment fault: one RunWriteError naming the folder, the space and the intact checkpoint, and no
+    temporary folder left."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    from memtrain.models import GPT, GPTConfig
+    from memtrain.planner import PlanSettings, apply_plan
+    from memtrain.run import RunCheckpoints, save_run_state
+    from memtrain.run.checkpoints import RunWriteError
+    from memtrain.run.state import CheckpointExtra
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, dropout=0.0))
+        settings = PlanSettings(micro_batch_size=1, accumulation=1, blocks=("keep",) * 2, flavor="full",
+                                chunked_loss=False, optimizer="device", distribution="fsdp2", compile=False,
+                                precision="fp32")
+        run = apply_plan(model, settings, lr=1e-3)
+        checkpoints = RunCheckpoints(tmp_path / "run")
+
+        def save(step):
+            save_run_state(checkpoints, step, 1, model, run.optimizer, _Stub(), None, _Stub(), _identity(),
+                           CheckpointExtra(plan_settings=settings, plan_request={}), device=torch.device("cpu"))
+
+        save(1)
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(filesystem._FileSystemWriter, "write_data", full)
+        with pytest.raises(RunWriteError) as info:
+            save(2)
+    finally:
+        dist.destroy_process_group()
+    message = str(info.value)
+    assert "No space left on device" in message and "step-0000001, is intact" in message, message
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-0000001"]

@@ -24,7 +24,7 @@ from torch import nn
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.files import sha256_file
 from memtrain.message import arg
-from memtrain.run.checkpoints import SHARDS, CheckpointDamaged, RunCheckpoints, RunWriteError
+from memtrain.run.checkpoints import SHARDS, CheckpointDamaged, RunCheckpoints, RunWriteError, write_fault
 
 
 def save_shards(checkpoints: RunCheckpoints | None, step: int, state: dict[str, Any], model: nn.Module,
@@ -61,10 +61,13 @@ def save_shards(checkpoints: RunCheckpoints | None, step: int, state: dict[str, 
                 if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")}
         sums: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(sums, mine)
-    except BaseException:
+    except BaseException as e:
         if checkpoints is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os_error = _os_error_of(e)
+        if os_error is None:
+            raise
+        raise RunWriteError(write_fault(os_error, tmp / SHARDS, checkpoints)) from None
     # Rank 0 writes the rest and renames the folder into place; every rank learns how that went, so that a failure
     # there stops them all alike (the others would wait for rank 0 in the next collective).
     outcome: list[Any] = [None]
@@ -79,6 +82,17 @@ def save_shards(checkpoints: RunCheckpoints | None, step: int, state: dict[str, 
         raise failure
     if outcome[0] is not None:
         raise RunWriteError(outcome[0])
+
+
+def _os_error_of(e: BaseException) -> OSError | None:
+    """The OSError behind a failed save (a full or read-only disk), where there is one: DCP gathers every rank's
+    failure into one CheckpointException, raised on every rank."""
+    if isinstance(e, OSError):
+        return e
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return None
+    return next((f[0] for f in failures.values() if isinstance(f, tuple) and isinstance(f[0], OSError)), None)
 
 
 def load_shards(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
