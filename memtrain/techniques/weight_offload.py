@@ -111,7 +111,8 @@ OFFLOAD_WEIGHTS_COMPILE = Rule(
     "parameter offload moves each block's weights in module hooks, which torch.compile would break the graph at.",
     "drop {rest} or {first}",
     ("offload_weights", "compile"),
-    lambda s: bool(s.offload_weights) and bool(s.compile) and not s.fsdp)  # FSDP2's own hooks compose with it
+    # NOTE: under FSDP2 too (its host offload is streamed weights): Choices, which knows no ranks, checks it alone.
+    lambda s: bool(s.offload_weights) and bool(s.compile))
 OFFLOAD_WEIGHTS_PURE_BF16 = Rule(
     "offload-weights-pure-bf16",
     "parameter offload streams the offloaded optimizer's fp32 master (or its bf16 cast), and pure bf16 keeps no "
