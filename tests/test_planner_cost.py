@@ -345,3 +345,57 @@ def test_the_host_step_of_an_offloaded_optimizer_runs_at_its_moments_rate(state)
     c32, cl = predictions(model, [fp32, lean], seq_len=32, global_batch_size=1, device="cuda", device_profile=profile)
     slower = numel / (1e6 * _CPU_RATE[state]) - numel / 1e6
     assert cl.step_seconds - c32.step_seconds == pytest.approx(slower, rel=0.05), (c32.step_seconds, cl.step_seconds)
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"], ids=["lora", "qlora"])
+def test_fsdp2_gathers_a_lora_models_frozen_base_block_by_block(quantize):
+    """FSDP2 gathers every parameter of a group, frozen ones too: a LoRA model's rank holds two blocks' base weights
+    and the root's gathered (in bf16, a 4-bit layer's packed codes as stored), not its whole frozen base as the root
+    (the gathered bytes were once counted from the trainable adapters alone). A 4-bit layer's scales are no
+    parameter of bitsandbytes': every rank keeps them whole."""
+    import argparse
+
+    pytest.importorskip("peft")
+    from memtrain.cli.workloads import with_lora
+    from memtrain.planner.tracing import state_bytes
+    from memtrain.quantize import Linear4bitStandIn
+
+    config = planner_llama(layers=4, hidden=256, vocab_size=1024)
+    args = argparse.Namespace(lora=8, lora_alpha=16, lora_dropout=0.0, lora_targets=None, quantize_base=quantize)
+    world = 4
+    settings = PlanSettings(micro_batch_size=1, accumulation=2, blocks=("recompute",) * 4, flavor="full",
+                            chunked_loss=False, optimizer="device", distribution="fsdp2", compile=False,
+                            precision="bf16-mixed")
+    common = dict(budget=None, seq_len=64, device_profile=H100, precision="bf16-mixed")
+    ranks = plan(with_lora(meta_model(config), args, "bf16-mixed"), global_batch_size=2 * world,
+                 world_size=world, fsdp=True, settings=settings, **common)
+    one = plan(with_lora(meta_model(config), args, "bf16-mixed"), global_batch_size=2,
+               settings=dataclasses.replace(settings, distribution="none"), **common)
+
+    model = with_lora(meta_model(config), args, "bf16-mixed")
+    scales = {id(p) for m in model.modules() if isinstance(m, Linear4bitStandIn) for p in (m.absmax, m.code)}
+    assert bool(scales) == bool(quantize)
+
+    def gathered(module):  # bytes as FSDP2 gathers them: floats in bf16, the packed codes as stored
+        return sum(p.numel() * (2 if p.is_floating_point() else p.element_size()) for p in module.parameters()
+                   if id(p) not in scales)
+
+    def stored(params):
+        return sum(p.numel() * p.element_size() for p in params)
+
+    blocks = [model.get_submodule(f"base_model.model.model.layers.{i}") for i in range(4)]
+    root = gathered(model) - sum(gathered(b) for b in blocks)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    sharded = stored(p for p in model.parameters() if id(p) not in scales)
+    # AdamW's two fp32 moments of the adapters and their step counters, as the allocator rounds them.
+    state = state_bytes(model, [], None, cuda=True)["state"]
+    assert state >= 8 * sum(p.numel() for p in trainable)
+    expected = -(sharded + state) * (1 - 1 / world) + 2 * max(gathered(b) for b in blocks) + root
+    assert ranks.peak_bytes - one.peak_bytes == pytest.approx(expected, abs=1024), (
+        (ranks.peak_bytes - one.peak_bytes) / MiB, expected / MiB)
+    # The old count (blocks' bytes from their trainable adapters, the root everything else, every byte sharded) is
+    # far from it: the check can fail.
+    adapters = [stored(p for p in b.parameters() if p.requires_grad) for b in blocks]
+    old = (-(stored(model.parameters()) + state) * (1 - 1 / world)
+           + (2 * max(adapters) + stored(model.parameters()) - sum(adapters)) / 2)
+    assert abs(old - expected) > 100 * 1024, (old / MiB, expected / MiB)

@@ -20,7 +20,7 @@ from memtrain.planner.profiles import Profiles, affine_at, offloader_bytes
 from memtrain.planner.settings import Configuration, HostLink, PlanSettings, Problem, configuration_of
 from memtrain.techniques.chunked_loss import loss_tail
 from memtrain.techniques.distribution import (
-    root_parameter_bytes,
+    root_trainable_bytes,
     sharded_host_bytes,
     sharded_host_copies,
     sharded_host_micro_seconds,
@@ -386,7 +386,7 @@ def _communication_seconds(ctx: Problem, prof: Profiles, cfg: Configuration, com
         return np.maximum(0.0, 2 * grads / dev.interconnect - compute_s * 2 / 3)
     # All-gathers in forward and in backward (in bf16 under bf16-mixed), prefetched under compute; one fp32
     # reduce-scatter of the gradients.
-    params = prof.parameter_bytes * _gathered_ratio(ctx, prof) * share
+    params = float(np.sum(_gathered(ctx, prof))) * share
     gathers = 2 * params / dev.interconnect
     return np.maximum(0.0, gathers - 0.9 * compute_s) * cfg.accumulation + grads / dev.interconnect
 
@@ -416,9 +416,14 @@ def _gathered_ratio(ctx: Problem, prof: Profiles) -> float:
     return gathered / traced
 
 
+def _gathered(ctx: Problem, prof: Profiles) -> np.ndarray:
+    """Each block's parameters (frozen ones too), then the root's, as FSDP2 gathers them (``fsdp2_param_dtype``)."""
+    return prof.gathered_bytes[:, 0 if fsdp2_param_dtype(ctx.precision) is None else 1]
+
+
 def gathered_block_bytes(ctx: Problem, prof: Profiles) -> float:
-    """The largest block's parameters as FSDP2 gathers them (``fsdp2_param_dtype``)."""
-    return float(prof.block_parameter_bytes.max()) * _gathered_ratio(ctx, prof)
+    """The largest block's parameters as FSDP2 gathers them."""
+    return float(_gathered(ctx, prof)[:-1].max())
 
 
 def _distributed_shift(ctx: Problem, prof: Profiles, cfg: Configuration | PlanSettings) -> float:
@@ -437,18 +442,20 @@ def _distributed_shift(ctx: Problem, prof: Profiles, cfg: Configuration | PlanSe
         return grads * (2 if cfg.optimizer != "device" and cfg.accumulation > 1 else 1)
     # FSDP2: the block computed and the next one (prefetched) gathered whole, and the root's parameters (the
     # embeddings, the head) gathered from its forward to the end of backward (the root does not reshard).
-    gathered = 2 * gathered_block_bytes(ctx, prof) + root_parameter_bytes(prof) * _gathered_ratio(ctx, prof)
+    gathered = 2 * gathered_block_bytes(ctx, prof) + float(_gathered(ctx, prof)[-1])
+    # A 4-bit layer's quantisation state (bitsandbytes' absmax, no parameter of its) stays whole on every rank.
+    sharded = prof.parameter_bytes - prof.replicated_bytes
     if shards_on_host(cfg):
         # Every shard in host RAM (the offloaded optimizer's trace keeps no state on the device, and streams every
         # gradient away as it lands); between the micro-batches of a window the unsharded gradients stay on the
         # device (reduce-scattered at its end). The root's are reduce-scattered only at the end of backward: held
         # from the head's backward on in the gathered dtype, then cast into an fp32 reduce-scatter input beside them.
-        root_gradients = root_parameter_bytes(prof) * (_gathered_ratio(ctx, prof) + 1)
-        return (-prof.parameter_bytes + gathered + root_gradients
+        root_gradients = root_trainable_bytes(prof) * (_gathered_ratio(ctx, prof) + 1)
+        return (-sharded + gathered + root_gradients
                 + (prof.trainable_bytes if cfg.accumulation > 1 else 0))
     # Parameters and state sharded.
     state = full_state_bytes(prof, cfg.optimizer_class, ctx.device)
-    return -(prof.parameter_bytes + state) * (1 - 1 / n) + gathered
+    return -(sharded + state) * (1 - 1 / n) + gathered
 
 
 def gradient_shard(ctx: Problem, cfg: Configuration | PlanSettings) -> float:

@@ -289,10 +289,14 @@ class Profiles:
     parameter_bytes: int  # in the traced dtype (bf16 where the device weights are)
     trainable_bytes: int  # the same for the parameters that get gradients (their gradients' bytes too)
     trainable_numel: int
-    block_parameter_bytes: np.ndarray  # (L,)
+    block_parameter_bytes: np.ndarray  # (L,) the trainable parameters'
+    gathered_bytes: np.ndarray  # (L + 1, 2): each block's parameters, then the root's, as traced and in 2-byte floats
+    replicated_bytes: int  # the 4-bit layers' quantisation state, which no FSDP2 group shards or gathers
     adamw_state_bytes: int
     traces: int
     trainable_params: list[tuple[int, torch.dtype]] = field(default_factory=list)  # registration order
+    # Every parameter FSDP2 shards (not a 4-bit layer's quantisation state): (numel, dtype as traced, trainable)
+    sharded_params: list[tuple[int, torch.dtype, bool]] = field(default_factory=list)
     trainable_shapes: list[tuple[int, ...]] = field(default_factory=list)  # the same parameters' shapes
     trainable_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # -1: no block
     # Figures derived from these alone, computed once (the cost model's, e.g. the offloaded parameters' bytes)

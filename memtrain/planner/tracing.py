@@ -25,6 +25,7 @@ from memtrain.planner.profiles import (
     tail_profile,
 )
 from memtrain.planner.settings import Problem
+from memtrain.quantize import is_quant_state
 from memtrain.techniques.tiled_mlp import kind_name
 
 # -- the step traced with every block of one kind ----------------------------------------------------------
@@ -107,6 +108,16 @@ def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cu
     buffers = list(dict.fromkeys(model.buffers()))
     modules = dict(model.named_modules())
     block_of = {id(p): i for i, name in enumerate(blocks) for p in modules[name].parameters()}
+    # FSDP2 gathers every parameter of a group, frozen ones too, each floating one in the mixed-precision dtype
+    # where there is one; a 4-bit layer's quantisation state is no parameter of bitsandbytes' (every rank keeps it).
+    replicated = {id(p) for m in modules.values() for n, p in m.named_parameters(recurse=False)
+                  if is_quant_state(m, n)}
+    gathered = np.zeros((len(blocks) + 1, 2))  # per block, then the root: bytes as traced, and in 2-byte floats
+    for p in dict.fromkeys(params):
+        if id(p) not in replicated:
+            t = as_traced[id(p)]
+            gathered[block_of.get(id(p), -1)] += (t.numel() * t.element_size(),
+                                                  t.numel() * (2 if t.is_floating_point() else t.element_size()))
     return {
         "rounded": sum(round_up(t.numel() * t.element_size(), round_to) for t in (*as_traced.values(), *buffers)),
         "parameters": sum(t.numel() * t.element_size() for t in as_traced.values()),
@@ -116,6 +127,10 @@ def state_bytes(model: nn.Module, blocks: Sequence[str], weights: str | None, cu
         "blocks": np.array([sum(as_traced[id(p)].numel() * as_traced[id(p)].element_size()
                                 for n, p in modules[name].named_parameters(prefix=name)
                                 if p.requires_grad and n not in no_gradient) for name in blocks], dtype=np.float64),
+        "gathered": gathered,
+        "sharded": [(as_traced[id(p)].numel(), as_traced[id(p)].dtype, p.requires_grad and name not in no_gradient)
+                    for name, p in named.items() if id(p) not in replicated],
+        "replicated": sum(as_traced[i].numel() * as_traced[i].element_size() for i in replicated),
         "params": [(t.numel(), t.dtype) for t in trainable],
         "shapes": [tuple(t.shape) for t in trainable],
         "param_blocks": np.array([block_of.get(id(p), -1) for name, p in named.items()
@@ -193,6 +208,9 @@ def profiles_from_traces(ctx: Problem, flavors: Sequence[str], offload: bool, we
         trainable_bytes=full["trainable"],
         trainable_numel=full["numel"],
         block_parameter_bytes=full["blocks"],
+        gathered_bytes=full["gathered"],
+        replicated_bytes=full["replicated"],
+        sharded_params=full["sharded"],
         adamw_state_bytes=full["state"],
         traces=2 * len(kinds),
         trainable_params=full["params"],

@@ -24,23 +24,30 @@ def shards_on_host(s: Any) -> bool:
 
 # -- FSDP2's host offload: its share of a candidate's bytes and seconds (the planner's cost model composes them) ---
 def root_parameter_bytes(prof: Any) -> float:
-    """The parameters outside the blocks (embeddings, the last norm, the head) as traced: FSDP2's root group, which
-    it gathers in forward and keeps gathered to the end of backward (the root does not reshard after forward)."""
-    return float(prof.parameter_bytes - np.sum(prof.block_parameter_bytes))
+    """The parameters outside the blocks (embeddings, the last norm, the head), frozen ones too, as traced: FSDP2's
+    root group, which it gathers in forward and keeps gathered to the end of backward (the root does not reshard
+    after forward)."""
+    return float(prof.gathered_bytes[-1, 0])
+
+
+def root_trainable_bytes(prof: Any) -> float:
+    """The root group's trainable parameters as traced: the gradients it reduce-scatters at the end of backward."""
+    return float(prof.trainable_bytes - np.sum(prof.block_parameter_bytes))
 
 
 def sharded_host_bytes(prof: Any, state_bytes: float, world: int, pinned: bool) -> float:
     """One rank's host RAM under FSDP2's host offload: its shard of every parameter as stored (the fp32 master; a
-    frozen one too), of the gradients (reduce-scattered in fp32, then copied there) and of the optimizer's state
-    (``state_bytes``: the whole state). ``pinned`` (CUDA): each trainable parameter's shard and its gradient's are
-    pinned, which torch's host allocator rounds up to a power of two (and keeps); the state is plain memory."""
+    frozen one too, a 4-bit layer's packed codes), of the gradients (reduce-scattered in fp32, then copied there) and
+    of the optimizer's state (``state_bytes``: the whole state). ``pinned`` (CUDA): each parameter's shard (frozen
+    ones too) and each gradient's are pinned, which torch's host allocator rounds up to a power of two (and keeps);
+    the state is plain memory. A 4-bit layer's quantisation state stays on the device."""
     if not pinned:
-        return (prof.parameter_bytes + prof.trainable_bytes + state_bytes) / world
+        return (prof.parameter_bytes - prof.replicated_bytes + prof.trainable_bytes + state_bytes) / world
     key = ("pinned shards", world)
     if key not in prof.memo:
-        prof.memo[key] = float(sum(_power_of_two(-(-n // world) * d.itemsize) for n, d in prof.trainable_params))
-    frozen = prof.parameter_bytes - prof.trainable_bytes
-    return 2 * prof.memo[key] + (frozen + state_bytes) / world
+        prof.memo[key] = float(sum((2 if trainable else 1) * _power_of_two(-(-n // world) * d.itemsize)
+                                   for n, d, trainable in prof.sharded_params))
+    return prof.memo[key] + state_bytes / world
 
 
 def _power_of_two(nbytes: int) -> int:
@@ -52,9 +59,9 @@ def sharded_host_copies(prof: Any, world: int) -> tuple[float, float]:
     host offload: FSDP2 copies each rank's shard as it is stored (4 bytes a parameter for an fp32 master; the
     offloaded optimizer's own bf16 device copies would take 2) before gathering it: each block's in forward and
     again in backward (blocks reshard after forward), the root's once."""
-    blocks = float(np.sum(prof.block_parameter_bytes)) / world
+    blocks = float(np.sum(prof.gathered_bytes[:-1, 0])) / world
     root = root_parameter_bytes(prof) / world
-    return 2 * blocks + root, root + float(prof.block_parameter_bytes[0]) / world
+    return 2 * blocks + root, root + float(prof.gathered_bytes[0, 0]) / world
 
 
 def sharded_host_micro_seconds(prof: Any, world: int, micro: np.ndarray, moved: np.ndarray,
