@@ -396,7 +396,8 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: Any = None,
-            dtype: torch.dtype | Literal["auto"] | None = "auto") -> Path:
+            dtype: torch.dtype | Literal["auto"] | None = "auto",
+            state: dict[str, torch.Tensor] | None = None) -> Path:
     """Writes a Hugging Face folder: the model's ``config.json`` and ``model.safetensors`` (its own parameter
     names; sharded as ``save_pretrained`` shards), or for a LoRA model ``adapter_config.json`` and
     ``adapter_model.safetensors`` (the adapters only); plus the tokenizer's files.
@@ -419,24 +420,26 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
         dtype: the weights' dtype in the folder: ``"auto"`` the source checkpoint's (a bf16 checkpoint trained
             with fp32 master weights is written in bf16, half the bytes; LoRA adapters stay as trained), None the
             parameters' own, or a floating torch dtype (adapters too).
+        state: the weights to write, by name, instead of ``model.state_dict()``: the full state dict gathered on
+            rank 0 for an FSDP2-sharded ``model``, whose own parameters are shards.
 
     Returns:
         The folder written.
 
     Raises:
-        ConfigError: a model Hugging Face cannot save (not a PreTrainedModel/PeftModel, or sharded by FSDP), or a
-            dtype that is not a floating torch dtype.
+        ConfigError: a model Hugging Face cannot save (not a PreTrainedModel/PeftModel, or sharded by FSDP2 with
+            no ``state``), or a dtype that is not a floating torch dtype.
     """
     model = unwrap_model(model)
     if not callable(getattr(model, "save_pretrained", None)):
         raise ConfigError(f"save_hf: a {type(model).__name__} has no save_pretrained, so no Hugging Face folder can "
                           "be written for it. To resolve this error, pass a transformers PreTrainedModel or a PEFT "
                           "model (memtrain's own models are saved as model.safetensors).")
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+    if state is None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
         raise ConfigError("save_hf: the model's parameters are sharded (FSDP2 DTensors). To resolve this error, "
                           "gather a full state dict on rank 0 first (torch.distributed.checkpoint."
                           "state_dict.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) "
-                          "and load it into an unsharded copy (memtrain.run.export.unsharded_copy does both).")
+                          "and pass it as state=.")
     if dtype not in ("auto", None) and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"save_hf: dtype={dtype!r} is not a floating torch dtype. To resolve this error, pass "
                           "dtype='auto' (the source checkpoint's), None (the parameters' own) or e.g. torch.bfloat16.")
@@ -447,7 +450,8 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str], *, tokenizer: A
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
-        state = None if dtype is None else _cast_state(model.state_dict(), dtype)
+        if dtype is not None:
+            state = _cast_state(model.state_dict() if state is None else state, dtype)
         model.save_pretrained(staging, safe_serialization=True, **({} if state is None else {"state_dict": state}))
         _restore_source_fields(staging, source, dtype)
         if isinstance(tokenizer, (str, os.PathLike)):
@@ -502,13 +506,17 @@ def _cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str,
 
 
 def _restore_source_fields(folder: Path, source: dict[str, Any], dtype: torch.dtype | None) -> None:
-    """The fields of the written folder that training changed but the model did not: config.json's use_cache
-    and dtype (the weights' dtype when they were cast), adapter_config.json's base model as an absolute path."""
+    """The fields of the written folder that training changed but the model did not: config.json's use_cache,
+    architectures (not FSDP2's class) and dtype (the weights' dtype when they were cast), adapter_config.json's base
+    model as an absolute path."""
     config_path = folder / "config.json"
     if config_path.is_file():
         config = json.loads(config_path.read_text())
         if "use_cache" in source:
             config["use_cache"] = source["use_cache"]
+        # FSDP2's fully_shard renames the class FSDP<Class>; transformers records the class's name (5.25 strips it).
+        if isinstance(config.get("architectures"), list):
+            config["architectures"] = [str(a).removeprefix("FSDP") for a in config["architectures"]]
         if dtype is not None:
             name = str(dtype).removeprefix("torch.")
             for key in ("dtype", "torch_dtype"):

@@ -110,9 +110,10 @@ def _bnb_linear(bnb: Any, linear: nn.Linear, compute_dtype: torch.dtype, device:
 def _load_quant_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Loads a 4-bit layer's state dict (a checkpoint's, on --resume): the packed weight as any parameter, the
     quantisation state its ``state_dict`` wrote beside it (``weight.absmax``, ``weight.quant_map``,
-    ``weight.quant_state.*``) into the weight's own, which bitsandbytes' ``Linear4bit`` would refuse as unexpected
-    keys. The shapes must match: the same layer quantised alike."""
-    state = module.weight.quant_state
+    ``weight.quant_state.*``) into the layer's, which bitsandbytes' ``Linear4bit`` would refuse as unexpected
+    keys. The shapes must match: the same layer quantised alike. (Under FSDP2 the weight is a DTensor shard and
+    the state the layer's own; a sharded checkpoint holds none, the layer quantised alike at the start has it.)"""
+    state = layer_quant_state(module)
     key = prefix + "weight."
     for name in [k for k in state_dict if k.startswith(key)]:
         value = state_dict.pop(name)
@@ -121,6 +122,27 @@ def _load_quant_state(module: nn.Module, state_dict: dict[str, Any], prefix: str
         if target is not None and isinstance(value, torch.Tensor) and value.shape == target.shape:
             with torch.no_grad():
                 target.copy_(value)
+
+
+def layer_quant_state(module: nn.Module) -> Any:
+    """A bitsandbytes 4-bit layer's quantisation state: its weight's, or under FSDP2 (whose DTensor shard carries
+    none) the copy the layer keeps, whole on every rank (the fp32 absmax, 1/8 of the packed bytes, is not sharded)."""
+    return getattr(module.weight, "quant_state", None) or module.quant_state
+
+
+def quant_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The quantisation state of ``model``'s 4-bit layers (views of it, where it is), under the names bitsandbytes'
+    ``state_dict`` gives it beside the packed weight (``NAME.weight.absmax``, ``.quant_map``,
+    ``.quant_state.bitsandbytes__nf4``) of its FSDP2-sharded layers: what a full or sharded state dict lacks, since
+    a DTensor shard carries no ``quant_state`` (a layer whose weight carries it writes its own).
+    The absmax and code book are the layer's own tensors: a checkpoint's read into them lands in place."""
+    entries = {}
+    for name, module in model.named_modules():
+        if getattr(module, "quant_state", None) is None or getattr(module.weight, "quant_state", None) is not None:
+            continue
+        for key, value in module.quant_state.as_dict(packed=True).items():
+            entries[f"{name}.weight.{key}"] = value.detach()
+    return entries
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -147,12 +169,13 @@ def weight_count(model: nn.Module) -> int:
 def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors of the 4-bit weights' quantisation state (absmax, code book) that are not parameters: memory the
     weights hold beside their packed bytes. (A stand-in's are parameters already.)"""
-    tensors = []
-    for p in model.parameters():
-        state = getattr(p, "quant_state", None)
+    states = {}  # by identity: PEFT's LoRA layer shows its base layer's weight as its own
+    for m in model.modules():
+        # The weight's, or under FSDP2 (whose shards carry none) the layer's: layer_quant_state.
+        state = getattr(getattr(m, "weight", None), "quant_state", None) or getattr(m, "quant_state", None)
         if state is not None:
-            tensors += [t for t in (state.absmax, state.code) if isinstance(t, torch.Tensor)]
-    return tensors
+            states[id(state)] = state
+    return [t for state in states.values() for t in (state.absmax, state.code) if isinstance(t, torch.Tensor)]
 
 
 def quantized_bytes(numel: int) -> int:

@@ -62,6 +62,7 @@ from memtrain.run import (
     write_faults,
 )
 from memtrain.run.export import export_results
+from memtrain.run.gathered import hf_weights, write_gathered_weights
 from memtrain.run.identity import RunIdentity
 from memtrain.run.plan_check import check_step
 from memtrain.run.replan import (
@@ -79,6 +80,7 @@ from memtrain.run.report import plan_summary, write_run_report
 from memtrain.run.state import CheckpointExtra, PlanCheck
 from memtrain.run.step import CountedBatches, StepFigures, one_step, unpack_batch
 from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule, resumed_reasons
+from memtrain.unwrap import is_fsdp2
 
 MAX_REPLANS_PER_STEP = 4  # out of memory again after this many re-plans of one step: an error, not a loop
 
@@ -435,7 +437,9 @@ def _resume(s: Session, model: nn.Module, config: TrainConfig, context: RunConte
     notes += applied_changes(flat_settings(state.get("config", {})), flat_settings(config.to_dict()))
     if state["run"].get("world_size") != run.world_size:  # RESHARDED: the same examples at each step
         notes.append(f"resume: {run.world_size} rank(s) now, {state['run'].get('world_size')} in the run being resumed "
-                     f"(its state read onto this layout; each step's {run.global_batch_size} examples the same)")
+                     f"(its state read onto this layout; each step's {run.global_batch_size} examples the same; each "
+                     "rank's micro-batches other ones, so dropout draws other masks for them: not bit for bit the "
+                     "run's continuation)")
     extra = CheckpointExtra.from_dict(state["extra"])
     s.plan_check, s.replans = extra.plan_check, list(extra.replans)
     left = extra.plan_settings
@@ -628,10 +632,16 @@ def _finish(s: Session, tally: Tally, config: TrainConfig, context: RunContext, 
     if hasattr(s.optimizer, "close"):  # CPUOffloadOptimizer: its gradient hooks and worker thread end with the run
         s.optimizer.close()
     if out is not None and not tally.stopped_by:
-        state = model_state_dict(s.model)  # collective under FSDP2: every rank takes part in rank 0's gathering
+        sharded = is_fsdp2(s.model)
+        if sharded:  # collective: model.safetensors one gathered tensor at a time, then what hf/ is written from
+            write_gathered_weights(out / "model.safetensors" if writer else None, s.model, checkpoints,
+                                   context.device)
+            state = hf_weights(out / "model.safetensors", s.model, adapters=not config.merge_lora)
+        else:
+            state = model_state_dict(s.model)
         if writer:
-            _write_results(out, checkpoints, s.model, state, masters, metrics, s.in_force, s.plan_check, s.replans,
-                           context)
+            _write_results(out, checkpoints, s.model, None if sharded else state, masters, metrics, s.in_force,
+                           s.plan_check, s.replans, context)
         export_results(out, s.model, state, tokenizer, seq_len=context.seq_len, sample_bytes=config.sample_bytes,
                        seed=config.seed, merge=config.merge_lora, writer=writer, checkpoints=checkpoints,
                        masters=masters, sample_context=s.precision.autocast)
@@ -663,19 +673,21 @@ def _release_step(s: Session, device: torch.device) -> None:
         acc.empty_cache()
 
 
-def _write_results(out: Any, checkpoints: RunCheckpoints | None, model: nn.Module, state: dict[str, torch.Tensor],
-                   masters: dict[int, torch.Tensor], metrics: list[dict[str, Any]], in_force: PlanInForce,
-                   plan_check: PlanCheck | None, replans: list[dict[str, Any]], context: RunContext) -> None:
-    """model.safetensors (fp32 masters where the device held bf16 copies), report.json with its plots (sample.txt
-    and hf/ are export_results')."""
-    duplicates = tied_duplicates(model)  # tied weights once, under their first name
-    names = {id(p): n for n, p in model.named_parameters()}
-    for pid, master in masters.items():
-        if names.get(pid) in state:
-            state[names[pid]] = master
-    weights = {k: v for k, v in state.items() if k not in duplicates}
-    with write_faults(out / "model.safetensors", checkpoints):
-        save_weights_file(weights, out / "model.safetensors")
+def _write_results(out: Any, checkpoints: RunCheckpoints | None, model: nn.Module,
+                   state: dict[str, torch.Tensor] | None, masters: dict[int, torch.Tensor],
+                   metrics: list[dict[str, Any]], in_force: PlanInForce, plan_check: PlanCheck | None,
+                   replans: list[dict[str, Any]], context: RunContext) -> None:
+    """model.safetensors from ``state`` (fp32 masters where the device held bf16 copies; None: written already, as
+    FSDP2's is), report.json with its plots (sample.txt and hf/ are export_results')."""
+    if state is not None:
+        duplicates = tied_duplicates(model)  # tied weights once, under their first name
+        names = {id(p): n for n, p in model.named_parameters()}
+        for pid, master in masters.items():
+            if names.get(pid) in state:
+                state[names[pid]] = master
+        weights = {k: v for k, v in state.items() if k not in duplicates}
+        with write_faults(out / "model.safetensors", checkpoints):
+            save_weights_file(weights, out / "model.safetensors")
     with write_faults(out / "report.json", checkpoints):
         report = write_run_report(out, metrics, in_force, plan_check, replans, model, context.global_batch,
                                   context.seq_len, context.device, context.world)

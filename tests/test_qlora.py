@@ -215,8 +215,23 @@ def test_qlora_16_fits_llama3_8b_on_a_12_gib_4090(tmp_path, capsys):
     assert "6.98B of them in 4-bit NF4" in reason and "3.66 GiB" in reason, reason
 
 
+def test_a_qlora_plan_over_several_ranks_compares_ddp_and_fsdp2(tmp_path, capsys):
+    """The 4-bit base shards like any weight (FSDP-QLoRA): memtrain plan --nproc 2 weighs FSDP2 beside DDP for QLoRA,
+    and --fsdp plans it (both were DDP only, or refused)."""
+    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
+    common = ["plan", "--hf-config", str(tmp_path / "cfg" / "config.json"), "--lora", "4", "--quantize-base", "nf4",
+              "--seq-len", "32", "--nproc", "2", "--budget", "1GiB", "--gpu", "4090", "--checkpointing", "all",
+              "--json"]
+    assert main(common) == 0
+    p = json.loads(capsys.readouterr().out)
+    compared = [r for r in p["reasons"] if r.startswith(("DDP over 2 ranks", "FSDP2 over 2 ranks"))]
+    assert len(compared) == 1 and ", because: " in compared[0], p["reasons"]  # the other one named: searched too
+    assert main([*common, "--fsdp"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["distribution"] == "fsdp2"
+
+
 def test_quantize_base_bad_input_is_one_error_each(hf_model_dir, tmp_path, capsys, monkeypatch):
-    """--quantize-base without --lora, with the built-in GPT, with --merge-lora and with --fsdp: one error each
+    """--quantize-base without --lora, with the built-in GPT and with --merge-lora: one error each
     naming the fix; bitsandbytes missing: the extra that installs it."""
     tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
     cfg = ["--hf-config", str(tmp_path / "cfg" / "config.json")]
@@ -229,8 +244,6 @@ def test_quantize_base_bad_input_is_one_error_each(hf_model_dir, tmp_path, capsy
     out = str(tmp_path / "run")
     line = _fails(capsys, "train", *cfg, "--lora", "4", "--quantize-base", "nf4", "--merge-lora", "--out", out)
     assert "--merge-lora with --quantize-base nf4" in line and "PeftModel.from_pretrained" in line, line
-    line = _fails(capsys, "train", *cfg, "--lora", "4", "--quantize-base", "nf4", "--fsdp", "--out", out)
-    assert "--fsdp with --quantize-base nf4" in line and "drop --fsdp" in line, line
     import builtins
 
     real_import = builtins.__import__

@@ -135,7 +135,8 @@ def _save_worker(rank: int, init_file: str, folder: str, results: str) -> None:
     from memtrain.models import GPT, GPTConfig
     from memtrain.planner import PlanSettings, apply_plan
     from memtrain.run import RunCheckpoints, save_run_state
-    from memtrain.run.state import CheckpointExtra, model_state_dict
+    from memtrain.run.gathered import write_gathered_weights
+    from memtrain.run.state import CheckpointExtra, model_state_dict, tied_duplicates
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
@@ -176,8 +177,17 @@ def _save_worker(rank: int, init_file: str, folder: str, results: str) -> None:
                                                  device=torch.device("cpu")))
         # What saving the whole state took before: every rank's shards gathered on rank 0.
         gathered = peak_of(lambda: model_state_dict(model))
+        # The end of the run's model.safetensors, one gathered tensor at a time, against the whole state's.
+        path = Path(folder) / "model.safetensors"
+        streamed = peak_of(lambda: write_gathered_weights(path if rank == 0 else None, model, None,
+                                                          torch.device("cpu")))
+        whole = model_state_dict(model)
         if rank == 0:
-            torch.save({"full": full, "sharded": sharded, "gathered": gathered}, results)
+            written = load_file(path)
+            same = (sorted(written) == sorted(set(whole) - tied_duplicates(model))
+                    and all(torch.equal(written[k], whole[k]) for k in written))
+            torch.save({"full": full, "sharded": sharded, "gathered": gathered, "streamed": streamed,
+                        "same": same}, results)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -205,7 +215,8 @@ def _identity():
 def test_rank_0_saves_an_fsdp2_checkpoint_holding_its_shard_not_the_whole_state(monkeypatch):
     """Rank 0's resident memory while it saves a 2-rank FSDP2 checkpoint of 13M parameters (208 MB of weights and
     AdamW state): under half the whole state (it writes its own shards), where gathering the whole weights alone
-    (the save before sharded checkpoints, and the end-of-run export) takes at least their 52 MB on it."""
+    (the save before sharded checkpoints, and the end-of-run model.safetensors before it was streamed) takes at
+    least their 52 MB on it; and while it writes model.safetensors, one gathered tensor at a time."""
     # Every allocation of 64 KiB or more its own mapping, returned to the system when freed (glibc's threshold
     # otherwise rises to 32 MiB, and a freed tensor's memory serves the next one unseen): resident memory follows
     # the tensors alive.
@@ -214,9 +225,13 @@ def test_rank_0_saves_an_fsdp2_checkpoint_holding_its_shard_not_the_whole_state(
         results = os.path.join(folder, "results.pt")
         mp.spawn(_save_worker, args=(os.path.join(folder, "init"), folder, results), nprocs=WORLD, join=True)
         r = torch.load(results)
+    same = r.pop("same")
     assert r["sharded"] < r["full"] / 2, {k: v / 2**20 for k, v in r.items()}
     print({k: f"{v / 2**20:.1f} MiB" for k, v in r.items()})
     assert r["gathered"] >= r["full"] / 4 * 0.9, {k: v / 2**20 for k, v in r.items()}  # the check can fail
+    # The end of the run: model.safetensors written one gathered tensor at a time (the largest is 4 MiB), under a
+    # quarter of the 52 MB of weights a whole gathering holds; the file holds what that gathering does, bit for bit.
+    assert same and r["streamed"] < r["full"] / 16, {k: v / 2**20 for k, v in r.items()}
 
 
 @pytest.mark.slow

@@ -418,6 +418,12 @@ def test_a_two_rank_run_writes_the_hf_folder_and_sample_of_the_one_process_run(h
     diff = (got - want).abs().max().item()
     assert moved.max().item() > 100 * FSDP_EXPORT_LOGITS_TOL  # training moved the logits: the check can fail
     assert diff <= FSDP_EXPORT_LOGITS_TOL, f"{wrapper or 'DDP'}: hf/ logits differ from one process's by {diff:.2e}"
+    # Rank 0's measured peak against the plan's per-rank prediction (a one-process trace shifted by formula): the
+    # prediction 3.5% (DDP) to 5.9% (FSDP2 with LoRA) above the measurement, by the same 131,080 bytes in each
+    # set-up, which one process at the ranks' micro-batch of 2 over-predicts too: not DDP's or FSDP2's formulas.
+    report = json.loads((fsdp / "report.json").read_text())
+    predicted, measured = report["prediction"]["peak_bytes"], report["measurement"]["peak_bytes"]
+    assert measured <= predicted <= 1.1 * measured, (wrapper or "DDP", measured, predicted)
 
 
 # -- the README's torchrun commands, as written ------------------------------------------------------------------
@@ -434,7 +440,7 @@ def test_every_readme_torchrun_command_reaches_memtrain_with_all_its_flags():
     from torch.distributed.run import get_args_parser
 
     lines = _readme_torchrun_lines()
-    assert len(lines) == 4 and all(" --nproc " in line or " --log " in line for line in lines), lines
+    assert len(lines) == 5 and all(" --nproc " in line or " --log " in line for line in lines), lines
     for line in lines:
         argv = shlex.split(line.replace("[--fsdp]", "--fsdp"))[1:]
         parsed = get_args_parser().parse_args(argv)  # exits 2 on "ambiguous option"
@@ -445,6 +451,7 @@ def test_every_readme_torchrun_command_reaches_memtrain_with_all_its_flags():
 @pytest.mark.slow
 def test_the_readme_torchrun_commands_run_as_written(hf_model_dir, export_docs, tmp_path):
     """Each README torchrun line, its names mapped to tiny files and 2 steps (the flags added go after its own)."""
+    import importlib.util
     import shlex
     import subprocess
     import sys
@@ -456,6 +463,8 @@ def test_the_readme_torchrun_commands_run_as_written(hf_model_dir, export_docs, 
     for i, line in enumerate(_readme_torchrun_lines()):
         if " --nnodes " in line:  # two agents: test_the_readme_multi_node_command_...
             continue
+        if "--quantize-base" in line and importlib.util.find_spec("bitsandbytes") is None:
+            continue  # QLoRA needs the qlora extra (make test installs it)
         argv = [names.get(a, a) for a in shlex.split(line.replace(" [--fsdp]", ""))]
         if "--max-steps" in argv:
             argv[argv.index("--max-steps") + 1] = "2"

@@ -30,7 +30,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target, seq_len, name = target
     # memtrain plan's --compile fixes nothing: it lets the search weigh compiled set-ups too (plan(compile=)).
     choices = dataclasses.replace(choices, compile=False)
-    # A 4-bit base cannot be sharded (quantize_flag_problems): with --nproc N only DDP is planned for QLoRA.
     # On the CPU the planner always probes; --calibrate probes a GPU now instead of the table of known ones.
     if args.gpu and (args.calibrate or args.device != "cuda"):
         other = "--calibrate" if args.calibrate else "--device cpu"
@@ -46,7 +45,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  global_batch_size=args.global_batch_size or default_global_batch(args.nproc, args.micro_batch_size),
                  device=args.device, precision=args.precision, precision_reason=precision_reason,
                  world_size=args.nproc, compile=args.compile, choices=choices,
-                 fsdp=(False if args.quantize_base and args.fsdp is None else args.fsdp) if args.nproc > 1 else False,
+                 fsdp=args.fsdp if args.nproc > 1 else False,
                  host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
                  micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args))
     if args.lora:

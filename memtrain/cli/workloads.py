@@ -123,7 +123,8 @@ def lora_flag_problems(args: argparse.Namespace) -> list[str]:
 
 def quantize_flag_problems(args: argparse.Namespace) -> list[str]:
     """One problem per option --quantize-base cannot take: no --lora (a 4-bit base takes no updates), the built-in
-    GPT, --merge-lora, and FSDP2 sharding."""
+    GPT, --merge-lora and --offload-weights. (Under --fsdp the packed 4-bit weights are sharded like any other:
+    ``memtrain.quantize.layer_quant_state``.)"""
     if not getattr(args, "quantize_base", None):
         return []
     flag = f"--quantize-base {args.quantize_base}"
@@ -141,11 +142,6 @@ def quantize_flag_problems(args: argparse.Namespace) -> list[str]:
                         "away (and re-quantise the base). To resolve this error, drop --merge-lora: hf/ then holds "
                         "the adapters, which load onto the unquantised base (PeftModel.from_pretrained(base, "
                         "'RUN/hf')) and merge there (.merge_and_unload()).")
-    if getattr(args, "fsdp", False):
-        problems.append(f"--fsdp with {flag}: memtrain's FSDP2 export rebuilds an unsharded copy of the model whose "
-                        "layers are not quantised, and the gathered packed 4-bit weights do not load into it (the run "
-                        "would fail after its last step). To resolve this error, drop --fsdp (the 4-bit base is "
-                        "small: DDP, which works, holds a copy per rank), or drop --quantize-base.")
     if getattr(args, "offload_weights", None):
         problems.append(f"--offload-weights with {flag}: parameter offload streams the weights the optimizer "
                         "trains from its host master, and the frozen 4-bit base (a quarter of the bf16 bytes) stays on "

@@ -24,6 +24,7 @@ from torch import nn
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.files import sha256_file
 from memtrain.message import arg
+from memtrain.quantize import quant_state_dict
 from memtrain.run.checkpoints import SHARDS, CheckpointDamaged, RunCheckpoints, RunWriteError, write_fault
 
 
@@ -53,6 +54,8 @@ def save_shards(checkpoints: RunCheckpoints | None, step: int, state: dict[str, 
     tmp = Path(box[0])
     try:
         model_state, optimizer_state = get_state_dict(model, optimizer)
+        # 4-bit layers' quantisation state, which no DTensor shard carries: whole on every rank, written once.
+        model_state.update(quant_state_dict(model))
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDS)
         del model_state, optimizer_state
         rank = dist.get_rank()
@@ -117,6 +120,10 @@ def load_shards(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) 
                           f"whose state has its own layout. To resolve this error, resume with {arg('fsdp', True)} "
                           f"under torchrun, as the run was started.")
     model_state, optimizer_state = get_state_dict(model, optimizer)  # the optimizer's state made, to be filled
+    # Under FSDP2 the 4-bit layers' quantisation state is no entry of the state dict (one process's state_dict has
+    # it): read in place into the layers' own tensors, then left out of what the model loads.
+    in_place = quant_state_dict(model)
+    model_state.update(in_place)
     shards = {"model": model_state, "optimizer": optimizer_state}
     reader, planner = _unpickling_nothing()
     try:
@@ -124,6 +131,8 @@ def load_shards(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) 
     except (CheckpointException, MemtrainError, OSError, RuntimeError, KeyError, ValueError,
             pickle.UnpicklingError) as e:
         raise CheckpointDamaged(f"its shards do not read ({type(e).__name__}: {str(e)[:300]})") from None
+    for name in in_place:
+        shards["model"].pop(name)
     set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
 
 

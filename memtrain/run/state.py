@@ -20,6 +20,7 @@ from memtrain.errors import ConfigError
 from memtrain.files import atomic_write
 from memtrain.message import arg
 from memtrain.planner.settings import PlanSettings
+from memtrain.quantize import quant_state_dict
 from memtrain.run.checkpoints import CHECKPOINT_DAMAGE, SHARDS, RunCheckpoints
 from memtrain.run.identity import RunIdentity, compare_runs
 from memtrain.run.shards import load_shards, save_shards
@@ -150,7 +151,10 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         # Imported here: only FSDP2 runs need it, and it takes about 0.6 s to import.
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # Rank 0 holds the gathered state (the others none): with the 4-bit layers' quantisation state, which the
+        # shards do not carry, it is what one process's state_dict would be.
+        return {**state, **{k: v.cpu() for k, v in quant_state_dict(model).items()}} if state else state
     return model.state_dict()
 
 
