@@ -326,3 +326,56 @@ def test_a_full_disk_while_the_shards_are_written_is_one_write_fault_naming_the_
     message = str(info.value)
     assert "No space left on device" in message and "step-0000001, is intact" in message, message
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-0000001"]
+
+
+def _write_fault_worker(rank: int, init_file: str, folder: str) -> None:
+    import errno
+    import io
+
+    from memtrain.models import GPT, GPTConfig
+    from memtrain.planner import PlanSettings, apply_plan
+    from memtrain.run import RunCheckpoints, gathered
+    from memtrain.run.checkpoints import RunWriteError
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, dropout=0.0))
+        settings = PlanSettings(micro_batch_size=1, accumulation=1, blocks=("keep",) * 2, flavor="full",
+                                chunked_loss=False, optimizer="device", distribution="fsdp2", compile=False,
+                                precision="fp32")
+        apply_plan(model, settings, lr=1e-3)
+        out = Path(folder) / "run"
+        if rank == 0:
+            class Full(io.FileIO):  # the disk fills after the header: the third write fails
+                writes = 0
+
+                def write(self, data):
+                    Full.writes += 1
+                    if Full.writes > 2:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    return super().write(data)
+
+            gathered.open = Full  # the module's open (it shadows the builtin)
+        try:
+            gathered.write_gathered_weights(out / "model.safetensors" if rank == 0 else None, model,
+                                            RunCheckpoints(out) if rank == 0 else None, torch.device("cpu"))
+            outcome = "written"
+        except RunWriteError as e:
+            outcome = str(e)
+        Path(folder, f"outcome{rank}").write_text(outcome)
+        dist.barrier()  # both ranks reached it: neither waits for a gather the other skipped
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_the_end_of_run_weights_stream_is_one_write_fault_on_every_rank(tmp_path):
+    """model.safetensors written one gathered tensor at a time: a write that fails on rank 0 leaves the gathers
+    going (rank 1 waits in each), and every rank raises one RunWriteError; no file, finished or temporary, is left."""
+    (tmp_path / "run").mkdir()
+    mp.spawn(_write_fault_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    first, second = ((tmp_path / f"outcome{r}").read_text() for r in range(WORLD))
+    assert "No space left on device" in first and "model.safetensors" in first, first
+    assert "rank 0 could not write" in second and "No space left on device" in second, second
+    assert list((tmp_path / "run").iterdir()) == [], list((tmp_path / "run").iterdir())
