@@ -34,6 +34,13 @@ BLOCK_SIZE = 64  # weights per absmax: bitsandbytes' and transformers' default f
 CODE_ENTRIES = 16  # the NF4 code book: 16 fp32 values, one copy per quantised layer (bitsandbytes makes one each)
 
 
+def fsdp_shards_4bit() -> bool:
+    """Whether this torch's FSDP2 shards the packed 4-bit codes (uint8 parameters): torch 2.12 and newer. Before it
+    (pytorch#177844) ``fully_shard`` makes every sharded parameter require grad, which a uint8 one cannot, and its
+    mixed precision would cast the codes to the gathered dtype."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
+
+
 def bitsandbytes() -> Any:
     """The bitsandbytes package, or a ConfigError naming the extra that installs it."""
     try:

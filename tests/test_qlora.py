@@ -12,6 +12,7 @@ import pytest
 from helpers import tiny_llama_config
 
 from memtrain.cli import main
+from memtrain.quantize import fsdp_shards_4bit
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -215,19 +216,41 @@ def test_qlora_16_fits_llama3_8b_on_a_12_gib_4090(tmp_path, capsys):
     assert "6.98B of them in 4-bit NF4" in reason and "3.66 GiB" in reason, reason
 
 
+def _several_ranks(tmp_path) -> list[str]:
+    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
+    return ["plan", "--hf-config", str(tmp_path / "cfg" / "config.json"), "--lora", "4", "--quantize-base", "nf4",
+            "--seq-len", "32", "--nproc", "2", "--budget", "1GiB", "--gpu", "4090", "--checkpointing", "all", "--json"]
+
+
+@pytest.mark.skipif(not fsdp_shards_4bit(), reason=f"torch {torch.__version__}'s FSDP2 cannot shard uint8 weights")
 def test_a_qlora_plan_over_several_ranks_compares_ddp_and_fsdp2(tmp_path, capsys):
     """The 4-bit base shards like any weight (FSDP-QLoRA): memtrain plan --nproc 2 weighs FSDP2 beside DDP for QLoRA,
     and --fsdp plans it (both were DDP only, or refused)."""
-    tiny_llama_config(vocab_size=512).save_pretrained(tmp_path / "cfg")
-    common = ["plan", "--hf-config", str(tmp_path / "cfg" / "config.json"), "--lora", "4", "--quantize-base", "nf4",
-              "--seq-len", "32", "--nproc", "2", "--budget", "1GiB", "--gpu", "4090", "--checkpointing", "all",
-              "--json"]
+    common = _several_ranks(tmp_path)
     assert main(common) == 0
     p = json.loads(capsys.readouterr().out)
     compared = [r for r in p["reasons"] if r.startswith(("DDP over 2 ranks", "FSDP2 over 2 ranks"))]
     assert len(compared) == 1 and ", because: " in compared[0], p["reasons"]  # the other one named: searched too
     assert main([*common, "--fsdp"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["distribution"] == "fsdp2"
+
+
+def test_fsdp_qlora_is_refused_naming_torch_2_12_where_fsdp2_cannot_shard_uint8_weights(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """torch 2.11's FSDP2 makes every sharded parameter require grad (a uint8 one cannot) and would cast it to the
+    gathered dtype (pytorch#177844): --fsdp with --quantize-base is one error naming the fix, and a plan over several
+    ranks compares nothing but DDP."""
+    from memtrain.cli import plan as plan_command
+    from memtrain.cli import workloads
+
+    for module in (workloads, plan_command):
+        monkeypatch.setattr(module, "fsdp_shards_4bit", lambda: False)
+    common = _several_ranks(tmp_path)
+    assert main(common) == 0
+    reasons = json.loads(capsys.readouterr().out)["reasons"]
+    assert "DDP over 2 ranks (as asked)" in reasons, reasons
+    line = _fails(capsys, *common[:-1], "--fsdp")
+    assert "--fsdp with --quantize-base nf4 on torch" in line and "torch 2.12 or newer" in line, line
 
 
 def test_quantize_base_bad_input_is_one_error_each(hf_model_dir, tmp_path, capsys, monkeypatch):

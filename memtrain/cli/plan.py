@@ -15,6 +15,7 @@ from memtrain.cli.workloads import lora_flag_problems, lora_text, meta_target, t
 from memtrain.errors import ConfigError
 from memtrain.planner import known_gpu, plan
 from memtrain.planner.search import PROGRESS
+from memtrain.quantize import fsdp_shards_4bit
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -45,7 +46,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  global_batch_size=args.global_batch_size or default_global_batch(args.nproc, args.micro_batch_size),
                  device=args.device, precision=args.precision, precision_reason=precision_reason,
                  world_size=args.nproc, compile=args.compile, choices=choices,
-                 fsdp=args.fsdp if args.nproc > 1 else False,
+                 fsdp=_fsdp(args) if args.nproc > 1 else False,
                  host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
                  micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args))
     if args.lora:
@@ -71,3 +72,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+
+
+def _fsdp(args: argparse.Namespace) -> bool | None:
+    """--fsdp / --ddp, or None to compare both: not for QLoRA where this torch's FSDP2 cannot shard the 4-bit base
+    (``fsdp_shards_4bit``; --fsdp is refused there)."""
+    return False if args.quantize_base and args.fsdp is None and not fsdp_shards_4bit() else args.fsdp

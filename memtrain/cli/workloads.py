@@ -21,7 +21,14 @@ from memtrain.hf import apply_lora, load_pretrained, lora_targets
 from memtrain.hf_config import checked_config
 from memtrain.models import GPT, GPT_PRESETS
 from memtrain.precision import resolve_precision
-from memtrain.quantize import is_quantized, mark_lora_clones, quantize_base, quantized_bytes, weight_count
+from memtrain.quantize import (
+    fsdp_shards_4bit,
+    is_quantized,
+    mark_lora_clones,
+    quantize_base,
+    quantized_bytes,
+    weight_count,
+)
 from memtrain.report import format_bytes
 
 
@@ -123,8 +130,8 @@ def lora_flag_problems(args: argparse.Namespace) -> list[str]:
 
 def quantize_flag_problems(args: argparse.Namespace) -> list[str]:
     """One problem per option --quantize-base cannot take: no --lora (a 4-bit base takes no updates), the built-in
-    GPT, --merge-lora and --offload-weights. (Under --fsdp the packed 4-bit weights are sharded like any other:
-    ``memtrain.quantize.layer_quant_state``.)"""
+    GPT, --merge-lora, --offload-weights, and --fsdp on a torch whose FSDP2 cannot shard the packed 4-bit weights
+    (``memtrain.quantize.fsdp_shards_4bit``; on a newer one they are sharded like any other)."""
     if not getattr(args, "quantize_base", None):
         return []
     flag = f"--quantize-base {args.quantize_base}"
@@ -142,6 +149,11 @@ def quantize_flag_problems(args: argparse.Namespace) -> list[str]:
                         "away (and re-quantise the base). To resolve this error, drop --merge-lora: hf/ then holds "
                         "the adapters, which load onto the unquantised base (PeftModel.from_pretrained(base, "
                         "'RUN/hf')) and merge there (.merge_and_unload()).")
+    if getattr(args, "fsdp", False) and not fsdp_shards_4bit():
+        problems.append(f"--fsdp with {flag} on torch {torch.__version__}: its FSDP2 cannot shard the packed 4-bit "
+                        "weights (uint8 parameters: pytorch#177844, fixed in torch 2.12). To resolve this error, "
+                        "install torch 2.12 or newer (pip install 'torch>=2.12'), or drop --fsdp (DDP holds the small "
+                        "4-bit base whole on each rank).")
     if getattr(args, "offload_weights", None):
         problems.append(f"--offload-weights with {flag}: parameter offload streams the weights the optimizer "
                         "trains from its host master, and the frozen 4-bit base (a quarter of the bf16 bytes) stays on "
