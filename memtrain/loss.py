@@ -11,8 +11,8 @@ more matmul of the head), for heads torch's op cannot take and under ``torch.com
 
 ``apply_chunked_loss(model)`` switches a model's loss to it: memtrain's ``GPT`` and the Hugging Face causal LMs
 whose head is a plain linear layer on the last hidden state, its logits then scaled or soft-capped or neither
-(``HF_LOGIT_STEPS``: Gemma-2/3, Cohere, Granite; applied to each chunk's logits, in forward and in the recompute,
-by a ``LogitsHead``, which takes memtrain's kernel). A model whose loss is chunked returns no logits when it is
+(``memtrain.logit_steps`` reads them from each model's forward: Gemma-2/3, Cohere, Granite; applied to each chunk's
+logits, in forward and in the recompute, by a ``LogitsHead``, which takes memtrain's kernel). A model whose loss is chunked returns no logits when it is
 given labels (``outputs.logits`` is ``None``): not holding them is the point. Without labels, or with gradients off
 (evaluation, generation), the model's own forward runs unchanged.
 
@@ -37,26 +37,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memtrain.errors import ConfigError
+from memtrain.logit_steps import LogitOp, Steps, Unrecognised, logit_steps
 from memtrain.unwrap import unwrap_model
-
-LogitOp = Literal["multiply", "divide", "softcap"]
-
-_SOFTCAP = (("softcap", "config.final_logit_softcapping"),)
-# Hugging Face model types whose causal-LM forward is: decoder -> lm_head(last hidden state) -> these steps on the
-# logits, in this order -> ForCausalLMLoss (fp32 cross-entropy), and nothing else; each step is (what it does, the
-# attribute of the model its value is read from, as the forward reads it: Cohere's forward multiplies by the
-# model's logit_scale, copied from the config at construction). Read in each XForCausalLM.forward of transformers
-# 5.25; parity with each is tested (tests/test_loss.py).
-HF_LOGIT_STEPS: dict[str, tuple[tuple[LogitOp, str], ...]] = {
-    "llama": (), "mistral": (), "qwen2": (), "qwen3": (), "gpt2": (),
-    # logits = tanh(logits / cap) * cap, skipped where the config's cap is None
-    "gemma2": _SOFTCAP, "gemma3_text": _SOFTCAP, "vaultgemma": _SOFTCAP, "nanochat": _SOFTCAP,
-    "cohere": (("multiply", "logit_scale"),), "cohere2": (("multiply", "logit_scale"),),
-    # the same config field, two meanings: Granite divides by it, HyperCLOVA X multiplies
-    "granite": (("divide", "config.logits_scaling"),),
-    "hyperclovax": (("multiply", "config.logits_scaling"),),
-}
-HF_MODEL_TYPES = frozenset(HF_LOGIT_STEPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +81,25 @@ class LogitsHead(nn.Module):
         return self.transform(self.head(hidden))
 
 
-def logit_transform(model: nn.Module) -> LogitTransform | None:
-    """What a Hugging Face causal LM of a type in ``HF_MODEL_TYPES`` does to its logits between the head and the
-    loss, read from the model as its forward reads it; None when nothing (or for another model)."""
+def logit_transform(model: nn.Module, steps: Steps | None = None) -> LogitTransform | None:
+    """What a Hugging Face causal LM whose forward memtrain reads (``memtrain.logit_steps``) does to its logits
+    between the head and the loss, the values read from the model as its forward reads them; None when nothing (or
+    for another model). ``steps``: the forward's, read before (a chunked forward reads them once, so no source is
+    read inside a compiled step)."""
     model = unwrap_model(model, peft=True)
-    steps = HF_LOGIT_STEPS.get(getattr(getattr(model, "config", None), "model_type", None), ())
-    found = tuple((op, value, source) for op, source in steps
+    found = tuple((op, value, source) for op, source in (logit_transform_steps(model) if steps is None else steps)
                   if (value := operator.attrgetter(source)(model)) is not None)  # None: the forward skips it
     return LogitTransform(found) if found else None
+
+
+def logit_transform_steps(model: nn.Module) -> Steps:
+    """The steps a Hugging Face causal LM's forward takes on its logits (``memtrain.logit_steps``); none for another
+    model or a forward it does not read."""
+    model = unwrap_model(model, peft=True)
+    if not hasattr(model, "config"):
+        return ()
+    steps = logit_steps(type(model))
+    return () if isinstance(steps, Unrecognised) else steps
 
 
 LossImplementation = Literal["torch", "memtrain"]
@@ -382,6 +375,7 @@ class _HFChunkedForward:
         self.model, self.original = model, original
         self.had_instance_forward, self.chunk_tokens = had_instance_forward, chunk_tokens
         self._logits_head: LogitsHead | None = None
+        self._steps = logit_transform_steps(model)
         self.__wrapped__ = original  # inspect.signature(model.forward) shows the model's own arguments
         self._signature = inspect.signature(original)
         from transformers import modeling_outputs
@@ -432,7 +426,7 @@ class _HFChunkedForward:
         """The model's output layer, or for a model that transforms its logits a ``LogitsHead`` of it, read from
         the model at each call as its forward reads them (an adapter put on the head later is the one that runs).
         The same ``LogitsHead`` while neither changes: an estimate wraps its forward once, then runs the step."""
-        head, transform = self.model.get_output_embeddings(), logit_transform(self.model)
+        head, transform = self.model.get_output_embeddings(), logit_transform(self.model, self._steps)
         if transform is None:
             return head
         cached = self._logits_head
@@ -454,22 +448,22 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
 
 
 def _hf_problems(model: nn.Module) -> list[str]:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     problems = []
-    if model_type not in HF_MODEL_TYPES:
-        problems.append(f"apply_chunked_loss does not know Hugging Face model type {model_type!r}: its forward may "
-                        "do more between its decoder and its loss than a linear head and a scaling or soft-capping "
-                        "of the logits (memtrain checks each type's). To resolve this error, use one of "
-                        f"{sorted(HF_MODEL_TYPES)}, or compute the loss with chunked_cross_entropy yourself.")
-    for _, source in HF_LOGIT_STEPS.get(model_type, ()):
+    steps = logit_steps(type(model)) if hasattr(model, "config") else Unrecognised("it has no config")
+    if isinstance(steps, Unrecognised):
+        problems.append(f"apply_chunked_loss does not know how {type(model).__name__} computes its loss: its forward "
+                        f"is not Llama's (decoder, linear head, at most a scaling or soft-capping of the logits, "
+                        f"cross-entropy): {steps}. To resolve this error, compute the loss with "
+                        "chunked_cross_entropy yourself, or train without a chunked loss (chunked_loss=False).")
+        steps = ()
+    for _, source in steps:
         try:
             operator.attrgetter(source)(model)
         except AttributeError:
-            problems.append(f"{type(model).__name__} has no {source}, by which its forward in transformers 5.25 "
-                            "(the one memtrain checked) scales or caps the logits. To resolve this error, install "
-                            "transformers 5.25, or train without a chunked loss.")
+            problems.append(f"{type(model).__name__} has no {source}, by which its forward scales or caps the "
+                            "logits (an edited model?). To resolve this error, give the model that attribute, or "
+                            "train without a chunked loss (chunked_loss=False).")
     if not isinstance(head, nn.Linear):
         problems.append(f"{type(model).__name__} has no linear output head (get_output_embeddings() gave "
                         f"{type(head).__name__}). To resolve this error, pass a causal language model "
@@ -535,13 +529,14 @@ def apply_chunked_loss(model: nn.Module, *, chunk_tokens: int = 1024) -> None:
     With every block checkpointed, this is what is left to cut: on the 8-layer Llama of
     ``benchmarks/bench_checkpointing.py`` (batch 8 x 256, vocabulary 2048) the saved bytes fall from 8.9x fewer than
     no checkpointing to 15x fewer (``pytest tests/test_loss.py -k ten_x -s``). The loss and gradients equal the
-    model's own within float rounding; a model that scales or soft-caps its logits (``HF_LOGIT_STEPS``) has them
+    model's own within float rounding; a model that scales or soft-caps its logits (``memtrain.logit_steps``) has them
     transformed a chunk at a time, as its forward reads them, by memtrain's kernel. Given labels, the model returns
     no logits (``None``); without labels or with gradients off it runs its own forward. Calling again changes
     ``chunk_tokens``; ``remove_chunked_loss(model)`` undoes it.
 
     Args:
-        model: memtrain's ``GPT``, or a Hugging Face causal LM of a type in ``HF_MODEL_TYPES``.
+        model: memtrain's ``GPT``, or a Hugging Face causal LM whose forward is Llama's but for steps on the logits
+            (``memtrain.logit_steps``: 51 classes of transformers 5.25).
         chunk_tokens: positions whose logits exist at once, in forward and in backward.
 
     Raises:

@@ -9,9 +9,8 @@ from torch import nn
 
 from memtrain import ConfigError, MemoryMeter, apply_checkpointing
 from memtrain.choices import Choices
+from memtrain.logit_steps import Unrecognised, logit_steps
 from memtrain.loss import (
-    HF_LOGIT_STEPS,
-    HF_MODEL_TYPES,
     LogitsHead,
     LogitTransform,
     apply_chunked_loss,
@@ -39,7 +38,7 @@ TORCH_KERNEL = pytest.param("torch", marks=pytest.mark.skipif(
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-# The models that transform their logits (HF_LOGIT_STEPS), with values that change the loss: the softcap at 2 and
+# The models that transform their logits (memtrain.logit_steps), with values that change the loss: the softcap at 2 and
 # weights initialised at std 0.5 (logits of a few units: tanh is far from linear there), scales of 4x.
 _SOFTCAPPED = {"final_logit_softcapping": 2.0, "head_dim": 8, "sliding_window": 8}
 TRANSFORMED = {"gemma2": ("Gemma2Config", _SOFTCAPPED), "gemma3_text": ("Gemma3TextConfig", _SOFTCAPPED),
@@ -49,6 +48,12 @@ TRANSFORMED = {"gemma2": ("Gemma2Config", _SOFTCAPPED), "gemma3_text": ("Gemma3T
                "cohere2": ("Cohere2Config", {"logit_scale": 0.25, "sliding_window": 8}),
                "granite": ("GraniteConfig", {"logits_scaling": 4.0}),
                "hyperclovax": ("HyperCLOVAXConfig", {"logits_scaling": 0.25})}
+# And some whose forward is Llama's, logits untouched: Gemma-1 (its decoder scales the embeddings), Phi-3 (fused
+# projections), OLMo-2 (norms after the attention), StarCoder2 (biases, a plain MLP), GLM.
+PLAIN = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+         "gemma": "GemmaConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "starcoder2": "Starcoder2Config",
+         "glm": "GlmConfig"}
+KINDS = sorted({"gpt2", *TRANSFORMED, *PLAIN})
 
 
 def hf_model(kind: str, *, layers: int = 2, hidden: int = 32, intermediate: int = 64, vocab: int = 128,
@@ -65,9 +70,7 @@ def hf_model(kind: str, *, layers: int = 2, hidden: int = 32, intermediate: int 
         config = getattr(transformers, name)(**size, **transform, initializer_range=0.5, bos_token_id=0,
                                              eos_token_id=0, pad_token_id=0)
     else:
-        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                        "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[kind]
-        config = config_class(**size)
+        config = getattr(transformers, PLAIN[kind])(**size, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     config._attn_implementation = "eager" if "gemma" in kind else "sdpa"  # Gemma-2's attention has no sdpa
     config.use_cache = False
     return transformers.AutoModelForCausalLM.from_config(config).train()
@@ -170,7 +173,7 @@ def test_without_gradients_the_model_runs_its_own_forward(monkeypatch):
         gpt(x, x)
 
 
-@pytest.mark.parametrize("kind", sorted(HF_MODEL_TYPES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_hugging_face_models_with_a_chunked_loss_give_the_same_loss_and_gradients(kind):
     model = hf_model(kind)
     input_ids = torch.randint(0, 128, (2, 24))
@@ -197,15 +200,73 @@ def test_hugging_face_models_with_a_chunked_loss_give_the_same_loss_and_gradient
 
 
 # -- models that scale or soft-cap their logits (Gemma-2/3, Cohere, Granite, ...) --------------------------------
-def test_every_model_type_whose_logits_are_transformed_is_tested():
-    """TRANSFORMED builds a tiny model of each type whose HF_LOGIT_STEPS has a step, so the parity tests below
-    cover every transform memtrain applies."""
-    assert set(TRANSFORMED) == {kind for kind, steps in HF_LOGIT_STEPS.items() if steps}
-    assert set(TRANSFORMED) <= HF_MODEL_TYPES
+def test_every_step_on_the_logits_that_a_transformers_model_takes_is_tested():
+    """Every (op, attribute) ``logit_steps`` reads from a causal LM of the installed transformers is one a type of
+    TRANSFORMED takes, so the parity tests below cover every transform memtrain applies."""
+    tested = {step for kind in TRANSFORMED for step in logit_steps(type(hf_model(kind)))}
+    found = {step for cls in _causal_lm_classes() if not isinstance(steps := logit_steps(cls), Unrecognised)
+             for step in steps}
+    assert found <= tested, found - tested
+
+
+def _causal_lm_classes() -> list[type]:
+    out = []
+    for name in dir(transformers):
+        if name.endswith(("ForCausalLM", "LMHeadModel")) and not name.startswith(("Auto", "TF", "Flax")):
+            try:
+                cls = getattr(transformers, name)
+            except (ImportError, AttributeError):  # a model whose extra is not installed
+                continue
+            if isinstance(cls, type) and hasattr(cls, "forward"):
+                out.append(cls)
+    return out
+
+
+def test_the_steps_are_read_from_each_forward_as_memtrain_checked_them_by_hand():
+    """What transformers 5.25's forwards do between the head and the loss, read by hand (the table memtrain kept
+    before it read them): ``logit_steps`` finds the same, from the source of each forward (a decorated forward
+    too), and finds Gemma-1's, Phi-3's and OLMo-2's forwards Llama's. The loss's arguments may be spelled either
+    way (Gemma-2 passes them by position)."""
+    by_hand = {"llama": (), "mistral": (), "qwen2": (), "qwen3": (), "gpt2": (),
+               "gemma2": (("softcap", "config.final_logit_softcapping"),),
+               "gemma3_text": (("softcap", "config.final_logit_softcapping"),),
+               "vaultgemma": (("softcap", "config.final_logit_softcapping"),),
+               "nanochat": (("softcap", "config.final_logit_softcapping"),),
+               "cohere": (("multiply", "logit_scale"),), "cohere2": (("multiply", "logit_scale"),),
+               "granite": (("divide", "config.logits_scaling"),),
+               "hyperclovax": (("multiply", "config.logits_scaling"),),
+               "gemma": (), "phi3": (), "olmo2": ()}
+    assert {kind: logit_steps(type(hf_model(kind))) for kind in by_hand} == by_hand
+    recognised = [cls for cls in _causal_lm_classes() if not isinstance(logit_steps(cls), Unrecognised)]
+    assert len(recognised) >= 40, [cls.__name__ for cls in recognised]  # 51 in transformers 5.25
+
+
+def test_a_forward_that_does_more_than_llamas_is_refused_naming_the_line():
+    """A router loss (Mixtral), a loss scaled after the cross-entropy (an edited subclass): the first statement that
+    differs from Llama's forward is named, file and line, and no chunked loss runs."""
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+                                        num_local_experts=2, num_experts_per_tok=1)
+    mixtral = transformers.MixtralForCausalLM(config)
+    why = logit_steps(type(mixtral))
+    assert isinstance(why, Unrecognised) and "modeling_mixtral.py:" in why and "router" in why, why
+    assert not supports_chunked_loss(mixtral)
+
+    class Doubled(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+            out.loss = out.loss * 2
+            return out
+
+    doubled = Doubled(hf_model("llama").config)
+    why = logit_steps(Doubled)
+    assert isinstance(why, Unrecognised) and "test_loss.py:" in why and "super().forward" in why, why
+    with pytest.raises(ConfigError, match="does not know how Doubled computes its loss.*To resolve this error"):
+        apply_chunked_loss(doubled)
 
 
 @pytest.mark.parametrize("ignored", [False, True], ids=["all-labels", "ignored-labels"])
-@pytest.mark.parametrize("kind", sorted(HF_MODEL_TYPES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_training_loops_chunked_loss_equals_the_models_own(kind, ignored):
     """As memtrain's loop calls it (``language_model_loss``: labels already shifted, the loss summed, ``kept=`` the
     host's count, so the ignored positions never reach the head): the model's own loss and gradients, within TOL and
@@ -313,15 +374,15 @@ def _chunked_saved_bytes(model: nn.Module) -> tuple[int, int, torch.Tensor]:
 
 def test_a_model_whose_forward_is_not_checked_is_refused_even_with_a_known_transform():
     """GraniteMoe divides its logits as Granite does, but its forward can add a router loss to the cross-entropy
-    (output_router_logits): a type memtrain has not checked is refused, naming the fix. So is a checked type whose
+    (output_router_logits): a forward that is not Llama's is refused, naming the fix. So is a known one whose
     scale is not where its forward reads it (an older or edited model)."""
     config = transformers.GraniteMoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
                                            num_local_experts=2, num_experts_per_tok=1, logits_scaling=4.0)
     model = transformers.GraniteMoeForCausalLM(config)
-    assert "granitemoe" not in HF_MODEL_TYPES and not supports_chunked_loss(model)
+    assert isinstance(logit_steps(type(model)), Unrecognised) and not supports_chunked_loss(model)
     assert logit_transform(model) is None
-    with pytest.raises(ConfigError, match="does not know Hugging Face model type 'granitemoe'.*To resolve this error"):
+    with pytest.raises(ConfigError, match="does not know how GraniteMoeForCausalLM computes its loss.*To resolve this error"):
         apply_chunked_loss(model)
     from memtrain import estimate
 
@@ -476,8 +537,9 @@ def test_a_deep_copy_of_a_chunked_model_chunks_its_own_weights():
 
 
 def test_models_it_cannot_chunk_are_refused_with_the_fix():
-    config = transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
+                                        num_local_experts=2, num_experts_per_tok=1)  # a router loss
     from memtrain import estimate
 
     with pytest.raises(ConfigError, match="pass chunked_loss=False"):

@@ -120,12 +120,13 @@ def test_plan_names_every_problem_before_tracing_at_once():
     assert "settings.blocks has 1 entries" in message and "64 positions" in message, message
 
 
-def _tiny_gemma():
+def _tiny_mixtral():
     transformers = pytest.importorskip("transformers")
-    config = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      max_position_embeddings=256, head_dim=16)
-    return transformers.GemmaForCausalLM(config)  # "gemma": a model type memtrain.loss does not chunk
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=256, head_dim=16, num_local_experts=2,
+                                        num_experts_per_tok=1)
+    return transformers.MixtralForCausalLM(config)  # a router loss beside the cross-entropy: memtrain.loss does not chunk it
 
 
 def test_prepare_model_refuses_an_unchunkable_model_through_the_rule():
@@ -133,7 +134,7 @@ def test_prepare_model_refuses_an_unchunkable_model_through_the_rule():
     from memtrain.hf import prepare_model
 
     why = next(r for r in techniques.RULES if r.name == "chunked-loss-model").why
-    model = _tiny_gemma()
+    model = _tiny_mixtral()
     message = _refusal(lambda: prepare_model(model))  # the default choices chunk the loss
     assert why in message and "Choices(chunked_loss=False)" in message, message
     assert prepare_model(model, Choices(chunked_loss=False)).chunk_tokens is None

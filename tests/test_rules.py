@@ -271,9 +271,9 @@ def test_memtrain_estimate_names_the_loss_rule_in_flag_terms(tmp_path, capsys):
     from memtrain.cli import main
 
     why = next(r for r in techniques.RULES if r.name == "chunked-loss-model").why
-    transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
-                             head_dim=16).save_pretrained(tmp_path)  # "gemma": a model type memtrain.loss does not chunk
+    transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, head_dim=16,
+                               num_local_experts=2, num_experts_per_tok=1).save_pretrained(tmp_path)  # a router loss
     assert main(["estimate", "--hf-config", str(tmp_path / "config.json"), "--seq-len", "64",
                  "--micro-batch-size", "2", "--chunked-loss", "--json"]) == 2
     assert f"--chunked-loss: {why} To resolve this error, pass --no-chunked-loss." in capsys.readouterr().err

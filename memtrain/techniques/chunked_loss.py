@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import field
 from typing import Any
 
-from memtrain.loss import HF_MODEL_TYPES, apply_chunked_loss, chunked_loss_implementation, output_head
+from memtrain.loss import apply_chunked_loss, chunked_loss_implementation, output_head
 from memtrain.message import Message, arg
 from memtrain.setting import flag
 from memtrain.techniques.fixing import Fixing
@@ -24,8 +24,9 @@ FIELD = field(default=None, metadata=flag(
 
 CHUNKED_LOSS_MODEL = Rule(
     "chunked-loss-model",
-    "memtrain.loss cannot chunk this model's loss: it chunks memtrain's GPT and the Hugging Face model types whose "
-    f"head is a plain linear layer on the last hidden state ({', '.join(sorted(HF_MODEL_TYPES))}).",
+    "memtrain.loss cannot chunk this model's loss: it chunks memtrain's GPT, GPT-2 and the Hugging Face causal LMs "
+    "whose forward is Llama's (a linear head on the last hidden state, at most a scaling or soft-capping of the "
+    "logits, cross-entropy), as memtrain.logit_steps reads it.",
     f"pass {arg('chunked_loss', False)}",
     ("chunked_loss", "chunkable"),
     lambda s: bool(s.chunked_loss) and s.chunkable is False)
