@@ -64,6 +64,8 @@ class MemoryReport:
     ``None`` where nothing can measure it (a CPU run). ``reserved_bytes`` is the allocator's peak reserved (what
     it held from the driver: the peak plus its segments' free room), measured or, for an estimate on CUDA,
     predicted by the caching allocator's rules (``memtrain.device.segments``); ``None`` elsewhere.
+    ``needed_bytes`` is the least device memory the step runs in by those rules (segments given back where an
+    allocation fails): what a budget must hold; predicted on CUDA, ``None`` elsewhere.
     """
 
     parameter_bytes: int
@@ -79,6 +81,7 @@ class MemoryReport:
     host_bytes: int = 0
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     reserved_bytes: int | None = None
+    needed_bytes: int | None = None
 
     @property
     def model_state_bytes(self) -> int:
@@ -114,6 +117,8 @@ class MemoryReport:
             rows.append((f"{self.device} peak", self.peak_bytes))
         if self.reserved_bytes is not None:
             rows.append((f"{self.device} peak reserved", self.reserved_bytes))
+        if self.needed_bytes is not None:
+            rows.append((f"{self.device} least memory it runs in", self.needed_bytes))
         rows += [(f"allocated after {phase}", n) for phase, n in self.phase_bytes]
         if self.host_bytes:
             rows.append(("host (CPU) memory", self.host_bytes))

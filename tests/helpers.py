@@ -17,6 +17,9 @@ from memtrain.models import GPT, GPTConfig
 TOKENIZER_VOCAB = 512
 EOS, PAD = "<|endoftext|>", "<pad>"
 
+FIGURES_TORCH = "2.13"  # the torch saved plan figures were planned with (make test's: the Makefile's TORCH)
+THIS_TORCH = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
 
 def build_tokenizer(directory: Path, *, vocab_size: int = TOKENIZER_VOCAB, corpus_bytes: int = 2**19):
     """Trains a byte-level BPE on the first ``corpus_bytes`` of the built-in corpus and saves it as a

@@ -221,7 +221,7 @@ def test_the_plans_flags_keep_its_global_batch(capsys):
     line names --global-batch-size too."""
     from helpers import run_cli
 
-    first = ["plan", "--model", "gpt-tiny", "--gpu", "H100", "--budget", "68MiB", "--no-progress"]
+    first = ["plan", "--model", "gpt-tiny", "--gpu", "H100", "--budget", "82MiB", "--no-progress"]
 
     def lines(argv):
         code, errors, text = run_cli(argv, capsys)
@@ -260,7 +260,7 @@ def test_a_reason_compares_a_layout_without_recompute_with_its_own_flavors_rows(
     code, errors, text = run_cli(["plan", "--budget", "100MiB", "--offload-activations", "--no-progress"], capsys)
     assert code == 0, errors
     reason = next(line for line in text.splitlines() if "- checkpointing:" in line)
-    assert "with every activation in pinned host memory" in reason and "fewer blocks would peak at" in reason, reason
+    assert "with every activation in pinned host memory" in reason and "fewer blocks would" in reason, reason
 
 
 def test_the_plans_flags_name_fsdp_where_it_shards(capsys):

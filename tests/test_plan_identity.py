@@ -30,11 +30,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import FIGURES_TORCH, THIS_TORCH
 
 ROOT = Path(__file__).resolve().parent.parent
 SAVED = ROOT / "tests" / "data" / "plan_identity.json"
-FIGURES_TORCH = "2.13"  # the torch the saved figures were planned with (make test's: the Makefile's TORCH)
-THIS_TORCH = ".".join(torch.__version__.split("+")[0].split(".")[:2])
 OTHER_TORCH = pytest.mark.skipif(THIS_TORCH != FIGURES_TORCH, reason=(
     f"the saved figures are torch {FIGURES_TORCH}'s and this is torch {torch.__version__}, which traces other aten ops "
     "(the cost model counts them): its plans are other bit-exact figures"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import saved_settings
+from helpers import FIGURES_TORCH, THIS_TORCH, saved_settings
 
 from memtrain.cli import main
 
@@ -37,7 +37,8 @@ def test_the_section_has_one_row_per_command():
     "its chunked loss is memtrain's kernel, which keeps other bytes (the README says so)"))
 @pytest.mark.parametrize("index", range(len(COMMANDS)))
 def test_each_plan_of_the_section_prints_its_rows_figures(index, capsys, monkeypatch):
-    """About 15-30 s a plan on two cores (the 70B: a minute or two): every block traced at 2048 or 4096 tokens."""
+    """About 15-30 s a plan on two cores (the 70B: a minute or two): every block traced at 2048 or 4096 tokens. The
+    figures are torch 2.13's, as the plan identity's are."""
     monkeypatch.chdir(ROOT)  # the commands name examples/*.json
     argv = shlex.split(COMMANDS[index])[1:]
     code = main([*argv, "--json"])
@@ -46,7 +47,10 @@ def test_each_plan_of_the_section_prints_its_rows_figures(index, capsys, monkeyp
     p = json.loads(captured.out)
     _, budget, peak, host, tokens, chose = ROWS[index]
     assert f"--budget {budget.replace(' ', '')}" in COMMANDS[index], (budget, COMMANDS[index])
-    assert (peak, host, tokens) == (_gib(p["peak_bytes"]), _gib(p["host_bytes"]), f"{p['tokens_per_s']:,.0f}"), p
+    if THIS_TORCH == FIGURES_TORCH:
+        assert (peak, host, tokens) == (_gib(p["peak_bytes"]), _gib(p["host_bytes"]), f"{p['tokens_per_s']:,.0f}"), p
+    else:  # another torch traces other aten ops: other figures (tests/test_plan_identity.py), within the budget
+        assert p["peak_bytes"] <= p["usable_bytes"], p
     s = saved_settings(p["plan"])
     assert s.pure_bf16 == ("pure bf16" in chose) and s.offload_weights == ("weights streamed" in chose), s
     assert f"{s.micro_batch_size} x {s.accumulation}" in chose and f"{s.state_precision} moments" in chose, s

@@ -13,6 +13,12 @@ extends the free tail instead of taking a segment of its own.
 stream, no ``max_split_size_mb`` or power-of-two rounding: the simulated device's reserved bytes, and the
 estimator's prediction of them.
 
+Two figures come out of a replay. ``peak_reserved`` is what a device with room to spare holds
+(``torch.cuda.max_memory_reserved`` there): the allocator never gives a segment back until an allocation fails.
+``peak_needed`` is the least device memory the replay runs in: at each growth, what a release would keep (segments
+or pages holding an allocation) plus what the request takes then. That is the figure a budget must hold; the
+simulated device finds it by bisecting its capacity (``tests/test_segments.py``).
+
 Example:
     >>> m = SegmentModel(expandable=False)
     >>> m.malloc(1, 100); m.reserved  # a small request: a 2 MiB segment
@@ -58,13 +64,14 @@ class _Block:
     key: int | None = None  # the allocation it holds; None: free
     prev: _Block | None = None
     next: _Block | None = None
+    mapped: bool = True  # False: an expandable segment's pages a release unmapped (a hole a request may map again)
 
 
 @dataclass(eq=False)
 class _Segment:
     pool: _Pool
     base: int  # its address: segments never overlap
-    size: int  # mapped bytes (an expandable segment's grow)
+    size: int  # its bytes (an expandable segment's: the address range its blocks span, holes too)
     first: _Block | None = None
 
 
@@ -79,6 +86,31 @@ class _Pool:
         rest = block.size - size
         return rest >= MIN_BLOCK if self.small else rest > SMALL_SIZE
 
+    @property
+    def page(self) -> int:
+        """An expandable segment's page."""
+        return SMALL_BUFFER if self.small else LARGE_BUFFER
+
+
+def _last(segment: _Segment) -> _Block | None:
+    block = segment.first
+    while block is not None and block.next is not None:
+        block = block.next
+    return block
+
+
+def _pages(nbytes: int, page: int) -> int:
+    return -(-nbytes // page) * page
+
+
+def _link(before: _Block | None, after: _Block | None, segment: _Segment) -> None:
+    if before is not None:
+        before.next = after
+    else:
+        segment.first = after
+    if after is not None:
+        after.prev = before
+
 
 class SegmentModel:
     """The bytes a CUDA caching allocator reserves for a sequence of ``malloc(key, nbytes)`` and ``free(key)``."""
@@ -88,6 +120,8 @@ class SegmentModel:
         self.pools = (_Pool(small=True), _Pool(small=False))
         self.live: dict[int, _Block] = {}
         self.reserved = self.peak_reserved = 0
+        self.peak_needed = 0  # the least device memory the replay so far runs in (see the module's docstring)
+        self._releasable = 0  # what ``release`` would give back now, kept as free blocks are listed and unlisted
         self._segments = 0
 
     def malloc(self, key: int, nbytes: int) -> None:
@@ -96,6 +130,7 @@ class SegmentModel:
         pool = self.pools[0] if size <= SMALL_SIZE else self.pools[1]
         block = self._best_fit(pool, size)
         if block is None:
+            self._need(pool, size)
             block = self._grow(pool, size)
         self._unlist(pool, block)
         if pool.should_split(block, size):
@@ -106,6 +141,8 @@ class SegmentModel:
             self._list(pool, rest)
         block.key = key
         self.live[key] = block
+        # Free room a release would have given back, taken: held from now on.
+        self.peak_needed = max(self.peak_needed, self.reserved - self._releasable)
 
     def free(self, key: int) -> None:
         """Frees ``key``'s block, merging it with its free neighbours (an unknown key: nothing)."""
@@ -119,15 +156,11 @@ class SegmentModel:
                 self._unlist(pool, neighbour)
                 if neighbour is block.prev:
                     neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
+                    _link(neighbour, block.next, block.segment)
                     block = neighbour
                 else:
                     block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
+                    _link(block, neighbour.next, block.segment)
         self._list(pool, block)
 
     def growth(self, nbytes: int) -> int:
@@ -138,41 +171,113 @@ class SegmentModel:
             return 0
         if not self.expandable:
             return segment_size(size)
-        last = pool.segments[0].first if pool.segments else None
-        while last is not None and last.next is not None:
-            last = last.next
-        tail = last.size if last is not None and last.key is None else 0
-        page = SMALL_BUFFER if pool.small else LARGE_BUFFER
-        return -(-(size - tail) // page) * page
+        return self._run(pool, size)[1]
+
+    def releasable(self) -> int:
+        """The bytes ``release`` would give back now."""
+        return self._releasable
+
+    def _need(self, pool: _Pool, size: int) -> None:
+        """A request of ``size`` that no free block holds: the least capacity that serves it, with or without the
+        release a failed allocation makes (after which the request maps all its pages, or takes its own segment)."""
+        after = _pages(size, pool.page) if self.expandable else segment_size(size)
+        need = min(self.reserved + self.growth(size), self.reserved - self._releasable + after)
+        self.peak_needed = max(self.peak_needed, need)
 
     def release(self) -> None:
-        """What a failed allocation does before it retries: every segment with no allocation goes back to the
-        driver (an expandable segment unmaps its free tail)."""
+        """What a failed allocation does before it retries (``release_blocks``): every segment with no allocation
+        goes back to the driver; an expandable segment unmaps the whole pages inside each free block."""
         for pool in self.pools:
             for segment in list(pool.segments):
                 if self.expandable:
-                    last = segment.first
-                    while last is not None and last.next is not None:
-                        last = last.next
-                    if last is not None and last.key is None:
-                        self._unlist(pool, last)
-                        self.reserved -= last.size
-                        segment.size -= last.size
-                        if last.prev is not None:
-                            last.prev.next = None
-                        else:
-                            segment.first = None
+                    self._unmap_free(pool, segment)
                 elif segment.first is not None and segment.first.key is None and segment.first.next is None:
                     self._unlist(pool, segment.first)
                     pool.segments.remove(segment)
                     self.reserved -= segment.size
 
+    def _unmap_free(self, pool: _Pool, segment: _Segment) -> None:
+        """``unmap_block`` of each free block: its whole pages become a hole, merged with a hole beside it; the
+        bytes before and after them stay free and mapped."""
+        block = segment.first
+        while block is not None:
+            following = block.next
+            if block.key is None and block.mapped:
+                low, high = _pages(block.start, pool.page), (block.start + block.size) // pool.page * pool.page
+                if high > low:
+                    self._unlist(pool, block)
+                    self.reserved -= high - low
+                    hole = _Block(segment, low, high - low, None, mapped=False)
+                    if low > block.start:  # the free bytes before the hole
+                        before = _Block(segment, block.start, low - block.start, None)
+                        _link(block.prev, before, segment)
+                        _link(before, hole, segment)
+                        self._list(pool, before)
+                    else:
+                        _link(block.prev, hole, segment)
+                    if block.start + block.size > high:
+                        after = _Block(segment, high, block.start + block.size - high, None)
+                        _link(hole, after, segment)
+                        _link(after, following, segment)
+                        self._list(pool, after)
+                    else:
+                        _link(hole, following, segment)
+                    self._merge_holes(hole)
+            block = following
+        last = _last(segment)
+        if last is not None and not last.mapped:  # a hole at the end: the address range ends before it
+            segment.size -= last.size
+            _link(last.prev, None, segment)
+
+    @staticmethod
+    def _merge_holes(hole: _Block) -> None:
+        for neighbour in (hole.prev, hole.next):
+            if neighbour is not None and not neighbour.mapped:
+                first, second = (neighbour, hole) if neighbour is hole.prev else (hole, neighbour)
+                first.size += second.size
+                _link(first, second.next, first.segment)
+                hole = first
+
     def _best_fit(self, pool: _Pool, size: int) -> _Block | None:
         i = bisect.bisect_left(pool.free, (size, -1, -1))
         return pool.blocks[pool.free[i][2]] if i < len(pool.free) else None
 
+    def _run(self, pool: _Pool, size: int) -> tuple[_Block | None, int]:
+        """Where an expandable segment serves ``size`` that no free block holds (``find_expandable_block``): the
+        lowest hole, or the end, that with the free block before it and the free blocks and holes after it spans
+        ``size``; and the bytes mapping it takes. The block the run starts at: None for fresh pages at the end."""
+        segment = pool.segments[0] if pool.segments else None
+        block = segment.first if segment is not None else None
+        while block is not None:
+            if not block.mapped:
+                start = block.prev if block.prev is not None and block.prev.key is None else block
+                mapped, spanned, b = 0, 0, start
+                while b is not None and b.key is None and spanned < size:
+                    mapped += b.size if b.mapped else 0
+                    spanned += b.size
+                    b = b.next
+                if spanned >= size or b is None:  # the run reaches the end: more pages there
+                    return start, self._mapping(start, size, pool.page)
+            block = block.next
+        last = _last(segment) if segment is not None else None
+        start = last if last is not None and last.key is None else None
+        return start, self._mapping(start, size, pool.page)
+
+    @staticmethod
+    def _mapping(start: _Block | None, size: int, page: int) -> int:
+        """The bytes a run from ``start`` maps for ``size``: each hole's pages as far as the request reaches, then
+        pages at the end."""
+        mapped, block, left = 0, start, size
+        while block is not None and left > 0:
+            take = block.size if block.mapped else min(block.size, _pages(left, page))
+            mapped += 0 if block.mapped else take
+            left -= take
+            block = block.next
+        return mapped + (_pages(left, page) if left > 0 else 0)
+
     def _grow(self, pool: _Pool, size: int) -> _Block:
-        """A block of at least ``size`` from the driver: a new segment, or an expandable segment's end mapped."""
+        """A block of at least ``size`` from the driver: a new segment, or an expandable segment's holes and end
+        mapped (``try_allocate_expandable_block``), one free block."""
         if not self.expandable:
             segment = self._segment(pool, segment_size(size))
             segment.first = _Block(segment, 0, segment.size)
@@ -183,25 +288,43 @@ class SegmentModel:
         if not pool.segments:
             pool.segments.append(self._segment(pool, 0))
         segment = pool.segments[0]
-        last = segment.first
-        while last is not None and last.next is not None:
-            last = last.next
-        tail = last if last is not None and last.key is None else None
-        page = SMALL_BUFFER if pool.small else LARGE_BUFFER
-        more = -(-(size - (tail.size if tail else 0)) // page) * page
-        segment.size += more
-        self._map(more)
-        if tail is not None:
-            self._unlist(pool, tail)
-            tail.size += more
-        else:
-            tail = _Block(segment, segment.size - more, more, None, last, None)
-            if last is not None:
-                last.next = tail
+        block, _ = self._run(pool, size)
+        run: _Block | None = None
+        left = size
+        while left > 0:
+            if block is None:  # fresh pages at the end
+                more = _pages(left, pool.page)
+                block = _Block(segment, segment.size, more, None, mapped=False)
+                _link(run if run is not None else _last(segment), block, segment)
+                segment.size += more
+            if block.mapped:
+                self._unlist(pool, block)
             else:
-                segment.first = tail
-        self._list(pool, tail)
-        return tail
+                take = min(block.size, _pages(left, pool.page))
+                if take < block.size:  # the hole's rest stays a hole
+                    rest = _Block(segment, block.start + take, block.size - take, None, mapped=False)
+                    _link(rest, block.next, segment)
+                    _link(block, rest, segment)
+                    block.size = take
+                block.mapped = True
+                self._map(take)
+            left -= block.size
+            if run is None:
+                run = block
+            else:
+                run.size += block.size
+                _link(run, block.next, segment)
+            block = run.next
+        assert run is not None
+        self._list(pool, run)
+        return run
+
+    def _gives_back(self, pool: _Pool, block: _Block) -> int:
+        """What ``release`` gives back of a free block: its whole pages (expandable), its segment when it is the
+        whole of one (fixed). Fixed while the block is listed: a listed block's neighbours do not change."""
+        if self.expandable:
+            return max(0, (block.start + block.size) // pool.page * pool.page - _pages(block.start, pool.page))
+        return block.size if block.prev is None and block.next is None else 0
 
     def _segment(self, pool: _Pool, size: int) -> _Segment:
         self._segments += 1
@@ -211,15 +334,15 @@ class SegmentModel:
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
-    @staticmethod
-    def _list(pool: _Pool, block: _Block) -> None:
+    def _list(self, pool: _Pool, block: _Block) -> None:
         # Best fit as the allocator's free set orders blocks: by size, then by address.
         pool.blocks[id(block)] = block
         bisect.insort(pool.free, (block.size, block.segment.base + block.start, id(block)))
+        self._releasable += self._gives_back(pool, block)
 
-    @staticmethod
-    def _unlist(pool: _Pool, block: _Block) -> None:
+    def _unlist(self, pool: _Pool, block: _Block) -> None:
         if pool.blocks.pop(id(block), None) is None:
             return
+        self._releasable -= self._gives_back(pool, block)
         i = bisect.bisect_left(pool.free, (block.size, block.segment.base + block.start, id(block)))
         del pool.free[i]

@@ -6,6 +6,7 @@ the host link and its stall, DDP/FSDP2 communication and memory, and each techni
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -468,6 +469,25 @@ def gradient_shard(ctx: Problem, cfg: Configuration | PlanSettings) -> float:
     if cfg.distribution == "ddp":
         return 1.0 if cfg.optimizer == "device" else 0.0
     return 1 - 1 / ctx.world if cfg.distribution == "fsdp2" else 0.0
+
+
+def fitting_peak(peak: float, t: Trace, margin: float | None) -> float:
+    """A fully estimated ``peak`` as the budget less its ``margin`` sees it: the peak, or where the caching
+    allocator's segments need more of the whole budget (``MemoryReport.needed_bytes``, shifted as ``peak`` is from
+    the traced step: the ranks' shards, the streamed weights), that need less the margin. So a set-up fits when its
+    peak fits the budget less the margin and the allocator's least memory fits the budget, and ``fitting_peak / (1 -
+    margin)`` is the least budget that holds it. ``margin`` None: no budget."""
+    if margin is None:
+        return peak
+    # Rounded down as the usable bytes are (``int(budget * (1 - margin))``): a need of the whole budget fits.
+    return max(peak, math.floor((peak + segments_beyond(t)) * (1 - margin)))
+
+
+def segments_beyond(t: Trace) -> float:
+    """What the caching allocator's segments need beyond the traced step's peak (``MemoryReport.needed_bytes``:
+    pages rounded up, holes; 0 where the estimate has none)."""
+    needed = t.report.needed_bytes
+    return 0.0 if needed is None else max(0.0, needed - (t.report.peak_bytes or 0))
 
 
 def rank_peak(ctx: Problem, prof: Profiles, s: PlanSettings, t: Trace) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 from memtrain import techniques
 from memtrain.message import arg
 from memtrain.models import GPT
-from memtrain.planner.cost import CandidateTable, Composer
+from memtrain.planner.cost import CandidateTable, Composer, fitting_peak
 from memtrain.planner.settings import Fixed, PlanSettings, Problem
 from memtrain.report import format_bytes
 
@@ -60,13 +60,14 @@ class PureBF16Hint:
 def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Sequence[int], per_rank: int,
                         host_limit: int | None, usable: int | None,
                         faster_than: float | None, correction_bytes: int, *, search: Callable[..., None],
-                        estimate: Callable[..., tuple[float, Any]]) -> PureBF16Hint | None:
+                        estimate: Callable[..., tuple[float, Any]], margin: float | None = None) -> PureBF16Hint | None:
     """The fastest pure bf16 set-up that fits (and is ``HINT_MIN_GAIN`` faster than ``faster_than`` seconds a step,
     when given), for the hint; None when pure bf16 is fixed already, the run names another optimizer than AdamW
     (pure bf16 is AdamW's), cannot run here (no bf16 profiles: not
     bf16-mixed on a GPU) or nothing fits.
 
-    ``search`` and ``estimate`` are ``memtrain.planner.search``'s ``_search`` and ``estimate_of``.
+    ``search`` and ``estimate`` are ``memtrain.planner.search``'s ``_search`` and ``estimate_of``; ``margin`` the
+    budget's, which the allocator's segments may take too (``fitting_peak``; None: no budget).
     """
     if fixed.pure_bf16 or "bf16" not in composer.profiles or not fixed.optimizer_class.is_adamw:
         return None
@@ -96,8 +97,9 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
     tokens = composer.ctx.global_batch * composer.ctx.seq_len
     for k in table.order[fits[table.order]][:_HINT_TRIES]:
         s = table.settings(int(k))
-        peak = estimate(composer.ctx, composer.profile_of(s), s)[0] + correction_bytes
-        if usable is None or peak <= usable:
+        peak, t = estimate(composer.ctx, composer.profile_of(s), s)
+        peak += correction_bytes
+        if usable is None or fitting_peak(peak, t, margin) <= usable:
             seconds = float(table.seconds[k])
             return PureBF16Hint(s, peak, float(table.host[k]), seconds, tokens / seconds)
     return None

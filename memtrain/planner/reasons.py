@@ -12,6 +12,7 @@ import torch
 
 from memtrain import techniques
 from memtrain.device import active_simulation
+from memtrain.device.allocator import expandable_segments
 from memtrain.errors import ConfigError
 from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
@@ -21,9 +22,11 @@ from memtrain.planner.cost import (
     LOADER_BATCHES,
     CandidateTable,
     Composer,
+    fitting_peak,
     fsdp2_param_dtype,
     gathered_block_bytes,
     ranks_per_node,
+    segments_beyond,
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
@@ -44,12 +47,20 @@ def _slower(ratio: float) -> str:
     return f"{100 * (ratio - 1):.1f}% slower" if ratio >= 1.001 else "as fast (within 0.1%)"
 
 
-def _why_lost(results: CandidateTable, k: int, chosen: int, peak: float, fits: np.ndarray, fits_host: np.ndarray,
-              usable: int | None, host_limit: int | None) -> str:
+def _over_text(peak: float, fitting: float, usable: int | None, margin: float | None) -> str:
+    """How far a set-up is over the usable bytes: its peak's excess, or the allocator segments' (``fitting_peak``)."""
+    if fitting > peak and usable is not None and margin is not None and peak <= usable:
+        return (f"the caching allocator's segments need {format_bytes(int((fitting - usable) / (1 - margin)))} more "
+                "than the budget")
+    return f"over budget by {format_bytes(int(fitting - (usable or 0)))}"
+
+
+def _why_lost(results: CandidateTable, k: int, chosen: int, peak: float, fitting: float, fits: np.ndarray,
+              fits_host: np.ndarray, usable: int | None, host_limit: int | None, margin: float | None) -> str:
     if not fits_host[k]:
         return f"host RAM: needs {format_bytes(int(results.host[k]))} of {format_bytes(host_limit)}"
     if not fits[k]:
-        return f"over budget by {format_bytes(int(peak - (usable or 0)))}"
+        return _over_text(peak, fitting, usable, margin)
     return _slower(results.seconds[k] / results.seconds[chosen])
 
 
@@ -79,7 +90,7 @@ def _first_of_each(rows: np.ndarray, codes: np.ndarray, seen: set[int], limit: i
 
 def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen: int,
                 verified: dict[int, tuple[float, Trace]], fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
-                host_limit: int | None) -> list[Candidate]:
+                host_limit: int | None, margin: float | None = None) -> list[Candidate]:
     """Up to three faster candidates that do not fit and five slower ones that do, one of each family (the shape
     of the checkpointing, the loss, the optimizer, the micro-batch, ...): of each family the fastest, each with why
     it lost."""
@@ -96,9 +107,10 @@ def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen
     for k in picked:
         s = results.settings(k)
         peak = verified[k][0] if k in verified else float(results.peak[k])
+        fitting = fitting_peak(*verified[k], margin) if k in verified else peak
         out.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
                              tokens_per_step / float(results.seconds[k]), k in verified,
-                             _why_lost(results, k, chosen, peak, fits, fits_host, usable, host_limit),
+                             _why_lost(results, k, chosen, peak, fitting, fits, fits_host, usable, host_limit, margin),
                              composer.host_link(s)))
     return out
 
@@ -195,7 +207,10 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
         f"{dev.half_efficiency_tokens:.0f} tokens), attention {_flops(dev.attention_flops)}, memory "
         f"{dev.memory_bandwidth / 1e9:.1f} GB/s, {dev.op_overhead_s * 1e6:.1f} us per op, host link "
         f"{dev.host_to_device / 1e9:.1f} GB/s, CPU AdamW {dev.cpu_adamw / 1e9:.2f} G params/s",
-        f"safety margin {100 * margin:.0f}% of the budget for the allocator's fragmentation",
+        (f"safety margin {100 * margin:.0f}% of the budget for what the estimate does not see; the caching "
+         f"allocator's least memory ({'expandable' if expandable_segments(default=True) else 'fixed'} segments, "
+         "given back where an allocation fails) within the whole budget" if ctx.device == "cuda" else
+         f"safety margin {100 * margin:.0f}% of the budget for the allocator's fragmentation"),
         "the runners-up's peaks are composed from per-block profiles (marked *); the chosen peak is a full estimate",
         "step time: matmul and attention FLOPs at the rates above, other ops by their memory traffic, a fixed cost "
         "per op; offloaded activations queue on the host link; the offloaded optimizer steps after backward",
@@ -228,19 +243,25 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     by how much (each figure beside the budget it is over), and the budgets or options that would fit
     (``options``: set-ups the plan does not take on its own that fit both budgets, e.g. pure bf16's)."""
     assert usable is not None or host_limit is not None
+    on_budget = None if usable is None else margin
+    fitting = {k: fitting_peak(p, t, on_budget) for k, (p, t) in verified.items()}
+    # The allocator's segments beyond the peak, the most a full estimate showed, added to the composed peaks as a
+    # full estimate would: a row that composes within the budget but was not estimated in full is not named fitting.
+    peaks = results.peak.copy()
+    if on_budget is not None:
+        beyond = max((segments_beyond(t) for _, t in verified.values()), default=0.0)
+        peaks = np.maximum(peaks, (peaks + beyond) * (1 - on_budget))
+    for k, f in fitting.items():
+        peaks[k] = f
     if results.explicit and not results.searched:
         s = results.settings(0)
-        peak = verified[0][0] if 0 in verified else float(results.peak[0])
         where = (f"needs {format_bytes(int(results.host[0]))} of host RAM, more than {format_bytes(host_limit)}"
-                 if not fits_host[0] else f"peaks at {format_bytes(int(peak))} per rank, over the usable "
+                 if not fits_host[0] else f"peaks at {format_bytes(int(peaks[0]))} per rank{_segments_note(verified, 0, peaks[0], margin, ' (', ')')}, over the usable "
                  f"{format_bytes(usable)} ({format_bytes(budget_bytes)} less the {100 * margin:.0f}% margin)")
         raise ConfigError(
             f"the set-up asked for (micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
             f"{s.loss_text}, optimizer {s.optimizer_text}) {where}. To resolve this error, "
             "leave the choices to the plan (drop the fixed micro-batch or techniques), or raise the budget.")
-    peaks = results.peak.copy()
-    for k, (p, _) in verified.items():
-        peaks[k] = p
     fits_device = peaks <= usable if usable is not None else np.ones(len(peaks), bool)
     on_device, on_host = bool(fits_device.any()), bool(fits_host.any())
     # Each figure is stated beside the budget it is over: the least host RAM of the set-ups that fit the device,
@@ -265,7 +286,8 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
         assert budget_bytes is not None
         whose = ("the set-ups within the host RAM need at least" if on_host and not fits_host.all()
                  else "the smallest predicted peak is")
-        clauses.append(f"{whose} {format_bytes(int(peaks[k]))} per rank ({_setup_text(results.settings(k))}), "
+        clauses.append(f"{whose} {format_bytes(int(peaks[k]))} per rank ({_setup_text(results.settings(k))}"
+                       f"{_segments_note(verified, k, peaks[k], margin, '; ', '')}), "
                        f"{format_bytes(int(peaks[k]) - usable)} over the usable {format_bytes(usable)} (budget "
                        f"{format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin)")
         fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin)
@@ -276,6 +298,16 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     fixes += options or []
     raise ConfigError(f"no set-up fits {which}: {'; '.join(clauses)}. To resolve this error, try "
                       f"{'; or '.join(fixes)}.")
+
+
+def _segments_note(verified: dict[int, tuple[float, Trace]], k: int, fitting: float, margin: float, before: str,
+                   after: str) -> str:
+    """Where the allocator's segments set row ``k``'s figure (``fitting_peak``): its peak, and the budget they need;
+    "" where its peak does."""
+    if k not in verified or fitting <= verified[k][0]:
+        return ""
+    return (f"{before}a {format_bytes(int(verified[k][0]))} peak, whose caching allocator segments need "
+            f"{format_bytes(int(fitting / (1 - margin)))} of the budget{after}")
 
 
 def _setup_text(s: PlanSettings) -> str:

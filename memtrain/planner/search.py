@@ -54,11 +54,23 @@ from memtrain.planner.checks import (
     divisors,
     setup_of,
 )
-from memtrain.planner.cost import CandidateTable, Composer, gradient_shard, rank_peak
+from memtrain.planner.cost import (
+    CandidateTable,
+    Composer,
+    fitting_peak,
+    gradient_shard,
+    rank_peak,
+    segments_beyond,
+)
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.hint import hint_lines, pure_bf16_candidate, size_hints
 from memtrain.planner.profiles import Profiles
-from memtrain.planner.reasons import plan_assumptions, plan_reasons, raise_nothing_fits, runners_up
+from memtrain.planner.reasons import (
+    plan_assumptions,
+    plan_reasons,
+    raise_nothing_fits,
+    runners_up,
+)
 from memtrain.planner.settings import (
     DEFAULT_SAFETY_MARGIN,
     Candidate,
@@ -343,9 +355,10 @@ def _search(composer: Composer, results: CandidateTable, space: SearchSpace, fix
     for (cfg, offload, recompute), figures in zip(jobs, composer.compose(jobs), strict=True):
         results.add(cfg, offload, recompute, *figures)
 
-    def pure(limit: int | None, usable: int | None, faster_than: float | None, correction_bytes: int) -> Any:
+    def pure(limit: int | None, usable: int | None, faster_than: float | None, correction_bytes: int,
+             margin: float | None = None) -> Any:
         return pure_bf16_candidate(composer, space, fixed, micros, per_rank, limit, usable,
-                                   faster_than, correction_bytes, search=_search, estimate=estimate_of)
+                                   faster_than, correction_bytes, search=_search, estimate=estimate_of, margin=margin)
     return pure
 
 
@@ -481,9 +494,21 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
-    chosen, verified = _verified_fastest(ctx, composer, results, fits, fits_host, usable, correction_bytes)
+    on_budget = None if usable is None else margin  # the margin where there is a budget
+    chosen, verified = _verified_fastest(ctx, composer, results, fits, fits_host, usable, on_budget,
+                                         correction_bytes)
     faster_than = None if chosen is None else float(results.seconds[chosen])
-    hint = pure(host_limit, usable, faster_than, correction_bytes) if pure is not None else None
+    hint = pure(host_limit, usable, faster_than, correction_bytes, on_budget) if pure is not None else None
+    if chosen is None and usable is not None and ctx.device == "cuda" and len(results.peak):
+        # The smallest composed peak, estimated in full where it was not (what the allocator's segments need beyond
+        # it is a full estimate's): chosen if it fits after all, else the figure the refusal names.
+        k = int(np.argmin(np.where(fits_host, results.peak, np.inf))) if fits_host.any() else int(
+            np.argmin(results.peak))
+        if k not in verified:
+            peak, t = estimate_of(ctx, composer.profile_of(results.settings(k)), results.settings(k))
+            verified[k] = peak + correction_bytes, t
+            if fits_host[k] and fitting_peak(verified[k][0], t, on_budget) <= usable:
+                chosen = k
     if chosen is None:
         raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
                             fits_host, [hint.fix] if hint is not None else [])
@@ -492,8 +517,8 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     tokens_per_step = ctx.global_batch * ctx.seq_len
     seconds = float(results.seconds[chosen])
     fits_verified = fits.copy()
-    for k, (p, _) in verified.items():
-        fits_verified[k] = usable is None or p <= usable
+    for k, (p, t) in verified.items():
+        fits_verified[k] = usable is None or fitting_peak(p, t, on_budget) <= usable
     return Plan(
         settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
         peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
@@ -503,7 +528,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
         reasons=(*notes, *plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit),
                  *hint_lines(hint, seconds), *size_hints(ctx, seconds)),
         candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
-                                     host_limit)),
+                                     host_limit, on_budget)),
         assumptions=tuple(plan_assumptions(ctx, margin, composer, host_limit) + (
             [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
              "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
@@ -512,9 +537,10 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
 
 
 def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable, fits: np.ndarray,
-                      fits_host: np.ndarray, usable: int | None,
+                      fits_host: np.ndarray, usable: int | None, margin: float | None,
                       correction_bytes: int) -> tuple[int | None, dict[int, tuple[float, Trace]]]:
-    """The fastest row whose full estimate fits ``usable`` (None: none did, within the tries), and every row
+    """The fastest row whose full estimate fits ``usable`` (None: none did, within the tries), the caching
+    allocator's least memory the budget (``usable`` and its ``margin``: ``fitting_peak``), and every row
     estimated in full (its peak with ``correction_bytes``, its trace), fastest first."""
     streamed = results.column("offload_weights").astype(bool)
     # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
@@ -526,6 +552,9 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
     # A full estimate above its composed peak says what composition missed for that shape of candidate (the
     # same configuration, with or without offloaded blocks): later ones of that shape carry the deficit.
     deficit: dict[tuple[int, bool], float] = {}
+    # What the allocator's segments need beyond a full estimate's peak (its pages' rounding and holes): the most
+    # seen so far, added to each composed peak as the full estimate would (``fitting_peak``).
+    segments = 0.0
     order = results.order[band[results.order]]
     if (fits & ~streamed).any():
         # Parameter offload is for weights that do not fit the device: tried after every other set-up.
@@ -534,6 +563,8 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
         k = int(k)
         shape = (int(results.config[k]), bool(results.offload[k]))
         composed = results.peak[k] + deficit.get(shape, 0.0)
+        if margin is not None:
+            composed = max(composed, (composed + segments) * (1 - margin))
         near_miss = usable is not None and composed > usable
         if usable is not None and composed > usable * (1 + _VERIFY_BAND):
             continue
@@ -546,8 +577,10 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
         peak, t = estimate_of(ctx, composer.profile_of(s), s)
         verified[k] = peak + correction_bytes, t
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
-        if usable is None or verified[k][0] <= usable:
+        fitting = fitting_peak(peak + correction_bytes, t, margin)
+        if usable is None or fitting <= usable:
             chosen = k
             break
-        deficit[shape] = max(deficit.get(shape, 0.0), verified[k][0] - results.peak[k])
+        deficit[shape] = max(deficit.get(shape, 0.0), peak + correction_bytes - results.peak[k])
+        segments = max(segments, segments_beyond(t))
     return chosen, verified

@@ -446,12 +446,15 @@ class Plan:
 
     @property
     def _reserved_text(self) -> str:
-        """" (reserved X)": the allocator's predicted peak reserved per rank, where the estimate has it (shifted as
-        the peak is from the traced step: the ranks' shards, the streamed weights)."""
-        reserved = self.report.reserved_bytes
-        if reserved is None:
+        """" (reserved X, runs in Y)": the allocator's predicted peak reserved per rank on a device with room to
+        spare, and the least memory it runs in (segments given back where an allocation fails: what the budget
+        holds), where the estimate has them (shifted as the peak is from the traced step: the ranks' shards, the
+        streamed weights)."""
+        reserved, needed = self.report.reserved_bytes, self.report.needed_bytes
+        if reserved is None or needed is None:
             return ""
-        return f" (reserved {format_bytes(reserved + self.peak_bytes - (self.report.peak_bytes or 0))})"
+        shift = self.peak_bytes - (self.report.peak_bytes or 0)
+        return f" (reserved {format_bytes(reserved + shift)}, runs in {format_bytes(needed + shift)})"
 
     def summary(self) -> str:
         """The choice, its predictions and reasons, and the runners-up, as a table (returned, not printed)."""
