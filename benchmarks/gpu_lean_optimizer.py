@@ -72,10 +72,11 @@ from memtrain.errors import ConfigError  # noqa: E402
 from memtrain.planner.settings import PlanSettings  # noqa: E402
 from memtrain.report import format_bytes, parse_bytes  # noqa: E402
 
-# The lean run's budget per shape (issue 14: the 7B in 24 GiB, or the 1.1B in 4 GiB), and --small's: 0.42x, since
-# at 0.4x the leanest tiny set-up fit with 0.25 MiB to spare on torch 2.13 and not at all on torch 2.11, whose
-# chunked loss is memtrain's kernel (it has no F.linear_cross_entropy): 70.30 MiB over the usable 70.11 MiB.
-BUDGETS = {"7b": "24GiB", "1.1b": "4GiB", "tiny": "0.42x"}
+# The lean run's budget per shape (issue 14: the 7B in 24 GiB, or the 1.1B in 4 GiB), and --small's: 0.48x. The
+# tiny shape's leanest set-up peaks at 68 MiB, 64 of them cuBLAS's workspaces, whose two 32 MiB blocks take 20 MiB
+# pages of the caching allocator's expandable segment: it runs in 85.3 MiB, which the plan budgets (0.46x of the
+# no-savings peak, less the lean run's 10% margin, is 84.9 MiB).
+BUDGETS = {"7b": "24GiB", "1.1b": "4GiB", "tiny": "0.48x"}
 LADDER = ("7b", "3b", "1.1b")  # baseline candidates, largest first
 SMALL_LADDER = ("tiny-wide", "tiny")
 BASELINE_BATCHES = (8, 4, 2, 1)
@@ -213,7 +214,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="tiny Llamas on this machine (CPU smoke run)")
     parser.add_argument("--shape", choices=("7b", "1.1b", "tiny"), help="the lean run's shape (default 7b; tiny "
                         "with --small)")
-    parser.add_argument("--budget", help="the lean run's budget (default 24GiB for 7b, 4GiB for 1.1b, 0.42x of the "
+    parser.add_argument("--budget", help="the lean run's budget (default 24GiB for 7b, 4GiB for 1.1b, 0.48x of the "
                         "no-savings peak for tiny)")
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (the planner "
                         "picks the micro-batch and accumulation)")

@@ -32,9 +32,9 @@ from typing import Literal
 LogitOp = Literal["multiply", "divide", "softcap"]
 Steps = tuple[tuple[LogitOp, str], ...]
 
-# Model types whose forward is not Llama's but whose head and loss memtrain's chunked forward reproduces, checked
-# by hand against transformers 5.25 (parity: tests/test_loss.py).
-OWN_FORWARDS: dict[str, Steps] = {"gpt2": ()}
+# Classes whose forward is not Llama's but whose head and loss memtrain's chunked forward reproduces, checked by
+# hand against transformers 5.25 (parity: tests/test_loss.py): taken only with that class's own forward.
+OWN_FORWARDS: dict[str, Steps] = {"GPT2LMHeadModel": ()}
 
 
 class Unrecognised(str):
@@ -45,9 +45,11 @@ def logit_steps(cls: type) -> Steps | Unrecognised:
     """The steps ``cls.forward`` takes on its logits between ``self.lm_head`` and ``self.loss_function``, in order,
     as (op, the attribute path it reads from the model), where the forward is otherwise Llama's; an
     ``Unrecognised`` saying where it is not."""
-    model_type = getattr(getattr(cls, "config_class", None), "model_type", None)
-    if model_type in OWN_FORWARDS:
-        return OWN_FORWARDS[model_type]
+    import transformers
+
+    own = next((name for name in OWN_FORWARDS if cls.forward is getattr(transformers, name).forward), None)
+    if own is not None:
+        return OWN_FORWARDS[own]
     if getattr(cls, "base_model_prefix", None) != "model":  # Llama's forward calls its decoder at self.model
         return Unrecognised(f"{cls.__name__}'s decoder is at .{getattr(cls, 'base_model_prefix', None)}, not at "
                             ".model as in Llama's forward")

@@ -451,6 +451,8 @@ def _hf_problems(model: nn.Module) -> list[str]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     problems = []
     steps = logit_steps(type(model)) if hasattr(model, "config") else Unrecognised("it has no config")
+    if {"loss_function", "_loss_function"} & set(vars(model)):  # the chunked forward computes the cross-entropy
+        steps = Unrecognised("its own loss_function replaces the class's cross-entropy")
     if isinstance(steps, Unrecognised):
         problems.append(f"apply_chunked_loss does not know how {type(model).__name__} computes its loss: its forward "
                         f"is not Llama's (decoder, linear head, at most a scaling or soft-capping of the logits, "

@@ -65,15 +65,15 @@ def _check_trained(row: dict, vocab: int, steps: int) -> None:
 
 def test_gpu_plan_small_plans_applies_and_trains_every_budget(gpu_plan, tmp_path):
     out = tmp_path / "plan.json"
-    code = gpu_plan.main(["--small", "--device", "cpu", "--budgets", "0.1x,0.45x,1.11x", "--warmup", "1",
+    code = gpu_plan.main(["--small", "--device", "cpu", "--budgets", "0.1x,0.5x,1.11x", "--warmup", "1",
                           "--repeats", "2", "--out", str(out)])
     doc = json.loads(out.read_text())
     rows = {r["budget"]: r for r in doc["rows"]}
-    assert list(rows) == ["0.1x", "0.45x", "1.11x"], list(rows)
+    assert list(rows) == ["0.1x", "0.5x", "1.11x"], list(rows)
     assert code == 1, "a budget that nothing fits must make the exit status 1"
     assert "no set-up fits" in rows["0.1x"]["error"] and "plan" not in rows["0.1x"], rows["0.1x"]
     reference = gpu_plan.no_savings_peak(gpu_plan.SHAPES["tiny"], 256, 8)
-    for text in ("0.45x", "1.11x"):
+    for text in ("0.5x", "1.11x"):
         row = rows[text]
         assert row["budget_bytes"] == int(float(text[:-1]) * reference), (row["budget_bytes"], reference)
         _check_trained(row, gpu_plan.SHAPES["tiny"].vocab, steps=2)
@@ -83,8 +83,8 @@ def test_gpu_plan_small_plans_applies_and_trains_every_budget(gpu_plan, tmp_path
         assert len(row["losses"]) == 3, row["losses"]
     # The larger budget is the unconstrained one: nothing recomputed, and never predicted slower.
     assert rows["1.11x"]["plan"]["choices"]["checkpointing"] == "none", rows["1.11x"]["plan"]
-    assert rows["0.45x"]["plan"]["choices"]["checkpointing"] != "none", rows["0.45x"]["plan"]
-    assert rows["1.11x"]["predicted_tokens_per_s"] >= rows["0.45x"]["predicted_tokens_per_s"]
+    assert rows["0.5x"]["plan"]["choices"]["checkpointing"] != "none", rows["0.5x"]["plan"]
+    assert rows["1.11x"]["predicted_tokens_per_s"] >= rows["0.5x"]["predicted_tokens_per_s"]
     assert doc["shape"]["parameters"] == sum(p.numel() for p in gpu_plan.meta_llama(gpu_plan.SHAPES["tiny"], 8)
                                              .parameters())
 

@@ -242,8 +242,9 @@ def test_the_steps_are_read_from_each_forward_as_memtrain_checked_them_by_hand()
 
 
 def test_a_forward_that_does_more_than_llamas_is_refused_naming_the_line():
-    """A router loss (Mixtral), a loss scaled after the cross-entropy (an edited subclass): the first statement that
-    differs from Llama's forward is named, file and line, and no chunked loss runs."""
+    """A router loss (Mixtral), a loss scaled after the cross-entropy (an edited subclass), GPT-2 with a second head,
+    an instance's own loss function: refused, a forward naming the file and line of its first statement that
+    differs from Llama's, and no chunked loss runs."""
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
                                         num_local_experts=2, num_experts_per_tok=1)
@@ -257,6 +258,12 @@ def test_a_forward_that_does_more_than_llamas_is_refused_naming_the_line():
             out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
             out.loss = out.loss * 2
             return out
+
+    gpt2_heads = transformers.GPT2DoubleHeadsModel(hf_model("gpt2").config)  # GPT-2's model type, another loss
+    assert isinstance(logit_steps(type(gpt2_heads)), Unrecognised) and not supports_chunked_loss(gpt2_heads)
+    llama = hf_model("llama")
+    llama.loss_function = lambda *args, **kwargs: 2 * llama.__class__.loss_function.fget(llama)(*args, **kwargs)
+    assert not supports_chunked_loss(llama)  # an instance's own loss function, which the chunks would drop
 
     doubled = Doubled(hf_model("llama").config)
     why = logit_steps(Doubled)

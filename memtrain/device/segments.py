@@ -316,6 +316,11 @@ class SegmentModel:
                 _link(run, block.next, segment)
             block = run.next
         assert run is not None
+        following = run.next
+        if following is not None and id(following) in pool.blocks:  # ``map_block`` merges a free neighbour
+            self._unlist(pool, following)
+            run.size += following.size
+            _link(run, following.next, segment)
         self._list(pool, run)
         return run
 

@@ -517,8 +517,8 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     tokens_per_step = ctx.global_batch * ctx.seq_len
     seconds = float(results.seconds[chosen])
     fits_verified = fits.copy()
-    for k, (p, t) in verified.items():
-        fits_verified[k] = usable is None or fitting_peak(p, t, on_budget) <= usable
+    for k, (p, row_trace) in verified.items():
+        fits_verified[k] = usable is None or fitting_peak(p, row_trace, on_budget) <= usable
     return Plan(
         settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
         peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
