@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memtrain.device import active_simulation
 from memtrain.device.allocator import expandable_segments
 from memtrain.device.segments import SegmentModel
 from memtrain.estimate.fake import grouped_mm_output, needs_own_kernel
@@ -199,7 +200,7 @@ class LiveTracker(TorchDispatchMode):
         self.known = KnownValues()  # constants' real values, for a module that reads one (.item())
         # CUDA's caching allocator's segments over the same allocations: the reserved bytes (expandable segments
         # unless the allocator's settings say otherwise: a memtrain run sets them where the user did not).
-        self.segments = SegmentModel(expandable=expandable_segments(default=True)) if round_to > 1 else None
+        self.segments = _allocator_segments() if round_to > 1 else None
 
     def __enter__(self) -> LiveTracker:
         # torch logs the traceback of a meta kernel that fails; the trace's own error says it in one line.
@@ -375,3 +376,13 @@ class LiveTracker(TorchDispatchMode):
                     if isinstance(u, torch.Tensor):
                         self.add(u, (self.phase, self.where(), func.overloadpacket.__name__, tuple(u.shape), u.dtype))
         return out
+
+
+def _allocator_segments() -> SegmentModel | None:
+    """The segments of the allocator a CUDA step runs on: CUDA's caching allocator's, or under a simulated device its
+    own (``simulate(segments=True)``), or none where its ledger keeps blocks only (reserved is allocated there)."""
+    simulation = active_simulation()
+    if simulation is None:
+        return SegmentModel(expandable=expandable_segments(default=True))
+    own = simulation.ledger.segments
+    return SegmentModel(expandable=own.expandable) if isinstance(own, SegmentModel) else None
