@@ -15,9 +15,12 @@ estimator's prediction of them.
 
 Two figures come out of a replay. ``peak_reserved`` is what a device with room to spare holds
 (``torch.cuda.max_memory_reserved`` there): the allocator never gives a segment back until an allocation fails.
-``peak_needed`` is the least device memory the replay runs in: at each growth, what a release would keep (segments
-or pages holding an allocation) plus what the request takes then. That is the figure a budget must hold; the
-simulated device finds it by bisecting its capacity (``tests/test_segments.py``).
+``least_capacity()`` is the least device memory the replay runs in, the figure a budget must hold: the recorded
+allocations replayed on devices of bisected capacity whose failed allocations release and retry, as the simulated
+device's do (``tests/test_segments.py`` bisects that device the same way). ``peak_needed``, kept as the replay goes
+(at each growth, what a release would keep plus what the request takes then), is where the bisection starts: on a
+training step it is within a page or two of the least capacity, but a sequence can fragment a released device so
+that it needs more.
 
 Example:
     >>> m = SegmentModel(expandable=False)
@@ -40,6 +43,8 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer: a small pool's segment (an expandable on
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: a large pool's segment for requests under MIN_LARGE_ALLOC (and a page)
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge: larger requests' segments are rounded up to it
+GRAIN = 2 << 20  # every segment and page is a multiple of it, so is what is reserved
+_FREE, _RELEASE = -1, -2  # a recorded event's size for a free and for a release
 
 
 def round_size(nbytes: int) -> int:
@@ -78,13 +83,16 @@ class _Segment:
 @dataclass
 class _Pool:
     small: bool
+    expandable: bool = False
     segments: list[_Segment] = field(default_factory=list)
     free: list[tuple[int, int, int]] = field(default_factory=list)  # (size, address, id) sorted: best fit first
     blocks: dict[int, _Block] = field(default_factory=dict)  # id(block) -> block, for the free list's entries
 
     def should_split(self, block: _Block, size: int) -> bool:
+        """``should_split``: a small pool's block, and any block of an expandable segment, splits where 512 bytes
+        are left; a large fixed segment's only where more than 1 MiB is."""
         rest = block.size - size
-        return rest >= MIN_BLOCK if self.small else rest > SMALL_SIZE
+        return rest >= MIN_BLOCK if self.small or self.expandable else rest > SMALL_SIZE
 
     @property
     def page(self) -> int:
@@ -115,17 +123,22 @@ def _link(before: _Block | None, after: _Block | None, segment: _Segment) -> Non
 class SegmentModel:
     """The bytes a CUDA caching allocator reserves for a sequence of ``malloc(key, nbytes)`` and ``free(key)``."""
 
-    def __init__(self, *, expandable: bool):
+    def __init__(self, *, expandable: bool, record: bool = False):
         self.expandable = expandable
-        self.pools = (_Pool(small=True), _Pool(small=False))
+        self.pools = (_Pool(small=True, expandable=expandable), _Pool(small=False, expandable=expandable))
         self.live: dict[int, _Block] = {}
         self.reserved = self.peak_reserved = 0
-        self.peak_needed = 0  # the least device memory the replay so far runs in (see the module's docstring)
+        self.peak_needed = 0  # where ``least_capacity`` starts (see the module's docstring)
+        self.held = self.peak_held = 0  # the bytes of the blocks holding allocations
         self._releasable = 0  # what ``release`` would give back now, kept as free blocks are listed and unlisted
         self._segments = 0
+        # ``record``: the calls, (key, nbytes) or (key, _FREE) or (0, _RELEASE), for ``least_capacity``.
+        self.events: list[tuple[int, int]] | None = [] if record else None
 
     def malloc(self, key: int, nbytes: int) -> None:
         """An allocation of ``nbytes`` identified by ``key`` (freed with ``free(key)``)."""
+        if self.events is not None:
+            self.events.append((key, nbytes))
         size = round_size(nbytes)
         pool = self.pools[0] if size <= SMALL_SIZE else self.pools[1]
         block = self._best_fit(pool, size)
@@ -141,14 +154,19 @@ class SegmentModel:
             self._list(pool, rest)
         block.key = key
         self.live[key] = block
+        self.held += block.size
+        self.peak_held = max(self.peak_held, self.held)
         # Free room a release would have given back, taken: held from now on.
         self.peak_needed = max(self.peak_needed, self.reserved - self._releasable)
 
     def free(self, key: int) -> None:
         """Frees ``key``'s block, merging it with its free neighbours (an unknown key: nothing)."""
+        if self.events is not None:
+            self.events.append((key, _FREE))
         block = self.live.pop(key, None)
         if block is None:
             return
+        self.held -= block.size
         pool = block.segment.pool
         block.key = None
         for neighbour in (block.prev, block.next):
@@ -187,6 +205,8 @@ class SegmentModel:
     def release(self) -> None:
         """What a failed allocation does before it retries (``release_blocks``): every segment with no allocation
         goes back to the driver; an expandable segment unmaps the whole pages inside each free block."""
+        if self.events is not None:
+            self.events.append((0, _RELEASE))
         for pool in self.pools:
             for segment in list(pool.segments):
                 if self.expandable:
@@ -195,6 +215,55 @@ class SegmentModel:
                     self._unlist(pool, segment.first)
                     pool.segments.remove(segment)
                     self.reserved -= segment.size
+
+    def least_capacity(self) -> int:
+        """The least device memory the recorded calls run in (``record=True``): the smallest capacity, in the 2 MiB
+        steps everything reserved comes in, at which a replay never runs out where each allocation that would take
+        the device past it first releases (``runs_in``). Bisected between a capacity under the peak of held blocks
+        and ``peak_reserved`` (where nothing is ever released), from ``peak_needed``: two or three replays where
+        that guess is right. Running out is not monotone in the capacity with fixed segments: releases come at other
+        moments on a larger device, which may then fragment worse (7 of 600 random sequences had a failing capacity
+        above this figure; none with expandable segments, memtrain's default)."""
+        if self.events is None:
+            raise ValueError("least_capacity needs the calls: build the model with SegmentModel(record=True)")
+        if not self.events:
+            return 0
+        guess = self.peak_needed
+        fails = _pages(self.peak_held, GRAIN) - GRAIN  # under the held blocks: fails
+        runs = self.peak_reserved
+        if guess < runs:
+            if not self.runs_in(guess):
+                fails = max(fails, guess)
+            elif guess - GRAIN <= fails or not self.runs_in(guess - GRAIN):
+                return guess
+            else:
+                runs = guess - GRAIN
+        while runs - fails > GRAIN:
+            middle = fails + (runs - fails) // GRAIN // 2 * GRAIN
+            fails, runs = (fails, middle) if self.runs_in(middle) else (middle, runs)
+        return runs
+
+    def runs_in(self, capacity: int) -> bool:
+        """Whether the recorded calls run on a device of ``capacity`` bytes: where an allocation would take more
+        than it holds, the free segments (pages) are released and the allocation retried, as a failed ``cudaMalloc``
+        makes the caching allocator (and the simulated device) do; False where the retry fails too."""
+        assert self.events is not None
+        replay = SegmentModel(expandable=self.expandable)
+        for key, nbytes in self.events:
+            if nbytes == _FREE:
+                replay.free(key)
+            elif nbytes == _RELEASE:
+                replay.release()
+            else:
+                # The most a request can take (a segment, or its pages and a page of a hole's rounding) first: the
+                # exact growth walks the blocks, needed only near the capacity.
+                most = segment_size(round_size(nbytes)) if not self.expandable else _pages(nbytes, LARGE_BUFFER) + LARGE_BUFFER
+                if replay.reserved + most > capacity and replay.reserved + replay.growth(nbytes) > capacity:
+                    replay.release()
+                    if replay.reserved + replay.growth(nbytes) > capacity:
+                        return False
+                replay.malloc(key, nbytes)
+        return True
 
     def _unmap_free(self, pool: _Pool, segment: _Segment) -> None:
         """``unmap_block`` of each free block: its whole pages become a hole, merged with a hole beside it; the

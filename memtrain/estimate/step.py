@@ -466,7 +466,7 @@ def _report_of(step: _Step, ran: _Ran, *, device_type: str, keep_output: bool, a
         host_bytes=optim.host_bytes + offloaded_bytes,
         assumptions=tuple(assumptions),
         reserved_bytes=tracker.segments.peak_reserved if tracker.segments is not None else None,
-        needed_bytes=tracker.segments.peak_needed if tracker.segments is not None else None,
+        needed_bytes=tracker.segments.least_capacity() if tracker.segments is not None else None,
     )
 
 

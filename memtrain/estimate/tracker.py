@@ -383,6 +383,6 @@ def _allocator_segments() -> SegmentModel | None:
     own (``simulate(segments=True)``), or none where its ledger keeps blocks only (reserved is allocated there)."""
     simulation = active_simulation()
     if simulation is None:
-        return SegmentModel(expandable=expandable_segments(default=True))
+        return SegmentModel(expandable=expandable_segments(default=True), record=True)
     own = simulation.ledger.segments
-    return SegmentModel(expandable=own.expandable) if isinstance(own, SegmentModel) else None
+    return SegmentModel(expandable=own.expandable, record=True) if isinstance(own, SegmentModel) else None
