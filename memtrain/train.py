@@ -78,7 +78,7 @@ from memtrain.run.replan import (
 )
 from memtrain.run.report import plan_summary, write_run_report
 from memtrain.run.state import CheckpointExtra, PlanCheck
-from memtrain.run.step import CountedBatches, StepFigures, one_step, unpack_batch
+from memtrain.run.step import CountedBatches, StepFigures, kept_share, one_step, unpack_batch
 from memtrain.schedule import lr_at, lr_scheduler, resolve_schedule, resumed_reasons
 from memtrain.unwrap import is_fsdp2
 
@@ -326,7 +326,7 @@ def _train(model: nn.Module, data: Dataset | tuple[Dataset, Dataset], config: Tr
     precision_name, precision_reason = resolve_precision(device, asked, because=because)
     context = RunContext(seq_len=len(train_data[0][0]), global_batch=global_batch, device=device, world=world,
                          precision=precision_name, packed=len(train_data[0]) > 2,  # PackedRow: position_ids
-                         precision_reason=precision_reason)
+                         precision_reason=precision_reason, kept_share=kept_share(train_data))
     started_with = _saved_plan(out) if config.resume else None  # a resume keeps the run's optimizer
     fingerprints = data_fingerprint(train_data), model_fingerprint(model)  # before the plan configures the model
     in_force = plan_for_run(model, config, context, keep_optimizer=started_with)

@@ -193,3 +193,76 @@ def test_the_estimate_follows_the_kept_positions_of_a_dict_batchs_labels():
     whole = estimate(model, {"input_ids": x, "labels": x.clone()}, device="cpu", checkpointing="all", setup=setup)
     assert prompted.activation_bytes == meter.activation_bytes, (prompted.activation_bytes, meter.activation_bytes)
     assert prompted.activation_bytes < whole.activation_bytes  # the kept positions' gathered hidden states
+
+
+def test_the_plans_loss_time_follows_the_share_of_labels_that_count():
+    """``plan(kept_share=)``: the chunked loss's head and logits are timed on that share of the positions, linearly
+    (a profile whose host adds its per-op cost to the work, so that seconds add up); the whole-logits loss and a
+    compiled step, which run every position, are timed as before; the peak is a batch whose every label counts."""
+    import dataclasses
+
+    from helpers import h100, planner_llama
+
+    from memtrain.planner import plan
+
+    model = planner_llama(layers=2, hidden=256)
+    common = dict(budget=None, seq_len=256, global_batch_size=4, device="cuda", micro_batch_size=4,
+                  device_profile=dataclasses.replace(h100(), asynchronous=False))
+    chunked = plan(model, **common, choices=Choices(chunked_loss=True, checkpointing="none")).settings
+
+    def at(share, settings):
+        return plan(model, **common, settings=settings, kept_share=share)
+
+    every, three_quarters, half = at(1.0, chunked), at(0.75, chunked), at(0.5, chunked)
+    saved = every.step_seconds - half.step_seconds
+    assert saved > 0 and saved == pytest.approx(2 * (every.step_seconds - three_quarters.step_seconds), rel=1e-9)
+    assert half.peak_bytes == every.peak_bytes
+    assert any("the loss counts 50% of the label positions" in a for a in half.assumptions), half.assumptions
+    assert not any("label positions" in a for a in every.assumptions)
+    for runs_every_position in (dataclasses.replace(chunked, chunked_loss=False),
+                                dataclasses.replace(chunked, compile=True)):
+        assert at(0.5, runs_every_position).step_seconds == at(1.0, runs_every_position).step_seconds
+
+
+@pytest.mark.parametrize("share", [0, 1.5, -0.5, True, "0.5"])
+def test_a_kept_share_that_is_no_fraction_is_refused_naming_it(share):
+    from helpers import planner_llama
+
+    from memtrain.planner import plan
+
+    with pytest.raises(ConfigError, match=r"kept_share=.* must be a fraction in \(0, 1\]"):
+        plan(planner_llama(layers=2, hidden=256), budget=None, seq_len=64, global_batch_size=2, kept_share=share)
+
+
+def test_memtrain_plan_takes_the_kept_share_and_refuses_one_out_of_range(capsys):
+    from memtrain.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "gpt-tiny", "--seq-len", "64", "--kept-labels", "0"])
+    assert exited.value.code == 2 and "must be a fraction in (0, 1]" in capsys.readouterr().err
+    main(["plan", "--model", "gpt-tiny", "--seq-len", "64", "--global-batch-size", "2", "--kept-labels", "0.25",
+          "--no-progress"])
+    assert "the loss counts 25% of the label positions" in capsys.readouterr().out
+
+
+def test_training_reads_the_kept_share_from_its_data_and_plans_with_it(tmp_path, monkeypatch):
+    """``memtrain.run.step.kept_share``: the share of a dataset's labels that are not -100 (its rows spread over
+    it); train passes it to every plan of the run."""
+    from memtrain.run import replan
+    from memtrain.run.step import kept_share
+
+    windows = code_windows(32)[0]
+    prompted = [(x, torch.where(torch.arange(len(y)) < 24, -100, y)) for x, y in (windows[i] for i in range(64))]
+    assert kept_share(prompted) == 0.25
+    assert kept_share([(torch.zeros(4), torch.full((4,), -100))]) == 1.0  # nothing counts: nothing to follow
+    real, shares = replan.plan, []
+
+    def recorded(*args, **kwargs):
+        shares.append(kwargs["kept_share"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replan, "plan", recorded)
+    config = quick_run_config(tmp_path, max_steps=1, global_batch_size=4, micro_batch_size=2, budget="1GiB",
+                              choices=Choices(chunked_loss=True, checkpointing="none"))
+    train(tiny_gpt(2, seq_len=32, seed=0), prompted, config)
+    assert shares and all(s == 0.25 for s in shares), shares

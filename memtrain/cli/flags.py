@@ -186,6 +186,17 @@ def _config_pairs(value: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(_optimizer_arg(str(v)) for v in (value if isinstance(value, list) else [value]))
 
 
+def _kept_share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a fraction in (0, 1]: the share of label positions the "
+                                         "loss counts, e.g. 0.5 where half of each row is a prompt")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -378,6 +389,10 @@ def _add_plan_parser(sub: Any) -> None:
     g["batch"].add_argument("--global-batch-size", type=_positive_int,
                             help="examples per optimizer step over all ranks (default, as memtrain train: 16 x "
                             "--nproc, or micro-batch x --nproc when --micro-batch-size is given)")
+    g["batch"].add_argument("--kept-labels", type=_kept_share, default=1.0, metavar="SHARE",
+                            help="the share of label positions the loss counts (not -100), e.g. 0.5 where half of "
+                            "each row is a prompt: the chunked loss runs the head on those alone, so its time follows "
+                            "(memtrain train reads it from the data; default 1)")
     g["precision"].add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
                                 help=f"compute precision (default {PLAN_PRECISION}: a GPU's autocast)")
     g["budget"].add_argument("--device", choices=["cuda", "cpu"], default="cuda",

@@ -48,7 +48,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  world_size=args.nproc, compile=args.compile, choices=choices,
                  fsdp=_fsdp(args) if args.nproc > 1 else False,
                  host_budget=None if args.host_budget == UNLIMITED else args.host_budget,
-                 micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args))
+                 micro_batch_size=args.micro_batch_size, device_profile=profile, packed=trains_packed_rows(args),
+                 kept_share=args.kept_labels)
     if args.lora:
         p = dataclasses.replace(p, reasons=(lora_text(target, args.lora), *p.reasons))
     if args.json:

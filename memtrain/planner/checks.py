@@ -149,7 +149,8 @@ def setup_of(s: PlanSettings, world: int, precision: str, chunkable: bool | None
 
 def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_batch_size: int, world_size: int,
                          micro_batch_size: int | None, device: str, precision: str, safety_margin: float,
-                         techniques: Iterable[str] | None) -> tuple[int | None, int | None, set[str], int]:
+                         techniques: Iterable[str] | None,
+                         kept_share: float = 1.0) -> tuple[int | None, int | None, set[str], int]:
     """``plan``'s arguments checked, every problem at once: the budgets in bytes, the techniques allowed and the
     examples each rank takes per step.
 
@@ -171,6 +172,10 @@ def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_
         problems.append(f"{arg('precision', precision)} is not one of fp32, bf16-mixed, fp16-mixed.")
     if isinstance(safety_margin, bool) or not isinstance(safety_margin, (int, float)) or not 0 <= safety_margin < 0.9:
         problems.append(f"safety_margin={safety_margin!r} must be a fraction in [0, 0.9), e.g. 0.05.")
+    if isinstance(kept_share, bool) or not isinstance(kept_share, (int, float)) or not 0 < kept_share <= 1:
+        # The library's own word: memtrain plan's --kept-labels refuses such a value itself.
+        problems.append(f"kept_share={kept_share!r} must be a fraction in (0, 1]: the share of label positions "
+                        "the loss counts (1: every position). To resolve this error, pass e.g. 0.5.")
     allowed = set(TECHNIQUES if techniques is None else techniques)
     if allowed - set(TECHNIQUES):
         problems.append(f"techniques: unknown {sorted(allowed - set(TECHNIQUES))}; known: {list(TECHNIQUES)}.")

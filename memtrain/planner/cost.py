@@ -283,9 +283,13 @@ class Composer:
         tokens = b * ctx.seq_len
         # compile_model compiles block by block where an offloader's hooks must stay outside the compiled regions:
         # the embeddings, the last norm, the head and the loss then run eagerly.
+        # The chunked loss runs the head and its logits on the counted labels alone (the traces count every one),
+        # except in a compiled step, whose graph takes one size (memtrain.run.step).
+        share = ctx.kept_share if cfg.chunked_loss and not cfg.compile else 1.0
+        works = (tail.pre_work, tail.tail_fwd_work.scaled(share), tail.tail_bwd_work.scaled(share), tail.post_work)
+
         def rest(compiled: bool) -> float:
-            return sum(w.seconds(b, tokens, dev, compiled)
-                       for w in (tail.pre_work, tail.tail_fwd_work, tail.tail_bwd_work, tail.post_work))
+            return sum(w.seconds(b, tokens, dev, compiled) for w in works)
 
         per_block = layout.memo("compiled per block", lambda: _compiled_per_block(cfg, layout.is_off, layout.is_rec))
         head = np.where(per_block, rest(False), rest(cfg.compile))

@@ -29,6 +29,13 @@ class _Work:
     other: tuple[float, float] = (0.0, 0.0)
     ops: float = 0.0
 
+    def scaled(self, share: float) -> _Work:
+        """The work on ``share`` of the positions (the same ops): the chunked loss's head and logits on the labels
+        it counts."""
+        return _Work(matmul=(self.matmul[0] * share, self.matmul[1] * share),
+                     attention=(self.attention[0] * share, self.attention[1] * share),
+                     other=(self.other[0] * share, self.other[1] * share), ops=self.ops)
+
     def seconds(self, b: int, tokens: int, device: DeviceProfile, compiled: bool) -> float:
         def at(pair: tuple[float, float]) -> float:
             return max(0.0, pair[0] + pair[1] * (b - 1))

@@ -215,6 +215,10 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
         "step time: matmul and attention FLOPs at the rates above, other ops by their memory traffic, a fixed cost "
         "per op; offloaded activations queue on the host link; the offloaded optimizer steps after backward",
     ]
+    if ctx.kept_share < 1:
+        out.append(f"the loss counts {100 * ctx.kept_share:.0f}% of the label positions (kept_share): the chunked "
+                   "loss's head and logits (with the last norm's, counted among them) are timed on that share; the "
+                   "peak holds a batch whose every label counts")
     if ctx.world > 1:
         gathered = "in bf16 " if fsdp2_param_dtype(ctx.precision) == torch.bfloat16 else ""
         out.append("distributed memory by formula on a one-process estimate: DDP's gradients are views into its "

@@ -120,6 +120,7 @@ def plan(
     correction_bytes: int = 0,
     keep_optimizer: PlanSettings | None = None,
     packed: bool = False,
+    kept_share: float = 1.0,
 ) -> Plan:
     """The fastest set-up whose predicted peak fits ``budget`` (per rank), with a reason for each choice.
 
@@ -157,6 +158,9 @@ def plan(
         packed: the batches are packed rows (``memtrain.data.PackedRows``: several documents a row): the steps are
             traced with their labels and restarting ``position_ids``, from which a Hugging Face model builds a
             block-diagonal attention mask (more saved bytes than a causal one).
+        kept_share: the share of label positions the loss counts (not -100), e.g. 0.5 where half of each row is a
+            prompt. The chunked loss runs the head on those alone, so the loss's time follows it; the peak does not
+            (it holds a batch whose every label counts).
 
     Returns:
         A ``Plan``: ``.settings`` for ``apply_plan``, the predictions, the reasons and the runners-up.
@@ -175,10 +179,10 @@ def plan(
     (budget_bytes, host_budget_bytes, allowed, per_rank), choices, problems = _checked_arguments(
         dict(budget=budget, host_budget=host_budget, seq_len=seq_len, global_batch_size=global_batch_size,
              world_size=world_size, micro_batch_size=micro_batch_size, device=device, precision=precision,
-             safety_margin=safety_margin, techniques=techniques), choices, fsdp)
+             safety_margin=safety_margin, techniques=techniques, kept_share=kept_share), choices, fsdp)
     ctx = problem_of(model_or_hf_config, seq_len, global_batch_size, device,
                      settings.precision if settings is not None else precision, world_size,
-                     "chunked-loss" in allowed, grad_clip, device_profile, packed, precision_reason)
+                     "chunked-loss" in allowed, grad_clip, device_profile, packed, precision_reason, kept_share)
     fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
     ConfigError.raise_if(problems + _model_problems(ctx, budget_bytes, fixed, settings, per_rank))
     composer, results, pure = _candidates(ctx, fixed, allowed, settings, per_rank, fsdp, micro_batch_size,
@@ -412,7 +416,7 @@ def _int8_runs(device: str) -> bool:
 
 def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, device: str, precision: str,
              world_size: int, chunk_allowed: bool, grad_clip: bool, device_profile_: DeviceProfile | None,
-             packed: bool = False, precision_reason: str | None = None) -> Problem:
+             packed: bool = False, precision_reason: str | None = None, kept_share: float = 1.0) -> Problem:
     meta = meta_model(model_or_hf_config)
     blocks = tuple(find_blocks(meta))
     if not blocks:
@@ -423,7 +427,7 @@ def problem_of(model_or_hf_config: Any, seq_len: int, global_batch_size: int, de
     return Problem(model=meta, seq_len=seq_len, global_batch=global_batch_size, world=world_size, device=device,
                     precision=precision, device_profile=dev, block_names=blocks,
                     chunkable=chunk_allowed and supports_chunked_loss(meta), grad_clip=grad_clip, packed=packed,
-                    precision_reason=precision_reason)
+                    precision_reason=precision_reason, kept_share=float(kept_share))
 
 
 def composer_for(ctx: Problem, given: Sequence[PlanSettings]) -> Composer:

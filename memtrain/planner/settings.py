@@ -535,6 +535,7 @@ class Problem:
     grad_clip: bool
     packed: bool = False  # batches of packed rows: the trace passes their labels and position_ids, as the loop does
     precision_reason: str | None = None  # why ``precision`` ("fp32, because: ..."); None: it was requested
+    kept_share: float = 1.0  # the share of label positions the loss counts: the chunked loss's head runs on those
 
 
 def _assignment(n_blocks: int, offload: int, recompute: int) -> tuple[BlockKind, ...]:

@@ -75,6 +75,7 @@ class RunContext:
     precision: str  # resolved: "fp32", "bf16-mixed" or "fp16-mixed"
     packed: bool = False  # packed rows (position_ids restart at each document): the plan traces such batches
     precision_reason: str | None = None  # resolve_precision's ("fp32, because: ..."), for the plan's reasons
+    kept_share: float = 1.0  # the share of label positions the loss counts (memtrain.run.step.kept_share)
 
 
 def plan_request(config: TrainConfig) -> dict[str, Any]:
@@ -188,7 +189,8 @@ def plan_for_run(model: nn.Module, config: TrainConfig, context: RunContext, *, 
                       fsdp=config.fsdp if world > 1 else False, host_budget=config.host_budget,
                       micro_batch_size=micro, safety_margin=config.safety_margin,
                       grad_clip=config.grad_clip is not None, choices=choices, keep_optimizer=keep_optimizer,
-                      settings=settings, correction_bytes=correction_bytes, packed=context.packed)
+                      settings=settings, correction_bytes=correction_bytes, packed=context.packed,
+                      kept_share=context.kept_share)
     except ConfigError:
         raise
     except MemtrainError as e:  # the estimate cannot trace this model: the run goes on as fixed, or says what to fix

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
@@ -49,6 +49,19 @@ class CountedBatches:
         for batch in self.loader:
             _, y, _ = unpack_batch(batch)
             yield CountedBatch(batch, int((y != IGNORE_INDEX).sum()))
+
+
+def kept_share(data: Sequence[Any], rows: int = 256) -> float:
+    """The share of label positions that count (not -100) in ``data``'s rows (``(x, y)`` or ``(x, y, positions)``),
+    read from up to ``rows`` of them spread over it: what the chunked loss runs its head on (``plan(kept_share=)``).
+    1.0 where none counts (no time to follow: the accumulator refuses such batches)."""
+    n = len(data)
+    picked = range(0, n, max(1, n // rows)) if n else range(0)
+    kept = total = 0
+    for i in picked:
+        y = torch.as_tensor(data[i][1])
+        kept, total = kept + int((y != IGNORE_INDEX).sum()), total + y.numel()
+    return kept / total if kept else 1.0
 
 
 @dataclass
