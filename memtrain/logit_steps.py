@@ -27,6 +27,7 @@ import ast
 import functools
 import inspect
 import textwrap
+from pathlib import Path
 from typing import Literal
 
 LogitOp = Literal["multiply", "divide", "softcap"]
@@ -78,7 +79,9 @@ def _steps_of(forward: object) -> Steps | Unrecognised:
 def _normalised(forward: object) -> tuple[list[ast.stmt], Steps, object] | Unrecognised:
     """The forward's statements with the logits' steps taken out and the loss call in one form, its steps, and a
     function naming a statement's line in its file."""
-    function = inspect.unwrap(forward)  # type: ignore[arg-type]
+    function = _unwrapped(forward)
+    if isinstance(function, Unrecognised):
+        return function
     try:
         lines, first = inspect.getsourcelines(function)
     except (OSError, TypeError):
@@ -116,6 +119,25 @@ def _normalised(forward: object) -> tuple[list[ast.stmt], Steps, object] | Unrec
         if head_seen and _loss_started(statement):
             head_seen = False
     return out, tuple(steps), where
+
+
+def _unwrapped(forward: object) -> object:
+    """The function under the decorators ``forward`` wears: transformers' own (``can_return_tuple``, which may
+    change how the output is returned, not what the loss is), read through; a wrapper defined elsewhere (a user's
+    ``functools.wraps`` decorator, which may change the loss) is Unrecognised, naming its file and line."""
+    import transformers
+
+    package = Path(transformers.__file__).resolve().parent
+    function = forward
+    while hasattr(function, "__wrapped__"):
+        code = getattr(function, "__code__", None)
+        if code is None or not Path(code.co_filename).resolve().is_relative_to(package):
+            where = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(function)
+            name = getattr(code, "co_qualname", getattr(code, "co_name", "?"))
+            return Unrecognised(f"the forward is wrapped by {name} ({where}), a decorator from outside transformers "
+                                "that memtrain does not read through")
+        function = function.__wrapped__
+    return function
 
 
 def _plain_assign(statement: ast.stmt) -> ast.stmt:

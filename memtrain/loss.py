@@ -461,11 +461,17 @@ def _hf_problems(model: nn.Module) -> list[str]:
         steps = ()
     for _, source in steps:
         try:
-            operator.attrgetter(source)(model)
+            value = operator.attrgetter(source)(model)
         except AttributeError:
             problems.append(f"{type(model).__name__} has no {source}, by which its forward scales or caps the "
                             "logits (an edited model?). To resolve this error, give the model that attribute, or "
                             "train without a chunked loss (chunked_loss=False).")
+            continue
+        if isinstance(value, torch.Tensor) and value.requires_grad:  # the chunks' backward gives the head's only
+            problems.append(f"{type(model).__name__}'s {source}, by which its forward scales or caps the logits, "
+                            "is trainable, and the chunked loss would give it no gradient. To resolve this error, "
+                            f"freeze it ({source}.requires_grad_(False)), or train without a chunked loss "
+                            "(chunked_loss=False).")
     if not isinstance(head, nn.Linear):
         problems.append(f"{type(model).__name__} has no linear output head (get_output_embeddings() gave "
                         f"{type(head).__name__}). To resolve this error, pass a causal language model "

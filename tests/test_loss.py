@@ -272,6 +272,45 @@ def test_a_forward_that_does_more_than_llamas_is_refused_naming_the_line():
         apply_chunked_loss(doubled)
 
 
+def test_a_forward_wrapped_by_a_decorator_from_outside_transformers_is_refused_naming_it():
+    """``inspect.unwrap`` would read the source under any ``functools.wraps`` decorator, so a wrapper that doubles
+    the loss would pass as Llama's forward. transformers' own decorators (``can_return_tuple`` on Llama's forward)
+    are read through; another module's are refused, naming the wrapper's file and line."""
+    import functools
+
+    def doubling(forward):
+        @functools.wraps(forward)
+        def wrapper(self, *args, **kwargs):
+            out = forward(self, *args, **kwargs)
+            out.loss = None if out.loss is None else out.loss * 2
+            return out
+        return wrapper
+
+    class Wrapped(transformers.LlamaForCausalLM):
+        forward = doubling(transformers.LlamaForCausalLM.forward)
+
+    assert hasattr(transformers.LlamaForCausalLM.forward, "__wrapped__")  # transformers' own wrapper
+    assert logit_steps(transformers.LlamaForCausalLM) == ()
+    why = logit_steps(Wrapped)
+    assert isinstance(why, Unrecognised) and "doubling.<locals>.wrapper" in why and "test_loss.py:" in why, why
+    with pytest.raises(ConfigError, match="does not know how Wrapped computes its loss.*wrapped by .*doubling"):
+        apply_chunked_loss(Wrapped(hf_model("llama").config))
+
+
+def test_a_trainable_logit_scale_is_refused_as_the_chunks_would_give_it_no_gradient():
+    """The chunks' backward recomputes the head and gives its parameters their gradients, never a scale's (Cohere's
+    logit_scale made an nn.Parameter: the model's own loss gives it one)."""
+    cohere = hf_model("cohere")
+    cohere.logit_scale = nn.Parameter(torch.tensor(float(cohere.logit_scale)))
+    with pytest.raises(ConfigError, match=r"logit_scale, by which .* is trainable.*requires_grad_\(False\)"):
+        apply_chunked_loss(cohere)
+    cohere.logit_scale.requires_grad_(False)
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    want = cohere(x, labels=x).loss
+    apply_chunked_loss(cohere, chunk_tokens=5)  # frozen: the constant the chunks take it as
+    assert torch.allclose(cohere(x, labels=x).loss, want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("ignored", [False, True], ids=["all-labels", "ignored-labels"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_training_loops_chunked_loss_equals_the_models_own(kind, ignored):
