@@ -7,7 +7,7 @@ the host link and its stall, DDP/FSDP2 communication and memory, and each techni
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -485,6 +485,19 @@ def fitting_peak(peak: float, t: Trace, margin: float | None) -> float:
         return peak
     # Rounded down as the usable bytes are (``int(budget * (1 - margin))``): a need of the whole budget fits.
     return max(peak, math.floor((peak + segments_beyond(t)) * (1 - margin)))
+
+
+def composed_fitting(peak: Any, segments: float, margin: float | None) -> Any:
+    """``fitting_peak`` of composed peaks (a float or an array), with ``segments`` for what the allocator's segments
+    need beyond them: the most a full estimate showed (``segments_seen``), which composition cannot."""
+    if margin is None:
+        return peak
+    return np.maximum(peak, np.floor((np.asarray(peak) + segments) * (1 - margin)))
+
+
+def segments_seen(verified: Mapping[int, tuple[float, Trace]]) -> float:
+    """The most the allocator's segments need beyond a full estimate's peak, over the rows estimated in full."""
+    return max((segments_beyond(t) for _, t in verified.values()), default=0.0)
 
 
 def segments_beyond(t: Trace) -> float:

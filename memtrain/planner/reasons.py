@@ -22,11 +22,13 @@ from memtrain.planner.cost import (
     LOADER_BATCHES,
     CandidateTable,
     Composer,
+    composed_fitting,
     fitting_peak,
     fsdp2_param_dtype,
     gathered_block_bytes,
     ranks_per_node,
     segments_beyond,
+    segments_seen,
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
@@ -103,11 +105,11 @@ def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen
     slower = order[~faster & fits[order] & fits_host[order]]
     picked = _first_of_each(order[faster], codes, {int(codes[chosen])}, 3)
     picked += _first_of_each(slower, codes, {int(codes[chosen]), *(int(codes[k]) for k in picked)}, 5)
-    out = []
+    out, segments = [], segments_seen(verified)
     for k in picked:
         s = results.settings(k)
         peak = verified[k][0] if k in verified else float(results.peak[k])
-        fitting = fitting_peak(*verified[k], margin) if k in verified else peak
+        fitting = fitting_peak(*verified[k], margin) if k in verified else float(composed_fitting(peak, segments, margin))
         out.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
                              tokens_per_step / float(results.seconds[k]), k in verified,
                              _why_lost(results, k, chosen, peak, fitting, fits, fits_host, usable, host_limit, margin),

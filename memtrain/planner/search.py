@@ -57,10 +57,12 @@ from memtrain.planner.checks import (
 from memtrain.planner.cost import (
     CandidateTable,
     Composer,
+    composed_fitting,
     fitting_peak,
     gradient_shard,
     rank_peak,
     segments_beyond,
+    segments_seen,
 )
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.hint import hint_lines, pure_bf16_candidate, size_hints
@@ -520,7 +522,9 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     peak, t = verified[chosen]
     tokens_per_step = ctx.global_batch * ctx.seq_len
     seconds = float(results.seconds[chosen])
-    fits_verified = fits.copy()
+    # The composed rows judged as the search judged them: with what the segments needed beyond a full estimate.
+    fits_verified = fits & (composed_fitting(results.peak, segments_seen(verified), on_budget) <= usable
+                            if usable is not None else True)
     for k, (p, row_trace) in verified.items():
         fits_verified[k] = usable is None or fitting_peak(p, row_trace, on_budget) <= usable
     return Plan(
@@ -566,9 +570,7 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
     for k in order:
         k = int(k)
         shape = (int(results.config[k]), bool(results.offload[k]))
-        composed = results.peak[k] + deficit.get(shape, 0.0)
-        if margin is not None:
-            composed = max(composed, (composed + segments) * (1 - margin))
+        composed = float(composed_fitting(results.peak[k] + deficit.get(shape, 0.0), segments, margin))
         near_miss = usable is not None and composed > usable
         if usable is not None and composed > usable * (1 + _VERIFY_BAND):
             continue
