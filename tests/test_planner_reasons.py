@@ -172,3 +172,21 @@ def test_nothing_fits_either_budget_names_both_to_raise(llama):
     assert named, message
     fits = plan(llama, budget=f"{named.group(2)}MiB", host_budget=f"{named.group(1)}MiB", **kwargs)
     assert fits.host_bytes <= int(named.group(1)) * MiB, (fits.host_bytes, message)
+
+
+def test_where_the_allocators_pages_decide_the_refusal_names_the_need_not_a_peak_or_a_shorter_sequence():
+    """gpt-tiny's least set-up peaks at 64.20 MiB (64 MiB of cuBLAS workspaces), which fits a 78 MiB budget less the
+    margin, and needs 82 MiB in CUDA's 20 MiB pages. The refusal says so and names the budget that holds the pages.
+    Before, it called 77.90 MiB (the need less the margin) a "predicted peak" and offered a shorter sequence, at
+    which "a micro-batch of 1 needs 77.87 MiB"."""
+    from memtrain.models import GPT, GPT_PRESETS
+
+    common = dict(seq_len=64, global_batch_size=8, device="cuda", device_profile=H100, host_budget="8GiB")
+    with pytest.raises(ConfigError) as info:
+        plan(GPT(GPT_PRESETS["gpt-tiny"]), budget="78MiB", **common)
+    message = str(info.value)
+    assert "the least any set-up needs is 82.00 MiB per rank" in message, message
+    assert "peak fits the usable 74.10 MiB, but its caching allocator segments need 82.00 MiB" in message, message
+    assert "4.00 MiB over the budget 78.00 MiB" in message and "budget=82MiB holds" in message, message
+    assert "seq_len" not in message and "predicted peak" not in message, message
+    assert plan(GPT(GPT_PRESETS["gpt-tiny"]), budget="82MiB", **common).report.needed_bytes <= 82 * MiB

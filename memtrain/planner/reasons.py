@@ -27,7 +27,6 @@ from memtrain.planner.cost import (
     fsdp2_param_dtype,
     gathered_block_bytes,
     ranks_per_node,
-    segments_beyond,
     segments_seen,
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
@@ -253,10 +252,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     fitting = {k: fitting_peak(p, t, on_budget) for k, (p, t) in verified.items()}
     # The allocator's segments beyond the peak, the most a full estimate showed, added to the composed peaks as a
     # full estimate would: a row that composes within the budget but was not estimated in full is not named fitting.
-    peaks = results.peak.copy()
-    if on_budget is not None:
-        beyond = max((segments_beyond(t) for _, t in verified.values()), default=0.0)
-        peaks = np.maximum(peaks, (peaks + beyond) * (1 - on_budget))
+    peaks = np.asarray(composed_fitting(results.peak.copy(), segments_seen(verified), on_budget), dtype=np.float64)
     for k, f in fitting.items():
         peaks[k] = f
     if results.explicit and not results.searched:
@@ -290,13 +286,23 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                      + ("" if host_budget is not None else " on a machine with that much RAM free"))
     if usable is not None and (on_host or not on_device):
         assert budget_bytes is not None
-        whose = ("the set-ups within the host RAM need at least" if on_host and not fits_host.all()
-                 else "the smallest predicted peak is")
-        clauses.append(f"{whose} {format_bytes(int(peaks[k]))} per rank ({_setup_text(results.settings(k))}"
-                       f"{_segments_note(verified, k, peaks[k], margin, '; ', '')}), "
-                       f"{format_bytes(int(peaks[k]) - usable)} over the usable {format_bytes(usable)} (budget "
-                       f"{format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin)")
-        fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin)
+        allocated = verified[k][0] if k in verified else float(results.peak[k])
+        if allocated <= usable < peaks[k]:  # its peak fits: the allocator's segments (whole pages) set the figure
+            need = math.ceil(peaks[k] / (1 - margin))
+            whose = ("the set-ups within the host RAM need at least" if on_host and not fits_host.all()
+                     else "the least any set-up needs is")
+            clauses.append(f"{whose} {format_bytes(need)} per rank ({_setup_text(results.settings(k))}: its "
+                           f"{format_bytes(int(allocated))} peak fits the usable {format_bytes(usable)}, but its caching "
+                           f"allocator segments need {format_bytes(need)}), {format_bytes(need - budget_bytes)} over "
+                           f"the budget {format_bytes(budget_bytes)}")
+        else:
+            whose = ("the set-ups within the host RAM need at least" if on_host and not fits_host.all()
+                     else "the smallest predicted peak is")
+            clauses.append(f"{whose} {format_bytes(int(peaks[k]))} per rank ({_setup_text(results.settings(k))}"
+                           f"{_segments_note(verified, k, peaks[k], margin, '; ', '')}), "
+                           f"{format_bytes(int(peaks[k]) - usable)} over the usable {format_bytes(usable)} (budget "
+                           f"{format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin)")
+        fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin, allocated)
     which = ("both budgets" if on_device and on_host else "the device" if on_host else
              "the host RAM" if on_device else "either budget")
     if which == "either budget":  # each fix needs the other budget raised too: the smallest peak's host RAM
@@ -334,9 +340,14 @@ def _bytes_up(n: int) -> str:
 
 
 def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float, usable: int,
-                  margin: float) -> list[str]:
-    """What would let set-up ``s``, the smallest peak ``peak``, fit the usable device bytes: a budget that holds
-    it, FSDP2 over more ranks, a shorter sequence."""
+                  margin: float, allocated: float | None = None) -> list[str]:
+    """What would let set-up ``s``, the smallest figure ``peak`` (``fitting_peak``'s: its ``allocated`` peak, or
+    its allocator segments' need less the margin), fit the usable device bytes: a budget that holds it, FSDP2 over
+    more ranks, a shorter sequence."""
+    allocated = peak if allocated is None else allocated
+    if allocated <= usable < peak:  # whole pages, not what the step holds: no shorter sequence or more ranks
+        return [f"a larger budget ({arg('budget', text=_size_up(math.ceil(peak / (1 - margin))))} holds that "
+                "set-up's caching allocator segments)"]
     fits = (f"{arg('budget', text=_size_up(math.ceil(peak / (1 - margin))))} holds that set-up's peak with the "
             f"{100 * margin:.0f}% margin")
     hints = [f"a larger budget ({fits})"]
