@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's device check. One lease of the GPU machine has ~13 usable minutes after the machine starts and
 # 10 minutes a command, and at most 8 result files come back: `quick` is the check that fits, every step under
-# its own limit (the limits add up to at most 480 s, the log and 4 JSON tables: 5 files):
+# its own limit (the limits add up to at most 480 s, the log and 5 JSON tables: 6 files):
 #
 #   benchmarks/gpu_check.sh quick     # tests/gpu but the tests marked slow; the 1.1B Llama's plans at 8 GiB (eager)
 #                                     # and 24 GiB (compiled); one activation-offload and one optimizer-offload
@@ -101,8 +101,9 @@ fi
 if [ "$stage" = quick ]; then
     # tests/gpu but the tests marked slow (those run in `tests`), each under tests/gpu/conftest.py's per-test limit
     # (MEMTRAIN_GPU_TEST_TIMEOUT seconds).
-    step 80 tests-gpu - env MEMTRAIN_GPU_TEST_TIMEOUT=30 "$py" -m pytest -q -p no:cacheprovider tests/gpu \
-        -m "not slow" -rfEs --durations=10
+    # tests/gpu/test_allocator_gpu.py writes the estimate's reserved and least-memory figures beside CUDA's.
+    step 80 tests-gpu allocator_gpu.json env MEMTRAIN_GPU_TEST_TIMEOUT=30 "$py" -m pytest -q -p no:cacheprovider tests/gpu \
+        -m "not slow" -rfEs --durations=10 --out "$out/allocator_gpu.json"
     # Issue 11's two targets, one budget each, each in a fresh process: <= 8 GiB at >= 25k tokens/s (eager), >= 54k
     # tokens/s inside 24 GiB (compiled: compiling costs most of its time). --deadline skips a budget that would not
     # finish, so the table survives a slow step; 24 GiB eager and 8 GiB compiled run in `plan`. The deadlines below

@@ -30,6 +30,11 @@ class GPUTestTimeout(Exception):
     pass
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Read where tests/gpu is what pytest was given (an initial conftest), as benchmarks/gpu_check.sh runs it.
+    parser.addoption("--out", default=None, help="the JSON file test_allocator_gpu.py writes its figures to")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "time_limit(seconds): this test's limit instead of MEMTRAIN_GPU_TEST_TIMEOUT")
 
