@@ -272,6 +272,52 @@ def test_a_forward_that_does_more_than_llamas_is_refused_naming_the_line():
         apply_chunked_loss(doubled)
 
 
+# One-statement edits of Llama's forward that change its loss or logits (each a regular expression on the installed
+# source and its replacement): each must be refused. The last is a step the chunks apply (an attribute's scale).
+_EDITS = {
+    "the head's input doubled": (r"self\.lm_head\((.*)\)\n", r"self.lm_head((\1) * 2)\n"),
+    "the logits times a constant": (r"(\n(\s*)logits = self\.lm_head\(.*\)\n)", r"\1\2logits = logits * 2.0\n"),
+    "the logits clamped": (r"(\n(\s*)logits = self\.lm_head\(.*\)\n)", r"\1\2logits = logits.clamp(-3.0, 3.0)\n"),
+    "the loss doubled": (r"loss = self\.loss_function\(", r"loss = 2 * self.loss_function("),
+    "the decoder's output doubled": (r"(hidden_states = outputs\.last_hidden_state)\n", r"\1 * 2\n"),
+    "the returned logits doubled": (r"logits=logits,", r"logits=logits * 2,"),
+}
+_SCALED = (r"(\n(\s*)logits = self\.lm_head\(.*\)\n)", r"\1\2logits = logits * self.config.logit_scale\n")
+
+
+def _edited_llama(tmp_path, name: str, pattern: str, replacement: str) -> type:
+    """A LlamaForCausalLM subclass whose forward is the installed source with one edit, in a file of its own (the
+    source ``logit_steps`` reads)."""
+    import importlib.util
+    import inspect
+    import re
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(transformers.LlamaForCausalLM.forward)))
+    source = "".join(line for line in source.splitlines(keepends=True) if not line.startswith("@"))
+    edited, count = re.subn(pattern, replacement, source, count=1)
+    assert count == 1, f"{name}: the installed forward has no {pattern!r}"
+    module = tmp_path / f"edited_{abs(hash(name))}.py"
+    module.write_text("from __future__ import annotations\nimport torch\nimport transformers\n"
+                      "from transformers.models.llama.modeling_llama import *\n\n\n"
+                      "class Edited(transformers.LlamaForCausalLM):\n" + textwrap.indent(edited, "    "))
+    spec = importlib.util.spec_from_file_location(module.stem, module)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded.Edited
+
+
+@pytest.mark.parametrize("edit", list(_EDITS))
+def test_a_one_statement_edit_of_llamas_forward_is_refused(tmp_path, edit):
+    """The comparison with Llama's forward is exact but for what it normalises: an edit that changes the head's
+    input, the logits, the loss or what is returned is refused, naming the edited file. The same file unedited is
+    Llama's forward (no steps), and an attribute's scale is a step, so the harness reads what it writes."""
+    why = logit_steps(_edited_llama(tmp_path, edit, *_EDITS[edit]))
+    assert isinstance(why, Unrecognised) and "edited_" in why, (edit, why)
+    assert logit_steps(_edited_llama(tmp_path, "unedited", r"(\n)", r"\1")) == ()
+    assert logit_steps(_edited_llama(tmp_path, "scaled", *_SCALED)) == (("multiply", "config.logit_scale"),)
+
+
 def test_a_forward_wrapped_by_a_decorator_from_outside_transformers_is_refused_naming_it():
     """``inspect.unwrap`` would read the source under any ``functools.wraps`` decorator, so a wrapper that doubles
     the loss would pass as Llama's forward. transformers' own decorators (``can_return_tuple`` on Llama's forward)
