@@ -64,8 +64,9 @@ class MemoryReport:
     ``None`` where nothing can measure it (a CPU run). ``reserved_bytes`` is the allocator's peak reserved (what
     it held from the driver: the peak plus its segments' free room), measured or, for an estimate on CUDA,
     predicted by the caching allocator's rules (``memtrain.device.segments``); ``None`` elsewhere.
-    ``needed_bytes`` is the least device memory the step runs in by those rules (segments given back where an
-    allocation fails): what a budget must hold; predicted on CUDA, ``None`` elsewhere.
+    ``needed_bytes`` is the device memory the step runs in by those rules (segments given back where an
+    allocation fails; ``SegmentModel.least_capacity``, which says how close to the least it is): what a budget must
+    hold; predicted on CUDA, ``None`` elsewhere.
     """
 
     parameter_bytes: int

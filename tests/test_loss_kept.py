@@ -255,6 +255,14 @@ def test_training_reads_the_kept_share_from_its_data_and_plans_with_it(tmp_path,
     prompted = [(x, torch.where(torch.arange(len(y)) < 24, -100, y)) for x, y in (windows[i] for i in range(64))]
     assert kept_share(prompted) == 0.25
     assert kept_share([(torch.zeros(4), torch.full((4,), -100))]) == 1.0  # nothing counts: nothing to follow
+    read = []
+
+    class Rows(list):
+        def __getitem__(self, i):
+            read.append(i)
+            return super().__getitem__(i)
+
+    assert kept_share(Rows(prompted * 8), rows=256) == 0.25 and len(read) == 256  # 512 rows: every other one
     real, shares = replan.plan, []
 
     def recorded(*args, **kwargs):

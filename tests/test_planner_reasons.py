@@ -190,3 +190,33 @@ def test_where_the_allocators_pages_decide_the_refusal_names_the_need_not_a_peak
     assert "4.00 MiB over the budget 78.00 MiB" in message and "budget=82MiB holds" in message, message
     assert "seq_len" not in message and "predicted peak" not in message, message
     assert plan(GPT(GPT_PRESETS["gpt-tiny"]), budget="82MiB", **common).report.needed_bytes <= 82 * MiB
+
+
+def test_where_the_peak_is_over_and_the_pages_raise_the_need_the_refusal_gives_each_figure_its_name():
+    """A 2-layer Llama at seq 1024 in 80 MiB: its least set-up peaks at 84.42 MiB, over the usable 76 MiB, and its
+    segments need 98 MiB. The refusal names the peak as the peak and the need as the segments', and the shorter
+    sequence's hint counts what the step holds (81.30 MiB beside the model state's 3.13), not the pages' rounding
+    (before: 'the smallest predicted peak is 93.10 MiB', 'a micro-batch of 1 needs 89.97 MiB')."""
+    common = dict(seq_len=1024, global_batch_size=1, device="cuda", device_profile=H100, host_budget="8GiB")
+    with pytest.raises(ConfigError) as info:
+        plan(planner_llama(layers=2, hidden=256), budget="80MiB", **common)
+    message = str(info.value)
+    assert "the smallest predicted peak is 84.42 MiB per rank" in message, message
+    assert "its caching allocator segments need 98.00 MiB of the budget), 8.42 MiB over the usable" in message, message
+    assert "budget=98MiB holds that set-up's peak with the 5% margin and its caching allocator segments" in message
+    assert "a micro-batch of 1 needs 81.30 MiB" in message, message
+
+
+def test_a_set_up_asked_for_whose_pages_do_not_fit_is_refused_naming_its_peak_and_its_need():
+    """The settings of gpt-tiny's 82 MiB plan, asked for at 78 MiB: its 65.49 MiB peak fits the usable bytes, its
+    segments need 82 MiB (before: 'peaks at 77.90 MiB per rank (a 65.49 MiB peak, ...), over the usable')."""
+    from memtrain.models import GPT, GPT_PRESETS
+
+    common = dict(seq_len=64, global_batch_size=8, device="cuda", device_profile=H100, host_budget="8GiB")
+    chosen = plan(GPT(GPT_PRESETS["gpt-tiny"]), budget="82MiB", **common)
+    with pytest.raises(ConfigError) as info:
+        plan(GPT(GPT_PRESETS["gpt-tiny"]), budget="78MiB", settings=chosen.settings, **common)
+    message = str(info.value)
+    assert "peaks at 65.49 MiB per rank, within the usable 74.10 MiB, but its caching allocator segments need " \
+           "82.00 MiB, 4.00 MiB over the budget 78.00 MiB" in message, message
+    assert "raise the budget (budget=82MiB holds it)" in message, message

@@ -5,6 +5,7 @@ fix (``ConfigError`` collects them).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -172,7 +173,7 @@ def check_plan_arguments(*, budget: Any, host_budget: Any, seq_len: int, global_
         problems.append(f"{arg('precision', precision)} is not one of fp32, bf16-mixed, fp16-mixed.")
     if isinstance(safety_margin, bool) or not isinstance(safety_margin, (int, float)) or not 0 <= safety_margin < 0.9:
         problems.append(f"safety_margin={safety_margin!r} must be a fraction in [0, 0.9), e.g. 0.05.")
-    if isinstance(kept_share, bool) or not isinstance(kept_share, (int, float)) or not 0 < kept_share <= 1:
+    if isinstance(kept_share, bool) or not isinstance(kept_share, numbers.Real) or not 0 < kept_share <= 1:
         # The library's own word: memtrain plan's --kept-labels refuses such a value itself.
         problems.append(f"kept_share={kept_share!r} must be a fraction in (0, 1]: the share of label positions "
                         "the loss counts (1: every position). To resolve this error, pass e.g. 0.5.")

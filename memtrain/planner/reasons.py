@@ -217,7 +217,7 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
         "per op; offloaded activations queue on the host link; the offloaded optimizer steps after backward",
     ]
     if ctx.kept_share < 1:
-        out.append(f"the loss counts {100 * ctx.kept_share:.0f}% of the label positions (kept_share): the chunked "
+        out.append(f"the loss counts {100 * ctx.kept_share:.3g}% of the label positions (kept_share): the chunked "
                    "loss's head and logits (with the last norm's, counted among them) are timed on that share; the "
                    "peak holds a batch whose every label counts")
     if ctx.world > 1:
@@ -257,13 +257,17 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
         peaks[k] = f
     if results.explicit and not results.searched:
         s = results.settings(0)
-        where = (f"needs {format_bytes(int(results.host[0]))} of host RAM, more than {format_bytes(host_limit)}"
-                 if not fits_host[0] else f"peaks at {format_bytes(int(peaks[0]))} per rank{_segments_note(verified, 0, peaks[0], margin, ' (', ')')}, over the usable "
-                 f"{format_bytes(usable)} ({format_bytes(budget_bytes)} less the {100 * margin:.0f}% margin)")
+        holds = ""
+        if not fits_host[0]:
+            where = f"needs {format_bytes(int(results.host[0]))} of host RAM, more than {format_bytes(host_limit)}"
+        else:
+            assert usable is not None and budget_bytes is not None
+            where = _device_figures(_allocated(results, verified, 0), float(peaks[0]), usable, budget_bytes, margin)
+            holds = f" ({arg('budget', text=_size_up(math.ceil(peaks[0] / (1 - margin))))} holds it)"
         raise ConfigError(
             f"the set-up asked for (micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
             f"{s.loss_text}, optimizer {s.optimizer_text}) {where}. To resolve this error, "
-            "leave the choices to the plan (drop the fixed micro-batch or techniques), or raise the budget.")
+            f"leave the choices to the plan (drop the fixed micro-batch or techniques), or raise the budget{holds}.")
     fits_device = peaks <= usable if usable is not None else np.ones(len(peaks), bool)
     on_device, on_host = bool(fits_device.any()), bool(fits_host.any())
     # Each figure is stated beside the budget it is over: the least host RAM of the set-ups that fit the device,
@@ -286,22 +290,22 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                      + ("" if host_budget is not None else " on a machine with that much RAM free"))
     if usable is not None and (on_host or not on_device):
         assert budget_bytes is not None
-        allocated = verified[k][0] if k in verified else float(results.peak[k])
+        allocated = _allocated(results, verified, k)
+        need = math.ceil(peaks[k] / (1 - margin))
+        within_host = on_host and not fits_host.all()
         if allocated <= usable < peaks[k]:  # its peak fits: the allocator's segments (whole pages) set the figure
-            need = math.ceil(peaks[k] / (1 - margin))
-            whose = ("the set-ups within the host RAM need at least" if on_host and not fits_host.all()
-                     else "the least any set-up needs is")
+            whose = "the set-ups within the host RAM need at least" if within_host else "the least any set-up needs is"
             clauses.append(f"{whose} {format_bytes(need)} per rank ({_setup_text(results.settings(k))}: its "
                            f"{format_bytes(int(allocated))} peak fits the usable {format_bytes(usable)}, but its caching "
                            f"allocator segments need {format_bytes(need)}), {format_bytes(need - budget_bytes)} over "
                            f"the budget {format_bytes(budget_bytes)}")
         else:
-            whose = ("the set-ups within the host RAM need at least" if on_host and not fits_host.all()
-                     else "the smallest predicted peak is")
-            clauses.append(f"{whose} {format_bytes(int(peaks[k]))} per rank ({_setup_text(results.settings(k))}"
-                           f"{_segments_note(verified, k, peaks[k], margin, '; ', '')}), "
-                           f"{format_bytes(int(peaks[k]) - usable)} over the usable {format_bytes(usable)} (budget "
-                           f"{format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin)")
+            whose = "the set-ups within the host RAM peak at least at" if within_host else "the smallest predicted peak is"
+            segments = (f"; its caching allocator segments need {format_bytes(need)} of the budget"
+                        if peaks[k] > allocated else "")
+            clauses.append(f"{whose} {format_bytes(int(allocated))} per rank ({_setup_text(results.settings(k))}"
+                           f"{segments}), {format_bytes(int(allocated) - usable)} over the usable {format_bytes(usable)} "
+                           f"(budget {format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin)")
         fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin, allocated)
     which = ("both budgets" if on_device and on_host else "the device" if on_host else
              "the host RAM" if on_device else "either budget")
@@ -312,14 +316,22 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                       f"{'; or '.join(fixes)}.")
 
 
-def _segments_note(verified: dict[int, tuple[float, Trace]], k: int, fitting: float, margin: float, before: str,
-                   after: str) -> str:
-    """Where the allocator's segments set row ``k``'s figure (``fitting_peak``): its peak, and the budget they need;
-    "" where its peak does."""
-    if k not in verified or fitting <= verified[k][0]:
-        return ""
-    return (f"{before}a {format_bytes(int(verified[k][0]))} peak, whose caching allocator segments need "
-            f"{format_bytes(int(fitting / (1 - margin)))} of the budget{after}")
+def _allocated(results: CandidateTable, verified: dict[int, tuple[float, Trace]], k: int) -> float:
+    """Row ``k``'s peak: its full estimate's, else its composed one (before any allocator segments)."""
+    return verified[k][0] if k in verified else float(results.peak[k])
+
+
+def _device_figures(allocated: float, fitting: float, usable: int, budget_bytes: int, margin: float) -> str:
+    """A set-up's device figures against the budget: its peak beside the usable bytes, and where they set its
+    figure (``fitting_peak``), what its caching allocator segments need of the whole budget."""
+    need = math.ceil(fitting / (1 - margin))
+    if allocated <= usable < fitting:
+        return (f"peaks at {format_bytes(int(allocated))} per rank, within the usable {format_bytes(usable)}, but its "
+                f"caching allocator segments need {format_bytes(need)}, {format_bytes(need - budget_bytes)} over the "
+                f"budget {format_bytes(budget_bytes)}")
+    segments = f", and its caching allocator segments need {format_bytes(need)}" if fitting > allocated else ""
+    return (f"peaks at {format_bytes(int(allocated))} per rank, {format_bytes(int(allocated) - usable)} over the usable "
+            f"{format_bytes(usable)} ({format_bytes(budget_bytes)} less the {100 * margin:.0f}% margin){segments}")
 
 
 def _setup_text(s: PlanSettings) -> str:
@@ -348,8 +360,9 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
     if allocated <= usable < peak:  # whole pages, not what the step holds: no shorter sequence or more ranks
         return [f"a larger budget ({arg('budget', text=_size_up(math.ceil(peak / (1 - margin))))} holds that "
                 "set-up's caching allocator segments)"]
+    segments = " and its caching allocator segments" if peak > allocated else ""
     fits = (f"{arg('budget', text=_size_up(math.ceil(peak / (1 - margin))))} holds that set-up's peak with the "
-            f"{100 * margin:.0f}% margin")
+            f"{100 * margin:.0f}% margin{segments}")
     hints = [f"a larger budget ({fits})"]
     prof = composer.profile_of(s)
     shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
@@ -359,12 +372,12 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
     if ctx.device == "cuda" and techniques.pure_bf16.fsdp2_shards(s):
         # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
         full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
-        room = usable - (peak - state) - 2 * gathered_block_bytes(ctx, prof)
+        room = usable - (allocated - state) - 2 * gathered_block_bytes(ctx, prof)
         if room > 0:  # more ranks cannot shrink a rank's activations
             ranks = max(math.ceil(full / room), ctx.world + 1)
             hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
                          "gradients and optimizer state sharded over the ranks)")
-    activations = peak - state
+    activations = allocated - state  # what the step holds, not the segments' rounding
     # Fixed: no sequence length shrinks it (a simulated device computes with the CPU's kernels: none).
     workspace = CUDA_WORKSPACE_BYTES if ctx.device == "cuda" and active_simulation() is None else 0
     if weights >= usable:

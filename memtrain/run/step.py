@@ -56,7 +56,7 @@ def kept_share(data: Sequence[Any], rows: int = 256) -> float:
     read from up to ``rows`` of them spread over it: what the chunked loss runs its head on (``plan(kept_share=)``).
     1.0 where none counts (no time to follow: the accumulator refuses such batches)."""
     n = len(data)
-    picked = range(0, n, max(1, n // rows)) if n else range(0)
+    picked = range(0, n, max(1, -(-n // rows)))  # at most ``rows`` of them
     kept = total = 0
     for i in picked:
         y = torch.as_tensor(data[i][1])
