@@ -112,7 +112,8 @@ def test_a_flavor_without_a_recomputed_block_is_one_set_up():
         PlanSettings.from_dict({**fields_form(s), "flavor": "bogus"})  # the form of each field (earlier runs')
 
 
-@pytest.mark.parametrize("budget", ["400MiB", "150MiB", "110MiB"])
+# 116 MiB, not 110: torch 2.11's traces of this step need 114 MiB in the allocator's pages (2.13's fit 110).
+@pytest.mark.parametrize("budget", ["400MiB", "150MiB", "116MiB"])
 def test_a_plan_given_its_own_choices_plans_the_same_set_up(budget):
     """Roomy, tight and tighter (recomputed and offloaded blocks, the optimizer on the host, streamed weights): the
     plan of a run that fixes every technique as the first plan chose is the first plan's set-up, predicted alike."""
