@@ -121,6 +121,7 @@ def _start_tracker(meta: nn.Module, inputs: Mapping[str, torch.Tensor], where: W
     (two moments per trainable parameter, its share of the bytes by its size), for the allocator's segments."""
     tracker = LiveTracker(round_to, where)
     tracker.cuda_workspaces = on_cuda  # CUDA's kernels' (an embedding backward's), not a simulated device's
+    tracker.cpu_kernels = not on_cuda  # the CPU's (its flash attention's scratch)
     tracker.recording = record
     if replay:
         tracker.replay = {}

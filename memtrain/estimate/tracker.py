@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memtrain.device import active_simulation
 from memtrain.device.allocator import expandable_segments
 from memtrain.device.segments import SegmentModel
+from memtrain.estimate.cpu import kernel_scratch_bytes
 from memtrain.estimate.fake import grouped_mm_output, needs_own_kernel
 from memtrain.estimate.values import KnownValues
 
@@ -192,6 +193,7 @@ class LiveTracker(TorchDispatchMode):
         self.peak_live: dict[int, tuple[int, tuple[Any, ...], int]] = {}
         self._pending = False  # a new peak whose live set is not copied yet
         self.cuda_workspaces = round_to > 1
+        self.cpu_kernels = False  # the CPU's kernels run the step: their scratch counts (memtrain.estimate.cpu)
         self.replay: dict[tuple[Any, ...], Any] | None = None  # set to {} to replay meta outputs
         self.runs: list[Run] = []  # forward and backward, in order (see Run)
         self._mutable: dict[Any, bool] = {}  # op -> mutates or aliases (never replayed)
@@ -375,6 +377,10 @@ class LiveTracker(TorchDispatchMode):
                 for u in t:
                     if isinstance(u, torch.Tensor):
                         self.add(u, (self.phase, self.where(), func.overloadpacket.__name__, tuple(u.shape), u.dtype))
+        if self.cpu_kernels and (scratch := kernel_scratch_bytes(func, args, torch.get_num_threads())):
+            # Allocated after the outputs (a backward's gradients are zeroed first) and freed before the op returns.
+            self.transient(scratch, (self.phase, self.where(), f"{func.overloadpacket.__name__} scratch", (scratch,),
+                                     torch.uint8))
         return out
 
 
