@@ -20,6 +20,7 @@ MAX_FUNCTION_LINES = 100
 NEAR_FUNCTION_LINES = 90
 # The functions allowed over NEAR_FUNCTION_LINES, each with its reason; the aim is none.
 NEAR_LIMIT_ALLOWED = {
+    "memtrain.planner.search.plan": "the public entry point: a docstring for each of its 22 arguments, a 13-line body",
 }
 MAX_PUBLIC_NAMES = 22
 

@@ -19,7 +19,7 @@ from memtrain.offload import SLAB_BYTES_DEFAULT
 from memtrain.planner.devices import DeviceProfile
 from memtrain.planner.profiles import Profiles, affine_at, offloader_bytes
 from memtrain.planner.settings import Configuration, HostLink, PlanSettings, Problem, configuration_of
-from memtrain.techniques.chunked_loss import loss_tail
+from memtrain.techniques.chunked_loss import loss_tail, timed_share
 from memtrain.techniques.distribution import (
     root_trainable_bytes,
     sharded_host_bytes,
@@ -283,9 +283,8 @@ class Composer:
         tokens = b * ctx.seq_len
         # compile_model compiles block by block where an offloader's hooks must stay outside the compiled regions:
         # the embeddings, the last norm, the head and the loss then run eagerly.
-        # The chunked loss runs the head and its logits on the counted labels alone (the traces count every one),
-        # except in a compiled step, whose graph takes one size (memtrain.run.step).
-        share = ctx.kept_share if cfg.chunked_loss and not cfg.compile else 1.0
+        # The head and its logits on the counted labels alone, where the loss skips the rest (the traces count every one).
+        share = timed_share(cfg, ctx.kept_share)
         works = (tail.pre_work, tail.tail_fwd_work.scaled(share), tail.tail_bwd_work.scaled(share), tail.post_work)
 
         def rest(compiled: bool) -> float:

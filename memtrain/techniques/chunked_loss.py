@@ -47,6 +47,13 @@ def loss_tail(tails: Any, cfg: Any) -> Any:
     return tails[cfg.chunked_loss]
 
 
+def timed_share(cfg: Any, kept_share: float) -> float:
+    """The share of the positions the loss's head runs on, as the step is timed: ``kept_share`` (the labels that
+    count) for the chunked loss run eagerly; every position for the whole-logits loss, and for a compiled step, whose
+    graph takes one size (``memtrain.run.step`` passes it no count)."""
+    return kept_share if cfg.chunked_loss and not cfg.compile else 1.0
+
+
 class ChunkedLossTechnique(Technique):
     """The loss's logits a chunk of tokens at a time: on, off, or the plan's."""
 
