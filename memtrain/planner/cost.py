@@ -7,7 +7,7 @@ the host link and its stall, DDP/FSDP2 communication and memory, and each techni
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -488,15 +488,10 @@ def fitting_peak(peak: float, t: Trace, margin: float | None) -> float:
 
 def composed_fitting(peak: Any, segments: float, margin: float | None) -> Any:
     """``fitting_peak`` of composed peaks (a float or an array), with ``segments`` for what the allocator's segments
-    need beyond them: the most a full estimate showed (``segments_seen``), which composition cannot."""
+    need beyond them: the most a full estimate showed (``FullEstimates``), which composition cannot."""
     if margin is None:
         return peak
     return np.maximum(peak, np.floor((np.asarray(peak) + segments) * (1 - margin)))
-
-
-def segments_seen(verified: Mapping[int, tuple[float, Trace]]) -> float:
-    """The most the allocator's segments need beyond a full estimate's peak, over the rows estimated in full."""
-    return max((segments_beyond(t) for _, t in verified.values()), default=0.0)
 
 
 def segments_beyond(t: Trace) -> float:
@@ -574,3 +569,64 @@ class CandidateTable:
         """The fastest row where ``mask`` holds."""
         hits = np.flatnonzero(mask[self.order])
         return int(self.order[hits[0]]) if len(hits) else None
+
+
+class FullEstimates:
+    """The rows of a ``CandidateTable`` estimated in full (each: its peak, with any correction, and its trace), and
+    what they showed about the composed peaks of the others, which every judgement of a row shares (the search, the
+    runners-up, the refusal):
+    - a full estimate above its composed peak says what composition missed for that shape of candidate (the same
+      configuration, with or without offloaded blocks): every composed row of that shape carries the most missed;
+    - what the allocator's segments need beyond a full estimate's peak (its pages' rounding and holes): every
+      composed row carries the most seen, as its full estimate would (``composed_fitting``).
+    ``margin``: the budget's safety margin, None where there is no budget."""
+
+    def __init__(self, results: CandidateTable, margin: float | None):
+        self.results, self.margin = results, margin
+        self._rows: dict[int, tuple[float, Trace]] = {}
+        self._missed: dict[tuple[int, bool], float] = {}  # shape: the most composition missed
+        self._segments = 0.0
+
+    def __contains__(self, k: int) -> bool:
+        return k in self._rows
+
+    def __getitem__(self, k: int) -> tuple[float, Trace]:
+        return self._rows[k]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows)
+
+    def add(self, k: int, peak: float, t: Trace) -> float:
+        """Row ``k``'s full estimate (``peak`` with any correction, and its trace), and what it shows of the composed
+        rows; returns its ``fitting_peak``."""
+        self._rows[k] = peak, t
+        shape = self._shape(k)
+        self._missed[shape] = max(self._missed.get(shape, 0.0), peak - float(self.results.peak[k]))
+        self._segments = max(self._segments, segments_beyond(t))
+        return fitting_peak(peak, t, self.margin)
+
+    def _shape(self, k: int) -> tuple[int, bool]:
+        return int(self.results.config[k]), bool(self.results.offload[k])
+
+    def peak(self, k: int) -> float:
+        """Row ``k``'s peak: its full estimate's, else its composed one with what composition missed for its shape."""
+        if k in self._rows:
+            return self._rows[k][0]
+        return float(self.results.peak[k]) + self._missed.get(self._shape(k), 0.0)
+
+    def fitting(self, k: int) -> float:
+        """Row ``k``'s peak as the budget less the margin sees it (``fitting_peak``, ``composed_fitting``)."""
+        if k in self._rows:
+            return fitting_peak(*self._rows[k], self.margin)
+        return float(composed_fitting(self.peak(k), self._segments, self.margin))
+
+    def fitting_all(self) -> np.ndarray:
+        """``fitting`` of every row."""
+        r = self.results
+        peaks = r.peak.astype(np.float64)  # a copy
+        for (config, offloaded), missed in self._missed.items():
+            peaks[(r.config == config) & ((r.offload > 0) == offloaded)] += missed
+        out = np.asarray(composed_fitting(peaks, self._segments, self.margin), dtype=np.float64)
+        for k in self._rows:
+            out[k] = self.fitting(k)
+        return out

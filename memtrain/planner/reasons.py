@@ -14,7 +14,6 @@ from memtrain import techniques
 from memtrain.device import active_simulation
 from memtrain.device.allocator import expandable_segments
 from memtrain.errors import ConfigError
-from memtrain.estimate import Trace
 from memtrain.estimate.cuda import CUDA_WORKSPACE_BYTES
 from memtrain.message import arg
 from memtrain.offload import SLAB_BYTES_DEFAULT
@@ -22,12 +21,10 @@ from memtrain.planner.cost import (
     LOADER_BATCHES,
     CandidateTable,
     Composer,
-    composed_fitting,
-    fitting_peak,
+    FullEstimates,
     fsdp2_param_dtype,
     gathered_block_bytes,
     ranks_per_node,
-    segments_seen,
 )
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
@@ -49,11 +46,14 @@ def _slower(ratio: float) -> str:
 
 
 def _over_text(peak: float, fitting: float, usable: int | None, margin: float | None) -> str:
-    """How far a set-up is over the usable bytes: its peak's excess, or the allocator segments' (``fitting_peak``)."""
-    if fitting > peak and usable is not None and margin is not None and peak <= usable:
-        return (f"the caching allocator's segments need {format_bytes(int((fitting - usable) / (1 - margin)))} more "
-                "than the budget")
-    return f"over budget by {format_bytes(int(fitting - (usable or 0)))}"
+    """How far a set-up is over the usable bytes: its peak's excess, and what the allocator's segments need of the
+    whole budget where they need more (``fitting_peak``)."""
+    assert usable is not None and margin is not None  # with no budget, only the host RAM can be short
+    need = format_bytes(int((fitting - usable) / (1 - margin)))
+    if peak <= usable:
+        return f"the caching allocator's segments need {need} more than the budget"
+    segments = f"; its caching allocator's segments need {need} more than the budget" if fitting > peak else ""
+    return f"over budget by {format_bytes(int(peak - usable))}{segments}"
 
 
 def _why_lost(results: CandidateTable, k: int, chosen: int, peak: float, fitting: float, fits: np.ndarray,
@@ -90,8 +90,8 @@ def _first_of_each(rows: np.ndarray, codes: np.ndarray, seen: set[int], limit: i
 
 
 def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen: int,
-                verified: dict[int, tuple[float, Trace]], fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
-                host_limit: int | None, margin: float | None = None) -> list[Candidate]:
+                verified: FullEstimates, fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
+                host_limit: int | None) -> list[Candidate]:
     """Up to three faster candidates that do not fit and five slower ones that do, one of each family (the shape
     of the checkpointing, the loss, the optimizer, the micro-batch, ...): of each family the fastest, each with why
     it lost."""
@@ -104,14 +104,13 @@ def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen
     slower = order[~faster & fits[order] & fits_host[order]]
     picked = _first_of_each(order[faster], codes, {int(codes[chosen])}, 3)
     picked += _first_of_each(slower, codes, {int(codes[chosen]), *(int(codes[k]) for k in picked)}, 5)
-    out, segments = [], segments_seen(verified)
+    out = []
     for k in picked:
-        s = results.settings(k)
-        peak = verified[k][0] if k in verified else float(results.peak[k])
-        fitting = fitting_peak(*verified[k], margin) if k in verified else float(composed_fitting(peak, segments, margin))
+        s, peak = results.settings(k), verified.peak(k)
         out.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
                              tokens_per_step / float(results.seconds[k]), k in verified,
-                             _why_lost(results, k, chosen, peak, fitting, fits, fits_host, usable, host_limit, margin),
+                             _why_lost(results, k, chosen, peak, verified.fitting(k), fits, fits_host, usable,
+                                       host_limit, verified.margin),
                              composer.host_link(s)))
     return out
 
@@ -241,20 +240,16 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
 
 
 def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable,
-                        verified: dict[int, tuple[float, Trace]], budget_bytes: int | None, usable: int | None,
+                        verified: FullEstimates, budget_bytes: int | None, usable: int | None,
                         host_limit: int | None, host_budget: int | None, margin: float, fits_host: np.ndarray,
                         options: list[str] | None = None) -> None:
     """The ConfigError when no candidate fits: which budget is short (the device, the host RAM, both or either),
     by how much (each figure beside the budget it is over), and the budgets or options that would fit
     (``options``: set-ups the plan does not take on its own that fit both budgets, e.g. pure bf16's)."""
     assert usable is not None or host_limit is not None
-    on_budget = None if usable is None else margin
-    fitting = {k: fitting_peak(p, t, on_budget) for k, (p, t) in verified.items()}
-    # The allocator's segments beyond the peak, the most a full estimate showed, added to the composed peaks as a
-    # full estimate would: a row that composes within the budget but was not estimated in full is not named fitting.
-    peaks = np.asarray(composed_fitting(results.peak.copy(), segments_seen(verified), on_budget), dtype=np.float64)
-    for k, f in fitting.items():
-        peaks[k] = f
+    # Every row as the search judges it (a composed one with what the full estimates showed): a row that composes
+    # within the budget but was not estimated in full is not named fitting.
+    peaks = verified.fitting_all()
     if results.explicit and not results.searched:
         s = results.settings(0)
         holds = ""
@@ -262,7 +257,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
             where = f"needs {format_bytes(int(results.host[0]))} of host RAM, more than {format_bytes(host_limit)}"
         else:
             assert usable is not None and budget_bytes is not None
-            where = _device_figures(_allocated(results, verified, 0), float(peaks[0]), usable, budget_bytes, margin)
+            where = _device_figures(verified.peak(0), float(peaks[0]), usable, budget_bytes, margin)
             holds = f" ({arg('budget', text=_size_up(math.ceil(peaks[0] / (1 - margin))))} holds it)"
         raise ConfigError(
             f"the set-up asked for (micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
@@ -273,7 +268,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     # Each figure is stated beside the budget it is over: the least host RAM of the set-ups that fit the device,
     # and the smallest peak of those that fit the host (of all set-ups when none does).
     host_of = arg("host_budget") if host_budget is not None else "host RAM available now"
-    k = int(np.argmin(np.where(fits_host, peaks, np.inf))) if on_host else int(np.argmin(peaks))
+    k = refused_row(peaks, fits_host)
     h = int(np.argmin(np.where(fits_device, results.host, np.inf))) if on_device else int(np.argmin(results.host))
     clauses, fixes = [], []
     if host_limit is not None and (on_device or not on_host):
@@ -290,18 +285,20 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                      + ("" if host_budget is not None else " on a machine with that much RAM free"))
     if usable is not None and (on_host or not on_device):
         assert budget_bytes is not None
-        allocated = _allocated(results, verified, k)
+        allocated = verified.peak(k)
         need = math.ceil(peaks[k] / (1 - margin))
         within_host = on_host and not fits_host.all()
+        # Segments traced for this set-up, or (estimates in full ran out) as far as other set-ups' showed.
+        segment_need = format_bytes(need) + ("" if k in verified else ", judged from other set-ups' full estimates")
         if allocated <= usable < peaks[k]:  # its peak fits: the allocator's segments (whole pages) set the figure
             whose = "the set-ups within the host RAM need at least" if within_host else "the least any set-up needs is"
             clauses.append(f"{whose} {format_bytes(need)} per rank ({_setup_text(results.settings(k))}: its "
                            f"{format_bytes(int(allocated))} peak fits the usable {format_bytes(usable)}, but its caching "
-                           f"allocator segments need {format_bytes(need)}), {format_bytes(need - budget_bytes)} over "
+                           f"allocator segments need {segment_need}), {format_bytes(need - budget_bytes)} over "
                            f"the budget {format_bytes(budget_bytes)}")
         else:
             whose = "the set-ups within the host RAM peak at least at" if within_host else "the smallest predicted peak is"
-            segments = (f"; its caching allocator segments need {format_bytes(need)} of the budget"
+            segments = (f"; its caching allocator segments need {segment_need} of the budget"
                         if peaks[k] > allocated else "")
             clauses.append(f"{whose} {format_bytes(int(allocated))} per rank ({_setup_text(results.settings(k))}"
                            f"{segments}), {format_bytes(int(allocated) - usable)} over the usable {format_bytes(usable)} "
@@ -316,9 +313,10 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                       f"{'; or '.join(fixes)}.")
 
 
-def _allocated(results: CandidateTable, verified: dict[int, tuple[float, Trace]], k: int) -> float:
-    """Row ``k``'s peak: its full estimate's, else its composed one (before any allocator segments)."""
-    return verified[k][0] if k in verified else float(results.peak[k])
+def refused_row(fitting: np.ndarray, fits_host: np.ndarray) -> int:
+    """The row a refusal names for the device: the least ``fitting`` peak (``FullEstimates.fitting_all``) of the rows
+    within the host RAM, of all rows where none is."""
+    return int(np.argmin(np.where(fits_host, fitting, np.inf))) if fits_host.any() else int(np.argmin(fitting))
 
 
 def _device_figures(allocated: float, fitting: float, usable: int, budget_bytes: int, margin: float) -> str:

@@ -57,12 +57,9 @@ from memtrain.planner.checks import (
 from memtrain.planner.cost import (
     CandidateTable,
     Composer,
-    composed_fitting,
-    fitting_peak,
+    FullEstimates,
     gradient_shard,
     rank_peak,
-    segments_beyond,
-    segments_seen,
 )
 from memtrain.planner.devices import DeviceProfile, device_profile
 from memtrain.planner.hint import hint_lines, pure_bf16_candidate, size_hints
@@ -71,6 +68,7 @@ from memtrain.planner.reasons import (
     plan_assumptions,
     plan_reasons,
     raise_nothing_fits,
+    refused_row,
     runners_up,
 )
 from memtrain.planner.settings import (
@@ -506,15 +504,16 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     faster_than = None if chosen is None else float(results.seconds[chosen])
     hint = pure(host_limit, usable, faster_than, correction_bytes, on_budget) if pure is not None else None
     if chosen is None and usable is not None and ctx.device == "cuda" and len(results.peak):
-        # The smallest composed peak, estimated in full where it was not (what the allocator's segments need beyond
-        # it is a full estimate's): chosen if it fits after all, else the figure the refusal names.
-        k = int(np.argmin(np.where(fits_host, results.peak, np.inf))) if fits_host.any() else int(
-            np.argmin(results.peak))
-        if k not in verified:
+        # The row the refusal names, estimated in full where it was not (what the allocator's segments need beyond
+        # its peak is a full estimate's): chosen if it fits after all. Each full estimate can raise other rows.
+        for _ in range(_VERIFY_LIMIT):
+            k = refused_row(verified.fitting_all(), fits_host)
+            if k in verified:
+                break
             peak, t = estimate_of(ctx, composer.profile_of(results.settings(k)), results.settings(k))
-            verified[k] = peak + correction_bytes, t
-            if fits_host[k] and fitting_peak(verified[k][0], t, on_budget) <= usable:
+            if verified.add(k, peak + correction_bytes, t) <= usable and fits_host[k]:
                 chosen = k
+                break
     if chosen is None:
         raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
                             fits_host, [hint.fix] if hint is not None else [])
@@ -522,11 +521,8 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     peak, t = verified[chosen]
     tokens_per_step = ctx.global_batch * ctx.seq_len
     seconds = float(results.seconds[chosen])
-    # The composed rows judged as the search judged them: with what the segments needed beyond a full estimate.
-    fits_verified = fits & (composed_fitting(results.peak, segments_seen(verified), on_budget) <= usable
-                            if usable is not None else True)
-    for k, (p, row_trace) in verified.items():
-        fits_verified[k] = usable is None or fitting_peak(p, row_trace, on_budget) <= usable
+    # Every row judged as the search judges it: a composed one with what the full estimates showed.
+    fits_verified = fits_host & (verified.fitting_all() <= usable) if usable is not None else fits
     return Plan(
         settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
         peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
@@ -536,7 +532,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
         reasons=(*notes, *plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit),
                  *hint_lines(hint, seconds), *size_hints(ctx, seconds)),
         candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
-                                     host_limit, on_budget)),
+                                     host_limit)),
         assumptions=tuple(plan_assumptions(ctx, margin, composer, host_limit) + (
             [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
              "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
@@ -546,7 +542,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
 
 def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable, fits: np.ndarray,
                       fits_host: np.ndarray, usable: int | None, margin: float | None,
-                      correction_bytes: int) -> tuple[int | None, dict[int, tuple[float, Trace]]]:
+                      correction_bytes: int) -> tuple[int | None, FullEstimates]:
     """The fastest row whose full estimate fits ``usable`` (None: none did, within the tries), the caching
     allocator's least memory the budget (``usable`` and its ``margin``: ``fitting_peak``), and every row
     estimated in full (its peak with ``correction_bytes``, its trace), fastest first."""
@@ -555,22 +551,17 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
     # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
     # too, on a quota of their own.
     band = fits_host & (results.peak <= usable * (1 + _VERIFY_BAND) if usable is not None else True)
-    verified: dict[int, tuple[float, Trace]] = {}
+    # Each full estimate says what composition missed for its shape of candidate and what the allocator's segments
+    # need beyond its peak: later rows carry both (``FullEstimates``).
+    verified = FullEstimates(results, margin)
     chosen, tries, near_misses = None, 0, 0
-    # A full estimate above its composed peak says what composition missed for that shape of candidate (the
-    # same configuration, with or without offloaded blocks): later ones of that shape carry the deficit.
-    deficit: dict[tuple[int, bool], float] = {}
-    # What the allocator's segments need beyond a full estimate's peak (its pages' rounding and holes): the most
-    # seen so far, added to each composed peak as the full estimate would (``fitting_peak``).
-    segments = 0.0
     order = results.order[band[results.order]]
     if (fits & ~streamed).any():
         # Parameter offload is for weights that do not fit the device: tried after every other set-up.
         order = np.concatenate([order[~streamed[order]], order[streamed[order]]])
     for k in order:
         k = int(k)
-        shape = (int(results.config[k]), bool(results.offload[k]))
-        composed = float(composed_fitting(results.peak[k] + deficit.get(shape, 0.0), segments, margin))
+        composed = verified.fitting(k)
         near_miss = usable is not None and composed > usable
         if usable is not None and composed > usable * (1 + _VERIFY_BAND):
             continue
@@ -581,12 +572,9 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
         s = results.settings(k)
         PROGRESS.info(f"plan: a full estimate of the fastest candidate left ({_setup_line(s)})")
         peak, t = estimate_of(ctx, composer.profile_of(s), s)
-        verified[k] = peak + correction_bytes, t
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
-        fitting = fitting_peak(peak + correction_bytes, t, margin)
+        fitting = verified.add(k, peak + correction_bytes, t)
         if usable is None or fitting <= usable:
             chosen = k
             break
-        deficit[shape] = max(deficit.get(shape, 0.0), peak + correction_bytes - results.peak[k])
-        segments = max(segments, segments_beyond(t))
     return chosen, verified
