@@ -193,6 +193,37 @@ def test_where_the_allocators_pages_decide_the_refusal_names_the_need_not_a_peak
     assert plan(GPT(GPT_PRESETS["gpt-tiny"]), budget="82MiB", **common).report.needed_bytes <= 82 * MiB
 
 
+def test_the_set_up_a_refusal_names_was_estimated_in_full(monkeypatch):
+    """The refusal names the least set-up as the search judges every row: a composed one raised by what full
+    estimates showed. Here the first row estimated in full is made to come out 8 MiB over its composed peak, so
+    another row becomes the least: it is estimated in full before the refusal names it and its segments' need.
+    Before, the refusal named that row, never estimated, with another row's segments."""
+    import dataclasses
+
+    import memtrain.planner.search as search
+    from memtrain.models import GPT, GPT_PRESETS
+    from memtrain.planner.reasons import _setup_text
+
+    def shape(s):  # the search's: the configuration, and whether a block offloads
+        return s.flavor, dataclasses.replace(s, blocks=()), "offload" in s.blocks
+
+    real, estimated = search.estimate_of, []
+
+    def missing(ctx, prof, s):
+        peak, t = real(ctx, prof, s)
+        estimated.append(s)
+        return peak + (8 * MiB if shape(s) == shape(estimated[0]) else 0), t
+
+    monkeypatch.setattr(search, "estimate_of", missing)
+    with pytest.raises(ConfigError) as info:
+        plan(GPT(GPT_PRESETS["gpt-tiny"]), budget="60MiB", seq_len=64, global_batch_size=8, device="cuda",
+             device_profile=H100, host_budget="8GiB")
+    message = str(info.value)
+    named = [s for s in estimated if any(f"({_setup_text(s)}{end}" in message for end in ";:")]
+    assert named and shape(named[0]) != shape(estimated[0]), (message, estimated)
+    assert "judged from other set-ups" not in message, message
+
+
 def test_where_the_peak_is_over_and_the_pages_raise_the_need_the_refusal_gives_each_figure_its_name():
     """A 2-layer Llama at seq 1024 in 80 MiB: its least set-up peaks at 84.42 MiB, over the usable 76 MiB, and its
     segments need 98 MiB. The refusal names the peak as the peak and the need as the segments', and the shorter
