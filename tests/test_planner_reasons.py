@@ -224,6 +224,51 @@ def test_the_set_up_a_refusal_names_was_estimated_in_full(monkeypatch):
     assert "judged from other set-ups" not in message, message
 
 
+def _refusal_with_every_estimate_over(monkeypatch, missed: int, **budgets) -> tuple[str, int]:
+    """gpt-tiny's refusal where every full estimate comes out ``missed`` bytes over its composed peak, and the
+    number of full estimates made."""
+    import memtrain.planner.search as search
+    from memtrain.models import GPT, GPT_PRESETS
+
+    real, calls = search.estimate_of, []
+
+    def missing(ctx, prof, s):
+        peak, t = real(ctx, prof, s)
+        calls.append(s)
+        return peak + missed, t
+
+    monkeypatch.setattr(search, "estimate_of", missing)
+    with pytest.raises(ConfigError) as info:
+        plan(GPT(GPT_PRESETS["gpt-tiny"]), seq_len=64, global_batch_size=8, device="cuda", device_profile=H100,
+             **budgets)
+    return str(info.value), len(calls)
+
+
+def test_where_the_full_estimates_run_out_the_refusal_says_its_figures_are_composed(monkeypatch):
+    """Each full estimate raises its shape of set-up by 8 MiB, so the least row is never one estimated in full
+    within the 16 tries: its figures are said to be composed, after its segments' need (before: "segments need
+    82.07 MiB, judged from other set-ups' full estimates of the budget")."""
+    message, _ = _refusal_with_every_estimate_over(monkeypatch, 8 * MiB, budget="60MiB", host_budget="8GiB")
+    assert re.search(r"segments need [\d.]+ MiB of the budget; composed, with what other set-ups' full estimates "
+                     r"showed\), [\d.]+ MiB over the usable 57.00 MiB", message), message
+
+
+def test_where_set_ups_that_compose_within_the_budget_were_never_tried_the_refusal_says_so(monkeypatch):
+    """Every full estimate 30 MiB over its composed peak at 100 MiB: the tries run out while set-ups composed within
+    the budget are left. The refusal says the plan stopped there and names the fastest of them. Before, it said no
+    set-up fits, with negative excesses ("-30.72 MiB over the usable 95.00 MiB")."""
+    message, _ = _refusal_with_every_estimate_over(monkeypatch, 30 * MiB, budget="100MiB", host_budget="8GiB")
+    assert message.startswith("the plan stopped before it confirmed a set-up: none of the 32 estimated in full fits"), message
+    assert "(the fastest: micro-batch 8, " in message and " over " not in message, message
+
+
+def test_where_no_set_up_fits_the_host_the_refusal_estimates_one_row_for_its_figure(monkeypatch):
+    """None can be chosen where no set-up fits the host RAM: the refusal's row is estimated once, not 16 times."""
+    message, estimates = _refusal_with_every_estimate_over(monkeypatch, 8 * MiB, budget="60MiB", host_budget="1KiB")
+    assert message.startswith("no set-up fits either budget"), message
+    assert estimates == 1, message
+
+
 def test_where_the_peak_is_over_and_the_pages_raise_the_need_the_refusal_gives_each_figure_its_name():
     """A 2-layer Llama at seq 1024 in 80 MiB: its least set-up peaks at 84.42 MiB, over the usable 76 MiB, and its
     segments need 98 MiB. The refusal names the peak as the peak and the need as the segments', and the shorter

@@ -7,7 +7,7 @@ the host link and its stall, DDP/FSDP2 communication and memory, and each techni
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -593,8 +593,8 @@ class FullEstimates:
     def __getitem__(self, k: int) -> tuple[float, Trace]:
         return self._rows[k]
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._rows)
+    def __len__(self) -> int:
+        return len(self._rows)
 
     def add(self, k: int, peak: float, t: Trace) -> float:
         """Row ``k``'s full estimate (``peak`` with any correction, and its trace), and what it shows of the composed

@@ -211,7 +211,8 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
          f"allocator's least memory ({'expandable' if expandable_segments(default=True) else 'fixed'} segments, "
          "given back where an allocation fails) within the whole budget" if ctx.device == "cuda" else
          f"safety margin {100 * margin:.0f}% of the budget for the allocator's fragmentation"),
-        "the runners-up's peaks are composed from per-block profiles (marked *); the chosen peak is a full estimate",
+        ("the runners-up's peaks are composed from per-block profiles (marked *), each with the most a full estimate of "
+         "its shape of set-up showed composition missed; the chosen peak is a full estimate"),
         "step time: matmul and attention FLOPs at the rates above, other ops by their memory traffic, a fixed cost "
         "per op; offloaded activations queue on the host link; the offloaded optimizer steps after backward",
     ]
@@ -263,6 +264,15 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
             f"the set-up asked for (micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
             f"{s.loss_text}, optimizer {s.optimizer_text}) {where}. To resolve this error, "
             f"leave the choices to the plan (drop the fixed micro-batch or techniques), or raise the budget{holds}.")
+    unconfirmed = fits_host & (peaks <= usable) if usable is not None else np.zeros(len(peaks), bool)
+    if unconfirmed.any():  # the full estimates ran out before one of these was tried
+        u = results.first(unconfirmed)
+        raise ConfigError(
+            f"the plan stopped before it confirmed a set-up: none of the {len(verified)} estimated in full fits, and "
+            f"{int(unconfirmed.sum())} set-ups never estimated in full compose within the budget from the block "
+            f"profiles (the fastest: {_setup_text(results.settings(u))}, a composed peak of "
+            f"{format_bytes(int(verified.peak(u)))}). To resolve this error, fix the choices to that set-up (its "
+            "micro-batch and techniques), which estimates it in full, or raise the budget.")
     fits_device = peaks <= usable if usable is not None else np.ones(len(peaks), bool)
     on_device, on_host = bool(fits_device.any()), bool(fits_host.any())
     # Each figure is stated beside the budget it is over: the least host RAM of the set-ups that fit the device,
@@ -288,20 +298,20 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
         allocated = verified.peak(k)
         need = math.ceil(peaks[k] / (1 - margin))
         within_host = on_host and not fits_host.all()
-        # Segments traced for this set-up, or (estimates in full ran out) as far as other set-ups' showed.
-        segment_need = format_bytes(need) + ("" if k in verified else ", judged from other set-ups' full estimates")
+        # Figures of this set-up's full estimate, or (the full estimates ran out) composed with what others showed.
+        judged = "" if k in verified else "; composed, with what other set-ups' full estimates showed"
         if allocated <= usable < peaks[k]:  # its peak fits: the allocator's segments (whole pages) set the figure
             whose = "the set-ups within the host RAM need at least" if within_host else "the least any set-up needs is"
             clauses.append(f"{whose} {format_bytes(need)} per rank ({_setup_text(results.settings(k))}: its "
                            f"{format_bytes(int(allocated))} peak fits the usable {format_bytes(usable)}, but its caching "
-                           f"allocator segments need {segment_need}), {format_bytes(need - budget_bytes)} over "
+                           f"allocator segments need {format_bytes(need)}{judged}), {format_bytes(need - budget_bytes)} over "
                            f"the budget {format_bytes(budget_bytes)}")
         else:
             whose = "the set-ups within the host RAM peak at least at" if within_host else "the smallest predicted peak is"
-            segments = (f"; its caching allocator segments need {segment_need} of the budget"
+            segments = (f"; its caching allocator segments need {format_bytes(need)} of the budget"
                         if peaks[k] > allocated else "")
             clauses.append(f"{whose} {format_bytes(int(allocated))} per rank ({_setup_text(results.settings(k))}"
-                           f"{segments}), {format_bytes(int(allocated) - usable)} over the usable {format_bytes(usable)} "
+                           f"{segments}{judged}), {format_bytes(int(allocated) - usable)} over the usable {format_bytes(usable)} "
                            f"(budget {format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin)")
         fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin, allocated)
     which = ("both budgets" if on_device and on_host else "the device" if on_host else

@@ -505,11 +505,13 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     hint = pure(host_limit, usable, faster_than, correction_bytes, on_budget) if pure is not None else None
     if chosen is None and usable is not None and ctx.device == "cuda" and len(results.peak):
         # The row the refusal names, estimated in full where it was not (what the allocator's segments need beyond
-        # its peak is a full estimate's): chosen if it fits after all. Each full estimate can raise other rows.
-        for _ in range(_VERIFY_LIMIT):
+        # its peak is a full estimate's): chosen if it fits after all. Each full estimate can raise other rows. Where
+        # no row fits the host RAM, none can be chosen: one estimate, for the figure.
+        for _ in range(_VERIFY_LIMIT if fits_host.any() else 1):
             k = refused_row(verified.fitting_all(), fits_host)
             if k in verified:
                 break
+            PROGRESS.info(f"plan: a full estimate of the least set-up left ({_setup_line(results.settings(k))})")
             peak, t = estimate_of(ctx, composer.profile_of(results.settings(k)), results.settings(k))
             if verified.add(k, peak + correction_bytes, t) <= usable and fits_host[k]:
                 chosen = k

@@ -388,7 +388,7 @@ class Candidate:
     host_bytes: int  # per node (every rank's share)
     step_seconds: float
     tokens_per_s: float
-    verified: bool  # the peak is a full estimate of this set-up (else composed from the profiles)
+    verified: bool  # the peak is a full estimate of this set-up (else composed: ``FullEstimates.peak``)
     lost_because: str = ""
     host_link: HostLink | None = None  # bytes over the host link per step, per rank
 
