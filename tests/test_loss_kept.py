@@ -224,6 +224,40 @@ def test_the_plans_loss_time_follows_the_share_of_labels_that_count():
         assert at(0.5, runs_every_position).step_seconds == at(1.0, runs_every_position).step_seconds
 
 
+def test_the_last_norm_is_timed_on_every_position(monkeypatch):
+    """The loss skips positions after the last norm has run on all of them: the norm's forward and backward (the
+    tail's runs before the head's matmul, of a module of the model) are timed whole, the head and logits on the
+    share. Before, the norm's work was scaled with the head's, so the plan saved more than the loss does."""
+    import dataclasses
+
+    from helpers import h100, planner_llama
+
+    import memtrain.planner.profiles as profiles
+    from memtrain.estimate import trace
+    from memtrain.models import GPT, GPT_PRESETS
+    from memtrain.planner import plan
+
+    for model, norm, seq in ((planner_llama(layers=2, hidden=256), "model.norm", 256),
+                             (GPT(GPT_PRESETS["gpt-tiny"]), "ln_f", 64)):
+        t = trace(model, device="cuda", precision="bf16-mixed", chunked_loss=True, micro_batch_size=1, seq_len=seq,
+                  runs=True)
+        forward, backward = profiles._every_position(profiles._segments(t))
+        assert [r.label for r in forward] == [norm] and [r.label for r in backward] == [norm]
+
+    model = planner_llama(layers=2, hidden=256)
+    common = dict(budget=None, seq_len=256, global_batch_size=4, device="cuda", micro_batch_size=4,
+                  device_profile=dataclasses.replace(h100(), asynchronous=False))
+    chunked = plan(model, **common, choices=Choices(chunked_loss=True, checkpointing="none")).settings
+
+    def saved():
+        return (plan(model, **common, settings=chunked, kept_share=1.0).step_seconds
+                - plan(model, **common, settings=chunked, kept_share=0.5).step_seconds)
+
+    norm_kept = saved()
+    monkeypatch.setattr(profiles, "_every_position", lambda s: ([], []))  # the norm scaled with the head
+    assert 0 < norm_kept < saved()
+
+
 @pytest.mark.parametrize("share", [0, 1.5, -0.5, True, "0.5"])
 def test_a_kept_share_that_is_no_fraction_is_refused_naming_it(share):
     from helpers import planner_llama

@@ -283,9 +283,11 @@ class Composer:
         tokens = b * ctx.seq_len
         # compile_model compiles block by block where an offloader's hooks must stay outside the compiled regions:
         # the embeddings, the last norm, the head and the loss then run eagerly.
-        # The head and its logits on the counted labels alone, where the loss skips the rest (the traces count every one).
+        # The head and its logits on the counted labels alone, where the loss skips the rest (the traces count every
+        # one); the last norm before them on every position.
         share = timed_share(cfg, ctx.kept_share)
-        works = (tail.pre_work, tail.tail_fwd_work.scaled(share), tail.tail_bwd_work.scaled(share), tail.post_work)
+        works = (tail.pre_work, tail.tail_fwd_work.on_share(share, tail.tail_fwd_every),
+                 tail.tail_bwd_work.on_share(share, tail.tail_bwd_every), tail.post_work)
 
         def rest(compiled: bool) -> float:
             return sum(w.seconds(b, tokens, dev, compiled) for w in works)

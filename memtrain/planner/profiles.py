@@ -29,12 +29,17 @@ class _Work:
     other: tuple[float, float] = (0.0, 0.0)
     ops: float = 0.0
 
-    def scaled(self, share: float) -> _Work:
-        """The work on ``share`` of the positions (the same ops): the chunked loss's head and logits on the labels
-        it counts."""
-        return _Work(matmul=(self.matmul[0] * share, self.matmul[1] * share),
-                     attention=(self.attention[0] * share, self.attention[1] * share),
-                     other=(self.other[0] * share, self.other[1] * share), ops=self.ops)
+    def on_share(self, share: float, every: _Work) -> _Work:
+        """This work where all but ``every`` (work on every position: the last norm) runs on ``share`` of the
+        positions, with the same ops: the chunked loss's head and logits on the labels it counts."""
+        if share == 1:
+            return self
+
+        def mixed(whole: tuple[float, float], kept: tuple[float, float]) -> tuple[float, float]:
+            return kept[0] + (whole[0] - kept[0]) * share, kept[1] + (whole[1] - kept[1]) * share
+
+        return _Work(matmul=mixed(self.matmul, every.matmul), attention=mixed(self.attention, every.attention),
+                     other=mixed(self.other, every.other), ops=self.ops)
 
     def seconds(self, b: int, tokens: int, device: DeviceProfile, compiled: bool) -> float:
         def at(pair: tuple[float, float]) -> float:
@@ -216,6 +221,9 @@ class TailProfile:
     tail_fwd_work: _Work
     tail_bwd_work: _Work
     post_work: _Work
+    # Of the tail's work, what runs on every position, before the head (the last norm; ``_every_position``)
+    tail_fwd_every: _Work
+    tail_bwd_every: _Work
 
 
 def _pair(x1: float, x2: float) -> tuple[float, float]:
@@ -282,7 +290,18 @@ def tail_profile(t1: Trace, t2: Trace) -> TailProfile:
         post_excess_streamed=_lines(s1.post_bwd, end1, s2.post_bwd, end2, without_gradients=True),
         tail_fwd_net_offloaded=None, tail_fwd_excess_offloaded=None,
         pre_work=_work(s1.pre_fwd, s2.pre_fwd), tail_fwd_work=_work(s1.tail_fwd, s2.tail_fwd),
-        tail_bwd_work=_work(s1.tail_bwd, s2.tail_bwd), post_work=_work(s1.post_bwd, s2.post_bwd))
+        tail_bwd_work=_work(s1.tail_bwd, s2.tail_bwd), post_work=_work(s1.post_bwd, s2.post_bwd),
+        tail_fwd_every=_work(*(_every_position(s)[0] for s in (s1, s2))),
+        tail_bwd_every=_work(*(_every_position(s)[1] for s in (s1, s2))))
+
+
+def _every_position(s: _Segments) -> tuple[list[Run], list[Run]]:
+    """The tail's runs (forward, backward) that run on every position: those of the model's modules before the
+    head (the first run that multiplies), e.g. the last norm, and their backward. The head and the loss after them
+    run on the positions the chunked loss keeps."""
+    head = next((i for i, r in enumerate(s.tail_fwd) if r.matmul_flops > 0), 0)  # none: every run is the loss's
+    before = {r.label for r in s.tail_fwd[:head]} - {r.label for r in s.tail_fwd[head:]}
+    return [r for r in s.tail_fwd[:head] if r.label in before], [r for r in s.tail_bwd if r.label in before]
 
 
 @dataclass

@@ -218,8 +218,8 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
     ]
     if ctx.kept_share < 1:
         out.append(f"the loss counts {100 * ctx.kept_share:.3g}% of the label positions (kept_share): the chunked "
-                   "loss's head and logits (with the last norm's, counted among them) are timed on that share; the "
-                   "peak holds a batch whose every label counts")
+                   "loss's head and logits are timed on that share (the last norm before them on every position); "
+                   "the peak holds a batch whose every label counts")
     if ctx.world > 1:
         gathered = "in bf16 " if fsdp2_param_dtype(ctx.precision) == torch.bfloat16 else ""
         out.append("distributed memory by formula on a one-process estimate: DDP's gradients are views into its "
