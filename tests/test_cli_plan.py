@@ -8,12 +8,15 @@ are kept. CUDA plans use the table of known GPUs (an H100 is assumed where torch
 from __future__ import annotations
 
 import json
+import math
 import re
+from pathlib import Path
 
 import pytest
 from helpers import planner_llama, saved_settings, tiny_llama_config
 
 from memtrain.cli import main
+from memtrain.report import parse_bytes
 
 MiB = 2**20
 TINY = ["--model", "gpt-tiny"]
@@ -284,3 +287,55 @@ def test_plan_names_every_problem_of_its_flags_at_once(tmp_path, capsys):
                  "--no-offload-optimizer", "--offload-optimizer-fraction", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "2 problems" in err and "0.5 contradict" in err and "--seq-len 128 or less" in err, err
+
+
+TINYLLAMA_4090 = ("--hf-config", str(Path(__file__).parents[1] / "examples" / "tinyllama-1.1b.json"), "--gpu", "4090",
+                  "--no-progress")
+
+
+def test_a_refusals_hint_counts_the_weights_the_device_holds(capsys):
+    """The refusal's fixes count the weights as the set-up holds them on the device: those of the profile's dtype
+    (bf16 beside an offloaded master, not halved again), the streamed blocks' but two. Before, a streaming set-up
+    peaking at 627.71 MiB was said to hold "the weights alone" at 1.02 GiB, and a LoRA one's 2 GiB of bf16 weights
+    were halved, the other half called a 16-token micro-batch's activations, with "--seq-len below 256" as a fix
+    (which moves its peak by 1%)."""
+    streamed = _fails(capsys, *TINYLLAMA_4090, "--budget", "600MiB", "--host-budget", "64GiB")
+    assert "weights streamed" in streamed and "the weights alone take" not in streamed, streamed
+    figures = re.search(r"the smallest predicted peak is ([\d.]+) MiB.*beside the model state's ([\d.]+) MiB",
+                        streamed)
+    assert figures and float(figures.group(2)) < float(figures.group(1)), streamed
+    lora = _fails(capsys, *TINYLLAMA_4090, "--budget", "2GiB", "--lora", "16", "--host-budget", "1GiB")
+    weights = re.search(r"the weights alone take ([\d.]+) GiB on the device", lora)
+    assert weights and float(weights.group(1)) > 2.0 and "--seq-len below" not in lora, lora
+
+
+def test_a_reasons_figures_are_those_the_search_judged(capsys):
+    """A reason's alternative is judged as the search judges it (what full estimates showed composition missed, the
+    allocator's segments): its figure is one over the budget, not a composed peak under it ("fewer blocks would peak
+    at 956.00 MiB at least, over the usable 972.80 MiB"); and where it fits the device but not the host RAM, the
+    least host RAM any of its rows that fit the device needs (not the smallest peak's)."""
+    p = _plan(capsys, *TINYLLAMA_4090, "--budget", "1GiB")
+    for reason in p["reasons"]:
+        for peak, usable in re.findall(r"would peak at ([\d.]+ [KMG]iB) at least, over the usable ([\d.]+ [KMG]iB)",
+                                       reason):
+            assert parse_bytes(peak) > parse_bytes(usable), reason
+    assert any("fewer blocks would need" in r and "for the caching allocator's segments" in r for r in p["reasons"])
+    llama8b = ("--hf-config", str(Path(__file__).parents[1] / "examples" / "llama3-8b.json"), "--gpu", "h100",
+               "--budget", "16GiB", "--no-progress")
+    p = _plan(capsys, *llama8b, "--host-budget", "76GiB")
+    need = next(re.search(r"bf16 weights on the device would need ([\d.]+) GiB of host RAM", r) for r in p["reasons"]
+                if "bf16 weights on the device would need" in r)
+    assert need, p["reasons"]
+    least = float(need.group(1))
+    bf16 = ("--offload-optimizer", "bf16-weights")
+    assert _plan(capsys, *llama8b, *bf16, "--host-budget", f"{math.ceil(least * 1024)}MiB")
+    _fails(capsys, *llama8b, *bf16, "--host-budget", f"{math.floor(least * 1024) - 256}MiB")
+
+
+def test_a_runner_up_over_both_budgets_says_so(capsys):
+    """A runner-up short of host RAM and over the device budget names both (before: the host RAM alone, which
+    raising would not make it fit)."""
+    p = _plan(capsys, *TINYLLAMA_4090, "--budget", "12GiB", "--host-budget", "64KiB")
+    both = [c["lost_because"] for c in p["candidates"]
+            if c["lost_because"].startswith("host RAM") and c["peak_bytes"] > p["usable_bytes"]]
+    assert both and all("; over budget by" in why for why in both), both

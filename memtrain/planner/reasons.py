@@ -29,6 +29,7 @@ from memtrain.planner.cost import (
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
 from memtrain.techniques.optimizer.cost import LEAN_MARGIN
+from memtrain.techniques.weight_offload import weights_shift
 
 
 def _compared(ratio: float, lean: bool) -> str:
@@ -59,7 +60,8 @@ def _over_text(peak: float, fitting: float, usable: int | None, margin: float | 
 def _why_lost(results: CandidateTable, k: int, chosen: int, peak: float, fitting: float, fits: np.ndarray,
               fits_host: np.ndarray, usable: int | None, host_limit: int | None, margin: float | None) -> str:
     if not fits_host[k]:
-        return f"host RAM: needs {format_bytes(int(results.host[k]))} of {format_bytes(host_limit)}"
+        device = f"; {_over_text(peak, fitting, usable, margin)}" if usable is not None and fitting > usable else ""
+        return f"host RAM: needs {format_bytes(int(results.host[k]))} of {format_bytes(host_limit)}{device}"
     if not fits[k]:
         return _over_text(peak, fitting, usable, margin)
     return _slower(results.seconds[k] / results.seconds[chosen])
@@ -115,9 +117,10 @@ def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen
     return out
 
 
-def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float, fits: np.ndarray, fits_host: np.ndarray,
-             usable: int | None, host_limit: int | None) -> list[str]:
-    """One line per decision: what was chosen, and what the best alternative to that one decision costs."""
+def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float, verified: FullEstimates,
+                 judged: np.ndarray, fits_host: np.ndarray, usable: int | None, host_limit: int | None) -> list[str]:
+    """One line per decision: what was chosen, and what the best alternative to that one decision costs (each row
+    ``judged`` as the search judges it: ``verified.fitting_all()``)."""
     s = results.settings(chosen)
     budget_text = "no budget" if usable is None else f"the usable {format_bytes(usable)}"
     if results.explicit and not results.searched:  # nothing was searched: the set-up was given
@@ -125,7 +128,7 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
                 f"{s.loss_text}, optimizer {s.optimizer_text}, micro-batch "
                 f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
                 _peak_reason(peak, budget_text)]
-    alternative = _Alternatives(results, chosen, fits, fits_host, usable, budget_text)
+    alternative = _Alternatives(results, chosen, verified, judged, fits_host, usable, budget_text)
     view = _View(settings=s, chosen=chosen, device=ctx.device, world=ctx.world, per_rank=ctx.global_batch // ctx.world,
                  chunkable=ctx.chunkable, grad_clip=ctx.grad_clip, budget_text=budget_text, offload=results.offload,
                  recompute=results.recompute, results=results, alternative=alternative)
@@ -137,27 +140,41 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
 @dataclass(frozen=True)
 class _Alternatives:
     """What the best alternative to one decision costs, in words: the fastest row of ``mask`` that fits, timed
-    against the chosen one; or, where none of them fits, what the smallest of them needs (host RAM, or its peak
-    over the budget). Empty when no row of ``mask`` was composed."""
+    against the chosen one; or, where none of them fits, what they need: the least host RAM of those that fit the
+    device, else the smallest figure of them over the budget (its peak, or its allocator segments' need). Each row
+    is ``judged`` as the search judges it (``FullEstimates.fitting_all``). Empty when no row of ``mask`` was
+    composed."""
 
     results: CandidateTable
     chosen: int
-    fits: np.ndarray
+    verified: FullEstimates
+    judged: np.ndarray
     fits_host: np.ndarray
     usable: int | None
     budget_text: str
+    fits_device: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        fits = self.judged <= self.usable if self.usable is not None else np.ones(len(self.judged), bool)
+        object.__setattr__(self, "fits_device", fits)
 
     def __call__(self, mask: np.ndarray, what: str, lean: bool = False) -> str:
         results = self.results
-        best_fit = results.first(mask & self.fits)
+        best_fit = results.first(mask & self.fits_device & self.fits_host)
         if best_fit is not None:
             return f"{what} would be {_compared(results.seconds[best_fit] / results.seconds[self.chosen], lean)}"
         if not mask.any():
             return ""
-        smallest = int(np.flatnonzero(mask)[np.argmin(results.peak[mask])])
-        if not self.fits_host[smallest] and (self.usable is None or results.peak[smallest] <= self.usable):
-            return f"{what} would need {format_bytes(int(results.host[smallest]))} of host RAM"
-        return f"{what} would peak at {format_bytes(int(results.peak[smallest]))} at least, over {self.budget_text}"
+        on_device = mask & self.fits_device
+        if on_device.any():  # they fit the device, none the host RAM
+            return f"{what} would need {format_bytes(int(results.host[on_device].min()))} of host RAM"
+        smallest = int(np.flatnonzero(mask)[np.argmin(self.judged[mask])])
+        peak = self.verified.peak(smallest)
+        assert self.usable is not None and self.verified.margin is not None  # with no budget every row fits the device
+        if peak <= self.usable:  # the allocator's segments set its figure
+            need = math.ceil(self.judged[smallest] / (1 - self.verified.margin))
+            return f"{what} would need {format_bytes(need)} of the budget at least, for the caching allocator's segments"
+        return f"{what} would peak at {format_bytes(int(peak))} at least, over {self.budget_text}"
 
 
 @dataclass
@@ -374,7 +391,9 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
     hints = [f"a larger budget ({fits})"]
     prof = composer.profile_of(s)
     shards = ctx.world if s.distribution == "fsdp2" else 1  # the smallest peak's model state is per rank
-    weights = prof.parameter_bytes / (2 if s.optimizer == "offload-bf16-weights" else 1) / shards
+    # The weights as the device holds them: the profile's dtype (bf16 beside an offloaded master), the streamed
+    # blocks' but two gone
+    weights = (prof.parameter_bytes + weights_shift(prof, s)) / shards
     memory = composer.share(prof, configuration_of(s)).memory  # its moments' precision, its gradients' life
     state = weights + (memory.device_state_bytes + memory.device_gradient_peak_bytes) / shards
     if ctx.device == "cuda" and techniques.pure_bf16.fsdp2_shards(s):

@@ -524,14 +524,15 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     tokens_per_step = ctx.global_batch * ctx.seq_len
     seconds = float(results.seconds[chosen])
     # Every row judged as the search judges it: a composed one with what the full estimates showed.
-    fits_verified = fits_host & (verified.fitting_all() <= usable) if usable is not None else fits
+    judged = verified.fitting_all()
+    fits_verified = fits_host & (judged <= usable) if usable is not None else fits
     return Plan(
         settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
         peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
         step_seconds=seconds, tokens_per_s=tokens_per_step / seconds, precision=ctx.precision, device=ctx.device,
         seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
         parameters=weight_count(ctx.model),  # a 4-bit layer's weights as weights, not its packed bytes
-        reasons=(*notes, *plan_reasons(ctx, results, chosen, peak, fits_verified, fits_host, usable, host_limit),
+        reasons=(*notes, *plan_reasons(ctx, results, chosen, peak, verified, judged, fits_host, usable, host_limit),
                  *hint_lines(hint, seconds), *size_hints(ctx, seconds)),
         candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
                                      host_limit)),
