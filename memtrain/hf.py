@@ -61,6 +61,7 @@ from memtrain.hf_trainer import (
     trainer_problems,
 )
 from memtrain.message import arg
+from memtrain.quantize import bitsandbytes_quiet
 from memtrain.unwrap import unwrap_model
 
 # Checkpoint formats that are pickles: loading one runs whatever code it holds.
@@ -80,7 +81,8 @@ def _transformers() -> Any:
 
 def _peft() -> Any:
     try:
-        import peft
+        with bitsandbytes_quiet():  # peft imports it where it is installed
+            import peft
     except ImportError:
         raise ConfigError("LoRA needs the peft package, which is not installed. To resolve this error, run: pip "
                           "install 'memtrain[lora]'") from None
@@ -274,7 +276,8 @@ def is_lora(model: nn.Module) -> bool:
     """Whether ``model`` is a PEFT model (LoRA adapters on a frozen base), inside compile/DDP wrappers too."""
     model = unwrap_model(model)
     try:
-        import peft
+        with bitsandbytes_quiet():  # peft imports it where it is installed
+            import peft
     except ImportError:
         return False
     return isinstance(model, peft.PeftModel)
@@ -333,7 +336,11 @@ def apply_lora(model: nn.Module, r: int | Any = 8, *, alpha: float | None = None
                                  task_type="CAUSAL_LM" if _is_hf_causal_lm(model) else None,
                                  **({} if alpha is None else {"lora_alpha": alpha}))
     try:
-        lora = peft.get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # peft asks transformers 5.2x's PreTrainedModel by its deprecated name: nothing a user changes
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            lora = peft.get_peft_model(model, config)
     except ValueError as e:
         raise ConfigError(f"peft could not add adapters to {type(model).__name__}: {e}. To resolve this error, "
                           f"pass {arg('target_modules')} naming its nn.Linear layers.") from None

@@ -20,8 +20,11 @@ nothing saved for backward). bitsandbytes is not needed to plan.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,10 +44,25 @@ def fsdp_shards_4bit() -> bool:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
 
 
+@contextlib.contextmanager
+def bitsandbytes_quiet() -> Iterator[None]:
+    """bitsandbytes' logger at ERROR while it imports: its import logs the optional kernels it did not find (on a
+    CPU, a 4-bit kernel from the Hugging Face Hub whose publisher it cannot verify), which nothing in a run acts on.
+    peft imports it too, where it is installed."""
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def bitsandbytes() -> Any:
     """The bitsandbytes package, or a ConfigError naming the extra that installs it."""
     try:
-        import bitsandbytes as bnb
+        with bitsandbytes_quiet():
+            import bitsandbytes as bnb
     except ImportError:
         raise ConfigError("--quantize-base nf4 (QLoRA) needs the bitsandbytes package, which is not installed. To "
                           "resolve this error, run: pip install 'memtrain[qlora]' (or drop --quantize-base to train "

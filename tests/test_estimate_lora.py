@@ -48,3 +48,22 @@ def test_lora_estimate_equals_measure_on_the_cpu(build, dropout, precision):
         f"estimated {estimated.activation_bytes} saved bytes, measured {measured.activation_bytes} "
         f"({estimated.activation_bytes / measured.activation_bytes - 1:+.2%})")
     assert estimated.gradient_bytes == measured.gradient_bytes
+
+
+def test_lora_reaches_the_user_without_its_peers_noise():
+    """peft imports bitsandbytes where it is installed, whose import logs a CPU kernel it could not fetch from the
+    Hugging Face Hub; get_peft_model asks transformers 5.2x by a deprecated name (a FutureWarning). Nothing a user
+    acts on: neither reaches them (before, both printed on every LoRA plan). A fresh process: both come once, at the
+    first import and the first adapters."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import warnings; warnings.simplefilter('error', FutureWarning); import transformers; "
+            "from helpers import tiny_llama_config; from memtrain.hf import apply_lora; "
+            "apply_lora(transformers.LlamaForCausalLM(tiny_llama_config()), 4)")
+    root = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{root}:{root.parent}"})
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr

@@ -8,7 +8,6 @@ rounded back stochastically); bitsandbytes' block-wise 8-bit AdamW about 2.03 (t
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from memtrain.errors import ConfigError, MemtrainError
 from memtrain.message import arg
 from memtrain.optim import host_kernels
+from memtrain.quantize import bitsandbytes_quiet
 from memtrain.techniques.optimizer import STATE_PRECISIONS
 
 # bitsandbytes (and torchao) keep fp32 moments for tensors under this many elements: biases and norms are few
@@ -314,13 +314,8 @@ def adamw_8bit_class(device_type: str = "cpu") -> type[torch.optim.Optimizer]:
     if _ADAMW8BIT is not None:
         return _ADAMW8BIT
     try:
-        bnb_logger = logging.getLogger("bitsandbytes")
-        level = bnb_logger.level
-        bnb_logger.setLevel(logging.ERROR)  # its import logs optional kernels it did not find
-        try:
+        with bitsandbytes_quiet():
             import bitsandbytes as bnb
-        finally:
-            bnb_logger.setLevel(level)
     except ImportError as e:
         raise ConfigError(
             f"{arg('state_precision', 'int8')} needs bitsandbytes, which is not importable here ({e}). To resolve "
