@@ -7,6 +7,7 @@ position table grown past the rest of the model, a step predicted to take many m
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,71 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
             seconds = float(table.seconds[k])
             return PureBF16Hint(s, peak, float(table.host[k]), seconds, tokens / seconds)
     return None
+
+
+# The widest FSDP2 a refusal's hint tries: a set-up whose rank's activations alone exceed the budget fits at none.
+MOST_RANKS = 2**16
+
+
+@dataclass(frozen=True)
+class FSDP2Fit:
+    """The fewest ranks over which one of the plan's FSDP2 set-ups fits both budgets (a full estimate of its peak,
+    as the budget less the margin sees it), and the fastest that fits there."""
+
+    ranks: int
+    settings: PlanSettings
+    peak_bytes: float
+    host_bytes: float
+
+    @property
+    def fix(self) -> str:
+        """E.g. "FSDP2 over 3 GPUs (--nproc 3 --fsdp: ...; micro-batch 16, ... would need 14.2 GiB per rank)": marked
+        text, a part of the nothing-fits message."""
+        s = self.settings
+        examples = s.micro_batch_size * s.accumulation * self.ranks  # each rank's, as now
+        return (f"FSDP2 over {self.ranks} GPUs ({arg('world_size', self.ranks)} {arg('fsdp', True)} "
+                f"{arg('global_batch_size', examples)}: parameters, gradients and optimizer state sharded over the "
+                f"ranks, each rank taking the examples it takes now; micro-batch "
+                f"{s.micro_batch_size}, checkpointing {s.checkpointing}, optimizer {s.optimizer_text} would need "
+                f"{format_bytes(int(self.peak_bytes))} per rank, {format_bytes(int(self.host_bytes))} of host RAM a "
+                "node)")
+
+
+def fsdp2_fit(candidates: Callable[[int], tuple[Composer, CandidateTable] | None], start: int, usable: int,
+              host_limit: int | None, judge: Callable[[Composer, PlanSettings], float]) -> FSDP2Fit | None:
+    """The fewest ranks from ``start`` over which one of the FSDP2 ``candidates(ranks)`` (composed; None where the
+    fixed choices take no FSDP2) fits: the fastest ``_HINT_TRIES`` whose composed peak fits ``usable`` and the host
+    RAM, each confirmed by ``judge`` (its full estimate's figure as the budget sees it, ``fitting_peak``). Doubled
+    until one fits, then bisected (a rank's share of the sharded state only shrinks with more ranks). None where
+    none fits at ``MOST_RANKS``."""
+    tables = functools.cache(candidates)
+
+    def fastest(ranks: int) -> FSDP2Fit | None:
+        found = tables(ranks)
+        if found is None:
+            return None
+        composer, table = found
+        fits = (table.peak <= usable) & (table.host <= host_limit if host_limit is not None else True)
+        for k in table.order[fits[table.order]][:_HINT_TRIES]:
+            s = table.settings(int(k))
+            if (peak := judge(composer, s)) <= usable:
+                return FSDP2Fit(ranks, s, peak, float(table.host[k]))
+        return None
+
+    if tables(start) is None:
+        return None
+    below, ranks = start - 1, start
+    while (fit := fastest(ranks)) is None:
+        if ranks >= MOST_RANKS:
+            return None
+        below, ranks = ranks, min(2 * ranks, MOST_RANKS)
+    while ranks - below > 1:
+        middle = (below + ranks) // 2
+        if (closer := fastest(middle)) is not None:
+            ranks, fit = middle, closer
+        else:
+            below = middle
+    return fit
 
 
 def hint_lines(hint: PureBF16Hint | None, chosen_seconds: float) -> tuple[str, ...]:

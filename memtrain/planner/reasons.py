@@ -5,6 +5,7 @@ and the "nothing fits" error that says which budget is short, by how much, and w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,13 +24,13 @@ from memtrain.planner.cost import (
     Composer,
     FullEstimates,
     fsdp2_param_dtype,
-    gathered_block_bytes,
     ranks_per_node,
 )
+from memtrain.planner.hint import FSDP2Fit
 from memtrain.planner.settings import Candidate, PlanSettings, Problem, configuration_of
 from memtrain.report import format_bytes
 from memtrain.techniques.optimizer.cost import LEAN_MARGIN
-from memtrain.techniques.weight_offload import weights_shift
+from memtrain.techniques.weight_offload import weights_in_host_ram, weights_shift
 
 
 def _compared(ratio: float, lean: bool) -> str:
@@ -64,7 +65,15 @@ def _why_lost(results: CandidateTable, k: int, chosen: int, peak: float, fitting
         return f"host RAM: needs {format_bytes(int(results.host[k]))} of {format_bytes(host_limit)}{device}"
     if not fits[k]:
         return _over_text(peak, fitting, usable, margin)
-    return _slower(results.seconds[k] / results.seconds[chosen])
+    ratio = results.seconds[k] / results.seconds[chosen]
+    if ratio >= 1 / 1.001:
+        return _slower(ratio)
+    faster = f"{100 * (1 - ratio):.1f}% faster"
+    if weights_in_host_ram(results.settings(k)) and not weights_in_host_ram(results.settings(chosen)):
+        # ``_verified_fastest``: parameter offload is for weights that do not fit the device
+        return (f"{faster}, but it streams the weights from host RAM, which the plan chooses only where no set-up "
+                "that keeps them on the device fits")
+    return f"{faster} as composed, but not confirmed: the plan's full estimates ran out before it"
 
 
 def _family_codes(results: CandidateTable) -> np.ndarray:
@@ -92,7 +101,7 @@ def _first_of_each(rows: np.ndarray, codes: np.ndarray, seen: set[int], limit: i
 
 
 def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen: int,
-                verified: FullEstimates, fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
+                estimates: FullEstimates, fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
                 host_limit: int | None) -> list[Candidate]:
     """Up to three faster candidates that do not fit and five slower ones that do, one of each family (the shape
     of the checkpointing, the loss, the optimizer, the micro-batch, ...): of each family the fastest, each with why
@@ -108,19 +117,19 @@ def runners_up(ctx: Problem, composer: Composer, results: CandidateTable, chosen
     picked += _first_of_each(slower, codes, {int(codes[chosen]), *(int(codes[k]) for k in picked)}, 5)
     out = []
     for k in picked:
-        s, peak = results.settings(k), verified.peak(k)
+        s, peak = results.settings(k), estimates.peak(k)
         out.append(Candidate(s, int(peak), int(results.host[k]), float(results.seconds[k]),
-                             tokens_per_step / float(results.seconds[k]), k in verified,
-                             _why_lost(results, k, chosen, peak, verified.fitting(k), fits, fits_host, usable,
-                                       host_limit, verified.margin),
+                             tokens_per_step / float(results.seconds[k]), k in estimates,
+                             _why_lost(results, k, chosen, peak, estimates.fitting(k), fits, fits_host, usable,
+                                       host_limit, estimates.margin),
                              composer.host_link(s)))
     return out
 
 
-def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float, verified: FullEstimates,
+def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float, estimates: FullEstimates,
                  judged: np.ndarray, fits_host: np.ndarray, usable: int | None, host_limit: int | None) -> list[str]:
     """One line per decision: what was chosen, and what the best alternative to that one decision costs (each row
-    ``judged`` as the search judges it: ``verified.fitting_all()``)."""
+    ``judged`` as the search judges it: ``estimates.fitting_all()``)."""
     s = results.settings(chosen)
     budget_text = "no budget" if usable is None else f"the usable {format_bytes(usable)}"
     if results.explicit and not results.searched:  # nothing was searched: the set-up was given
@@ -128,7 +137,7 @@ def plan_reasons(ctx: Problem, results: CandidateTable, chosen: int, peak: float
                 f"{s.loss_text}, optimizer {s.optimizer_text}, micro-batch "
                 f"{s.micro_batch_size} x {s.accumulation} accumulation (as asked: no search)",
                 _peak_reason(peak, budget_text)]
-    alternative = _Alternatives(results, chosen, verified, judged, fits_host, usable, budget_text)
+    alternative = _Alternatives(results, chosen, estimates, judged, fits_host, usable, budget_text)
     view = _View(settings=s, chosen=chosen, device=ctx.device, world=ctx.world, per_rank=ctx.global_batch // ctx.world,
                  chunkable=ctx.chunkable, grad_clip=ctx.grad_clip, budget_text=budget_text, offload=results.offload,
                  recompute=results.recompute, results=results, alternative=alternative)
@@ -147,7 +156,7 @@ class _Alternatives:
 
     results: CandidateTable
     chosen: int
-    verified: FullEstimates
+    estimates: FullEstimates
     judged: np.ndarray
     fits_host: np.ndarray
     usable: int | None
@@ -169,10 +178,10 @@ class _Alternatives:
         if on_device.any():  # they fit the device, none the host RAM
             return f"{what} would need {format_bytes(int(results.host[on_device].min()))} of host RAM"
         smallest = int(np.flatnonzero(mask)[np.argmin(self.judged[mask])])
-        peak = self.verified.peak(smallest)
-        assert self.usable is not None and self.verified.margin is not None  # with no budget every row fits the device
+        peak = self.estimates.peak(smallest)
+        assert self.usable is not None and self.estimates.margin is not None  # with no budget every row fits the device
         if peak <= self.usable:  # the allocator's segments set its figure
-            need = math.ceil(self.judged[smallest] / (1 - self.verified.margin))
+            need = math.ceil(self.judged[smallest] / (1 - self.estimates.margin))
             return f"{what} would need {format_bytes(need)} of the budget at least, for the caching allocator's segments"
         return f"{what} would peak at {format_bytes(int(peak))} at least, over {self.budget_text}"
 
@@ -258,16 +267,17 @@ def plan_assumptions(ctx: Problem, margin: float, composer: Composer, host_limit
 
 
 def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable,
-                        verified: FullEstimates, budget_bytes: int | None, usable: int | None,
+                        estimates: FullEstimates, budget_bytes: int | None, usable: int | None,
                         host_limit: int | None, host_budget: int | None, margin: float, fits_host: np.ndarray,
-                        options: list[str] | None = None) -> None:
+                        options: list[str] | None = None, fsdp2: Callable[[], FSDP2Fit | None] | None = None) -> None:
     """The ConfigError when no candidate fits: which budget is short (the device, the host RAM, both or either),
     by how much (each figure beside the budget it is over), and the budgets or options that would fit
-    (``options``: set-ups the plan does not take on its own that fit both budgets, e.g. pure bf16's)."""
+    (``options``: set-ups the plan does not take on its own that fit both budgets, e.g. pure bf16's; ``fsdp2``:
+    the fewest ranks over which one of the plan's FSDP2 set-ups fits, a ``memtrain.planner.hint.FSDP2Fit``)."""
     assert usable is not None or host_limit is not None
     # Every row as the search judges it (a composed one with what the full estimates showed): a row that composes
     # within the budget but was not estimated in full is not named fitting.
-    peaks = verified.fitting_all()
+    peaks = estimates.fitting_all()
     if results.explicit and not results.searched:
         s = results.settings(0)
         holds = ""
@@ -275,7 +285,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
             where = f"needs {format_bytes(int(results.host[0]))} of host RAM, more than {format_bytes(host_limit)}"
         else:
             assert usable is not None and budget_bytes is not None
-            where = _device_figures(verified.peak(0), float(peaks[0]), usable, budget_bytes, margin)
+            where = _device_figures(estimates.peak(0), float(peaks[0]), usable, budget_bytes, margin)
             holds = f" ({arg('budget', text=_size_up(math.ceil(peaks[0] / (1 - margin))))} holds it)"
         raise ConfigError(
             f"the set-up asked for (micro-batch {s.micro_batch_size}, checkpointing {s.checkpointing}, loss "
@@ -285,10 +295,10 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
     if unconfirmed.any():  # the full estimates ran out before one of these was tried
         u = results.first(unconfirmed)
         raise ConfigError(
-            f"the plan stopped before it confirmed a set-up: none of the {len(verified)} estimated in full fits, and "
+            f"the plan stopped before it confirmed a set-up: none of the {len(estimates)} estimated in full fits, and "
             f"{int(unconfirmed.sum())} set-ups never estimated in full compose within the budget from the block "
             f"profiles (the fastest: {_setup_text(results.settings(u))}, a composed peak of "
-            f"{format_bytes(int(verified.peak(u)))}). To resolve this error, fix the choices to that set-up (its "
+            f"{format_bytes(int(estimates.peak(u)))}). To resolve this error, fix the choices to that set-up (its "
             "micro-batch and techniques), which estimates it in full, or raise the budget.")
     fits_device = peaks <= usable if usable is not None else np.ones(len(peaks), bool)
     on_device, on_host = bool(fits_device.any()), bool(fits_host.any())
@@ -312,11 +322,11 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
                      + ("" if host_budget is not None else " on a machine with that much RAM free"))
     if usable is not None and (on_host or not on_device):
         assert budget_bytes is not None
-        allocated = verified.peak(k)
+        allocated = estimates.peak(k)
         need = math.ceil(peaks[k] / (1 - margin))
         within_host = on_host and not fits_host.all()
         # Figures of this set-up's full estimate, or (the full estimates ran out) composed with what others showed.
-        judged = "" if k in verified else "; composed, with what other set-ups' full estimates showed"
+        judged = "" if k in estimates else "; composed, with what other set-ups' full estimates showed"
         if allocated <= usable < peaks[k]:  # its peak fits: the allocator's segments (whole pages) set the figure
             whose = "the set-ups within the host RAM need at least" if within_host else "the least any set-up needs is"
             clauses.append(f"{whose} {format_bytes(need)} per rank ({_setup_text(results.settings(k))}: its "
@@ -330,7 +340,7 @@ def raise_nothing_fits(ctx: Problem, composer: Composer, results: CandidateTable
             clauses.append(f"{whose} {format_bytes(int(allocated))} per rank ({_setup_text(results.settings(k))}"
                            f"{segments}{judged}), {format_bytes(int(allocated) - usable)} over the usable {format_bytes(usable)} "
                            f"(budget {format_bytes(budget_bytes)} less the {100 * margin:.0f}% safety margin)")
-        fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin, allocated)
+        fixes += _device_hints(ctx, composer, results.settings(k), float(peaks[k]), usable, margin, allocated, fsdp2)
     which = ("both budgets" if on_device and on_host else "the device" if on_host else
              "the host RAM" if on_device else "either budget")
     if which == "either budget":  # each fix needs the other budget raised too: the smallest peak's host RAM
@@ -377,10 +387,11 @@ def _bytes_up(n: int) -> str:
 
 
 def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float, usable: int,
-                  margin: float, allocated: float | None = None) -> list[str]:
+                  margin: float, allocated: float | None = None,
+                  fsdp2: Callable[[], FSDP2Fit | None] | None = None) -> list[str]:
     """What would let set-up ``s``, the smallest figure ``peak`` (``fitting_peak``'s: its ``allocated`` peak, or
     its allocator segments' need less the margin), fit the usable device bytes: a budget that holds it, FSDP2 over
-    more ranks, a shorter sequence."""
+    more ranks (``fsdp2``: where one of the plan's FSDP2 set-ups fits), a shorter sequence."""
     allocated = peak if allocated is None else allocated
     if allocated <= usable < peak:  # whole pages, not what the step holds: no shorter sequence or more ranks
         return [f"a larger budget ({arg('budget', text=_size_up(math.ceil(peak / (1 - margin))))} holds that "
@@ -396,14 +407,8 @@ def _device_hints(ctx: Problem, composer: Composer, s: PlanSettings, peak: float
     weights = (prof.parameter_bytes + weights_shift(prof, s)) / shards
     memory = composer.share(prof, configuration_of(s)).memory  # its moments' precision, its gradients' life
     state = weights + (memory.device_state_bytes + memory.device_gradient_peak_bytes) / shards
-    if ctx.device == "cuda" and techniques.pure_bf16.fsdp2_shards(s):
-        # FSDP2 shards parameters, gradients and optimizer state; the activations of a rank stay.
-        full = prof.parameter_bytes + prof.adamw_state_bytes + prof.trainable_bytes
-        room = usable - (allocated - state) - 2 * gathered_block_bytes(ctx, prof)
-        if room > 0:  # more ranks cannot shrink a rank's activations
-            ranks = max(math.ceil(full / room), ctx.world + 1)
-            hints.append(f"FSDP2 over at least {ranks} GPUs (memtrain plan --nproc N --fsdp: parameters, "
-                         "gradients and optimizer state sharded over the ranks)")
+    if fsdp2 is not None and (fit := fsdp2()) is not None:
+        hints.append(fit.fix)
     activations = allocated - state  # what the step holds, not the segments' rounding
     # Fixed: no sequence length shrinks it (a simulated device computes with the CPU's kernels: none).
     workspace = CUDA_WORKSPACE_BYTES if ctx.device == "cuda" and active_simulation() is None else 0

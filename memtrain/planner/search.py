@@ -58,11 +58,12 @@ from memtrain.planner.cost import (
     CandidateTable,
     Composer,
     FullEstimates,
+    fitting_peak,
     gradient_shard,
     rank_peak,
 )
 from memtrain.planner.devices import DeviceProfile, device_profile
-from memtrain.planner.hint import hint_lines, pure_bf16_candidate, size_hints
+from memtrain.planner.hint import FSDP2Fit, fsdp2_fit, hint_lines, pure_bf16_candidate, size_hints
 from memtrain.planner.profiles import Profiles
 from memtrain.planner.reasons import (
     plan_assumptions,
@@ -185,17 +186,19 @@ def plan(
                      "chunked-loss" in allowed, grad_clip, device_profile, packed, precision_reason, kept_share)
     fixed, allowed, notes = _constraints(ctx, choices, allowed, settings, keep_optimizer)
     ConfigError.raise_if(problems + _model_problems(ctx, budget_bytes, fixed, settings, per_rank))
-    composer, results, pure = _candidates(ctx, fixed, allowed, settings, per_rank, fsdp, micro_batch_size,
-                                          compile or choices.compile, correction_bytes)
+    composer, results, pure, wider = _candidates(ctx, fixed, allowed, settings, per_rank, fsdp, micro_batch_size,
+                                                 compile or choices.compile, correction_bytes)
     return _choose(ctx, composer, results, budget_bytes, host_budget_bytes, safety_margin, started,
-                   correction_bytes, pure, notes)
+                   correction_bytes, pure, notes, wider)
 
 
 def _candidates(ctx: Problem, fixed: Fixed, allowed: set[str], settings: PlanSettings | None, per_rank: int,
                 fsdp: bool | None, micro_batch_size: int | None, compile: bool,
-                correction_bytes: int) -> tuple[Composer, CandidateTable, Callable[..., Any]]:
+                correction_bytes: int
+                ) -> tuple[Composer, CandidateTable, Callable[..., Any], Callable[..., Any] | None]:
     """Every candidate of the search space (or ``settings`` alone) composed into one ranked table, each peak with
-    ``correction_bytes`` added; with the composer and the pure bf16 hint's search (``_search``)."""
+    ``correction_bytes`` added; with the composer, the pure bf16 hint's search (``_search``) and the FSDP2 hint's
+    candidates (``_fsdp2_candidates`` less the ranks; None with ``settings``: nothing was searched)."""
     space = _search_space(ctx, allowed, fsdp, fixed, compile)
     results = CandidateTable(len(ctx.block_names))
     composer = _composer(ctx, space, results, settings)
@@ -205,7 +208,29 @@ def _candidates(ctx: Problem, fixed: Fixed, allowed: set[str], settings: PlanSet
         raise ConfigError(techniques.optimizer.TECHNIQUE.unbuildable(fixed, micro_batch_size, ctx.world, fsdp))
     results.finish()
     results.peak = results.peak + correction_bytes
-    return composer, results, pure
+    wider = None if settings is not None else functools.partial(
+        _fsdp2_candidates, composer, allowed, fixed, compile, micros, per_rank, correction_bytes)
+    return composer, results, pure, wider
+
+
+def _fsdp2_candidates(composer: Composer, allowed: set[str], fixed: Fixed, compile: bool, micros: Sequence[int],
+                      per_rank: int, correction_bytes: int, ranks: int) -> tuple[Composer, CandidateTable] | None:
+    """Every FSDP2 set-up of the plan's space over ``ranks`` ranks, each rank taking the examples it takes now
+    (``memtrain plan --nproc N``'s default global batch), composed from the plan's profiles (``correction_bytes``
+    added), with their composer: the refusal's FSDP2 hint. None where the fixed choices take no FSDP2 (an optimizer
+    FSDP2 cannot shard, pure bf16) or it needs profiles the plan did not trace."""
+    ctx = dataclasses.replace(composer.ctx, world=ranks, global_batch=per_rank * ranks)
+    space = _search_space(ctx, allowed, True, fixed, compile)
+    space.distributions = [d for d in space.distributions if d == "fsdp2"]
+    if not space.distributions or not set(space_profiles(space)) <= composer.profiles.keys():
+        return None
+    table, wide = CandidateTable(len(ctx.block_names)), Composer(ctx, composer.profiles)
+    _search(wide, table, space, fixed, micros, per_rank)
+    if table.empty:
+        return None
+    table.finish()
+    table.peak = table.peak + correction_bytes
+    return wide, table
 
 
 def _host_limit(device: str, host_budget_bytes: int | None) -> int | None:
@@ -490,41 +515,45 @@ def estimate_of(ctx: Problem, prof: Profiles, s: PlanSettings) -> tuple[float, T
 
 def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_bytes: int | None,
             host_budget: int | None, margin: float, started: float, correction_bytes: int = 0,
-            pure: Any = None, notes: Sequence[str] = ()) -> Plan:
+            pure: Any = None, notes: Sequence[str] = (),
+            wider: Callable[[int], tuple[Composer, CandidateTable] | None] | None = None) -> Plan:
     """The fastest row that fits the budget less ``margin`` and the host RAM, confirmed by a full estimate (the
     next is tried when the estimate disagrees), as a ``Plan`` with its reasons (``notes`` first), runners-up and
-    assumptions."""
+    assumptions; ``wider``: the FSDP2 candidates of a refusal's hint (``_fsdp2_candidates``)."""
     host_limit = _host_limit(ctx.device, host_budget)
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
     on_budget = None if usable is None else margin  # the margin where there is a budget
-    chosen, verified = _verified_fastest(ctx, composer, results, fits, fits_host, usable, on_budget,
+    chosen, estimates = _verified_fastest(ctx, composer, results, fits, fits_host, usable, on_budget,
                                          correction_bytes)
     faster_than = None if chosen is None else float(results.seconds[chosen])
     hint = pure(host_limit, usable, faster_than, correction_bytes, on_budget) if pure is not None else None
-    if chosen is None and usable is not None and ctx.device == "cuda" and len(results.peak):
-        # The row the refusal names, estimated in full where it was not (what the allocator's segments need beyond
-        # its peak is a full estimate's): chosen if it fits after all. Each full estimate can raise other rows. Where
+    if chosen is None and usable is not None and len(results.peak):
+        # The row the refusal names, estimated in full where it was not (what composition missed and what the
+        # allocator's segments need beyond its peak are a full estimate's), on the CPU too: chosen if it fits after all. Each full estimate can raise other rows. Where
         # no row fits the host RAM, none can be chosen: one estimate, for the figure.
         for _ in range(_VERIFY_LIMIT if fits_host.any() else 1):
-            k = refused_row(verified.fitting_all(), fits_host)
-            if k in verified:
+            k = refused_row(estimates.fitting_all(), fits_host)
+            if k in estimates:
                 break
             PROGRESS.info(f"plan: a full estimate of the least set-up left ({_setup_line(results.settings(k))})")
             peak, t = estimate_of(ctx, composer.profile_of(results.settings(k)), results.settings(k))
-            if verified.add(k, peak + correction_bytes, t) <= usable and fits_host[k]:
+            if estimates.add(k, peak + correction_bytes, t) <= usable and fits_host[k]:
                 chosen = k
                 break
     if chosen is None:
-        raise_nothing_fits(ctx, composer, results, verified, budget_bytes, usable, host_limit, host_budget, margin,
-                            fits_host, [hint.fix] if hint is not None else [])
+        fsdp2 = None
+        if wider is not None and usable is not None and ctx.device == "cuda":
+            fsdp2 = functools.partial(_fsdp2_hint, ctx, results, wider, usable, host_limit, margin, correction_bytes)
+        raise_nothing_fits(ctx, composer, results, estimates, budget_bytes, usable, host_limit, host_budget, margin,
+                            fits_host, [hint.fix] if hint is not None else [], fsdp2)
     s = results.settings(chosen)
-    peak, t = verified[chosen]
+    peak, t = estimates[chosen]
     tokens_per_step = ctx.global_batch * ctx.seq_len
     seconds = float(results.seconds[chosen])
     # Every row judged as the search judges it: a composed one with what the full estimates showed.
-    judged = verified.fitting_all()
+    judged = estimates.fitting_all()
     fits_verified = fits_host & (judged <= usable) if usable is not None else fits
     return Plan(
         settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
@@ -532,15 +561,33 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
         step_seconds=seconds, tokens_per_s=tokens_per_step / seconds, precision=ctx.precision, device=ctx.device,
         seq_len=ctx.seq_len, global_batch_size=ctx.global_batch, world_size=ctx.world, block_names=ctx.block_names,
         parameters=weight_count(ctx.model),  # a 4-bit layer's weights as weights, not its packed bytes
-        reasons=(*notes, *plan_reasons(ctx, results, chosen, peak, verified, judged, fits_host, usable, host_limit),
+        reasons=(*notes, *plan_reasons(ctx, results, chosen, peak, estimates, judged, fits_host, usable, host_limit),
                  *hint_lines(hint, seconds), *size_hints(ctx, seconds)),
-        candidates=tuple(runners_up(ctx, composer, results, chosen, verified, fits_verified, fits_host, usable,
+        candidates=tuple(runners_up(ctx, composer, results, chosen, estimates, fits_verified, fits_host, usable,
                                      host_limit)),
         assumptions=tuple(plan_assumptions(ctx, margin, composer, host_limit) + (
             [f"every predicted peak includes {format_bytes(correction_bytes)} that a measurement on this device "
              "showed the estimate missing"] if correction_bytes else [])), device_profile=ctx.device_profile, report=t.report,
         plan_seconds=time.perf_counter() - started, host_link=composer.host_link(s),
     )
+
+
+def _fsdp2_hint(ctx: Problem, results: CandidateTable,
+                wider: Callable[[int], tuple[Composer, CandidateTable] | None], usable: int, host_limit: int | None, margin: float, correction_bytes: int) -> FSDP2Fit | None:
+    """The refusal's FSDP2 fix (``fsdp2_fit``): from the ranks the plan has (where it did not weigh FSDP2 there),
+    else one more, each candidate confirmed by a full estimate as the plan over those ranks would."""
+    start = max(2, ctx.world + int((results.column("distribution") == "fsdp2").any()))
+    traces: dict[PlanSettings, Trace] = {}  # a one-process step's: the same at any rank count
+
+    def judge(wide: Composer, s: PlanSettings) -> float:
+        prof = wide.profile_of(s)
+        if s not in traces:
+            PROGRESS.info(f"plan: a full estimate for FSDP2 over {wide.ctx.world} GPUs ({_setup_line(s)})")
+            traces[s] = estimate_of(wide.ctx, prof, s)[1]
+        t = traces[s]
+        return fitting_peak(rank_peak(wide.ctx, prof, s, t) + correction_bytes, t, margin)
+
+    return fsdp2_fit(wider, start, usable, host_limit, judge)
 
 
 def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable, fits: np.ndarray,
@@ -556,7 +603,7 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
     band = fits_host & (results.peak <= usable * (1 + _VERIFY_BAND) if usable is not None else True)
     # Each full estimate says what composition missed for its shape of candidate and what the allocator's segments
     # need beyond its peak: later rows carry both (``FullEstimates``).
-    verified = FullEstimates(results, margin)
+    estimates = FullEstimates(results, margin)
     chosen, tries, near_misses = None, 0, 0
     order = results.order[band[results.order]]
     if (fits & ~streamed).any():
@@ -564,7 +611,7 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
         order = np.concatenate([order[~streamed[order]], order[streamed[order]]])
     for k in order:
         k = int(k)
-        composed = verified.fitting(k)
+        composed = estimates.fitting(k)
         near_miss = usable is not None and composed > usable
         if usable is not None and composed > usable * (1 + _VERIFY_BAND):
             continue
@@ -576,8 +623,8 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
         PROGRESS.info(f"plan: a full estimate of the fastest candidate left ({_setup_line(s)})")
         peak, t = estimate_of(ctx, composer.profile_of(s), s)
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
-        fitting = verified.add(k, peak + correction_bytes, t)
+        fitting = estimates.add(k, peak + correction_bytes, t)
         if usable is None or fitting <= usable:
             chosen = k
             break
-    return chosen, verified
+    return chosen, estimates

@@ -51,12 +51,6 @@ PURE_BF16_CAST_WEIGHTS = Rule(
     lambda s: bool(s.pure_bf16) and s.placement == "offload-bf16-weights")
 
 
-def fsdp2_shards(record: Any) -> bool:
-    """Whether FSDP2 could shard a plan's set-up as far as pure bf16 goes (its rule with FSDP2: PureBF16AdamW
-    slices whole parameters)."""
-    return not PURE_BF16_FSDP.refuses(SetUp(pure_bf16=record.pure_bf16, fsdp=True))
-
-
 def pure_bf16_space(placements: Sequence[str], states: Sequence[str],
                     distributions: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     """The placements, moment precisions and distributions a pure bf16 set-up can take: AdamW on the device or

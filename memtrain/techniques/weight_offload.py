@@ -39,6 +39,12 @@ def streams(cfg: Any) -> bool:
     return bool(cfg.offload_weights) and not shards_on_host(cfg)
 
 
+def weights_in_host_ram(cfg: Any) -> bool:
+    """Whether ``cfg``'s weights live in host RAM, copied to the device block by block (``streams``, or FSDP2's host
+    offload): the set-ups a plan confirms only where no other fits."""
+    return bool(cfg.offload_weights)
+
+
 def streamed_weight_bytes(prof: Any, cfg: Any) -> float:
     """Bytes of the blocks' weights (the device dtype) that parameter offload keeps in host RAM; 0 without it."""
     return float(np.sum(prof.block_parameter_bytes)) if streams(cfg) else 0.0
