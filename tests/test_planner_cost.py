@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import numpy as np
@@ -399,3 +400,39 @@ def test_fsdp2_gathers_a_lora_models_frozen_base_block_by_block(quantize):
     old = (-(stored(model.parameters()) + state) * (1 - 1 / world)
            + (2 * max(adapters) + stored(model.parameters()) - sum(adapters)) / 2)
     assert abs(old - expected) > 100 * 1024, (old / MiB, expected / MiB)
+
+
+def test_full_estimates_carry_what_they_showed_to_the_composed_rows():
+    """``FullEstimates``: a full estimate says what composition missed for its shape of candidate (its configuration,
+    with or without offloaded blocks) and what the allocator's segments need beyond its peak. Every composed row of
+    that shape carries the first, every composed row the second (the most seen), as the budget less the margin sees
+    it; a row estimated in full is its own figures; ``fitting_all`` is ``fitting`` row by row."""
+    from types import SimpleNamespace
+
+    from memtrain.planner.cost import CandidateTable, FullEstimates
+    from memtrain.planner.settings import Configuration
+
+    a, b = (Configuration(micro_batch_size=m, accumulation=1, flavor="full", distribution="none") for m in (1, 2))
+    table = CandidateTable(n_blocks=2)
+    table.add(a, 0, np.array([0, 1]), np.array([100.0, 90.0]) * MiB, np.zeros(2), np.array([1.0, 1.1]))
+    table.add(a, 1, np.array([1]), np.array([85.0]) * MiB, np.zeros(1), np.array([1.2]))
+    table.add(b, 0, np.array([2]), np.array([80.0]) * MiB, np.zeros(1), np.array([1.3]))
+    table.finish()
+    estimates = FullEstimates(table, margin=0.05)
+    assert [estimates.peak(k) for k in range(4)] == [m * MiB for m in (100, 90, 85, 80)]  # nothing seen yet
+
+    def trace(peak: float, needed: float) -> SimpleNamespace:
+        return SimpleNamespace(report=SimpleNamespace(peak_bytes=peak, needed_bytes=needed))
+
+    # Row 0 comes out 10 MiB over its composed peak; its segments need 20 MiB beyond it.
+    assert estimates.add(0, 110.0 * MiB, trace(110.0 * MiB, 130.0 * MiB)) == math.floor(130 * MiB * 0.95)
+    assert 0 in estimates and len(estimates) == 1
+    # Row 1, its shape: 10 MiB missed; row 2 offloads a block (another shape); row 3 another configuration.
+    assert [estimates.peak(k) for k in range(4)] == [m * MiB for m in (110, 100, 85, 80)]
+    expected = [math.floor(130 * MiB * 0.95)] + [max(p, math.floor((p + 20 * MiB) * 0.95))
+                                                 for p in (100 * MiB, 85 * MiB, 80 * MiB)]
+    assert [estimates.fitting(k) for k in range(4)] == expected
+    assert estimates.fitting_all().tolist() == expected
+    no_budget = FullEstimates(table, margin=None)
+    no_budget.add(0, 110.0 * MiB, trace(110.0 * MiB, 130.0 * MiB))
+    assert no_budget.fitting_all().tolist() == [m * MiB for m in (110, 100, 85, 80)]
