@@ -7,7 +7,6 @@ position table grown past the rest of the model, a step predicted to take many m
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ from memtrain.planner.cost import CandidateTable, Composer, fitting_peak
 from memtrain.planner.settings import Fixed, PlanSettings, Problem
 from memtrain.report import format_bytes
 
-_HINT_TRIES = 3  # full estimates of pure bf16 candidates, fastest first, before giving up on the hint
+_HINT_TRIES = 3  # full estimates of pure bf16 candidates, fastest first, before giving up on that hint
 # A faster pure bf16 set-up is worth a hint only when it is this much faster: a change of numerics for less is not
 # worth suggesting, and it is within the cost model's error (LoRA's few trainable weights gain about 0.2%).
 HINT_MIN_GAIN = 0.05
@@ -108,12 +107,15 @@ def pure_bf16_candidate(composer: Composer, space: Any, fixed: Fixed, micros: Se
 
 # The widest FSDP2 a refusal's hint tries: a set-up whose rank's activations alone exceed the budget fits at none.
 MOST_RANKS = 2**16
+# The ranks of a node (``memtrain.planner.cost.ranks_per_node``): up to there, the host RAM a node needs grows with its
+# ranks, so each rank count is judged in turn; past it, both figures a rank needs shrink as the ranks grow.
+_NODE_RANKS = 8
 
 
 @dataclass(frozen=True)
 class FSDP2Fit:
-    """The fewest ranks over which one of the plan's FSDP2 set-ups fits both budgets (a full estimate of its peak,
-    as the budget less the margin sees it), and the fastest that fits there."""
+    """The fewest ranks over which one of the plan's FSDP2 set-ups fits both budgets, as the plan over them judges,
+    and the set-up it chooses there: its peak (a full estimate) and its host RAM a node."""
 
     ranks: int
     settings: PlanSettings
@@ -122,53 +124,47 @@ class FSDP2Fit:
 
     @property
     def fix(self) -> str:
-        """E.g. "FSDP2 over 3 GPUs (--nproc 3 --fsdp: ...; micro-batch 16, ... would need 14.2 GiB per rank)": marked
-        text, a part of the nothing-fits message."""
+        """E.g. "FSDP2 over 3 GPUs (--nproc 3 --fsdp --global-batch-size 48: ...; micro-batch 16 x 1, ... would peak
+        at 14.2 GiB per rank ...)": marked text, a part of the nothing-fits message."""
         s = self.settings
-        examples = s.micro_batch_size * s.accumulation * self.ranks  # each rank's, as now
+        per_rank = s.micro_batch_size * s.accumulation
         return (f"FSDP2 over {self.ranks} GPUs ({arg('world_size', self.ranks)} {arg('fsdp', True)} "
-                f"{arg('global_batch_size', examples)}: parameters, gradients and optimizer state sharded over the "
-                f"ranks, each rank taking the examples it takes now; micro-batch "
-                f"{s.micro_batch_size}, checkpointing {s.checkpointing}, optimizer {s.optimizer_text} would need "
-                f"{format_bytes(int(self.peak_bytes))} per rank, {format_bytes(int(self.host_bytes))} of host RAM a "
-                "node)")
+                f"{arg('global_batch_size', per_rank * self.ranks)}: parameters, gradients and optimizer state "
+                f"sharded over the ranks, each taking the {per_rank} examples a step it takes now; micro-batch "
+                f"{s.micro_batch_size} x {s.accumulation}, checkpointing {s.checkpointing}, optimizer "
+                f"{s.optimizer_text} would peak at {format_bytes(int(self.peak_bytes))} per rank with "
+                f"{format_bytes(int(self.host_bytes))} of host RAM a node)")
 
 
-def fsdp2_fit(candidates: Callable[[int], tuple[Composer, CandidateTable] | None], start: int, usable: int,
-              host_limit: int | None, judge: Callable[[Composer, PlanSettings], float]) -> FSDP2Fit | None:
-    """The fewest ranks from ``start`` over which one of the FSDP2 ``candidates(ranks)`` (composed; None where the
-    fixed choices take no FSDP2) fits: the fastest ``_HINT_TRIES`` whose composed peak fits ``usable`` and the host
-    RAM, each confirmed by ``judge`` (its full estimate's figure as the budget sees it, ``fitting_peak``). Doubled
-    until one fits, then bisected (a rank's share of the sharded state only shrinks with more ranks). None where
-    none fits at ``MOST_RANKS``."""
-    tables = functools.cache(candidates)
+def fsdp2_fit(fits: Callable[[int], FSDP2Fit | None], reaches: Callable[[int], bool], start: int) -> FSDP2Fit | None:
+    """The fewest ranks from ``start`` at which ``fits(ranks)`` finds a set-up (the plan over them, with its full
+    estimates), sought from the fewest at which one ``reaches`` within its composed figures (no full estimate): the
+    full estimates are spent where a set-up can fit. None where none reaches at ``MOST_RANKS``."""
+    least = _fewest(lambda ranks: ranks if reaches(ranks) else None, start, one_by_one=0)
+    return None if least is None else _fewest(fits, least)
 
-    def fastest(ranks: int) -> FSDP2Fit | None:
-        found = tables(ranks)
-        if found is None:
-            return None
-        composer, table = found
-        fits = (table.peak <= usable) & (table.host <= host_limit if host_limit is not None else True)
-        for k in table.order[fits[table.order]][:_HINT_TRIES]:
-            s = table.settings(int(k))
-            if (peak := judge(composer, s)) <= usable:
-                return FSDP2Fit(ranks, s, peak, float(table.host[k]))
-        return None
 
-    if tables(start) is None:
-        return None
-    below, ranks = start - 1, start
-    while (fit := fastest(ranks)) is None:
+def _fewest(test: Callable[[int], Any], start: int, one_by_one: int = _NODE_RANKS) -> Any:
+    """``test(ranks)`` at the fewest ranks from ``start`` where it is not None: each count in turn up to
+    ``one_by_one`` ranks (a node's: its host RAM grows with its ranks), then doubled until one passes, then bisected.
+    None where none passes at ``MOST_RANKS``."""
+    ranks = start
+    while ranks <= one_by_one:
+        if (passed := test(ranks)) is not None:
+            return passed
+        ranks += 1
+    below, ranks = ranks - 1, (2 * one_by_one if start <= one_by_one else start)
+    while (passed := test(ranks)) is None:
         if ranks >= MOST_RANKS:
             return None
         below, ranks = ranks, min(2 * ranks, MOST_RANKS)
     while ranks - below > 1:
         middle = (below + ranks) // 2
-        if (closer := fastest(middle)) is not None:
-            ranks, fit = middle, closer
+        if (closer := test(middle)) is not None:
+            ranks, passed = middle, closer
         else:
             below = middle
-    return fit
+    return passed
 
 
 def hint_lines(hint: PureBF16Hint | None, chosen_seconds: float) -> tuple[str, ...]:

@@ -58,7 +58,6 @@ from memtrain.planner.cost import (
     CandidateTable,
     Composer,
     FullEstimates,
-    fitting_peak,
     gradient_shard,
     rank_peak,
 )
@@ -83,7 +82,7 @@ from memtrain.planner.settings import (
     configuration_of,
 )
 from memtrain.planner.tracing import build_profiles, step_batch
-from memtrain.quantize import weight_count
+from memtrain.quantize import fsdp_shards_4bit, is_quantized, weight_count
 from memtrain.report import format_bytes
 from memtrain.techniques import refuses
 from memtrain.techniques.optimizer.cost import profile_key, space_profiles
@@ -93,6 +92,7 @@ from memtrain.tiled_mlp import mlp_width
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
 _NEAR_MISSES = 3  # at most this many of them
+_FSDP2_ESTIMATES = 24  # full estimates a refusal's FSDP2 hint may make, over every rank count it judges
 # A line per slow stage (each traced kind of step, each full estimate): a large model plans for minutes, and a
 # command shows it is working (memtrain plan prints these on stderr). Silent unless a handler is attached.
 PROGRESS = logging.getLogger("memtrain.planner.progress")
@@ -195,7 +195,7 @@ def plan(
 def _candidates(ctx: Problem, fixed: Fixed, allowed: set[str], settings: PlanSettings | None, per_rank: int,
                 fsdp: bool | None, micro_batch_size: int | None, compile: bool,
                 correction_bytes: int
-                ) -> tuple[Composer, CandidateTable, Callable[..., Any], Callable[..., Any] | None]:
+                ) -> tuple[Composer, CandidateTable, Callable[..., Any], Callable[[int], Any] | None]:
     """Every candidate of the search space (or ``settings`` alone) composed into one ranked table, each peak with
     ``correction_bytes`` added; with the composer, the pure bf16 hint's search (``_search``) and the FSDP2 hint's
     candidates (``_fsdp2_candidates`` less the ranks; None with ``settings``: nothing was searched)."""
@@ -222,10 +222,12 @@ def _fsdp2_candidates(composer: Composer, allowed: set[str], fixed: Fixed, compi
     ctx = dataclasses.replace(composer.ctx, world=ranks, global_batch=per_rank * ranks)
     space = _search_space(ctx, allowed, True, fixed, compile)
     space.distributions = [d for d in space.distributions if d == "fsdp2"]
-    if not space.distributions or not set(space_profiles(space)) <= composer.profiles.keys():
+    if (not space.distributions or not set(space_profiles(space)) <= composer.profiles.keys()
+            or (is_quantized(ctx.model) and not fsdp_shards_4bit())):  # this torch's FSDP2: no packed 4-bit codes
         return None
     table, wide = CandidateTable(len(ctx.block_names)), Composer(ctx, composer.profiles)
-    _search(wide, table, space, fixed, micros, per_rank)
+    PROGRESS.info(f"plan: the plan over {ranks} GPUs with FSDP2, for the refusal's fix")
+    _search(wide, table, space, fixed, micros, per_rank, say=False)
     if table.empty:
         return None
     table.finish()
@@ -360,7 +362,7 @@ def _blocks_all_train(ctx: Problem) -> bool:
 
 
 def _search(composer: Composer, results: CandidateTable, space: SearchSpace, fixed: Fixed, micros: Sequence[int],
-            per_rank: int) -> Callable[..., Any]:
+            per_rank: int, *, say: bool = True) -> Callable[..., Any]:
     """Composes every candidate of the space into ``results``: for each configuration, every count of offloaded
     and recomputed blocks (or the fixed layout). Returns the search of the pure bf16 set-ups for a hint,
     ``(host limit, usable, faster than, correction) -> PureBF16Hint | None``: pure bf16 changes the numerics, so
@@ -377,7 +379,7 @@ def _search(composer: Composer, results: CandidateTable, space: SearchSpace, fix
         offload, recompute = _layouts(L, space.offload_blocks, bool(flavors), cfg.flavor == (flavors or ["full"])[0])
         if len(recompute):
             jobs.append((cfg, offload, recompute))
-    if jobs:
+    if jobs and say:  # (``say``: on the progress line)
         PROGRESS.info(f"plan: composing {sum(len(r) for _, _, r in jobs):,} candidates"
                       f"{' in pure bf16' if space.pure_bf16 else ''} ({len(jobs)} set-ups over {len(micros)} "
                       "micro-batch sizes)")
@@ -522,26 +524,11 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     assumptions; ``wider``: the FSDP2 candidates of a refusal's hint (``_fsdp2_candidates``)."""
     host_limit = _host_limit(ctx.device, host_budget)
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
-    fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
-    fits = fits_host & (results.peak <= usable if usable is not None else True)
     on_budget = None if usable is None else margin  # the margin where there is a budget
-    chosen, estimates = _verified_fastest(ctx, composer, results, fits, fits_host, usable, on_budget,
-                                         correction_bytes)
+    chosen, estimates, fits_host = _judged(results, usable, host_limit, margin,
+                                           _plan_estimate(ctx, composer, correction_bytes))
     faster_than = None if chosen is None else float(results.seconds[chosen])
     hint = pure(host_limit, usable, faster_than, correction_bytes, on_budget) if pure is not None else None
-    if chosen is None and usable is not None and len(results.peak):
-        # The row the refusal names, estimated in full where it was not (what composition missed and what the
-        # allocator's segments need beyond its peak are a full estimate's), on the CPU too: chosen if it fits after all. Each full estimate can raise other rows. Where
-        # no row fits the host RAM, none can be chosen: one estimate, for the figure.
-        for _ in range(_VERIFY_LIMIT if fits_host.any() else 1):
-            k = refused_row(estimates.fitting_all(), fits_host)
-            if k in estimates:
-                break
-            PROGRESS.info(f"plan: a full estimate of the least set-up left ({_setup_line(results.settings(k))})")
-            peak, t = estimate_of(ctx, composer.profile_of(results.settings(k)), results.settings(k))
-            if estimates.add(k, peak + correction_bytes, t) <= usable and fits_host[k]:
-                chosen = k
-                break
     if chosen is None:
         fsdp2 = None
         if wider is not None and usable is not None and ctx.device == "cuda":
@@ -554,7 +541,7 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     seconds = float(results.seconds[chosen])
     # Every row judged as the search judges it: a composed one with what the full estimates showed.
     judged = estimates.fitting_all()
-    fits_verified = fits_host & (judged <= usable) if usable is not None else fits
+    fits_verified = fits_host & (judged <= usable) if usable is not None else fits_host
     return Plan(
         settings=s, budget_bytes=budget_bytes, usable_bytes=usable, host_budget_bytes=host_budget,
         peak_bytes=int(peak), host_bytes=int(results.host[chosen]), activation_bytes=t.report.activation_bytes,
@@ -573,29 +560,101 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
 
 
 def _fsdp2_hint(ctx: Problem, results: CandidateTable,
-                wider: Callable[[int], tuple[Composer, CandidateTable] | None], usable: int, host_limit: int | None, margin: float, correction_bytes: int) -> FSDP2Fit | None:
+                wider: Callable[[int], tuple[Composer, CandidateTable] | None], usable: int, host_limit: int | None,
+                margin: float, correction_bytes: int) -> FSDP2Fit | None:
     """The refusal's FSDP2 fix (``fsdp2_fit``): from the ranks the plan has (where it did not weigh FSDP2 there),
-    else one more, each candidate confirmed by a full estimate as the plan over those ranks would."""
+    else one more, from the fewest where a set-up composes within the band the search estimates in full, each rank
+    count judged as the plan over it judges (``_judged``), on at most ``_FSDP2_ESTIMATES`` full estimates in all (a
+    one-process trace is the same at any rank count: each set-up is traced once). Where they run out, the fewest
+    ranks found to fit so far, if any."""
     start = max(2, ctx.world + int((results.column("distribution") == "fsdp2").any()))
-    traces: dict[PlanSettings, Trace] = {}  # a one-process step's: the same at any rank count
+    if wider(start) is None:
+        return None
+    traces: dict[PlanSettings, Trace] = {}
+    found: list[FSDP2Fit] = []
 
-    def judge(wide: Composer, s: PlanSettings) -> float:
-        prof = wide.profile_of(s)
-        if s not in traces:
-            PROGRESS.info(f"plan: a full estimate for FSDP2 over {wide.ctx.world} GPUs ({_setup_line(s)})")
-            traces[s] = estimate_of(wide.ctx, prof, s)[1]
-        t = traces[s]
-        return fitting_peak(rank_peak(wide.ctx, prof, s, t) + correction_bytes, t, margin)
+    @functools.lru_cache(maxsize=1)  # each rank count is reached, then judged: composed once
+    def at(ranks: int) -> tuple[Composer, CandidateTable]:
+        candidates = wider(ranks)
+        assert candidates is not None  # the space's rules do not change with the rank count
+        return candidates
 
-    return fsdp2_fit(wider, start, usable, host_limit, judge)
+    def fits(ranks: int) -> FSDP2Fit | None:
+        wide, table = at(ranks)
+
+        def estimate(s: PlanSettings, which: str) -> tuple[float, Trace]:
+            prof = wide.profile_of(s)
+            if s not in traces:
+                if len(traces) >= _FSDP2_ESTIMATES:
+                    raise _EstimatesSpent
+                PROGRESS.info(f"plan: a full estimate for FSDP2 over {ranks} GPUs ({_setup_line(s)})")
+                traces[s] = estimate_of(wide.ctx, prof, s)[1]
+            return rank_peak(wide.ctx, prof, s, traces[s]) + correction_bytes, traces[s]
+
+        k, estimates, _ = _judged(table, usable, host_limit, margin, estimate)
+        if k is None:
+            return None
+        found.append(FSDP2Fit(ranks, table.settings(k), estimates.peak(k), float(table.host[k])))
+        return found[-1]
+
+    def reaches(ranks: int) -> bool:
+        table = at(ranks)[1]
+        host = table.host <= host_limit if host_limit is not None else True
+        return bool(((table.peak <= usable * (1 + _VERIFY_BAND)) & host).any())
+
+    try:
+        return fsdp2_fit(fits, reaches, start)
+    except _EstimatesSpent:
+        return min(found, key=lambda fit: fit.ranks, default=None)
 
 
-def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable, fits: np.ndarray,
-                      fits_host: np.ndarray, usable: int | None, margin: float | None,
-                      correction_bytes: int) -> tuple[int | None, FullEstimates]:
+class _EstimatesSpent(Exception):
+    """The FSDP2 hint's full estimates ran out (``_FSDP2_ESTIMATES``)."""
+
+
+# A full estimate of one set-up: its peak (with any correction) and its trace; the text says which set-up it is (for
+# the progress line: "the fastest candidate left").
+Estimate = Callable[[PlanSettings, str], tuple[float, Trace]]
+
+
+def _plan_estimate(ctx: Problem, composer: Composer, correction_bytes: int) -> Estimate:
+    """The plan's ``Estimate``: ``estimate_of`` with ``correction_bytes``, each said on the progress line."""
+
+    def estimate(s: PlanSettings, which: str) -> tuple[float, Trace]:
+        PROGRESS.info(f"plan: a full estimate of {which} ({_setup_line(s)})")
+        peak, t = estimate_of(ctx, composer.profile_of(s), s)
+        return peak + correction_bytes, t
+
+    return estimate
+
+
+def _judged(results: CandidateTable, usable: int | None, host_limit: int | None, margin: float,
+            estimate: Estimate) -> tuple[int | None, FullEstimates, np.ndarray]:
+    """The row a plan chooses (None: none fits both budgets), every row estimated in full, and which rows fit the
+    host RAM: the fastest confirmed by its full estimate (``_verified_fastest``); where none is, the row a refusal
+    would name, estimated in full where it was not (what composition missed, and what the allocator's segments need
+    beyond its peak, are a full estimate's), chosen if it fits after all. Each full estimate can raise other rows.
+    Where no row fits the host RAM, none can be chosen: one estimate, for the figure."""
+    fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
+    fits = fits_host & (results.peak <= usable if usable is not None else True)
+    chosen, estimates = _verified_fastest(results, fits, fits_host, usable, None if usable is None else margin,
+                                          estimate)
+    if chosen is None and usable is not None and len(results.peak):
+        for _ in range(_VERIFY_LIMIT if fits_host.any() else 1):
+            k = refused_row(estimates.fitting_all(), fits_host)
+            if k in estimates:
+                break
+            if estimates.add(k, *estimate(results.settings(k), "the least set-up left")) <= usable and fits_host[k]:
+                chosen = k
+                break
+    return chosen, estimates, fits_host
+
+
+def _verified_fastest(results: CandidateTable, fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
+                      margin: float | None, estimate: Estimate) -> tuple[int | None, FullEstimates]:
     """The fastest row whose full estimate fits ``usable`` (None: none did, within the tries), the caching
     allocator's least memory the budget (``usable`` and its ``margin``: ``fitting_peak``), and every row
-    estimated in full (its peak with ``correction_bytes``, its trace), fastest first."""
+    estimated in full (its peak, its trace), fastest first."""
     streamed = results.column("offload_weights").astype(bool)
     # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
     # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
@@ -619,11 +678,9 @@ def _verified_fastest(ctx: Problem, composer: Composer, results: CandidateTable,
             if tries >= _VERIFY_LIMIT:
                 break
             continue
-        s = results.settings(k)
-        PROGRESS.info(f"plan: a full estimate of the fastest candidate left ({_setup_line(s)})")
-        peak, t = estimate_of(ctx, composer.profile_of(s), s)
+        peak, t = estimate(results.settings(k), "the fastest candidate left")
         near_misses, tries = near_misses + near_miss, tries + (not near_miss)
-        fitting = estimates.add(k, peak + correction_bytes, t)
+        fitting = estimates.add(k, peak, t)
         if usable is None or fitting <= usable:
             chosen = k
             break
