@@ -341,3 +341,18 @@ def test_a_runner_up_over_both_budgets_says_so(capsys):
     both = [c["lost_because"] for c in p["candidates"]
             if c["lost_because"].startswith("host RAM") and c["peak_bytes"] > p["usable_bytes"]]
     assert both and all("; over budget by" in why for why in both), both
+
+
+def test_a_qlora_refusal_names_fsdp2_only_where_this_torch_shards_the_4bit_base(capsys, monkeypatch, tmp_path):
+    """FSDP2 shards QLoRA's packed 4-bit codes on torch 2.12 and newer only (``fsdp_shards_4bit``), where
+    ``memtrain plan --fsdp`` refuses them on an older torch: the refusal's FSDP2 fix follows the same rule. Here, as
+    on torch 2.11 (the device image's), where a 16-layer Llama's QLoRA refusal at 200 MiB names none. Before, it
+    named "FSDP2 over at least 2 GPUs", which that torch then refused (review-34 M1)."""
+    import memtrain.planner.search as search
+
+    planner_llama(layers=16, hidden=1024, vocab_size=8192).save_pretrained(tmp_path / "llama")
+    monkeypatch.setattr(search, "fsdp_shards_4bit", lambda: False, raising=False)
+    older = _fails(capsys, "--hf-config", str(tmp_path / "llama" / "config.json"), "--gpu", "4090", "--no-progress",
+                   "--budget", "200MiB", "--lora", "16", "--quantize-base", "nf4", "--host-budget", "64GiB",
+                   "--seq-len", "128")
+    assert "no set-up fits" in older and "FSDP2 over" not in older, older
