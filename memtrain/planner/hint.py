@@ -136,24 +136,25 @@ class FSDP2Fit:
                 f"{format_bytes(int(self.host_bytes))} of host RAM a node)")
 
 
-def fsdp2_fit(fits: Callable[[int], FSDP2Fit | None], reaches: Callable[[int], bool], start: int) -> FSDP2Fit | None:
-    """The fewest ranks from ``start`` at which ``fits(ranks)`` finds a set-up (the plan over them, with its full
-    estimates), sought from the fewest at which one ``reaches`` within its composed figures (no full estimate): the
-    full estimates are spent where a set-up can fit. None where none reaches at ``MOST_RANKS``."""
-    least = _fewest(lambda ranks: ranks if reaches(ranks) else None, start, one_by_one=0)
-    return None if least is None else _fewest(fits, least)
+def fsdp2_fit(fits: Callable[[int], FSDP2Fit | None], chosen: Callable[[int], FSDP2Fit | None],
+              start: int) -> FSDP2Fit | None:
+    """The fewest ranks from ``start`` at which ``fits(ranks)`` finds a set-up (the plan over them, its full
+    estimates spared), with the set-up ``chosen(ranks)`` there (the fastest that fits, as that plan chooses it).
+    None where none fits at ``MOST_RANKS``."""
+    least = _fewest(fits, start)
+    return None if least is None else (chosen(least.ranks) or least)
 
 
-def _fewest(test: Callable[[int], Any], start: int, one_by_one: int = _NODE_RANKS) -> Any:
-    """``test(ranks)`` at the fewest ranks from ``start`` where it is not None: each count in turn up to
-    ``one_by_one`` ranks (a node's: its host RAM grows with its ranks), then doubled until one passes, then bisected.
-    None where none passes at ``MOST_RANKS``."""
+def _fewest(test: Callable[[int], Any], start: int) -> Any:
+    """``test(ranks)`` at the fewest ranks from ``start`` where it is not None: each count in turn up to a node's
+    ranks (its host RAM grows with its ranks), then doubled until one passes, then bisected. None where none passes
+    at ``MOST_RANKS``."""
     ranks = start
-    while ranks <= one_by_one:
+    while ranks <= _NODE_RANKS:
         if (passed := test(ranks)) is not None:
             return passed
         ranks += 1
-    below, ranks = ranks - 1, (2 * one_by_one if start <= one_by_one else start)
+    below, ranks = ranks - 1, (2 * _NODE_RANKS if start <= _NODE_RANKS else start)
     while (passed := test(ranks)) is None:
         if ranks >= MOST_RANKS:
             return None

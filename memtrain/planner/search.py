@@ -92,7 +92,8 @@ from memtrain.tiled_mlp import mlp_width
 _VERIFY_LIMIT = 16  # full estimates tried, fastest first, before giving up on the composed ranking
 _VERIFY_BAND = 0.03  # candidates composed up to this much over the usable budget are estimated in full too,
 _NEAR_MISSES = 3  # at most this many of them
-_FSDP2_ESTIMATES = 24  # full estimates a refusal's FSDP2 hint may make, over every rank count it judges
+_FSDP2_ESTIMATES = 12  # full estimates a refusal's FSDP2 hint may make, over every rank count it judges
+_FSDP2_TRIES = 1  # the fastest rows the hint estimates in full at each rank count it judges (then the least row)
 # A line per slow stage (each traced kind of step, each full estimate): a large model plans for minutes, and a
 # command shows it is working (memtrain plan prints these on stderr). Silent unless a handler is attached.
 PROGRESS = logging.getLogger("memtrain.planner.progress")
@@ -563,24 +564,24 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
                 wider: Callable[[int], tuple[Composer, CandidateTable] | None], usable: int, host_limit: int | None,
                 margin: float, correction_bytes: int) -> FSDP2Fit | None:
     """The refusal's FSDP2 fix (``fsdp2_fit``): from the ranks the plan has (where it did not weigh FSDP2 there),
-    else one more, from the fewest where a set-up composes within the band the search estimates in full, each rank
-    count judged as the plan over it judges (``_judged``), on at most ``_FSDP2_ESTIMATES`` full estimates in all (a
-    one-process trace is the same at any rank count: each set-up is traced once). Where they run out, the fewest
-    ranks found to fit so far, if any."""
+    else one more, the fewest where a set-up fits as the plan over them would find it (``_judged``, its fastest
+    ``_FSDP2_TRIES`` rows, then its least row), and there the set-up that plan chooses; on at most ``_FSDP2_ESTIMATES`` full estimates in all (a
+    one-process trace is the same at any rank count: each set-up is traced once, and the least set-up is mostly one
+    at every count). Where they run out, the fewest ranks found to fit so far, if any."""
     start = max(2, ctx.world + int((results.column("distribution") == "fsdp2").any()))
     if wider(start) is None:
         return None
     traces: dict[PlanSettings, Trace] = {}
     found: list[FSDP2Fit] = []
 
-    @functools.lru_cache(maxsize=1)  # each rank count is reached, then judged: composed once
+    @functools.lru_cache(maxsize=1)  # the fewest ranks are judged twice (with a few tries, then as the plan)
     def at(ranks: int) -> tuple[Composer, CandidateTable]:
         candidates = wider(ranks)
         assert candidates is not None  # the space's rules do not change with the rank count
         return candidates
 
-    def fits(ranks: int) -> FSDP2Fit | None:
-        wide, table = at(ranks)
+    def estimate_at(ranks: int) -> Estimate:
+        wide = at(ranks)[0]
 
         def estimate(s: PlanSettings, which: str) -> tuple[float, Trace]:
             prof = wide.profile_of(s)
@@ -591,19 +592,20 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
                 traces[s] = estimate_of(wide.ctx, prof, s)[1]
             return rank_peak(wide.ctx, prof, s, traces[s]) + correction_bytes, traces[s]
 
-        k, estimates, _ = _judged(table, usable, host_limit, margin, estimate)
+        return estimate
+
+    def fits(ranks: int, tries: int = _FSDP2_TRIES) -> FSDP2Fit | None:
+        table = at(ranks)[1]
+        if host_limit is not None and not (table.host <= host_limit).any():  # none can fit: no estimate
+            return None
+        k, estimates, _ = _judged(table, usable, host_limit, margin, estimate_at(ranks), tries)
         if k is None:
             return None
         found.append(FSDP2Fit(ranks, table.settings(k), estimates.peak(k), float(table.host[k])))
         return found[-1]
 
-    def reaches(ranks: int) -> bool:
-        table = at(ranks)[1]
-        host = table.host <= host_limit if host_limit is not None else True
-        return bool(((table.peak <= usable * (1 + _VERIFY_BAND)) & host).any())
-
     try:
-        return fsdp2_fit(fits, reaches, start)
+        return fsdp2_fit(fits, functools.partial(fits, tries=_VERIFY_LIMIT), start)
     except _EstimatesSpent:
         return min(found, key=lambda fit: fit.ranks, default=None)
 
@@ -629,32 +631,41 @@ def _plan_estimate(ctx: Problem, composer: Composer, correction_bytes: int) -> E
 
 
 def _judged(results: CandidateTable, usable: int | None, host_limit: int | None, margin: float,
-            estimate: Estimate) -> tuple[int | None, FullEstimates, np.ndarray]:
+            estimate: Estimate, tries: int = _VERIFY_LIMIT) -> tuple[int | None, FullEstimates, np.ndarray]:
     """The row a plan chooses (None: none fits both budgets), every row estimated in full, and which rows fit the
     host RAM: the fastest confirmed by its full estimate (``_verified_fastest``); where none is, the row a refusal
     would name, estimated in full where it was not (what composition missed, and what the allocator's segments need
     beyond its peak, are a full estimate's), chosen if it fits after all. Each full estimate can raise other rows.
-    Where no row fits the host RAM, none can be chosen: one estimate, for the figure."""
+    Where no row fits the host RAM, none can be chosen: one estimate, for the figure. ``tries``: the fastest rows
+    estimated in full at most (the near misses besides)."""
     fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
     chosen, estimates = _verified_fastest(results, fits, fits_host, usable, None if usable is None else margin,
-                                          estimate)
+                                          estimate, tries)
     if chosen is None and usable is not None and len(results.peak):
-        for _ in range(_VERIFY_LIMIT if fits_host.any() else 1):
-            k = refused_row(estimates.fitting_all(), fits_host)
-            if k in estimates:
-                break
-            if estimates.add(k, *estimate(results.settings(k), "the least set-up left")) <= usable and fits_host[k]:
-                chosen = k
-                break
+        chosen = _least_fitting(results, estimates, fits_host, usable, estimate)
     return chosen, estimates, fits_host
 
 
+def _least_fitting(results: CandidateTable, estimates: FullEstimates, fits_host: np.ndarray, usable: int,
+                   estimate: Estimate) -> int | None:
+    """The row a refusal would name (the least as judged, within the host RAM where any is), estimated in full
+    until it is one estimated already, or fits: that row, else None (``_judged``)."""
+    for _ in range(_VERIFY_LIMIT if fits_host.any() else 1):
+        k = refused_row(estimates.fitting_all(), fits_host)
+        if k in estimates:
+            break
+        if estimates.add(k, *estimate(results.settings(k), "the least set-up left")) <= usable and fits_host[k]:
+            return k
+    return None
+
+
 def _verified_fastest(results: CandidateTable, fits: np.ndarray, fits_host: np.ndarray, usable: int | None,
-                      margin: float | None, estimate: Estimate) -> tuple[int | None, FullEstimates]:
+                      margin: float | None, estimate: Estimate,
+                      limit: int = _VERIFY_LIMIT) -> tuple[int | None, FullEstimates]:
     """The fastest row whose full estimate fits ``usable`` (None: none did, within the tries), the caching
     allocator's least memory the budget (``usable`` and its ``margin``: ``fitting_peak``), and every row
-    estimated in full (its peak, its trace), fastest first."""
+    estimated in full (its peak, its trace), fastest first; ``limit``: the rows within the budget tried at most."""
     streamed = results.column("offload_weights").astype(bool)
     # Composition errs on the high side where a step's structure changes with the micro-batch (the loss's chunk
     # count, what is large enough to offload): a few faster candidates just over the budget get a full estimate
@@ -674,8 +685,8 @@ def _verified_fastest(results: CandidateTable, fits: np.ndarray, fits_host: np.n
         near_miss = usable is not None and composed > usable
         if usable is not None and composed > usable * (1 + _VERIFY_BAND):
             continue
-        if (near_misses >= _NEAR_MISSES) if near_miss else (tries >= _VERIFY_LIMIT):
-            if tries >= _VERIFY_LIMIT:
+        if (near_misses >= _NEAR_MISSES) if near_miss else (tries >= limit):
+            if tries >= limit:
                 break
             continue
         peak, t = estimate(results.settings(k), "the fastest candidate left")
