@@ -257,8 +257,8 @@ class Composer:
         backward_start = tail_start + tail_net - affine_at(tail.released_other, b) - layout.total("released")
         peak = np.maximum(peak, backward_start + getattr(tail, "tail_bwd_excess" + suffix).at(b))
         first_block = backward_start + affine_at(getattr(tail, "tail_bwd_net" + suffix), b)
-        # FSDP2 frees the share of each gradient that other ranks own as it lands: at block i's backward the
-        # gradients of the blocks after it (a lower bound: the head's are not counted before the end).
+        # FSDP2 frees the share of each block's gradient that other ranks own as it lands: at block i's backward the
+        # gradients of the blocks after it. The root's (the head's) stay whole to the end of backward (``rank_peak``).
         sharded = gradient_shard(ctx, cfg)
         grads = np.asarray(prof.block_parameter_bytes, dtype=float)
         landed = sharded * (np.cumsum(grads[::-1])[::-1] - grads)
@@ -505,16 +505,22 @@ def segments_beyond(t: Trace) -> float:
 
 def rank_peak(ctx: Problem, prof: Profiles, s: PlanSettings, t: Trace) -> float:
     """A rank's peak from a one-process trace: each run's peak less the sharded share of the gradients that had
-    landed before it, the step's after all of them; then the shift every moment has."""
+    landed before it (under FSDP2, the blocks'), the step's after all of them; then the shift every moment has."""
     sharded = gradient_shard(ctx, s)
     if not sharded or not t.runs:
         return t.report.peak_bytes + _distributed_shift(ctx, prof, s) + weights_shift(prof, s)
-    landed, peak = 0, 0.0
+    # FSDP2 reduce-scatters the root's gradients (the head's, the embeddings') only at the end of backward: its
+    # post-backward waits for the whole model's backward. DDP copies every gradient into its bucket as it lands.
+    blocks = frozenset(ctx.block_names) if s.distribution == "fsdp2" else None
+    landed, root, peak = 0, 0, 0.0
     for run in t.runs:
         peak = max(peak, run.peak_bytes - sharded * landed)
-        landed += run.gradient_bytes
+        if blocks is None or run.label in blocks:
+            landed += run.gradient_bytes
+        else:
+            root += run.gradient_bytes
     step = t.runs[-1].end_bytes + step_temp_after_backward(s, t.step_temp_bytes)
-    peak = max(peak, step - sharded * landed)
+    peak = max(peak, step - sharded * (landed + root))
     if t.report.peak_bytes > max(max(r.peak_bytes for r in t.runs), step):  # a moment outside the runs: as is
         peak = max(peak, t.report.peak_bytes)
     return peak + _distributed_shift(ctx, prof, s) + weights_shift(prof, s)
