@@ -356,3 +356,34 @@ def test_a_qlora_refusal_names_fsdp2_only_where_this_torch_shards_the_4bit_base(
                    "--budget", "200MiB", "--lora", "16", "--quantize-base", "nf4", "--host-budget", "64GiB",
                    "--seq-len", "128")
     assert "no set-up fits" in older and "FSDP2 over" not in older, older
+
+
+@pytest.mark.slow
+def test_an_8b_refusals_fsdp2_fix_traces_few_set_ups_and_names_the_fewest_ranks_that_plan(capsys, monkeypatch):
+    """An 8B on a 16 GiB H100 with 64 GiB of host RAM: the fix's rank count plans and one fewer is refused, and its
+    search makes 3 full estimates (at most 4 here): while it looks for a count that fits, one where no set-up
+    composes within the search's band is passed over untraced. Before, 8 (each count to a node's 8, then 16)."""
+    import memtrain.planner.search as search
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # examples/llama3-8b.json
+    traced = []
+
+    def counted(ctx, prof, s):
+        traced.append(ctx.world)
+        return estimate_of(ctx, prof, s)
+
+    estimate_of = search.estimate_of
+    monkeypatch.setattr(search, "estimate_of", counted)
+    eight_b = ["--hf-config", "examples/llama3-8b.json", "--gpu", "h100", "--budget", "16GiB", "--host-budget", "64GiB",
+               "--no-progress"]
+    refused = _fails(capsys, *eight_b)
+    hint = [world for world in traced if world > 1]
+    found = re.search(r"FSDP2 over (\d+) GPUs \(--nproc \1 --fsdp --global-batch-size (\d+): .* would peak at "
+                      r"([\d.]+ GiB) per rank", refused)
+    assert found and 0 < len(hint) <= 4, (hint, refused)
+    ranks = int(found.group(1))
+    p = _plan(capsys, *eight_b, "--nproc", str(ranks), "--fsdp", "--global-batch-size", found.group(2))
+    assert f"{p['peak_bytes'] / 2**30:.2f} GiB" == found.group(3), (p["peak_bytes"], refused)
+    fewer = _fails(capsys, *eight_b, "--nproc", str(ranks - 1), "--fsdp", "--global-batch-size",
+                   str(int(found.group(2)) // ranks * (ranks - 1)))
+    assert "no set-up fits" in fewer, fewer

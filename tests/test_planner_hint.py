@@ -1,16 +1,18 @@
 """The plan's Hint: lines for sizes that work but are rarely meant: the built-in GPT's position table grown past the
 rest of the model by --seq-len, and a step predicted to take many minutes. (A Hugging Face model refuses a --seq-len
-past its max_position_embeddings: tests/test_cli.py.)"""
+past its max_position_embeddings: tests/test_cli.py.) And the search of a refusal's FSDP2 fix for the fewest ranks
+(its plans: tests/test_planner_reasons.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from memtrain import plan
 from memtrain.models import GPT
-from memtrain.planner.hint import SLOW_STEP_HINT_S, size_hints
+from memtrain.planner.hint import MOST_RANKS, SLOW_STEP_HINT_S, FSDP2Fit, fsdp2_fit, size_hints
 
 
 def _gpt_tiny(seq_len: int) -> GPT:
@@ -43,3 +45,46 @@ def test_a_step_predicted_to_take_many_minutes_gets_a_hint_with_the_time_and_wha
     assert size_hints(ctx, SLOW_STEP_HINT_S / 2) == ()  # a step of a few minutes is not worth a line
     on_gpu = size_hints(SimpleNamespace(model=_gpt_tiny(64), seq_len=4096, global_batch=8, device="cuda"), 600.0)
     assert len(on_gpu) == 1 and "on the cuda device" in on_gpu[0] and "GPU" not in on_gpu[0], on_gpu
+
+
+def _judge(fewest: int, calls: list[int]):
+    """A judgement of rank counts that passes from ``fewest`` on, recording each count asked."""
+
+    def judge(ranks: int) -> FSDP2Fit | None:
+        calls.append(ranks)
+        return FSDP2Fit(ranks, None, 0.0, 0.0) if ranks >= fewest else None
+
+    return judge
+
+
+@pytest.mark.parametrize(("bound_from", "fits_from", "start", "fewest"),
+                         [(39, 39, 2, 39), (48, 39, 2, 39), (12, 11, 2, 11), (5, 5, 3, 5), (7, 2, 4, 4)])
+def test_the_fsdp2_fix_walks_down_from_the_cheap_bound_to_the_fewest_ranks_the_plan_fits(
+        bound_from, fits_from, start, fewest):
+    # The bound (counts where composition says nothing fits passed over untraced) passes from `bound_from`; the
+    # plan's own judgement from `fits_from` (composition can err high): the count named is the plan's fewest,
+    # judged on every count only down from the bound, and the set-up named is the one chosen there.
+    bound_calls, fits_calls, chosen_calls = [], [], []
+    found = fsdp2_fit(_judge(bound_from, bound_calls), _judge(fits_from, fits_calls),
+                      _judge(fits_from, chosen_calls), start)
+    assert found.ranks == fewest and chosen_calls == [fewest], (found, fits_calls)
+    assert all(ranks < bound_from for ranks in fits_calls), fits_calls  # the plan's judgement only below the bound
+    assert len(fits_calls) <= 2 + 2 * max(1, bound_from - fewest).bit_length(), fits_calls
+    assert (bound_from - 1 in fits_calls) == (bound_from > start), fits_calls  # one fewer, always asked
+
+
+def test_the_fsdp2_fix_is_none_where_no_rank_count_passes_the_bound():
+    calls = []
+    assert fsdp2_fit(_judge(MOST_RANKS + 1, calls), _judge(2, []), _judge(2, []), 2) is None
+    assert calls[:7] == [2, 3, 4, 5, 6, 7, 8] and calls[-1] == MOST_RANKS, calls  # a node one by one, then doubled
+
+
+def test_the_fsdp2_fix_names_no_count_whose_plan_finds_no_set_up():
+    # The plan there, with more tries, can judge otherwise (another row's full estimate sets what composition
+    # missed): where it finds none, the next counts (up to twice as many), and none named where none plans.
+    calls = []
+    found = fsdp2_fit(_judge(10, []), _judge(10, []), _judge(12, calls), 2)
+    assert found.ranks == 12 and calls == [10, 11, 12], (found, calls)
+    calls.clear()
+    assert fsdp2_fit(_judge(10, []), _judge(10, []), _judge(MOST_RANKS + 1, calls), 2) is None
+    assert calls == list(range(10, 21)), calls

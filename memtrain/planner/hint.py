@@ -136,16 +136,23 @@ class FSDP2Fit:
                 f"{format_bytes(int(self.host_bytes))} of host RAM a node)")
 
 
-def fsdp2_fit(fits: Callable[[int], FSDP2Fit | None], chosen: Callable[[int], FSDP2Fit | None],
-              start: int) -> FSDP2Fit | None:
-    """The fewest ranks from ``start`` at which ``fits(ranks)`` finds a set-up (the plan over them, its full
-    estimates spared), with the set-up ``chosen(ranks)`` there (the fastest that fits, as that plan chooses it).
-    None where none fits at ``MOST_RANKS``."""
-    least = _fewest(fits, start)
-    return None if least is None else (chosen(least.ranks) or least)
+def fsdp2_fit(bound: Callable[[int], FSDP2Fit | None], fits: Callable[[int], FSDP2Fit | None],
+              chosen: Callable[[int], FSDP2Fit | None], start: int) -> FSDP2Fit | None:
+    """The fewest ranks from ``start`` at which the plan over them finds a set-up, with the set-up ``chosen(ranks)``
+    there (the fastest that fits, as that plan chooses it): ``bound(ranks)`` (the plan's judgement, its fastest rows
+    spared, counts where composition says none can fit passed over) finds a count that fits (``_fewest``), then
+    ``fits(ranks)`` (that judgement on every count) walks down from it while fewer ranks fit (``_fewer``:
+    composition can err high). Where the plan there finds none after all (judged with more tries, it can be
+    another row that sets what composition missed), the next counts, up to twice as many. None where none fits at
+    ``MOST_RANKS``, or the plan over none of those counts finds it."""
+    upper = _fewest(bound, start)
+    if upper is None:
+        return None
+    least = _fewer(fits, upper, start)
+    return next((named for ranks in range(least.ranks, 2 * least.ranks + 1) if (named := chosen(ranks))), None)
 
 
-def _fewest(test: Callable[[int], Any], start: int) -> Any:
+def _fewest(test: Callable[[int], FSDP2Fit | None], start: int) -> FSDP2Fit | None:
     """``test(ranks)`` at the fewest ranks from ``start`` where it is not None: each count in turn up to a node's
     ranks (its host RAM grows with its ranks), then doubled until one passes, then bisected. None where none passes
     at ``MOST_RANKS``."""
@@ -159,6 +166,24 @@ def _fewest(test: Callable[[int], Any], start: int) -> Any:
         if ranks >= MOST_RANKS:
             return None
         below, ranks = ranks, min(2 * ranks, MOST_RANKS)
+    return _bisected(test, below, passed)
+
+
+def _fewer(test: Callable[[int], FSDP2Fit | None], passed: FSDP2Fit, start: int) -> FSDP2Fit:
+    """From ``passed`` (a count that fits), the fewest ranks down to ``start`` where ``test`` passes: one fewer, then
+    steps doubled until one fails, then bisected."""
+    step = 1
+    while passed.ranks > start:
+        ranks = max(start, passed.ranks - step)
+        if (closer := test(ranks)) is None:
+            return _bisected(test, ranks, passed)
+        passed, step = closer, 2 * step
+    return passed
+
+
+def _bisected(test: Callable[[int], FSDP2Fit | None], below: int, passed: FSDP2Fit) -> FSDP2Fit:
+    """Between ``below`` (fails) and ``passed.ranks`` (passes), the fewest ranks where ``test`` passes."""
+    ranks = passed.ranks
     while ranks - below > 1:
         middle = (below + ranks) // 2
         if (closer := test(middle)) is not None:

@@ -565,23 +565,30 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
                 margin: float, correction_bytes: int) -> FSDP2Fit | None:
     """The refusal's FSDP2 fix (``fsdp2_fit``): from the ranks the plan has (where it did not weigh FSDP2 there),
     else one more, the fewest where a set-up fits as the plan over them would find it (``_judged``, its fastest
-    ``_FSDP2_TRIES`` rows, then its least row), and there the set-up that plan chooses; on at most ``_FSDP2_ESTIMATES`` full estimates in all (a
-    one-process trace is the same at any rank count: each set-up is traced once, and the least set-up is mostly one
-    at every count). Where they run out, the fewest ranks found to fit so far, if any."""
+    ``_FSDP2_TRIES`` rows, then its least row), and there the set-up that plan chooses; on at most
+    ``_FSDP2_ESTIMATES`` full estimates in all (a one-process trace is the same at any rank count: each set-up is
+    traced once). While it looks for a count that fits, one where no row composes within the search's band over the
+    usable bytes is passed over untraced; the counts below the one found are then judged in full. Where the
+    estimates run out, the fewest ranks found to fit so far, if any."""
     start = max(2, ctx.world + int((results.column("distribution") == "fsdp2").any()))
     if wider(start) is None:
         return None
     traces: dict[PlanSettings, Trace] = {}
     found: list[FSDP2Fit] = []
 
-    @functools.lru_cache(maxsize=1)  # the fewest ranks are judged twice (with a few tries, then as the plan)
+    @functools.lru_cache(maxsize=2)  # a count judged again: the walk down's last, then the set-up named
     def at(ranks: int) -> tuple[Composer, CandidateTable]:
         candidates = wider(ranks)
         assert candidates is not None  # the space's rules do not change with the rank count
         return candidates
 
-    def estimate_at(ranks: int) -> Estimate:
-        wide = at(ranks)[0]
+    def judged(ranks: int, tries: int, passed_over: bool = False) -> FSDP2Fit | None:
+        """The plan over ``ranks`` (``_judged`` with ``tries``); ``passed_over``: None untraced where no row
+        within the host RAM composes within the search's band (``_VERIFY_BAND``) over the usable bytes."""
+        wide, table = at(ranks)
+        fits_host = table.host <= host_limit if host_limit is not None else np.ones(len(table.host), bool)
+        if not fits_host.any() or (passed_over and table.peak[fits_host].min() > usable * (1 + _VERIFY_BAND)):
+            return None
 
         def estimate(s: PlanSettings, which: str) -> tuple[float, Trace]:
             prof = wide.profile_of(s)
@@ -592,20 +599,16 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
                 traces[s] = estimate_of(wide.ctx, prof, s)[1]
             return rank_peak(wide.ctx, prof, s, traces[s]) + correction_bytes, traces[s]
 
-        return estimate
-
-    def fits(ranks: int, tries: int = _FSDP2_TRIES) -> FSDP2Fit | None:
-        table = at(ranks)[1]
-        if host_limit is not None and not (table.host <= host_limit).any():  # none can fit: no estimate
-            return None
-        k, estimates, _ = _judged(table, usable, host_limit, margin, estimate_at(ranks), tries)
+        k, estimates, _ = _judged(table, usable, host_limit, margin, estimate, tries)
         if k is None:
             return None
         found.append(FSDP2Fit(ranks, table.settings(k), estimates.peak(k), float(table.host[k])))
         return found[-1]
 
     try:
-        return fsdp2_fit(fits, functools.partial(fits, tries=_VERIFY_LIMIT), start)
+        return fsdp2_fit(functools.partial(judged, tries=_FSDP2_TRIES, passed_over=True),
+                         functools.partial(judged, tries=_FSDP2_TRIES),
+                         functools.partial(judged, tries=_VERIFY_LIMIT), start)
     except _EstimatesSpent:
         return min(found, key=lambda fit: fit.ranks, default=None)
 
