@@ -359,6 +359,35 @@ def test_a_runner_up_said_to_fit_carries_what_composition_missed_for_its_shape(m
     assert not [c for c in fitting(p) if shape(c.settings) == shape(first.settings)], p.summary()
 
 
+def test_a_faster_runner_up_the_full_estimates_never_reached_says_it_is_not_confirmed(monkeypatch):
+    """Where the search's tries run out (here 1, and every set-up of more than one example a micro-batch fully
+    estimated 100x its peak), it chooses the least set-up: a faster one whose composed peak fits, never estimated
+    in full, is a runner-up that says the full estimates ran out before it, not that it is slower or over."""
+    import functools
+
+    import memtrain.planner.search as search
+    from memtrain.models import GPT_PRESETS
+
+    estimate_of = search.estimate_of
+
+    def inflated(ctx, prof, s):
+        peak, t = estimate_of(ctx, prof, s)
+        return (100 * peak if s.micro_batch_size > 1 else peak), t
+
+    monkeypatch.setattr(search, "estimate_of", inflated)
+    monkeypatch.setattr(search, "_judged", functools.partial(search._judged, tries=1))
+    p = plan(GPT(GPT_PRESETS["gpt-tiny"]), budget="100MiB", seq_len=64, global_batch_size=8, device="cuda",
+             device_profile=h100(), host_budget="8GiB")
+    assert p.settings.micro_batch_size == 1, p.summary()
+    unconfirmed = [c for c in p.candidates if "as composed, but not confirmed" in c.lost_because]
+    assert unconfirmed, p.summary()
+    for c in unconfirmed:
+        assert c.lost_because.endswith("% faster as composed, but not confirmed: the plan's full estimates ran out "
+                                       "before it"), c.lost_because
+        assert not c.verified and c.peak_bytes <= p.usable_bytes and c.step_seconds < p.step_seconds, c
+        assert not c.settings.offload_weights, c  # a streamed one says so instead
+
+
 def test_a_faster_runner_up_that_streams_the_weights_says_why_it_lost(monkeypatch):
     """Parameter offload is for weights that do not fit the device: the search confirms a streamed set-up only
     after every other. Where one is faster (here gpt-tiny's streamed rows are made twice as fast), the runners-up say
