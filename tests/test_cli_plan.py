@@ -361,7 +361,7 @@ def test_a_qlora_refusal_names_fsdp2_only_where_this_torch_shards_the_4bit_base(
 @pytest.mark.slow
 def test_an_8b_refusals_fsdp2_fix_traces_few_set_ups_and_names_the_fewest_ranks_that_plan(capsys, monkeypatch):
     """An 8B on a 16 GiB H100 with 64 GiB of host RAM: the fix's rank count plans and one fewer is refused, and its
-    search makes 3 full estimates (at most 4 here): while it looks for a count that fits, one where no set-up
+    search makes 3 full estimates on torch 2.13 (5 on 2.11 and 2.14.1; at most 6 here): while it looks for a count that fits, one where no set-up
     composes within the search's band is passed over untraced. Before, 8 (each count to a node's 8, then 16)."""
     import memtrain.planner.search as search
 
@@ -380,7 +380,7 @@ def test_an_8b_refusals_fsdp2_fix_traces_few_set_ups_and_names_the_fewest_ranks_
     hint = [world for world in traced if world > 1]
     found = re.search(r"FSDP2 over (\d+) GPUs \(--nproc \1 --fsdp --global-batch-size (\d+): .* would peak at "
                       r"([\d.]+ GiB) per rank", refused)
-    assert found and 0 < len(hint) <= 4, (hint, refused)
+    assert found and 0 < len(hint) <= 6, (hint, refused)
     ranks = int(found.group(1))
     p = _plan(capsys, *eight_b, "--nproc", str(ranks), "--fsdp", "--global-batch-size", found.group(2))
     assert f"{p['peak_bytes'] / 2**30:.2f} GiB" == found.group(3), (p["peak_bytes"], refused)

@@ -122,6 +122,9 @@ def test_an_fsdp2_rank_holds_every_saved_activation_beside_its_shard_of_the_stat
     assert p.peak_bytes >= at_least, (p.peak_bytes / MiB, at_least / MiB)
 
 
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"), reason=(
+    f"torch {torch.__version__} has no F.linear_cross_entropy: the chunked loss is memtrain's kernel, whose composed "
+    "peak is not exact (the full estimate is), so composition cannot stand for what a rank holds"))
 @pytest.mark.parametrize("world", [2, 8])
 def test_an_fsdp2_rank_holds_the_roots_gradients_whole_until_the_end_of_backward(world):
     """FSDP2 reduce-scatters the root's gradients (the head's, the embeddings') only once the whole backward is done

@@ -73,10 +73,13 @@ def test_the_fsdp2_fix_walks_down_from_the_cheap_bound_to_the_fewest_ranks_the_p
     assert (bound_from - 1 in fits_calls) == (bound_from > start), fits_calls  # one fewer, always asked
 
 
-def test_the_fsdp2_fix_is_none_where_no_rank_count_passes_the_bound():
+def test_the_fsdp2_fix_judges_every_count_in_full_where_the_bound_passes_none_and_is_none_where_none_fits():
+    # Composition that errs high everywhere (memtrain's own chunked loss on torch 2.11) passes every count over.
     calls = []
-    assert fsdp2_fit(_judge(MOST_RANKS + 1, calls), _judge(2, []), _judge(2, []), 2) is None
+    assert fsdp2_fit(_judge(MOST_RANKS + 1, calls), _judge(MOST_RANKS + 1, []), _judge(2, []), 2) is None
     assert calls[:7] == [2, 3, 4, 5, 6, 7, 8] and calls[-1] == MOST_RANKS, calls  # a node one by one, then doubled
+    found = fsdp2_fit(_judge(MOST_RANKS + 1, []), _judge(7, []), _judge(7, []), 2)
+    assert found.ranks == 7, found
 
 
 def test_the_fsdp2_fix_names_no_count_whose_plan_finds_no_set_up():

@@ -142,10 +142,12 @@ def fsdp2_fit(bound: Callable[[int], FSDP2Fit | None], fits: Callable[[int], FSD
     there (the fastest that fits, as that plan chooses it): ``bound(ranks)`` (the plan's judgement, its fastest rows
     spared, counts where composition says none can fit passed over) finds a count that fits (``_fewest``), then
     ``fits(ranks)`` (that judgement on every count) walks down from it while fewer ranks fit (``_fewer``:
-    composition can err high). Where the plan there finds none after all (judged with more tries, it can be
+    composition can err high; where the bound finds none, ``fits`` looks instead). Where the plan there finds none after all (judged with more tries, it can be
     another row that sets what composition missed), the next counts, up to twice as many. None where none fits at
     ``MOST_RANKS``, or the plan over none of those counts finds it."""
-    upper = _fewest(bound, start)
+    # Where composition errs high everywhere (memtrain's own chunked loss on a torch without
+    # F.linear_cross_entropy), the bound passes every count over: then every count is judged in full.
+    upper = _fewest(bound, start) or _fewest(fits, start)
     if upper is None:
         return None
     least = _fewer(fits, upper, start)
