@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from memtrain.device.segments import GRAIN, LARGE_BUFFER, SMALL_BUFFER, SegmentModel, round_size, segment_size
+from memtrain.device.segments import _last as segments_last
 
 MIB = 2**20
 
@@ -81,8 +82,8 @@ def test_a_failed_allocation_releases_the_free_segments():
 
 @pytest.mark.parametrize("expandable", [False, True])
 def test_random_allocations_keep_the_segments_whole(expandable):
-    """Every segment is tiled by its blocks, the free list holds exactly the free blocks, and what is reserved is
-    never less than what is allocated."""
+    """Every segment is tiled by its blocks, the free list holds exactly the free blocks, what is reserved is never
+    less than what is allocated, and the hints that spare walking the blocks hold, checked as the calls go."""
     rng = random.Random(0)
     m = SegmentModel(expandable=expandable)
     sizes: dict[int, int] = {}
@@ -98,11 +99,17 @@ def test_random_allocations_keep_the_segments_whole(expandable):
             m.release()
         allocated = sum(round_size(n) for n in sizes.values())
         assert m.reserved >= allocated
+        if key % 250 == 0:
+            _assert_whole(m)
+    _assert_whole(m)
+
+
+def _assert_whole(m: SegmentModel) -> None:
     mapped = gives_back = 0
     for pool in m.pools:
         free = set()
         for segment in pool.segments:
-            block, end = segment.first, 0
+            block, end, last = segment.first, 0, None
             while block is not None:
                 assert block.start == end and block.segment is segment
                 end += block.size
@@ -114,10 +121,23 @@ def test_random_allocations_keep_the_segments_whole(expandable):
                 if not block.mapped:  # a hole: whole pages, never beside another hole
                     assert block.key is None and block.start % pool.page == 0 and block.size % pool.page == 0
                     assert block.next is None or block.next.mapped
-                block = block.next
+                last, block = block, block.next
             assert end == segment.size
+            # The hints that spare walking the blocks: the last block found from the one last found (the hint put
+            # back, so that the checks do not refresh it), and a hole only where a release may have made one.
+            hint = segment.last
+            assert segments_last(segment) is last
+            segment.last = hint
+            assert segment.holes or all(b.mapped for b in _blocks(segment))
         assert free == set(pool.blocks) and len(pool.free) == len(free)
     assert m.reserved == mapped and m.releasable() == gives_back
+
+
+def _blocks(segment):
+    block = segment.first
+    while block is not None:
+        yield block
+        block = block.next
 
 
 def _fragmenting(seed: int, expandable: bool) -> SegmentModel:
@@ -152,6 +172,29 @@ def test_the_least_capacity_runs_the_recorded_calls_and_so_does_every_larger_dev
         assert not m.runs_in(least - GRAIN) if expandable else least >= m.peak_needed, seed
         under += m.peak_needed < least
     assert under > 0  # the sequences that need more than the guess are among these
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_replay_from_the_shared_prefix_runs_as_one_from_the_first_call(expandable):
+    """``runs_in`` starts from the state every capacity from the bisection's lowest shares with the recording (up
+    to the first call that could take it past that capacity): on each capacity, from the held blocks' peak to the
+    reserved peak, it says what a replay from the first call says, and a copied model goes on as the original."""
+    for seed in range(100):
+        m = _fragmenting(seed, expandable)
+        m.least_capacity()  # keeps the prefix
+        assert m._prefix is not None, seed
+        for capacity in range(m.peak_held // GRAIN * GRAIN, m.peak_reserved + GRAIN, GRAIN):
+            shared = m.runs_in(capacity)
+            kept, m._prefix = m._prefix, None
+            assert shared == m.runs_in(capacity), (seed, capacity)
+            m._prefix = kept
+        copy = m._copy()
+        _assert_whole(copy)
+        for key, nbytes in [(1000, 3 * MIB), (1001, 100), (1002, 30 * MIB)]:
+            m.malloc(key, nbytes), copy.malloc(key, nbytes)
+            m.free(key - 1), copy.free(key - 1)
+            assert (copy.reserved, copy.held, copy.releasable()) == (m.reserved, m.held, m.releasable()), seed
+        _assert_whole(copy)
 
 
 def test_the_least_capacity_needs_the_recorded_calls():

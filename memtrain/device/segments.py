@@ -78,6 +78,10 @@ class _Segment:
     base: int  # its address: segments never overlap
     size: int  # its bytes (an expandable segment's: the address range its blocks span, holes too)
     first: _Block | None = None
+    # Hints that spare walking the blocks: a block at or before the last one (``_last``), and False where no hole
+    # can be among them (set where a release makes one, cleared where a walk finds none).
+    last: _Block | None = None
+    holes: bool = False
 
 
 @dataclass
@@ -101,9 +105,14 @@ class _Pool:
 
 
 def _last(segment: _Segment) -> _Block | None:
-    block = segment.first
+    """The segment's last block, walked to from the last one found while that one is still in the segment (a block
+    merged away or replaced is no longer its neighbour's neighbour)."""
+    block = segment.last
+    if block is None or (block.prev.next if block.prev is not None else segment.first) is not block:
+        block = segment.first
     while block is not None and block.next is not None:
         block = block.next
+    segment.last = block
     return block
 
 
@@ -132,13 +141,18 @@ class SegmentModel:
         self.held = self.peak_held = 0  # the bytes of the blocks holding allocations
         self._releasable = 0  # what ``release`` would give back now, kept as free blocks are listed and unlisted
         self._segments = 0
-        # ``record``: the calls, (key, nbytes) or (key, _FREE) or (0, _RELEASE), for ``least_capacity``.
+        # ``record``: the calls, (key, nbytes) or (key, _FREE) or (0, _RELEASE), for ``least_capacity``; and for
+        # each, the most reserved a malloc could take the device to (0 for the others): a replay on a device of a
+        # capacity no call before reached runs as the recording did up to there (``_replay_from``).
         self.events: list[tuple[int, int]] | None = [] if record else None
+        self._reach: list[int] = []
+        self._prefix: tuple[int, SegmentModel] | None = None  # a replay's state after that many calls
 
     def malloc(self, key: int, nbytes: int) -> None:
         """An allocation of ``nbytes`` identified by ``key`` (freed with ``free(key)``)."""
         if self.events is not None:
             self.events.append((key, nbytes))
+            self._reach.append(self.reserved + self._most(nbytes))
         size = round_size(nbytes)
         pool = self.pools[0] if size <= SMALL_SIZE else self.pools[1]
         block = self._best_fit(pool, size)
@@ -163,6 +177,7 @@ class SegmentModel:
         """Frees ``key``'s block, merging it with its free neighbours (an unknown key: nothing)."""
         if self.events is not None:
             self.events.append((key, _FREE))
+            self._reach.append(0)
         block = self.live.pop(key, None)
         if block is None:
             return
@@ -207,6 +222,7 @@ class SegmentModel:
         goes back to the driver; an expandable segment unmaps the whole pages inside each free block."""
         if self.events is not None:
             self.events.append((0, _RELEASE))
+            self._reach.append(0)
         for pool in self.pools:
             for segment in list(pool.segments):
                 if self.expandable:
@@ -234,6 +250,7 @@ class SegmentModel:
         guess = self.peak_needed
         fails = _pages(self.peak_held, GRAIN) - GRAIN  # under the held blocks: fails
         runs = self.peak_reserved
+        self._share_prefix(fails + GRAIN)  # every capacity tried is above ``fails``
         if guess < runs:
             if not self.runs_in(guess):
                 fails = max(fails, guess)
@@ -252,23 +269,74 @@ class SegmentModel:
         makes the caching allocator (and the simulated device) do; False where the retry fails too."""
         self._check_recorded()
         assert self.events is not None
-        replay = SegmentModel(expandable=self.expandable)
-        for key, nbytes in self.events:
+        start, replay = self._replay_from(capacity)
+        for key, nbytes in self.events[start:]:
             if nbytes == _FREE:
                 replay.free(key)
             elif nbytes == _RELEASE:
                 replay.release()
             else:
-                # The most a request can take (a segment, or its pages and a page of a hole's rounding) first: the
-                # exact growth walks the blocks, needed only near the capacity.
-                most = (_pages(nbytes, LARGE_BUFFER) + LARGE_BUFFER if self.expandable
-                        else segment_size(round_size(nbytes)))
-                if replay.reserved + most > capacity and replay.reserved + replay.growth(nbytes) > capacity:
+                # The most a request can take first: the exact growth walks the blocks, needed only near the capacity.
+                if (replay.reserved + self._most(nbytes) > capacity
+                        and replay.reserved + replay.growth(nbytes) > capacity):
                     replay.release()
                     if replay.reserved + replay.growth(nbytes) > capacity:
                         return False
                 replay.malloc(key, nbytes)
         return True
+
+    def _most(self, nbytes: int) -> int:
+        """The most a request can take from the driver: a segment, or its pages and a page of a hole's rounding."""
+        return _pages(nbytes, LARGE_BUFFER) + LARGE_BUFFER if self.expandable else segment_size(round_size(nbytes))
+
+    def _replay_from(self, capacity: int) -> tuple[int, SegmentModel]:
+        """Where a replay on ``capacity`` starts: up to the first call that could take the recording past it, the
+        replay is the recording (nothing released that the recording kept), so it starts from the state the
+        bisection's lowest capacity shares with every capacity above it, kept once (``_share_prefix``)."""
+        if self._prefix is not None and self._prefix[0] <= self._calls_within(capacity):
+            return self._prefix[0], self._prefix[1]._copy()
+        return 0, SegmentModel(expandable=self.expandable)
+
+    def _calls_within(self, capacity: int) -> int:
+        """How many calls from the first the recording makes before one could take it past ``capacity``."""
+        return next((i for i, reach in enumerate(self._reach) if reach > capacity), len(self._reach))
+
+    def _share_prefix(self, lowest: int) -> None:
+        """Keeps the state of a replay (the recording's) up to the calls that every capacity from ``lowest`` runs
+        as the recording did."""
+        assert self.events is not None
+        calls, state = self._calls_within(lowest), SegmentModel(expandable=self.expandable)
+        for key, nbytes in self.events[:calls]:
+            if nbytes == _FREE:
+                state.free(key)
+            elif nbytes == _RELEASE:
+                state.release()
+            else:
+                state.malloc(key, nbytes)
+        self._prefix = calls, state
+
+    def _copy(self) -> SegmentModel:
+        """A model in the same state (not recording): its segments' blocks copied, its free lists keyed anew."""
+        other = SegmentModel(expandable=self.expandable)
+        other.reserved, other.peak_reserved, other.peak_needed = self.reserved, self.peak_reserved, self.peak_needed
+        other.held, other.peak_held, other._releasable = self.held, self.peak_held, self._releasable
+        other._segments = self._segments
+        copies: dict[int, _Block] = {}  # id(block) -> its copy
+        for pool, copied in zip(self.pools, other.pools, strict=True):
+            for segment in pool.segments:
+                twin = _Segment(copied, segment.base, segment.size, holes=segment.holes)
+                block, before = segment.first, None
+                while block is not None:
+                    copy = _Block(twin, block.start, block.size, block.key, before, None, block.mapped)
+                    _link(before, copy, twin)
+                    copies[id(block)] = before = copy
+                    block = block.next
+                copied.segments.append(twin)
+            copied.blocks = {id(copies[i]): copies[i] for i in pool.blocks}
+            # Each entry's size and address order the list; a block's address is its own.
+            copied.free = [(size, address, id(copies[i])) for size, address, i in pool.free]
+        other.live = {key: copies[id(block)] for key, block in self.live.items()}
+        return other
 
     def _check_recorded(self) -> None:
         if self.events is None:
@@ -287,6 +355,7 @@ class SegmentModel:
                     self._unlist(pool, block)
                     self.reserved -= high - low
                     hole = _Block(segment, low, high - low, None, mapped=False)
+                    segment.holes = True
                     if low > block.start:  # the free bytes before the hole
                         before = _Block(segment, block.start, low - block.start, None)
                         _link(block.prev, before, segment)
@@ -326,9 +395,11 @@ class SegmentModel:
         lowest hole, or the end, that with the free block before it and the free blocks and holes after it spans
         ``size``; and the bytes mapping it takes. The block the run starts at: None for fresh pages at the end."""
         segment = pool.segments[0] if pool.segments else None
-        block = segment.first if segment is not None else None
+        block = segment.first if segment is not None and segment.holes else None
+        holes = False
         while block is not None:
             if not block.mapped:
+                holes = True
                 start = block.prev if block.prev is not None and block.prev.key is None else block
                 mapped, spanned, b = 0, 0, start
                 while b is not None and b.key is None and spanned < size:
@@ -338,6 +409,8 @@ class SegmentModel:
                 if spanned >= size or b is None:  # the run reaches the end: more pages there
                     return start, self._mapping(start, size, pool.page)
             block = block.next
+        if segment is not None:
+            segment.holes = holes  # a walk that found none: none until a release makes one
         last = _last(segment) if segment is not None else None
         start = last if last is not None and last.key is None else None
         return start, self._mapping(start, size, pool.page)
