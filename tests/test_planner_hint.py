@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from memtrain import plan
 from memtrain.models import GPT
+from memtrain.planner import search
 from memtrain.planner.hint import MOST_RANKS, SLOW_STEP_HINT_S, FSDP2Fit, fsdp2_fit, size_hints
 
 
@@ -70,7 +72,47 @@ def test_the_fsdp2_fix_walks_down_from_the_cheap_bound_to_the_fewest_ranks_the_p
     assert found.ranks == fewest and chosen_calls == [fewest], (found, fits_calls)
     assert all(ranks < bound_from for ranks in fits_calls), fits_calls  # the plan's judgement only below the bound
     assert len(fits_calls) <= 2 + 2 * max(1, bound_from - fewest).bit_length(), fits_calls
-    assert (bound_from - 1 in fits_calls) == (bound_from > start), fits_calls  # one fewer, always asked
+    if bound_from > 9:  # above a node's ranks: one fewer, always asked
+        assert bound_from - 1 in fits_calls, fits_calls
+    else:  # within a node: each count below the bound's in turn, fewest first, up to the first that fits
+        assert fits_calls == list(range(start, min(fewest + 1, bound_from))), fits_calls
+
+
+def _judge_at(counts: set[int], calls: list[int]):
+    """A judgement that passes at ``counts`` only, recording each count asked."""
+
+    def judge(ranks: int) -> FSDP2Fit | None:
+        calls.append(ranks)
+        return FSDP2Fit(ranks, None, 0.0, 0.0) if ranks in counts else None
+
+    return judge
+
+
+def test_the_fsdp2_fix_judges_each_count_within_a_node_as_a_node_can_fit_fewer_ranks_than_more():
+    # A node's host RAM grows with its ranks: a set-up with its optimizer on the host fits 3 ranks' devices and
+    # their node's RAM, not 4's RAM; another fits from 5. Composition errs high for the first: the bound passes 3
+    # over. The walk down judges 2, 3 (fewest first), not 4 then 3 and 2 by steps.
+    fits = {3} | set(range(5, 1000))
+    fits_calls = []
+    found = fsdp2_fit(_judge_at(set(range(5, 1000)), []), _judge_at(fits, fits_calls), _judge_at(fits, []), 2)
+    assert found.ranks == 3 and fits_calls == [2, 3], (found, fits_calls)
+    # Above a node, both figures a rank needs shrink as the ranks grow: steps and bisection down to the node.
+    fits_calls.clear()
+    found = fsdp2_fit(_judge(40, []), _judge_at(fits, fits_calls), _judge_at(fits, []), 2)
+    assert found.ranks == 3 and fits_calls[-2:] == [2, 3] and 4 not in fits_calls, (found, fits_calls)
+
+
+def test_the_fsdp2_fix_does_not_judge_again_a_count_the_bound_refused_in_full():
+    bound_calls, fits_calls, refused = [], [], set()
+
+    def bound(ranks: int) -> FSDP2Fit | None:  # judged 2 and 3 in full (refused), passed the rest over
+        bound_calls.append(ranks)
+        if ranks in (2, 3):
+            refused.add(ranks)
+        return None
+
+    found = fsdp2_fit(bound, _judge(6, fits_calls), _judge(6, []), 2, refused)
+    assert found.ranks == 6 and fits_calls == [4, 5, 6], (found, fits_calls)
 
 
 def test_the_fsdp2_fix_judges_every_count_in_full_where_the_bound_passes_none_and_is_none_where_none_fits():
@@ -91,3 +133,36 @@ def test_the_fsdp2_fix_names_no_count_whose_plan_finds_no_set_up():
     calls.clear()
     assert fsdp2_fit(_judge(10, []), _judge(10, []), _judge(MOST_RANKS + 1, calls), 2) is None
     assert calls == list(range(10, 21)), calls
+    calls.clear()  # up to twice as many, and no more than the widest FSDP2 tried
+    assert fsdp2_fit(_judge(MOST_RANKS, []), _judge(MOST_RANKS, []), _judge(MOST_RANKS + 1, calls), 2) is None
+    assert calls == [MOST_RANKS], calls
+
+
+def test_where_the_estimates_run_out_the_fsdp2_fix_names_no_count_the_plan_refused(monkeypatch):
+    # The cheap judgement (1 try) fits from 10 ranks; the plan's (16 tries) spends its estimates on other rows and
+    # refuses 10, and the estimates run out judging 11: the fix names no count (10 is refused, 11 never judged).
+    # Before, it named 10 with the cheap judgement's set-up, a --nproc 10 the plan refuses.
+    monkeypatch.setattr(search, "estimate_of", lambda ctx, prof, s: (0.0, None))
+    monkeypatch.setattr(search, "rank_peak", lambda ctx, prof, s, t: 1.0)
+    monkeypatch.setattr(search, "_setup_line", str)
+
+    def wider(ranks):
+        table = SimpleNamespace(ranks=ranks, host=np.zeros(1), peak=np.array([50.0]), settings=lambda k: f"at {ranks}")
+        return SimpleNamespace(ctx=None, profile_of=lambda s: None), table
+
+    def judged(table, usable, host_limit, margin, estimate, tries):
+        full = SimpleNamespace(peak=lambda k: 42.0)
+        if tries == search._FSDP2_TRIES:
+            estimate("the fastest row", "")
+            return (0 if table.ranks >= 10 else None), full, None
+        for row in range(6):
+            estimate(f"row {row} at {table.ranks}", "")
+        return (0 if table.ranks >= confirmed_from else None), full, None
+
+    monkeypatch.setattr(search, "_judged", judged)
+    ctx, results = SimpleNamespace(world=1), SimpleNamespace(column=lambda name: np.array(["ddp"]))
+    confirmed_from = 11
+    assert search._fsdp2_hint(ctx, results, wider, 100, None, 0.05, 0) is None
+    confirmed_from = 10  # the plan confirms 10: named, with the set-up it chooses there
+    fit = search._fsdp2_hint(ctx, results, wider, 100, None, 0.05, 0)
+    assert fit is not None and fit.ranks == 10 and fit.settings == "at 10", fit

@@ -7,6 +7,7 @@ position table grown past the rest of the model, a step predicted to take many m
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,21 +138,30 @@ class FSDP2Fit:
 
 
 def fsdp2_fit(bound: Callable[[int], FSDP2Fit | None], fits: Callable[[int], FSDP2Fit | None],
-              chosen: Callable[[int], FSDP2Fit | None], start: int) -> FSDP2Fit | None:
+              chosen: Callable[[int], FSDP2Fit | None], start: int, refused: set[int] | None = None) -> FSDP2Fit | None:
     """The fewest ranks from ``start`` at which the plan over them finds a set-up, with the set-up ``chosen(ranks)``
-    there (the fastest that fits, as that plan chooses it): ``bound(ranks)`` (the plan's judgement, its fastest rows
-    spared, counts where composition says none can fit passed over) finds a count that fits (``_fewest``), then
-    ``fits(ranks)`` (that judgement on every count) walks down from it while fewer ranks fit (``_fewer``:
-    composition can err high; where the bound finds none, ``fits`` looks instead). Where the plan there finds none after all (judged with more tries, it can be
-    another row that sets what composition missed), the next counts, up to twice as many. None where none fits at
-    ``MOST_RANKS``, or the plan over none of those counts finds it."""
-    # Where composition errs high everywhere (memtrain's own chunked loss on a torch without
-    # F.linear_cross_entropy), the bound passes every count over: then every count is judged in full.
-    upper = _fewest(bound, start) or _fewest(fits, start)
-    if upper is None:
+    names there (the fastest that fits, as that plan chooses it). None where none fits at ``MOST_RANKS``, or the plan
+    over none of the counts tried finds one.
+
+    Three steps. ``bound(ranks)``, the plan's judgement passing over counts where composition says nothing can fit,
+    finds a count that fits (``_fewest``). ``fits(ranks)``, that judgement on every count, then walks down from it
+    (``_fewer``): composition can err high. Last, ``chosen(ranks)`` judges with more tries, which can find another
+    row that sets what composition missed and refuse the count: then the next counts, up to twice as many.
+
+    ``refused``: the counts judged in full and refused so far (``bound`` fills it), which ``fits`` does not judge again. Where ``bound``
+    finds no count (composition errs high everywhere: memtrain's own chunked loss on a torch without
+    ``F.linear_cross_entropy``), ``fits`` looks instead, on the counts ``bound`` passed over."""
+    unjudged = functools.partial(_unless, fits, set() if refused is None else refused)  # a count ``bound`` refused, ``fits`` would too
+    upper = _fewest(bound, start)
+    least = _fewer(unjudged, upper, start) if upper is not None else _fewest(unjudged, start)
+    if least is None:
         return None
-    least = _fewer(fits, upper, start)
-    return next((named for ranks in range(least.ranks, 2 * least.ranks + 1) if (named := chosen(ranks))), None)
+    last = min(2 * least.ranks, MOST_RANKS)
+    return next((named for ranks in range(least.ranks, last + 1) if (named := chosen(ranks))), None)
+
+
+def _unless(test: Callable[[int], FSDP2Fit | None], refused: set[int], ranks: int) -> FSDP2Fit | None:
+    return None if ranks in refused else test(ranks)
 
 
 def _fewest(test: Callable[[int], FSDP2Fit | None], start: int) -> FSDP2Fit | None:
@@ -172,15 +182,16 @@ def _fewest(test: Callable[[int], FSDP2Fit | None], start: int) -> FSDP2Fit | No
 
 
 def _fewer(test: Callable[[int], FSDP2Fit | None], passed: FSDP2Fit, start: int) -> FSDP2Fit:
-    """From ``passed`` (a count that fits), the fewest ranks down to ``start`` where ``test`` passes: one fewer, then
-    steps doubled until one fails, then bisected."""
-    step = 1
-    while passed.ranks > start:
-        ranks = max(start, passed.ranks - step)
+    """From ``passed`` (a count that fits), the fewest ranks down to ``start`` where ``test`` passes. Above a node's
+    ranks: one fewer, then steps doubled until one fails, then bisected. Within a node (its host RAM grows with its
+    ranks, so a count can fit where the next does not), each count in turn, fewest first, as ``_fewest`` does."""
+    step, floor = 1, max(start, _NODE_RANKS + 1)
+    while passed.ranks > floor:
+        ranks = max(floor, passed.ranks - step)
         if (closer := test(ranks)) is None:
             return _bisected(test, ranks, passed)
         passed, step = closer, 2 * step
-    return passed
+    return next((fit for ranks in range(start, min(passed.ranks, floor)) if (fit := test(ranks))), passed)
 
 
 def _bisected(test: Callable[[int], FSDP2Fit | None], below: int, passed: FSDP2Fit) -> FSDP2Fit:

@@ -569,14 +569,18 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
     ``_FSDP2_ESTIMATES`` full estimates in all (a one-process trace is the same at any rank count: each set-up is
     traced once). While it looks for a count that fits, one where no row composes within the search's band over the
     usable bytes is passed over untraced; the counts below the one found are then judged in full. Where the
-    estimates run out, the fewest ranks found to fit so far, if any."""
+    estimates run out, the set-up the plan chooses at the fewest ranks it confirmed, else the fewest ranks at which
+    a set-up was found to fit in full (none where the plan refused a count the fewer tries passed), if any."""
     start = max(2, ctx.world + int((results.column("distribution") == "fsdp2").any()))
     if wider(start) is None:
         return None
     traces: dict[PlanSettings, Trace] = {}
-    found: list[FSDP2Fit] = []
+    found: dict[int, FSDP2Fit] = {}  # by ranks: a set-up that fits in full, judged with the fewer tries
+    refused: set[int] = set()  # counts judged in full where the plan over them finds no set-up
 
-    @functools.lru_cache(maxsize=2)  # a count judged again: the walk down's last, then the set-up named
+    # A count judged again (a wide table can take hundreds of MB): the walk down's last, then the set-up named there,
+    # mostly; one evicted is composed again.
+    @functools.lru_cache(maxsize=2)
     def at(ranks: int) -> tuple[Composer, CandidateTable]:
         candidates = wider(ranks)
         assert candidates is not None  # the space's rules do not change with the rank count
@@ -586,7 +590,7 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
         """The plan over ``ranks`` (``_judged`` with ``tries``); ``passed_over``: None untraced where no row
         within the host RAM composes within the search's band (``_VERIFY_BAND``) over the usable bytes."""
         wide, table = at(ranks)
-        fits_host = table.host <= host_limit if host_limit is not None else np.ones(len(table.host), bool)
+        fits_host = _fits_host(table, host_limit)
         if not fits_host.any() or (passed_over and table.peak[fits_host].min() > usable * (1 + _VERIFY_BAND)):
             return None
 
@@ -601,16 +605,28 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
 
         k, estimates, _ = _judged(table, usable, host_limit, margin, estimate, tries)
         if k is None:
+            refused.add(ranks)
             return None
-        found.append(FSDP2Fit(ranks, table.settings(k), estimates.peak(k), float(table.host[k])))
-        return found[-1]
+        fit = FSDP2Fit(ranks, table.settings(k), estimates.peak(k), float(table.host[k]))
+        (chosen if tries == _VERIFY_LIMIT else found)[ranks] = fit
+        return fit
 
+    chosen: dict[int, FSDP2Fit] = {}  # by ranks: the set-up the plan over them chooses
     try:
         return fsdp2_fit(functools.partial(judged, tries=_FSDP2_TRIES, passed_over=True),
                          functools.partial(judged, tries=_FSDP2_TRIES),
-                         functools.partial(judged, tries=_VERIFY_LIMIT), start)
+                         functools.partial(judged, tries=_VERIFY_LIMIT), start, refused)
     except _EstimatesSpent:
-        return min(found, key=lambda fit: fit.ranks, default=None)
+        # The plan's choice at the fewest ranks it confirmed; else, unless the plan refused a count the cheaper
+        # judgement passed (so that judgement is not to be trusted), the fewest ranks where a set-up fits in full.
+        if chosen or refused & found.keys():
+            return chosen[min(chosen)] if chosen else None
+        return found[min(found)] if found else None
+
+
+def _fits_host(table: CandidateTable, host_limit: int | None) -> np.ndarray:
+    """Which rows fit the host RAM (all where it is not checked)."""
+    return table.host <= host_limit if host_limit is not None else np.ones(len(table.host), bool)
 
 
 class _EstimatesSpent(Exception):
@@ -641,7 +657,7 @@ def _judged(results: CandidateTable, usable: int | None, host_limit: int | None,
     beyond its peak, are a full estimate's), chosen if it fits after all. Each full estimate can raise other rows.
     Where no row fits the host RAM, none can be chosen: one estimate, for the figure. ``tries``: the fastest rows
     estimated in full at most (the near misses besides)."""
-    fits_host = results.host <= host_limit if host_limit is not None else np.ones(len(results.host), bool)
+    fits_host = _fits_host(results, host_limit)
     fits = fits_host & (results.peak <= usable if usable is not None else True)
     chosen, estimates = _verified_fastest(results, fits, fits_host, usable, None if usable is None else margin,
                                           estimate, tries)
