@@ -143,6 +143,34 @@ def test_an_fsdp2_rank_holds_the_roots_gradients_whole_until_the_end_of_backward
     assert abs(full.peak_bytes - composed.peak_bytes) <= MiB, (full.peak_bytes / MiB, composed.peak_bytes / MiB)
 
 
+@pytest.mark.parametrize(("distribution", "expected"), [("fsdp2", 125.0), ("ddp", 105.0)])
+def test_a_ranks_peak_takes_off_the_root_gradients_share_only_after_backward_under_fsdp2(
+        monkeypatch, distribution, expected):
+    """``rank_peak`` on a one-process trace of three backward runs (the head's, then two blocks'), 2 ranks: each
+    run's peak less the half of the gradients that landed before it, under FSDP2 only the blocks' (the root
+    reduce-scatters at the end of backward), under DDP all of them; the step's less the half of every gradient.
+    Head 100 (40 of gradients), block 1 120 (10), block 0 130 (10), the step 90: FSDP2's peak is block 0's
+    130 - 10/2 = 125, DDP's 130 - 50/2 = 105 (and 105 under FSDP2 before the fix). Runs on every torch: the
+    composition test above needs F.linear_cross_entropy."""
+    from types import SimpleNamespace
+
+    from memtrain.planner import cost
+
+    monkeypatch.setattr(cost, "gradient_shard", lambda ctx, s: 0.5)
+    monkeypatch.setattr(cost, "_distributed_shift", lambda ctx, prof, s: 0.0)
+    monkeypatch.setattr(cost, "weights_shift", lambda prof, s: 0.0)
+    monkeypatch.setattr(cost, "step_temp_after_backward", lambda s, temp: temp)
+
+    def run(label: str, peak: int, grads: int, end: int) -> SimpleNamespace:
+        return SimpleNamespace(label=label, peak_bytes=peak, gradient_bytes=grads, end_bytes=end)
+
+    runs = [run("lm_head", 100, 40, 95), run("layers.1", 120, 10, 92), run("layers.0", 130, 10, 90)]
+    trace = SimpleNamespace(runs=runs, step_temp_bytes=0, report=SimpleNamespace(peak_bytes=130))
+    ctx = SimpleNamespace(block_names=("layers.0", "layers.1"))
+    s = SimpleNamespace(distribution=distribution)
+    assert cost.rank_peak(ctx, None, s, trace) == expected
+
+
 def _root_gradient_worker(rank: int, init_file: str, results: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -157,14 +185,16 @@ def _root_gradient_worker(rank: int, init_file: str, results: dict) -> None:
         fully_shard(model)  # the root: the embeddings and the head
         seen = {}
 
+        def held(grad: torch.Tensor | None) -> tuple[int, ...] | None:
+            """The shape of what this rank holds of a gradient: a DTensor's local shard (its .shape is global)."""
+            return None if grad is None else tuple(getattr(grad, "to_local", lambda: grad)().shape)
+
         def in_first_blocks_backward(*_):
-            head, block = model[3].weight, model[2].weight
-            seen["head"] = None if head.grad is None else tuple(head.grad.shape)
-            seen["block"] = None if block.grad is None else tuple(block.grad.to_local().shape)
+            seen["head"], seen["block"] = held(model[3].weight.grad), held(model[2].weight.grad)
 
         model[1].register_full_backward_hook(in_first_blocks_backward)
         model(torch.randint(0, 64, (4, 8))).sum().backward()
-        seen["head after"] = tuple(model[3].weight.grad.to_local().shape)
+        seen["head after"] = held(model[3].weight.grad)
         results[rank] = seen
     finally:
         dist.destroy_process_group()
