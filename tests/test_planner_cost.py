@@ -143,15 +143,17 @@ def test_an_fsdp2_rank_holds_the_roots_gradients_whole_until_the_end_of_backward
     assert abs(full.peak_bytes - composed.peak_bytes) <= MiB, (full.peak_bytes / MiB, composed.peak_bytes / MiB)
 
 
-@pytest.mark.parametrize(("distribution", "expected"), [("fsdp2", 125.0), ("ddp", 105.0)])
+@pytest.mark.parametrize(("distribution", "step", "expected"),
+                         [("fsdp2", 90, 125.0), ("ddp", 90, 105.0), ("fsdp2", 160, 130.0)])
 def test_a_ranks_peak_takes_off_the_root_gradients_share_only_after_backward_under_fsdp2(
-        monkeypatch, distribution, expected):
+        monkeypatch, distribution, step, expected):
     """``rank_peak`` on a one-process trace of three backward runs (the head's, then two blocks'), 2 ranks: each
     run's peak less the half of the gradients that landed before it, under FSDP2 only the blocks' (the root
     reduce-scatters at the end of backward), under DDP all of them; the step's less the half of every gradient.
     Head 100 (40 of gradients), block 1 120 (10), block 0 130 (10), the step 90: FSDP2's peak is block 0's
-    130 - 10/2 = 125, DDP's 130 - 50/2 = 105 (and 105 under FSDP2 before the fix). Runs on every torch: the
-    composition test above needs F.linear_cross_entropy."""
+    130 - 10/2 = 125, DDP's 130 - 50/2 = 105 (and 105 under FSDP2 before the fix). A step of 160 sets the peak at
+    160 - 60/2 = 130, the root's half off too. Runs on every torch: the composition test above needs
+    F.linear_cross_entropy. (The shifts every moment has are zeroed here.)"""
     from types import SimpleNamespace
 
     from memtrain.planner import cost
@@ -164,8 +166,8 @@ def test_a_ranks_peak_takes_off_the_root_gradients_share_only_after_backward_und
     def run(label: str, peak: int, grads: int, end: int) -> SimpleNamespace:
         return SimpleNamespace(label=label, peak_bytes=peak, gradient_bytes=grads, end_bytes=end)
 
-    runs = [run("lm_head", 100, 40, 95), run("layers.1", 120, 10, 92), run("layers.0", 130, 10, 90)]
-    trace = SimpleNamespace(runs=runs, step_temp_bytes=0, report=SimpleNamespace(peak_bytes=130))
+    runs = [run("lm_head", 100, 40, 95), run("layers.1", 120, 10, 92), run("layers.0", 130, 10, step)]
+    trace = SimpleNamespace(runs=runs, step_temp_bytes=0, report=SimpleNamespace(peak_bytes=max(130, step)))
     ctx = SimpleNamespace(block_names=("layers.0", "layers.1"))
     s = SimpleNamespace(distribution=distribution)
     assert cost.rank_peak(ctx, None, s, trace) == expected

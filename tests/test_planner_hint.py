@@ -138,10 +138,13 @@ def test_the_fsdp2_fix_names_no_count_whose_plan_finds_no_set_up():
     assert calls == [MOST_RANKS], calls
 
 
-def test_where_the_estimates_run_out_the_fsdp2_fix_names_no_count_the_plan_refused(monkeypatch):
-    # The cheap judgement (1 try) fits from 10 ranks; the plan's (16 tries) spends its estimates on other rows and
-    # refuses 10, and the estimates run out judging 11: the fix names no count (10 is refused, 11 never judged).
-    # Before, it named 10 with the cheap judgement's set-up, a --nproc 10 the plan refuses.
+@pytest.mark.parametrize(("confirmed_from", "rows", "named"), [(11, 6, None), (10, 16, None), (10, 6, 10)])
+def test_where_the_estimates_run_out_the_fsdp2_fix_names_no_count_the_plan_did_not_choose_a_set_up_at(
+        monkeypatch, confirmed_from, rows, named):
+    # The cheap judgement (1 try) fits from 10 ranks; the plan's (16 tries) estimates `rows` other rows in full and
+    # fits from `confirmed_from`. Where it refuses 10 and the estimates run out judging 11, or run out judging 10,
+    # no count is named (before: 10, with the cheap judgement's set-up, a --nproc 10 the plan may refuse). Where the
+    # plan confirms 10 within the estimates, 10 is named with the set-up it chooses there.
     monkeypatch.setattr(search, "estimate_of", lambda ctx, prof, s: (0.0, None))
     monkeypatch.setattr(search, "rank_peak", lambda ctx, prof, s, t: 1.0)
     monkeypatch.setattr(search, "_setup_line", str)
@@ -155,14 +158,14 @@ def test_where_the_estimates_run_out_the_fsdp2_fix_names_no_count_the_plan_refus
         if tries == search._FSDP2_TRIES:
             estimate("the fastest row", "")
             return (0 if table.ranks >= 10 else None), full, None
-        for row in range(6):
+        for row in range(rows):
             estimate(f"row {row} at {table.ranks}", "")
         return (0 if table.ranks >= confirmed_from else None), full, None
 
     monkeypatch.setattr(search, "_judged", judged)
     ctx, results = SimpleNamespace(world=1), SimpleNamespace(column=lambda name: np.array(["ddp"]))
-    confirmed_from = 11
-    assert search._fsdp2_hint(ctx, results, wider, 100, None, 0.05, 0) is None
-    confirmed_from = 10  # the plan confirms 10: named, with the set-up it chooses there
     fit = search._fsdp2_hint(ctx, results, wider, 100, None, 0.05, 0)
-    assert fit is not None and fit.ranks == 10 and fit.settings == "at 10", fit
+    if named is None:
+        assert fit is None, fit
+    else:
+        assert fit is not None and fit.ranks == named and fit.settings == f"at {named}", fit

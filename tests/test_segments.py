@@ -140,8 +140,9 @@ def _blocks(segment):
         block = block.next
 
 
-def _fragmenting(seed: int, expandable: bool) -> SegmentModel:
-    """A recorded sequence of 60 random allocations and frees, small and large (up to 40 MiB)."""
+def _fragmenting(seed: int, expandable: bool, releases: float = 0.0) -> SegmentModel:
+    """A recorded sequence of 60 random allocations and frees, small and large (up to 40 MiB), with a release after
+    a call at the rate ``releases`` (as a failed allocation on a real device makes)."""
     rng = random.Random(seed)
     m = SegmentModel(expandable=expandable, record=True)
     sizes: dict[int, int] = {}
@@ -153,6 +154,8 @@ def _fragmenting(seed: int, expandable: bool) -> SegmentModel:
         else:
             sizes[key] = rng.choice([rng.randrange(1, 2 * MIB), rng.randrange(1, 40 * MIB)])
             m.malloc(key, sizes[key])
+        if releases and rng.random() < releases:
+            m.release()
     return m
 
 
@@ -177,24 +180,48 @@ def test_the_least_capacity_runs_the_recorded_calls_and_so_does_every_larger_dev
 @pytest.mark.parametrize("expandable", [False, True])
 def test_a_replay_from_the_shared_prefix_runs_as_one_from_the_first_call(expandable):
     """``runs_in`` starts from the state every capacity from the bisection's lowest shares with the recording (up
-    to the first call that could take it past that capacity): on each capacity, from the held blocks' peak to the
-    reserved peak, it says what a replay from the first call says, and a copied model goes on as the original."""
+    to the first call that could take it past that capacity): on each capacity, from below the held blocks' peak
+    (where it replays from the first call) to the reserved peak, it says what a replay from the first call says,
+    recorded releases among the calls; the state kept is copied whole, and a copy goes on as the original."""
+    shared_calls = 0
     for seed in range(100):
-        m = _fragmenting(seed, expandable)
+        m = _fragmenting(seed, expandable, releases=0.1)
         m.least_capacity()  # keeps the prefix
         assert m._prefix is not None, seed
-        for capacity in range(m.peak_held // GRAIN * GRAIN, m.peak_reserved + GRAIN, GRAIN):
+        shared_calls += m._prefix[0]
+        for capacity in range(max(0, m.peak_held // GRAIN - 4) * GRAIN, m.peak_reserved + GRAIN, GRAIN):
             shared = m.runs_in(capacity)
             kept, m._prefix = m._prefix, None
             assert shared == m.runs_in(capacity), (seed, capacity)
             m._prefix = kept
+        state = m._prefix[1]
+        _assert_same(state._copy(), state)
         copy = m._copy()
         _assert_whole(copy)
         for key, nbytes in [(1000, 3 * MIB), (1001, 100), (1002, 30 * MIB)]:
             m.malloc(key, nbytes), copy.malloc(key, nbytes)
             m.free(key - 1), copy.free(key - 1)
-            assert (copy.reserved, copy.held, copy.releasable()) == (m.reserved, m.held, m.releasable()), seed
+            m.release(), copy.release()
+            _assert_same(copy, m)
         _assert_whole(copy)
+    assert shared_calls > 100 * 10  # the replays share a prefix (the speed-up is there)
+
+
+def _assert_same(copy: SegmentModel, m: SegmentModel) -> None:
+    """The same state: every figure, and in each pool every segment's blocks and hints and the free list's order."""
+    figures = ("reserved", "peak_reserved", "peak_needed", "held", "peak_held", "_releasable", "_segments")
+    assert [getattr(copy, f) for f in figures] == [getattr(m, f) for f in figures]
+    for pool, twin in zip(m.pools, copy.pools, strict=True):
+        assert [(seg.base, seg.size, seg.holes) for seg in pool.segments] == [
+            (seg.base, seg.size, seg.holes) for seg in twin.segments]
+        for seg, other in zip(pool.segments, twin.segments, strict=True):
+            assert [(b.start, b.size, b.key, b.mapped) for b in _blocks(seg)] == [
+                (b.start, b.size, b.key, b.mapped) for b in _blocks(other)]
+        assert [entry[:2] for entry in pool.free] == [entry[:2] for entry in twin.free]
+        assert sorted((b.start, b.size) for b in pool.blocks.values()) == sorted(
+            (b.start, b.size) for b in twin.blocks.values())
+    assert {k: (b.segment.base, b.start) for k, b in m.live.items()} == {
+        k: (b.segment.base, b.start) for k, b in copy.live.items()}
 
 
 def test_the_least_capacity_needs_the_recorded_calls():

@@ -148,10 +148,10 @@ def fsdp2_fit(bound: Callable[[int], FSDP2Fit | None], fits: Callable[[int], FSD
     (``_fewer``): composition can err high. Last, ``chosen(ranks)`` judges with more tries, which can find another
     row that sets what composition missed and refuse the count: then the next counts, up to twice as many.
 
-    ``refused``: the counts judged in full and refused so far (``bound`` fills it), which ``fits`` does not judge again. Where ``bound``
-    finds no count (composition errs high everywhere: memtrain's own chunked loss on a torch without
-    ``F.linear_cross_entropy``), ``fits`` looks instead, on the counts ``bound`` passed over."""
-    unjudged = functools.partial(_unless, fits, set() if refused is None else refused)  # a count ``bound`` refused, ``fits`` would too
+    ``refused``: the counts judged in full and refused so far (``bound`` fills it), which ``fits`` does not judge
+    again. Where ``bound`` finds no count (composition errs high everywhere: memtrain's own chunked loss on a torch
+    without ``F.linear_cross_entropy``), ``fits`` looks instead, on the counts ``bound`` passed over."""
+    unjudged = functools.partial(_unless, fits, set() if refused is None else refused)
     upper = _fewest(bound, start)
     least = _fewer(unjudged, upper, start) if upper is not None else _fewest(unjudged, start)
     if least is None:
@@ -184,7 +184,12 @@ def _fewest(test: Callable[[int], FSDP2Fit | None], start: int) -> FSDP2Fit | No
 def _fewer(test: Callable[[int], FSDP2Fit | None], passed: FSDP2Fit, start: int) -> FSDP2Fit:
     """From ``passed`` (a count that fits), the fewest ranks down to ``start`` where ``test`` passes. Above a node's
     ranks: one fewer, then steps doubled until one fails, then bisected. Within a node (its host RAM grows with its
-    ranks, so a count can fit where the next does not), each count in turn, fewest first, as ``_fewest`` does."""
+    ranks, so a count can fit where the next does not), each count in turn, fewest first, as ``_fewest`` does.
+
+    Where a count above the node fails, the counts within it are not judged again: the bound passed them over or
+    refused them. A set-up that fits within a node and not at the counts above it (a node's host RAM holds each
+    rank's own buffers: more above it) is missed there only where composition errs high by more than the bound's
+    band; judging those counts in full would spend the full estimates a refusal on a large model needs."""
     step, floor = 1, max(start, _NODE_RANKS + 1)
     while passed.ranks > floor:
         ranks = max(floor, passed.ranks - step)

@@ -568,14 +568,13 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
     ``_FSDP2_TRIES`` rows, then its least row), and there the set-up that plan chooses; on at most
     ``_FSDP2_ESTIMATES`` full estimates in all (a one-process trace is the same at any rank count: each set-up is
     traced once). While it looks for a count that fits, one where no row composes within the search's band over the
-    usable bytes is passed over untraced; the counts below the one found are then judged in full. Where the
-    estimates run out, the set-up the plan chooses at the fewest ranks it confirmed, else the fewest ranks at which
-    a set-up was found to fit in full (none where the plan refused a count the fewer tries passed), if any."""
+    usable bytes is passed over untraced; the counts below the one found are then judged in full. None where the
+    estimates run out before the plan over a count chose a set-up: the fewer tries can pass a count the plan
+    refuses."""
     start = max(2, ctx.world + int((results.column("distribution") == "fsdp2").any()))
     if wider(start) is None:
         return None
     traces: dict[PlanSettings, Trace] = {}
-    found: dict[int, FSDP2Fit] = {}  # by ranks: a set-up that fits in full, judged with the fewer tries
     refused: set[int] = set()  # counts judged in full where the plan over them finds no set-up
 
     # A count judged again (a wide table can take hundreds of MB): the walk down's last, then the set-up named there,
@@ -607,21 +606,14 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
         if k is None:
             refused.add(ranks)
             return None
-        fit = FSDP2Fit(ranks, table.settings(k), estimates.peak(k), float(table.host[k]))
-        (chosen if tries == _VERIFY_LIMIT else found)[ranks] = fit
-        return fit
+        return FSDP2Fit(ranks, table.settings(k), estimates.peak(k), float(table.host[k]))
 
-    chosen: dict[int, FSDP2Fit] = {}  # by ranks: the set-up the plan over them chooses
     try:
         return fsdp2_fit(functools.partial(judged, tries=_FSDP2_TRIES, passed_over=True),
                          functools.partial(judged, tries=_FSDP2_TRIES),
                          functools.partial(judged, tries=_VERIFY_LIMIT), start, refused)
-    except _EstimatesSpent:
-        # The plan's choice at the fewest ranks it confirmed; else, unless the plan refused a count the cheaper
-        # judgement passed (so that judgement is not to be trusted), the fewest ranks where a set-up fits in full.
-        if chosen or refused & found.keys():
-            return chosen[min(chosen)] if chosen else None
-        return found[min(found)] if found else None
+    except _EstimatesSpent:  # before the plan over a count chose a set-up: a count it may refuse is not named
+        return None
 
 
 def _fits_host(table: CandidateTable, host_limit: int | None) -> np.ndarray:
