@@ -613,6 +613,11 @@ class FullEstimates:
         self._segments = max(self._segments, segments_beyond(t))
         return fitting_peak(peak, t, self.margin)
 
+    def overshoot(self, correction: float = 0.0) -> float:
+        """The most a row's composed peak was above its full estimate (less the plan's ``correction``), 0 where none
+        was: how high composition was seen to err (memtrain's own chunked loss composes high)."""
+        return max([0.0] + [float(self.results.peak[k]) - (peak - correction) for k, (peak, _) in self._rows.items()])
+
     def _shape(self, k: int) -> tuple[int, bool]:
         return int(self.results.config[k]), bool(self.results.offload[k])
 

@@ -138,7 +138,8 @@ class FSDP2Fit:
 
 
 def fsdp2_fit(bound: Callable[[int], FSDP2Fit | None], fits: Callable[[int], FSDP2Fit | None],
-              chosen: Callable[[int], FSDP2Fit | None], start: int, refused: set[int] | None = None) -> FSDP2Fit | None:
+              chosen: Callable[[int], FSDP2Fit | None], start: int, refused: set[int] | None = None,
+              looser: Callable[[int], FSDP2Fit | None] | None = None) -> FSDP2Fit | None:
     """The fewest ranks from ``start`` at which the plan over them finds a set-up, with the set-up ``chosen(ranks)``
     names there (the fastest that fits, as that plan chooses it). None where none fits at ``MOST_RANKS``, or the plan
     over none of the counts tried finds one.
@@ -148,14 +149,16 @@ def fsdp2_fit(bound: Callable[[int], FSDP2Fit | None], fits: Callable[[int], FSD
     (``_fewer``): composition can err high. Last, ``chosen(ranks)`` judges with more tries, which can find another
     row that sets what composition missed and refuse the count: then the next counts, up to twice as many.
 
-    ``refused``: the counts judged in full and refused so far (``bound`` fills it), which ``fits`` does not judge
-    again. Where ``bound`` finds no count (composition errs high everywhere: memtrain's own chunked loss on a torch
-    without ``F.linear_cross_entropy``), ``fits`` looks instead, on the counts ``bound`` passed over."""
-    unjudged = functools.partial(_unless, fits, set() if refused is None else refused)
+    ``refused``: the counts judged in full and refused so far (``bound`` fills it), not judged again. Where ``bound``
+    finds no count, ``looser`` looks instead (a wider band: composition was seen to err high, as memtrain's own
+    chunked loss on a torch without ``F.linear_cross_entropy`` does), if given; else no count fits."""
+    refused = set() if refused is None else refused
     upper = _fewest(bound, start)
-    least = _fewer(unjudged, upper, start) if upper is not None else _fewest(unjudged, start)
-    if least is None:
+    if upper is None and looser is not None:
+        upper = _fewest(functools.partial(_unless, looser, refused), start)
+    if upper is None:
         return None
+    least = _fewer(functools.partial(_unless, fits, refused), upper, start)
     last = min(2 * least.ranks, MOST_RANKS)
     return next((named for ranks in range(least.ranks, last + 1) if (named := chosen(ranks))), None)
 

@@ -533,7 +533,8 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
     if chosen is None:
         fsdp2 = None
         if wider is not None and usable is not None and ctx.device == "cuda":
-            fsdp2 = functools.partial(_fsdp2_hint, ctx, results, wider, usable, host_limit, margin, correction_bytes)
+            fsdp2 = functools.partial(_fsdp2_hint, ctx, results, wider, usable, host_limit, margin, correction_bytes,
+                                      estimates.overshoot(correction_bytes))
         raise_nothing_fits(ctx, composer, results, estimates, budget_bytes, usable, host_limit, host_budget, margin,
                             fits_host, [hint.fix] if hint is not None else [], fsdp2)
     s = results.settings(chosen)
@@ -562,13 +563,15 @@ def _choose(ctx: Problem, composer: Composer, results: CandidateTable, budget_by
 
 def _fsdp2_hint(ctx: Problem, results: CandidateTable,
                 wider: Callable[[int], tuple[Composer, CandidateTable] | None], usable: int, host_limit: int | None,
-                margin: float, correction_bytes: int) -> FSDP2Fit | None:
+                margin: float, correction_bytes: int, overshoot: float = 0.0) -> FSDP2Fit | None:
     """The refusal's FSDP2 fix (``fsdp2_fit``): from the ranks the plan has (where it did not weigh FSDP2 there),
     else one more, the fewest where a set-up fits as the plan over them would find it (``_judged``, its fastest
     ``_FSDP2_TRIES`` rows, then its least row), and there the set-up that plan chooses; on at most
     ``_FSDP2_ESTIMATES`` full estimates in all (a one-process trace is the same at any rank count: each set-up is
     traced once). While it looks for a count that fits, one where no row composes within the search's band over the
-    usable bytes is passed over untraced; the counts below the one found are then judged in full. None where the
+    usable bytes is passed over untraced; the counts below the one found are then judged in full. Where none is
+    found, and the plan's full estimates showed composition erring high (``overshoot``), the search looks again
+    with the band widened by that much. None where the
     estimates run out before the plan over a count chose a set-up: the fewer tries can pass a count the plan
     refuses."""
     start = max(2, ctx.world + int((results.column("distribution") == "fsdp2").any()))
@@ -585,12 +588,12 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
         assert candidates is not None  # the space's rules do not change with the rank count
         return candidates
 
-    def judged(ranks: int, tries: int, passed_over: bool = False) -> FSDP2Fit | None:
-        """The plan over ``ranks`` (``_judged`` with ``tries``); ``passed_over``: None untraced where no row
-        within the host RAM composes within the search's band (``_VERIFY_BAND``) over the usable bytes."""
+    def judged(ranks: int, tries: int, over: float | None = None) -> FSDP2Fit | None:
+        """The plan over ``ranks`` (``_judged`` with ``tries``); ``over``: None untraced where no row within the host
+        RAM composes within that many bytes over the usable ones."""
         wide, table = at(ranks)
         fits_host = _fits_host(table, host_limit)
-        if not fits_host.any() or (passed_over and table.peak[fits_host].min() > usable * (1 + _VERIFY_BAND)):
+        if not fits_host.any() or (over is not None and table.peak[fits_host].min() > usable + over):
             return None
 
         def estimate(s: PlanSettings, which: str) -> tuple[float, Trace]:
@@ -609,9 +612,11 @@ def _fsdp2_hint(ctx: Problem, results: CandidateTable,
         return FSDP2Fit(ranks, table.settings(k), estimates.peak(k), float(table.host[k]))
 
     try:
-        return fsdp2_fit(functools.partial(judged, tries=_FSDP2_TRIES, passed_over=True),
+        band = usable * _VERIFY_BAND
+        looser = functools.partial(judged, tries=_FSDP2_TRIES, over=band + overshoot) if overshoot > 0 else None
+        return fsdp2_fit(functools.partial(judged, tries=_FSDP2_TRIES, over=band),
                          functools.partial(judged, tries=_FSDP2_TRIES),
-                         functools.partial(judged, tries=_VERIFY_LIMIT), start, refused)
+                         functools.partial(judged, tries=_VERIFY_LIMIT), start, refused, looser)
     except _EstimatesSpent:  # before the plan over a count chose a set-up: a count it may refuse is not named
         return None
 
